@@ -1,0 +1,34 @@
+# Fresh machine: `make demo` sets everything up and runs the main job; `make test` runs the tests.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test test-all system-deps clean
+
+$(STAMP): requirements.lock requirements-env.lock pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements.lock -r requirements-env.lock
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# bubblewrap is the environment server's sandbox (Debian package); installed when we can.
+system-deps:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -qq && apt-get install -y -qq bubblewrap) >/dev/null 2>&1 || echo "warning: could not install bubblewrap"; \
+	  else echo "warning: bubblewrap (bwrap) not found; sandbox tests will be skipped"; fi; }
+
+demo: venv system-deps
+	$(PY) -m composer_jax.cli demo
+
+test: venv system-deps
+	$(PY) -m pytest -n 2 -m "not slow" tests
+
+test-all: venv system-deps
+	$(PY) -m pytest -n 2 tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info
