@@ -1,0 +1,42 @@
+"""`composer-jax` command-line entry point: one subcommand per job.
+
+Each subcommand lives in the module that owns the job and is imported only when it runs, so that
+`composer-jax env-server` never imports JAX.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module, function taking argv list and returning an exit code, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
+    "demo": ("composer_jax.demo", "main", "build a small model on the fake mesh, run a sharded step, print its report"),
+    "inspect": ("composer_jax.inspect", "main", "parameter counts, FLOPs/token and per-device memory of a config"),
+    "convert": ("composer_jax.checkpoint.convert", "main", "convert between Hugging Face safetensors and composer_jax"),
+    "env-server": ("composer_jax.env.cli", "env_server_main", "serve sandboxed coding environments over HTTP"),
+    "env": ("composer_jax.env.cli", "env_main", "environment task tools (env validate DIR)"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: composer-jax COMMAND [args...]", "", "commands:"]
+    for name, (_, _, help_) in SUBCOMMANDS.items():
+        lines.append(f"  {name:<12} {help_}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"composer-jax: unknown command {name!r}; accepted: {', '.join(SUBCOMMANDS)}", file=sys.stderr)
+        return 2
+    module, func, _ = SUBCOMMANDS[name]
+    return int(getattr(importlib.import_module(module), func)(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Environment server: sandboxed coding workspaces over HTTP (no JAX imports here)."""
