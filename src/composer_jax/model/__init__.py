@@ -1,0 +1,1 @@
+"""The MoE transformer as pure functions over an explicit parameter pytree."""

@@ -1,0 +1,251 @@
+"""Mixture of experts: router, dropless dispatch, expert parallelism, router replay, load statistics.
+
+Routing (DeepSeek-V2/V3, Kimi K2, Qwen3-MoE):
+  scores = sigmoid(x W_r) or softmax(x W_r)                          (float32)
+  selection: greedy top-k; or group-limited: keep the `topk_group` best of `n_group` expert groups
+  (V2: group score = max; V3 "noaux_tc": sum of the top-2 of scores + bias), then top-k inside them.
+  The score-correction bias is used for selection only; gate weights are the unbiased scores,
+  optionally renormalised over the top-k, times routed_scaling_factor.
+
+Dispatch is dropless: the T*K (token, expert) assignments are sorted by expert and multiplied by
+their expert's weights with a grouped matmul:
+  - "ragged": `jax.lax.ragged_dot` (a real grouped GEMM on GPU);
+  - "tiled":  each expert's rows padded to a multiple of a tile and run as one batched einsum over
+              tiles with per-tile gathered weights. On XLA:CPU ragged_dot lowers to a masked dense
+              dot doing G x the FLOPs (FIELD-NOTES), tiling wastes at most G*(tile-1) rows;
+  - "dense":  every expert on every row, then select (reference for tests; G x the FLOPs).
+Expert parallelism: inside `jax.shard_map`, assignments are exchanged with `all_to_all` over the
+expert mesh axis into fixed [ep, T*K] buffers (worst case, so nothing is ever dropped), computed by
+the local experts, and returned by the inverse all_to_all.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from composer_jax.config import ModelConfig
+from composer_jax.sharding import ShardingRules
+
+
+class Routing(NamedTuple):
+    weights: jax.Array  # float32[tokens, k]
+    experts: jax.Array  # int32[tokens, k]
+
+
+def route(router_w: jax.Array, router_bias: jax.Array, x: jax.Array, cfg: ModelConfig,
+          replay: jax.Array | None = None) -> Routing:
+    """x: [tokens, embed] -> Routing. `replay` (int32[tokens, k]) replaces the selection (router
+    replay): the recorded experts are used, with gate weights from the current router."""
+    logits = x.astype(jnp.float32) @ router_w.astype(jnp.float32)
+    if cfg.score_func == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+    else:
+        scores = jax.nn.softmax(logits, axis=-1)
+    k, e = cfg.num_experts_per_tok, cfg.num_experts
+    if replay is not None:
+        experts = replay.astype(jnp.int32)
+    else:
+        choice = scores + router_bias.astype(jnp.float32) if cfg.topk_method == "noaux_tc" else scores
+        if cfg.topk_method != "greedy" and cfg.n_group > 1:
+            grouped = choice.reshape(choice.shape[0], cfg.n_group, e // cfg.n_group)
+            if cfg.topk_method == "noaux_tc":
+                group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)
+            else:
+                group_score = grouped.max(-1)
+            _, top_groups = jax.lax.top_k(group_score, cfg.topk_group)
+            keep = jnp.zeros(group_score.shape, bool).at[
+                jnp.arange(group_score.shape[0])[:, None], top_groups].set(True)
+            choice = jnp.where(jnp.repeat(keep, e // cfg.n_group, axis=-1), choice, -jnp.inf)
+        _, experts = jax.lax.top_k(choice, k)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return Routing(weights * cfg.routed_scaling_factor, experts)
+
+
+def expert_counts(experts: jax.Array, num_experts: int) -> jax.Array:
+    """int32[tokens, k] -> float32[num_experts] number of assignments per expert."""
+    return jnp.zeros((num_experts,), jnp.float32).at[experts.reshape(-1)].add(1.0)
+
+
+def router_bias_update(bias: jax.Array, counts: jax.Array, rate: float) -> jax.Array:
+    """Aux-loss-free balancing (DeepSeek-V3 sec. 2.1.2): b_e += u * sign(mean load - load_e).
+
+    bias, counts: float32[..., experts] (a leading layers axis is fine)."""
+    mean = counts.mean(-1, keepdims=True)
+    return bias + rate * jnp.sign(mean - counts)
+
+
+# --------------------------------------------------------------------------------------------------
+# Grouped SwiGLU over rows sorted by group
+# --------------------------------------------------------------------------------------------------
+
+
+def _tile_size(rows: int, groups: int, max_tile: int) -> int:
+    avg = max(1, -(-rows // groups))
+    return int(max(8, min(max_tile, 1 << (avg - 1).bit_length())))
+
+
+def _grouped_tiled(x: jax.Array, sizes: jax.Array, ws: tuple[jax.Array, ...], tile: int) -> jax.Array:
+    n, d = x.shape
+    g = ws[0].shape[0]
+    m = _tile_size(n, g, tile)
+    num_tiles = -(-n // m) + g  # static bound: each group wastes < one tile
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    padded = ((sizes + m - 1) // m) * m
+    padded_ends = jnp.cumsum(padded)
+    padded_starts = padded_ends - padded
+    row = jnp.arange(n, dtype=jnp.int32)
+    row_group = jnp.searchsorted(ends, row, side="right")  # == g for rows past the valid ones
+    valid = row_group < g
+    rg = jnp.minimum(row_group, g - 1)
+    dest = jnp.where(valid, padded_starts[rg] + row - starts[rg], num_tiles * m)
+    xp = jnp.zeros((num_tiles * m, d), x.dtype).at[dest].set(x, mode="drop")
+    tile_group = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(num_tiles) * m, side="right"), g - 1)
+    xt = xp.reshape(num_tiles, m, d)
+    gate, up, down = (w[tile_group].astype(x.dtype) for w in ws)
+    h = jax.nn.silu(jnp.einsum("tmd,tdf->tmf", xt, gate)) * jnp.einsum("tmd,tdf->tmf", xt, up)
+    y = jnp.einsum("tmf,tfd->tmd", h, down).reshape(num_tiles * m, d)
+    return jnp.where(valid[:, None], y.at[dest].get(mode="fill", fill_value=0), 0).astype(x.dtype)
+
+
+def _grouped_ragged(x: jax.Array, sizes: jax.Array, ws: tuple[jax.Array, ...]) -> jax.Array:
+    gate, up, down = (w.astype(x.dtype) for w in ws)
+    sizes = sizes.astype(jnp.int32)
+    h = jax.nn.silu(jax.lax.ragged_dot(x, gate, sizes)) * jax.lax.ragged_dot(x, up, sizes)
+    y = jax.lax.ragged_dot(h, down, sizes)
+    valid = jnp.arange(x.shape[0]) < sizes.sum()
+    return jnp.where(valid[:, None], y, 0)
+
+
+def _grouped_dense(x: jax.Array, sizes: jax.Array, ws: tuple[jax.Array, ...]) -> jax.Array:
+    gate, up, down = (w.astype(x.dtype) for w in ws)
+    g = gate.shape[0]
+    row_group = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(x.shape[0]), side="right")
+    onehot = jax.nn.one_hot(row_group, g, dtype=x.dtype)  # all-zero rows past the valid ones
+    h = jax.nn.silu(jnp.einsum("nd,gdf->ngf", x, gate)) * jnp.einsum("nd,gdf->ngf", x, up)
+    y = jnp.einsum("ngf,gfd->ngd", h, down)
+    return jnp.einsum("ngd,ng->nd", y, onehot)
+
+
+def grouped_swiglu(x: jax.Array, sizes: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
+                   impl: str, tile: int = 128) -> jax.Array:
+    """x: [rows, embed] sorted by group; sizes: int[groups] (sum <= rows; rows past the sum give 0);
+    gate/up: [groups, embed, f]; down: [groups, f, embed] -> [rows, embed]."""
+    if impl == "auto":
+        impl = "ragged" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "tiled"
+    ws = (gate, up, down)
+    if impl == "tiled":
+        return _grouped_tiled(x, sizes, ws, tile)
+    if impl == "ragged":
+        return _grouped_ragged(x, sizes, ws)
+    if impl == "dense":
+        return _grouped_dense(x, sizes, ws)
+    raise ValueError(f"moe_impl={impl!r} is not accepted; accepted: auto, tiled, ragged, dense")
+
+
+# --------------------------------------------------------------------------------------------------
+# The MoE layer on one device's tokens (called inside shard_map when there is a mesh)
+# --------------------------------------------------------------------------------------------------
+
+
+def _local_moe(p: dict, x: jax.Array, replay: jax.Array | None, cfg: ModelConfig, ep_axis: str | None,
+               ep: int, reduce_axes: tuple[str, ...], count_axes: tuple[str, ...]):
+    """x: [batch, seq, embed] local block -> (y [batch, seq, embed], experts int32[batch, seq, k],
+    counts float32[experts] summed over the whole mesh)."""
+    b, s, d = x.shape
+    k, e = cfg.num_experts_per_tok, cfg.num_experts
+    xt = x.reshape(b * s, d)
+    r = route(p["router"], p["router_bias"], xt, cfg, None if replay is None else replay.reshape(b * s, k))
+    a = b * s * k
+    flat_e = r.experts.reshape(a)
+    flat_tok = jnp.arange(a, dtype=jnp.int32) // k
+    order = jnp.argsort(flat_e, stable=True)
+    sorted_e = flat_e[order]
+    xs = xt[flat_tok[order]]
+    ws = (p["gate"], p["up"], p["down"])
+    if ep == 1:
+        sizes = jnp.zeros((e,), jnp.int32).at[flat_e].add(1)
+        ys = grouped_swiglu(xs, sizes, *ws, impl=cfg.moe_impl, tile=cfg.moe_tile_size)
+    else:
+        e_local = e // ep
+        shard = sorted_e // e_local
+        shard_counts = jnp.zeros((ep,), jnp.int32).at[shard].add(1)
+        rank = jnp.arange(a, dtype=jnp.int32) - (jnp.cumsum(shard_counts) - shard_counts)[shard]
+        send_x = jnp.zeros((ep, a, d), x.dtype).at[shard, rank].set(xs)
+        send_e = jnp.full((ep, a), e_local, jnp.int32).at[shard, rank].set(sorted_e % e_local)
+        recv_x = jax.lax.all_to_all(send_x, ep_axis, 0, 0).reshape(ep * a, d)
+        recv_e = jax.lax.all_to_all(send_e, ep_axis, 0, 0).reshape(ep * a)
+        r_order = jnp.argsort(recv_e, stable=True)  # the invalid marker e_local sorts last
+        r_sizes = jnp.zeros((e_local + 1,), jnp.int32).at[recv_e].add(1)[:e_local]
+        r_y = grouped_swiglu(recv_x[r_order], r_sizes, *ws, impl=cfg.moe_impl, tile=cfg.moe_tile_size)
+        back = jnp.zeros_like(r_y).at[r_order].set(r_y).reshape(ep, a, d)
+        ret = jax.lax.all_to_all(back, ep_axis, 0, 0)
+        ys = ret[shard, rank]
+    y_assign = jnp.zeros((a, d), ys.dtype).at[order].set(ys).reshape(b * s, k, d)
+    y = jnp.einsum("tkd,tk->td", y_assign, r.weights.astype(ys.dtype))
+    if cfg.num_shared_experts:
+        dt = x.dtype
+        h = jax.nn.silu(xt @ p["shared_gate"].astype(dt)) * (xt @ p["shared_up"].astype(dt))
+        y = y + h @ p["shared_down"].astype(dt)
+    if reduce_axes:  # expert / shared MLP hidden dimension split over tensor-like axes
+        y = jax.lax.psum(y, reduce_axes)
+    counts = expert_counts(r.experts, e)
+    if count_axes:
+        counts = jax.lax.psum(counts, count_axes)
+    return y.reshape(b, s, d), r.experts.reshape(b, s, k), counts
+
+
+def moe_layer(p: dict, x: jax.Array, cfg: ModelConfig, rules: ShardingRules | None, mesh,
+              replay: jax.Array | None = None):
+    """x: [batch, seq, embed] -> (y [batch, seq, embed], experts int32[batch, seq, k],
+    counts float32[experts]). With a mesh, runs per device inside `jax.shard_map`."""
+    if mesh is None or rules is None or all(n == 1 for n in mesh.shape.values()):
+        return _local_moe(p, x, replay, cfg, None, 1, (), ())
+    b, s, d = x.shape
+    x_spec = rules.spec(("act_batch", "act_seq", "act_embed"), x.shape, mesh)
+    token_axes = tuple(a for part in x_spec[:2] if part is not None
+                       for a in ((part,) if isinstance(part, str) else part))
+    ep_axes = tuple(a for a in rules.mesh_axes("experts") if mesh.shape[a] > 1)
+    if len(ep_axes) > 1:
+        raise ValueError(f"experts may be split over one mesh axis, got {ep_axes}")
+    ep_axis = ep_axes[0] if ep_axes else None
+    ep = mesh.shape[ep_axis] if ep_axis else 1
+    if ep_axis and ep_axis not in token_axes:
+        raise ValueError(
+            f"expert parallelism over mesh axis {ep_axis!r} needs the tokens split over it too: batch "
+            f"{b} x seq {s} is not divisible so that act_batch/act_seq include {ep_axis!r}; use a batch "
+            f"divisible by the product of the batch mesh axes")
+    tp_e = rules.spec(("expert_mlp",), (cfg.moe_intermediate_size,), mesh)[0]
+    tp_s = rules.spec(("mlp",), (cfg.shared_intermediate_size,), mesh)[0] if cfg.num_shared_experts else None
+    as_tuple = lambda part: () if part is None else ((part,) if isinstance(part, str) else tuple(part))
+    if cfg.num_shared_experts and as_tuple(tp_e) != as_tuple(tp_s):
+        raise ValueError(f"routed expert hidden axis {tp_e} and shared expert hidden axis {tp_s} must be "
+                         f"split over the same mesh axes (sharding rules expert_mlp and mlp)")
+    ex = ep_axis
+    specs = {
+        "router": P(), "router_bias": P(),
+        "gate": P(ex, None, tp_e), "up": P(ex, None, tp_e), "down": P(ex, tp_e, None),
+    }
+    if cfg.num_shared_experts:
+        specs.update({"shared_gate": P(None, tp_s), "shared_up": P(None, tp_s), "shared_down": P(tp_s, None)})
+    p = {k: p[k] for k in specs}
+    tok_spec = P(x_spec[0], x_spec[1], None)
+
+    def body(p, x, replay):
+        return _local_moe(p, x, replay, cfg, ep_axis, ep, as_tuple(tp_e), token_axes)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(specs, tok_spec, None if replay is None else tok_spec),
+                       out_specs=(tok_spec, tok_spec, P()))
+    return fn(p, x, replay)
+
+
+def moe_param_count_active(cfg: ModelConfig) -> int:
+    """Parameters touched per token in one MoE layer's routed + shared experts (for FLOP counts)."""
+    per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    return int(per_expert * (cfg.num_experts_per_tok + cfg.num_shared_experts) + cfg.hidden_size * cfg.num_experts)
+

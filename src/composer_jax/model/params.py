@@ -1,0 +1,198 @@
+"""Typed parameter specs (shape, dtype, logical axes, initialiser) -> sharded init / eval_shape.
+
+The parameter pytree is a nested dict. Layers of one kind are stacked on a leading `layers` axis
+and run with `lax.scan` (dense layers first, then MoE layers, as DeepSeek's first_k_dense_replace).
+
+    params = {
+      "embed": [vocab, embed],
+      "dense_layers": {"attn_norm", "attn": {...}, "mlp_norm", "mlp": {"gate", "up", "down"}},  # [L_dense, ...]
+      "moe_layers":   {"attn_norm", "attn": {...}, "mlp_norm", "moe": {...}},                    # [L_moe, ...]
+      "final_norm": [embed],
+      "lm_head": [embed, vocab],                      # absent when tie_word_embeddings
+      "mtp": {"enorm", "hnorm", "eh_proj", "layer": {...}, "norm"},                         # [D, ...]
+    }
+"""
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from typing import Any, Callable, Literal
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from composer_jax.config import ModelConfig
+from composer_jax.sharding import ShardingRules
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    shape: tuple[int, ...]
+    logical_axes: tuple[str, ...]
+    init: Literal["normal", "ones", "zeros"] = "normal"
+    dtype: str | None = None  # None: the model's param_dtype
+
+    def __post_init__(self):
+        assert len(self.shape) == len(self.logical_axes), (self.shape, self.logical_axes)
+
+    def stacked(self, n: int, axis: str = "layers") -> "ParamSpec":
+        return dataclasses.replace(self, shape=(n, *self.shape), logical_axes=(axis, *self.logical_axes))
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def _attention_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
+    d, h = cfg.hidden_size, cfg.num_heads
+    if cfg.attention_type == "gqa":
+        specs = {
+            "q": ParamSpec((d, h, cfg.head_dim), ("embed", "heads", "head_dim")),
+            "k": ParamSpec((d, cfg.num_kv_heads, cfg.head_dim), ("embed", "kv_heads", "head_dim")),
+            "v": ParamSpec((d, cfg.num_kv_heads, cfg.head_dim), ("embed", "kv_heads", "head_dim")),
+            "o": ParamSpec((h, cfg.head_dim, d), ("heads", "head_dim", "embed")),
+        }
+        if cfg.qk_norm:
+            specs["q_norm"] = ParamSpec((cfg.head_dim,), ("head_dim",), "ones")
+            specs["k_norm"] = ParamSpec((cfg.head_dim,), ("head_dim",), "ones")
+        return specs
+    qk = cfg.qk_head_dim
+    specs = {}
+    if cfg.q_lora_rank:
+        specs["q_a"] = ParamSpec((d, cfg.q_lora_rank), ("embed", "q_lora"))
+        specs["q_a_norm"] = ParamSpec((cfg.q_lora_rank,), ("q_lora",), "ones")
+        specs["q_b"] = ParamSpec((cfg.q_lora_rank, h, qk), ("q_lora", "heads", "head_dim"))
+    else:
+        specs["q"] = ParamSpec((d, h, qk), ("embed", "heads", "head_dim"))
+    specs["kv_a"] = ParamSpec((d, cfg.kv_lora_rank + cfg.qk_rope_head_dim), ("embed", "kv_lora"))
+    specs["kv_a_norm"] = ParamSpec((cfg.kv_lora_rank,), ("kv_lora",), "ones")
+    specs["kv_b"] = ParamSpec((cfg.kv_lora_rank, h, cfg.qk_nope_head_dim + cfg.v_head_dim), ("kv_lora", "heads", "head_dim"))
+    specs["o"] = ParamSpec((h, cfg.v_head_dim, d), ("heads", "head_dim", "embed"))
+    return specs
+
+
+def _dense_mlp_specs(d: int, f: int) -> dict[str, ParamSpec]:
+    return {
+        "gate": ParamSpec((d, f), ("embed", "mlp")),
+        "up": ParamSpec((d, f), ("embed", "mlp")),
+        "down": ParamSpec((f, d), ("mlp", "embed")),
+    }
+
+
+def _moe_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
+    d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    specs = {
+        # the router runs in float32 whatever the parameter dtype (as DeepSeek / HF keep it)
+        "router": ParamSpec((d, e), ("embed", "router_experts"), dtype="float32"),
+        "router_bias": ParamSpec((e,), ("router_experts",), "zeros", dtype="float32"),
+        "gate": ParamSpec((e, d, f), ("experts", "embed", "expert_mlp")),
+        "up": ParamSpec((e, d, f), ("experts", "embed", "expert_mlp")),
+        "down": ParamSpec((e, f, d), ("experts", "expert_mlp", "embed")),
+    }
+    if cfg.num_shared_experts:
+        for k, v in _dense_mlp_specs(d, cfg.shared_intermediate_size).items():
+            specs["shared_" + k] = v
+    return specs
+
+
+def layer_specs(cfg: ModelConfig, moe: bool) -> dict[str, Any]:
+    d = cfg.hidden_size
+    layer: dict[str, Any] = {
+        "attn_norm": ParamSpec((d,), ("embed",), "ones"),
+        "attn": _attention_specs(cfg),
+        "mlp_norm": ParamSpec((d,), ("embed",), "ones"),
+    }
+    if moe:
+        layer["moe"] = _moe_specs(cfg)
+    else:
+        layer["mlp"] = _dense_mlp_specs(d, cfg.intermediate_size)
+    return layer
+
+
+def _stack(tree: Any, n: int, axis: str) -> Any:
+    return jax.tree.map(lambda s: s.stacked(n, axis), tree, is_leaf=_is_spec)
+
+
+def param_specs(cfg: ModelConfig) -> dict[str, Any]:
+    """The nested dict of `ParamSpec` describing every parameter of the model."""
+    d, v = cfg.hidden_size, cfg.vocab_size
+    specs: dict[str, Any] = {"embed": ParamSpec((v, d), ("vocab", "embed"))}
+    if cfg.num_dense_layers:
+        specs["dense_layers"] = _stack(layer_specs(cfg, moe=False), cfg.num_dense_layers, "layers")
+    if cfg.num_moe_layers:
+        specs["moe_layers"] = _stack(layer_specs(cfg, moe=True), cfg.num_moe_layers, "layers")
+    specs["final_norm"] = ParamSpec((d,), ("embed",), "ones")
+    if not cfg.tie_word_embeddings:
+        specs["lm_head"] = ParamSpec((d, v), ("embed", "vocab"))
+    if cfg.num_mtp_layers:
+        mtp = {
+            "enorm": ParamSpec((d,), ("embed",), "ones"),
+            "hnorm": ParamSpec((d,), ("embed",), "ones"),
+            # DeepSeek-V3 layout: eh_proj(concat[enorm(emb(t_{i+k})), hnorm(h^{k-1}_i)])
+            "eh_proj": ParamSpec((2 * d, d), ("embed_concat", "embed")),
+            "layer": layer_specs(cfg, moe=cfg.num_experts > 0),
+            "norm": ParamSpec((d,), ("embed",), "ones"),
+        }
+        specs["mtp"] = _stack(mtp, cfg.num_mtp_layers, "mtp")
+    return specs
+
+
+def _path_str(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def _init_one(spec: ParamSpec, key: jax.Array, cfg: ModelConfig) -> jax.Array:
+    dtype = jnp.dtype(spec.dtype or cfg.param_dtype)
+    if spec.init == "ones":
+        return jnp.ones(spec.shape, dtype)
+    if spec.init == "zeros":
+        return jnp.zeros(spec.shape, dtype)
+    return (cfg.initializer_range * jax.random.normal(key, spec.shape, jnp.float32)).astype(dtype)
+
+
+def init_fn(cfg: ModelConfig) -> Callable[[jax.Array], dict]:
+    """key -> params. Each leaf's key is folded from its path, so init does not depend on tree order."""
+    specs = param_specs(cfg)
+
+    def init(key: jax.Array) -> dict:
+        def one(path, spec):
+            return _init_one(spec, jax.random.fold_in(key, zlib.crc32(_path_str(path).encode())), cfg)
+        return jax.tree_util.tree_map_with_path(one, specs, is_leaf=_is_spec)
+
+    return init
+
+
+def param_shardings(cfg: ModelConfig, mesh: Mesh, rules: ShardingRules | None = None) -> dict:
+    rules = rules or ShardingRules.create()
+    return jax.tree.map(lambda s: rules.sharding(mesh, s.logical_axes, s.shape), param_specs(cfg), is_leaf=_is_spec)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, mesh: Mesh | None = None,
+                rules: ShardingRules | None = None) -> dict:
+    """Create the parameters, each already placed on its sharding over `mesh` (no host copy of the
+    whole model). `jax.eval_shape(lambda k: init_params(cfg, k, mesh), key)` allocates nothing."""
+    fn = init_fn(cfg)
+    if mesh is None:
+        return jax.jit(fn)(key)
+    return jax.jit(fn, out_shardings=param_shardings(cfg, mesh, rules))(key)
+
+
+def abstract_params(cfg: ModelConfig, mesh: Mesh | None = None, rules: ShardingRules | None = None) -> dict:
+    """ShapeDtypeStructs (with shardings when a mesh is given) of every parameter; no allocation."""
+    shapes = jax.eval_shape(init_fn(cfg), jax.random.key(0))
+    if mesh is None:
+        return shapes
+    sh = param_shardings(cfg, mesh, rules)
+    return jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), shapes, sh)
+
+
+def count_params(tree: Any) -> int:
+    """Number of scalars in a tree of ParamSpecs, arrays or ShapeDtypeStructs."""
+    total = 0
+    for leaf in jax.tree.leaves(tree, is_leaf=_is_spec):
+        n = 1
+        for dim in leaf.shape:
+            n *= int(dim)
+        total += n
+    return total

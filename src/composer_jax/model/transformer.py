@@ -1,0 +1,150 @@
+"""forward(params, tokens, cfg) -> ModelOutput: the whole model as one pure function."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from composer_jax.config import ModelConfig
+from composer_jax.model.attention import attention, causal_segment_mask, segment_positions
+from composer_jax.model.layers import rms_norm, rope_cos_sin, swiglu
+from composer_jax.model.moe import moe_layer
+from composer_jax.sharding import ShardingRules, constrain, current_mesh
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ModelOutput:
+    """logits: float32[batch, seq, vocab] (next token); mtp_logits: float32[depth, batch, seq, vocab]
+    (depth k predicts token i+k+1) or None; routing: int32[moe_layers, batch, seq, k] experts chosen
+    per token per MoE layer (feed back as `routing=` to replay); mtp_routing likewise for the MTP
+    layers; hidden: float32[batch, seq, embed] final normed hidden state; aux: statistics, with
+    expert_counts float32[moe_layers, experts] (assignments per expert over the whole batch)."""
+
+    logits: jax.Array
+    mtp_logits: jax.Array | None
+    routing: jax.Array | None
+    mtp_routing: jax.Array | None
+    hidden: jax.Array
+    aux: dict[str, Any]
+
+
+def _remat(fn, policy: str):
+    if policy == "none":
+        return fn
+    if policy == "dots":
+        return jax.checkpoint(fn, policy=jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims)
+    return jax.checkpoint(fn)
+
+
+def decoder_layer(lp: dict, h: jax.Array, ctx: dict, cfg: ModelConfig, rules, mesh, replay=None):
+    """One pre-norm block. h: [batch, seq, embed] -> (h, experts or None, counts or None)."""
+    x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
+    h = h + attention(lp["attn"], x, ctx["cos"], ctx["sin"], ctx["mask"], cfg, rules)
+    h = constrain(h, rules, ("act_batch", "act_seq", "act_embed"))
+    x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
+    if "moe" in lp:
+        y, experts, counts = moe_layer(lp["moe"], x, cfg, rules, mesh, replay)
+    else:
+        m = lp["mlp"]
+        y, experts, counts = swiglu(x, m["gate"], m["up"], m["down"]), None, None
+    h = constrain(h + y, rules, ("act_batch", "act_seq", "act_embed"))
+    return h, experts, counts
+
+
+def _run_stack(stack: dict, h: jax.Array, ctx: dict, cfg: ModelConfig, rules, mesh, replay):
+    """lax.scan over a stack of identical layers (leading `layers` axis)."""
+    moe = "moe" in stack
+
+    def body(h, xs):
+        lp, rp = xs
+        h, experts, counts = decoder_layer(lp, h, ctx, cfg, rules, mesh, rp)
+        return h, (experts, counts) if moe else None
+
+    body = _remat(body, cfg.remat)
+    h, ys = jax.lax.scan(body, h, (stack, replay))
+    return h, ys
+
+
+def _embed(params: dict, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
+    return params["embed"].astype(cfg.compute_dtype)[tokens]
+
+
+def _logits(params: dict, h: jax.Array, cfg: ModelConfig) -> jax.Array:
+    w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return jnp.einsum("bsd,dv->bsv", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+
+
+def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, *, segment_ids: jax.Array | None = None,
+            positions: jax.Array | None = None, routing: jax.Array | None = None,
+            mtp_routing: jax.Array | None = None, rules: ShardingRules | None = None,
+            mesh=None) -> ModelOutput:
+    """Run the model.
+
+    tokens: int32[batch, seq]. segment_ids: int32[batch, seq] for packed sequences (0 = padding; no
+    attention across segments); positions: int32[batch, seq] (default: position within segment).
+    routing: int32[moe_layers, batch, seq, k] recorded experts to replay instead of routing.
+    rules/mesh: sharding rules and mesh; by default the mesh set with `jax.set_mesh` (if any) and the
+    default rules. Without a mesh everything runs as on one device.
+    """
+    mesh = mesh if mesh is not None else current_mesh()
+    if mesh is not None and rules is None:
+        rules = ShardingRules.create()
+    if segment_ids is None:
+        segment_ids = jnp.ones(tokens.shape, jnp.int32)
+    if positions is None:
+        positions = segment_positions(segment_ids)
+    rope_dim = cfg.qk_rope_head_dim if cfg.attention_type == "mla" else cfg.head_dim
+    cos, sin = rope_cos_sin(positions, rope_dim, cfg)
+    ctx = {"cos": cos, "sin": sin, "mask": causal_segment_mask(segment_ids)}
+
+    h = constrain(_embed(params, tokens, cfg), rules, ("act_batch", "act_seq", "act_embed"))
+    aux: dict[str, Any] = {}
+    if "dense_layers" in params:
+        h, _ = _run_stack(params["dense_layers"], h, ctx, cfg, rules, mesh, None)
+    experts = None
+    if "moe_layers" in params:
+        h, (experts, counts) = _run_stack(params["moe_layers"], h, ctx, cfg, rules, mesh, routing)
+        aux["expert_counts"] = counts
+    h_final = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+    logits = constrain(_logits(params, h_final, cfg), rules, ("act_batch", "act_seq", "act_vocab"))
+
+    mtp_logits = mtp_experts = None
+    if cfg.num_mtp_layers and "mtp" in params:
+        mtp_logits, mtp_experts, mtp_counts = mtp_forward(
+            params, h_final, tokens, ctx, cfg, rules, mesh, mtp_routing)
+        if mtp_counts is not None:
+            aux["mtp_expert_counts"] = mtp_counts
+    return ModelOutput(logits, mtp_logits, experts, mtp_experts, h_final, aux)
+
+
+def mtp_forward(params: dict, h_main: jax.Array, tokens: jax.Array, ctx: dict, cfg: ModelConfig,
+                rules, mesh, replay=None):
+    """DeepSeek-V3 multi-token prediction (sec. 2.2), sequential depths k = 1..D:
+
+        h^k_i = Block_k(eh_proj[ RMSNorm(Emb(t_{i+k})) ; RMSNorm(h^{k-1}_i) ]),  logits^k = Head(RMSNorm(h^k))
+
+    with the embedding and output head shared with the main model and h^0 its final hidden state.
+    Positions past the end of the sequence see token 0 (their loss is masked by the caller).
+    Returns (float32[depth, batch, seq, vocab], experts or None, counts or None).
+    """
+    depth = cfg.num_mtp_layers
+    moe = cfg.num_experts > 0
+
+    def body(carry, xs):
+        h_prev, shifted = carry
+        mp, rp = xs
+        shifted = jnp.concatenate([shifted[:, 1:], jnp.zeros_like(shifted[:, :1])], axis=1)
+        e = rms_norm(_embed(params, shifted, cfg), mp["enorm"], cfg.rms_norm_eps)
+        hh = rms_norm(h_prev, mp["hnorm"], cfg.rms_norm_eps)
+        x = jnp.concatenate([e, hh], axis=-1) @ mp["eh_proj"].astype(e.dtype)
+        x = constrain(x, rules, ("act_batch", "act_seq", "act_embed"))
+        h, experts, counts = decoder_layer(mp["layer"], x, ctx, cfg, rules, mesh, rp)
+        logits = _logits(params, rms_norm(h, mp["norm"], cfg.rms_norm_eps), cfg)
+        return (h, shifted), (logits, experts, counts) if moe else (logits, None, None)
+
+    body = _remat(body, cfg.remat)
+    _, (logits, experts, counts) = jax.lax.scan(body, (h_main, tokens), (params["mtp"], replay), length=depth)
+    return logits, experts, counts

@@ -1,0 +1,167 @@
+"""Mesh and sharding rules. The only module that knows mesh axis names.
+
+Every parameter and activation dimension carries a logical axis name (`embed`, `heads`, `experts`,
+`act_batch`...). One `ShardingRules` object maps logical axes to mesh axes; changing a parallelism
+strategy is editing that mapping. A mapping that would use one mesh axis twice in one array is
+rejected with the array's logical axes named.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from composer_jax.config import MESH_AXES, ConfigError, MeshConfig
+
+MeshAxes = tuple[str, ...]
+
+# Default mapping. Parameters: FSDP over the model dimension, tensor parallel over heads / MLP,
+# experts over the expert axis (EP decoupled from TP, as in the report). Activations: batch over
+# every data-like axis (the expert axis acts as data parallel outside MoE layers), sequence over
+# the context axis, heads over tensor.
+DEFAULT_RULES: dict[str, MeshAxes] = {
+    # parameters
+    "vocab": ("tensor",),
+    "embed": ("fsdp",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "head_dim": (),
+    "q_lora": (),
+    "kv_lora": (),
+    "mlp": ("tensor",),
+    "experts": ("expert",),
+    "expert_mlp": ("tensor",),
+    "router_experts": (),
+    "layers": (),
+    "mtp": (),
+    "embed_concat": (),
+    # activations
+    "act_batch": ("data", "fsdp", "expert"),
+    "act_seq": ("context",),
+    "act_embed": (),
+    "act_heads": ("tensor",),
+    "act_kv_heads": ("tensor",),
+    "act_head_dim": (),
+    "act_mlp": ("tensor",),
+    "act_vocab": ("tensor",),
+    "act_topk": (),
+    "act_experts": (),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+    """Logical axis name -> tuple of mesh axes (empty tuple = replicated)."""
+
+    rules: Mapping[str, MeshAxes]
+
+    @classmethod
+    def create(cls, overrides: Mapping[str, Any] | None = None) -> "ShardingRules":
+        rules = dict(DEFAULT_RULES)
+        for name, axes in (overrides or {}).items():
+            if name not in DEFAULT_RULES:
+                raise ConfigError(f"sharding_rules: unknown logical axis {name!r}; accepted: {', '.join(sorted(DEFAULT_RULES))}")
+            if axes is None:
+                axes = ()
+            elif isinstance(axes, str):
+                axes = (axes,)
+            axes = tuple(axes)
+            for a in axes:
+                if a not in MESH_AXES:
+                    raise ConfigError(f"sharding_rules.{name}: unknown mesh axis {a!r}; accepted: {', '.join(MESH_AXES)}")
+            if len(set(axes)) != len(axes):
+                raise ConfigError(f"sharding_rules.{name}={list(axes)} uses a mesh axis twice")
+            rules[name] = axes
+        return cls(rules)
+
+    def mesh_axes(self, logical: str) -> MeshAxes:
+        try:
+            return tuple(self.rules[logical])
+        except KeyError:
+            raise ConfigError(f"unknown logical axis {logical!r}; accepted: {', '.join(sorted(self.rules))}") from None
+
+    def spec(self, logical_axes: Sequence[str | None], shape: Sequence[int] | None = None,
+             mesh: Mesh | None = None) -> P:
+        """PartitionSpec for an array with these logical axes.
+
+        With `shape` and `mesh`, mesh axes that do not divide a dimension are dropped for that
+        dimension (it stays replicated there) so odd sizes such as a vocabulary of 129280 still
+        place; the divisibility that matters for correctness (heads, experts) is checked at config
+        load. A mesh axis used twice in one array is an error.
+        """
+        used: dict[str, str] = {}
+        parts: list[Any] = []
+        for i, name in enumerate(logical_axes):
+            if name is None:
+                parts.append(None)
+                continue
+            axes = self.mesh_axes(name)
+            if mesh is not None:
+                axes = tuple(a for a in axes if mesh.shape[a] > 1)
+            if shape is not None and mesh is not None:
+                kept, prod = [], 1
+                for a in axes:
+                    if shape[i] % (prod * mesh.shape[a]) == 0:
+                        kept.append(a)
+                        prod *= mesh.shape[a]
+                axes = tuple(kept)
+            for a in axes:
+                if a in used:
+                    raise ConfigError(
+                        f"sharding rules map mesh axis {a!r} twice in one array with logical axes "
+                        f"{tuple(logical_axes)} (via {used[a]!r} and {name!r}); change sharding_rules so "
+                        f"each mesh axis appears at most once per array")
+                used[a] = name
+            parts.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        return P(*parts)
+
+    def sharding(self, mesh: Mesh, logical_axes: Sequence[str | None], shape: Sequence[int] | None = None) -> NamedSharding:
+        return NamedSharding(mesh, self.spec(logical_axes, shape, mesh))
+
+
+def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[Any] | None = None) -> Mesh:
+    """A mesh with axes (data, fsdp, expert, context, tensor); sizes from the config.
+
+    Axis types are Auto (GSPMD propagation): the model annotates activations with logical
+    constraints, and explicit collectives live in shard_map blocks (MoE dispatch).
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = mesh_cfg.shape(len(devices))
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    try:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+    except Exception:  # device layouts make_mesh cannot tile (e.g. a subset): plain reshape
+        return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def constrain(x: jax.Array, rules: ShardingRules | None, logical_axes: Sequence[str | None],
+              mesh: Mesh | AbstractMesh | None = None) -> jax.Array:
+    """with_sharding_constraint by logical axes; a no-op without rules or a mesh (explicit or set
+    by `jax.set_mesh`)."""
+    mesh = mesh if mesh is not None else current_mesh()
+    if rules is None or mesh is None:
+        return x
+    spec = rules.spec(logical_axes, x.shape, mesh)
+    if isinstance(mesh, Mesh):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def current_mesh() -> AbstractMesh | None:
+    """The mesh set by `jax.set_mesh`, or None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return None
+    return mesh
+
+
+def batch_axes(rules: ShardingRules, mesh: Mesh | AbstractMesh) -> MeshAxes:
+    """Mesh axes (of size > 1) over which the batch is split."""
+    return tuple(a for a in rules.mesh_axes("act_batch") if mesh.shape[a] > 1)
+
+
+def axis_size(mesh: Mesh | AbstractMesh, axes: Sequence[str]) -> int:
+    return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
