@@ -1,4 +1,6 @@
 """On the fake 8-device mesh the sharded forward and gradient equal the single-device ones."""
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +19,7 @@ MESHES = [
 
 @pytest.fixture(scope="module")
 def setup():
-    cfg = cj.load_config("configs/model/tiny.yaml")
+    cfg = cj.load_config(Path(__file__).resolve().parents[2] / "configs/model/tiny.yaml")
     m = cfg.model
     params = cj.init_params(m, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (8, 16), 0, m.vocab_size)
