@@ -204,3 +204,8 @@ def test_cli_bad_arguments_exit_2_with_a_clear_message(capsys, args, needle):
 def test_cli_mesh_file_must_hold_only_a_mesh_section(capsys):
     assert main([str(MODELS / "tiny.yaml"), "--mesh", str(MODELS / "tiny.yaml")]) == 2
     assert "must hold only a `mesh:` section" in capsys.readouterr().err
+
+
+def test_cli_without_config_names_what_is_missing(capsys):
+    assert main([]) == 2
+    assert "missing CONFIG" in capsys.readouterr().err

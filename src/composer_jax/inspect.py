@@ -194,6 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `composer-jax inspect`; returns 0, or 2 on a bad argument / config."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if not [a for a in argv if not a.startswith("-")] and not {"-h", "--help"} & set(argv):
+            raise UsageError("missing CONFIG: give a YAML config such as configs/model/kimi_k2.yaml")
         args = _parser().parse_intermixed_args(argv)
         cfg = _load(args)
         sizes = _mesh_sizes(cfg, args.num_devices)
