@@ -1,0 +1,302 @@
+"""Parameter counts, training FLOPs per token and per-device memory of a model on a mesh.
+
+Everything here is computed from the parameter specs (`param_specs`, shapes and logical axes) and
+`jax.eval_shape` of the initialiser: no parameter is ever allocated, so a 1T-parameter model can be
+inspected on a laptop. `composer-jax inspect` (inspect.py) prints what these functions return.
+
+Conventions (stated once here and repeated in the report):
+  - total / active parameters exclude the multi-token-prediction (MTP) modules, which are reported
+    separately, as DeepSeek reports 671B (+14B MTP) and Moonshot 1.04T for Kimi K2;
+  - active = everything a token touches: the embedding table and the output head counted in full
+    (once each; once in all when tied), attention, dense MLPs, shared experts, routers and norms in
+    full, and the routed experts at num_experts_per_tok / num_experts of their size;
+  - training FLOPs per token = 6 x active matmul parameters (2 forward + 4 backward per
+    multiply-add; the embedding gather is not a matmul and is excluded, the output head is
+    included) + attention 12 x layers x heads x (qk_head_dim + v_head_dim) / 2 x S_ctx, where
+    S_ctx = seq / 2 for causal attention (each query sees on average half the sequence; the
+    convention of MaxText / torchtitan-style MFU) and S_ctx = seq for the PaLM / Megatron
+    convention, reported alongside.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+from jax.sharding import AbstractMesh
+
+from composer_jax.config import MESH_AXES, ModelConfig
+from composer_jax.model.params import ParamSpec, _path_str, abstract_params, param_specs
+from composer_jax.sharding import ShardingRules
+
+COMPONENTS = ("embedding", "attention", "dense_mlp", "routed_experts", "shared_experts", "router",
+              "norms", "lm_head", "mtp")
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamRow:
+    """One parameter array: where it sits, how big it is, and how much of it one token uses."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    logical_axes: tuple[str, ...]
+    component: str
+    active_fraction: float  # share of the array one token's forward pass touches
+    matmul: bool  # multiplied against activations (counts towards FLOPs); norms, biases, gathers not
+    size: int  # number of scalars
+    mesh_axes: tuple[str, ...]  # mesh axes (of size > 1) the array is split over; () = replicated
+    shards: int  # product of those axes' sizes (1 = replicated)
+
+    @property
+    def bytes(self) -> int:
+        return self.size * _BYTES[self.dtype]
+
+    @property
+    def bytes_per_device(self) -> int:
+        return self.size // self.shards * _BYTES[self.dtype]
+
+
+def abstract_mesh(sizes: Mapping[str, int]) -> AbstractMesh:
+    """A device-free mesh with the five composer_jax axes, for sharding arithmetic only."""
+    return AbstractMesh(tuple(int(sizes[a]) for a in MESH_AXES), MESH_AXES)
+
+
+def _component(path: str, leaf: str) -> str:
+    if path.startswith("mtp/"):
+        return "mtp"
+    if path == "embed":
+        return "embedding"
+    if path == "lm_head":
+        return "lm_head"
+    if leaf.endswith("norm"):  # attn_norm, mlp_norm, final_norm, q_a_norm, kv_a_norm, q_norm, k_norm
+        return "norms"
+    if "/attn/" in path:
+        return "attention"
+    if "/mlp/" in path:
+        return "dense_mlp"
+    if leaf in ("router", "router_bias"):
+        return "router"
+    if leaf.startswith("shared_"):
+        return "shared_experts"
+    if "/moe/" in path:
+        return "routed_experts"
+    raise ValueError(f"parameter {path!r} belongs to no known component; extend accounting._component")
+
+
+def param_rows(cfg: ModelConfig, rules: ShardingRules | None = None,
+               mesh_sizes: Mapping[str, int] | None = None) -> list[ParamRow]:
+    """Every parameter array of `cfg` with its component and, given a mesh, its shard count.
+
+    Shapes and dtypes come from `jax.eval_shape` of the real initialiser (so they are what
+    `init_params` would create), logical axes from `param_specs`; nothing is allocated.
+    """
+    rules = rules or ShardingRules.create()
+    mesh = abstract_mesh(mesh_sizes) if mesh_sizes is not None else None
+    specs = param_specs(cfg)
+    shapes = abstract_params(cfg)
+    spec_leaves = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, ParamSpec))[0]
+    shape_leaves = jax.tree.leaves(shapes)
+    assert len(spec_leaves) == len(shape_leaves), "param_specs and eval_shape(init) disagree"
+    frac_routed = cfg.num_experts_per_tok / cfg.num_experts if cfg.num_experts else 1.0
+    rows = []
+    for (path, spec), sds in zip(spec_leaves, shape_leaves):
+        assert tuple(sds.shape) == spec.shape, (path, sds.shape, spec.shape)
+        p = _path_str(path)
+        leaf = p.rsplit("/", 1)[-1]
+        comp = _component(p, leaf)
+        routed = comp == "routed_experts" or (comp == "mtp" and "/moe/" in p and leaf in ("gate", "up", "down"))
+        axes: tuple[str, ...] = ()
+        if mesh is not None:
+            for part in rules.spec(spec.logical_axes, spec.shape, mesh):
+                axes += () if part is None else (part,) if isinstance(part, str) else tuple(part)
+        rows.append(ParamRow(
+            path=p, shape=spec.shape, dtype=str(sds.dtype), logical_axes=spec.logical_axes,
+            component=comp, active_fraction=frac_routed if routed else 1.0,
+            matmul=not (leaf.endswith("norm") or leaf == "router_bias" or comp == "embedding"),
+            size=math.prod(spec.shape), mesh_axes=axes,
+            shards=math.prod(mesh.shape[a] for a in axes) if mesh is not None else 1))
+    return rows
+
+
+def breakdown(rows: list[ParamRow]) -> dict[str, dict[str, int]]:
+    """component -> {total, active, bytes, bytes_per_device}; components without parameters omitted."""
+    out: dict[str, dict[str, int]] = {}
+    for c in COMPONENTS:
+        rs = [r for r in rows if r.component == c]
+        if rs:
+            out[c] = {
+                "total": sum(r.size for r in rs),
+                "active": int(round(sum(r.size * r.active_fraction for r in rs))),
+                "bytes": sum(r.bytes for r in rs),
+                "bytes_per_device": sum(r.bytes_per_device for r in rs),
+            }
+    return out
+
+
+def attention_dims(cfg: ModelConfig) -> tuple[int, int]:
+    """(qk_head_dim, v_head_dim) of the attention scores / values."""
+    if cfg.attention_type == "gqa":
+        return cfg.head_dim, cfg.head_dim
+    return cfg.qk_head_dim, cfg.v_head_dim
+
+
+def flops_per_token(cfg: ModelConfig, rows: list[ParamRow], seq: int) -> dict[str, float]:
+    """Training FLOPs per token (forward + backward) at sequence length `seq`; see module docstring.
+
+    A tied output head multiplies by the embedding table, so it is added as a matmul then.
+    """
+    main = [r for r in rows if r.component != "mtp"]
+    matmul_active = sum(r.size * r.active_fraction for r in main if r.matmul)
+    head = cfg.vocab_size * cfg.hidden_size
+    if cfg.tie_word_embeddings:
+        matmul_active += head
+    qk, v = attention_dims(cfg)
+    per_ctx = 12 * cfg.num_layers * cfg.num_heads * (qk + v) / 2  # FLOPs per token per context token
+    dense = 6 * matmul_active
+    out = {
+        "matmul_active_params": matmul_active,
+        "matmul": dense,
+        "attention_causal": per_ctx * seq / 2,
+        "attention_full": per_ctx * seq,
+        "total": dense + per_ctx * seq / 2,
+        "total_full_attention": dense + per_ctx * seq,
+    }
+    mtp = [r for r in rows if r.component == "mtp"]
+    if mtp:
+        # each MTP depth: its own block + eh_proj, and one more pass through the shared output head
+        mtp_matmul = sum(r.size * r.active_fraction for r in mtp if r.matmul) + cfg.num_mtp_layers * head
+        mtp_attn = 12 * cfg.num_mtp_layers * cfg.num_heads * (qk + v) / 2 * seq / 2
+        out["mtp"] = 6 * mtp_matmul + mtp_attn
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-device memory
+# --------------------------------------------------------------------------------------------------
+
+
+def batch_shards(rules: ShardingRules, sizes: Mapping[str, int]) -> int:
+    """How many ways the global batch is split (product of the act_batch mesh axes)."""
+    return math.prod(sizes[a] for a in rules.mesh_axes("act_batch"))
+
+
+def _layer_activation_bytes(cfg: ModelConfig, sizes: Mapping[str, int], seq: int, moe: bool) -> dict[str, float]:
+    """Bytes per local token that one decoder layer's forward keeps alive with no remat, split into
+    the part linear in the sequence and the attention-score part (linear in seq per token).
+
+    Counted: norm inputs/outputs, every projection output, attention scores (float32), softmax
+    (float32) and probabilities (compute dtype) over all `seq` keys (the model materialises scores;
+    no flash kernel), the MLP/expert hidden activations. With expert parallelism the dispatch uses
+    worst-case buffers of ep x (tokens x k) rows (moe.py `_local_moe`), so routed-expert terms scale
+    with ep. Divided by the tensor axis where the model splits heads / MLP width.
+    """
+    c = _BYTES[cfg.compute_dtype]
+    tp = sizes["tensor"]
+    d = cfg.hidden_size
+    h = cfg.num_heads / tp
+    qk, v = attention_dims(cfg)
+    if cfg.attention_type == "mla":
+        attn = (cfg.q_lora_rank * 2 + h * qk * 2 + (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank
+                + h * (cfg.qk_nope_head_dim + v) + h * v + d)
+    else:
+        kvh = cfg.num_kv_heads / tp
+        attn = h * qk * 2 + kvh * qk * 2 + kvh * v + h * v + d  # q, k (pre/post norm+rope), v, out, o
+    linear = 4 * d + attn  # two norms' inputs and outputs
+    if moe:
+        k, e = cfg.num_experts_per_tok, cfg.num_experts
+        f = cfg.moe_intermediate_size / tp
+        ep = sizes["expert"]
+        routed = k * (2 * d) + ep * k * (3 * f + 2 * d)  # sorted rows, gathered outputs; recv rows, h, y
+        if ep > 1:
+            routed += 3 * ep * k * d  # send buffer, return buffer, returned rows
+        shared = cfg.num_shared_experts * (3 * cfg.moe_intermediate_size / tp) + (d if cfg.num_shared_experts else 0)
+        linear += routed + shared + d
+        linear_f32 = 2 * e  # router logits and scores stay float32
+    else:
+        linear += 3 * cfg.intermediate_size / tp + d
+        linear_f32 = 0
+    scores = h * seq * (4 + 4 + c)
+    return {"linear": linear * c + linear_f32 * 4, "scores": scores}
+
+
+def memory_per_device(cfg: ModelConfig, rows: list[ParamRow], rules: ShardingRules, sizes: Mapping[str, int],
+                      batch: int, seq: int) -> dict[str, Any]:
+    """Estimated bytes per device for training at global `batch` sequences of `seq` tokens.
+
+    params: each array's bytes / its shard count. grads: the same (gradients take the parameter
+    dtype and sharding). optimizer: AdamW's two float32 moments per parameter, sharded like it, plus
+    a float32 master copy of every bfloat16 parameter. fsdp_buffers: one MoE layer's weights
+    gathered over fsdp plus its unreduced gradient (the working copy FSDP materialises per layer).
+    activations: see `activation_bytes`.
+    """
+    params = sum(r.bytes_per_device for r in rows)
+    opt = sum(r.size // r.shards * (8 + (4 if r.dtype == "bfloat16" else 0)) for r in rows)
+    # FSDP working set: the largest stacked layer's per-layer slice with the fsdp split undone
+    fsdp = sizes["fsdp"]
+    stacks: dict[str, float] = {}
+    for r in rows:
+        stack = r.path.split("/", 1)[0]
+        if r.logical_axes and r.logical_axes[0] in ("layers", "mtp") and fsdp > 1:
+            per_layer = r.bytes_per_device / r.shape[0] * (fsdp if "fsdp" in r.mesh_axes else 1)
+            stacks[stack] = stacks.get(stack, 0.0) + per_layer
+    fsdp_buffers = 2 * max(stacks.values(), default=0.0)
+    act = activation_bytes(cfg, rules, sizes, batch, seq)
+    total = params * 2 + opt + fsdp_buffers + act["total"]
+    return {"params": params, "grads": params, "optimizer": opt, "fsdp_buffers": fsdp_buffers,
+            "activations": act, "total": total}
+
+
+def activation_bytes(cfg: ModelConfig, rules: ShardingRules, sizes: Mapping[str, int], batch: int,
+                     seq: int) -> dict[str, Any]:
+    """Stored activations per device, by remat policy (cfg.remat), for T = batch/batch_shards x
+    seq/context local tokens:
+
+      none : every layer keeps everything (`_layer_activation_bytes` x layers);
+      dots : every layer keeps its linear (projection / MLP) outputs but not the attention scores,
+             which `checkpoint_dots_with_no_batch_dims` recomputes; plus one layer's scores live;
+      full : every layer keeps only its input (T x hidden), plus one layer's full working set while
+             it is recomputed in the backward pass.
+
+    Plus, for all policies: the float32 logits and their gradient (T x vocab/tensor x 8 bytes) per
+    output head (main + MTP depths), and the causal mask (T x seq bools) shared by all layers.
+    """
+    local_batch = batch / batch_shards(rules, sizes)
+    tokens = local_batch * seq / sizes["context"]
+    c = _BYTES[cfg.compute_dtype]
+    dense_l = _layer_activation_bytes(cfg, sizes, seq, moe=False)
+    moe_l = _layer_activation_bytes(cfg, sizes, seq, moe=bool(cfg.num_experts))
+    layers = [dense_l] * cfg.num_dense_layers + [moe_l] * cfg.num_moe_layers + [moe_l] * cfg.num_mtp_layers
+    worst = max((l["linear"] + l["scores"] for l in layers), default=0.0)
+    if cfg.remat == "none":
+        per_token = sum(l["linear"] + l["scores"] for l in layers)
+    elif cfg.remat == "dots":
+        per_token = sum(l["linear"] for l in layers) + max(l["scores"] for l in layers)
+    else:
+        per_token = len(layers) * cfg.hidden_size * c + worst
+    heads = 1 + cfg.num_mtp_layers
+    logits = heads * cfg.vocab_size / sizes["tensor"] * 8
+    mask = seq
+    layer_part = tokens * per_token
+    total = layer_part + tokens * (logits + mask)
+    return {"tokens_per_device": tokens, "layers": layer_part, "logits": tokens * logits,
+            "mask": tokens * mask, "total": total, "remat": cfg.remat}
+
+
+def fits(total_bytes: float, device_memory_gib: float) -> bool:
+    return total_bytes <= device_memory_gib * 2**30
+
+
+def as_builtin(x: Any) -> Any:
+    """numpy scalars -> Python numbers, recursively (for JSON)."""
+    if isinstance(x, dict):
+        return {k: as_builtin(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [as_builtin(v) for v in x]
+    if isinstance(x, np.generic):
+        return x.item()
+    return x

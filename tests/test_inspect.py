@@ -1,0 +1,211 @@
+"""`composer-jax inspect` and model/accounting.py against hand-worked counts and published figures."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import pytest
+
+from composer_jax.config import load_config
+from composer_jax.inspect import build_report, main
+from composer_jax.model import accounting
+from composer_jax.model.params import abstract_params
+from composer_jax.sharding import ShardingRules
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ROOT / "configs" / "model"
+MESHES = ROOT / "configs" / "mesh"
+
+
+def _cfg(name: str, overrides=()):
+    return load_config(MODELS / f"{name}.yaml", overrides, num_devices=None)
+
+
+def _counts(name: str, overrides=()):
+    cfg = _cfg(name, overrides)
+    report = build_report(cfg, {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}, None, 128)
+    return report["params"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Configs
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", sorted(MODELS.glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_model_config_loads_and_validates(path):
+    cfg = load_config(path, num_devices=None)
+    assert cfg.model.name == path.stem
+
+
+@pytest.mark.parametrize("mesh", sorted(MESHES.glob("*.yaml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("model", ["kimi_k2", "deepseek_v3", "qwen3_moe_30b_a3b", "tiny"])
+def test_every_mesh_config_composes_with_the_real_models(mesh, model):
+    assert main([str(MODELS / f"{model}.yaml"), "--mesh", str(mesh), "--json"]) == 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Parameter counts
+# --------------------------------------------------------------------------------------------------
+
+
+def test_tiny_count_by_hand():
+    # configs/model/tiny.yaml: V=512 d=64, 3 layers (1 dense + 2 MoE), 4 heads, MLA q_lora 32,
+    # kv_lora 32, nope 16, rope 8, v 16; dense MLP 128; 8 experts of width 32, top-2, 1 shared; 1 MTP.
+    #   attention/layer = q_a 64*32 + q_b 32*4*(16+8) + kv_a 64*(32+8) + kv_b 32*4*(16+16) + o 4*16*64
+    #                   = 2048 + 3072 + 2560 + 4096 + 4096 = 15872, + q_a_norm 32 + kv_a_norm 32 = 15936
+    #   layer norms 2*64 = 128; dense MLP 3*64*128 = 24576
+    #   MoE = router 64*8 + bias 8 + experts 3*8*64*32 + shared 3*64*32 = 512 + 8 + 49152 + 6144 = 55816
+    #   dense layer 15936+128+24576 = 40640; MoE layer 15936+128+55816 = 71880
+    #   total = embed 512*64 + 40640 + 2*71880 + final norm 64 + lm_head 64*512
+    #         = 32768 + 40640 + 143760 + 64 + 32768 = 250000
+    #   active: routed experts at 2/8: each MoE layer 71880 - 49152 + 12288 = 35016
+    #         = 32768 + 40640 + 2*35016 + 64 + 32768 = 176272
+    #   MTP = enorm 64 + hnorm 64 + eh_proj 128*64 + MoE layer 71880 + norm 64 = 80264
+    p = _counts("tiny")
+    assert p["total"] == 250_000
+    assert p["active"] == 176_272
+    assert p["mtp_total"] == 80_264
+    assert p["components"]["routed_experts"] == {"total": 98_304, "active": 24_576,
+                                                 "bytes": 98_304 * 4, "bytes_per_device": 98_304 * 4}
+
+
+def test_tied_embedding_counted_once():
+    untied, tied = _counts("tiny"), _counts("tiny", ["model.tie_word_embeddings=true"])
+    assert untied["total"] - tied["total"] == 512 * 64
+    assert "lm_head" not in tied["components"]
+
+
+# Published figures. Kimi K2: "1.04 trillion total parameters, 32 billion activated" (arXiv
+# 2507.20534 abstract; moonshotai/Kimi-K2-Instruct model card). Our count of the hub shapes is
+# 1.026T / 32.9B: the paper rounds, and third-party counts of the safetensors give 1.026T too.
+# DeepSeek-V3: "671B total parameters with 37B activated for each token" (arXiv 2412.19437
+# abstract); the hub's 685B adds the 14B MTP module, which stores its own copy of the embedding and
+# output head (2 x 129280 x 7168 = 1.85B) that composer_jax shares with the main model.
+# Qwen3-30B-A3B: "30.5B total, 3.3B activated" (Qwen/Qwen3-30B-A3B model card, arXiv 2505.09388).
+@pytest.mark.parametrize("name,total,active,tol", [
+    ("kimi_k2", 1.04e12, 32e9, 0.03),
+    ("kimi_k2_5", 1.04e12, 32e9, 0.03),
+    ("deepseek_v3", 671e9, 37e9, 0.02),
+    ("qwen3_moe_30b_a3b", 30.5e9, 3.3e9, 0.02),
+])
+def test_published_parameter_counts(name, total, active, tol):
+    p = _counts(name)
+    assert p["total"] == pytest.approx(total, rel=tol)
+    assert p["active"] == pytest.approx(active, rel=tol)
+
+
+def test_deepseek_v3_mtp_module_is_about_14b_with_the_hub_copies_of_embedding_and_head():
+    p = _counts("deepseek_v3")
+    assert p["mtp_total"] + 2 * 129280 * 7168 == pytest.approx(14e9, rel=0.05)
+
+
+def test_eval_shape_of_init_allocates_nothing():
+    cfg = _cfg("kimi_k2").model  # 1.03T parameters: ~2 TB if anything were materialised
+    before = len(jax.live_arrays())
+    shapes = abstract_params(cfg)
+    leaves = jax.tree.leaves(shapes)
+    assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    assert len(jax.live_arrays()) <= before
+
+
+# --------------------------------------------------------------------------------------------------
+# FLOPs and memory
+# --------------------------------------------------------------------------------------------------
+
+
+def test_tiny_flops_by_hand():
+    # matmul params = active 176272 - embedding gather 32768 - norms 640 - router biases 2*8 = 142848
+    # attention at seq 128: 12 * 3 layers * 4 heads * (24 + 16)/2 * S_ctx, S_ctx = 64 (causal) or 128
+    f = build_report(_cfg("tiny"), {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1},
+                     None, 128)["flops_per_token"]
+    assert f["matmul_active_params"] == 142_848
+    assert f["attention_causal"] == 12 * 3 * 4 * 20 * 64
+    assert f["total"] == 6 * 142_848 + 12 * 3 * 4 * 20 * 64
+    assert f["total_full_attention"] == 6 * 142_848 + 12 * 3 * 4 * 20 * 128
+
+
+def test_kimi_per_device_parameter_bytes_by_hand():
+    # Mesh fsdp=32 x expert=8 (256 devices), default rules. Routed expert weights
+    # [60 layers, 384 experts, 7168, 2048] (x3: gate, up, down) are split over experts by `expert`
+    # (384/8) and over the model dimension 7168 by `fsdp` (7168/32): 256 shards of bfloat16.
+    # The embedding [163840, 7168] is split over its model dimension only: 32 shards.
+    cfg = _cfg("kimi_k2", ["mesh.fsdp=32", "mesh.expert=8"])
+    sizes = {"data": 1, "fsdp": 32, "expert": 8, "context": 1, "tensor": 1}
+    c = build_report(cfg, sizes, 256, 4096)["params"]["components"]
+    assert c["routed_experts"]["bytes_per_device"] == 3 * 60 * 384 * 7168 * 2048 * 2 // 256
+    assert c["embedding"]["bytes_per_device"] == 163840 * 7168 * 2 // 32
+
+
+def test_tiny_state_memory_by_hand():
+    # float32 parameters on one device: params 4 B, grads 4 B, AdamW moments 8 B per scalar, no
+    # master copy; all 250000 + 80264 (MTP) scalars are live parameters.
+    cfg = _cfg("tiny")
+    mem = build_report(cfg, {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}, 2, 64)["memory_per_device"]
+    n = 250_000 + 80_264
+    assert mem["params"] == mem["grads"] == 4 * n
+    assert mem["optimizer"] == 8 * n
+    # bfloat16 parameters: 2 B each, plus a 4 B float32 master copy except for the float32 router
+    # weights and biases (2 MoE layers + 1 MTP layer) x (64*8 + 8) = 1560 scalars.
+    mem16 = build_report(_cfg("tiny", ["model.param_dtype=bfloat16"]),
+                         {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}, 2, 64)["memory_per_device"]
+    assert mem16["params"] == 2 * (n - 1560) + 4 * 1560
+    assert mem16["optimizer"] == 12 * (n - 1560) + 8 * 1560
+
+
+def test_remat_orders_activation_memory():
+    sizes = {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}
+    act = {p: build_report(_cfg("tiny", [f"model.remat={p}"]), sizes, 4, 256)["memory_per_device"]["activations"]
+           for p in ("none", "dots", "full")}
+    assert act["none"]["total"] > act["dots"]["total"] > act["full"]["total"]
+    # remat=full keeps one [tokens, hidden] input per layer (3 + 1 MTP) plus one layer's working set
+    assert act["full"]["layers"] > 4 * 4 * 256 * 64 * 4
+
+
+# --------------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------------
+
+
+def test_cli_json(capsys):
+    rc = main([str(MODELS / "deepseek_v3.yaml"), "mesh.fsdp=64", "mesh.expert=8", "--batch", "512",
+               "--seq", "4096", "--device-memory-gib", "140", "--json"])
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["devices"] == 512 and r["mesh"]["fsdp"] == 64
+    assert r["params"]["total"] == pytest.approx(671e9, rel=0.01)
+    assert isinstance(r["fits"], bool) and r["memory_per_device"]["total"] > 0
+    assert r["config"]["model"]["name"] == "deepseek_v3"
+
+
+def test_cli_text(capsys):
+    assert main([str(MODELS / "qwen3_moe_30b_a3b.yaml"), "--mesh", str(MESHES / "h200x64_ep8.yaml"),
+                 "--batch", "64", "--device-memory-gib", "140"]) == 0
+    out = capsys.readouterr().out
+    assert "routed_experts" in out and "training FLOPs/token" in out and "fits in 140 GiB" in out
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["model.num_layrs=2"], "did you mean 'num_layers'"),
+    (["mesh.expert=5"], "accepted expert sizes"),
+    (["mesh.fsdp=2", "--batch", "3"], "accepted: a positive multiple of 2"),
+    (["--seq", "100000"], "exceeds model.max_position_embeddings=4096"),
+    (["--batch", "x"], "invalid int value: 'x'"),
+    (["--mesh", "no/such.yaml"], "does not exist"),
+    (["--device-memory-gib", "0"], "must be positive"),
+])
+def test_cli_bad_arguments_exit_2_with_a_clear_message(capsys, args, needle):
+    assert main([str(MODELS / "tiny.yaml"), *args]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.startswith("composer-jax inspect: error:")
+
+
+def test_cli_mesh_file_must_hold_only_a_mesh_section(capsys):
+    assert main([str(MODELS / "tiny.yaml"), "--mesh", str(MODELS / "tiny.yaml")]) == 2
+    assert "must hold only a `mesh:` section" in capsys.readouterr().err
+
+
+def test_cli_without_config_names_what_is_missing(capsys):
+    assert main([]) == 2
+    assert "missing CONFIG" in capsys.readouterr().err
