@@ -31,6 +31,9 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     "head_dim": (),
     "q_lora": (),
     "kv_lora": (),
+    # the LoRA rank as the *input* of q_b / kv_b: FSDP-sharded there (q_a / kv_a already use fsdp
+    # on embed, so their output rank stays whole); otherwise these would be replicated at tensor=1
+    "lora_in": ("fsdp",),
     "mlp": ("tensor",),
     "experts": ("expert",),
     "expert_mlp": ("tensor",),

@@ -62,12 +62,12 @@ def _attention_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
     if cfg.q_lora_rank:
         specs["q_a"] = ParamSpec((d, cfg.q_lora_rank), ("embed", "q_lora"))
         specs["q_a_norm"] = ParamSpec((cfg.q_lora_rank,), ("q_lora",), "ones")
-        specs["q_b"] = ParamSpec((cfg.q_lora_rank, h, qk), ("q_lora", "heads", "head_dim"))
+        specs["q_b"] = ParamSpec((cfg.q_lora_rank, h, qk), ("lora_in", "heads", "head_dim"))
     else:
         specs["q"] = ParamSpec((d, h, qk), ("embed", "heads", "head_dim"))
     specs["kv_a"] = ParamSpec((d, cfg.kv_lora_rank + cfg.qk_rope_head_dim), ("embed", "kv_lora"))
     specs["kv_a_norm"] = ParamSpec((cfg.kv_lora_rank,), ("kv_lora",), "ones")
-    specs["kv_b"] = ParamSpec((cfg.kv_lora_rank, h, cfg.qk_nope_head_dim + cfg.v_head_dim), ("kv_lora", "heads", "head_dim"))
+    specs["kv_b"] = ParamSpec((cfg.kv_lora_rank, h, cfg.qk_nope_head_dim + cfg.v_head_dim), ("lora_in", "heads", "head_dim"))
     specs["o"] = ParamSpec((h, cfg.v_head_dim, d), ("heads", "head_dim", "embed"))
     return specs
 
