@@ -151,7 +151,8 @@ def _deepseek(hf: Mapping[str, Any], family: str) -> tuple[dict[str, Any], int]:
         v_head_dim=int(hf["v_head_dim"]),
         # DeepseekV2 always rotates interleaved pairs (complex multiplication)
         rope_interleave=bool(_get(hf, "rope_interleave", True)) if family == "deepseek_v3" else True,
-        moe_intermediate_size=int(hf["moe_intermediate_size"]), num_experts=int(hf["n_routed_experts"]),
+        moe_intermediate_size=int(hf["moe_intermediate_size"]),
+        num_experts=int(hf["n_routed_experts"] if "n_routed_experts" in hf else hf["num_local_experts"]),
         num_experts_per_tok=int(hf["num_experts_per_tok"]), num_shared_experts=shared,
         first_k_dense=int(_get(hf, "first_k_dense_replace", 0)), score_func=scoring, topk_method=topk_method,
         n_group=n_group, topk_group=topk_group, norm_topk_prob=norm,
@@ -174,7 +175,9 @@ def _qwen3_moe(hf: Mapping[str, Any]) -> dict[str, Any]:
     return dict(
         attention_type="gqa", num_kv_heads=int(_get(hf, "num_key_value_heads", heads)),
         head_dim=int(_get(hf, "head_dim", int(hf["hidden_size"]) // heads)), qk_norm=True, rope_interleave=False,
-        moe_intermediate_size=int(hf["moe_intermediate_size"]), num_experts=int(hf["num_experts"]),
+        moe_intermediate_size=int(hf["moe_intermediate_size"]),
+        # the hub spells it num_experts; transformers 5 writes its canonical num_local_experts
+        num_experts=int(hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"]),
         num_experts_per_tok=int(hf["num_experts_per_tok"]), num_shared_experts=0, first_k_dense=len(dense),
         score_func="softmax", topk_method="greedy", n_group=1, topk_group=1,
         norm_topk_prob=bool(_get(hf, "norm_topk_prob", False)), routed_scaling_factor=1.0,
