@@ -6,15 +6,15 @@ import functools
 import numpy as np
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
-from hf_cases import VOCAB, Built, build_model  # noqa: E402  (tests/checkpoint/hf_cases.py)
+# hf_cases (tests/checkpoint/hf_cases.py) imports torch/transformers: imported inside the fixtures
+# so that the tests here that need neither still run where they are not installed.
 
 
 @pytest.fixture(scope="session")
 def hf_checkpoint(tmp_path_factory):
     """name -> Built(torch model, directory written by transformers' save_pretrained), cached."""
+    from hf_cases import Built, build_model
+
     @functools.lru_cache(maxsize=None)
     def get(name: str) -> Built:
         model = build_model(name)
@@ -26,4 +26,6 @@ def hf_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tokens():
+    from hf_cases import VOCAB
+
     return np.random.RandomState(0).randint(0, VOCAB, size=(2, 16)).astype(np.int32)

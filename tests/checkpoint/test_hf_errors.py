@@ -131,3 +131,22 @@ def test_save_checks_param_shapes(tmp_path):
     params["embed"] = np.zeros((10, cfg.hidden_size), np.float32)
     with pytest.raises(CheckpointError, match=r"params\['embed'\] has shape \[10, 64\]; cfg expects \[512, 64\]"):
         cj.save_pretrained(params, cfg, tmp_path)
+
+
+def test_convert_cli_round_trips(hf_checkpoint, tmp_path, capsys):
+    """hf -> hf, hf -> orbax -> hf, and --print-config through `composer-jax convert`."""
+    from composer_jax.checkpoint.convert import main
+
+    built = hf_checkpoint("v2_group")
+    assert main(["--from-hf", str(built.path), "--print-config"]) == 0
+    assert "topk_method: group_limited" in capsys.readouterr().out
+    assert main(["--from-hf", str(built.path), "--to-hf", str(tmp_path / "hf"), "--max-shard-size", "30KB"]) == 0
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    assert main(["--from-hf", str(tmp_path / "hf"), "--to-orbax", str(tmp_path / "orbax")]) == 0
+    assert main(["--from-orbax", str(tmp_path / "orbax"), "--to-hf", str(tmp_path / "hf2")]) == 0
+    _, a = cj.from_pretrained(built.path)
+    _, b = cj.from_pretrained(tmp_path / "hf2")
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert main(["--from-hf", str(tmp_path / "nope"), "--to-hf", str(tmp_path / "x")]) == 1
+    assert "no config.json" in capsys.readouterr().err

@@ -318,7 +318,7 @@ def read_hf_config(path: str | os.PathLike) -> dict:
 
 
 def from_pretrained(path: str | os.PathLike, mesh: Mesh | None = None, *, rules: ShardingRules | None = None,
-                    dtype: str | None = None) -> tuple[ModelConfig, dict]:
+                    dtype: Any = None) -> tuple[ModelConfig, dict]:
     """Load a Hugging Face checkpoint directory (deepseek_v3 / Kimi K2, deepseek_v2, qwen3_moe).
 
     path: directory with config.json and model.safetensors or model.safetensors.index.json + shards.
@@ -328,6 +328,8 @@ def from_pretrained(path: str | os.PathLike, mesh: Mesh | None = None, *, rules:
     Returns (ModelConfig, params) with params laid out as `param_specs(cfg)`.
     """
     hf = read_hf_config(path)
+    if dtype is not None and not isinstance(dtype, str):
+        dtype = jnp.dtype(dtype).name  # jnp.bfloat16 / np.float32 -> "bfloat16" / "float32"
     cfg, info = model_config_from_hf(hf, dtype=dtype)
     try:
         files = st.SafetensorsDir(path)
