@@ -200,7 +200,7 @@ def test_fp8_block_quantised_checkpoint(hf_checkpoint, tokens, tmp_path):
     assert rel_float < 0.15
 
 
-def test_sharded_load_matches_unsharded(hf_checkpoint, loaded, tokens):
+def test_sharded_load_matches_unsharded(hf_checkpoint, loaded, tokens, tmp_path):
     built = hf_checkpoint("v3_full")
     mesh = cj.make_mesh(MeshConfig(data=1, fsdp=2, expert=2, context=1, tensor=2))
     rules = ShardingRules.create()
@@ -219,6 +219,10 @@ def test_sharded_load_matches_unsharded(hf_checkpoint, loaded, tokens):
     d = max_diff(fwd(params, jnp.asarray(batch)), built.logits(batch))
     print(f"[parity] v3_full sharded (fsdp=2, expert=2, tensor=2): max|diff| = {d:.2e}")
     assert d < TOL
+    # saving sharded params gathers them: the files equal those saved from the unsharded load
+    cj.save_pretrained(params, cfg, tmp_path / "sharded")
+    cj.save_pretrained(params0, cfg0, tmp_path / "plain")
+    assert (tmp_path / "sharded" / "model.safetensors").read_bytes() == (tmp_path / "plain" / "model.safetensors").read_bytes()
 
 
 def _mtp_checkpoint(built, out_dir):
