@@ -84,7 +84,8 @@ def test_dispatch_matches_numpy(impl, tile):
     cfg = _cfg(moe_impl=impl, moe_tile_size=tile)
     p = _moe_params(cfg, jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (2, 37, cfg.hidden_size))
-    y, experts, counts = moe.moe_layer(p, x, cfg, None, None)
+    y, experts, stats = moe.moe_layer(p, x, cfg, None, None)
+    counts = stats["expert_counts"]
     r = moe.route(p["router"], p["router_bias"], x.reshape(-1, cfg.hidden_size), cfg)
     ref = _numpy_moe(jax.tree.map(np.asarray, p), np.asarray(x).reshape(-1, cfg.hidden_size), cfg,
                      np.asarray(r.experts), np.asarray(r.weights))
@@ -113,7 +114,8 @@ def test_router_replay_uses_recorded_experts():
     p = _moe_params(cfg, jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (1, 9, cfg.hidden_size))
     forced = jnp.tile(jnp.array([3, 5], jnp.int32), (1, 9, 1))
-    y, experts, counts = moe.moe_layer(p, x, cfg, None, None, replay=forced)
+    y, experts, stats = moe.moe_layer(p, x, cfg, None, None, replay=forced)
+    counts = stats["expert_counts"]
     assert (np.asarray(experts) == np.asarray(forced)).all()
     assert np.asarray(counts).tolist() == [0, 0, 0, 9, 0, 9, 0, 0]
     # gate weights are the current router's scores of the replayed experts, renormalised
@@ -129,3 +131,16 @@ def test_router_bias_update_rule():
     counts = jnp.array([[10.0, 2.0, 4.0, 0.0], [4.0, 4.0, 4.0, 4.0]])  # mean 4 in both layers
     out = moe.router_bias_update(bias, counts, 0.01)
     np.testing.assert_allclose(np.asarray(out), [[-0.01, 0.01, 0.0, 0.01], [0, 0, 0, 0]])
+
+
+def test_sequence_balance_hand_worked():
+    # one sequence of 2 tokens, 4 experts, k=1. Token scores (already normalised):
+    # t0 = [.7, .1, .1, .1] picks e0; t1 = [.1, .1, .7, .1] picks e2.
+    # f = E/(kS) * counts = 4/2 * [1, 0, 1, 0] = [2, 0, 2, 0]; P = mean scores = [.4, .1, .4, .1]
+    # loss = 2 * .4 + 2 * .4 = 1.6
+    scores = jnp.array([[[0.7, 0.1, 0.1, 0.1], [0.1, 0.1, 0.7, 0.1]]])
+    experts = jnp.array([[[0], [2]]])
+    np.testing.assert_allclose(float(moe.sequence_balance(scores, experts, 4)), 1.6, rtol=1e-6)
+    # perfectly balanced choices with uniform scores give exactly 1 per sequence
+    uni = jnp.full((3, 4, 4), 0.25)
+    np.testing.assert_allclose(float(moe.sequence_balance(uni, jnp.array([[[0], [1], [2], [3]]] * 3), 4)), 3.0, rtol=1e-6)

@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from composer_jax.config import ModelConfig
@@ -33,6 +34,7 @@ from composer_jax.sharding import ShardingRules
 class Routing(NamedTuple):
     weights: jax.Array  # float32[tokens, k]
     experts: jax.Array  # int32[tokens, k]
+    scores: jax.Array  # float32[tokens, experts] (sigmoid or softmax, before selection)
 
 
 def route(router_w: jax.Array, router_bias: jax.Array, x: jax.Array, cfg: ModelConfig,
@@ -63,7 +65,7 @@ def route(router_w: jax.Array, router_bias: jax.Array, x: jax.Array, cfg: ModelC
     weights = jnp.take_along_axis(scores, experts, axis=-1)
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-    return Routing(weights * cfg.routed_scaling_factor, experts)
+    return Routing(weights * cfg.routed_scaling_factor, experts, scores)
 
 
 def expert_counts(experts: jax.Array, num_experts: int) -> jax.Array:
@@ -153,10 +155,29 @@ def grouped_swiglu(x: jax.Array, sizes: jax.Array, gate: jax.Array, up: jax.Arra
 # --------------------------------------------------------------------------------------------------
 
 
+def sequence_balance(scores: jax.Array, experts: jax.Array, num_experts: int, seq_axes=(), seq_shards: int = 1):
+    """DeepSeek-V3's complementary sequence-wise balance loss, summed over the rows of the block.
+
+    scores: float32[batch, seq, experts]; experts: int32[batch, seq, k]. Per sequence,
+    f_i = E / (k S) * #{tokens choosing i}, P_i = mean_t s_it / sum_j s_jt, loss = sum_i f_i P_i
+    (1 when balanced and scores uniform). With the sequence split over `seq_axes`, the per-row
+    sums are all-reduced first.
+    """
+    b, s, k = experts.shape
+    chosen = jnp.zeros((b, num_experts), jnp.float32).at[jnp.arange(b)[:, None], experts.reshape(b, s * k)].add(1.0)
+    p_sum = (scores / scores.sum(-1, keepdims=True)).sum(1)
+    if seq_axes:
+        chosen, p_sum = jax.lax.psum((chosen, p_sum), seq_axes)
+    seq = s * seq_shards
+    f = chosen * num_experts / (k * seq)
+    return jnp.sum(f * p_sum / seq)
+
+
 def _local_moe(p: dict, x: jax.Array, replay: jax.Array | None, cfg: ModelConfig, ep_axis: str | None,
-               ep: int, reduce_axes: tuple[str, ...], count_axes: tuple[str, ...]):
+               ep: int, reduce_axes: tuple[str, ...], batch_axes: tuple[str, ...] = (),
+               seq_axes: tuple[str, ...] = (), seq_shards: int = 1):
     """x: [batch, seq, embed] local block -> (y [batch, seq, embed], experts int32[batch, seq, k],
-    counts float32[experts] summed over the whole mesh)."""
+    counts float32[experts] and the sequence-balance sum over rows, both over the whole mesh)."""
     b, s, d = x.shape
     k, e = cfg.num_experts_per_tok, cfg.num_experts
     xt = x.reshape(b * s, d)
@@ -195,21 +216,26 @@ def _local_moe(p: dict, x: jax.Array, replay: jax.Array | None, cfg: ModelConfig
     if reduce_axes:  # expert / shared MLP hidden dimension split over tensor-like axes
         y = jax.lax.psum(y, reduce_axes)
     counts = expert_counts(r.experts, e)
-    if count_axes:
-        counts = jax.lax.psum(counts, count_axes)
-    return y.reshape(b, s, d), r.experts.reshape(b, s, k), counts
+    balance = sequence_balance(r.scores.reshape(b, s, e), r.experts.reshape(b, s, k), e, seq_axes, seq_shards)
+    if batch_axes or seq_axes:
+        counts = jax.lax.psum(counts, batch_axes + seq_axes)
+    if batch_axes:
+        balance = jax.lax.psum(balance, batch_axes)
+    return y.reshape(b, s, d), r.experts.reshape(b, s, k), {"expert_counts": counts, "seq_balance": balance}
 
 
 def moe_layer(p: dict, x: jax.Array, cfg: ModelConfig, rules: ShardingRules | None, mesh,
               replay: jax.Array | None = None):
-    """x: [batch, seq, embed] -> (y [batch, seq, embed], experts int32[batch, seq, k],
-    counts float32[experts]). With a mesh, runs per device inside `jax.shard_map`."""
+    """x: [batch, seq, embed] -> (y [batch, seq, embed], experts int32[batch, seq, k], stats) with
+    stats = {"expert_counts": float32[experts], "seq_balance": float32[] summed over sequences}.
+    With a mesh, runs per device inside `jax.shard_map`."""
     if mesh is None or rules is None or all(n == 1 for n in mesh.shape.values()):
-        return _local_moe(p, x, replay, cfg, None, 1, (), ())
+        return _local_moe(p, x, replay, cfg, None, 1, ())
     b, s, d = x.shape
     x_spec = rules.spec(("act_batch", "act_seq", "act_embed"), x.shape, mesh)
-    token_axes = tuple(a for part in x_spec[:2] if part is not None
-                       for a in ((part,) if isinstance(part, str) else part))
+    as_tuple = lambda part: () if part is None else ((part,) if isinstance(part, str) else tuple(part))
+    b_axes, s_axes = as_tuple(x_spec[0]), as_tuple(x_spec[1])
+    token_axes = b_axes + s_axes
     ep_axes = tuple(a for a in rules.mesh_axes("experts") if mesh.shape[a] > 1)
     if len(ep_axes) > 1:
         raise ValueError(f"experts may be split over one mesh axis, got {ep_axes}")
@@ -222,7 +248,6 @@ def moe_layer(p: dict, x: jax.Array, cfg: ModelConfig, rules: ShardingRules | No
             f"divisible by the product of the batch mesh axes")
     tp_e = rules.spec(("expert_mlp",), (cfg.moe_intermediate_size,), mesh)[0]
     tp_s = rules.spec(("mlp",), (cfg.shared_intermediate_size,), mesh)[0] if cfg.num_shared_experts else None
-    as_tuple = lambda part: () if part is None else ((part,) if isinstance(part, str) else tuple(part))
     if cfg.num_shared_experts and as_tuple(tp_e) != as_tuple(tp_s):
         raise ValueError(f"routed expert hidden axis {tp_e} and shared expert hidden axis {tp_s} must be "
                          f"split over the same mesh axes (sharding rules expert_mlp and mlp)")
@@ -237,10 +262,11 @@ def moe_layer(p: dict, x: jax.Array, cfg: ModelConfig, rules: ShardingRules | No
     tok_spec = P(x_spec[0], x_spec[1], None)
 
     def body(p, x, replay):
-        return _local_moe(p, x, replay, cfg, ep_axis, ep, as_tuple(tp_e), token_axes)
+        return _local_moe(p, x, replay, cfg, ep_axis, ep, as_tuple(tp_e), b_axes, s_axes,
+                          int(np.prod([mesh.shape[a] for a in s_axes])))
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=(specs, tok_spec, None if replay is None else tok_spec),
-                       out_specs=(tok_spec, tok_spec, P()))
+                       out_specs=(tok_spec, tok_spec, {"expert_counts": P(), "seq_balance": P()}))
     return fn(p, x, replay)
 
 

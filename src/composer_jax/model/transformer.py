@@ -106,17 +106,18 @@ def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, *, segment_ids: j
         h, _ = _run_stack(params["dense_layers"], h, ctx, cfg, rules, mesh, None)
     experts = None
     if "moe_layers" in params:
-        h, (experts, counts) = _run_stack(params["moe_layers"], h, ctx, cfg, rules, mesh, routing)
-        aux["expert_counts"] = counts
+        h, (experts, stats) = _run_stack(params["moe_layers"], h, ctx, cfg, rules, mesh, routing)
+        aux["expert_counts"] = stats["expert_counts"]
+        aux["seq_balance"] = stats["seq_balance"]
     h_final = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
     logits = constrain(_logits(params, h_final, cfg), rules, ("act_batch", "act_seq", "act_vocab"))
 
     mtp_logits = mtp_experts = None
     if cfg.num_mtp_layers and "mtp" in params:
-        mtp_logits, mtp_experts, mtp_counts = mtp_forward(
+        mtp_logits, mtp_experts, mtp_stats = mtp_forward(
             params, h_final, tokens, ctx, cfg, rules, mesh, mtp_routing)
-        if mtp_counts is not None:
-            aux["mtp_expert_counts"] = mtp_counts
+        if mtp_stats is not None:
+            aux["mtp_expert_counts"] = mtp_stats["expert_counts"]
     return ModelOutput(logits, mtp_logits, experts, mtp_experts, h_final, aux)
 
 

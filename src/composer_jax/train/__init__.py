@@ -1,0 +1,1 @@
+"""Training: state, optimiser, losses, the sharded step, and the loop."""
