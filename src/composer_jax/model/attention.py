@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from composer_jax.config import ModelConfig
 from composer_jax.model.layers import apply_rope, rms_norm, softmax_scale
@@ -27,12 +29,18 @@ def segment_positions(segment_ids: jax.Array) -> jax.Array:
     return idx - start
 
 
-def causal_segment_mask(segment_ids: jax.Array) -> jax.Array:
-    """int32[batch, seq] -> bool[batch, 1, q_seq, k_seq]: causal and within one segment."""
-    seq = segment_ids.shape[-1]
-    causal = jnp.tril(jnp.ones((seq, seq), bool))
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return (causal[None] & same)[:, None]
+def causal_segment_mask(segment_ids: jax.Array, order: jax.Array | None = None,
+                        k_segment_ids: jax.Array | None = None, k_order: jax.Array | None = None) -> jax.Array:
+    """-> bool[batch, 1, q_seq, k_seq]: key not after the query (by original token index `order`,
+    which differs from the array index when the sequence is permuted for context parallelism) and
+    in the same segment. Keys default to the queries."""
+    if order is None:
+        order = jnp.broadcast_to(jnp.arange(segment_ids.shape[-1], dtype=jnp.int32), segment_ids.shape)
+    k_segment_ids = segment_ids if k_segment_ids is None else k_segment_ids
+    k_order = order if k_order is None else k_order
+    causal = k_order[:, None, :] <= order[:, :, None]
+    same = segment_ids[:, :, None] == k_segment_ids[:, None, :]
+    return (causal & same)[:, None]
 
 
 def _softmax_attend(scores: jax.Array, mask: jax.Array) -> jax.Array:
@@ -40,8 +48,88 @@ def _softmax_attend(scores: jax.Array, mask: jax.Array) -> jax.Array:
     return jax.nn.softmax(scores, axis=-1)
 
 
-def mla(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array, cfg: ModelConfig,
-        rules: ShardingRules | None = None) -> jax.Array:
+def _mla_core(q_nope, q_rope, latent, k_rope, kv_b, mask, cfg: ModelConfig):
+    """Attention of MLA queries over latent keys. q_*: [b, q, h, *]; latent: [b, k, kv_lora];
+    k_rope: [b, k, rope] (already rotated); kv_b: [kv_lora, h, nope + v]; mask: [b, 1, q, k].
+    Returns [b, q, h, v_head_dim]."""
+    nope = cfg.qk_nope_head_dim
+    kvb = jnp.einsum("bsr,rhk->bshk", latent, kv_b.astype(latent.dtype))
+    k_nope, v = kvb[..., :nope], kvb[..., nope:]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q_nope, k_nope, preferred_element_type=jnp.float32)
+    scores = scores + jnp.einsum("bqhd,bkd->bhqk", q_rope, k_rope, preferred_element_type=jnp.float32)
+    probs = _softmax_attend(scores * softmax_scale(cfg), mask).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def _gqa_core(q, k, v, mask, cfg: ModelConfig):
+    """q: [b, q, h, d]; k, v: [b, k, kvh, d]; mask: [b, 1, q, k] -> [b, q, h, d]."""
+    b, s, h, hd = q.shape
+    kvh = k.shape[2]
+    q = q.reshape(b, s, kvh, h // kvh, hd)
+    scores = jnp.einsum("bqngd,bknd->bngqk", q, k, preferred_element_type=jnp.float32)
+    probs = _softmax_attend(scores * softmax_scale(cfg), mask[:, :, None]).astype(v.dtype)
+    return jnp.einsum("bngqk,bknd->bqngd", probs, v).reshape(b, s, h, hd)
+
+
+def _context_axes(rules: ShardingRules | None, mesh) -> tuple[str, ...]:
+    if rules is None or mesh is None:
+        return ()
+    return tuple(a for a in rules.mesh_axes("act_seq") if mesh.shape[a] > 1)
+
+
+def context_parallel_attention(core, queries: tuple, kv_sources: tuple, head_params: tuple, ctx: dict,
+                               cfg: ModelConfig, rules: ShardingRules, mesh) -> jax.Array:
+    """Attention with the sequence split over the context mesh axis (explicit `shard_map`).
+
+    Each device keeps its query block and all-gathers the key/value *sources* over the context
+    axis: for MLA that is the compressed latent and the shared rotary key (kv_lora + rope numbers
+    per token, instead of heads x (k + v) for expanded keys: the MLA-specific saving), expanded
+    per head locally. Masks come from gathered segment ids and original token order, so packed
+    sequences and any permutation of the sequence are exact. With the zigzag layout (device d
+    holds chunks d and 2C-1-d), the first local chunk can only see the first C chunks, so it is
+    computed against those alone: every device does 3C/4C of the full work, the same amount.
+
+    queries: arrays [b, s, h, *]; kv_sources: arrays [b, s, *]; head_params: weights whose axis 1 is
+    heads (sharded like the query heads); core(*queries, *gathered_kv, *head_params, mask, cfg).
+    """
+    cax = _context_axes(rules, mesh)
+    b, s = queries[0].shape[:2]
+    tok = rules.spec(("act_batch", "act_seq"), (b, s), mesh)
+    heads = rules.spec(("act_heads",), (queries[0].shape[2],), mesh)[0]
+    q_spec = P(tok[0], tok[1], heads, None)
+    kv_spec = lambda x: P(tok[0], tok[1], *([None] * (x.ndim - 2)))
+    hp_spec = lambda w: P(None, heads, *([None] * (w.ndim - 2)))
+    zigzag = ctx.get("layout") == "zigzag"
+    n_ctx = int(np.prod([mesh.shape[a] for a in cax]))
+
+    def body(queries, kv, hp, seg, order):
+        gather = lambda x: jax.lax.all_gather(x, cax, axis=1, tiled=True)
+        kv_all = tuple(gather(x) for x in kv)
+        seg_all, order_all = gather(seg), gather(order)
+        if not zigzag:
+            mask = causal_segment_mask(seg, order, seg_all, order_all)
+            return core(*queries, *kv_all, *hp, mask, cfg)
+        half = seg.shape[1] // 2
+        # keys of the first C chunks = the first half of every device's block
+        first = lambda x: x.reshape(x.shape[0], n_ctx, 2, half, *x.shape[2:])[:, :, 0].reshape(
+            x.shape[0], n_ctx * half, *x.shape[2:])
+        qa = tuple(q[:, :half] for q in queries)
+        qb = tuple(q[:, half:] for q in queries)
+        mask_a = causal_segment_mask(seg[:, :half], order[:, :half], first(seg_all), first(order_all))
+        mask_b = causal_segment_mask(seg[:, half:], order[:, half:], seg_all, order_all)
+        out_a = core(*qa, *(first(x) for x in kv_all), *hp, mask_a, cfg)
+        out_b = core(*qb, *kv_all, *hp, mask_b, cfg)
+        return jnp.concatenate([out_a, out_b], axis=1)
+
+    fn = jax.shard_map(body, mesh=mesh,
+                       in_specs=(tuple(q_spec for _ in queries), tuple(kv_spec(x) for x in kv_sources),
+                                 tuple(hp_spec(w) for w in head_params), P(tok[0], tok[1]), P(tok[0], tok[1])),
+                       out_specs=q_spec)
+    return fn(queries, kv_sources, head_params, ctx["segment_ids"], ctx["order"])
+
+
+def mla(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, rules: ShardingRules | None = None,
+        mesh=None) -> jax.Array:
     """Multi-head latent attention. x: [batch, seq, embed] -> [batch, seq, embed].
 
     Queries: optional low-rank path (q_a -> RMSNorm -> q_b). Keys/values: a shared latent
@@ -59,22 +147,19 @@ def mla(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array, 
     q_nope, q_rope = q[..., :nope], q[..., nope:]
     kv = x @ p["kv_a"].astype(dt)
     latent = rms_norm(kv[..., : cfg.kv_lora_rank], p["kv_a_norm"], LATENT_NORM_EPS)
-    k_rope = kv[..., cfg.kv_lora_rank:][:, :, None, :]
-    kvb = jnp.einsum("bsr,rhk->bshk", latent, p["kv_b"].astype(dt))
-    kvb = constrain(kvb, rules, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
-    k_nope, v = kvb[..., :nope], kvb[..., nope:]
-    q_rope = apply_rope(q_rope, cos, sin, cfg.rope_interleave)
-    k_rope = apply_rope(k_rope, cos, sin, cfg.rope_interleave)[:, :, 0, :]
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q_nope, k_nope, preferred_element_type=jnp.float32)
-    scores = scores + jnp.einsum("bqhd,bkd->bhqk", q_rope, k_rope, preferred_element_type=jnp.float32)
-    probs = _softmax_attend(scores * softmax_scale(cfg), mask).astype(dt)
-    out = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+    q_rope = apply_rope(q_rope, ctx["cos"], ctx["sin"], cfg.rope_interleave)
+    k_rope = apply_rope(kv[..., cfg.kv_lora_rank:][:, :, None, :], ctx["cos"], ctx["sin"], cfg.rope_interleave)[:, :, 0]
+    if _context_axes(rules, mesh):
+        out = context_parallel_attention(_mla_core, (q_nope, q_rope), (latent, k_rope), (p["kv_b"],),
+                                         ctx, cfg, rules, mesh)
+    else:
+        out = _mla_core(q_nope, q_rope, latent, k_rope, p["kv_b"], ctx["mask"], cfg)
     out = constrain(out, rules, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
     return jnp.einsum("bqhd,hdm->bqm", out, p["o"].astype(dt))
 
 
-def gqa(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array, cfg: ModelConfig,
-        rules: ShardingRules | None = None) -> jax.Array:
+def gqa(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, rules: ShardingRules | None = None,
+        mesh=None) -> jax.Array:
     """Grouped-query attention with per-head q/k RMSNorm (Qwen3). x: [batch, seq, embed]."""
     dt = x.dtype
     q = jnp.einsum("bsd,dhk->bshk", x, p["q"].astype(dt))
@@ -83,19 +168,21 @@ def gqa(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array, 
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    q = apply_rope(q, cos, sin, cfg.rope_interleave)
-    k = apply_rope(k, cos, sin, cfg.rope_interleave)
-    b, s, h, hd = q.shape
-    kvh = k.shape[2]
-    q = q.reshape(b, s, kvh, h // kvh, hd)
-    scores = jnp.einsum("bqngd,bknd->bngqk", q, k, preferred_element_type=jnp.float32)
-    probs = _softmax_attend(scores * softmax_scale(cfg), mask[:, :, None]).astype(dt)
-    out = jnp.einsum("bngqk,bknd->bqngd", probs, v).reshape(b, s, h, hd)
+    q = apply_rope(q, ctx["cos"], ctx["sin"], cfg.rope_interleave)
+    k = apply_rope(k, ctx["cos"], ctx["sin"], cfg.rope_interleave)
+    q = constrain(q, rules, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
+    if _context_axes(rules, mesh):
+        out = context_parallel_attention(lambda q, k, v, mask, cfg: _gqa_core(q, k, v, mask, cfg),
+                                         (q,), (k, v), (), ctx, cfg, rules, mesh)
+    else:
+        out = _gqa_core(q, k, v, ctx["mask"], cfg)
     out = constrain(out, rules, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
     return jnp.einsum("bqhd,hdm->bqm", out, p["o"].astype(dt))
 
 
-def attention(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array, cfg: ModelConfig,
-              rules: ShardingRules | None = None) -> jax.Array:
+def attention(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, rules: ShardingRules | None = None,
+              mesh=None) -> jax.Array:
+    """ctx: cos/sin [batch, seq, rope/2], mask [batch, 1, seq, seq], segment_ids, order [batch, seq],
+    layout ("contiguous" | "zigzag")."""
     fn = mla if cfg.attention_type == "mla" else gqa
-    return fn(p, x, cos, sin, mask, cfg, rules)
+    return fn(p, x, ctx, cfg, rules, mesh)

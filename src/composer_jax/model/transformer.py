@@ -42,7 +42,7 @@ def _remat(fn, policy: str):
 def decoder_layer(lp: dict, h: jax.Array, ctx: dict, cfg: ModelConfig, rules, mesh, replay=None):
     """One pre-norm block. h: [batch, seq, embed] -> (h, experts or None, counts or None)."""
     x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-    h = h + attention(lp["attn"], x, ctx["cos"], ctx["sin"], ctx["mask"], cfg, rules)
+    h = h + attention(lp["attn"], x, ctx, cfg, rules, mesh)
     h = constrain(h, rules, ("act_batch", "act_seq", "act_embed"))
     x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
     if "moe" in lp:
@@ -79,13 +79,20 @@ def _logits(params: dict, h: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, *, segment_ids: jax.Array | None = None,
             positions: jax.Array | None = None, routing: jax.Array | None = None,
-            mtp_routing: jax.Array | None = None, rules: ShardingRules | None = None,
-            mesh=None) -> ModelOutput:
+            mtp_routing: jax.Array | None = None, token_order: jax.Array | None = None,
+            mtp_tokens: jax.Array | None = None, context_layout: str = "contiguous",
+            rules: ShardingRules | None = None, mesh=None) -> ModelOutput:
     """Run the model.
 
     tokens: int32[batch, seq]. segment_ids: int32[batch, seq] for packed sequences (0 = padding; no
     attention across segments); positions: int32[batch, seq] (default: position within segment).
     routing: int32[moe_layers, batch, seq, k] recorded experts to replay instead of routing.
+    token_order: int32[batch, seq] original index of each token when the sequence axis has been
+    permuted (zigzag context parallelism); causality follows it. mtp_tokens: int32[depth, batch,
+    seq] the token k ahead of each position for MTP depth k (default: shift `tokens`, valid only
+    when the sequence is not permuted). context_layout: "zigzag" when the sequence was permuted by
+    `train.step.zigzag_permutation` (context-parallel attention then skips the keys the first
+    local chunk cannot see).
     rules/mesh: sharding rules and mesh; by default the mesh set with `jax.set_mesh` (if any) and the
     default rules. Without a mesh everything runs as on one device.
     """
@@ -98,7 +105,12 @@ def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, *, segment_ids: j
         positions = segment_positions(segment_ids)
     rope_dim = cfg.qk_rope_head_dim if cfg.attention_type == "mla" else cfg.head_dim
     cos, sin = rope_cos_sin(positions, rope_dim, cfg)
-    ctx = {"cos": cos, "sin": sin, "mask": causal_segment_mask(segment_ids)}
+    if token_order is None:
+        token_order = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    if context_layout not in ("contiguous", "zigzag"):
+        raise ValueError(f"context_layout={context_layout!r} is not accepted; accepted: contiguous, zigzag")
+    ctx = {"cos": cos, "sin": sin, "segment_ids": segment_ids, "order": token_order, "layout": context_layout,
+           "mask": causal_segment_mask(segment_ids, token_order)}
 
     h = constrain(_embed(params, tokens, cfg), rules, ("act_batch", "act_seq", "act_embed"))
     aux: dict[str, Any] = {}
@@ -115,14 +127,14 @@ def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, *, segment_ids: j
     mtp_logits = mtp_experts = None
     if cfg.num_mtp_layers and "mtp" in params:
         mtp_logits, mtp_experts, mtp_stats = mtp_forward(
-            params, h_final, tokens, ctx, cfg, rules, mesh, mtp_routing)
+            params, h_final, tokens, ctx, cfg, rules, mesh, mtp_routing, mtp_tokens)
         if mtp_stats is not None:
             aux["mtp_expert_counts"] = mtp_stats["expert_counts"]
     return ModelOutput(logits, mtp_logits, experts, mtp_experts, h_final, aux)
 
 
 def mtp_forward(params: dict, h_main: jax.Array, tokens: jax.Array, ctx: dict, cfg: ModelConfig,
-                rules, mesh, replay=None):
+                rules, mesh, replay=None, mtp_tokens=None):
     """DeepSeek-V3 multi-token prediction (sec. 2.2), sequential depths k = 1..D:
 
         h^k_i = Block_k(eh_proj[ RMSNorm(Emb(t_{i+k})) ; RMSNorm(h^{k-1}_i) ]),  logits^k = Head(RMSNorm(h^k))
@@ -134,18 +146,21 @@ def mtp_forward(params: dict, h_main: jax.Array, tokens: jax.Array, ctx: dict, c
     depth = cfg.num_mtp_layers
     moe = cfg.num_experts > 0
 
-    def body(carry, xs):
-        h_prev, shifted = carry
-        mp, rp = xs
-        shifted = jnp.concatenate([shifted[:, 1:], jnp.zeros_like(shifted[:, :1])], axis=1)
+    if mtp_tokens is None:
+        b, s = tokens.shape
+        mtp_tokens = jnp.stack([jnp.concatenate([tokens[:, k:], jnp.zeros((b, k), tokens.dtype)], axis=1)
+                                for k in range(1, depth + 1)])
+
+    def body(h_prev, xs):
+        mp, rp, shifted = xs
         e = rms_norm(_embed(params, shifted, cfg), mp["enorm"], cfg.rms_norm_eps)
         hh = rms_norm(h_prev, mp["hnorm"], cfg.rms_norm_eps)
         x = jnp.concatenate([e, hh], axis=-1) @ mp["eh_proj"].astype(e.dtype)
         x = constrain(x, rules, ("act_batch", "act_seq", "act_embed"))
         h, experts, counts = decoder_layer(mp["layer"], x, ctx, cfg, rules, mesh, rp)
         logits = _logits(params, rms_norm(h, mp["norm"], cfg.rms_norm_eps), cfg)
-        return (h, shifted), (logits, experts, counts) if moe else (logits, None, None)
+        return h, (logits, experts, counts) if moe else (logits, None, None)
 
     body = _remat(body, cfg.remat)
-    _, (logits, experts, counts) = jax.lax.scan(body, (h_main, tokens), (params["mtp"], replay), length=depth)
+    _, (logits, experts, counts) = jax.lax.scan(body, h_main, (params["mtp"], replay, mtp_tokens), length=depth)
     return logits, experts, counts

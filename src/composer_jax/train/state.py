@@ -1,0 +1,91 @@
+"""TrainState: everything a training step reads and writes, as one pytree."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from composer_jax.config import Config
+from composer_jax.model.params import abstract_params, init_params, param_shardings
+from composer_jax.sharding import ShardingRules
+from composer_jax.train.optimizer import make_optimizer
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    """step: int32[]; params: the model pytree; opt_state: optax state (moments shaped and sharded
+    like params); rng: uint32[2] raw key data (raw so that checkpoints hold plain arrays)."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    rng: jax.Array
+
+
+def optimizer_for(cfg: Config) -> optax.GradientTransformation:
+    return make_optimizer(cfg.train.optimizer, cfg.train.steps)
+
+
+def _replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def _keys(path) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def state_shardings(cfg: Config, mesh: Mesh, rules: ShardingRules) -> TrainState:
+    """Shardings of every leaf: optimiser leaves whose path ends with a parameter's path and have its
+    shape (AdamW moments) take that parameter's sharding; everything else (counts) is replicated."""
+    p_sh = param_shardings(cfg.model, mesh, rules)
+    abstract = abstract_params(cfg.model)
+    by_path = {_keys(path): (leaf.shape, sh) for (path, leaf), sh in
+               zip(jax.tree_util.tree_leaves_with_path(abstract), jax.tree.leaves(p_sh))}
+    depth = max(len(k) for k in by_path)
+    opt_shapes = jax.eval_shape(optimizer_for(cfg).init, abstract)
+
+    def pick(path, leaf):
+        keys = _keys(path)
+        for n in range(min(depth, len(keys)), 0, -1):
+            hit = by_path.get(keys[-n:])
+            if hit is not None and hit[0] == leaf.shape:
+                return hit[1]
+        return _replicated(mesh)
+
+    opt_sh = jax.tree_util.tree_map_with_path(pick, opt_shapes)
+    return TrainState(step=_replicated(mesh), params=p_sh, opt_state=opt_sh, rng=_replicated(mesh))
+
+
+def init_train_state(cfg: Config, mesh: Mesh, rules: ShardingRules, params: Any | None = None) -> TrainState:
+    """A fresh state (or fresh optimiser around given params), created directly on its shardings."""
+    shardings = state_shardings(cfg, mesh, rules)
+    key = jax.random.key(cfg.train.seed)
+    if params is None:
+        params = init_params(cfg.model, key, mesh, rules)
+    tx = optimizer_for(cfg)
+
+    @jax.jit
+    def make(params):
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                          rng=jax.random.key_data(jax.random.fold_in(key, 1)))
+
+    return jax.jit(make, out_shardings=shardings)(params)
+
+
+def abstract_train_state(cfg: Config, mesh: Mesh, rules: ShardingRules) -> TrainState:
+    """ShapeDtypeStructs with shardings of the whole state (for restore); nothing allocated."""
+    shardings = state_shardings(cfg, mesh, rules)
+    tx = optimizer_for(cfg)
+
+    def make(key):
+        params = init_params(cfg.model, key)
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                          rng=jax.random.key_data(key))
+
+    shapes = jax.eval_shape(make, jax.random.key(0))
+    return jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), shapes, shardings)
