@@ -122,8 +122,9 @@ class SandboxLease(abc.ABC):
                 if len(chunk) > max(room, 0):
                     truncated[0] = True
                 if seen[0] > hard:
+                    # Keep reading (and discarding) until EOF: asyncio's Process.wait() only
+                    # returns once the pipes are drained and closed.
                     overflow.set()
-                    return
 
         readers = [asyncio.ensure_future(drain(proc.stdout, kept["out"])),
                    asyncio.ensure_future(drain(proc.stderr, kept["err"]))]
@@ -136,17 +137,15 @@ class SandboxLease(abc.ABC):
             if waiter not in done:
                 timed_out = not overflow.is_set()
                 self._kill(proc)
-                await waiter
-            # A background child that escaped the process group could keep the pipes open: do not
-            # wait for end-of-file for long once the command itself has exited.
-            _, pending = await asyncio.wait(readers, timeout=2.0)
+            # A background child that escaped the process group could keep the pipes open (only
+            # possible without a PID namespace): do not wait for end-of-file for long.
+            _, pending = await asyncio.wait(readers + [waiter], timeout=5.0)
             for task in pending:
                 task.cancel()
         finally:
             overflow_wait.cancel()
             if proc.returncode is None:
                 self._kill(proc)
-                await proc.wait()
             self._procs.discard(proc)
         return ExecResult(
             exit_code=None if timed_out else proc.returncode,
