@@ -258,10 +258,11 @@ class BubblewrapLease(SandboxLease):
 
     async def close(self) -> None:
         await super().close()
+        # /proc scans and cgroup teardown block: keep them off the event loop.
         if self.sandbox.privileged:
-            _kill_uid(self.uid)
+            await asyncio.to_thread(_kill_uid, self.uid)
         if self.cgroup is not None:
-            self.cgroup.kill_and_remove()
+            await asyncio.to_thread(self.cgroup.kill_and_remove)
         self.sandbox.uids.give(self.uid)
 
 
