@@ -153,14 +153,21 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str]:
 
 
 class BodySizeLimit:
-    """ASGI middleware: 413 for bodies over `max_bytes`, declared or streamed."""
+    """ASGI middleware: 413 for bodies over `max_bytes`, declared or streamed; counts responses."""
 
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, metrics=None):
+        self.app, self.max_bytes, self.metrics = app, max_bytes, metrics
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if self.metrics is not None:  # count responses by status class (plain ASGI: cheap)
+            inner_send, metrics = send, self.metrics
+
+            async def send(message):
+                if message["type"] == "http.response.start":
+                    metrics.inc("cj_env_http_requests_total", code=f"{message['status'] // 100}xx")
+                await inner_send(message)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         too_big = JSONResponse({"error": {"code": "body_too_large",
                                           "message": f"request body exceeds {self.max_bytes} bytes"}}, 413)
@@ -192,7 +199,7 @@ def create_app(manager: SessionManager, token: str, *, max_body_bytes: int = DEF
     app = FastAPI(title="composer_jax environment server", version="1.0", lifespan=lifespan,
                   description=__doc__, responses=_ERRORS)
     app.state.manager, app.state.token, app.state.max_body_bytes = manager, token, max_body_bytes
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes, metrics=manager.metrics)
     bearer = HTTPBearer(auto_error=False, description="the token printed by `composer-jax env-server`")
     metrics = manager.metrics
 
@@ -200,12 +207,6 @@ def create_app(manager: SessionManager, token: str, *, max_body_bytes: int = DEF
         if creds is None or not secrets.compare_digest(creds.credentials.encode(), token.encode()):
             raise ApiError(401, "unauthorized", "missing or wrong bearer token (Authorization: Bearer TOKEN)",
                            {"WWW-Authenticate": "Bearer"})
-
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next):
-        response = await call_next(request)
-        metrics.inc("cj_env_http_requests_total", code=f"{response.status_code // 100}xx")
-        return response
 
     @app.exception_handler(ApiError)
     async def api_error(_, exc: ApiError):
