@@ -86,3 +86,6 @@ def call(http, sid, name, **arguments):
     r = http.post(f"/sessions/{sid}/tools", json={"calls": [{"name": name, "arguments": arguments}]})
     assert r.status_code == 200, r.text
     return r.json()["results"][0]
+
+# The fixture tasks' own tests run inside the sandbox, never on the host.
+collect_ignore_glob = ["fixtures/*"]

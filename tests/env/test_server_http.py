@@ -52,7 +52,7 @@ def test_whole_session_over_http(http):
     edit = call(http, sid, "edit_file", path="/app/calc.py", old_string="return a - b", new_string="return a + b")
     assert edit["ok"] and edit["result"]["replacements"] == 1
     graded = http.post(f"/sessions/{sid}/grade").json()
-    assert graded["reward"] == 1.0 and graded["error"] is None
+    assert graded["reward"] == 1.0 and graded["error"] is None, graded
     assert all(t["outcome"] == "passed" for t in graded["tests"])
     assert "-    return a - b\n+    return a + b\n" in graded["diff"]
     state = http.get(f"/sessions/{sid}").json()

@@ -20,7 +20,9 @@ from __future__ import annotations
 import abc
 import asyncio
 import dataclasses
+import fcntl
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -190,21 +192,40 @@ class Sandbox(abc.ABC):
 
 
 class _UidPool:
+    """Session uids, unique across every server process on the host.
+
+    Two servers on one machine must never hand out the same uid: RLIMIT_NPROC would be shared and
+    closing a session kills every process of its uid. Each uid in use is held by an flock on a file
+    in LOCK_DIR, which the kernel releases if the server dies.
+    """
+
+    LOCK_DIR = Path("/tmp/composer-jax-env-uids")
+
     def __init__(self):
-        self._next = 0
-        self._used: set[int] = set()
+        self._next = secrets.randbelow(UID_COUNT)
+        self._held: dict[int, int] = {}  # uid -> lock file descriptor
+        self.LOCK_DIR.mkdir(mode=0o700, exist_ok=True)
 
     def take(self) -> int:
         for _ in range(UID_COUNT):
             uid = UID_BASE + self._next
             self._next = (self._next + 1) % UID_COUNT
-            if uid not in self._used:
-                self._used.add(uid)
-                return uid
+            if uid in self._held:
+                continue
+            fd = os.open(self.LOCK_DIR / str(uid), os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            self._held[uid] = fd
+            return uid
         raise RuntimeError("no free sandbox uid")
 
     def give(self, uid: int) -> None:
-        self._used.discard(uid)
+        fd = self._held.pop(uid, None)
+        if fd is not None:
+            os.close(fd)  # closing releases the flock
 
 
 def _kill_uid(uid: int) -> None:
