@@ -1,0 +1,175 @@
+"""Command lines: `composer-jax env-server ...` and `composer-jax env validate DIR ...`.
+
+Both are wired in composer_jax/cli.py and import nothing from JAX.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import os
+import secrets
+import socket
+import sys
+from pathlib import Path
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be > 0")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0-65535; 0 picks a free port)") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port {value} is outside 0-65535 (0 picks a free port)")
+    return value
+
+
+def _make_sandbox(unsafe: bool, wall: float | None = None):
+    from composer_jax.env.sandbox import Limits, default_sandbox
+    try:
+        return default_sandbox(unsafe_no_sandbox=unsafe, limits=Limits(wall_seconds=wall or 30.0))
+    except RuntimeError as exc:
+        print(f"composer-jax: {exc}", file=sys.stderr)
+        return None
+
+
+def server_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="composer-jax env-server",
+                                description="Serve sandboxed coding workspaces over HTTP/JSON (+ OpenEnv WebSocket).")
+    p.add_argument("--tasks", type=Path, required=True, help="directory of Harbor-layout tasks")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1, loopback only)")
+    p.add_argument("--port", type=_port, default=0, help="port (default 0: a free port, printed at start)")
+    p.add_argument("--token", help="bearer token (default: generated and printed); or set COMPOSER_JAX_ENV_TOKEN")
+    p.add_argument("--token-file", type=Path, help="read the bearer token from this file")
+    p.add_argument("--max-sessions", type=_positive_int, default=256, help="concurrent sessions (then 429)")
+    p.add_argument("--session-ttl", type=float, default=1800.0, help="idle seconds before a session is closed")
+    p.add_argument("--shell-timeout", type=float, default=120.0, help="upper bound on run_shell timeout_s")
+    p.add_argument("--max-body-bytes", type=_positive_int, default=4 * 2**20, help="request size limit")
+    p.add_argument("--work-dir", type=Path, help="where session workspaces live (default: a new temp dir)")
+    p.add_argument("--unsafe-no-sandbox", action="store_true",
+                   help="allow running without bubblewrap: commands run as plain host processes (NO isolation)")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def env_server_main(argv: list[str]) -> int:
+    """`composer-jax env-server`: returns the exit code."""
+    args = server_parser().parse_args(argv)
+    token = args.token or os.environ.get("COMPOSER_JAX_ENV_TOKEN")
+    if args.token_file:
+        try:
+            token = args.token_file.read_text().strip()
+        except OSError as exc:
+            print(f"composer-jax env-server: --token-file {args.token_file}: {exc.strerror}", file=sys.stderr)
+            return 2
+    if token is not None and len(token) < 16:
+        print("composer-jax env-server: the token must be at least 16 characters", file=sys.stderr)
+        return 2
+    token = token or secrets.token_urlsafe(32)
+    sandbox = _make_sandbox(args.unsafe_no_sandbox, args.shell_timeout)
+    if sandbox is None:
+        return 2
+    import uvicorn
+    from composer_jax.env.server import create_app
+    from composer_jax.env.session import SessionManager
+    from composer_jax.env.sandbox import Limits
+    from composer_jax.env.tasks import TaskError, TaskStore
+    work_dir = args.work_dir
+    try:
+        store = TaskStore(args.tasks, (work_dir or Path(os.environ.get("TMPDIR", "/tmp"))) / "composer-jax-task-cache")
+    except TaskError as exc:
+        print(f"composer-jax env-server: {exc}", file=sys.stderr)
+        return 2
+    for name, err in store.errors.items():
+        print(f"warning: skipping task directory {name}: {err}", file=sys.stderr)
+    manager = SessionManager(store, sandbox, work_dir=work_dir, max_sessions=args.max_sessions,
+                             default_ttl_s=args.session_ttl, limits=Limits(wall_seconds=args.shell_timeout))
+    app = create_app(manager, token, max_body_bytes=args.max_body_bytes)
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(args.host).version == 6 else socket.AF_INET
+    except ValueError:
+        family = socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Accepted connections inherit TCP_NODELAY from the listening socket. Without it, Nagle's
+    # algorithm plus the client's delayed ACK adds ~40 ms to every keep-alive request.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as exc:
+        print(f"composer-jax env-server: cannot bind {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)
+        return 2
+    sock.listen(1024)
+    host, port = sock.getsockname()[:2]
+    if not sandbox.isolated:
+        print("WARNING: --unsafe-no-sandbox: commands run as plain host processes with NO isolation",
+              file=sys.stderr)
+    url = f"http://{host if family == socket.AF_INET else f'[{host}]'}:{port}"
+    print(f"composer-jax env-server listening on {url} tasks={len(store.ids())} "
+          f"sandbox={sandbox.name} token={token}", flush=True)
+    config = uvicorn.Config(app, log_level=args.log_level, ws_max_size=args.max_body_bytes,
+                            timeout_graceful_shutdown=5, limit_concurrency=4096, backlog=1024)
+    server = uvicorn.Server(config)
+    asyncio.run(server.serve(sockets=[sock]))
+    return 0
+
+
+def validate_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="composer-jax env validate",
+                                description="Check that every task's reference solution scores 1 and its "
+                                            "untouched workspace scores 0.")
+    p.add_argument("dir", type=Path, help="directory of Harbor-layout tasks")
+    p.add_argument("--jobs", type=_positive_int, default=2, help="tasks validated in parallel (default 2)")
+    p.add_argument("--families", nargs="*", default=None,
+                   help="also validate these generated families (no names: all of them)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds for generated families")
+    p.add_argument("--strict", action="store_true", help="count tasks that cannot run locally as failures")
+    p.add_argument("--unsafe-no-sandbox", action="store_true", help="run without bubblewrap (NO isolation)")
+    return p
+
+
+def env_main(argv: list[str]) -> int:
+    """`composer-jax env SUBCOMMAND`: currently `validate`."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: composer-jax env validate DIR [--jobs N] [--families [F ...]] [--seeds S ...] [--strict]")
+        return 0 if argv else 2
+    if argv[0] != "validate":
+        print(f"composer-jax env: unknown subcommand {argv[0]!r}; accepted: validate", file=sys.stderr)
+        return 2
+    args = validate_parser().parse_args(argv[1:])
+    if not args.dir.is_dir():
+        print(f"composer-jax env validate: {args.dir} is not a directory", file=sys.stderr)
+        return 2
+    sandbox = _make_sandbox(args.unsafe_no_sandbox, 600)
+    if sandbox is None:
+        return 2
+    import tempfile
+    from composer_jax.env.tasks import TaskStore
+    from composer_jax.env.validate import format_report, validate_all
+    store = TaskStore(args.dir, Path(tempfile.mkdtemp(prefix="composer-jax-validate-cache-")))
+    families = [] if args.families is None else (args.families or store.families())
+    unknown = sorted(set(families) - set(store.families()))
+    if unknown:
+        print(f"composer-jax env validate: unknown families {unknown}; accepted: {store.families()}", file=sys.stderr)
+        return 2
+
+    def progress(r):
+        print(f"  {r.status:<7} {r.task_id} {r.detail}", file=sys.stderr, flush=True)
+    reports = asyncio.run(validate_all(store, sandbox, jobs=args.jobs, families=families,
+                                       seeds=args.seeds, progress=progress))
+    print(format_report(reports))
+    bad = {"fail", "invalid"} | ({"skipped"} if args.strict else set())
+    if not reports:
+        print(f"composer-jax env validate: no tasks found in {args.dir}", file=sys.stderr)
+        return 1
+    return 1 if any(r.status in bad for r in reports) else 0

@@ -1,0 +1,311 @@
+"""The environment server's HTTP/JSON API (FastAPI; OpenAPI schema at /openapi.json).
+
+Endpoints (all but /health need `Authorization: Bearer TOKEN`):
+    GET    /health                        liveness, capacity, sandbox backend
+    GET    /metrics                       Prometheus text format
+    GET    /tasks                         task ids, local runnability, generated families
+    GET    /tools                         tool schemas (OpenAI function-calling format)
+    POST   /sessions                      {task_id, seed?, ttl_s?} -> session id, instruction, tools
+    GET    /sessions/{id}                 session state
+    POST   /sessions/{id}/tools           {calls: [{id?, name, arguments}]} -> results, run in parallel
+    POST   /sessions/{id}/grade           run the task's tests on a copy -> reward, tests, diff
+    DELETE /sessions/{id}                 close (kills every process of the session)
+    WS     /ws  (and /t/{token}/ws)       OpenEnv-compatible session (see openenv_ws.py)
+Errors are JSON `{"error": {"code", "message"}}` with a 4xx status naming the bad value.
+"""
+from __future__ import annotations
+
+import json
+import secrets
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI, Path as PathParam, Request, WebSocket
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from composer_jax.env import tools as tool_impl
+from composer_jax.env.openenv_ws import serve_openenv_websocket
+from composer_jax.env.session import CapacityError, SessionManager, SessionNotFound, TaskNotRunnable
+from composer_jax.env.tasks import MAX_SEED, TaskError
+from composer_jax.env.volumes import volume_kind
+
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+MAX_CALLS_PER_REQUEST = 64
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.code, self.message, self.headers = status, code, message, headers
+
+
+class ErrorBody(BaseModel):
+    code: str
+    message: str
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class CreateSessionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    task_id: str = Field(min_length=1, max_length=256, description="a task directory name, or gen/<family>")
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED, description="for generated tasks (default 0)")
+    ttl_s: float | None = Field(default=None, gt=0, le=86400, description="idle time before the session is closed")
+
+
+class CreateSessionResponse(BaseModel):
+    session_id: str
+    task_id: str
+    seed: int | None
+    instruction: str
+    tools: list[dict[str, Any]]
+    expires_at: float
+
+
+class ToolCall(BaseModel):
+    """One call. Also accepts the OpenAI shape {"id", "type": "function", "function": {"name", "arguments"}}."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str | None = Field(default=None, max_length=256)
+    name: str = Field(max_length=128)
+    arguments: dict[str, Any] | str = Field(default_factory=dict, description="object, or a JSON string of one")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _openai_shape(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("function"), dict) and "name" not in data:
+            fn = data["function"]
+            return {"id": data.get("id"), "name": fn.get("name"), "arguments": fn.get("arguments", {})}
+        return data
+
+
+class ToolCallsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    calls: list[ToolCall] = Field(min_length=1, max_length=MAX_CALLS_PER_REQUEST)
+
+
+class ToolResult(BaseModel):
+    id: str | None
+    name: str
+    ok: bool
+    result: dict[str, Any] | None = None
+    error: str | None = None
+    duration_s: float
+
+
+class ToolCallsResponse(BaseModel):
+    session_id: str
+    results: list[ToolResult]
+
+
+class GradeResponse(BaseModel):
+    session_id: str
+    reward: float
+    tests: list[dict[str, Any]]
+    diff: str
+    error: str | None
+    exit_code: int | None
+    timed_out: bool
+    output_tail: str
+    duration_s: float
+    reward_details: dict[str, Any]
+
+
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 409, 413, 422, 429)}
+_SESSION_ID = PathParam(description="id returned by POST /sessions", max_length=64)
+
+
+def parse_calls(calls: list[ToolCall]) -> list[tuple[str, dict]]:
+    """Validate every call before any runs; ApiError 400 names the first bad one."""
+    out = []
+    for i, call in enumerate(calls):
+        args = call.arguments
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as exc:
+                raise ApiError(400, "invalid_arguments", f"calls[{i}] ({call.name}): arguments is a string "
+                               f"but not valid JSON: {exc}") from None
+        try:
+            out.append((call.name, tool_impl.validate_call(call.name, args)))
+        except tool_impl.ToolArgumentError as exc:
+            code = "unknown_tool" if call.name not in tool_impl.TOOL_NAMES else "invalid_arguments"
+            raise ApiError(400, code, f"calls[{i}]: {exc}") from None
+    return out
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str]:
+    parts = []
+    for err in exc.errors()[:5]:
+        if err.get("type") == "json_invalid":
+            return "malformed_json", f"request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}"
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or "body"
+        value = err.get("input")
+        shown = "" if isinstance(value, (dict, list)) or value is None else f" (got {str(value)[:60]!r})"
+        parts.append(f"{loc}: {err.get('msg')}{shown}")
+    return "invalid_request", "; ".join(parts) or "invalid request"
+
+
+class BodySizeLimit:
+    """ASGI middleware: 413 for bodies over `max_bytes`, declared or streamed; counts responses."""
+
+    def __init__(self, app, max_bytes: int, metrics=None):
+        self.app, self.max_bytes, self.metrics = app, max_bytes, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.metrics is not None:  # count responses by status class (plain ASGI: cheap)
+            inner_send, metrics = send, self.metrics
+
+            async def send(message):
+                if message["type"] == "http.response.start":
+                    metrics.inc("cj_env_http_requests_total", code=f"{message['status'] // 100}xx")
+                await inner_send(message)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        too_big = JSONResponse({"error": {"code": "body_too_large",
+                                          "message": f"request body exceeds {self.max_bytes} bytes"}}, 413)
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            return await too_big(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise ApiError(413, "body_too_large", f"request body exceeds {self.max_bytes} bytes")
+            return message
+        return await self.app(scope, limited, send)
+
+
+def create_app(manager: SessionManager, token: str, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               reaper_interval_s: float = 5.0) -> FastAPI:
+    """The ASGI app serving `manager`'s sessions, authenticated with `token`."""
+
+    @asynccontextmanager
+    async def lifespan(app):
+        manager.start_reaper(reaper_interval_s)
+        yield
+        await manager.shutdown()
+
+    app = FastAPI(title="composer_jax environment server", version="1.0", lifespan=lifespan,
+                  description=__doc__, responses=_ERRORS)
+    app.state.manager, app.state.token, app.state.max_body_bytes = manager, token, max_body_bytes
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes, metrics=manager.metrics)
+    bearer = HTTPBearer(auto_error=False, description="the token printed by `composer-jax env-server`")
+    metrics = manager.metrics
+
+    def authorize(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        if creds is None or not secrets.compare_digest(creds.credentials.encode(), token.encode()):
+            raise ApiError(401, "unauthorized", "missing or wrong bearer token (Authorization: Bearer TOKEN)",
+                           {"WWW-Authenticate": "Bearer"})
+
+    @app.exception_handler(ApiError)
+    async def api_error(_, exc: ApiError):
+        return JSONResponse({"error": {"code": exc.code, "message": exc.message}}, exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_, exc: RequestValidationError):
+        code, message = _validation_message(exc)
+        return JSONResponse({"error": {"code": code, "message": message}}, 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        message = exc.detail if exc.status_code != 404 else f"no route {request.method} {request.url.path}"
+        if exc.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        return JSONResponse({"error": {"code": "http_error", "message": str(message)}}, exc.status_code)
+
+    @app.get("/health", summary="Liveness and capacity (no authentication)")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "sessions": len(manager), "max_sessions": manager.max_sessions,
+                "sandbox": manager.sandbox.describe(), "volumes": volume_kind()}
+
+    @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse,
+             dependencies=[Depends(authorize)])
+    async def get_metrics() -> str:
+        return metrics.render()
+
+    @app.get("/tasks", summary="Tasks this server can run", dependencies=[Depends(authorize)])
+    async def list_tasks() -> dict[str, Any]:
+        store = manager.store
+        return {"tasks": [{"task_id": t.task_id, "runnable": t.runnable, "not_runnable_reason": t.not_runnable_reason,
+                           "metadata": t.config.metadata} for t in store.tasks()],
+                "families": ["gen/" + f for f in store.families()], "invalid": store.errors}
+
+    @app.get("/tools", summary="Tool schemas (OpenAI function-calling format)", dependencies=[Depends(authorize)])
+    async def list_tools() -> list[dict[str, Any]]:
+        return tool_impl.TOOL_SCHEMAS
+
+    @app.post("/sessions", status_code=201, response_model=CreateSessionResponse,
+              summary="Create a session from a task", dependencies=[Depends(authorize)])
+    async def create_session(body: CreateSessionRequest) -> CreateSessionResponse:
+        try:
+            s = await manager.create(body.task_id, body.seed, body.ttl_s)
+        except TaskError as exc:
+            raise ApiError(404 if "unknown task" in str(exc) else 400, "bad_task", str(exc)) from None
+        except TaskNotRunnable as exc:
+            raise ApiError(409, "task_not_runnable", str(exc)) from None
+        except CapacityError as exc:
+            raise ApiError(429, "at_capacity", str(exc), {"Retry-After": "1"}) from None
+        return CreateSessionResponse(session_id=s.session_id, task_id=s.task.task_id, seed=s.seed,
+                                     instruction=s.task.instruction, tools=tool_impl.TOOL_SCHEMAS,
+                                     expires_at=s.last_used + s.ttl_s)
+
+    def _session_or_404(session_id: str):
+        try:
+            return manager.get(session_id)
+        except SessionNotFound as exc:
+            raise ApiError(404, "session_not_found", str(exc)) from None
+
+    @app.get("/sessions/{session_id}", summary="Session state", dependencies=[Depends(authorize)])
+    async def session_state(session_id: str = _SESSION_ID) -> dict[str, Any]:
+        return _session_or_404(session_id).state()
+
+    @app.post("/sessions/{session_id}/tools", response_model=ToolCallsResponse,
+              summary="Call tools (several calls run in parallel)", dependencies=[Depends(authorize)])
+    async def call_tools(body: ToolCallsRequest, session_id: str = _SESSION_ID) -> ToolCallsResponse:
+        _session_or_404(session_id)
+        calls = parse_calls(body.calls)
+        try:
+            results = await manager.call_tools(session_id, calls)
+        except SessionNotFound as exc:
+            raise ApiError(404, "session_not_found", str(exc)) from None
+        return ToolCallsResponse(session_id=session_id, results=[
+            ToolResult(id=c.id, name=c.name, **r) for c, r in zip(body.calls, results)])
+
+    @app.post("/sessions/{session_id}/grade", response_model=GradeResponse,
+              summary="Run the task's tests on a copy of the workspace", dependencies=[Depends(authorize)])
+    async def grade(session_id: str = _SESSION_ID) -> GradeResponse:
+        _session_or_404(session_id)
+        try:
+            result = await manager.grade(session_id)
+        except SessionNotFound as exc:
+            raise ApiError(404, "session_not_found", str(exc)) from None
+        return GradeResponse(session_id=session_id, **result.to_dict())
+
+    @app.delete("/sessions/{session_id}", summary="Close a session", dependencies=[Depends(authorize)])
+    async def close_session(session_id: str = _SESSION_ID) -> dict[str, Any]:
+        try:
+            return await manager.close(session_id)
+        except SessionNotFound as exc:
+            raise ApiError(404, "session_not_found", str(exc)) from None
+
+    @app.websocket("/ws")
+    async def ws(websocket: WebSocket):
+        await serve_openenv_websocket(websocket, manager, token, None)
+
+    @app.websocket("/t/{path_token}/ws")
+    async def ws_token_path(websocket: WebSocket, path_token: str):
+        # For OpenEnv clients that cannot send headers: base_url = http://host:port/t/TOKEN
+        await serve_openenv_websocket(websocket, manager, token, path_token)
+
+    return app

@@ -1,0 +1,207 @@
+"""Sessions: one task instance with its own workspace, sandbox identity, tools and TTL.
+
+`SessionManager` owns every session of a server: creation (bounded by `max_sessions`, beyond
+which `CapacityError` becomes HTTP 429), lookup, tool calls, grading, closing, and a reaper that
+closes sessions idle for longer than their TTL. A session's state is its workspace directory and
+this object; what its processes do (crash, fork-bomb, fill their disk) stays inside its sandbox
+and volume, so other sessions and the server keep their state.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from composer_jax.env import grader, tools, volumes
+from composer_jax.env.metrics import Metrics
+from composer_jax.env.sandbox import ExecResult, Limits, Mount, Sandbox, SandboxLease
+from composer_jax.env.tasks import Task, TaskError, TaskStore
+from composer_jax.env.workspace import Workspace
+
+
+class CapacityError(RuntimeError):
+    """The server holds `max_sessions` sessions already (HTTP 429; retry later or elsewhere)."""
+
+
+class SessionNotFound(KeyError):
+    """No open session with this id (never existed, closed, or expired)."""
+
+    def __str__(self) -> str:
+        return f"no open session {self.args[0]!r} (it may have been closed or expired after its TTL)"
+
+
+class TaskNotRunnable(RuntimeError):
+    """The task exists but the local sandbox cannot run it; the message says why."""
+
+
+class Session:
+    """One open session; implements `tools.ToolContext`."""
+
+    def __init__(self, session_id: str, task: Task, seed: int | None, root: Path, lease: SandboxLease,
+                 limits: Limits, ttl_s: float):
+        self.session_id, self.task, self.seed = session_id, task, seed
+        self.root, self.lease, self.limits, self.ttl_s = root, lease, limits, ttl_s
+        self.workspace = Workspace(root / "app", lease.uid, lease.gid)
+        self.created_at = self.last_used = time.time()
+        self.tool_calls = 0
+        self.grades = 0
+        self.last_reward: float | None = None
+        self.busy = 0  # requests in flight; the reaper never closes a busy session
+
+    async def run_shell(self, command: str, timeout_s: float) -> ExecResult:
+        limits = self.limits.with_(wall_seconds=min(float(timeout_s), self.limits.wall_seconds))
+        return await self.lease.run(["bash", "-c", command], mounts=[Mount(self.workspace.root, "/app", True)],
+                                    cwd="/app", limits=limits)
+
+    def state(self) -> dict:
+        return {"session_id": self.session_id, "task_id": self.task.task_id, "seed": self.seed,
+                "created_at": self.created_at, "last_used": self.last_used, "ttl_s": self.ttl_s,
+                "expires_at": self.last_used + self.ttl_s, "tool_calls": self.tool_calls,
+                "grades": self.grades, "last_reward": self.last_reward}
+
+
+class SessionManager:
+    def __init__(self, store: TaskStore, sandbox: Sandbox, *, work_dir: Path | None = None,
+                 max_sessions: int = 256, default_ttl_s: float = 1800.0, max_ttl_s: float = 86400.0,
+                 limits: Limits | None = None, metrics: Metrics | None = None):
+        self.store, self.sandbox = store, sandbox
+        self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="composer-jax-env-"))
+        self.sessions_dir = self.work_dir / "sessions"
+        self.sessions_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.work_dir, 0o700)  # other host users must not browse workspaces
+        self.max_sessions, self.default_ttl_s, self.max_ttl_s = max_sessions, default_ttl_s, max_ttl_s
+        self.limits = limits or Limits()
+        self.metrics = metrics or Metrics()
+        self._sessions: dict[str, Session] = {}
+        self._reserved = 0
+        self._reaper: asyncio.Task | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    async def create(self, task_id: str, seed: int | None = None, ttl_s: float | None = None) -> Session:
+        start = time.monotonic()
+        ttl = self.default_ttl_s if ttl_s is None else float(ttl_s)
+        if not 0 < ttl <= self.max_ttl_s:
+            raise TaskError(f"ttl_s {ttl_s!r} must be in (0, {self.max_ttl_s}]")
+        task = await asyncio.to_thread(self.store.get, task_id, seed)  # may generate a task
+        if not task.runnable:
+            raise TaskNotRunnable(f"task {task_id!r} cannot run in the local sandbox: {task.not_runnable_reason}")
+        if len(self._sessions) + self._reserved >= self.max_sessions:
+            self.metrics.inc("cj_env_sessions_rejected_total")
+            raise CapacityError(f"server is at its limit of {self.max_sessions} concurrent sessions; "
+                                "close a session or retry later / on another server")
+        self._reserved += 1
+        session_id = secrets.token_hex(12)
+        root = self.sessions_dir / session_id
+        lease = self.sandbox.lease(session_id)
+        try:
+            root.mkdir(mode=0o700)
+            await asyncio.to_thread(self._materialise, task, root, lease)
+            session = Session(session_id, task, seed, root, lease, self.limits, ttl)
+            self._sessions[session_id] = session
+        except BaseException:
+            await lease.close()
+            await asyncio.to_thread(self._remove_root, root)
+            raise
+        finally:
+            self._reserved -= 1
+        self.metrics.inc("cj_env_sessions_created_total")
+        self.metrics.set("cj_env_sessions_active", len(self._sessions))
+        self.metrics.observe("cj_env_session_create_seconds", time.monotonic() - start)
+        return session
+
+    @staticmethod
+    def _materialise(task: Task, root: Path, lease: SandboxLease) -> None:
+        app = root / "app"
+        volumes.create_volume(app, task.config.storage_mb, lease.uid, lease.gid)
+        volumes.copy_tree(task.app_dir, app, lease.uid, lease.gid)
+
+    @staticmethod
+    def _remove_root(root: Path) -> None:
+        volumes.remove_volume(root / "app")
+        if root.exists():
+            for child in root.iterdir():
+                volumes.remove_volume(child) if child.is_dir() else child.unlink()
+            shutil.rmtree(root, ignore_errors=True)
+
+    def get(self, session_id: str) -> Session:
+        session = self._sessions.get(session_id) if isinstance(session_id, str) else None
+        if session is None:
+            raise SessionNotFound(session_id)
+        session.last_used = time.time()
+        return session
+
+    async def close(self, session_id: str, reason: str = "client") -> dict:
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            raise SessionNotFound(session_id)
+        await session.lease.close()
+        await asyncio.to_thread(self._remove_root, session.root)
+        self.metrics.inc("cj_env_sessions_closed_total", reason=reason)
+        self.metrics.set("cj_env_sessions_active", len(self._sessions))
+        return {"session_id": session_id, "closed": True, "reason": reason}
+
+    async def close_all(self, reason: str = "shutdown") -> None:
+        await asyncio.gather(*(self.close(sid, reason) for sid in list(self._sessions)),
+                             return_exceptions=True)
+
+    # ---------------------------------------------------------------- actions
+    async def call_tools(self, session_id: str, calls: list[tuple[str, dict]]) -> list[dict]:
+        session = self.get(session_id)
+        session.busy += 1
+        try:
+            results = await tools.call_tools(session, calls)
+        finally:
+            session.busy -= 1
+            session.last_used = time.time()
+        session.tool_calls += len(calls)
+        for (name, _), res in zip(calls, results):
+            self.metrics.inc("cj_env_tool_calls_total", tool=name, outcome="ok" if res["ok"] else "error")
+            self.metrics.observe("cj_env_tool_call_seconds", res["duration_s"], tool=name)
+        return results
+
+    async def grade(self, session_id: str) -> grader.GradeResult:
+        session = self.get(session_id)
+        session.busy += 1
+        try:
+            result = await grader.grade(session.task, session.lease, session.workspace.root,
+                                        session.root, self.limits)
+        finally:
+            session.busy -= 1
+            session.last_used = time.time()
+        session.grades += 1
+        session.last_reward = result.reward
+        self.metrics.inc("cj_env_grades_total")
+        self.metrics.observe("cj_env_grade_seconds", result.duration_s)
+        return result
+
+    # ---------------------------------------------------------------- TTL
+    async def reap_expired(self) -> list[str]:
+        now = time.time()
+        expired = [sid for sid, s in self._sessions.items() if not s.busy and now > s.last_used + s.ttl_s]
+        for sid in expired:
+            try:
+                await self.close(sid, reason="ttl")
+            except SessionNotFound:
+                pass
+        return expired
+
+    def start_reaper(self, interval_s: float = 5.0) -> None:
+        async def loop():
+            while True:
+                await asyncio.sleep(interval_s)
+                await self.reap_expired()
+        if self._reaper is None:
+            self._reaper = asyncio.get_running_loop().create_task(loop())
+
+    async def shutdown(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            self._reaper = None
+        await self.close_all()

@@ -1,0 +1,104 @@
+"""Size-limited directories for session workspaces and grading copies.
+
+A session that fills its disk must not fill the host's. When the server may mount (root with
+CAP_SYS_ADMIN, the usual case on a dedicated environment box), every workspace is its own tmpfs
+with `size=` set from the task's `storage_mb`, so `dd if=/dev/zero` stops with ENOSPC inside that
+session only. Otherwise the directory is plain and only the per-file size limit (RLIMIT_FSIZE)
+applies; `volume_kind()` says which, and /health reports it.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import shutil
+import stat
+from pathlib import Path
+
+_MNT_DETACH = 2
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_can_mount: bool | None = None
+
+
+def _mount_tmpfs(path: Path, size_mb: int, uid: int, gid: int) -> bool:
+    # mount(2) through libc costs ~0.1 ms, spawning mount(8) ~3 ms: this is on the create path.
+    options = f"size={int(size_mb)}m,mode=0755,uid={uid},gid={gid},nr_inodes=200000".encode()
+    rc = _libc.mount(b"tmpfs", str(path).encode(), b"tmpfs", ctypes.c_ulong(0), ctypes.c_char_p(options))
+    return rc == 0
+
+
+def volume_kind() -> str:
+    """'tmpfs' when per-session size-limited volumes work here, 'directory' otherwise."""
+    global _can_mount
+    if _can_mount is None:
+        if os.geteuid() != 0:
+            _can_mount = False
+        else:
+            import tempfile
+            probe = Path(tempfile.mkdtemp(prefix="cj-volume-probe-"))
+            try:
+                _can_mount = _mount_tmpfs(probe, 1, 0, 0)
+                if _can_mount:
+                    _libc.umount2(str(probe).encode(), _MNT_DETACH)
+            finally:
+                probe.rmdir()
+    return "tmpfs" if _can_mount else "directory"
+
+
+def create_volume(path: Path, size_mb: int, uid: int | None = None, gid: int | None = None) -> None:
+    """Create `path` as an empty directory of at most `size_mb` (when mounting is possible).
+
+    `uid`/`gid` own the root so the sandboxed (unprivileged) user can write into it.
+    """
+    path.mkdir(parents=True, exist_ok=False)
+    uid = os.geteuid() if uid is None else uid
+    gid = os.getegid() if gid is None else gid
+    if volume_kind() == "tmpfs" and _mount_tmpfs(path, size_mb, uid, gid):
+        return
+    if os.geteuid() == 0:
+        os.chown(path, uid, gid)
+
+
+def remove_volume(path: Path) -> None:
+    """Unmount (if mounted) and delete `path`; never follows symlinks planted inside it."""
+    if not path.exists():
+        return
+    if os.path.ismount(path):
+        _libc.umount2(str(path).encode(), _MNT_DETACH)
+    shutil.rmtree(path, ignore_errors=True)
+    if path.exists():  # e.g. a read-only directory left by the sandboxed user
+        for root, dirs, _ in os.walk(path):
+            for d in dirs:
+                try:
+                    os.chmod(os.path.join(root, d), 0o755, follow_symlinks=False)
+                except OSError:
+                    pass
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def copy_tree(src: Path, dest: Path, uid: int | None = None, gid: int | None = None) -> None:
+    """Copy the contents of `src` into the existing directory `dest`, owned by uid/gid.
+
+    Symlinks are copied as symlinks (never followed), special files are skipped: a workspace may
+    contain whatever the agent made, and copying must not read outside it.
+    """
+    chown = os.geteuid() == 0 and uid is not None
+    for root, dirs, files in os.walk(src, followlinks=False):
+        rel = os.path.relpath(root, src)
+        target_root = dest if rel == "." else dest / rel
+        for name in dirs + files:
+            s = os.path.join(root, name)
+            t = target_root / name
+            st = os.lstat(s)
+            if stat.S_ISLNK(st.st_mode):
+                os.symlink(os.readlink(s), t)
+            elif stat.S_ISDIR(st.st_mode):
+                t.mkdir(mode=0o755)
+            elif stat.S_ISREG(st.st_mode):
+                shutil.copyfile(s, t, follow_symlinks=False)
+                os.chmod(t, stat.S_IMODE(st.st_mode) | 0o600)
+            else:
+                continue
+            if chown:
+                os.chown(t, uid, gid if gid is not None else uid, follow_symlinks=False)
+        # os.walk lists symlinked dirs in `dirs` but does not descend (followlinks=False): good.
