@@ -115,11 +115,14 @@ def _finite(tree) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
-def train_step(state: TrainState, batch: dict, cfg: Config, rules: ShardingRules, mesh: Mesh | None,
-               tx: optax.GradientTransformation, context: int):
-    """One optimiser step over the whole batch. Returns (new_state, metrics)."""
-    m, t = cfg.model, cfg.train
-    prep = prepare_batch(batch, m.num_mtp_layers if "mtp" in state.params else 0, context)
+def batch_gradients(params: Any, batch: dict, cfg: Config, rules: ShardingRules | None, mesh: Mesh | None,
+                    context: int = 1):
+    """Whole-batch objective, gradients and metric sums, accumulated over `train.micro_batches`.
+
+    Every micro-batch's terms are divided by whole-batch denominators, so the sum over micro-batches
+    is exactly the full-batch objective (no mean-of-means)."""
+    t = cfg.train
+    prep = prepare_batch(batch, cfg.model.num_mtp_layers if "mtp" in params else 0, context)
     for k, v in prep.items():
         axes = ("act_batch", "act_seq") if v.ndim == 2 else (None, "act_batch", "act_seq")
         prep[k] = constrain(v, rules, axes, mesh)
@@ -132,15 +135,22 @@ def train_step(state: TrainState, batch: dict, cfg: Config, rules: ShardingRules
 
     def accumulate(carry, mb):
         g_acc, s_acc, obj_acc = carry
-        (obj, sums), g = grad_fn(state.params, mb, cfg, denoms, rules, mesh)
+        (obj, sums), g = grad_fn(params, mb, cfg, denoms, rules, mesh)
         return (jax.tree.map(jnp.add, g_acc, g), jax.tree.map(jnp.add, s_acc, sums), obj_acc + obj), None
 
     first = jax.tree.map(lambda x: x[0], micro)
-    sums_shape = jax.eval_shape(lambda: loss_terms(state.params, first, cfg, denoms, rules, mesh)[1])
-    zeros = (jax.tree.map(jnp.zeros_like, state.params), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape),
+    sums_shape = jax.eval_shape(lambda: loss_terms(params, first, cfg, denoms, rules, mesh)[1])
+    zeros = (jax.tree.map(jnp.zeros_like, params), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape),
              jnp.zeros((), jnp.float32))
     (grads, sums, objective), _ = jax.lax.scan(accumulate, zeros, micro)
+    return objective, grads, sums, denoms
 
+
+def train_step(state: TrainState, batch: dict, cfg: Config, rules: ShardingRules, mesh: Mesh | None,
+               tx: optax.GradientTransformation, context: int):
+    """One optimiser step over the whole batch. Returns (new_state, metrics)."""
+    m, t = cfg.model, cfg.train
+    objective, grads, sums, denoms = batch_gradients(state.params, batch, cfg, rules, mesh, context)
     grad_norm = optax.global_norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
