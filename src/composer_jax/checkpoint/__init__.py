@@ -1,0 +1,1 @@
+"""Checkpoints: orbax save/restore of the train state (manager.py) and Hugging Face import/export."""
