@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 STATE_ITEM = "train_state"
 DATA_ITEM = "data_state"
 CONFIG_ITEM = "config"
+# not "metrics": orbax reserves that item name for its own best-checkpoint tracking, and writes
+# nothing there unless a best_fn is configured
+METRICS_ITEM = "train_metrics"
 QUARANTINE_DIR = "quarantine"
 FORMAT_VERSION = 1
 
@@ -71,7 +74,7 @@ def _item_handlers(state_handler: Any) -> dict[str, Any]:
     # Registered up front (rather than inferred from the first save/restore call) so that metadata
     # can be read from a fresh manager before anything has been saved or restored through it.
     return {STATE_ITEM: state_handler, DATA_ITEM: ocp.JsonCheckpointHandler(),
-            CONFIG_ITEM: ocp.JsonCheckpointHandler()}
+            CONFIG_ITEM: ocp.JsonCheckpointHandler(), METRICS_ITEM: ocp.JsonCheckpointHandler()}
 
 
 def _step_dir(manager: ocp.CheckpointManager, step: int) -> epath.Path:
@@ -151,6 +154,14 @@ class TrainCheckpointer:
     def step_dir(self, step: int) -> epath.Path:
         return _step_dir(self._manager, step)
 
+    def read_metrics(self, step: int) -> dict[str, float] | None:
+        """The `metrics` saved with `step`, or None if none were given."""
+        self.wait()  # an asynchronous save is still under a temporary name
+        if not (self.step_dir(step) / METRICS_ITEM).is_dir():
+            return None
+        return self._manager.restore(step, args=ocp.args.Composite(
+            **{METRICS_ITEM: ocp.args.JsonRestore()}))[METRICS_ITEM]
+
     def wait(self) -> None:
         """Block until every pending asynchronous save is committed (raises if one failed)."""
         self._manager.wait_until_finished()
@@ -176,13 +187,15 @@ class TrainCheckpointer:
         `async_save` the call returns once the arrays are copied off the devices, so the caller
         may donate or overwrite them; files are written in the background (`wait()` to finish).
         `data_state` (the data iterator's state) and `config` (the run config) must be
-        JSON-serialisable; `metrics` (scalars) are recorded with the step.
+        JSON-serialisable; `metrics` (scalars, e.g. loss) are stored with the step (`read_metrics`).
         """
         step = int(step)
         # Fail here, in the caller's thread, rather than later in orbax's background writer.
         config = jsonable(dict(config), "config")
         if data_state is not None:
             data_state = jsonable(dict(data_state), "data_state")
+        if metrics is not None:
+            metrics = jsonable({k: float(v) for k, v in metrics.items()}, "metrics")
         if step in self._manager.all_steps():
             logger.info("checkpoint step %d already exists in %s; not saving it again", step, self.directory)
             return False
@@ -196,9 +209,10 @@ class TrainCheckpointer:
         items = {STATE_ITEM: ocp.args.StandardSave(train_state), CONFIG_ITEM: ocp.args.JsonSave(config)}
         if data_state is not None:
             items[DATA_ITEM] = ocp.args.JsonSave(data_state)
+        if metrics is not None:
+            items[METRICS_ITEM] = ocp.args.JsonSave(metrics)
         return self._manager.save(
             step, args=ocp.args.Composite(**items),
-            metrics=dict(metrics) if metrics is not None else None,
             force=True,  # the interval decision was taken above
             custom_metadata={"composer_jax_checkpoint_format": FORMAT_VERSION})
 
@@ -279,7 +293,7 @@ class TrainCheckpointer:
         try:
             out = self._manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # tensorstore: NOT_FOUND / OUT_OF_RANGE / DATA_LOSS ... as ValueError
-            raise CheckpointCorruptError(f"{describe(step_dir, step)}: reading the arrays failed: "
+            raise CheckpointCorruptError(f"{describe(step_dir, step)}: reading {sorted(items)} failed: "
                                          f"{short_reason(e)}", path=step_dir, step=step) from e
         return Restored(out[STATE_ITEM], out[DATA_ITEM] if has_data else None, saved_config, step)
 
