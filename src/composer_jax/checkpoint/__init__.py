@@ -1,4 +1,2 @@
-"""Checkpoints: Hugging Face safetensors import/export (`hf`), the `composer-jax convert` CLI."""
-from composer_jax.checkpoint.hf import CheckpointError, from_pretrained, save_pretrained
-
-__all__ = ["CheckpointError", "from_pretrained", "save_pretrained"]
+"""Checkpoints: orbax save/restore of the train state (`manager`), Hugging Face safetensors
+import/export (`hf`), and the `composer-jax convert` CLI (`convert`)."""
