@@ -79,17 +79,17 @@ def _seed(*parts: int) -> int:
 
 
 def _source_stream(index: int, src: SourceConfig, cfg: DataConfig, tok: Tokenizer, *, split: str,
-                   seq_len: int, seed: int, process_index: int, process_count: int, train: bool
-                   ) -> grain.IterDataset:
+                   seq_len: int, seed: int, process_index: int, process_count: int, shuffle: bool,
+                   num_epochs: int | None) -> grain.IterDataset:
     docs = open_source(src, "messages" if cfg.format == "chat" else "text")
     ds = grain.MapDataset.source(docs)[process_index::process_count]
     if len(ds) == 0:
         raise DataConfigError(f"source {src.label} has {len(docs)} documents, too few to give each of "
                               f"{process_count} hosts one (host {process_index} gets none)")
-    if train:
-        if cfg.shuffle:
-            ds = ds.shuffle(seed=_seed(cfg.shuffle_seed, seed, index))
-        ds = ds.repeat()  # infinite; ShuffleMapDataset re-permutes each epoch
+    if shuffle:
+        ds = ds.shuffle(seed=_seed(cfg.shuffle_seed, seed, index))
+    if num_epochs != 1:
+        ds = ds.repeat(num_epochs)  # None = infinite; ShuffleMapDataset re-permutes each epoch
     frac = cfg.eval_fraction if src.eval_fraction is None else src.eval_fraction
     transform = DocumentToChunks(tok, cfg.format, split, frac, seq_len, cfg.max_chunks_per_document)
     return grain.experimental.FlatMapIterDataset(ds.to_iter_dataset(_READ_OPTIONS), transform)
@@ -176,6 +176,24 @@ def _pipeline_fingerprint(cfg: DataConfig, tok: Tokenizer, **shape: int) -> dict
     return json.loads(json.dumps({"data": keep, "vocab_size": tok.vocab_size, **shape}))
 
 
+def train_rows(data_cfg: DataConfig, tok: Tokenizer, *, seq_len: int, seed: int, process_index: int = 0,
+               process_count: int = 1, num_epochs: int | None = None) -> grain.IterDataset:
+    """The unbatched training stream: packed rows {tokens, segment_ids, positions: int32[seq_len],
+    loss_mask: float32[seq_len]}. num_epochs=None repeats forever (training); a finite count is
+    for tests and corpus statistics (the mixture then stops when its first source runs out)."""
+    streams = [_source_stream(i, s, data_cfg, tok, split="train", seq_len=seq_len, seed=seed,
+                              process_index=process_index, process_count=process_count,
+                              shuffle=data_cfg.shuffle, num_epochs=num_epochs)
+               for i, s in enumerate(data_cfg.sources)]
+    weights = [s.weight for s in data_cfg.sources]
+    mixed = streams[0] if len(streams) == 1 else grain.IterDataset.mix(streams, weights)
+    ds = _pack(mixed, data_cfg, tok, seq_len, _seed(data_cfg.shuffle_seed, seed, 1 << 20), data_cfg.shuffle)
+    if data_cfg.shuffle and data_cfg.shuffle_window > 1:
+        ds = grain.experimental.WindowShuffleIterDataset(
+            ds, window_size=data_cfg.shuffle_window, seed=_seed(data_cfg.shuffle_seed, seed, 1 << 21))
+    return ds
+
+
 def make_train_iterator(data_cfg: DataConfig, *, seq_len: int, batch_size: int, seed: int,
                         process_index: int = 0, process_count: int = 1) -> DataIterator:
     """This host's infinite training stream of packed batches, each array [batch_size, seq_len].
@@ -186,16 +204,8 @@ def make_train_iterator(data_cfg: DataConfig, *, seq_len: int, batch_size: int, 
     validate_data_config(data_cfg)
     _check_shapes(seq_len, batch_size, process_index, process_count)
     tok = load_tokenizer(data_cfg.tokenizer)
-    streams = [_source_stream(i, s, data_cfg, tok, split="train", seq_len=seq_len, seed=seed,
-                              process_index=process_index, process_count=process_count, train=True)
-               for i, s in enumerate(data_cfg.sources)]
-    weights = [s.weight for s in data_cfg.sources]
-    mixed = streams[0] if len(streams) == 1 else grain.IterDataset.mix(streams, weights)
-    ds = _pack(mixed, data_cfg, tok, seq_len, _seed(data_cfg.shuffle_seed, seed, 1 << 20), data_cfg.shuffle)
-    if data_cfg.shuffle and data_cfg.shuffle_window > 1:
-        ds = grain.experimental.WindowShuffleIterDataset(
-            ds, window_size=data_cfg.shuffle_window, seed=_seed(data_cfg.shuffle_seed, seed, 1 << 21))
-    ds = ds.batch(batch_size, drop_remainder=True)
+    ds = train_rows(data_cfg, tok, seq_len=seq_len, seed=seed, process_index=process_index,
+                    process_count=process_count).batch(batch_size, drop_remainder=True)
     fingerprint = _pipeline_fingerprint(data_cfg, tok, seq_len=seq_len, batch_size=batch_size, seed=seed,
                                         process_index=process_index, process_count=process_count)
     return DataIterator(ds, fingerprint)
@@ -213,7 +223,8 @@ def _eval_batches_cached(data_cfg: DataConfig, seq_len: int, batch_size: int, nu
     explicit = bool(data_cfg.eval_sources)
     sources = data_cfg.eval_sources if explicit else data_cfg.sources
     streams = [_source_stream(i, s, data_cfg, tok, split="all" if explicit else "eval", seq_len=seq_len,
-                              seed=0, process_index=process_index, process_count=process_count, train=False)
+                              seed=0, process_index=process_index, process_count=process_count, shuffle=False,
+                              num_epochs=1)
                for i, s in enumerate(sources)]
     # Round-robin over sources (not weighted mixing, which stops at the first exhausted source),
     # in file order, no shuffling: the same rows every call.
@@ -257,5 +268,5 @@ def make_eval_batches(data_cfg: DataConfig, *, seq_len: int, batch_size: int, nu
     return list(_eval_batches_cached(data_cfg, seq_len, batch_size, n, process_index, process_count))
 
 
-__all__ = ["DataIterator", "DocumentToChunks", "make_eval_batches", "make_train_iterator",
+__all__ = ["DataIterator", "DocumentToChunks", "make_eval_batches", "make_train_iterator", "train_rows",
            "STATE_VERSION"]

@@ -25,6 +25,8 @@ from composer_jax.data.config import (DEFAULT_CODE_EXTENSIONS, DEFAULT_EXCLUDES,
                                       SourceConfig)
 
 Kind = Literal["text", "messages"]
+_PRUNED_DIRS = frozenset({".git", ".hg", ".svn", "__pycache__", ".venv", "node_modules", ".pytest_cache",
+                          ".mypy_cache", ".ruff_cache"})
 _DEFAULT_FILE_PATTERN = {"jsonl": "*.jsonl", "parquet": "*.parquet", "arrayrecord": "*.array_record*"}
 
 
@@ -205,31 +207,32 @@ def list_directory_files(root: str | Path, *, include: Sequence[str], exclude: S
                               f"against the current directory {Path.cwd()})")
     include = tuple(include) or DEFAULT_CODE_EXTENSIONS
     exclude = DEFAULT_EXCLUDES + tuple(exclude)
+    candidates = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        dirnames[:] = [d for d in dirnames if d not in _PRUNED_DIRS]  # never walk into these at all
+        reldir = Path(dirpath).relative_to(root).as_posix()
+        for fn in filenames:
+            rel = fn if reldir == "." else f"{reldir}/{fn}"
+            if _matches(rel, include) and not _matches(rel, exclude):
+                candidates.append(rel)
     seen: set[bytes] = set()
     kept = []
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        dirnames.sort()
-        reldir = Path(dirpath).relative_to(root).as_posix()
-        for fn in sorted(filenames):
-            rel = fn if reldir == "." else f"{reldir}/{fn}"
-            full = Path(dirpath) / fn
-            if full.is_symlink() or not _matches(rel, include) or _matches(rel, exclude):
-                continue
-            if full.stat().st_size > max_file_bytes:
-                continue
-            data = full.read_bytes()
-            if b"\x00" in data:
-                continue
-            try:
-                data.decode("utf-8")
-            except UnicodeDecodeError:
-                continue
-            digest = hashlib.sha256(data).digest()
-            if digest in seen:
-                continue
+    for rel in sorted(candidates):  # sorted first, so "first copy" does not depend on walk order
+        full = root / rel
+        if full.is_symlink() or full.stat().st_size > max_file_bytes:
+            continue
+        data = full.read_bytes()
+        if b"\x00" in data:
+            continue
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        digest = hashlib.sha256(data).digest()
+        if digest not in seen:
             seen.add(digest)
             kept.append(rel)
-    return sorted(kept)
+    return kept
 
 
 class DirectorySource:
