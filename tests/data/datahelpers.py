@@ -19,7 +19,8 @@ def numbered_docs(n: int, prefix: str = "doc") -> list[str]:
 def segments(batch: dict, tok) -> list[str]:
     """Decoded text of every segment of every row, BOS/EOS stripped."""
     out = []
-    tokens, seg = batch["tokens"].reshape(-1, batch["tokens"].shape[-1]), batch["segment_ids"].reshape(tokens.shape)
+    tokens = batch["tokens"].reshape(-1, batch["tokens"].shape[-1])
+    seg = batch["segment_ids"].reshape(tokens.shape)
     for r in range(tokens.shape[0]):
         for s in sorted(set(seg[r][seg[r] > 0].tolist())):
             out.append(tok.decode(tokens[r][seg[r] == s], skip_special_tokens=True))
