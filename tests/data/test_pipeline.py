@@ -152,6 +152,13 @@ def test_exact_resume_from_json_state(tmp_path, tok, tok_dir):
         fresh.set_state(other.get_state())
 
 
+def test_source_with_only_held_out_documents_is_an_error(tmp_path, tok_dir):
+    held = next(d for d in numbered_docs(100) if content_hash_fraction(d) < 0.5)
+    with pytest.raises(DataConfigError, match=r"all 1 documents of host 0 fall in the held-out split \(eval_fraction=0.5\)"):
+        make_train_iterator(_cfg(tok_dir, _jsonl_source(tmp_path, "a", [held]), eval_fraction=0.5),
+                            seq_len=16, batch_size=1, seed=0)
+
+
 def test_bad_documents_fail_with_file_and_line(tmp_path, tok_dir):
     f = tmp_path / "bad.jsonl"
     f.write_text('{"text": "fine"}\n{"txt": "wrong key"}\n')

@@ -86,13 +86,26 @@ def _source_stream(index: int, src: SourceConfig, cfg: DataConfig, tok: Tokenize
     if len(ds) == 0:
         raise DataConfigError(f"source {src.label} has {len(docs)} documents, too few to give each of "
                               f"{process_count} hosts one (host {process_index} gets none)")
+    frac = cfg.eval_fraction if src.eval_fraction is None else src.eval_fraction
+    if split == "train" and num_epochs is None and frac > 0:
+        _require_a_training_document(ds, frac, src, process_index)
     if shuffle:
         ds = ds.shuffle(seed=_seed(cfg.shuffle_seed, seed, index))
     if num_epochs != 1:
         ds = ds.repeat(num_epochs)  # None = infinite; ShuffleMapDataset re-permutes each epoch
-    frac = cfg.eval_fraction if src.eval_fraction is None else src.eval_fraction
     transform = DocumentToChunks(tok, cfg.format, split, frac, seq_len, cfg.max_chunks_per_document)
     return grain.experimental.FlatMapIterDataset(ds.to_iter_dataset(_READ_OPTIONS), transform)
+
+
+def _require_a_training_document(ds: grain.MapDataset, frac: float, src: SourceConfig, host: int) -> None:
+    """An infinite stream over a source whose documents are all held out would never yield: fail
+    now instead. Stops at the first training document, so this reads ~1/(1 - frac) documents."""
+    for i in range(len(ds)):
+        if content_hash_fraction(ds[i]) >= frac:
+            return
+    raise DataConfigError(f"source {src.label}: all {len(ds)} documents of host {host} fall in the held-out "
+                          f"split (eval_fraction={frac}); lower eval_fraction (0 keeps all for training) or add "
+                          "documents")
 
 
 def _finalize(pad_id: int):
