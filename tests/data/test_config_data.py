@@ -39,3 +39,27 @@ def test_validate_data_config_messages():
     with pytest.raises(DataConfigError, match="accepts jsonl, parquet, arrayrecord"):
         validate_data_config(chat_dir)
     validate_data_config(dataclasses.replace(bad, sources=(SourceConfig(path="x"),)))
+
+
+def test_data_config_module_does_not_import_jax():
+    import subprocess
+    import sys
+
+    code = "import sys, composer_jax.data.config; assert 'jax' not in sys.modules and 'grain' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_data_peek_cli_reads_a_yaml_data_section(tmp_path, tok_dir, capsys):
+    from composer_jax.data.cli import main
+
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "m.py").write_text("def hello():\n    return 'world'\n")
+    (tmp_path / "c.yaml").write_text(
+        f"data:\n  tokenizer: {tok_dir}\n  eval_fraction: 0.0\n"
+        f"  sources:\n    - {{type: directory, path: {tmp_path / 'code'}}}\n")
+    assert main(["peek", "--config", str(tmp_path / "c.yaml"), "--seq-len", "64", "--batch-size", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "--- row 0:" in out and "def hello()" in out
+    (tmp_path / "bad.yaml").write_text("data:\n  sources: [{type: csv, path: x}]\n")
+    assert main(["peek", "--config", str(tmp_path / "bad.yaml")]) == 2
+    assert "type='csv' is not accepted" in capsys.readouterr().err

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from composer_jax.data.config import DataConfigError
+from composer_jax.config import ConfigError
 
 
 def _peek(args: argparse.Namespace) -> None:
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {n} conversations to {args.out}")
         else:
             _peek(args)
-    except (DataConfigError, OSError) as e:
+    except (ConfigError, OSError) as e:  # DataConfigError is a ConfigError
         print(f"composer-jax data: error: {e}", file=sys.stderr)
         return 2
     return 0

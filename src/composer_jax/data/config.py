@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from composer_jax.config import ConfigError
+
 SOURCE_TYPES = ("jsonl", "parquet", "arrayrecord", "directory")
 FORMATS = ("pretrain", "chat")
 
@@ -32,8 +34,10 @@ DEFAULT_EXCLUDES = (".git/**", "**/.git/**", "**/__pycache__/**", "**/.venv/**",
                     "dist/**")
 
 
-class DataConfigError(ValueError):
-    """A data configuration value or input file is invalid; the message names it and what is accepted."""
+class DataConfigError(ConfigError):
+    """A data configuration value or input file is invalid; the message names it and what is accepted.
+
+    A ConfigError, so the CLI's existing handling of configuration errors covers data errors too."""
 
 
 @dataclasses.dataclass(frozen=True)
