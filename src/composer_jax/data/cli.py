@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from composer_jax.config import ConfigError
+from composer_jax.data.config import DataConfigError
 
 
 def _peek(args: argparse.Namespace) -> None:
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {n} conversations to {args.out}")
         else:
             _peek(args)
-    except (ConfigError, OSError) as e:  # DataConfigError is a ConfigError
+    except (ConfigError, DataConfigError, OSError) as e:
         print(f"composer-jax data: error: {e}", file=sys.stderr)
         return 2
     return 0

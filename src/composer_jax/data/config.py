@@ -20,8 +20,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from composer_jax.config import ConfigError
-
 SOURCE_TYPES = ("jsonl", "parquet", "arrayrecord", "directory")
 FORMATS = ("pretrain", "chat")
 
@@ -34,10 +32,11 @@ DEFAULT_EXCLUDES = (".git/**", "**/.git/**", "**/__pycache__/**", "**/.venv/**",
                     "dist/**")
 
 
-class DataConfigError(ConfigError):
+class DataConfigError(ValueError):
     """A data configuration value or input file is invalid; the message names it and what is accepted.
 
-    A ConfigError, so the CLI's existing handling of configuration errors covers data errors too."""
+    Not a subclass of composer_jax.config.ConfigError on purpose: config.py imports this module to
+    attach `data: DataConfig`, so this module must not import config.py (circular import)."""
 
 
 @dataclasses.dataclass(frozen=True)
