@@ -225,6 +225,17 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if value not in typing.get_args(tp):
             raise ConfigError(f"{key}={value!r} is not accepted; accepted: {_type_name(tp)}")
         return value
+    if origin is tuple:
+        # tuple[X, ...] from a YAML list (e.g. data.sources: a list of SourceConfig mappings);
+        # a fixed-length tuple[X, Y] is checked element by element.
+        if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
+        if args and len(args) != len(value):
+            raise ConfigError(f"{key}: expected a list of {len(args)} items, got {value!r}")
+        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args))) if args else tuple(value)
     if origin in (Mapping, dict) or tp is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
@@ -469,6 +480,8 @@ def _to_plain(obj: Any) -> Any:
         return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, Mapping):
         return {k: _to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):  # tuples of sections (data.sources) -> YAML/JSON lists
+        return [_to_plain(v) for v in obj]
     return obj
 
 

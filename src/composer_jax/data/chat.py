@@ -1,0 +1,144 @@
+"""Chat template ("composer-chatml-v1") and the SFT loss mask.
+
+A conversation is a list of OpenAI-style messages:
+  {"role": "system" | "user", "content": str}
+  {"role": "assistant", "content": str | None,
+   "tool_calls": [{"id": str, "type": "function", "function": {"name": str, "arguments": str(JSON)}}]}
+  {"role": "tool", "tool_call_id": str, "content": str}
+
+It is rendered as (spaces added here for reading; `\\n` is a newline):
+
+  <|bos|>
+  <|im_start|>system\\n{content}<|im_end|>\\n
+  <|im_start|>user\\n{content}<|im_end|>\\n
+  <|im_start|>assistant\\n{content}<|tool_call|>{"id": .., "name": .., "arguments": {..}}<|im_end|>\\n
+  <|im_start|>tool\\n<|tool_result|>{tool_call_id}\\n{content}<|im_end|>\\n
+  ...
+  <|eos|>
+
+Tool-call arguments are embedded as the parsed JSON object (compact, keys in the order given) when
+the `arguments` string parses, else as the raw string. Every tool call is one `<|tool_call|>`
+followed by one JSON object; the next `<|tool_call|>` or `<|im_end|>` ends it.
+
+Loss mask (1.0 = a target the model is trained to produce): exactly the tokens the model emits in
+an assistant turn: its content, its tool calls and the turn's closing `<|im_end|>` (the stop token
+at inference). Never the `<|im_start|>assistant\\n` header (the prompt supplies it), the newline
+after `<|im_end|>`, BOS/EOS, or any system, user or tool-result token.
+
+Pieces are tokenized separately and concatenated, so the mask is exact at token level and the same
+function renders inference prompts (`render_prompt`).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+import numpy as np
+
+from composer_jax.data.config import DataConfigError
+from composer_jax.data.tokenizer import Tokenizer
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _content_text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts: keep the text parts
+        parts = []
+        for p in content:
+            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str):
+                parts.append(p["text"])
+            else:
+                raise DataConfigError(f"{where}: content part {p!r} is not accepted; accepted: a string or "
+                                      '[{"type": "text", "text": ...}]')
+        return "".join(parts)
+    raise DataConfigError(f"{where}: content must be a string, null or a list of text parts, got {type(content).__name__}")
+
+
+def tool_call_json(call: dict, where: str) -> str:
+    """One OpenAI tool call -> the JSON text placed after <|tool_call|>."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise DataConfigError(f"{where}: a tool call must be "
+                              '{"id": ..., "type": "function", "function": {"name": ..., "arguments": "{...}"}}, '
+                              f"got {call!r}")
+    args = fn.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            pass  # keep the raw string: the model should still learn what was emitted
+    obj = {"id": call["id"]} if call.get("id") else {}
+    obj.update(name=fn["name"], arguments=args)
+    return json.dumps(obj, ensure_ascii=False, separators=(", ", ": "))
+
+
+def _render(messages: Sequence[dict], tok: Tokenizer, *, where: str, generation_prompt: bool):
+    im_start, im_end = tok.token_id("<|im_start|>"), tok.token_id("<|im_end|>")
+    tool_call, tool_result = tok.token_id("<|tool_call|>"), tok.token_id("<|tool_result|>")
+    newline = tok.encode("\n")
+    ids: list[int] = [tok.bos_id]
+    mask: list[float] = [0.0]
+
+    def add(piece: list[int], target: bool) -> None:
+        ids.extend(piece)
+        mask.extend([1.0 if target else 0.0] * len(piece))
+
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise DataConfigError(f"{where}: a conversation must be a non-empty list of messages")
+    for i, m in enumerate(messages):
+        at = f"{where} message {i}"
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in ROLES:
+            raise DataConfigError(f"{at}: role {role!r} is not accepted; accepted: {ROLES}")
+        add([im_start] + tok.encode(role) + newline, False)
+        text = _content_text(m.get("content"), at)
+        if role == "assistant":
+            add(tok.encode(text) if text else [], True)
+            for call in m.get("tool_calls") or ():
+                add([tool_call] + tok.encode(tool_call_json(call, at)), True)
+            add([im_end], True)
+            add(newline, False)
+        elif role == "tool":
+            call_id = m.get("tool_call_id") or ""
+            add([tool_result] + tok.encode(f"{call_id}\n{text}") + [im_end] + newline, False)
+        else:
+            add((tok.encode(text) if text else []) + [im_end] + newline, False)
+    if generation_prompt:
+        add([im_start] + tok.encode("assistant") + newline, False)
+    else:
+        add([tok.eos_id], False)
+    return np.asarray(ids, np.int32), np.asarray(mask, np.float32)
+
+
+def render_chat(messages: Sequence[dict], tok: Tokenizer, *, where: str = "conversation"
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """A whole conversation -> (tokens: int32[n], loss_mask: float32[n]) for SFT.
+
+    loss_mask[i] = 1.0 where tokens[i] is an assistant-emitted token (see module docstring).
+    `where` prefixes error messages (e.g. "train.jsonl:12")."""
+    return _render(messages, tok, where=where, generation_prompt=False)
+
+
+def render_prompt(messages: Sequence[dict], tok: Tokenizer) -> np.ndarray:
+    """Conversation so far + `<|im_start|>assistant\\n`: the prompt for sampling the next turn,
+    which ends at `<|im_end|>`. tokens: int32[n]."""
+    return _render(messages, tok, where="prompt", generation_prompt=True)[0]
+
+
+def render_chat_text(messages: Sequence[dict]) -> str:
+    """The template as a string (for reading and docs; training uses `render_chat`)."""
+    out = ["<|bos|>"]
+    for i, m in enumerate(messages):
+        role, text = m["role"], _content_text(m.get("content"), f"message {i}")
+        if role == "assistant":
+            calls = "".join("<|tool_call|>" + tool_call_json(c, f"message {i}") for c in m.get("tool_calls") or ())
+            out.append(f"<|im_start|>assistant\n{text}{calls}<|im_end|>\n")
+        elif role == "tool":
+            out.append(f"<|im_start|>tool\n<|tool_result|>{m.get('tool_call_id') or ''}\n{text}<|im_end|>\n")
+        else:
+            out.append(f"<|im_start|>{role}\n{text}<|im_end|>\n")
+    return "".join(out) + "<|eos|>"

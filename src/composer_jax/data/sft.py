@@ -1,0 +1,202 @@
+"""SFT conversations from Harbor tasks: the reference solution replayed as an agent trajectory.
+
+A task directory holds instruction.md, environment/app/ (the initial repository) and
+solution/solve.sh (+ files it copies). For each task we run solve.sh offline on a temporary copy of
+the repository (its `/app` and `/solution` paths rewritten to the copies, under a timeout), diff the
+tree before and after, and write one conversation in the tool vocabulary of the environment server
+(composer_jax/env/tools.py):
+
+  system     the agent's role and tools
+  user       instruction.md
+  assistant  list_dir /app (depth 2)                 -> tool: the real listing
+  assistant  read_file on every file the solution changes (parallel calls) -> tool: real contents
+  assistant  edit_file per changed file: one search/replace when the change is a single hunk whose
+             old text is unique, else the whole new file; run_shell `rm` for deleted files
+  assistant  a summary naming the files and line counts changed
+
+Tool results are the JSON the environment server returns for that call, so the model sees at SFT
+time what it will see in RL. Nothing here is invented except the short assistant prose.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+from composer_jax.data.config import DataConfigError
+
+SYSTEM_PROMPT = (
+    "You are a coding agent working in a repository at /app. Use the tools to inspect and change it: "
+    "list_dir(path, depth), read_file(path, start_line, end_line), grep(pattern, path, glob), "
+    "edit_file(path, new_string, old_string) (search/replace, or the whole file when old_string is "
+    "omitted) and run_shell(command). Make the change the user asks for, then summarise what you did.")
+# `/app` or `/solution` as a path root (not part of a longer word or path)
+_ROOT_RE = re.compile(r"(?<![\w./-])/(app|solution)(?=/|\b|$)")
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in (".git", "__pycache__", ".pytest_cache"))
+        for fn in filenames:
+            p = Path(dirpath) / fn
+            if p.is_file() and not p.is_symlink():
+                out[p.relative_to(root).as_posix()] = p.read_bytes()
+    return out
+
+
+def run_solution(task_dir: Path, *, timeout_s: float = 60.0) -> tuple[dict[str, bytes], dict[str, bytes]]:
+    """(files before, files after) of environment/app when solution/solve.sh runs on a copy."""
+    app, solution = task_dir / "environment" / "app", task_dir / "solution"
+    solve = solution / "solve.sh"
+    for need in (task_dir / "instruction.md", app, solve):
+        if not need.exists():
+            raise DataConfigError(f"task {task_dir.name!r}: missing {need.relative_to(task_dir)}; a Harbor task "
+                                  "needs instruction.md, environment/app/ and solution/solve.sh")
+    with tempfile.TemporaryDirectory(prefix="cj-sft-") as tmp:
+        work, sol = Path(tmp) / "app", Path(tmp) / "solution"
+        shutil.copytree(app, work, symlinks=True)
+        shutil.copytree(solution, sol, symlinks=True)
+        before = _snapshot(work)
+        roots = {"app": str(work), "solution": str(sol)}
+        script = _ROOT_RE.sub(lambda m: roots[m.group(1)], solve.read_text())
+        (Path(tmp) / "solve.sh").write_text(script)
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": tmp, "LC_ALL": "C.UTF-8"}
+        try:
+            proc = subprocess.run(["bash", str(Path(tmp) / "solve.sh")], cwd=work, env=env, capture_output=True,
+                                  text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise DataConfigError(f"task {task_dir.name!r}: solution/solve.sh ran past {timeout_s}s") from None
+        if proc.returncode != 0:
+            raise DataConfigError(f"task {task_dir.name!r}: solution/solve.sh exited {proc.returncode}: "
+                                  f"{proc.stderr.strip()[-500:]}")
+        return before, _snapshot(work)
+
+
+def _call(call_id: str, name: str, **arguments) -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+
+
+def _result(call_id: str, result: dict) -> dict:
+    return {"role": "tool", "tool_call_id": call_id, "content": json.dumps(result, ensure_ascii=False)}
+
+
+def _single_hunk(old: str, new: str) -> tuple[str, str] | None:
+    """(old_string, new_string) replacing the one changed region (whole lines, one line of context
+    where needed for uniqueness) when `old_string` occurs exactly once in `old`; else None."""
+    a, b = old.splitlines(keepends=True), new.splitlines(keepends=True)
+    ops = [op for op in difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_opcodes() if op[0] != "equal"]
+    if not ops:
+        return None
+    i1, i2, j1, j2 = ops[0][1], ops[-1][2], ops[0][3], ops[-1][4]
+    if i2 - i1 > 60 or j2 - j1 > 60:  # big rewrites read better as whole files
+        return None
+    for ctx in range(0, 4):
+        lo, hi = max(i1 - ctx, 0), min(i2 + ctx, len(a))
+        old_s = "".join(a[lo:hi])
+        new_s = "".join(a[lo:i1] + b[j1:j2] + a[i2:hi])
+        if old_s and old.count(old_s) == 1:
+            return old_s, new_s
+    return None
+
+
+def task_conversation(task_dir: str | Path, *, timeout_s: float = 60.0) -> dict:
+    """One task -> {"task": name, "messages": [...]} (OpenAI message format, see data/chat.py)."""
+    task_dir = Path(task_dir)
+    before, after = run_solution(task_dir, timeout_s=timeout_s)
+    changed = sorted(p for p in after if p in before and after[p] != before[p])
+    added = sorted(p for p in after if p not in before)
+    deleted = sorted(p for p in before if p not in after)
+    text = {p: d.decode("utf-8", "replace") for p, d in {**before, **after}.items()}
+    msgs: list[dict] = [{"role": "system", "content": SYSTEM_PROMPT},
+                        {"role": "user", "content": (task_dir / "instruction.md").read_text().strip()}]
+    n = 0
+
+    def next_id() -> str:
+        nonlocal n
+        n += 1
+        return f"call_{n}"
+
+    cid = next_id()
+    msgs.append({"role": "assistant", "content": "Let me look at the repository layout first.",
+                 "tool_calls": [_call(cid, "list_dir", path="/app", depth=2)]})
+    entries = [{"path": f"/app/{p}", "type": "file", "size": len(before[p])} for p in sorted(before)]
+    msgs.append(_result(cid, {"path": "/app", "entries": entries, "truncated": False}))
+
+    to_read = changed + [p for p in deleted if p in text]
+    if to_read:
+        calls = [(next_id(), p) for p in to_read]
+        msgs.append({"role": "assistant", "content": "I'll read the files involved.",
+                     "tool_calls": [_call(c, "read_file", path=p) for c, p in calls]})
+        for c, p in calls:
+            lines = before[p].decode("utf-8", "replace").splitlines(keepends=True)
+            msgs.append(_result(c, {"path": f"/app/{p}", "start_line": 1, "end_line": len(lines),
+                                    "total_lines": len(lines), "content": "".join(lines), "truncated": False}))
+    edits = []
+    for p in changed + added:
+        c = next_id()
+        new = after[p].decode("utf-8", "replace")
+        old = before[p].decode("utf-8", "replace") if p in before else None
+        hunk = _single_hunk(old, new) if old is not None else None
+        if hunk:
+            first_line = old.count("\n", 0, old.index(hunk[0])) + 1
+            edits.append((c, _call(c, "edit_file", path=p, old_string=hunk[0], new_string=hunk[1]),
+                          {"path": f"/app/{p}", "created": False, "replacements": 1, "mode": "replace",
+                           "first_changed_line": first_line}))
+        else:
+            edits.append((c, _call(c, "edit_file", path=p, new_string=new),
+                          {"path": f"/app/{p}", "created": p not in before, "replacements": 0, "mode": "write",
+                           "bytes": len(after[p])}))
+    for p in deleted:
+        c = next_id()
+        edits.append((c, _call(c, "run_shell", command=f"rm -- {json.dumps(p)}"),
+                      {"exit_code": 0, "stdout": "", "stderr": "", "timed_out": False, "truncated": False,
+                       "duration_s": 0.0}))
+    if edits:
+        msgs.append({"role": "assistant", "content": "Now I'll make the changes.",
+                     "tool_calls": [call for _, call, _ in edits]})
+        msgs.extend(_result(c, r) for c, _, r in edits)
+    msgs.append({"role": "assistant", "content": _summary(changed, added, deleted, before, after)})
+    return {"task": task_dir.name, "messages": msgs}
+
+
+def _summary(changed, added, deleted, before, after) -> str:
+    if not (changed or added or deleted):
+        return "The repository needed no changes for this request."
+    lines = ["Done. Summary of the changes:"]
+    for p in changed:
+        diff = list(difflib.unified_diff(before[p].decode("utf-8", "replace").splitlines(),
+                                         after[p].decode("utf-8", "replace").splitlines(), lineterm="", n=0))
+        plus = sum(1 for d in diff if d.startswith("+") and not d.startswith("+++"))
+        minus = sum(1 for d in diff if d.startswith("-") and not d.startswith("---"))
+        lines.append(f"- `{p}`: modified (+{plus} / -{minus} lines)")
+    lines += [f"- `{p}`: created ({len(after[p].splitlines())} lines)" for p in added]
+    lines += [f"- `{p}`: deleted" for p in deleted]
+    return "\n".join(lines)
+
+
+def iter_task_dirs(tasks_dir: str | Path) -> Iterator[Path]:
+    root = Path(tasks_dir)
+    if not root.is_dir():
+        raise DataConfigError(f"tasks directory {str(root)!r} does not exist (relative to {Path.cwd()})")
+    found = sorted(p.parent for p in root.glob("*/instruction.md"))
+    if not found:
+        raise DataConfigError(f"no tasks under {str(root)!r}: expected subdirectories holding instruction.md")
+    yield from found
+
+
+def make_sft(tasks_dir: str | Path, out_file: str | Path, *, timeout_s: float = 60.0) -> int:
+    """Write one JSON line {"task", "messages"} per task to out_file; returns the count."""
+    convs = [task_conversation(t, timeout_s=timeout_s) for t in iter_task_dirs(tasks_dir)]
+    out = Path(out_file)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w") as f:
+        for c in convs:
+            f.write(json.dumps(c, ensure_ascii=False) + "\n")
+    return len(convs)

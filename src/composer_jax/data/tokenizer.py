@@ -1,0 +1,215 @@
+"""Tokenizer: a Hugging Face `tokenizers` byte-level BPE (`tokenizer.json`) plus our special tokens.
+
+`load_tokenizer(path)` accepts a `tokenizer.json` file or a directory holding one (a checkpoint
+directory, `assets/tokenizer/`). `composer-jax tokenizer train` trains a small byte-level BPE on
+code and writes `tokenizer.json` and `tokenizer_config.json` (special tokens, their ids and the
+chat template name, see data/chat.py).
+
+Special tokens (ids 0..6 in tokenizers we train, in this order):
+  <|pad|>          padding in packed rows (never a target)
+  <|bos|>          first token of every document / conversation
+  <|eos|>          last token of every document / conversation
+  <|im_start|>     opens a chat turn: `<|im_start|>role\\n`
+  <|im_end|>       closes a chat turn; the model's stop token in assistant turns
+  <|tool_call|>    inside an assistant turn, followed by one JSON object {"id","name","arguments"}
+  <|tool_result|>  starts the content of a tool turn: `<|tool_result|>{tool_call_id}\\n{content}`
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+from composer_jax.data.config import DEFAULT_CODE_EXTENSIONS, DataConfigError
+
+SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>", "<|tool_call|>",
+                  "<|tool_result|>")
+CHAT_TEMPLATE_NAME = "composer-chatml-v1"
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    """A loaded `tokenizers.Tokenizer` with the ids of our special tokens.
+
+    `encode` never adds special tokens itself: the pipeline places BOS/EOS explicitly, and special
+    token strings inside a document's text are encoded as ordinary bytes (so a source file that
+    mentions "<|im_end|>" cannot forge a turn boundary).
+    """
+
+    hf: "object"  # tokenizers.Tokenizer
+    pad_id: int
+    bos_id: int
+    eos_id: int
+    special: dict  # special token string -> id (those present)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """text -> token ids (no special tokens added; special-token strings are not matched)."""
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self.hf.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        return self.hf.decode(list(map(int, ids)), skip_special_tokens=skip_special_tokens)
+
+    def token_id(self, token: str) -> int:
+        """Id of a special token such as "<|im_start|>"; error names the tokens this tokenizer has."""
+        if token not in self.special:
+            raise DataConfigError(f"tokenizer has no special token {token!r}; it has {sorted(self.special)}. "
+                                  "Chat formatting needs the tokens listed in composer_jax.data.tokenizer."
+                                  "SPECIAL_TOKENS (train one with `composer-jax tokenizer train`)")
+        return self.special[token]
+
+
+def _tokenizer_file(path: str | Path) -> Path:
+    p = Path(path)
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    if not p.is_file():
+        raise DataConfigError(f"tokenizer {str(path)!r}: no tokenizer.json there (resolved against the "
+                              f"current directory {Path.cwd()}); give a tokenizer.json file or a directory "
+                              "holding one, e.g. assets/tokenizer")
+    return p
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Load `tokenizer.json` (a file, or a directory containing it) and find the special token ids.
+
+    Ids come from tokenizer_config.json next to it when present ("special_tokens": {name: id}),
+    else from the vocabulary by name; BOS/EOS fall back to the common "<s>"/"</s>" and
+    "<|endoftext|>" names of other tokenizers, PAD to EOS.
+    """
+    from tokenizers import Tokenizer as HFTokenizer
+
+    file = _tokenizer_file(path)
+    try:
+        hf = HFTokenizer.from_file(str(file))
+    except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
+        raise DataConfigError(f"tokenizer {str(file)!r} could not be read: {e}") from None
+    hf.encode_special_tokens = True  # special-token strings in document text are plain bytes
+    special = {t: hf.token_to_id(t) for t in SPECIAL_TOKENS if hf.token_to_id(t) is not None}
+    cfg_file = file.parent / "tokenizer_config.json"
+    if cfg_file.is_file():
+        special.update({k: int(v) for k, v in json.loads(cfg_file.read_text()).get("special_tokens", {}).items()})
+
+    def find(names: Iterable[str]) -> int | None:
+        for n in names:
+            i = special.get(n, hf.token_to_id(n))
+            if i is not None:
+                return int(i)
+        return None
+
+    bos = find(("<|bos|>", "<s>", "<|begin_of_text|>", "<|endoftext|>"))
+    eos = find(("<|eos|>", "</s>", "<|end_of_text|>", "<|endoftext|>"))
+    if bos is None or eos is None:
+        raise DataConfigError(f"tokenizer {str(file)!r} has no BOS/EOS token; accepted names: <|bos|>/<|eos|>, "
+                              "<s>/</s>, <|endoftext|> (or list them in tokenizer_config.json special_tokens)")
+    pad = find(("<|pad|>", "<pad>"))
+    return Tokenizer(hf=hf, pad_id=eos if pad is None else pad, bos_id=bos, eos_id=eos, special=special)
+
+
+# --------------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------------
+
+
+def iter_corpus_texts(paths: Sequence[str | Path], include: Sequence[str] = DEFAULT_CODE_EXTENSIONS,
+                      max_file_bytes: int = 1_000_000) -> Iterator[str]:
+    """Texts of the files under `paths` (directories are walked with the directory-source filters
+    and de-duplicated by content; files are taken as given), in sorted order."""
+    from composer_jax.data.sources import list_directory_files
+
+    for p in map(Path, paths):
+        if p.is_dir():
+            for rel in list_directory_files(p, include=include, exclude=(), max_file_bytes=max_file_bytes):
+                yield (p / rel).read_text(encoding="utf-8")
+        elif p.is_file():
+            yield p.read_text(encoding="utf-8", errors="replace")
+        else:
+            raise DataConfigError(f"corpus path {str(p)!r} does not exist; give files or directories")
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, *, min_frequency: int = 2) -> Tokenizer:
+    """Train a byte-level BPE (GPT-2 style pre-tokenisation, no prefix space) with SPECIAL_TOKENS
+    at ids 0..6. The 256 byte symbols are always in the vocabulary, so any text round-trips."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise DataConfigError(f"--vocab-size {vocab_size} is too small: a byte-level BPE needs at least "
+                              f"{256 + len(SPECIAL_TOKENS)} (256 bytes + {len(SPECIAL_TOKENS)} special tokens)")
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                  special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    hf.train_from_iterator(texts, trainer=trainer)
+    hf.encode_special_tokens = True
+    ids = {t: hf.token_to_id(t) for t in SPECIAL_TOKENS}
+    return Tokenizer(hf=hf, pad_id=ids["<|pad|>"], bos_id=ids["<|bos|>"], eos_id=ids["<|eos|>"], special=ids)
+
+
+def save_tokenizer(tok: Tokenizer, out_dir: str | Path) -> Path:
+    """Write tokenizer.json and tokenizer_config.json (special ids + chat template name) to out_dir."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.hf.save(str(out / "tokenizer.json"), pretty=False)
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>",
+        "special_tokens": dict(sorted(tok.special.items(), key=lambda kv: kv[1])),
+        "chat_template_name": CHAT_TEMPLATE_NAME,
+        "chat_template_doc": "see composer_jax/data/chat.py and docs/data.md",
+        "vocab_size": tok.vocab_size,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`composer-jax tokenizer train|encode ...`."""
+    parser = argparse.ArgumentParser(prog="composer-jax tokenizer",
+                                     description="train or try a byte-level BPE tokenizer")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    tr = sub.add_parser("train", help="train a byte-level BPE on code files and write tokenizer.json")
+    tr.add_argument("--corpus", nargs="+", required=True, help="directories (walked, filtered) and/or files")
+    tr.add_argument("--vocab-size", type=int, default=2048)
+    tr.add_argument("--out", required=True, help="output directory")
+    tr.add_argument("--include", default=",".join(DEFAULT_CODE_EXTENSIONS),
+                    help="comma-separated extensions or globs for directories (default: common code files)")
+    tr.add_argument("--min-frequency", type=int, default=2)
+    en = sub.add_parser("encode", help="print the token ids and pieces of a text")
+    en.add_argument("--tokenizer", default="assets/tokenizer")
+    en.add_argument("text")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    try:
+        if args.cmd == "train":
+            include = tuple(s for s in args.include.split(",") if s)
+            texts = list(iter_corpus_texts(args.corpus, include=include))
+            if not texts:
+                raise DataConfigError(f"no corpus files found under {args.corpus} with include={include}")
+            tok = train_tokenizer(texts, args.vocab_size, min_frequency=args.min_frequency)
+            out = save_tokenizer(tok, args.out)
+            n = sum(len(t) for t in texts)
+            ntok = sum(len(ids) for ids in tok.encode_batch(texts))
+            print(f"trained vocab {tok.vocab_size} on {len(texts)} files ({n} chars, {n / max(ntok, 1):.2f} "
+                  f"chars/token) -> {out}")
+        else:
+            tok = load_tokenizer(args.tokenizer)
+            ids = tok.encode(args.text)
+            print(json.dumps({"ids": ids, "pieces": [tok.decode([i]) for i in ids]}, ensure_ascii=False))
+    except (DataConfigError, OSError) as e:
+        print(f"composer-jax tokenizer: error: {e}", file=sys.stderr)
+        return 2
+    return 0
