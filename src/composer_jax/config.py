@@ -20,6 +20,11 @@ class ConfigError(ValueError):
     """A configuration value is unknown, of the wrong type, or impossible in combination."""
 
 
+# Sections owned by subsystems, imported after ConfigError exists (checkpoint.config uses it).
+from composer_jax.checkpoint.config import CheckpointConfig  # noqa: E402
+from composer_jax.data.config import DataConfig, DataConfigError  # noqa: E402
+
+
 # --------------------------------------------------------------------------------------------------
 # Sections
 # --------------------------------------------------------------------------------------------------
@@ -188,6 +193,8 @@ class TrainConfig:
     out_dir: str = "runs/default"
     init_from: str = ""  # previous stage's checkpoint directory (params only, fresh optimiser)
     skip_nonfinite: bool = True  # a NaN/Inf loss or gradient skips the update and is reported
+    peak_tflops: float = 0.0  # per-device peak for MFU; 0 = measure a float32 matmul at start-up
+    tensorboard: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +202,8 @@ class Config:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     # logical axis -> mesh axes overrides of the default rules in sharding.py
     sharding_rules: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -457,7 +466,10 @@ def config_from_dict(data: Mapping[str, Any], overrides: Sequence[str] = (), *,
     tree = _to_plain(data)
     for path, value in parse_overrides(overrides):
         _set_path(tree, path, value)
-    cfg = _build(Config, tree, "")
+    try:
+        cfg = _build(Config, tree, "")
+    except DataConfigError as e:
+        raise ConfigError(str(e)) from None
     validate_model(cfg.model)
     if num_devices == "auto":
         import jax  # local: the environment server imports this module's siblings without JAX

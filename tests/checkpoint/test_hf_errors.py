@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import composer_jax as cj
-from composer_jax.checkpoint import CheckpointError
+from composer_jax.checkpoint.hf import CheckpointError
 from composer_jax.checkpoint.hf_config import model_config_from_hf
 from composer_jax.config import ConfigError
 

@@ -196,3 +196,26 @@ def make_train_step(cfg: Config, mesh: Mesh, rules: ShardingRules, *, donate: bo
     fn = functools.partial(train_step, cfg=cfg, rules=rules, mesh=mesh, tx=tx, context=context)
     return jax.jit(fn, in_shardings=(st_sh, {k: b_sh for k in BATCH_KEYS}), out_shardings=(st_sh, None),
                    donate_argnums=(0,) if donate else ())
+
+
+def eval_sums(params: Any, batch: dict, cfg: Config, rules: ShardingRules | None, mesh: Mesh | None,
+              context: int = 1) -> dict:
+    """Held-out metric sums for one batch: next-token nll / tokens / correct, and MTP per depth."""
+    prep = prepare_batch(batch, cfg.model.num_mtp_layers if "mtp" in params else 0, context)
+    for k, v in prep.items():
+        axes = ("act_batch", "act_seq") if v.ndim == 2 else (None, "act_batch", "act_seq")
+        prep[k] = constrain(v, rules, axes, mesh)
+    denoms = {"tokens": jnp.ones(()), "sequences": jnp.ones(())}
+    if "mtp_weights" in prep:
+        denoms["mtp_tokens"] = jnp.ones((prep["mtp_weights"].shape[0],))
+    _, sums = loss_terms(params, prep, cfg, denoms, rules, mesh)
+    if "mtp_weights" in prep:
+        sums["mtp_tokens"] = prep["mtp_weights"].sum(axis=(1, 2))
+    return sums
+
+
+def make_eval_step(cfg: Config, mesh: Mesh, rules: ShardingRules):
+    st_sh = state_shardings(cfg, mesh, rules)
+    b_sh = batch_sharding(mesh, rules, (cfg.train.batch_size, cfg.train.seq_len))
+    fn = functools.partial(eval_sums, cfg=cfg, rules=rules, mesh=mesh, context=mesh.shape["context"])
+    return jax.jit(fn, in_shardings=(st_sh.params, {k: b_sh for k in BATCH_KEYS}))

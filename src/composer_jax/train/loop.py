@@ -1,0 +1,166 @@
+"""The training loop of one stage: data -> sharded step -> logs, held-out perplexity, checkpoints.
+
+`run_stage(cfg)` resumes from the stage's latest good checkpoint when there is one (bit-exact: the
+data iterator state is saved with every checkpoint), otherwise starts from `train.init_from` (the
+previous stage's parameters, fresh optimiser) or from scratch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from composer_jax.checkpoint.manager import TrainCheckpointer, restore_params_only
+from composer_jax.config import Config, ConfigError, to_dict
+from composer_jax.data.pipeline import make_eval_batches, make_train_iterator
+from composer_jax.data.tokenizer import load_tokenizer
+from composer_jax.model.accounting import flops_per_token, param_rows
+from composer_jax.model.params import abstract_params
+from composer_jax.sharding import ShardingRules, make_mesh
+from composer_jax.train.optimizer import learning_rate_schedule
+from composer_jax.train.observe import Progress, RunLogger, measure_peak_flops, scalars
+from composer_jax.train.state import abstract_train_state, init_train_state
+from composer_jax.train.step import BATCH_KEYS, batch_sharding, make_eval_step, make_train_step
+
+log = logging.getLogger(__name__)
+
+# Model keys a new stage may change while starting from the previous stage's parameters: they
+# change no parameter shape (YaRN context extension, sequence limits, numerics, remat).
+STAGE_CHANGEABLE = ("model.rope_scaling", "model.max_position_embeddings", "model.remat", "model.moe_impl",
+                    "model.compute_dtype", "model.moe_tile_size", "model.router_bias_update_rate")
+
+
+def _global_batch(local: dict, mesh, rules, shape) -> dict:
+    sharding = batch_sharding(mesh, rules, shape)
+    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(local[k]), shape) for k in BATCH_KEYS}
+
+
+def evaluate(eval_step, params, batches: list[dict], mesh, rules, shape) -> dict[str, float]:
+    """Held-out perplexity and accuracies over the fixed eval set."""
+    total: dict[str, np.ndarray] = {}
+    for b in batches:
+        sums = eval_step(params, _global_batch(b, mesh, rules, shape))
+        for k, v in sums.items():
+            total[k] = total.get(k, 0) + np.asarray(v, np.float64)
+    tokens = max(float(total["tokens"]), 1.0)
+    out = {"eval/nll": float(total["nll"]) / tokens, "eval/accuracy": float(total["correct"]) / tokens}
+    out["eval/perplexity"] = math.exp(min(out["eval/nll"], 50.0))
+    if "mtp_correct" in total:
+        mt = np.maximum(total["mtp_tokens"], 1.0)
+        for k, (c, n) in enumerate(zip(total["mtp_correct"] / mt, total["mtp_nll"] / mt)):
+            out[f"eval/mtp_accuracy/{k + 1}"] = float(c)
+            out[f"eval/mtp_nll/{k + 1}"] = float(n)
+    return out
+
+
+def run_stage(cfg: Config, *, stop_after: int | None = None, echo: Callable[[str], None] = print,
+              mesh=None) -> dict[str, Any]:
+    """Train one stage. stop_after: return (without a final checkpoint, as a crash would) once this
+    many steps have run in this call. Returns a summary with the per-step losses and evaluations."""
+    t = cfg.train
+    mesh = mesh if mesh is not None else make_mesh(cfg.mesh)
+    rules = ShardingRules.create(cfg.sharding_rules)
+    pc, pi = jax.process_count(), jax.process_index()
+    if t.batch_size % pc:
+        raise ConfigError(f"train.batch_size={t.batch_size} must be divisible by the {pc} processes")
+    tok = load_tokenizer(cfg.data.tokenizer)
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"the tokenizer {cfg.data.tokenizer!r} has {tok.vocab_size} tokens but "
+                          f"model.vocab_size={cfg.model.vocab_size}; accepted: model.vocab_size >= {tok.vocab_size}")
+    out_dir = Path(t.out_dir)
+    ckpt_cfg = cfg.checkpoint
+    if not ckpt_cfg.directory:
+        ckpt_cfg = dataclasses.replace(ckpt_cfg, directory=str((out_dir / "checkpoints").resolve()))
+    run_config = to_dict(cfg)
+    checkpointer = TrainCheckpointer(ckpt_cfg)
+    shape = (t.batch_size, t.seq_len)
+    data = make_train_iterator(cfg.data, seq_len=t.seq_len, batch_size=t.batch_size // pc, seed=t.seed,
+                               process_index=pi, process_count=pc)
+    eval_batches = make_eval_batches(cfg.data, seq_len=t.seq_len, batch_size=t.batch_size // pc,
+                                     num_batches=t.eval_batches, process_index=pi, process_count=pc)
+
+    start = 0
+    if checkpointer.latest_step() is not None:
+        restored = checkpointer.restore(abstract_train_state(cfg, mesh, rules), config=run_config)
+        state, start = restored.train_state, restored.step
+        if restored.data_state is not None:
+            data.set_state(restored.data_state)
+        echo(f"[{t.stage}] resumed from step {start} ({checkpointer.step_dir(start)})")
+    elif t.init_from:
+        params = restore_params_only(t.init_from, abstract_params(cfg.model, mesh, rules), config=run_config,
+                                     allow_config_changes=STAGE_CHANGEABLE)
+        state = init_train_state(cfg, mesh, rules, params)
+        echo(f"[{t.stage}] initialised from {t.init_from}")
+    else:
+        state = init_train_state(cfg, mesh, rules)
+
+    step_fn = make_train_step(cfg, mesh, rules)
+    eval_fn = make_eval_step(cfg, mesh, rules)
+    logger = RunLogger(out_dir, t.stage, t.tensorboard, enabled=pi == 0)
+    peak = t.peak_tflops * 1e12 if t.peak_tflops else measure_peak_flops()
+    lr_schedule = learning_rate_schedule(t.optimizer, t.steps)
+    fpt = flops_per_token(cfg.model, param_rows(cfg.model), t.seq_len)["total"]
+    summary: dict[str, Any] = {"losses": {}, "evals": [], "skipped_steps": [], "start_step": start}
+    progress = Progress(t.steps, start) if pi == 0 else None
+    ran = 0
+
+    def run_eval(step: int) -> None:
+        ev = evaluate(eval_fn, state.params, eval_batches, mesh, rules, shape)
+        summary["evals"].append({"step": step, **ev})
+        logger.log(step, ev)
+        echo(f"[{t.stage}] step {step} held-out perplexity {ev['eval/perplexity']:.3f}"
+             + "".join(f" mtp{k.split('/')[-1]}-acc {v:.3f}" for k, v in ev.items() if "mtp_accuracy" in k))
+
+    with jax.set_mesh(mesh):
+        if start == 0:
+            run_eval(0)
+        t_last, tokens_since = time.perf_counter(), 0.0
+        for step in range(start, t.steps):
+            batch = _global_batch(next(data), mesh, rules, shape)
+            state, metrics = step_fn(state, batch)
+            ran += 1
+            host = jax.device_get(metrics)
+            n = step + 1
+            summary["losses"][n] = float(host["loss"])
+            tokens_since += float(host["tokens"])
+            if host["skipped"]:
+                summary["skipped_steps"].append(n)
+                echo(f"[{t.stage}] step {n}: non-finite loss or gradient (loss {float(host['loss'])}, grad norm "
+                     f"{float(host['grad_norm'])}); the update was skipped")
+            if n % t.log_every == 0 or n == t.steps:
+                now = time.perf_counter()
+                tok_s = t.batch_size * t.seq_len * (n - max(start, n - t.log_every)) / max(now - t_last, 1e-9)
+                values = scalars(host)
+                values.update({"tokens_per_s": tok_s, "mfu": tok_s * fpt / (peak * jax.device_count()),
+                               "lr": float(lr_schedule(n - 1))})
+                logger.log(n, values, {"expert_counts": host.get("expert_counts", [])})
+                if progress:
+                    progress.update(n, f"loss {values['loss']:.4f} nll {values['nll']:.4f} "
+                                       f"gnorm {values['grad_norm']:.2f} {tok_s:,.0f} tok/s MFU {values['mfu']:.1%}")
+                t_last = now
+            if n % t.eval_every == 0 and n != t.steps:
+                run_eval(n)
+            checkpointer.save(n, state, data_state=data.get_state(), config=run_config,
+                              metrics={"loss": float(host["loss"])}, force=n == t.steps)
+            if stop_after is not None and ran >= stop_after:
+                checkpointer.wait()
+                checkpointer.close()
+                logger.close()
+                summary["stopped_at"] = n
+                return summary
+        if t.steps > start or start == 0:
+            run_eval(t.steps)
+    if progress:
+        progress.close()
+    checkpointer.wait()
+    checkpointer.close()
+    logger.close()
+    summary["final_step"] = t.steps
+    summary["checkpoint_dir"] = ckpt_cfg.directory
+    return summary
