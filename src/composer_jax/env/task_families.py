@@ -1170,11 +1170,14 @@ def _gen_config_repair(rng: random.Random, seed: int) -> _Spec:
                  for rel in ("svc/check.py", "tests/test_config.py", "ci.sh")}
     original = {s: {k: v for k, v in kv.items() if v is not None} for s, kv in broken.items()}
     broken_keys = sorted({(_CFG_FAULTS[f][0], _CFG_FAULTS[f][1]) for f in chosen})
+    name = values["service"]["name"]
     instr = rng.choice([
-        "CI is red: `bash ci.sh` fails at the config check. Fix config/service.ini (the checker and tests are "
-        "right; leave them alone). Don't change unrelated settings.",
-        "Deploy pipeline fails on `ci.sh`. The config checker is correct, the config is not. Fix "
+        f"CI is red for {name}: `bash ci.sh` fails at the config check. Fix config/service.ini (the checker and "
+        "tests are right; leave them alone). Don't change unrelated settings.",
+        f"The {name} deploy pipeline fails on `ci.sh`. The config checker is correct, the config is not. Fix "
         "config/service.ini with minimal changes.",
+        f"{name}: `ci.sh` rejects our config after the last edit. Repair config/service.ini so CI passes; only "
+        "touch the broken settings.",
     ])
     return _Spec(
         instruction=instr,
