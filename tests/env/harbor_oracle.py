@@ -54,7 +54,9 @@ def _bwrap_cmd(work: pathlib.Path, task: pathlib.Path, logs: pathlib.Path, scrip
             "--tmpfs", "/tmp", "--proc", "/proc", "--dev", "/dev", "--chdir", "/app",
             "--clearenv",
             "--setenv", "PATH", f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin",
-            "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8"]
+            "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8",
+            # the host venv may carry heavy pytest plugins; tasks need none (same as the env server)
+            "--setenv", "PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1"]
     if (task / "solution").is_dir():
         cmd += ["--ro-bind", str(task / "solution"), "/solution"]
     return cmd + ["bash", script]

@@ -65,3 +65,14 @@ def test_every_task_oracle_one_untouched_zero():
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
         problems = [p for ps in pool.map(harbor_oracle.check_task, TASKS) for p in ps]
     assert not problems, "\n\n".join(problems)
+
+
+SAMPLE = ["ratelimit-window-tests", "todo-ci-repair", "md-api-docs", "lru-recency-bug"]
+
+
+@pytest.mark.sandbox
+@needs_bwrap
+@pytest.mark.parametrize("name", SAMPLE)
+def test_sample_task_oracle_one_untouched_zero(name):
+    """Fast tier: a few representative tasks (the slow test above covers them all)."""
+    assert harbor_oracle.check_task(ROOT / "tasks" / name) == []
