@@ -1,0 +1,1 @@
+"""csvreport: summarise a CSV column by group."""

@@ -1,0 +1,1 @@
+"""logstats: statistics over access logs."""

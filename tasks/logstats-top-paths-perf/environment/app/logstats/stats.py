@@ -1,0 +1,19 @@
+"""Aggregations over parsed entries."""
+
+
+def top_paths(entries, n=10):
+    """The n most requested paths as (path, count), by count descending then path ascending."""
+    paths = [e.path for e in entries]
+    unique = []
+    for p in paths:
+        if p not in unique:
+            unique.append(p)
+    counted = [(p, paths.count(p)) for p in unique]
+    counted.sort(key=lambda pc: (-pc[1], pc[0]))
+    return counted[:n]
+
+
+def error_rate(entries):
+    if not entries:
+        return 0.0
+    return sum(1 for e in entries if e.status >= 500) / len(entries)

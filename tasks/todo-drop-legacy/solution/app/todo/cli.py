@@ -1,0 +1,51 @@
+"""todo CLI: add / list / done."""
+import argparse
+import sys
+
+from . import storage
+from .models import Task
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="todo")
+    p.add_argument("--file", default="todo.json")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("add")
+    a.add_argument("title")
+    a.add_argument("--tag", action="append", default=[])
+    ls = sub.add_parser("list")
+    ls.add_argument("--all", action="store_true", help="include finished tasks")
+    d = sub.add_parser("done")
+    d.add_argument("id", type=int)
+    return p
+
+
+def format_task(task):
+    mark = "x" if task.done else " "
+    tags = " ".join(f"#{t}" for t in task.tags)
+    return f"{task.id:>3} [{mark}] {task.title}" + (f"  {tags}" if tags else "")
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    tasks = storage.load(args.file)
+    if args.cmd == "add":
+        task = Task(max((t.id for t in tasks), default=0) + 1, args.title, tags=args.tag)
+        tasks.append(task)
+        storage.save(args.file, tasks)
+        print(f"added {task.id}")
+    elif args.cmd == "list":
+        for t in tasks:
+            if t.done and not args.all:
+                continue
+            print(format_task(t))
+    elif args.cmd == "done":
+        for t in tasks:
+            if t.id == args.id:
+                t.done = True
+                storage.save(args.file, tasks)
+                print(f"done {t.id}")
+                return 0
+        print(f"no task {args.id}", file=sys.stderr)
+        return 1
+    return 0

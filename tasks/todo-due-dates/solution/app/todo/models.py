@@ -1,0 +1,10 @@
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Task:
+    id: int
+    title: str
+    done: bool = False
+    tags: list = field(default_factory=list)
+    due: str | None = None

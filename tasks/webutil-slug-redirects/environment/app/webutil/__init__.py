@@ -1,0 +1,1 @@
+"""webutil: small helpers for the CMS."""
