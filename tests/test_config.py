@@ -79,3 +79,13 @@ def test_sharding_rules_reject_axis_used_twice():
         ShardingRules.create({"embed": "model"})
     with pytest.raises(ConfigError, match="unknown logical axis 'embedding'"):
         ShardingRules.create({"embedding": "fsdp"})
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (Path(TINY).parents[1] / "pretrain").glob("*.yaml")))
+def test_stage_configs_load(name):
+    cfg = cj.load_config(Path(TINY).parents[1] / "pretrain" / name, num_devices=None)
+    assert cfg.data.sources and cfg.train.steps > 0
+    if "stage2" in name:  # the long-context stage extends RoPE with YaRN and uses context parallelism
+        assert cfg.model.rope_scaling.type == "yarn" and cfg.mesh.context > 1 and cfg.train.mtp_loss == "self_distill"
+    if "sft" in name:
+        assert cfg.data.format == "chat" and cfg.train.init_from
