@@ -5,7 +5,7 @@ from composer_jax.demo import main
 
 
 def test_demo_runs_and_learns(capsys):
-    assert main(["--steps", "16", "--seq", "32"]) == 0
+    assert main(["--quick", "--steps", "16", "--seq", "32"]) == 0
     out = capsys.readouterr().out
     assert "parameters  total 250K" in out and "memory per device" in out
     nll = [float(x) for x in re.findall(r"next-token nll ([0-9.]+)", out)]
@@ -13,6 +13,6 @@ def test_demo_runs_and_learns(capsys):
 
 
 def test_demo_bad_override_is_clear(capsys):
-    assert main(["mesh.expert=3"]) == 2
+    assert main(["--quick", "mesh.expert=3"]) == 2
     err = capsys.readouterr().err
     assert "mesh" in err and "8 devices" in err

@@ -1,9 +1,12 @@
 """`composer-jax demo`: the most complete real job on embedded defaults, runnable on a CPU laptop.
 
-Builds the tiny DeepSeek-V3-style MoE on a fake 8-device CPU mesh (data 2 x fsdp 2 x expert 2),
-prints its report (parameters, sharding, memory), and runs a few sharded AdamW steps (forward with
-packed segments and MTP, backward, aux-loss-free router bias update) on a synthetic copy task, so the
-loss visibly falls. Later pipeline issues replace the synthetic batch with the real pipelines.
+Default: Composer 2's continued-pretraining pipeline in miniature, on a fake 8-device CPU mesh:
+the tiny DeepSeek-V3-style MoE's report, then stage 1 (bulk pretraining on this repository's code,
+bundled BPE tokenizer), stage 2 (long-context extension: YaRN, context parallelism, MTP by
+self-distillation) and stage 3 (SFT on agent conversations built from the bundled coding tasks),
+each starting from the previous stage's checkpoint; then a per-stage summary.
+
+`--quick`: a few sharded AdamW steps on a synthetic rule (t_{i+1} = 5 t_i + 7 mod V), in a minute.
 """
 from __future__ import annotations
 
@@ -62,15 +65,69 @@ def loss_fn(params, tokens, seg, cfg, mtp_weight=0.3):
     return total, (nll, out.aux["expert_counts"])
 
 
+REPO = Path(__file__).resolve().parents[2]
+STAGES = (("stage1", "pretrain/tiny_stage1.yaml"), ("stage2", "pretrain/tiny_stage2.yaml"),
+          ("stage3_sft", "pretrain/tiny_stage3_sft.yaml"))
+
+
+def pipeline(out_root: str, scale: float, echo=print) -> list[dict]:
+    """Run the three tiny stages in order; returns one summary per stage."""
+    from composer_jax.train.loop import run_stage
+
+    os.chdir(REPO)  # the stage configs name the corpus, tokenizer and SFT set relative to the repo
+    results, previous = [], None
+    for name, path in STAGES:
+        overrides = [f"train.out_dir={out_root}/{name}"]
+        if previous:
+            overrides.append(f"train.init_from={previous}")
+        base = cj.load_config(REPO / "configs" / path, num_devices=None)
+        overrides.append(f"train.steps={max(2, int(base.train.steps * scale))}")
+        overrides.append(f"train.eval_every={max(1, int(base.train.eval_every * scale))}")
+        cfg = cj.load_config(REPO / "configs" / path, overrides)
+        if previous is None:
+            mesh = dict(cfg.mesh.shape(jax.device_count()))
+            echo(format_report(build_report(cfg, mesh, cfg.train.batch_size, cfg.train.seq_len)))
+        echo(f"\n=== {name}: {cfg.data.format} on {cfg.data.sources[0].path}..., seq {cfg.train.seq_len}, "
+             f"mesh {cfg.mesh.shape(jax.device_count())}, {cfg.train.steps} steps ===")
+        summary = run_stage(cfg, echo=echo)
+        summary["name"] = name
+        results.append(summary)
+        previous = summary["checkpoint_dir"]
+    echo("\nstage        train loss first->last   held-out ppl first->last   MTP-1 acc first->last")
+    for r in results:
+        losses = [r["losses"][k] for k in sorted(r["losses"])]
+        ev = r["evals"]
+        mtp = [e.get("eval/mtp_accuracy/1", float("nan")) for e in (ev[0], ev[-1])]
+        echo(f"{r['name']:<12} {losses[0]:8.3f} -> {losses[-1]:8.3f}   {ev[0]['eval/perplexity']:10.2f} -> "
+             f"{ev[-1]['eval/perplexity']:10.2f}   {mtp[0]:8.3f} -> {mtp[1]:8.3f}")
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="composer-jax demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a few sharded steps on synthetic data only")
+    ap.add_argument("--out", default="runs/demo", help="output folder of the pipeline (relative to the repo)")
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply every stage's steps by this")
     ap.add_argument("--config", default=str(CONFIG))
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. mesh.tensor=2 mesh.fsdp=1")
     args = ap.parse_args(argv)
+    if not args.quick:
+        if args.overrides:
+            print("composer-jax demo: key=value overrides apply to --quick only; the pipeline runs the "
+                  "stage configs in configs/pretrain/tiny_*.yaml", file=sys.stderr)
+            return 2
+        if args.scale <= 0:
+            print(f"composer-jax demo: --scale {args.scale} must be > 0", file=sys.stderr)
+            return 2
+        import shutil
+
+        shutil.rmtree(REPO / args.out, ignore_errors=True)  # a demo starts fresh, never resumes
+        pipeline(args.out, args.scale)
+        return 0
     try:
         cfg = cj.load_config(args.config, DEFAULT_OVERRIDES if not args.overrides else args.overrides)
     except cj.ConfigError as e:
