@@ -16,13 +16,11 @@ from typing import Any, Literal, Mapping, Sequence
 import yaml
 
 
-class ConfigError(ValueError):
-    """A configuration value is unknown, of the wrong type, or impossible in combination."""
+from composer_jax.errors import ConfigError  # noqa: E402  (re-exported: composer_jax.config.ConfigError)
 
-
-# Sections owned by subsystems, imported after ConfigError exists (checkpoint.config uses it).
+# Sections owned by subsystems.
 from composer_jax.checkpoint.config import CheckpointConfig  # noqa: E402
-from composer_jax.data.config import DataConfig, DataConfigError  # noqa: E402
+from composer_jax.data.config import DataConfig  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------------------
@@ -466,10 +464,7 @@ def config_from_dict(data: Mapping[str, Any], overrides: Sequence[str] = (), *,
     tree = _to_plain(data)
     for path, value in parse_overrides(overrides):
         _set_path(tree, path, value)
-    try:
-        cfg = _build(Config, tree, "")
-    except DataConfigError as e:
-        raise ConfigError(str(e)) from None
+    cfg = _build(Config, tree, "")
     validate_model(cfg.model)
     if num_devices == "auto":
         import jax  # local: the environment server imports this module's siblings without JAX

@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         params = optax.apply_updates(params, updates)
         moe_p = params["moe_layers"]["moe"]
         moe_p["router_bias"] = router_bias_update(moe_p["router_bias"], counts, m.router_bias_update_rate)
-        return params, opt_state, loss, nll, optax.global_norm(grads), counts
+        return params, opt_state, loss, nll, optax.tree.norm(grads), counts
 
     key = jax.random.key(1)
     t0 = time.perf_counter()

@@ -6,7 +6,7 @@ Kept free of JAX and orbax imports so that `composer_jax.config` can attach it t
 from __future__ import annotations
 
 import dataclasses
-from composer_jax.config import ConfigError
+from composer_jax.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

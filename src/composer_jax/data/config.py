@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from composer_jax.errors import ConfigError
+
 SOURCE_TYPES = ("jsonl", "parquet", "arrayrecord", "directory")
 FORMATS = ("pretrain", "chat")
 
@@ -32,11 +34,8 @@ DEFAULT_EXCLUDES = (".git/**", "**/.git/**", "**/__pycache__/**", "**/.venv/**",
                     "dist/**")
 
 
-class DataConfigError(ValueError):
-    """A data configuration value or input file is invalid; the message names it and what is accepted.
-
-    Not a subclass of composer_jax.config.ConfigError on purpose: config.py imports this module to
-    attach `data: DataConfig`, so this module must not import config.py (circular import)."""
+class DataConfigError(ConfigError):
+    """A data configuration value or input file is invalid; the message names it and what is accepted."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -151,7 +151,7 @@ def train_step(state: TrainState, batch: dict, cfg: Config, rules: ShardingRules
     """One optimiser step over the whole batch. Returns (new_state, metrics)."""
     m, t = cfg.model, cfg.train
     objective, grads, sums, denoms = batch_gradients(state.params, batch, cfg, rules, mesh, context)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     if t.router_bias_update and "expert_counts" in sums:
