@@ -30,6 +30,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
 
 
 def _init_jax(args) -> None:
+    # XLA's C++ INFO/WARNING lines (SPMD resharding notes) drown the progress bar; errors still show.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import jax
 
     cpu_only = not any(d for d in ("cuda", "rocm", "tpu") if os.environ.get("JAX_PLATFORMS", "").find(d) >= 0)
