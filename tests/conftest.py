@@ -9,5 +9,11 @@ try:  # the environment-server tests run without JAX
 
     jax.config.update("jax_num_cpu_devices", 8)
     jax.config.update("jax_platforms", "cpu")
+    # Many tests compile the same programs (a stage run, then its resume, ...): a persistent
+    # compilation cache shared by the xdist workers of one session saves most of that time.
+    _cache = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "jax-tests")
+    jax.config.update("jax_compilation_cache_dir", _cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 except ImportError:
     pass

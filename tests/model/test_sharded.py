@@ -12,7 +12,6 @@ from composer_jax.sharding import ShardingRules
 MESHES = [
     dict(data=2, fsdp=2, expert=2, context=1, tensor=1),
     dict(data=1, fsdp=2, expert=2, context=1, tensor=2),
-    dict(data=1, fsdp=1, expert=4, context=2, tensor=1),
     dict(data=2, fsdp=1, expert=1, context=1, tensor=4),
 ]
 
