@@ -72,8 +72,13 @@ def _embed(params: dict, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
     return params["embed"].astype(cfg.compute_dtype)[tokens]
 
 
+def output_head(params: dict, cfg: ModelConfig) -> jax.Array:
+    """The output projection [embed, vocab] (the embedding table transposed when tied)."""
+    return params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+
+
 def _logits(params: dict, h: jax.Array, cfg: ModelConfig) -> jax.Array:
-    w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    w = output_head(params, cfg)
     return jnp.einsum("bsd,dv->bsv", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
 
 

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from composer_jax.config import Config
 from composer_jax.model.moe import router_bias_update
-from composer_jax.model.transformer import forward
+from composer_jax.model.transformer import forward, output_head
 from composer_jax.sharding import ShardingRules, constrain
 from composer_jax.train import losses
 from composer_jax.train.state import TrainState, optimizer_for, state_shardings
@@ -71,6 +71,18 @@ def _micro_split(x: jax.Array, micro: int, axis: int) -> jax.Array:
     return jnp.moveaxis(x, axis + 1, 0)
 
 
+def ce_chunks(shape: tuple[int, int], mesh: Mesh | None, tokens_per_chunk: int = 512) -> int:
+    """Sequence chunks for the fused cross-entropy: about `tokens_per_chunk` tokens of
+    [tokens, vocab] logits live at a time (512 was fastest on a 2-core CPU at vocab 32000: 8 chunks
+    took 1.2 s for head + loss + backward of 4096 tokens, one chunk 2.6-3.7 s). With the sequence
+    split over a context axis, one chunk (chunking would cut across the sharded axis)."""
+    b, s = shape
+    if mesh is not None and mesh.shape.get("context", 1) > 1:
+        return 1
+    want = max(1, min(s, (b * s) // tokens_per_chunk))
+    return max(c for c in range(1, want + 1) if s % c == 0)
+
+
 def loss_terms(params: Any, mb: dict, cfg: Config, denoms: dict, rules, mesh):
     """Objective for one micro-batch, normalised by whole-batch denominators, and metric sums."""
     m, t = cfg.model, cfg.train
@@ -78,8 +90,17 @@ def loss_terms(params: Any, mb: dict, cfg: Config, denoms: dict, rules, mesh):
                   token_order=mb["order"], mtp_tokens=mb.get("mtp_tokens"),
                   context_layout="zigzag" if mesh is not None and mesh.shape["context"] > 1 else "contiguous",
                   rules=rules, mesh=mesh)
-    nll, z, w, correct = losses.cross_entropy(out.logits, mb["targets"], mb["weights"], t.z_loss)
-    objective = (nll + z) / denoms["tokens"]
+    if out.mtp_logits is not None and t.mtp_loss == "self_distill":
+        # the main logits are needed anyway (distillation teacher): plain cross-entropy on them
+        nll, z, w, correct = losses.cross_entropy(out.logits, mb["targets"], mb["weights"], t.z_loss)
+        loss_sum = nll + z
+    else:
+        # fused head + cross-entropy (out.logits is then unused and dead-code-eliminated by jit);
+        # the same numbers, ~3x faster on CPU (see losses.fused_linear_cross_entropy)
+        chunks = ce_chunks(mb["tokens"].shape, mesh)
+        loss_sum, nll, z, w, correct = losses.fused_linear_cross_entropy(
+            out.hidden, output_head(params, m), mb["targets"], mb["weights"], t.z_loss, chunks)
+    objective = loss_sum / denoms["tokens"]
     sums = {"nll": nll, "z_loss": z, "tokens": w, "correct": correct}
     if out.mtp_logits is not None:
         mtp_obj = 0.0

@@ -1,0 +1,290 @@
+"""One AdamW training step of the reference MoE on CPU: composer_jax next to Hugging Face transformers.
+
+Model: the shared reference config (../shared/bench/moe_bench_config.json relative to the repository
+root when present, else the same numbers embedded here): a 28.0M-parameter DeepSeek-V3-style MoE.
+Workload: batch 8 x seq 512 (4096 tokens), float32, next-token loss, AdamW with global-norm
+clipping (1.0), one optimiser step per iteration including the backward pass.
+
+Both sides start from the same weights: the torch model is built first, written with
+`save_pretrained` and read back with `composer_jax.from_pretrained` (routing, hence MoE cost,
+depends on the weights). MTP is off on both sides (transformers has no MTP; the checkpoint holds no
+MTP weights, so our model loads with num_mtp_layers=0). Both sides see the same batch.
+
+Timing: after warm-up steps (compilation; first-step allocations) the two sides are run in
+alternation, one step each per round, in the same process, and the median and minimum of the
+rounds are reported (the machine is shared; alternation spreads the noise over both sides).
+torch runs with torch.set_num_threads(<cores>); XLA:CPU uses its own thread pool over all cores.
+
+FLOPs: composer_jax.model.accounting.flops_per_token (6 x active matmul params + causal attention),
+the same count for both sides. MFU is against this machine's float32 matmul peak measured through
+XLA (jax.jit of a 2048^3 matmul) in the same run. The step's own matmul shapes are also timed
+alone, to show what fraction of that peak XLA:CPU reaches on them.
+
+    PYTHONPATH=src .venv/bin/python bench/train_step.py [--repeats 5] [--hf-attn sdpa] [--hf-experts auto]
+"""
+from __future__ import annotations
+
+import os
+
+# XLA:CPU flags, set here only (before jax is imported): see `--xla-flags`.
+import sys
+
+_DEFAULT_XLA_FLAGS = ""
+if "--xla-flags" in sys.argv:
+    _DEFAULT_XLA_FLAGS = sys.argv[sys.argv.index("--xla-flags") + 1]
+if _DEFAULT_XLA_FLAGS:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEFAULT_XLA_FLAGS).strip()
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+REFERENCE = Path(__file__).resolve().parents[1] / ".." / "shared" / "bench" / "moe_bench_config.json"
+EMBEDDED = {
+    "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 32000,
+    "hidden_size": 256, "intermediate_size": 1024, "moe_intermediate_size": 256, "num_hidden_layers": 4,
+    "num_attention_heads": 8, "num_key_value_heads": 8, "n_shared_experts": 1, "n_routed_experts": 16,
+    "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
+    "first_k_dense_replace": 1, "norm_topk_prob": True, "q_lora_rank": 128, "kv_lora_rank": 64,
+    "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32, "max_position_embeddings": 4096,
+    "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "num_nextn_predict_layers": 1,
+    "torch_dtype": "float32",
+}
+BATCH, SEQ = 8, 512
+LR, BETAS, WD, EPS, CLIP = 3e-4, (0.9, 0.95), 0.1, 1e-8, 1.0
+
+
+def load_reference() -> tuple[dict, str]:
+    if REFERENCE.exists():
+        return json.loads(REFERENCE.read_text()), f"{REFERENCE.resolve()}"
+    return dict(EMBEDDED), "embedded copy of the reference config (../shared/bench/moe_bench_config.json absent)"
+
+
+# --------------------------------------------------------------------------------------------------
+# The two sides
+# --------------------------------------------------------------------------------------------------
+
+
+def build_torch(fields: dict, attn: str, experts: str, seed: int):
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    kwargs = {"attn_implementation": attn}
+    if experts != "auto":
+        kwargs["experts_implementation"] = experts
+    model = DeepseekV3ForCausalLM._from_config(DeepseekV3Config(**fields), dtype=torch.float32, **kwargs)
+    model.train()
+    # the same decay mask as ours (train/optimizer.py): matrices except the embedding; no norms/biases
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed_tokens" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed_tokens" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=LR, betas=BETAS, eps=EPS)
+    return model, opt
+
+
+def torch_step_fn(model, opt, tokens_np: np.ndarray):
+    import torch
+
+    tokens = torch.from_numpy(tokens_np.astype(np.int64))
+
+    def step() -> float:
+        # labels=input_ids: transformers shifts internally (position i predicts token i+1), as ours
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return step
+
+
+def build_ours(hf_dir: str, overrides: list[str]):
+    from composer_jax.checkpoint.hf import from_pretrained
+    from composer_jax.config import MeshConfig, config_from_dict, to_dict
+    from composer_jax.sharding import ShardingRules, make_mesh
+    from composer_jax.train.state import init_train_state
+    from composer_jax.train.step import make_train_step
+
+    mesh = make_mesh(MeshConfig(data=1, fsdp=1, expert=1, context=1, tensor=1), devices=jax.devices()[:1])
+    rules = ShardingRules.create()
+    mcfg, params = from_pretrained(hf_dir, mesh, rules=rules)
+    base = {"model": to_dict(mcfg), "mesh": {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}}
+    cfg = config_from_dict(base, [
+        f"train.batch_size={BATCH}", f"train.seq_len={SEQ}", "train.mtp_weight=0", "train.z_loss=0",
+        "model.moe_impl=tiled", f"train.optimizer.lr={LR}", "train.optimizer.schedule=constant",
+        "train.optimizer.warmup_steps=0", f"train.optimizer.b1={BETAS[0]}", f"train.optimizer.b2={BETAS[1]}",
+        f"train.optimizer.weight_decay={WD}", f"train.optimizer.clip_norm={CLIP}", "train.steps=1000",
+        *overrides], num_devices=1)
+    state = init_train_state(cfg, mesh, rules, params=params)
+    return cfg, mesh, rules, state, make_train_step(cfg, mesh, rules)
+
+
+def jax_batch(tokens_np: np.ndarray) -> dict:
+    b, s = tokens_np.shape
+    return {"tokens": jnp.asarray(tokens_np, jnp.int32), "segment_ids": jnp.ones((b, s), jnp.int32),
+            "positions": jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)),
+            "loss_mask": jnp.ones((b, s), jnp.float32)}
+
+
+# --------------------------------------------------------------------------------------------------
+# Peak and shape-level matmul efficiency
+# --------------------------------------------------------------------------------------------------
+
+
+def _time_jit(fn, *args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return min(ts)
+
+
+def peak_sampler(n: int = 2048):
+    """-> sample(): FLOP/s of one float32 n^3 matmul through XLA (jax.jit). Sampled between the
+    timed steps so that the peak sees the same machine load as the steps; the best sample is the
+    peak (the most this machine delivered during the run)."""
+    a = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(2), (n, n), jnp.float32)
+    mm = jax.jit(jnp.matmul)
+    jax.block_until_ready(mm(a, b))
+
+    def sample() -> float:
+        t0 = time.perf_counter()
+        jax.block_until_ready(mm(a, b))
+        return 2 * n ** 3 / (time.perf_counter() - t0)
+
+    return sample
+
+
+def step_shape_efficiency(cfg, peak: float, repeats: int = 3) -> list[tuple[str, float, float]]:
+    """The step's main matmuls alone (forward shape, through jax.jit): (name, GFLOP/s, fraction of peak)."""
+    m = cfg.model
+    t = BATCH * SEQ
+    f = m.moe_intermediate_size
+    tile = 128
+    shapes = {
+        f"lm head {t}x{m.hidden_size} @ {m.hidden_size}x{m.vocab_size}": ((t, m.hidden_size), (m.hidden_size, m.vocab_size)),
+        f"dense MLP up {t}x{m.hidden_size} @ {m.hidden_size}x{m.intermediate_size}": ((t, m.hidden_size), (m.hidden_size, m.intermediate_size)),
+        f"expert tile batch {t * m.num_experts_per_tok // tile}x[{tile}x{m.hidden_size} @ {m.hidden_size}x{f}]":
+            ((t * m.num_experts_per_tok // tile, tile, m.hidden_size), (t * m.num_experts_per_tok // tile, m.hidden_size, f)),
+        f"attention scores {BATCH * m.num_heads}x[{SEQ}x{m.qk_head_dim} @ {m.qk_head_dim}x{SEQ}]":
+            ((BATCH * m.num_heads, SEQ, m.qk_head_dim), (BATCH * m.num_heads, m.qk_head_dim, SEQ)),
+    }
+    out = []
+    for name, (sa, sb) in shapes.items():
+        a = jax.random.normal(jax.random.key(3), sa, jnp.float32)
+        b = jax.random.normal(jax.random.key(4), sb, jnp.float32)
+        flops = 2 * np.prod(sa) * sb[-1]
+        s = _time_jit(jax.jit(jnp.matmul), a, b, repeats=repeats)
+        out.append((name, flops / s / 1e9, flops / s / peak))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=7, help="timed steps per side (alternating), >= 5")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per side first (compile, allocations)")
+    ap.add_argument("--hf-attn", default="sdpa", choices=["sdpa", "eager"])
+    ap.add_argument("--hf-experts", default="auto", help="transformers experts_implementation (auto = its default)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch.set_num_threads")
+    ap.add_argument("--override", action="append", default=[], help="extra composer_jax key=value (ours only)")
+    ap.add_argument("--xla-flags", default="", help="XLA_FLAGS for this process only (set before jax starts)")
+    ap.add_argument("--skip-hf", action="store_true", help="time our step only")
+    ap.add_argument("--no-shapes", action="store_true", help="skip the per-shape matmul efficiency table")
+    args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    fields, source = load_reference()
+    print(f"config: {source}")
+    print(f"machine: {os.cpu_count()} cores; jax {jax.__version__} ({jax.default_backend()}); torch {torch.__version__} "
+          f"with set_num_threads({args.threads}); XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+
+    rng = np.random.default_rng(0)
+    tokens_np = rng.integers(0, fields["vocab_size"], (BATCH, SEQ), dtype=np.int64)
+
+    model, opt = build_torch(fields, args.hf_attn, args.hf_experts, seed=0)
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        cfg, mesh, rules, state, step = build_ours(d, args.override)
+    hf_impl = f"attn={model.config._attn_implementation}, experts={model.config._experts_implementation}"
+
+    from composer_jax.model.accounting import flops_per_token, param_rows
+
+    rows = param_rows(cfg.model)
+    fpt = flops_per_token(cfg.model, rows, SEQ)
+    total_params = sum(r.size for r in rows)
+    tokens = BATCH * SEQ
+    step_flops = fpt["total"] * tokens
+    print(f"model: {total_params / 1e6:.1f}M params (mtp layers: {cfg.model.num_mtp_layers}), "
+          f"{fpt['matmul_active_params'] / 1e6:.2f}M active matmul params; {fpt['total'] / 1e6:.1f} MFLOP/token "
+          f"(6N + causal attention) -> {step_flops / 1e12:.3f} TFLOP per step of {BATCH}x{SEQ} tokens")
+    print(f"ours: moe_impl={cfg.model.moe_impl} tile={cfg.model.moe_tile_size} remat={cfg.model.remat} "
+          f"overrides={args.override}; transformers: {hf_impl}, train mode")
+
+    batch = jax_batch(tokens_np)
+    holder = {"state": state}
+
+    def ours() -> float:
+        holder["state"], metrics = step(holder["state"], batch)
+        return float(metrics["loss"])  # blocks until the step is done
+
+    sides = {"composer_jax": ours}
+    if not args.skip_hf:
+        sides["transformers"] = torch_step_fn(model, opt, tokens_np)
+    first_loss = {}
+    for name, fn in sides.items():
+        t0 = time.perf_counter()
+        first_loss[name] = fn()
+        print(f"{name}: first step {time.perf_counter() - t0:.1f} s (incl. compile), loss {first_loss[name]:.4f}")
+        for _ in range(args.warmup - 1):
+            fn()
+    sample_peak = peak_sampler()
+    peaks = [sample_peak() for _ in range(3)]
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    for _ in range(args.repeats):
+        for name, fn in sides.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+            peaks += [sample_peak() for _ in range(2)]
+    peak = max(peaks)
+    print(f"\nmeasured peak: {peak / 1e9:.0f} GFLOP/s (float32 2048^3 matmul via jax.jit: best of {len(peaks)} samples "
+          f"taken between the steps; median sample {statistics.median(peaks) / 1e9:.0f} GFLOP/s)")
+    print(f"load average during the run: {os.getloadavg()[0]:.1f} (1 min) on {os.cpu_count()} cores")
+    print(f"timed: {args.repeats} alternating steps per side after {args.warmup} warm-up steps\n")
+    hdr = f"{'side':<14} {'median s':>9} {'min s':>7} {'tokens/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'ours/HF':>8}"
+    print(hdr)
+    print("-" * len(hdr))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    for name, ts in times.items():
+        m = med[name]
+        ratio = med.get("transformers", float("nan")) / m
+        print(f"{name:<14} {m:9.3f} {min(ts):7.3f} {tokens / m:9.0f} {step_flops / m / 1e12:8.3f} "
+              f"{step_flops / m / peak:6.1%} {ratio:7.2f}x")
+    print("(tokens/s, TFLOP/s and MFU from the median step; ours/HF = HF median / our median; MFU of the "
+          "fastest step: " + ", ".join(f"{k} {step_flops / min(v) / peak:.1%}" for k, v in times.items()) + ")")
+    print(f"\nall step times (s): " + "; ".join(f"{k}: {', '.join(f'{t:.3f}' for t in v)}" for k, v in times.items()))
+    if not args.no_shapes:
+        print("\nXLA:CPU on the step's own matmul shapes (forward, alone; best of 3):")
+        for name, gf, frac in step_shape_efficiency(cfg, peak):
+            print(f"  {name:<55} {gf:7.0f} GFLOP/s  {frac:6.1%} of peak")
+
+
+if __name__ == "__main__":
+    main()
