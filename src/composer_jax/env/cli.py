@@ -117,10 +117,14 @@ def env_server_main(argv: list[str]) -> int:
     url = f"http://{host if family == socket.AF_INET else f'[{host}]'}:{port}"
     print(f"composer-jax env-server listening on {url} tasks={len(store.ids())} "
           f"sandbox={sandbox.name} token={token}", flush=True)
+    # httptools (when installed; else h11) parses requests several times faster than h11. The
+    # stdlib event loop, not uvloop: libuv spawns with fork() where CPython uses vfork(), and with
+    # uvloop run_shell (one bwrap per call) ran at ~75 instead of ~105 calls/s on 2 cores.
     config = uvicorn.Config(app, log_level=args.log_level, ws_max_size=args.max_body_bytes,
-                            timeout_graceful_shutdown=5, limit_concurrency=4096, backlog=1024)
+                            timeout_graceful_shutdown=5, limit_concurrency=4096, backlog=1024,
+                            loop="asyncio", http="auto", access_log=False)
     server = uvicorn.Server(config)
-    asyncio.run(server.serve(sockets=[sock]))
+    server.run(sockets=[sock])
     return 0
 
 
