@@ -46,12 +46,15 @@ def _bwrap_cmd(work: pathlib.Path, task: pathlib.Path, logs: pathlib.Path, scrip
     for d in ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc"):
         if os.path.exists(d):
             cmd += ["--ro-bind", d, d]
+    # the private /tmp comes before the interpreter binds: a checkout (and its venv) under /tmp
+    # must stay visible inside the sandbox
+    cmd += ["--tmpfs", "/tmp"]
     for p in _prefixes():
         cmd += ["--ro-bind", p, p]
     cmd += ["--bind", str(work), "/app",
             "--ro-bind", str(task / "tests"), "/tests",
             "--bind", str(logs), "/logs",
-            "--tmpfs", "/tmp", "--proc", "/proc", "--dev", "/dev", "--chdir", "/app",
+            "--proc", "/proc", "--dev", "/dev", "--chdir", "/app",
             "--clearenv",
             "--setenv", "PATH", f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin",
             "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8",
