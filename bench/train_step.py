@@ -121,7 +121,7 @@ def build_ours(hf_dir: str, overrides: list[str]):
     base = {"model": to_dict(mcfg), "mesh": {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}}
     cfg = config_from_dict(base, [
         f"train.batch_size={BATCH}", f"train.seq_len={SEQ}", "train.mtp_weight=0", "train.z_loss=0",
-        "model.moe_impl=tiled", f"train.optimizer.lr={LR}", "train.optimizer.schedule=constant",
+        "model.moe_impl=tiled", "model.scan_layers=false", f"train.optimizer.lr={LR}", "train.optimizer.schedule=constant",
         "train.optimizer.warmup_steps=0", f"train.optimizer.b1={BETAS[0]}", f"train.optimizer.b2={BETAS[1]}",
         f"train.optimizer.weight_decay={WD}", f"train.optimizer.clip_norm={CLIP}", "train.steps=1000",
         *overrides], num_devices=1)

@@ -96,6 +96,10 @@ class ModelConfig:
     moe_impl: Literal["auto", "tiled", "ragged", "dense"] = "auto"
     moe_tile_size: int = 128
     remat: Literal["none", "full", "dots"] = "none"
+    # True: layers run as one lax.scan body (compile time independent of depth: large models);
+    # False: the scan is unrolled, which lets XLA fuse across layers and avoids the loop's
+    # per-layer slicing of stacked weights and gradients (about 20% faster on XLA:CPU, small models)
+    scan_layers: bool = True
 
     # derived -------------------------------------------------------------------------------------
     @property

@@ -90,3 +90,14 @@ def test_packed_segments_do_not_attend_across(setup):
     # the second segment (positions 5..11) alone, as its own sequence
     alone = cj.forward(params, tokens[:1, 5:12], m).logits[0]
     np.testing.assert_allclose(packed[5:12], alone, atol=1e-5)
+
+
+def test_unrolled_layers_equal_scanned(setup):
+    import dataclasses
+
+    m, params, tokens, seg = setup
+    scanned = cj.forward(params, tokens, m, segment_ids=seg)
+    unrolled = cj.forward(params, tokens, dataclasses.replace(m, scan_layers=False), segment_ids=seg)
+    np.testing.assert_allclose(unrolled.logits, scanned.logits, atol=1e-5)
+    np.testing.assert_allclose(unrolled.mtp_logits, scanned.mtp_logits, atol=1e-5)
+    np.testing.assert_array_equal(unrolled.routing, scanned.routing)

@@ -64,7 +64,7 @@ def _run_stack(stack: dict, h: jax.Array, ctx: dict, cfg: ModelConfig, rules, me
         return h, (experts, counts) if moe else None
 
     body = _remat(body, cfg.remat)
-    h, ys = jax.lax.scan(body, h, (stack, replay))
+    h, ys = jax.lax.scan(body, h, (stack, replay), unroll=not cfg.scan_layers)
     return h, ys
 
 
@@ -167,5 +167,6 @@ def mtp_forward(params: dict, h_main: jax.Array, tokens: jax.Array, ctx: dict, c
         return h, (logits, experts, counts) if moe else (logits, None, None)
 
     body = _remat(body, cfg.remat)
-    _, (logits, experts, counts) = jax.lax.scan(body, h_main, (params["mtp"], replay, mtp_tokens), length=depth)
+    _, (logits, experts, counts) = jax.lax.scan(body, h_main, (params["mtp"], replay, mtp_tokens), length=depth,
+                                                unroll=not cfg.scan_layers)
     return logits, experts, counts
