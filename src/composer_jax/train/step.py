@@ -83,6 +83,15 @@ def ce_chunks(shape: tuple[int, int], mesh: Mesh | None, tokens_per_chunk: int =
     return max(c for c in range(1, want + 1) if s % c == 0)
 
 
+def _prepared(params: Any, batch: dict, cfg: Config, rules, mesh, context: int) -> dict:
+    """prepare_batch, with every array constrained to the batch/sequence sharding."""
+    prep = prepare_batch(batch, cfg.model.num_mtp_layers if "mtp" in params else 0, context)
+    for k, v in prep.items():
+        axes = ("act_batch", "act_seq") if v.ndim == 2 else (None, "act_batch", "act_seq")
+        prep[k] = constrain(v, rules, axes, mesh)
+    return prep
+
+
 def loss_terms(params: Any, mb: dict, cfg: Config, denoms: dict, rules, mesh):
     """Objective for one micro-batch, normalised by whole-batch denominators, and metric sums."""
     m, t = cfg.model, cfg.train
@@ -143,10 +152,7 @@ def batch_gradients(params: Any, batch: dict, cfg: Config, rules: ShardingRules 
     Every micro-batch's terms are divided by whole-batch denominators, so the sum over micro-batches
     is exactly the full-batch objective (no mean-of-means)."""
     t = cfg.train
-    prep = prepare_batch(batch, cfg.model.num_mtp_layers if "mtp" in params else 0, context)
-    for k, v in prep.items():
-        axes = ("act_batch", "act_seq") if v.ndim == 2 else (None, "act_batch", "act_seq")
-        prep[k] = constrain(v, rules, axes, mesh)
+    prep = _prepared(params, batch, cfg, rules, mesh, context)
     denoms = {"tokens": jnp.maximum(prep["weights"].sum(), 1.0),
               "sequences": jnp.asarray(prep["tokens"].shape[0], jnp.float32)}
     if "mtp_weights" in prep:
@@ -222,10 +228,7 @@ def make_train_step(cfg: Config, mesh: Mesh, rules: ShardingRules, *, donate: bo
 def eval_sums(params: Any, batch: dict, cfg: Config, rules: ShardingRules | None, mesh: Mesh | None,
               context: int = 1) -> dict:
     """Held-out metric sums for one batch: next-token nll / tokens / correct, and MTP per depth."""
-    prep = prepare_batch(batch, cfg.model.num_mtp_layers if "mtp" in params else 0, context)
-    for k, v in prep.items():
-        axes = ("act_batch", "act_seq") if v.ndim == 2 else (None, "act_batch", "act_seq")
-        prep[k] = constrain(v, rules, axes, mesh)
+    prep = _prepared(params, batch, cfg, rules, mesh, context)
     denoms = {"tokens": jnp.ones(()), "sequences": jnp.ones(())}
     if "mtp_weights" in prep:
         denoms["mtp_tokens"] = jnp.ones((prep["mtp_weights"].shape[0],))
