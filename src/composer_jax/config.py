@@ -95,6 +95,12 @@ class ModelConfig:
     # FLOPs on XLA:CPU); "dense" computes every expert for every token (reference, tiny models only)
     moe_impl: Literal["auto", "tiled", "ragged", "dense"] = "auto"
     moe_tile_size: int = 128
+    # attention: "blockwise" = flash-style blocks with an online softmax and its own VJP (no
+    # [q, k] score matrix; causal block skipping in the contiguous layout); "dense" = the whole
+    # masked score matrix (reference). Query block size and the key chunk of the online softmax:
+    attention_impl: Literal["blockwise", "dense"] = "blockwise"
+    attn_block_q: int = 128
+    attn_block_k: int = 1024
     remat: Literal["none", "full", "dots"] = "none"
     # True: layers run as one lax.scan body (compile time independent of depth: large models);
     # False: the scan is unrolled, which lets XLA fuse across layers and avoids the loop's
@@ -407,6 +413,8 @@ def validate_model(m: ModelConfig) -> None:
                      f"so each of the n_group={m.n_group} groups needs >= 2 experts (has {per_group})")
     need(m.num_mtp_layers >= 0, f"model.num_mtp_layers={m.num_mtp_layers} must be >= 0")
     need(m.moe_tile_size >= 1, f"model.moe_tile_size={m.moe_tile_size} must be >= 1")
+    need(m.attn_block_q >= 1, f"model.attn_block_q={m.attn_block_q} must be >= 1")
+    need(m.attn_block_k >= 1, f"model.attn_block_k={m.attn_block_k} must be >= 1")
     rs = m.rope_scaling
     if rs.type == "yarn":
         need(rs.factor >= 1.0, f"model.rope_scaling.factor={rs.factor} must be >= 1 for yarn")

@@ -5,12 +5,15 @@ attends only to earlier tokens of its own segment.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from composer_jax.config import ModelConfig
+from composer_jax.model.flash import blockwise_attention
 from composer_jax.model.layers import apply_rope, rms_norm, softmax_scale
 from composer_jax.sharding import ShardingRules, constrain
 
@@ -48,27 +51,55 @@ def _softmax_attend(scores: jax.Array, mask: jax.Array) -> jax.Array:
     return jax.nn.softmax(scores, axis=-1)
 
 
-def _mla_core(q_nope, q_rope, latent, k_rope, kv_b, mask, cfg: ModelConfig):
+class Visibility(NamedTuple):
+    """Which keys each query sees: causal by token order, within one segment. q_*: [b, sq],
+    k_*: [b, sk]. causal_skip: queries and keys are one sequence in increasing token order, so whole
+    key blocks after a query block can be skipped (blockwise attention only)."""
+
+    q_seg: jax.Array
+    q_ord: jax.Array
+    k_seg: jax.Array
+    k_ord: jax.Array
+    causal_skip: bool = False
+
+    def mask(self) -> jax.Array:
+        return causal_segment_mask(self.q_seg, self.q_ord, self.k_seg, self.k_ord)
+
+
+def _attend(q, k, v, vis: Visibility, cfg: ModelConfig):
+    """q [b, q, h, d], k [b, k, h, d], v [b, k, h, dv] -> [b, q, h, dv] under `vis`."""
+    if cfg.attention_impl == "dense":
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+        probs = _softmax_attend(scores * softmax_scale(cfg), vis.mask()).astype(v.dtype)
+        return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+    heads_first = lambda x: jnp.swapaxes(x, 1, 2)
+    out = blockwise_attention(heads_first(q), heads_first(k), heads_first(v), vis.q_seg, vis.q_ord, vis.k_seg,
+                              vis.k_ord, scale=softmax_scale(cfg), block_q=cfg.attn_block_q,
+                              block_k=cfg.attn_block_k, causal_skip=vis.causal_skip)
+    return heads_first(out)
+
+
+def _mla_core(q_nope, q_rope, latent, k_rope, kv_b, vis: Visibility, cfg: ModelConfig):
     """Attention of MLA queries over latent keys. q_*: [b, q, h, *]; latent: [b, k, kv_lora];
-    k_rope: [b, k, rope] (already rotated); kv_b: [kv_lora, h, nope + v]; mask: [b, 1, q, k].
-    Returns [b, q, h, v_head_dim]."""
+    k_rope: [b, k, rope] (already rotated, shared by the heads); kv_b: [kv_lora, h, nope + v].
+    Returns [b, q, h, v_head_dim]. The rotary key is broadcast to every head and joined to the
+    per-head key, so q.k is one product over nope + rope numbers."""
     nope = cfg.qk_nope_head_dim
     kvb = jnp.einsum("bsr,rhk->bshk", latent, kv_b.astype(latent.dtype))
     k_nope, v = kvb[..., :nope], kvb[..., nope:]
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q_nope, k_nope, preferred_element_type=jnp.float32)
-    scores = scores + jnp.einsum("bqhd,bkd->bhqk", q_rope, k_rope, preferred_element_type=jnp.float32)
-    probs = _softmax_attend(scores * softmax_scale(cfg), mask).astype(v.dtype)
-    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+    q = jnp.concatenate([q_nope, q_rope], axis=-1)
+    k_rope = jnp.broadcast_to(k_rope[:, :, None, :].astype(k_nope.dtype), k_nope.shape[:3] + k_rope.shape[-1:])
+    k = jnp.concatenate([k_nope, k_rope], axis=-1)
+    return _attend(q, k, v, vis, cfg)
 
 
-def _gqa_core(q, k, v, mask, cfg: ModelConfig):
-    """q: [b, q, h, d]; k, v: [b, k, kvh, d]; mask: [b, 1, q, k] -> [b, q, h, d]."""
-    b, s, h, hd = q.shape
-    kvh = k.shape[2]
-    q = q.reshape(b, s, kvh, h // kvh, hd)
-    scores = jnp.einsum("bqngd,bknd->bngqk", q, k, preferred_element_type=jnp.float32)
-    probs = _softmax_attend(scores * softmax_scale(cfg), mask[:, :, None]).astype(v.dtype)
-    return jnp.einsum("bngqk,bknd->bqngd", probs, v).reshape(b, s, h, hd)
+def _gqa_core(q, k, v, vis: Visibility, cfg: ModelConfig):
+    """q: [b, q, h, d]; k, v: [b, k, kvh, d] -> [b, q, h, d]. Key/value heads are repeated for
+    their query group."""
+    groups = q.shape[2] // k.shape[2]
+    if groups > 1:
+        k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    return _attend(q, k, v, vis, cfg)
 
 
 def _context_axes(rules: ShardingRules | None, mesh) -> tuple[str, ...]:
@@ -107,18 +138,17 @@ def context_parallel_attention(core, queries: tuple, kv_sources: tuple, head_par
         kv_all = tuple(gather(x) for x in kv)
         seg_all, order_all = gather(seg), gather(order)
         if not zigzag:
-            mask = causal_segment_mask(seg, order, seg_all, order_all)
-            return core(*queries, *kv_all, *hp, mask, cfg)
+            return core(*queries, *kv_all, *hp, Visibility(seg, order, seg_all, order_all), cfg)
         half = seg.shape[1] // 2
         # keys of the first C chunks = the first half of every device's block
         first = lambda x: x.reshape(x.shape[0], n_ctx, 2, half, *x.shape[2:])[:, :, 0].reshape(
             x.shape[0], n_ctx * half, *x.shape[2:])
         qa = tuple(q[:, :half] for q in queries)
         qb = tuple(q[:, half:] for q in queries)
-        mask_a = causal_segment_mask(seg[:, :half], order[:, :half], first(seg_all), first(order_all))
-        mask_b = causal_segment_mask(seg[:, half:], order[:, half:], seg_all, order_all)
-        out_a = core(*qa, *(first(x) for x in kv_all), *hp, mask_a, cfg)
-        out_b = core(*qb, *kv_all, *hp, mask_b, cfg)
+        vis_a = Visibility(seg[:, :half], order[:, :half], first(seg_all), first(order_all))
+        vis_b = Visibility(seg[:, half:], order[:, half:], seg_all, order_all)
+        out_a = core(*qa, *(first(x) for x in kv_all), *hp, vis_a, cfg)
+        out_b = core(*qb, *kv_all, *hp, vis_b, cfg)
         return jnp.concatenate([out_a, out_b], axis=1)
 
     fn = jax.shard_map(body, mesh=mesh,
@@ -126,6 +156,11 @@ def context_parallel_attention(core, queries: tuple, kv_sources: tuple, head_par
                                  tuple(hp_spec(w) for w in head_params), P(tok[0], tok[1]), P(tok[0], tok[1])),
                        out_specs=q_spec)
     return fn(queries, kv_sources, head_params, ctx["segment_ids"], ctx["order"])
+
+
+def _local_visibility(ctx: dict) -> Visibility:
+    seg, order = ctx["segment_ids"], ctx["order"]
+    return Visibility(seg, order, seg, order, causal_skip=ctx.get("layout") == "contiguous")
 
 
 def mla(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, rules: ShardingRules | None = None,
@@ -153,7 +188,7 @@ def mla(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, rules: ShardingRules
         out = context_parallel_attention(_mla_core, (q_nope, q_rope), (latent, k_rope), (p["kv_b"],),
                                          ctx, cfg, rules, mesh)
     else:
-        out = _mla_core(q_nope, q_rope, latent, k_rope, p["kv_b"], ctx["mask"], cfg)
+        out = _mla_core(q_nope, q_rope, latent, k_rope, p["kv_b"], _local_visibility(ctx), cfg)
     out = constrain(out, rules, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
     return jnp.einsum("bqhd,hdm->bqm", out, p["o"].astype(dt))
 
@@ -172,17 +207,16 @@ def gqa(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, rules: ShardingRules
     k = apply_rope(k, ctx["cos"], ctx["sin"], cfg.rope_interleave)
     q = constrain(q, rules, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
     if _context_axes(rules, mesh):
-        out = context_parallel_attention(lambda q, k, v, mask, cfg: _gqa_core(q, k, v, mask, cfg),
-                                         (q,), (k, v), (), ctx, cfg, rules, mesh)
+        out = context_parallel_attention(_gqa_core, (q,), (k, v), (), ctx, cfg, rules, mesh)
     else:
-        out = _gqa_core(q, k, v, ctx["mask"], cfg)
+        out = _gqa_core(q, k, v, _local_visibility(ctx), cfg)
     out = constrain(out, rules, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
     return jnp.einsum("bqhd,hdm->bqm", out, p["o"].astype(dt))
 
 
 def attention(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, rules: ShardingRules | None = None,
               mesh=None) -> jax.Array:
-    """ctx: cos/sin [batch, seq, rope/2], mask [batch, 1, seq, seq], segment_ids, order [batch, seq],
-    layout ("contiguous" | "zigzag")."""
+    """ctx: cos/sin [batch, seq, rope/2], segment_ids, order [batch, seq], layout ("contiguous": order
+    increases along the sequence | "zigzag" | "any")."""
     fn = mla if cfg.attention_type == "mla" else gqa
     return fn(p, x, ctx, cfg, rules, mesh)

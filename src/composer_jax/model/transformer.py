@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from composer_jax.config import ModelConfig
-from composer_jax.model.attention import attention, causal_segment_mask, segment_positions
+from composer_jax.model.attention import attention, segment_positions
 from composer_jax.model.layers import rms_norm, rope_cos_sin, swiglu
 from composer_jax.model.moe import moe_layer
 from composer_jax.sharding import ShardingRules, constrain, current_mesh
@@ -95,9 +95,11 @@ def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, *, segment_ids: j
     token_order: int32[batch, seq] original index of each token when the sequence axis has been
     permuted (zigzag context parallelism); causality follows it. mtp_tokens: int32[depth, batch,
     seq] the token k ahead of each position for MTP depth k (default: shift `tokens`, valid only
-    when the sequence is not permuted). context_layout: "zigzag" when the sequence was permuted by
+    when the sequence is not permuted). context_layout: "contiguous" (the default) promises that
+    token_order increases along the sequence (as the default does), which lets blockwise attention
+    skip key blocks after each query block; "zigzag" when the sequence was permuted by
     `train.step.zigzag_permutation` (context-parallel attention then skips the keys the first
-    local chunk cannot see).
+    local chunk cannot see); "any" for any other order.
     rules/mesh: sharding rules and mesh; by default the mesh set with `jax.set_mesh` (if any) and the
     default rules. Without a mesh everything runs as on one device.
     """
@@ -112,10 +114,9 @@ def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, *, segment_ids: j
     cos, sin = rope_cos_sin(positions, rope_dim, cfg)
     if token_order is None:
         token_order = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    if context_layout not in ("contiguous", "zigzag"):
-        raise ValueError(f"context_layout={context_layout!r} is not accepted; accepted: contiguous, zigzag")
-    ctx = {"cos": cos, "sin": sin, "segment_ids": segment_ids, "order": token_order, "layout": context_layout,
-           "mask": causal_segment_mask(segment_ids, token_order)}
+    if context_layout not in ("contiguous", "zigzag", "any"):
+        raise ValueError(f"context_layout={context_layout!r} is not accepted; accepted: contiguous, zigzag, any")
+    ctx = {"cos": cos, "sin": sin, "segment_ids": segment_ids, "order": token_order, "layout": context_layout}
 
     h = constrain(_embed(params, tokens, cfg), rules, ("act_batch", "act_seq", "act_embed"))
     aux: dict[str, Any] = {}

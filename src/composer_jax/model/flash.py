@@ -1,0 +1,189 @@
+"""Blockwise (flash-style) attention in plain JAX, with its own VJP.
+
+Never builds the [batch, heads, q, k] score matrix: queries go in blocks of `block_q`, each block
+meets its keys in chunks of at most `block_k` with an online softmax, and the backward pass
+recomputes every chunk's probabilities from the saved log-sum-exp (the FlashAttention-2
+recurrences, Dao 2023), so activation memory is O(q x heads) instead of O(q x k x heads). That is
+what makes the 256K stage's per-device attention fit, and on CPU it is also faster than the dense
+form: the chunks stay in cache and there are fewer float32 passes over scores.
+
+Causal block skipping: with `causal_skip=True` the caller promises that queries and keys are the
+same sequence in increasing token order (the contiguous layout), so query block i only visits keys
+[0, (i + 1) * block_q): about half the score work at long sequence lengths. The mask is still
+applied inside every visited chunk (packed segments, the diagonal), so skipping only ever drops
+chunks that are entirely masked.
+
+Masking: key j is visible to query i when k_order[j] <= q_order[i] and both lie in the same
+segment (segment ids compared as given; padding is segment 0 and sees only padding). A query that
+sees no key at all gets a zero output and no gradient.
+
+Shapes: q [b, h, sq, d], k [b, h, sk, d], v [b, h, sk, dv]; segment ids / orders int32 [b, sq] and
+[b, sk]. Scores and the softmax are float32; the probability-times-value products run in v's dtype
+(as the dense path does).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+NEG = -1e30  # finite "minus infinity": exp(NEG - m) underflows to 0 without NaNs
+
+
+def _visible(q_seg, q_ord, k_seg, k_ord):
+    """-> bool[b, 1, bq, bk]."""
+    return ((k_ord[:, None, None, :] <= q_ord[:, None, :, None])
+            & (k_seg[:, None, None, :] == q_seg[:, None, :, None]))
+
+
+def _plan(sq: int, sk: int, block_q: int, block_k: int, causal_skip: bool):
+    """Static plan: [(q_start, q_stop, key_span, key_chunk)] per query block."""
+    if causal_skip and sq != sk:
+        raise ValueError(f"causal_skip needs queries and keys of one sequence; got {sq} queries, {sk} keys")
+    bq = min(block_q, sq)
+    if sq % bq:
+        bq = math.gcd(sq, bq)
+    plan = []
+    for start in range(0, sq, bq):
+        span = min(sk, start + bq) if causal_skip else sk
+        # the largest chunk <= block_k that divides the span (spans are multiples of bq when skipping)
+        chunk = span
+        if span > block_k:
+            unit = bq if causal_skip else 1
+            n_units = span // unit
+            best = 1
+            for g in range(1, n_units + 1):
+                if n_units % g == 0 and g * unit <= block_k:
+                    best = g
+            chunk = best * unit
+        plan.append((start, start + bq, span, chunk))
+    return plan
+
+
+def _chunks(x, span: int, chunk: int, axis: int):
+    """x[..., :span, ...] along `axis` -> [n, ...chunk...] with the chunk index leading."""
+    x = jax.lax.slice_in_dim(x, 0, span, axis=axis)
+    shape = x.shape
+    x = x.reshape(shape[:axis] + (span // chunk, chunk) + shape[axis + 1:])
+    return jnp.moveaxis(x, axis, 0)
+
+
+def _block_forward(qi, qs, qo, k, v, ks, ko, span, chunk, scale):
+    """One query block against keys [0, span) in chunks: -> (out [b,h,bq,dv] f32, lse [b,h,bq])."""
+    b, h, bq, _ = qi.shape
+    dv = v.shape[-1]
+
+    def step(carry, xs):
+        m, l, acc = carry
+        kc, vc, ksc, koc = xs
+        s = jnp.einsum("bhqd,bhkd->bhqk", qi, kc, preferred_element_type=jnp.float32) * scale
+        vis = _visible(qs, qo, ksc, koc)
+        s = jnp.where(vis, s, NEG)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.where(vis, jnp.exp(s - m_new[..., None]), 0.0)
+        corr = jnp.exp(m - m_new)
+        l = l * corr + p.sum(-1)
+        acc = acc * corr[..., None] + jnp.einsum("bhqk,bhkd->bhqd", p.astype(vc.dtype), vc,
+                                                 preferred_element_type=jnp.float32)
+        return (m_new, l, acc), None
+
+    init = (jnp.full((b, h, bq), NEG, jnp.float32), jnp.zeros((b, h, bq), jnp.float32),
+            jnp.zeros((b, h, bq, dv), jnp.float32))
+    xs = (_chunks(k, span, chunk, 2), _chunks(v, span, chunk, 2), _chunks(ks, span, chunk, 1),
+          _chunks(ko, span, chunk, 1))
+    if span == chunk:  # one chunk: no loop
+        (m, l, acc), _ = step(init, jax.tree.map(lambda x: x[0], xs))
+    else:
+        (m, l, acc), _ = jax.lax.scan(step, init, xs)
+    seen = l > 0
+    l = jnp.where(seen, l, 1.0)
+    out = acc / l[..., None]
+    lse = jnp.where(seen, m + jnp.log(l), jnp.inf)  # exp(s - inf) = 0: unseen rows get no gradient
+    return out, lse
+
+
+def _forward(q, k, v, q_seg, q_ord, k_seg, k_ord, scale, plan):
+    outs, lses = [], []
+    for start, stop, span, chunk in plan:
+        o, lse = _block_forward(q[:, :, start:stop], q_seg[:, start:stop], q_ord[:, start:stop],
+                                k, v, k_seg, k_ord, span, chunk, scale)
+        outs.append(o)
+        lses.append(lse)
+    out = jnp.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]
+    lse = jnp.concatenate(lses, axis=2) if len(lses) > 1 else lses[0]
+    return out.astype(v.dtype), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _attention(q, k, v, q_seg, q_ord, k_seg, k_ord, scale, plan):
+    return _forward(q, k, v, q_seg, q_ord, k_seg, k_ord, scale, plan)[0]
+
+
+def _attention_fwd(q, k, v, q_seg, q_ord, k_seg, k_ord, scale, plan):
+    out, lse = _forward(q, k, v, q_seg, q_ord, k_seg, k_ord, scale, plan)
+    return out, (q, k, v, q_seg, q_ord, k_seg, k_ord, out, lse)
+
+
+def _attention_bwd(scale, plan, res, d_out):
+    q, k, v, q_seg, q_ord, k_seg, k_ord, out, lse = res
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [b, h, sq]
+    dq_blocks = []
+    dk = jnp.zeros(k.shape, jnp.float32)
+    dv = jnp.zeros(v.shape, jnp.float32)
+    for start, stop, span, chunk in plan:
+        qi, doi = q[:, :, start:stop], d_out[:, :, start:stop]
+        qs, qo = q_seg[:, start:stop], q_ord[:, start:stop]
+        lse_i, delta_i = lse[:, :, start:stop], delta[:, :, start:stop]
+
+        def step(dq, xs, qi=qi, doi=doi, qs=qs, qo=qo, lse_i=lse_i, delta_i=delta_i):
+            kc, vc, ksc, koc = xs
+            s = jnp.einsum("bhqd,bhkd->bhqk", qi, kc, preferred_element_type=jnp.float32) * scale
+            p = jnp.where(_visible(qs, qo, ksc, koc), jnp.exp(s - lse_i[..., None]), 0.0)
+            dvc = jnp.einsum("bhqk,bhqd->bhkd", p.astype(doi.dtype), doi, preferred_element_type=jnp.float32)
+            dp = jnp.einsum("bhqd,bhkd->bhqk", doi, vc, preferred_element_type=jnp.float32)
+            ds = (p * (dp - delta_i[..., None]) * scale).astype(qi.dtype)
+            dq = dq + jnp.einsum("bhqk,bhkd->bhqd", ds, kc, preferred_element_type=jnp.float32)
+            dkc = jnp.einsum("bhqk,bhqd->bhkd", ds, qi, preferred_element_type=jnp.float32)
+            return dq, (dkc, dvc)
+
+        xs = (_chunks(k, span, chunk, 2), _chunks(v, span, chunk, 2), _chunks(k_seg, span, chunk, 1),
+              _chunks(k_ord, span, chunk, 1))
+        dq0 = jnp.zeros(qi.shape, jnp.float32)
+        if span == chunk:
+            dq_i, (dk_c, dv_c) = step(dq0, jax.tree.map(lambda x: x[0], xs))
+            dk_span, dv_span = dk_c, dv_c
+        else:
+            dq_i, (dk_c, dv_c) = jax.lax.scan(step, dq0, xs)
+            merge = lambda x: jnp.moveaxis(x, 0, 2).reshape(x.shape[1], x.shape[2], span, x.shape[-1])
+            dk_span, dv_span = merge(dk_c), merge(dv_c)
+        dq_blocks.append(dq_i)
+        if span == k.shape[2]:
+            dk, dv = dk + dk_span, dv + dv_span
+        else:
+            dk = dk.at[:, :, :span].add(dk_span)
+            dv = dv.at[:, :, :span].add(dv_span)
+    dq = jnp.concatenate(dq_blocks, axis=2) if len(dq_blocks) > 1 else dq_blocks[0]
+    zeros = lambda x: jnp.zeros(x.shape, jax.dtypes.float0)
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+            zeros(q_seg), zeros(q_ord), zeros(k_seg), zeros(k_ord))
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array, q_order: jax.Array,
+                        k_segment_ids: jax.Array, k_order: jax.Array, *, scale: float, block_q: int = 128,
+                        block_k: int = 1024, causal_skip: bool = False) -> jax.Array:
+    """Softmax attention of q over k/v under the causal + same-segment mask (module docstring).
+
+    q [b, h, sq, d]; k [b, h, sk, d]; v [b, h, sk, dv] -> [b, h, sq, dv] in v's dtype."""
+    if q.ndim != 4 or k.shape[:3] != v.shape[:3] or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"blockwise_attention: q {q.shape}, k {k.shape}, v {v.shape} do not fit "
+                         "q [b, h, sq, d], k [b, h, sk, d], v [b, h, sk, dv]")
+    if block_q < 1 or block_k < 1:
+        raise ValueError(f"block_q={block_q}, block_k={block_k}: both must be >= 1")
+    plan = tuple(_plan(q.shape[2], k.shape[2], block_q, block_k, causal_skip))
+    i32 = lambda x: x.astype(jnp.int32)
+    return _attention(q, k, v, i32(q_segment_ids), i32(q_order), i32(k_segment_ids), i32(k_order), float(scale), plan)
