@@ -37,7 +37,8 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array, z_l
     target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     nll = (log_z - target_logit) * weights
     z = z_loss * jnp.square(log_z) * weights
-    correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32) * weights
+    # top-1: the target holds the largest logit (exact float ties count as correct)
+    correct = (target_logit >= jnp.max(logits, -1)).astype(jnp.float32) * weights
     return nll.sum(), z.sum(), weights.sum(), correct.sum()
 
 
@@ -76,23 +77,29 @@ def _fused_ce_fwd(hidden, head, targets, weights, z_loss, chunks):
     c = s // chunks
     split = lambda x: jnp.moveaxis(x.reshape(b, chunks, c, *x.shape[2:]), 1, 0)  # chunks along seq
     head_c = head.astype(hidden.dtype)
-    vocab = jnp.arange(head.shape[-1], dtype=targets.dtype)
+    # [vocab, embed] once, so the d hidden product reads its weight in row-major order (XLA:CPU
+    # transposed the [embed, vocab] operand for every chunk)
+    head_t = jnp.transpose(head).astype(jnp.float32)
+    rows = jnp.arange(b)[:, None], jnp.arange(c)[None, :]
 
     def chunk(d_head, xs):
         h, t, w = xs
         logits = jnp.einsum("bsd,dv->bsv", h, head_c, preferred_element_type=jnp.float32)
-        log_z = jax.nn.logsumexp(logits, axis=-1)
-        is_target = vocab == t[..., None]
-        target_logit = jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1)
-        probs = jnp.exp(logits - log_z[..., None])
+        top = jnp.max(logits, axis=-1)
+        log_z = top + jnp.log(jnp.sum(jnp.exp(logits - top[..., None]), axis=-1))
+        target_logit = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
         scale = w * (1.0 + 2.0 * z_loss * log_z)  # d(nll + z_loss logZ^2) / d logZ, weighted
-        # float32 like the logits; the two backward matmuls in float32 (a no-op for float32 models)
-        d_logits = probs * scale[..., None] - jnp.where(is_target, w[..., None], 0.0)
-        d_h = jnp.einsum("bsv,dv->bsd", d_logits, head.astype(jnp.float32)).astype(h.dtype)
+        # float32 like the logits; the two backward matmuls in float32 (a no-op for float32 models).
+        # The one-hot term is a scatter of the chunk's targets, not a [tokens, vocab] comparison.
+        d_logits = jnp.exp(logits - log_z[..., None]) * scale[..., None]
+        d_logits = d_logits.at[rows[0], rows[1], t].add(-w, unique_indices=True)
+        d_h = jnp.einsum("bsv,vd->bsd", d_logits, head_t).astype(h.dtype)
         d_head = d_head + jnp.einsum("bsd,bsv->dv", h.astype(jnp.float32), d_logits)
         nll = jnp.sum((log_z - target_logit) * w)
         z = jnp.sum(z_loss * jnp.square(log_z) * w)
-        correct = jnp.sum((jnp.argmax(logits, -1) == t).astype(jnp.float32) * w)
+        # the target holds the largest logit (ties count as correct: the top-1 accuracy of
+        # `cross_entropy` up to exact float ties), without a separate arg-max pass over the vocabulary
+        correct = jnp.sum((target_logit >= top).astype(jnp.float32) * w)
         return d_head, (nll, z, correct, d_h)
 
     d_head, (nll, z, correct, d_h) = jax.lax.scan(
