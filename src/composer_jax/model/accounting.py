@@ -189,9 +189,10 @@ def _layer_activation_bytes(cfg: ModelConfig, sizes: Mapping[str, int], seq: int
     """Bytes per local token that one decoder layer's forward keeps alive with no remat, split into
     the part linear in the sequence and the attention-score part (linear in seq per token).
 
-    Counted: norm inputs/outputs, every projection output, attention scores (float32), softmax
-    (float32) and probabilities (compute dtype) over all `seq` keys (the model materialises scores;
-    no flash kernel), the MLP/expert hidden activations. With expert parallelism the dispatch uses
+    Counted: norm inputs/outputs, every projection output, the MLP/expert hidden activations, and
+    the attention state: with `attention_impl="dense"` the float32 scores, softmax and probabilities
+    over all `seq` keys; with "blockwise" only the log-sum-exp and the joined key (the block's
+    scores are transient, `attention_block_bytes`). With expert parallelism the dispatch uses
     worst-case buffers of ep x (tokens x k) rows (moe.py `_local_moe`), so routed-expert terms scale
     with ep. Divided by the tensor axis where the model splits heads / MLP width.
     """
@@ -220,8 +221,22 @@ def _layer_activation_bytes(cfg: ModelConfig, sizes: Mapping[str, int], seq: int
     else:
         linear += 3 * cfg.intermediate_size / tp + d
         linear_f32 = 0
-    scores = h * seq * (4 + 4 + c)
+    if cfg.attention_impl == "blockwise":
+        # kept for the backward: the log-sum-exp (float32) and the heads-first key with the rotary
+        # part joined (MLA); the per-block scores are transient (`attention_block_bytes`)
+        scores = h * (4 + qk * c)
+    else:
+        scores = h * seq * (4 + 4 + c)
     return {"linear": linear * c + linear_f32 * 4, "scores": scores}
+
+
+def attention_block_bytes(cfg: ModelConfig, sizes: Mapping[str, int], local_batch: float, seq: int) -> float:
+    """Transient bytes of one blockwise-attention block (scores, probabilities, their gradient):
+    local batch x heads x block_q x key chunk. Zero for the dense path (counted per token)."""
+    if cfg.attention_impl != "blockwise":
+        return 0.0
+    h = cfg.num_heads / sizes["tensor"]
+    return local_batch * h * min(cfg.attn_block_q, seq) * min(cfg.attn_block_k, seq) * (4 + 4 + _BYTES[cfg.compute_dtype])
 
 
 def memory_per_device(cfg: ModelConfig, rows: list[ParamRow], rules: ShardingRules, sizes: Mapping[str, int],
@@ -263,7 +278,8 @@ def activation_bytes(cfg: ModelConfig, rules: ShardingRules, sizes: Mapping[str,
              it is recomputed in the backward pass.
 
     Plus, for all policies: the float32 logits and their gradient (T x vocab/tensor x 8 bytes) per
-    output head (main + MTP depths), and the causal mask (T x seq bools) shared by all layers.
+    output head (main + MTP depths), and for dense attention the causal mask (T x seq bools) shared
+    by all layers; for blockwise attention one block's transient scores.
     """
     local_batch = batch / batch_shards(rules, sizes)
     tokens = local_batch * seq / sizes["context"]
@@ -280,8 +296,9 @@ def activation_bytes(cfg: ModelConfig, rules: ShardingRules, sizes: Mapping[str,
         per_token = len(layers) * cfg.hidden_size * c + worst
     heads = 1 + cfg.num_mtp_layers
     logits = heads * cfg.vocab_size / sizes["tensor"] * 8
-    mask = seq
-    layer_part = tokens * per_token
+    # the dense path builds a [q, k] mask shared by the layers; the blockwise one builds it per block
+    mask = seq if cfg.attention_impl == "dense" else 0
+    layer_part = tokens * per_token + attention_block_bytes(cfg, sizes, local_batch, seq)
     total = layer_part + tokens * (logits + mask)
     return {"tokens_per_device": tokens, "layers": layer_part, "logits": tokens * logits,
             "mask": tokens * mask, "total": total, "remat": cfg.remat}
