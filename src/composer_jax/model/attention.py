@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from composer_jax.config import ModelConfig
 from composer_jax.model.flash import blockwise_attention
-from composer_jax.model.layers import apply_rope, rms_norm, softmax_scale
+from composer_jax.model.layers import apply_rope, linear, rms_norm, softmax_scale
 from composer_jax.sharding import ShardingRules, constrain
 
 # DeepSeek's q_a_layernorm / kv_a_layernorm are built with the RMSNorm default eps, not the
@@ -85,7 +85,7 @@ def _mla_core(q_nope, q_rope, latent, k_rope, kv_b, vis: Visibility, cfg: ModelC
     Returns [b, q, h, v_head_dim]. The rotary key is broadcast to every head and joined to the
     per-head key, so q.k is one product over nope + rope numbers."""
     nope = cfg.qk_nope_head_dim
-    kvb = jnp.einsum("bsr,rhk->bshk", latent, kv_b.astype(latent.dtype))
+    kvb = linear(latent, kv_b)
     k_nope, v = kvb[..., :nope], kvb[..., nope:]
     q = jnp.concatenate([q_nope, q_rope], axis=-1)
     k_rope = jnp.broadcast_to(k_rope[:, :, None, :].astype(k_nope.dtype), k_nope.shape[:3] + k_rope.shape[-1:])
@@ -171,16 +171,15 @@ def mla(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, rules: ShardingRules
     c = RMSNorm(x W_kv_a[:kv_lora]) expanded per head by W_kv_b into k_nope and v, plus one rotary
     key k_rope = rope(x W_kv_a[kv_lora:]) shared by all heads.
     """
-    dt = x.dtype
     nope = cfg.qk_nope_head_dim
     if cfg.q_lora_rank:
-        q_lat = rms_norm(x @ p["q_a"].astype(dt), p["q_a_norm"], LATENT_NORM_EPS)
-        q = jnp.einsum("bsr,rhk->bshk", q_lat, p["q_b"].astype(dt))
+        q_lat = rms_norm(linear(x, p["q_a"]), p["q_a_norm"], LATENT_NORM_EPS)
+        q = linear(q_lat, p["q_b"])
     else:
-        q = jnp.einsum("bsd,dhk->bshk", x, p["q"].astype(dt))
+        q = linear(x, p["q"])
     q = constrain(q, rules, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
     q_nope, q_rope = q[..., :nope], q[..., nope:]
-    kv = x @ p["kv_a"].astype(dt)
+    kv = linear(x, p["kv_a"])
     latent = rms_norm(kv[..., : cfg.kv_lora_rank], p["kv_a_norm"], LATENT_NORM_EPS)
     q_rope = apply_rope(q_rope, ctx["cos"], ctx["sin"], cfg.rope_interleave)
     k_rope = apply_rope(kv[..., cfg.kv_lora_rank:][:, :, None, :], ctx["cos"], ctx["sin"], cfg.rope_interleave)[:, :, 0]
@@ -190,16 +189,15 @@ def mla(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, rules: ShardingRules
     else:
         out = _mla_core(q_nope, q_rope, latent, k_rope, p["kv_b"], _local_visibility(ctx), cfg)
     out = constrain(out, rules, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
-    return jnp.einsum("bqhd,hdm->bqm", out, p["o"].astype(dt))
+    return linear(out, p["o"], contract=2)
 
 
 def gqa(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, rules: ShardingRules | None = None,
         mesh=None) -> jax.Array:
     """Grouped-query attention with per-head q/k RMSNorm (Qwen3). x: [batch, seq, embed]."""
-    dt = x.dtype
-    q = jnp.einsum("bsd,dhk->bshk", x, p["q"].astype(dt))
-    k = jnp.einsum("bsd,dhk->bshk", x, p["k"].astype(dt))
-    v = jnp.einsum("bsd,dhk->bshk", x, p["v"].astype(dt))
+    q = linear(x, p["q"])
+    k = linear(x, p["k"])
+    v = linear(x, p["v"])
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
@@ -211,7 +209,7 @@ def gqa(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, rules: ShardingRules
     else:
         out = _gqa_core(q, k, v, _local_visibility(ctx), cfg)
     out = constrain(out, rules, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
-    return jnp.einsum("bqhd,hdm->bqm", out, p["o"].astype(dt))
+    return linear(out, p["o"], contract=2)
 
 
 def attention(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, rules: ShardingRules | None = None,

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from composer_jax.config import ModelConfig
 from composer_jax.model.attention import attention, segment_positions
-from composer_jax.model.layers import rms_norm, rope_cos_sin, swiglu
+from composer_jax.model.layers import linear, rms_norm, rope_cos_sin, swiglu
 from composer_jax.model.moe import moe_layer
 from composer_jax.sharding import ShardingRules, constrain, current_mesh
 
@@ -79,7 +79,7 @@ def output_head(params: dict, cfg: ModelConfig) -> jax.Array:
 
 def _logits(params: dict, h: jax.Array, cfg: ModelConfig) -> jax.Array:
     w = output_head(params, cfg)
-    return jnp.einsum("bsd,dv->bsv", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+    return linear(h, w, preferred_element_type=jnp.float32)
 
 
 def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, *, segment_ids: jax.Array | None = None,
@@ -161,7 +161,7 @@ def mtp_forward(params: dict, h_main: jax.Array, tokens: jax.Array, ctx: dict, c
         mp, rp, shifted = xs
         e = rms_norm(_embed(params, shifted, cfg), mp["enorm"], cfg.rms_norm_eps)
         hh = rms_norm(h_prev, mp["hnorm"], cfg.rms_norm_eps)
-        x = jnp.concatenate([e, hh], axis=-1) @ mp["eh_proj"].astype(e.dtype)
+        x = linear(jnp.concatenate([e, hh], axis=-1), mp["eh_proj"])
         x = constrain(x, rules, ("act_batch", "act_seq", "act_embed"))
         h, experts, counts = decoder_layer(mp["layer"], x, ctx, cfg, rules, mesh, rp)
         logits = _logits(params, rms_norm(h, mp["norm"], cfg.rms_norm_eps), cfg)
