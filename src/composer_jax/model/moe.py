@@ -119,6 +119,93 @@ def _grouped_tiled(x: jax.Array, sizes: jax.Array, ws: tuple[jax.Array, ...], ti
     return jnp.where(valid[:, None], y.at[dest].get(mode="fill", fill_value=0), 0).astype(x.dtype)
 
 
+# --------------------------------------------------------------------------------------------------
+# Tiled dispatch straight from the tokens, with gathers only (no scatters in either direction)
+# --------------------------------------------------------------------------------------------------
+
+
+@jax.custom_vjp
+def _copy_rows(x: jax.Array, idx: jax.Array, inv: jax.Array) -> jax.Array:
+    """y[r] = x[idx[r]] (0 where idx[r] is out of range). inv: int[x_rows, m] lists the rows of y
+    that copy each row of x (out of range = none), so the backward is a gather and a sum instead
+    of a scatter-add: d x[t] = sum_j d y[inv[t, j]]."""
+    return x.at[idx].get(mode="fill", fill_value=0)
+
+
+def _copy_rows_fwd(x, idx, inv):
+    return _copy_rows(x, idx, inv), (idx, inv)
+
+
+def _copy_rows_bwd(res, dy):
+    idx, inv = res
+    dx = dy.at[inv].get(mode="fill", fill_value=0).sum(axis=1)
+    f0 = lambda a: np.zeros(a.shape, jax.dtypes.float0)
+    return dx, f0(idx), f0(inv)
+
+
+_copy_rows.defvjp(_copy_rows_fwd, _copy_rows_bwd)
+
+
+@jax.custom_vjp
+def _expert_weights_per_tile(w: jax.Array, tile_group: jax.Array) -> jax.Array:
+    """w[tile_group]: [groups, ...] -> [tiles, ...]; the backward sums the tiles of each group as
+    a one-hot matmul (dense, fast on CPU) rather than a scatter-add."""
+    return w[tile_group]
+
+
+def _ewpt_fwd(w, tile_group):
+    return w[tile_group], (tile_group, w.shape[0])
+
+
+def _ewpt_bwd(res, dt):
+    tile_group, groups = res
+    onehot = jax.nn.one_hot(tile_group, groups, dtype=dt.dtype)  # [tiles, groups]
+    dw = (onehot.T @ dt.reshape(dt.shape[0], -1)).reshape((groups,) + dt.shape[1:])
+    return dw, np.zeros(tile_group.shape, jax.dtypes.float0)
+
+
+_expert_weights_per_tile.defvjp(_ewpt_fwd, _ewpt_bwd)
+
+
+def tiled_dispatch_swiglu(xt: jax.Array, experts: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
+                          tile: int) -> jax.Array:
+    """Routed SwiGLU of every (token, expert) assignment, straight from the tokens.
+
+    xt: [tokens, embed]; experts: int[tokens, k]; gate/up [E, embed, f]; down [E, f, embed] ->
+    [tokens, k, embed] (assignment j of token t in row [t, j]). The assignments are laid out in
+    expert order with every expert padded to a multiple of the tile (the "tiled" scheme), but the
+    rows move by gathers only: tokens -> padded tiles and tiles -> assignments, and their
+    backward passes are gathers too (`_copy_rows`). Equal to `grouped_swiglu(..., "tiled")` on the
+    sorted rows."""
+    n, d = xt.shape
+    k = experts.shape[1]
+    g = gate.shape[0]
+    a = n * k
+    m = _tile_size(a, g, tile)
+    num_tiles = -(-a // m) + g  # static bound: each expert wastes < one tile
+    rows = num_tiles * m
+    flat_e = experts.reshape(a).astype(jnp.int32)
+    sizes = jnp.zeros((g,), jnp.int32).at[flat_e].add(1)
+    padded = ((sizes + m - 1) // m) * m
+    padded_ends = jnp.cumsum(padded)
+    padded_starts = padded_ends - padded
+    starts = jnp.cumsum(sizes) - sizes
+    order = jnp.argsort(flat_e, stable=True)
+    sorted_e = flat_e[order]
+    rank = jnp.arange(a, dtype=jnp.int32) - starts[sorted_e]
+    dest = jnp.zeros((a,), jnp.int32).at[order].set(padded_starts[sorted_e] + rank)  # padded row of each assignment
+    row_assign = jnp.full((rows,), a, jnp.int32).at[dest].set(jnp.arange(a, dtype=jnp.int32))  # a = padding
+    xp = _copy_rows(xt, row_assign // k, dest.reshape(n, k))  # padding rows read token n: zeros
+    tile_group = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(num_tiles) * m, side="right"), g - 1)
+    f = gate.shape[-1]
+    gate_up = _expert_weights_per_tile(jnp.concatenate([gate, up], axis=-1), tile_group).astype(xt.dtype)
+    down_t = _expert_weights_per_tile(down, tile_group).astype(xt.dtype)
+    h = jnp.einsum("tmd,tdf->tmf", xp.reshape(num_tiles, m, d), gate_up)
+    h = jax.nn.silu(h[..., :f]) * h[..., f:]
+    y = jnp.einsum("tmf,tfd->tmd", h, down_t).reshape(rows, d)
+    return _copy_rows(y, dest, row_assign[:, None]).reshape(n, k, d)
+
+
 def _grouped_ragged(x: jax.Array, sizes: jax.Array, ws: tuple[jax.Array, ...]) -> jax.Array:
     gate, up, down = (w.astype(x.dtype) for w in ws)
     sizes = sizes.astype(jnp.int32)
@@ -177,22 +264,18 @@ def sequence_balance(scores: jax.Array, experts: jax.Array, num_experts: int, se
     return jnp.sum(f * p_sum / seq)
 
 
-def _local_moe(p: dict, x: jax.Array, replay: jax.Array | None, cfg: ModelConfig, ep_axis: str | None,
-               ep: int, reduce_axes: tuple[str, ...], batch_axes: tuple[str, ...] = (),
-               seq_axes: tuple[str, ...] = (), seq_shards: int = 1):
-    """x: [batch, seq, embed] local block -> (y [batch, seq, embed], experts int32[batch, seq, k],
-    counts float32[experts] and the sequence-balance sum over rows, both over the whole mesh)."""
-    b, s, d = x.shape
+def _sorted_dispatch(xt: jax.Array, experts: jax.Array, ws: tuple, cfg: ModelConfig, ep: int,
+                     ep_axis: str | None) -> jax.Array:
+    """Assignments sorted by expert, through `grouped_swiglu` (and all_to_all over the expert axis
+    when ep > 1) and back: -> [tokens, k, embed]."""
+    n, d = xt.shape
     k, e = cfg.num_experts_per_tok, cfg.num_experts
-    xt = x.reshape(b * s, d)
-    r = route(p["router"], p["router_bias"], xt, cfg, None if replay is None else replay.reshape(b * s, k))
-    a = b * s * k
-    flat_e = r.experts.reshape(a)
+    a = n * k
+    flat_e = experts.reshape(a)
     flat_tok = jnp.arange(a, dtype=jnp.int32) // k
     order = jnp.argsort(flat_e, stable=True)
     sorted_e = flat_e[order]
     xs = xt[flat_tok[order]]
-    ws = (p["gate"], p["up"], p["down"])
     if ep == 1:
         sizes = jnp.zeros((e,), jnp.int32).at[flat_e].add(1)
         ys = grouped_swiglu(xs, sizes, *ws, impl=cfg.moe_impl, tile=cfg.moe_tile_size)
@@ -201,7 +284,7 @@ def _local_moe(p: dict, x: jax.Array, replay: jax.Array | None, cfg: ModelConfig
         shard = sorted_e // e_local
         shard_counts = jnp.zeros((ep,), jnp.int32).at[shard].add(1)
         rank = jnp.arange(a, dtype=jnp.int32) - (jnp.cumsum(shard_counts) - shard_counts)[shard]
-        send_x = jnp.zeros((ep, a, d), x.dtype).at[shard, rank].set(xs)
+        send_x = jnp.zeros((ep, a, d), xt.dtype).at[shard, rank].set(xs)
         send_e = jnp.full((ep, a), e_local, jnp.int32).at[shard, rank].set(sorted_e % e_local)
         recv_x = jax.lax.all_to_all(send_x, ep_axis, 0, 0).reshape(ep * a, d)
         recv_e = jax.lax.all_to_all(send_e, ep_axis, 0, 0).reshape(ep * a)
@@ -211,8 +294,27 @@ def _local_moe(p: dict, x: jax.Array, replay: jax.Array | None, cfg: ModelConfig
         back = jnp.zeros_like(r_y).at[r_order].set(r_y).reshape(ep, a, d)
         ret = jax.lax.all_to_all(back, ep_axis, 0, 0)
         ys = ret[shard, rank]
-    y_assign = jnp.zeros((a, d), ys.dtype).at[order].set(ys).reshape(b * s, k, d)
-    y = jnp.einsum("tkd,tk->td", y_assign, r.weights.astype(ys.dtype))
+    return jnp.zeros((a, d), ys.dtype).at[order].set(ys).reshape(n, k, d)
+
+
+def _local_moe(p: dict, x: jax.Array, replay: jax.Array | None, cfg: ModelConfig, ep_axis: str | None,
+               ep: int, reduce_axes: tuple[str, ...], batch_axes: tuple[str, ...] = (),
+               seq_axes: tuple[str, ...] = (), seq_shards: int = 1):
+    """x: [batch, seq, embed] local block -> (y [batch, seq, embed], experts int32[batch, seq, k],
+    counts float32[experts] and the sequence-balance sum over rows, both over the whole mesh)."""
+    b, s, d = x.shape
+    k, e = cfg.num_experts_per_tok, cfg.num_experts
+    xt = x.reshape(b * s, d)
+    r = route(p["router"], p["router_bias"], xt, cfg, None if replay is None else replay.reshape(b * s, k))
+    ws = (p["gate"], p["up"], p["down"])
+    impl = cfg.moe_impl
+    if impl == "auto":
+        impl = "ragged" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "tiled"
+    if ep == 1 and impl == "tiled":
+        y_assign = tiled_dispatch_swiglu(xt, r.experts, *ws, tile=cfg.moe_tile_size)
+    else:
+        y_assign = _sorted_dispatch(xt, r.experts, ws, cfg, ep, ep_axis)
+    y = jnp.einsum("tkd,tk->td", y_assign, r.weights.astype(y_assign.dtype))
     if cfg.num_shared_experts:
         dt = x.dtype
         h = jax.nn.silu(xt @ p["shared_gate"].astype(dt)) * (xt @ p["shared_up"].astype(dt))
