@@ -124,6 +124,16 @@ def _grouped_tiled(x: jax.Array, sizes: jax.Array, ws: tuple[jax.Array, ...], ti
 # --------------------------------------------------------------------------------------------------
 
 
+def _varying(x: jax.Array, *like: jax.Array) -> jax.Array:
+    """Inside shard_map: mark x as varying over every manual axis that `like` varies over, so a
+    custom VJP sees operands of one type and autodiff itself transposes the cast (a psum)."""
+    want = set()
+    for y in like:
+        want |= set(jax.typeof(y).manual_axis_type.varying)
+    extra = tuple(sorted(want - set(jax.typeof(x).manual_axis_type.varying)))
+    return jax.lax.pcast(x, extra, to="varying") if extra else x
+
+
 @jax.custom_vjp
 def _copy_rows(x: jax.Array, idx: jax.Array, inv: jax.Array) -> jax.Array:
     """y[r] = x[idx[r]] (0 where idx[r] is out of range). inv: int[x_rows, m] lists the rows of y
@@ -195,15 +205,16 @@ def tiled_dispatch_swiglu(xt: jax.Array, experts: jax.Array, gate: jax.Array, up
     rank = jnp.arange(a, dtype=jnp.int32) - starts[sorted_e]
     dest = jnp.zeros((a,), jnp.int32).at[order].set(padded_starts[sorted_e] + rank)  # padded row of each assignment
     row_assign = jnp.full((rows,), a, jnp.int32).at[dest].set(jnp.arange(a, dtype=jnp.int32))  # a = padding
-    xp = _copy_rows(xt, row_assign // k, dest.reshape(n, k))  # padding rows read token n: zeros
+    xp = _copy_rows(_varying(xt, row_assign), row_assign // k, dest.reshape(n, k))  # padding rows read token n: zeros
     tile_group = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(num_tiles) * m, side="right"), g - 1)
     f = gate.shape[-1]
-    gate_up = _expert_weights_per_tile(jnp.concatenate([gate, up], axis=-1), tile_group).astype(xt.dtype)
-    down_t = _expert_weights_per_tile(down, tile_group).astype(xt.dtype)
+    gate_up = _expert_weights_per_tile(_varying(jnp.concatenate([gate, up], axis=-1), tile_group),
+                                       tile_group).astype(xt.dtype)
+    down_t = _expert_weights_per_tile(_varying(down, tile_group), tile_group).astype(xt.dtype)
     h = jnp.einsum("tmd,tdf->tmf", xp.reshape(num_tiles, m, d), gate_up)
     h = jax.nn.silu(h[..., :f]) * h[..., f:]
     y = jnp.einsum("tmf,tfd->tmd", h, down_t).reshape(rows, d)
-    return _copy_rows(y, dest, row_assign[:, None]).reshape(n, k, d)
+    return _copy_rows(_varying(y, dest), dest, row_assign[:, None]).reshape(n, k, d)
 
 
 def _grouped_ragged(x: jax.Array, sizes: jax.Array, ws: tuple[jax.Array, ...]) -> jax.Array:
