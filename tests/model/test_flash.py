@@ -150,3 +150,20 @@ def test_memory_is_linear_in_sequence():
         pytest.skip("this backend reports no memory analysis")
     scores = b * h * s * s * 4
     assert mem.temp_size_in_bytes < scores / 4, (mem.temp_size_in_bytes, scores)
+
+
+def test_plan_caps_unrolled_query_blocks():
+    """Long sequences get at most MAX_QUERY_BLOCKS unrolled query blocks (compile time), every block
+    the same size, spans causal, chunks dividing their span and at most block_k."""
+    from composer_jax.model.flash import MAX_QUERY_BLOCKS, _plan
+
+    plan = _plan(32768, 32768, 128, 1024, causal_skip=True)
+    assert len(plan) == MAX_QUERY_BLOCKS
+    assert {stop - start for start, stop, _, _ in plan} == {2048}
+    assert [span for _, _, span, _ in plan] == [2048 * (i + 1) for i in range(16)]
+    assert all(span % chunk == 0 and chunk <= 1024 for _, _, span, chunk in plan)
+    # a length with no convenient divisor still gets equal blocks that tile the sequence
+    plan = _plan(1000, 1000, 7, 64, causal_skip=False)
+    sizes = {stop - start for start, stop, _, _ in plan}
+    assert len(sizes) == 1 and 1000 % sizes.pop() == 0 and len(plan) <= MAX_QUERY_BLOCKS
+    assert plan[-1][1] == 1000

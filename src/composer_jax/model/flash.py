@@ -7,6 +7,10 @@ recurrences, Dao 2023), so activation memory is O(q x heads) instead of O(q x k 
 what makes the 256K stage's per-device attention fit, and on CPU it is also faster than the dense
 form: the chunks stay in cache and there are fewer float32 passes over scores.
 
+Query blocks are unrolled in the program (each has its own static key span), at most
+MAX_QUERY_BLOCKS of them: past that the blocks grow (32K tokens: 16 blocks of 2048) so compile
+time stays bounded; key chunks are a `lax.scan`, so their number is free.
+
 Causal block skipping: with `causal_skip=True` the caller promises that queries and keys are the
 same sequence in increasing token order (the contiguous layout), so query block i only visits keys
 [0, (i + 1) * block_q): about half the score work at long sequence lengths. The mask is still
@@ -30,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 NEG = -1e30  # finite "minus infinity": exp(NEG - m) underflows to 0 without NaNs
+MAX_QUERY_BLOCKS = 16  # unrolled query blocks per attention call (compile time); blocks grow past it
 
 
 def _visible(q_seg, q_ord, k_seg, k_ord):
@@ -42,22 +47,16 @@ def _plan(sq: int, sk: int, block_q: int, block_k: int, causal_skip: bool):
     """Static plan: [(q_start, q_stop, key_span, key_chunk)] per query block."""
     if causal_skip and sq != sk:
         raise ValueError(f"causal_skip needs queries and keys of one sequence; got {sq} queries, {sk} keys")
-    bq = min(block_q, sq)
-    if sq % bq:
-        bq = math.gcd(sq, bq)
+    # query blocks are unrolled (each has its own static key span), so their number is capped: at
+    # 32K tokens and block_q=128 there would be 256 per layer. Blocks grow instead; the smallest
+    # divisor of sq that is >= the wanted size keeps every block the same size.
+    want = max(min(block_q, sq), -(-sq // MAX_QUERY_BLOCKS))
+    bq = next(x for x in range(want, sq + 1) if sq % x == 0)
     plan = []
     for start in range(0, sq, bq):
         span = min(sk, start + bq) if causal_skip else sk
-        # the largest chunk <= block_k that divides the span (spans are multiples of bq when skipping)
-        chunk = span
-        if span > block_k:
-            unit = bq if causal_skip else 1
-            n_units = span // unit
-            best = 1
-            for g in range(1, n_units + 1):
-                if n_units % g == 0 and g * unit <= block_k:
-                    best = g
-            chunk = best * unit
+        # the largest chunk <= block_k that divides the span (powers of two in practice)
+        chunk = span if span <= block_k else next(c for c in range(block_k, 0, -1) if span % c == 0)
         plan.append((start, start + bq, span, chunk))
     return plan
 
