@@ -28,7 +28,6 @@ Shapes: q [b, h, sq, d], k [b, h, sk, d], v [b, h, sk, dv]; segment ids / orders
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
