@@ -139,7 +139,15 @@ def _copy_rows(x: jax.Array, idx: jax.Array, inv: jax.Array) -> jax.Array:
     """y[r] = x[idx[r]] (0 where idx[r] is out of range). inv: int[x_rows, m] lists the rows of y
     that copy each row of x (out of range = none), so the backward is a gather and a sum instead
     of a scatter-add: d x[t] = sum_j d y[inv[t, j]]."""
-    return x.at[idx].get(mode="fill", fill_value=0)
+    return _gather_or_zero(x, idx)
+
+
+def _gather_or_zero(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """x[idx] with out-of-range rows 0, as an in-bounds gather from x plus one zero row (a "fill"
+    gather adds a select over the whole output on XLA:CPU)."""
+    n = x.shape[0]
+    x = jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)])
+    return x.at[jnp.clip(idx, 0, n)].get(mode="promise_in_bounds")
 
 
 def _copy_rows_fwd(x, idx, inv):
@@ -148,7 +156,7 @@ def _copy_rows_fwd(x, idx, inv):
 
 def _copy_rows_bwd(res, dy):
     idx, inv = res
-    dx = dy.at[inv].get(mode="fill", fill_value=0).sum(axis=1)
+    dx = _gather_or_zero(dy, inv).sum(axis=1)
     f0 = lambda a: np.zeros(a.shape, jax.dtypes.float0)
     return dx, f0(idx), f0(inv)
 
@@ -207,13 +215,10 @@ def tiled_dispatch_swiglu(xt: jax.Array, experts: jax.Array, gate: jax.Array, up
     row_assign = jnp.full((rows,), a, jnp.int32).at[dest].set(jnp.arange(a, dtype=jnp.int32))  # a = padding
     xp = _copy_rows(_varying(xt, row_assign), row_assign // k, dest.reshape(n, k))  # padding rows read token n: zeros
     tile_group = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(num_tiles) * m, side="right"), g - 1)
-    f = gate.shape[-1]
-    gate_up = _expert_weights_per_tile(_varying(jnp.concatenate([gate, up], axis=-1), tile_group),
-                                       tile_group).astype(xt.dtype)
-    down_t = _expert_weights_per_tile(_varying(down, tile_group), tile_group).astype(xt.dtype)
-    h = jnp.einsum("tmd,tdf->tmf", xp.reshape(num_tiles, m, d), gate_up)
-    h = jax.nn.silu(h[..., :f]) * h[..., f:]
-    y = jnp.einsum("tmf,tfd->tmd", h, down_t).reshape(rows, d)
+    per_tile = lambda w: _expert_weights_per_tile(_varying(w, tile_group), tile_group).astype(xt.dtype)
+    xp = xp.reshape(num_tiles, m, d)
+    h = jax.nn.silu(jnp.einsum("tmd,tdf->tmf", xp, per_tile(gate))) * jnp.einsum("tmd,tdf->tmf", xp, per_tile(up))
+    y = jnp.einsum("tmf,tfd->tmd", h, per_tile(down)).reshape(rows, d)
     return _copy_rows(_varying(y, dest), dest, row_assign[:, None]).reshape(n, k, d)
 
 
