@@ -91,6 +91,22 @@ def _tile_size(rows: int, groups: int, max_tile: int) -> int:
     return int(max(8, min(max_tile, 1 << (avg - 1).bit_length())))
 
 
+def _tile_layout(sizes: jax.Array, m: int, num_tiles: int):
+    """Every group padded to a multiple of m rows, groups in order: -> (padded start row of each
+    group, group of each of the num_tiles tiles; trailing all-padding tiles get the last group)."""
+    padded = ((sizes + m - 1) // m) * m
+    padded_ends = jnp.cumsum(padded)
+    tile_group = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(num_tiles) * m, side="right"),
+                             sizes.shape[0] - 1)
+    return padded_ends - padded, tile_group
+
+
+def _tiles_swiglu(xp: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+    """xp: [tiles, m, embed]; per-tile weights [tiles, embed, f] / [tiles, f, embed] -> [tiles, m, embed]."""
+    h = jax.nn.silu(jnp.einsum("tmd,tdf->tmf", xp, gate)) * jnp.einsum("tmd,tdf->tmf", xp, up)
+    return jnp.einsum("tmf,tfd->tmd", h, down)
+
+
 def _grouped_tiled(x: jax.Array, sizes: jax.Array, ws: tuple[jax.Array, ...], tile: int) -> jax.Array:
     n, d = x.shape
     g = ws[0].shape[0]
@@ -98,24 +114,15 @@ def _grouped_tiled(x: jax.Array, sizes: jax.Array, ws: tuple[jax.Array, ...], ti
     num_tiles = -(-n // m) + g  # static bound: each group wastes < one tile
     ends = jnp.cumsum(sizes)
     starts = ends - sizes
-    padded = ((sizes + m - 1) // m) * m
-    padded_ends = jnp.cumsum(padded)
-    padded_starts = padded_ends - padded
+    padded_starts, tile_group = _tile_layout(sizes, m, num_tiles)
     row = jnp.arange(n, dtype=jnp.int32)
     row_group = jnp.searchsorted(ends, row, side="right")  # == g for rows past the valid ones
     valid = row_group < g
     rg = jnp.minimum(row_group, g - 1)
     dest = jnp.where(valid, padded_starts[rg] + row - starts[rg], num_tiles * m)
     xp = jnp.zeros((num_tiles * m, d), x.dtype).at[dest].set(x, mode="drop")
-    tile_group = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(num_tiles) * m, side="right"), g - 1)
-    xt = xp.reshape(num_tiles, m, d)
-    # gate and up as one [embed, 2f] weight per tile: one gather and one wider matmul instead of two
-    f = ws[0].shape[-1]
-    gate_up = jnp.concatenate([ws[0], ws[1]], axis=-1)[tile_group].astype(x.dtype)
-    down = ws[2][tile_group].astype(x.dtype)
-    a = jnp.einsum("tmd,tdf->tmf", xt, gate_up)
-    h = jax.nn.silu(a[..., :f]) * a[..., f:]
-    y = jnp.einsum("tmf,tfd->tmd", h, down).reshape(num_tiles * m, d)
+    gate, up, down = (w[tile_group].astype(x.dtype) for w in ws)
+    y = _tiles_swiglu(xp.reshape(num_tiles, m, d), gate, up, down).reshape(num_tiles * m, d)
     return jnp.where(valid[:, None], y.at[dest].get(mode="fill", fill_value=0), 0).astype(x.dtype)
 
 
@@ -204,9 +211,7 @@ def tiled_dispatch_swiglu(xt: jax.Array, experts: jax.Array, gate: jax.Array, up
     rows = num_tiles * m
     flat_e = experts.reshape(a).astype(jnp.int32)
     sizes = jnp.zeros((g,), jnp.int32).at[flat_e].add(1)
-    padded = ((sizes + m - 1) // m) * m
-    padded_ends = jnp.cumsum(padded)
-    padded_starts = padded_ends - padded
+    padded_starts, tile_group = _tile_layout(sizes, m, num_tiles)
     starts = jnp.cumsum(sizes) - sizes
     order = jnp.argsort(flat_e, stable=True)
     sorted_e = flat_e[order]
@@ -214,11 +219,8 @@ def tiled_dispatch_swiglu(xt: jax.Array, experts: jax.Array, gate: jax.Array, up
     dest = jnp.zeros((a,), jnp.int32).at[order].set(padded_starts[sorted_e] + rank)  # padded row of each assignment
     row_assign = jnp.full((rows,), a, jnp.int32).at[dest].set(jnp.arange(a, dtype=jnp.int32))  # a = padding
     xp = _copy_rows(_varying(xt, row_assign), row_assign // k, dest.reshape(n, k))  # padding rows read token n: zeros
-    tile_group = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(num_tiles) * m, side="right"), g - 1)
     per_tile = lambda w: _expert_weights_per_tile(_varying(w, tile_group), tile_group).astype(xt.dtype)
-    xp = xp.reshape(num_tiles, m, d)
-    h = jax.nn.silu(jnp.einsum("tmd,tdf->tmf", xp, per_tile(gate))) * jnp.einsum("tmd,tdf->tmf", xp, per_tile(up))
-    y = jnp.einsum("tmf,tfd->tmd", h, per_tile(down)).reshape(rows, d)
+    y = _tiles_swiglu(xp.reshape(num_tiles, m, d), per_tile(gate), per_tile(up), per_tile(down)).reshape(rows, d)
     return _copy_rows(_varying(y, dest), dest, row_assign[:, None]).reshape(n, k, d)
 
 
