@@ -166,3 +166,25 @@ def test_plan_caps_unrolled_query_blocks():
     sizes = {stop - start for start, stop, _, _ in plan}
     assert len(sizes) == 1 and 1000 % sizes.pop() == 0 and len(plan) <= MAX_QUERY_BLOCKS
     assert plan[-1][1] == 1000
+
+
+def test_span_without_divisor_pads_keys():
+    """97 keys (prime) with block_k=16: chunks of 16 over keys padded to 112 (not 97 chunks of 1);
+    values and gradients still equal the dense reference."""
+    from composer_jax.model.flash import _plan
+
+    assert _plan(40, 97, 8, 16, causal_skip=False)[0][3] == 16
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((1, 2, 40, 8)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 97, 8)).astype(np.float32)
+    v = rng.standard_normal((1, 2, 97, 4)).astype(np.float32)
+    qs, ks = np.ones((1, 40), np.int32), np.ones((1, 97), np.int32)
+    qo, ko = np.arange(57, 97, dtype=np.int32)[None], np.arange(97, dtype=np.int32)[None]
+    flash = lambda q, k, v: blockwise_attention(q, k, v, qs, qo, ks, ko, scale=0.4, block_q=8, block_k=16)
+    np.testing.assert_allclose(np.asarray(flash(*map(jnp.asarray, (q, k, v)))),
+                               dense_reference(q, k, v, qs, qo, ks, ko, 0.4), atol=2e-6, rtol=1e-5)
+    dense = lambda q, k, v: dense_jax(q, k, v, qs, qo, ks, ko, 0.4)
+    g_f = jax.grad(lambda *a: jnp.sum(jnp.sin(flash(*a))), argnums=(0, 1, 2))(*map(jnp.asarray, (q, k, v)))
+    g_d = jax.grad(lambda *a: jnp.sum(jnp.sin(dense(*a))), argnums=(0, 1, 2))(*map(jnp.asarray, (q, k, v)))
+    for a, b in zip(g_f, g_d):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)

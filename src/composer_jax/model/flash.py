@@ -55,17 +55,34 @@ def _plan(sq: int, sk: int, block_q: int, block_k: int, causal_skip: bool):
     for start in range(0, sq, bq):
         span = min(sk, start + bq) if causal_skip else sk
         # the largest chunk <= block_k that divides the span (powers of two in practice)
+        # the largest chunk <= block_k that divides the span; when that is under half of block_k (a
+        # span with no convenient divisor), chunks of block_k over keys padded past the span
         chunk = span if span <= block_k else next(c for c in range(block_k, 0, -1) if span % c == 0)
+        if chunk < block_k // 2:
+            chunk = block_k
         plan.append((start, start + bq, span, chunk))
     return plan
 
 
-def _chunks(x, span: int, chunk: int, axis: int):
-    """x[..., :span, ...] along `axis` -> [n, ...chunk...] with the chunk index leading."""
+def _chunks(x, span: int, chunk: int, axis: int, fill=0):
+    """x[..., :span, ...] along `axis`, padded with `fill` to a multiple of `chunk` -> [n, ...chunk...]
+    with the chunk index leading."""
     x = jax.lax.slice_in_dim(x, 0, span, axis=axis)
+    if span % chunk:
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, chunk - span % chunk)
+        x = jnp.pad(x, pad, constant_values=fill)
+        span = x.shape[axis]
     shape = x.shape
     x = x.reshape(shape[:axis] + (span // chunk, chunk) + shape[axis + 1:])
     return jnp.moveaxis(x, axis, 0)
+
+
+def _key_chunks(k, v, k_seg, k_ord, span: int, chunk: int):
+    """Keys [0, span) in chunks; padding keys (past the span) carry an order no query reaches."""
+    big = jnp.iinfo(jnp.int32).max
+    return (_chunks(k, span, chunk, 2), _chunks(v, span, chunk, 2), _chunks(k_seg, span, chunk, 1),
+            _chunks(k_ord, span, chunk, 1, fill=big))
 
 
 def _block_forward(qi, qs, qo, k, v, ks, ko, span, chunk, scale):
@@ -89,8 +106,7 @@ def _block_forward(qi, qs, qo, k, v, ks, ko, span, chunk, scale):
 
     init = (jnp.full((b, h, bq), NEG, jnp.float32), jnp.zeros((b, h, bq), jnp.float32),
             jnp.zeros((b, h, bq, dv), jnp.float32))
-    xs = (_chunks(k, span, chunk, 2), _chunks(v, span, chunk, 2), _chunks(ks, span, chunk, 1),
-          _chunks(ko, span, chunk, 1))
+    xs = _key_chunks(k, v, ks, ko, span, chunk)
     if span == chunk:  # one chunk: no loop
         (m, l, acc), _ = step(init, jax.tree.map(lambda x: x[0], xs))
     else:
@@ -146,15 +162,14 @@ def _attention_bwd(scale, plan, res, d_out):
             dkc = jnp.einsum("bhqk,bhqd->bhkd", ds, qi, preferred_element_type=jnp.float32)
             return dq, (dkc, dvc)
 
-        xs = (_chunks(k, span, chunk, 2), _chunks(v, span, chunk, 2), _chunks(k_seg, span, chunk, 1),
-              _chunks(k_ord, span, chunk, 1))
+        xs = _key_chunks(k, v, k_seg, k_ord, span, chunk)
         dq0 = jnp.zeros(qi.shape, jnp.float32)
         if span == chunk:
             dq_i, (dk_c, dv_c) = step(dq0, jax.tree.map(lambda x: x[0], xs))
             dk_span, dv_span = dk_c, dv_c
         else:
             dq_i, (dk_c, dv_c) = jax.lax.scan(step, dq0, xs)
-            merge = lambda x: jnp.moveaxis(x, 0, 2).reshape(x.shape[1], x.shape[2], span, x.shape[-1])
+            merge = lambda x: jnp.moveaxis(x, 0, 2).reshape(x.shape[1], x.shape[2], -1, x.shape[-1])[:, :, :span]
             dk_span, dv_span = merge(dk_c), merge(dv_c)
         dq_blocks.append(dq_i)
         if span == k.shape[2]:
