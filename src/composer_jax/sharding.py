@@ -168,3 +168,15 @@ def batch_axes(rules: ShardingRules, mesh: Mesh | AbstractMesh) -> MeshAxes:
 
 def axis_size(mesh: Mesh | AbstractMesh, axes: Sequence[str]) -> int:
     return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+
+
+def vary_like(x: jax.Array, *like: jax.Array) -> jax.Array:
+    """Inside shard_map: mark x as varying over every manual mesh axis that any of `like` varies
+    over (`jax.lax.pcast`), e.g. so a scan's initial carry has the type of its per-step output, or
+    a custom VJP sees operands of one type (autodiff transposes the cast, a psum). Outside
+    shard_map nothing varies and x is returned as is."""
+    want = set()
+    for y in like:
+        want |= set(jax.typeof(y).manual_axis_type.varying)
+    extra = tuple(sorted(want - set(jax.typeof(x).manual_axis_type.varying)))
+    return jax.lax.pcast(x, extra, to="varying") if extra else x

@@ -32,6 +32,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from composer_jax.sharding import vary_like
+
 NEG = -1e30  # finite "minus infinity": exp(NEG - m) underflows to 0 without NaNs
 MAX_QUERY_BLOCKS = 16  # unrolled query blocks per attention call (compile time); blocks grow past it
 
@@ -58,7 +60,7 @@ def _plan(sq: int, sk: int, block_q: int, block_k: int, causal_skip: bool):
         # the largest chunk <= block_k that divides the span; when that is under half of block_k (a
         # span with no convenient divisor), chunks of block_k over keys padded past the span
         chunk = span if span <= block_k else next(c for c in range(block_k, 0, -1) if span % c == 0)
-        if chunk < block_k // 2:
+        if span > block_k and chunk < block_k // 2:
             chunk = block_k
         plan.append((start, start + bq, span, chunk))
     return plan
@@ -104,8 +106,10 @@ def _block_forward(qi, qs, qo, k, v, ks, ko, span, chunk, scale):
                                                  preferred_element_type=jnp.float32)
         return (m_new, l, acc), None
 
-    init = (jnp.full((b, h, bq), NEG, jnp.float32), jnp.zeros((b, h, bq), jnp.float32),
-            jnp.zeros((b, h, bq, dv), jnp.float32))
+    # inside shard_map the carry must vary over the same mesh axes as the per-step result
+    init = tuple(vary_like(x, qi, qs, qo, k, v, ks, ko) for x in (jnp.full((b, h, bq), NEG, jnp.float32),
+                                               jnp.zeros((b, h, bq), jnp.float32),
+                                               jnp.zeros((b, h, bq, dv), jnp.float32)))
     xs = _key_chunks(k, v, ks, ko, span, chunk)
     if span == chunk:  # one chunk: no loop
         (m, l, acc), _ = step(init, jax.tree.map(lambda x: x[0], xs))
@@ -163,7 +167,7 @@ def _attention_bwd(scale, plan, res, d_out):
             return dq, (dkc, dvc)
 
         xs = _key_chunks(k, v, k_seg, k_ord, span, chunk)
-        dq0 = jnp.zeros(qi.shape, jnp.float32)
+        dq0 = vary_like(jnp.zeros(qi.shape, jnp.float32), qi, doi, qs, qo, lse_i, delta_i, k, v, k_seg, k_ord)
         if span == chunk:
             dq_i, (dk_c, dv_c) = step(dq0, jax.tree.map(lambda x: x[0], xs))
             dk_span, dv_span = dk_c, dv_c

@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from composer_jax.config import ModelConfig
-from composer_jax.sharding import ShardingRules
+from composer_jax.sharding import ShardingRules, vary_like
 
 
 class Routing(NamedTuple):
@@ -131,16 +131,6 @@ def _grouped_tiled(x: jax.Array, sizes: jax.Array, ws: tuple[jax.Array, ...], ti
 # --------------------------------------------------------------------------------------------------
 
 
-def _varying(x: jax.Array, *like: jax.Array) -> jax.Array:
-    """Inside shard_map: mark x as varying over every manual axis that `like` varies over, so a
-    custom VJP sees operands of one type and autodiff itself transposes the cast (a psum)."""
-    want = set()
-    for y in like:
-        want |= set(jax.typeof(y).manual_axis_type.varying)
-    extra = tuple(sorted(want - set(jax.typeof(x).manual_axis_type.varying)))
-    return jax.lax.pcast(x, extra, to="varying") if extra else x
-
-
 @jax.custom_vjp
 def _copy_rows(x: jax.Array, idx: jax.Array, inv: jax.Array) -> jax.Array:
     """y[r] = x[idx[r]] (0 where idx[r] is out of range). inv: int[x_rows, m] lists the rows of y
@@ -218,10 +208,10 @@ def tiled_dispatch_swiglu(xt: jax.Array, experts: jax.Array, gate: jax.Array, up
     rank = jnp.arange(a, dtype=jnp.int32) - starts[sorted_e]
     dest = jnp.zeros((a,), jnp.int32).at[order].set(padded_starts[sorted_e] + rank)  # padded row of each assignment
     row_assign = jnp.full((rows,), a, jnp.int32).at[dest].set(jnp.arange(a, dtype=jnp.int32))  # a = padding
-    xp = _copy_rows(_varying(xt, row_assign), row_assign // k, dest.reshape(n, k))  # padding rows read token n: zeros
-    per_tile = lambda w: _expert_weights_per_tile(_varying(w, tile_group), tile_group).astype(xt.dtype)
+    xp = _copy_rows(vary_like(xt, row_assign), row_assign // k, dest.reshape(n, k))  # padding rows read token n: zeros
+    per_tile = lambda w: _expert_weights_per_tile(vary_like(w, tile_group), tile_group).astype(xt.dtype)
     y = _tiles_swiglu(xp.reshape(num_tiles, m, d), per_tile(gate), per_tile(up), per_tile(down)).reshape(rows, d)
-    return _copy_rows(_varying(y, dest), dest, row_assign[:, None]).reshape(n, k, d)
+    return _copy_rows(vary_like(y, dest), dest, row_assign[:, None]).reshape(n, k, d)
 
 
 def _grouped_ragged(x: jax.Array, sizes: jax.Array, ws: tuple[jax.Array, ...]) -> jax.Array:
