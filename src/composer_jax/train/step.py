@@ -73,8 +73,9 @@ def _micro_split(x: jax.Array, micro: int, axis: int) -> jax.Array:
 
 def ce_chunks(shape: tuple[int, int], mesh: Mesh | None, tokens_per_chunk: int = 512) -> int:
     """Sequence chunks for the fused cross-entropy: about `tokens_per_chunk` tokens of
-    [tokens, vocab] logits live at a time (512 was fastest on a 2-core CPU at vocab 32000: 8 chunks
-    took 1.2 s for head + loss + backward of 4096 tokens, one chunk 2.6-3.7 s). With the sequence
+    [tokens, vocab] logits live at a time (512 was fastest on a 2-core CPU at vocab 32000: one chunk
+    of 4096 tokens took 2.6-3.7 s for head + loss + backward, 8 chunks about 1 s, and 256 or 1024
+    tokens per chunk made the whole bench step 3-6% slower). With the sequence
     split over a context axis, one chunk (chunking would cut across the sharded axis)."""
     b, s = shape
     if mesh is not None and mesh.shape.get("context", 1) > 1:
