@@ -21,6 +21,13 @@ XLA (jax.jit of a 2048^3 matmul) in the same run. The step's own matmul shapes a
 alone, to show what fraction of that peak XLA:CPU reaches on them.
 
     PYTHONPATH=src .venv/bin/python bench/train_step.py [--repeats 5] [--hf-attn sdpa] [--hf-experts auto]
+
+GPU (`--device gpu`, on a machine with one CUDA GPU and torch built for CUDA): the same model, batch
+and optimiser, torch on "cuda" and JAX on its default GPU backend. Both sides multiply float32 in
+full float32 by default (`--gpu-precision highest`: jax_default_matmul_precision="highest",
+torch.backends.cuda.matmul.allow_tf32=False); `--gpu-precision tf32` lets both use TF32 tensor
+cores. The peak is then a float32 8192^3 matmul through jax.jit at that precision, and our MoE uses
+`moe_impl=auto` (ragged_dot on GPU) instead of the CPU's tiled dispatch.
 """
 from __future__ import annotations
 
@@ -73,7 +80,7 @@ def load_reference() -> tuple[dict, str]:
 # --------------------------------------------------------------------------------------------------
 
 
-def build_torch(fields: dict, attn: str, experts: str, seed: int):
+def build_torch(fields: dict, attn: str, experts: str, seed: int, device: str = "cpu"):
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -82,6 +89,7 @@ def build_torch(fields: dict, attn: str, experts: str, seed: int):
     if experts != "auto":
         kwargs["experts_implementation"] = experts
     model = DeepseekV3ForCausalLM._from_config(DeepseekV3Config(**fields), dtype=torch.float32, **kwargs)
+    model.to(device)
     model.train()
     # the same decay mask as ours (train/optimizer.py): matrices except the embedding; no norms/biases
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed_tokens" not in n]
@@ -91,10 +99,10 @@ def build_torch(fields: dict, attn: str, experts: str, seed: int):
     return model, opt
 
 
-def torch_step_fn(model, opt, tokens_np: np.ndarray):
+def torch_step_fn(model, opt, tokens_np: np.ndarray, device: str = "cpu"):
     import torch
 
-    tokens = torch.from_numpy(tokens_np.astype(np.int64))
+    tokens = torch.from_numpy(tokens_np.astype(np.int64)).to(device)
 
     def step() -> float:
         # labels=input_ids: transformers shifts internally (position i predicts token i+1), as ours
@@ -103,12 +111,12 @@ def torch_step_fn(model, opt, tokens_np: np.ndarray):
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
+        return float(loss.detach())  # a device-to-host copy: waits for the optimiser step too
 
     return step
 
 
-def build_ours(hf_dir: str, overrides: list[str]):
+def build_ours(hf_dir: str, overrides: list[str], moe_impl: str = "tiled"):
     from composer_jax.checkpoint.hf import from_pretrained
     from composer_jax.config import MeshConfig, config_from_dict, to_dict
     from composer_jax.sharding import ShardingRules, make_mesh
@@ -121,7 +129,7 @@ def build_ours(hf_dir: str, overrides: list[str]):
     base = {"model": to_dict(mcfg), "mesh": {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}}
     cfg = config_from_dict(base, [
         f"train.batch_size={BATCH}", f"train.seq_len={SEQ}", "train.mtp_weight=0", "train.z_loss=0",
-        "model.moe_impl=tiled", "model.scan_layers=false", f"train.optimizer.lr={LR}", "train.optimizer.schedule=constant",
+        f"model.moe_impl={moe_impl}", "model.scan_layers=false", f"train.optimizer.lr={LR}", "train.optimizer.schedule=constant",
         "train.optimizer.warmup_steps=0", f"train.optimizer.b1={BETAS[0]}", f"train.optimizer.b2={BETAS[1]}",
         f"train.optimizer.weight_decay={WD}", f"train.optimizer.clip_norm={CLIP}", "train.steps=1000",
         *overrides], num_devices=1)
@@ -152,7 +160,8 @@ def _time_jit(fn, *args, repeats: int) -> float:
 
 
 def peak_sampler(n: int = 2048):
-    """-> sample(): FLOP/s of one float32 n^3 matmul through XLA (jax.jit). Sampled between the
+    """-> sample(): FLOP/s of one float32 n^3 matmul through XLA (jax.jit; at jax's default matmul
+    precision, which `--gpu-precision` sets on GPU). Sampled between the
     timed steps so that the peak sees the same machine load as the steps; the best sample is the
     peak (the most this machine delivered during the run)."""
     a = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
@@ -206,22 +215,38 @@ def main() -> None:
     ap.add_argument("--xla-flags", default="", help="XLA_FLAGS for this process only (set before jax starts)")
     ap.add_argument("--skip-hf", action="store_true", help="time our step only")
     ap.add_argument("--no-shapes", action="store_true", help="skip the per-shape matmul efficiency table")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "gpu"], help="where both sides run (see the docstring)")
+    ap.add_argument("--gpu-precision", default="highest", choices=["highest", "tf32"],
+                    help="float32 matmul precision of both sides on GPU")
     args = ap.parse_args()
     import torch
 
+    gpu = args.device == "gpu"
+    if gpu:
+        if jax.default_backend() != "gpu" or not torch.cuda.is_available():
+            raise SystemExit(f"--device gpu needs a CUDA GPU for both JAX (backend: {jax.default_backend()!r}) "
+                             f"and torch (cuda available: {torch.cuda.is_available()})")
+        jax.config.update("jax_default_matmul_precision", "highest" if args.gpu_precision == "highest" else "tensorfloat32")
+        torch.backends.cuda.matmul.allow_tf32 = args.gpu_precision == "tf32"
+    elif jax.default_backend() != "cpu":
+        jax.config.update("jax_platforms", "cpu")  # a GPU machine asked for the CPU bench
     torch.set_num_threads(args.threads)
     fields, source = load_reference()
     print(f"config: {source}")
-    print(f"machine: {os.cpu_count()} cores; jax {jax.__version__} ({jax.default_backend()}); torch {torch.__version__} "
-          f"with set_num_threads({args.threads}); XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+    where = (f"GPU {torch.cuda.get_device_name()} / {jax.devices()[0].device_kind}, float32 matmuls at "
+             f"'{args.gpu_precision}' precision on both sides" if gpu else
+             f"torch with set_num_threads({args.threads})")
+    print(f"machine: {os.cpu_count()} cores; jax {jax.__version__} ({jax.default_backend()}); torch {torch.__version__}; "
+          f"{where}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
 
     rng = np.random.default_rng(0)
     tokens_np = rng.integers(0, fields["vocab_size"], (BATCH, SEQ), dtype=np.int64)
 
-    model, opt = build_torch(fields, args.hf_attn, args.hf_experts, seed=0)
+    tdev = "cuda" if gpu else "cpu"
+    model, opt = build_torch(fields, args.hf_attn, args.hf_experts, seed=0, device=tdev)
     with tempfile.TemporaryDirectory() as d:
         model.save_pretrained(d)
-        cfg, mesh, rules, state, step = build_ours(d, args.override)
+        cfg, mesh, rules, state, step = build_ours(d, args.override, moe_impl="auto" if gpu else "tiled")
     hf_impl = f"attn={model.config._attn_implementation}, experts={model.config._experts_implementation}"
 
     from composer_jax.model.accounting import flops_per_token, param_rows
@@ -246,7 +271,7 @@ def main() -> None:
 
     sides = {"composer_jax": ours}
     if not args.skip_hf:
-        sides["transformers"] = torch_step_fn(model, opt, tokens_np)
+        sides["transformers"] = torch_step_fn(model, opt, tokens_np, device=tdev)
     first_loss = {}
     for name, fn in sides.items():
         t0 = time.perf_counter()
@@ -254,7 +279,7 @@ def main() -> None:
         print(f"{name}: first step {time.perf_counter() - t0:.1f} s (incl. compile), loss {first_loss[name]:.4f}")
         for _ in range(args.warmup - 1):
             fn()
-    sample_peak = peak_sampler()
+    sample_peak = peak_sampler(8192 if gpu else 2048)
     peaks = [sample_peak() for _ in range(3)]
     times: dict[str, list[float]] = {k: [] for k in sides}
     for _ in range(args.repeats):
@@ -264,7 +289,8 @@ def main() -> None:
             times[name].append(time.perf_counter() - t0)
             peaks += [sample_peak() for _ in range(2)]
     peak = max(peaks)
-    print(f"\nmeasured peak: {peak / 1e9:.0f} GFLOP/s (float32 2048^3 matmul via jax.jit: best of {len(peaks)} samples "
+    n_peak = 8192 if gpu else 2048
+    print(f"\nmeasured peak: {peak / 1e9:.0f} GFLOP/s (float32 {n_peak}^3 matmul via jax.jit: best of {len(peaks)} samples "
           f"taken between the steps; median sample {statistics.median(peaks) / 1e9:.0f} GFLOP/s)")
     print(f"load average during the run: {os.getloadavg()[0]:.1f} (1 min) on {os.cpu_count()} cores")
     print(f"timed: {args.repeats} alternating steps per side after {args.warmup} warm-up steps\n")
@@ -281,7 +307,7 @@ def main() -> None:
           "fastest step: " + ", ".join(f"{k} {step_flops / min(v) / peak:.1%}" for k, v in times.items()) + ")")
     print(f"\nall step times (s): " + "; ".join(f"{k}: {', '.join(f'{t:.3f}' for t in v)}" for k, v in times.items()))
     if not args.no_shapes:
-        print("\nXLA:CPU on the step's own matmul shapes (forward, alone; best of 3):")
+        print(f"\nXLA:{jax.default_backend().upper()} on the step's own matmul shapes (forward, alone; best of 3):")
         for name, gf, frac in step_shape_efficiency(cfg, peak):
             print(f"  {name:<55} {gf:7.0f} GFLOP/s  {frac:6.1%} of peak")
 
