@@ -17,8 +17,12 @@ torch runs with torch.set_num_threads(<cores>); XLA:CPU uses its own thread pool
 
 FLOPs: composer_jax.model.accounting.flops_per_token (6 x active matmul params + causal attention),
 the same count for both sides. MFU is against this machine's float32 matmul peak measured through
-XLA (jax.jit of a 2048^3 matmul) in the same run. The step's own matmul shapes are also timed
-alone, to show what fraction of that peak XLA:CPU reaches on them.
+XLA (jax.jit of a 2048^3 matmul) in the same run.
+
+Floor: the step's matrix products are read from its compiled HLO (bench/hlo_dots.py) and each is
+timed alone, through XLA and through torch.einsum. Their XLA sum is the time our step would take if
+nothing but its matmuls cost anything, so "transformers median / that floor" is the largest ratio
+this side can reach without faster matrix products or fewer FLOPs.
 
     PYTHONPATH=src .venv/bin/python bench/train_step.py [--repeats 5] [--hf-attn sdpa] [--hf-experts auto]
 
@@ -127,12 +131,13 @@ def build_ours(hf_dir: str, overrides: list[str], moe_impl: str = "tiled"):
     rules = ShardingRules.create()
     mcfg, params = from_pretrained(hf_dir, mesh, rules=rules)
     base = {"model": to_dict(mcfg), "mesh": {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}}
-    cfg = config_from_dict(base, [
+    fixed = [
         f"train.batch_size={BATCH}", f"train.seq_len={SEQ}", "train.mtp_weight=0", "train.z_loss=0",
         f"model.moe_impl={moe_impl}", "model.scan_layers=false", f"train.optimizer.lr={LR}", "train.optimizer.schedule=constant",
         "train.optimizer.warmup_steps=0", f"train.optimizer.b1={BETAS[0]}", f"train.optimizer.b2={BETAS[1]}",
-        f"train.optimizer.weight_decay={WD}", f"train.optimizer.clip_norm={CLIP}", "train.steps=1000",
-        *overrides], num_devices=1)
+        f"train.optimizer.weight_decay={WD}", f"train.optimizer.clip_norm={CLIP}", "train.steps=1000"]
+    given = {o.split("=", 1)[0].strip() for o in overrides}  # --override replaces the bench's own value
+    cfg = config_from_dict(base, [o for o in fixed if o.split("=", 1)[0] not in given] + list(overrides), num_devices=1)
     state = init_train_state(cfg, mesh, rules, params=params)
     return cfg, mesh, rules, state, make_train_step(cfg, mesh, rules)
 
@@ -177,28 +182,31 @@ def peak_sampler(n: int = 2048):
     return sample
 
 
-def step_shape_efficiency(cfg, peak: float, repeats: int = 3) -> list[tuple[str, float, float]]:
-    """The step's main matmuls alone (forward shape, through jax.jit): (name, GFLOP/s, fraction of peak)."""
-    m = cfg.model
-    t = BATCH * SEQ
-    f = m.moe_intermediate_size
-    tile = 128
-    shapes = {
-        f"lm head {t}x{m.hidden_size} @ {m.hidden_size}x{m.vocab_size}": ((t, m.hidden_size), (m.hidden_size, m.vocab_size)),
-        f"dense MLP up {t}x{m.hidden_size} @ {m.hidden_size}x{m.intermediate_size}": ((t, m.hidden_size), (m.hidden_size, m.intermediate_size)),
-        f"expert tile batch {t * m.num_experts_per_tok // tile}x[{tile}x{m.hidden_size} @ {m.hidden_size}x{f}]":
-            ((t * m.num_experts_per_tok // tile, tile, m.hidden_size), (t * m.num_experts_per_tok // tile, m.hidden_size, f)),
-        f"attention scores {BATCH * m.num_heads}x[{SEQ}x{m.qk_head_dim} @ {m.qk_head_dim}x{SEQ}]":
-            ((BATCH * m.num_heads, SEQ, m.qk_head_dim), (BATCH * m.num_heads, m.qk_head_dim, SEQ)),
-    }
-    out = []
-    for name, (sa, sb) in shapes.items():
-        a = jax.random.normal(jax.random.key(3), sa, jnp.float32)
-        b = jax.random.normal(jax.random.key(4), sb, jnp.float32)
-        flops = 2 * np.prod(sa) * sb[-1]
-        s = _time_jit(jax.jit(jnp.matmul), a, b, repeats=repeats)
-        out.append((name, flops / s / 1e9, flops / s / peak))
-    return out
+def dot_floor(step, state, batch, peak: float, torch_device: str | None, top: int = 8) -> float:
+    """Print the step's matrix products, read from its compiled HLO and each timed alone (bench/hlo_dots.py):
+    their sum is the step's time if everything else were free and every product ran at the speed
+    this backend gives it alone, a floor for our step; the same products through torch's matmul
+    library show how much of the gap to transformers is the matmul library rather than the model."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from hlo_dots import dot_inventory, time_dots, time_dots_torch
+
+    dots, notes = dot_inventory(step.lower(state, batch).compile().as_text())
+    rows = time_dots(dots)
+    ours = sum(c * t for _, c, t in rows)
+    flops = sum(d.flops * c for d, c, _ in rows)
+    theirs = time_dots_torch(dots, device=torch_device) if torch_device else None
+    print(f"\nthe step's matrix products (from its compiled HLO: {len(rows)} distinct, {sum(dots.values())} executed, "
+          f"{flops / 1e9:.0f} GFLOP incl. tile padding), each timed alone, best of 3:")
+    for note in notes:
+        print(f"  note: {note}")
+    print(f"  XLA:{jax.default_backend().upper()}: {ours:.3f} s ({flops / ours / 1e9:.0f} GFLOP/s, "
+          f"{flops / ours / peak:.0%} of peak) <- floor for our step" +
+          (f"; the same products in torch.einsum: {sum(c * theirs[d] for d, c, _ in rows):.3f} s" if theirs else ""))
+    print(f"  the {top} costliest (count x time alone):")
+    for d, c, t in rows[:top]:
+        other = f"  torch {theirs[d] * 1e3:7.2f} ms" if theirs else ""
+        print(f"  {c:3d} x {t * 1e3:7.2f} ms {d.flops / t / 1e9:6.0f} GFLOP/s{other}  {d}")
+    return ours
 
 
 # --------------------------------------------------------------------------------------------------
@@ -214,7 +222,7 @@ def main() -> None:
     ap.add_argument("--override", action="append", default=[], help="extra composer_jax key=value (ours only)")
     ap.add_argument("--xla-flags", default="", help="XLA_FLAGS for this process only (set before jax starts)")
     ap.add_argument("--skip-hf", action="store_true", help="time our step only")
-    ap.add_argument("--no-shapes", action="store_true", help="skip the per-shape matmul efficiency table")
+    ap.add_argument("--no-shapes", action="store_true", help="skip the matmul floor (the step's products timed alone)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "gpu"], help="where both sides run (see the docstring)")
     ap.add_argument("--gpu-precision", default="highest", choices=["highest", "tf32"],
                     help="float32 matmul precision of both sides on GPU")
@@ -307,9 +315,10 @@ def main() -> None:
           "fastest step: " + ", ".join(f"{k} {step_flops / min(v) / peak:.1%}" for k, v in times.items()) + ")")
     print(f"\nall step times (s): " + "; ".join(f"{k}: {', '.join(f'{t:.3f}' for t in v)}" for k, v in times.items()))
     if not args.no_shapes:
-        print(f"\nXLA:{jax.default_backend().upper()} on the step's own matmul shapes (forward, alone; best of 3):")
-        for name, gf, frac in step_shape_efficiency(cfg, peak):
-            print(f"  {name:<55} {gf:7.0f} GFLOP/s  {frac:6.1%} of peak")
+        floor = dot_floor(step, holder["state"], batch, peak, None if args.skip_hf else tdev)
+        if "transformers" in med:
+            print(f"  transformers median step / our floor = {med['transformers'] / floor:.2f}x: the most this "
+                  f"side can be ahead without faster matrix products or fewer FLOPs")
 
 
 if __name__ == "__main__":
