@@ -182,7 +182,7 @@ def peak_sampler(n: int = 2048):
     return sample
 
 
-def dot_floor(step, state, batch, peak: float, torch_device: str | None, top: int = 8) -> float:
+def dot_floor(step, state, batch, peak: float, torch_device: str | None, top: int = 8) -> float | None:
     """Print the step's matrix products, read from its compiled HLO and each timed alone (bench/hlo_dots.py):
     their sum is the step's time if everything else were free and every product ran at the speed
     this backend gives it alone, a floor for our step; the same products through torch's matmul
@@ -191,6 +191,10 @@ def dot_floor(step, state, batch, peak: float, torch_device: str | None, top: in
     from hlo_dots import dot_inventory, time_dots, time_dots_torch
 
     dots, notes = dot_inventory(step.lower(state, batch).compile().as_text())
+    if not dots:
+        print(f"\nno dot instructions in the compiled step on {jax.default_backend()} (XLA:GPU emits its matrix "
+              "products as library custom calls, which bench/hlo_dots.py does not read): no floor")
+        return None
     rows = time_dots(dots)
     ours = sum(c * t for _, c, t in rows)
     flops = sum(d.flops * c for d, c, _ in rows)
@@ -316,7 +320,7 @@ def main() -> None:
     print(f"\nall step times (s): " + "; ".join(f"{k}: {', '.join(f'{t:.3f}' for t in v)}" for k, v in times.items()))
     if not args.no_shapes:
         floor = dot_floor(step, holder["state"], batch, peak, None if args.skip_hf else tdev)
-        if "transformers" in med:
+        if floor and "transformers" in med:
             print(f"  transformers median step / our floor = {med['transformers'] / floor:.2f}x: the most this "
                   f"side can be ahead without faster matrix products or fewer FLOPs")
 
