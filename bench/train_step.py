@@ -47,7 +47,6 @@ if _DEFAULT_XLA_FLAGS:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEFAULT_XLA_FLAGS).strip()
 
 import argparse  # noqa: E402
-import dataclasses  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
@@ -150,18 +149,8 @@ def jax_batch(tokens_np: np.ndarray) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------
-# Peak and shape-level matmul efficiency
+# Peak and the matmul floor
 # --------------------------------------------------------------------------------------------------
-
-
-def _time_jit(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return min(ts)
 
 
 def peak_sampler(n: int = 2048):
