@@ -20,7 +20,7 @@ the same count for both sides. MFU is against this machine's float32 matmul peak
 XLA (jax.jit of a 2048^3 matmul) in the same run.
 
 Floor: the step's matrix products are read from its compiled HLO (bench/hlo_dots.py) and each is
-timed alone, through XLA and through torch.einsum. Their XLA sum is the time our step would take if
+timed alone, through XLA and as a torch.bmm. Their XLA sum is the time our step would take if
 nothing but its matmuls cost anything, so "transformers median / that floor" is the largest ratio
 this side can reach without faster matrix products or fewer FLOPs.
 
@@ -194,7 +194,7 @@ def dot_floor(step, state, batch, peak: float, torch_device: str | None, top: in
         print(f"  note: {note}")
     print(f"  XLA:{jax.default_backend().upper()}: {ours:.3f} s ({flops / ours / 1e9:.0f} GFLOP/s, "
           f"{flops / ours / peak:.0%} of peak) <- floor for our step" +
-          (f"; the same products in torch.einsum: {sum(c * theirs[d] for d, c, _ in rows):.3f} s" if theirs else ""))
+          (f"; the same products in torch (bmm): {sum(c * theirs[d] for d, c, _ in rows):.3f} s" if theirs else ""))
     print(f"  the {top} costliest (count x time alone):")
     for d, c, t in rows[:top]:
         other = f"  torch {theirs[d] * 1e3:7.2f} ms" if theirs else ""
