@@ -45,9 +45,16 @@ if "--xla-flags" in sys.argv:
     _DEFAULT_XLA_FLAGS = sys.argv[sys.argv.index("--xla-flags") + 1]
 if _DEFAULT_XLA_FLAGS:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEFAULT_XLA_FLAGS).strip()
+# `--malloc-hugetlb`: glibc reads its tunables at process start, so the bench re-executes itself once
+# with transparent huge pages for large allocations (both sides, since both run in this process).
+_HUGETLB = "glibc.malloc.hugetlb=1"
+if "--malloc-hugetlb" in sys.argv and _HUGETLB not in os.environ.get("GLIBC_TUNABLES", ""):
+    _tun = ":".join(t for t in (os.environ.get("GLIBC_TUNABLES", ""), _HUGETLB) if t)
+    os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, "GLIBC_TUNABLES": _tun})
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import resource  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -215,6 +222,8 @@ def main() -> None:
     ap.add_argument("--override", action="append", default=[], help="extra composer_jax key=value (ours only)")
     ap.add_argument("--xla-flags", default="", help="XLA_FLAGS for this process only (set before jax starts)")
     ap.add_argument("--skip-hf", action="store_true", help="time our step only")
+    ap.add_argument("--malloc-hugetlb", action="store_true",
+                    help="run with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (re-executes the bench)")
     ap.add_argument("--no-shapes", action="store_true", help="skip the matmul floor (the step's products timed alone)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "gpu"], help="where both sides run (see the docstring)")
     ap.add_argument("--gpu-precision", default="highest", choices=["highest", "tf32"],
@@ -238,7 +247,7 @@ def main() -> None:
              f"'{args.gpu_precision}' precision on both sides" if gpu else
              f"torch with set_num_threads({args.threads})")
     print(f"machine: {os.cpu_count()} cores; jax {jax.__version__} ({jax.default_backend()}); torch {torch.__version__}; "
-          f"{where}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+          f"{where}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}")
 
     rng = np.random.default_rng(0)
     tokens_np = rng.integers(0, fields["vocab_size"], (BATCH, SEQ), dtype=np.int64)
@@ -283,11 +292,15 @@ def main() -> None:
     sample_peak = peak_sampler(8192 if gpu else 2048)
     peaks = [sample_peak() for _ in range(3)]
     times: dict[str, list[float]] = {k: [] for k in sides}
+    faults: dict[str, list[tuple[int, float]]] = {k: [] for k in sides}  # (minor page faults, system CPU s)
     for _ in range(args.repeats):
         for name, fn in sides.items():
+            r0 = resource.getrusage(resource.RUSAGE_SELF)
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
+            faults[name].append((r1.ru_minflt - r0.ru_minflt, r1.ru_stime - r0.ru_stime))
             peaks += [sample_peak() for _ in range(2)]
     peak = max(peaks)
     n_peak = 8192 if gpu else 2048
@@ -307,6 +320,10 @@ def main() -> None:
     print("(tokens/s, TFLOP/s and MFU from the median step; ours/HF = HF median / our median; MFU of the "
           "fastest step: " + ", ".join(f"{k} {step_flops / min(v) / peak:.1%}" for k, v in times.items()) + ")")
     print(f"\nall step times (s): " + "; ".join(f"{k}: {', '.join(f'{t:.3f}' for t in v)}" for k, v in times.items()))
+    print("per step, whole process (median): " + "; ".join(
+        f"{k}: {statistics.median(f for f, _ in v) / 1e3:.0f}K minor page faults, "
+        f"{statistics.median(s for _, s in v):.2f} s system CPU time" for k, v in faults.items()) +
+        " (temporaries allocated and first touched every step)")
     if not args.no_shapes:
         floor = dot_floor(step, holder["state"], batch, peak, None if args.skip_hf else tdev)
         if floor and "transformers" in med:
