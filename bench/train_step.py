@@ -239,7 +239,8 @@ def main() -> None:
         jax.config.update("jax_default_matmul_precision", "highest" if args.gpu_precision == "highest" else "tensorfloat32")
         torch.backends.cuda.matmul.allow_tf32 = args.gpu_precision == "tf32"
     elif jax.default_backend() != "cpu":
-        jax.config.update("jax_platforms", "cpu")  # a GPU machine asked for the CPU bench
+        raise SystemExit(f"the CPU bench found JAX on {jax.default_backend()!r}: run it with JAX_PLATFORMS=cpu, "
+                         "or pass --device gpu")
     torch.set_num_threads(args.threads)
     fields, source = load_reference()
     print(f"config: {source}")
@@ -289,7 +290,8 @@ def main() -> None:
         print(f"{name}: first step {time.perf_counter() - t0:.1f} s (incl. compile), loss {first_loss[name]:.4f}")
         for _ in range(args.warmup - 1):
             fn()
-    sample_peak = peak_sampler(8192 if gpu else 2048)
+    n_peak = 8192 if gpu else 2048
+    sample_peak = peak_sampler(n_peak)
     peaks = [sample_peak() for _ in range(3)]
     times: dict[str, list[float]] = {k: [] for k in sides}
     faults: dict[str, list[tuple[int, float]]] = {k: [] for k in sides}  # (minor page faults, system CPU s)
@@ -303,7 +305,6 @@ def main() -> None:
             faults[name].append((r1.ru_minflt - r0.ru_minflt, r1.ru_stime - r0.ru_stime))
             peaks += [sample_peak() for _ in range(2)]
     peak = max(peaks)
-    n_peak = 8192 if gpu else 2048
     print(f"\nmeasured peak: {peak / 1e9:.0f} GFLOP/s (float32 {n_peak}^3 matmul via jax.jit: best of {len(peaks)} samples "
           f"taken between the steps; median sample {statistics.median(peaks) / 1e9:.0f} GFLOP/s)")
     print(f"load average during the run: {os.getloadavg()[0]:.1f} (1 min) on {os.cpu_count()} cores")
