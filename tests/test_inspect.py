@@ -8,7 +8,7 @@ import jax
 import pytest
 
 from composer_jax.config import load_config
-from composer_jax.inspect import build_report, main
+from composer_jax.inspection import build_report, main
 from composer_jax.model import accounting
 from composer_jax.model.params import abstract_params
 from composer_jax.sharding import ShardingRules
@@ -209,3 +209,9 @@ def test_cli_mesh_file_must_hold_only_a_mesh_section(capsys):
 def test_cli_without_config_names_what_is_missing(capsys):
     assert main([]) == 2
     assert "missing CONFIG" in capsys.readouterr().err
+
+
+def test_cli_directory_instead_of_a_config_file(capsys):
+    assert main([str(MODELS)]) == 2
+    err = capsys.readouterr().err
+    assert str(MODELS) in err and "is not a file" in err and "Traceback" not in err

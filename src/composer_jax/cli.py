@@ -13,7 +13,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("composer_jax.demo", "main", "build a small model on the fake mesh, run a sharded step, print its report"),
     "pretrain": ("composer_jax.train.cli", "pretrain_main", "continued pretraining stage (data.format=pretrain)"),
     "sft": ("composer_jax.train.cli", "sft_main", "supervised fine-tuning stage (data.format=chat)"),
-    "inspect": ("composer_jax.inspect", "main", "parameter counts, FLOPs/token and per-device memory of a config"),
+    "inspect": ("composer_jax.inspection", "main", "parameter counts, FLOPs/token and per-device memory of a config"),
     "convert": ("composer_jax.checkpoint.convert", "main", "convert between Hugging Face safetensors and composer_jax"),
     "env-server": ("composer_jax.env.cli", "env_server_main", "serve sandboxed coding environments over HTTP"),
     "env": ("composer_jax.env.cli", "env_main", "environment task tools (env validate DIR)"),

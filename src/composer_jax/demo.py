@@ -28,7 +28,7 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import composer_jax as cj  # noqa: E402
-from composer_jax.inspect import build_report, format_report  # noqa: E402
+from composer_jax.inspection import build_report, format_report  # noqa: E402
 from composer_jax.model.moe import router_bias_update  # noqa: E402
 from composer_jax.model.params import count_params, param_specs  # noqa: E402
 

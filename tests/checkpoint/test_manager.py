@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import composer_jax as cj
-from composer_jax.checkpoint.config import CheckpointConfig
+from composer_jax.config.checkpoint import CheckpointConfig
 from composer_jax.checkpoint.manager import TrainCheckpointer, restore_params_only
 from composer_jax.checkpoint.validate import (
     CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError, ConfigMismatchError,

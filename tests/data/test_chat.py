@@ -7,7 +7,7 @@ from datahelpers import FIXTURES
 
 from composer_jax.data.chat import render_chat, render_chat_text, render_prompt
 from composer_jax.data.cli import main as data_main
-from composer_jax.data.config import DataConfig, DataConfigError, SourceConfig
+from composer_jax.config.data import DataConfig, DataConfigError, SourceConfig
 from composer_jax.data.pipeline import make_train_iterator
 from composer_jax.data.sft import make_sft
 

@@ -3,30 +3,30 @@ import dataclasses
 
 import pytest
 
-from composer_jax.config import ConfigError, _build, _coerce, to_dict
-from composer_jax.data.config import DataConfig, DataConfigError, SourceConfig, validate_data_config
+from composer_jax.config import ConfigError, build_dataclass, coerce, to_dict
+from composer_jax.config.data import DataConfig, DataConfigError, SourceConfig, validate_data_config
 
 
 def test_tuple_of_sections_from_yaml_lists():
     data = {"sources": [{"type": "directory", "path": "src", "weight": 2, "include": [".py", ".md"]},
                         {"type": "jsonl", "path": "a.jsonl"}],
             "eval_fraction": 0.1}
-    cfg = _build(DataConfig, data, "data")
+    cfg = build_dataclass(DataConfig, data, "data")
     assert cfg.sources == (SourceConfig(type="directory", path="src", weight=2.0, include=(".py", ".md")),
                            SourceConfig(type="jsonl", path="a.jsonl"))
     assert hash(cfg)  # frozen and hashable: tuples, not lists
     # to_dict writes lists back, and building from that gives the same config
-    assert _build(DataConfig, to_dict(cfg), "data") == cfg
+    assert build_dataclass(DataConfig, to_dict(cfg), "data") == cfg
 
 
 def test_tuple_errors_name_the_element():
     with pytest.raises(ConfigError, match=r"data.sources\[1\].type='csv' is not accepted"):
-        _build(DataConfig, {"sources": [{"path": "a"}, {"type": "csv", "path": "b"}]}, "data")
+        build_dataclass(DataConfig, {"sources": [{"path": "a"}, {"type": "csv", "path": "b"}]}, "data")
     with pytest.raises(ConfigError, match=r"data.sources: expected a list"):
-        _build(DataConfig, {"sources": {"path": "a"}}, "data")
+        build_dataclass(DataConfig, {"sources": {"path": "a"}}, "data")
     with pytest.raises(ConfigError, match=r"unknown key 'data.sources\[0\].pth'"):
-        _build(DataConfig, {"sources": [{"pth": "a"}]}, "data")
-    assert _coerce([1, "x"], tuple[int, str], "k") == (1, "x")
+        build_dataclass(DataConfig, {"sources": [{"pth": "a"}]}, "data")
+    assert coerce([1, "x"], tuple[int, str], "k") == (1, "x")
 
 
 def test_validate_data_config_messages():
@@ -45,7 +45,7 @@ def test_data_config_module_does_not_import_jax():
     import subprocess
     import sys
 
-    code = "import sys, composer_jax.data.config; assert 'jax' not in sys.modules and 'grain' not in sys.modules"
+    code = "import sys, composer_jax.config.data; assert 'jax' not in sys.modules and 'grain' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

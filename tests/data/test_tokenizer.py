@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from composer_jax.data.config import DataConfigError
+from composer_jax.config.data import DataConfigError
 from composer_jax.data.tokenizer import SPECIAL_TOKENS, load_tokenizer, main, save_tokenizer, train_tokenizer
 
 from datahelpers import REPO

@@ -25,7 +25,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from composer_jax.checkpoint.config import CheckpointConfig
+from composer_jax.config.checkpoint import CheckpointConfig
 from composer_jax.checkpoint.validate import (
     COMMIT_MARKER, CheckpointCorruptError, CheckpointError, CheckpointMismatchError,
     CheckpointNotFoundError, NoGoodCheckpointError, check_committed, compare_trees,

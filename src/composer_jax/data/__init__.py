@@ -1,11 +1,11 @@
 """Data pipelines on grain: sources, tokenizer, packing, mixtures, chat/SFT formatting (docs/data.md).
 
-Public entry points (imported lazily so that `composer_jax.data.config` stays light):
+Public entry points (imported lazily so that `composer_jax.config.data` stays light):
 `make_train_iterator`, `make_eval_batches`, `load_tokenizer`, `DataConfig`, `SourceConfig`.
 """
 from __future__ import annotations
 
-from composer_jax.data.config import DataConfig, DataConfigError, SourceConfig
+from composer_jax.config.data import DataConfig, DataConfigError, SourceConfig
 
 __all__ = ["DataConfig", "DataConfigError", "SourceConfig", "load_tokenizer", "make_eval_batches",
            "make_train_iterator", "render_chat"]

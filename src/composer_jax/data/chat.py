@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from composer_jax.data.config import DataConfigError
+from composer_jax.config.data import DataConfigError
 from composer_jax.data.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")

@@ -8,21 +8,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-from composer_jax.config import ConfigError
-from composer_jax.data.config import DataConfigError
+from composer_jax.config import ConfigError, DataConfigError
 
 
 def _peek(args: argparse.Namespace) -> None:
     import numpy as np
 
-    from composer_jax.config import _build, _read_yaml
-    from composer_jax.data.config import DataConfig
+    from composer_jax.config import DataConfig, build_dataclass, read_yaml
     from composer_jax.data.pipeline import make_train_iterator
     from composer_jax.data.tokenizer import load_tokenizer
     from pathlib import Path
 
-    raw = _read_yaml(Path(args.config).resolve())
-    cfg = _build(DataConfig, raw.get("data", raw), "data")
+    raw = read_yaml(Path(args.config).resolve())
+    cfg = build_dataclass(DataConfig, raw.get("data", raw), "data")
     batch = next(make_train_iterator(cfg, seq_len=args.seq_len, batch_size=args.batch_size, seed=0))
     tok = load_tokenizer(cfg.tokenizer)
     for r in range(batch["tokens"].shape[0]):

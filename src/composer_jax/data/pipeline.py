@@ -30,7 +30,7 @@ from typing import Any, Iterator
 import grain
 import numpy as np
 
-from composer_jax.data.config import DataConfig, DataConfigError, SourceConfig, validate_data_config
+from composer_jax.config.data import DataConfig, DataConfigError, SourceConfig, validate_data_config
 from composer_jax.data.sources import content_hash_fraction, open_source
 from composer_jax.data.tokenizer import Tokenizer, load_tokenizer
 

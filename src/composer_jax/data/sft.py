@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
-from composer_jax.data.config import DataConfigError
+from composer_jax.config.data import DataConfigError
 
 SYSTEM_PROMPT = (
     "You are a coding agent working in a repository at /app. Use the tools to inspect and change it: "

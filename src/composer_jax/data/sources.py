@@ -21,7 +21,7 @@ from typing import Any, Literal, Sequence
 
 import numpy as np
 
-from composer_jax.data.config import (DEFAULT_CODE_EXTENSIONS, DEFAULT_EXCLUDES, DataConfigError,
+from composer_jax.config.data import (DEFAULT_CODE_EXTENSIONS, DEFAULT_EXCLUDES, DataConfigError,
                                       SourceConfig)
 
 Kind = Literal["text", "messages"]

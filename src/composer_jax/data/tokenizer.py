@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
-from composer_jax.data.config import DEFAULT_CODE_EXTENSIONS, DataConfigError
+from composer_jax.config.data import DEFAULT_CODE_EXTENSIONS, DataConfigError
 
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>", "<|tool_call|>",
                   "<|tool_result|>")

@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import AbstractMesh
 
 from composer_jax.config import MESH_AXES, ModelConfig
-from composer_jax.model.params import ParamSpec, _path_str, abstract_params, param_specs
+from composer_jax.model.params import ParamSpec, path_str, abstract_params, param_specs
 from composer_jax.sharding import ShardingRules
 
 COMPONENTS = ("embedding", "attention", "dense_mlp", "routed_experts", "shared_experts", "router",
@@ -106,7 +106,7 @@ def param_rows(cfg: ModelConfig, rules: ShardingRules | None = None,
     rows = []
     for (path, spec), sds in zip(spec_leaves, shape_leaves):
         assert tuple(sds.shape) == spec.shape, (path, sds.shape, spec.shape)
-        p = _path_str(path)
+        p = path_str(path)
         leaf = p.rsplit("/", 1)[-1]
         comp = _component(p, leaf)
         routed = comp == "routed_experts" or (comp == "mtp" and "/moe/" in p and leaf in ("gate", "up", "down"))

@@ -138,7 +138,8 @@ def param_specs(cfg: ModelConfig) -> dict[str, Any]:
     return specs
 
 
-def _path_str(path) -> str:
+def path_str(path) -> str:
+    """A pytree key path as 'moe_layers/moe/gate' (the name used for init keys and reports)."""
     return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
@@ -157,7 +158,7 @@ def init_fn(cfg: ModelConfig) -> Callable[[jax.Array], dict]:
 
     def init(key: jax.Array) -> dict:
         def one(path, spec):
-            return _init_one(spec, jax.random.fold_in(key, zlib.crc32(_path_str(path).encode())), cfg)
+            return _init_one(spec, jax.random.fold_in(key, zlib.crc32(path_str(path).encode())), cfg)
         return jax.tree_util.tree_map_with_path(one, specs, is_leaf=_is_spec)
 
     return init

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from composer_jax.config import MESH_AXES, Config, ConfigError, _deep_merge, _read_yaml, config_from_dict, to_dict
+from composer_jax.config import MESH_AXES, Config, ConfigError, config_from_dict, deep_merge, read_yaml, to_dict
 from composer_jax.model import accounting
 from composer_jax.sharding import ShardingRules
 
@@ -56,14 +56,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load(args: argparse.Namespace) -> Config:
-    data = _read_yaml(Path(args.config).resolve())
+    data = read_yaml(Path(args.config).resolve())
     if args.mesh:
-        mesh_data = _read_yaml(Path(args.mesh).resolve())
+        mesh_data = read_yaml(Path(args.mesh).resolve())
         extra = sorted(set(mesh_data) - {"mesh"})
         if extra or "mesh" not in mesh_data:
             raise ConfigError(f"--mesh {args.mesh!r} must hold only a `mesh:` section; found keys "
                               f"{sorted(mesh_data)} (accepted: ['mesh'])")
-        _deep_merge(data, mesh_data)
+        deep_merge(data, mesh_data)
     # num_devices=None: the mesh may describe a cluster this machine is not part of
     return config_from_dict(data, args.overrides, num_devices=None)
 

@@ -1,0 +1,186 @@
+"""The configuration loader: YAML files (with `base:` includes), `key=value` overrides, and the
+construction of frozen dataclasses from nested mappings with type checking.
+
+Generic: it knows no section. The sections live beside it (`model.py`, `mesh.py`, `train.py`,
+`data.py`, `checkpoint.py`) and `run.py` composes them into the run's `Config`, so that a new
+subsystem adds a section here without the ground floor importing the subsystem.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Mapping, Sequence
+
+import yaml
+
+from composer_jax.errors import ConfigError
+
+__all__ = ["build_dataclass", "coerce", "deep_merge", "parse_overrides", "plain", "read_yaml", "set_path",
+           "to_dict"]
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping of {tp.__name__} fields"
+    return getattr(tp, "__name__", str(tp))
+
+
+def coerce(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+        return build_dataclass(tp, value, key)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{key}={value!r} is not accepted; accepted: {_type_name(tp)}")
+        return value
+    if origin is tuple:
+        # tuple[X, ...] from a YAML list (e.g. data.sources: a list of SourceConfig mappings);
+        # a fixed-length tuple[X, Y] is checked element by element.
+        if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
+        if args and len(args) != len(value):
+            raise ConfigError(f"{key}: expected a list of {len(args)} items, got {value!r}")
+        return tuple(coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args))) if args else tuple(value)
+    if origin in (Mapping, dict) or tp is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for arg in typing.get_args(tp):
+            if arg is type(None):
+                if value is None:
+                    return None
+                continue
+            try:
+                return coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{key}={value!r}: expected {' or '.join(_type_name(a) for a in typing.get_args(tp))}")
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r}: expected a boolean (true/false)")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{key}={value!r}: expected an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}={value!r}: expected a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}={value!r}: expected a string")
+        return value
+    return value
+
+
+def build_dataclass(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if k not in fields:
+            close = difflib.get_close_matches(str(k), fields, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"unknown key {key!r}{hint}; accepted keys: {', '.join(sorted(fields))}")
+        kwargs[k] = coerce(v, hints[k], key)
+    return cls(**kwargs)
+
+
+def set_path(tree: dict, path: Sequence[str], value: Any) -> None:
+    node = tree
+    for part in path[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {'.'.join(path)}: {part!r} is a value, not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def parse_overrides(overrides: Sequence[str]) -> list[tuple[list[str], Any]]:
+    """`a.b=value` strings -> (path, YAML-parsed value). A key given twice is an error."""
+    seen: set[str] = set()
+    out = []
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. model.num_layers=2)")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if not key or any(not p for p in key.split(".")):
+            raise ConfigError(f"override {item!r}: empty key part; use dotted keys like model.num_layers=2")
+        if key in seen:
+            raise ConfigError(f"override key {key!r} is given twice; give each key once")
+        seen.add(key)
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: value is not valid YAML ({e})") from None
+        out.append((key.split("."), value))
+    return out
+
+
+def read_yaml(path: Path, stack: tuple[Path, ...] = ()) -> dict:
+    """Read a YAML file; a top-level `base: other.yaml` (relative to the file) is merged under it."""
+    if not path.exists():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    if not path.is_file():
+        raise ConfigError(f"config path {str(path)!r} is not a file; give a YAML file (e.g. configs/model/tiny.yaml)")
+    if path in stack:
+        raise ConfigError(f"config {str(path)!r} includes itself through 'base'")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping at top level, got {type(data).__name__}")
+    bases = data.pop("base", None)
+    if bases is None:
+        return data
+    merged: dict = {}
+    for b in [bases] if isinstance(bases, str) else list(bases):
+        deep_merge(merged, read_yaml((path.parent / b).resolve(), stack + (path,)))
+    deep_merge(merged, data)
+    return merged
+
+
+def deep_merge(dst: dict, src: Mapping) -> None:
+    for k, v in src.items():
+        if isinstance(v, Mapping) and isinstance(dst.get(k), dict):
+            deep_merge(dst[k], v)
+        else:
+            dst[k] = v
+
+
+def plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, Mapping):
+        return {k: plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):  # tuples of sections (data.sources) -> YAML/JSON lists
+        return [plain(v) for v in obj]
+    return obj
+
+
+def to_dict(cfg: Any) -> dict:
+    """A config dataclass as a plain nested dict (YAML/JSON serialisable)."""
+    return plain(cfg)

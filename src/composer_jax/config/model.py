@@ -1,0 +1,155 @@
+"""The model section: architecture, numerics and implementation choices, and their validation."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from composer_jax.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScalingConfig:
+    """YaRN context extension (DeepSeek-V3 / Kimi K2 `rope_scaling` with type yarn)."""
+
+    type: Literal["none", "yarn"] = "none"
+    factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    # DeepSeek's two magnitude corrections: cos/sin are scaled by mscale(f, mscale)/mscale(f, all_dim)
+    # and the softmax scale by mscale(f, mscale_all_dim)^2 (0 disables the latter).
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    truncate: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A DeepSeek-V3 / Kimi-K2 / DeepSeek-V2 / Qwen3-MoE style decoder-only MoE transformer."""
+
+    name: str = "tiny"
+    vocab_size: int = 512
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    # attention: "mla" (DeepSeek/Kimi multi-head latent attention) or "gqa" (Qwen3-MoE, q/k RMSNorm)
+    attention_type: Literal["mla", "gqa"] = "mla"
+    q_lora_rank: int = 0  # 0 = no query compression (DeepSeek-V2-Lite, Moonlight)
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 16
+    rope_interleave: bool = True  # DeepSeek checkpoints rotate adjacent pairs (x0,x1),(x2,x3)...
+    num_kv_heads: int = 4  # gqa only
+    head_dim: int = 16  # gqa only
+    qk_norm: bool = True  # gqa only (Qwen3)
+    # feed-forward
+    intermediate_size: int = 128  # dense layers
+    moe_intermediate_size: int = 32
+    num_experts: int = 8  # routed experts; 0 = dense model
+    num_experts_per_tok: int = 2
+    num_shared_experts: int = 1
+    first_k_dense: int = 1
+    score_func: Literal["sigmoid", "softmax"] = "sigmoid"
+    # greedy: plain top-k; group_limited: DeepSeek-V2 (group score = max); noaux_tc: DeepSeek-V3
+    # (group score = sum of top-2 of bias-corrected scores, bias used for selection only)
+    topk_method: Literal["greedy", "group_limited", "noaux_tc"] = "noaux_tc"
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    router_bias_update_rate: float = 1e-3  # aux-loss-free balancing step size u
+    # positions
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScalingConfig = dataclasses.field(default_factory=RopeScalingConfig)
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    num_mtp_layers: int = 0  # DeepSeek-V3 multi-token-prediction depth
+    initializer_range: float = 0.02
+    # numerics and implementation
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    # MoE matmul: "auto" = ragged_dot on GPU, tiled grouped matmul on CPU (ragged_dot does G x the
+    # FLOPs on XLA:CPU); "dense" computes every expert for every token (reference, tiny models only)
+    moe_impl: Literal["auto", "tiled", "ragged", "dense"] = "auto"
+    moe_tile_size: int = 128
+    # attention: "blockwise" = flash-style blocks with an online softmax and its own VJP (no
+    # [q, k] score matrix; causal block skipping in the contiguous layout); "dense" = the whole
+    # masked score matrix (reference). Query block size and the key chunk of the online softmax:
+    attention_impl: Literal["blockwise", "dense"] = "blockwise"
+    attn_block_q: int = 128
+    attn_block_k: int = 1024
+    remat: Literal["none", "full", "dots"] = "none"
+    # True: layers run as one lax.scan body (compile time independent of depth: large models);
+    # False: the scan is unrolled, which lets XLA fuse across layers and avoids the loop's
+    # per-layer slicing of stacked weights and gradients (about 20% faster on XLA:CPU, small models)
+    scan_layers: bool = True
+
+    # derived -------------------------------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        if self.attention_type == "gqa":
+            return self.head_dim
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def num_dense_layers(self) -> int:
+        return self.num_layers if self.num_experts == 0 else min(self.first_k_dense, self.num_layers)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.num_dense_layers
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        return self.moe_intermediate_size * self.num_shared_experts
+
+
+def validate_model(m: ModelConfig) -> None:
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ConfigError(msg)
+
+    for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size"):
+        need(getattr(m, key) > 0, f"model.{key}={getattr(m, key)} must be a positive integer")
+    need(m.num_experts >= 0, f"model.num_experts={m.num_experts} must be >= 0 (0 = dense model)")
+    if m.attention_type == "mla":
+        need(m.kv_lora_rank > 0, f"model.kv_lora_rank={m.kv_lora_rank} must be positive for MLA")
+        need(m.q_lora_rank >= 0, f"model.q_lora_rank={m.q_lora_rank} must be >= 0 (0 = no query LoRA)")
+        need(m.qk_rope_head_dim > 0 and m.qk_rope_head_dim % 2 == 0,
+             f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be a positive even number")
+        need(m.qk_nope_head_dim >= 0 and m.v_head_dim > 0,
+             f"model.qk_nope_head_dim={m.qk_nope_head_dim} / v_head_dim={m.v_head_dim} must be >= 0 / > 0")
+    else:
+        need(m.num_kv_heads > 0 and m.num_heads % m.num_kv_heads == 0,
+             f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}")
+        need(m.head_dim > 0 and m.head_dim % 2 == 0, f"model.head_dim={m.head_dim} must be a positive even number")
+    if m.num_experts:
+        need(0 < m.num_experts_per_tok <= m.num_experts,
+             f"model.num_experts_per_tok={m.num_experts_per_tok} must be in 1..num_experts={m.num_experts}")
+        need(m.moe_intermediate_size > 0, f"model.moe_intermediate_size={m.moe_intermediate_size} must be positive")
+        need(m.num_shared_experts >= 0, f"model.num_shared_experts={m.num_shared_experts} must be >= 0")
+        need(0 <= m.first_k_dense <= m.num_layers,
+             f"model.first_k_dense={m.first_k_dense} must be in 0..num_layers={m.num_layers}")
+        need(m.n_group >= 1 and m.num_experts % m.n_group == 0,
+             f"model.n_group={m.n_group} must divide model.num_experts={m.num_experts}")
+        need(1 <= m.topk_group <= m.n_group,
+             f"model.topk_group={m.topk_group} must be in 1..n_group={m.n_group}")
+        if m.topk_method != "greedy":
+            per_group = m.num_experts // m.n_group
+            need(m.topk_group * per_group >= m.num_experts_per_tok,
+                 f"model.topk_group={m.topk_group} groups of {per_group} experts cannot supply "
+                 f"num_experts_per_tok={m.num_experts_per_tok} experts; raise topk_group or n_group")
+            if m.topk_method == "noaux_tc":
+                need(per_group >= 2, f"model.topk_method='noaux_tc' scores groups by their top-2 experts, "
+                     f"so each of the n_group={m.n_group} groups needs >= 2 experts (has {per_group})")
+    need(m.num_mtp_layers >= 0, f"model.num_mtp_layers={m.num_mtp_layers} must be >= 0")
+    need(m.moe_tile_size >= 1, f"model.moe_tile_size={m.moe_tile_size} must be >= 1")
+    need(m.attn_block_q >= 1, f"model.attn_block_q={m.attn_block_q} must be >= 1")
+    need(m.attn_block_k >= 1, f"model.attn_block_k={m.attn_block_k} must be >= 1")
+    rs = m.rope_scaling
+    if rs.type == "yarn":
+        need(rs.factor >= 1.0, f"model.rope_scaling.factor={rs.factor} must be >= 1 for yarn")
+        need(rs.original_max_position_embeddings > 0,
+             f"model.rope_scaling.original_max_position_embeddings={rs.original_max_position_embeddings} must be positive")

@@ -1,0 +1,133 @@
+"""The import graph keeps docs/architecture.md's layering: no module imports a higher layer, the
+environment server imports nothing of the rest, and no module imports another module's `_private` name.
+
+The graph is read from the source (every `import` statement, function-local ones included), so a
+lazy import that reaches upwards is caught like a top-level one.
+"""
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+
+# Lowest first; a module may import its own layer and those before it (docs/architecture.md).
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("errors", ("composer_jax.errors",)),
+    ("config", ("composer_jax.config",)),
+    ("sharding", ("composer_jax.sharding",)),
+    ("quant", ("composer_jax.quant",)),
+    ("model", ("composer_jax.model",)),
+    ("data", ("composer_jax.data",)),
+    ("checkpoint", ("composer_jax.checkpoint",)),
+    ("train", ("composer_jax.train",)),
+    ("inference", ("composer_jax.inference",)),
+    ("rl", ("composer_jax.rl",)),
+    ("app", ("composer_jax.cli", "composer_jax.demo", "composer_jax.inspection", "composer_jax")),
+]
+# The environment server is a separate service (no JAX): it imports nothing of the others but the
+# shared error types, and only `data`, `rl` and the app may import it - its protocol and client.
+ENV = "composer_jax.env"
+ENV_PUBLIC = ("composer_jax.env.protocol", "composer_jax.env.client", "composer_jax.env.errors")
+ENV_USERS = ("data", "rl", "app")
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(SRC).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def layer_of(module: str) -> int | str:
+    if _within(module, ENV):
+        return "env"
+    best = None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if _within(module, p) and (best is None or len(p) > best[1]):
+                best = (i, len(p))
+    assert best is not None, f"{module} is in no layer of tests/test_layers.py"
+    return best[0]
+
+
+def _imports(path: Path, module: str) -> list[tuple[str, str | None, int]]:
+    """(imported module, imported name or None, line) for every import of a composer_jax module."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, None, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for a in node.names:
+                out.append((base, a.name, node.lineno))
+    return [(m, n, line) for m, n, line in out if _within(m, "composer_jax")]
+
+
+def _graph() -> list[tuple[str, str, str | None, str]]:
+    edges = []
+    for path in sorted((SRC / "composer_jax").rglob("*.py")):
+        mod = _module_name(path)
+        for target, name, line in _imports(path, mod):
+            # `from composer_jax.model import params` imports a module, not a name
+            if name is not None and (SRC / Path(*target.split("."), name)).with_suffix(".py").exists():
+                target, name = f"{target}.{name}", None
+            edges.append((mod, target, name, f"{path.relative_to(ROOT)}:{line}"))
+    return edges
+
+
+EDGES = _graph()
+
+
+def test_graph_is_read():
+    # a few edges that exist today: the reader sees top-level, lazy and package-relative imports
+    pairs = {(a, b) for a, b, _, _ in EDGES}
+    assert ("composer_jax.model.params", "composer_jax.config") in pairs
+    assert ("composer_jax.train.step", "composer_jax.model.transformer") in pairs
+    assert len(EDGES) > 100
+
+
+def test_no_upward_imports():
+    bad = []
+    for src, dst, _, where in EDGES:
+        a, b = layer_of(src), layer_of(dst)
+        if a == "env" and b != "env":
+            if not _within(dst, "composer_jax.errors"):
+                bad.append(f"{where}: {src} (env) imports {dst}: the environment server imports nothing else")
+        elif b == "env":
+            if a == "env":
+                continue
+            if LAYERS[a][0] not in ENV_USERS or not any(_within(dst, p) for p in ENV_PUBLIC):
+                bad.append(f"{where}: {src} imports {dst}: only {ENV_USERS} may import the env protocol/client")
+        elif b > a:
+            bad.append(f"{where}: {src} (layer {LAYERS[a][0]}) imports {dst} (higher layer {LAYERS[b][0]})")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_private_names_across_modules():
+    bad = [f"{where}: {src} imports {dst}.{name}" for src, dst, name, where in EDGES
+           if name and name.startswith("_") and not name.startswith("__") and dst != src]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("src, dst, expect", [
+    ("composer_jax.model.moe", "composer_jax.train.step", "higher layer"),
+    ("composer_jax.env.server", "composer_jax.config", "imports nothing else"),
+    ("composer_jax.train.loop", "composer_jax.env.server", "env protocol/client"),
+])
+def test_rule_catches_violations(src, dst, expect, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "EDGES", [(src, dst, None, "x.py:1")])
+    with pytest.raises(AssertionError, match=expect):
+        test_no_upward_imports()
