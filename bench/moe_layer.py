@@ -66,7 +66,7 @@ def main() -> None:
     dense_p = {"gate": n(keys[8], (d, fd)), "up": n(keys[9], (d, fd)), "down": n(keys[1], (fd, d))[:, :d]}
 
     def moe_loss(p, x, impl):
-        y, _, _ = moe.moe_layer(p, x, dataclasses.replace(cfg, moe_impl=impl), None, None)
+        y, _, _ = moe.moe_layer(p, x, dataclasses.replace(cfg, moe_impl=impl), None)
         return jnp.sum(y * y)
 
     def dense_loss(p, x):

@@ -11,7 +11,6 @@ each starting from the previous stage's checkpoint; then a per-stage summary.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 import time
@@ -24,13 +23,13 @@ from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import composer_jax as cj  # noqa: E402
 from composer_jax.inspection import build_report, format_report  # noqa: E402
-from composer_jax.model.moe import router_bias_update  # noqa: E402
+from composer_jax.model.masks import segment_positions  # noqa: E402
 from composer_jax.model.params import count_params, param_specs  # noqa: E402
+from composer_jax.train.state import init_train_state  # noqa: E402
+from composer_jax.train.step import batch_sharding, make_train_step  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "model" / "tiny.yaml"
 DEFAULT_OVERRIDES = ["mesh.data=2", "mesh.fsdp=2", "mesh.expert=2"]
@@ -49,20 +48,6 @@ def synthetic_batch(key: jax.Array, batch: int, seq: int, vocab: int):
     tokens = rows.reshape(batch, seq).astype(jnp.int32)
     seg = jnp.repeat(jnp.array([1, 2], jnp.int32), half)[None].repeat(batch, 0)
     return tokens, seg
-
-
-def loss_fn(params, tokens, seg, cfg, mtp_weight=0.3):
-    out = cj.forward(params, tokens, cfg, segment_ids=seg)
-    same = (seg[:, 1:] == seg[:, :-1]).astype(jnp.float32)
-    lp = jax.nn.log_softmax(out.logits[:, :-1])
-    nll = -(jnp.take_along_axis(lp, tokens[:, 1:, None], -1)[..., 0] * same).sum() / same.sum()
-    total = nll
-    if out.mtp_logits is not None:
-        same2 = same[:, 1:] * same[:, :-1]
-        lp2 = jax.nn.log_softmax(out.mtp_logits[0, :, :-2])
-        mtp = -(jnp.take_along_axis(lp2, tokens[:, 2:, None], -1)[..., 0] * same2).sum() / same2.sum()
-        total = total + mtp_weight * mtp
-    return total, (nll, out.aux["expert_counts"])
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -128,54 +113,44 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(REPO / args.out, ignore_errors=True)  # a demo starts fresh, never resumes
         pipeline(args.out, args.scale)
         return 0
+    # the library's step and optimiser: AdamW peaking at 1e-2 after 5 warmup steps, cosine to 0
+    train = [f"train.steps={args.steps}", f"train.batch_size={args.batch}", f"train.seq_len={args.seq}",
+             "train.optimizer.lr=0.01", "train.optimizer.warmup_steps=5", "train.optimizer.min_lr_ratio=0.0",
+             "train.optimizer.weight_decay=0.01", "train.optimizer.clip_norm=0.0"]
     try:
-        cfg = cj.load_config(args.config, DEFAULT_OVERRIDES if not args.overrides else args.overrides)
+        cfg = cj.load_config(args.config, train + (DEFAULT_OVERRIDES if not args.overrides else args.overrides))
     except cj.ConfigError as e:
         print(f"composer-jax demo: {e}", file=sys.stderr)
         return 2
     m = cfg.model
     mesh = cj.make_mesh(cfg.mesh)
+    rules = cj.ShardingRules.create(cfg.sharding_rules)
     print(f"composer_jax demo: {m.name} on {jax.device_count()} {jax.devices()[0].platform} devices, "
           f"mesh {dict(mesh.shape)}")
     # the model report of `composer-jax inspect`, computed from eval_shape (nothing allocated)
     print(format_report(build_report(cfg, dict(mesh.shape), args.batch, args.seq)))
 
-    params = cj.init_params(m, jax.random.key(0), mesh)
-    tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-2, 5, args.steps), weight_decay=0.01)
-    opt_state = jax.jit(tx.init)(params)
-
-    def shardings(tree):  # scalars (the AdamW step count) are replicated over the mesh
-        return jax.tree.map(lambda x: x.sharding if isinstance(x.sharding, NamedSharding)
-                            else NamedSharding(mesh, PartitionSpec()), tree)
-
-    # outputs keep the inputs' shardings, so the step compiles once
-    opt_state = jax.device_put(opt_state, shardings(opt_state))
-
-    @functools.partial(jax.jit,
-                       out_shardings=(shardings(params), shardings(opt_state)) + (None,) * 4)
-    def step(params, opt_state, tokens, seg):
-        (loss, (nll, counts)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens, seg, m)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        moe_p = params["moe_layers"]["moe"]
-        moe_p["router_bias"] = router_bias_update(moe_p["router_bias"], counts, m.router_bias_update_rate)
-        return params, opt_state, loss, nll, optax.tree.norm(grads), counts
-
+    state = init_train_state(cfg, mesh, rules)
+    step = make_train_step(cfg, mesh, rules)
+    placement = batch_sharding(mesh, rules, (args.batch, args.seq))
     key = jax.random.key(1)
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
         for i in range(args.steps):
             tokens, seg = synthetic_batch(jax.random.fold_in(key, i), args.batch, args.seq, m.vocab_size)
-            params, opt_state, loss, nll, gnorm, counts = step(params, opt_state, tokens, seg)
+            batch = jax.device_put({"tokens": tokens, "segment_ids": seg, "positions": segment_positions(seg),
+                                    "loss_mask": jnp.ones(tokens.shape, jnp.float32)}, placement)
+            state, metrics = step(state, batch)
             if i % 5 == 0 or i == args.steps - 1:
+                counts = metrics["expert_counts"]
                 load = counts[-1] / counts[-1].sum()
-                print(f"step {i:3d}  loss {float(loss):.4f}  next-token nll {float(nll):.4f}  "
-                      f"grad-norm {float(gnorm):.3f}  last-layer expert load min/max {float(load.min()):.3f}/"
-                      f"{float(load.max()):.3f}  ({time.perf_counter() - t0:.1f}s)")
-    emb = params["embed"]
-    print(f"embedding sharding: {emb.sharding.spec}; expert weights: "
+                print(f"step {i:3d}  loss {float(metrics['loss']):.4f}  next-token nll {float(metrics['nll']):.4f}  "
+                      f"grad-norm {float(metrics['grad_norm']):.3f}  last-layer expert load min/max "
+                      f"{float(load.min()):.3f}/{float(load.max()):.3f}  ({time.perf_counter() - t0:.1f}s)")
+    params = state.params
+    print(f"embedding sharding: {params['embed'].sharding.spec}; expert weights: "
           f"{params['moe_layers']['moe']['gate'].sharding.spec}")
-    print(f"parameters: {count_params(param_specs(m)):,} (incl. MTP); final next-token nll {float(nll):.4f}")
+    print(f"parameters: {count_params(param_specs(m)):,} (incl. MTP); final next-token nll {float(metrics['nll']):.4f}")
     return 0
 
 

@@ -60,6 +60,8 @@ class ShardingRules:
     """Logical axis name -> tuple of mesh axes (empty tuple = replicated)."""
 
     rules: Mapping[str, MeshAxes]
+    # logical axes whose mapping the user gave (config `sharding_rules`), as opposed to defaults
+    explicit: frozenset[str] = frozenset()
 
     @classmethod
     def create(cls, overrides: Mapping[str, Any] | None = None) -> "ShardingRules":
@@ -78,7 +80,7 @@ class ShardingRules:
             if len(set(axes)) != len(axes):
                 raise ConfigError(f"sharding_rules.{name}={list(axes)} uses a mesh axis twice")
             rules[name] = axes
-        return cls(rules)
+        return cls(rules, frozenset((overrides or {}).keys()))
 
     def mesh_axes(self, logical: str) -> MeshAxes:
         try:
@@ -87,16 +89,29 @@ class ShardingRules:
             raise ConfigError(f"unknown logical axis {logical!r}; accepted: {', '.join(sorted(self.rules))}") from None
 
     def spec(self, logical_axes: Sequence[str | None], shape: Sequence[int] | None = None,
-             mesh: Mesh | None = None) -> P:
+             mesh: Mesh | AbstractMesh | None = None) -> P:
         """PartitionSpec for an array with these logical axes.
 
         With `shape` and `mesh`, mesh axes that do not divide a dimension are dropped for that
         dimension (it stays replicated there) so odd sizes such as a vocabulary of 129280 still
         place; the divisibility that matters for correctness (heads, experts) is checked at config
-        load. A mesh axis used twice in one array is an error.
+        load, and `dropped_axes` reports what was dropped (`inspect` lists it for every parameter;
+        an explicit `sharding_rules` entry that applies nowhere is warned about at init). A mesh
+        axis used twice in one array is an error.
         """
+        return self._place(logical_axes, shape, mesh)[0]
+
+    def dropped_axes(self, logical_axes: Sequence[str | None], shape: Sequence[int],
+                     mesh: Mesh | AbstractMesh) -> list[tuple[str, str, int]]:
+        """(logical axis, mesh axis, dimension size) for every mesh axis of size > 1 that the rules
+        map a dimension to but that does not divide it, so that dimension is not split over it."""
+        return self._place(logical_axes, shape, mesh)[1]
+
+    def _place(self, logical_axes: Sequence[str | None], shape: Sequence[int] | None,
+               mesh: Mesh | AbstractMesh | None) -> tuple[P, list[tuple[str, str, int]]]:
         used: dict[str, str] = {}
         parts: list[Any] = []
+        dropped: list[tuple[str, str, int]] = []
         for i, name in enumerate(logical_axes):
             if name is None:
                 parts.append(None)
@@ -110,6 +125,8 @@ class ShardingRules:
                     if shape[i] % (prod * mesh.shape[a]) == 0:
                         kept.append(a)
                         prod *= mesh.shape[a]
+                    else:
+                        dropped.append((name, a, int(shape[i])))
                 axes = tuple(kept)
             for a in axes:
                 if a in used:
@@ -119,7 +136,7 @@ class ShardingRules:
                         f"each mesh axis appears at most once per array")
                 used[a] = name
             parts.append(None if not axes else axes[0] if len(axes) == 1 else axes)
-        return P(*parts)
+        return P(*parts), dropped
 
     def sharding(self, mesh: Mesh, logical_axes: Sequence[str | None], shape: Sequence[int] | None = None) -> NamedSharding:
         return NamedSharding(mesh, self.spec(logical_axes, shape, mesh))
@@ -140,25 +157,53 @@ def make_mesh(mesh_cfg: MeshConfig, devices: Sequence[Any] | None = None) -> Mes
         return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
-def constrain(x: jax.Array, rules: ShardingRules | None, logical_axes: Sequence[str | None],
-              mesh: Mesh | AbstractMesh | None = None) -> jax.Array:
-    """with_sharding_constraint by logical axes; a no-op without rules or a mesh (explicit or set
-    by `jax.set_mesh`)."""
-    mesh = mesh if mesh is not None else current_mesh()
-    if rules is None or mesh is None:
-        return x
-    spec = rules.spec(logical_axes, x.shape, mesh)
-    if isinstance(mesh, Mesh):
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-    return jax.lax.with_sharding_constraint(x, spec)
+@dataclasses.dataclass(frozen=True)
+class MeshRules:
+    """A mesh and the rules that place logical axes on it: the one way sharding enters the model.
+
+    Model functions take `sharding: MeshRules | None` (None: everything as on one device). The
+    public entry points (`forward`, the train and eval steps) resolve it once: an explicit one, or
+    the mesh set with `jax.set_mesh` and the default rules (`MeshRules.resolve`). Nothing below
+    them looks for an ambient mesh.
+    """
+
+    mesh: Mesh | AbstractMesh
+    rules: ShardingRules = dataclasses.field(default_factory=ShardingRules.create)
+
+    @staticmethod
+    def resolve(sharding: "MeshRules | None") -> "MeshRules | None":
+        """`sharding`, else the mesh set by `jax.set_mesh` with the default rules, else None."""
+        if sharding is not None:
+            return sharding
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh is None or mesh.empty:
+            return None
+        return MeshRules(mesh)
+
+    def size(self, axis: str) -> int:
+        """Size of a mesh axis (1 if the mesh has no such axis)."""
+        return int(dict(self.mesh.shape).get(axis, 1))
+
+    def mesh_axes(self, logical: str) -> MeshAxes:
+        """The mesh axes of size > 1 that a logical axis is split over."""
+        return tuple(a for a in self.rules.mesh_axes(logical) if self.size(a) > 1)
+
+    def spec(self, logical_axes: Sequence[str | None], shape: Sequence[int] | None = None) -> P:
+        """PartitionSpec by logical axes; also the in/out specs of this project's `shard_map`s
+        (a dimension that a block sees whole is `None` there)."""
+        return self.rules.spec(logical_axes, shape, self.mesh)
+
+    def constrain(self, x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+        """with_sharding_constraint by logical axes."""
+        spec = self.spec(logical_axes, x.shape)
+        if isinstance(self.mesh, Mesh):
+            return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+        return jax.lax.with_sharding_constraint(x, spec)
 
 
-def current_mesh() -> AbstractMesh | None:
-    """The mesh set by `jax.set_mesh`, or None."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty:
-        return None
-    return mesh
+def constrain(x: jax.Array, sharding: MeshRules | None, logical_axes: Sequence[str | None]) -> jax.Array:
+    """`sharding.constrain(x, logical_axes)`; a no-op without a mesh."""
+    return x if sharding is None else sharding.constrain(x, logical_axes)
 
 
 def batch_axes(rules: ShardingRules, mesh: Mesh | AbstractMesh) -> MeshAxes:

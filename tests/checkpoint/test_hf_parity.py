@@ -17,7 +17,7 @@ import composer_jax as cj
 from composer_jax.checkpoint import hf as hf_ckpt
 from composer_jax.config import MeshConfig
 from composer_jax.model.params import param_shardings
-from composer_jax.sharding import ShardingRules
+from composer_jax.sharding import MeshRules, ShardingRules
 
 from hf_cases import CASES, VOCAB, build_model  # tests/checkpoint/hf_cases.py
 
@@ -215,7 +215,7 @@ def test_sharded_load_matches_unsharded(hf_checkpoint, loaded, tokens, tmp_path)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params0)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     batch = np.concatenate([tokens, tokens[::-1]])  # 4 rows: split over fsdp x expert
-    fwd = jax.jit(lambda p, t: cj.forward(p, t, cfg, rules=rules, mesh=mesh).logits)
+    fwd = jax.jit(lambda p, t: cj.forward(p, t, cfg, sharding=MeshRules(mesh, rules)).logits)
     d = max_diff(fwd(params, jnp.asarray(batch)), built.logits(batch))
     print(f"[parity] v3_full sharded (fsdp=2, expert=2, tensor=2): max|diff| = {d:.2e}")
     assert d < TOL

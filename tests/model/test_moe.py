@@ -84,7 +84,7 @@ def test_dispatch_matches_numpy(impl, tile):
     cfg = _cfg(moe_impl=impl, moe_tile_size=tile)
     p = _moe_params(cfg, jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (2, 37, cfg.hidden_size))
-    y, experts, stats = moe.moe_layer(p, x, cfg, None, None)
+    y, experts, stats = moe.moe_layer(p, x, cfg, None)
     counts = stats["expert_counts"]
     r = moe.route(p["router"], p["router_bias"], x.reshape(-1, cfg.hidden_size), cfg)
     ref = _numpy_moe(jax.tree.map(np.asarray, p), np.asarray(x).reshape(-1, cfg.hidden_size), cfg,
@@ -104,7 +104,7 @@ def test_tiled_gradient_matches_dense(tile):
     x = jax.random.normal(jax.random.key(1), (2, 21, cfg.hidden_size))
 
     def loss(p, x, impl):
-        y, _, _ = moe.moe_layer(p, x, dataclasses.replace(cfg, moe_impl=impl), None, None)
+        y, _, _ = moe.moe_layer(p, x, dataclasses.replace(cfg, moe_impl=impl), None)
         return jnp.sum(jnp.sin(y))
 
     g_tiled = jax.grad(loss, argnums=(0, 1))(p, x, "tiled")
@@ -118,7 +118,7 @@ def test_router_replay_uses_recorded_experts():
     p = _moe_params(cfg, jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (1, 9, cfg.hidden_size))
     forced = jnp.tile(jnp.array([3, 5], jnp.int32), (1, 9, 1))
-    y, experts, stats = moe.moe_layer(p, x, cfg, None, None, replay=forced)
+    y, experts, stats = moe.moe_layer(p, x, cfg, None, replay=forced)
     counts = stats["expert_counts"]
     assert (np.asarray(experts) == np.asarray(forced)).all()
     assert np.asarray(counts).tolist() == [0, 0, 0, 9, 0, 9, 0, 0]

@@ -10,8 +10,9 @@ import pytest
 
 import composer_jax as cj
 from composer_jax.model.attention import segment_positions
-from composer_jax.sharding import ShardingRules
-from composer_jax.train.step import batch_gradients, zigzag_permutation
+from composer_jax.sharding import MeshRules, ShardingRules
+from composer_jax.model.context_parallel import zigzag_permutation
+from composer_jax.train.step import batch_gradients
 
 TINY = Path(__file__).resolve().parents[2] / "configs/model/tiny.yaml"
 COMMON = ["train.batch_size=8", "train.seq_len=32", "train.mtp_loss=self_distill", "train.seq_balance_loss=0.01",
@@ -48,7 +49,7 @@ def reference():
     cfg = cj.load_config(TINY, COMMON, num_devices=8)
     params = cj.init_params(cfg.model, jax.random.key(0))
     batch = _batch()
-    obj, grads, sums, _ = jax.jit(lambda p, b: batch_gradients(p, b, cfg, None, None))(params, batch)
+    obj, grads, sums, _ = jax.jit(lambda p, b: batch_gradients(p, b, cfg))(params, batch)
     return cfg, params, batch, obj, grads, sums
 
 
@@ -68,16 +69,15 @@ def test_sharded_step_gradients_equal_single_device(reference, name):
     mesh = cj.make_mesh(cj.MeshConfig(**MESHES[name]))
     rules = ShardingRules.create()
     sharded = cj.init_params(cfg.model, jax.random.key(0), mesh, rules)
-    ctx = mesh.shape["context"]
     with jax.set_mesh(mesh):
-        obj, grads, sums, _ = jax.jit(lambda p, b: batch_gradients(p, b, cfg, rules, mesh, ctx))(sharded, batch)
+        obj, grads, sums, _ = jax.jit(lambda p, b: batch_gradients(p, b, cfg, MeshRules(mesh, rules)))(sharded, batch)
     _assert_same(obj, grads, sums, ref_obj, ref_grads, ref_sums)
 
 
 def test_micro_batches_equal_full_batch(reference):
     cfg, params, batch, ref_obj, ref_grads, ref_sums = reference
     cfg4 = cj.load_config(TINY, COMMON + ["train.micro_batches=4"], num_devices=8)
-    obj, grads, sums, _ = jax.jit(lambda p, b: batch_gradients(p, b, cfg4, None, None))(params, batch)
+    obj, grads, sums, _ = jax.jit(lambda p, b: batch_gradients(p, b, cfg4))(params, batch)
     _assert_same(obj, grads, sums, ref_obj, ref_grads, ref_sums)
 
 

@@ -28,7 +28,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from composer_jax.config import ModelConfig
-from composer_jax.sharding import ShardingRules, vary_like
+from composer_jax.model.params import moe_specs, router_biases, with_router_biases
+from composer_jax.sharding import MeshRules, vary_like
 
 
 class Routing(NamedTuple):
@@ -79,6 +80,16 @@ def router_bias_update(bias: jax.Array, counts: jax.Array, rate: float) -> jax.A
     bias, counts: float32[..., experts] (a leading layers axis is fine)."""
     mean = counts.mean(-1, keepdims=True)
     return bias + rate * jnp.sign(mean - counts)
+
+
+def update_router_biases(params: dict, counts: dict[str, jax.Array], rate: float) -> dict:
+    """Apply `router_bias_update` to every MoE stack's router bias (main layers and MTP).
+
+    counts: the `expert_counts` / `mtp_expert_counts` of `ModelOutput.aux` summed over the batch,
+    float32[layers, experts] each; stacks without counts keep their bias."""
+    biases = router_biases(params)
+    return with_router_biases(params, {k: router_bias_update(b, counts[k], rate)
+                                       for k, b in biases.items() if k in counts})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -338,48 +349,44 @@ def _local_moe(p: dict, x: jax.Array, replay: jax.Array | None, cfg: ModelConfig
     return y.reshape(b, s, d), r.experts.reshape(b, s, k), {"expert_counts": counts, "seq_balance": balance}
 
 
-def moe_layer(p: dict, x: jax.Array, cfg: ModelConfig, rules: ShardingRules | None, mesh,
+def moe_layer(p: dict, x: jax.Array, cfg: ModelConfig, sharding: MeshRules | None,
               replay: jax.Array | None = None):
     """x: [batch, seq, embed] -> (y [batch, seq, embed], experts int32[batch, seq, k], stats) with
     stats = {"expert_counts": float32[experts], "seq_balance": float32[] summed over sequences}.
     With a mesh, runs per device inside `jax.shard_map`."""
-    if mesh is None or rules is None or all(n == 1 for n in mesh.shape.values()):
+    if sharding is None or all(n == 1 for n in dict(sharding.mesh.shape).values()):
         return _local_moe(p, x, replay, cfg, None, 1, ())
     b, s, d = x.shape
-    x_spec = rules.spec(("act_batch", "act_seq", "act_embed"), x.shape, mesh)
+    # the shard_map specs come from the logical axes: tokens as activations, each weight by its
+    # ParamSpec axes with the model dimension whole inside the block (FSDP gathers it on entry)
+    tok_spec = sharding.spec(("act_batch", "act_seq", None), x.shape)
     as_tuple = lambda part: () if part is None else ((part,) if isinstance(part, str) else tuple(part))
-    b_axes, s_axes = as_tuple(x_spec[0]), as_tuple(x_spec[1])
+    b_axes, s_axes = as_tuple(tok_spec[0]), as_tuple(tok_spec[1])
     token_axes = b_axes + s_axes
-    ep_axes = tuple(a for a in rules.mesh_axes("experts") if mesh.shape[a] > 1)
+    ep_axes = sharding.mesh_axes("experts")
     if len(ep_axes) > 1:
         raise ValueError(f"experts may be split over one mesh axis, got {ep_axes}")
     ep_axis = ep_axes[0] if ep_axes else None
-    ep = mesh.shape[ep_axis] if ep_axis else 1
+    ep = sharding.size(ep_axis) if ep_axis else 1
     if ep_axis and ep_axis not in token_axes:
         raise ValueError(
             f"expert parallelism over mesh axis {ep_axis!r} needs the tokens split over it too: batch "
             f"{b} x seq {s} is not divisible so that act_batch/act_seq include {ep_axis!r}; use a batch "
             f"divisible by the product of the batch mesh axes")
-    tp_e = rules.spec(("expert_mlp",), (cfg.moe_intermediate_size,), mesh)[0]
-    tp_s = rules.spec(("mlp",), (cfg.shared_intermediate_size,), mesh)[0] if cfg.num_shared_experts else None
-    if cfg.num_shared_experts and as_tuple(tp_e) != as_tuple(tp_s):
-        raise ValueError(f"routed expert hidden axis {tp_e} and shared expert hidden axis {tp_s} must be "
-                         f"split over the same mesh axes (sharding rules expert_mlp and mlp)")
-    ex = ep_axis
-    specs = {
-        "router": P(), "router_bias": P(),
-        "gate": P(ex, None, tp_e), "up": P(ex, None, tp_e), "down": P(ex, tp_e, None),
-    }
-    if cfg.num_shared_experts:
-        specs.update({"shared_gate": P(None, tp_s), "shared_up": P(None, tp_s), "shared_down": P(tp_s, None)})
+    specs = {name: sharding.spec(tuple(None if a == "embed" else a for a in spec.logical_axes), p[name].shape)
+             for name, spec in moe_specs(cfg).items()}
+    tp_e = as_tuple(specs["gate"][2])
+    if cfg.num_shared_experts and tp_e != as_tuple(specs["shared_gate"][1]):
+        raise ValueError(f"routed expert hidden axis {tp_e} and shared expert hidden axis "
+                         f"{as_tuple(specs['shared_gate'][1])} must be split over the same mesh axes "
+                         f"(sharding rules expert_mlp and mlp)")
     p = {k: p[k] for k in specs}
-    tok_spec = P(x_spec[0], x_spec[1], None)
 
     def body(p, x, replay):
-        return _local_moe(p, x, replay, cfg, ep_axis, ep, as_tuple(tp_e), b_axes, s_axes,
-                          int(np.prod([mesh.shape[a] for a in s_axes])))
+        return _local_moe(p, x, replay, cfg, ep_axis, ep, tp_e, b_axes, s_axes,
+                          int(np.prod([sharding.size(a) for a in s_axes])))
 
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(specs, tok_spec, None if replay is None else tok_spec),
+    fn = jax.shard_map(body, mesh=sharding.mesh, in_specs=(specs, tok_spec, None if replay is None else tok_spec),
                        out_specs=(tok_spec, tok_spec, {"expert_counts": P(), "seq_balance": P()}))
     return fn(p, x, replay)
 

@@ -32,6 +32,10 @@ class ParamSpec:
     logical_axes: tuple[str, ...]
     init: Literal["normal", "ones", "zeros"] = "normal"
     dtype: str | None = None  # None: the model's param_dtype
+    # What the optimiser does with it: "weight" (matrices) gets weight decay; "norm" scales and the
+    # "embedding" table do not; the "router_bias" (DeepSeek-V3's score-correction bias) has no
+    # gradient and is moved only by the aux-loss-free rule (`moe.router_bias_update`).
+    role: Literal["weight", "norm", "embedding", "router_bias"] = "weight"
 
     def __post_init__(self):
         assert len(self.shape) == len(self.logical_axes), (self.shape, self.logical_axes)
@@ -54,19 +58,19 @@ def _attention_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
             "o": ParamSpec((h, cfg.head_dim, d), ("heads", "head_dim", "embed")),
         }
         if cfg.qk_norm:
-            specs["q_norm"] = ParamSpec((cfg.head_dim,), ("head_dim",), "ones")
-            specs["k_norm"] = ParamSpec((cfg.head_dim,), ("head_dim",), "ones")
+            specs["q_norm"] = ParamSpec((cfg.head_dim,), ("head_dim",), "ones", role="norm")
+            specs["k_norm"] = ParamSpec((cfg.head_dim,), ("head_dim",), "ones", role="norm")
         return specs
     qk = cfg.qk_head_dim
     specs = {}
     if cfg.q_lora_rank:
         specs["q_a"] = ParamSpec((d, cfg.q_lora_rank), ("embed", "q_lora"))
-        specs["q_a_norm"] = ParamSpec((cfg.q_lora_rank,), ("q_lora",), "ones")
+        specs["q_a_norm"] = ParamSpec((cfg.q_lora_rank,), ("q_lora",), "ones", role="norm")
         specs["q_b"] = ParamSpec((cfg.q_lora_rank, h, qk), ("lora_in", "heads", "head_dim"))
     else:
         specs["q"] = ParamSpec((d, h, qk), ("embed", "heads", "head_dim"))
     specs["kv_a"] = ParamSpec((d, cfg.kv_lora_rank + cfg.qk_rope_head_dim), ("embed", "kv_lora"))
-    specs["kv_a_norm"] = ParamSpec((cfg.kv_lora_rank,), ("kv_lora",), "ones")
+    specs["kv_a_norm"] = ParamSpec((cfg.kv_lora_rank,), ("kv_lora",), "ones", role="norm")
     specs["kv_b"] = ParamSpec((cfg.kv_lora_rank, h, cfg.qk_nope_head_dim + cfg.v_head_dim), ("lora_in", "heads", "head_dim"))
     specs["o"] = ParamSpec((h, cfg.v_head_dim, d), ("heads", "head_dim", "embed"))
     return specs
@@ -80,12 +84,13 @@ def _dense_mlp_specs(d: int, f: int) -> dict[str, ParamSpec]:
     }
 
 
-def _moe_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
+def moe_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
+    """One MoE block's parameters (router, routed experts, shared expert), unstacked."""
     d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     specs = {
         # the router runs in float32 whatever the parameter dtype (as DeepSeek / HF keep it)
         "router": ParamSpec((d, e), ("embed", "router_experts"), dtype="float32"),
-        "router_bias": ParamSpec((e,), ("router_experts",), "zeros", dtype="float32"),
+        "router_bias": ParamSpec((e,), ("router_experts",), "zeros", dtype="float32", role="router_bias"),
         "gate": ParamSpec((e, d, f), ("experts", "embed", "expert_mlp")),
         "up": ParamSpec((e, d, f), ("experts", "embed", "expert_mlp")),
         "down": ParamSpec((e, f, d), ("experts", "expert_mlp", "embed")),
@@ -99,12 +104,12 @@ def _moe_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
 def layer_specs(cfg: ModelConfig, moe: bool) -> dict[str, Any]:
     d = cfg.hidden_size
     layer: dict[str, Any] = {
-        "attn_norm": ParamSpec((d,), ("embed",), "ones"),
+        "attn_norm": ParamSpec((d,), ("embed",), "ones", role="norm"),
         "attn": _attention_specs(cfg),
-        "mlp_norm": ParamSpec((d,), ("embed",), "ones"),
+        "mlp_norm": ParamSpec((d,), ("embed",), "ones", role="norm"),
     }
     if moe:
-        layer["moe"] = _moe_specs(cfg)
+        layer["moe"] = moe_specs(cfg)
     else:
         layer["mlp"] = _dense_mlp_specs(d, cfg.intermediate_size)
     return layer
@@ -117,25 +122,68 @@ def _stack(tree: Any, n: int, axis: str) -> Any:
 def param_specs(cfg: ModelConfig) -> dict[str, Any]:
     """The nested dict of `ParamSpec` describing every parameter of the model."""
     d, v = cfg.hidden_size, cfg.vocab_size
-    specs: dict[str, Any] = {"embed": ParamSpec((v, d), ("vocab", "embed"))}
+    specs: dict[str, Any] = {"embed": ParamSpec((v, d), ("vocab", "embed"), role="embedding")}
     if cfg.num_dense_layers:
         specs["dense_layers"] = _stack(layer_specs(cfg, moe=False), cfg.num_dense_layers, "layers")
     if cfg.num_moe_layers:
         specs["moe_layers"] = _stack(layer_specs(cfg, moe=True), cfg.num_moe_layers, "layers")
-    specs["final_norm"] = ParamSpec((d,), ("embed",), "ones")
+    specs["final_norm"] = ParamSpec((d,), ("embed",), "ones", role="norm")
     if not cfg.tie_word_embeddings:
         specs["lm_head"] = ParamSpec((d, v), ("embed", "vocab"))
     if cfg.num_mtp_layers:
         mtp = {
-            "enorm": ParamSpec((d,), ("embed",), "ones"),
-            "hnorm": ParamSpec((d,), ("embed",), "ones"),
+            "enorm": ParamSpec((d,), ("embed",), "ones", role="norm"),
+            "hnorm": ParamSpec((d,), ("embed",), "ones", role="norm"),
             # DeepSeek-V3 layout: eh_proj(concat[enorm(emb(t_{i+k})), hnorm(h^{k-1}_i)])
             "eh_proj": ParamSpec((2 * d, d), ("embed_concat", "embed")),
             "layer": layer_specs(cfg, moe=cfg.num_experts > 0),
-            "norm": ParamSpec((d,), ("embed",), "ones"),
+            "norm": ParamSpec((d,), ("embed",), "ones", role="norm"),
         }
         specs["mtp"] = _stack(mtp, cfg.num_mtp_layers, "mtp")
     return specs
+
+
+def weight_decay_mask(cfg: ModelConfig) -> dict:
+    """The parameter tree as booleans: True where AdamW applies weight decay (matrices; not norms,
+    the embedding or the router bias)."""
+    return jax.tree.map(lambda s: s.role == "weight", param_specs(cfg), is_leaf=_is_spec)
+
+
+def gradient_free_mask(cfg: ModelConfig) -> dict:
+    """The parameter tree as booleans: True where the optimiser must leave the leaf alone (the
+    router score-correction biases, moved by `update_router_biases` instead)."""
+    return jax.tree.map(lambda s: s.role == "router_bias", param_specs(cfg), is_leaf=_is_spec)
+
+
+# Where each MoE stack's router bias lives, keyed by the name of its expert counts in
+# `ModelOutput.aux` (the counts that drive the bias update).
+ROUTER_BIAS_PATHS: dict[str, tuple[str, ...]] = {
+    "expert_counts": ("moe_layers", "moe", "router_bias"),
+    "mtp_expert_counts": ("mtp", "layer", "moe", "router_bias"),
+}
+
+
+def router_biases(params: dict) -> dict[str, jax.Array]:
+    """counts key -> the stacked router bias float32[layers, experts] of each MoE stack present."""
+    out = {}
+    for key, path in ROUTER_BIAS_PATHS.items():
+        node: Any = params
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is not None:
+            out[key] = node
+    return out
+
+
+def with_router_biases(params: dict, biases: dict[str, jax.Array]) -> dict:
+    """A copy of `params` (dicts copied along the changed paths only) with new router biases."""
+    def put(tree: dict, path: tuple[str, ...], value: jax.Array) -> dict:
+        tree = dict(tree)
+        tree[path[0]] = value if len(path) == 1 else put(tree[path[0]], path[1:], value)
+        return tree
+    for key, value in biases.items():
+        params = put(params, ROUTER_BIAS_PATHS[key], value)
+    return params
 
 
 def path_str(path) -> str:

@@ -11,7 +11,7 @@ from composer_jax.config import ModelConfig
 from composer_jax.model.attention import attention, segment_positions
 from composer_jax.model.layers import linear, rms_norm, rope_cos_sin, swiglu
 from composer_jax.model.moe import moe_layer
-from composer_jax.sharding import ShardingRules, constrain, current_mesh
+from composer_jax.sharding import MeshRules, constrain
 
 
 @jax.tree_util.register_dataclass
@@ -39,28 +39,30 @@ def _remat(fn, policy: str):
     return jax.checkpoint(fn)
 
 
-def decoder_layer(lp: dict, h: jax.Array, ctx: dict, cfg: ModelConfig, rules, mesh, replay=None):
+def decoder_layer(lp: dict, h: jax.Array, ctx: dict, cfg: ModelConfig, sharding: MeshRules | None, replay=None):
     """One pre-norm block. h: [batch, seq, embed] -> (h, experts or None, counts or None)."""
     x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-    h = h + attention(lp["attn"], x, ctx, cfg, rules, mesh)
-    h = constrain(h, rules, ("act_batch", "act_seq", "act_embed"))
+    h = h + attention(lp["attn"], x, ctx, cfg, sharding)
+    h = constrain(h, sharding, ("act_batch", "act_seq", "act_embed"))
     x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
     if "moe" in lp:
-        y, experts, counts = moe_layer(lp["moe"], x, cfg, rules, mesh, replay)
+        with jax.named_scope("moe"):
+            y, experts, counts = moe_layer(lp["moe"], x, cfg, sharding, replay)
     else:
         m = lp["mlp"]
-        y, experts, counts = swiglu(x, m["gate"], m["up"], m["down"]), None, None
-    h = constrain(h + y, rules, ("act_batch", "act_seq", "act_embed"))
+        with jax.named_scope("mlp"):
+            y, experts, counts = swiglu(x, m["gate"], m["up"], m["down"]), None, None
+    h = constrain(h + y, sharding, ("act_batch", "act_seq", "act_embed"))
     return h, experts, counts
 
 
-def _run_stack(stack: dict, h: jax.Array, ctx: dict, cfg: ModelConfig, rules, mesh, replay):
+def _run_stack(stack: dict, h: jax.Array, ctx: dict, cfg: ModelConfig, sharding: MeshRules | None, replay):
     """lax.scan over a stack of identical layers (leading `layers` axis)."""
     moe = "moe" in stack
 
     def body(h, xs):
         lp, rp = xs
-        h, experts, counts = decoder_layer(lp, h, ctx, cfg, rules, mesh, rp)
+        h, experts, counts = decoder_layer(lp, h, ctx, cfg, sharding, rp)
         return h, (experts, counts) if moe else None
 
     body = _remat(body, cfg.remat)
@@ -86,7 +88,7 @@ def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, *, segment_ids: j
             positions: jax.Array | None = None, routing: jax.Array | None = None,
             mtp_routing: jax.Array | None = None, token_order: jax.Array | None = None,
             mtp_tokens: jax.Array | None = None, context_layout: str = "contiguous",
-            rules: ShardingRules | None = None, mesh=None) -> ModelOutput:
+            sharding: MeshRules | None = None) -> ModelOutput:
     """Run the model.
 
     tokens: int32[batch, seq]. segment_ids: int32[batch, seq] for packed sequences (0 = padding; no
@@ -98,14 +100,12 @@ def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, *, segment_ids: j
     when the sequence is not permuted). context_layout: "contiguous" (the default) promises that
     token_order increases along the sequence (as the default does), which lets blockwise attention
     skip key blocks after each query block; "zigzag" when the sequence was permuted by
-    `train.step.zigzag_permutation` (context-parallel attention then skips the keys the first
+    `model.context_parallel.zigzag_permutation` (context-parallel attention then skips the keys the first
     local chunk cannot see); "any" for any other order.
-    rules/mesh: sharding rules and mesh; by default the mesh set with `jax.set_mesh` (if any) and the
-    default rules. Without a mesh everything runs as on one device.
+    sharding: the mesh and its rules; by default the mesh set with `jax.set_mesh` (if any) with the
+    default rules (`MeshRules.resolve`). Without a mesh everything runs as on one device.
     """
-    mesh = mesh if mesh is not None else current_mesh()
-    if mesh is not None and rules is None:
-        rules = ShardingRules.create()
+    sharding = MeshRules.resolve(sharding)
     if segment_ids is None:
         segment_ids = jnp.ones(tokens.shape, jnp.int32)
     if positions is None:
@@ -118,29 +118,33 @@ def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, *, segment_ids: j
         raise ValueError(f"context_layout={context_layout!r} is not accepted; accepted: contiguous, zigzag, any")
     ctx = {"cos": cos, "sin": sin, "segment_ids": segment_ids, "order": token_order, "layout": context_layout}
 
-    h = constrain(_embed(params, tokens, cfg), rules, ("act_batch", "act_seq", "act_embed"))
+    h = constrain(_embed(params, tokens, cfg), sharding, ("act_batch", "act_seq", "act_embed"))
     aux: dict[str, Any] = {}
     if "dense_layers" in params:
-        h, _ = _run_stack(params["dense_layers"], h, ctx, cfg, rules, mesh, None)
+        with jax.named_scope("dense_layers"):
+            h, _ = _run_stack(params["dense_layers"], h, ctx, cfg, sharding, None)
     experts = None
     if "moe_layers" in params:
-        h, (experts, stats) = _run_stack(params["moe_layers"], h, ctx, cfg, rules, mesh, routing)
+        with jax.named_scope("moe_layers"):
+            h, (experts, stats) = _run_stack(params["moe_layers"], h, ctx, cfg, sharding, routing)
         aux["expert_counts"] = stats["expert_counts"]
         aux["seq_balance"] = stats["seq_balance"]
     h_final = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-    logits = constrain(_logits(params, h_final, cfg), rules, ("act_batch", "act_seq", "act_vocab"))
+    with jax.named_scope("output_head"):
+        logits = constrain(_logits(params, h_final, cfg), sharding, ("act_batch", "act_seq", "act_vocab"))
 
     mtp_logits = mtp_experts = None
     if cfg.num_mtp_layers and "mtp" in params:
-        mtp_logits, mtp_experts, mtp_stats = mtp_forward(
-            params, h_final, tokens, ctx, cfg, rules, mesh, mtp_routing, mtp_tokens)
+        with jax.named_scope("mtp"):
+            mtp_logits, mtp_experts, mtp_stats = mtp_forward(
+                params, h_final, tokens, ctx, cfg, sharding, mtp_routing, mtp_tokens)
         if mtp_stats is not None:
             aux["mtp_expert_counts"] = mtp_stats["expert_counts"]
     return ModelOutput(logits, mtp_logits, experts, mtp_experts, h_final, aux)
 
 
 def mtp_forward(params: dict, h_main: jax.Array, tokens: jax.Array, ctx: dict, cfg: ModelConfig,
-                rules, mesh, replay=None, mtp_tokens=None):
+                sharding: MeshRules | None, replay=None, mtp_tokens=None):
     """DeepSeek-V3 multi-token prediction (sec. 2.2), sequential depths k = 1..D:
 
         h^k_i = Block_k(eh_proj[ RMSNorm(Emb(t_{i+k})) ; RMSNorm(h^{k-1}_i) ]),  logits^k = Head(RMSNorm(h^k))
@@ -162,8 +166,8 @@ def mtp_forward(params: dict, h_main: jax.Array, tokens: jax.Array, ctx: dict, c
         e = rms_norm(_embed(params, shifted, cfg), mp["enorm"], cfg.rms_norm_eps)
         hh = rms_norm(h_prev, mp["hnorm"], cfg.rms_norm_eps)
         x = linear(jnp.concatenate([e, hh], axis=-1), mp["eh_proj"])
-        x = constrain(x, rules, ("act_batch", "act_seq", "act_embed"))
-        h, experts, counts = decoder_layer(mp["layer"], x, ctx, cfg, rules, mesh, rp)
+        x = constrain(x, sharding, ("act_batch", "act_seq", "act_embed"))
+        h, experts, counts = decoder_layer(mp["layer"], x, ctx, cfg, sharding, rp)
         logits = _logits(params, rms_norm(h, mp["norm"], cfg.rms_norm_eps), cfg)
         return h, (logits, experts, counts) if moe else (logits, None, None)
 

@@ -59,6 +59,43 @@ def evaluate(eval_step, params, batches: list[dict], mesh, rules, shape) -> dict
     return out
 
 
+def _initial_state(cfg: Config, mesh, rules, checkpointer: TrainCheckpointer, data, run_config: dict,
+                   echo: Callable[[str], None]) -> tuple[Any, int]:
+    """(state, first step): the stage's latest good checkpoint (with the data position), else the
+    previous stage's parameters with a fresh optimiser (`train.init_from`), else a fresh state."""
+    t = cfg.train
+    if checkpointer.latest_step() is not None:
+        restored = checkpointer.restore(abstract_train_state(cfg, mesh, rules), config=run_config)
+        if restored.data_state is not None:
+            data.set_state(restored.data_state)
+        echo(f"[{t.stage}] resumed from step {restored.step} ({checkpointer.step_dir(restored.step)})")
+        return restored.train_state, restored.step
+    if t.init_from:
+        params = restore_params_only(t.init_from, abstract_params(cfg.model, mesh, rules), config=run_config,
+                                     allow_config_changes=STAGE_CHANGEABLE)
+        echo(f"[{t.stage}] initialised from {t.init_from}")
+        return init_train_state(cfg, mesh, rules, params), 0
+    return init_train_state(cfg, mesh, rules), 0
+
+
+def _log_step(n: int, host: dict, tok_s: float, mfu: float, lr: float, logger: RunLogger,
+              progress: Progress | None) -> None:
+    values = scalars(host)
+    values.update({"tokens_per_s": tok_s, "mfu": mfu, "lr": lr})
+    logger.log(n, values, {"expert_counts": host.get("expert_counts", [])})
+    if progress:
+        progress.update(n, f"loss {values['loss']:.4f} nll {values['nll']:.4f} "
+                           f"gnorm {values['grad_norm']:.2f} {tok_s:,.0f} tok/s MFU {values['mfu']:.1%}")
+
+
+def _close(checkpointer: TrainCheckpointer, logger: RunLogger, progress: Progress | None) -> None:
+    if progress:
+        progress.close()
+    checkpointer.wait()
+    checkpointer.close()
+    logger.close()
+
+
 def run_stage(cfg: Config, *, stop_after: int | None = None, echo: Callable[[str], None] = print,
               mesh=None) -> dict[str, Any]:
     """Train one stage. stop_after: return (without a final checkpoint, as a crash would) once this
@@ -85,21 +122,7 @@ def run_stage(cfg: Config, *, stop_after: int | None = None, echo: Callable[[str
     eval_batches = make_eval_batches(cfg.data, seq_len=t.seq_len, batch_size=t.batch_size // pc,
                                      num_batches=t.eval_batches, process_index=pi, process_count=pc)
 
-    start = 0
-    if checkpointer.latest_step() is not None:
-        restored = checkpointer.restore(abstract_train_state(cfg, mesh, rules), config=run_config)
-        state, start = restored.train_state, restored.step
-        if restored.data_state is not None:
-            data.set_state(restored.data_state)
-        echo(f"[{t.stage}] resumed from step {start} ({checkpointer.step_dir(start)})")
-    elif t.init_from:
-        params = restore_params_only(t.init_from, abstract_params(cfg.model, mesh, rules), config=run_config,
-                                     allow_config_changes=STAGE_CHANGEABLE)
-        state = init_train_state(cfg, mesh, rules, params)
-        echo(f"[{t.stage}] initialised from {t.init_from}")
-    else:
-        state = init_train_state(cfg, mesh, rules)
-
+    state, start = _initial_state(cfg, mesh, rules, checkpointer, data, run_config, echo)
     step_fn = make_train_step(cfg, mesh, rules)
     eval_fn = make_eval_step(cfg, mesh, rules)
     logger = RunLogger(out_dir, t.stage, t.tensorboard, enabled=pi == 0)
@@ -136,31 +159,20 @@ def run_stage(cfg: Config, *, stop_after: int | None = None, echo: Callable[[str
             if n % t.log_every == 0 or n == t.steps:
                 now = time.perf_counter()
                 tok_s = t.batch_size * t.seq_len * (n - max(start, n - t.log_every)) / max(now - t_last, 1e-9)
-                values = scalars(host)
-                values.update({"tokens_per_s": tok_s, "mfu": tok_s * fpt / (peak * jax.device_count()),
-                               "lr": float(lr_schedule(n - 1))})
-                logger.log(n, values, {"expert_counts": host.get("expert_counts", [])})
-                if progress:
-                    progress.update(n, f"loss {values['loss']:.4f} nll {values['nll']:.4f} "
-                                       f"gnorm {values['grad_norm']:.2f} {tok_s:,.0f} tok/s MFU {values['mfu']:.1%}")
+                _log_step(n, host, tok_s, tok_s * fpt / (peak * jax.device_count()), float(lr_schedule(n - 1)),
+                          logger, progress)
                 t_last = now
             if n % t.eval_every == 0 and n != t.steps:
                 run_eval(n)
             checkpointer.save(n, state, data_state=data.get_state(), config=run_config,
                               metrics={"loss": float(host["loss"])}, force=n == t.steps)
             if stop_after is not None and ran >= stop_after:
-                checkpointer.wait()
-                checkpointer.close()
-                logger.close()
+                _close(checkpointer, logger, None)
                 summary["stopped_at"] = n
                 return summary
         if t.steps > start or start == 0:
             run_eval(t.steps)
-    if progress:
-        progress.close()
-    checkpointer.wait()
-    checkpointer.close()
-    logger.close()
+    _close(checkpointer, logger, progress)
     summary["final_step"] = t.steps
     summary["checkpoint_dir"] = ckpt_cfg.directory
     return summary

@@ -1,10 +1,11 @@
 """AdamW with warmup-cosine / warmup-stable-decay schedules, clipping and weight-decay masks."""
 from __future__ import annotations
 
-import jax
 import optax
 
-from composer_jax.config import OptimizerConfig
+from composer_jax.config import ModelConfig, OptimizerConfig
+from composer_jax.model.params import gradient_free_mask, weight_decay_mask
+
 
 def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
     warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
@@ -20,30 +21,16 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Sche
          optax.linear_schedule(cfg.lr, floor, decay)], [warmup, warmup + stable])
 
 
-def decay_mask(params) -> dict:
-    """True for leaves that receive weight decay: matrices, but not norms (stacked norms are 2-D, so
-    this goes by name), the router bias, or the embedding."""
-    def keep(path, leaf) -> bool:
-        names = [str(getattr(k, "key", k)) for k in path]
-        return (leaf.ndim >= 2 and names[0] != "embed" and "norm" not in names[-1]
-                and names[-1] != "router_bias")
-    return jax.tree_util.tree_map_with_path(keep, params)
-
-
-def frozen_mask(params) -> dict:
-    """True for leaves the optimiser must not touch: the router score-correction bias is moved by
-    the aux-loss-free rule (`moe.router_bias_update`), not by gradients (it has none)."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: str(getattr(path[-1], "key", "")) == "router_bias", params)
-
-
-def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
+def make_optimizer(cfg: OptimizerConfig, total_steps: int, model: ModelConfig) -> optax.GradientTransformation:
+    """Clipping, then AdamW with weight decay where the model says so (`weight_decay_mask`), then
+    zero updates for the leaves the model moves by other rules (`gradient_free_mask`: the router
+    biases, which have no gradient anyway). Every param-shaped tree in the state (AdamW's moments)
+    has the parameters' exact tree structure, so `train.state` shards it like the parameters."""
     schedule = learning_rate_schedule(cfg, total_steps)
     chain = []
     if cfg.clip_norm > 0:
         chain.append(optax.clip_by_global_norm(cfg.clip_norm))
     chain.append(optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                             mask=decay_mask))
-    tx = optax.chain(*chain)
-    return optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()},
-                                 lambda p: jax.tree.map(lambda f: "frozen" if f else "train", frozen_mask(p)))
+                             mask=weight_decay_mask(model)))
+    chain.append(optax.masked(optax.set_to_zero(), gradient_free_mask(model)))
+    return optax.chain(*chain)

@@ -28,36 +28,24 @@ class TrainState:
 
 
 def optimizer_for(cfg: Config) -> optax.GradientTransformation:
-    return make_optimizer(cfg.train.optimizer, cfg.train.steps)
+    return make_optimizer(cfg.train.optimizer, cfg.train.steps, cfg.model)
 
 
 def _replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def _keys(path) -> tuple[str, ...]:
-    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
-
-
 def state_shardings(cfg: Config, mesh: Mesh, rules: ShardingRules) -> TrainState:
-    """Shardings of every leaf: optimiser leaves whose path ends with a parameter's path and have its
-    shape (AdamW moments) take that parameter's sharding; everything else (counts) is replicated."""
+    """Shardings of every leaf, by structure: each subtree of the optimiser state that has the
+    parameters' exact tree structure (AdamW's moments) takes the parameters' shardings, leaf for
+    leaf; everything else (step counts) is replicated."""
     p_sh = param_shardings(cfg.model, mesh, rules)
     abstract = abstract_params(cfg.model)
-    by_path = {_keys(path): (leaf.shape, sh) for (path, leaf), sh in
-               zip(jax.tree_util.tree_leaves_with_path(abstract), jax.tree.leaves(p_sh))}
-    depth = max(len(k) for k in by_path)
+    params_def = jax.tree.structure(abstract)
     opt_shapes = jax.eval_shape(optimizer_for(cfg).init, abstract)
-
-    def pick(path, leaf):
-        keys = _keys(path)
-        for n in range(min(depth, len(keys)), 0, -1):
-            hit = by_path.get(keys[-n:])
-            if hit is not None and hit[0] == leaf.shape:
-                return hit[1]
-        return _replicated(mesh)
-
-    opt_sh = jax.tree_util.tree_map_with_path(pick, opt_shapes)
+    like_params = lambda node: not isinstance(node, jax.ShapeDtypeStruct) and jax.tree.structure(node) == params_def
+    opt_sh = jax.tree.map(lambda node: p_sh if like_params(node) else _replicated(mesh), opt_shapes,
+                          is_leaf=like_params)
     return TrainState(step=_replicated(mesh), params=p_sh, opt_state=opt_sh, rng=_replicated(mesh))
 
 
