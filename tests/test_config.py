@@ -89,3 +89,25 @@ def test_stage_configs_load(name):
         assert cfg.model.rope_scaling.type == "yarn" and cfg.mesh.context > 1 and cfg.train.mtp_loss == "self_distill"
     if "sft" in name:
         assert cfg.data.format == "chat" and cfg.train.init_from
+
+
+def test_explicit_rule_that_splits_nothing_is_warned_about():
+    import jax
+    import pytest
+
+    from composer_jax.config import MeshConfig, ModelConfig
+    from composer_jax.model.params import param_shardings
+    from composer_jax.sharding import ShardingRules, make_mesh
+
+    mesh = make_mesh(MeshConfig(fsdp=4, data=2))
+    odd = ModelConfig(vocab_size=509)  # 509 is not a multiple of data=2
+    with pytest.warns(UserWarning, match=r"sharding_rules.vocab maps to mesh axis 'data'.*stay replicated"):
+        sh = param_shardings(odd, mesh, ShardingRules.create({"vocab": ["data"]}))
+    assert sh["embed"].spec == jax.sharding.PartitionSpec(None, "fsdp")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a rule that applies, and the defaults, say nothing
+        sh = param_shardings(ModelConfig(vocab_size=512), mesh, ShardingRules.create({"vocab": ["data"]}))
+        assert sh["embed"].spec == jax.sharding.PartitionSpec("data", "fsdp")
+        param_shardings(odd, mesh, ShardingRules.create())

@@ -215,3 +215,13 @@ def test_cli_directory_instead_of_a_config_file(capsys):
     assert main([str(MODELS)]) == 2
     err = capsys.readouterr().err
     assert str(MODELS) in err and "is not a file" in err and "Traceback" not in err
+
+
+def test_cli_lists_dimensions_the_mesh_cannot_split(capsys):
+    # hidden 64 is not divisible by fsdp=3, so every `embed` dimension stays whole over fsdp
+    assert main([str(MODELS / "tiny.yaml"), "mesh.fsdp=3", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert {"path": "embed", "logical_axis": "embed", "mesh_axis": "fsdp", "dim": 64} in r["unsplit_axes"]
+    assert all(u["mesh_axis"] == "fsdp" and u["dim"] == 64 for u in r["unsplit_axes"])
+    assert main([str(MODELS / "tiny.yaml"), "mesh.fsdp=4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["unsplit_axes"] == []

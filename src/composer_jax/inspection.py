@@ -117,6 +117,8 @@ def build_report(cfg: Config, sizes: dict[str, int], batch: int | None, seq: int
         "compute_dtype": m.compute_dtype,
         "replicated_params": [r.path for r in rows if r.shards == 1 and math.prod(sizes.values()) > 1
                               and r.size >= 1 << 20],
+        "unsplit_axes": [{"path": r.path, "logical_axis": la, "mesh_axis": ma, "dim": dim}
+                         for r in rows for la, ma, dim in r.unsplit],
     }
     if device_memory_gib is not None:
         report["device_memory_gib"] = device_memory_gib
@@ -184,6 +186,9 @@ def format_report(r: dict[str, Any]) -> str:
     if "fits" in r:
         verdict = "fits" if r["fits"] else "does NOT fit"
         lines.append(f"  {verdict} in {r['device_memory_gib']:g} GiB per device")
+    if r["unsplit_axes"]:
+        lines += ["", "not split as the rules say (the mesh axis does not divide the dimension; replicated over it):"]
+        lines += [f"  {u['path']}: {u['logical_axis']} ({u['dim']}) not over {u['mesh_axis']}" for u in r["unsplit_axes"]]
     if r["replicated_params"]:
         lines += ["", "replicated on every device (>= 1M scalars; no rule maps their axes to a mesh axis > 1):",
                   "  " + ", ".join(r["replicated_params"])]

@@ -148,3 +148,24 @@ def test_sequence_balance_hand_worked():
     # perfectly balanced choices with uniform scores give exactly 1 per sequence
     uni = jnp.full((3, 4, 4), 0.25)
     np.testing.assert_allclose(float(moe.sequence_balance(uni, jnp.array([[[0], [1], [2], [3]]] * 3), 4)), 3.0, rtol=1e-6)
+
+
+def test_forward_rejects_inputs_of_the_wrong_shape_or_type():
+    import chex
+    import jax.numpy as jnp
+
+    import composer_jax as cj
+
+    cfg = cj.ModelConfig(num_layers=2, num_mtp_layers=0)
+    params = cj.init_params(cfg, jax.random.key(0))
+    tokens = jnp.zeros((2, 8), jnp.int32)
+    with pytest.raises(AssertionError):  # [seq] instead of [batch, seq]
+        cj.forward(params, tokens[0], cfg)
+    with pytest.raises(AssertionError):  # float tokens
+        cj.forward(params, tokens.astype(jnp.float32), cfg)
+    with pytest.raises(AssertionError):  # segment ids of another shape
+        cj.forward(params, tokens, cfg, segment_ids=jnp.ones((2, 7), jnp.int32))
+    with pytest.raises(AssertionError):  # routing must be [moe_layers, batch, seq, k]
+        cj.forward(params, tokens, cfg, routing=jnp.zeros((1, 2, 8, 3), jnp.int32))
+    out = cj.forward(params, tokens, cfg, routing=jnp.zeros((1, 2, 8, 2), jnp.int32))
+    chex.assert_shape(out.logits, (2, 8, cfg.vocab_size))

@@ -51,6 +51,9 @@ class ParamRow:
     size: int  # number of scalars
     mesh_axes: tuple[str, ...]  # mesh axes (of size > 1) the array is split over; () = replicated
     shards: int  # product of those axes' sizes (1 = replicated)
+    # (logical axis, mesh axis, dimension) the rules map but that cannot split the dimension (the
+    # mesh axis does not divide it), so the array is replicated over that mesh axis instead
+    unsplit: tuple[tuple[str, str, int], ...] = ()
 
     @property
     def bytes(self) -> int:
@@ -111,15 +114,17 @@ def param_rows(cfg: ModelConfig, rules: ShardingRules | None = None,
         comp = _component(p, leaf)
         routed = comp == "routed_experts" or (comp == "mtp" and "/moe/" in p and leaf in ("gate", "up", "down"))
         axes: tuple[str, ...] = ()
+        unsplit: tuple[tuple[str, str, int], ...] = ()
         if mesh is not None:
             for part in rules.spec(spec.logical_axes, spec.shape, mesh):
                 axes += () if part is None else (part,) if isinstance(part, str) else tuple(part)
+            unsplit = tuple(rules.dropped_axes(spec.logical_axes, spec.shape, mesh))
         rows.append(ParamRow(
             path=p, shape=spec.shape, dtype=str(sds.dtype), logical_axes=spec.logical_axes,
             component=comp, active_fraction=frac_routed if routed else 1.0,
             matmul=not (leaf.endswith("norm") or leaf == "router_bias" or comp == "embedding"),
             size=math.prod(spec.shape), mesh_axes=axes,
-            shards=math.prod(mesh.shape[a] for a in axes) if mesh is not None else 1))
+            shards=math.prod(mesh.shape[a] for a in axes) if mesh is not None else 1, unsplit=unsplit))
     return rows
 
 

@@ -15,6 +15,7 @@ and run with `lax.scan` (dense layers first, then MoE layers, as DeepSeek's firs
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import zlib
 from typing import Any, Callable, Literal
 
@@ -213,7 +214,22 @@ def init_fn(cfg: ModelConfig) -> Callable[[jax.Array], dict]:
 
 
 def param_shardings(cfg: ModelConfig, mesh: Mesh, rules: ShardingRules | None = None) -> dict:
+    """NamedSharding of every parameter. A `sharding_rules` entry the user gave that can split no
+    parameter it names (its mesh axes divide none of their dimensions) is warned about: the
+    parameters stay replicated over that mesh axis, which is rarely what the rule meant."""
     rules = rules or ShardingRules.create()
+    applied: dict[tuple[str, str], bool] = {}
+    for spec in jax.tree.leaves(param_specs(cfg), is_leaf=_is_spec):
+        dropped = {(la, ma) for la, ma, _ in rules.dropped_axes(spec.logical_axes, spec.shape, mesh)}
+        for la in set(spec.logical_axes) & rules.explicit:
+            for ma in rules.mesh_axes(la):
+                if mesh.shape[ma] > 1:
+                    applied[(la, ma)] = applied.get((la, ma), False) or (la, ma) not in dropped
+    for (la, ma), ok in sorted(applied.items()):
+        if not ok:
+            warnings.warn(f"sharding_rules.{la} maps to mesh axis {ma!r} (size {mesh.shape[ma]}), which divides no "
+                          f"parameter dimension named {la!r}: those parameters stay replicated over {ma!r}",
+                          stacklevel=2)
     return jax.tree.map(lambda s: rules.sharding(mesh, s.logical_axes, s.shape), param_specs(cfg), is_leaf=_is_spec)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -106,6 +107,14 @@ def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, *, segment_ids: j
     default rules (`MeshRules.resolve`). Without a mesh everything runs as on one device.
     """
     sharding = MeshRules.resolve(sharding)
+    # shapes and dtypes at the public boundary (checked at trace time: free under jit)
+    chex.assert_rank(tokens, 2)
+    chex.assert_type(tokens, int)
+    chex.assert_equal_shape([tokens] + [x for x in (segment_ids, positions, token_order) if x is not None])
+    if routing is not None:
+        chex.assert_shape(routing, (cfg.num_moe_layers, *tokens.shape, cfg.num_experts_per_tok))
+    if mtp_tokens is not None:
+        chex.assert_shape(mtp_tokens, (cfg.num_mtp_layers, *tokens.shape))
     if segment_ids is None:
         segment_ids = jnp.ones(tokens.shape, jnp.int32)
     if positions is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import chex
 import jax
 import jax.numpy as jnp
 import optax
@@ -39,6 +40,12 @@ def _micro_split(x: jax.Array, micro: int, axis: int) -> jax.Array:
 def prepared(params: Any, batch: dict, cfg: Config, sharding: MeshRules | None,
              objective: Objective = PRETRAINING) -> tuple[dict, dict]:
     """`objective.prepare`, with every array constrained to the batch/sequence sharding."""
+    missing = sorted(set(objective.batch_keys) - set(batch))
+    if missing:
+        raise ValueError(f"the {objective.name} objective needs batch keys {list(objective.batch_keys)}; "
+                         f"missing {missing}")
+    chex.assert_equal_shape([batch[k] for k in objective.batch_keys])
+    chex.assert_rank([batch[k] for k in objective.batch_keys], 2)
     prep, denoms = objective.prepare(params, batch, cfg, context_size(sharding))
     for k, v in prep.items():
         prep[k] = constrain(v, sharding, (None,) * (v.ndim - 2) + ("act_batch", "act_seq"))
