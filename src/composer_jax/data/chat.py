@@ -37,6 +37,7 @@ import numpy as np
 
 from composer_jax.config.data import DataConfigError
 from composer_jax.data.tokenizer import Tokenizer
+from composer_jax.env.protocol import ToolArgumentError, decode_arguments
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -66,11 +67,10 @@ def tool_call_json(call: dict, where: str) -> str:
                               '{"id": ..., "type": "function", "function": {"name": ..., "arguments": "{...}"}}, '
                               f"got {call!r}")
     args = fn.get("arguments", "{}")
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError:
-            pass  # keep the raw string: the model should still learn what was emitted
+    try:  # the server's reading of the arguments string (blank means none)
+        args = decode_arguments(args, where, tool=fn["name"])
+    except ToolArgumentError:
+        pass  # keep the raw string: the model should still learn what was emitted
     obj = {"id": call["id"]} if call.get("id") else {}
     obj.update(name=fn["name"], arguments=args)
     return json.dumps(obj, ensure_ascii=False, separators=(", ", ": "))

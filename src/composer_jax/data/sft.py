@@ -3,8 +3,8 @@
 A task directory holds instruction.md, environment/app/ (the initial repository) and
 solution/solve.sh (+ files it copies). For each task we run solve.sh offline on a temporary copy of
 the repository (its `/app` and `/solution` paths rewritten to the copies, under a timeout), diff the
-tree before and after, and write one conversation in the tool vocabulary of the environment server
-(composer_jax/env/tools.py):
+tree before and after, and write one conversation in the tool protocol of the environment server
+(composer_jax/env/protocol.py):
 
   system     the agent's role and tools
   user       instruction.md
@@ -14,8 +14,9 @@ tree before and after, and write one conversation in the tool vocabulary of the 
              old text is unique, else the whole new file; run_shell `rm` for deleted files
   assistant  a summary naming the files and line counts changed
 
-Tool results are the JSON the environment server returns for that call, so the model sees at SFT
-time what it will see in RL. Nothing here is invented except the short assistant prose.
+Tool results are the JSON the environment server returns for that call (built by the same protocol
+functions the server uses), so the model sees at SFT time what it will see in RL. Nothing here is
+invented except the short assistant prose.
 """
 from __future__ import annotations
 
@@ -30,12 +31,8 @@ from pathlib import Path
 from typing import Iterator
 
 from composer_jax.config.data import DataConfigError
-
-SYSTEM_PROMPT = (
-    "You are a coding agent working in a repository at /app. Use the tools to inspect and change it: "
-    "list_dir(path, depth), read_file(path, start_line, end_line), grep(pattern, path, glob), "
-    "edit_file(path, new_string, old_string) (search/replace, or the whole file when old_string is "
-    "omitted) and run_shell(command). Make the change the user asks for, then summarise what you did.")
+from composer_jax.env import protocol
+from composer_jax.env.protocol import SYSTEM_PROMPT  # noqa: F401 - re-exported (its old home)
 # `/app` or `/solution` as a path root (not part of a longer word or path)
 _ROOT_RE = re.compile(r"(?<![\w./-])/(app|solution)(?=/|\b|$)")
 
@@ -80,11 +77,12 @@ def run_solution(task_dir: Path, *, timeout_s: float = 60.0) -> tuple[dict[str, 
 
 
 def _call(call_id: str, name: str, **arguments) -> dict:
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+    return protocol.assistant_tool_call(call_id, name, arguments)
 
 
-def _result(call_id: str, result: dict) -> dict:
-    return {"role": "tool", "tool_call_id": call_id, "content": json.dumps(result, ensure_ascii=False)}
+def _app(rel: str) -> str:
+    """The path the server shows for `rel` (relative to the repository root)."""
+    return f"{protocol.APP}/{rel}"
 
 
 def _single_hunk(old: str, new: str) -> tuple[str, str] | None:
@@ -113,8 +111,7 @@ def task_conversation(task_dir: str | Path, *, timeout_s: float = 60.0) -> dict:
     changed = sorted(p for p in after if p in before and after[p] != before[p])
     added = sorted(p for p in after if p not in before)
     deleted = sorted(p for p in before if p not in after)
-    text = {p: d.decode("utf-8", "replace") for p, d in {**before, **after}.items()}
-    msgs: list[dict] = [{"role": "system", "content": SYSTEM_PROMPT},
+    msgs: list[dict] = [{"role": "system", "content": protocol.SYSTEM_PROMPT},
                         {"role": "user", "content": (task_dir / "instruction.md").read_text().strip()}]
     n = 0
 
@@ -126,18 +123,18 @@ def task_conversation(task_dir: str | Path, *, timeout_s: float = 60.0) -> dict:
     cid = next_id()
     msgs.append({"role": "assistant", "content": "Let me look at the repository layout first.",
                  "tool_calls": [_call(cid, "list_dir", path="/app", depth=2)]})
-    entries = [{"path": f"/app/{p}", "type": "file", "size": len(before[p])} for p in sorted(before)]
-    msgs.append(_result(cid, {"path": "/app", "entries": entries, "truncated": False}))
+    # Files only, at every depth (the live server also lists directories, to `depth` levels).
+    listing = protocol.list_dir_result(protocol.APP, [(_app(p), "file", len(before[p])) for p in sorted(before)])
+    msgs.append(protocol.tool_message(cid, listing))
 
-    to_read = changed + [p for p in deleted if p in text]
+    to_read = changed + deleted
     if to_read:
         calls = [(next_id(), p) for p in to_read]
         msgs.append({"role": "assistant", "content": "I'll read the files involved.",
                      "tool_calls": [_call(c, "read_file", path=p) for c, p in calls]})
         for c, p in calls:
-            lines = before[p].decode("utf-8", "replace").splitlines(keepends=True)
-            msgs.append(_result(c, {"path": f"/app/{p}", "start_line": 1, "end_line": len(lines),
-                                    "total_lines": len(lines), "content": "".join(lines), "truncated": False}))
+            content = before[p].decode("utf-8", "replace")
+            msgs.append(protocol.tool_message(c, protocol.read_file_result(_app(p), content)))
     edits = []
     for p in changed + added:
         c = next_id()
@@ -145,23 +142,22 @@ def task_conversation(task_dir: str | Path, *, timeout_s: float = 60.0) -> dict:
         old = before[p].decode("utf-8", "replace") if p in before else None
         hunk = _single_hunk(old, new) if old is not None else None
         if hunk:
-            first_line = old.count("\n", 0, old.index(hunk[0])) + 1
-            edits.append((c, _call(c, "edit_file", path=p, old_string=hunk[0], new_string=hunk[1]),
-                          {"path": f"/app/{p}", "created": False, "replacements": 1, "mode": "replace",
-                           "first_changed_line": first_line}))
+            # The server's own search/replace: the same result, and proof that the call is valid.
+            replaced, result = protocol.edit_file_replace(_app(p), old, hunk[0], hunk[1])
+            if replaced != new:  # a bug in _single_hunk; never train on an edit that does not apply
+                raise RuntimeError(f"task {task_dir.name!r}: the edit of {p} does not reproduce the solution's file")
+            edits.append((c, _call(c, "edit_file", path=p, old_string=hunk[0], new_string=hunk[1]), result))
         else:
             edits.append((c, _call(c, "edit_file", path=p, new_string=new),
-                          {"path": f"/app/{p}", "created": p not in before, "replacements": 0, "mode": "write",
-                           "bytes": len(after[p])}))
+                          protocol.edit_file_write_result(_app(p), p not in before, new)))
     for p in deleted:
         c = next_id()
         edits.append((c, _call(c, "run_shell", command=f"rm -- {json.dumps(p)}"),
-                      {"exit_code": 0, "stdout": "", "stderr": "", "timed_out": False, "truncated": False,
-                       "duration_s": 0.0}))
+                      protocol.run_shell_result(0, "", "", False, False, 0.0)))
     if edits:
         msgs.append({"role": "assistant", "content": "Now I'll make the changes.",
                      "tool_calls": [call for _, call, _ in edits]})
-        msgs.extend(_result(c, r) for c, _, r in edits)
+        msgs.extend(protocol.tool_message(c, r) for c, _, r in edits)
     msgs.append({"role": "assistant", "content": _summary(changed, added, deleted, before, after)})
     return {"task": task_dir.name, "messages": msgs}
 

@@ -29,9 +29,9 @@ from typing import Any
 
 from fastapi import WebSocket, WebSocketDisconnect
 
-from composer_jax.env import tools as tool_impl
-from composer_jax.env.session import CapacityError, SessionManager, SessionNotFound, TaskNotRunnable
-from composer_jax.env.tasks import TaskError
+from composer_jax.env import protocol
+from composer_jax.env.errors import CapacityError, SessionNotFound, TaskError, TaskNotRunnable
+from composer_jax.env.session import SessionManager
 
 POLICY_VIOLATION = 1008
 
@@ -53,25 +53,19 @@ def _observation(observation: dict, reward: float | None = None, done: bool = Fa
 
 
 def _calls_from_action(action: Any) -> list[tuple[str, dict]]:
+    """A step's data -> checked (name, arguments) calls; ToolArgumentError names the first bad one."""
     if not isinstance(action, dict):
-        raise tool_impl.ToolArgumentError("step data must be an object: {\"tool_calls\": [...]}, "
-                                          "{\"name\", \"arguments\"} or {\"submit\": true}")
+        raise protocol.ToolArgumentError("step data must be an object: {\"tool_calls\": [...]}, "
+                                         "{\"name\", \"arguments\"} or {\"submit\": true}")
     raw = action.get("tool_calls") if "tool_calls" in action else [action]
     if not isinstance(raw, list) or not raw:
-        raise tool_impl.ToolArgumentError("tool_calls must be a non-empty list")
+        raise protocol.ToolArgumentError("tool_calls must be a non-empty list")
     calls = []
     for i, call in enumerate(raw):
-        if isinstance(call, dict) and isinstance(call.get("function"), dict):
-            call = call["function"]
+        call = protocol.unwrap_call(call)
         if not isinstance(call, dict):
-            raise tool_impl.ToolArgumentError(f"tool_calls[{i}] must be an object with name and arguments")
-        args = call.get("arguments", {})
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError as exc:
-                raise tool_impl.ToolArgumentError(f"tool_calls[{i}].arguments is not valid JSON: {exc}") from None
-        calls.append((call.get("name"), tool_impl.validate_call(call.get("name"), args)))
+            raise protocol.ToolArgumentError(f"tool_calls[{i}] must be an object with name and arguments")
+        calls.append(protocol.parse_call(call.get("name"), call.get("arguments", {}), f"tool_calls[{i}]"))
     return calls
 
 
@@ -115,7 +109,7 @@ async def serve_openenv_websocket(websocket: WebSocket, manager: SessionManager,
                 session_id, steps = session.session_id, 0
                 await websocket.send_json(_observation({
                     "session_id": session_id, "task_id": session.task.task_id, "seed": session.seed,
-                    "instruction": session.task.instruction, "tools": tool_impl.TOOL_SCHEMAS,
+                    "instruction": session.task.instruction, "tools": protocol.TOOL_SCHEMAS,
                     "episode_id": data.get("episode_id")}))
             elif kind in ("step", "state") and session_id is None:
                 await websocket.send_json(_error("no session: send {\"type\": \"reset\", \"data\": "
@@ -129,7 +123,7 @@ async def serve_openenv_websocket(websocket: WebSocket, manager: SessionManager,
                         continue
                     calls = _calls_from_action(data)
                     results = await manager.call_tools(session_id, calls)
-                except tool_impl.ToolArgumentError as exc:
+                except protocol.ToolArgumentError as exc:
                     await websocket.send_json(_error(str(exc), "VALIDATION_ERROR"))
                     continue
                 except SessionNotFound as exc:

@@ -22,6 +22,8 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
+from composer_jax.env import protocol
+
 CHUNK_LINES = 40
 CHUNK_OVERLAP = 10
 K1, B = 1.2, 0.75
@@ -119,9 +121,5 @@ def search(query: str, files: list[tuple[str, str]], top_k: int = 10) -> dict:
     else:
         ranked = bm25_rank(query, chunks, top_k)
         ranking = "bm25"
-    return {
-        "ranking": ranking,
-        "chunks_searched": len(chunks),
-        "results": [{"path": c.path, "start_line": c.start_line, "end_line": c.end_line,
-                     "score": round(s, 4), "text": c.text} for s, c in ranked],
-    }
+    return protocol.semantic_search_result(
+        ranking, len(chunks), [protocol.search_hit(c.path, c.start_line, c.end_line, s, c.text) for s, c in ranked])

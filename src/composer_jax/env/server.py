@@ -15,10 +15,9 @@ Errors are JSON `{"error": {"code", "message"}}` with a 4xx status naming the ba
 """
 from __future__ import annotations
 
-import json
 import secrets
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from fastapi import Depends, FastAPI, Path as PathParam, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
@@ -32,10 +31,11 @@ try:
 except ImportError:  # pragma: no cover - orjson is in requirements-env.lock
     orjson = None
 
-from composer_jax.env import tools as tool_impl
+from composer_jax.env import protocol
+from composer_jax.env.errors import CapacityError, SessionNotFound, TaskError, TaskNotRunnable, UnknownTaskError
 from composer_jax.env.openenv_ws import serve_openenv_websocket
-from composer_jax.env.session import CapacityError, SessionManager, SessionNotFound, TaskNotRunnable
-from composer_jax.env.tasks import MAX_SEED, TaskError
+from composer_jax.env.session import SessionManager
+from composer_jax.env.tasks import MAX_SEED
 from composer_jax.env.volumes import volume_kind
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
@@ -43,6 +43,9 @@ MAX_CALLS_PER_REQUEST = 64
 
 
 class ApiError(Exception):
+    """An error whose status is decided where it is raised (401, 413); other errors are typed and
+    mapped by `_ERROR_STATUS`."""
+
     def __init__(self, status: int, code: str, message: str, headers: dict | None = None):
         super().__init__(message)
         self.status, self.code, self.message, self.headers = status, code, message, headers
@@ -84,10 +87,7 @@ class ToolCall(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _openai_shape(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(data.get("function"), dict) and "name" not in data:
-            fn = data["function"]
-            return {"id": data.get("id"), "name": fn.get("name"), "arguments": fn.get("arguments", {})}
-        return data
+        return protocol.unwrap_call(data)
 
 
 class ToolCallsRequest(BaseModel):
@@ -126,23 +126,22 @@ _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 409, 4
 _SESSION_ID = PathParam(description="id returned by POST /sessions", max_length=64)
 
 
+# Exception type -> (HTTP status, error code, extra headers). Looked up along the raised type's MRO,
+# so a subclass listed here (UnknownTaskError) wins over its base (TaskError).
+_ERROR_STATUS: dict[type[Exception], tuple[int, str, dict[str, str] | None]] = {
+    UnknownTaskError: (404, "bad_task", None),
+    TaskError: (400, "bad_task", None),
+    TaskNotRunnable: (409, "task_not_runnable", None),
+    CapacityError: (429, "at_capacity", {"Retry-After": "1"}),
+    SessionNotFound: (404, "session_not_found", None),
+    protocol.UnknownToolError: (400, "unknown_tool", None),
+    protocol.ToolArgumentError: (400, "invalid_arguments", None),
+}
+
+
 def parse_calls(calls: list[ToolCall]) -> list[tuple[str, dict]]:
-    """Validate every call before any runs; ApiError 400 names the first bad one."""
-    out = []
-    for i, call in enumerate(calls):
-        args = call.arguments
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError as exc:
-                raise ApiError(400, "invalid_arguments", f"calls[{i}] ({call.name}): arguments is a string "
-                               f"but not valid JSON: {exc}") from None
-        try:
-            out.append((call.name, tool_impl.validate_call(call.name, args)))
-        except tool_impl.ToolArgumentError as exc:
-            code = "unknown_tool" if call.name not in tool_impl.TOOL_NAMES else "invalid_arguments"
-            raise ApiError(400, code, f"calls[{i}]: {exc}") from None
-    return out
+    """Validate every call before any runs; ToolArgumentError (a 400) names the first bad one."""
+    return [protocol.parse_call(call.name, call.arguments, f"calls[{i}]") for i, call in enumerate(calls)]
 
 
 def _tool_calls_response(session_id: str, calls: list[ToolCall], results: list[dict]) -> Response:
@@ -211,6 +210,114 @@ class BodySizeLimit:
         return await self.app(scope, limited, send)
 
 
+async def _error_response(_: Request, exc: Exception) -> JSONResponse:
+    """The one handler for ApiError and every type in `_ERROR_STATUS`."""
+    if isinstance(exc, ApiError):
+        status, code, message, headers = exc.status, exc.code, exc.message, exc.headers
+    else:
+        status, code, headers = next(_ERROR_STATUS[t] for t in type(exc).__mro__ if t in _ERROR_STATUS)
+        message = str(exc)
+    return JSONResponse({"error": {"code": code, "message": message}}, status, headers=headers)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    for exc_type in (ApiError, *_ERROR_STATUS):
+        app.add_exception_handler(exc_type, _error_response)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_, exc: RequestValidationError):
+        code, message = _validation_message(exc)
+        return JSONResponse({"error": {"code": code, "message": message}}, 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        message = exc.detail if exc.status_code != 404 else f"no route {request.method} {request.url.path}"
+        if exc.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        return JSONResponse({"error": {"code": "http_error", "message": str(message)}}, exc.status_code)
+
+
+def _bearer_auth(token: str) -> Callable[..., Awaitable[None]]:
+    """The dependency that checks `Authorization: Bearer TOKEN` (401 otherwise)."""
+    bearer = HTTPBearer(auto_error=False, description="the token printed by `composer-jax env-server`")
+
+    # async: a plain `def` dependency would cost a thread-pool round trip on every request.
+    async def authorize(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        if creds is None or not secrets.compare_digest(creds.credentials.encode(), token.encode()):
+            raise ApiError(401, "unauthorized", "missing or wrong bearer token (Authorization: Bearer TOKEN)",
+                           {"WWW-Authenticate": "Bearer"})
+    return authorize
+
+
+def _add_server_routes(app: FastAPI, manager: SessionManager, auth: list) -> None:
+    """/health, /metrics, /tasks, /tools: the server itself."""
+
+    @app.get("/health", summary="Liveness and capacity (no authentication)")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "sessions": len(manager), "max_sessions": manager.max_sessions,
+                "sandbox": manager.sandbox.describe(), "volumes": volume_kind()}
+
+    @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse, dependencies=auth)
+    async def get_metrics() -> str:
+        return manager.metrics.render()
+
+    @app.get("/tasks", summary="Tasks this server can run", dependencies=auth)
+    async def list_tasks() -> dict[str, Any]:
+        store = manager.store
+        return {"tasks": [{"task_id": t.task_id, "runnable": t.runnable, "not_runnable_reason": t.not_runnable_reason,
+                           "metadata": t.config.metadata} for t in store.tasks()],
+                "families": ["gen/" + f for f in store.families()], "invalid": store.errors}
+
+    @app.get("/tools", summary="Tool schemas (OpenAI function-calling format)", dependencies=auth)
+    async def list_tools() -> list[dict[str, Any]]:
+        return protocol.TOOL_SCHEMAS
+
+
+def _add_session_routes(app: FastAPI, manager: SessionManager, auth: list) -> None:
+    """/sessions...: create, inspect, call tools, grade, close. Errors propagate as typed exceptions."""
+
+    @app.post("/sessions", status_code=201, response_model=CreateSessionResponse,
+              summary="Create a session from a task", dependencies=auth)
+    async def create_session(body: CreateSessionRequest) -> CreateSessionResponse:
+        s = await manager.create(body.task_id, body.seed, body.ttl_s)
+        return CreateSessionResponse(session_id=s.session_id, task_id=s.task.task_id, seed=s.seed,
+                                     instruction=s.task.instruction, tools=protocol.TOOL_SCHEMAS,
+                                     expires_at=s.last_used + s.ttl_s)
+
+    @app.get("/sessions/{session_id}", summary="Session state", dependencies=auth)
+    async def session_state(session_id: str = _SESSION_ID) -> dict[str, Any]:
+        return manager.get(session_id).state()
+
+    @app.post("/sessions/{session_id}/tools", response_model=ToolCallsResponse,
+              summary="Call tools (several calls run in parallel)", dependencies=auth)
+    async def call_tools(body: ToolCallsRequest, session_id: str = _SESSION_ID) -> ToolCallsResponse:
+        manager.get(session_id)  # an unknown session is a 404 even when the calls are bad too
+        calls = parse_calls(body.calls)
+        results = await manager.call_tools(session_id, calls)
+        return _tool_calls_response(session_id, body.calls, results)
+
+    @app.post("/sessions/{session_id}/grade", response_model=GradeResponse,
+              summary="Run the task's tests on a copy of the workspace", dependencies=auth)
+    async def grade(session_id: str = _SESSION_ID) -> GradeResponse:
+        result = await manager.grade(session_id)
+        return GradeResponse(session_id=session_id, **result.to_dict())
+
+    @app.delete("/sessions/{session_id}", summary="Close a session", dependencies=auth)
+    async def close_session(session_id: str = _SESSION_ID) -> dict[str, Any]:
+        return await manager.close(session_id)
+
+
+def _add_websocket_routes(app: FastAPI, manager: SessionManager, token: str) -> None:
+    @app.websocket("/ws")
+    async def ws(websocket: WebSocket):
+        await serve_openenv_websocket(websocket, manager, token, None)
+
+    @app.websocket("/t/{path_token}/ws")
+    async def ws_token_path(websocket: WebSocket, path_token: str):
+        # For OpenEnv clients that cannot send headers: base_url = http://host:port/t/TOKEN
+        await serve_openenv_websocket(websocket, manager, token, path_token)
+
+
 def create_app(manager: SessionManager, token: str, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                reaper_interval_s: float = 5.0) -> FastAPI:
     """The ASGI app serving `manager`'s sessions, authenticated with `token`."""
@@ -225,112 +332,9 @@ def create_app(manager: SessionManager, token: str, *, max_body_bytes: int = DEF
                   description=__doc__, responses=_ERRORS)
     app.state.manager, app.state.token, app.state.max_body_bytes = manager, token, max_body_bytes
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes, metrics=manager.metrics)
-    bearer = HTTPBearer(auto_error=False, description="the token printed by `composer-jax env-server`")
-    metrics = manager.metrics
-
-    # async: a plain `def` dependency would cost a thread-pool round trip on every request.
-    async def authorize(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
-        if creds is None or not secrets.compare_digest(creds.credentials.encode(), token.encode()):
-            raise ApiError(401, "unauthorized", "missing or wrong bearer token (Authorization: Bearer TOKEN)",
-                           {"WWW-Authenticate": "Bearer"})
-
-    @app.exception_handler(ApiError)
-    async def api_error(_, exc: ApiError):
-        return JSONResponse({"error": {"code": exc.code, "message": exc.message}}, exc.status, headers=exc.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_, exc: RequestValidationError):
-        code, message = _validation_message(exc)
-        return JSONResponse({"error": {"code": code, "message": message}}, 400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException):
-        message = exc.detail if exc.status_code != 404 else f"no route {request.method} {request.url.path}"
-        if exc.status_code == 405:
-            message = f"method {request.method} is not allowed on {request.url.path}"
-        return JSONResponse({"error": {"code": "http_error", "message": str(message)}}, exc.status_code)
-
-    @app.get("/health", summary="Liveness and capacity (no authentication)")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "sessions": len(manager), "max_sessions": manager.max_sessions,
-                "sandbox": manager.sandbox.describe(), "volumes": volume_kind()}
-
-    @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse,
-             dependencies=[Depends(authorize)])
-    async def get_metrics() -> str:
-        return metrics.render()
-
-    @app.get("/tasks", summary="Tasks this server can run", dependencies=[Depends(authorize)])
-    async def list_tasks() -> dict[str, Any]:
-        store = manager.store
-        return {"tasks": [{"task_id": t.task_id, "runnable": t.runnable, "not_runnable_reason": t.not_runnable_reason,
-                           "metadata": t.config.metadata} for t in store.tasks()],
-                "families": ["gen/" + f for f in store.families()], "invalid": store.errors}
-
-    @app.get("/tools", summary="Tool schemas (OpenAI function-calling format)", dependencies=[Depends(authorize)])
-    async def list_tools() -> list[dict[str, Any]]:
-        return tool_impl.TOOL_SCHEMAS
-
-    @app.post("/sessions", status_code=201, response_model=CreateSessionResponse,
-              summary="Create a session from a task", dependencies=[Depends(authorize)])
-    async def create_session(body: CreateSessionRequest) -> CreateSessionResponse:
-        try:
-            s = await manager.create(body.task_id, body.seed, body.ttl_s)
-        except TaskError as exc:
-            raise ApiError(404 if "unknown task" in str(exc) else 400, "bad_task", str(exc)) from None
-        except TaskNotRunnable as exc:
-            raise ApiError(409, "task_not_runnable", str(exc)) from None
-        except CapacityError as exc:
-            raise ApiError(429, "at_capacity", str(exc), {"Retry-After": "1"}) from None
-        return CreateSessionResponse(session_id=s.session_id, task_id=s.task.task_id, seed=s.seed,
-                                     instruction=s.task.instruction, tools=tool_impl.TOOL_SCHEMAS,
-                                     expires_at=s.last_used + s.ttl_s)
-
-    def _session_or_404(session_id: str):
-        try:
-            return manager.get(session_id)
-        except SessionNotFound as exc:
-            raise ApiError(404, "session_not_found", str(exc)) from None
-
-    @app.get("/sessions/{session_id}", summary="Session state", dependencies=[Depends(authorize)])
-    async def session_state(session_id: str = _SESSION_ID) -> dict[str, Any]:
-        return _session_or_404(session_id).state()
-
-    @app.post("/sessions/{session_id}/tools", response_model=ToolCallsResponse,
-              summary="Call tools (several calls run in parallel)", dependencies=[Depends(authorize)])
-    async def call_tools(body: ToolCallsRequest, session_id: str = _SESSION_ID) -> ToolCallsResponse:
-        _session_or_404(session_id)
-        calls = parse_calls(body.calls)
-        try:
-            results = await manager.call_tools(session_id, calls)
-        except SessionNotFound as exc:
-            raise ApiError(404, "session_not_found", str(exc)) from None
-        return _tool_calls_response(session_id, body.calls, results)
-
-    @app.post("/sessions/{session_id}/grade", response_model=GradeResponse,
-              summary="Run the task's tests on a copy of the workspace", dependencies=[Depends(authorize)])
-    async def grade(session_id: str = _SESSION_ID) -> GradeResponse:
-        _session_or_404(session_id)
-        try:
-            result = await manager.grade(session_id)
-        except SessionNotFound as exc:
-            raise ApiError(404, "session_not_found", str(exc)) from None
-        return GradeResponse(session_id=session_id, **result.to_dict())
-
-    @app.delete("/sessions/{session_id}", summary="Close a session", dependencies=[Depends(authorize)])
-    async def close_session(session_id: str = _SESSION_ID) -> dict[str, Any]:
-        try:
-            return await manager.close(session_id)
-        except SessionNotFound as exc:
-            raise ApiError(404, "session_not_found", str(exc)) from None
-
-    @app.websocket("/ws")
-    async def ws(websocket: WebSocket):
-        await serve_openenv_websocket(websocket, manager, token, None)
-
-    @app.websocket("/t/{path_token}/ws")
-    async def ws_token_path(websocket: WebSocket, path_token: str):
-        # For OpenEnv clients that cannot send headers: base_url = http://host:port/t/TOKEN
-        await serve_openenv_websocket(websocket, manager, token, path_token)
-
+    _add_error_handlers(app)
+    auth = [Depends(_bearer_auth(token))]
+    _add_server_routes(app, manager, auth)
+    _add_session_routes(app, manager, auth)
+    _add_websocket_routes(app, manager, token)
     return app

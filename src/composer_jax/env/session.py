@@ -17,25 +17,11 @@ import time
 from pathlib import Path
 
 from composer_jax.env import grader, tools, volumes
+from composer_jax.env.errors import CapacityError, SessionNotFound, TaskNotRunnable  # noqa: F401 - re-exported
 from composer_jax.env.metrics import Metrics
 from composer_jax.env.sandbox import ExecResult, Limits, Mount, Sandbox, SandboxLease
 from composer_jax.env.tasks import Task, TaskError, TaskStore
 from composer_jax.env.workspace import Workspace
-
-
-class CapacityError(RuntimeError):
-    """The server holds `max_sessions` sessions already (HTTP 429; retry later or elsewhere)."""
-
-
-class SessionNotFound(KeyError):
-    """No open session with this id (never existed, closed, or expired)."""
-
-    def __str__(self) -> str:
-        return f"no open session {self.args[0]!r} (it may have been closed or expired after its TTL)"
-
-
-class TaskNotRunnable(RuntimeError):
-    """The task exists but the local sandbox cannot run it; the message says why."""
 
 
 class Session:

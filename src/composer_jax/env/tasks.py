@@ -23,13 +23,11 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from composer_jax.env.errors import TaskError, UnknownTaskError
+
 TASK_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 GENERATED_PREFIX = "gen/"
 MAX_SEED = 2**31 - 1
-
-
-class TaskError(ValueError):
-    """A task directory or task id that cannot be used; the message names the bad value."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,15 +232,15 @@ class TaskStore:
         if task is None:
             known = ", ".join(self.ids()[:20]) or "(none)"
             more = f" and {len(self._tasks) - 20} more" if len(self._tasks) > 20 else ""
-            raise TaskError(f"unknown task_id {task_id!r}; known tasks: {known}{more}; "
-                            f"generated families: {', '.join(GENERATED_PREFIX + f for f in self.families()) or '(none)'}")
+            raise UnknownTaskError(f"unknown task_id {task_id!r}; known tasks: {known}{more}; "
+                                   f"generated families: {', '.join(GENERATED_PREFIX + f for f in self.families()) or '(none)'}")
         return task
 
     def _generate(self, family: str, seed: int) -> Task:
         families = self.families()
         if family not in families:
-            raise TaskError(f"unknown task family {family!r} in {GENERATED_PREFIX + family!r}; "
-                            f"accepted: {', '.join(families) or '(no composer_jax.env.task_families module)'}")
+            raise UnknownTaskError(f"unknown task family {family!r} in {GENERATED_PREFIX + family!r}; "
+                                   f"accepted: {', '.join(families) or '(no composer_jax.env.task_families module)'}")
         key = (family, seed)
         with self._gen_lock:
             if key not in self._generated:

@@ -23,13 +23,10 @@ import stat
 from pathlib import Path
 from typing import Iterator
 
-APP = "/app"
+from composer_jax.env.protocol import APP, ToolError  # noqa: F401 - ToolError re-exported (its old home)
+
 MAX_SYMLINK_HOPS = 40
 MAX_READ_BYTES = 8 * 2**20
-
-
-class ToolError(Exception):
-    """An error the agent caused; its message is returned to the agent as the tool result."""
 
 
 class PathEscapeError(ToolError):
