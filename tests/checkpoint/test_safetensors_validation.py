@@ -178,6 +178,9 @@ MUTATIONS = [
     Mutation("no_metadata", _drop_metadata, True),
     Mutation("header_padded_with_spaces", _pad_header, True),
     Mutation("extra_field_in_entry", _set("a", "note", "ignored"), True),
+    Mutation("metadata_null", lambda f: f.header.update(__metadata__=None), True),
+    Mutation("no_tensors", lambda f: (setattr(f, "header", {}), setattr(f, "data", b"")), True),
+    Mutation("no_tensors_but_data", lambda f: setattr(f, "header", {}), False),
     Mutation("offsets_of_same_size_tensors_swapped", _swap_offsets("a", "b"), True),
     Mutation("relabel_a_F32_to_I32", _set("a", "dtype", "I32"), True),
     Mutation("reshape_a_3x2", _set("a", "shape", [3, 2]), True),
@@ -215,6 +218,7 @@ MUTATIONS = [
     Mutation("relabel_a_F32_to_F64", _set("a", "dtype", "F64"), False, ("a",)),
     Mutation("relabel_c_F32_to_F4", _set("c", "dtype", "F4"), False, ("c",)),  # 4 bits x 1 not whole bytes
     Mutation("unknown_dtype", _set("a", "dtype", "F128"), False, ("a",)),
+    Mutation("dtype_not_a_string", _set("a", "dtype", ["F32"]), False, ("a",)),
     Mutation("lowercase_dtype", _set("b", "dtype", "i32"), False, ("b",)),
     # shape
     Mutation("shape_negative", _set("a", "shape", [-2, -3]), False, ("a",)),

@@ -141,7 +141,7 @@ def read_tensors(path: Path) -> dict[str, TensorInfo]:
             raise SafetensorsError(f"{where}: entry is {json.dumps(entry)[:80]}; expected an object with "
                                    f"dtype, shape and data_offsets")
         code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if code not in BITS:
+        if not isinstance(code, str) or code not in BITS:
             raise SafetensorsError(f"{where} has dtype {code!r}; accepted: {', '.join(BITS)}")
         if not isinstance(shape, list) or not all(_u64(d) for d in shape):
             raise SafetensorsError(f"{where} has shape {shape!r}; expected a list of non-negative integers")
@@ -161,7 +161,7 @@ def read_tensors(path: Path) -> dict[str, TensorInfo]:
                                    f"not fill whole bytes")
         begin, end = offsets
         if begin > end:
-            raise SafetensorsError(f"{where} has data_offsets [{begin}, {end}]: begin > end")
+            raise SafetensorsError(f"{where} has data_offsets [{begin}, {end}]; expected begin <= end")
         if end - begin != nbits // 8:
             raise SafetensorsError(f"{where} has data_offsets [{begin}, {end}] ({end - begin} bytes); its "
                                    f"dtype {code} x shape {shape} needs {nbits // 8} bytes")
