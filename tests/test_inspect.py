@@ -218,10 +218,13 @@ def test_cli_directory_instead_of_a_config_file(capsys):
 
 
 def test_cli_lists_dimensions_the_mesh_cannot_split(capsys):
-    # hidden 64 is not divisible by fsdp=3, so every `embed` dimension stays whole over fsdp
+    # neither hidden 64 (`embed`) nor the LoRA rank 32 (`lora_in`) is divisible by fsdp=3, so both
+    # stay whole over fsdp: every FSDP-sharded parameter of the tiny model is listed
     assert main([str(MODELS / "tiny.yaml"), "mesh.fsdp=3", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert {"path": "embed", "logical_axis": "embed", "mesh_axis": "fsdp", "dim": 64} in r["unsplit_axes"]
-    assert all(u["mesh_axis"] == "fsdp" and u["dim"] == 64 for u in r["unsplit_axes"])
+    assert {"path": "moe_layers/attn/q_b", "logical_axis": "lora_in", "mesh_axis": "fsdp", "dim": 32} in r["unsplit_axes"]
+    assert {(u["logical_axis"], u["mesh_axis"], u["dim"]) for u in r["unsplit_axes"]} == {
+        ("embed", "fsdp", 64), ("lora_in", "fsdp", 32)}
     assert main([str(MODELS / "tiny.yaml"), "mesh.fsdp=4", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["unsplit_axes"] == []
