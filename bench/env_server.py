@@ -15,6 +15,7 @@ The client shares the machine's cores with the server, so it must be cheap: the 
 call). `--client httpx` is the previous client: its connection pool spends ~4 ms of CPU per call
 with 64 connections in flight, which capped the figure at ~150 calls/s on 2 cores.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,9 +43,23 @@ FILE_CALLS = [
 
 def start_server(tasks: Path, max_sessions: int) -> tuple[subprocess.Popen, str, str]:
     env = dict(os.environ, PYTHONPATH=str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "composer_jax.cli", "env-server", "--tasks", str(tasks),
-                             "--port", "0", "--max-sessions", str(max_sessions)],
-                            stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "composer_jax.cli",
+            "env-server",
+            "--tasks",
+            str(tasks),
+            "--port",
+            "0",
+            "--max-sessions",
+            str(max_sessions),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     match = re.search(r"listening on (\S+) .*token=(\S+)", proc.stdout.readline())
     if not match:
         proc.kill()
@@ -59,11 +74,16 @@ class Http:
         headers = {"Authorization": f"Bearer {token}"}
         self.kind, self.url = kind, url
         if kind == "aiohttp":
-            self._aio = aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=120),
-                                              connector=aiohttp.TCPConnector(limit=1024))
+            self._aio = aiohttp.ClientSession(
+                headers=headers, timeout=aiohttp.ClientTimeout(total=120), connector=aiohttp.TCPConnector(limit=1024)
+            )
         else:
-            self._httpx = httpx.AsyncClient(base_url=url, headers=headers, timeout=120,
-                                            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=1024))
+            self._httpx = httpx.AsyncClient(
+                base_url=url,
+                headers=headers,
+                timeout=120,
+                limits=httpx.Limits(max_connections=1024, max_keepalive_connections=1024),
+            )
 
     async def request(self, method: str, path: str, json: dict | None = None) -> tuple[int, dict]:
         if self.kind == "aiohttp":
@@ -104,11 +124,13 @@ async def throughput(http: Http, task: str, sessions: int, seconds: float, shell
         while time.monotonic() < stop:
             name, args = ("run_shell", {"command": "echo hi"}) if shell else FILE_CALLS[k % len(FILE_CALLS)]
             k += 1
-            status, body = await http.request("POST", f"/sessions/{sid}/tools",
-                                              {"calls": [{"name": name, "arguments": args}]})
+            status, body = await http.request(
+                "POST", f"/sessions/{sid}/tools", {"calls": [{"name": name, "arguments": args}]}
+            )
             ok = status == 200 and body["results"][0]["ok"]
             done += ok
             errors += not ok
+
     start = time.monotonic()
     await asyncio.gather(*(worker(i, s) for i, s in enumerate(ids)))
     rate = done / (time.monotonic() - start)
@@ -137,14 +159,16 @@ async def hold(http: Http, task: str, sessions: int, seconds: float) -> tuple[in
             name, args = ("run_shell", {"command": "ls"}) if k % 10 == 9 else FILE_CALLS[k % 3]
             k += 1
             try:
-                status, body = await http.request("POST", f"/sessions/{sid}/tools",
-                                                  {"calls": [{"name": name, "arguments": args}]})
+                status, body = await http.request(
+                    "POST", f"/sessions/{sid}/tools", {"calls": [{"name": name, "arguments": args}]}
+                )
                 ok = status == 200 and body["results"][0]["ok"]
-            except (httpx.HTTPError, aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, httpx.HTTPError, aiohttp.ClientError):
                 ok = False
             calls += 1
             errors += not ok
             await asyncio.sleep(1.0)
+
     await asyncio.gather(*(worker(i, s) for i, s in enumerate(ids)))
     for sid in ids:
         errors += (await http.request("GET", f"/sessions/{sid}"))[0] != 200
@@ -157,12 +181,16 @@ async def main(args) -> None:
     http = Http(args.client, url, token)
     try:
         health = (await http.request("GET", "/health"))[1]
-        print(f"server: sandbox={health['sandbox']} volumes={health['volumes']} cpus={os.cpu_count()} "
-              f"client={args.client} load average={os.getloadavg()[0]:.1f}")
+        print(
+            f"server: sandbox={health['sandbox']} volumes={health['volumes']} cpus={os.cpu_count()} "
+            f"client={args.client} load average={os.getloadavg()[0]:.1f}"
+        )
         await create_latency(http, args.task, 5)  # warm-up
         lat = await create_latency(http, args.task, args.creates)
-        print(f"session create latency over {len(lat)} creates: p50 {pct(lat, .5) * 1e3:.1f} ms, "
-              f"p99 {pct(lat, .99) * 1e3:.1f} ms (mean {statistics.mean(lat) * 1e3:.1f} ms)")
+        print(
+            f"session create latency over {len(lat)} creates: p50 {pct(lat, 0.5) * 1e3:.1f} ms, "
+            f"p99 {pct(lat, 0.99) * 1e3:.1f} ms (mean {statistics.mean(lat) * 1e3:.1f} ms)"
+        )
         rate = await throughput(http, args.task, 64, args.seconds, shell=False)
         print(f"tool calls/s at 64 concurrent sessions, file tools: {rate:.0f}")
         rate = await throughput(http, args.task, 64, args.seconds, shell=True)
@@ -174,8 +202,10 @@ async def main(args) -> None:
             if errors:
                 break
             best = level
-        print(f"largest number of sessions held for {args.hold_seconds:.0f} s with no error: {best}"
-              f"{' (the largest level tried)' if best == max(args.hold_levels) else ''}")
+        print(
+            f"largest number of sessions held for {args.hold_seconds:.0f} s with no error: {best}"
+            f"{' (the largest level tried)' if best == max(args.hold_levels) else ''}"
+        )
     finally:
         await http.close()
         proc.terminate()

@@ -13,6 +13,7 @@ else took any time and each product ran at the speed XLA gives it on its own: a 
 program's wall time, and so a ceiling on how far the program can be sped up without a faster
 matmul or fewer FLOPs.
 """
+
 from __future__ import annotations
 
 import re
@@ -28,8 +29,10 @@ _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\S+?)(?:\{[^}]*\})? (\w[\w-]*)\((.
 _SHAPE = re.compile(r"^([a-z]+\d*)\[([\d,]*)\]")
 _CALLEE = re.compile(r"\b(calls|body|condition|to_apply|branch_computations|called_computations)=(\{[^}]*\}|%[\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_DIMS = {k: re.compile(k + r"=\{([\d,]*)\}") for k in
-         ("lhs_contracting_dims", "rhs_contracting_dims", "lhs_batch_dims", "rhs_batch_dims")}
+_DIMS = {
+    k: re.compile(k + r"=\{([\d,]*)\}")
+    for k in ("lhs_contracting_dims", "rhs_contracting_dims", "lhs_batch_dims", "rhs_batch_dims")
+}
 
 
 @dataclass(frozen=True)
@@ -49,8 +52,9 @@ class Dot:
 
     def __str__(self) -> str:
         b = f" batch {self.lhs_batch}x{self.rhs_batch}" if self.lhs_batch else ""
-        return (f"{self.dtype}{list(self.lhs)} . {list(self.rhs)} contract "
-                f"{self.lhs_contracting}x{self.rhs_contracting}{b}")
+        return (
+            f"{self.dtype}{list(self.lhs)} . {list(self.rhs)} contract {self.lhs_contracting}x{self.rhs_contracting}{b}"
+        )
 
 
 def _ints(s: str) -> tuple[int, ...]:
@@ -111,8 +115,15 @@ def dot_inventory(hlo_text: str) -> tuple[dict[Dot, int], list[str]]:
             operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
             (lt, ls), (rt, rs) = (_SHAPE.match(shapes[o]).groups() for o in operands[:2])
             d = {k: _ints(r.search(line).group(1)) if r.search(line) else () for k, r in _DIMS.items()}
-            dot = Dot(lt, _ints(ls), _ints(rs), d["lhs_contracting_dims"], d["rhs_contracting_dims"],
-                      d["lhs_batch_dims"], d["rhs_batch_dims"])
+            dot = Dot(
+                lt,
+                _ints(ls),
+                _ints(rs),
+                d["lhs_contracting_dims"],
+                d["rhs_contracting_dims"],
+                d["lhs_batch_dims"],
+                d["rhs_batch_dims"],
+            )
             dots[dot] = dots.get(dot, 0) + count[c]
     return dots, sorted(set(notes))
 
@@ -164,8 +175,12 @@ def bmm_layout(dot: Dot) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, i
     free_l = tuple(i for i in range(len(dot.lhs)) if i not in dot.lhs_contracting + dot.lhs_batch)
     free_r = tuple(i for i in range(len(dot.rhs)) if i not in dot.rhs_contracting + dot.rhs_batch)
     size = lambda shape, idx: int(np.prod([shape[i] for i in idx]))
-    dims = (size(dot.lhs, dot.lhs_batch), size(dot.lhs, free_l), size(dot.lhs, dot.lhs_contracting),
-            size(dot.rhs, free_r))
+    dims = (
+        size(dot.lhs, dot.lhs_batch),
+        size(dot.lhs, free_l),
+        size(dot.lhs, dot.lhs_contracting),
+        size(dot.rhs, free_r),
+    )
     return dot.lhs_batch + free_l + dot.lhs_contracting, dot.rhs_batch + dot.rhs_contracting + free_r, dims
 
 

@@ -7,6 +7,7 @@ groups, 1 shared expert; batch 8 x 512 tokens, float32. Target: tiled MoE within
 
     .venv/bin/python bench/moe_layer.py [--tokens 4096] [--repeats 5]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,16 @@ from composer_jax.model import moe
 from composer_jax.model.layers import swiglu
 
 REFERENCE = Path(__file__).resolve().parents[1] / ".." / "shared" / "bench" / "moe_bench_config.json"
-EMBEDDED = {"hidden_size": 256, "moe_intermediate_size": 256, "n_routed_experts": 16, "num_experts_per_tok": 4,
-            "n_group": 4, "topk_group": 2, "n_shared_experts": 1, "routed_scaling_factor": 2.5}
+EMBEDDED = {
+    "hidden_size": 256,
+    "moe_intermediate_size": 256,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+    "n_group": 4,
+    "topk_group": 2,
+    "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5,
+}
 
 
 def load_reference() -> tuple[dict, str]:
@@ -50,17 +59,38 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     ref, source = load_reference()
-    cfg = ModelConfig(hidden_size=ref["hidden_size"], moe_intermediate_size=ref["moe_intermediate_size"],
-                      num_experts=ref["n_routed_experts"], num_experts_per_tok=ref["num_experts_per_tok"],
-                      n_group=ref["n_group"], topk_group=ref["topk_group"], num_shared_experts=ref["n_shared_experts"],
-                      routed_scaling_factor=ref["routed_scaling_factor"], score_func="sigmoid", topk_method="noaux_tc")
-    d, e, f, k, s = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok, cfg.num_shared_experts
+    cfg = ModelConfig(
+        hidden_size=ref["hidden_size"],
+        moe_intermediate_size=ref["moe_intermediate_size"],
+        num_experts=ref["n_routed_experts"],
+        num_experts_per_tok=ref["num_experts_per_tok"],
+        n_group=ref["n_group"],
+        topk_group=ref["topk_group"],
+        num_shared_experts=ref["n_shared_experts"],
+        routed_scaling_factor=ref["routed_scaling_factor"],
+        score_func="sigmoid",
+        topk_method="noaux_tc",
+    )
+    d, e, f, k, s = (
+        cfg.hidden_size,
+        cfg.num_experts,
+        cfg.moe_intermediate_size,
+        cfg.num_experts_per_tok,
+        cfg.num_shared_experts,
+    )
     t = args.tokens
     keys = jax.random.split(jax.random.key(0), 10)
     n = lambda key, shape: 0.05 * jax.random.normal(key, shape, jnp.float32)
-    p = {"router": n(keys[0], (d, e)), "router_bias": jnp.zeros((e,)), "gate": n(keys[1], (e, d, f)),
-         "up": n(keys[2], (e, d, f)), "down": n(keys[3], (e, f, d)), "shared_gate": n(keys[4], (d, s * f)),
-         "shared_up": n(keys[5], (d, s * f)), "shared_down": n(keys[6], (s * f, d))}
+    p = {
+        "router": n(keys[0], (d, e)),
+        "router_bias": jnp.zeros((e,)),
+        "gate": n(keys[1], (e, d, f)),
+        "up": n(keys[2], (e, d, f)),
+        "down": n(keys[3], (e, f, d)),
+        "shared_gate": n(keys[4], (d, s * f)),
+        "shared_up": n(keys[5], (d, s * f)),
+        "shared_down": n(keys[6], (s * f, d)),
+    }
     x = jax.random.normal(keys[7], (8, t // 8, d), jnp.float32)
     fd = (k + s) * f  # dense MLP width with the same active FLOPs as routed top-k + shared
     dense_p = {"gate": n(keys[8], (d, fd)), "up": n(keys[9], (d, fd)), "down": n(keys[1], (fd, d))[:, :d]}
@@ -79,16 +109,25 @@ def main() -> None:
     for impl in ("tiled", "ragged"):
         results[impl] = timeit(step(moe_loss, 2), p, x, impl, repeats=args.repeats)
     print(f"MoE layer forward+backward on {jax.devices()[0].platform.upper()} ({source}):")
-    print(f"  tokens {t}, hidden {d}, {e} experts x {f} (top-{k}) + {s} shared; active matmul FLOPs "
-          f"{flops / 1e9:.2f} GFLOP per step")
-    for name, label in (("dense", "dense SwiGLU, same active FLOPs"), ("tiled", "MoE, tiled grouped matmul (ours)"),
-                        ("ragged", "MoE, jax.lax.ragged_dot")):
+    print(
+        f"  tokens {t}, hidden {d}, {e} experts x {f} (top-{k}) + {s} shared; active matmul FLOPs "
+        f"{flops / 1e9:.2f} GFLOP per step"
+    )
+    for name, label in (
+        ("dense", "dense SwiGLU, same active FLOPs"),
+        ("tiled", "MoE, tiled grouped matmul (ours)"),
+        ("ragged", "MoE, jax.lax.ragged_dot"),
+    ):
         sec = results[name]
-        print(f"  {label:<36} {sec * 1e3:9.1f} ms   {flops / sec / 1e9:7.1f} GFLOP/s   "
-              f"{sec / results['dense']:5.2f}x dense")
+        print(
+            f"  {label:<36} {sec * 1e3:9.1f} ms   {flops / sec / 1e9:7.1f} GFLOP/s   "
+            f"{sec / results['dense']:5.2f}x dense"
+        )
     ratio = results["tiled"] / results["dense"]
-    print(f"  target: tiled MoE within 2x of dense -> {ratio:.2f}x ({'met' if ratio <= 2 else 'NOT met'}); "
-          f"ragged_dot is {results['ragged'] / results['tiled']:.1f}x slower than tiled on this backend")
+    print(
+        f"  target: tiled MoE within 2x of dense -> {ratio:.2f}x ({'met' if ratio <= 2 else 'NOT met'}); "
+        f"ragged_dot is {results['ragged'] / results['tiled']:.1f}x slower than tiled on this backend"
+    )
 
 
 if __name__ == "__main__":

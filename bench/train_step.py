@@ -33,6 +33,7 @@ torch.backends.cuda.matmul.allow_tf32=False); `--gpu-precision tf32` lets both u
 cores. The peak is then a float32 8192^3 matmul through jax.jit at that precision, and our MoE uses
 `moe_impl=auto` (ragged_dot on GPU) instead of the CPU's tiled dispatch.
 """
+
 from __future__ import annotations
 
 import os
@@ -66,13 +67,33 @@ import numpy as np  # noqa: E402
 
 REFERENCE = Path(__file__).resolve().parents[1] / ".." / "shared" / "bench" / "moe_bench_config.json"
 EMBEDDED = {
-    "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 32000,
-    "hidden_size": 256, "intermediate_size": 1024, "moe_intermediate_size": 256, "num_hidden_layers": 4,
-    "num_attention_heads": 8, "num_key_value_heads": 8, "n_shared_experts": 1, "n_routed_experts": 16,
-    "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
-    "first_k_dense_replace": 1, "norm_topk_prob": True, "q_lora_rank": 128, "kv_lora_rank": 64,
-    "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32, "max_position_embeddings": 4096,
-    "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "num_nextn_predict_layers": 1,
+    "model_type": "deepseek_v3",
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "vocab_size": 32000,
+    "hidden_size": 256,
+    "intermediate_size": 1024,
+    "moe_intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "n_shared_experts": 1,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+    "n_group": 4,
+    "topk_group": 2,
+    "routed_scaling_factor": 2.5,
+    "first_k_dense_replace": 1,
+    "norm_topk_prob": True,
+    "q_lora_rank": 128,
+    "kv_lora_rank": 64,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+    "max_position_embeddings": 4096,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "num_nextn_predict_layers": 1,
     "torch_dtype": "float32",
 }
 BATCH, SEQ = 8, 512
@@ -104,8 +125,9 @@ def build_torch(fields: dict, attn: str, experts: str, seed: int, device: str = 
     # the same decay mask as ours (train/optimizer.py): matrices except the embedding; no norms/biases
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed_tokens" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed_tokens" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=LR, betas=BETAS, eps=EPS)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}], lr=LR, betas=BETAS, eps=EPS
+    )
     return model, opt
 
 
@@ -138,10 +160,21 @@ def build_ours(hf_dir: str, overrides: list[str], moe_impl: str = "tiled"):
     mcfg, params = from_pretrained(hf_dir, mesh, rules=rules)
     base = {"model": to_dict(mcfg), "mesh": {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}}
     fixed = [
-        f"train.batch_size={BATCH}", f"train.seq_len={SEQ}", "train.mtp_weight=0", "train.z_loss=0",
-        f"model.moe_impl={moe_impl}", "model.scan_layers=false", f"train.optimizer.lr={LR}", "train.optimizer.schedule=constant",
-        "train.optimizer.warmup_steps=0", f"train.optimizer.b1={BETAS[0]}", f"train.optimizer.b2={BETAS[1]}",
-        f"train.optimizer.weight_decay={WD}", f"train.optimizer.clip_norm={CLIP}", "train.steps=1000"]
+        f"train.batch_size={BATCH}",
+        f"train.seq_len={SEQ}",
+        "train.mtp_weight=0",
+        "train.z_loss=0",
+        f"model.moe_impl={moe_impl}",
+        "model.scan_layers=false",
+        f"train.optimizer.lr={LR}",
+        "train.optimizer.schedule=constant",
+        "train.optimizer.warmup_steps=0",
+        f"train.optimizer.b1={BETAS[0]}",
+        f"train.optimizer.b2={BETAS[1]}",
+        f"train.optimizer.weight_decay={WD}",
+        f"train.optimizer.clip_norm={CLIP}",
+        "train.steps=1000",
+    ]
     given = {o.split("=", 1)[0].strip() for o in overrides}  # --override replaces the bench's own value
     cfg = config_from_dict(base, [o for o in fixed if o.split("=", 1)[0] not in given] + list(overrides), num_devices=1)
     state = init_train_state(cfg, mesh, rules, params=params)
@@ -150,9 +183,12 @@ def build_ours(hf_dir: str, overrides: list[str], moe_impl: str = "tiled"):
 
 def jax_batch(tokens_np: np.ndarray) -> dict:
     b, s = tokens_np.shape
-    return {"tokens": jnp.asarray(tokens_np, jnp.int32), "segment_ids": jnp.ones((b, s), jnp.int32),
-            "positions": jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)),
-            "loss_mask": jnp.ones((b, s), jnp.float32)}
+    return {
+        "tokens": jnp.asarray(tokens_np, jnp.int32),
+        "segment_ids": jnp.ones((b, s), jnp.int32),
+        "positions": jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)),
+        "loss_mask": jnp.ones((b, s), jnp.float32),
+    }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -173,7 +209,7 @@ def peak_sampler(n: int = 2048):
     def sample() -> float:
         t0 = time.perf_counter()
         jax.block_until_ready(mm(a, b))
-        return 2 * n ** 3 / (time.perf_counter() - t0)
+        return 2 * n**3 / (time.perf_counter() - t0)
 
     return sample
 
@@ -187,21 +223,27 @@ def dot_floor(step, state, batch, peak: float, torch_device: str | None, top: in
     from hlo_dots import dot_inventory, time_dots, time_dots_torch
 
     if jax.default_backend() != "cpu":
-        print(f"\nno floor on {jax.default_backend()}: XLA:GPU lowers matrix products to cuBLAS custom calls and "
-              "Triton fusions, which bench/hlo_dots.py does not count")
+        print(
+            f"\nno floor on {jax.default_backend()}: XLA:GPU lowers matrix products to cuBLAS custom calls and "
+            "Triton fusions, which bench/hlo_dots.py does not count"
+        )
         return None
     dots, notes = dot_inventory(step.lower(state, batch).compile().as_text())
     rows = time_dots(dots)
     ours = sum(c * t for _, c, t in rows)
     flops = sum(d.flops * c for d, c, _ in rows)
     theirs = time_dots_torch(dots, device=torch_device) if torch_device else None
-    print(f"\nthe step's matrix products (from its compiled HLO: {len(rows)} distinct, {sum(dots.values())} executed, "
-          f"{flops / 1e9:.0f} GFLOP incl. tile padding), each timed alone, best of 3:")
+    print(
+        f"\nthe step's matrix products (from its compiled HLO: {len(rows)} distinct, {sum(dots.values())} executed, "
+        f"{flops / 1e9:.0f} GFLOP incl. tile padding), each timed alone, best of 3:"
+    )
     for note in notes:
         print(f"  note: {note}")
-    print(f"  XLA:{jax.default_backend().upper()}: {ours:.3f} s ({flops / ours / 1e9:.0f} GFLOP/s, "
-          f"{flops / ours / peak:.0%} of peak) <- floor for our step" +
-          (f"; the same products in torch (bmm): {sum(c * theirs[d] for d, c, _ in rows):.3f} s" if theirs else ""))
+    print(
+        f"  XLA:{jax.default_backend().upper()}: {ours:.3f} s ({flops / ours / 1e9:.0f} GFLOP/s, "
+        f"{flops / ours / peak:.0%} of peak) <- floor for our step"
+        + (f"; the same products in torch (bmm): {sum(c * theirs[d] for d, c, _ in rows):.3f} s" if theirs else "")
+    )
     print(f"  the {top} costliest (count x time alone):")
     for d, c, t in rows[:top]:
         other = f"  torch {theirs[d] * 1e3:7.2f} ms" if theirs else ""
@@ -222,33 +264,51 @@ def main() -> None:
     ap.add_argument("--override", action="append", default=[], help="extra composer_jax key=value (ours only)")
     ap.add_argument("--xla-flags", default="", help="XLA_FLAGS for this process only (set before jax starts)")
     ap.add_argument("--skip-hf", action="store_true", help="time our step only")
-    ap.add_argument("--malloc-hugetlb", action="store_true",
-                    help="run with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (re-executes the bench)")
+    ap.add_argument(
+        "--malloc-hugetlb",
+        action="store_true",
+        help="run with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (re-executes the bench)",
+    )
     ap.add_argument("--no-shapes", action="store_true", help="skip the matmul floor (the step's products timed alone)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "gpu"], help="where both sides run (see the docstring)")
-    ap.add_argument("--gpu-precision", default="highest", choices=["highest", "tf32"],
-                    help="float32 matmul precision of both sides on GPU")
+    ap.add_argument(
+        "--gpu-precision",
+        default="highest",
+        choices=["highest", "tf32"],
+        help="float32 matmul precision of both sides on GPU",
+    )
     args = ap.parse_args()
     import torch
 
     gpu = args.device == "gpu"
     if gpu:
         if jax.default_backend() != "gpu" or not torch.cuda.is_available():
-            raise SystemExit(f"--device gpu needs a CUDA GPU for both JAX (backend: {jax.default_backend()!r}) "
-                             f"and torch (cuda available: {torch.cuda.is_available()})")
-        jax.config.update("jax_default_matmul_precision", "highest" if args.gpu_precision == "highest" else "tensorfloat32")
+            raise SystemExit(
+                f"--device gpu needs a CUDA GPU for both JAX (backend: {jax.default_backend()!r}) "
+                f"and torch (cuda available: {torch.cuda.is_available()})"
+            )
+        jax.config.update(
+            "jax_default_matmul_precision", "highest" if args.gpu_precision == "highest" else "tensorfloat32"
+        )
         torch.backends.cuda.matmul.allow_tf32 = args.gpu_precision == "tf32"
     elif jax.default_backend() != "cpu":
-        raise SystemExit(f"the CPU bench found JAX on {jax.default_backend()!r}: run it with JAX_PLATFORMS=cpu, "
-                         "or pass --device gpu")
+        raise SystemExit(
+            f"the CPU bench found JAX on {jax.default_backend()!r}: run it with JAX_PLATFORMS=cpu, or pass --device gpu"
+        )
     torch.set_num_threads(args.threads)
     fields, source = load_reference()
     print(f"config: {source}")
-    where = (f"GPU {torch.cuda.get_device_name()} / {jax.devices()[0].device_kind}, float32 matmuls at "
-             f"'{args.gpu_precision}' precision on both sides" if gpu else
-             f"torch with set_num_threads({args.threads})")
-    print(f"machine: {os.cpu_count()} cores; jax {jax.__version__} ({jax.default_backend()}); torch {torch.__version__}; "
-          f"{where}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}")
+    where = (
+        f"GPU {torch.cuda.get_device_name()} / {jax.devices()[0].device_kind}, float32 matmuls at "
+        f"'{args.gpu_precision}' precision on both sides"
+        if gpu
+        else f"torch with set_num_threads({args.threads})"
+    )
+    print(
+        f"machine: {os.cpu_count()} cores; jax {jax.__version__} ({jax.default_backend()}); torch {torch.__version__}; "
+        f"{where}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; "
+        f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}"
+    )
 
     rng = np.random.default_rng(0)
     tokens_np = rng.integers(0, fields["vocab_size"], (BATCH, SEQ), dtype=np.int64)
@@ -267,11 +327,15 @@ def main() -> None:
     total_params = sum(r.size for r in rows)
     tokens = BATCH * SEQ
     step_flops = fpt["total"] * tokens
-    print(f"model: {total_params / 1e6:.1f}M params (mtp layers: {cfg.model.num_mtp_layers}), "
-          f"{fpt['matmul_active_params'] / 1e6:.2f}M active matmul params; {fpt['total'] / 1e6:.1f} MFLOP/token "
-          f"(6N + causal attention) -> {step_flops / 1e12:.3f} TFLOP per step of {BATCH}x{SEQ} tokens")
-    print(f"ours: moe_impl={cfg.model.moe_impl} tile={cfg.model.moe_tile_size} remat={cfg.model.remat} "
-          f"overrides={args.override}; transformers: {hf_impl}, train mode")
+    print(
+        f"model: {total_params / 1e6:.1f}M params (mtp layers: {cfg.model.num_mtp_layers}), "
+        f"{fpt['matmul_active_params'] / 1e6:.2f}M active matmul params; {fpt['total'] / 1e6:.1f} MFLOP/token "
+        f"(6N + causal attention) -> {step_flops / 1e12:.3f} TFLOP per step of {BATCH}x{SEQ} tokens"
+    )
+    print(
+        f"ours: moe_impl={cfg.model.moe_impl} tile={cfg.model.moe_tile_size} remat={cfg.model.remat} "
+        f"overrides={args.override}; transformers: {hf_impl}, train mode"
+    )
 
     batch = jax_batch(tokens_np)
     holder = {"state": state}
@@ -305,8 +369,11 @@ def main() -> None:
             faults[name].append((r1.ru_minflt - r0.ru_minflt, r1.ru_stime - r0.ru_stime))
             peaks += [sample_peak() for _ in range(2)]
     peak = max(peaks)
-    print(f"\nmeasured peak: {peak / 1e9:.0f} GFLOP/s (float32 {n_peak}^3 matmul via jax.jit: best of {len(peaks)} samples "
-          f"taken between the steps; median sample {statistics.median(peaks) / 1e9:.0f} GFLOP/s)")
+    print(
+        f"\nmeasured peak: {peak / 1e9:.0f} GFLOP/s (float32 {n_peak}^3 matmul via jax.jit: "
+        f"best of {len(peaks)} samples "
+        f"taken between the steps; median sample {statistics.median(peaks) / 1e9:.0f} GFLOP/s)"
+    )
     print(f"load average during the run: {os.getloadavg()[0]:.1f} (1 min) on {os.cpu_count()} cores")
     print(f"timed: {args.repeats} alternating steps per side after {args.warmup} warm-up steps\n")
     hdr = f"{'side':<14} {'median s':>9} {'min s':>7} {'tokens/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'ours/HF':>8}"
@@ -316,20 +383,31 @@ def main() -> None:
     for name, ts in times.items():
         m = med[name]
         ratio = med.get("transformers", float("nan")) / m
-        print(f"{name:<14} {m:9.3f} {min(ts):7.3f} {tokens / m:9.0f} {step_flops / m / 1e12:8.3f} "
-              f"{step_flops / m / peak:6.1%} {ratio:7.2f}x")
-    print("(tokens/s, TFLOP/s and MFU from the median step; ours/HF = HF median / our median; MFU of the "
-          "fastest step: " + ", ".join(f"{k} {step_flops / min(v) / peak:.1%}" for k, v in times.items()) + ")")
-    print(f"\nall step times (s): " + "; ".join(f"{k}: {', '.join(f'{t:.3f}' for t in v)}" for k, v in times.items()))
-    print("per step, whole process (median): " + "; ".join(
-        f"{k}: {statistics.median(f for f, _ in v) / 1e3:.0f}K minor page faults, "
-        f"{statistics.median(s for _, s in v):.2f} s system CPU time" for k, v in faults.items()) +
-        " (temporaries allocated and first touched every step)")
+        print(
+            f"{name:<14} {m:9.3f} {min(ts):7.3f} {tokens / m:9.0f} {step_flops / m / 1e12:8.3f} "
+            f"{step_flops / m / peak:6.1%} {ratio:7.2f}x"
+        )
+    print(
+        "(tokens/s, TFLOP/s and MFU from the median step; ours/HF = HF median / our median; MFU of the "
+        "fastest step: " + ", ".join(f"{k} {step_flops / min(v) / peak:.1%}" for k, v in times.items()) + ")"
+    )
+    print("\nall step times (s): " + "; ".join(f"{k}: {', '.join(f'{t:.3f}' for t in v)}" for k, v in times.items()))
+    print(
+        "per step, whole process (median): "
+        + "; ".join(
+            f"{k}: {statistics.median(f for f, _ in v) / 1e3:.0f}K minor page faults, "
+            f"{statistics.median(s for _, s in v):.2f} s system CPU time"
+            for k, v in faults.items()
+        )
+        + " (temporaries allocated and first touched every step)"
+    )
     if not args.no_shapes:
         floor = dot_floor(step, holder["state"], batch, peak, None if args.skip_hf else tdev)
         if floor and "transformers" in med:
-            print(f"  transformers median step / our floor = {med['transformers'] / floor:.2f}x: the most this "
-                  f"side can be ahead without faster matrix products or fewer FLOPs")
+            print(
+                f"  transformers median step / our floor = {med['transformers'] / floor:.2f}x: the most this "
+                f"side can be ahead without faster matrix products or fewer FLOPs"
+            )
 
 
 if __name__ == "__main__":

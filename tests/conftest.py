@@ -1,4 +1,5 @@
 """Test session setup: a fake 8-device CPU mesh, set before JAX initialises its backend."""
+
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # XLA's SPMD partitioner performance warnings

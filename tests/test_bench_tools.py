@@ -1,4 +1,5 @@
 """bench/hlo_dots.py: the matrix-product inventory that `bench/train_step.py` turns into a floor."""
+
 import sys
 from pathlib import Path
 
@@ -56,19 +57,25 @@ def test_unknown_trip_count_is_reported():
     assert len(notes) == 1 and "no known trip count" in notes[0]
 
 
-@pytest.mark.parametrize("lhs,rhs,lc,rc,lb,rb", [
-    ((5, 7), (7, 3), (1,), (0,), (), ()),
-    ((7, 5), (3, 7), (0,), (1,), (), ()),
-    ((2, 7, 5), (2, 3, 7), (1,), (2,), (0,), (0,)),
-    ((5, 2, 7, 4), (4, 7, 2, 3), (2, 3), (1, 0), (1,), (2,)),
-])
+@pytest.mark.parametrize(
+    "lhs,rhs,lc,rc,lb,rb",
+    [
+        ((5, 7), (7, 3), (1,), (0,), (), ()),
+        ((7, 5), (3, 7), (0,), (1,), (), ()),
+        ((2, 7, 5), (2, 3, 7), (1,), (2,), (0,), (0,)),
+        ((5, 2, 7, 4), (4, 7, 2, 3), (2, 3), (1, 0), (1,), (2,)),
+    ],
+)
 def test_bmm_layout_is_dot_general(lhs, rhs, lc, rc, lb, rb):
     """The batched-matmul form the torch side is timed in computes the same product."""
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal(lhs), rng.standard_normal(rhs)
     dot = Dot("f32", lhs, rhs, lc, rc, lb, rb)
-    want = np.asarray(jax.lax.dot_general(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32),
-                                          ((lc, rc), (lb, rb)), precision="highest"))
+    want = np.asarray(
+        jax.lax.dot_general(
+            jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32), ((lc, rc), (lb, rb)), precision="highest"
+        )
+    )
     lhs_order, rhs_order, (bsz, m, k, n) = bmm_layout(dot)
     got = np.transpose(a, lhs_order).reshape(bsz, m, k) @ np.transpose(b, rhs_order).reshape(bsz, k, n)
     np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-5, atol=1e-5)

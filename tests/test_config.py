@@ -1,10 +1,11 @@
 """Config loading: overrides, unknown keys, wrong types, impossible combinations."""
+
+from pathlib import Path
+
 import pytest
 
 import composer_jax as cj
 from composer_jax.config import ConfigError, MeshConfig, parse_overrides
-
-from pathlib import Path
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs/model/tiny.yaml")
 
@@ -20,22 +21,31 @@ def test_load_and_override():
     assert cfg.model.num_moe_layers == 2 and cfg.model.num_dense_layers == 1
 
 
-@pytest.mark.parametrize("override, fragments", [
-    (["model.num_layer=2"], ["model.num_layer", "did you mean 'num_layers'"]),
-    (["modle.x=1"], ["'modle'", "accepted keys"]),
-    (["model.num_layers=two"], ["model.num_layers='two'", "integer"]),
-    (["model.score_func=relu"], ["model.score_func='relu'", "'sigmoid'", "'softmax'"]),
-    (["model.tie_word_embeddings=3"], ["model.tie_word_embeddings=3", "boolean"]),
-    (["model.num_heads=6", "mesh.tensor=4", "mesh.fsdp=2"], ["num_heads=6", "mesh.tensor=4", "accepted tensor sizes: [1, 2, 3, 6]"]),
-    (["model.num_experts=6", "model.n_group=3", "mesh.expert=4", "mesh.fsdp=2"], ["num_experts=6", "mesh.expert=4"]),
-    (["mesh.fsdp=3"], ["= 3", "8 devices"]),
-    (["mesh.fsdp=-1", "mesh.data=-1"], ["at most one axis may be -1"]),
-    (["model.n_group=3"], ["n_group=3", "num_experts=8"]),
-    (["model.topk_group=1", "model.num_experts_per_tok=3"], ["topk_group=1", "num_experts_per_tok=3"]),
-    (["model.num_layers=2", "model.num_layers=3"], ["given twice"]),
-    (["model.num_layers"], ["key=value"]),
-    (["model.qk_rope_head_dim=7"], ["qk_rope_head_dim=7", "even"]),
-])
+@pytest.mark.parametrize(
+    "override, fragments",
+    [
+        (["model.num_layer=2"], ["model.num_layer", "did you mean 'num_layers'"]),
+        (["modle.x=1"], ["'modle'", "accepted keys"]),
+        (["model.num_layers=two"], ["model.num_layers='two'", "integer"]),
+        (["model.score_func=relu"], ["model.score_func='relu'", "'sigmoid'", "'softmax'"]),
+        (["model.tie_word_embeddings=3"], ["model.tie_word_embeddings=3", "boolean"]),
+        (
+            ["model.num_heads=6", "mesh.tensor=4", "mesh.fsdp=2"],
+            ["num_heads=6", "mesh.tensor=4", "accepted tensor sizes: [1, 2, 3, 6]"],
+        ),
+        (
+            ["model.num_experts=6", "model.n_group=3", "mesh.expert=4", "mesh.fsdp=2"],
+            ["num_experts=6", "mesh.expert=4"],
+        ),
+        (["mesh.fsdp=3"], ["= 3", "8 devices"]),
+        (["mesh.fsdp=-1", "mesh.data=-1"], ["at most one axis may be -1"]),
+        (["model.n_group=3"], ["n_group=3", "num_experts=8"]),
+        (["model.topk_group=1", "model.num_experts_per_tok=3"], ["topk_group=1", "num_experts_per_tok=3"]),
+        (["model.num_layers=2", "model.num_layers=3"], ["given twice"]),
+        (["model.num_layers"], ["key=value"]),
+        (["model.qk_rope_head_dim=7"], ["qk_rope_head_dim=7", "even"]),
+    ],
+)
 def test_bad_configs_name_key_value_and_accepted(override, fragments):
     with pytest.raises(ConfigError) as e:
         cj.load_config(TINY, overrides=override, num_devices=8)

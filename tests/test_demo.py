@@ -1,4 +1,5 @@
 """`composer-jax demo` runs end to end on the fake mesh and its loss falls."""
+
 import re
 
 from composer_jax.demo import main

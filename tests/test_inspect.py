@@ -1,4 +1,5 @@
 """`composer-jax inspect` and model/accounting.py against hand-worked counts and published figures."""
+
 from __future__ import annotations
 
 import json
@@ -9,9 +10,7 @@ import pytest
 
 from composer_jax.config import load_config
 from composer_jax.inspection import build_report, main
-from composer_jax.model import accounting
 from composer_jax.model.params import abstract_params
-from composer_jax.sharding import ShardingRules
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "configs" / "model"
@@ -67,8 +66,12 @@ def test_tiny_count_by_hand():
     assert p["total"] == 250_000
     assert p["active"] == 176_272
     assert p["mtp_total"] == 80_264
-    assert p["components"]["routed_experts"] == {"total": 98_304, "active": 24_576,
-                                                 "bytes": 98_304 * 4, "bytes_per_device": 98_304 * 4}
+    assert p["components"]["routed_experts"] == {
+        "total": 98_304,
+        "active": 24_576,
+        "bytes": 98_304 * 4,
+        "bytes_per_device": 98_304 * 4,
+    }
 
 
 def test_tied_embedding_counted_once():
@@ -84,12 +87,15 @@ def test_tied_embedding_counted_once():
 # abstract); the hub's 685B adds the 14B MTP module, which stores its own copy of the embedding and
 # output head (2 x 129280 x 7168 = 1.85B) that composer_jax shares with the main model.
 # Qwen3-30B-A3B: "30.5B total, 3.3B activated" (Qwen/Qwen3-30B-A3B model card, arXiv 2505.09388).
-@pytest.mark.parametrize("name,total,active,tol", [
-    ("kimi_k2", 1.04e12, 32e9, 0.03),
-    ("kimi_k2_5", 1.04e12, 32e9, 0.03),
-    ("deepseek_v3", 671e9, 37e9, 0.02),
-    ("qwen3_moe_30b_a3b", 30.5e9, 3.3e9, 0.02),
-])
+@pytest.mark.parametrize(
+    "name,total,active,tol",
+    [
+        ("kimi_k2", 1.04e12, 32e9, 0.03),
+        ("kimi_k2_5", 1.04e12, 32e9, 0.03),
+        ("deepseek_v3", 671e9, 37e9, 0.02),
+        ("qwen3_moe_30b_a3b", 30.5e9, 3.3e9, 0.02),
+    ],
+)
 def test_published_parameter_counts(name, total, active, tol):
     p = _counts(name)
     assert p["total"] == pytest.approx(total, rel=tol)
@@ -118,8 +124,9 @@ def test_eval_shape_of_init_allocates_nothing():
 def test_tiny_flops_by_hand():
     # matmul params = active 176272 - embedding gather 32768 - norms 640 - router biases 2*8 = 142848
     # attention at seq 128: 12 * 3 layers * 4 heads * (24 + 16)/2 * S_ctx, S_ctx = 64 (causal) or 128
-    f = build_report(_cfg("tiny"), {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1},
-                     None, 128)["flops_per_token"]
+    f = build_report(_cfg("tiny"), {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}, None, 128)[
+        "flops_per_token"
+    ]
     assert f["matmul_active_params"] == 142_848
     assert f["attention_causal"] == 12 * 3 * 4 * 20 * 64
     assert f["total"] == 6 * 142_848 + 12 * 3 * 4 * 20 * 64
@@ -148,16 +155,22 @@ def test_tiny_state_memory_by_hand():
     assert mem["optimizer"] == 8 * n
     # bfloat16 parameters: 2 B each, plus a 4 B float32 master copy except for the float32 router
     # weights and biases (2 MoE layers + 1 MTP layer) x (64*8 + 8) = 1560 scalars.
-    mem16 = build_report(_cfg("tiny", ["model.param_dtype=bfloat16"]),
-                         {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}, 2, 64)["memory_per_device"]
+    mem16 = build_report(
+        _cfg("tiny", ["model.param_dtype=bfloat16"]),
+        {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1},
+        2,
+        64,
+    )["memory_per_device"]
     assert mem16["params"] == 2 * (n - 1560) + 4 * 1560
     assert mem16["optimizer"] == 12 * (n - 1560) + 8 * 1560
 
 
 def test_remat_orders_activation_memory():
     sizes = {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}
-    act = {p: build_report(_cfg("tiny", [f"model.remat={p}"]), sizes, 4, 256)["memory_per_device"]["activations"]
-           for p in ("none", "dots", "full")}
+    act = {
+        p: build_report(_cfg("tiny", [f"model.remat={p}"]), sizes, 4, 256)["memory_per_device"]["activations"]
+        for p in ("none", "dots", "full")
+    }
     assert act["none"]["total"] > act["dots"]["total"] > act["full"]["total"]
     # remat=full keeps one [tokens, hidden] input per layer (3 + 1 MTP) plus one layer's working set
     assert act["full"]["layers"] > 4 * 4 * 256 * 64 * 4
@@ -169,8 +182,20 @@ def test_remat_orders_activation_memory():
 
 
 def test_cli_json(capsys):
-    rc = main([str(MODELS / "deepseek_v3.yaml"), "mesh.fsdp=64", "mesh.expert=8", "--batch", "512",
-               "--seq", "4096", "--device-memory-gib", "140", "--json"])
+    rc = main(
+        [
+            str(MODELS / "deepseek_v3.yaml"),
+            "mesh.fsdp=64",
+            "mesh.expert=8",
+            "--batch",
+            "512",
+            "--seq",
+            "4096",
+            "--device-memory-gib",
+            "140",
+            "--json",
+        ]
+    )
     assert rc == 0
     r = json.loads(capsys.readouterr().out)
     assert r["devices"] == 512 and r["mesh"]["fsdp"] == 64
@@ -180,21 +205,36 @@ def test_cli_json(capsys):
 
 
 def test_cli_text(capsys):
-    assert main([str(MODELS / "qwen3_moe_30b_a3b.yaml"), "--mesh", str(MESHES / "h200x64_ep8.yaml"),
-                 "--batch", "64", "--device-memory-gib", "140"]) == 0
+    assert (
+        main(
+            [
+                str(MODELS / "qwen3_moe_30b_a3b.yaml"),
+                "--mesh",
+                str(MESHES / "h200x64_ep8.yaml"),
+                "--batch",
+                "64",
+                "--device-memory-gib",
+                "140",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "routed_experts" in out and "training FLOPs/token" in out and "fits in 140 GiB" in out
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["model.num_layrs=2"], "did you mean 'num_layers'"),
-    (["mesh.expert=5"], "accepted expert sizes"),
-    (["mesh.fsdp=2", "--batch", "3"], "accepted: a positive multiple of 2"),
-    (["--seq", "100000"], "exceeds model.max_position_embeddings=4096"),
-    (["--batch", "x"], "invalid int value: 'x'"),
-    (["--mesh", "no/such.yaml"], "does not exist"),
-    (["--device-memory-gib", "0"], "must be positive"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["model.num_layrs=2"], "did you mean 'num_layers'"),
+        (["mesh.expert=5"], "accepted expert sizes"),
+        (["mesh.fsdp=2", "--batch", "3"], "accepted: a positive multiple of 2"),
+        (["--seq", "100000"], "exceeds model.max_position_embeddings=4096"),
+        (["--batch", "x"], "invalid int value: 'x'"),
+        (["--mesh", "no/such.yaml"], "does not exist"),
+        (["--device-memory-gib", "0"], "must be positive"),
+    ],
+)
 def test_cli_bad_arguments_exit_2_with_a_clear_message(capsys, args, needle):
     assert main([str(MODELS / "tiny.yaml"), *args]) == 2
     err = capsys.readouterr().err
@@ -223,8 +263,12 @@ def test_cli_lists_dimensions_the_mesh_cannot_split(capsys):
     assert main([str(MODELS / "tiny.yaml"), "mesh.fsdp=3", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert {"path": "embed", "logical_axis": "embed", "mesh_axis": "fsdp", "dim": 64} in r["unsplit_axes"]
-    assert {"path": "moe_layers/attn/q_b", "logical_axis": "lora_in", "mesh_axis": "fsdp", "dim": 32} in r["unsplit_axes"]
+    assert {"path": "moe_layers/attn/q_b", "logical_axis": "lora_in", "mesh_axis": "fsdp", "dim": 32} in r[
+        "unsplit_axes"
+    ]
     assert {(u["logical_axis"], u["mesh_axis"], u["dim"]) for u in r["unsplit_axes"]} == {
-        ("embed", "fsdp", 64), ("lora_in", "fsdp", 32)}
+        ("embed", "fsdp", 64),
+        ("lora_in", "fsdp", 32),
+    }
     assert main([str(MODELS / "tiny.yaml"), "mesh.fsdp=4", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["unsplit_axes"] == []

@@ -4,6 +4,7 @@ environment server imports nothing of the rest, and no module imports another mo
 The graph is read from the source (every `import` statement, function-local ones included), so a
 lazy import that reaches upwards is caught like a top-level one.
 """
+
 from __future__ import annotations
 
 import ast
@@ -117,16 +118,22 @@ def test_no_upward_imports():
 
 
 def test_no_private_names_across_modules():
-    bad = [f"{where}: {src} imports {dst}.{name}" for src, dst, name, where in EDGES
-           if name and name.startswith("_") and not name.startswith("__") and dst != src]
+    bad = [
+        f"{where}: {src} imports {dst}.{name}"
+        for src, dst, name, where in EDGES
+        if name and name.startswith("_") and not name.startswith("__") and dst != src
+    ]
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("src, dst, expect", [
-    ("composer_jax.model.moe", "composer_jax.train.step", "higher layer"),
-    ("composer_jax.env.server", "composer_jax.config", "imports nothing else"),
-    ("composer_jax.train.loop", "composer_jax.env.server", "env protocol/client"),
-])
+@pytest.mark.parametrize(
+    "src, dst, expect",
+    [
+        ("composer_jax.model.moe", "composer_jax.train.step", "higher layer"),
+        ("composer_jax.env.server", "composer_jax.config", "imports nothing else"),
+        ("composer_jax.train.loop", "composer_jax.env.server", "env protocol/client"),
+    ],
+)
 def test_rule_catches_violations(src, dst, expect, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "EDGES", [(src, dst, None, "x.py:1")])
     with pytest.raises(AssertionError, match=expect):

@@ -1,5 +1,6 @@
 """Every notebook in notebooks/ runs top to bottom (code cells executed in order, one namespace), and
 what it computes and prints matches numbers worked out independently of the code under test."""
+
 import contextlib
 import io
 import json

@@ -13,6 +13,7 @@ The public API (see docs/architecture.md)::
 Names are resolved lazily so that `composer_jax.env` (the environment server, which must run on a
 CPU box without JAX) can be imported without importing JAX.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -3,6 +3,7 @@
 Each subcommand lives in the module that owns the job and is imported only when it runs, so that
 `composer-jax env-server` never imports JAX.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -17,7 +18,11 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "convert": ("composer_jax.checkpoint.convert", "main", "convert between Hugging Face safetensors and composer_jax"),
     "env-server": ("composer_jax.env.cli", "env_server_main", "serve sandboxed coding environments over HTTP"),
     "env": ("composer_jax.env.cli", "env_main", "environment task tools (env validate DIR)"),
-    "tokenizer": ("composer_jax.data.tokenizer", "main", "train a byte-level BPE on code (tokenizer train), try one (tokenizer encode)"),
+    "tokenizer": (
+        "composer_jax.data.tokenizer",
+        "main",
+        "train a byte-level BPE on code (tokenizer train), try one (tokenizer encode)",
+    ),
     "data": ("composer_jax.data.cli", "main", "data tools: make-sft from Harbor tasks, peek at packed batches"),
 }
 

@@ -8,6 +8,7 @@ each starting from the previous stage's checkpoint; then a per-stage summary.
 
 `--quick`: a few sharded AdamW steps on a synthetic rule (t_{i+1} = 5 t_i + 7 mod V), in a minute.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,10 +41,13 @@ def synthetic_batch(key: jax.Array, batch: int, seq: int, vocab: int):
     start: a deterministic bigram rule the model can learn in a few dozen steps."""
     starts = jax.random.randint(key, (batch, 2), 0, vocab)
     half = seq // 2
+
     def run(t0):
         def body(t, _):
             return (5 * t + 7) % vocab, t
+
         return jax.lax.scan(body, t0, None, length=half)[1]
+
     rows = jax.vmap(jax.vmap(run))(starts)  # [batch, 2, half]
     tokens = rows.reshape(batch, seq).astype(jnp.int32)
     seg = jnp.repeat(jnp.array([1, 2], jnp.int32), half)[None].repeat(batch, 0)
@@ -51,8 +55,11 @@ def synthetic_batch(key: jax.Array, batch: int, seq: int, vocab: int):
 
 
 REPO = Path(__file__).resolve().parents[2]
-STAGES = (("stage1", "pretrain/tiny_stage1.yaml"), ("stage2", "pretrain/tiny_stage2.yaml"),
-          ("stage3_sft", "pretrain/tiny_stage3_sft.yaml"))
+STAGES = (
+    ("stage1", "pretrain/tiny_stage1.yaml"),
+    ("stage2", "pretrain/tiny_stage2.yaml"),
+    ("stage3_sft", "pretrain/tiny_stage3_sft.yaml"),
+)
 
 
 def pipeline(out_root: str, scale: float, echo=print) -> list[dict]:
@@ -72,8 +79,10 @@ def pipeline(out_root: str, scale: float, echo=print) -> list[dict]:
         if previous is None:
             mesh = dict(cfg.mesh.shape(jax.device_count()))
             echo(format_report(build_report(cfg, mesh, cfg.train.batch_size, cfg.train.seq_len)))
-        echo(f"\n=== {name}: {cfg.data.format} on {cfg.data.sources[0].path}..., seq {cfg.train.seq_len}, "
-             f"mesh {cfg.mesh.shape(jax.device_count())}, {cfg.train.steps} steps ===")
+        echo(
+            f"\n=== {name}: {cfg.data.format} on {cfg.data.sources[0].path}..., seq {cfg.train.seq_len}, "
+            f"mesh {cfg.mesh.shape(jax.device_count())}, {cfg.train.steps} steps ==="
+        )
         summary = run_stage(cfg, echo=echo)
         summary["name"] = name
         results.append(summary)
@@ -83,14 +92,17 @@ def pipeline(out_root: str, scale: float, echo=print) -> list[dict]:
         losses = [r["losses"][k] for k in sorted(r["losses"])]
         ev = r["evals"]
         mtp = [e.get("eval/mtp_accuracy/1", float("nan")) for e in (ev[0], ev[-1])]
-        echo(f"{r['name']:<12} {losses[0]:8.3f} -> {losses[-1]:8.3f}   {ev[0]['eval/perplexity']:10.2f} -> "
-             f"{ev[-1]['eval/perplexity']:10.2f}   {mtp[0]:8.3f} -> {mtp[1]:8.3f}")
+        echo(
+            f"{r['name']:<12} {losses[0]:8.3f} -> {losses[-1]:8.3f}   {ev[0]['eval/perplexity']:10.2f} -> "
+            f"{ev[-1]['eval/perplexity']:10.2f}   {mtp[0]:8.3f} -> {mtp[1]:8.3f}"
+        )
     return results
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="composer-jax demo", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="composer-jax demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true", help="a few sharded steps on synthetic data only")
     ap.add_argument("--out", default="runs/demo", help="output folder of the pipeline (relative to the repo)")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every stage's steps by this")
@@ -102,8 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not args.quick:
         if args.overrides:
-            print("composer-jax demo: key=value overrides apply to --quick only; the pipeline runs the "
-                  "stage configs in configs/pretrain/tiny_*.yaml", file=sys.stderr)
+            print(
+                "composer-jax demo: key=value overrides apply to --quick only; the pipeline runs the "
+                "stage configs in configs/pretrain/tiny_*.yaml",
+                file=sys.stderr,
+            )
             return 2
         if args.scale <= 0:
             print(f"composer-jax demo: --scale {args.scale} must be > 0", file=sys.stderr)
@@ -114,9 +129,16 @@ def main(argv: list[str] | None = None) -> int:
         pipeline(args.out, args.scale)
         return 0
     # the library's step and optimiser: AdamW peaking at 1e-2 after 5 warmup steps, cosine to 0
-    train = [f"train.steps={args.steps}", f"train.batch_size={args.batch}", f"train.seq_len={args.seq}",
-             "train.optimizer.lr=0.01", "train.optimizer.warmup_steps=5", "train.optimizer.min_lr_ratio=0.0",
-             "train.optimizer.weight_decay=0.01", "train.optimizer.clip_norm=0.0"]
+    train = [
+        f"train.steps={args.steps}",
+        f"train.batch_size={args.batch}",
+        f"train.seq_len={args.seq}",
+        "train.optimizer.lr=0.01",
+        "train.optimizer.warmup_steps=5",
+        "train.optimizer.min_lr_ratio=0.0",
+        "train.optimizer.weight_decay=0.01",
+        "train.optimizer.clip_norm=0.0",
+    ]
     try:
         cfg = cj.load_config(args.config, train + (DEFAULT_OVERRIDES if not args.overrides else args.overrides))
     except cj.ConfigError as e:
@@ -125,8 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     m = cfg.model
     mesh = cj.make_mesh(cfg.mesh)
     rules = cj.ShardingRules.create(cfg.sharding_rules)
-    print(f"composer_jax demo: {m.name} on {jax.device_count()} {jax.devices()[0].platform} devices, "
-          f"mesh {dict(mesh.shape)}")
+    print(
+        f"composer_jax demo: {m.name} on {jax.device_count()} {jax.devices()[0].platform} devices, "
+        f"mesh {dict(mesh.shape)}"
+    )
     # the model report of `composer-jax inspect`, computed from eval_shape (nothing allocated)
     print(format_report(build_report(cfg, dict(mesh.shape), args.batch, args.seq)))
 
@@ -138,18 +162,29 @@ def main(argv: list[str] | None = None) -> int:
     with jax.set_mesh(mesh):
         for i in range(args.steps):
             tokens, seg = synthetic_batch(jax.random.fold_in(key, i), args.batch, args.seq, m.vocab_size)
-            batch = jax.device_put({"tokens": tokens, "segment_ids": seg, "positions": segment_positions(seg),
-                                    "loss_mask": jnp.ones(tokens.shape, jnp.float32)}, placement)
+            batch = jax.device_put(
+                {
+                    "tokens": tokens,
+                    "segment_ids": seg,
+                    "positions": segment_positions(seg),
+                    "loss_mask": jnp.ones(tokens.shape, jnp.float32),
+                },
+                placement,
+            )
             state, metrics = step(state, batch)
             if i % 5 == 0 or i == args.steps - 1:
                 counts = metrics["expert_counts"]
                 load = counts[-1] / counts[-1].sum()
-                print(f"step {i:3d}  loss {float(metrics['loss']):.4f}  next-token nll {float(metrics['nll']):.4f}  "
-                      f"grad-norm {float(metrics['grad_norm']):.3f}  last-layer expert load min/max "
-                      f"{float(load.min()):.3f}/{float(load.max()):.3f}  ({time.perf_counter() - t0:.1f}s)")
+                print(
+                    f"step {i:3d}  loss {float(metrics['loss']):.4f}  next-token nll {float(metrics['nll']):.4f}  "
+                    f"grad-norm {float(metrics['grad_norm']):.3f}  last-layer expert load min/max "
+                    f"{float(load.min()):.3f}/{float(load.max()):.3f}  ({time.perf_counter() - t0:.1f}s)"
+                )
     params = state.params
-    print(f"embedding sharding: {params['embed'].sharding.spec}; expert weights: "
-          f"{params['moe_layers']['moe']['gate'].sharding.spec}")
+    print(
+        f"embedding sharding: {params['embed'].sharding.spec}; expert weights: "
+        f"{params['moe_layers']['moe']['gate'].sharding.spec}"
+    )
     print(f"parameters: {count_params(param_specs(m)):,} (incl. MTP); final next-token nll {float(metrics['nll']):.4f}")
     return 0
 

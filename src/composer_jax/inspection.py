@@ -11,22 +11,26 @@ count is not checked, and an axis of -1 takes `--num-devices` (default: the prod
 axes, i.e. the -1 axis becomes 1). All figures come from `model/accounting.py`; its docstring states
 the counting conventions and formulas, which the text report repeats.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from composer_jax.config import MESH_AXES, Config, ConfigError, config_from_dict, deep_merge, read_yaml, to_dict
 from composer_jax.model import accounting
 from composer_jax.sharding import ShardingRules
 
-FLOPS_FORMULA = ("6 x active matmul params (embedding gather excluded, output head included) "
-                 "+ 12 x layers x heads x (qk_head_dim + v_head_dim)/2 x S_ctx; "
-                 "S_ctx = seq/2 (causal attention, headline) or seq (PaLM/Megatron convention)")
+FLOPS_FORMULA = (
+    "6 x active matmul params (embedding gather excluded, output head included) "
+    "+ 12 x layers x heads x (qk_head_dim + v_head_dim)/2 x S_ctx; "
+    "S_ctx = seq/2 (causal attention, headline) or seq (PaLM/Megatron convention)"
+)
 
 
 class UsageError(ValueError):
@@ -39,18 +43,30 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="composer-jax inspect", description=__doc__.split("\n\n")[0],
-                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(
+        prog="composer-jax inspect",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("config", help="YAML config (a model config such as configs/model/kimi_k2.yaml)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. mesh.fsdp=64 model.num_layers=4")
     p.add_argument("--mesh", metavar="FILE", help="YAML holding only a `mesh:` section, merged over the config's")
-    p.add_argument("--num-devices", type=int, metavar="N",
-                   help="devices for a mesh axis of -1 (default: the product of the other axes)")
-    p.add_argument("--batch", type=int, metavar="B",
-                   help="global batch in sequences (default: one sequence per batch shard)")
+    p.add_argument(
+        "--num-devices",
+        type=int,
+        metavar="N",
+        help="devices for a mesh axis of -1 (default: the product of the other axes)",
+    )
+    p.add_argument(
+        "--batch", type=int, metavar="B", help="global batch in sequences (default: one sequence per batch shard)"
+    )
     p.add_argument("--seq", type=int, metavar="S", default=4096, help="sequence length (default 4096)")
-    p.add_argument("--device-memory-gib", type=float, metavar="GIB",
-                   help="device memory to check the estimate against (an H200 shows ~140 GiB)")
+    p.add_argument(
+        "--device-memory-gib",
+        type=float,
+        metavar="GIB",
+        help="device memory to check the estimate against (an H200 shows ~140 GiB)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text report")
     return p
 
@@ -61,8 +77,10 @@ def _load(args: argparse.Namespace) -> Config:
         mesh_data = read_yaml(Path(args.mesh).resolve())
         extra = sorted(set(mesh_data) - {"mesh"})
         if extra or "mesh" not in mesh_data:
-            raise ConfigError(f"--mesh {args.mesh!r} must hold only a `mesh:` section; found keys "
-                              f"{sorted(mesh_data)} (accepted: ['mesh'])")
+            raise ConfigError(
+                f"--mesh {args.mesh!r} must hold only a `mesh:` section; found keys "
+                f"{sorted(mesh_data)} (accepted: ['mesh'])"
+            )
         deep_merge(data, mesh_data)
     # num_devices=None: the mesh may describe a cluster this machine is not part of
     return config_from_dict(data, args.overrides, num_devices=None)
@@ -75,8 +93,9 @@ def _mesh_sizes(cfg: Config, num_devices: int | None) -> dict[str, int]:
     return cfg.mesh.shape(fixed if num_devices is None else num_devices)
 
 
-def build_report(cfg: Config, sizes: dict[str, int], batch: int | None, seq: int,
-                 device_memory_gib: float | None = None) -> dict[str, Any]:
+def build_report(
+    cfg: Config, sizes: dict[str, int], batch: int | None, seq: int, device_memory_gib: float | None = None
+) -> dict[str, Any]:
     """Everything `inspect` prints, as a JSON-serialisable dict. Raises UsageError on bad batch/seq."""
     m = cfg.model
     rules = ShardingRules.create(cfg.sharding_rules)
@@ -84,13 +103,17 @@ def build_report(cfg: Config, sizes: dict[str, int], batch: int | None, seq: int
     if batch is None:
         batch = shards
     if batch < 1 or batch % shards:
-        raise UsageError(f"--batch {batch}: the batch is split over mesh axes {list(rules.mesh_axes('act_batch'))} "
-                         f"= {shards} ways; accepted: a positive multiple of {shards}")
+        raise UsageError(
+            f"--batch {batch}: the batch is split over mesh axes {list(rules.mesh_axes('act_batch'))} "
+            f"= {shards} ways; accepted: a positive multiple of {shards}"
+        )
     if seq < 1 or seq % sizes["context"]:
         raise UsageError(f"--seq {seq}: must be a positive multiple of mesh.context={sizes['context']}")
     if seq > m.max_position_embeddings:
-        raise UsageError(f"--seq {seq} exceeds model.max_position_embeddings={m.max_position_embeddings}; "
-                         f"accepted: 1..{m.max_position_embeddings}")
+        raise UsageError(
+            f"--seq {seq} exceeds model.max_position_embeddings={m.max_position_embeddings}; "
+            f"accepted: 1..{m.max_position_embeddings}"
+        )
     rows = accounting.param_rows(m, rules, sizes)
     comps = accounting.breakdown(rows)
     main = {k: v for k, v in comps.items() if k != "mtp"}
@@ -115,10 +138,12 @@ def build_report(cfg: Config, sizes: dict[str, int], batch: int | None, seq: int
         "memory_per_device": mem,
         "param_dtype": m.param_dtype,
         "compute_dtype": m.compute_dtype,
-        "replicated_params": [r.path for r in rows if r.shards == 1 and math.prod(sizes.values()) > 1
-                              and r.size >= 1 << 20],
-        "unsplit_axes": [{"path": r.path, "logical_axis": la, "mesh_axis": ma, "dim": dim}
-                         for r in rows for la, ma, dim in r.unsplit],
+        "replicated_params": [
+            r.path for r in rows if r.shards == 1 and math.prod(sizes.values()) > 1 and r.size >= 1 << 20
+        ],
+        "unsplit_axes": [
+            {"path": r.path, "logical_axis": la, "mesh_axis": ma, "dim": dim} for r in rows for la, ma, dim in r.unsplit
+        ],
     }
     if device_memory_gib is not None:
         report["device_memory_gib"] = device_memory_gib
@@ -160,15 +185,20 @@ def format_report(r: dict[str, Any]) -> str:
         f"parameters  total {_n(p['total'])} ({p['total']:,})   active/token {_n(p['active'])} ({p['active']:,})",
     ]
     if p["mtp_total"]:
-        lines.append(f"            MTP modules (excluded above) {_n(p['mtp_total'])} total, {_n(p['mtp_active'])} active")
+        lines.append(
+            f"            MTP modules (excluded above) {_n(p['mtp_total'])} total, {_n(p['mtp_active'])} active"
+        )
     lines += ["", f"  {'component':<16}{'total':>12}{'active':>12}{'share':>8}{'per device':>14}"]
     for name, c in p["components"].items():
         share = c["total"] / p["total"] if name != "mtp" else float("nan")
-        lines.append(f"  {name:<16}{_n(c['total']):>12}{_n(c['active']):>12}"
-                     f"{share:>8.1%}{_gib(c['bytes_per_device']):>14}".replace("  nan%", "     -"))
+        lines.append(
+            f"  {name:<16}{_n(c['total']):>12}{_n(c['active']):>12}"
+            f"{share:>8.1%}{_gib(c['bytes_per_device']):>14}".replace("  nan%", "     -")
+        )
     lines += [
         "",
-        f"training FLOPs/token  {f['total']:.4g}  (matmul {f['matmul']:.4g} + causal attention {f['attention_causal']:.4g})",
+        f"training FLOPs/token  {f['total']:.4g}  (matmul {f['matmul']:.4g} + causal attention "
+        f"{f['attention_causal']:.4g})",
         f"  full-attention convention {f['total_full_attention']:.4g}; per step {r['flops_per_step']:.4g}"
         + (f"; MTP adds {f['mtp']:.4g}/token" if "mtp" in f else ""),
         f"  = {f['formula']}",
@@ -188,10 +218,15 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(f"  {verdict} in {r['device_memory_gib']:g} GiB per device")
     if r["unsplit_axes"]:
         lines += ["", "not split as the rules say (the mesh axis does not divide the dimension; replicated over it):"]
-        lines += [f"  {u['path']}: {u['logical_axis']} ({u['dim']}) not over {u['mesh_axis']}" for u in r["unsplit_axes"]]
+        lines += [
+            f"  {u['path']}: {u['logical_axis']} ({u['dim']}) not over {u['mesh_axis']}" for u in r["unsplit_axes"]
+        ]
     if r["replicated_params"]:
-        lines += ["", "replicated on every device (>= 1M scalars; no rule maps their axes to a mesh axis > 1):",
-                  "  " + ", ".join(r["replicated_params"])]
+        lines += [
+            "",
+            "replicated on every device (>= 1M scalars; no rule maps their axes to a mesh axis > 1):",
+            "  " + ", ".join(r["replicated_params"]),
+        ]
     return "\n".join(lines)
 
 

@@ -5,14 +5,17 @@ Every parameter and activation dimension carries a logical axis name (`embed`, `
 strategy is editing that mapping. A mapping that would use one mesh axis twice in one array is
 rejected with the array's logical axes named.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from composer_jax.config import MESH_AXES, ConfigError, MeshConfig
 
@@ -64,11 +67,13 @@ class ShardingRules:
     explicit: frozenset[str] = frozenset()
 
     @classmethod
-    def create(cls, overrides: Mapping[str, Any] | None = None) -> "ShardingRules":
+    def create(cls, overrides: Mapping[str, Any] | None = None) -> ShardingRules:
         rules = dict(DEFAULT_RULES)
         for name, axes in (overrides or {}).items():
             if name not in DEFAULT_RULES:
-                raise ConfigError(f"sharding_rules: unknown logical axis {name!r}; accepted: {', '.join(sorted(DEFAULT_RULES))}")
+                raise ConfigError(
+                    f"sharding_rules: unknown logical axis {name!r}; accepted: {', '.join(sorted(DEFAULT_RULES))}"
+                )
             if axes is None:
                 axes = ()
             elif isinstance(axes, str):
@@ -76,7 +81,9 @@ class ShardingRules:
             axes = tuple(axes)
             for a in axes:
                 if a not in MESH_AXES:
-                    raise ConfigError(f"sharding_rules.{name}: unknown mesh axis {a!r}; accepted: {', '.join(MESH_AXES)}")
+                    raise ConfigError(
+                        f"sharding_rules.{name}: unknown mesh axis {a!r}; accepted: {', '.join(MESH_AXES)}"
+                    )
             if len(set(axes)) != len(axes):
                 raise ConfigError(f"sharding_rules.{name}={list(axes)} uses a mesh axis twice")
             rules[name] = axes
@@ -88,8 +95,12 @@ class ShardingRules:
         except KeyError:
             raise ConfigError(f"unknown logical axis {logical!r}; accepted: {', '.join(sorted(self.rules))}") from None
 
-    def spec(self, logical_axes: Sequence[str | None], shape: Sequence[int] | None = None,
-             mesh: Mesh | AbstractMesh | None = None) -> P:
+    def spec(
+        self,
+        logical_axes: Sequence[str | None],
+        shape: Sequence[int] | None = None,
+        mesh: Mesh | AbstractMesh | None = None,
+    ) -> P:
         """PartitionSpec for an array with these logical axes.
 
         With `shape` and `mesh`, mesh axes that do not divide a dimension are dropped for that
@@ -101,14 +112,16 @@ class ShardingRules:
         """
         return self._place(logical_axes, shape, mesh)[0]
 
-    def dropped_axes(self, logical_axes: Sequence[str | None], shape: Sequence[int],
-                     mesh: Mesh | AbstractMesh) -> list[tuple[str, str, int]]:
+    def dropped_axes(
+        self, logical_axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh | AbstractMesh
+    ) -> list[tuple[str, str, int]]:
         """(logical axis, mesh axis, dimension size) for every mesh axis of size > 1 that the rules
         map a dimension to but that does not divide it, so that dimension is not split over it."""
         return self._place(logical_axes, shape, mesh)[1]
 
-    def _place(self, logical_axes: Sequence[str | None], shape: Sequence[int] | None,
-               mesh: Mesh | AbstractMesh | None) -> tuple[P, list[tuple[str, str, int]]]:
+    def _place(
+        self, logical_axes: Sequence[str | None], shape: Sequence[int] | None, mesh: Mesh | AbstractMesh | None
+    ) -> tuple[P, list[tuple[str, str, int]]]:
         used: dict[str, str] = {}
         parts: list[Any] = []
         dropped: list[tuple[str, str, int]] = []
@@ -133,12 +146,15 @@ class ShardingRules:
                     raise ConfigError(
                         f"sharding rules map mesh axis {a!r} twice in one array with logical axes "
                         f"{tuple(logical_axes)} (via {used[a]!r} and {name!r}); change sharding_rules so "
-                        f"each mesh axis appears at most once per array")
+                        f"each mesh axis appears at most once per array"
+                    )
                 used[a] = name
             parts.append(None if not axes else axes[0] if len(axes) == 1 else axes)
         return P(*parts), dropped
 
-    def sharding(self, mesh: Mesh, logical_axes: Sequence[str | None], shape: Sequence[int] | None = None) -> NamedSharding:
+    def sharding(
+        self, mesh: Mesh, logical_axes: Sequence[str | None], shape: Sequence[int] | None = None
+    ) -> NamedSharding:
         return NamedSharding(mesh, self.spec(logical_axes, shape, mesh))
 
 
@@ -171,7 +187,7 @@ class MeshRules:
     rules: ShardingRules = dataclasses.field(default_factory=ShardingRules.create)
 
     @staticmethod
-    def resolve(sharding: "MeshRules | None") -> "MeshRules | None":
+    def resolve(sharding: MeshRules | None) -> MeshRules | None:
         """`sharding`, else the mesh set by `jax.set_mesh` with the default rules, else None."""
         if sharding is not None:
             return sharding

@@ -1,4 +1,5 @@
 """Session fixtures: each tiny transformers model of hf_cases.CASES built and saved to disk once."""
+
 from __future__ import annotations
 
 import functools
@@ -15,12 +16,13 @@ def hf_checkpoint(tmp_path_factory):
     """name -> Built(torch model, directory written by transformers' save_pretrained), cached."""
     from hf_cases import Built, build_model
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def get(name: str) -> Built:
         model = build_model(name)
         path = tmp_path_factory.mktemp(name)
         model.save_pretrained(path)
         return Built(model, path)
+
     return get
 
 

@@ -1,4 +1,5 @@
 """Every checkpoint mistake a user can make gives an error naming the value and what is accepted."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,14 +40,18 @@ def _copy(built, tmp_path, edit_config=None, edit_state=None):
 
 def test_unknown_model_type_is_named(hf_checkpoint, tmp_path):
     d = _copy(hf_checkpoint("v3_plain"), tmp_path, edit_config=lambda c: c.update(model_type="llama"))
-    with pytest.raises(ConfigError, match=r"model_type='llama' is not supported; accepted: deepseek_v3, kimi_k2, "
-                                          r"deepseek_v2, qwen3_moe"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model_type='llama' is not supported; accepted: deepseek_v3, kimi_k2, "
+        r"deepseek_v2, qwen3_moe",
+    ):
         cj.from_pretrained(d)
 
 
 def test_missing_tensor_names_tensor_and_files(hf_checkpoint, tmp_path):
-    d = _copy(hf_checkpoint("v3_plain"), tmp_path,
-              edit_state=lambda s: s.pop("model.layers.1.self_attn.kv_b_proj.weight"))
+    d = _copy(
+        hf_checkpoint("v3_plain"), tmp_path, edit_state=lambda s: s.pop("model.layers.1.self_attn.kv_b_proj.weight")
+    )
     with pytest.raises(CheckpointError) as e:
         cj.from_pretrained(d)
     msg = str(e.value)
@@ -58,9 +63,13 @@ def test_missing_experts_name_both_layouts(hf_checkpoint, tmp_path):
     def drop(state):
         for k in [k for k in state if k.startswith("model.layers.1.mlp.experts.")]:
             del state[k]
+
     d = _copy(hf_checkpoint("v3_plain"), tmp_path, edit_state=drop)
-    with pytest.raises(CheckpointError, match=r"'model.layers.1.mlp.experts.0.down_proj.weight' or "
-                                              r"'model.layers.1.mlp.experts.down_proj'"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"'model.layers.1.mlp.experts.0.down_proj.weight' or "
+        r"'model.layers.1.mlp.experts.down_proj'",
+    ):
         cj.from_pretrained(d)
 
 
@@ -74,15 +83,22 @@ def test_wrong_shape_names_tensor_and_both_shapes(hf_checkpoint, tmp_path):
     assert "has shape [24, 32]" in msg and "expected [20, 32]" in msg
 
 
-@pytest.mark.parametrize("key,value,match", [
-    ("attention_bias", True, r"attention_bias=true is not supported"),
-    ("hidden_act", "gelu", r"hidden_act='gelu' is not supported; accepted: 'silu'"),
-    ("rope_parameters", {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}, r"rope type 'linear' is not supported"),
-    ("scoring_func", "softmax", r"deepseek_v3 scoring_func='softmax' is not supported; accepted: 'sigmoid'"),
-    ("moe_layer_freq", 2, r"moe_layer_freq=2 is not supported"),
-    ("quantization_config", {"quant_method": "gptq"}, r"quant_method='gptq' is not supported"),
-    ("n_group", 3, r"n_group=3 must divide model.num_experts=8"),
-])
+@pytest.mark.parametrize(
+    "key,value,match",
+    [
+        ("attention_bias", True, r"attention_bias=true is not supported"),
+        ("hidden_act", "gelu", r"hidden_act='gelu' is not supported; accepted: 'silu'"),
+        (
+            "rope_parameters",
+            {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
+            r"rope type 'linear' is not supported",
+        ),
+        ("scoring_func", "softmax", r"deepseek_v3 scoring_func='softmax' is not supported; accepted: 'sigmoid'"),
+        ("moe_layer_freq", 2, r"moe_layer_freq=2 is not supported"),
+        ("quantization_config", {"quant_method": "gptq"}, r"quant_method='gptq' is not supported"),
+        ("n_group", 3, r"n_group=3 must divide model.num_experts=8"),
+    ],
+)
 def test_unsupported_config_values(hf_checkpoint, tmp_path, key, value, match):
     d = _copy(hf_checkpoint("v3_plain"), tmp_path, edit_config=lambda c: c.update({key: value}))
     with pytest.raises(ConfigError, match=match):
@@ -90,8 +106,18 @@ def test_unsupported_config_values(hf_checkpoint, tmp_path, key, value, match):
 
 
 def test_qwen3_dense_layers_must_come_first():
-    hf = dict(model_type="qwen3_moe", vocab_size=8, hidden_size=8, num_hidden_layers=3, num_attention_heads=2,
-              intermediate_size=8, moe_intermediate_size=4, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1])
+    hf = dict(
+        model_type="qwen3_moe",
+        vocab_size=8,
+        hidden_size=8,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        intermediate_size=8,
+        moe_intermediate_size=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mlp_only_layers=[1],
+    )
     with pytest.raises(ConfigError, match=r"mlp_only_layers=\[1\] is not supported; dense layers must come first"):
         model_config_from_hf(hf)
 
@@ -101,8 +127,15 @@ def test_fp8_without_scales(hf_checkpoint, tmp_path):
 
     def to_fp8(state):
         state[name] = state[name].to(torch.float8_e4m3fn)
-    d = _copy(hf_checkpoint("v3_plain"), tmp_path, edit_state=to_fp8, edit_config=lambda c: c.update(
-        quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16]}))
+
+    d = _copy(
+        hf_checkpoint("v3_plain"),
+        tmp_path,
+        edit_state=to_fp8,
+        edit_config=lambda c: c.update(
+            quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16]}
+        ),
+    )
     with pytest.raises(CheckpointError, match=rf"'{name}_scale_inv' \(for the block scales of FP8 tensor '{name}'\)"):
         cj.from_pretrained(d)
 
@@ -118,8 +151,9 @@ def test_save_refuses_what_hf_cannot_express(tmp_path):
     bad = dataclasses.replace(cfg, score_func="sigmoid", topk_method="group_limited")
     with pytest.raises(ConfigError, match=r"deepseek_v3 routes with noaux_tc .* got topk_method='group_limited'"):
         cj.save_pretrained(params, bad, tmp_path)
-    gqa = dataclasses.replace(cfg, attention_type="gqa", score_func="softmax", topk_method="greedy", n_group=1,
-                              topk_group=1, num_mtp_layers=0)
+    gqa = dataclasses.replace(
+        cfg, attention_type="gqa", score_func="softmax", topk_method="greedy", n_group=1, topk_group=1, num_mtp_layers=0
+    )
     with pytest.raises(ConfigError, match=r"qwen3_moe has no shared experts, got num_shared_experts=1"):
         cj.save_pretrained(params, gqa, tmp_path)
     assert not (tmp_path / "config.json").exists()
@@ -127,7 +161,9 @@ def test_save_refuses_what_hf_cannot_express(tmp_path):
 
 def test_save_checks_param_shapes(tmp_path):
     cfg = cj.load_config(TINY, num_devices=None).model
-    params = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), jax.eval_shape(lambda: cj.init_params(cfg, jax.random.key(0))))
+    params = jax.tree.map(
+        lambda s: np.zeros(s.shape, s.dtype), jax.eval_shape(lambda: cj.init_params(cfg, jax.random.key(0)))
+    )
     params["embed"] = np.zeros((10, cfg.hidden_size), np.float32)
     with pytest.raises(CheckpointError, match=r"params\['embed'\] has shape \[10, 64\]; cfg expects \[512, 64\]"):
         cj.save_pretrained(params, cfg, tmp_path)

@@ -2,6 +2,7 @@
 
 Reference: transformers' own DeepseekV3 / DeepseekV2 / Qwen3Moe implementations on the same weights.
 """
+
 from __future__ import annotations
 
 import functools
@@ -12,14 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_cases import CASES, VOCAB, build_model  # tests/checkpoint/hf_cases.py
 
 import composer_jax as cj
 from composer_jax.checkpoint import hf as hf_ckpt
 from composer_jax.config import MeshConfig
 from composer_jax.model.params import param_shardings
 from composer_jax.sharding import MeshRules, ShardingRules
-
-from hf_cases import CASES, VOCAB, build_model  # tests/checkpoint/hf_cases.py
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.hf
 TOL = 1e-4
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _forward(cfg):
     return jax.jit(lambda p, t, s: cj.forward(p, t, cfg, segment_ids=s))
 
@@ -42,9 +42,10 @@ def run(cfg, params, tokens, segment_ids=None):
 
 @pytest.fixture(scope="module")
 def loaded(hf_checkpoint):
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def get(name):
         return cj.from_pretrained(hf_checkpoint(name).path)
+
     return get
 
 
@@ -127,7 +128,7 @@ def test_fused_expert_tensors(case, hf_checkpoint, tokens, tmp_path):
     assert d < TOL
 
 
-def _quantise_fp8(w: "torch.Tensor", block: tuple[int, int]):
+def _quantise_fp8(w: torch.Tensor, block: tuple[int, int]):
     """DeepSeek block FP8: per (bo x bi) block, scale_inv = amax / 448, w_fp8 = w / scale_inv."""
     bo, bi = block
     r, c = w.shape
@@ -166,8 +167,12 @@ def test_fp8_block_quantised_checkpoint(hf_checkpoint, tokens, tmp_path):
             deq[k] = v
     save_file(quant, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     hf_cfg = json.loads((built.path / "config.json").read_text())
-    hf_cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": list(block)}
+    hf_cfg["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block),
+    }
     (tmp_path / "config.json").write_text(json.dumps(hf_cfg))
     cfg, params = cj.from_pretrained(tmp_path)
     # weights: ours [in, out] vs dequantised HF [out, in]
@@ -183,8 +188,14 @@ def test_fp8_block_quantised_checkpoint(hf_checkpoint, tokens, tmp_path):
                 pre = name.rsplit("experts.", 1)[0] + "experts."
                 e = p.shape[0]
                 if name.endswith("gate_up_proj"):
-                    p.copy_(torch.stack([torch.cat([deq[f"{pre}{i}.gate_proj.weight"], deq[f"{pre}{i}.up_proj.weight"]])
-                                         for i in range(e)]))
+                    p.copy_(
+                        torch.stack(
+                            [
+                                torch.cat([deq[f"{pre}{i}.gate_proj.weight"], deq[f"{pre}{i}.up_proj.weight"]])
+                                for i in range(e)
+                            ]
+                        )
+                    )
                 else:
                     p.copy_(torch.stack([deq[f"{pre}{i}.down_proj.weight"] for i in range(e)]))
             else:
@@ -222,7 +233,9 @@ def test_sharded_load_matches_unsharded(hf_checkpoint, loaded, tokens, tmp_path)
     # saving sharded params gathers them: the files equal those saved from the unsharded load
     cj.save_pretrained(params, cfg, tmp_path / "sharded")
     cj.save_pretrained(params0, cfg0, tmp_path / "plain")
-    assert (tmp_path / "sharded" / "model.safetensors").read_bytes() == (tmp_path / "plain" / "model.safetensors").read_bytes()
+    assert (tmp_path / "sharded" / "model.safetensors").read_bytes() == (
+        tmp_path / "plain" / "model.safetensors"
+    ).read_bytes()
 
 
 def _mtp_checkpoint(built, out_dir):
@@ -231,13 +244,21 @@ def _mtp_checkpoint(built, out_dir):
     g = torch.Generator().manual_seed(3)
     rnd = lambda *s: 0.1 * torch.randn(*s, generator=g)
     n, d = 3, 32
-    mtp = {f"model.layers.{n}.{k[len('model.layers.2.'):]}": v + rnd(*v.shape)
-           for k, v in state.items() if k.startswith("model.layers.2.")}
-    mtp.update({f"model.layers.{n}.enorm.weight": 1 + rnd(d), f"model.layers.{n}.hnorm.weight": 1 + rnd(d),
-                f"model.layers.{n}.eh_proj.weight": rnd(d, 2 * d),
-                f"model.layers.{n}.shared_head.norm.weight": 1 + rnd(d),
-                f"model.layers.{n}.shared_head.head.weight": state["lm_head.weight"].clone(),
-                f"model.layers.{n}.embed_tokens.weight": state["model.embed_tokens.weight"].clone()})
+    mtp = {
+        f"model.layers.{n}.{k[len('model.layers.2.') :]}": v + rnd(*v.shape)
+        for k, v in state.items()
+        if k.startswith("model.layers.2.")
+    }
+    mtp.update(
+        {
+            f"model.layers.{n}.enorm.weight": 1 + rnd(d),
+            f"model.layers.{n}.hnorm.weight": 1 + rnd(d),
+            f"model.layers.{n}.eh_proj.weight": rnd(d, 2 * d),
+            f"model.layers.{n}.shared_head.norm.weight": 1 + rnd(d),
+            f"model.layers.{n}.shared_head.head.weight": state["lm_head.weight"].clone(),
+            f"model.layers.{n}.embed_tokens.weight": state["model.embed_tokens.weight"].clone(),
+        }
+    )
     save_file(state, str(out_dir / "model-00001-of-00002.safetensors"), metadata={"format": "pt"})
     save_file(mtp, str(out_dir / "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
     weight_map = {k: "model-00001-of-00002.safetensors" for k in state}
@@ -254,14 +275,22 @@ def test_mtp_module_matches_reference(hf_checkpoint, tokens, tmp_path):
     mtp = _mtp_checkpoint(built, tmp_path)
     cfg, params = cj.from_pretrained(tmp_path)
     assert cfg.num_mtp_layers == 1
-    np.testing.assert_array_equal(np.asarray(params["mtp"]["eh_proj"][0]), mtp["model.layers.3.eh_proj.weight"].numpy().T)
+    np.testing.assert_array_equal(
+        np.asarray(params["mtp"]["eh_proj"][0]), mtp["model.layers.3.eh_proj.weight"].numpy().T
+    )
     out = run(cfg, params, tokens)
 
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
+
     model, hcfg = built.model, built.model.config
     layer = DeepseekV3DecoderLayer(hcfg, layer_idx=3).eval()
-    layer.load_state_dict({k[len("model.layers.3."):]: v for k, v in _fuse_experts(mtp).items()
-                           if not k.split(".")[3] in ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")})
+    layer.load_state_dict(
+        {
+            k[len("model.layers.3.") :]: v
+            for k, v in _fuse_experts(mtp).items()
+            if k.split(".")[3] not in ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")
+        }
+    )
     norms = {k: DeepseekV3RMSNorm(32, eps=hcfg.rms_norm_eps) for k in ("enorm", "hnorm", "shared_head.norm")}
     with torch.no_grad():
         for k, m in norms.items():
@@ -301,7 +330,9 @@ def _fuse_experts(state):
             out[k] = v
     for pre, ws in experts.items():
         e = 1 + max(i for i, _ in ws)
-        out[pre + ".gate_up_proj"] = torch.stack([torch.cat([ws[(i, "gate_proj")], ws[(i, "up_proj")]]) for i in range(e)])
+        out[pre + ".gate_up_proj"] = torch.stack(
+            [torch.cat([ws[(i, "gate_proj")], ws[(i, "up_proj")]]) for i in range(e)]
+        )
         out[pre + ".down_proj"] = torch.stack([ws[(i, "down_proj")] for i in range(e)])
     return out
 

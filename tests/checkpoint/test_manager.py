@@ -3,6 +3,7 @@
 Expected values come from the arrays that were saved (copied to numpy before saving) and from
 retention sets worked out by hand, never from a second read of the checkpoint.
 """
+
 import dataclasses
 import logging
 import os
@@ -13,15 +14,20 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import composer_jax as cj
-from composer_jax.config.checkpoint import CheckpointConfig
 from composer_jax.checkpoint.manager import TrainCheckpointer, restore_params_only
 from composer_jax.checkpoint.validate import (
-    CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError, ConfigMismatchError,
-    NoGoodCheckpointError)
+    CheckpointCorruptError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    ConfigMismatchError,
+    NoGoodCheckpointError,
+)
 from composer_jax.config import ConfigError, to_dict
+from composer_jax.config.checkpoint import CheckpointConfig
 from composer_jax.model.params import abstract_params
 
 TINY = Path(__file__).resolve().parents[2] / "configs/model/tiny.yaml"
@@ -45,12 +51,18 @@ def abstract_state(model_cfg, mesh):
     params = abstract_params(model_cfg, mesh)
     rep = NamedSharding(mesh, P())
     opt = optax.tree_map_params(
-        TX, lambda a, p: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=p.sharding),
-        jax.eval_shape(TX.init, params), params,
-        transform_non_params=lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep))
-    return {"params": params, "opt_state": opt,
-            "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
-            "rng": jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=rep)}
+        TX,
+        lambda a, p: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=p.sharding),
+        jax.eval_shape(TX.init, params),
+        params,
+        transform_non_params=lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep),
+    )
+    return {
+        "params": params,
+        "opt_state": opt,
+        "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
+        "rng": jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=rep),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +104,11 @@ def assert_state_equal(restored, expected, abstract):
         assert leaf.sharding.is_equivalent_to(want, leaf.ndim), jax.tree_util.keystr(path)
 
 
-@pytest.mark.parametrize("axes", [dict(fsdp=8), dict(data=2, fsdp=2, expert=2), dict(fsdp=1)],
-                         ids=["same-fsdp8", "data2-fsdp2-expert2", "one-device"])
+@pytest.mark.parametrize(
+    "axes",
+    [dict(fsdp=8), dict(data=2, fsdp=2, expert=2), dict(fsdp=1)],
+    ids=["same-fsdp8", "data2-fsdp2-expert2", "one-device"],
+)
 def test_round_trip_and_reshard(cfg, saved_run, axes):
     directory, ck, expected = saved_run
     abstract = abstract_state(cfg.model, mesh_of(**axes))
@@ -276,8 +291,11 @@ def test_config_compatibility(cfg, saved_run):
     directory, ck, expected = saved_run
     abstract = abstract_state(cfg.model, mesh_of(fsdp=8))
     changed = to_dict(cfg)
-    changed["model"] = {**changed["model"], "num_experts": 16,
-                        "rope_scaling": {**changed["model"]["rope_scaling"], "type": "yarn", "factor": 4.0}}
+    changed["model"] = {
+        **changed["model"],
+        "num_experts": 16,
+        "rope_scaling": {**changed["model"]["rope_scaling"], "type": "yarn", "factor": 4.0},
+    }
     with TrainCheckpointer(ck) as ckpt:
         with pytest.raises(ConfigMismatchError) as err:
             ckpt.restore(abstract, config=changed)
@@ -301,11 +319,13 @@ def test_restore_params_only_for_next_stage(cfg, saved_run):
     next_stage = to_dict(cfg)
     next_stage["model"] = {**next_stage["model"], "max_position_embeddings": 16384}
     for where in (directory, directory / "7"):  # the run's root, or one step's directory
-        params = restore_params_only(where, target, config=next_stage,
-                                     allow_config_changes=["model.max_position_embeddings"])
+        params = restore_params_only(
+            where, target, config=next_stage, allow_config_changes=["model.max_position_embeddings"]
+        )
         for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-            np.testing.assert_array_equal(np.asarray(leaf), dict(jax.tree_util.tree_leaves_with_path(
-                expected["params"]))[path])
+            np.testing.assert_array_equal(
+                np.asarray(leaf), dict(jax.tree_util.tree_leaves_with_path(expected["params"]))[path]
+            )
             assert leaf.sharding == dict(jax.tree_util.tree_leaves_with_path(target))[path].sharding
     with pytest.raises(ConfigMismatchError, match="max_position_embeddings"):
         restore_params_only(directory, target, config=next_stage)

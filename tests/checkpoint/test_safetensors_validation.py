@@ -7,13 +7,14 @@ non-UTF-8 / non-JSON headers, bad shapes...). For every mutated file the referen
 oracle: where it rejects, `SafetensorsDir` must raise SafetensorsError naming the file (and the tensor,
 where one tensor is at fault); where it accepts, every tensor must hold the reference's bytes.
 """
+
 from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest
@@ -70,6 +71,7 @@ class File:
 def _set(name, key, value):
     def edit(f: File):
         f.header[name][key] = value
+
     return edit
 
 
@@ -77,18 +79,24 @@ def _offsets(name, fn):
     def edit(f: File):
         b, e = f.header[name]["data_offsets"]
         f.header[name]["data_offsets"] = list(fn(b, e))
+
     return edit
 
 
 def _swap_offsets(x, y):
     def edit(f: File):
-        f.header[x]["data_offsets"], f.header[y]["data_offsets"] = f.header[y]["data_offsets"], f.header[x]["data_offsets"]
+        f.header[x]["data_offsets"], f.header[y]["data_offsets"] = (
+            f.header[y]["data_offsets"],
+            f.header[x]["data_offsets"],
+        )
+
     return edit
 
 
 def _header_text(fn):
     def edit(f: File):
         f.header_raw = fn(json.dumps(f.header).encode())
+
     return edit
 
 
@@ -107,12 +115,14 @@ def _first(f: File) -> str:
 def _trunc(k):
     def edit(f: File):
         f.data = f.data[:-k]
+
     return edit
 
 
 def _truncate_file(n):
     def edit(f: File):
         f.whole = f.bytes()[:n]
+
     return edit
 
 
@@ -146,6 +156,7 @@ def _shift_last(by):
     def edit(f: File):
         b, e = f.header[_last(f)]["data_offsets"]
         f.header[_last(f)]["data_offsets"] = [b + by, e + by]
+
     return edit
 
 
@@ -186,11 +197,13 @@ MUTATIONS = [
     Mutation("reshape_a_3x2", _set("a", "shape", [3, 2]), True),
     Mutation("zero_size_tensor_added", _add_zero_size, True),
     Mutation("c_made_scalar", _scalar_c, True),
-    Mutation("duplicate_key_same_entry",
-             _header_text(lambda r: r[:-1] + b',"c":' + json.dumps(json.loads(r)["c"]).encode() + b"}"), True),
+    Mutation(
+        "duplicate_key_same_entry",
+        _header_text(lambda r: r[:-1] + b',"c":' + json.dumps(json.loads(r)["c"]).encode() + b"}"),
+        True,
+    ),
     # BF16 with twice the elements covers a's 24 bytes exactly: a valid (if meaningless) file
-    Mutation("relabel_a_F32_to_BF16_shape_doubled",
-             lambda f: f.header["a"].update(dtype="BF16", shape=[2, 6]), True),
+    Mutation("relabel_a_F32_to_BF16_shape_doubled", lambda f: f.header["a"].update(dtype="BF16", shape=[2, 6]), True),
     # truncation / file size
     Mutation("data_truncated_by_1_byte", _trunc(1), False, _last),
     Mutation("data_truncated_by_half", _trunc(26), False, _second),  # the cut (byte 26) is in the 2nd tensor
@@ -207,7 +220,7 @@ MUTATIONS = [
     Mutation("header_not_json", _header_text(lambda r: b"not json" + r[8:]), False),
     Mutation("header_json_array", _header_text(lambda r: b"[" + r + b"]"), False),
     Mutation("header_nul_padded", _header_text(lambda r: r + b"\0"), False),
-    Mutation("header_nan_in_metadata", _header_text(lambda r: r.replace(b'"np"', b'NaN')), False),
+    Mutation("header_nan_in_metadata", _header_text(lambda r: r.replace(b'"np"', b"NaN")), False),
     Mutation("name_lone_surrogate", _header_text(lambda r: r.replace(b'"a"', b'"\\ud800"')), False),
     Mutation("metadata_not_strings", lambda f: f.header.update(__metadata__={"format": 1}), False),
     Mutation("entry_not_object", lambda f: f.header.update(c=["F32", [1], [48, 52]]), False, ("c",)),
@@ -227,10 +240,18 @@ MUTATIONS = [
     Mutation("shape_string", _set("a", "shape", "2,3"), False, ("a",)),
     Mutation("shape_too_few_elements", _set("a", "shape", [2, 2]), False, ("a",)),
     Mutation("shape_too_many_elements", _set("b", "shape", [2, 4]), False, ("b",)),
-    Mutation("shape_overflows_u64_before_zero", lambda f: f.header.update(
-        z={"dtype": "U8", "shape": [2**32, 2**32, 0], "data_offsets": [0, 0]}), False, ("z",)),
-    Mutation("shape_dim_over_u64", lambda f: f.header.update(
-        z={"dtype": "U8", "shape": [2**64, 0], "data_offsets": [0, 0]}), False, ("z",)),
+    Mutation(
+        "shape_overflows_u64_before_zero",
+        lambda f: f.header.update(z={"dtype": "U8", "shape": [2**32, 2**32, 0], "data_offsets": [0, 0]}),
+        False,
+        ("z",),
+    ),
+    Mutation(
+        "shape_dim_over_u64",
+        lambda f: f.header.update(z={"dtype": "U8", "shape": [2**64, 0], "data_offsets": [0, 0]}),
+        False,
+        ("z",),
+    ),
     # offsets
     Mutation("offsets_begin_after_end", _offsets("a", lambda b, e: (e, b)), False, ("a",)),
     Mutation("offsets_three_ints", _offsets("a", lambda b, e: (b, e, e)), False, ("a",)),
@@ -238,11 +259,20 @@ MUTATIONS = [
     Mutation("offsets_negative", _offsets("c", lambda b, e: (b - 64, e - 64)), False, ("c",)),
     Mutation("offsets_past_end", _shift_last(8), False, _last),
     Mutation("offsets_far_past_end", _shift_last(2**40), False, _last),
-    Mutation("a_points_into_b", lambda f: f.header["a"].update(data_offsets=list(f.header["b"]["data_offsets"])),
-             False, ("a", "b")),
-    Mutation("c_points_into_a", lambda f: f.header["c"].update(
-        data_offsets=[f.header["a"]["data_offsets"][0] + 4, f.header["a"]["data_offsets"][0] + 8]),
-             False, ("a", "c")),
+    Mutation(
+        "a_points_into_b",
+        lambda f: f.header["a"].update(data_offsets=list(f.header["b"]["data_offsets"])),
+        False,
+        ("a", "b"),
+    ),
+    Mutation(
+        "c_points_into_a",
+        lambda f: f.header["c"].update(
+            data_offsets=[f.header["a"]["data_offsets"][0] + 4, f.header["a"]["data_offsets"][0] + 8]
+        ),
+        False,
+        ("a", "c"),
+    ),
     Mutation("overlap_partial", _overlap_partial, False, ("a", "b", "c")),
     Mutation("gap_between_tensors", _gap_between, False, _second),
     Mutation("gap_at_start", _gap_at_start, False, _first),
@@ -268,7 +298,7 @@ def base(tmp_path_factory) -> tuple[dict, bytes]:
     save_file(ARRAYS, path, metadata={"format": "np"})
     blob = path.read_bytes()
     (n,) = struct.unpack("<Q", blob[:8])
-    return json.loads(blob[8: 8 + n]), blob[8 + n:]
+    return json.loads(blob[8 : 8 + n]), blob[8 + n :]
 
 
 @pytest.mark.parametrize("m", MUTATIONS, ids=lambda m: m.id)

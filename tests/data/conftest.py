@@ -1,4 +1,5 @@
 """Shared fixtures for the data tests: the shipped tokenizer."""
+
 import pytest
 from datahelpers import REPO
 

@@ -1,4 +1,5 @@
 """Helpers for the data tests (imported by name: pytest puts this directory on sys.path)."""
+
 import json
 from pathlib import Path
 

@@ -1,21 +1,27 @@
 """Chat template and SFT loss mask (hand-worked), make-sft on fixture tasks, and chat-format batches."""
+
 import json
 
 import numpy as np
 import pytest
 from datahelpers import FIXTURES
 
+from composer_jax.config.data import DataConfig, DataConfigError, SourceConfig
 from composer_jax.data.chat import render_chat, render_chat_text, render_prompt
 from composer_jax.data.cli import main as data_main
-from composer_jax.config.data import DataConfig, DataConfigError, SourceConfig
 from composer_jax.data.pipeline import make_train_iterator
 from composer_jax.data.sft import make_sft
 
 CONV = [
     {"role": "system", "content": "S"},
     {"role": "user", "content": "U"},
-    {"role": "assistant", "content": "A", "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "x.py"}'}}]},
+    {
+        "role": "assistant",
+        "content": "A",
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "x.py"}'}}
+        ],
+    },
     {"role": "tool", "tool_call_id": "c1", "content": "print(1)\n"},
     {"role": "assistant", "content": "done"},
 ]
@@ -27,13 +33,19 @@ def test_render_chat_hand_worked(tok):
     nl = e("\n")
     call = '{"id": "c1", "name": "read_file", "arguments": {"path": "x.py"}}'
     # (piece, is_target) in template order; targets = what the model emits in its turns
-    pieces = [([tok.bos_id], 0),
-              ([ims] + e("system") + nl + e("S") + [ime] + nl, 0),
-              ([ims] + e("user") + nl + e("U") + [ime] + nl, 0),
-              ([ims] + e("assistant") + nl, 0), (e("A") + [tc] + e(call) + [ime], 1), (nl, 0),
-              ([ims] + e("tool") + nl + [tr] + e("c1\nprint(1)\n") + [ime] + nl, 0),
-              ([ims] + e("assistant") + nl, 0), (e("done") + [ime], 1), (nl, 0),
-              ([tok.eos_id], 0)]
+    pieces = [
+        ([tok.bos_id], 0),
+        ([ims] + e("system") + nl + e("S") + [ime] + nl, 0),
+        ([ims] + e("user") + nl + e("U") + [ime] + nl, 0),
+        ([ims] + e("assistant") + nl, 0),
+        (e("A") + [tc] + e(call) + [ime], 1),
+        (nl, 0),
+        ([ims] + e("tool") + nl + [tr] + e("c1\nprint(1)\n") + [ime] + nl, 0),
+        ([ims] + e("assistant") + nl, 0),
+        (e("done") + [ime], 1),
+        (nl, 0),
+        ([tok.eos_id], 0),
+    ]
     want_ids = [t for p, _ in pieces for t in p]
     want_mask = [float(m) for p, m in pieces for _ in p]
     ids, mask = render_chat(CONV, tok)
@@ -47,7 +59,11 @@ def test_render_chat_hand_worked(tok):
 
 
 def test_render_chat_errors_name_the_message(tok):
-    with pytest.raises(DataConfigError, match=r"conversation message 1: role 'bot' is not accepted; accepted: \('system', 'user', 'assistant', 'tool'\)"):
+    with pytest.raises(
+        DataConfigError,
+        match=r"conversation message 1: role 'bot' is not accepted; "
+        r"accepted: \('system', 'user', 'assistant', 'tool'\)",
+    ):
         render_chat([{"role": "user", "content": "x"}, {"role": "bot", "content": "y"}], tok)
     with pytest.raises(DataConfigError, match="a tool call must be"):
         render_chat([{"role": "assistant", "tool_calls": [{"name": "f"}]}], tok)
@@ -65,8 +81,10 @@ def test_make_sft_on_fixture_tasks(tmp_path, tok):
     assert edit == {"path": "calc/ops.py", "old_string": "    return a - b\n", "new_string": "    return a + b\n"}
     docs = convs["add-docs"]
     calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in docs[6]["tool_calls"]]
-    assert calls == [("edit_file", {"path": "CHANGELOG.md", "new_string": "# Changelog\n\n## 0.1.0\n- first release\n"}),
-                     ("run_shell", {"command": 'rm -- "TODO.txt"'})]
+    assert calls == [
+        ("edit_file", {"path": "CHANGELOG.md", "new_string": "# Changelog\n\n## 0.1.0\n- first release\n"}),
+        ("run_shell", {"command": 'rm -- "TODO.txt"'}),
+    ]
     for messages in convs.values():
         ids, mask = render_chat(messages, tok)
         assert 0 < mask.sum() < len(ids)
@@ -83,8 +101,9 @@ def test_make_sft_cli_reports_failing_solution(tmp_path, capsys):
 def test_chat_batches_mask_only_assistant_tokens(tmp_path, tok, tok_dir):
     f = tmp_path / "chat.jsonl"
     f.write_text("".join(json.dumps({"messages": CONV}) + "\n" for _ in range(3)))
-    cfg = DataConfig(sources=(SourceConfig(type="jsonl", path=str(f)),), tokenizer=tok_dir, format="chat",
-                     eval_fraction=0.0)
+    cfg = DataConfig(
+        sources=(SourceConfig(type="jsonl", path=str(f)),), tokenizer=tok_dir, format="chat", eval_fraction=0.0
+    )
     b = next(make_train_iterator(cfg, seq_len=256, batch_size=1, seed=0))
     ids, mask = render_chat(CONV, tok)
     row_tokens, row_mask, seg = b["tokens"][0], b["loss_mask"][0], b["segment_ids"][0]

@@ -1,4 +1,5 @@
 """DataConfig through the YAML loader: a list of SourceConfig mappings becomes a tuple of dataclasses."""
+
 import dataclasses
 
 import pytest
@@ -8,12 +9,18 @@ from composer_jax.config.data import DataConfig, DataConfigError, SourceConfig, 
 
 
 def test_tuple_of_sections_from_yaml_lists():
-    data = {"sources": [{"type": "directory", "path": "src", "weight": 2, "include": [".py", ".md"]},
-                        {"type": "jsonl", "path": "a.jsonl"}],
-            "eval_fraction": 0.1}
+    data = {
+        "sources": [
+            {"type": "directory", "path": "src", "weight": 2, "include": [".py", ".md"]},
+            {"type": "jsonl", "path": "a.jsonl"},
+        ],
+        "eval_fraction": 0.1,
+    }
     cfg = build_dataclass(DataConfig, data, "data")
-    assert cfg.sources == (SourceConfig(type="directory", path="src", weight=2.0, include=(".py", ".md")),
-                           SourceConfig(type="jsonl", path="a.jsonl"))
+    assert cfg.sources == (
+        SourceConfig(type="directory", path="src", weight=2.0, include=(".py", ".md")),
+        SourceConfig(type="jsonl", path="a.jsonl"),
+    )
     assert hash(cfg)  # frozen and hashable: tuples, not lists
     # to_dict writes lists back, and building from that gives the same config
     assert build_dataclass(DataConfig, to_dict(cfg), "data") == cfg
@@ -56,7 +63,8 @@ def test_data_peek_cli_reads_a_yaml_data_section(tmp_path, tok_dir, capsys):
     (tmp_path / "code" / "m.py").write_text("def hello():\n    return 'world'\n")
     (tmp_path / "c.yaml").write_text(
         f"data:\n  tokenizer: {tok_dir}\n  eval_fraction: 0.0\n"
-        f"  sources:\n    - {{type: directory, path: {tmp_path / 'code'}}}\n")
+        f"  sources:\n    - {{type: directory, path: {tmp_path / 'code'}}}\n"
+    )
     assert main(["peek", "--config", str(tmp_path / "c.yaml"), "--seq-len", "64", "--batch-size", "1"]) == 0
     out = capsys.readouterr().out
     assert "--- row 0:" in out and "def hello()" in out

@@ -1,4 +1,5 @@
 """Packing, mixture, host sharding, train/eval split, chunking and exact resume of the grain pipeline."""
+
 import collections
 import dataclasses
 import json
@@ -17,7 +18,9 @@ def _cfg(tok_dir, *sources, **kw) -> DataConfig:
 
 
 def _jsonl_source(tmp_path, name, docs, **kw) -> SourceConfig:
-    return SourceConfig(type="jsonl", path=str(write_jsonl(tmp_path / f"{name}.jsonl", [{"text": d} for d in docs])), **kw)
+    return SourceConfig(
+        type="jsonl", path=str(write_jsonl(tmp_path / f"{name}.jsonl", [{"text": d} for d in docs])), **kw
+    )
 
 
 def _rows(cfg, tok, seq_len, **kw):
@@ -31,7 +34,7 @@ def check_row_invariants(row, tok):
     ids = seg[seg > 0]
     # segments are 1, 2, ... in order of appearance, contiguous, padding (0) only at the end
     assert list(dict.fromkeys(ids.tolist())) == list(range(1, int(seg.max(initial=0)) + 1))
-    assert np.all(seg[len(ids):] == 0) and np.all(tokens[seg == 0] == tok.pad_id) and np.all(pos[seg == 0] == 0)
+    assert np.all(seg[len(ids) :] == 0) and np.all(tokens[seg == 0] == tok.pad_id) and np.all(pos[seg == 0] == 0)
     for s in np.unique(ids):
         assert pos[seg == s].tolist() == list(range(int((seg == s).sum())))
     # pretrain: every non-padding token except each segment's first is a target
@@ -54,7 +57,7 @@ def test_packing_keeps_every_token_exactly_once(tmp_path, tok, tok_dir):
     assert got == expected
     # the long document: BOS + its tokens + EOS cut into consecutive chunks of seq_len, each its own segment
     long_ids = [tok.bos_id, *tok.encode(docs[-1]), tok.eos_id]
-    chunks = [long_ids[a:a + seq_len] for a in range(0, len(long_ids), seq_len)]
+    chunks = [long_ids[a : a + seq_len] for a in range(0, len(long_ids), seq_len)]
     found = [r["tokens"][r["segment_ids"] == s].tolist() for r in rows for s in np.unique(r["segment_ids"]) if s]
     assert all(c in found for c in chunks) and len(chunks) >= 3
 
@@ -109,8 +112,11 @@ def test_train_and_eval_never_share_a_document(tmp_path, tok, tok_dir):
 
 
 def test_eval_batches_are_fixed_and_padded(tmp_path, tok, tok_dir):
-    cfg = _cfg(tok_dir, _jsonl_source(tmp_path, "a", numbered_docs(10)),
-               eval_sources=(_jsonl_source(tmp_path, "e", numbered_docs(9, "held")),))
+    cfg = _cfg(
+        tok_dir,
+        _jsonl_source(tmp_path, "a", numbered_docs(10)),
+        eval_sources=(_jsonl_source(tmp_path, "e", numbered_docs(9, "held")),),
+    )
     one = make_eval_batches(cfg, seq_len=64, batch_size=4, num_batches=5)
     two = make_eval_batches(dataclasses.replace(cfg), seq_len=64, batch_size=4, num_batches=5)
     assert len(one) == len(two) >= 1
@@ -119,8 +125,9 @@ def test_eval_batches_are_fixed_and_padded(tmp_path, tok, tok_dir):
     # explicit eval sources are used whole
     assert sorted(segments(_stack([r for b in one for r in _unstack(b)]), tok)) == sorted(numbered_docs(9, "held"))
     with pytest.raises(DataConfigError, match="no evaluation documents"):
-        make_eval_batches(_cfg(tok_dir, _jsonl_source(tmp_path, "z", ["one"]), eval_fraction=0.0),
-                          seq_len=16, batch_size=2)
+        make_eval_batches(
+            _cfg(tok_dir, _jsonl_source(tmp_path, "z", ["one"]), eval_fraction=0.0), seq_len=16, batch_size=2
+        )
 
 
 def _unstack(batch):
@@ -154,18 +161,26 @@ def test_exact_resume_from_json_state(tmp_path, tok, tok_dir):
 
 def test_source_with_only_held_out_documents_is_an_error(tmp_path, tok_dir):
     held = next(d for d in numbered_docs(100) if content_hash_fraction(d) < 0.5)
-    with pytest.raises(DataConfigError, match=r"all 1 documents of host 0 fall in the held-out split \(eval_fraction=0.5\)"):
-        make_train_iterator(_cfg(tok_dir, _jsonl_source(tmp_path, "a", [held]), eval_fraction=0.5),
-                            seq_len=16, batch_size=1, seed=0)
+    with pytest.raises(
+        DataConfigError, match=r"all 1 documents of host 0 fall in the held-out split \(eval_fraction=0.5\)"
+    ):
+        make_train_iterator(
+            _cfg(tok_dir, _jsonl_source(tmp_path, "a", [held]), eval_fraction=0.5), seq_len=16, batch_size=1, seed=0
+        )
 
 
 def test_bad_documents_fail_with_file_and_line(tmp_path, tok_dir):
     f = tmp_path / "bad.jsonl"
     f.write_text('{"text": "fine"}\n{"txt": "wrong key"}\n')
-    it = make_train_iterator(_cfg(tok_dir, SourceConfig(type="jsonl", path=str(f)), eval_fraction=0.0,
-                                  shuffle=False), seq_len=16, batch_size=1, seed=0)
+    it = make_train_iterator(
+        _cfg(tok_dir, SourceConfig(type="jsonl", path=str(f)), eval_fraction=0.0, shuffle=False),
+        seq_len=16,
+        batch_size=1,
+        seed=0,
+    )
     with pytest.raises(DataConfigError, match=r"bad.jsonl:2: record has no key 'text'"):
         next(it)
     with pytest.raises(DataConfigError, match="process_index=2 must be in 0..process_count-1=1"):
-        make_train_iterator(_cfg(tok_dir, SourceConfig(path=str(f))), seq_len=16, batch_size=1, seed=0,
-                            process_index=2, process_count=2)
+        make_train_iterator(
+            _cfg(tok_dir, SourceConfig(path=str(f))), seq_len=16, batch_size=1, seed=0, process_index=2, process_count=2
+        )

@@ -1,12 +1,12 @@
 """Each source type on tiny files in tmp_path, directory filters + dedup, and the errors users cause."""
+
 import json
 
 import pytest
 from datahelpers import write_jsonl
 
 from composer_jax.config.data import DataConfigError, SourceConfig
-from composer_jax.data.sources import (DataFormatError, content_hash_fraction, list_directory_files,
-                                       open_source)
+from composer_jax.data.sources import DataFormatError, content_hash_fraction, list_directory_files, open_source
 
 DOCS = ["def a():\n    pass\n", "print('b')\n", "# c\n\nSome *markdown*.\n"]
 
@@ -49,7 +49,9 @@ def test_parquet_text_and_chat_columns(tmp_path):
     assert [src[i] for i in range(len(src))] == DOCS + ["last"]
     chat = open_source(SourceConfig(type="parquet", path=str(tmp_path / "a.parquet")), "messages")
     assert chat[2] == msgs
-    with pytest.raises(DataFormatError, match=r"a.parquet: parquet file has no column 'content'.*columns: \['text', 'messages'\]"):
+    with pytest.raises(
+        DataFormatError, match=r"a.parquet: parquet file has no column 'content'.*columns: \['text', 'messages'\]"
+    ):
         open_source(SourceConfig(type="parquet", path=str(tmp_path / "a.parquet"), text_key="content"), "text")
 
 
@@ -71,10 +73,18 @@ def test_arrayrecord_text_and_json_records(tmp_path):
 def test_directory_filters_and_dedup(tmp_path):
     root = tmp_path / "repo"
     for rel, content in {
-        "a.py": "x = 1\n", "pkg/b.py": "y = 2\n", "pkg/copy_of_a.py": "x = 1\n",  # duplicate of a.py
-        "README.md": "# r\n", "run.sh": "echo\n", "data.bin": "ignored ext\n", "img.py": "\x00binary",
-        "big.py": "z" * 5000, ".git/config.py": "no\n", "pkg/__pycache__/m.py": "no\n",
-        "gen/out.py": "generated\n", "pkg/latin1.py": None,
+        "a.py": "x = 1\n",
+        "pkg/b.py": "y = 2\n",
+        "pkg/copy_of_a.py": "x = 1\n",  # duplicate of a.py
+        "README.md": "# r\n",
+        "run.sh": "echo\n",
+        "data.bin": "ignored ext\n",
+        "img.py": "\x00binary",
+        "big.py": "z" * 5000,
+        ".git/config.py": "no\n",
+        "pkg/__pycache__/m.py": "no\n",
+        "gen/out.py": "generated\n",
+        "pkg/latin1.py": None,
     }.items():
         p = root / rel
         p.parent.mkdir(parents=True, exist_ok=True)
@@ -84,15 +94,21 @@ def test_directory_filters_and_dedup(tmp_path):
     # excluded and cache/VCS paths are dropped
     assert files == ["README.md", "a.py", "pkg/b.py", "run.sh"]
     assert list_directory_files(root, include=("pkg/*.py",), exclude=(), max_file_bytes=10_000) == [
-        "pkg/b.py", "pkg/copy_of_a.py"]
+        "pkg/b.py",
+        "pkg/copy_of_a.py",
+    ]
     src = open_source(SourceConfig(type="directory", path=str(root), include=(".py",), max_file_bytes=1000), "text")
     assert [src[i] for i in range(len(src))] == ["x = 1\n", "generated\n", "y = 2\n"]
 
 
 def test_errors_for_bad_sources(tmp_path):
-    with pytest.raises(DataConfigError, match=r"source path '.*missing.jsonl' does not exist .*give a file, a directory or a glob"):
+    with pytest.raises(
+        DataConfigError, match=r"source path '.*missing.jsonl' does not exist .*give a file, a directory or a glob"
+    ):
         open_source(SourceConfig(type="jsonl", path=str(tmp_path / "missing.jsonl")), "text")
-    with pytest.raises(DataConfigError, match=r"type='csv' is not accepted; accepted: jsonl, parquet, arrayrecord, directory"):
+    with pytest.raises(
+        DataConfigError, match=r"type='csv' is not accepted; accepted: jsonl, parquet, arrayrecord, directory"
+    ):
         open_source(SourceConfig(type="csv", path=str(tmp_path)), "text")
     with pytest.raises(DataConfigError, match=r"matches no files \(looked for '\*.parquet'\)"):
         open_source(SourceConfig(type="parquet", path=str(tmp_path)), "text")
@@ -105,6 +121,7 @@ def test_split_hash_is_stable_and_uniform():
     # silently changing between versions, which would leak eval documents into training.
     assert content_hash_fraction("def f(): pass\n") == content_hash_fraction("def f(): pass\n")
     import hashlib
+
     want = int.from_bytes(hashlib.blake2b(b"abc", digest_size=8, person=b"cj-split").digest(), "little") / 2**64
     assert content_hash_fraction("abc") == want
     fr = [content_hash_fraction(f"doc {i}") for i in range(4000)]

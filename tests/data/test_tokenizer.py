@@ -1,16 +1,18 @@
 """Tokenizer: training a byte-level BPE on code, round trips, special tokens, the shipped asset, CLI."""
+
 import json
 
 import pytest
+from datahelpers import REPO
 
 from composer_jax.config.data import DataConfigError
 from composer_jax.data.tokenizer import SPECIAL_TOKENS, load_tokenizer, main, save_tokenizer, train_tokenizer
 
-from datahelpers import REPO
-
-CODE = ['def add(a, b):\n    """Sum."""\n    return a + b\n',
-        "for i in range(10):\n\tprint(f'{i:>3}')  # tabs, unicode: é ✓ 🙂\n",
-        "#!/usr/bin/env bash\nset -euo pipefail\necho \"$HOME\" | tr a-z A-Z\n"] * 20
+CODE = [
+    'def add(a, b):\n    """Sum."""\n    return a + b\n',
+    "for i in range(10):\n\tprint(f'{i:>3}')  # tabs, unicode: é ✓ 🙂\n",
+    '#!/usr/bin/env bash\nset -euo pipefail\necho "$HOME" | tr a-z A-Z\n',
+] * 20
 
 
 def test_train_round_trip_and_special_ids(tmp_path):

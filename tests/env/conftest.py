@@ -1,4 +1,5 @@
 """Shared fixtures for the environment-server tests: fixture tasks, a live server subprocess."""
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,10 @@ FIXTURE_TASKS = Path(__file__).parent / "fixtures" / "tasks"
 SRC = Path(__file__).resolve().parents[2] / "src"
 HAVE_BWRAP = shutil.which("bwrap") is not None
 
-requires_bwrap = [pytest.mark.sandbox,
-                  pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap (bwrap) is not installed; `make system-deps`")]
+requires_bwrap = [
+    pytest.mark.sandbox,
+    pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap (bwrap) is not installed; `make system-deps`"),
+]
 
 
 def env_with_src() -> dict:
@@ -30,7 +33,11 @@ class LiveServer:
     def __init__(self, *extra: str, tasks: Path = FIXTURE_TASKS):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "composer_jax.cli", "env-server", "--tasks", str(tasks), "--port", "0", *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_with_src())
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env_with_src(),
+        )
         line = self.proc.stdout.readline()
         match = re.search(r"listening on (\S+) .*token=(\S+)", line)
         if not match:
@@ -86,6 +93,7 @@ def call(http, sid, name, **arguments):
     r = http.post(f"/sessions/{sid}/tools", json={"calls": [{"name": name, "arguments": arguments}]})
     assert r.status_code == 200, r.text
     return r.json()["results"][0]
+
 
 # The fixture tasks' own tests run inside the sandbox, never on the host.
 collect_ignore_glob = ["fixtures/*"]

@@ -11,6 +11,7 @@ with no network and a private /tmp.
     reward = run_task(task_dir, oracle=True)    # 1.0 expected
     reward = run_task(task_dir, oracle=False)   # 0.0 expected
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,8 +42,7 @@ def _prefixes() -> list[str]:
 
 
 def _bwrap_cmd(work: pathlib.Path, task: pathlib.Path, logs: pathlib.Path, script: str) -> list[str]:
-    cmd = [BWRAP or "bwrap", "--die-with-parent", "--unshare-net", "--unshare-pid", "--unshare-ipc",
-           "--tmpfs", "/"]
+    cmd = [BWRAP or "bwrap", "--die-with-parent", "--unshare-net", "--unshare-pid", "--unshare-ipc", "--tmpfs", "/"]
     for d in ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc"):
         if os.path.exists(d):
             cmd += ["--ro-bind", d, d]
@@ -51,15 +51,37 @@ def _bwrap_cmd(work: pathlib.Path, task: pathlib.Path, logs: pathlib.Path, scrip
     cmd += ["--tmpfs", "/tmp"]
     for p in _prefixes():
         cmd += ["--ro-bind", p, p]
-    cmd += ["--bind", str(work), "/app",
-            "--ro-bind", str(task / "tests"), "/tests",
-            "--bind", str(logs), "/logs",
-            "--proc", "/proc", "--dev", "/dev", "--chdir", "/app",
-            "--clearenv",
-            "--setenv", "PATH", f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin",
-            "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8",
-            # the host venv may carry heavy pytest plugins; tasks need none (same as the env server)
-            "--setenv", "PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1"]
+    cmd += [
+        "--bind",
+        str(work),
+        "/app",
+        "--ro-bind",
+        str(task / "tests"),
+        "/tests",
+        "--bind",
+        str(logs),
+        "/logs",
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--chdir",
+        "/app",
+        "--clearenv",
+        "--setenv",
+        "PATH",
+        f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin",
+        "--setenv",
+        "HOME",
+        "/tmp",
+        "--setenv",
+        "LANG",
+        "C.UTF-8",
+        # the host venv may carry heavy pytest plugins; tasks need none (same as the env server)
+        "--setenv",
+        "PYTEST_DISABLE_PLUGIN_AUTOLOAD",
+        "1",
+    ]
     if (task / "solution").is_dir():
         cmd += ["--ro-bind", str(task / "solution"), "/solution"]
     return cmd + ["bash", script]
@@ -78,12 +100,14 @@ def run_task(task_dir: str | os.PathLike, oracle: bool, timeout: float = 120.0) 
         output = []
         solve_rc = None
         if oracle:
-            p = subprocess.run(_bwrap_cmd(work, task, logs, "/solution/solve.sh"), capture_output=True,
-                               text=True, timeout=timeout)
+            p = subprocess.run(
+                _bwrap_cmd(work, task, logs, "/solution/solve.sh"), capture_output=True, text=True, timeout=timeout
+            )
             solve_rc = p.returncode
             output.append(f"--- solve.sh rc={p.returncode}\n{p.stdout}{p.stderr}")
-        p = subprocess.run(_bwrap_cmd(work, task, logs, "/tests/test.sh"), capture_output=True, text=True,
-                           timeout=timeout)
+        p = subprocess.run(
+            _bwrap_cmd(work, task, logs, "/tests/test.sh"), capture_output=True, text=True, timeout=timeout
+        )
         output.append(f"--- test.sh rc={p.returncode}\n{p.stdout}{p.stderr}")
         reward_file = logs / "verifier" / "reward.txt"
         reward = None

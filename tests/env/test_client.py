@@ -1,13 +1,14 @@
 """EnvClient: load balancing over several servers, fail-over, typed errors for lost sessions."""
+
 from __future__ import annotations
 
 import asyncio
 import socket
 
 import pytest
+from conftest import LiveServer, requires_bwrap
 
 from composer_jax.env.client import EnvClient, RequestRejected, ServerUnavailable, SessionLost
-from conftest import LiveServer, requires_bwrap
 
 pytestmark = requires_bwrap
 
@@ -48,6 +49,7 @@ def test_balancing_failover_and_session_lost():
         async with EnvClient([free_url()], a.token, retries=1, backoff_s=0.01) as client:
             with pytest.raises(ServerUnavailable):
                 await client.create_session("fix-add")
+
     try:
         asyncio.run(scenario())
     finally:

@@ -1,12 +1,12 @@
 """Fuzz the HTTP API from its own OpenAPI schema (schemathesis): no 5xx, no crash."""
+
 from __future__ import annotations
 
 import pytest
 import schemathesis
+from conftest import LiveServer, requires_bwrap
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
-
-from conftest import LiveServer, requires_bwrap
 
 pytestmark = requires_bwrap
 
@@ -21,8 +21,7 @@ def _fuzz(max_examples: int) -> None:
         for operation in schema.get_all_operations():
             op = operation.ok()
 
-            @settings(max_examples=max_examples, deadline=None, database=None,
-                      suppress_health_check=list(HealthCheck))
+            @settings(max_examples=max_examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
             @given(case=op.as_strategy())
             def check(case):
                 # Half the cases target a live session, so tool calls and grading get exercised.
@@ -32,9 +31,11 @@ def _fuzz(max_examples: int) -> None:
                 try:
                     case.validate_response(response, checks=[not_a_server_error])
                 except Exception as exc:  # noqa: BLE001 - collect, then report all at once
-                    failures.append(f"{op.method.upper()} {op.path}: {exc}"[:500])
-                if op.method.upper() == "DELETE" and response.status_code == 200:
+                    # check() runs at once below, inside this iteration: op is the current one
+                    failures.append(f"{op.method.upper()} {op.path}: {exc}"[:500])  # noqa: B023
+                if op.method.upper() == "DELETE" and response.status_code == 200:  # noqa: B023
                     live[0] = http.post("/sessions", json={"task_id": "fix-add"}).json()["session_id"]
+
             check()
         assert server.proc.poll() is None, "the server crashed"
         assert not failures, "\n".join(failures[:10])

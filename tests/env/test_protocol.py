@@ -1,5 +1,6 @@
 """The tool protocol (env/protocol.py): light to import, schemas and argument checks, and SFT tool
 results shaped exactly like the server's results for the same calls."""
+
 from __future__ import annotations
 
 import asyncio
@@ -34,9 +35,11 @@ SAMPLES = {
 
 
 def test_protocol_imports_without_jax_or_server_dependencies():
-    code = ("import sys; import composer_jax.env.protocol; "
-            "heavy = [m for m in ('jax', 'fastapi', 'pydantic', 'regex', 'numpy') if m in sys.modules]; "
-            "assert not heavy, heavy")
+    code = (
+        "import sys; import composer_jax.env.protocol; "
+        "heavy = [m for m in ('jax', 'fastapi', 'pydantic', 'regex', 'numpy') if m in sys.modules]; "
+        "assert not heavy, heavy"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent / "src"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -63,17 +66,20 @@ def test_system_prompt_names_only_real_tools():
     assert named and named <= set(protocol.TOOL_NAMES)
 
 
-@pytest.mark.parametrize("name,arguments,argument,fragment", [
-    ("read_file", {}, "path", "missing required argument(s) ['path']"),
-    ("read_file", {"path": 3}, "path", "argument 'path' = 3 must be of type string"),
-    ("read_file", {"path": "x", "start_line": 0}, "start_line", "'start_line' = 0 must be in [1, inf]"),
-    ("list_dir", {"depth": True}, "depth", "'depth' = True must be of type integer"),
-    ("list_dir", {"colour": 1}, "colour", "unknown argument(s) ['colour']; accepted: ['depth', 'path']"),
-    ("grep", {"pattern": "x", "max_matches": 1001}, "max_matches", "must be in [1, 1000]"),
-    ("edit_file", {"path": "x", "new_string": "y", "replace_all": "yes"}, "replace_all", "must be of type boolean"),
-    ("semantic_search", {"query": "q", "top_k": 2.0}, "top_k", "must be of type integer"),
-    ("run_shell", {"command": "ls", "timeout_s": 0}, "timeout_s", "'timeout_s' = 0 must be > 0"),
-])
+@pytest.mark.parametrize(
+    "name,arguments,argument,fragment",
+    [
+        ("read_file", {}, "path", "missing required argument(s) ['path']"),
+        ("read_file", {"path": 3}, "path", "argument 'path' = 3 must be of type string"),
+        ("read_file", {"path": "x", "start_line": 0}, "start_line", "'start_line' = 0 must be in [1, inf]"),
+        ("list_dir", {"depth": True}, "depth", "'depth' = True must be of type integer"),
+        ("list_dir", {"colour": 1}, "colour", "unknown argument(s) ['colour']; accepted: ['depth', 'path']"),
+        ("grep", {"pattern": "x", "max_matches": 1001}, "max_matches", "must be in [1, 1000]"),
+        ("edit_file", {"path": "x", "new_string": "y", "replace_all": "yes"}, "replace_all", "must be of type boolean"),
+        ("semantic_search", {"query": "q", "top_k": 2.0}, "top_k", "must be of type integer"),
+        ("run_shell", {"command": "ls", "timeout_s": 0}, "timeout_s", "'timeout_s' = 0 must be > 0"),
+    ],
+)
 def test_bad_arguments_name_the_tool_and_the_argument(name, arguments, argument, fragment):
     with pytest.raises(ToolArgumentError) as info:
         protocol.parse_call(name, arguments, "calls[3]")
@@ -85,7 +91,9 @@ def test_bad_arguments_name_the_tool_and_the_argument(name, arguments, argument,
 def test_unknown_tools_and_undecodable_arguments():
     with pytest.raises(UnknownToolError, match=r"^calls\[0\]: unknown tool 'rm'; accepted tools: read_file, "):
         protocol.parse_call("rm", {}, "calls[0]")
-    with pytest.raises(ToolArgumentError, match=r"^calls\[1\] \(grep\): arguments is a string but not valid JSON") as info:
+    with pytest.raises(
+        ToolArgumentError, match=r"^calls\[1\] \(grep\): arguments is a string but not valid JSON"
+    ) as info:
         protocol.parse_call("grep", '{"pattern": ', "calls[1]")
     assert not isinstance(info.value, UnknownToolError) and info.value.tool == "grep"
     with pytest.raises(ToolArgumentError, match="grep: arguments must be a JSON object, got list"):
@@ -100,8 +108,9 @@ class HostShell:
 
     async def run_shell(self, command: str, timeout_s: float) -> ExecResult:
         start = time.monotonic()
-        proc = subprocess.run(["bash", "-c", command], cwd=self.workspace.root, capture_output=True, text=True,
-                              timeout=timeout_s)
+        proc = subprocess.run(
+            ["bash", "-c", command], cwd=self.workspace.root, capture_output=True, text=True, timeout=timeout_s
+        )
         return ExecResult(proc.returncode, proc.stdout, proc.stderr, False, False, time.monotonic() - start)
 
 
@@ -149,6 +158,9 @@ def test_sft_tool_results_match_the_server(task_dir, tmp_path):
     if task_dir.name == "add-docs":
         assert "run_shell" in seen  # the deleted file
     # the SFT calls, replayed on the server, leave the tree the reference solution leaves
-    replayed = {p.relative_to(tmp_path / "app").as_posix(): p.read_bytes()
-                for p in (tmp_path / "app").rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    replayed = {
+        p.relative_to(tmp_path / "app").as_posix(): p.read_bytes()
+        for p in (tmp_path / "app").rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    }
     assert replayed == run_solution(task_dir)[1]

@@ -4,6 +4,7 @@ Every test drives a live `composer-jax env-server` (bubblewrap backend) over HTT
 would, and checks containment from the host side where it can (files not created, processes not
 left, the server and other sessions unaffected).
 """
+
 from __future__ import annotations
 
 import os
@@ -13,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import call, requires_bwrap
 
 pytestmark = requires_bwrap
@@ -38,7 +38,7 @@ def test_cannot_read_server_token(server, http, session):
 
 
 def test_cannot_see_host_processes(server, http, session):
-    out = shell(http, session, "ls /proc | grep -E '^[0-9]+$' | wc -l; kill -0 %d; echo rc=$?" % server.proc.pid)
+    out = shell(http, session, f"ls /proc | grep -E '^[0-9]+$' | wc -l; kill -0 {server.proc.pid}; echo rc=$?")
     assert int(out["stdout"].split()[0]) < 10  # only the sandbox's own processes
     assert "rc=1" in out["stdout"]
 
@@ -48,9 +48,13 @@ def test_cannot_read_other_sessions_workspace(http, session):
     try:
         marker = "secret-" + secrets.token_hex(8)
         assert call(http, other, "edit_file", path="secret.txt", new_string=marker)["ok"]
-        out = shell(http, session, f"cat /proc/self/mountinfo; grep -rs {marker} /app /tmp /root /home /work /var "
-                                   "/mnt /opt 2>/dev/null; find / -path /proc -prune -o -path /usr -prune -o "
-                                   "-name secret.txt -print 2>/dev/null; echo done")
+        out = shell(
+            http,
+            session,
+            f"cat /proc/self/mountinfo; grep -rs {marker} /app /tmp /root /home /work /var "
+            "/mnt /opt 2>/dev/null; find / -path /proc -prune -o -path /usr -prune -o "
+            "-name secret.txt -print 2>/dev/null; echo done",
+        )
         assert marker not in out["stdout"] and "secret.txt" not in out["stdout"] and other not in out["stdout"]
         res = call(http, session, "read_file", path=f"../{other}/app/secret.txt")
         assert not res["ok"] and "leaves the workspace" in res["error"]
@@ -96,9 +100,11 @@ def test_cannot_mount_or_gain_privileges(http, session):
 @pytest.mark.parametrize("host", ["1.1.1.1", "127.0.0.1"])
 def test_no_network(server, http, session, host):
     port = server.url.rsplit(":", 1)[1]
-    code = (f"import socket; s=socket.socket(); s.settimeout(2); "
-            f"s.connect(('{host}', {port if host == '127.0.0.1' else 80})); print('CONNECTED')")
-    out = shell(http, session, f"python3 -c \"{code}\" 2>&1")
+    code = (
+        f"import socket; s=socket.socket(); s.settimeout(2); "
+        f"s.connect(('{host}', {port if host == '127.0.0.1' else 80})); print('CONNECTED')"
+    )
+    out = shell(http, session, f'python3 -c "{code}" 2>&1')
     assert "CONNECTED" not in out["stdout"]
     assert "unreachable" in out["stdout"] or "refused" in out["stdout"]
 
@@ -117,21 +123,23 @@ def test_process_count_limited(http, session):
 
 
 def test_memory_bomb_contained(http, session):
-    out = shell(http, session, "python3 -c \"x = bytearray(16 * 2**30)\" 2>&1; echo rc=$?", timeout_s=20)
+    out = shell(http, session, 'python3 -c "x = bytearray(16 * 2**30)" 2>&1; echo rc=$?', timeout_s=20)
     assert "MemoryError" in out["stdout"] or "Killed" in out["stdout"]
     assert_server_healthy(http, session)
 
 
 def test_disk_fill_stops_at_quota(http, session):
-    out = shell(http, session, "dd if=/dev/zero of=/app/fill bs=1M count=3000 2>&1; echo rc=$?; rm -f /app/fill",
-                timeout_s=30)
+    out = shell(
+        http, session, "dd if=/dev/zero of=/app/fill bs=1M count=3000 2>&1; echo rc=$?; rm -f /app/fill", timeout_s=30
+    )
     assert "rc=0" not in out["stdout"]
     assert "No space left" in out["stdout"] or "rc=153" in out["stdout"]
 
 
 def test_tmp_fill_stops_at_quota(http, session):
-    out = shell(http, session, "dd if=/dev/zero of=/tmp/fill bs=1M count=3000 2>&1; echo rc=$?; df -m /tmp",
-                timeout_s=30)
+    out = shell(
+        http, session, "dd if=/dev/zero of=/tmp/fill bs=1M count=3000 2>&1; echo rc=$?; df -m /tmp", timeout_s=30
+    )
     # Either the tmpfs size (ENOSPC) or RLIMIT_FSIZE (SIGXFSZ: 128 + 25 = 153) stops it.
     assert "No space left" in out["stdout"] or "rc=153" in out["stdout"]
     assert int(out["stdout"].split()[-5]) <= 256  # df: the /tmp tmpfs is 256 MiB
@@ -174,7 +182,7 @@ def test_misbehaving_session_loses_no_other_state(http, session):
     other = http.post("/sessions", json={"task_id": "fix-add"}).json()["session_id"]
     try:
         assert call(http, other, "edit_file", path="calc.py", old_string="a - b", new_string="a + b")["ok"]
-        shell(http, session, "python3 -c \"x = bytearray(16 * 2**30)\"; :(){ :|:& };:", timeout_s=3)
+        shell(http, session, 'python3 -c "x = bytearray(16 * 2**30)"; :(){ :|:& };:', timeout_s=3)
         assert "a + b" in call(http, other, "read_file", path="calc.py")["result"]["content"]
         assert http.post(f"/sessions/{other}/grade").json()["reward"] == 1.0
     finally:
@@ -184,8 +192,11 @@ def test_misbehaving_session_loses_no_other_state(http, session):
 # ------------------------------------------------------------------ path traversal through the file tools
 @pytest.mark.parametrize("path", ["../../etc/passwd", "/etc/passwd", "/app/../etc/passwd", "a/../../x"])
 def test_dotdot_and_absolute_paths_refused(http, session, path):
-    for name, args in (("read_file", {"path": path}), ("edit_file", {"path": path, "new_string": "pwned"}),
-                       ("list_dir", {"path": path})):
+    for name, args in (
+        ("read_file", {"path": path}),
+        ("edit_file", {"path": path, "new_string": "pwned"}),
+        ("list_dir", {"path": path}),
+    ):
         res = call(http, session, name, **args)
         assert not res["ok"] and ("outside the workspace" in res["error"] or "leaves the workspace" in res["error"])
 
@@ -193,8 +204,11 @@ def test_dotdot_and_absolute_paths_refused(http, session, path):
 def test_symlink_to_host_file_refused(http, session):
     shell(http, session, "ln -s /etc/passwd /app/link; ln -s ../../../etc/hostname /app/rel")
     before = Path("/etc/passwd").read_bytes()
-    for name, args in (("read_file", {"path": "link"}), ("read_file", {"path": "rel"}),
-                       ("edit_file", {"path": "link", "old_string": "root", "new_string": "pwned"})):
+    for name, args in (
+        ("read_file", {"path": "link"}),
+        ("read_file", {"path": "rel"}),
+        ("edit_file", {"path": "link", "old_string": "root", "new_string": "pwned"}),
+    ):
         res = call(http, session, name, **args)
         assert not res["ok"], res
     res = call(http, session, "edit_file", path="link", new_string="pwned")  # whole-file write
@@ -204,9 +218,12 @@ def test_symlink_to_host_file_refused(http, session):
 
 def test_symlinked_directory_refused_everywhere(http, session):
     shell(http, session, "ln -s / /app/hostroot")
-    for name, args in (("read_file", {"path": "hostroot/etc/hostname"}), ("list_dir", {"path": "hostroot"}),
-                       ("grep", {"pattern": "root", "path": "hostroot/etc"}),
-                       ("edit_file", {"path": "hostroot/tmp/cj-escape", "new_string": "x"})):
+    for name, args in (
+        ("read_file", {"path": "hostroot/etc/hostname"}),
+        ("list_dir", {"path": "hostroot"}),
+        ("grep", {"pattern": "root", "path": "hostroot/etc"}),
+        ("edit_file", {"path": "hostroot/tmp/cj-escape", "new_string": "x"}),
+    ):
         res = call(http, session, name, **args)
         assert not res["ok"], (name, res)
     assert not os.path.exists("/tmp/cj-escape")
@@ -231,14 +248,14 @@ def test_fifo_does_not_hang_file_tools(http, session):
 
 def test_symlink_swap_race_never_escapes(server, http, session):
     """A shell loop swaps a directory for a symlink to /etc while read_file races it."""
-    script = ("for i in $(seq 600); do rm -rf d; mkdir d; echo safe > d/passwd; rm -rf d; "
-              "ln -s /etc d; done; rm -rf d")
+    script = "for i in $(seq 600); do rm -rf d; mkdir d; echo safe > d/passwd; rm -rf d; ln -s /etc d; done; rm -rf d"
     swapper = threading.Thread(target=lambda: shell(server.client(), session, script, timeout_s=30))
     swapper.start()
     seen = []
     while swapper.is_alive():
-        r = http.post(f"/sessions/{session}/tools", json={"calls": [
-            {"name": "read_file", "arguments": {"path": "d/passwd"}}] * 8})
+        r = http.post(
+            f"/sessions/{session}/tools", json={"calls": [{"name": "read_file", "arguments": {"path": "d/passwd"}}] * 8}
+        )
         for res in r.json()["results"]:
             if res["ok"]:
                 seen.append(res["result"]["content"])

@@ -1,16 +1,14 @@
 """A whole session through the HTTP API, and the API's error handling."""
+
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
-import tempfile
 import time
 
 import httpx
 import pytest
-
 from conftest import FIXTURE_TASKS, LiveServer, call, env_with_src, requires_bwrap
 
 pytestmark = requires_bwrap
@@ -19,29 +17,51 @@ pytestmark = requires_bwrap
 def test_whole_session_over_http(http):
     tasks = http.get("/tasks").json()
     assert {t["task_id"]: t["runnable"] for t in tasks["tasks"]} == {
-        "fix-add": True, "write-hello": True, "needs-docker": False, "gpu-task": False}
+        "fix-add": True,
+        "write-hello": True,
+        "needs-docker": False,
+        "gpu-task": False,
+    }
     created = http.post("/sessions", json={"task_id": "fix-add", "ttl_s": 600})
     assert created.status_code == 201
     body = created.json()
     sid = body["session_id"]
     assert "calc.add" in body["instruction"]
     assert [t["function"]["name"] for t in body["tools"]] == [
-        "read_file", "edit_file", "list_dir", "grep", "semantic_search", "run_shell"]
+        "read_file",
+        "edit_file",
+        "list_dir",
+        "grep",
+        "semantic_search",
+        "run_shell",
+    ]
     assert all(t["type"] == "function" and t["function"]["parameters"]["type"] == "object" for t in body["tools"])
 
     graded = http.post(f"/sessions/{sid}/grade").json()
     assert graded["reward"] == 0.0
     assert {t["name"]: t["outcome"] for t in graded["tests"]} == {
-        "test_calc::test_add": "failed", "test_calc::test_add_negative": "failed", "test_calc::test_multiply": "passed"}
+        "test_calc::test_add": "failed",
+        "test_calc::test_add_negative": "failed",
+        "test_calc::test_multiply": "passed",
+    }
     assert graded["diff"] == ""
 
     # Several calls in one request, OpenAI-shaped and plain, results in call order.
-    r = http.post(f"/sessions/{sid}/tools", json={"calls": [
-        {"id": "c1", "type": "function", "function": {"name": "grep", "arguments": json.dumps({"pattern": "a - b"})}},
-        {"id": "c2", "name": "list_dir", "arguments": {}},
-        {"id": "c3", "name": "run_shell", "arguments": {"command": "sleep 0.5; echo slow"}},
-        {"id": "c4", "name": "run_shell", "arguments": {"command": "sleep 0.5; echo slow2"}},
-    ]})
+    r = http.post(
+        f"/sessions/{sid}/tools",
+        json={
+            "calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "grep", "arguments": json.dumps({"pattern": "a - b"})},
+                },
+                {"id": "c2", "name": "list_dir", "arguments": {}},
+                {"id": "c3", "name": "run_shell", "arguments": {"command": "sleep 0.5; echo slow"}},
+                {"id": "c4", "name": "run_shell", "arguments": {"command": "sleep 0.5; echo slow2"}},
+            ]
+        },
+    )
     results = r.json()["results"]
     assert [x["id"] for x in results] == ["c1", "c2", "c3", "c4"]
     assert results[0]["result"]["matches"][0]["line"] == 6
@@ -78,14 +98,17 @@ def test_reward_json_and_grading_does_not_touch_workspace(http):
         http.delete(f"/sessions/{sid}")
 
 
-@pytest.mark.parametrize("body,code,fragment", [
-    ({"task_id": "nope"}, 404, "unknown task_id 'nope'"),
-    ({"task_id": "gpu-task"}, 409, "gpus = 1"),
-    ({"task_id": "needs-docker"}, 409, "Dockerfile"),
-    ({"task_id": "fix-add", "seed": -1}, 400, "seed"),
-    ({"task_id": "fix-add", "colour": "red"}, 400, "colour"),
-    ({}, 400, "task_id: Field required"),
-])
+@pytest.mark.parametrize(
+    "body,code,fragment",
+    [
+        ({"task_id": "nope"}, 404, "unknown task_id 'nope'"),
+        ({"task_id": "gpu-task"}, 409, "gpus = 1"),
+        ({"task_id": "needs-docker"}, 409, "Dockerfile"),
+        ({"task_id": "fix-add", "seed": -1}, 400, "seed"),
+        ({"task_id": "fix-add", "colour": "red"}, 400, "colour"),
+        ({}, 400, "task_id: Field required"),
+    ],
+)
 def test_create_errors(http, body, code, fragment):
     r = http.post("/sessions", json=body)
     assert r.status_code == code, r.text
@@ -103,14 +126,22 @@ def test_request_errors(http, session):
     assert "missing required argument(s) ['path']" in r.json()["error"]["message"]
     r = http.post("/sessions/doesnotexist/tools", json={"calls": [{"name": "list_dir", "arguments": {}}]})
     assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
-    r = http.post(f"/sessions/{session}/tools", content=b"x" * (5 * 2**20), headers={"content-type": "application/json"})
+    r = http.post(
+        f"/sessions/{session}/tools", content=b"x" * (5 * 2**20), headers={"content-type": "application/json"}
+    )
     assert r.status_code == 413
     assert httpx.get(http.base_url.join("/tasks")).status_code == 401
     assert httpx.get(http.base_url.join("/tasks"), headers={"Authorization": "Bearer wrong"}).status_code == 401
     # a tool error is a result, not a request failure, and the other calls still run
-    r = http.post(f"/sessions/{session}/tools", json={"calls": [
-        {"name": "edit_file", "arguments": {"path": "calc.py", "old_string": "return", "new_string": "yield"}},
-        {"name": "read_file", "arguments": {"path": "calc.py", "start_line": 1, "end_line": 1}}]})
+    r = http.post(
+        f"/sessions/{session}/tools",
+        json={
+            "calls": [
+                {"name": "edit_file", "arguments": {"path": "calc.py", "old_string": "return", "new_string": "yield"}},
+                {"name": "read_file", "arguments": {"path": "calc.py", "start_line": 1, "end_line": 1}},
+            ]
+        },
+    )
     first, second = r.json()["results"]
     assert not first["ok"] and "occurs 2 times" in first["error"] and "[6, 11]" in first["error"]
     assert second["ok"] and second["result"]["content"] == '"""A tiny calculator."""\n'
@@ -118,8 +149,9 @@ def test_request_errors(http, session):
 
 def test_openapi_schema(http):
     schema = http.get("/openapi.json").json()
-    assert {"/sessions", "/sessions/{session_id}/tools", "/sessions/{session_id}/grade", "/health",
-            "/metrics"} <= set(schema["paths"])
+    assert {"/sessions", "/sessions/{session_id}/tools", "/sessions/{session_id}/grade", "/health", "/metrics"} <= set(
+        schema["paths"]
+    )
     assert "HTTPBearer" in schema["components"]["securitySchemes"]
 
 
@@ -144,12 +176,20 @@ def test_capacity_429_and_ttl():
 def test_server_refuses_to_start_without_sandbox(tmp_path):
     env = env_with_src()
     env["PATH"] = str(tmp_path)  # no bwrap, no prlimit: as on a box without bubblewrap
-    r = subprocess.run([sys.executable, "-m", "composer_jax.cli", "env-server", "--tasks", str(FIXTURE_TASKS)],
-                       capture_output=True, text=True, env=env, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "composer_jax.cli", "env-server", "--tasks", str(FIXTURE_TASKS)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert r.returncode == 2 and "--unsafe-no-sandbox" in r.stderr
 
 
 def test_importing_server_does_not_import_jax():
-    code = "import sys, composer_jax.env.server, composer_jax.env.client, composer_jax.env.cli; print('jax' in sys.modules)"
+    code = (
+        "import sys, composer_jax.env.server, composer_jax.env.client, composer_jax.env.cli; "
+        "print('jax' in sys.modules)"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env_with_src(), timeout=60)
     assert r.stdout.strip() == "False", r.stderr

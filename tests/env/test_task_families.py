@@ -1,4 +1,5 @@
 """The parametrised task families: API, determinism, and oracle 1 / untouched 0 under the sandbox."""
+
 from __future__ import annotations
 
 import ast
@@ -15,13 +16,17 @@ from composer_jax.env.task_families import FAMILIES, Family, generate_task
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import harbor_oracle  # noqa: E402
 
-needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None,
-                                 reason="bubblewrap (bwrap) not installed; cannot sandbox task runs")
+needs_bwrap = pytest.mark.skipif(
+    shutil.which("bwrap") is None, reason="bubblewrap (bwrap) not installed; cannot sandbox task runs"
+)
 
 
 def tree_digest(root: pathlib.Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_registry_shape():
@@ -34,6 +39,7 @@ def test_generator_is_stdlib_only():
     """Every module of the package imports only the standard library and its own siblings (the
     environment server runs without JAX, and env/ depends on nothing else of composer_jax)."""
     import composer_jax.env.task_families as mod
+
     modules = sorted(pathlib.Path(mod.__file__).parent.glob("*.py"))
     assert len(modules) >= 7, [m.name for m in modules]  # __init__, base and one per family
     for path in modules:

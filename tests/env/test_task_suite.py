@@ -1,4 +1,5 @@
 """The bundled task suite under tasks/: layout checks (fast) and oracle/untouched runs (sandbox)."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -17,8 +18,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 TASKS = sorted(p for p in (ROOT / "tasks").iterdir() if p.is_dir()) if (ROOT / "tasks").is_dir() else []
 KINDS_REQUIRED = {"debugging", "feature", "refactor", "tests", "docs", "devops", "optimization", "migration"}
 
-needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None,
-                                 reason="bubblewrap (bwrap) not installed; cannot sandbox task runs")
+needs_bwrap = pytest.mark.skipif(
+    shutil.which("bwrap") is None, reason="bubblewrap (bwrap) not installed; cannot sandbox task runs"
+)
 
 
 def test_suite_size_and_spread():

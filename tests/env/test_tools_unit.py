@@ -1,4 +1,5 @@
 """File tools, path confinement, BM25 ranking and verifier-output parsing, without a sandbox."""
+
 from __future__ import annotations
 
 import math
@@ -35,7 +36,9 @@ def test_edit_file_search_replace_and_create(ws):
         tools.edit_file(ws, "pkg/mod.py", old_string="x = 1", new_string="x = 2")
     with pytest.raises(ToolError, match="old_string not found"):
         tools.edit_file(ws, "pkg/mod.py", old_string="y = 1", new_string="x = 2")
-    assert tools.edit_file(ws, "pkg/mod.py", old_string="x = 1", new_string="x = 2", replace_all=True)["replacements"] == 2
+    assert (
+        tools.edit_file(ws, "pkg/mod.py", old_string="x = 1", new_string="x = 2", replace_all=True)["replacements"] == 2
+    )
     assert (ws.root / "pkg" / "mod.py").read_text().endswith("x = 2\nx = 2\n")
     r = tools.edit_file(ws, "new/dir/file.txt", new_string="hi")
     assert r["created"] and (ws.root / "new" / "dir" / "file.txt").read_text() == "hi"
@@ -61,7 +64,10 @@ def test_paths_confined(ws, tmp_path):
 def test_list_dir_and_grep(ws):
     entries = tools.list_dir(ws, depth=2)["entries"]
     assert [(e["path"], e["type"]) for e in entries] == [
-        ("/app/README.md", "file"), ("/app/pkg", "dir"), ("/app/pkg/mod.py", "file")]
+        ("/app/README.md", "file"),
+        ("/app/pkg", "dir"),
+        ("/app/pkg/mod.py", "file"),
+    ]
     hits = tools.grep(ws, r"x = \d", glob="*.py")["matches"]
     assert [(h["path"], h["line"]) for h in hits] == [("/app/pkg/mod.py", 4), ("/app/pkg/mod.py", 5)]
     assert tools.grep(ws, "LINE", case_insensitive=True, glob="*.md", max_matches=2)["truncated"]
@@ -91,7 +97,7 @@ def test_tokenize_splits_identifiers():
 
 def test_bm25_matches_hand_computation():
     chunks = [semantic_search.Chunk("a", 1, 1, "apple apple banana"), semantic_search.Chunk("b", 1, 1, "cherry")]
-    (score, top), = semantic_search.bm25_rank("apple", chunks, 5)
+    ((score, top),) = semantic_search.bm25_rank("apple", chunks, 5)
     # N=2, n=1: idf = ln(1 + 1.5/1.5) = ln 2. tokens(a) = apple,apple,banana,"a" -> |d| = 4;
     # tokens(b) = cherry,"b" -> 2; avgdl = 3. tf = 2: ln2 * 2 * 2.2 / (2 + 1.2 * (0.25 + 0.75 * 4/3))
     expected = math.log(2) * 2 * 2.2 / (2 + 1.2 * (0.25 + 0.75 * 4 / 3))
@@ -111,9 +117,13 @@ def test_reward_files_and_junit(tmp_path):
     (tmp_path / "junit.xml").write_text(
         '<testsuites><testsuite><testcase classname="t" name="ok"/><testcase classname="t" name="bad">'
         '<failure message="boom"/></testcase><testcase classname="t" name="skip"><skipped/></testcase>'
-        '</testsuite></testsuites>')
+        "</testsuite></testsuites>"
+    )
     assert [(t["name"], t["outcome"]) for t in grader.parse_junit(tmp_path / "junit.xml")] == [
-        ("t::ok", "passed"), ("t::bad", "failed"), ("t::skip", "skipped")]
+        ("t::ok", "passed"),
+        ("t::bad", "failed"),
+        ("t::skip", "skipped"),
+    ]
 
 
 def test_workspace_diff(tmp_path):
@@ -123,5 +133,5 @@ def test_workspace_diff(tmp_path):
     (b / "x.py").write_text("1\n3\n")
     (b / "new.txt").write_text("n\n")
     assert grader.workspace_diff(a, b) == (
-        "--- /dev/null\n+++ b/new.txt\n@@ -0,0 +1 @@\n+n\n"
-        "--- a/x.py\n+++ b/x.py\n@@ -1,2 +1,2 @@\n 1\n-2\n+3\n")
+        "--- /dev/null\n+++ b/new.txt\n@@ -0,0 +1 @@\n+n\n--- a/x.py\n+++ b/x.py\n@@ -1,2 +1,2 @@\n 1\n-2\n+3\n"
+    )

@@ -1,4 +1,5 @@
 """`env validate`, the Harbor task loader's errors, and generated-task resolution."""
+
 from __future__ import annotations
 
 import shutil
@@ -7,14 +8,19 @@ import sys
 import types
 
 import pytest
+from conftest import FIXTURE_TASKS, env_with_src
 
 from composer_jax.env.tasks import TaskError, TaskStore, load_task, parse_task_config
-from conftest import FIXTURE_TASKS, env_with_src
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "composer_jax.cli", *args], capture_output=True, text=True,
-                          env=env_with_src(), timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "composer_jax.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env_with_src(),
+        timeout=300,
+    )
 
 
 @pytest.mark.sandbox
@@ -52,15 +58,18 @@ def test_cli_argument_errors(tmp_path):
     assert r.returncode == 2 and "outside 0-65535" in r.stderr
 
 
-@pytest.mark.parametrize("toml,fragment", [
-    ({"version": 1}, "version = 1 must be a string"),
-    ({"verifier": {"timeout_sec": -5}}, "timeout_sec = -5 must be > 0"),
-    ({"environment": {"gpus": "two"}}, "gpus = 'two' must be an integer >= 0"),
-    ({"environment": {"memory": "lots"}}, "memory = 'lots' is not a size"),
-    ({"environment": {"allow_internet": "yes"}}, "allow_internet = 'yes' must be true or false"),
-    ({"metadata": {"tags": "python"}}, "tags = 'python' must be a list of strings"),
-    ({"agent": []}, "[agent] must be a table"),
-])
+@pytest.mark.parametrize(
+    "toml,fragment",
+    [
+        ({"version": 1}, "version = 1 must be a string"),
+        ({"verifier": {"timeout_sec": -5}}, "timeout_sec = -5 must be > 0"),
+        ({"environment": {"gpus": "two"}}, "gpus = 'two' must be an integer >= 0"),
+        ({"environment": {"memory": "lots"}}, "memory = 'lots' is not a size"),
+        ({"environment": {"allow_internet": "yes"}}, "allow_internet = 'yes' must be true or false"),
+        ({"metadata": {"tags": "python"}}, "tags = 'python' must be a list of strings"),
+        ({"agent": []}, "[agent] must be a table"),
+    ],
+)
 def test_task_config_errors_name_the_field(toml, fragment):
     with pytest.raises(TaskError, match=None) as info:
         parse_task_config(toml, "t")
@@ -91,6 +100,7 @@ def test_store_resolves_generated_families(tmp_path, monkeypatch):
         shutil.copytree(FIXTURE_TASKS / "write-hello", dest)
         (dest / "instruction.md").write_text(f"{family} seed {seed}\n")
         return dest
+
     fake = types.ModuleType("composer_jax.env.task_families")
     fake.FAMILIES, fake.generate_task = {"hello": None}, generate_task
     monkeypatch.setitem(sys.modules, "composer_jax.env.task_families", fake)

@@ -1,4 +1,5 @@
 """Blockwise attention (model/flash.py) against the dense masked softmax, values and gradients."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,8 +15,8 @@ def dense_reference(q, k, v, qs, qo, ks, ko, scale):
     m = np.max(s, -1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)
     p = np.exp(s - m)
-    l = p.sum(-1, keepdims=True)
-    p = np.where(l > 0, p / np.where(l > 0, l, 1.0), 0.0)
+    denom = p.sum(-1, keepdims=True)
+    p = np.where(denom > 0, p / np.where(denom > 0, denom, 1.0), 0.0)
     return np.einsum("bhqk,bhkd->bhqd", p, v)
 
 
@@ -39,13 +40,26 @@ def _inputs(b=2, h=3, s=64, d=8, dv=6, seed=0, packed=True):
     return q, k, v, seg, order
 
 
-@pytest.mark.parametrize("block_q,block_k,skip", [(16, 1024, True), (16, 16, True), (8, 24, True),
-                                                  (64, 64, False), (16, 32, False), (24, 1024, True)])
+@pytest.mark.parametrize(
+    "block_q,block_k,skip",
+    [(16, 1024, True), (16, 16, True), (8, 24, True), (64, 64, False), (16, 32, False), (24, 1024, True)],
+)
 def test_matches_dense(block_q, block_k, skip):
     q, k, v, seg, order = _inputs()
     want = dense_reference(q, k, v, seg, order, seg, order, 0.3)
-    got = blockwise_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), seg, order, seg, order,
-                              scale=0.3, block_q=block_q, block_k=block_k, causal_skip=skip)
+    got = blockwise_attention(
+        jnp.asarray(q),
+        jnp.asarray(k),
+        jnp.asarray(v),
+        seg,
+        order,
+        seg,
+        order,
+        scale=0.3,
+        block_q=block_q,
+        block_k=block_k,
+        causal_skip=skip,
+    )
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-6, rtol=1e-5)
 
 
@@ -57,8 +71,9 @@ def test_gradients_match_dense(block_q, block_k, skip):
     def loss(fn, q, k, v):
         return jnp.sum(fn(q, k, v) * w)
 
-    flash = lambda q, k, v: blockwise_attention(q, k, v, seg, order, seg, order, scale=0.3, block_q=block_q,
-                                                block_k=block_k, causal_skip=skip)
+    flash = lambda q, k, v: blockwise_attention(
+        q, k, v, seg, order, seg, order, scale=0.3, block_q=block_q, block_k=block_k, causal_skip=skip
+    )
     dense = lambda q, k, v: dense_jax(q, k, v, seg, order, seg, order, 0.3)
     args = tuple(jnp.asarray(x) for x in (q, k, v))
     g_flash = jax.grad(lambda *a: loss(flash, *a), argnums=(0, 1, 2))(*args)
@@ -77,13 +92,17 @@ def test_permuted_keys_and_rows_that_see_nothing():
     qs = seg.copy()
     qs[0, :4] = 5  # segment 5 has no keys
     kp, vp = k[:, :, perm], v[:, :, perm]
-    got = blockwise_attention(jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), qs, order, ks, ko, scale=0.5,
-                              block_q=8, block_k=8)
+    got = blockwise_attention(
+        jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), qs, order, ks, ko, scale=0.5, block_q=8, block_k=8
+    )
     want = dense_reference(q, kp, vp, qs, order, ks, ko, 0.5)
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-6, rtol=1e-5)
     assert np.all(np.asarray(got)[0, :, :4] == 0)
-    g = jax.grad(lambda q: jnp.sum(blockwise_attention(q, jnp.asarray(kp), jnp.asarray(vp), qs, order, ks, ko,
-                                                       scale=0.5, block_q=8, block_k=8)))(jnp.asarray(q))
+    g = jax.grad(
+        lambda q: jnp.sum(
+            blockwise_attention(q, jnp.asarray(kp), jnp.asarray(vp), qs, order, ks, ko, scale=0.5, block_q=8, block_k=8)
+        )
+    )(jnp.asarray(q))
     assert np.all(np.isfinite(np.asarray(g))) and np.all(np.asarray(g)[0, :, :4] == 0)
 
 
@@ -92,8 +111,17 @@ def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match="q .* do not fit"):
         blockwise_attention(jnp.asarray(q), jnp.asarray(k[:, :2]), jnp.asarray(v), seg, order, seg, order, scale=1.0)
     with pytest.raises(ValueError, match="causal_skip needs"):
-        blockwise_attention(jnp.asarray(q), jnp.asarray(k[:, :, :32]), jnp.asarray(v[:, :, :32]), seg, order,
-                            seg[:, :32], order[:, :32], scale=1.0, causal_skip=True)
+        blockwise_attention(
+            jnp.asarray(q),
+            jnp.asarray(k[:, :, :32]),
+            jnp.asarray(v[:, :, :32]),
+            seg,
+            order,
+            seg[:, :32],
+            order[:, :32],
+            scale=1.0,
+            causal_skip=True,
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -129,8 +157,9 @@ def test_model_blockwise_equals_dense(attention):
     (l_d, logits_d), g_d = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(params, dense)
     np.testing.assert_allclose(np.asarray(logits_b), np.asarray(logits_d), atol=2e-5, rtol=1e-5)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_b), jax.tree_util.tree_leaves(g_d)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-4,
-                                   err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(
+            np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-4, err_msg=jax.tree_util.keystr(path)
+        )
 
 
 def test_memory_is_linear_in_sequence():
@@ -141,8 +170,9 @@ def test_memory_is_linear_in_sequence():
     ids = jax.ShapeDtypeStruct((b, s), jnp.int32)
 
     def grads(q, k, v, seg, order):
-        f = lambda q, k, v: jnp.sum(blockwise_attention(q, k, v, seg, order, seg, order, scale=0.25, block_q=256,
-                                                        block_k=512, causal_skip=True))
+        f = lambda q, k, v: jnp.sum(
+            blockwise_attention(q, k, v, seg, order, seg, order, scale=0.25, block_q=256, block_k=512, causal_skip=True)
+        )
         return jax.grad(f, argnums=(0, 1, 2))(q, k, v)
 
     mem = jax.jit(grads).lower(q, q, q, ids, ids).compile().memory_analysis()
@@ -181,8 +211,12 @@ def test_span_without_divisor_pads_keys():
     qs, ks = np.ones((1, 40), np.int32), np.ones((1, 97), np.int32)
     qo, ko = np.arange(57, 97, dtype=np.int32)[None], np.arange(97, dtype=np.int32)[None]
     flash = lambda q, k, v: blockwise_attention(q, k, v, qs, qo, ks, ko, scale=0.4, block_q=8, block_k=16)
-    np.testing.assert_allclose(np.asarray(flash(*map(jnp.asarray, (q, k, v)))),
-                               dense_reference(q, k, v, qs, qo, ks, ko, 0.4), atol=2e-6, rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(flash(*map(jnp.asarray, (q, k, v)))),
+        dense_reference(q, k, v, qs, qo, ks, ko, 0.4),
+        atol=2e-6,
+        rtol=1e-5,
+    )
     dense = lambda q, k, v: dense_jax(q, k, v, qs, qo, ks, ko, 0.4)
     g_f = jax.grad(lambda *a: jnp.sum(jnp.sin(flash(*a))), argnums=(0, 1, 2))(*map(jnp.asarray, (q, k, v)))
     g_d = jax.grad(lambda *a: jnp.sum(jnp.sin(dense(*a))), argnums=(0, 1, 2))(*map(jnp.asarray, (q, k, v)))
@@ -206,11 +240,12 @@ def test_inside_shard_map_with_gathered_keys():
 
     spec4, spec2 = P(None, None, "context", None), P(None, "context")
     sharded = jax.shard_map(body, mesh=mesh, in_specs=(spec4, spec4, spec4, spec2, spec2), out_specs=spec4)
-    loss = lambda fn: (lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v, seg, order))))
+    loss = lambda fn: lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v, seg, order)))
     plain = lambda q, k, v, s_, o_: blockwise_attention(q, k, v, s_, o_, s_, o_, **kw)
     args = tuple(jnp.asarray(x) for x in (q, k, v))
-    np.testing.assert_allclose(np.asarray(jax.jit(sharded)(*args, seg, order)), np.asarray(plain(*args, seg, order)),
-                               atol=2e-6, rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(jax.jit(sharded)(*args, seg, order)), np.asarray(plain(*args, seg, order)), atol=2e-6, rtol=1e-5
+    )
     g_s = jax.jit(jax.grad(loss(sharded), argnums=(0, 1, 2)))(*args)
     g_p = jax.grad(loss(plain), argnums=(0, 1, 2))(*args)
     for a, b in zip(g_s, g_p):

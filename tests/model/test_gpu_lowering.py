@@ -1,6 +1,7 @@
 """The model's training computation lowers for CUDA from this CPU-only machine (GPU code is
 checked by lowering here; it runs on a GPU elsewhere): blockwise attention with its custom VJP,
 and the ragged_dot MoE path that "auto" picks on GPU."""
+
 import dataclasses
 from pathlib import Path
 
@@ -15,8 +16,13 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs/model"
 
 @pytest.mark.parametrize("moe_impl", ["ragged", "tiled"])
 def test_forward_and_gradient_lower_for_cuda(moe_impl):
-    m = dataclasses.replace(cj.load_config(CONFIGS / "tiny.yaml").model, moe_impl=moe_impl,
-                            attention_impl="blockwise", attn_block_q=8, attn_block_k=16)
+    m = dataclasses.replace(
+        cj.load_config(CONFIGS / "tiny.yaml").model,
+        moe_impl=moe_impl,
+        attention_impl="blockwise",
+        attn_block_q=8,
+        attn_block_k=16,
+    )
     params = cj.init_params(m, jax.random.key(0))
     batch, seq = 2, 32
     tokens = jnp.zeros((batch, seq), jnp.int32)

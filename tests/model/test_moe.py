@@ -1,4 +1,5 @@
 """MoE routing and dispatch against numpy references and hand-worked examples."""
+
 import dataclasses
 
 import jax
@@ -11,9 +12,19 @@ from composer_jax.model import moe
 
 
 def _cfg(**kw):
-    base = dict(hidden_size=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=8,
-                num_shared_experts=1, n_group=4, topk_group=2, topk_method="noaux_tc",
-                score_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5)
+    base = dict(
+        hidden_size=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=8,
+        num_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        topk_method="noaux_tc",
+        score_func="sigmoid",
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+    )
     base.update(kw)
     return ModelConfig(**base)
 
@@ -45,8 +56,14 @@ def test_bias_changes_selection_not_weights():
 
 def test_group_limited_softmax_v2_rule():
     # DeepSeek-V2: softmax scores, group score = max within group, no renormalisation.
-    cfg = _cfg(score_func="softmax", topk_method="group_limited", norm_topk_prob=False,
-               routed_scaling_factor=1.0, n_group=2, topk_group=1)
+    cfg = _cfg(
+        score_func="softmax",
+        topk_method="group_limited",
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+        n_group=2,
+        topk_group=1,
+    )
     logits = jnp.array([[0.0, 3.0, 0.1, 0.2, 2.9, 2.8, 2.7, 0.0]])
     r = moe.route(jnp.eye(8), jnp.zeros(8), logits, cfg)
     # group 0 = e0..3 (max 3.0), group 1 = e4..7 (max 2.9): group 0 wins although e4,e5 beat e3,e2
@@ -73,9 +90,16 @@ def _moe_params(cfg, key):
     ks = jax.random.split(key, 8)
     d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     n = lambda k, s: 0.3 * jax.random.normal(k, s)
-    return {"router": n(ks[0], (d, e)), "router_bias": 0.1 * jax.random.normal(ks[1], (e,)),
-            "gate": n(ks[2], (e, d, f)), "up": n(ks[3], (e, d, f)), "down": n(ks[4], (e, f, d)),
-            "shared_gate": n(ks[5], (d, f)), "shared_up": n(ks[6], (d, f)), "shared_down": n(ks[7], (f, d))}
+    return {
+        "router": n(ks[0], (d, e)),
+        "router_bias": 0.1 * jax.random.normal(ks[1], (e,)),
+        "gate": n(ks[2], (e, d, f)),
+        "up": n(ks[3], (e, d, f)),
+        "down": n(ks[4], (e, f, d)),
+        "shared_gate": n(ks[5], (d, f)),
+        "shared_up": n(ks[6], (d, f)),
+        "shared_down": n(ks[7], (f, d)),
+    }
 
 
 @pytest.mark.parametrize("impl", ["tiled", "ragged", "dense"])
@@ -87,8 +111,13 @@ def test_dispatch_matches_numpy(impl, tile):
     y, experts, stats = moe.moe_layer(p, x, cfg, None)
     counts = stats["expert_counts"]
     r = moe.route(p["router"], p["router_bias"], x.reshape(-1, cfg.hidden_size), cfg)
-    ref = _numpy_moe(jax.tree.map(np.asarray, p), np.asarray(x).reshape(-1, cfg.hidden_size), cfg,
-                     np.asarray(r.experts), np.asarray(r.weights))
+    ref = _numpy_moe(
+        jax.tree.map(np.asarray, p),
+        np.asarray(x).reshape(-1, cfg.hidden_size),
+        cfg,
+        np.asarray(r.experts),
+        np.asarray(r.weights),
+    )
     np.testing.assert_allclose(np.asarray(y).reshape(-1, cfg.hidden_size), ref, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(counts), np.bincount(np.asarray(experts).ravel(), minlength=8))
     assert float(counts.sum()) == 2 * 37 * 2
@@ -125,7 +154,9 @@ def test_router_replay_uses_recorded_experts():
     # gate weights are the current router's scores of the replayed experts, renormalised
     s = jax.nn.sigmoid(x.reshape(9, -1) @ p["router"])[:, jnp.array([3, 5])]
     w = s / s.sum(-1, keepdims=True) * cfg.routed_scaling_factor
-    ref = _numpy_moe(jax.tree.map(np.asarray, p), np.asarray(x).reshape(9, -1), cfg, np.asarray(forced[0]), np.asarray(w))
+    ref = _numpy_moe(
+        jax.tree.map(np.asarray, p), np.asarray(x).reshape(9, -1), cfg, np.asarray(forced[0]), np.asarray(w)
+    )
     np.testing.assert_allclose(np.asarray(y).reshape(9, -1), ref, atol=1e-5)
 
 
@@ -147,7 +178,9 @@ def test_sequence_balance_hand_worked():
     np.testing.assert_allclose(float(moe.sequence_balance(scores, experts, 4)), 1.6, rtol=1e-6)
     # perfectly balanced choices with uniform scores give exactly 1 per sequence
     uni = jnp.full((3, 4, 4), 0.25)
-    np.testing.assert_allclose(float(moe.sequence_balance(uni, jnp.array([[[0], [1], [2], [3]]] * 3), 4)), 3.0, rtol=1e-6)
+    np.testing.assert_allclose(
+        float(moe.sequence_balance(uni, jnp.array([[[0], [1], [2], [3]]] * 3), 4)), 3.0, rtol=1e-6
+    )
 
 
 def test_forward_rejects_inputs_of_the_wrong_shape_or_type():

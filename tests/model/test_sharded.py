@@ -1,4 +1,5 @@
 """On the fake 8-device mesh the sharded forward and gradient equal the single-device ones."""
+
 from pathlib import Path
 
 import jax
@@ -45,7 +46,9 @@ def test_sharded_forward_and_grad_equal_single_device(setup, shape):
     sharded = cj.init_params(m, jax.random.key(0), mesh)
     # parameters really are sharded as the rules say (experts over the expert axis, ...)
     gate = sharded["moe_layers"]["moe"]["gate"]
-    assert gate.sharding.spec == ShardingRules.create().spec(("layers", "experts", "embed", "expert_mlp"), gate.shape, mesh)
+    assert gate.sharding.spec == ShardingRules.create().spec(
+        ("layers", "experts", "embed", "expert_mlp"), gate.shape, mesh
+    )
     with jax.set_mesh(mesh):
         out = jax.jit(lambda p, t, s: cj.forward(p, t, m, segment_ids=s))(sharded, tokens, seg)
         grad = jax.jit(jax.grad(_loss), static_argnums=3)(sharded, tokens, seg, m)
@@ -56,8 +59,9 @@ def test_sharded_forward_and_grad_equal_single_device(setup, shape):
     flat_ref = jax.tree_util.tree_leaves_with_path(ref_grad)
     flat = dict(jax.tree_util.tree_leaves_with_path(grad))
     for path, g in flat_ref:
-        np.testing.assert_allclose(np.asarray(flat[path]), np.asarray(g), atol=2e-6, rtol=1e-4,
-                                   err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(
+            np.asarray(flat[path]), np.asarray(g), atol=2e-6, rtol=1e-4, err_msg=jax.tree_util.keystr(path)
+        )
 
 
 def test_init_is_sharding_independent_and_eval_shape_allocates_nothing(setup):

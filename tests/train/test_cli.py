@@ -1,4 +1,5 @@
 """`composer-jax pretrain|sft` reject bad input with a clear message and exit code 2."""
+
 from pathlib import Path
 
 import pytest
@@ -9,12 +10,15 @@ REPO = Path(__file__).resolve().parents[2]
 STAGE1 = str(REPO / "configs/pretrain/tiny_stage1.yaml")
 
 
-@pytest.mark.parametrize("argv, fragment", [
-    (["--config", "no/such.yaml"], "does not exist"),
-    (["--config", STAGE1, "train.micro_batches=3"], "train.batch_size=8 is not divisible by train.micro_batches=3"),
-    (["--config", STAGE1, "data.sources=[{type: csv, path: x}]"], "data.sources[0].type='csv'"),
-    (["--config", STAGE1, "model.vocab_size=100"], "model.vocab_size >= 2048"),
-])
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--config", "no/such.yaml"], "does not exist"),
+        (["--config", STAGE1, "train.micro_batches=3"], "train.batch_size=8 is not divisible by train.micro_batches=3"),
+        (["--config", STAGE1, "data.sources=[{type: csv, path: x}]"], "data.sources[0].type='csv'"),
+        (["--config", STAGE1, "model.vocab_size=100"], "model.vocab_size >= 2048"),
+    ],
+)
 def test_pretrain_bad_input(argv, fragment, capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     assert pretrain_main(argv) == 2

@@ -1,4 +1,5 @@
 """losses.fused_linear_cross_entropy against numpy (values) and jax.grad of the plain path (gradients)."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +14,7 @@ def _numpy_ce(h, w, t, wt, z_loss):
     log_z = (m + np.log(np.exp(logits - m).sum(-1, keepdims=True)))[..., 0]
     tl = np.take_along_axis(logits, t[..., None], -1)[..., 0]
     nll = ((log_z - tl) * wt).sum()
-    z = (z_loss * log_z ** 2 * wt).sum()
+    z = (z_loss * log_z**2 * wt).sum()
     correct = ((logits.argmax(-1) == t) * wt).sum()
     return nll, z, wt.sum(), correct
 

@@ -1,4 +1,5 @@
 """The stage loop: kill-and-resume continues the loss curve exactly; NaN steps are skipped."""
+
 from pathlib import Path
 
 import jax
@@ -13,11 +14,27 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _cfg(tmp_path, name, extra=()):
-    return cj.load_config(REPO / "configs/pretrain/tiny_stage1.yaml", [
-        "model.num_layers=2", "model.num_mtp_layers=1", "train.seq_len=64", "train.batch_size=8", "train.steps=6",
-        "train.eval_every=100", "train.eval_batches=1", "train.log_every=1", "train.tensorboard=false",
-        "train.mtp_weight=0.3", f"train.out_dir={tmp_path / name}", "checkpoint.save_every=2",
-        "checkpoint.async_save=true", "train.peak_tflops=1.0", *extra], num_devices=8)
+    return cj.load_config(
+        REPO / "configs/pretrain/tiny_stage1.yaml",
+        [
+            "model.num_layers=2",
+            "model.num_mtp_layers=1",
+            "train.seq_len=64",
+            "train.batch_size=8",
+            "train.steps=6",
+            "train.eval_every=100",
+            "train.eval_batches=1",
+            "train.log_every=1",
+            "train.tensorboard=false",
+            "train.mtp_weight=0.3",
+            f"train.out_dir={tmp_path / name}",
+            "checkpoint.save_every=2",
+            "checkpoint.async_save=true",
+            "train.peak_tflops=1.0",
+            *extra,
+        ],
+        num_devices=8,
+    )
 
 
 @pytest.fixture
@@ -49,8 +66,12 @@ def test_nonfinite_step_is_skipped(tmp_path):
     state.params["final_norm"] = state.params["final_norm"].at[0].set(jnp.nan)
     before = [np.asarray(x) for x in jax.tree.leaves(state.params)]
     step = make_train_step(cfg, mesh, rules)
-    batch = {"tokens": np.ones((8, 64), np.int32), "segment_ids": np.ones((8, 64), np.int32),
-             "positions": np.tile(np.arange(64, dtype=np.int32), (8, 1)), "loss_mask": np.ones((8, 64), np.float32)}
+    batch = {
+        "tokens": np.ones((8, 64), np.int32),
+        "segment_ids": np.ones((8, 64), np.int32),
+        "positions": np.tile(np.arange(64, dtype=np.int32), (8, 1)),
+        "loss_mask": np.ones((8, 64), np.float32),
+    }
     with jax.set_mesh(mesh):
         new, metrics = step(state, batch)
     assert int(metrics["skipped"]) == 1 and not np.isfinite(float(metrics["loss"]))

@@ -1,5 +1,6 @@
 """losses.shifted_targets and losses.self_distillation on inputs small enough to work out by hand
 (the arithmetic is in the comments)."""
+
 import math
 
 import chex
@@ -13,12 +14,9 @@ from composer_jax.train import losses
 # Row 0: two packed documents (segments 1 and 2, three tokens each) then two padding tokens; the
 # target at position 2 is masked out, and the padding's loss_mask is 1 (the segment check alone must
 # keep padding out). Row 1: one document filling the row.
-TOKENS = np.array([[10, 11, 12, 13, 14, 15, 16, 17],
-                   [20, 21, 22, 23, 24, 25, 26, 27]], np.int32)
-SEGMENTS = np.array([[1, 1, 1, 2, 2, 2, 0, 0],
-                     [3, 3, 3, 3, 3, 3, 3, 3]], np.int32)
-LOSS_MASK = np.array([[1, 1, 0, 1, 1, 1, 1, 1],
-                      [1, 1, 1, 1, 1, 1, 1, 1]], np.int32)
+TOKENS = np.array([[10, 11, 12, 13, 14, 15, 16, 17], [20, 21, 22, 23, 24, 25, 26, 27]], np.int32)
+SEGMENTS = np.array([[1, 1, 1, 2, 2, 2, 0, 0], [3, 3, 3, 3, 3, 3, 3, 3]], np.int32)
+LOSS_MASK = np.array([[1, 1, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1]], np.int32)
 
 # weight[i] = loss_mask[i + k] * (segments[i..i+k] all equal and not padding); past the row end the
 # target is 0 with weight 0.
@@ -34,10 +32,14 @@ LOSS_MASK = np.array([[1, 1, 0, 1, 1, 1, 1, 1],
 #   (i=0 is in-segment but its target, position 2, is masked out)
 # k = 2, row 1: i=6, 7 have no token two ahead                   -> 1 1 1 1 1 1 0 0
 EXPECTED = {
-    1: ([[11, 12, 13, 14, 15, 16, 17, 0], [21, 22, 23, 24, 25, 26, 27, 0]],
-        [[1, 0, 0, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1, 0]]),
-    2: ([[12, 13, 14, 15, 16, 17, 0, 0], [22, 23, 24, 25, 26, 27, 0, 0]],
-        [[0, 0, 0, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1, 0, 0]]),
+    1: (
+        [[11, 12, 13, 14, 15, 16, 17, 0], [21, 22, 23, 24, 25, 26, 27, 0]],
+        [[1, 0, 0, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1, 0]],
+    ),
+    2: (
+        [[12, 13, 14, 15, 16, 17, 0, 0], [22, 23, 24, 25, 26, 27, 0, 0]],
+        [[0, 0, 0, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1, 0, 0]],
+    ),
 }
 
 
@@ -59,10 +61,8 @@ def test_shifted_targets_by_hand(k):
 #   token (1,1): very different, but weight 0
 # weights [[1, 2], [1, 0]]: kl_sum = 1/2 ln(9/8) + 2 * 1/4 ln 2 = 1/2 ln(9/4) = ln(3/2); weight_sum = 4
 LN2 = math.log(2.0)
-TEACHER = np.array([[[LN2, 0, 0], [0, 0, LN2]],
-                    [[0.3, -1.2, 2.0], [9.0, 0, 0]]], np.float32)
-STUDENT = np.array([[[0, 0, 0], [LN2 + 5, 5, 5]],
-                    [[3.3, 1.8, 5.0], [0, 9.0, 0]]], np.float32)
+TEACHER = np.array([[[LN2, 0, 0], [0, 0, LN2]], [[0.3, -1.2, 2.0], [9.0, 0, 0]]], np.float32)
+STUDENT = np.array([[[0, 0, 0], [LN2 + 5, 5, 5]], [[3.3, 1.8, 5.0], [0, 9.0, 0]]], np.float32)
 WEIGHTS = np.array([[1, 2], [1, 0]], np.float32)
 
 
@@ -76,11 +76,11 @@ def test_self_distillation_gradients_by_hand():
     (0,0): q - p = [1/3 - 1/2, 1/3 - 1/4, 1/3 - 1/4] = [-1/6, 1/12, 1/12]
     (0,1): weight 2 x ([1/2, 1/4, 1/4] - [1/4, 1/4, 1/2]) = [1/2, 0, -1/2]
     (1,0): q = p -> 0;  (1,1): weight 0 -> 0."""
+
     def kl(student, teacher):
         return losses.self_distillation(student, teacher, jnp.asarray(WEIGHTS))[0]
 
     g_student, g_teacher = jax.grad(kl, argnums=(0, 1))(jnp.asarray(STUDENT), jnp.asarray(TEACHER))
-    want = np.array([[[-1 / 6, 1 / 12, 1 / 12], [0.5, 0, -0.5]],
-                     [[0, 0, 0], [0, 0, 0]]], np.float32)
+    want = np.array([[[-1 / 6, 1 / 12, 1 / 12], [0.5, 0, -0.5]], [[0, 0, 0], [0, 0, 0]]], np.float32)
     chex.assert_trees_all_close(g_student, jnp.asarray(want), atol=1e-6)
     chex.assert_trees_all_close(g_teacher, jnp.zeros_like(g_teacher))

@@ -1,6 +1,7 @@
 """The sharded training step equals the single-device step: loss, metrics and gradients, for meshes
 using each of data, fsdp, expert, context (and combinations), on packed inputs, with MTP
 self-distillation, the sequence balance loss and micro-batching."""
+
 from pathlib import Path
 
 import jax
@@ -10,13 +11,18 @@ import pytest
 
 import composer_jax as cj
 from composer_jax.model.attention import segment_positions
-from composer_jax.sharding import MeshRules, ShardingRules
 from composer_jax.model.context_parallel import zigzag_permutation
+from composer_jax.sharding import MeshRules, ShardingRules
 from composer_jax.train.step import batch_gradients
 
 TINY = Path(__file__).resolve().parents[2] / "configs/model/tiny.yaml"
-COMMON = ["train.batch_size=8", "train.seq_len=32", "train.mtp_loss=self_distill", "train.seq_balance_loss=0.01",
-          "train.z_loss=0.001"]
+COMMON = [
+    "train.batch_size=8",
+    "train.seq_len=32",
+    "train.mtp_loss=self_distill",
+    "train.seq_balance_loss=0.01",
+    "train.z_loss=0.001",
+]
 # every axis appears, alone with one other or in combination (each mesh costs a compile of the
 # whole gradient program, so the pure single-axis meshes are covered by these combinations)
 MESHES = {
@@ -36,7 +42,7 @@ def _batch():
     for r, ls in enumerate(lens):
         start = 0
         for i, n in enumerate(ls):
-            seg[r, start:start + n] = i + 1
+            seg[r, start : start + n] = i + 1
             start += n
     seg[3, 28:] = 0
     mask = (rng.random((8, 32)) > 0.2).astype(np.float32) * (seg > 0)
@@ -59,8 +65,9 @@ def _assert_same(obj, grads, sums, ref_obj, ref_grads, ref_sums):
         np.testing.assert_allclose(np.asarray(sums[k]), np.asarray(ref_sums[k]), rtol=2e-5, atol=1e-5, err_msg=k)
     flat = dict(jax.tree_util.tree_leaves_with_path(grads))
     for path, g in jax.tree_util.tree_leaves_with_path(ref_grads):
-        np.testing.assert_allclose(np.asarray(flat[path]), np.asarray(g), atol=3e-6, rtol=2e-4,
-                                   err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(
+            np.asarray(flat[path]), np.asarray(g), atol=3e-6, rtol=2e-4, err_msg=jax.tree_util.keystr(path)
+        )
 
 
 @pytest.mark.parametrize("name", list(MESHES))

@@ -1,5 +1,6 @@
 """The tiny three-stage run (`composer-jax demo`) on the bundled corpus: training loss and held-out
 perplexity fall in every stage; the MTP head's held-out accuracy rises in stages 2 and 3."""
+
 import pytest
 
 

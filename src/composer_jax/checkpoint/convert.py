@@ -9,6 +9,7 @@
 are dequantised, fused in-memory expert tensors split, MTP modules kept. The whole model passes
 through host memory once (one parameter at a time is gathered when writing).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,9 +21,12 @@ import yaml
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="composer-jax convert", description=__doc__,
+        prog="composer-jax convert",
+        description=__doc__,
         epilog="Supported Hugging Face model_types: deepseek_v3 (and Kimi K2), deepseek_v2, qwen3_moe. "
-               "See docs/hf_interop.md.", formatter_class=argparse.RawDescriptionHelpFormatter)
+        "See docs/hf_interop.md.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-hf", metavar="DIR", help="HF checkpoint directory (config.json + *.safetensors)")
     src.add_argument("--from-orbax", metavar="DIR", help="directory written by --to-orbax (params/ + model.yaml)")
@@ -30,8 +34,12 @@ def _parser() -> argparse.ArgumentParser:
     dst.add_argument("--to-hf", metavar="OUT", help="write an HF checkpoint directory")
     dst.add_argument("--to-orbax", metavar="OUT", help="write OUT/params (orbax) and OUT/model.yaml")
     dst.add_argument("--print-config", action="store_true", help="print the mapped ModelConfig as YAML and exit")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="parameter dtype (default: the source's; FP8 sources dequantise to it)")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="parameter dtype (default: the source's; FP8 sources dequantise to it)",
+    )
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file for --to-hf (default 5GB)")
     return p
 
@@ -82,8 +90,10 @@ def main(argv: list[str] | None = None) -> int:
 
                 cfg, info = model_config_from_hf(read_hf_config(args.from_hf), dtype=args.dtype)
                 print(yaml.safe_dump({"model": to_dict(cfg)}, sort_keys=False), end="")
-                print(f"# requested MTP layers: {info.requested_mtp_layers} (loaded if present); "
-                      f"fp8 block: {info.fp8_block}")
+                print(
+                    f"# requested MTP layers: {info.requested_mtp_layers} (loaded if present); "
+                    f"fp8 block: {info.fp8_block}"
+                )
                 return 0
             cfg, params = from_pretrained(args.from_hf, dtype=args.dtype)
         else:
@@ -99,8 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, ConfigError, ValueError) as e:
         print(f"composer-jax convert: {e}", file=sys.stderr)
         return 1
-    print(f"wrote {out} ({cfg.num_layers} layers, {cfg.num_experts} experts, {cfg.num_mtp_layers} MTP, "
-          f"{cfg.param_dtype})")
+    print(
+        f"wrote {out} ({cfg.num_layers} layers, {cfg.num_experts} experts, {cfg.num_mtp_layers} MTP, {cfg.param_dtype})"
+    )
     return 0
 
 

@@ -15,6 +15,7 @@ Layout differences (ours <- HF), per layer `model.layers.{i}.`:
 Loading never holds more than one device shard of one parameter on the host: tensors are memory-mapped
 and each shard is assembled from the per-layer (per-expert) slices it covers.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,8 +23,9 @@ import json
 import logging
 import os
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -151,12 +153,19 @@ def _plans(cfg: ModelConfig, family: str, prefix: str = "") -> list[ParamPlan]:
         "dense_layers": (tuple(layer(i) for i in range(K)), _layer_map(cfg, family, moe=False)),
         "moe_layers": (tuple(layer(i) for i in range(K, L)), _layer_map(cfg, family, moe=True)),
     }
-    mtp_map = {("enorm",): ("enorm.weight", COPY), ("hnorm",): ("hnorm.weight", COPY), ("eh_proj",): ("eh_proj.weight", T),
-               ("norm",): ("shared_head.norm.weight", COPY)}
+    mtp_map = {
+        ("enorm",): ("enorm.weight", COPY),
+        ("hnorm",): ("hnorm.weight", COPY),
+        ("eh_proj",): ("eh_proj.weight", T),
+        ("norm",): ("shared_head.norm.weight", COPY),
+    }
     mtp_map.update({("layer", *k): v for k, v in _layer_map(cfg, family, moe=cfg.num_experts > 0).items()})
     stacks["mtp"] = (tuple(layer(L + k) for k in range(cfg.num_mtp_layers)), mtp_map)
-    top = {("embed",): (f"{prefix}model.embed_tokens.weight", COPY), ("final_norm",): (f"{prefix}model.norm.weight", COPY),
-           ("lm_head",): (f"{prefix}lm_head.weight", T)}
+    top = {
+        ("embed",): (f"{prefix}model.embed_tokens.weight", COPY),
+        ("final_norm",): (f"{prefix}model.norm.weight", COPY),
+        ("lm_head",): (f"{prefix}lm_head.weight", T),
+    }
     plans = []
     for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, ParamSpec))[0]:
         keys = tuple(k.key for k in path)
@@ -184,8 +193,10 @@ class _Reader:
         self.files, self.fp8_block = files, fp8_block
 
     def _missing(self, names: list[str], what: str) -> CheckpointError:
-        return CheckpointError(f"tensor {' or '.join(repr(n) for n in names)} (for {what}) not found in "
-                               f"{self.files.dir} (searched: {self.files.file_names()})")
+        return CheckpointError(
+            f"tensor {' or '.join(repr(n) for n in names)} (for {what}) not found in "
+            f"{self.files.dir} (searched: {self.files.file_names()})"
+        )
 
     def tensor(self, name: str, hf_shape: tuple[int, ...], what: str) -> np.ndarray:
         """The tensor as stored (a lazy memmap view), or dequantised to float32 if FP8."""
@@ -193,8 +204,10 @@ class _Reader:
             raise self._missing([name], what)
         info = self.files.info(name)
         if tuple(info.shape) != tuple(hf_shape):
-            raise CheckpointError(f"tensor {name!r} (for {what}) has shape {list(info.shape)} in {info.file.name}; "
-                                  f"expected {list(hf_shape)} from config.json")
+            raise CheckpointError(
+                f"tensor {name!r} (for {what}) has shape {list(info.shape)} in {info.file.name}; "
+                f"expected {list(hf_shape)} from config.json"
+            )
         arr = self.files.get(name)
         if info.dtype in (st.DTYPES["F8_E4M3"], st.DTYPES["F8_E5M2"]):
             arr = self._dequantise(name, arr)
@@ -205,8 +218,10 @@ class _Reader:
         are partial, so scale_inv has ceil(out/block_out) x ceil(in/block_in) entries)."""
         scale_name = name + "_scale_inv"
         if self.fp8_block is None:
-            raise CheckpointError(f"tensor {name!r} is {w.dtype} but config.json has no quantization_config with "
-                                  f"weight_block_size; cannot dequantise it")
+            raise CheckpointError(
+                f"tensor {name!r} is {w.dtype} but config.json has no quantization_config with "
+                f"weight_block_size; cannot dequantise it"
+            )
         if scale_name not in self.files:
             raise self._missing([scale_name], f"the block scales of FP8 tensor {name!r}")
         if w.ndim != 2:
@@ -216,8 +231,10 @@ class _Reader:
         expect = (-(-r // bo), -(-c // bi))
         scale = np.asarray(self.files.get(scale_name), np.float32)
         if scale.shape != expect:
-            raise CheckpointError(f"tensor {scale_name!r} has shape {list(scale.shape)}; expected {list(expect)} "
-                                  f"for a {list(w.shape)} weight in {bo}x{bi} blocks")
+            raise CheckpointError(
+                f"tensor {scale_name!r} has shape {list(scale.shape)}; expected {list(expect)} "
+                f"for a {list(w.shape)} weight in {bo}x{bi} blocks"
+            )
         full = np.repeat(np.repeat(scale, bo, axis=0), bi, axis=1)[:r, :c]
         return np.asarray(w, np.float32) * full
 
@@ -226,9 +243,11 @@ class _Reader:
         per = lambda i: f"{prefix}mlp.experts.{i}.{kind}_proj.weight"
         hf_shape = (f, d) if kind in ("gate", "up") else (d, f)
         if per(0) in self.files:
+
             def read(idx: tuple) -> np.ndarray:
                 ids = range(*idx[0].indices(e))
                 return np.stack([np.asarray(self.tensor(per(i), hf_shape, what).T[idx[1:]]) for i in ids])
+
             return read
         fused = f"{prefix}mlp.experts.{'gate_up_proj' if kind in ('gate', 'up') else 'down_proj'}"
         if fused not in self.files:
@@ -271,6 +290,7 @@ def _param_reader(plan: ParamPlan, cfg: ModelConfig, reader: _Reader) -> Callabl
     def read_stacked(idx: tuple) -> np.ndarray:
         layers = range(idx[0].start, idx[0].stop)
         return np.stack([one_layer(plan.layer_prefixes[i])(idx[1:]).astype(dtype) for i in layers])
+
     return read_stacked
 
 
@@ -309,16 +329,19 @@ def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
 def read_hf_config(path: str | os.PathLike) -> dict:
     cfg_path = Path(path) / "config.json"
     if not cfg_path.exists():
-        raise CheckpointError(f"{path}: no config.json; a Hugging Face checkpoint directory holds config.json "
-                              f"and model.safetensors (or model.safetensors.index.json with its shards)")
+        raise CheckpointError(
+            f"{path}: no config.json; a Hugging Face checkpoint directory holds config.json "
+            f"and model.safetensors (or model.safetensors.index.json with its shards)"
+        )
     try:
         return json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
 
 
-def from_pretrained(path: str | os.PathLike, mesh: Mesh | None = None, *, rules: ShardingRules | None = None,
-                    dtype: Any = None) -> tuple[ModelConfig, dict]:
+def from_pretrained(
+    path: str | os.PathLike, mesh: Mesh | None = None, *, rules: ShardingRules | None = None, dtype: Any = None
+) -> tuple[ModelConfig, dict]:
     """Load a Hugging Face checkpoint directory (deepseek_v3 / Kimi K2, deepseek_v2, qwen3_moe).
 
     path: directory with config.json and model.safetensors or model.safetensors.index.json + shards.
@@ -356,9 +379,13 @@ def _count_mtp(files: st.SafetensorsDir, prefix: str, cfg: ModelConfig, info: HF
     while found < wanted and f"{prefix}model.layers.{cfg.num_layers + found}.eh_proj.weight" in files:
         found += 1
     if found < wanted:
-        log.warning("config.json asks for %d MTP layer(s) (num_nextn_predict_layers) but the checkpoint holds "
-                    "%d (transformers drops them on save); loading with num_mtp_layers=%d",
-                    wanted, found, found)
+        log.warning(
+            "config.json asks for %d MTP layer(s) (num_nextn_predict_layers) but the checkpoint holds "
+            "%d (transformers drops them on save); loading with num_mtp_layers=%d",
+            wanted,
+            found,
+            found,
+        )
     return found
 
 
@@ -374,8 +401,17 @@ def _parse_size(size: int | str) -> int:
     if not m:
         raise ValueError(f"max_shard_size={size!r} is not a size; use bytes or e.g. '500MB', '5GB'")
     unit = (m.group(2) or "B").upper()
-    mult = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-            "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    mult = {
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+    }[unit]
     return int(float(m.group(1)) * mult)
 
 
@@ -390,8 +426,9 @@ def _to_host(x: jax.Array) -> np.ndarray:
 def _get(tree: dict, path: tuple[str, ...]) -> Any:
     for k in path:
         if k not in tree:
-            raise CheckpointError(f"save_pretrained: {_path_str(path)} is missing from params; the tree must "
-                                  f"follow param_specs(cfg)")
+            raise CheckpointError(
+                f"save_pretrained: {_path_str(path)} is missing from params; the tree must follow param_specs(cfg)"
+            )
         tree = tree[k]
     return tree
 
@@ -402,8 +439,10 @@ def _hf_entries(params: dict, cfg: ModelConfig, family: str, out_dtype: np.dtype
     for plan in _plans(cfg, family):
         value = _get(params, plan.path)
         if tuple(value.shape) != plan.spec.shape:
-            raise CheckpointError(f"save_pretrained: {_path_str(plan.path)} has shape {list(value.shape)}; "
-                                  f"cfg expects {list(plan.spec.shape)}")
+            raise CheckpointError(
+                f"save_pretrained: {_path_str(plan.path)} has shape {list(value.shape)}; "
+                f"cfg expects {list(plan.spec.shape)}"
+            )
         dt = np.dtype(np.float32) if plan.spec.dtype == "float32" else out_dtype
         prefixes = plan.layer_prefixes if plan.layer_prefixes is not None else (None,)
         shape = plan.spec.shape[1:] if plan.layer_prefixes is not None else plan.spec.shape
@@ -415,8 +454,15 @@ def _hf_entries(params: dict, cfg: ModelConfig, family: str, out_dtype: np.dtype
             if plan.source == EXPERT:
                 kind = plan.path[-1]
                 for e in range(shape[0]):
-                    entries.append((plan.path, f"{pre}mlp.experts.{e}.{kind}_proj.weight", dt, shape[1:][::-1],
-                                    lambda a, take=take, e=e: take(a)[e].T))
+                    entries.append(
+                        (
+                            plan.path,
+                            f"{pre}mlp.experts.{e}.{kind}_proj.weight",
+                            dt,
+                            shape[1:][::-1],
+                            lambda a, take=take, e=e: take(a)[e].T,
+                        )
+                    )
                 continue
             name, layout = plan.source
             if plan.path[-1] == "router_bias" and cfg.topk_method == "greedy":
@@ -424,21 +470,41 @@ def _hf_entries(params: dict, cfg: ModelConfig, family: str, out_dtype: np.dtype
                 # the bias for selection: our greedy router ignores it, so write zeros
                 entries.append((plan.path, pre + name, dt, shape, lambda a: np.zeros(a.shape[-1:], np.float32)))
                 continue
-            entries.append((plan.path, pre + name, dt, layout.hf_shape(shape),
-                            lambda a, take=take, layout=layout: layout.to_hf(take(a))))
+            entries.append(
+                (
+                    plan.path,
+                    pre + name,
+                    dt,
+                    layout.hf_shape(shape),
+                    lambda a, take=take, layout=layout: layout.to_hf(take(a)),
+                )
+            )
     # DeepSeek MTP modules carry their own copies of the (shared) embedding and output head
     for k in range(cfg.num_mtp_layers):
         pre = f"model.layers.{cfg.num_layers + k}."
         v, d = cfg.vocab_size, cfg.hidden_size
         entries.append((("embed",), pre + "embed_tokens.weight", out_dtype, (v, d), lambda a: a))
         head = ("embed",) if cfg.tie_word_embeddings else ("lm_head",)
-        entries.append((head, pre + "shared_head.head.weight", out_dtype, (v, d),
-                        (lambda a: a) if cfg.tie_word_embeddings else (lambda a: a.T)))
+        entries.append(
+            (
+                head,
+                pre + "shared_head.head.weight",
+                out_dtype,
+                (v, d),
+                (lambda a: a) if cfg.tie_word_embeddings else (lambda a: a.T),
+            )
+        )
     return entries
 
 
-def save_pretrained(params: dict, cfg: ModelConfig, out_dir: str | os.PathLike, *,
-                    max_shard_size: int | str = "5GB", dtype: str | None = None) -> Path:
+def save_pretrained(
+    params: dict,
+    cfg: ModelConfig,
+    out_dir: str | os.PathLike,
+    *,
+    max_shard_size: int | str = "5GB",
+    dtype: str | None = None,
+) -> Path:
     """Write `params` (laid out as `param_specs(cfg)`, sharded or not) as a Hugging Face checkpoint:
     config.json plus model.safetensors, or model-XXXXX-of-YYYYY.safetensors shards and
     model.safetensors.index.json when larger than max_shard_size (bytes or '5GB'-style).
@@ -468,8 +534,11 @@ def save_pretrained(params: dict, cfg: ModelConfig, out_dir: str | os.PathLike, 
     if writer:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(hf_config_from_model(cfg, out_dtype_name), indent=2) + "\n")
-    names = [st.SINGLE_NAME] if len(shards) == 1 else [
-        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    names = (
+        [st.SINGLE_NAME]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     cache: dict[str, Any] = {"path": None, "host": None}
 
     def host(path: tuple[str, ...]) -> np.ndarray:
@@ -480,7 +549,7 @@ def save_pretrained(params: dict, cfg: ModelConfig, out_dir: str | os.PathLike, 
         return cache["host"]
 
     def arrays(shard: list) -> Iterator[np.ndarray]:
-        for path, name, dt, shape, produce in shard:
+        for path, _name, dt, _shape, produce in shard:
             yield np.asarray(produce(host(path))).astype(dt)
 
     weight_map, total = {}, 0

@@ -14,23 +14,38 @@ checkpoint falls back to the previous good one. See docs/checkpoints.md.
 `restore_params_only` starts a new stage from a previous stage's checkpoint: parameters only, the
 optimiser starts fresh.
 """
+
 from __future__ import annotations
 
 import logging
 import os
 import time
-from typing import Any, Mapping, NamedTuple, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from composer_jax.config.checkpoint import CheckpointConfig
 from composer_jax.checkpoint.validate import (
-    COMMIT_MARKER, CheckpointCorruptError, CheckpointError, CheckpointMismatchError,
-    CheckpointNotFoundError, NoGoodCheckpointError, check_committed, compare_trees,
-    config_differences, describe, flat_abstract, flat_saved, jsonable, leaves_without_sharding,
-    raise_on_config_differences, short_reason)
+    COMMIT_MARKER,
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    NoGoodCheckpointError,
+    check_committed,
+    compare_trees,
+    config_differences,
+    describe,
+    flat_abstract,
+    flat_saved,
+    jsonable,
+    leaves_without_sharding,
+    raise_on_config_differences,
+    short_reason,
+)
+from composer_jax.config.checkpoint import CheckpointConfig
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +88,12 @@ def _preservation_policy(c: CheckpointConfig) -> Any:
 def _item_handlers(state_handler: Any) -> dict[str, Any]:
     # Registered up front (rather than inferred from the first save/restore call) so that metadata
     # can be read from a fresh manager before anything has been saved or restored through it.
-    return {STATE_ITEM: state_handler, DATA_ITEM: ocp.JsonCheckpointHandler(),
-            CONFIG_ITEM: ocp.JsonCheckpointHandler(), METRICS_ITEM: ocp.JsonCheckpointHandler()}
+    return {
+        STATE_ITEM: state_handler,
+        DATA_ITEM: ocp.JsonCheckpointHandler(),
+        CONFIG_ITEM: ocp.JsonCheckpointHandler(),
+        METRICS_ITEM: ocp.JsonCheckpointHandler(),
+    }
 
 
 def _step_dir(manager: ocp.CheckpointManager, step: int) -> epath.Path:
@@ -84,11 +103,13 @@ def _step_dir(manager: ocp.CheckpointManager, step: int) -> epath.Path:
 
 def _read_config(manager: ocp.CheckpointManager, step: int, step_dir: epath.Path) -> dict:
     try:
-        return manager.restore(step, args=ocp.args.Composite(
-            **{CONFIG_ITEM: ocp.args.JsonRestore()}))[CONFIG_ITEM]
+        return manager.restore(step, args=ocp.args.Composite(**{CONFIG_ITEM: ocp.args.JsonRestore()}))[CONFIG_ITEM]
     except Exception as e:  # orbax raises ValueError/FileNotFoundError/JSON errors alike
-        raise CheckpointCorruptError(f"{describe(step_dir, step)}: the saved run config cannot be "
-                                     f"read: {short_reason(e)}", path=step_dir, step=step) from e
+        raise CheckpointCorruptError(
+            f"{describe(step_dir, step)}: the saved run config cannot be read: {short_reason(e)}",
+            path=step_dir,
+            step=step,
+        ) from e
 
 
 def _read_tree_metadata(manager: ocp.CheckpointManager, step: int, step_dir: epath.Path) -> Any:
@@ -100,8 +121,9 @@ def _read_tree_metadata(manager: ocp.CheckpointManager, step: int, step_dir: epa
         error = None
     if meta is None:
         reason = short_reason(error) if error is not None else "the tree metadata file is missing"
-        raise CheckpointCorruptError(f"{describe(step_dir, step)}: cannot read the {STATE_ITEM} "
-                                     f"structure: {reason}", path=step_dir, step=step) from error
+        raise CheckpointCorruptError(
+            f"{describe(step_dir, step)}: cannot read the {STATE_ITEM} structure: {reason}", path=step_dir, step=step
+        ) from error
     return getattr(meta, "tree", meta)
 
 
@@ -122,16 +144,19 @@ class TrainCheckpointer:
 
     def __init__(self, config: CheckpointConfig):
         if not config.enabled:
-            raise ValueError("checkpoint.directory is empty: set it to a path (or gs:// URL) to "
-                             "save checkpoints, e.g. checkpoint.directory=runs/my_run/checkpoints")
+            raise ValueError(
+                "checkpoint.directory is empty: set it to a path (or gs:// URL) to "
+                "save checkpoints, e.g. checkpoint.directory=runs/my_run/checkpoints"
+            )
         self.config = config
         self.directory = _root_path(config.directory)
         cm = ocp.checkpoint_managers
         options = ocp.CheckpointManagerOptions(
             # step % save_every == 0, or a preemption notice (jax's preemption sync manager, when a
             # multi-host job has one); not orbax's default extra save of a run's first step
-            save_decision_policy=cm.AnySavePolicy([
-                cm.FixedIntervalPolicy(config.save_every), cm.PreemptionCheckpointingPolicy()]),
+            save_decision_policy=cm.AnySavePolicy(
+                [cm.FixedIntervalPolicy(config.save_every), cm.PreemptionCheckpointingPolicy()]
+            ),
             preservation_policy=_preservation_policy(config),
             enable_async_checkpointing=config.async_save,
             create=True,
@@ -139,8 +164,8 @@ class TrainCheckpointer:
             cleanup_tmp_directories=True,
         )
         self._manager = ocp.CheckpointManager(
-            self.directory, options=options,
-            item_handlers=_item_handlers(ocp.StandardCheckpointHandler()))
+            self.directory, options=options, item_handlers=_item_handlers(ocp.StandardCheckpointHandler())
+        )
 
     # -- bookkeeping ----------------------------------------------------------------------------
 
@@ -159,8 +184,9 @@ class TrainCheckpointer:
         self.wait()  # an asynchronous save is still under a temporary name
         if not (self.step_dir(step) / METRICS_ITEM).is_dir():
             return None
-        return self._manager.restore(step, args=ocp.args.Composite(
-            **{METRICS_ITEM: ocp.args.JsonRestore()}))[METRICS_ITEM]
+        return self._manager.restore(step, args=ocp.args.Composite(**{METRICS_ITEM: ocp.args.JsonRestore()}))[
+            METRICS_ITEM
+        ]
 
     def wait(self) -> None:
         """Block until every pending asynchronous save is committed (raises if one failed)."""
@@ -170,7 +196,7 @@ class TrainCheckpointer:
         """Wait for pending saves and release orbax's background threads."""
         self._manager.close()
 
-    def __enter__(self) -> "TrainCheckpointer":
+    def __enter__(self) -> TrainCheckpointer:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -178,9 +204,16 @@ class TrainCheckpointer:
 
     # -- save -----------------------------------------------------------------------------------
 
-    def save(self, step: int, train_state: Any, *, data_state: Mapping[str, Any] | None = None,
-             config: Mapping[str, Any], metrics: Mapping[str, float] | None = None,
-             force: bool = False) -> bool:
+    def save(
+        self,
+        step: int,
+        train_state: Any,
+        *,
+        data_state: Mapping[str, Any] | None = None,
+        config: Mapping[str, Any],
+        metrics: Mapping[str, float] | None = None,
+        force: bool = False,
+    ) -> bool:
         """Save `train_state` (any pytree of jax arrays, typed PRNG keys included) at `step`.
 
         Saves when `step % save_every == 0` or `force`; returns whether a save was started. With
@@ -204,7 +237,11 @@ class TrainCheckpointer:
             if latest is not None and step <= latest:
                 logger.warning(
                     "not saving step %d: %s already holds the later step %d (orbax only appends); "
-                    "resume from the latest step, or move the later steps away", step, self.directory, latest)
+                    "resume from the latest step, or move the later steps away",
+                    step,
+                    self.directory,
+                    latest,
+                )
             return False
         items = {STATE_ITEM: ocp.args.StandardSave(train_state), CONFIG_ITEM: ocp.args.JsonSave(config)}
         if data_state is not None:
@@ -212,16 +249,23 @@ class TrainCheckpointer:
         if metrics is not None:
             items[METRICS_ITEM] = ocp.args.JsonSave(metrics)
         return self._manager.save(
-            step, args=ocp.args.Composite(**items),
+            step,
+            args=ocp.args.Composite(**items),
             force=True,  # the interval decision was taken above
-            custom_metadata={"composer_jax_checkpoint_format": FORMAT_VERSION})
+            custom_metadata={"composer_jax_checkpoint_format": FORMAT_VERSION},
+        )
 
     # -- restore --------------------------------------------------------------------------------
 
-    def restore(self, abstract_state: Any, step: int | None = None, *,
-                config: Mapping[str, Any] | None = None,
-                allow_config_changes: Sequence[str] | None = None,
-                fallback: bool | None = None) -> Restored:
+    def restore(
+        self,
+        abstract_state: Any,
+        step: int | None = None,
+        *,
+        config: Mapping[str, Any] | None = None,
+        allow_config_changes: Sequence[str] | None = None,
+        fallback: bool | None = None,
+    ) -> Restored:
         """Restore the train state, data state and run config of `step` (default: the latest).
 
         abstract_state: the train state's tree of `jax.ShapeDtypeStruct`s, each with the sharding
@@ -240,7 +284,8 @@ class TrainCheckpointer:
         if unsharded:
             raise ValueError(
                 f"abstract_state leaves without a sharding: {unsharded[:8]}; give every "
-                f"jax.ShapeDtypeStruct a sharding (e.g. NamedSharding(mesh, P()) for replicated)")
+                f"jax.ShapeDtypeStruct a sharding (e.g. NamedSharding(mesh, P()) for replicated)"
+            )
         self.wait()  # the step to read may still be being written
         steps = self.all_steps()
         if not steps:
@@ -248,7 +293,9 @@ class TrainCheckpointer:
         if step is not None and step not in steps:
             raise CheckpointNotFoundError(
                 f"no checkpoint for step {step} in {str(self.directory)!r}; saved steps: {steps}",
-                path=self.directory, step=step)
+                path=self.directory,
+                step=step,
+            )
         fallback = self.config.fallback if fallback is None else fallback
         allowed = self.config.allow_config_changes if allow_config_changes is None else tuple(allow_config_changes)
         candidates = [s for s in reversed(steps) if step is None or s <= step]
@@ -266,18 +313,25 @@ class TrainCheckpointer:
                 logger.warning("%s; falling back to an older checkpoint", e)
                 continue
             if attempts:
-                logger.warning("resumed from step %d of %s after skipping bad steps %s",
-                               s, self.directory, [a for a, _ in attempts])
+                logger.warning(
+                    "resumed from step %d of %s after skipping bad steps %s",
+                    s,
+                    self.directory,
+                    [a for a, _ in attempts],
+                )
                 if self.config.quarantine_bad:
                     self._quarantine([a for a, _ in attempts])
             return restored
         tried = "\n".join(f"  step {s}: {e}" for s, e in attempts)
         raise NoGoodCheckpointError(
             f"no usable checkpoint in {str(self.directory)!r}; tried, newest first:\n{tried}",
-            path=self.directory, attempts=attempts)
+            path=self.directory,
+            attempts=attempts,
+        )
 
-    def _restore_step(self, step: int, abstract_state: Any, config: Mapping[str, Any] | None,
-                      allowed: Sequence[str]) -> Restored:
+    def _restore_step(
+        self, step: int, abstract_state: Any, config: Mapping[str, Any] | None, allowed: Sequence[str]
+    ) -> Restored:
         step_dir = self.step_dir(step)
         check_committed(step_dir, step, (STATE_ITEM, CONFIG_ITEM))
         saved_config = _read_config(self._manager, step, step_dir)
@@ -293,8 +347,11 @@ class TrainCheckpointer:
         try:
             out = self._manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # tensorstore: NOT_FOUND / OUT_OF_RANGE / DATA_LOSS ... as ValueError
-            raise CheckpointCorruptError(f"{describe(step_dir, step)}: reading {sorted(items)} failed: "
-                                         f"{short_reason(e)}", path=step_dir, step=step) from e
+            raise CheckpointCorruptError(
+                f"{describe(step_dir, step)}: reading {sorted(items)} failed: {short_reason(e)}",
+                path=step_dir,
+                step=step,
+            ) from e
         return Restored(out[STATE_ITEM], out[DATA_ITEM] if has_data else None, saved_config, step)
 
     def _quarantine(self, steps: Sequence[int]) -> None:
@@ -313,8 +370,13 @@ class TrainCheckpointer:
                     src.rename(dst)
                     logger.warning("moved bad checkpoint %s to %s", src, dst)
                 except OSError as e:  # e.g. object stores without directory rename
-                    logger.warning("could not move bad checkpoint %s aside (%s); later saves of "
-                                   "step %d will be skipped until it is removed", src, e, s)
+                    logger.warning(
+                        "could not move bad checkpoint %s aside (%s); later saves of "
+                        "step %d will be skipped until it is removed",
+                        src,
+                        e,
+                        s,
+                    )
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
@@ -322,10 +384,16 @@ class TrainCheckpointer:
         self._manager.reload()
 
 
-def restore_params_only(path_or_dir: str | os.PathLike, abstract_params: Any, step: int | None = None,
-                        *, params_key: str = "params", config: Mapping[str, Any] | None = None,
-                        allow_config_changes: Sequence[str] = (),
-                        check_config_sections: Sequence[str] = ("model",)) -> Any:
+def restore_params_only(
+    path_or_dir: str | os.PathLike,
+    abstract_params: Any,
+    step: int | None = None,
+    *,
+    params_key: str = "params",
+    config: Mapping[str, Any] | None = None,
+    allow_config_changes: Sequence[str] = (),
+    check_config_sections: Sequence[str] = ("model",),
+) -> Any:
     """The parameters of a saved train state, for starting a new stage (fresh optimiser state).
 
     path_or_dir: a checkpoint root directory (the latest step, or `step`, is used) or one step's
@@ -354,36 +422,49 @@ def restore_params_only(path_or_dir: str | os.PathLike, abstract_params: Any, st
     # PyTreeCheckpointHandler reads StandardSave's format and, unlike StandardRestore, can restore a
     # sub-tree (partial_restore). A read-only manager never deletes or creates anything.
     options = ocp.CheckpointManagerOptions(read_only=True, create=False)
-    with ocp.CheckpointManager(root, options=options,
-                               item_handlers=_item_handlers(ocp.PyTreeCheckpointHandler())) as manager:
+    with ocp.CheckpointManager(
+        root, options=options, item_handlers=_item_handlers(ocp.PyTreeCheckpointHandler())
+    ) as manager:
         steps = sorted(manager.all_steps())
         if not steps:
             raise CheckpointNotFoundError(f"no checkpoints in {str(root)!r}", path=root)
         if step is None:
             step = steps[-1]
         elif step not in steps:
-            raise CheckpointNotFoundError(f"no checkpoint for step {step} in {str(root)!r}; saved "
-                                          f"steps: {steps}", path=root, step=step)
+            raise CheckpointNotFoundError(
+                f"no checkpoint for step {step} in {str(root)!r}; saved steps: {steps}", path=root, step=step
+            )
         step_dir = _step_dir(manager, step)
         check_committed(step_dir, step, (STATE_ITEM, CONFIG_ITEM))
         if config is not None:
-            diffs = config_differences(_read_config(manager, step, step_dir), config,
-                                       check_config_sections, allow_config_changes)
+            diffs = config_differences(
+                _read_config(manager, step, step_dir), config, check_config_sections, allow_config_changes
+            )
             raise_on_config_differences(diffs, path=step_dir, step=step)
         prefix = params_key + "/"
-        saved = {k[len(prefix):]: v for k, v in flat_saved(_read_tree_metadata(manager, step, step_dir)).items()
-                 if k.startswith(prefix)}
+        saved = {
+            k[len(prefix) :]: v
+            for k, v in flat_saved(_read_tree_metadata(manager, step, step_dir)).items()
+            if k.startswith(prefix)
+        }
         if not saved:
-            raise CheckpointMismatchError(f"{describe(step_dir, step)}: the saved {STATE_ITEM} has no "
-                                          f"{params_key!r} sub-tree; pass params_key=...",
-                                          path=step_dir, step=step)
+            raise CheckpointMismatchError(
+                f"{describe(step_dir, step)}: the saved {STATE_ITEM} has no "
+                f"{params_key!r} sub-tree; pass params_key=...",
+                path=step_dir,
+                step=step,
+            )
         compare_trees(saved, flat_abstract(abstract_params), path=step_dir, step=step, what="parameters")
         item = {params_key: abstract_params}
-        args = ocp.args.PyTreeRestore(item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-                                      partial_restore=True)
+        args = ocp.args.PyTreeRestore(
+            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True
+        )
         try:
             out = manager.restore(step, args=ocp.args.Composite(**{STATE_ITEM: args}))
         except Exception as e:
-            raise CheckpointCorruptError(f"{describe(step_dir, step)}: reading the parameters failed: "
-                                         f"{short_reason(e)}", path=step_dir, step=step) from e
+            raise CheckpointCorruptError(
+                f"{describe(step_dir, step)}: reading the parameters failed: {short_reason(e)}",
+                path=step_dir,
+                step=step,
+            ) from e
     return out[STATE_ITEM][params_key]

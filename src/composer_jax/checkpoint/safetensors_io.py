@@ -10,13 +10,14 @@ pages it covers, and nothing is read before it is asked for. Headers are checked
 reference reader checks them (`read_tensors`), since a memory map would otherwise read whatever bytes
 a wrong offset points at.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import struct
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping
 
 import ml_dtypes
 import numpy as np
@@ -25,10 +26,28 @@ import numpy as np
 # package) accepts, so a header is accepted or rejected exactly as it is there. F4 and F6 are packed
 # several to a byte; their headers are checked, but `get` cannot return them as numpy arrays.
 BITS: dict[str, int] = {
-    "BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8,
-    "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8,
-    "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
-    "C64": 64, "F64": 64, "I64": 64, "U64": 64,
+    "BOOL": 8,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8,
+    "F8_E5M2FNUZ": 8,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "C64": 64,
+    "F64": 64,
+    "I64": 64,
+    "U64": 64,
 }
 
 # safetensors dtype code <-> numpy dtype (the codes `get` can return)
@@ -89,21 +108,27 @@ def read_header(path: Path) -> tuple[dict, int]:
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
-            raise SafetensorsError(f"{path}: {size} bytes, too short to be a safetensors file (8-byte header "
-                                   f"length, then the header)")
+            raise SafetensorsError(
+                f"{path}: {size} bytes, too short to be a safetensors file (8-byte header length, then the header)"
+            )
         (n,) = struct.unpack("<Q", raw)
         if n > MAX_HEADER:
-            raise SafetensorsError(f"{path}: header length {n} is over the format's limit of {MAX_HEADER} "
-                                   f"bytes; not a safetensors file?")
+            raise SafetensorsError(
+                f"{path}: header length {n} is over the format's limit of {MAX_HEADER} bytes; not a safetensors file?"
+            )
         if 8 + n > size:
-            raise SafetensorsError(f"{path}: header length {n} runs past the end of the file ({size} bytes); "
-                                   f"the file is truncated or not a safetensors file")
+            raise SafetensorsError(
+                f"{path}: header length {n} runs past the end of the file ({size} bytes); "
+                f"the file is truncated or not a safetensors file"
+            )
         raw = f.read(n)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise SafetensorsError(f"{path}: header is not UTF-8 (byte {e.start} of the header: "
-                               f"{raw[e.start:e.start + 4]!r}); the format's header is UTF-8 JSON") from None
+        raise SafetensorsError(
+            f"{path}: header is not UTF-8 (byte {e.start} of the header: "
+            f"{raw[e.start : e.start + 4]!r}); the format's header is UTF-8 JSON"
+        ) from None
     try:
         header = json.loads(text, parse_constant=_reject_constant)
         # a lone surrogate escape ("\ud800") parses in Python but is not Unicode text: re-encoding the
@@ -112,8 +137,10 @@ def read_header(path: Path) -> tuple[dict, int]:
     except (ValueError, UnicodeEncodeError) as e:
         raise SafetensorsError(f"{path}: header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
-        raise SafetensorsError(f"{path}: header is a JSON {type(header).__name__}; expected an object "
-                               f"{{tensor name: {{dtype, shape, data_offsets}}}}")
+        raise SafetensorsError(
+            f"{path}: header is a JSON {type(header).__name__}; expected an object "
+            f"{{tensor name: {{dtype, shape, data_offsets}}}}"
+        )
     return header, 8 + n
 
 
@@ -131,23 +158,26 @@ def read_tensors(path: Path) -> dict[str, TensorInfo]:
     data_size = os.path.getsize(path) - start
     meta = header.pop("__metadata__", None)
     if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
-        raise SafetensorsError(f"{path}: __metadata__ is {json.dumps(meta)[:80]}; expected an object of "
-                               f"strings (or absent)")
+        raise SafetensorsError(
+            f"{path}: __metadata__ is {json.dumps(meta)[:80]}; expected an object of strings (or absent)"
+        )
     spans: list[tuple[int, int, str]] = []
     tensors: dict[str, TensorInfo] = {}
     for name, entry in header.items():
         where = f"{path}: tensor {name!r}"
         if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
-            raise SafetensorsError(f"{where}: entry is {json.dumps(entry)[:80]}; expected an object with "
-                                   f"dtype, shape and data_offsets")
+            raise SafetensorsError(
+                f"{where}: entry is {json.dumps(entry)[:80]}; expected an object with dtype, shape and data_offsets"
+            )
         code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
         if not isinstance(code, str) or code not in BITS:
             raise SafetensorsError(f"{where} has dtype {code!r}; accepted: {', '.join(BITS)}")
         if not isinstance(shape, list) or not all(_u64(d) for d in shape):
             raise SafetensorsError(f"{where} has shape {shape!r}; expected a list of non-negative integers")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(_u64(o) for o in offsets)):
-            raise SafetensorsError(f"{where} has data_offsets {offsets!r}; expected [begin, end], two "
-                                   f"non-negative integers")
+            raise SafetensorsError(
+                f"{where} has data_offsets {offsets!r}; expected [begin, end], two non-negative integers"
+            )
         count = 1
         for d in shape:  # the reference reader counts elements, then bits, in a u64: match its overflow
             count *= d
@@ -157,14 +187,17 @@ def read_tensors(path: Path) -> dict[str, TensorInfo]:
         if nbits >= _U64:
             raise SafetensorsError(f"{where}: shape {shape} of {code} overflows 64-bit sizes")
         if nbits % 8:
-            raise SafetensorsError(f"{where}: shape {shape} of packed {code} ({BITS[code]} bits each) does "
-                                   f"not fill whole bytes")
+            raise SafetensorsError(
+                f"{where}: shape {shape} of packed {code} ({BITS[code]} bits each) does not fill whole bytes"
+            )
         begin, end = offsets
         if begin > end:
             raise SafetensorsError(f"{where} has data_offsets [{begin}, {end}]; expected begin <= end")
         if end - begin != nbits // 8:
-            raise SafetensorsError(f"{where} has data_offsets [{begin}, {end}] ({end - begin} bytes); its "
-                                   f"dtype {code} x shape {shape} needs {nbits // 8} bytes")
+            raise SafetensorsError(
+                f"{where} has data_offsets [{begin}, {end}] ({end - begin} bytes); its "
+                f"dtype {code} x shape {shape} needs {nbits // 8} bytes"
+            )
         spans.append((begin, end, name))
         tensors[name] = TensorInfo(name, path, code, tuple(shape), start + begin, end - begin)
     # In data order: a truncated file names the first tensor it cuts. Overlaps are looked for before
@@ -174,23 +207,31 @@ def read_tensors(path: Path) -> dict[str, TensorInfo]:
     reach, last = 0, None  # the furthest end so far, and whose
     for begin, end, name in spans:
         if end > data_size:
-            raise SafetensorsError(f"{path}: tensor {name!r} has data_offsets [{begin}, {end}], past the end "
-                                   f"of the data section ({data_size} bytes); the file is truncated?")
+            raise SafetensorsError(
+                f"{path}: tensor {name!r} has data_offsets [{begin}, {end}], past the end "
+                f"of the data section ({data_size} bytes); the file is truncated?"
+            )
         if begin < reach:
-            raise SafetensorsError(f"{path}: tensor {name!r} (data_offsets [{begin}, {end}]) overlaps tensor "
-                                   f"{last!r}, which ends at {reach}")
+            raise SafetensorsError(
+                f"{path}: tensor {name!r} (data_offsets [{begin}, {end}]) overlaps tensor "
+                f"{last!r}, which ends at {reach}"
+            )
         reach, last = end, name
     covered = 0
     for begin, end, name in spans:
         if begin > covered:
-            raise SafetensorsError(f"{path}: tensor {name!r} begins at {begin}, leaving bytes [{covered}, "
-                                   f"{begin}) of the data section in no tensor; the format requires the "
-                                   f"tensors to tile the data section")
+            raise SafetensorsError(
+                f"{path}: tensor {name!r} begins at {begin}, leaving bytes [{covered}, "
+                f"{begin}) of the data section in no tensor; the format requires the "
+                f"tensors to tile the data section"
+            )
         covered = end
     if covered != data_size:
-        raise SafetensorsError(f"{path}: {data_size - covered} trailing bytes after the last tensor (the "
-                               f"tensors cover {covered} of {data_size} data bytes); the format requires "
-                               f"the tensors to tile the data section")
+        raise SafetensorsError(
+            f"{path}: {data_size - covered} trailing bytes after the last tensor (the "
+            f"tensors cover {covered} of {data_size} data bytes); the format requires "
+            f"the tensors to tile the data section"
+        )
     return tensors
 
 
@@ -237,20 +278,26 @@ class SafetensorsDir:
         """A read-only memory-mapped view of the tensor (slice it, then copy what you need)."""
         t = self.tensors[name]
         if t.dtype is None:
-            raise SafetensorsError(f"{t.file}: tensor {name!r} is {t.code}, packed {BITS[t.code]} bits to an "
-                                   f"element; readable dtypes: {', '.join(DTYPES)}")
+            raise SafetensorsError(
+                f"{t.file}: tensor {name!r} is {t.code}, packed {BITS[t.code]} bits to an "
+                f"element; readable dtypes: {', '.join(DTYPES)}"
+            )
         mm = self._maps.get(t.file)
         if mm is None:
             mm = self._maps[t.file] = np.memmap(t.file, dtype=np.uint8, mode="r")
-        return mm[t.offset: t.offset + t.nbytes].view(t.dtype).reshape(t.shape)
+        return mm[t.offset : t.offset + t.nbytes].view(t.dtype).reshape(t.shape)
 
 
-def _header_bytes(entries: list[tuple[str, np.dtype, tuple[int, ...]]], metadata: Mapping[str, str]) -> tuple[bytes, int]:
+def _header_bytes(
+    entries: list[tuple[str, np.dtype, tuple[int, ...]]], metadata: Mapping[str, str]
+) -> tuple[bytes, int]:
     header: dict = {"__metadata__": dict(metadata)}
     offset = 0
     for name, dtype, shape in entries:
         if dtype not in CODES:
-            raise SafetensorsError(f"cannot write tensor {name!r} of dtype {dtype}; writable: {', '.join(map(str, CODES))}")
+            raise SafetensorsError(
+                f"cannot write tensor {name!r} of dtype {dtype}; writable: {', '.join(map(str, CODES))}"
+            )
         size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         header[name] = {"dtype": CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
@@ -259,8 +306,12 @@ def _header_bytes(entries: list[tuple[str, np.dtype, tuple[int, ...]]], metadata
     return raw, offset
 
 
-def write_file(path: str | os.PathLike, entries: list[tuple[str, np.dtype, tuple[int, ...]]],
-               arrays: Iterator[np.ndarray], metadata: Mapping[str, str] | None = None) -> int:
+def write_file(
+    path: str | os.PathLike,
+    entries: list[tuple[str, np.dtype, tuple[int, ...]]],
+    arrays: Iterator[np.ndarray],
+    metadata: Mapping[str, str] | None = None,
+) -> int:
     """Write one safetensors file tensor by tensor.
 
     entries: (name, dtype, shape) in file order, known before any data; arrays: yields each tensor's
@@ -273,6 +324,8 @@ def write_file(path: str | os.PathLike, entries: list[tuple[str, np.dtype, tuple
         for (name, dtype, shape), arr in zip(entries, arrays, strict=True):
             arr = np.ascontiguousarray(arr)
             if arr.dtype != dtype or tuple(arr.shape) != tuple(shape):
-                raise SafetensorsError(f"tensor {name!r}: announced {dtype}{list(shape)}, got {arr.dtype}{list(arr.shape)}")
+                raise SafetensorsError(
+                    f"tensor {name!r}: announced {dtype}{list(shape)}, got {arr.dtype}{list(arr.shape)}"
+                )
             f.write(arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes())
     return total

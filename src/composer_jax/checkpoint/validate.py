@@ -7,11 +7,13 @@ that names the checkpoint path, the step and what is wrong, and sort them into *
 missing or unreadable: an older step may still be good) and *mismatch* (the checkpoint does not fit
 what the caller asked for).
 """
+
 from __future__ import annotations
 
 import json
 import math
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -74,19 +76,24 @@ def short_reason(error: BaseException, limit: int = 300) -> str:
 def check_committed(step_dir: epath.Path, step: int, items: Iterable[str]) -> None:
     """The step directory exists, carries orbax's commit marker and holds each item directory."""
     if not step_dir.exists():
-        raise CheckpointNotFoundError(f"{describe(step_dir, step)}: the directory does not exist",
-                                      path=step_dir, step=step)
+        raise CheckpointNotFoundError(
+            f"{describe(step_dir, step)}: the directory does not exist", path=step_dir, step=step
+        )
     if not (step_dir / COMMIT_MARKER).exists():
         raise CheckpointCorruptError(
             f"{describe(step_dir, step)}: no {COMMIT_MARKER} commit marker, so the save that wrote "
             f"it never finished (a crash or preemption mid-write); it cannot be trusted",
-            path=step_dir, step=step)
+            path=step_dir,
+            step=step,
+        )
     for item in items:
         if not (step_dir / item).is_dir():
             present = sorted(p.name for p in step_dir.iterdir())
             raise CheckpointCorruptError(
                 f"{describe(step_dir, step)}: item directory {item!r} is missing (found {present})",
-                path=step_dir, step=step)
+                path=step_dir,
+                step=step,
+            )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -128,8 +135,10 @@ def flat_saved(tree_metadata: Any) -> dict[str, tuple[tuple[int, ...], np.dtype 
     for path, meta in jax.tree_util.tree_flatten_with_path(tree_metadata)[0]:
         shape = getattr(meta, "shape", None)
         dtype = getattr(meta, "dtype", None)
-        out[leaf_path(path)] = (tuple(shape) if shape is not None else (),
-                                np.dtype(dtype) if dtype is not None else None)
+        out[leaf_path(path)] = (
+            tuple(shape) if shape is not None else (),
+            np.dtype(dtype) if dtype is not None else None,
+        )
     return out
 
 
@@ -138,8 +147,9 @@ def _listed(items: Sequence[str]) -> str:
     return shown + (f", ... ({len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else "")
 
 
-def compare_trees(saved: Mapping[str, tuple], wanted: Mapping[str, tuple], *, path: Any, step: int,
-                  what: str = "train state") -> None:
+def compare_trees(
+    saved: Mapping[str, tuple], wanted: Mapping[str, tuple], *, path: Any, step: int, what: str = "train state"
+) -> None:
     """Raise `CheckpointMismatchError` listing leaves missing, unexpected, or of another shape/dtype."""
     missing = sorted(set(wanted) - set(saved))
     unexpected = sorted(set(saved) - set(wanted))
@@ -161,14 +171,19 @@ def compare_trees(saved: Mapping[str, tuple], wanted: Mapping[str, tuple], *, pa
     if changed:
         parts.append(f"{len(changed)} leaves differ: {_listed(changed)}")
     raise CheckpointMismatchError(
-        f"{describe(path, step)}: the saved {what} does not match the requested abstract tree; "
-        + "; ".join(parts), path=path, step=step)
+        f"{describe(path, step)}: the saved {what} does not match the requested abstract tree; " + "; ".join(parts),
+        path=path,
+        step=step,
+    )
 
 
 def leaves_without_sharding(tree: Any) -> list[str]:
     """Paths of abstract leaves that carry no sharding (orbax would restore them as host numpy)."""
-    return [leaf_path(p) for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
-            if getattr(leaf, "sharding", None) is None]
+    return [
+        leaf_path(p)
+        for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+        if getattr(leaf, "sharding", None) is None
+    ]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -184,8 +199,7 @@ def jsonable(value: Any, what: str) -> Any:
     try:
         return json.loads(json.dumps(value, allow_nan=True))
     except (TypeError, ValueError) as e:
-        raise TypeError(f"{what} must be JSON-serialisable (dicts, lists, str, numbers, bools, "
-                        f"None): {e}") from None
+        raise TypeError(f"{what} must be JSON-serialisable (dicts, lists, str, numbers, bools, None): {e}") from None
 
 
 def flatten_config(tree: Any, prefix: str) -> dict[str, Any]:
@@ -208,8 +222,9 @@ def _equal(a: Any, b: Any) -> bool:
     return a == b
 
 
-def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any],
-                       sections: Sequence[str], allowed: Sequence[str] = ()) -> list[tuple[str, Any, Any]]:
+def config_differences(
+    saved: Mapping[str, Any], current: Mapping[str, Any], sections: Sequence[str], allowed: Sequence[str] = ()
+) -> list[tuple[str, Any, Any]]:
     """(dotted key, saved value, current value) for each checked key that differs and is not allowed."""
     saved, current = jsonable(saved, "saved config"), jsonable(current, "config")
     diffs = []
@@ -233,4 +248,6 @@ def raise_on_config_differences(diffs: Sequence[tuple[str, Any, Any]], *, path: 
         f"{describe(path, step)} was saved with a different config: {listed}{more}. If these "
         f"changes are intended (e.g. a new training stage), allow them with "
         f"allow_config_changes=[{keys}] (checkpoint.allow_config_changes in YAML)",
-        path=path, step=step)
+        path=path,
+        step=step,
+    )

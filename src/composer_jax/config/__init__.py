@@ -7,12 +7,20 @@ The package is the ground floor: it imports no subsystem. `loader` is the generi
 its own (`model`, `mesh`, `train`, `data`, `checkpoint`; later `inference`, `rl`, `quant`), and
 `run` composes them into the run's `Config`. Subsystems import their section from here.
 """
+
 from __future__ import annotations
 
 from composer_jax.config.checkpoint import CheckpointConfig, validate_checkpoint_config
 from composer_jax.config.data import DataConfig, DataConfigError, SourceConfig, validate_data_config
-from composer_jax.config.loader import (build_dataclass, coerce, deep_merge, parse_overrides, read_yaml,
-                                        set_path, to_dict)
+from composer_jax.config.loader import (
+    build_dataclass,
+    coerce,
+    deep_merge,
+    parse_overrides,
+    read_yaml,
+    set_path,
+    to_dict,
+)
 from composer_jax.config.mesh import MESH_AXES, MeshConfig, validate_mesh_for_model
 from composer_jax.config.model import ModelConfig, RopeScalingConfig, validate_model
 from composer_jax.config.run import Config, config_from_dict, load_config
@@ -20,9 +28,30 @@ from composer_jax.config.train import OptimizerConfig, TrainConfig, validate_tra
 from composer_jax.errors import ConfigError
 
 __all__ = [
-    "MESH_AXES", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DataConfigError", "MeshConfig",
-    "ModelConfig", "OptimizerConfig", "RopeScalingConfig", "SourceConfig", "TrainConfig", "build_dataclass",
-    "coerce", "config_from_dict", "deep_merge", "load_config", "parse_overrides", "read_yaml", "set_path",
-    "to_dict", "validate_checkpoint_config", "validate_data_config", "validate_mesh_for_model",
-    "validate_model", "validate_train",
+    "MESH_AXES",
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "DataConfigError",
+    "MeshConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "RopeScalingConfig",
+    "SourceConfig",
+    "TrainConfig",
+    "build_dataclass",
+    "coerce",
+    "config_from_dict",
+    "deep_merge",
+    "load_config",
+    "parse_overrides",
+    "read_yaml",
+    "set_path",
+    "to_dict",
+    "validate_checkpoint_config",
+    "validate_data_config",
+    "validate_mesh_for_model",
+    "validate_model",
+    "validate_train",
 ]

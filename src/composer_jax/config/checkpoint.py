@@ -3,9 +3,11 @@
 Kept free of JAX and orbax imports so that `composer_jax.config` can attach it to the top-level
 `Config` (as `checkpoint`) without pulling in the checkpointing stack.
 """
+
 from __future__ import annotations
 
 import dataclasses
+
 from composer_jax.errors import ConfigError
 
 
@@ -70,9 +72,9 @@ def validate_checkpoint_config(c: CheckpointConfig) -> None:
         raise ConfigError(
             f"checkpoint.keep_every={c.keep_every} is not a multiple of checkpoint.save_every="
             f"{c.save_every}, so no periodic save would land on a kept step; use a multiple of "
-            f"{c.save_every} (e.g. {c.save_every * max(1, c.keep_every // c.save_every)}) or 0")
+            f"{c.save_every} (e.g. {c.save_every * max(1, c.keep_every // c.save_every)}) or 0"
+        )
     for key in ("check_config_sections", "allow_config_changes"):
         bad = [k for k in getattr(c, key) if not isinstance(k, str) or not k]
         if bad:
             raise ConfigError(f"checkpoint.{key} holds {bad!r}; expected non-empty dotted key strings")
-

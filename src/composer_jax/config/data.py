@@ -15,6 +15,7 @@ Example (YAML):
         - {type: jsonl, path: corpus/docs.jsonl, weight: 1.0, text_key: text}
       eval_fraction: 0.05
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,12 +27,40 @@ SOURCE_TYPES = ("jsonl", "parquet", "arrayrecord", "directory")
 FORMATS = ("pretrain", "chat")
 
 # File types a code repository used as a corpus is made of, when `include` is not given.
-DEFAULT_CODE_EXTENSIONS = (".py", ".md", ".toml", ".sh", ".yaml", ".yml", ".txt", ".json", ".cfg",
-                           ".ini", ".c", ".h", ".cc", ".cpp", ".rs", ".go", ".js", ".ts", ".java")
+DEFAULT_CODE_EXTENSIONS = (
+    ".py",
+    ".md",
+    ".toml",
+    ".sh",
+    ".yaml",
+    ".yml",
+    ".txt",
+    ".json",
+    ".cfg",
+    ".ini",
+    ".c",
+    ".h",
+    ".cc",
+    ".cpp",
+    ".rs",
+    ".go",
+    ".js",
+    ".ts",
+    ".java",
+)
 # Never corpus material: version control, caches, virtual environments, build outputs.
-DEFAULT_EXCLUDES = (".git/**", "**/.git/**", "**/__pycache__/**", "**/.venv/**", ".venv/**",
-                    "**/node_modules/**", "**/*.egg-info/**", "**/.pytest_cache/**", "build/**",
-                    "dist/**")
+DEFAULT_EXCLUDES = (
+    ".git/**",
+    "**/.git/**",
+    "**/__pycache__/**",
+    "**/.venv/**",
+    ".venv/**",
+    "**/node_modules/**",
+    "**/*.egg-info/**",
+    "**/.pytest_cache/**",
+    "build/**",
+    "dist/**",
+)
 
 
 class DataConfigError(ConfigError):
@@ -119,15 +148,16 @@ def validate_data_config(cfg: DataConfig, *, require_sources: bool = True) -> No
             raise DataConfigError(msg)
 
     if require_sources:
-        need(len(cfg.sources) > 0, "data.sources is empty; give at least one source, e.g. "
-             "data.sources=[{type: directory, path: src}]")
+        need(
+            len(cfg.sources) > 0,
+            "data.sources is empty; give at least one source, e.g. data.sources=[{type: directory, path: src}]",
+        )
     need(cfg.format in FORMATS, f"data.format={cfg.format!r} is not accepted; accepted: {FORMATS}")
     need(cfg.packing == "first_fit", f"data.packing={cfg.packing!r} is not accepted; accepted: ('first_fit',)")
     need(0.0 <= cfg.eval_fraction < 1.0, f"data.eval_fraction={cfg.eval_fraction} must be in [0, 1)")
     need(cfg.shuffle_window >= 0, f"data.shuffle_window={cfg.shuffle_window} must be >= 0 (0 = off)")
     need(cfg.num_packing_bins >= 1, f"data.num_packing_bins={cfg.num_packing_bins} must be >= 1")
-    need(cfg.max_chunks_per_document >= 1,
-         f"data.max_chunks_per_document={cfg.max_chunks_per_document} must be >= 1")
+    need(cfg.max_chunks_per_document >= 1, f"data.max_chunks_per_document={cfg.max_chunks_per_document} must be >= 1")
     need(cfg.eval_batches >= 0, f"data.eval_batches={cfg.eval_batches} must be >= 0")
     for group, sources in (("sources", cfg.sources), ("eval_sources", cfg.eval_sources)):
         for i, s in enumerate(sources):
@@ -137,9 +167,14 @@ def validate_data_config(cfg: DataConfig, *, require_sources: bool = True) -> No
             need(s.type in SOURCE_TYPES, f"{key}.type={s.type!r} is not accepted; accepted: {SOURCE_TYPES}")
             need(bool(s.path), f"{key}.path is empty; give a file, directory or glob")
             need(s.weight > 0, f"{key}.weight={s.weight} must be > 0")
-            need(s.eval_fraction is None or 0.0 <= s.eval_fraction < 1.0,
-                 f"{key}.eval_fraction={s.eval_fraction} must be in [0, 1) or null")
+            need(
+                s.eval_fraction is None or 0.0 <= s.eval_fraction < 1.0,
+                f"{key}.eval_fraction={s.eval_fraction} must be in [0, 1) or null",
+            )
             need(s.max_file_bytes > 0, f"{key}.max_file_bytes={s.max_file_bytes} must be > 0")
             if cfg.format == "chat":
-                need(s.type != "directory", f"{key}.type='directory' holds source files, not "
-                     "conversations; data.format='chat' accepts jsonl, parquet, arrayrecord")
+                need(
+                    s.type != "directory",
+                    f"{key}.type='directory' holds source files, not "
+                    "conversations; data.format='chat' accepts jsonl, parquet, arrayrecord",
+                )

@@ -5,21 +5,22 @@ Generic: it knows no section. The sections live beside it (`model.py`, `mesh.py`
 `data.py`, `checkpoint.py`) and `run.py` composes them into the run's `Config`, so that a new
 subsystem adds a section here without the ground floor importing the subsystem.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import types
 import typing
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Literal
 
 import yaml
 
 from composer_jax.errors import ConfigError
 
-__all__ = ["build_dataclass", "coerce", "deep_merge", "parse_overrides", "plain", "read_yaml", "set_path",
-           "to_dict"]
+__all__ = ["build_dataclass", "coerce", "deep_merge", "parse_overrides", "plain", "read_yaml", "set_path", "to_dict"]
 
 
 def _type_name(tp: Any) -> str:

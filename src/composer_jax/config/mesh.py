@@ -1,4 +1,5 @@
 """The mesh section: device-mesh axis sizes, and the model/mesh combinations that cannot work."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,12 +31,14 @@ class MeshConfig:
             if num_devices % fixed:
                 raise ConfigError(
                     f"mesh.{free[0]}=-1: the other axes multiply to {fixed}, which does not divide "
-                    f"the {num_devices} devices; choose sizes whose product divides {num_devices}")
+                    f"the {num_devices} devices; choose sizes whose product divides {num_devices}"
+                )
             sizes[free[0]] = num_devices // fixed
         elif fixed != num_devices:
             raise ConfigError(
                 f"mesh: data*fsdp*expert*context*tensor = {fixed} ({sizes}) but there are "
-                f"{num_devices} devices; the product must equal the device count (or set one axis to -1)")
+                f"{num_devices} devices; the product must equal the device count (or set one axis to -1)"
+            )
         return sizes
 
 
@@ -45,16 +48,19 @@ def validate_mesh_for_model(mesh: MeshConfig, m: ModelConfig, num_devices: int |
         v = getattr(mesh, a)
         if v != -1 and v < 1:
             raise ConfigError(f"mesh.{a}={v} must be a positive integer or -1 (all remaining devices)")
-    sizes = mesh.shape(num_devices) if num_devices is not None else {
-        a: getattr(mesh, a) for a in MESH_AXES}
+    sizes = mesh.shape(num_devices) if num_devices is not None else {a: getattr(mesh, a) for a in MESH_AXES}
     tp, ep = sizes["tensor"], sizes["expert"]
     if tp > 0 and m.num_heads % tp:
-        raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by mesh.tensor={tp}; "
-                          f"accepted tensor sizes: {[d for d in range(1, m.num_heads + 1) if m.num_heads % d == 0]}")
+        raise ConfigError(
+            f"model.num_heads={m.num_heads} is not divisible by mesh.tensor={tp}; "
+            f"accepted tensor sizes: {[d for d in range(1, m.num_heads + 1) if m.num_heads % d == 0]}"
+        )
     if m.attention_type == "gqa" and tp > 0 and m.num_kv_heads % tp:
         raise ConfigError(f"model.num_kv_heads={m.num_kv_heads} is not divisible by mesh.tensor={tp}")
     if m.num_experts and ep > 0 and m.num_experts % ep:
-        raise ConfigError(f"model.num_experts={m.num_experts} is not divisible by mesh.expert={ep}; "
-                          f"accepted expert sizes: {[d for d in range(1, m.num_experts + 1) if m.num_experts % d == 0]}")
+        raise ConfigError(
+            f"model.num_experts={m.num_experts} is not divisible by mesh.expert={ep}; "
+            f"accepted expert sizes: {[d for d in range(1, m.num_experts + 1) if m.num_experts % d == 0]}"
+        )
     if not m.num_experts and ep > 1:
         raise ConfigError(f"mesh.expert={ep} but the model is dense (model.num_experts=0); set mesh.expert=1")

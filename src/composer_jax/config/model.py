@@ -1,4 +1,5 @@
 """The model section: architecture, numerics and implementation choices, and their validation."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -117,33 +118,49 @@ def validate_model(m: ModelConfig) -> None:
     if m.attention_type == "mla":
         need(m.kv_lora_rank > 0, f"model.kv_lora_rank={m.kv_lora_rank} must be positive for MLA")
         need(m.q_lora_rank >= 0, f"model.q_lora_rank={m.q_lora_rank} must be >= 0 (0 = no query LoRA)")
-        need(m.qk_rope_head_dim > 0 and m.qk_rope_head_dim % 2 == 0,
-             f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be a positive even number")
-        need(m.qk_nope_head_dim >= 0 and m.v_head_dim > 0,
-             f"model.qk_nope_head_dim={m.qk_nope_head_dim} / v_head_dim={m.v_head_dim} must be >= 0 / > 0")
+        need(
+            m.qk_rope_head_dim > 0 and m.qk_rope_head_dim % 2 == 0,
+            f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be a positive even number",
+        )
+        need(
+            m.qk_nope_head_dim >= 0 and m.v_head_dim > 0,
+            f"model.qk_nope_head_dim={m.qk_nope_head_dim} / v_head_dim={m.v_head_dim} must be >= 0 / > 0",
+        )
     else:
-        need(m.num_kv_heads > 0 and m.num_heads % m.num_kv_heads == 0,
-             f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}")
+        need(
+            m.num_kv_heads > 0 and m.num_heads % m.num_kv_heads == 0,
+            f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}",
+        )
         need(m.head_dim > 0 and m.head_dim % 2 == 0, f"model.head_dim={m.head_dim} must be a positive even number")
     if m.num_experts:
-        need(0 < m.num_experts_per_tok <= m.num_experts,
-             f"model.num_experts_per_tok={m.num_experts_per_tok} must be in 1..num_experts={m.num_experts}")
+        need(
+            0 < m.num_experts_per_tok <= m.num_experts,
+            f"model.num_experts_per_tok={m.num_experts_per_tok} must be in 1..num_experts={m.num_experts}",
+        )
         need(m.moe_intermediate_size > 0, f"model.moe_intermediate_size={m.moe_intermediate_size} must be positive")
         need(m.num_shared_experts >= 0, f"model.num_shared_experts={m.num_shared_experts} must be >= 0")
-        need(0 <= m.first_k_dense <= m.num_layers,
-             f"model.first_k_dense={m.first_k_dense} must be in 0..num_layers={m.num_layers}")
-        need(m.n_group >= 1 and m.num_experts % m.n_group == 0,
-             f"model.n_group={m.n_group} must divide model.num_experts={m.num_experts}")
-        need(1 <= m.topk_group <= m.n_group,
-             f"model.topk_group={m.topk_group} must be in 1..n_group={m.n_group}")
+        need(
+            0 <= m.first_k_dense <= m.num_layers,
+            f"model.first_k_dense={m.first_k_dense} must be in 0..num_layers={m.num_layers}",
+        )
+        need(
+            m.n_group >= 1 and m.num_experts % m.n_group == 0,
+            f"model.n_group={m.n_group} must divide model.num_experts={m.num_experts}",
+        )
+        need(1 <= m.topk_group <= m.n_group, f"model.topk_group={m.topk_group} must be in 1..n_group={m.n_group}")
         if m.topk_method != "greedy":
             per_group = m.num_experts // m.n_group
-            need(m.topk_group * per_group >= m.num_experts_per_tok,
-                 f"model.topk_group={m.topk_group} groups of {per_group} experts cannot supply "
-                 f"num_experts_per_tok={m.num_experts_per_tok} experts; raise topk_group or n_group")
+            need(
+                m.topk_group * per_group >= m.num_experts_per_tok,
+                f"model.topk_group={m.topk_group} groups of {per_group} experts cannot supply "
+                f"num_experts_per_tok={m.num_experts_per_tok} experts; raise topk_group or n_group",
+            )
             if m.topk_method == "noaux_tc":
-                need(per_group >= 2, f"model.topk_method='noaux_tc' scores groups by their top-2 experts, "
-                     f"so each of the n_group={m.n_group} groups needs >= 2 experts (has {per_group})")
+                need(
+                    per_group >= 2,
+                    f"model.topk_method='noaux_tc' scores groups by their top-2 experts, "
+                    f"so each of the n_group={m.n_group} groups needs >= 2 experts (has {per_group})",
+                )
     need(m.num_mtp_layers >= 0, f"model.num_mtp_layers={m.num_mtp_layers} must be >= 0")
     need(m.moe_tile_size >= 1, f"model.moe_tile_size={m.moe_tile_size} must be >= 1")
     need(m.attn_block_q >= 1, f"model.attn_block_q={m.attn_block_q} must be >= 1")
@@ -151,5 +168,8 @@ def validate_model(m: ModelConfig) -> None:
     rs = m.rope_scaling
     if rs.type == "yarn":
         need(rs.factor >= 1.0, f"model.rope_scaling.factor={rs.factor} must be >= 1 for yarn")
-        need(rs.original_max_position_embeddings > 0,
-             f"model.rope_scaling.original_max_position_embeddings={rs.original_max_position_embeddings} must be positive")
+        need(
+            rs.original_max_position_embeddings > 0,
+            f"model.rope_scaling.original_max_position_embeddings={rs.original_max_position_embeddings} "
+            "must be positive",
+        )

@@ -1,9 +1,11 @@
 """A run's whole configuration: the sections composed into `Config`, loaded and validated together."""
+
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Literal
 
 from composer_jax.config.checkpoint import CheckpointConfig
 from composer_jax.config.data import DataConfig
@@ -24,8 +26,9 @@ class Config:
     sharding_rules: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def config_from_dict(data: Mapping[str, Any], overrides: Sequence[str] = (), *,
-                     num_devices: int | None | Literal["auto"] = "auto") -> Config:
+def config_from_dict(
+    data: Mapping[str, Any], overrides: Sequence[str] = (), *, num_devices: int | None | Literal["auto"] = "auto"
+) -> Config:
     """Build and validate a `Config` from a nested mapping plus `key=value` overrides.
 
     num_devices: "auto" checks the mesh against `jax.device_count()`; None skips the device check
@@ -45,8 +48,9 @@ def config_from_dict(data: Mapping[str, Any], overrides: Sequence[str] = (), *,
     return cfg
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *,
-                num_devices: int | None | Literal["auto"] = "auto") -> Config:
+def load_config(
+    path: str | Path | None = None, overrides: Sequence[str] = (), *, num_devices: int | None | Literal["auto"] = "auto"
+) -> Config:
     """Load `path` (YAML; may name a `base:` file to extend) and apply `key=value` overrides."""
     data = read_yaml(Path(path).resolve()) if path is not None else {}
     return config_from_dict(data, overrides, num_devices=num_devices)

@@ -1,4 +1,5 @@
 """The training section: one stage's batch, schedule, optimiser, loss weights and outputs."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,14 +60,19 @@ def validate_train(t: TrainConfig, mesh: MeshConfig, num_devices: int | None) ->
         if getattr(t, key) < 1:
             raise ConfigError(f"train.{key}={getattr(t, key)} must be a positive integer")
     if t.batch_size % t.micro_batches:
-        raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.micro_batches="
-                          f"{t.micro_batches}; accepted micro_batches: "
-                          f"{[d for d in range(1, t.batch_size + 1) if t.batch_size % d == 0]}")
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} is not divisible by train.micro_batches="
+            f"{t.micro_batches}; accepted micro_batches: "
+            f"{[d for d in range(1, t.batch_size + 1) if t.batch_size % d == 0]}"
+        )
     if num_devices is not None:
         sizes = mesh.shape(num_devices)
         if t.seq_len % (2 * sizes["context"]) and sizes["context"] > 1:
-            raise ConfigError(f"train.seq_len={t.seq_len} must be divisible by 2 x mesh.context="
-                              f"{2 * sizes['context']} (zigzag context-parallel layout)")
+            raise ConfigError(
+                f"train.seq_len={t.seq_len} must be divisible by 2 x mesh.context="
+                f"{2 * sizes['context']} (zigzag context-parallel layout)"
+            )
     if t.optimizer.lr <= 0 or t.optimizer.warmup_steps < 0:
-        raise ConfigError(f"train.optimizer.lr={t.optimizer.lr} must be > 0 and warmup_steps="
-                          f"{t.optimizer.warmup_steps} >= 0")
+        raise ConfigError(
+            f"train.optimizer.lr={t.optimizer.lr} must be > 0 and warmup_steps={t.optimizer.warmup_steps} >= 0"
+        )

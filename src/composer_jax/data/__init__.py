@@ -3,12 +3,20 @@
 Public entry points (imported lazily so that `composer_jax.config.data` stays light):
 `make_train_iterator`, `make_eval_batches`, `load_tokenizer`, `DataConfig`, `SourceConfig`.
 """
+
 from __future__ import annotations
 
 from composer_jax.config.data import DataConfig, DataConfigError, SourceConfig
 
-__all__ = ["DataConfig", "DataConfigError", "SourceConfig", "load_tokenizer", "make_eval_batches",
-           "make_train_iterator", "render_chat"]
+__all__ = [
+    "DataConfig",
+    "DataConfigError",
+    "SourceConfig",
+    "load_tokenizer",
+    "make_eval_batches",
+    "make_train_iterator",
+    "render_chat",
+]
 
 
 def __getattr__(name: str):

@@ -28,10 +28,12 @@ after `<|im_end|>`, BOS/EOS, or any system, user or tool-result token.
 Pieces are tokenized separately and concatenated, so the mask is exact at token level and the same
 function renders inference prompts (`render_prompt`).
 """
+
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -53,19 +55,25 @@ def _content_text(content: Any, where: str) -> str:
             if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str):
                 parts.append(p["text"])
             else:
-                raise DataConfigError(f"{where}: content part {p!r} is not accepted; accepted: a string or "
-                                      '[{"type": "text", "text": ...}]')
+                raise DataConfigError(
+                    f"{where}: content part {p!r} is not accepted; accepted: a string or "
+                    '[{"type": "text", "text": ...}]'
+                )
         return "".join(parts)
-    raise DataConfigError(f"{where}: content must be a string, null or a list of text parts, got {type(content).__name__}")
+    raise DataConfigError(
+        f"{where}: content must be a string, null or a list of text parts, got {type(content).__name__}"
+    )
 
 
 def tool_call_json(call: dict, where: str) -> str:
     """One OpenAI tool call -> the JSON text placed after <|tool_call|>."""
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise DataConfigError(f"{where}: a tool call must be "
-                              '{"id": ..., "type": "function", "function": {"name": ..., "arguments": "{...}"}}, '
-                              f"got {call!r}")
+        raise DataConfigError(
+            f"{where}: a tool call must be "
+            '{"id": ..., "type": "function", "function": {"name": ..., "arguments": "{...}"}}, '
+            f"got {call!r}"
+        )
     args = fn.get("arguments", "{}")
     try:  # the server's reading of the arguments string (blank means none)
         args = decode_arguments(args, where, tool=fn["name"])
@@ -114,8 +122,9 @@ def _render(messages: Sequence[dict], tok: Tokenizer, *, where: str, generation_
     return np.asarray(ids, np.int32), np.asarray(mask, np.float32)
 
 
-def render_chat(messages: Sequence[dict], tok: Tokenizer, *, where: str = "conversation"
-                ) -> tuple[np.ndarray, np.ndarray]:
+def render_chat(
+    messages: Sequence[dict], tok: Tokenizer, *, where: str = "conversation"
+) -> tuple[np.ndarray, np.ndarray]:
     """A whole conversation -> (tokens: int32[n], loss_mask: float32[n]) for SFT.
 
     loss_mask[i] = 1.0 where tokens[i] is an assistant-emitted token (see module docstring).

@@ -1,8 +1,9 @@
 """`composer-jax data ...`: offline data tools.
 
-  data make-sft --tasks tasks/ --out assets/sft/train.jsonl   SFT conversations from Harbor tasks
-  data peek --config CFG [--seq-len N --batch-size B]         print one packed batch, decoded
+data make-sft --tasks tasks/ --out assets/sft/train.jsonl   SFT conversations from Harbor tasks
+data peek --config CFG [--seq-len N --batch-size B]         print one packed batch, decoded
 """
+
 from __future__ import annotations
 
 import argparse
@@ -12,12 +13,13 @@ from composer_jax.config import ConfigError, DataConfigError
 
 
 def _peek(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
     import numpy as np
 
     from composer_jax.config import DataConfig, build_dataclass, read_yaml
     from composer_jax.data.pipeline import make_train_iterator
     from composer_jax.data.tokenizer import load_tokenizer
-    from pathlib import Path
 
     raw = read_yaml(Path(args.config).resolve())
     cfg = build_dataclass(DataConfig, raw.get("data", raw), "data")
@@ -25,17 +27,23 @@ def _peek(args: argparse.Namespace) -> None:
     tok = load_tokenizer(cfg.tokenizer)
     for r in range(batch["tokens"].shape[0]):
         seg = batch["segment_ids"][r]
-        print(f"--- row {r}: {int(seg.max())} segments, {int((seg > 0).sum())}/{seg.size} tokens, "
-              f"{int(batch['loss_mask'][r].sum())} targets")
+        print(
+            f"--- row {r}: {int(seg.max())} segments, {int((seg > 0).sum())}/{seg.size} tokens, "
+            f"{int(batch['loss_mask'][r].sum())} targets"
+        )
         for s in np.unique(seg[seg > 0]):
-            print(f"[segment {s}] {tok.decode(batch['tokens'][r][seg == s])[:args.chars]!r}")
+            print(f"[segment {s}] {tok.decode(batch['tokens'][r][seg == s])[: args.chars]!r}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="composer-jax data", description="offline data tools")
     sub = parser.add_subparsers(dest="cmd", required=True)
     ms = sub.add_parser("make-sft", help="SFT conversations (JSONL) from Harbor tasks' reference solutions")
-    ms.add_argument("--tasks", required=True, help="directory of task directories (instruction.md, environment/app, solution/solve.sh)")
+    ms.add_argument(
+        "--tasks",
+        required=True,
+        help="directory of task directories (instruction.md, environment/app, solution/solve.sh)",
+    )
     ms.add_argument("--out", required=True, help="output JSONL file")
     ms.add_argument("--timeout", type=float, default=60.0, help="seconds per solve.sh run")
     pk = sub.add_parser("peek", help="print the first packed training batch of a config, decoded")

@@ -20,12 +20,14 @@ The batch contract with the trainer (numpy, each [per_host_batch, seq_len]):
 The trainer's loss at position i predicts tokens[i+1], weighted by
 loss_mask[i+1] * (segment_ids[i+1] == segment_ids[i]).
 """
+
 from __future__ import annotations
 
 import copy
 import functools
 import json
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import grain
 import numpy as np
@@ -51,8 +53,7 @@ class DocumentToChunks(grain.experimental.FlatMapTransform):
     `max_chunks` are dropped. No overlap between chunks: every token is a target at most once.
     """
 
-    def __init__(self, tok: Tokenizer, fmt: str, split: str, eval_fraction: float, seq_len: int,
-                 max_chunks: int):
+    def __init__(self, tok: Tokenizer, fmt: str, split: str, eval_fraction: float, seq_len: int, max_chunks: int):
         self.tok, self.fmt, self.split = tok, fmt, split
         self.eval_fraction, self.seq_len, self.max_fan_out = eval_fraction, seq_len, max_chunks
 
@@ -69,8 +70,10 @@ class DocumentToChunks(grain.experimental.FlatMapTransform):
             tokens = np.asarray([self.tok.bos_id, *self.tok.encode(document), self.tok.eos_id], np.int32)
             loss_mask = np.ones(len(tokens), np.float32)
         n = min(len(tokens), self.seq_len * self.max_fan_out)
-        return [{"tokens": tokens[a:a + self.seq_len], "loss_mask": loss_mask[a:a + self.seq_len]}
-                for a in range(0, n, self.seq_len)]
+        return [
+            {"tokens": tokens[a : a + self.seq_len], "loss_mask": loss_mask[a : a + self.seq_len]}
+            for a in range(0, n, self.seq_len)
+        ]
 
 
 def _seed(*parts: int) -> int:
@@ -78,14 +81,27 @@ def _seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1)[0] >> 1)
 
 
-def _source_stream(index: int, src: SourceConfig, cfg: DataConfig, tok: Tokenizer, *, split: str,
-                   seq_len: int, seed: int, process_index: int, process_count: int, shuffle: bool,
-                   num_epochs: int | None) -> grain.IterDataset:
+def _source_stream(
+    index: int,
+    src: SourceConfig,
+    cfg: DataConfig,
+    tok: Tokenizer,
+    *,
+    split: str,
+    seq_len: int,
+    seed: int,
+    process_index: int,
+    process_count: int,
+    shuffle: bool,
+    num_epochs: int | None,
+) -> grain.IterDataset:
     docs = open_source(src, "messages" if cfg.format == "chat" else "text")
     ds = grain.MapDataset.source(docs)[process_index::process_count]
     if len(ds) == 0:
-        raise DataConfigError(f"source {src.label} has {len(docs)} documents, too few to give each of "
-                              f"{process_count} hosts one (host {process_index} gets none)")
+        raise DataConfigError(
+            f"source {src.label} has {len(docs)} documents, too few to give each of "
+            f"{process_count} hosts one (host {process_index} gets none)"
+        )
     frac = cfg.eval_fraction if src.eval_fraction is None else src.eval_fraction
     if split == "train" and num_epochs is None and frac > 0:
         _require_a_training_document(ds, frac, src, process_index)
@@ -103,9 +119,11 @@ def _require_a_training_document(ds: grain.MapDataset, frac: float, src: SourceC
     for i in range(len(ds)):
         if content_hash_fraction(ds[i]) >= frac:
             return
-    raise DataConfigError(f"source {src.label}: all {len(ds)} documents of host {host} fall in the held-out "
-                          f"split (eval_fraction={frac}); lower eval_fraction (0 keeps all for training) or add "
-                          "documents")
+    raise DataConfigError(
+        f"source {src.label}: all {len(ds)} documents of host {host} fall in the held-out "
+        f"split (eval_fraction={frac}); lower eval_fraction (0 keeps all for training) or add "
+        "documents"
+    )
 
 
 def _finalize(pad_id: int):
@@ -114,16 +132,24 @@ def _finalize(pad_id: int):
         pos = row["tokens_positions"].astype(np.int32)
         # The first token of a segment has no in-segment predecessor, so it is never a target.
         mask = np.where((seg > 0) & (pos > 0), row["loss_mask"], 0.0).astype(np.float32)
-        return {"tokens": np.where(seg > 0, row["tokens"], pad_id).astype(np.int32),
-                "segment_ids": seg, "positions": np.where(seg > 0, pos, 0).astype(np.int32),
-                "loss_mask": mask}
+        return {
+            "tokens": np.where(seg > 0, row["tokens"], pad_id).astype(np.int32),
+            "segment_ids": seg,
+            "positions": np.where(seg > 0, pos, 0).astype(np.int32),
+            "loss_mask": mask,
+        }
+
     return finalize
 
 
 def _pack(ds: grain.IterDataset, cfg: DataConfig, tok: Tokenizer, seq_len: int, seed: int, shuffle: bool):
     packed = grain.experimental.FirstFitPackIterDataset(
-        ds, length_struct={"tokens": seq_len, "loss_mask": seq_len}, num_packing_bins=cfg.num_packing_bins,
-        seed=seed, shuffle_bins=shuffle)
+        ds,
+        length_struct={"tokens": seq_len, "loss_mask": seq_len},
+        num_packing_bins=cfg.num_packing_bins,
+        seed=seed,
+        shuffle_bins=shuffle,
+    )
     return packed.map(_finalize(tok.pad_id))
 
 
@@ -169,15 +195,19 @@ class DataIterator:
 
     def set_state(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION or "grain" not in state:
-            raise DataConfigError(f"data iterator state must be a dict from get_state() with version "
-                                  f"{STATE_VERSION}; got {str(state)[:200]}")
+            raise DataConfigError(
+                f"data iterator state must be a dict from get_state() with version "
+                f"{STATE_VERSION}; got {str(state)[:200]}"
+            )
         saved = state.get("pipeline", {})
         diff = sorted(k for k in set(saved) | set(self._pipeline) if saved.get(k) != self._pipeline.get(k))
         if diff:
             detail = "; ".join(f"{k}: saved {saved.get(k)!r}, now {self._pipeline.get(k)!r}" for k in diff)
-            raise DataConfigError("cannot resume the data iterator: the saved state comes from a different "
-                                  f"pipeline ({detail[:600]}). Resume with the same data config, seq_len, "
-                                  "batch size, seed and host count, or start the data stream afresh.")
+            raise DataConfigError(
+                "cannot resume the data iterator: the saved state comes from a different "
+                f"pipeline ({detail[:600]}). Resume with the same data config, seq_len, "
+                "batch size, seed and host count, or start the data stream afresh."
+            )
         self._iter.set_state(copy.deepcopy(state["grain"]))
 
 
@@ -189,26 +219,48 @@ def _pipeline_fingerprint(cfg: DataConfig, tok: Tokenizer, **shape: int) -> dict
     return json.loads(json.dumps({"data": keep, "vocab_size": tok.vocab_size, **shape}))
 
 
-def train_rows(data_cfg: DataConfig, tok: Tokenizer, *, seq_len: int, seed: int, process_index: int = 0,
-               process_count: int = 1, num_epochs: int | None = None) -> grain.IterDataset:
+def train_rows(
+    data_cfg: DataConfig,
+    tok: Tokenizer,
+    *,
+    seq_len: int,
+    seed: int,
+    process_index: int = 0,
+    process_count: int = 1,
+    num_epochs: int | None = None,
+) -> grain.IterDataset:
     """The unbatched training stream: packed rows {tokens, segment_ids, positions: int32[seq_len],
     loss_mask: float32[seq_len]}. num_epochs=None repeats forever (training); a finite count is
     for tests and corpus statistics (the mixture then stops when its first source runs out)."""
-    streams = [_source_stream(i, s, data_cfg, tok, split="train", seq_len=seq_len, seed=seed,
-                              process_index=process_index, process_count=process_count,
-                              shuffle=data_cfg.shuffle, num_epochs=num_epochs)
-               for i, s in enumerate(data_cfg.sources)]
+    streams = [
+        _source_stream(
+            i,
+            s,
+            data_cfg,
+            tok,
+            split="train",
+            seq_len=seq_len,
+            seed=seed,
+            process_index=process_index,
+            process_count=process_count,
+            shuffle=data_cfg.shuffle,
+            num_epochs=num_epochs,
+        )
+        for i, s in enumerate(data_cfg.sources)
+    ]
     weights = [s.weight for s in data_cfg.sources]
     mixed = streams[0] if len(streams) == 1 else grain.IterDataset.mix(streams, weights)
     ds = _pack(mixed, data_cfg, tok, seq_len, _seed(data_cfg.shuffle_seed, seed, 1 << 20), data_cfg.shuffle)
     if data_cfg.shuffle and data_cfg.shuffle_window > 1:
         ds = grain.experimental.WindowShuffleIterDataset(
-            ds, window_size=data_cfg.shuffle_window, seed=_seed(data_cfg.shuffle_seed, seed, 1 << 21))
+            ds, window_size=data_cfg.shuffle_window, seed=_seed(data_cfg.shuffle_seed, seed, 1 << 21)
+        )
     return ds
 
 
-def make_train_iterator(data_cfg: DataConfig, *, seq_len: int, batch_size: int, seed: int,
-                        process_index: int = 0, process_count: int = 1) -> DataIterator:
+def make_train_iterator(
+    data_cfg: DataConfig, *, seq_len: int, batch_size: int, seed: int, process_index: int = 0, process_count: int = 1
+) -> DataIterator:
     """This host's infinite training stream of packed batches, each array [batch_size, seq_len].
 
     batch_size is the per-host batch. Hosts read disjoint documents (index i goes to host
@@ -217,32 +269,60 @@ def make_train_iterator(data_cfg: DataConfig, *, seq_len: int, batch_size: int, 
     validate_data_config(data_cfg)
     _check_shapes(seq_len, batch_size, process_index, process_count)
     tok = load_tokenizer(data_cfg.tokenizer)
-    ds = train_rows(data_cfg, tok, seq_len=seq_len, seed=seed, process_index=process_index,
-                    process_count=process_count).batch(batch_size, drop_remainder=True)
-    fingerprint = _pipeline_fingerprint(data_cfg, tok, seq_len=seq_len, batch_size=batch_size, seed=seed,
-                                        process_index=process_index, process_count=process_count)
+    ds = train_rows(
+        data_cfg, tok, seq_len=seq_len, seed=seed, process_index=process_index, process_count=process_count
+    ).batch(batch_size, drop_remainder=True)
+    fingerprint = _pipeline_fingerprint(
+        data_cfg,
+        tok,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        seed=seed,
+        process_index=process_index,
+        process_count=process_count,
+    )
     return DataIterator(ds, fingerprint)
 
 
 def _padding_rows(n: int, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
-    return {"tokens": np.full((n, seq_len), pad_id, np.int32), "segment_ids": np.zeros((n, seq_len), np.int32),
-            "positions": np.zeros((n, seq_len), np.int32), "loss_mask": np.zeros((n, seq_len), np.float32)}
+    return {
+        "tokens": np.full((n, seq_len), pad_id, np.int32),
+        "segment_ids": np.zeros((n, seq_len), np.int32),
+        "positions": np.zeros((n, seq_len), np.int32),
+        "loss_mask": np.zeros((n, seq_len), np.float32),
+    }
 
 
 @functools.lru_cache(maxsize=8)
-def _eval_batches_cached(data_cfg: DataConfig, seq_len: int, batch_size: int, num_batches: int,
-                         process_index: int, process_count: int) -> tuple[dict[str, np.ndarray], ...]:
+def _eval_batches_cached(
+    data_cfg: DataConfig, seq_len: int, batch_size: int, num_batches: int, process_index: int, process_count: int
+) -> tuple[dict[str, np.ndarray], ...]:
     tok = load_tokenizer(data_cfg.tokenizer)
     explicit = bool(data_cfg.eval_sources)
     sources = data_cfg.eval_sources if explicit else data_cfg.sources
-    streams = [_source_stream(i, s, data_cfg, tok, split="all" if explicit else "eval", seq_len=seq_len,
-                              seed=0, process_index=process_index, process_count=process_count, shuffle=False,
-                              num_epochs=1)
-               for i, s in enumerate(sources)]
+    streams = [
+        _source_stream(
+            i,
+            s,
+            data_cfg,
+            tok,
+            split="all" if explicit else "eval",
+            seq_len=seq_len,
+            seed=0,
+            process_index=process_index,
+            process_count=process_count,
+            shuffle=False,
+            num_epochs=1,
+        )
+        for i, s in enumerate(sources)
+    ]
     # Round-robin over sources (not weighted mixing, which stops at the first exhausted source),
     # in file order, no shuffling: the same rows every call.
-    ds = streams[0] if len(streams) == 1 else grain.experimental.InterleaveIterDataset(
-        streams, cycle_length=len(streams))
+    ds = (
+        streams[0]
+        if len(streams) == 1
+        else grain.experimental.InterleaveIterDataset(streams, cycle_length=len(streams))
+    )
     ds = _pack(ds, data_cfg, tok, seq_len, seed=0, shuffle=False).batch(batch_size, drop_remainder=False)
     batches = []
     for batch in ds:
@@ -254,17 +334,29 @@ def _eval_batches_cached(data_cfg: DataConfig, seq_len: int, batch_size: int, nu
         if len(batches) == num_batches:
             break
     if not batches:
-        what = "data.eval_sources" if explicit else f"the held-out split (eval_fraction={data_cfg.eval_fraction}) of data.sources"
-        raise DataConfigError(f"no evaluation documents: {what} is empty; raise data.eval_fraction or "
-                              "set data.eval_sources")
+        what = (
+            "data.eval_sources"
+            if explicit
+            else f"the held-out split (eval_fraction={data_cfg.eval_fraction}) of data.sources"
+        )
+        raise DataConfigError(
+            f"no evaluation documents: {what} is empty; raise data.eval_fraction or set data.eval_sources"
+        )
     for b in batches:
         for v in b.values():
             v.flags.writeable = False
     return tuple(batches)
 
 
-def make_eval_batches(data_cfg: DataConfig, *, seq_len: int, batch_size: int, num_batches: int | None = None,
-                      process_index: int = 0, process_count: int = 1) -> list[dict[str, np.ndarray]]:
+def make_eval_batches(
+    data_cfg: DataConfig,
+    *,
+    seq_len: int,
+    batch_size: int,
+    num_batches: int | None = None,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> list[dict[str, np.ndarray]]:
     """The fixed held-out set: up to num_batches (default data.eval_batches) batches of
     [batch_size, seq_len] arrays, identical on every call (cached per process).
 
@@ -281,5 +373,11 @@ def make_eval_batches(data_cfg: DataConfig, *, seq_len: int, batch_size: int, nu
     return list(_eval_batches_cached(data_cfg, seq_len, batch_size, n, process_index, process_count))
 
 
-__all__ = ["DataIterator", "DocumentToChunks", "make_eval_batches", "make_train_iterator", "train_rows",
-           "STATE_VERSION"]
+__all__ = [
+    "DataIterator",
+    "DocumentToChunks",
+    "make_eval_batches",
+    "make_train_iterator",
+    "train_rows",
+    "STATE_VERSION",
+]

@@ -18,6 +18,7 @@ Tool results are the JSON the environment server returns for that call (built by
 functions the server uses), so the model sees at SFT time what it will see in RL. Nothing here is
 invented except the short assistant prose.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -27,12 +28,13 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from composer_jax.config.data import DataConfigError
 from composer_jax.env import protocol
 from composer_jax.env.protocol import SYSTEM_PROMPT  # noqa: F401 - re-exported (its old home)
+
 # `/app` or `/solution` as a path root (not part of a longer word or path)
 _ROOT_RE = re.compile(r"(?<![\w./-])/(app|solution)(?=/|\b|$)")
 
@@ -54,8 +56,10 @@ def run_solution(task_dir: Path, *, timeout_s: float = 60.0) -> tuple[dict[str, 
     solve = solution / "solve.sh"
     for need in (task_dir / "instruction.md", app, solve):
         if not need.exists():
-            raise DataConfigError(f"task {task_dir.name!r}: missing {need.relative_to(task_dir)}; a Harbor task "
-                                  "needs instruction.md, environment/app/ and solution/solve.sh")
+            raise DataConfigError(
+                f"task {task_dir.name!r}: missing {need.relative_to(task_dir)}; a Harbor task "
+                "needs instruction.md, environment/app/ and solution/solve.sh"
+            )
     with tempfile.TemporaryDirectory(prefix="cj-sft-") as tmp:
         work, sol = Path(tmp) / "app", Path(tmp) / "solution"
         shutil.copytree(app, work, symlinks=True)
@@ -66,13 +70,20 @@ def run_solution(task_dir: Path, *, timeout_s: float = 60.0) -> tuple[dict[str, 
         (Path(tmp) / "solve.sh").write_text(script)
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": tmp, "LC_ALL": "C.UTF-8"}
         try:
-            proc = subprocess.run(["bash", str(Path(tmp) / "solve.sh")], cwd=work, env=env, capture_output=True,
-                                  text=True, timeout=timeout_s)
+            proc = subprocess.run(
+                ["bash", str(Path(tmp) / "solve.sh")],
+                cwd=work,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+            )
         except subprocess.TimeoutExpired:
             raise DataConfigError(f"task {task_dir.name!r}: solution/solve.sh ran past {timeout_s}s") from None
         if proc.returncode != 0:
-            raise DataConfigError(f"task {task_dir.name!r}: solution/solve.sh exited {proc.returncode}: "
-                                  f"{proc.stderr.strip()[-500:]}")
+            raise DataConfigError(
+                f"task {task_dir.name!r}: solution/solve.sh exited {proc.returncode}: {proc.stderr.strip()[-500:]}"
+            )
         return before, _snapshot(work)
 
 
@@ -111,8 +122,10 @@ def task_conversation(task_dir: str | Path, *, timeout_s: float = 60.0) -> dict:
     changed = sorted(p for p in after if p in before and after[p] != before[p])
     added = sorted(p for p in after if p not in before)
     deleted = sorted(p for p in before if p not in after)
-    msgs: list[dict] = [{"role": "system", "content": protocol.SYSTEM_PROMPT},
-                        {"role": "user", "content": (task_dir / "instruction.md").read_text().strip()}]
+    msgs: list[dict] = [
+        {"role": "system", "content": protocol.SYSTEM_PROMPT},
+        {"role": "user", "content": (task_dir / "instruction.md").read_text().strip()},
+    ]
     n = 0
 
     def next_id() -> str:
@@ -121,8 +134,13 @@ def task_conversation(task_dir: str | Path, *, timeout_s: float = 60.0) -> dict:
         return f"call_{n}"
 
     cid = next_id()
-    msgs.append({"role": "assistant", "content": "Let me look at the repository layout first.",
-                 "tool_calls": [_call(cid, "list_dir", path="/app", depth=2)]})
+    msgs.append(
+        {
+            "role": "assistant",
+            "content": "Let me look at the repository layout first.",
+            "tool_calls": [_call(cid, "list_dir", path="/app", depth=2)],
+        }
+    )
     # Files only, at every depth (the live server also lists directories, to `depth` levels).
     listing = protocol.list_dir_result(protocol.APP, [(_app(p), "file", len(before[p])) for p in sorted(before)])
     msgs.append(protocol.tool_message(cid, listing))
@@ -130,8 +148,13 @@ def task_conversation(task_dir: str | Path, *, timeout_s: float = 60.0) -> dict:
     to_read = changed + deleted
     if to_read:
         calls = [(next_id(), p) for p in to_read]
-        msgs.append({"role": "assistant", "content": "I'll read the files involved.",
-                     "tool_calls": [_call(c, "read_file", path=p) for c, p in calls]})
+        msgs.append(
+            {
+                "role": "assistant",
+                "content": "I'll read the files involved.",
+                "tool_calls": [_call(c, "read_file", path=p) for c, p in calls],
+            }
+        )
         for c, p in calls:
             content = before[p].decode("utf-8", "replace")
             msgs.append(protocol.tool_message(c, protocol.read_file_result(_app(p), content)))
@@ -148,15 +171,26 @@ def task_conversation(task_dir: str | Path, *, timeout_s: float = 60.0) -> dict:
                 raise RuntimeError(f"task {task_dir.name!r}: the edit of {p} does not reproduce the solution's file")
             edits.append((c, _call(c, "edit_file", path=p, old_string=hunk[0], new_string=hunk[1]), result))
         else:
-            edits.append((c, _call(c, "edit_file", path=p, new_string=new),
-                          protocol.edit_file_write_result(_app(p), p not in before, new)))
+            edits.append(
+                (
+                    c,
+                    _call(c, "edit_file", path=p, new_string=new),
+                    protocol.edit_file_write_result(_app(p), p not in before, new),
+                )
+            )
     for p in deleted:
         c = next_id()
-        edits.append((c, _call(c, "run_shell", command=f"rm -- {json.dumps(p)}"),
-                      protocol.run_shell_result(0, "", "", False, False, 0.0)))
+        edits.append(
+            (
+                c,
+                _call(c, "run_shell", command=f"rm -- {json.dumps(p)}"),
+                protocol.run_shell_result(0, "", "", False, False, 0.0),
+            )
+        )
     if edits:
-        msgs.append({"role": "assistant", "content": "Now I'll make the changes.",
-                     "tool_calls": [call for _, call, _ in edits]})
+        msgs.append(
+            {"role": "assistant", "content": "Now I'll make the changes.", "tool_calls": [call for _, call, _ in edits]}
+        )
         msgs.extend(protocol.tool_message(c, r) for c, _, r in edits)
     msgs.append({"role": "assistant", "content": _summary(changed, added, deleted, before, after)})
     return {"task": task_dir.name, "messages": msgs}
@@ -167,8 +201,14 @@ def _summary(changed, added, deleted, before, after) -> str:
         return "The repository needed no changes for this request."
     lines = ["Done. Summary of the changes:"]
     for p in changed:
-        diff = list(difflib.unified_diff(before[p].decode("utf-8", "replace").splitlines(),
-                                         after[p].decode("utf-8", "replace").splitlines(), lineterm="", n=0))
+        diff = list(
+            difflib.unified_diff(
+                before[p].decode("utf-8", "replace").splitlines(),
+                after[p].decode("utf-8", "replace").splitlines(),
+                lineterm="",
+                n=0,
+            )
+        )
         plus = sum(1 for d in diff if d.startswith("+") and not d.startswith("+++"))
         minus = sum(1 for d in diff if d.startswith("-") and not d.startswith("---"))
         lines.append(f"- `{p}`: modified (+{plus} / -{minus} lines)")

@@ -9,6 +9,7 @@ Parsing is lazy (at `__getitem__`), so opening a multi-GB corpus costs one pass 
 offsets, not a JSON parse of every line; a malformed record raises `DataFormatError` naming the
 file, the line (or record) number and what is accepted when the pipeline reaches it.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -16,17 +17,18 @@ import glob
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 import numpy as np
 
-from composer_jax.config.data import (DEFAULT_CODE_EXTENSIONS, DEFAULT_EXCLUDES, DataConfigError,
-                                      SourceConfig)
+from composer_jax.config.data import DEFAULT_CODE_EXTENSIONS, DEFAULT_EXCLUDES, DataConfigError, SourceConfig
 
 Kind = Literal["text", "messages"]
-_PRUNED_DIRS = frozenset({".git", ".hg", ".svn", "__pycache__", ".venv", "node_modules", ".pytest_cache",
-                          ".mypy_cache", ".ruff_cache"})
+_PRUNED_DIRS = frozenset(
+    {".git", ".hg", ".svn", "__pycache__", ".venv", "node_modules", ".pytest_cache", ".mypy_cache", ".ruff_cache"}
+)
 _DEFAULT_FILE_PATTERN = {"jsonl": "*.jsonl", "parquet": "*.parquet", "arrayrecord": "*.array_record*"}
 
 
@@ -46,8 +48,10 @@ def resolve_files(path: str, file_pattern: str) -> list[Path]:
     elif p.is_file():
         files = [p]
     else:
-        raise DataConfigError(f"source path {path!r} does not exist (relative paths resolve against the "
-                              f"current directory {Path.cwd()}); give a file, a directory or a glob")
+        raise DataConfigError(
+            f"source path {path!r} does not exist (relative paths resolve against the "
+            f"current directory {Path.cwd()}); give a file, a directory or a glob"
+        )
     if not files:
         raise DataConfigError(f"source path {path!r} matches no files (looked for {file_pattern!r})")
     return files
@@ -58,9 +62,11 @@ def _document(obj: Any, kind: Kind, key: str, where: str) -> str | list:
     if not isinstance(obj, dict):
         raise DataFormatError(f"{where}: expected a JSON object with key {key!r}, got {type(obj).__name__}")
     if key not in obj:
-        raise DataFormatError(f"{where}: record has no key {key!r} (keys: {sorted(obj)[:10]}); set the "
-                              f"source's {'text_key' if kind == 'text' else 'messages_key'} to the key holding the "
-                              f"{'document text' if kind == 'text' else 'message list'}")
+        raise DataFormatError(
+            f"{where}: record has no key {key!r} (keys: {sorted(obj)[:10]}); set the "
+            f"source's {'text_key' if kind == 'text' else 'messages_key'} to the key holding the "
+            f"{'document text' if kind == 'text' else 'message list'}"
+        )
     return _check_value(obj[key], kind, key, where)
 
 
@@ -75,8 +81,10 @@ def _check_value(value: Any, kind: Kind, key: str, where: str) -> str | list:
         except json.JSONDecodeError as e:
             raise DataFormatError(f"{where}: {key!r} is a string but not JSON ({e.msg})") from None
     if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
-        raise DataFormatError(f"{where}: {key!r} must be a list of message objects "
-                              '[{"role": ..., "content": ...}], got ' + type(value).__name__)
+        raise DataFormatError(
+            f"{where}: {key!r} must be a list of message objects "
+            '[{"role": ..., "content": ...}], got ' + type(value).__name__
+        )
     return value
 
 
@@ -112,8 +120,10 @@ class JsonlSource:
         try:
             obj = json.loads(line)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise DataFormatError(f"{where}: not valid JSON ({getattr(e, 'msg', e)}); each line must be one JSON "
-                                  f"object like {{{self._key!r}: ...}}") from None
+            raise DataFormatError(
+                f"{where}: not valid JSON ({getattr(e, 'msg', e)}); each line must be one JSON "
+                f"object like {{{self._key!r}: ...}}"
+            ) from None
         return _document(obj, self._kind, self._key, where)
 
 
@@ -128,8 +138,10 @@ class ParquetSource:
         for f in files:
             schema = pq.read_schema(f)
             if key not in schema.names:
-                raise DataFormatError(f"{f}: parquet file has no column {key!r} (columns: {schema.names}); set the "
-                                      f"source's {'text_key' if kind == 'text' else 'messages_key'}")
+                raise DataFormatError(
+                    f"{f}: parquet file has no column {key!r} (columns: {schema.names}); set the "
+                    f"source's {'text_key' if kind == 'text' else 'messages_key'}"
+                )
             col = pq.read_table(f, columns=[key]).column(key)
             self._columns.append(col)
             self._where.append(str(f))
@@ -186,14 +198,18 @@ def _matches(rel: str, patterns: Sequence[str]) -> bool:
         if pat.startswith(".") and not any(c in pat for c in "*?["):
             if name.endswith(pat):  # an extension such as ".py"
                 return True
-        elif fnmatch.fnmatchcase(rel, pat) or fnmatch.fnmatchcase(name, pat) or (
-                pat.startswith("**/") and fnmatch.fnmatchcase(rel, pat[3:])):
+        elif (
+            fnmatch.fnmatchcase(rel, pat)
+            or fnmatch.fnmatchcase(name, pat)
+            or (pat.startswith("**/") and fnmatch.fnmatchcase(rel, pat[3:]))
+        ):
             return True
     return False
 
 
-def list_directory_files(root: str | Path, *, include: Sequence[str], exclude: Sequence[str],
-                         max_file_bytes: int) -> list[str]:
+def list_directory_files(
+    root: str | Path, *, include: Sequence[str], exclude: Sequence[str], max_file_bytes: int
+) -> list[str]:
     """Relative POSIX paths of the corpus files under `root`, sorted, de-duplicated by content.
 
     Kept: files matching `include` (extensions like ".py" or globs on the relative path), not
@@ -203,8 +219,10 @@ def list_directory_files(root: str | Path, *, include: Sequence[str], exclude: S
     """
     root = Path(root)
     if not root.is_dir():
-        raise DataConfigError(f"directory source {str(root)!r} is not a directory (relative paths resolve "
-                              f"against the current directory {Path.cwd()})")
+        raise DataConfigError(
+            f"directory source {str(root)!r} is not a directory (relative paths resolve "
+            f"against the current directory {Path.cwd()})"
+        )
     include = tuple(include) or DEFAULT_CODE_EXTENSIONS
     exclude = DEFAULT_EXCLUDES + tuple(exclude)
     candidates = []
@@ -258,16 +276,20 @@ def open_source(src: SourceConfig, kind: Kind):
     if src.type == "directory":
         if kind != "text":
             raise DataConfigError(f"source {src.label}: a directory source holds files, not conversations")
-        files = list_directory_files(src.path, include=src.include, exclude=src.exclude,
-                                     max_file_bytes=src.max_file_bytes)
+        files = list_directory_files(
+            src.path, include=src.include, exclude=src.exclude, max_file_bytes=src.max_file_bytes
+        )
         if not files:
-            raise DataConfigError(f"directory source {src.path!r} has no files matching include="
-                                  f"{src.include or DEFAULT_CODE_EXTENSIONS} (after excludes and max_file_bytes="
-                                  f"{src.max_file_bytes})")
+            raise DataConfigError(
+                f"directory source {src.path!r} has no files matching include="
+                f"{src.include or DEFAULT_CODE_EXTENSIONS} (after excludes and max_file_bytes="
+                f"{src.max_file_bytes})"
+            )
         return DirectorySource(Path(src.path), files)
     if src.type not in _DEFAULT_FILE_PATTERN:
-        raise DataConfigError(f"source {src.path!r}: type={src.type!r} is not accepted; accepted: "
-                              "jsonl, parquet, arrayrecord, directory")
+        raise DataConfigError(
+            f"source {src.path!r}: type={src.type!r} is not accepted; accepted: jsonl, parquet, arrayrecord, directory"
+        )
     files = resolve_files(src.path, _DEFAULT_FILE_PATTERN[src.type])
     cls = {"jsonl": JsonlSource, "parquet": ParquetSource, "arrayrecord": ArrayRecordSource}[src.type]
     return cls(files, kind, key)

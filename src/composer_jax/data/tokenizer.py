@@ -14,19 +14,19 @@ Special tokens (ids 0..6 in tokenizers we train, in this order):
   <|tool_call|>    inside an assistant turn, followed by one JSON object {"id","name","arguments"}
   <|tool_result|>  starts the content of a tool turn: `<|tool_result|>{tool_call_id}\\n{content}`
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
 
 from composer_jax.config.data import DEFAULT_CODE_EXTENSIONS, DataConfigError
 
-SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>", "<|tool_call|>",
-                  "<|tool_result|>")
+SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>", "<|tool_call|>", "<|tool_result|>")
 CHAT_TEMPLATE_NAME = "composer-chatml-v1"
 
 
@@ -39,7 +39,7 @@ class Tokenizer:
     mentions "<|im_end|>" cannot forge a turn boundary).
     """
 
-    hf: "object"  # tokenizers.Tokenizer
+    hf: object  # tokenizers.Tokenizer
     pad_id: int
     bos_id: int
     eos_id: int
@@ -62,9 +62,11 @@ class Tokenizer:
     def token_id(self, token: str) -> int:
         """Id of a special token such as "<|im_start|>"; error names the tokens this tokenizer has."""
         if token not in self.special:
-            raise DataConfigError(f"tokenizer has no special token {token!r}; it has {sorted(self.special)}. "
-                                  "Chat formatting needs the tokens listed in composer_jax.data.tokenizer."
-                                  "SPECIAL_TOKENS (train one with `composer-jax tokenizer train`)")
+            raise DataConfigError(
+                f"tokenizer has no special token {token!r}; it has {sorted(self.special)}. "
+                "Chat formatting needs the tokens listed in composer_jax.data.tokenizer."
+                "SPECIAL_TOKENS (train one with `composer-jax tokenizer train`)"
+            )
         return self.special[token]
 
 
@@ -73,9 +75,11 @@ def _tokenizer_file(path: str | Path) -> Path:
     if p.is_dir():
         p = p / "tokenizer.json"
     if not p.is_file():
-        raise DataConfigError(f"tokenizer {str(path)!r}: no tokenizer.json there (resolved against the "
-                              f"current directory {Path.cwd()}); give a tokenizer.json file or a directory "
-                              "holding one, e.g. assets/tokenizer")
+        raise DataConfigError(
+            f"tokenizer {str(path)!r}: no tokenizer.json there (resolved against the "
+            f"current directory {Path.cwd()}); give a tokenizer.json file or a directory "
+            "holding one, e.g. assets/tokenizer"
+        )
     return p
 
 
@@ -109,8 +113,10 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     bos = find(("<|bos|>", "<s>", "<|begin_of_text|>", "<|endoftext|>"))
     eos = find(("<|eos|>", "</s>", "<|end_of_text|>", "<|endoftext|>"))
     if bos is None or eos is None:
-        raise DataConfigError(f"tokenizer {str(file)!r} has no BOS/EOS token; accepted names: <|bos|>/<|eos|>, "
-                              "<s>/</s>, <|endoftext|> (or list them in tokenizer_config.json special_tokens)")
+        raise DataConfigError(
+            f"tokenizer {str(file)!r} has no BOS/EOS token; accepted names: <|bos|>/<|eos|>, "
+            "<s>/</s>, <|endoftext|> (or list them in tokenizer_config.json special_tokens)"
+        )
     pad = find(("<|pad|>", "<pad>"))
     return Tokenizer(hf=hf, pad_id=eos if pad is None else pad, bos_id=bos, eos_id=eos, special=special)
 
@@ -120,8 +126,9 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 # --------------------------------------------------------------------------------------------------
 
 
-def iter_corpus_texts(paths: Sequence[str | Path], include: Sequence[str] = DEFAULT_CODE_EXTENSIONS,
-                      max_file_bytes: int = 1_000_000) -> Iterator[str]:
+def iter_corpus_texts(
+    paths: Sequence[str | Path], include: Sequence[str] = DEFAULT_CODE_EXTENSIONS, max_file_bytes: int = 1_000_000
+) -> Iterator[str]:
     """Texts of the files under `paths` (directories are walked with the directory-source filters
     and de-duplicated by content; files are taken as given), in sorted order."""
     from composer_jax.data.sources import list_directory_files
@@ -143,14 +150,20 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, *, min_frequency: int
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
     if vocab_size < 256 + len(SPECIAL_TOKENS):
-        raise DataConfigError(f"--vocab-size {vocab_size} is too small: a byte-level BPE needs at least "
-                              f"{256 + len(SPECIAL_TOKENS)} (256 bytes + {len(SPECIAL_TOKENS)} special tokens)")
+        raise DataConfigError(
+            f"--vocab-size {vocab_size} is too small: a byte-level BPE needs at least "
+            f"{256 + len(SPECIAL_TOKENS)} (256 bytes + {len(SPECIAL_TOKENS)} special tokens)"
+        )
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
-                                  special_tokens=list(SPECIAL_TOKENS), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     hf.train_from_iterator(texts, trainer=trainer)
     hf.encode_special_tokens = True
     ids = {t: hf.token_to_id(t) for t in SPECIAL_TOKENS}
@@ -164,7 +177,9 @@ def save_tokenizer(tok: Tokenizer, out_dir: str | Path) -> Path:
     tok.hf.save(str(out / "tokenizer.json"), pretty=False)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>",
+        "bos_token": "<|bos|>",
+        "eos_token": "<|eos|>",
+        "pad_token": "<|pad|>",
         "special_tokens": dict(sorted(tok.special.items(), key=lambda kv: kv[1])),
         "chat_template_name": CHAT_TEMPLATE_NAME,
         "chat_template_doc": "see composer_jax/data/chat.py and docs/data.md",
@@ -176,15 +191,19 @@ def save_tokenizer(tok: Tokenizer, out_dir: str | Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """`composer-jax tokenizer train|encode ...`."""
-    parser = argparse.ArgumentParser(prog="composer-jax tokenizer",
-                                     description="train or try a byte-level BPE tokenizer")
+    parser = argparse.ArgumentParser(
+        prog="composer-jax tokenizer", description="train or try a byte-level BPE tokenizer"
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     tr = sub.add_parser("train", help="train a byte-level BPE on code files and write tokenizer.json")
     tr.add_argument("--corpus", nargs="+", required=True, help="directories (walked, filtered) and/or files")
     tr.add_argument("--vocab-size", type=int, default=2048)
     tr.add_argument("--out", required=True, help="output directory")
-    tr.add_argument("--include", default=",".join(DEFAULT_CODE_EXTENSIONS),
-                    help="comma-separated extensions or globs for directories (default: common code files)")
+    tr.add_argument(
+        "--include",
+        default=",".join(DEFAULT_CODE_EXTENSIONS),
+        help="comma-separated extensions or globs for directories (default: common code files)",
+    )
     tr.add_argument("--min-frequency", type=int, default=2)
     en = sub.add_parser("encode", help="print the token ids and pieces of a text")
     en.add_argument("--tokenizer", default="assets/tokenizer")
@@ -203,8 +222,10 @@ def main(argv: list[str] | None = None) -> int:
             out = save_tokenizer(tok, args.out)
             n = sum(len(t) for t in texts)
             ntok = sum(len(ids) for ids in tok.encode_batch(texts))
-            print(f"trained vocab {tok.vocab_size} on {len(texts)} files ({n} chars, {n / max(ntok, 1):.2f} "
-                  f"chars/token) -> {out}")
+            print(
+                f"trained vocab {tok.vocab_size} on {len(texts)} files ({n} chars, {n / max(ntok, 1):.2f} "
+                f"chars/token) -> {out}"
+            )
         else:
             tok = load_tokenizer(args.tokenizer)
             ids = tok.encode(args.text)

@@ -6,6 +6,7 @@ Used only when the server runs as root and the cgroup hierarchy is writable (v1 
 `pids` controllers, or v2 with both enabled); otherwise `detect()` returns None and rlimits alone
 apply. /health reports which.
 """
+
 from __future__ import annotations
 
 import os
@@ -64,7 +65,7 @@ class CgroupLimiter:
         self.kind, self.parents = kind, parents
 
     @classmethod
-    def detect(cls) -> "CgroupLimiter | None":
+    def detect(cls) -> CgroupLimiter | None:
         if os.geteuid() != 0:
             return None
         try:
@@ -120,4 +121,3 @@ class CgroupLimiter:
             for child in parent.iterdir() if parent.is_dir() else []:
                 if child.is_dir():
                     SessionCgroup([child]).kill_and_remove()
-

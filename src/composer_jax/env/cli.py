@@ -2,6 +2,7 @@
 
 Both are wired in composer_jax/cli.py and import nothing from JAX.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,6 +37,7 @@ def _port(text: str) -> int:
 
 def _make_sandbox(unsafe: bool, wall: float | None = None):
     from composer_jax.env.sandbox import Limits, default_sandbox
+
     try:
         return default_sandbox(unsafe_no_sandbox=unsafe, limits=Limits(wall_seconds=wall or 30.0))
     except RuntimeError as exc:
@@ -44,8 +46,10 @@ def _make_sandbox(unsafe: bool, wall: float | None = None):
 
 
 def server_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="composer-jax env-server",
-                                description="Serve sandboxed coding workspaces over HTTP/JSON (+ OpenEnv WebSocket).")
+    p = argparse.ArgumentParser(
+        prog="composer-jax env-server",
+        description="Serve sandboxed coding workspaces over HTTP/JSON (+ OpenEnv WebSocket).",
+    )
     p.add_argument("--tasks", type=Path, required=True, help="directory of Harbor-layout tasks")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1, loopback only)")
     p.add_argument("--port", type=_port, default=0, help="port (default 0: a free port, printed at start)")
@@ -56,8 +60,11 @@ def server_parser() -> argparse.ArgumentParser:
     p.add_argument("--shell-timeout", type=float, default=120.0, help="upper bound on run_shell timeout_s")
     p.add_argument("--max-body-bytes", type=_positive_int, default=4 * 2**20, help="request size limit")
     p.add_argument("--work-dir", type=Path, help="where session workspaces live (default: a new temp dir)")
-    p.add_argument("--unsafe-no-sandbox", action="store_true",
-                   help="allow running without bubblewrap: commands run as plain host processes (NO isolation)")
+    p.add_argument(
+        "--unsafe-no-sandbox",
+        action="store_true",
+        help="allow running without bubblewrap: commands run as plain host processes (NO isolation)",
+    )
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -80,10 +87,12 @@ def env_server_main(argv: list[str]) -> int:
     if sandbox is None:
         return 2
     import uvicorn
+
+    from composer_jax.env.sandbox import Limits
     from composer_jax.env.server import create_app
     from composer_jax.env.session import SessionManager
-    from composer_jax.env.sandbox import Limits
     from composer_jax.env.tasks import TaskError, TaskStore
+
     work_dir = args.work_dir
     try:
         store = TaskStore(args.tasks, (work_dir or Path(os.environ.get("TMPDIR", "/tmp"))) / "composer-jax-task-cache")
@@ -92,8 +101,14 @@ def env_server_main(argv: list[str]) -> int:
         return 2
     for name, err in store.errors.items():
         print(f"warning: skipping task directory {name}: {err}", file=sys.stderr)
-    manager = SessionManager(store, sandbox, work_dir=work_dir, max_sessions=args.max_sessions,
-                             default_ttl_s=args.session_ttl, limits=Limits(wall_seconds=args.shell_timeout))
+    manager = SessionManager(
+        store,
+        sandbox,
+        work_dir=work_dir,
+        max_sessions=args.max_sessions,
+        default_ttl_s=args.session_ttl,
+        limits=Limits(wall_seconds=args.shell_timeout),
+    )
     app = create_app(manager, token, max_body_bytes=args.max_body_bytes)
     try:
         family = socket.AF_INET6 if ipaddress.ip_address(args.host).version == 6 else socket.AF_INET
@@ -112,30 +127,41 @@ def env_server_main(argv: list[str]) -> int:
     sock.listen(1024)
     host, port = sock.getsockname()[:2]
     if not sandbox.isolated:
-        print("WARNING: --unsafe-no-sandbox: commands run as plain host processes with NO isolation",
-              file=sys.stderr)
+        print("WARNING: --unsafe-no-sandbox: commands run as plain host processes with NO isolation", file=sys.stderr)
     url = f"http://{host if family == socket.AF_INET else f'[{host}]'}:{port}"
-    print(f"composer-jax env-server listening on {url} tasks={len(store.ids())} "
-          f"sandbox={sandbox.name} token={token}", flush=True)
+    print(
+        f"composer-jax env-server listening on {url} tasks={len(store.ids())} sandbox={sandbox.name} token={token}",
+        flush=True,
+    )
     # httptools (when installed; else h11) parses requests several times faster than h11. The
     # stdlib event loop, not uvloop: libuv spawns with fork() where CPython uses vfork(), and with
     # uvloop run_shell (one bwrap per call) ran at ~75 instead of ~105 calls/s on 2 cores.
-    config = uvicorn.Config(app, log_level=args.log_level, ws_max_size=args.max_body_bytes,
-                            timeout_graceful_shutdown=5, limit_concurrency=4096, backlog=1024,
-                            loop="asyncio", http="auto", access_log=False)
+    config = uvicorn.Config(
+        app,
+        log_level=args.log_level,
+        ws_max_size=args.max_body_bytes,
+        timeout_graceful_shutdown=5,
+        limit_concurrency=4096,
+        backlog=1024,
+        loop="asyncio",
+        http="auto",
+        access_log=False,
+    )
     server = uvicorn.Server(config)
     server.run(sockets=[sock])
     return 0
 
 
 def validate_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="composer-jax env validate",
-                                description="Check that every task's reference solution scores 1 and its "
-                                            "untouched workspace scores 0.")
+    p = argparse.ArgumentParser(
+        prog="composer-jax env validate",
+        description="Check that every task's reference solution scores 1 and its untouched workspace scores 0.",
+    )
     p.add_argument("dir", type=Path, help="directory of Harbor-layout tasks")
     p.add_argument("--jobs", type=_positive_int, default=2, help="tasks validated in parallel (default 2)")
-    p.add_argument("--families", nargs="*", default=None,
-                   help="also validate these generated families (no names: all of them)")
+    p.add_argument(
+        "--families", nargs="*", default=None, help="also validate these generated families (no names: all of them)"
+    )
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds for generated families")
     p.add_argument("--strict", action="store_true", help="count tasks that cannot run locally as failures")
     p.add_argument("--unsafe-no-sandbox", action="store_true", help="run without bubblewrap (NO isolation)")
@@ -158,8 +184,10 @@ def env_main(argv: list[str]) -> int:
     if sandbox is None:
         return 2
     import tempfile
+
     from composer_jax.env.tasks import TaskStore
     from composer_jax.env.validate import format_report, validate_all
+
     store = TaskStore(args.dir, Path(tempfile.mkdtemp(prefix="composer-jax-validate-cache-")))
     families = [] if args.families is None else (args.families or store.families())
     unknown = sorted(set(families) - set(store.families()))
@@ -169,8 +197,10 @@ def env_main(argv: list[str]) -> int:
 
     def progress(r):
         print(f"  {r.status:<7} {r.task_id} {r.detail}", file=sys.stderr, flush=True)
-    reports = asyncio.run(validate_all(store, sandbox, jobs=args.jobs, families=families,
-                                       seeds=args.seeds, progress=progress))
+
+    reports = asyncio.run(
+        validate_all(store, sandbox, jobs=args.jobs, families=families, seeds=args.seeds, progress=progress)
+    )
     print(format_report(reports))
     bad = {"fail", "invalid"} | ({"skipped"} if args.strict else set())
     if not reports:

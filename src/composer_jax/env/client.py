@@ -15,6 +15,7 @@ fast with `SessionLost` (no retries), so the caller can restart the rollout else
         grade = await session.grade()
         await session.close()
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -51,8 +52,14 @@ class RequestRejected(EnvClientError):
         self.status, self.code, self.message = status, code, message
 
 
-_CONNECTION_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
-                      httpx.ReadError, httpx.WriteError, httpx.PoolTimeout)
+_CONNECTION_ERRORS = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.RemoteProtocolError,
+    httpx.ReadError,
+    httpx.WriteError,
+    httpx.PoolTimeout,
+)
 
 
 @dataclass
@@ -67,7 +74,7 @@ class _Server:
 class RemoteSession:
     """A session on one server; methods delegate to the client."""
 
-    client: "EnvClient"
+    client: EnvClient
     server: _Server
     session_id: str
     task_id: str
@@ -103,22 +110,35 @@ class RemoteSession:
 
 
 class EnvClient:
-    def __init__(self, urls: list[str] | str, token: str, *, timeout_s: float = 300.0,
-                 connect_timeout_s: float = 5.0, retries: int = 3, backoff_s: float = 0.1,
-                 max_connections: int = 256, down_for_s: float = 10.0):
+    def __init__(
+        self,
+        urls: list[str] | str,
+        token: str,
+        *,
+        timeout_s: float = 300.0,
+        connect_timeout_s: float = 5.0,
+        retries: int = 3,
+        backoff_s: float = 0.1,
+        max_connections: int = 256,
+        down_for_s: float = 10.0,
+    ):
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
             raise ValueError("EnvClient needs at least one server URL")
         timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         headers = {"Authorization": f"Bearer {token}"}
-        self.servers = [_Server(u.rstrip("/"), httpx.AsyncClient(base_url=u.rstrip("/"), timeout=timeout,
-                                                                 limits=limits, headers=headers))
-                        for u in urls]
+        self.servers = [
+            _Server(
+                u.rstrip("/"),
+                httpx.AsyncClient(base_url=u.rstrip("/"), timeout=timeout, limits=limits, headers=headers),
+            )
+            for u in urls
+        ]
         self.retries, self.backoff_s, self.down_for_s = retries, backoff_s, down_for_s
         self._rr = itertools.count()
 
-    async def __aenter__(self) -> "EnvClient":
+    async def __aenter__(self) -> EnvClient:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -142,11 +162,11 @@ class EnvClient:
         now = time.monotonic()
         up = [s for s in self.servers if s.down_until <= now] or list(self.servers)
         offset = next(self._rr)
-        rotated = up[offset % len(up):] + up[:offset % len(up)]
+        rotated = up[offset % len(up) :] + up[: offset % len(up)]
         return sorted(rotated, key=lambda s: s.sessions)  # stable: round-robin among equals
 
     async def _sleep(self, attempt: int) -> None:
-        await asyncio.sleep(self.backoff_s * (2 ** attempt) * (0.5 + random.random()))
+        await asyncio.sleep(self.backoff_s * (2**attempt) * (0.5 + random.random()))
 
     async def request_any(self, method: str, path: str, body: Any = None) -> tuple[_Server, dict]:
         """Send to the best server, failing over to others; for requests not tied to a session."""
@@ -164,8 +184,10 @@ class EnvClient:
                     continue
                 return server, self._raise_for(resp)
             await self._sleep(attempt)
-        raise ServerUnavailable(f"no server accepted {method} {path} after {self.retries + 1} rounds over "
-                                f"{len(self.servers)} server(s): {last}")
+        raise ServerUnavailable(
+            f"no server accepted {method} {path} after {self.retries + 1} rounds over "
+            f"{len(self.servers)} server(s): {last}"
+        )
 
     async def _session_request(self, session: RemoteSession, method: str, path: str, body: Any) -> dict:
         server = session.server
@@ -173,31 +195,45 @@ class EnvClient:
             resp = await server.http.request(method, path, json=body)
         except _CONNECTION_ERRORS as exc:
             server.down_until = time.monotonic() + self.down_for_s
-            raise SessionLost(f"server {server.url} is unreachable ({type(exc).__name__}); session "
-                              f"{session.session_id} is lost", session.session_id, server.url) from exc
+            raise SessionLost(
+                f"server {server.url} is unreachable ({type(exc).__name__}); session {session.session_id} is lost",
+                session.session_id,
+                server.url,
+            ) from exc
         if resp.status_code == 404 and "session_not_found" in resp.text:
-            raise SessionLost(f"server {server.url} no longer has session {session.session_id} "
-                              "(restarted, or the session expired)", session.session_id, server.url)
+            raise SessionLost(
+                f"server {server.url} no longer has session {session.session_id} (restarted, or the session expired)",
+                session.session_id,
+                server.url,
+            )
         if resp.status_code >= 500:
-            raise SessionLost(f"server {server.url} failed with HTTP {resp.status_code}", session.session_id, server.url)
+            raise SessionLost(
+                f"server {server.url} failed with HTTP {resp.status_code}", session.session_id, server.url
+            )
         return self._raise_for(resp)
 
     # ---------------------------------------------------------------- API
     async def create_session(self, task_id: str, seed: int | None = None, ttl_s: float | None = None) -> RemoteSession:
-        body = {"task_id": task_id, **({"seed": seed} if seed is not None else {}),
-                **({"ttl_s": ttl_s} if ttl_s is not None else {})}
+        body = {
+            "task_id": task_id,
+            **({"seed": seed} if seed is not None else {}),
+            **({"ttl_s": ttl_s} if ttl_s is not None else {}),
+        }
         server, data = await self.request_any("POST", "/sessions", body)
         server.sessions += 1
-        return RemoteSession(self, server, data["session_id"], data["task_id"], data["instruction"],
-                             data["tools"], data)
+        return RemoteSession(
+            self, server, data["session_id"], data["task_id"], data["instruction"], data["tools"], data
+        )
 
     async def health(self) -> list[dict]:
         """/health of every server (an `error` entry for the unreachable ones)."""
+
         async def one(s: _Server) -> dict:
             try:
                 return {"url": s.url, **(await s.http.get("/health")).json()}
             except (httpx.HTTPError, ValueError) as exc:
                 return {"url": s.url, "error": f"{type(exc).__name__}: {exc}"}
+
         return list(await asyncio.gather(*(one(s) for s in self.servers)))
 
     async def list_tasks(self) -> dict:

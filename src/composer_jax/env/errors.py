@@ -5,6 +5,7 @@ endpoint (`openenv_ws.py`) to an OpenEnv error code, so no caller has to read an
 know what went wrong. Errors of a tool call (`ToolArgumentError`, `ToolError`) belong to the tool
 protocol: see `protocol.py`.
 """
+
 from __future__ import annotations
 
 

@@ -7,6 +7,7 @@ The reward is read from /logs/verifier/reward.txt (a number) or reward.json ({"r
 per-test results come from /logs/verifier/junit.xml when the tests wrote one. The agent's
 workspace itself is never touched by grading, so a session can be graded many times.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,12 +32,12 @@ _DIFF_SKIP = {"__pycache__", ".pytest_cache", ".git"}
 @dataclasses.dataclass
 class GradeResult:
     reward: float
-    tests: list[dict]           # [{"name", "outcome": passed|failed|error|skipped, "message"}]
-    diff: str                   # unified diff from the task's initial workspace to the graded one
-    error: str | None           # why the reward is 0 without the tests deciding it, if so
+    tests: list[dict]  # [{"name", "outcome": passed|failed|error|skipped, "message"}]
+    diff: str  # unified diff from the task's initial workspace to the graded one
+    error: str | None  # why the reward is 0 without the tests deciding it, if so
     exit_code: int | None
     timed_out: bool
-    output_tail: str            # the verifier's last stdout/stderr, for debugging tasks
+    output_tail: str  # the verifier's last stdout/stderr, for debugging tasks
     duration_s: float
     reward_details: dict = dataclasses.field(default_factory=dict)
 
@@ -62,7 +63,7 @@ def read_reward(logs: Path) -> tuple[float | None, dict, str | None]:
             data = json.loads(js.read_text(errors="replace")[:100_000])
             reward = float(data["reward"])
         except (ValueError, KeyError, TypeError) as exc:
-            return None, {}, f"reward.json must be an object with a numeric \"reward\": {exc}"
+            return None, {}, f'reward.json must be an object with a numeric "reward": {exc}'
         if not math.isfinite(reward):
             return None, {}, f"reward.json reward {reward!r} is not finite"
         return reward, {k: v for k, v in data.items() if k != "reward"}, None
@@ -118,10 +119,14 @@ def workspace_diff(before: Path | None, after: Path) -> str:
         if (a and b"\x00" in a[:8192]) or (b and b"\x00" in b[:8192]):
             chunk = [f"Binary files a/{rel} and b/{rel} differ\n"]
         else:
-            chunk = list(difflib.unified_diff(
-                (a or b"").decode("utf-8", "replace").splitlines(keepends=True),
-                (b or b"").decode("utf-8", "replace").splitlines(keepends=True),
-                "/dev/null" if a is None else f"a/{rel}", "/dev/null" if b is None else f"b/{rel}"))
+            chunk = list(
+                difflib.unified_diff(
+                    (a or b"").decode("utf-8", "replace").splitlines(keepends=True),
+                    (b or b"").decode("utf-8", "replace").splitlines(keepends=True),
+                    "/dev/null" if a is None else f"a/{rel}",
+                    "/dev/null" if b is None else f"b/{rel}",
+                )
+            )
         for line in chunk:
             line = line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
             size += len(line)
@@ -132,9 +137,17 @@ def workspace_diff(before: Path | None, after: Path) -> str:
     return "".join(out)
 
 
-async def run_in_copy(task: Task, lease: SandboxLease, source: Path, scratch_root: Path, *,
-                      command: list[str], extra_mounts: list[Mount], limits: Limits,
-                      keep: bool = False) -> tuple[Path, Path, object]:
+async def run_in_copy(
+    task: Task,
+    lease: SandboxLease,
+    source: Path,
+    scratch_root: Path,
+    *,
+    command: list[str],
+    extra_mounts: list[Mount],
+    limits: Limits,
+    keep: bool = False,
+) -> tuple[Path, Path, object]:
     """Copy `source` to a fresh volume, run `command` there with /logs/verifier; returns dirs+result."""
     job = scratch_root / f"job-{uuid.uuid4().hex[:12]}"
     job.mkdir(parents=True)
@@ -154,38 +167,59 @@ def release_job(app: Path) -> None:
     volumes.remove_volume(job)
 
 
-async def grade(task: Task, lease: SandboxLease, workspace: Path, scratch_root: Path,
-                limits: Limits) -> GradeResult:
+async def grade(task: Task, lease: SandboxLease, workspace: Path, scratch_root: Path, limits: Limits) -> GradeResult:
     """Run the task's verifier on a fresh copy of `workspace` (see module docstring)."""
-    verifier_limits = limits.with_(wall_seconds=task.config.verifier_timeout_sec,
-                                   cpu_seconds=max(limits.cpu_seconds, int(task.config.verifier_timeout_sec) + 1))
+    verifier_limits = limits.with_(
+        wall_seconds=task.config.verifier_timeout_sec,
+        cpu_seconds=max(limits.cpu_seconds, int(task.config.verifier_timeout_sec) + 1),
+    )
     app, logs, result = await run_in_copy(
-        task, lease, workspace, scratch_root, command=["bash", "/tests/test.sh"],
-        extra_mounts=[Mount(task.tests_dir, "/tests", False)], limits=verifier_limits)
+        task,
+        lease,
+        workspace,
+        scratch_root,
+        command=["bash", "/tests/test.sh"],
+        extra_mounts=[Mount(task.tests_dir, "/tests", False)],
+        limits=verifier_limits,
+    )
     try:
         reward, details, error = read_reward(logs)
         if result.timed_out:
-            error = f"verifier timed out after {task.config.verifier_timeout_sec}s" + (f"; {error}" if error and reward is None else "")
+            error = f"verifier timed out after {task.config.verifier_timeout_sec}s" + (
+                f"; {error}" if error and reward is None else ""
+            )
         tests = parse_junit(logs / "junit.xml")
         diff = workspace_diff(task.app_dir, workspace)
     finally:
         release_job(app)
-    tail = (result.stdout[-4000:] + ("\n--- stderr ---\n" + result.stderr[-4000:] if result.stderr else ""))
-    return GradeResult(reward=reward if reward is not None else 0.0, tests=tests, diff=diff,
-                       error=error if reward is None or result.timed_out else None,
-                       exit_code=result.exit_code, timed_out=result.timed_out, output_tail=tail,
-                       duration_s=result.duration_s, reward_details=details)
+    tail = result.stdout[-4000:] + ("\n--- stderr ---\n" + result.stderr[-4000:] if result.stderr else "")
+    return GradeResult(
+        reward=reward if reward is not None else 0.0,
+        tests=tests,
+        diff=diff,
+        error=error if reward is None or result.timed_out else None,
+        exit_code=result.exit_code,
+        timed_out=result.timed_out,
+        output_tail=tail,
+        duration_s=result.duration_s,
+        reward_details=details,
+    )
 
 
-async def oracle_workspace(task: Task, lease: SandboxLease, scratch_root: Path,
-                           limits: Limits) -> tuple[Path, object]:
+async def oracle_workspace(task: Task, lease: SandboxLease, scratch_root: Path, limits: Limits) -> tuple[Path, object]:
     """Run solution/solve.sh on a fresh copy of the initial workspace; returns (solved dir, result).
 
     The caller grades the returned directory and then frees it with `release_job`."""
     source = task.app_dir if task.app_dir.is_dir() else Path(tempfile.mkdtemp())
     solve_limits = limits.with_(wall_seconds=task.config.agent_timeout_sec)
     app, logs, result = await run_in_copy(
-        task, lease, source, scratch_root, command=["bash", "/solution/solve.sh"],
-        extra_mounts=[Mount(task.solution_dir, "/solution", False)], limits=solve_limits)
+        task,
+        lease,
+        source,
+        scratch_root,
+        command=["bash", "/solution/solve.sh"],
+        extra_mounts=[Mount(task.solution_dir, "/solution", False)],
+        limits=solve_limits,
+    )
     volumes.remove_volume(logs)
     return app, result

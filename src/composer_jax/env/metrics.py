@@ -3,6 +3,7 @@
 Counters and gauges are keyed by (name, sorted label items); histograms keep cumulative bucket
 counts as the exposition format (version 0.0.4) requires.
 """
+
 from __future__ import annotations
 
 import threading
@@ -27,8 +28,9 @@ _HELP = {
 def _labels(items: tuple) -> str:
     if not items:
         return ""
-    body = ",".join(f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
-                    for k, v in items)
+    body = ",".join(
+        f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"' for k, v in items
+    )
     return "{" + body + "}"
 
 

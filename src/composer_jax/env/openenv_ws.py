@@ -21,6 +21,7 @@ Authentication: `Authorization: Bearer TOKEN`, or `?token=TOKEN`, or the path fo
 `/t/TOKEN/ws` (OpenEnv clients append `/ws` to their base URL and send no headers).
 A socket that disconnects closes its session.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,8 +56,9 @@ def _observation(observation: dict, reward: float | None = None, done: bool = Fa
 def _calls_from_action(action: Any) -> list[tuple[str, dict]]:
     """A step's data -> checked (name, arguments) calls; ToolArgumentError names the first bad one."""
     if not isinstance(action, dict):
-        raise protocol.ToolArgumentError("step data must be an object: {\"tool_calls\": [...]}, "
-                                         "{\"name\", \"arguments\"} or {\"submit\": true}")
+        raise protocol.ToolArgumentError(
+            'step data must be an object: {"tool_calls": [...]}, {"name", "arguments"} or {"submit": true}'
+        )
     raw = action.get("tool_calls") if "tool_calls" in action else [action]
     if not isinstance(raw, list) or not raw:
         raise protocol.ToolArgumentError("tool_calls must be a non-empty list")
@@ -69,8 +71,9 @@ def _calls_from_action(action: Any) -> list[tuple[str, dict]]:
     return calls
 
 
-async def serve_openenv_websocket(websocket: WebSocket, manager: SessionManager, token: str,
-                                  path_token: str | None) -> None:
+async def serve_openenv_websocket(
+    websocket: WebSocket, manager: SessionManager, token: str, path_token: str | None
+) -> None:
     """Run one WebSocket connection (at most one session at a time) until it closes."""
     if not _authorized(websocket, token, path_token):
         await websocket.close(code=POLICY_VIOLATION, reason="missing or wrong token")
@@ -92,8 +95,12 @@ async def serve_openenv_websocket(websocket: WebSocket, manager: SessionManager,
                 break
             if kind == "reset":
                 if not isinstance(data, dict) or not isinstance(data.get("task_id"), str):
-                    await websocket.send_json(_error("reset data must include \"task_id\" (a task directory "
-                                                     "name or gen/<family>)", "VALIDATION_ERROR"))
+                    await websocket.send_json(
+                        _error(
+                            'reset data must include "task_id" (a task directory name or gen/<family>)',
+                            "VALIDATION_ERROR",
+                        )
+                    )
                     continue
                 if session_id is not None:
                     await manager.close(session_id, reason="reset")
@@ -107,13 +114,22 @@ async def serve_openenv_websocket(websocket: WebSocket, manager: SessionManager,
                     await websocket.send_json(_error(str(exc), "VALIDATION_ERROR"))
                     continue
                 session_id, steps = session.session_id, 0
-                await websocket.send_json(_observation({
-                    "session_id": session_id, "task_id": session.task.task_id, "seed": session.seed,
-                    "instruction": session.task.instruction, "tools": protocol.TOOL_SCHEMAS,
-                    "episode_id": data.get("episode_id")}))
+                await websocket.send_json(
+                    _observation(
+                        {
+                            "session_id": session_id,
+                            "task_id": session.task.task_id,
+                            "seed": session.seed,
+                            "instruction": session.task.instruction,
+                            "tools": protocol.TOOL_SCHEMAS,
+                            "episode_id": data.get("episode_id"),
+                        }
+                    )
+                )
             elif kind in ("step", "state") and session_id is None:
-                await websocket.send_json(_error("no session: send {\"type\": \"reset\", \"data\": "
-                                                 "{\"task_id\": ...}} first", "SESSION_ERROR"))
+                await websocket.send_json(
+                    _error('no session: send {"type": "reset", "data": {"task_id": ...}} first', "SESSION_ERROR")
+                )
             elif kind == "step":
                 try:
                     if isinstance(data, dict) and data.get("submit"):
@@ -131,8 +147,9 @@ async def serve_openenv_websocket(websocket: WebSocket, manager: SessionManager,
                     await websocket.send_json(_error(str(exc), "SESSION_ERROR"))
                     continue
                 steps += 1
-                await websocket.send_json(_observation({"results": [
-                    {"name": name, **r} for (name, _), r in zip(calls, results)]}))
+                await websocket.send_json(
+                    _observation({"results": [{"name": name, **r} for (name, _), r in zip(calls, results)]})
+                )
             elif kind == "state":
                 try:
                     state = manager.get(session_id).state()
@@ -140,11 +157,13 @@ async def serve_openenv_websocket(websocket: WebSocket, manager: SessionManager,
                     session_id = None
                     await websocket.send_json(_error(str(exc), "SESSION_ERROR"))
                     continue
-                await websocket.send_json({"type": "state", "data": {"episode_id": session_id,
-                                                                     "step_count": steps, **state}})
+                await websocket.send_json(
+                    {"type": "state", "data": {"episode_id": session_id, "step_count": steps, **state}}
+                )
             else:
-                await websocket.send_json(_error(f"unknown message type {kind!r}; accepted: reset, step, "
-                                                 "state, close", "UNKNOWN_TYPE"))
+                await websocket.send_json(
+                    _error(f"unknown message type {kind!r}; accepted: reset, step, state, close", "UNKNOWN_TYPE")
+                )
     except WebSocketDisconnect:
         pass
     finally:

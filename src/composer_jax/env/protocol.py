@@ -22,10 +22,12 @@ Two kinds of failure:
                      ambiguous edit, bad regex): a result `{"ok": false, "error": ...}`, and the
                      other calls of the same request still run.
 """
+
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 APP = "/app"
 MAX_READ_LINES = 2000
@@ -37,7 +39,8 @@ SYSTEM_PROMPT = (
     "You are a coding agent working in a repository at /app. Use the tools to inspect and change it: "
     "list_dir(path, depth), read_file(path, start_line, end_line), grep(pattern, path, glob), "
     "edit_file(path, new_string, old_string) (search/replace, or the whole file when old_string is "
-    "omitted) and run_shell(command). Make the change the user asks for, then summarise what you did.")
+    "omitted) and run_shell(command). Make the change the user asks for, then summarise what you did."
+)
 
 
 class ToolError(Exception):
@@ -53,7 +56,7 @@ class ToolArgumentError(ValueError):
         super().__init__(message)
         self.tool, self.argument = tool, argument
 
-    def prefixed(self, where: str) -> "ToolArgumentError":
+    def prefixed(self, where: str) -> ToolArgumentError:
         """The same error (same type, tool and argument) with `where: ` before its message."""
         return type(self)(f"{where}: {self}", tool=self.tool, argument=self.argument)
 
@@ -64,49 +67,96 @@ class UnknownToolError(ToolArgumentError):
 
 # ---------------------------------------------------------------------------- schemas
 def _fn(name: str, description: str, properties: dict, required: list[str]) -> dict:
-    return {"type": "function", "function": {
-        "name": name, "description": description,
-        "parameters": {"type": "object", "properties": properties, "required": required,
-                       "additionalProperties": False}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {
+                "type": "object",
+                "properties": properties,
+                "required": required,
+                "additionalProperties": False,
+            },
+        },
+    }
 
 
 _PATH = {"type": "string", "description": "path relative to /app, or absolute under /app"}
 
 TOOL_SCHEMAS: list[dict] = [
-    _fn("read_file", "Read a text file, optionally a range of lines (1-based, inclusive).",
-        {"path": _PATH,
-         "start_line": {"type": "integer", "minimum": 1, "description": "first line (default 1)"},
-         "end_line": {"type": "integer", "minimum": 1, "description": f"last line (default: start_line + {MAX_READ_LINES - 1})"}},
-        ["path"]),
-    _fn("edit_file", "Edit a file by exact search/replace (old_string must occur exactly once unless "
+    _fn(
+        "read_file",
+        "Read a text file, optionally a range of lines (1-based, inclusive).",
+        {
+            "path": _PATH,
+            "start_line": {"type": "integer", "minimum": 1, "description": "first line (default 1)"},
+            "end_line": {
+                "type": "integer",
+                "minimum": 1,
+                "description": f"last line (default: start_line + {MAX_READ_LINES - 1})",
+            },
+        },
+        ["path"],
+    ),
+    _fn(
+        "edit_file",
+        "Edit a file by exact search/replace (old_string must occur exactly once unless "
         "replace_all), or create/overwrite the whole file when old_string is omitted.",
-        {"path": _PATH,
-         "old_string": {"type": "string", "description": "exact text to replace; omit to write the whole file"},
-         "new_string": {"type": "string", "description": "replacement text, or the whole file's content"},
-         "replace_all": {"type": "boolean", "description": "replace every occurrence (default false)"}},
-        ["path", "new_string"]),
-    _fn("list_dir", "List a directory's entries (type and size), recursively to a depth.",
-        {"path": {**_PATH, "description": "directory (default /app)"},
-         "depth": {"type": "integer", "minimum": 1, "maximum": 5, "description": "levels (default 1)"}},
-        []),
-    _fn("grep", "Search file contents with a regular expression (Python syntax); returns matching lines.",
-        {"pattern": {"type": "string", "description": "regular expression"},
-         "path": {**_PATH, "description": "file or directory to search (default /app)"},
-         "glob": {"type": "string", "description": "only files whose name or path matches, e.g. '*.py'"},
-         "case_insensitive": {"type": "boolean"},
-         "max_matches": {"type": "integer", "minimum": 1, "maximum": 1000, "description": "default 100"}},
-        ["pattern"]),
-    _fn("semantic_search", "Find the code chunks most relevant to a natural-language query, ranked.",
-        {"query": {"type": "string"},
-         "path": {**_PATH, "description": "directory to search (default /app)"},
-         "top_k": {"type": "integer", "minimum": 1, "maximum": 50, "description": "default 8"}},
-        ["query"]),
-    _fn("run_shell", "Run a bash command in the sandbox with cwd /app (no network). Returns exit code, "
+        {
+            "path": _PATH,
+            "old_string": {"type": "string", "description": "exact text to replace; omit to write the whole file"},
+            "new_string": {"type": "string", "description": "replacement text, or the whole file's content"},
+            "replace_all": {"type": "boolean", "description": "replace every occurrence (default false)"},
+        },
+        ["path", "new_string"],
+    ),
+    _fn(
+        "list_dir",
+        "List a directory's entries (type and size), recursively to a depth.",
+        {
+            "path": {**_PATH, "description": "directory (default /app)"},
+            "depth": {"type": "integer", "minimum": 1, "maximum": 5, "description": "levels (default 1)"},
+        },
+        [],
+    ),
+    _fn(
+        "grep",
+        "Search file contents with a regular expression (Python syntax); returns matching lines.",
+        {
+            "pattern": {"type": "string", "description": "regular expression"},
+            "path": {**_PATH, "description": "file or directory to search (default /app)"},
+            "glob": {"type": "string", "description": "only files whose name or path matches, e.g. '*.py'"},
+            "case_insensitive": {"type": "boolean"},
+            "max_matches": {"type": "integer", "minimum": 1, "maximum": 1000, "description": "default 100"},
+        },
+        ["pattern"],
+    ),
+    _fn(
+        "semantic_search",
+        "Find the code chunks most relevant to a natural-language query, ranked.",
+        {
+            "query": {"type": "string"},
+            "path": {**_PATH, "description": "directory to search (default /app)"},
+            "top_k": {"type": "integer", "minimum": 1, "maximum": 50, "description": "default 8"},
+        },
+        ["query"],
+    ),
+    _fn(
+        "run_shell",
+        "Run a bash command in the sandbox with cwd /app (no network). Returns exit code, "
         "stdout and stderr (each capped); the command is killed after timeout_s.",
-        {"command": {"type": "string"},
-         "timeout_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 600,
-                       "description": "wall-clock limit in seconds (default 30; capped by the server)"}},
-        ["command"]),
+        {
+            "command": {"type": "string"},
+            "timeout_s": {
+                "type": "number",
+                "exclusiveMinimum": 0,
+                "maximum": 600,
+                "description": "wall-clock limit in seconds (default 30; capped by the server)",
+            },
+        },
+        ["command"],
+    ),
 ]
 TOOL_NAMES = [s["function"]["name"] for s in TOOL_SCHEMAS]
 _SCHEMA_BY_NAME = {s["function"]["name"]: s["function"]["parameters"] for s in TOOL_SCHEMAS}
@@ -119,14 +169,14 @@ def validate_call(name: Any, arguments: Any) -> dict:
     if name not in _SCHEMA_BY_NAME:
         raise UnknownToolError(f"unknown tool {name!r}; accepted tools: {', '.join(TOOL_NAMES)}", tool=name)
     if not isinstance(arguments, dict):
-        raise ToolArgumentError(f"{name}: arguments must be a JSON object, got {type(arguments).__name__}",
-                                tool=name)
+        raise ToolArgumentError(f"{name}: arguments must be a JSON object, got {type(arguments).__name__}", tool=name)
     schema = _SCHEMA_BY_NAME[name]
     props = schema["properties"]
     unknown = sorted(set(arguments) - set(props))
     if unknown:
-        raise ToolArgumentError(f"{name}: unknown argument(s) {unknown}; accepted: {sorted(props)}",
-                                tool=name, argument=unknown[0])
+        raise ToolArgumentError(
+            f"{name}: unknown argument(s) {unknown}; accepted: {sorted(props)}", tool=name, argument=unknown[0]
+        )
     missing = [k for k in schema["required"] if k not in arguments]
     if missing:
         raise ToolArgumentError(f"{name}: missing required argument(s) {missing}", tool=name, argument=missing[0])
@@ -135,15 +185,20 @@ def validate_call(name: Any, arguments: Any) -> dict:
         want = _TYPES[spec["type"]]
         # bool is a subclass of int in Python, but JSON true is not an integer
         if isinstance(value, bool) and spec["type"] != "boolean" or not isinstance(value, want):
-            raise ToolArgumentError(f"{name}: argument {key!r} = {value!r:.80} must be of type {spec['type']}",
-                                    tool=name, argument=key)
+            raise ToolArgumentError(
+                f"{name}: argument {key!r} = {value!r:.80} must be of type {spec['type']}", tool=name, argument=key
+            )
         if "minimum" in spec and value < spec["minimum"] or "maximum" in spec and value > spec["maximum"]:
-            raise ToolArgumentError(f"{name}: argument {key!r} = {value!r} must be in "
-                                    f"[{spec.get('minimum', '-inf')}, {spec.get('maximum', 'inf')}]",
-                                    tool=name, argument=key)
+            raise ToolArgumentError(
+                f"{name}: argument {key!r} = {value!r} must be in "
+                f"[{spec.get('minimum', '-inf')}, {spec.get('maximum', 'inf')}]",
+                tool=name,
+                argument=key,
+            )
         if "exclusiveMinimum" in spec and value <= spec["exclusiveMinimum"]:
-            raise ToolArgumentError(f"{name}: argument {key!r} = {value!r} must be > {spec['exclusiveMinimum']}",
-                                    tool=name, argument=key)
+            raise ToolArgumentError(
+                f"{name}: argument {key!r} = {value!r} must be > {spec['exclusiveMinimum']}", tool=name, argument=key
+            )
     return arguments
 
 
@@ -157,8 +212,7 @@ def decode_arguments(arguments: Any, where: str, tool: Any = None) -> Any:
     try:
         return json.loads(arguments) if arguments.strip() else {}
     except json.JSONDecodeError as exc:
-        raise ToolArgumentError(f"{where}: arguments is a string but not valid JSON: {exc}",
-                                tool=tool) from None
+        raise ToolArgumentError(f"{where}: arguments is a string but not valid JSON: {exc}", tool=tool) from None
 
 
 def unwrap_call(call: Any) -> Any:
@@ -198,10 +252,16 @@ def read_file_result(path: str, text: str, start_line: int = 1, end_line: int | 
     if start_line > max(len(lines), 1):
         raise ToolError(f"{path} has {len(lines)} lines; start_line {start_line} is past the end")
     last = min(end_line, len(lines), start_line + MAX_READ_LINES - 1)
-    content = "".join(lines[start_line - 1:last])
+    content = "".join(lines[start_line - 1 : last])
     truncated = len(content) > MAX_TOOL_OUTPUT
-    return {"path": path, "start_line": start_line, "end_line": last, "total_lines": len(lines),
-            "content": content[:MAX_TOOL_OUTPUT], "truncated": truncated or last < min(end_line, len(lines))}
+    return {
+        "path": path,
+        "start_line": start_line,
+        "end_line": last,
+        "total_lines": len(lines),
+        "content": content[:MAX_TOOL_OUTPUT],
+        "truncated": truncated or last < min(end_line, len(lines)),
+    }
 
 
 def _line_of(text: str, index: int) -> int:
@@ -210,19 +270,26 @@ def _line_of(text: str, index: int) -> int:
 
 def edit_file_write_result(path: str, created: bool, new_string: str) -> dict:
     """edit_file without old_string: the whole file at `path` was written with `new_string`."""
-    return {"path": path, "created": created, "replacements": 0, "mode": "write",
-            "bytes": len(new_string.encode("utf-8"))}
+    return {
+        "path": path,
+        "created": created,
+        "replacements": 0,
+        "mode": "write",
+        "bytes": len(new_string.encode("utf-8")),
+    }
 
 
 def check_old_string(old_string: str) -> None:
     """Refuse an empty old_string (it would match everywhere; omitting it means "write the file")."""
     if old_string == "":
-        raise ToolError("old_string is empty; omit old_string to write the whole file, or give the exact "
-                        "text to replace")
+        raise ToolError(
+            "old_string is empty; omit old_string to write the whole file, or give the exact text to replace"
+        )
 
 
-def edit_file_replace(path: str, text: str, old_string: str, new_string: str,
-                      replace_all: bool = False) -> tuple[str, dict]:
+def edit_file_replace(
+    path: str, text: str, old_string: str, new_string: str, replace_all: bool = False
+) -> tuple[str, dict]:
     """edit_file's search/replace on `text` (the file at display path `path`) -> (new text, result).
 
     old_string must occur exactly once unless replace_all; otherwise ToolError says where it occurs
@@ -233,23 +300,31 @@ def edit_file_replace(path: str, text: str, old_string: str, new_string: str,
         hint = ""
         first = old_string.strip().splitlines()[0].strip() if old_string.strip() else ""
         if first and first in text:
-            hint = (f"; its first line occurs at line {_line_of(text, text.index(first))}, so the text "
-                    "differs further on (check whitespace and indentation)")
+            hint = (
+                f"; its first line occurs at line {_line_of(text, text.index(first))}, so the text "
+                "differs further on (check whitespace and indentation)"
+            )
         raise ToolError(f"old_string not found in {path}{hint}. Nothing was changed.")
     if count > 1 and not replace_all:
         lines, start = [], 0
         while (i := text.find(old_string, start)) != -1 and len(lines) < 10:
             lines.append(_line_of(text, i))
             start = i + 1
-        raise ToolError(f"old_string occurs {count} times in {path} (at lines {lines}); include more "
-                        "surrounding context to make it unique, or set replace_all. Nothing was changed.")
+        raise ToolError(
+            f"old_string occurs {count} times in {path} (at lines {lines}); include more "
+            "surrounding context to make it unique, or set replace_all. Nothing was changed."
+        )
     new_text = text.replace(old_string, new_string) if replace_all else text.replace(old_string, new_string, 1)
-    return new_text, {"path": path, "created": False, "replacements": count if replace_all else 1,
-                      "mode": "replace", "first_changed_line": _line_of(text, text.index(old_string))}
+    return new_text, {
+        "path": path,
+        "created": False,
+        "replacements": count if replace_all else 1,
+        "mode": "replace",
+        "first_changed_line": _line_of(text, text.index(old_string)),
+    }
 
 
-def list_dir_result(path: str, entries: Iterable[tuple[str, str, int]],
-                    max_entries: int = MAX_LIST_ENTRIES) -> dict:
+def list_dir_result(path: str, entries: Iterable[tuple[str, str, int]], max_entries: int = MAX_LIST_ENTRIES) -> dict:
     """list_dir of directory `path` from (display path, kind, size) entries in listing order; kind
     is file, dir, symlink or other (size 0 for all but files). Stops after `max_entries`."""
     out, truncated = [], False
@@ -279,12 +354,19 @@ def semantic_search_result(ranking: str, chunks_searched: int, results: list[dic
     return {"ranking": ranking, "chunks_searched": chunks_searched, "results": results}
 
 
-def run_shell_result(exit_code: int | None, stdout: str, stderr: str, timed_out: bool, truncated: bool,
-                     duration_s: float) -> dict:
+def run_shell_result(
+    exit_code: int | None, stdout: str, stderr: str, timed_out: bool, truncated: bool, duration_s: float
+) -> dict:
     """run_shell: exit_code is None when the command was killed at its timeout; `truncated` says
     output beyond the per-stream cap was dropped."""
-    return {"exit_code": exit_code, "stdout": stdout, "stderr": stderr, "timed_out": timed_out,
-            "truncated": truncated, "duration_s": duration_s}
+    return {
+        "exit_code": exit_code,
+        "stdout": stdout,
+        "stderr": stderr,
+        "timed_out": timed_out,
+        "truncated": truncated,
+        "duration_s": duration_s,
+    }
 
 
 def call_outcome(result: dict | None = None, *, error: str | None = None) -> dict:

@@ -15,6 +15,7 @@ same two methods); `SandboxLease` is one session's identity inside it. Backends:
   nothing and exists for development on machines without bubblewrap; the server refuses to use it
   unless `--unsafe-no-sandbox` is given.
 """
+
 from __future__ import annotations
 
 import abc
@@ -43,14 +44,14 @@ class Limits:
 
     wall_seconds: float = 30.0
     cpu_seconds: int = 60
-    memory_mb: int = 2048      # address space per process (RLIMIT_AS) and cgroup memory per session
-    processes: int = 128       # RLIMIT_NPROC for the session uid, and cgroup pids.max
-    file_size_mb: int = 256    # RLIMIT_FSIZE
+    memory_mb: int = 2048  # address space per process (RLIMIT_AS) and cgroup memory per session
+    processes: int = 128  # RLIMIT_NPROC for the session uid, and cgroup pids.max
+    file_size_mb: int = 256  # RLIMIT_FSIZE
     open_files: int = 512
-    tmp_mb: int = 256          # the /tmp tmpfs
+    tmp_mb: int = 256  # the /tmp tmpfs
     output_bytes: int = 64 * 1024  # returned per stream; more is counted and dropped
 
-    def with_(self, **changes) -> "Limits":
+    def with_(self, **changes) -> Limits:
         return dataclasses.replace(self, **changes)
 
 
@@ -65,11 +66,11 @@ class Mount:
 
 @dataclasses.dataclass
 class ExecResult:
-    exit_code: int | None       # None when killed by the wall-clock timeout
+    exit_code: int | None  # None when killed by the wall-clock timeout
     stdout: str
     stderr: str
     timed_out: bool
-    truncated: bool             # output beyond Limits.output_bytes was dropped
+    truncated: bool  # output beyond Limits.output_bytes was dropped
     duration_s: float
 
     def to_dict(self) -> dict:
@@ -94,20 +95,33 @@ class SandboxLease(abc.ABC):
         self.closed = False
 
     @abc.abstractmethod
-    def _argv(self, command: list[str], mounts: list[Mount], cwd: str, limits: Limits,
-              env: dict[str, str]) -> tuple[list[str], str | None]:
+    def _argv(
+        self, command: list[str], mounts: list[Mount], cwd: str, limits: Limits, env: dict[str, str]
+    ) -> tuple[list[str], str | None]:
         """The host argv that runs `command` in the sandbox, and the host cwd to start it in."""
 
-    async def run(self, command: list[str], *, mounts: list[Mount], cwd: str = "/app",
-                  limits: Limits, env: dict[str, str] | None = None) -> ExecResult:
+    async def run(
+        self,
+        command: list[str],
+        *,
+        mounts: list[Mount],
+        cwd: str = "/app",
+        limits: Limits,
+        env: dict[str, str] | None = None,
+    ) -> ExecResult:
         """Run `command` inside the sandbox, bounded by `limits`; never raises on command failure."""
         if self.closed:
             raise RuntimeError("sandbox lease is closed")
         argv, host_cwd = self._argv(command, mounts, cwd, limits, env or {})
         start = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, cwd=host_cwd, start_new_session=True)
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            cwd=host_cwd,
+            start_new_session=True,
+        )
         self._procs.add(proc)
         cap, hard = limits.output_bytes, limits.output_bytes * _HARD_OUTPUT_FACTOR
         kept = {"out": bytearray(), "err": bytearray()}
@@ -128,14 +142,17 @@ class SandboxLease(abc.ABC):
                     # returns once the pipes are drained and closed.
                     overflow.set()
 
-        readers = [asyncio.ensure_future(drain(proc.stdout, kept["out"])),
-                   asyncio.ensure_future(drain(proc.stderr, kept["err"]))]
+        readers = [
+            asyncio.ensure_future(drain(proc.stdout, kept["out"])),
+            asyncio.ensure_future(drain(proc.stderr, kept["err"])),
+        ]
         waiter = asyncio.ensure_future(proc.wait())
         overflow_wait = asyncio.ensure_future(overflow.wait())
         timed_out = False
         try:
-            done, _ = await asyncio.wait({waiter, overflow_wait}, timeout=limits.wall_seconds,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                {waiter, overflow_wait}, timeout=limits.wall_seconds, return_when=asyncio.FIRST_COMPLETED
+            )
             if waiter not in done:
                 timed_out = not overflow.is_set()
                 self._kill(proc)
@@ -151,9 +168,12 @@ class SandboxLease(abc.ABC):
             self._procs.discard(proc)
         return ExecResult(
             exit_code=None if timed_out else proc.returncode,
-            stdout=kept["out"].decode("utf-8", "replace"), stderr=kept["err"].decode("utf-8", "replace"),
-            timed_out=timed_out, truncated=truncated[0] or overflow.is_set(),
-            duration_s=round(time.monotonic() - start, 4))
+            stdout=kept["out"].decode("utf-8", "replace"),
+            stderr=kept["err"].decode("utf-8", "replace"),
+            timed_out=timed_out,
+            truncated=truncated[0] or overflow.is_set(),
+            duration_s=round(time.monotonic() - start, 4),
+        )
 
     @staticmethod
     def _kill(proc: asyncio.subprocess.Process) -> None:
@@ -172,7 +192,7 @@ class SandboxLease(abc.ABC):
         for proc in list(self._procs):
             try:
                 await asyncio.wait_for(proc.wait(), 5)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         self._procs.clear()
 
@@ -245,7 +265,7 @@ def _kill_uid(uid: int) -> None:
 
 
 class BubblewrapLease(SandboxLease):
-    def __init__(self, sandbox: "BubblewrapSandbox", session_id: str, uid: int):
+    def __init__(self, sandbox: BubblewrapSandbox, session_id: str, uid: int):
         super().__init__(uid, uid)
         self.sandbox = sandbox
         self.cgroup = sandbox.cgroups.create(session_id, sandbox.session_limits) if sandbox.cgroups else None
@@ -255,24 +275,46 @@ class BubblewrapLease(SandboxLease):
         argv: list[str] = []
         if self.cgroup is not None:
             argv += self.cgroup.enter_prefix()
-        argv += ["prlimit", f"--cpu={limits.cpu_seconds}", f"--as={limits.memory_mb * 2**20}",
-                 f"--nproc={limits.processes}", f"--fsize={limits.file_size_mb * 2**20}",
-                 f"--nofile={limits.open_files}", "--core=0", "--"]
+        argv += [
+            "prlimit",
+            f"--cpu={limits.cpu_seconds}",
+            f"--as={limits.memory_mb * 2**20}",
+            f"--nproc={limits.processes}",
+            f"--fsize={limits.file_size_mb * 2**20}",
+            f"--nofile={limits.open_files}",
+            "--core=0",
+            "--",
+        ]
         argv += sb.base_args()
         for m in mounts:
             argv += sb.parent_dirs(m.dest)
             argv += ["--bind" if m.writable else "--ro-bind", str(m.host), m.dest]
-        argv += ["--perms", "1777", "--size", str(limits.tmp_mb * 2**20), "--tmpfs", "/tmp",
-                 "--chdir", cwd]
-        full_env = {"PATH": sb.path_env, "HOME": "/tmp", "LANG": "C.UTF-8", "TERM": "dumb",
-                    "PYTHONDONTWRITEBYTECODE": "1", "USER": "agent", **SANDBOX_ENV, **env}
+        argv += ["--perms", "1777", "--size", str(limits.tmp_mb * 2**20), "--tmpfs", "/tmp", "--chdir", cwd]
+        full_env = {
+            "PATH": sb.path_env,
+            "HOME": "/tmp",
+            "LANG": "C.UTF-8",
+            "TERM": "dumb",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "USER": "agent",
+            **SANDBOX_ENV,
+            **env,
+        }
         for key, value in full_env.items():
             argv += ["--setenv", key, value]
         if sb.privileged:
             # bwrap keeps root's capabilities for its own setup; setpriv then drops to the
             # session uid with an empty bounding set, so nothing inside can regain privilege.
-            argv += ["--", "setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups",
-                     "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
+            argv += [
+                "--",
+                "setpriv",
+                f"--reuid={self.uid}",
+                f"--regid={self.gid}",
+                "--clear-groups",
+                "--inh-caps=-all",
+                "--bounding-set=-all",
+                "--no-new-privs",
+            ]
         else:
             argv += ["--unshare-user", "--disable-userns", "--uid", "1000", "--gid", "1000", "--"]
         return argv + command, None
@@ -293,20 +335,22 @@ class BubblewrapSandbox(Sandbox):
     name = "bubblewrap"
     isolated = True
 
-    def __init__(self, session_limits: Limits | None = None, bwrap: str | None = None,
-                 use_cgroups: bool = True):
+    def __init__(self, session_limits: Limits | None = None, bwrap: str | None = None, use_cgroups: bool = True):
         self.bwrap = bwrap or shutil.which("bwrap")
         if not self.bwrap:
-            raise RuntimeError("bubblewrap (bwrap) is not installed; install it (apt-get install "
-                               "bubblewrap, or `make system-deps`) or pass --unsafe-no-sandbox")
+            raise RuntimeError(
+                "bubblewrap (bwrap) is not installed; install it (apt-get install "
+                "bubblewrap, or `make system-deps`) or pass --unsafe-no-sandbox"
+            )
         self.privileged = os.geteuid() == 0
         self.session_limits = session_limits or Limits()
         self.cgroups = CgroupLimiter.detect() if (use_cgroups and self.privileged) else None
         self.uids = _UidPool()
         self._ro_paths = self._system_paths()
         venv_bin = [str(Path(sys.prefix) / "bin")] if sys.prefix != sys.base_prefix else []
-        self.path_env = ":".join(venv_bin + [str(Path(sys.base_prefix) / "bin"),
-                                             "/usr/local/bin", "/usr/bin", "/bin", "/usr/sbin", "/sbin"])
+        self.path_env = ":".join(
+            venv_bin + [str(Path(sys.base_prefix) / "bin"), "/usr/local/bin", "/usr/bin", "/bin", "/usr/sbin", "/sbin"]
+        )
         self._base = self._build_base_args()
 
     @staticmethod
@@ -329,9 +373,20 @@ class BubblewrapSandbox(Sandbox):
         return args
 
     def _build_base_args(self) -> list[str]:
-        args = [self.bwrap, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-                "--unshare-cgroup-try", "--die-with-parent", "--new-session",
-                "--hostname", "sandbox", "--tmpfs", "/"]
+        args = [
+            self.bwrap,
+            "--unshare-pid",
+            "--unshare-net",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--unshare-cgroup-try",
+            "--die-with-parent",
+            "--new-session",
+            "--hostname",
+            "sandbox",
+            "--tmpfs",
+            "/",
+        ]
         for p in self._ro_paths:
             args += self.parent_dirs(p) + ["--ro-bind", p, p]
         for name in ("bin", "lib", "lib64", "sbin", "lib32"):
@@ -348,8 +403,12 @@ class BubblewrapSandbox(Sandbox):
         return BubblewrapLease(self, session_id, self.uids.take())
 
     def describe(self) -> dict:
-        return {"backend": self.name, "isolated": True, "privileged_setup": self.privileged,
-                "cgroups": self.cgroups.kind if self.cgroups else None}
+        return {
+            "backend": self.name,
+            "isolated": True,
+            "privileged_setup": self.privileged,
+            "cgroups": self.cgroups.kind if self.cgroups else None,
+        }
 
 
 class LocalLease(SandboxLease):
@@ -363,10 +422,17 @@ class LocalLease(SandboxLease):
             name = m.dest.strip("/").replace("/", "_").upper() + "_DIR"
             exports[name] = str(m.host)
             if cwd == m.dest or cwd.startswith(m.dest + "/"):
-                host_cwd = str(m.host) + cwd[len(m.dest):]
-        prefix = ["prlimit", f"--cpu={limits.cpu_seconds}", f"--as={limits.memory_mb * 2**20}",
-                  f"--fsize={limits.file_size_mb * 2**20}", f"--nofile={limits.open_files}", "--core=0",
-                  "--", "env"] + [f"{k}={v}" for k, v in {**SANDBOX_ENV, **exports, **env}.items()]
+                host_cwd = str(m.host) + cwd[len(m.dest) :]
+        prefix = [
+            "prlimit",
+            f"--cpu={limits.cpu_seconds}",
+            f"--as={limits.memory_mb * 2**20}",
+            f"--fsize={limits.file_size_mb * 2**20}",
+            f"--nofile={limits.open_files}",
+            "--core=0",
+            "--",
+            "env",
+        ] + [f"{k}={v}" for k, v in {**SANDBOX_ENV, **exports, **env}.items()]
         return prefix + command, host_cwd
 
 
@@ -386,6 +452,8 @@ def default_sandbox(unsafe_no_sandbox: bool = False, limits: Limits | None = Non
         return BubblewrapSandbox(limits)
     if unsafe_no_sandbox:
         return LocalProcessSandbox()
-    raise RuntimeError("bubblewrap (bwrap) is not installed, so sessions cannot be sandboxed. Install it "
-                       "(`apt-get install bubblewrap` or `make system-deps`), or pass --unsafe-no-sandbox to run "
-                       "commands as plain host processes (no isolation; development only)")
+    raise RuntimeError(
+        "bubblewrap (bwrap) is not installed, so sessions cannot be sandboxed. Install it "
+        "(`apt-get install bubblewrap` or `make system-deps`), or pass --unsafe-no-sandbox to run "
+        "commands as plain host processes (no isolation; development only)"
+    )

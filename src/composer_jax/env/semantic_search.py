@@ -14,6 +14,7 @@ An embedding ranking is used instead only when a sentence-embedding model is ins
 (the `sentence_transformers` package and a model directory named by COMPOSER_JAX_EMBEDDING_MODEL);
 the response always says which ranking produced it.
 """
+
 from __future__ import annotations
 
 import math
@@ -47,7 +48,7 @@ def tokenize(text: str) -> list[str]:
 @dataclass
 class Chunk:
     path: str
-    start_line: int   # 1-based, inclusive
+    start_line: int  # 1-based, inclusive
     end_line: int
     text: str
 
@@ -58,7 +59,7 @@ def chunk_file(path: str, text: str) -> list[Chunk]:
         return []
     chunks, step = [], CHUNK_LINES - CHUNK_OVERLAP
     for start in range(0, len(lines), step):
-        window = lines[start:start + CHUNK_LINES]
+        window = lines[start : start + CHUNK_LINES]
         chunks.append(Chunk(path, start + 1, start + len(window), "\n".join(window)))
         if start + CHUNK_LINES >= len(lines):
             break
@@ -101,6 +102,7 @@ def _embedding_model():
         if model_dir and os.path.isdir(model_dir):
             try:
                 from sentence_transformers import SentenceTransformer  # optional dependency
+
                 _embedder = SentenceTransformer(model_dir, device="cpu")
             except Exception:  # noqa: BLE001 - any failure means "not installed": fall back to BM25
                 _embedder = False
@@ -113,6 +115,7 @@ def search(query: str, files: list[tuple[str, str]], top_k: int = 10) -> dict:
     model = _embedding_model()
     if model is not None and chunks:
         import numpy as np
+
         vecs = model.encode([c.text for c in chunks] + [query], normalize_embeddings=True)
         sims = vecs[:-1] @ vecs[-1]
         order = np.argsort(-sims)[:top_k]
@@ -122,4 +125,5 @@ def search(query: str, files: list[tuple[str, str]], top_k: int = 10) -> dict:
         ranked = bm25_rank(query, chunks, top_k)
         ranking = "bm25"
     return protocol.semantic_search_result(
-        ranking, len(chunks), [protocol.search_hit(c.path, c.start_line, c.end_line, s, c.text) for s, c in ranked])
+        ranking, len(chunks), [protocol.search_hit(c.path, c.start_line, c.end_line, s, c.text) for s, c in ranked]
+    )

@@ -13,13 +13,16 @@ Endpoints (all but /health need `Authorization: Bearer TOKEN`):
     WS     /ws  (and /t/{token}/ws)       OpenEnv-compatible session (see openenv_ws.py)
 Errors are JSON `{"error": {"code", "message"}}` with a 4xx status naming the bad value.
 """
+
 from __future__ import annotations
 
 import secrets
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, Awaitable, Callable
+from typing import Any
 
-from fastapi import Depends, FastAPI, Path as PathParam, Request, WebSocket
+from fastapi import Depends, FastAPI, Request, WebSocket
+from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -152,23 +155,40 @@ def _tool_calls_response(session_id: str, calls: list[ToolCall], results: list[d
     call (with the async auth check, server CPU per file-tool call fell from ~0.72 to ~0.55 ms);
     the route keeps `response_model=ToolCallsResponse` for the OpenAPI schema.
     """
-    body = {"session_id": session_id, "results": [
-        {"id": c.id, "name": c.name, "ok": r["ok"], "result": r.get("result"), "error": r.get("error"),
-         "duration_s": r["duration_s"]} for c, r in zip(calls, results)]}
+    body = {
+        "session_id": session_id,
+        "results": [
+            {
+                "id": c.id,
+                "name": c.name,
+                "ok": r["ok"],
+                "result": r.get("result"),
+                "error": r.get("error"),
+                "duration_s": r["duration_s"],
+            }
+            for c, r in zip(calls, results)
+        ],
+    }
     if orjson is not None:
         try:
             return Response(orjson.dumps(body), media_type="application/json")
         except (orjson.JSONEncodeError, TypeError):
             pass  # e.g. a lone surrogate from an undecodable file name: the previous, pydantic path
-    return JSONResponse(ToolCallsResponse(session_id=session_id, results=[
-        ToolResult(id=c.id, name=c.name, **r) for c, r in zip(calls, results)]).model_dump(mode="json"))
+    return JSONResponse(
+        ToolCallsResponse(
+            session_id=session_id, results=[ToolResult(id=c.id, name=c.name, **r) for c, r in zip(calls, results)]
+        ).model_dump(mode="json")
+    )
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str]:
     parts = []
     for err in exc.errors()[:5]:
         if err.get("type") == "json_invalid":
-            return "malformed_json", f"request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}"
+            return (
+                "malformed_json",
+                f"request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}",
+            )
         loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or "body"
         value = err.get("input")
         shown = "" if isinstance(value, (dict, list)) or value is None else f" (got {str(value)[:60]!r})"
@@ -192,10 +212,12 @@ class BodySizeLimit:
                 if message["type"] == "http.response.start":
                     metrics.inc("cj_env_http_requests_total", code=f"{message['status'] // 100}xx")
                 await inner_send(message)
+
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            too_big = JSONResponse({"error": {"code": "body_too_large",
-                                              "message": f"request body exceeds {self.max_bytes} bytes"}}, 413)
+            too_big = JSONResponse(
+                {"error": {"code": "body_too_large", "message": f"request body exceeds {self.max_bytes} bytes"}}, 413
+            )
             return await too_big(scope, receive, send)
         seen = 0
 
@@ -207,6 +229,7 @@ class BodySizeLimit:
                 if seen > self.max_bytes:
                     raise ApiError(413, "body_too_large", f"request body exceeds {self.max_bytes} bytes")
             return message
+
         return await self.app(scope, limited, send)
 
 
@@ -244,8 +267,13 @@ def _bearer_auth(token: str) -> Callable[..., Awaitable[None]]:
     # async: a plain `def` dependency would cost a thread-pool round trip on every request.
     async def authorize(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
         if creds is None or not secrets.compare_digest(creds.credentials.encode(), token.encode()):
-            raise ApiError(401, "unauthorized", "missing or wrong bearer token (Authorization: Bearer TOKEN)",
-                           {"WWW-Authenticate": "Bearer"})
+            raise ApiError(
+                401,
+                "unauthorized",
+                "missing or wrong bearer token (Authorization: Bearer TOKEN)",
+                {"WWW-Authenticate": "Bearer"},
+            )
+
     return authorize
 
 
@@ -254,8 +282,13 @@ def _add_server_routes(app: FastAPI, manager: SessionManager, auth: list) -> Non
 
     @app.get("/health", summary="Liveness and capacity (no authentication)")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "sessions": len(manager), "max_sessions": manager.max_sessions,
-                "sandbox": manager.sandbox.describe(), "volumes": volume_kind()}
+        return {
+            "status": "ok",
+            "sessions": len(manager),
+            "max_sessions": manager.max_sessions,
+            "sandbox": manager.sandbox.describe(),
+            "volumes": volume_kind(),
+        }
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse, dependencies=auth)
     async def get_metrics() -> str:
@@ -264,9 +297,19 @@ def _add_server_routes(app: FastAPI, manager: SessionManager, auth: list) -> Non
     @app.get("/tasks", summary="Tasks this server can run", dependencies=auth)
     async def list_tasks() -> dict[str, Any]:
         store = manager.store
-        return {"tasks": [{"task_id": t.task_id, "runnable": t.runnable, "not_runnable_reason": t.not_runnable_reason,
-                           "metadata": t.config.metadata} for t in store.tasks()],
-                "families": ["gen/" + f for f in store.families()], "invalid": store.errors}
+        return {
+            "tasks": [
+                {
+                    "task_id": t.task_id,
+                    "runnable": t.runnable,
+                    "not_runnable_reason": t.not_runnable_reason,
+                    "metadata": t.config.metadata,
+                }
+                for t in store.tasks()
+            ],
+            "families": ["gen/" + f for f in store.families()],
+            "invalid": store.errors,
+        }
 
     @app.get("/tools", summary="Tool schemas (OpenAI function-calling format)", dependencies=auth)
     async def list_tools() -> list[dict[str, Any]]:
@@ -276,28 +319,46 @@ def _add_server_routes(app: FastAPI, manager: SessionManager, auth: list) -> Non
 def _add_session_routes(app: FastAPI, manager: SessionManager, auth: list) -> None:
     """/sessions...: create, inspect, call tools, grade, close. Errors propagate as typed exceptions."""
 
-    @app.post("/sessions", status_code=201, response_model=CreateSessionResponse,
-              summary="Create a session from a task", dependencies=auth)
+    @app.post(
+        "/sessions",
+        status_code=201,
+        response_model=CreateSessionResponse,
+        summary="Create a session from a task",
+        dependencies=auth,
+    )
     async def create_session(body: CreateSessionRequest) -> CreateSessionResponse:
         s = await manager.create(body.task_id, body.seed, body.ttl_s)
-        return CreateSessionResponse(session_id=s.session_id, task_id=s.task.task_id, seed=s.seed,
-                                     instruction=s.task.instruction, tools=protocol.TOOL_SCHEMAS,
-                                     expires_at=s.last_used + s.ttl_s)
+        return CreateSessionResponse(
+            session_id=s.session_id,
+            task_id=s.task.task_id,
+            seed=s.seed,
+            instruction=s.task.instruction,
+            tools=protocol.TOOL_SCHEMAS,
+            expires_at=s.last_used + s.ttl_s,
+        )
 
     @app.get("/sessions/{session_id}", summary="Session state", dependencies=auth)
     async def session_state(session_id: str = _SESSION_ID) -> dict[str, Any]:
         return manager.get(session_id).state()
 
-    @app.post("/sessions/{session_id}/tools", response_model=ToolCallsResponse,
-              summary="Call tools (several calls run in parallel)", dependencies=auth)
+    @app.post(
+        "/sessions/{session_id}/tools",
+        response_model=ToolCallsResponse,
+        summary="Call tools (several calls run in parallel)",
+        dependencies=auth,
+    )
     async def call_tools(body: ToolCallsRequest, session_id: str = _SESSION_ID) -> ToolCallsResponse:
         manager.get(session_id)  # an unknown session is a 404 even when the calls are bad too
         calls = parse_calls(body.calls)
         results = await manager.call_tools(session_id, calls)
         return _tool_calls_response(session_id, body.calls, results)
 
-    @app.post("/sessions/{session_id}/grade", response_model=GradeResponse,
-              summary="Run the task's tests on a copy of the workspace", dependencies=auth)
+    @app.post(
+        "/sessions/{session_id}/grade",
+        response_model=GradeResponse,
+        summary="Run the task's tests on a copy of the workspace",
+        dependencies=auth,
+    )
     async def grade(session_id: str = _SESSION_ID) -> GradeResponse:
         result = await manager.grade(session_id)
         return GradeResponse(session_id=session_id, **result.to_dict())
@@ -318,8 +379,9 @@ def _add_websocket_routes(app: FastAPI, manager: SessionManager, token: str) -> 
         await serve_openenv_websocket(websocket, manager, token, path_token)
 
 
-def create_app(manager: SessionManager, token: str, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               reaper_interval_s: float = 5.0) -> FastAPI:
+def create_app(
+    manager: SessionManager, token: str, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, reaper_interval_s: float = 5.0
+) -> FastAPI:
     """The ASGI app serving `manager`'s sessions, authenticated with `token`."""
 
     @asynccontextmanager
@@ -328,8 +390,13 @@ def create_app(manager: SessionManager, token: str, *, max_body_bytes: int = DEF
         yield
         await manager.shutdown()
 
-    app = FastAPI(title="composer_jax environment server", version="1.0", lifespan=lifespan,
-                  description=__doc__, responses=_ERRORS)
+    app = FastAPI(
+        title="composer_jax environment server",
+        version="1.0",
+        lifespan=lifespan,
+        description=__doc__,
+        responses=_ERRORS,
+    )
     app.state.manager, app.state.token, app.state.max_body_bytes = manager, token, max_body_bytes
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes, metrics=manager.metrics)
     _add_error_handlers(app)

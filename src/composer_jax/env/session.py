@@ -6,6 +6,7 @@ closes sessions idle for longer than their TTL. A session's state is its workspa
 this object; what its processes do (crash, fork-bomb, fill their disk) stays inside its sandbox
 and volume, so other sessions and the server keep their state.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,8 +28,16 @@ from composer_jax.env.workspace import Workspace
 class Session:
     """One open session; implements `tools.ToolContext`."""
 
-    def __init__(self, session_id: str, task: Task, seed: int | None, root: Path, lease: SandboxLease,
-                 limits: Limits, ttl_s: float):
+    def __init__(
+        self,
+        session_id: str,
+        task: Task,
+        seed: int | None,
+        root: Path,
+        lease: SandboxLease,
+        limits: Limits,
+        ttl_s: float,
+    ):
         self.session_id, self.task, self.seed = session_id, task, seed
         self.root, self.lease, self.limits, self.ttl_s = root, lease, limits, ttl_s
         self.workspace = Workspace(root / "app", lease.uid, lease.gid)
@@ -40,20 +49,38 @@ class Session:
 
     async def run_shell(self, command: str, timeout_s: float) -> ExecResult:
         limits = self.limits.with_(wall_seconds=min(float(timeout_s), self.limits.wall_seconds))
-        return await self.lease.run(["bash", "-c", command], mounts=[Mount(self.workspace.root, "/app", True)],
-                                    cwd="/app", limits=limits)
+        return await self.lease.run(
+            ["bash", "-c", command], mounts=[Mount(self.workspace.root, "/app", True)], cwd="/app", limits=limits
+        )
 
     def state(self) -> dict:
-        return {"session_id": self.session_id, "task_id": self.task.task_id, "seed": self.seed,
-                "created_at": self.created_at, "last_used": self.last_used, "ttl_s": self.ttl_s,
-                "expires_at": self.last_used + self.ttl_s, "tool_calls": self.tool_calls,
-                "grades": self.grades, "last_reward": self.last_reward}
+        return {
+            "session_id": self.session_id,
+            "task_id": self.task.task_id,
+            "seed": self.seed,
+            "created_at": self.created_at,
+            "last_used": self.last_used,
+            "ttl_s": self.ttl_s,
+            "expires_at": self.last_used + self.ttl_s,
+            "tool_calls": self.tool_calls,
+            "grades": self.grades,
+            "last_reward": self.last_reward,
+        }
 
 
 class SessionManager:
-    def __init__(self, store: TaskStore, sandbox: Sandbox, *, work_dir: Path | None = None,
-                 max_sessions: int = 256, default_ttl_s: float = 1800.0, max_ttl_s: float = 86400.0,
-                 limits: Limits | None = None, metrics: Metrics | None = None):
+    def __init__(
+        self,
+        store: TaskStore,
+        sandbox: Sandbox,
+        *,
+        work_dir: Path | None = None,
+        max_sessions: int = 256,
+        default_ttl_s: float = 1800.0,
+        max_ttl_s: float = 86400.0,
+        limits: Limits | None = None,
+        metrics: Metrics | None = None,
+    ):
         self.store, self.sandbox = store, sandbox
         self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="composer-jax-env-"))
         self.sessions_dir = self.work_dir / "sessions"
@@ -80,8 +107,10 @@ class SessionManager:
             raise TaskNotRunnable(f"task {task_id!r} cannot run in the local sandbox: {task.not_runnable_reason}")
         if len(self._sessions) + self._reserved >= self.max_sessions:
             self.metrics.inc("cj_env_sessions_rejected_total")
-            raise CapacityError(f"server is at its limit of {self.max_sessions} concurrent sessions; "
-                                "close a session or retry later / on another server")
+            raise CapacityError(
+                f"server is at its limit of {self.max_sessions} concurrent sessions; "
+                "close a session or retry later / on another server"
+            )
         self._reserved += 1
         session_id = secrets.token_hex(12)
         root = self.sessions_dir / session_id
@@ -134,8 +163,7 @@ class SessionManager:
         return {"session_id": session_id, "closed": True, "reason": reason}
 
     async def close_all(self, reason: str = "shutdown") -> None:
-        await asyncio.gather(*(self.close(sid, reason) for sid in list(self._sessions)),
-                             return_exceptions=True)
+        await asyncio.gather(*(self.close(sid, reason) for sid in list(self._sessions)), return_exceptions=True)
 
     # ---------------------------------------------------------------- actions
     async def call_tools(self, session_id: str, calls: list[tuple[str, dict]]) -> list[dict]:
@@ -156,8 +184,7 @@ class SessionManager:
         session = self.get(session_id)
         session.busy += 1
         try:
-            result = await grader.grade(session.task, session.lease, session.workspace.root,
-                                        session.root, self.limits)
+            result = await grader.grade(session.task, session.lease, session.workspace.root, session.root, self.limits)
         finally:
             session.busy -= 1
             session.last_used = time.time()
@@ -183,6 +210,7 @@ class SessionManager:
             while True:
                 await asyncio.sleep(interval_s)
                 await self.reap_expired()
+
         if self._reaper is None:
             self._reaper = asyncio.get_running_loop().create_task(loop())
 

@@ -13,6 +13,7 @@ A task is a directory ``TASK_ID/``::
 Ids of on-disk tasks are their directory names. Ids ``gen/<family>`` are generated on demand by
 ``composer_jax.env.task_families.generate_task(family, seed, dest)`` (imported lazily).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -94,7 +95,7 @@ def _megabytes(env: dict, key_mb: str, key_legacy: str, where: str, default: int
         value = env[key_legacy]
         match = _SIZE_RE.match(str(value))
         if not match:
-            raise TaskError(f"{where}: {key_legacy} = {value!r} is not a size; expected e.g. \"2G\" or \"512M\"")
+            raise TaskError(f'{where}: {key_legacy} = {value!r} is not a size; expected e.g. "2G" or "512M"')
         return max(1, int(float(match.group(1)) * _SIZE_MB[match.group(2).upper()]))
     return default
 
@@ -103,7 +104,7 @@ def parse_task_config(data: dict[str, Any], where: str) -> TaskConfig:
     """Validate a parsed task.toml. Unknown keys are allowed (Harbor ignores them too)."""
     version = data.get("version", data.get("schema_version", "1.0"))
     if not isinstance(version, str):
-        raise TaskError(f"{where}: version = {version!r} must be a string such as \"1.0\"")
+        raise TaskError(f'{where}: version = {version!r} must be a string such as "1.0"')
     sections = {}
     for name in ("metadata", "verifier", "agent", "environment"):
         value = data.get(name, {})
@@ -141,8 +142,10 @@ def _not_runnable_reason(root: Path, config: TaskConfig) -> str | None:
         return "task.toml sets allow_internet = true; the local sandbox has no network"
     if not (root / "environment" / "app").is_dir():
         if (root / "environment" / "Dockerfile").is_file():
-            return ("environment/Dockerfile builds the environment and there is no environment/app/ "
-                    "initial workspace for the local sandbox")
+            return (
+                "environment/Dockerfile builds the environment and there is no environment/app/ "
+                "initial workspace for the local sandbox"
+            )
         return "environment/app/ (the initial workspace mounted at /app) is missing"
     return None
 
@@ -155,8 +158,10 @@ def load_task(root: Path, task_id: str | None = None) -> Task:
         raise TaskError(f"task {task_id!r}: {root} is not a directory")
     toml_path = root / "task.toml"
     if not toml_path.is_file():
-        raise TaskError(f"task {task_id!r}: missing task.toml (a Harbor task needs task.toml, "
-                        "instruction.md, environment/, tests/test.sh)")
+        raise TaskError(
+            f"task {task_id!r}: missing task.toml (a Harbor task needs task.toml, "
+            "instruction.md, environment/, tests/test.sh)"
+        )
     try:
         data = tomllib.loads(toml_path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
@@ -227,20 +232,24 @@ class TaskStore:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
             raise TaskError(f"seed {seed!r} must be an integer in [0, {MAX_SEED}]")
         if task_id.startswith(GENERATED_PREFIX):
-            return self._generate(task_id[len(GENERATED_PREFIX):], seed or 0)
+            return self._generate(task_id[len(GENERATED_PREFIX) :], seed or 0)
         task = self._tasks.get(task_id)
         if task is None:
             known = ", ".join(self.ids()[:20]) or "(none)"
             more = f" and {len(self._tasks) - 20} more" if len(self._tasks) > 20 else ""
-            raise UnknownTaskError(f"unknown task_id {task_id!r}; known tasks: {known}{more}; "
-                                   f"generated families: {', '.join(GENERATED_PREFIX + f for f in self.families()) or '(none)'}")
+            raise UnknownTaskError(
+                f"unknown task_id {task_id!r}; known tasks: {known}{more}; "
+                f"generated families: {', '.join(GENERATED_PREFIX + f for f in self.families()) or '(none)'}"
+            )
         return task
 
     def _generate(self, family: str, seed: int) -> Task:
         families = self.families()
         if family not in families:
-            raise UnknownTaskError(f"unknown task family {family!r} in {GENERATED_PREFIX + family!r}; "
-                                   f"accepted: {', '.join(families) or '(no composer_jax.env.task_families module)'}")
+            raise UnknownTaskError(
+                f"unknown task family {family!r} in {GENERATED_PREFIX + family!r}; "
+                f"accepted: {', '.join(families) or '(no composer_jax.env.task_families module)'}"
+            )
         key = (family, seed)
         with self._gen_lock:
             if key not in self._generated:

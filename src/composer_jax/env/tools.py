@@ -9,19 +9,28 @@ the agent caused (missing file, ambiguous edit, bad regex) is a *result* with `o
 not match its schema (unknown tool, missing or mistyped argument) is rejected before anything
 runs, as a 400 for the whole request.
 """
+
 from __future__ import annotations
 
 import asyncio
 import fnmatch
 import time
-from typing import Awaitable, Callable, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import regex  # the `regex` module: like `re`, plus a timeout that stops catastrophic backtracking
 
 from composer_jax.env import protocol
 from composer_jax.env import semantic_search as _semantic
 from composer_jax.env.protocol import (  # noqa: F401 - re-exported: the server's tool vocabulary
-    MAX_READ_LINES, MAX_TOOL_OUTPUT, TOOL_NAMES, TOOL_SCHEMAS, ToolArgumentError, ToolError, validate_call)
+    MAX_READ_LINES,
+    MAX_TOOL_OUTPUT,
+    TOOL_NAMES,
+    TOOL_SCHEMAS,
+    ToolArgumentError,
+    ToolError,
+    validate_call,
+)
 from composer_jax.env.sandbox import ExecResult
 from composer_jax.env.workspace import Workspace
 
@@ -46,8 +55,9 @@ def read_file(ws: Workspace, path: str, start_line: int = 1, end_line: int | Non
     return protocol.read_file_result(where, _decode(data, where), start_line, end_line)
 
 
-def edit_file(ws: Workspace, path: str, new_string: str, old_string: str | None = None,
-              replace_all: bool = False) -> dict:
+def edit_file(
+    ws: Workspace, path: str, new_string: str, old_string: str | None = None, replace_all: bool = False
+) -> dict:
     if old_string is None:
         created, parts = ws.write_bytes(path, new_string.encode("utf-8"))
         return protocol.edit_file_write_result(ws.display(parts), created, new_string)
@@ -59,8 +69,7 @@ def edit_file(ws: Workspace, path: str, new_string: str, old_string: str | None 
     return result
 
 
-def list_dir(ws: Workspace, path: str = "/app", depth: int = 1,
-             max_entries: int = protocol.MAX_LIST_ENTRIES) -> dict:
+def list_dir(ws: Workspace, path: str = "/app", depth: int = 1, max_entries: int = protocol.MAX_LIST_ENTRIES) -> dict:
     return protocol.list_dir_result(ws.display(ws.parts(path)), ws.list_entries(path, depth), max_entries)
 
 
@@ -68,12 +77,18 @@ def _glob_ok(display_path: str, glob: str | None) -> bool:
     if not glob:
         return True
     name = display_path.rsplit("/", 1)[-1]
-    rel = display_path[len("/app/"):]
+    rel = display_path[len("/app/") :]
     return fnmatch.fnmatch(name, glob) or fnmatch.fnmatch(rel, glob) or fnmatch.fnmatch(display_path, glob)
 
 
-def grep(ws: Workspace, pattern: str, path: str = "/app", glob: str | None = None,
-         case_insensitive: bool = False, max_matches: int = 100) -> dict:
+def grep(
+    ws: Workspace,
+    pattern: str,
+    path: str = "/app",
+    glob: str | None = None,
+    case_insensitive: bool = False,
+    max_matches: int = 100,
+) -> dict:
     try:
         rx = regex.compile(pattern, regex.IGNORECASE if case_insensitive else 0)
     except regex.error as exc:
@@ -88,8 +103,10 @@ def grep(ws: Workspace, pattern: str, path: str = "/app", glob: str | None = Non
             try:
                 hit = rx.search(line[:4096], timeout=GREP_REGEX_TIMEOUT_S)
             except TimeoutError:
-                raise ToolError(f"regular expression {pattern!r} took over {GREP_REGEX_TIMEOUT_S}s on one "
-                                f"line of {display} (catastrophic backtracking); simplify it") from None
+                raise ToolError(
+                    f"regular expression {pattern!r} took over {GREP_REGEX_TIMEOUT_S}s on one "
+                    f"line of {display} (catastrophic backtracking); simplify it"
+                ) from None
             if hit:
                 if len(matches) >= max_matches:
                     truncated = True
@@ -102,8 +119,11 @@ def grep(ws: Workspace, pattern: str, path: str = "/app", glob: str | None = Non
 
 
 def semantic_search(ws: Workspace, query: str, path: str = "/app", top_k: int = 8) -> dict:
-    files = [(p, d.decode("utf-8", "replace")) for p, d in ws.walk_files(path, max_file_bytes=512 * 1024)
-             if b"\x00" not in d[:8192]]
+    files = [
+        (p, d.decode("utf-8", "replace"))
+        for p, d in ws.walk_files(path, max_file_bytes=512 * 1024)
+        if b"\x00" not in d[:8192]
+    ]
     return _semantic.search(query, files[:5000], top_k)
 
 
@@ -113,7 +133,10 @@ async def run_shell(ctx: ToolContext, command: str, timeout_s: float = 30.0) -> 
 
 
 _SYNC_TOOLS: dict[str, Callable[..., dict]] = {
-    "read_file": read_file, "edit_file": edit_file, "list_dir": list_dir, "grep": grep,
+    "read_file": read_file,
+    "edit_file": edit_file,
+    "list_dir": list_dir,
+    "grep": grep,
     "semantic_search": semantic_search,
 }
 

@@ -6,6 +6,7 @@ local sandbox cannot run (never half-run it), grade the untouched workspace (mus
 `solution/solve.sh` on a fresh copy with /solution mounted read-only and grade that (must be 1).
 Generated families (`--families`) are validated the same way for the requested seeds.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -22,7 +23,7 @@ from composer_jax.env.tasks import Task, TaskError, TaskStore
 @dataclasses.dataclass
 class TaskReport:
     task_id: str
-    status: str                 # pass | fail | skipped | invalid
+    status: str  # pass | fail | skipped | invalid
     detail: str = ""
     untouched_reward: float | None = None
     oracle_reward: float | None = None
@@ -45,25 +46,42 @@ async def validate_task(task: Task, sandbox: Sandbox, scratch: Path, limits: Lim
         solved, solve_result = await grader.oracle_workspace(task, lease, scratch, limits)
         try:
             if solve_result.exit_code != 0:
-                problems.append(f"solution/solve.sh exited with {solve_result.exit_code}"
-                                f"{' (timed out)' if solve_result.timed_out else ''}: "
-                                f"{(solve_result.stderr or solve_result.stdout)[-300:].strip()}")
+                problems.append(
+                    f"solution/solve.sh exited with {solve_result.exit_code}"
+                    f"{' (timed out)' if solve_result.timed_out else ''}: "
+                    f"{(solve_result.stderr or solve_result.stdout)[-300:].strip()}"
+                )
             oracle = await grader.grade(task, lease, solved, scratch, limits)
         finally:
             grader.release_job(solved)
         if oracle.reward != 1:
-            problems.append(f"reference solution scored {oracle.reward:g}, expected 1"
-                            f"{'; ' + oracle.error if oracle.error else ''}; verifier output: "
-                            f"{oracle.output_tail[-300:].strip()!r}")
+            problems.append(
+                f"reference solution scored {oracle.reward:g}, expected 1"
+                f"{'; ' + oracle.error if oracle.error else ''}; verifier output: "
+                f"{oracle.output_tail[-300:].strip()!r}"
+            )
     finally:
         await lease.close()
-    return TaskReport(task.task_id, "fail" if problems else "pass", "; ".join(problems),
-                      untouched.reward, oracle.reward, round(time.monotonic() - start, 2))
+    return TaskReport(
+        task.task_id,
+        "fail" if problems else "pass",
+        "; ".join(problems),
+        untouched.reward,
+        oracle.reward,
+        round(time.monotonic() - start, 2),
+    )
 
 
-async def validate_all(store: TaskStore, sandbox: Sandbox, *, jobs: int = 2, families: list[str] = (),
-                       seeds: list[int] = (0,), limits: Limits | None = None,
-                       progress=None) -> list[TaskReport]:
+async def validate_all(
+    store: TaskStore,
+    sandbox: Sandbox,
+    *,
+    jobs: int = 2,
+    families: list[str] = (),
+    seeds: list[int] = (0,),
+    limits: Limits | None = None,
+    progress=None,
+) -> list[TaskReport]:
     """Validate every task of `store` (and generated `families` x `seeds`), `jobs` at a time."""
     limits = limits or Limits(wall_seconds=600)
     reports = [TaskReport(name, "invalid", err) for name, err in sorted(store.errors.items())]

@@ -6,6 +6,7 @@ with `size=` set from the task's `storage_mb`, so `dd if=/dev/zero` stops with E
 session only. Otherwise the directory is plain and only the per-file size limit (RLIMIT_FSIZE)
 applies; `volume_kind()` says which, and /health reports it.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -35,6 +36,7 @@ def volume_kind() -> str:
             _can_mount = False
         else:
             import tempfile
+
             probe = Path(tempfile.mkdtemp(prefix="cj-volume-probe-"))
             try:
                 _can_mount = _mount_tmpfs(probe, 1, 0, 0)

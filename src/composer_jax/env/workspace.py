@@ -15,13 +15,14 @@ cost milliseconds each), so every path is confined here:
 FIFOs and devices are never opened for reading (O_NONBLOCK + fstat), so a planted FIFO cannot
 hang a server thread.
 """
+
 from __future__ import annotations
 
 import errno
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from composer_jax.env.protocol import APP, ToolError  # noqa: F401 - ToolError re-exported (its old home)
 
@@ -53,10 +54,11 @@ class Workspace:
         if not isinstance(path, str) or "\x00" in path:
             raise ToolError(f"path {path!r} must be a string without NUL bytes")
         if path == APP or path.startswith(APP + "/"):
-            rel = path[len(APP):]
+            rel = path[len(APP) :]
         elif path.startswith("/"):
-            raise PathEscapeError(f"path {path!r} is outside the workspace; use a path relative to /app "
-                                  f"or an absolute path under /app")
+            raise PathEscapeError(
+                f"path {path!r} is outside the workspace; use a path relative to /app or an absolute path under /app"
+            )
         else:
             rel = path
         pending, out, hops = _split(rel), [], 0
@@ -82,9 +84,11 @@ class Workspace:
                 target = os.readlink(host)
                 if target.startswith("/"):
                     if not (target == APP or target.startswith(APP + "/")):
-                        raise PathEscapeError(f"path {path!r}: symlink {'/'.join(out + [comp])!r} points to "
-                                              f"{target!r}, outside the workspace")
-                    out, pending = [], _split(target[len(APP):]) + pending
+                        raise PathEscapeError(
+                            f"path {path!r}: symlink {'/'.join(out + [comp])!r} points to "
+                            f"{target!r}, outside the workspace"
+                        )
+                    out, pending = [], _split(target[len(APP) :]) + pending
                 else:
                     pending = _split(target) + pending
                 continue
@@ -110,8 +114,10 @@ class Workspace:
                     nfd = os.open(comp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
                 except OSError as exc:
                     if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                        raise ToolError(f"{self.display(parts)}: {comp!r} is not a directory "
-                                        "(or was replaced by a symlink while being opened)") from None
+                        raise ToolError(
+                            f"{self.display(parts)}: {comp!r} is not a directory "
+                            "(or was replaced by a symlink while being opened)"
+                        ) from None
                     raise
                 os.close(fd)
                 fd = nfd
@@ -149,8 +155,10 @@ class Workspace:
             if not stat.S_ISREG(st.st_mode):
                 raise ToolError(f"{self.display(parts)} is not a regular file")
             if st.st_size > limit:
-                raise ToolError(f"{self.display(parts)} is {st.st_size} bytes; files over {limit} bytes "
-                                "cannot be read with this tool (use run_shell with head/sed)")
+                raise ToolError(
+                    f"{self.display(parts)} is {st.st_size} bytes; files over {limit} bytes "
+                    "cannot be read with this tool (use run_shell with head/sed)"
+                )
             return f.read(limit + 1)[:limit], parts
 
     def write_bytes(self, path: str, data: bytes, *, create_only: bool = False) -> tuple[bool, list[str]]:
@@ -186,9 +194,13 @@ class Workspace:
             os.close(dfd)
 
     # ---------------------------------------------------------------- tree walks
-    def walk_files(self, path: str, *, max_file_bytes: int = 2**20,
-                   skip_dirs: tuple[str, ...] = (".git", "__pycache__", ".pytest_cache", "node_modules")
-                   ) -> Iterator[tuple[str, bytes]]:
+    def walk_files(
+        self,
+        path: str,
+        *,
+        max_file_bytes: int = 2**20,
+        skip_dirs: tuple[str, ...] = (".git", "__pycache__", ".pytest_cache", "node_modules"),
+    ) -> Iterator[tuple[str, bytes]]:
         """(display path, contents) for regular files under `path`, never following symlinks."""
         parts = self.parts(path)
         try:
@@ -229,8 +241,15 @@ class Workspace:
                         st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
                     except OSError:
                         continue
-                    kind = ("dir" if stat.S_ISDIR(st.st_mode) else "symlink" if stat.S_ISLNK(st.st_mode)
-                            else "file" if stat.S_ISREG(st.st_mode) else "other")
+                    kind = (
+                        "dir"
+                        if stat.S_ISDIR(st.st_mode)
+                        else "symlink"
+                        if stat.S_ISLNK(st.st_mode)
+                        else "file"
+                        if stat.S_ISREG(st.st_mode)
+                        else "other"
+                    )
                     rel = os.path.normpath(os.path.join(dirpath, name))
                     yield f"{base}/{rel}", kind, st.st_size if kind == "file" else 0
                 if level + 1 >= depth:

@@ -17,22 +17,33 @@ Conventions (stated once here and repeated in the report):
     convention of MaxText / torchtitan-style MFU) and S_ctx = seq for the PaLM / Megatron
     convention, reported alongside.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import AbstractMesh
 
 from composer_jax.config import MESH_AXES, ModelConfig
-from composer_jax.model.params import ParamSpec, path_str, abstract_params, param_specs
+from composer_jax.model.params import ParamSpec, abstract_params, param_specs, path_str
 from composer_jax.sharding import ShardingRules
 
-COMPONENTS = ("embedding", "attention", "dense_mlp", "routed_experts", "shared_experts", "router",
-              "norms", "lm_head", "mtp")
+COMPONENTS = (
+    "embedding",
+    "attention",
+    "dense_mlp",
+    "routed_experts",
+    "shared_experts",
+    "router",
+    "norms",
+    "lm_head",
+    "mtp",
+)
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 
@@ -91,8 +102,9 @@ def _component(path: str, leaf: str) -> str:
     raise ValueError(f"parameter {path!r} belongs to no known component; extend accounting._component")
 
 
-def param_rows(cfg: ModelConfig, rules: ShardingRules | None = None,
-               mesh_sizes: Mapping[str, int] | None = None) -> list[ParamRow]:
+def param_rows(
+    cfg: ModelConfig, rules: ShardingRules | None = None, mesh_sizes: Mapping[str, int] | None = None
+) -> list[ParamRow]:
     """Every parameter array of `cfg` with its component and, given a mesh, its shard count.
 
     Shapes and dtypes come from `jax.eval_shape` of the real initialiser (so they are what
@@ -119,12 +131,21 @@ def param_rows(cfg: ModelConfig, rules: ShardingRules | None = None,
             for part in rules.spec(spec.logical_axes, spec.shape, mesh):
                 axes += () if part is None else (part,) if isinstance(part, str) else tuple(part)
             unsplit = tuple(rules.dropped_axes(spec.logical_axes, spec.shape, mesh))
-        rows.append(ParamRow(
-            path=p, shape=spec.shape, dtype=str(sds.dtype), logical_axes=spec.logical_axes,
-            component=comp, active_fraction=frac_routed if routed else 1.0,
-            matmul=not (leaf.endswith("norm") or leaf == "router_bias" or comp == "embedding"),
-            size=math.prod(spec.shape), mesh_axes=axes,
-            shards=math.prod(mesh.shape[a] for a in axes) if mesh is not None else 1, unsplit=unsplit))
+        rows.append(
+            ParamRow(
+                path=p,
+                shape=spec.shape,
+                dtype=str(sds.dtype),
+                logical_axes=spec.logical_axes,
+                component=comp,
+                active_fraction=frac_routed if routed else 1.0,
+                matmul=not (leaf.endswith("norm") or leaf == "router_bias" or comp == "embedding"),
+                size=math.prod(spec.shape),
+                mesh_axes=axes,
+                shards=math.prod(mesh.shape[a] for a in axes) if mesh is not None else 1,
+                unsplit=unsplit,
+            )
+        )
     return rows
 
 
@@ -207,8 +228,15 @@ def _layer_activation_bytes(cfg: ModelConfig, sizes: Mapping[str, int], seq: int
     h = cfg.num_heads / tp
     qk, v = attention_dims(cfg)
     if cfg.attention_type == "mla":
-        attn = (cfg.q_lora_rank * 2 + h * qk * 2 + (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank
-                + h * (cfg.qk_nope_head_dim + v) + h * v + d)
+        attn = (
+            cfg.q_lora_rank * 2
+            + h * qk * 2
+            + (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+            + cfg.kv_lora_rank
+            + h * (cfg.qk_nope_head_dim + v)
+            + h * v
+            + d
+        )
     else:
         kvh = cfg.num_kv_heads / tp
         attn = h * qk * 2 + kvh * qk * 2 + kvh * v + h * v + d  # q, k (pre/post norm+rope), v, out, o
@@ -241,11 +269,14 @@ def attention_block_bytes(cfg: ModelConfig, sizes: Mapping[str, int], local_batc
     if cfg.attention_impl != "blockwise":
         return 0.0
     h = cfg.num_heads / sizes["tensor"]
-    return local_batch * h * min(cfg.attn_block_q, seq) * min(cfg.attn_block_k, seq) * (4 + 4 + _BYTES[cfg.compute_dtype])
+    return (
+        local_batch * h * min(cfg.attn_block_q, seq) * min(cfg.attn_block_k, seq) * (4 + 4 + _BYTES[cfg.compute_dtype])
+    )
 
 
-def memory_per_device(cfg: ModelConfig, rows: list[ParamRow], rules: ShardingRules, sizes: Mapping[str, int],
-                      batch: int, seq: int) -> dict[str, Any]:
+def memory_per_device(
+    cfg: ModelConfig, rows: list[ParamRow], rules: ShardingRules, sizes: Mapping[str, int], batch: int, seq: int
+) -> dict[str, Any]:
     """Estimated bytes per device for training at global `batch` sequences of `seq` tokens.
 
     params: each array's bytes / its shard count. grads: the same (gradients take the parameter
@@ -267,12 +298,19 @@ def memory_per_device(cfg: ModelConfig, rows: list[ParamRow], rules: ShardingRul
     fsdp_buffers = 2 * max(stacks.values(), default=0.0)
     act = activation_bytes(cfg, rules, sizes, batch, seq)
     total = params * 2 + opt + fsdp_buffers + act["total"]
-    return {"params": params, "grads": params, "optimizer": opt, "fsdp_buffers": fsdp_buffers,
-            "activations": act, "total": total}
+    return {
+        "params": params,
+        "grads": params,
+        "optimizer": opt,
+        "fsdp_buffers": fsdp_buffers,
+        "activations": act,
+        "total": total,
+    }
 
 
-def activation_bytes(cfg: ModelConfig, rules: ShardingRules, sizes: Mapping[str, int], batch: int,
-                     seq: int) -> dict[str, Any]:
+def activation_bytes(
+    cfg: ModelConfig, rules: ShardingRules, sizes: Mapping[str, int], batch: int, seq: int
+) -> dict[str, Any]:
     """Stored activations per device, by remat policy (cfg.remat), for T = batch/batch_shards x
     seq/context local tokens:
 
@@ -292,11 +330,11 @@ def activation_bytes(cfg: ModelConfig, rules: ShardingRules, sizes: Mapping[str,
     dense_l = _layer_activation_bytes(cfg, sizes, seq, moe=False)
     moe_l = _layer_activation_bytes(cfg, sizes, seq, moe=bool(cfg.num_experts))
     layers = [dense_l] * cfg.num_dense_layers + [moe_l] * cfg.num_moe_layers + [moe_l] * cfg.num_mtp_layers
-    worst = max((l["linear"] + l["scores"] for l in layers), default=0.0)
+    worst = max((a["linear"] + a["scores"] for a in layers), default=0.0)
     if cfg.remat == "none":
-        per_token = sum(l["linear"] + l["scores"] for l in layers)
+        per_token = sum(a["linear"] + a["scores"] for a in layers)
     elif cfg.remat == "dots":
-        per_token = sum(l["linear"] for l in layers) + max(l["scores"] for l in layers)
+        per_token = sum(a["linear"] for a in layers) + max(a["scores"] for a in layers)
     else:
         per_token = len(layers) * cfg.hidden_size * c + worst
     heads = 1 + cfg.num_mtp_layers
@@ -305,8 +343,14 @@ def activation_bytes(cfg: ModelConfig, rules: ShardingRules, sizes: Mapping[str,
     mask = seq if cfg.attention_impl == "dense" else 0
     layer_part = tokens * per_token + attention_block_bytes(cfg, sizes, local_batch, seq)
     total = layer_part + tokens * (logits + mask)
-    return {"tokens_per_device": tokens, "layers": layer_part, "logits": tokens * logits,
-            "mask": tokens * mask, "total": total, "remat": cfg.remat}
+    return {
+        "tokens_per_device": tokens,
+        "layers": layer_part,
+        "logits": tokens * logits,
+        "mask": tokens * mask,
+        "total": total,
+        "remat": cfg.remat,
+    }
 
 
 def fits(total_bytes: float, device_memory_gib: float) -> bool:

@@ -3,15 +3,15 @@
 Packed sequences: `segment_ids` [batch, seq] (0 = padding) and per-segment `positions`; a token
 attends only to earlier tokens of its own segment.
 """
+
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from composer_jax.config import ModelConfig
-from composer_jax.model.flash import blockwise_attention
 from composer_jax.model.context_parallel import context_axes, context_parallel_attention
+from composer_jax.model.flash import blockwise_attention
 from composer_jax.model.layers import apply_rope, linear, rms_norm, softmax_scale
 from composer_jax.model.masks import Visibility, causal_segment_mask, segment_positions  # noqa: F401  (re-exported)
 from composer_jax.sharding import MeshRules, constrain
@@ -33,9 +33,19 @@ def _attend(q, k, v, vis: Visibility, cfg: ModelConfig):
         probs = _softmax_attend(scores * softmax_scale(cfg), vis.mask()).astype(v.dtype)
         return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
     heads_first = lambda x: jnp.swapaxes(x, 1, 2)
-    out = blockwise_attention(heads_first(q), heads_first(k), heads_first(v), vis.q_seg, vis.q_ord, vis.k_seg,
-                              vis.k_ord, scale=softmax_scale(cfg), block_q=cfg.attn_block_q,
-                              block_k=cfg.attn_block_k, causal_skip=vis.causal_skip)
+    out = blockwise_attention(
+        heads_first(q),
+        heads_first(k),
+        heads_first(v),
+        vis.q_seg,
+        vis.q_ord,
+        vis.k_seg,
+        vis.k_ord,
+        scale=softmax_scale(cfg),
+        block_q=cfg.attn_block_q,
+        block_k=cfg.attn_block_k,
+        causal_skip=vis.causal_skip,
+    )
     return heads_first(out)
 
 
@@ -85,10 +95,13 @@ def mla(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, sharding: MeshRules 
     kv = linear(x, p["kv_a"])
     latent = rms_norm(kv[..., : cfg.kv_lora_rank], p["kv_a_norm"], LATENT_NORM_EPS)
     q_rope = apply_rope(q_rope, ctx["cos"], ctx["sin"], cfg.rope_interleave)
-    k_rope = apply_rope(kv[..., cfg.kv_lora_rank:][:, :, None, :], ctx["cos"], ctx["sin"], cfg.rope_interleave)[:, :, 0]
+    k_rope = apply_rope(kv[..., cfg.kv_lora_rank :][:, :, None, :], ctx["cos"], ctx["sin"], cfg.rope_interleave)[
+        :, :, 0
+    ]
     if context_axes(sharding):
-        out = context_parallel_attention(_mla_core, (q_nope, q_rope), (latent, k_rope), (p["kv_b"],),
-                                         ctx, cfg, sharding)
+        out = context_parallel_attention(
+            _mla_core, (q_nope, q_rope), (latent, k_rope), (p["kv_b"],), ctx, cfg, sharding
+        )
     else:
         out = _mla_core(q_nope, q_rope, latent, k_rope, p["kv_b"], _local_visibility(ctx), cfg)
     out = constrain(out, sharding, ("act_batch", "act_seq", "act_heads", "act_head_dim"))

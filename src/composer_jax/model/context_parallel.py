@@ -5,6 +5,7 @@ to its inputs and targets before splitting them over the context axis, so causal
 balanced) and the attention that runs on that layout (an explicit `shard_map` that all-gathers
 the key/value sources over the context axis and masks by original token order).
 """
+
 from __future__ import annotations
 
 import jax
@@ -36,8 +37,9 @@ def context_size(sharding: MeshRules | None) -> int:
     return int(np.prod([sharding.size(a) for a in context_axes(sharding)])) if sharding is not None else 1
 
 
-def context_parallel_attention(core, queries: tuple, kv_sources: tuple, head_params: tuple, ctx: dict,
-                               cfg: ModelConfig, sharding: MeshRules) -> jax.Array:
+def context_parallel_attention(
+    core, queries: tuple, kv_sources: tuple, head_params: tuple, ctx: dict, cfg: ModelConfig, sharding: MeshRules
+) -> jax.Array:
     """Attention with the sequence split over the context mesh axis (explicit `shard_map`).
 
     Each device keeps its query block and all-gathers the key/value *sources* over the context
@@ -70,7 +72,8 @@ def context_parallel_attention(core, queries: tuple, kv_sources: tuple, head_par
         half = seg.shape[1] // 2
         # keys of the first C chunks = the first half of every device's block
         first = lambda x: x.reshape(x.shape[0], n_ctx, 2, half, *x.shape[2:])[:, :, 0].reshape(
-            x.shape[0], n_ctx * half, *x.shape[2:])
+            x.shape[0], n_ctx * half, *x.shape[2:]
+        )
         qa = tuple(q[:, :half] for q in queries)
         qb = tuple(q[:, half:] for q in queries)
         vis_a = Visibility(seg[:, :half], order[:, :half], first(seg_all), first(order_all))
@@ -79,8 +82,16 @@ def context_parallel_attention(core, queries: tuple, kv_sources: tuple, head_par
         out_b = core(*qb, *kv_all, *hp, vis_b, cfg)
         return jnp.concatenate([out_a, out_b], axis=1)
 
-    fn = jax.shard_map(body, mesh=sharding.mesh,
-                       in_specs=(tuple(q_spec for _ in queries), tuple(kv_spec(x) for x in kv_sources),
-                                 tuple(hp_spec(w) for w in head_params), tok_spec, tok_spec),
-                       out_specs=q_spec)
+    fn = jax.shard_map(
+        body,
+        mesh=sharding.mesh,
+        in_specs=(
+            tuple(q_spec for _ in queries),
+            tuple(kv_spec(x) for x in kv_sources),
+            tuple(hp_spec(w) for w in head_params),
+            tok_spec,
+            tok_spec,
+        ),
+        out_specs=q_spec,
+    )
     return fn(queries, kv_sources, head_params, ctx["segment_ids"], ctx["order"])

@@ -25,6 +25,7 @@ Shapes: q [b, h, sq, d], k [b, h, sk, d], v [b, h, sk, dv]; segment ids / orders
 [b, sk]. Scores and the softmax are float32; the probability-times-value products run in v's dtype
 (as the dense path does).
 """
+
 from __future__ import annotations
 
 import functools
@@ -40,8 +41,7 @@ MAX_QUERY_BLOCKS = 16  # unrolled query blocks per attention call (compile time)
 
 def _visible(q_seg, q_ord, k_seg, k_ord):
     """-> bool[b, 1, bq, bk]."""
-    return ((k_ord[:, None, None, :] <= q_ord[:, None, :, None])
-            & (k_seg[:, None, None, :] == q_seg[:, None, :, None]))
+    return (k_ord[:, None, None, :] <= q_ord[:, None, :, None]) & (k_seg[:, None, None, :] == q_seg[:, None, :, None])
 
 
 def _plan(sq: int, sk: int, block_q: int, block_k: int, causal_skip: bool):
@@ -76,15 +76,19 @@ def _chunks(x, span: int, chunk: int, axis: int, fill=0):
         x = jnp.pad(x, pad, constant_values=fill)
         span = x.shape[axis]
     shape = x.shape
-    x = x.reshape(shape[:axis] + (span // chunk, chunk) + shape[axis + 1:])
+    x = x.reshape(shape[:axis] + (span // chunk, chunk) + shape[axis + 1 :])
     return jnp.moveaxis(x, axis, 0)
 
 
 def _key_chunks(k, v, k_seg, k_ord, span: int, chunk: int):
     """Keys [0, span) in chunks; padding keys (past the span) carry an order no query reaches."""
     big = jnp.iinfo(jnp.int32).max
-    return (_chunks(k, span, chunk, 2), _chunks(v, span, chunk, 2), _chunks(k_seg, span, chunk, 1),
-            _chunks(k_ord, span, chunk, 1, fill=big))
+    return (
+        _chunks(k, span, chunk, 2),
+        _chunks(v, span, chunk, 2),
+        _chunks(k_seg, span, chunk, 1),
+        _chunks(k_ord, span, chunk, 1, fill=big),
+    )
 
 
 def _block_forward(qi, qs, qo, k, v, ks, ko, span, chunk, scale):
@@ -93,7 +97,7 @@ def _block_forward(qi, qs, qo, k, v, ks, ko, span, chunk, scale):
     dv = v.shape[-1]
 
     def step(carry, xs):
-        m, l, acc = carry
+        m, denom, acc = carry
         kc, vc, ksc, koc = xs
         s = jnp.einsum("bhqd,bhkd->bhqk", qi, kc, preferred_element_type=jnp.float32) * scale
         vis = _visible(qs, qo, ksc, koc)
@@ -101,32 +105,39 @@ def _block_forward(qi, qs, qo, k, v, ks, ko, span, chunk, scale):
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.where(vis, jnp.exp(s - m_new[..., None]), 0.0)
         corr = jnp.exp(m - m_new)
-        l = l * corr + p.sum(-1)
-        acc = acc * corr[..., None] + jnp.einsum("bhqk,bhkd->bhqd", p.astype(vc.dtype), vc,
-                                                 preferred_element_type=jnp.float32)
-        return (m_new, l, acc), None
+        denom = denom * corr + p.sum(-1)
+        acc = acc * corr[..., None] + jnp.einsum(
+            "bhqk,bhkd->bhqd", p.astype(vc.dtype), vc, preferred_element_type=jnp.float32
+        )
+        return (m_new, denom, acc), None
 
     # inside shard_map the carry must vary over the same mesh axes as the per-step result
-    init = tuple(vary_like(x, qi, qs, qo, k, v, ks, ko) for x in (jnp.full((b, h, bq), NEG, jnp.float32),
-                                               jnp.zeros((b, h, bq), jnp.float32),
-                                               jnp.zeros((b, h, bq, dv), jnp.float32)))
+    init = tuple(
+        vary_like(x, qi, qs, qo, k, v, ks, ko)
+        for x in (
+            jnp.full((b, h, bq), NEG, jnp.float32),
+            jnp.zeros((b, h, bq), jnp.float32),
+            jnp.zeros((b, h, bq, dv), jnp.float32),
+        )
+    )
     xs = _key_chunks(k, v, ks, ko, span, chunk)
     if span == chunk:  # one chunk: no loop
-        (m, l, acc), _ = step(init, jax.tree.map(lambda x: x[0], xs))
+        (m, denom, acc), _ = step(init, jax.tree.map(lambda x: x[0], xs))
     else:
-        (m, l, acc), _ = jax.lax.scan(step, init, xs)
-    seen = l > 0
-    l = jnp.where(seen, l, 1.0)
-    out = acc / l[..., None]
-    lse = jnp.where(seen, m + jnp.log(l), jnp.inf)  # exp(s - inf) = 0: unseen rows get no gradient
+        (m, denom, acc), _ = jax.lax.scan(step, init, xs)
+    seen = denom > 0
+    denom = jnp.where(seen, denom, 1.0)
+    out = acc / denom[..., None]
+    lse = jnp.where(seen, m + jnp.log(denom), jnp.inf)  # exp(s - inf) = 0: unseen rows get no gradient
     return out, lse
 
 
 def _forward(q, k, v, q_seg, q_ord, k_seg, k_ord, scale, plan):
     outs, lses = [], []
     for start, stop, span, chunk in plan:
-        o, lse = _block_forward(q[:, :, start:stop], q_seg[:, start:stop], q_ord[:, start:stop],
-                                k, v, k_seg, k_ord, span, chunk, scale)
+        o, lse = _block_forward(
+            q[:, :, start:stop], q_seg[:, start:stop], q_ord[:, start:stop], k, v, k_seg, k_ord, span, chunk, scale
+        )
         outs.append(o)
         lses.append(lse)
     out = jnp.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]
@@ -173,7 +184,9 @@ def _attention_bwd(scale, plan, res, d_out):
             dk_span, dv_span = dk_c, dv_c
         else:
             dq_i, (dk_c, dv_c) = jax.lax.scan(step, dq0, xs)
-            merge = lambda x: jnp.moveaxis(x, 0, 2).reshape(x.shape[1], x.shape[2], -1, x.shape[-1])[:, :, :span]
+            merge = lambda x, span=span: jnp.moveaxis(x, 0, 2).reshape(x.shape[1], x.shape[2], -1, x.shape[-1])[
+                :, :, :span
+            ]
             dk_span, dv_span = merge(dk_c), merge(dv_c)
         dq_blocks.append(dq_i)
         if span == k.shape[2]:
@@ -183,22 +196,42 @@ def _attention_bwd(scale, plan, res, d_out):
             dv = dv.at[:, :, :span].add(dv_span)
     dq = jnp.concatenate(dq_blocks, axis=2) if len(dq_blocks) > 1 else dq_blocks[0]
     zeros = lambda x: jnp.zeros(x.shape, jax.dtypes.float0)
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-            zeros(q_seg), zeros(q_ord), zeros(k_seg), zeros(k_ord))
+    return (
+        dq.astype(q.dtype),
+        dk.astype(k.dtype),
+        dv.astype(v.dtype),
+        zeros(q_seg),
+        zeros(q_ord),
+        zeros(k_seg),
+        zeros(k_ord),
+    )
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segment_ids: jax.Array, q_order: jax.Array,
-                        k_segment_ids: jax.Array, k_order: jax.Array, *, scale: float, block_q: int = 128,
-                        block_k: int = 1024, causal_skip: bool = False) -> jax.Array:
+def blockwise_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_segment_ids: jax.Array,
+    q_order: jax.Array,
+    k_segment_ids: jax.Array,
+    k_order: jax.Array,
+    *,
+    scale: float,
+    block_q: int = 128,
+    block_k: int = 1024,
+    causal_skip: bool = False,
+) -> jax.Array:
     """Softmax attention of q over k/v under the causal + same-segment mask (module docstring).
 
     q [b, h, sq, d]; k [b, h, sk, d]; v [b, h, sk, dv] -> [b, h, sq, dv] in v's dtype."""
     if q.ndim != 4 or k.shape[:3] != v.shape[:3] or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"blockwise_attention: q {q.shape}, k {k.shape}, v {v.shape} do not fit "
-                         "q [b, h, sq, d], k [b, h, sk, d], v [b, h, sk, dv]")
+        raise ValueError(
+            f"blockwise_attention: q {q.shape}, k {k.shape}, v {v.shape} do not fit "
+            "q [b, h, sq, d], k [b, h, sk, d], v [b, h, sk, dv]"
+        )
     if block_q < 1 or block_k < 1:
         raise ValueError(f"block_q={block_q}, block_k={block_k}: both must be >= 1")
     plan = tuple(_plan(q.shape[2], k.shape[2], block_q, block_k, causal_skip))

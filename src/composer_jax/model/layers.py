@@ -1,4 +1,5 @@
 """Building blocks: RMSNorm, rotary embeddings with YaRN, SwiGLU MLP."""
+
 from __future__ import annotations
 
 import math
@@ -26,9 +27,11 @@ def linear(x: jax.Array, w: jax.Array, contract: int = 1, preferred_element_type
     off its fast matmul path: a SwiGLU's forward+backward at [8, 512, 256] -> 1024 took 296 ms with
     3-D activations and 127 ms flattened (bench/train_step.py shape). Same numbers either way."""
     lead = x.shape[: x.ndim - contract]
-    d_in = math.prod(x.shape[x.ndim - contract:])
+    d_in = math.prod(x.shape[x.ndim - contract :])
     out = w.shape[contract:]
-    y = jnp.matmul(x.reshape(-1, d_in), w.reshape(d_in, -1).astype(x.dtype), preferred_element_type=preferred_element_type)
+    y = jnp.matmul(
+        x.reshape(-1, d_in), w.reshape(d_in, -1).astype(x.dtype), preferred_element_type=preferred_element_type
+    )
     return y.reshape(*lead, *out)
 
 
@@ -65,7 +68,9 @@ def rope_frequencies(dim: int, theta: float, scaling: RopeScalingConfig) -> tupl
     inv_inter = (1.0 / (np.float32(f) * pos_freqs)).astype(np.float32)
 
     def correction_dim(rotations: float) -> float:
-        return (dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+        return (dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+            2 * math.log(theta)
+        )
 
     low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
     if scaling.truncate:
@@ -85,7 +90,7 @@ def rope_frequencies(dim: int, theta: float, scaling: RopeScalingConfig) -> tupl
 
 def softmax_scale(cfg: ModelConfig) -> float:
     """1/sqrt(qk_head_dim), times DeepSeek's mscale_all_dim^2 correction under YaRN."""
-    scale = cfg.qk_head_dim ** -0.5
+    scale = cfg.qk_head_dim**-0.5
     rs = cfg.rope_scaling
     if rs.type == "yarn" and rs.mscale_all_dim:
         m = yarn_mscale(rs.factor, rs.mscale_all_dim)

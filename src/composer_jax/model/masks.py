@@ -3,6 +3,7 @@
 Shared by local attention (`attention.py`, `flash.py`) and context-parallel attention
 (`context_parallel.py`), where queries and keys come from different devices' blocks.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -16,13 +17,18 @@ def segment_positions(segment_ids: jax.Array) -> jax.Array:
     seq = segment_ids.shape[-1]
     idx = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), segment_ids.shape)
     is_start = jnp.concatenate(
-        [jnp.ones_like(segment_ids[..., :1], bool), segment_ids[..., 1:] != segment_ids[..., :-1]], axis=-1)
+        [jnp.ones_like(segment_ids[..., :1], bool), segment_ids[..., 1:] != segment_ids[..., :-1]], axis=-1
+    )
     start = jax.lax.cummax(jnp.where(is_start, idx, 0), axis=segment_ids.ndim - 1)
     return idx - start
 
 
-def causal_segment_mask(segment_ids: jax.Array, order: jax.Array | None = None,
-                        k_segment_ids: jax.Array | None = None, k_order: jax.Array | None = None) -> jax.Array:
+def causal_segment_mask(
+    segment_ids: jax.Array,
+    order: jax.Array | None = None,
+    k_segment_ids: jax.Array | None = None,
+    k_order: jax.Array | None = None,
+) -> jax.Array:
     """-> bool[batch, 1, q_seq, k_seq]: key not after the query (by original token index `order`,
     which differs from the array index when the sequence is permuted for context parallelism) and
     in the same segment. Keys default to the queries."""

@@ -18,6 +18,7 @@ Expert parallelism: inside `jax.shard_map`, assignments are exchanged with `all_
 expert mesh axis into fixed [ep, T*K] buffers (worst case, so nothing is ever dropped), computed by
 the local experts, and returned by the inverse all_to_all.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -38,8 +39,9 @@ class Routing(NamedTuple):
     scores: jax.Array  # float32[tokens, experts] (sigmoid or softmax, before selection)
 
 
-def route(router_w: jax.Array, router_bias: jax.Array, x: jax.Array, cfg: ModelConfig,
-          replay: jax.Array | None = None) -> Routing:
+def route(
+    router_w: jax.Array, router_bias: jax.Array, x: jax.Array, cfg: ModelConfig, replay: jax.Array | None = None
+) -> Routing:
     """x: [tokens, embed] -> Routing. `replay` (int32[tokens, k]) replaces the selection (router
     replay): the recorded experts are used, with gate weights from the current router."""
     logits = x.astype(jnp.float32) @ router_w.astype(jnp.float32)
@@ -59,8 +61,9 @@ def route(router_w: jax.Array, router_bias: jax.Array, x: jax.Array, cfg: ModelC
             else:
                 group_score = grouped.max(-1)
             _, top_groups = jax.lax.top_k(group_score, cfg.topk_group)
-            keep = jnp.zeros(group_score.shape, bool).at[
-                jnp.arange(group_score.shape[0])[:, None], top_groups].set(True)
+            keep = (
+                jnp.zeros(group_score.shape, bool).at[jnp.arange(group_score.shape[0])[:, None], top_groups].set(True)
+            )
             choice = jnp.where(jnp.repeat(keep, e // cfg.n_group, axis=-1), choice, -jnp.inf)
         _, experts = jax.lax.top_k(choice, k)
     weights = jnp.take_along_axis(scores, experts, axis=-1)
@@ -88,8 +91,9 @@ def update_router_biases(params: dict, counts: dict[str, jax.Array], rate: float
     counts: the `expert_counts` / `mtp_expert_counts` of `ModelOutput.aux` summed over the batch,
     float32[layers, experts] each; stacks without counts keep their bias."""
     biases = router_biases(params)
-    return with_router_biases(params, {k: router_bias_update(b, counts[k], rate)
-                                       for k, b in biases.items() if k in counts})
+    return with_router_biases(
+        params, {k: router_bias_update(b, counts[k], rate) for k, b in biases.items() if k in counts}
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -107,8 +111,7 @@ def _tile_layout(sizes: jax.Array, m: int, num_tiles: int):
     group, group of each of the num_tiles tiles; trailing all-padding tiles get the last group)."""
     padded = ((sizes + m - 1) // m) * m
     padded_ends = jnp.cumsum(padded)
-    tile_group = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(num_tiles) * m, side="right"),
-                             sizes.shape[0] - 1)
+    tile_group = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(num_tiles) * m, side="right"), sizes.shape[0] - 1)
     return padded_ends - padded, tile_group
 
 
@@ -193,8 +196,9 @@ def _ewpt_bwd(res, dt):
 _expert_weights_per_tile.defvjp(_ewpt_fwd, _ewpt_bwd)
 
 
-def tiled_dispatch_swiglu(xt: jax.Array, experts: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
-                          tile: int) -> jax.Array:
+def tiled_dispatch_swiglu(
+    xt: jax.Array, experts: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, tile: int
+) -> jax.Array:
     """Routed SwiGLU of every (token, expert) assignment, straight from the tokens.
 
     xt: [tokens, embed]; experts: int[tokens, k]; gate/up [E, embed, f]; down [E, f, embed] ->
@@ -244,8 +248,9 @@ def _grouped_dense(x: jax.Array, sizes: jax.Array, ws: tuple[jax.Array, ...]) ->
     return jnp.einsum("ngd,ng->nd", y, onehot)
 
 
-def grouped_swiglu(x: jax.Array, sizes: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
-                   impl: str, tile: int = 128) -> jax.Array:
+def grouped_swiglu(
+    x: jax.Array, sizes: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, impl: str, tile: int = 128
+) -> jax.Array:
     """x: [rows, embed] sorted by group; sizes: int[groups] (sum <= rows; rows past the sum give 0);
     gate/up: [groups, embed, f]; down: [groups, f, embed] -> [rows, embed]."""
     if impl == "auto":
@@ -283,8 +288,9 @@ def sequence_balance(scores: jax.Array, experts: jax.Array, num_experts: int, se
     return jnp.sum(f * p_sum / seq)
 
 
-def _sorted_dispatch(xt: jax.Array, experts: jax.Array, ws: tuple, cfg: ModelConfig, ep: int,
-                     ep_axis: str | None) -> jax.Array:
+def _sorted_dispatch(
+    xt: jax.Array, experts: jax.Array, ws: tuple, cfg: ModelConfig, ep: int, ep_axis: str | None
+) -> jax.Array:
     """Assignments sorted by expert, through `grouped_swiglu` (and all_to_all over the expert axis
     when ep > 1) and back: -> [tokens, k, embed]."""
     n, d = xt.shape
@@ -316,9 +322,18 @@ def _sorted_dispatch(xt: jax.Array, experts: jax.Array, ws: tuple, cfg: ModelCon
     return jnp.zeros((a, d), ys.dtype).at[order].set(ys).reshape(n, k, d)
 
 
-def _local_moe(p: dict, x: jax.Array, replay: jax.Array | None, cfg: ModelConfig, ep_axis: str | None,
-               ep: int, reduce_axes: tuple[str, ...], batch_axes: tuple[str, ...] = (),
-               seq_axes: tuple[str, ...] = (), seq_shards: int = 1):
+def _local_moe(
+    p: dict,
+    x: jax.Array,
+    replay: jax.Array | None,
+    cfg: ModelConfig,
+    ep_axis: str | None,
+    ep: int,
+    reduce_axes: tuple[str, ...],
+    batch_axes: tuple[str, ...] = (),
+    seq_axes: tuple[str, ...] = (),
+    seq_shards: int = 1,
+):
     """x: [batch, seq, embed] local block -> (y [batch, seq, embed], experts int32[batch, seq, k],
     counts float32[experts] and the sequence-balance sum over rows, both over the whole mesh)."""
     b, s, d = x.shape
@@ -349,8 +364,7 @@ def _local_moe(p: dict, x: jax.Array, replay: jax.Array | None, cfg: ModelConfig
     return y.reshape(b, s, d), r.experts.reshape(b, s, k), {"expert_counts": counts, "seq_balance": balance}
 
 
-def moe_layer(p: dict, x: jax.Array, cfg: ModelConfig, sharding: MeshRules | None,
-              replay: jax.Array | None = None):
+def moe_layer(p: dict, x: jax.Array, cfg: ModelConfig, sharding: MeshRules | None, replay: jax.Array | None = None):
     """x: [batch, seq, embed] -> (y [batch, seq, embed], experts int32[batch, seq, k], stats) with
     stats = {"expert_counts": float32[experts], "seq_balance": float32[] summed over sequences}.
     With a mesh, runs per device inside `jax.shard_map`."""
@@ -372,22 +386,32 @@ def moe_layer(p: dict, x: jax.Array, cfg: ModelConfig, sharding: MeshRules | Non
         raise ValueError(
             f"expert parallelism over mesh axis {ep_axis!r} needs the tokens split over it too: batch "
             f"{b} x seq {s} is not divisible so that act_batch/act_seq include {ep_axis!r}; use a batch "
-            f"divisible by the product of the batch mesh axes")
-    specs = {name: sharding.spec(tuple(None if a == "embed" else a for a in spec.logical_axes), p[name].shape)
-             for name, spec in moe_specs(cfg).items()}
+            f"divisible by the product of the batch mesh axes"
+        )
+    specs = {
+        name: sharding.spec(tuple(None if a == "embed" else a for a in spec.logical_axes), p[name].shape)
+        for name, spec in moe_specs(cfg).items()
+    }
     tp_e = as_tuple(specs["gate"][2])
     if cfg.num_shared_experts and tp_e != as_tuple(specs["shared_gate"][1]):
-        raise ValueError(f"routed expert hidden axis {tp_e} and shared expert hidden axis "
-                         f"{as_tuple(specs['shared_gate'][1])} must be split over the same mesh axes "
-                         f"(sharding rules expert_mlp and mlp)")
+        raise ValueError(
+            f"routed expert hidden axis {tp_e} and shared expert hidden axis "
+            f"{as_tuple(specs['shared_gate'][1])} must be split over the same mesh axes "
+            f"(sharding rules expert_mlp and mlp)"
+        )
     p = {k: p[k] for k in specs}
 
     def body(p, x, replay):
-        return _local_moe(p, x, replay, cfg, ep_axis, ep, tp_e, b_axes, s_axes,
-                          int(np.prod([sharding.size(a) for a in s_axes])))
+        return _local_moe(
+            p, x, replay, cfg, ep_axis, ep, tp_e, b_axes, s_axes, int(np.prod([sharding.size(a) for a in s_axes]))
+        )
 
-    fn = jax.shard_map(body, mesh=sharding.mesh, in_specs=(specs, tok_spec, None if replay is None else tok_spec),
-                       out_specs=(tok_spec, tok_spec, {"expert_counts": P(), "seq_balance": P()}))
+    fn = jax.shard_map(
+        body,
+        mesh=sharding.mesh,
+        in_specs=(specs, tok_spec, None if replay is None else tok_spec),
+        out_specs=(tok_spec, tok_spec, {"expert_counts": P(), "seq_balance": P()}),
+    )
     return fn(p, x, replay)
 
 
@@ -395,4 +419,3 @@ def moe_param_count_active(cfg: ModelConfig) -> int:
     """Parameters touched per token in one MoE layer's routed + shared experts (for FLOP counts)."""
     per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
     return int(per_expert * (cfg.num_experts_per_tok + cfg.num_shared_experts) + cfg.hidden_size * cfg.num_experts)
-

@@ -12,12 +12,14 @@ and run with `lax.scan` (dense layers first, then MoE layers, as DeepSeek's firs
       "mtp": {"enorm", "hnorm", "eh_proj", "layer": {...}, "norm"},                         # [D, ...]
     }
 """
+
 from __future__ import annotations
 
 import dataclasses
 import warnings
 import zlib
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +43,7 @@ class ParamSpec:
     def __post_init__(self):
         assert len(self.shape) == len(self.logical_axes), (self.shape, self.logical_axes)
 
-    def stacked(self, n: int, axis: str = "layers") -> "ParamSpec":
+    def stacked(self, n: int, axis: str = "layers") -> ParamSpec:
         return dataclasses.replace(self, shape=(n, *self.shape), logical_axes=(axis, *self.logical_axes))
 
 
@@ -72,7 +74,9 @@ def _attention_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
         specs["q"] = ParamSpec((d, h, qk), ("embed", "heads", "head_dim"))
     specs["kv_a"] = ParamSpec((d, cfg.kv_lora_rank + cfg.qk_rope_head_dim), ("embed", "kv_lora"))
     specs["kv_a_norm"] = ParamSpec((cfg.kv_lora_rank,), ("kv_lora",), "ones", role="norm")
-    specs["kv_b"] = ParamSpec((cfg.kv_lora_rank, h, cfg.qk_nope_head_dim + cfg.v_head_dim), ("lora_in", "heads", "head_dim"))
+    specs["kv_b"] = ParamSpec(
+        (cfg.kv_lora_rank, h, cfg.qk_nope_head_dim + cfg.v_head_dim), ("lora_in", "heads", "head_dim")
+    )
     specs["o"] = ParamSpec((h, cfg.v_head_dim, d), ("heads", "head_dim", "embed"))
     return specs
 
@@ -178,10 +182,12 @@ def router_biases(params: dict) -> dict[str, jax.Array]:
 
 def with_router_biases(params: dict, biases: dict[str, jax.Array]) -> dict:
     """A copy of `params` (dicts copied along the changed paths only) with new router biases."""
+
     def put(tree: dict, path: tuple[str, ...], value: jax.Array) -> dict:
         tree = dict(tree)
         tree[path[0]] = value if len(path) == 1 else put(tree[path[0]], path[1:], value)
         return tree
+
     for key, value in biases.items():
         params = put(params, ROUTER_BIAS_PATHS[key], value)
     return params
@@ -208,6 +214,7 @@ def init_fn(cfg: ModelConfig) -> Callable[[jax.Array], dict]:
     def init(key: jax.Array) -> dict:
         def one(path, spec):
             return _init_one(spec, jax.random.fold_in(key, zlib.crc32(path_str(path).encode())), cfg)
+
         return jax.tree_util.tree_map_with_path(one, specs, is_leaf=_is_spec)
 
     return init
@@ -227,14 +234,15 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh, rules: ShardingRules | None = 
                     applied[(la, ma)] = applied.get((la, ma), False) or (la, ma) not in dropped
     for (la, ma), ok in sorted(applied.items()):
         if not ok:
-            warnings.warn(f"sharding_rules.{la} maps to mesh axis {ma!r} (size {mesh.shape[ma]}), which divides no "
-                          f"parameter dimension named {la!r}: those parameters stay replicated over {ma!r}",
-                          stacklevel=2)
+            warnings.warn(
+                f"sharding_rules.{la} maps to mesh axis {ma!r} (size {mesh.shape[ma]}), which divides no "
+                f"parameter dimension named {la!r}: those parameters stay replicated over {ma!r}",
+                stacklevel=2,
+            )
     return jax.tree.map(lambda s: rules.sharding(mesh, s.logical_axes, s.shape), param_specs(cfg), is_leaf=_is_spec)
 
 
-def init_params(cfg: ModelConfig, key: jax.Array, mesh: Mesh | None = None,
-                rules: ShardingRules | None = None) -> dict:
+def init_params(cfg: ModelConfig, key: jax.Array, mesh: Mesh | None = None, rules: ShardingRules | None = None) -> dict:
     """Create the parameters, each already placed on its sharding over `mesh` (no host copy of the
     whole model). `jax.eval_shape(lambda k: init_params(cfg, k, mesh), key)` allocates nothing."""
     fn = init_fn(cfg)

@@ -1,4 +1,5 @@
 """forward(params, tokens, cfg) -> ModelOutput: the whole model as one pure function."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -85,11 +86,20 @@ def _logits(params: dict, h: jax.Array, cfg: ModelConfig) -> jax.Array:
     return linear(h, w, preferred_element_type=jnp.float32)
 
 
-def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, *, segment_ids: jax.Array | None = None,
-            positions: jax.Array | None = None, routing: jax.Array | None = None,
-            mtp_routing: jax.Array | None = None, token_order: jax.Array | None = None,
-            mtp_tokens: jax.Array | None = None, context_layout: str = "contiguous",
-            sharding: MeshRules | None = None) -> ModelOutput:
+def forward(
+    params: dict,
+    tokens: jax.Array,
+    cfg: ModelConfig,
+    *,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    routing: jax.Array | None = None,
+    mtp_routing: jax.Array | None = None,
+    token_order: jax.Array | None = None,
+    mtp_tokens: jax.Array | None = None,
+    context_layout: str = "contiguous",
+    sharding: MeshRules | None = None,
+) -> ModelOutput:
     """Run the model.
 
     tokens: int32[batch, seq]. segment_ids: int32[batch, seq] for packed sequences (0 = padding; no
@@ -146,14 +156,23 @@ def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, *, segment_ids: j
     if cfg.num_mtp_layers and "mtp" in params:
         with jax.named_scope("mtp"):
             mtp_logits, mtp_experts, mtp_stats = mtp_forward(
-                params, h_final, tokens, ctx, cfg, sharding, mtp_routing, mtp_tokens)
+                params, h_final, tokens, ctx, cfg, sharding, mtp_routing, mtp_tokens
+            )
         if mtp_stats is not None:
             aux["mtp_expert_counts"] = mtp_stats["expert_counts"]
     return ModelOutput(logits, mtp_logits, experts, mtp_experts, h_final, aux)
 
 
-def mtp_forward(params: dict, h_main: jax.Array, tokens: jax.Array, ctx: dict, cfg: ModelConfig,
-                sharding: MeshRules | None, replay=None, mtp_tokens=None):
+def mtp_forward(
+    params: dict,
+    h_main: jax.Array,
+    tokens: jax.Array,
+    ctx: dict,
+    cfg: ModelConfig,
+    sharding: MeshRules | None,
+    replay=None,
+    mtp_tokens=None,
+):
     """DeepSeek-V3 multi-token prediction (sec. 2.2), sequential depths k = 1..D:
 
         h^k_i = Block_k(eh_proj[ RMSNorm(Emb(t_{i+k})) ; RMSNorm(h^{k-1}_i) ]),  logits^k = Head(RMSNorm(h^k))
@@ -167,8 +186,9 @@ def mtp_forward(params: dict, h_main: jax.Array, tokens: jax.Array, ctx: dict, c
 
     if mtp_tokens is None:
         b, s = tokens.shape
-        mtp_tokens = jnp.stack([jnp.concatenate([tokens[:, k:], jnp.zeros((b, k), tokens.dtype)], axis=1)
-                                for k in range(1, depth + 1)])
+        mtp_tokens = jnp.stack(
+            [jnp.concatenate([tokens[:, k:], jnp.zeros((b, k), tokens.dtype)], axis=1) for k in range(1, depth + 1)]
+        )
 
     def body(h_prev, xs):
         mp, rp, shifted = xs
@@ -181,6 +201,7 @@ def mtp_forward(params: dict, h_main: jax.Array, tokens: jax.Array, ctx: dict, c
         return h, (logits, experts, counts) if moe else (logits, None, None)
 
     body = _remat(body, cfg.remat)
-    _, (logits, experts, counts) = jax.lax.scan(body, h_main, (params["mtp"], replay, mtp_tokens), length=depth,
-                                                unroll=not cfg.scan_layers)
+    _, (logits, experts, counts) = jax.lax.scan(
+        body, h_main, (params["mtp"], replay, mtp_tokens), length=depth, unroll=not cfg.scan_layers
+    )
     return logits, experts, counts

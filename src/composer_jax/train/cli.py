@@ -5,6 +5,7 @@ the JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID environment var
 cluster JAX detects by itself such as SLURM), `jax.distributed.initialize` joins the processes
 before anything else touches JAX; each process then feeds its own slice of the batch.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,11 +22,17 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("--coordinator", default=os.environ.get("JAX_COORDINATOR_ADDRESS"))
     ap.add_argument("--num-processes", type=int, default=int(os.environ.get("JAX_NUM_PROCESSES", "0")) or None)
     ap.add_argument("--process-id", type=int, default=int(os.environ.get("JAX_PROCESS_ID", "-1")))
-    ap.add_argument("--cpu-devices", type=int, default=None,
-                    help="CPU only: devices per process (a fake mesh on one machine; default 8 without "
-                         "--coordinator, else 1)")
-    ap.add_argument("--distributed", action="store_true", help="call jax.distributed.initialize() with "
-                    "cluster auto-detection (SLURM, TPU, ...)")
+    ap.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=None,
+        help="CPU only: devices per process (a fake mesh on one machine; default 8 without --coordinator, else 1)",
+    )
+    ap.add_argument(
+        "--distributed",
+        action="store_true",
+        help="call jax.distributed.initialize() with cluster auto-detection (SLURM, TPU, ...)",
+    )
     return ap
 
 
@@ -37,13 +44,16 @@ def _init_jax(args) -> None:
     cpu_only = not any(d for d in ("cuda", "rocm", "tpu") if os.environ.get("JAX_PLATFORMS", "").find(d) >= 0)
     if args.coordinator:
         if args.num_processes is None or args.process_id < 0:
-            raise SystemExit("composer-jax: --coordinator needs --num-processes and --process-id "
-                             "(or JAX_NUM_PROCESSES / JAX_PROCESS_ID)")
+            raise SystemExit(
+                "composer-jax: --coordinator needs --num-processes and --process-id "
+                "(or JAX_NUM_PROCESSES / JAX_PROCESS_ID)"
+            )
         if cpu_only:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
             jax.config.update("jax_num_cpu_devices", args.cpu_devices or 1)
-        jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
-                                   process_id=args.process_id)
+        jax.distributed.initialize(
+            coordinator_address=args.coordinator, num_processes=args.num_processes, process_id=args.process_id
+        )
     elif args.distributed:
         jax.distributed.initialize()
     elif cpu_only:
@@ -59,8 +69,10 @@ def _main(argv: list[str] | None, prog: str, fmt: str) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         if cfg.data.format != fmt:
-            raise ConfigError(f"{prog} needs data.format={fmt!r}, the config has {cfg.data.format!r}; "
-                              f"use `composer-jax {'sft' if fmt == 'pretrain' else 'pretrain'}` for it")
+            raise ConfigError(
+                f"{prog} needs data.format={fmt!r}, the config has {cfg.data.format!r}; "
+                f"use `composer-jax {'sft' if fmt == 'pretrain' else 'pretrain'}` for it"
+            )
         if not cfg.data.sources:
             raise ConfigError("data.sources is empty; a training stage needs at least one source")
         summary = run_stage(cfg, stop_after=args.stop_after)
@@ -68,9 +80,17 @@ def _main(argv: list[str] | None, prog: str, fmt: str) -> int:
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
     final = summary["evals"][-1] if summary["evals"] else {}
-    print(json.dumps({"stage": cfg.train.stage, "steps": summary.get("final_step", summary.get("stopped_at")),
-                      "final_loss": summary["losses"].get(max(summary["losses"] or [0]), None),
-                      "eval": final}, default=float))
+    print(
+        json.dumps(
+            {
+                "stage": cfg.train.stage,
+                "steps": summary.get("final_step", summary.get("stopped_at")),
+                "final_loss": summary["losses"].get(max(summary["losses"] or [0]), None),
+                "eval": final,
+            },
+            default=float,
+        )
+    )
     return 0
 
 

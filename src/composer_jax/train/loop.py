@@ -4,14 +4,16 @@
 data iterator state is saved with every checkpoint), otherwise starts from `train.init_from` (the
 previous stage's parameters, fresh optimiser) or from scratch.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -23,8 +25,8 @@ from composer_jax.data.tokenizer import load_tokenizer
 from composer_jax.model.accounting import flops_per_token, param_rows
 from composer_jax.model.params import abstract_params
 from composer_jax.sharding import ShardingRules, make_mesh
-from composer_jax.train.optimizer import learning_rate_schedule
 from composer_jax.train.observe import Progress, RunLogger, measure_peak_flops, scalars
+from composer_jax.train.optimizer import learning_rate_schedule
 from composer_jax.train.state import abstract_train_state, init_train_state
 from composer_jax.train.step import BATCH_KEYS, batch_sharding, make_eval_step, make_train_step
 
@@ -32,8 +34,15 @@ log = logging.getLogger(__name__)
 
 # Model keys a new stage may change while starting from the previous stage's parameters: they
 # change no parameter shape (YaRN context extension, sequence limits, numerics, remat).
-STAGE_CHANGEABLE = ("model.rope_scaling", "model.max_position_embeddings", "model.remat", "model.moe_impl",
-                    "model.compute_dtype", "model.moe_tile_size", "model.router_bias_update_rate")
+STAGE_CHANGEABLE = (
+    "model.rope_scaling",
+    "model.max_position_embeddings",
+    "model.remat",
+    "model.moe_impl",
+    "model.compute_dtype",
+    "model.moe_tile_size",
+    "model.router_bias_update_rate",
+)
 
 
 def _global_batch(local: dict, mesh, rules, shape) -> dict:
@@ -59,8 +68,9 @@ def evaluate(eval_step, params, batches: list[dict], mesh, rules, shape) -> dict
     return out
 
 
-def _initial_state(cfg: Config, mesh, rules, checkpointer: TrainCheckpointer, data, run_config: dict,
-                   echo: Callable[[str], None]) -> tuple[Any, int]:
+def _initial_state(
+    cfg: Config, mesh, rules, checkpointer: TrainCheckpointer, data, run_config: dict, echo: Callable[[str], None]
+) -> tuple[Any, int]:
     """(state, first step): the stage's latest good checkpoint (with the data position), else the
     previous stage's parameters with a fresh optimiser (`train.init_from`), else a fresh state."""
     t = cfg.train
@@ -71,21 +81,29 @@ def _initial_state(cfg: Config, mesh, rules, checkpointer: TrainCheckpointer, da
         echo(f"[{t.stage}] resumed from step {restored.step} ({checkpointer.step_dir(restored.step)})")
         return restored.train_state, restored.step
     if t.init_from:
-        params = restore_params_only(t.init_from, abstract_params(cfg.model, mesh, rules), config=run_config,
-                                     allow_config_changes=STAGE_CHANGEABLE)
+        params = restore_params_only(
+            t.init_from,
+            abstract_params(cfg.model, mesh, rules),
+            config=run_config,
+            allow_config_changes=STAGE_CHANGEABLE,
+        )
         echo(f"[{t.stage}] initialised from {t.init_from}")
         return init_train_state(cfg, mesh, rules, params), 0
     return init_train_state(cfg, mesh, rules), 0
 
 
-def _log_step(n: int, host: dict, tok_s: float, mfu: float, lr: float, logger: RunLogger,
-              progress: Progress | None) -> None:
+def _log_step(
+    n: int, host: dict, tok_s: float, mfu: float, lr: float, logger: RunLogger, progress: Progress | None
+) -> None:
     values = scalars(host)
     values.update({"tokens_per_s": tok_s, "mfu": mfu, "lr": lr})
     logger.log(n, values, {"expert_counts": host.get("expert_counts", [])})
     if progress:
-        progress.update(n, f"loss {values['loss']:.4f} nll {values['nll']:.4f} "
-                           f"gnorm {values['grad_norm']:.2f} {tok_s:,.0f} tok/s MFU {values['mfu']:.1%}")
+        progress.update(
+            n,
+            f"loss {values['loss']:.4f} nll {values['nll']:.4f} "
+            f"gnorm {values['grad_norm']:.2f} {tok_s:,.0f} tok/s MFU {values['mfu']:.1%}",
+        )
 
 
 def _close(checkpointer: TrainCheckpointer, logger: RunLogger, progress: Progress | None) -> None:
@@ -96,8 +114,9 @@ def _close(checkpointer: TrainCheckpointer, logger: RunLogger, progress: Progres
     logger.close()
 
 
-def run_stage(cfg: Config, *, stop_after: int | None = None, echo: Callable[[str], None] = print,
-              mesh=None) -> dict[str, Any]:
+def run_stage(
+    cfg: Config, *, stop_after: int | None = None, echo: Callable[[str], None] = print, mesh=None
+) -> dict[str, Any]:
     """Train one stage. stop_after: return (without a final checkpoint, as a crash would) once this
     many steps have run in this call. Returns a summary with the per-step losses and evaluations."""
     t = cfg.train
@@ -108,8 +127,10 @@ def run_stage(cfg: Config, *, stop_after: int | None = None, echo: Callable[[str
         raise ConfigError(f"train.batch_size={t.batch_size} must be divisible by the {pc} processes")
     tok = load_tokenizer(cfg.data.tokenizer)
     if tok.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"the tokenizer {cfg.data.tokenizer!r} has {tok.vocab_size} tokens but "
-                          f"model.vocab_size={cfg.model.vocab_size}; accepted: model.vocab_size >= {tok.vocab_size}")
+        raise ConfigError(
+            f"the tokenizer {cfg.data.tokenizer!r} has {tok.vocab_size} tokens but "
+            f"model.vocab_size={cfg.model.vocab_size}; accepted: model.vocab_size >= {tok.vocab_size}"
+        )
     out_dir = Path(t.out_dir)
     ckpt_cfg = cfg.checkpoint
     if not ckpt_cfg.directory:
@@ -117,10 +138,17 @@ def run_stage(cfg: Config, *, stop_after: int | None = None, echo: Callable[[str
     run_config = to_dict(cfg)
     checkpointer = TrainCheckpointer(ckpt_cfg)
     shape = (t.batch_size, t.seq_len)
-    data = make_train_iterator(cfg.data, seq_len=t.seq_len, batch_size=t.batch_size // pc, seed=t.seed,
-                               process_index=pi, process_count=pc)
-    eval_batches = make_eval_batches(cfg.data, seq_len=t.seq_len, batch_size=t.batch_size // pc,
-                                     num_batches=t.eval_batches, process_index=pi, process_count=pc)
+    data = make_train_iterator(
+        cfg.data, seq_len=t.seq_len, batch_size=t.batch_size // pc, seed=t.seed, process_index=pi, process_count=pc
+    )
+    eval_batches = make_eval_batches(
+        cfg.data,
+        seq_len=t.seq_len,
+        batch_size=t.batch_size // pc,
+        num_batches=t.eval_batches,
+        process_index=pi,
+        process_count=pc,
+    )
 
     state, start = _initial_state(cfg, mesh, rules, checkpointer, data, run_config, echo)
     step_fn = make_train_step(cfg, mesh, rules)
@@ -137,8 +165,10 @@ def run_stage(cfg: Config, *, stop_after: int | None = None, echo: Callable[[str
         ev = evaluate(eval_fn, state.params, eval_batches, mesh, rules, shape)
         summary["evals"].append({"step": step, **ev})
         logger.log(step, ev)
-        echo(f"[{t.stage}] step {step} held-out perplexity {ev['eval/perplexity']:.3f}"
-             + "".join(f" mtp{k.split('/')[-1]}-acc {v:.3f}" for k, v in ev.items() if "mtp_accuracy" in k))
+        echo(
+            f"[{t.stage}] step {step} held-out perplexity {ev['eval/perplexity']:.3f}"
+            + "".join(f" mtp{k.split('/')[-1]}-acc {v:.3f}" for k, v in ev.items() if "mtp_accuracy" in k)
+        )
 
     with jax.set_mesh(mesh):
         if start == 0:
@@ -154,18 +184,33 @@ def run_stage(cfg: Config, *, stop_after: int | None = None, echo: Callable[[str
             tokens_since += float(host["tokens"])
             if host["skipped"]:
                 summary["skipped_steps"].append(n)
-                echo(f"[{t.stage}] step {n}: non-finite loss or gradient (loss {float(host['loss'])}, grad norm "
-                     f"{float(host['grad_norm'])}); the update was skipped")
+                echo(
+                    f"[{t.stage}] step {n}: non-finite loss or gradient (loss {float(host['loss'])}, grad norm "
+                    f"{float(host['grad_norm'])}); the update was skipped"
+                )
             if n % t.log_every == 0 or n == t.steps:
                 now = time.perf_counter()
                 tok_s = t.batch_size * t.seq_len * (n - max(start, n - t.log_every)) / max(now - t_last, 1e-9)
-                _log_step(n, host, tok_s, tok_s * fpt / (peak * jax.device_count()), float(lr_schedule(n - 1)),
-                          logger, progress)
+                _log_step(
+                    n,
+                    host,
+                    tok_s,
+                    tok_s * fpt / (peak * jax.device_count()),
+                    float(lr_schedule(n - 1)),
+                    logger,
+                    progress,
+                )
                 t_last = now
             if n % t.eval_every == 0 and n != t.steps:
                 run_eval(n)
-            checkpointer.save(n, state, data_state=data.get_state(), config=run_config,
-                              metrics={"loss": float(host["loss"])}, force=n == t.steps)
+            checkpointer.save(
+                n,
+                state,
+                data_state=data.get_state(),
+                config=run_config,
+                metrics={"loss": float(host["loss"])},
+                force=n == t.steps,
+            )
             if stop_after is not None and ran >= stop_after:
                 _close(checkpointer, logger, None)
                 summary["stopped_at"] = n

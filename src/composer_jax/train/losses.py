@@ -5,6 +5,7 @@ Batch convention (data pipeline): tokens, segment_ids (0 = padding), positions, 
 [batch, seq]. Position i is trained to predict tokens[i+1] with weight
 loss_mask[i+1] * (segment_ids[i+1] == segment_ids[i] != 0).
 """
+
 from __future__ import annotations
 
 import functools
@@ -42,8 +43,9 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array, z_l
     return nll.sum(), z.sum(), weights.sum(), correct.sum()
 
 
-def fused_linear_cross_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array, weights: jax.Array,
-                               z_loss: float = 0.0, chunks: int = 1):
+def fused_linear_cross_entropy(
+    hidden: jax.Array, head: jax.Array, targets: jax.Array, weights: jax.Array, z_loss: float = 0.0, chunks: int = 1
+):
     """`cross_entropy(hidden @ head, ...)` with the gradient computed chunk by chunk in the forward pass.
 
     hidden: [batch, seq, embed]; head: [embed, vocab]; targets int32[batch, seq]; weights
@@ -103,7 +105,8 @@ def _fused_ce_fwd(hidden, head, targets, weights, z_loss, chunks):
         return d_head, (nll, z, correct, d_h)
 
     d_head, (nll, z, correct, d_h) = jax.lax.scan(
-        chunk, jnp.zeros(head.shape, jnp.float32), (split(hidden), split(targets), split(weights)))
+        chunk, jnp.zeros(head.shape, jnp.float32), (split(hidden), split(targets), split(weights))
+    )
     d_h = jnp.moveaxis(d_h, 0, 1).reshape(hidden.shape)
     nll, z = nll.sum(), z.sum()
     out = (nll + z, (nll, z, weights.sum(), correct.sum()))
@@ -113,8 +116,12 @@ def _fused_ce_fwd(hidden, head, targets, weights, z_loss, chunks):
 def _fused_ce_bwd(z_loss, chunks, res, cotangents):
     d_h, d_head, targets, weights = res
     g = cotangents[0]  # the metrics are stop-gradient'ed by the caller: their cotangents are ignored
-    return ((g * d_h).astype(d_h.dtype), (g * d_head).astype(d_head.dtype),
-            np.zeros(targets.shape, jax.dtypes.float0), jnp.zeros_like(weights))
+    return (
+        (g * d_h).astype(d_h.dtype),
+        (g * d_head).astype(d_head.dtype),
+        np.zeros(targets.shape, jax.dtypes.float0),
+        jnp.zeros_like(weights),
+    )
 
 
 _fused_ce.defvjp(_fused_ce_fwd, _fused_ce_bwd)

@@ -19,10 +19,12 @@ router-bias update and the skip of non-finite updates. An objective owns the res
 
 The pretraining objective is `train.pretrain.PRETRAINING`; the RL objective plugs in the same way.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 

@@ -3,14 +3,16 @@
 The report finds that held-out codebase perplexity falls log-linearly and predicts RL reward, so
 the loop evaluates it on a fixed held-out set at an interval and logs it per stage.
 """
+
 from __future__ import annotations
 
 import json
 import math
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +29,7 @@ def measure_peak_flops(n: int = 1024, repeats: int = 3) -> float:
         t0 = time.perf_counter()
         f(a).block_until_ready()
         best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best
+    return 2 * n**3 / best
 
 
 def scalars(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:

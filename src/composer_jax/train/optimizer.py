@@ -1,4 +1,5 @@
 """AdamW with warmup-cosine / warmup-stable-decay schedules, clipping and weight-decay masks."""
+
 from __future__ import annotations
 
 import optax
@@ -11,14 +12,21 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Sche
     warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
     floor = cfg.lr * cfg.min_lr_ratio
     if cfg.schedule == "constant":
-        return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), optax.constant_schedule(cfg.lr)], [warmup])
+        return optax.join_schedules(
+            [optax.linear_schedule(0.0, cfg.lr, warmup), optax.constant_schedule(cfg.lr)], [warmup]
+        )
     if cfg.schedule == "warmup_cosine":
         return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(total_steps, warmup + 1), end_value=floor)
     decay = cfg.decay_steps or max(1, total_steps // 10)
     stable = max(total_steps - warmup - decay, 0)
     return optax.join_schedules(
-        [optax.linear_schedule(0.0, cfg.lr, warmup), optax.constant_schedule(cfg.lr),
-         optax.linear_schedule(cfg.lr, floor, decay)], [warmup, warmup + stable])
+        [
+            optax.linear_schedule(0.0, cfg.lr, warmup),
+            optax.constant_schedule(cfg.lr),
+            optax.linear_schedule(cfg.lr, floor, decay),
+        ],
+        [warmup, warmup + stable],
+    )
 
 
 def make_optimizer(cfg: OptimizerConfig, total_steps: int, model: ModelConfig) -> optax.GradientTransformation:
@@ -30,7 +38,10 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int, model: ModelConfig) -
     chain = []
     if cfg.clip_norm > 0:
         chain.append(optax.clip_by_global_norm(cfg.clip_norm))
-    chain.append(optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                             mask=weight_decay_mask(model)))
+    chain.append(
+        optax.adamw(
+            schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=weight_decay_mask(model)
+        )
+    )
     chain.append(optax.masked(optax.set_to_zero(), gradient_free_mask(model)))
     return optax.chain(*chain)

@@ -7,11 +7,11 @@ is permuted into the zigzag layout (`model.context_parallel.zigzag_permutation`)
 split. Targets, MTP inputs and the distillation teacher's positions are computed before the
 permutation; the model is told the original order.
 """
+
 from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -31,9 +31,14 @@ def prepare_batch(batch: dict, num_mtp: int, context: int) -> dict:
     mask = batch["loss_mask"].astype(jnp.float32)
     b, s = tokens.shape
     targets, weights = losses.shifted_targets(tokens, seg, mask, 1)
-    out = {"tokens": tokens, "segment_ids": seg, "positions": batch["positions"].astype(jnp.int32),
-           "targets": targets, "weights": weights,
-           "order": jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))}
+    out = {
+        "tokens": tokens,
+        "segment_ids": seg,
+        "positions": batch["positions"].astype(jnp.int32),
+        "targets": targets,
+        "weights": weights,
+        "order": jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)),
+    }
     if num_mtp:
         shift = lambda x, k: jnp.concatenate([x[:, k:], jnp.zeros((b, k), x.dtype)], axis=1)
         out["mtp_tokens"] = jnp.stack([shift(tokens, k) for k in range(1, num_mtp + 1)])
@@ -41,8 +46,9 @@ def prepare_batch(batch: dict, num_mtp: int, context: int) -> dict:
         out["mtp_targets"] = jnp.stack([t for t, _ in tw])
         out["mtp_weights"] = jnp.stack([w for _, w in tw])
         # the main model's prediction at i+k is the distillation teacher of MTP depth k at i
-        out["teacher_index"] = jnp.stack([jnp.broadcast_to(jnp.minimum(jnp.arange(s) + k, s - 1), (b, s))
-                                          for k in range(1, num_mtp + 1)]).astype(jnp.int32)
+        out["teacher_index"] = jnp.stack(
+            [jnp.broadcast_to(jnp.minimum(jnp.arange(s) + k, s - 1), (b, s)) for k in range(1, num_mtp + 1)]
+        ).astype(jnp.int32)
     if context > 1:
         perm = zigzag_permutation(s, context)
         inv = np.argsort(perm)
@@ -56,8 +62,10 @@ def prepare_batch(batch: dict, num_mtp: int, context: int) -> dict:
 def prepare(params: Any, batch: dict, cfg: Config, context: int) -> tuple[dict, dict]:
     """`prepare_batch` plus the whole-batch denominators: target tokens, sequences, MTP targets."""
     prep = prepare_batch(batch, cfg.model.num_mtp_layers if "mtp" in params else 0, context)
-    denoms = {"tokens": jnp.maximum(prep["weights"].sum(), 1.0),
-              "sequences": jnp.asarray(prep["tokens"].shape[0], jnp.float32)}
+    denoms = {
+        "tokens": jnp.maximum(prep["weights"].sum(), 1.0),
+        "sequences": jnp.asarray(prep["tokens"].shape[0], jnp.float32),
+    }
     if "mtp_weights" in prep:
         denoms["mtp_tokens"] = prep["mtp_weights"].sum(axis=(1, 2))
     return prep, denoms
@@ -79,10 +87,17 @@ def ce_chunks(shape: tuple[int, int], sharding: MeshRules | None, tokens_per_chu
 def loss_terms(params: Any, mb: dict, cfg: Config, denoms: dict, sharding: MeshRules | None):
     """Objective for one micro-batch, normalised by whole-batch denominators, and metric sums."""
     m, t = cfg.model, cfg.train
-    out = forward(params, mb["tokens"], m, segment_ids=mb["segment_ids"], positions=mb["positions"],
-                  token_order=mb["order"], mtp_tokens=mb.get("mtp_tokens"),
-                  context_layout="zigzag" if context_size(sharding) > 1 else "contiguous",
-                  sharding=sharding)
+    out = forward(
+        params,
+        mb["tokens"],
+        m,
+        segment_ids=mb["segment_ids"],
+        positions=mb["positions"],
+        token_order=mb["order"],
+        mtp_tokens=mb.get("mtp_tokens"),
+        context_layout="zigzag" if context_size(sharding) > 1 else "contiguous",
+        sharding=sharding,
+    )
     if out.mtp_logits is not None and t.mtp_loss == "self_distill":
         # the main logits are needed anyway (distillation teacher): plain cross-entropy on them
         nll, z, w, correct = losses.cross_entropy(out.logits, mb["targets"], mb["weights"], t.z_loss)
@@ -92,7 +107,8 @@ def loss_terms(params: Any, mb: dict, cfg: Config, denoms: dict, sharding: MeshR
         # the same numbers, ~3x faster on CPU (see losses.fused_linear_cross_entropy)
         chunks = ce_chunks(mb["tokens"].shape, sharding)
         loss_sum, nll, z, w, correct = losses.fused_linear_cross_entropy(
-            out.hidden, output_head(params, m), mb["targets"], mb["weights"], t.z_loss, chunks)
+            out.hidden, output_head(params, m), mb["targets"], mb["weights"], t.z_loss, chunks
+        )
     objective = loss_sum / denoms["tokens"]
     sums = {"nll": nll, "z_loss": z, "tokens": w, "correct": correct}
     if out.mtp_logits is not None:
@@ -128,8 +144,12 @@ def loss_terms(params: Any, mb: dict, cfg: Config, denoms: dict, sharding: MeshR
 def metrics(sums: dict, denoms: dict, cfg: Config) -> dict:
     """Per-token means of the summed terms: nll, z-loss, accuracy; per MTP depth nll, accuracy, KL."""
     tokens = sums["tokens"]
-    out = {"nll": sums["nll"] / jnp.maximum(tokens, 1.0), "z_loss": sums["z_loss"] / jnp.maximum(tokens, 1.0),
-           "accuracy": sums["correct"] / jnp.maximum(tokens, 1.0), "tokens": tokens}
+    out = {
+        "nll": sums["nll"] / jnp.maximum(tokens, 1.0),
+        "z_loss": sums["z_loss"] / jnp.maximum(tokens, 1.0),
+        "accuracy": sums["correct"] / jnp.maximum(tokens, 1.0),
+        "tokens": tokens,
+    }
     if "mtp_nll" in sums:
         mt = jnp.maximum(denoms["mtp_tokens"], 1.0)
         out["mtp_nll"] = sums["mtp_nll"] / mt
@@ -139,8 +159,7 @@ def metrics(sums: dict, denoms: dict, cfg: Config) -> dict:
     return out
 
 
-PRETRAINING = Objective(name="pretraining", batch_keys=BATCH_KEYS, prepare=prepare, terms=loss_terms,
-                        metrics=metrics)
+PRETRAINING = Objective(name="pretraining", batch_keys=BATCH_KEYS, prepare=prepare, terms=loss_terms, metrics=metrics)
 
 
 def eval_sums(params: Any, prep: dict, cfg: Config, sharding: MeshRules | None) -> dict:

@@ -1,4 +1,5 @@
 """TrainState: everything a training step reads and writes, as one pytree."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -7,7 +8,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from composer_jax.config import Config
 from composer_jax.model.params import abstract_params, init_params, param_shardings
@@ -44,8 +46,9 @@ def state_shardings(cfg: Config, mesh: Mesh, rules: ShardingRules) -> TrainState
     params_def = jax.tree.structure(abstract)
     opt_shapes = jax.eval_shape(optimizer_for(cfg).init, abstract)
     like_params = lambda node: not isinstance(node, jax.ShapeDtypeStruct) and jax.tree.structure(node) == params_def
-    opt_sh = jax.tree.map(lambda node: p_sh if like_params(node) else _replicated(mesh), opt_shapes,
-                          is_leaf=like_params)
+    opt_sh = jax.tree.map(
+        lambda node: p_sh if like_params(node) else _replicated(mesh), opt_shapes, is_leaf=like_params
+    )
     return TrainState(step=_replicated(mesh), params=p_sh, opt_state=opt_sh, rng=_replicated(mesh))
 
 
@@ -59,8 +62,12 @@ def init_train_state(cfg: Config, mesh: Mesh, rules: ShardingRules, params: Any 
 
     @jax.jit
     def make(params):
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                          rng=jax.random.key_data(jax.random.fold_in(key, 1)))
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=tx.init(params),
+            rng=jax.random.key_data(jax.random.fold_in(key, 1)),
+        )
 
     return jax.jit(make, out_shardings=shardings)(params)
 
@@ -72,8 +79,9 @@ def abstract_train_state(cfg: Config, mesh: Mesh, rules: ShardingRules) -> Train
 
     def make(key):
         params = init_params(cfg.model, key)
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                          rng=jax.random.key_data(key))
+        return TrainState(
+            step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=jax.random.key_data(key)
+        )
 
     shapes = jax.eval_shape(make, jax.random.key(0))
     return jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), shapes, shardings)

@@ -5,6 +5,7 @@ The loss is an argument (`train.objective.Objective`; default `train.pretrain.PR
 step knows nothing of targets or loss terms, so the RL objective reuses its micro-batching,
 shardings, accumulation, optimiser, router-bias update and NaN skip unchanged.
 """
+
 from __future__ import annotations
 
 import functools
@@ -33,17 +34,19 @@ def _micro_split(x: jax.Array, micro: int, axis: int) -> jax.Array:
     """Split the batch axis into `micro` interleaved micro-batches (leading axis), so each device keeps
     its rows in every micro-batch: rows j, j+micro, j+2*micro... form micro-batch j."""
     shape = x.shape
-    x = x.reshape(shape[:axis] + (shape[axis] // micro, micro) + shape[axis + 1:])
+    x = x.reshape(shape[:axis] + (shape[axis] // micro, micro) + shape[axis + 1 :])
     return jnp.moveaxis(x, axis + 1, 0)
 
 
-def prepared(params: Any, batch: dict, cfg: Config, sharding: MeshRules | None,
-             objective: Objective = PRETRAINING) -> tuple[dict, dict]:
+def prepared(
+    params: Any, batch: dict, cfg: Config, sharding: MeshRules | None, objective: Objective = PRETRAINING
+) -> tuple[dict, dict]:
     """`objective.prepare`, with every array constrained to the batch/sequence sharding."""
     missing = sorted(set(objective.batch_keys) - set(batch))
     if missing:
-        raise ValueError(f"the {objective.name} objective needs batch keys {list(objective.batch_keys)}; "
-                         f"missing {missing}")
+        raise ValueError(
+            f"the {objective.name} objective needs batch keys {list(objective.batch_keys)}; missing {missing}"
+        )
     chex.assert_equal_shape([batch[k] for k in objective.batch_keys])
     chex.assert_rank([batch[k] for k in objective.batch_keys], 2)
     prep, denoms = objective.prepare(params, batch, cfg, context_size(sharding))
@@ -56,8 +59,9 @@ def _finite(tree) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
-def batch_gradients(params: Any, batch: dict, cfg: Config, sharding: MeshRules | None = None,
-                    objective: Objective = PRETRAINING):
+def batch_gradients(
+    params: Any, batch: dict, cfg: Config, sharding: MeshRules | None = None, objective: Objective = PRETRAINING
+):
     """Whole-batch objective, gradients, metric sums and denominators, accumulated over
     `train.micro_batches`.
 
@@ -74,14 +78,23 @@ def batch_gradients(params: Any, batch: dict, cfg: Config, sharding: MeshRules |
 
     first = jax.tree.map(lambda x: x[0], micro)
     sums_shape = jax.eval_shape(lambda: objective.terms(params, first, cfg, denoms, sharding)[1])
-    zeros = (jax.tree.map(jnp.zeros_like, params), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape),
-             jnp.zeros((), jnp.float32))
+    zeros = (
+        jax.tree.map(jnp.zeros_like, params),
+        jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape),
+        jnp.zeros((), jnp.float32),
+    )
     (grads, sums, objective_value), _ = jax.lax.scan(accumulate, zeros, micro)
     return objective_value, grads, sums, denoms
 
 
-def train_step(state: TrainState, batch: dict, cfg: Config, sharding: MeshRules | None,
-               tx: optax.GradientTransformation, objective: Objective = PRETRAINING):
+def train_step(
+    state: TrainState,
+    batch: dict,
+    cfg: Config,
+    sharding: MeshRules | None,
+    tx: optax.GradientTransformation,
+    objective: Objective = PRETRAINING,
+):
     """One optimiser step over the whole batch. Returns (new_state, metrics)."""
     m, t = cfg.model, cfg.train
     value, grads, sums, denoms = batch_gradients(state.params, batch, cfg, sharding, objective)
@@ -89,16 +102,21 @@ def train_step(state: TrainState, batch: dict, cfg: Config, sharding: MeshRules 
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     if t.router_bias_update:
-        params = update_router_biases(params, {k: sums[k] for k in ROUTER_BIAS_PATHS if k in sums},
-                                      m.router_bias_update_rate)
+        params = update_router_biases(
+            params, {k: sums[k] for k in ROUTER_BIAS_PATHS if k in sums}, m.router_bias_update_rate
+        )
     float_sums = [v for v in jax.tree.leaves(sums) if jnp.issubdtype(v.dtype, jnp.floating)]
     ok = jnp.isfinite(value) & jnp.isfinite(grad_norm) & _finite(float_sums or [jnp.zeros(())])
     if t.skip_nonfinite:
         params = jax.tree.map(lambda new, old: jnp.where(ok, new, old), params, state.params)
         opt_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), opt_state, state.opt_state)
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=state.rng)
-    metrics = {"loss": value, **objective.metrics(sums, denoms, cfg), "grad_norm": grad_norm,
-               "skipped": (~ok).astype(jnp.int32)}
+    metrics = {
+        "loss": value,
+        **objective.metrics(sums, denoms, cfg),
+        "grad_norm": grad_norm,
+        "skipped": (~ok).astype(jnp.int32),
+    }
     if "expert_counts" in sums:
         metrics["expert_counts"] = sums["expert_counts"]
         metrics["router_bias"] = router_biases(params)["expert_counts"]
@@ -111,16 +129,21 @@ def batch_sharding(mesh: Mesh, rules: ShardingRules, shape: tuple[int, int]) -> 
     return rules.sharding(mesh, ("act_batch", "act_seq"), shape)
 
 
-def make_train_step(cfg: Config, mesh: Mesh, rules: ShardingRules, *, objective: Objective = PRETRAINING,
-                    donate: bool = True):
+def make_train_step(
+    cfg: Config, mesh: Mesh, rules: ShardingRules, *, objective: Objective = PRETRAINING, donate: bool = True
+):
     """jit-compiled `step(state, batch) -> (state, metrics)` with explicit in/out shardings; the state
     buffers are donated. batch: dict of int/float [batch_size, seq_len] arrays (`objective.batch_keys`)."""
     tx = optimizer_for(cfg)
     st_sh = state_shardings(cfg, mesh, rules)
     b_sh = batch_sharding(mesh, rules, (cfg.train.batch_size, cfg.train.seq_len))
     fn = functools.partial(train_step, cfg=cfg, sharding=MeshRules(mesh, rules), tx=tx, objective=objective)
-    return jax.jit(fn, in_shardings=(st_sh, {k: b_sh for k in objective.batch_keys}), out_shardings=(st_sh, None),
-                   donate_argnums=(0,) if donate else ())
+    return jax.jit(
+        fn,
+        in_shardings=(st_sh, {k: b_sh for k in objective.batch_keys}),
+        out_shardings=(st_sh, None),
+        donate_argnums=(0,) if donate else (),
+    )
 
 
 def make_eval_step(cfg: Config, mesh: Mesh, rules: ShardingRules):

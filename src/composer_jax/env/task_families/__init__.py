@@ -26,6 +26,7 @@ boilerplate, materialisation, the seeded rng); each family is one module named a
 Generation is deterministic: the same (family, seed) gives a byte-identical task directory.
 Standard library only (the environment server runs without JAX).
 """
+
 from __future__ import annotations
 
 import pathlib

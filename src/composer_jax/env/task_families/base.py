@@ -8,6 +8,7 @@ only in what they generate.
 
 Standard library only (the environment server runs without JAX).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,8 +19,19 @@ import shutil
 import textwrap
 from collections.abc import Callable
 
-__all__ = ["Family", "TaskSpec", "Generator", "DOCKERFILE", "TEST_SH", "SOLVE_SH_COPY", "task_toml", "dedent",
-           "materialise", "seeded_rng", "run_source"]
+__all__ = [
+    "Family",
+    "TaskSpec",
+    "Generator",
+    "DOCKERFILE",
+    "TEST_SH",
+    "SOLVE_SH_COPY",
+    "task_toml",
+    "dedent",
+    "materialise",
+    "seeded_rng",
+    "run_source",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +90,7 @@ def task_toml(*, difficulty: str, category: str, tags: list[str], agent_timeout:
 @dataclasses.dataclass
 class TaskSpec:
     """One generated task, before it is written out (paths are relative to the folder named)."""
+
     instruction: str
     app: dict[str, str]  # the initial workspace (/app)
     tests: dict[str, str]  # hidden tests (/tests), next to the shared test.sh

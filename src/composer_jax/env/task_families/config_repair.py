@@ -6,6 +6,7 @@ port, bad log level, malformed URL, ...). The hidden tests check that CI passes,
 the unit tests and ci.sh are byte-identical (sha256), that a pristine copy of the checker accepts
 the config, and that only the broken keys changed.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -112,13 +113,17 @@ _FAULTS = {
 def _values(rng: random.Random) -> dict[str, dict[str, str]]:
     workers = rng.randint(2, 16)
     return {
-        "service": {"name": rng.choice(["billing-api", "search", "ledger", "notify-worker"]),
-                    "port": str(rng.choice([8080, 8443, 9000, 5000 + rng.randint(0, 999)])),
-                    "workers": str(workers),
-                    "log_level": rng.choice(["INFO", "WARNING", "DEBUG"])},
-        "database": {"url": rng.choice(["postgres://db.internal:5432/app", "sqlite:///var/lib/app.db"]),
-                     "pool_size": str(workers + rng.randint(0, 10)),
-                     "timeout": rng.choice(["2.5", "5", "0.75", "10"])},
+        "service": {
+            "name": rng.choice(["billing-api", "search", "ledger", "notify-worker"]),
+            "port": str(rng.choice([8080, 8443, 9000, 5000 + rng.randint(0, 999)])),
+            "workers": str(workers),
+            "log_level": rng.choice(["INFO", "WARNING", "DEBUG"]),
+        },
+        "database": {
+            "url": rng.choice(["postgres://db.internal:5432/app", "sqlite:///var/lib/app.db"]),
+            "pool_size": str(workers + rng.randint(0, 10)),
+            "timeout": rng.choice(["2.5", "5", "0.75", "10"]),
+        },
         "cache": {"ttl": str(rng.choice([60, 300, 600])), "max_ttl": str(rng.choice([900, 3600]))},
     }
 
@@ -132,7 +137,7 @@ def _ini(values: dict[str, dict[str, str | None]]) -> str:
     return "\n".join(out)
 
 
-_TESTS = '''\
+_TESTS = """\
 import configparser
 import hashlib
 import pathlib
@@ -179,9 +184,9 @@ def test_only_broken_keys_changed():
             assert now[sec][key] == value, f"{{sec}}.{{key}} should not change"
     for sec, key in BROKEN:
         assert sec in now and key in now[sec], f"{{sec}}.{{key}} must be set"
-'''
+"""
 
-_APP_TEST = dedent('''
+_APP_TEST = dedent("""
     import configparser
 
     from svc.check import validate
@@ -201,7 +206,7 @@ _APP_TEST = dedent('''
         cfg = load()
         cfg["service"]["log_level"] = "LOUD"
         assert any("log_level" in e for e in validate(cfg))
-    ''')
+    """)
 
 _CI_SH = """\
 #!/usr/bin/env bash
@@ -220,8 +225,11 @@ def generate(rng: random.Random, seed: int) -> TaskSpec:
     seen, chosen = set(), []
     for f in faults:
         sec, key = _FAULTS[f][:2]
-        if (sec, key) not in seen and not (f == "pool" and ("service", "workers") in seen) \
-                and not (f == "workers" and ("database", "pool_size") in seen):
+        if (
+            (sec, key) not in seen
+            and not (f == "pool" and ("service", "workers") in seen)
+            and not (f == "workers" and ("database", "pool_size") in seen)
+        ):
             seen.add((sec, key))
             chosen.append(f)
     broken = {s: dict(kv) for s, kv in values.items()}
@@ -242,24 +250,29 @@ def generate(rng: random.Random, seed: int) -> TaskSpec:
         "config/service.ini": _ini(broken),
         "ci.sh": _CI_SH,
     }
-    protected = {rel: hashlib.sha256(app[rel].encode()).hexdigest()
-                 for rel in ("svc/check.py", "tests/test_config.py", "ci.sh")}
+    protected = {
+        rel: hashlib.sha256(app[rel].encode()).hexdigest() for rel in ("svc/check.py", "tests/test_config.py", "ci.sh")
+    }
     original = {s: {k: v for k, v in kv.items() if v is not None} for s, kv in broken.items()}
     broken_keys = sorted({(_FAULTS[f][0], _FAULTS[f][1]) for f in chosen})
     name = values["service"]["name"]
-    instr = rng.choice([
-        f"CI is red for {name}: `bash ci.sh` fails at the config check. Fix config/service.ini (the checker and "
-        "tests are right; leave them alone). Don't change unrelated settings.",
-        f"The {name} deploy pipeline fails on `ci.sh`. The config checker is correct, the config is not. Fix "
-        "config/service.ini with minimal changes.",
-        f"{name}: `ci.sh` rejects our config after the last edit. Repair config/service.ini so CI passes; only "
-        "touch the broken settings.",
-    ])
+    instr = rng.choice(
+        [
+            f"CI is red for {name}: `bash ci.sh` fails at the config check. Fix config/service.ini (the checker and "
+            "tests are right; leave them alone). Don't change unrelated settings.",
+            f"The {name} deploy pipeline fails on `ci.sh`. The config checker is correct, the config is not. Fix "
+            "config/service.ini with minimal changes.",
+            f"{name}: `ci.sh` rejects our config after the last edit. Repair config/service.ini so CI passes; only "
+            "touch the broken settings.",
+        ]
+    )
     return TaskSpec(
         instruction=instr,
         app=app,
-        tests={"test_outputs.py": _TESTS.format(original=original, broken=broken_keys, protected=protected),
-               "pristine_check.py": _CHECKER},
+        tests={
+            "test_outputs.py": _TESTS.format(original=original, broken=broken_keys, protected=protected),
+            "pristine_check.py": _CHECKER,
+        },
         solution={"config/service.ini": _ini(fixed)},
         difficulty="easy" if len(chosen) == 1 else "medium",
         category="devops",

@@ -7,6 +7,7 @@ correct results differ (both computed by running the generated code), so the age
 the bug from a symptom. The hidden tests compare every helper with a reference implementation on
 random inputs.
 """
+
 from __future__ import annotations
 
 import random
@@ -54,7 +55,11 @@ _FUNCS: dict[str, dict] = {
             "return sum(1 for x in xs if lo <= x < hi)",
             "return sum(1 for x in xs if lo < x <= hi)",
         ],
-        "examples": ["count_between([1, 5, 10, 15], 5, 10)", "count_between(list(range(20)), 3, 7)", "count_between([2, 2, 9], 2, 9)"],
+        "examples": [
+            "count_between([1, 5, 10, 15], 5, 10)",
+            "count_between(list(range(20)), 3, 7)",
+            "count_between([2, 2, 9], 2, 9)",
+        ],
     },
     "last": {
         "doc": "The last `n` items of xs as a list (n == 0 gives [], n > len(xs) gives all).",
@@ -74,11 +79,15 @@ _FUNCS: dict[str, dict] = {
             "rank = math.ceil(p / 100 * len(sorted_xs))\n    return sorted_xs[min(rank, len(sorted_xs) - 1)]",
             "rank = int(p / 100 * len(sorted_xs))\n    return sorted_xs[max(rank, 1) - 1]",
         ],
-        "examples": ["nearest_rank([10, 20, 30, 40, 50], 50)", "nearest_rank(list(range(1, 11)), 95)", "nearest_rank([1, 2, 3], 100)"],
+        "examples": [
+            "nearest_rank([10, 20, 30, 40, 50], 50)",
+            "nearest_rank(list(range(1, 11)), 95)",
+            "nearest_rank([1, 2, 3], 100)",
+        ],
     },
 }
 
-_TESTS = '''\
+_TESTS = """\
 import math
 import random
 
@@ -171,7 +180,7 @@ def test_nearest_rank():
         xs = sorted(xs)
         for p in (1, 10, 25, 33.3, 50, 66, 75, 90, 95, 99, 100):
             assert nearest_rank(xs, p) == ref_nearest_rank(xs, p), (xs, p)
-'''
+"""
 
 
 def _module_source(funcs: list[str], bug: tuple[str, int] | None, per_page: int) -> str:
@@ -223,11 +232,14 @@ def generate(rng: random.Random, seed: int) -> TaskSpec:
     if style == 0:
         instr = f"`{example}` returns `{bad!r}` but should return `{good!r}`. Fix the bug in rangekit."
     elif style == 1:
-        instr = (f"rangekit.{target} has an edge-case bug: `{example}` gives `{bad!r}`, expected `{good!r}`. "
-                 "Fix it; keep the other helpers as they are.")
+        instr = (
+            f"rangekit.{target} has an edge-case bug: `{example}` gives `{bad!r}`, expected `{good!r}`. "
+            "Fix it; keep the other helpers as they are."
+        )
     else:
-        instr = (f"Reports are off by one. Traced it to rangekit: `{example}` -> `{bad!r}` (want `{good!r}`). "
-                 "Please fix.")
+        instr = (
+            f"Reports are off by one. Traced it to rangekit: `{example}` -> `{bad!r}` (want `{good!r}`). Please fix."
+        )
     return TaskSpec(
         instruction=instr,
         app=app,

@@ -6,39 +6,47 @@ function to be renamed, each in one of three styles (``from .pricing import f``,
 be left alone. The seed also decides whether the old name survives as a deprecated alias that warns,
 or disappears entirely.
 """
+
 from __future__ import annotations
 
 import random
 
 from .base import Family, TaskSpec, run_source
 
-FAMILY = Family("rename-api", "Rename a pricing function across a package, with or without a deprecated alias.",
-                "refactor")
+FAMILY = Family(
+    "rename-api", "Rename a pricing function across a package, with or without a deprecated alias.", "refactor"
+)
 
 _TARGETS = {
     "calc_total": {
         "new": ["compute_total", "order_total", "sum_lines"],
-        "src": ('def {name}(lines):\n'
-                '    """Total in cents of (qty, unit_cents) lines."""\n'
-                '    return sum(qty * unit for qty, unit in lines)\n'),
+        "src": (
+            "def {name}(lines):\n"
+            '    """Total in cents of (qty, unit_cents) lines."""\n'
+            "    return sum(qty * unit for qty, unit in lines)\n"
+        ),
         "use": "{ref}(lines)",
-        "check": ("[(2, 150), (1, 999), (3, 5)]", 2*150 + 999 + 15),
+        "check": ("[(2, 150), (1, 999), (3, 5)]", 2 * 150 + 999 + 15),
     },
     "apply_discount": {
         "new": ["discounted", "with_discount", "reduce_by_percent"],
-        "src": ('def {name}(cents, percent):\n'
-                '    """Cents after a percentage discount, rounded half up."""\n'
-                '    return (cents * (100 - percent) + 50) // 100\n'),
+        "src": (
+            "def {name}(cents, percent):\n"
+            '    """Cents after a percentage discount, rounded half up."""\n'
+            "    return (cents * (100 - percent) + 50) // 100\n"
+        ),
         "use": "{ref}(sum(q * u for q, u in lines), 10)",
         "check": ("1999, 15", (1999 * 85 + 50) // 100),
     },
     "fmt_money": {
         "new": ["format_cents", "money_str", "render_amount"],
-        "src": ('def {name}(cents):\n'
-                '    """Render cents as a dollar string, e.g. 1234 -> \'$12.34\'."""\n'
-                '    sign = "-" if cents < 0 else ""\n'
-                '    cents = abs(cents)\n'
-                '    return f"{{sign}}${{cents // 100:,}}.{{cents % 100:02d}}"\n'),
+        "src": (
+            "def {name}(cents):\n"
+            '    """Render cents as a dollar string, e.g. 1234 -> \'$12.34\'."""\n'
+            '    sign = "-" if cents < 0 else ""\n'
+            "    cents = abs(cents)\n"
+            '    return f"{{sign}}${{cents // 100:,}}.{{cents % 100:02d}}"\n'
+        ),
         "use": "{ref}(sum(q * u for q, u in lines))",
         "check": ("-123456", "-$1,234.56"),
     },
@@ -46,7 +54,7 @@ _TARGETS = {
 
 _CALLERS = ["cart", "checkout", "invoice", "report"]
 
-_TESTS = '''\
+_TESTS = """\
 import ast
 import pathlib
 import warnings
@@ -117,7 +125,7 @@ def test_new_name_does_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         getattr(pricing, NEW)({args})
-'''
+"""
 
 
 def generate(rng: random.Random, seed: int) -> TaskSpec:
@@ -135,10 +143,12 @@ def generate(rng: random.Random, seed: int) -> TaskSpec:
         for fn in sorted(_TARGETS):
             out.append("\n\n" + _TARGETS[fn]["src"].format(name=name if fn == old else fn))
         if alias:
-            out.append(f'\n\ndef {old}(*args, **kwargs):\n'
-                       f'    """Deprecated alias of {name}."""\n'
-                       f'    warnings.warn("{old} is deprecated; use {name}", DeprecationWarning, stacklevel=2)\n'
-                       f'    return {name}(*args, **kwargs)\n')
+            out.append(
+                f"\n\ndef {old}(*args, **kwargs):\n"
+                f'    """Deprecated alias of {name}."""\n'
+                f'    warnings.warn("{old} is deprecated; use {name}", DeprecationWarning, stacklevel=2)\n'
+                f"    return {name}(*args, **kwargs)\n"
+            )
         return "".join(out)
 
     def caller(mod: str, name: str, style: int) -> str:
@@ -151,13 +161,17 @@ def generate(rng: random.Random, seed: int) -> TaskSpec:
         else:
             head = f"from .pricing import {name} as _price_fn\n"
             ref = "_price_fn"
-        return (f'"""{mod.capitalize()} helpers."""\n{head}\n\n'
-                f"def summarise(lines):\n"
-                f'    """Summary value used by the {mod} view."""\n'
-                f"    return {t['use'].format(ref=ref)}\n")
+        return (
+            f'"""{mod.capitalize()} helpers."""\n{head}\n\n'
+            f"def summarise(lines):\n"
+            f'    """Summary value used by the {mod} view."""\n'
+            f"    return {t['use'].format(ref=ref)}\n"
+        )
 
-    app = {"shopcore/__init__.py": '"""shopcore: the pricing side of the shop."""\n',
-           "shopcore/pricing.py": pricing(old, False)}
+    app = {
+        "shopcore/__init__.py": '"""shopcore: the pricing side of the shop."""\n',
+        "shopcore/pricing.py": pricing(old, False),
+    }
     sol = {"shopcore/pricing.py": pricing(new, keep)}
     env = run_source(pricing(old, False), "<p>")
     sample = [(2, 150), (1, 999), (3, 5), (4, 1250)]
@@ -170,19 +184,31 @@ def generate(rng: random.Random, seed: int) -> TaskSpec:
             expected[mod] = eval(t["use"].format(ref=old), env, {"lines": sample})
         else:
             other = rng.choice(others)
-            src = (f'"""{mod.capitalize()} helpers."""\nfrom . import pricing\n\n\n'
-                   f"def summarise(lines):\n    return {_TARGETS[other]['use'].format(ref='pricing.' + other)}\n")
+            src = (
+                f'"""{mod.capitalize()} helpers."""\nfrom . import pricing\n\n\n'
+                f"def summarise(lines):\n    return {_TARGETS[other]['use'].format(ref='pricing.' + other)}\n"
+            )
             app[f"shopcore/{mod}.py"] = src
             expected[mod] = eval(_TARGETS[other]["use"].format(ref=other), env, {"lines": sample})
-    policy = (f"Keep `{old}` working as a deprecated alias that emits a `DeprecationWarning` pointing to `{new}`."
-              if keep else f"Remove `{old}` entirely, no alias.")
-    instr = rng.choice([
-        f"Rename `shopcore.pricing.{old}` to `{new}` and update every caller in the package. {policy}",
-        f"`{old}` is a bad name. Rename it to `{new}` everywhere in shopcore. {policy}",
-    ])
+    policy = (
+        f"Keep `{old}` working as a deprecated alias that emits a `DeprecationWarning` pointing to `{new}`."
+        if keep
+        else f"Remove `{old}` entirely, no alias."
+    )
+    instr = rng.choice(
+        [
+            f"Rename `shopcore.pricing.{old}` to `{new}` and update every caller in the package. {policy}",
+            f"`{old}` is a bad name. Rename it to `{new}` everywhere in shopcore. {policy}",
+        ]
+    )
     args, check = t["check"]
-    tests = _TESTS.format(old=old, new=new, keep=keep, callers=callers, expected=expected,
-                                 args=args, check=check)
-    return TaskSpec(instruction=instr, app=app, tests={"test_outputs.py": tests}, solution=sol,
-                 difficulty="easy" if not keep else "medium", category="refactor",
-                 tags=["python", "refactor", "rename", old])
+    tests = _TESTS.format(old=old, new=new, keep=keep, callers=callers, expected=expected, args=args, check=check)
+    return TaskSpec(
+        instruction=instr,
+        app=app,
+        tests={"test_outputs.py": tests},
+        solution=sol,
+        difficulty="easy" if not keep else "medium",
+        category="refactor",
+        tags=["python", "refactor", "rename", old],
+    )
