@@ -62,6 +62,7 @@ def _orbax_load(src: Path, dtype: str | None):
     import orbax.checkpoint as ocp
 
     from composer_jax.config import ConfigError, config_from_dict
+    from composer_jax.config.model import as_dtype
     from composer_jax.model.params import abstract_params
 
     if not (src / "model.yaml").exists():
@@ -71,7 +72,8 @@ def _orbax_load(src: Path, dtype: str | None):
     if dtype and dtype != cfg.param_dtype:
         import jax
 
-        cfg = dataclasses.replace(cfg, param_dtype=dtype, compute_dtype=dtype)
+        dt = as_dtype(dtype, "--dtype")
+        cfg = dataclasses.replace(cfg, param_dtype=dt, compute_dtype=dt)
         # abstract_params carries each leaf's dtype (routers stay float32)
         params = jax.tree.map(lambda x, w: x.astype(w.dtype), params, abstract_params(cfg))
     return cfg, params

@@ -19,6 +19,7 @@ and each shard is assembled from the per-layer (per-expert) slices it covers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -153,7 +154,7 @@ def _plans(cfg: ModelConfig, family: str, prefix: str = "") -> list[ParamPlan]:
         "dense_layers": (tuple(layer(i) for i in range(K)), _layer_map(cfg, family, moe=False)),
         "moe_layers": (tuple(layer(i) for i in range(K, L)), _layer_map(cfg, family, moe=True)),
     }
-    mtp_map = {
+    mtp_map: dict[tuple[str, ...], Any] = {
         ("enorm",): ("enorm.weight", COPY),
         ("hnorm",): ("hnorm.weight", COPY),
         ("eh_proj",): ("eh_proj.weight", T),
@@ -287,9 +288,11 @@ def _param_reader(plan: ParamPlan, cfg: ModelConfig, reader: _Reader) -> Callabl
         read = one_layer("")
         return lambda idx: read(idx).astype(dtype)
 
+    prefixes = plan.layer_prefixes
+
     def read_stacked(idx: tuple) -> np.ndarray:
         layers = range(idx[0].start, idx[0].stop)
-        return np.stack([one_layer(plan.layer_prefixes[i])(idx[1:]).astype(dtype) for i in layers])
+        return np.stack([one_layer(prefixes[i])(idx[1:]).astype(dtype) for i in layers])
 
     return read_stacked
 
@@ -433,9 +436,30 @@ def _get(tree: dict, path: tuple[str, ...]) -> Any:
     return tree
 
 
+def _layer(a: Any, li: int) -> Any:
+    return a[li]
+
+
+def _whole(a: Any) -> Any:
+    return a
+
+
+def _expert_slice(a: Any, take: Callable[[Any], Any], e: int) -> Any:
+    return take(a)[e].T
+
+
+def _zeros_like_last(a: Any) -> np.ndarray:
+    return np.zeros(a.shape[-1:], np.float32)
+
+
+def _to_hf(a: Any, take: Callable[[Any], Any], layout: Any) -> Any:
+    return layout.to_hf(take(a))
+
+
 def _hf_entries(params: dict, cfg: ModelConfig, family: str, out_dtype: np.dtype):
     """[(hf name, dtype, shape, producer)] in param order; producer(host param) -> the HF array."""
-    entries = []
+    # (param path, HF name, dtype, HF shape, host param -> HF array)
+    entries: list[tuple[tuple[str, ...], str, np.dtype, tuple[int, ...], Callable[[Any], Any]]] = []
     for plan in _plans(cfg, family):
         value = _get(params, plan.path)
         if tuple(value.shape) != plan.spec.shape:
@@ -447,7 +471,7 @@ def _hf_entries(params: dict, cfg: ModelConfig, family: str, out_dtype: np.dtype
         prefixes = plan.layer_prefixes if plan.layer_prefixes is not None else (None,)
         shape = plan.spec.shape[1:] if plan.layer_prefixes is not None else plan.spec.shape
         for li, prefix in enumerate(prefixes):
-            take = (lambda a, li=li: a[li]) if prefix is not None else (lambda a: a)
+            take: Callable[[Any], Any] = functools.partial(_layer, li=li) if prefix is not None else _whole
             pre = prefix or ""
             if plan.source == ZEROS:
                 continue  # the HF family has no such tensor (router bias of a softmax router)
@@ -460,7 +484,7 @@ def _hf_entries(params: dict, cfg: ModelConfig, family: str, out_dtype: np.dtype
                             f"{pre}mlp.experts.{e}.{kind}_proj.weight",
                             dt,
                             shape[1:][::-1],
-                            lambda a, take=take, e=e: take(a)[e].T,
+                            functools.partial(_expert_slice, take=take, e=e),
                         )
                     )
                 continue
@@ -468,7 +492,7 @@ def _hf_entries(params: dict, cfg: ModelConfig, family: str, out_dtype: np.dtype
             if plan.path[-1] == "router_bias" and cfg.topk_method == "greedy":
                 # greedy sigmoid routing is exported as deepseek_v3 with one group, whose router adds
                 # the bias for selection: our greedy router ignores it, so write zeros
-                entries.append((plan.path, pre + name, dt, shape, lambda a: np.zeros(a.shape[-1:], np.float32)))
+                entries.append((plan.path, pre + name, dt, shape, _zeros_like_last))
                 continue
             entries.append(
                 (
@@ -476,7 +500,7 @@ def _hf_entries(params: dict, cfg: ModelConfig, family: str, out_dtype: np.dtype
                     pre + name,
                     dt,
                     layout.hf_shape(shape),
-                    lambda a, take=take, layout=layout: layout.to_hf(take(a)),
+                    functools.partial(_to_hf, take=take, layout=layout),
                 )
             )
     # DeepSeek MTP modules carry their own copies of the (shared) embedding and output head

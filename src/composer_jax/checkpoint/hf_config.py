@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from composer_jax.config import ConfigError, ModelConfig, RopeScalingConfig, validate_model
+from composer_jax.config.model import as_dtype
 
 log = logging.getLogger(__name__)
 
@@ -270,9 +271,7 @@ def model_config_from_hf(hf: Mapping[str, Any], *, dtype: str | None = None) -> 
         theta, scaling = _rope(hf)
     except KeyError as e:
         raise ConfigError(f"config.json ({model_type}): required key {e.args[0]!r} is missing") from None
-    dt = dtype or _dtype(hf)
-    if dt not in ("float32", "bfloat16"):
-        raise ConfigError(f"dtype={dt!r} is not supported; accepted: float32, bfloat16")
+    dt = as_dtype(dtype or _dtype(hf))
     cfg = ModelConfig(
         name=str(_get(hf, "_name_or_path", model_type)) or model_type,
         rope_theta=theta,

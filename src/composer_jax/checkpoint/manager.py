@@ -113,12 +113,11 @@ def _read_config(manager: ocp.CheckpointManager, step: int, step_dir: epath.Path
 
 
 def _read_tree_metadata(manager: ocp.CheckpointManager, step: int, step_dir: epath.Path) -> Any:
+    error: Exception | None = None
     try:
         meta = manager.item_metadata(step)[STATE_ITEM]
     except Exception as e:
         meta, error = None, e
-    else:
-        error = None
     if meta is None:
         reason = short_reason(error) if error is not None else "the tree metadata file is missing"
         raise CheckpointCorruptError(

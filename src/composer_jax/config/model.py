@@ -7,6 +7,17 @@ from typing import Literal
 
 from composer_jax.errors import ConfigError
 
+Dtype = Literal["float32", "bfloat16"]
+
+
+def as_dtype(value: str, what: str = "dtype") -> Dtype:
+    """`value` as a parameter/compute dtype the model supports, or a ConfigError naming it."""
+    if value == "float32":
+        return "float32"
+    if value == "bfloat16":
+        return "bfloat16"
+    raise ConfigError(f"{what}={value!r} is not supported; accepted: float32, bfloat16")
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeScalingConfig:
@@ -69,8 +80,8 @@ class ModelConfig:
     num_mtp_layers: int = 0  # DeepSeek-V3 multi-token-prediction depth
     initializer_range: float = 0.02
     # numerics and implementation
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    param_dtype: Dtype = "float32"
+    compute_dtype: Dtype = "float32"
     # MoE matmul: "auto" = ragged_dot on GPU, tiled grouped matmul on CPU (ragged_dot does G x the
     # FLOPs on XLA:CPU); "dense" computes every expert for every token (reference, tiny models only)
     moe_impl: Literal["auto", "tiled", "ragged", "dense"] = "auto"

@@ -164,7 +164,7 @@ def task_conversation(task_dir: str | Path, *, timeout_s: float = 60.0) -> dict:
         new = after[p].decode("utf-8", "replace")
         old = before[p].decode("utf-8", "replace") if p in before else None
         hunk = _single_hunk(old, new) if old is not None else None
-        if hunk:
+        if hunk and old is not None:
             # The server's own search/replace: the same result, and proof that the call is valid.
             replaced, result = protocol.edit_file_replace(_app(p), old, hunk[0], hunk[1])
             if replaced != new:  # a bug in _single_hunk; never train on an edit that does not apply

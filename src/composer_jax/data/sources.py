@@ -290,9 +290,9 @@ def open_source(src: SourceConfig, kind: Kind):
         raise DataConfigError(
             f"source {src.path!r}: type={src.type!r} is not accepted; accepted: jsonl, parquet, arrayrecord, directory"
         )
-    files = resolve_files(src.path, _DEFAULT_FILE_PATTERN[src.type])
+    paths = resolve_files(src.path, _DEFAULT_FILE_PATTERN[src.type])
     cls = {"jsonl": JsonlSource, "parquet": ParquetSource, "arrayrecord": ArrayRecordSource}[src.type]
-    return cls(files, kind, key)
+    return cls(paths, kind, key)
 
 
 def content_hash_fraction(document: str | list) -> float:

@@ -23,6 +23,7 @@ import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from composer_jax.config.data import DEFAULT_CODE_EXTENSIONS, DataConfigError
 
@@ -39,7 +40,7 @@ class Tokenizer:
     mentions "<|im_end|>" cannot forge a turn boundary).
     """
 
-    hf: object  # tokenizers.Tokenizer
+    hf: Any  # tokenizers.Tokenizer (imported lazily: the config layer must not need it)
     pad_id: int
     bos_id: int
     eos_id: int
@@ -166,7 +167,12 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, *, min_frequency: int
     )
     hf.train_from_iterator(texts, trainer=trainer)
     hf.encode_special_tokens = True
-    ids = {t: hf.token_to_id(t) for t in SPECIAL_TOKENS}
+    ids: dict[str, int] = {}
+    for t in SPECIAL_TOKENS:
+        token_id = hf.token_to_id(t)
+        if token_id is None:  # the trainer adds every special token; a tokenizers change would show here
+            raise RuntimeError(f"the trained tokenizer has no id for special token {t!r}")
+        ids[t] = token_id
     return Tokenizer(hf=hf, pad_id=ids["<|pad|>"], bos_id=ids["<|bos|>"], eos_id=ids["<|eos|>"], special=ids)
 
 

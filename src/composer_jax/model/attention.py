@@ -98,7 +98,7 @@ def mla(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, sharding: MeshRules 
     k_rope = apply_rope(kv[..., cfg.kv_lora_rank :][:, :, None, :], ctx["cos"], ctx["sin"], cfg.rope_interleave)[
         :, :, 0
     ]
-    if context_axes(sharding):
+    if sharding is not None and context_axes(sharding):
         out = context_parallel_attention(
             _mla_core, (q_nope, q_rope), (latent, k_rope), (p["kv_b"],), ctx, cfg, sharding
         )
@@ -119,7 +119,7 @@ def gqa(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, sharding: MeshRules 
     q = apply_rope(q, ctx["cos"], ctx["sin"], cfg.rope_interleave)
     k = apply_rope(k, ctx["cos"], ctx["sin"], cfg.rope_interleave)
     q = constrain(q, sharding, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
-    if context_axes(sharding):
+    if sharding is not None and context_axes(sharding):
         out = context_parallel_attention(_gqa_core, (q,), (k, v), (), ctx, cfg, sharding)
     else:
         out = _gqa_core(q, k, v, _local_visibility(ctx), cfg)

@@ -289,7 +289,12 @@ def sequence_balance(scores: jax.Array, experts: jax.Array, num_experts: int, se
 
 
 def _sorted_dispatch(
-    xt: jax.Array, experts: jax.Array, ws: tuple, cfg: ModelConfig, ep: int, ep_axis: str | None
+    xt: jax.Array,
+    experts: jax.Array,
+    ws: tuple[jax.Array, jax.Array, jax.Array],
+    cfg: ModelConfig,
+    ep: int,
+    ep_axis: str | None,
 ) -> jax.Array:
     """Assignments sorted by expert, through `grouped_swiglu` (and all_to_all over the expert axis
     when ep > 1) and back: -> [tokens, k, embed]."""

@@ -21,12 +21,15 @@ from composer_jax.train.optimizer import make_optimizer
 @dataclasses.dataclass
 class TrainState:
     """step: int32[]; params: the model pytree; opt_state: optax state (moments shaped and sharded
-    like params); rng: uint32[2] raw key data (raw so that checkpoints hold plain arrays)."""
+    like params); rng: uint32[2] raw key data (raw so that checkpoints hold plain arrays).
 
-    step: jax.Array
+    The same container also holds the state's shardings or ShapeDtypeStructs, leaf for leaf
+    (`state_shardings`, `abstract_train_state`), hence the `Any` leaves."""
+
+    step: Any
     params: Any
     opt_state: Any
-    rng: jax.Array
+    rng: Any
 
 
 def optimizer_for(cfg: Config) -> optax.GradientTransformation:
@@ -43,9 +46,9 @@ def state_shardings(cfg: Config, mesh: Mesh, rules: ShardingRules) -> TrainState
     leaf; everything else (step counts) is replicated."""
     p_sh = param_shardings(cfg.model, mesh, rules)
     abstract = abstract_params(cfg.model)
-    params_def = jax.tree.structure(abstract)
+    params_def: Any = jax.tree.structure(abstract)  # (jaxlib's PyTreeDef stub lacks __eq__)
     opt_shapes = jax.eval_shape(optimizer_for(cfg).init, abstract)
-    like_params = lambda node: not isinstance(node, jax.ShapeDtypeStruct) and jax.tree.structure(node) == params_def
+    like_params = lambda node: not isinstance(node, jax.ShapeDtypeStruct) and params_def == jax.tree.structure(node)
     opt_sh = jax.tree.map(
         lambda node: p_sh if like_params(node) else _replicated(mesh), opt_shapes, is_leaf=like_params
     )
