@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-all system-deps clean
+.PHONY: venv demo test test-all lint system-deps clean
 
 $(STAMP): requirements.lock requirements-env.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,7 +24,12 @@ system-deps:
 demo: venv system-deps
 	$(PY) -m composer_jax.cli demo
 
-test: venv system-deps
+lint: venv
+	$(VENV)/bin/ruff check src tests bench pallas_kernels
+	$(VENV)/bin/ruff format --check src tests bench pallas_kernels
+	$(VENV)/bin/mypy src/composer_jax pallas_kernels bench tests
+
+test: venv system-deps lint
 	$(PY) -m pytest -n 2 -m "not slow" tests
 
 test-all: venv system-deps
