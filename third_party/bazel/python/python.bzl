@@ -40,6 +40,9 @@ py_runtime(
     name = "py3_runtime",
     interpreter_path = "{interpreter}",
     python_version = "PY3",
+    # The launcher stub is a Python script too; Bazel 4's default shebang, `#!/usr/bin/env python`,
+    # needs a `python` on PATH, which Debian does not have (only python3).
+    stub_shebang = "#!{interpreter}",
 )
 
 py_runtime_pair(
