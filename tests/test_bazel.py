@@ -38,7 +38,7 @@ def _one_at_a_time():
 def bazel(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     # The tests run under this session's interpreter (the local Python toolchain reads it).
     env = {**os.environ, "COMPOSER_JAX_PYTHON": sys.executable}
-    cmd = [BAZEL, f"--output_user_root={OUTPUT_ROOT}", "--max_idle_secs=300", *args]
+    cmd = [BAZEL, f"--output_user_root={OUTPUT_ROOT}", "--max_idle_secs=60", *args]
     with _one_at_a_time():
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-6000:]}"
