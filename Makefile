@@ -14,12 +14,17 @@ $(STAMP): requirements.lock requirements-env.lock pyproject.toml
 
 venv: $(STAMP)
 
-# bubblewrap is the environment server's sandbox (Debian package); installed when we can.
+# bubblewrap is the environment server's sandbox, bazel-bootstrap is Bazel 4 for the BUILD file
+# (tests/test_bazel.py); Debian packages, installed when we can.
 system-deps:
 	@command -v bwrap >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    (apt-get update -qq && apt-get install -y -qq bubblewrap) >/dev/null 2>&1 || echo "warning: could not install bubblewrap"; \
 	  else echo "warning: bubblewrap (bwrap) not found; sandbox tests will be skipped"; fi; }
+	@command -v bazel >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bazel-bootstrap) >/dev/null 2>&1 || echo "warning: could not install bazel-bootstrap"; \
+	  else echo "warning: bazel not found; Bazel build tests will be skipped"; fi; }
 
 demo: venv system-deps
 	$(PY) -m composer_jax.cli demo
