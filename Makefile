@@ -30,9 +30,9 @@ demo: venv system-deps
 	$(PY) -m composer_jax.cli demo
 
 lint: venv
-	$(VENV)/bin/ruff check src tests bench pallas_kernels
-	$(VENV)/bin/ruff format --check src tests bench pallas_kernels
-	$(VENV)/bin/mypy src/composer_jax pallas_kernels bench tests
+	$(VENV)/bin/ruff check src tests bench pallas_kernels tools
+	$(VENV)/bin/ruff format --check src tests bench pallas_kernels tools
+	$(VENV)/bin/mypy src/composer_jax pallas_kernels bench tests tools
 
 test: venv system-deps lint
 	$(PY) -m pytest -n 2 -m "not slow" tests

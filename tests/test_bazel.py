@@ -5,6 +5,7 @@ Skipped where `bazel` is not installed (`make system-deps` installs Debian's baz
 Bazel's outputs go under a temporary --output_user_root (never the checkout); pytest-xdist workers
 take turns through a file lock, since one Bazel server serves one command at a time.
 """
+
 import contextlib
 import fcntl
 import os
@@ -18,7 +19,8 @@ import pytest
 
 BAZEL = shutil.which("bazel")
 pytestmark = pytest.mark.skipif(
-    BAZEL is None, reason="bazel is not installed (`make system-deps` installs bazel-bootstrap)")
+    BAZEL is None, reason="bazel is not installed (`make system-deps` installs bazel-bootstrap)"
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 OUTPUT_ROOT = Path(tempfile.gettempdir()) / f"composer_jax-bazel-{os.getuid()}"
@@ -51,9 +53,17 @@ def _labels(proc: subprocess.CompletedProcess) -> set[str]:
 
 def test_query_lists_the_targets():
     targets = _labels(bazel("query", "//..."))
-    expected = {"//:composer_jax", "//:composer_jax_env", "//:pallas_kernels", "//:composer-jax",
-                "//:tests_test_config", "//:tests_model_test_moe", "//:tests_model_test_flash",
-                "//:tests_model_test_sharded", "//:tests_model_test_gpu_lowering"}
+    expected = {
+        "//:composer_jax",
+        "//:composer_jax_env",
+        "//:pallas_kernels",
+        "//:composer-jax",
+        "//:tests_test_config",
+        "//:tests_model_test_moe",
+        "//:tests_model_test_flash",
+        "//:tests_model_test_sharded",
+        "//:tests_model_test_gpu_lowering",
+    }
     assert expected <= targets, expected - targets
     assert not [t for t in targets if "fixtures" in t], "a test fixture became a test target"
     assert not (ROOT / "bazel-bin").exists(), "convenience symlinks in the checkout (.bazelrc)"

@@ -3,6 +3,7 @@
 tasks/ are), with Bazel's test conventions: JUnit XML to $XML_OUTPUT_FILE, --test_filter as `-k`,
 scratch files under $TEST_TMPDIR. Extra arguments (`--test_arg=-x`) go to pytest.
 """
+
 import os
 import sys
 
@@ -11,14 +12,16 @@ def main(argv: list[str]) -> int:
     try:
         import pytest
     except ImportError:
-        print(f"bazel_pytest: pytest is not importable by {sys.executable}; run `make venv` (or set "
-              "COMPOSER_JAX_PYTHON) and `bazel sync --configure`", file=sys.stderr)
+        print(
+            f"bazel_pytest: pytest is not importable by {sys.executable}; run `make venv` (or set "
+            "COMPOSER_JAX_PYTHON) and `bazel sync --configure`",
+            file=sys.stderr,
+        )
         return 2
     import importlib.util
 
     spec = importlib.util.find_spec("composer_jax")  # where it imports from, without importing it
-    print(f"bazel_pytest: {sys.executable}; composer_jax from {spec.origin if spec else None}",
-          file=sys.stderr)
+    print(f"bazel_pytest: {sys.executable}; composer_jax from {spec.origin if spec else None}", file=sys.stderr)
     # The runfiles root of this workspace: the directory above tools/.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     os.chdir(root)
