@@ -40,6 +40,7 @@ def _one_at_a_time():
 def bazel(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     # The tests run under this session's interpreter (the local Python toolchain reads it).
     env = {**os.environ, "COMPOSER_JAX_PYTHON": sys.executable}
+    assert BAZEL is not None  # the module is skipped without it
     cmd = [BAZEL, f"--output_user_root={OUTPUT_ROOT}", "--max_idle_secs=60", *args]
     with _one_at_a_time():
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
