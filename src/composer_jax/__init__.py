@@ -29,6 +29,7 @@ _EXPORTS = {
     "ConfigError": "composer_jax.config",
     "make_mesh": "composer_jax.sharding",
     "ShardingRules": "composer_jax.sharding",
+    "MeshRules": "composer_jax.sharding",
     "init_params": "composer_jax.model.params",
     "param_specs": "composer_jax.model.params",
     "forward": "composer_jax.model.transformer",

@@ -2,7 +2,7 @@
 
 Everything here is computed from the parameter specs (`param_specs`, shapes and logical axes) and
 `jax.eval_shape` of the initialiser: no parameter is ever allocated, so a 1T-parameter model can be
-inspected on a laptop. `composer-jax inspect` (inspect.py) prints what these functions return.
+inspected on a laptop. `composer-jax inspect` (inspection.py) prints what these functions return.
 
 Conventions (stated once here and repeated in the report):
   - total / active parameters exclude the multi-token-prediction (MTP) modules, which are reported
