@@ -60,6 +60,7 @@ def start_server(tasks: Path, max_sessions: int) -> tuple[subprocess.Popen, str,
         text=True,
         env=env,
     )
+    assert proc.stdout is not None  # a PIPE
     match = re.search(r"listening on (\S+) .*token=(\S+)", proc.stdout.readline())
     if not match:
         proc.kill()
@@ -89,8 +90,8 @@ class Http:
         if self.kind == "aiohttp":
             async with self._aio.request(method, self.url + path, json=json) as r:
                 return r.status, await r.json(content_type=None)
-        r = await self._httpx.request(method, path, json=json)
-        return r.status_code, r.json()
+        resp = await self._httpx.request(method, path, json=json)
+        return resp.status_code, resp.json()
 
     async def close(self) -> None:
         await (self._aio.close() if self.kind == "aiohttp" else self._httpx.aclose())

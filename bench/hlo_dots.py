@@ -61,6 +61,19 @@ def _ints(s: str) -> tuple[int, ...]:
     return tuple(int(x) for x in s.split(",") if x)
 
 
+def _shape(typ: str) -> tuple[str, str]:
+    """(element type, comma-separated dims) of an HLO array type such as f32[64,32]."""
+    m = _SHAPE.match(typ)
+    if m is None:
+        raise ValueError(f"not an HLO array type: {typ!r}")
+    return m.group(1), m.group(2)
+
+
+def _dims(rx: re.Pattern[str], line: str) -> tuple[int, ...]:
+    m = rx.search(line)
+    return _ints(m.group(1)) if m else ()
+
+
 def dot_inventory(hlo_text: str) -> tuple[dict[Dot, int], list[str]]:
     """-> ({dot: executions per program run}, [notes on loops without a known trip count])."""
     comps: dict[str, list[str]] = {}
@@ -113,8 +126,8 @@ def dot_inventory(hlo_text: str) -> tuple[dict[Dot, int], list[str]]:
             if op != "dot" or not count.get(c):
                 continue
             operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
-            (lt, ls), (rt, rs) = (_SHAPE.match(shapes[o]).groups() for o in operands[:2])
-            d = {k: _ints(r.search(line).group(1)) if r.search(line) else () for k, r in _DIMS.items()}
+            (lt, ls), (rt, rs) = (_shape(shapes[o]) for o in operands[:2])
+            d = {k: _dims(r, line) for k, r in _DIMS.items()}
             dot = Dot(
                 lt,
                 _ints(ls),

@@ -13,7 +13,9 @@ from hlo_dots import Dot, bmm_layout, dot_inventory, time_dots  # noqa: E402
 
 
 def _compiled(f, *args) -> str:
-    return jax.jit(f).lower(*args).compile().as_text()
+    text = jax.jit(f).lower(*args).compile().as_text()
+    assert text is not None
+    return text
 
 
 def test_inventory_counts_loop_trips_and_flops():

@@ -63,7 +63,7 @@ def _imports(path: Path, module: str) -> list[tuple[str, str | None, int]]:
     """(imported module, imported name or None, line) for every import of a composer_jax module."""
     tree = ast.parse(path.read_text(), str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    out = []
+    out: list[tuple[str, str | None, int]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out += [(a.name, None, node.lineno) for a in node.names]

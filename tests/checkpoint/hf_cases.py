@@ -7,6 +7,7 @@ bias) so a swapped norm or an ignored bias shows in the logits.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -36,7 +37,8 @@ _YARN = dict(
 )
 
 # name -> (config class, kwargs). Together they exercise every option the converter maps.
-CASES = {
+# name -> (transformers config class, config kwargs)
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
     # MLA with query LoRA, grouped noaux_tc routing with a random bias, dense first layer, 1 shared
     # expert, renormalised top-k, routed_scaling_factor 2.5, YaRN with both mscale corrections
     "v3_full": (

@@ -21,7 +21,9 @@ from composer_jax.config import MeshConfig
 from composer_jax.model.params import param_shardings
 from composer_jax.sharding import MeshRules, ShardingRules
 
-torch = pytest.importorskip("torch")
+pytest.importorskip("torch")
+import torch  # noqa: E402  (after the importorskip)
+
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402  (after the importorskip)
 

@@ -168,6 +168,11 @@ def _drop_metadata(f: File):
     f.header.pop("__metadata__", None)
 
 
+def _drop_all_tensors(f: File) -> None:
+    f.header = {}
+    f.data = b""
+
+
 def _pad_header(f: File):
     raw = json.dumps(f.header).encode()
     f.header_raw = b"   " + raw + b" " * 13  # JSON whitespace around the object, as the writer pads
@@ -190,7 +195,7 @@ MUTATIONS = [
     Mutation("header_padded_with_spaces", _pad_header, True),
     Mutation("extra_field_in_entry", _set("a", "note", "ignored"), True),
     Mutation("metadata_null", lambda f: f.header.update(__metadata__=None), True),
-    Mutation("no_tensors", lambda f: (setattr(f, "header", {}), setattr(f, "data", b"")), True),
+    Mutation("no_tensors", _drop_all_tensors, True),
     Mutation("no_tensors_but_data", lambda f: setattr(f, "header", {}), False),
     Mutation("offsets_of_same_size_tensors_swapped", _swap_offsets("a", "b"), True),
     Mutation("relabel_a_F32_to_I32", _set("a", "dtype", "I32"), True),

@@ -38,6 +38,7 @@ class LiveServer:
             text=True,
             env=env_with_src(),
         )
+        assert self.proc.stdout is not None and self.proc.stderr is not None  # both are PIPEs
         line = self.proc.stdout.readline()
         match = re.search(r"listening on (\S+) .*token=(\S+)", line)
         if not match:

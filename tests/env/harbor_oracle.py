@@ -34,7 +34,7 @@ class RunResult:
 
 
 def _prefixes() -> list[str]:
-    out = []
+    out: list[str] = []
     for p in (sys.base_prefix, sys.prefix, os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)):
         if p not in out and not any(p == q for q in out):
             out.append(p)

@@ -7,6 +7,7 @@ import schemathesis
 from conftest import LiveServer, requires_bwrap
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
+from schemathesis.core.result import Err
 
 pytestmark = requires_bwrap
 
@@ -19,6 +20,8 @@ def _fuzz(max_examples: int) -> None:
         http = server.client()
         live = [http.post("/sessions", json={"task_id": "fix-add"}).json()["session_id"]]
         for operation in schema.get_all_operations():
+            if isinstance(operation, Err):
+                raise operation.err()
             op = operation.ok()
 
             @settings(max_examples=max_examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))

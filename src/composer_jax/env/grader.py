@@ -22,7 +22,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from composer_jax.env import volumes
-from composer_jax.env.sandbox import Limits, Mount, SandboxLease
+from composer_jax.env.sandbox import ExecResult, Limits, Mount, SandboxLease
 from composer_jax.env.tasks import Task
 
 MAX_DIFF_BYTES = 256 * 1024
@@ -147,7 +147,7 @@ async def run_in_copy(
     extra_mounts: list[Mount],
     limits: Limits,
     keep: bool = False,
-) -> tuple[Path, Path, object]:
+) -> tuple[Path, Path, ExecResult]:
     """Copy `source` to a fresh volume, run `command` there with /logs/verifier; returns dirs+result."""
     job = scratch_root / f"job-{uuid.uuid4().hex[:12]}"
     job.mkdir(parents=True)
@@ -206,7 +206,9 @@ async def grade(task: Task, lease: SandboxLease, workspace: Path, scratch_root: 
     )
 
 
-async def oracle_workspace(task: Task, lease: SandboxLease, scratch_root: Path, limits: Limits) -> tuple[Path, object]:
+async def oracle_workspace(
+    task: Task, lease: SandboxLease, scratch_root: Path, limits: Limits
+) -> tuple[Path, ExecResult]:
     """Run solution/solve.sh on a fresh copy of the initial workspace; returns (solved dir, result).
 
     The caller grades the returned directory and then frees it with `release_job`."""

@@ -35,7 +35,7 @@ def _labels(items: tuple) -> str:
 
 
 class Metrics:
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._values: dict[str, dict[tuple, float]] = defaultdict(dict)
         self._hist: dict[str, dict[tuple, list]] = defaultdict(dict)

@@ -42,7 +42,9 @@ def _authorized(websocket: WebSocket, token: str, path_token: str | None) -> boo
     header = websocket.headers.get("authorization", "")
     if header.lower().startswith("bearer "):
         offered = header[7:].strip()
-    return bool(offered) and secrets.compare_digest(offered.encode(), token.encode())
+    if not offered:
+        return False
+    return secrets.compare_digest(offered.encode(), token.encode())
 
 
 def _error(message: str, code: str) -> dict:
@@ -130,7 +132,7 @@ async def serve_openenv_websocket(
                 await websocket.send_json(
                     _error('no session: send {"type": "reset", "data": {"task_id": ...}} first', "SESSION_ERROR")
                 )
-            elif kind == "step":
+            elif kind == "step" and session_id is not None:  # None was answered just above
                 try:
                     if isinstance(data, dict) and data.get("submit"):
                         result = await manager.grade(session_id)
@@ -150,7 +152,7 @@ async def serve_openenv_websocket(
                 await websocket.send_json(
                     _observation({"results": [{"name": name, **r} for (name, _), r in zip(calls, results)]})
                 )
-            elif kind == "state":
+            elif kind == "state" and session_id is not None:
                 try:
                     state = manager.get(session_id).state()
                 except SessionNotFound as exc:

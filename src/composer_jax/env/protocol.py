@@ -160,7 +160,7 @@ TOOL_SCHEMAS: list[dict] = [
 ]
 TOOL_NAMES = [s["function"]["name"] for s in TOOL_SCHEMAS]
 _SCHEMA_BY_NAME = {s["function"]["name"]: s["function"]["parameters"] for s in TOOL_SCHEMAS}
-_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool}
+_TYPES: dict[str, type | tuple[type, ...]] = {"string": str, "integer": int, "number": (int, float), "boolean": bool}
 
 
 # ---------------------------------------------------------------------------- checking calls
@@ -306,7 +306,8 @@ def edit_file_replace(
             )
         raise ToolError(f"old_string not found in {path}{hint}. Nothing was changed.")
     if count > 1 and not replace_all:
-        lines, start = [], 0
+        lines: list[int] = []
+        start = 0
         while (i := text.find(old_string, start)) != -1 and len(lines) < 10:
             lines.append(_line_of(text, i))
             start = i + 1
@@ -327,7 +328,8 @@ def edit_file_replace(
 def list_dir_result(path: str, entries: Iterable[tuple[str, str, int]], max_entries: int = MAX_LIST_ENTRIES) -> dict:
     """list_dir of directory `path` from (display path, kind, size) entries in listing order; kind
     is file, dir, symlink or other (size 0 for all but files). Stops after `max_entries`."""
-    out, truncated = [], False
+    out: list[dict[str, Any]] = []
+    truncated = False
     for p, kind, size in entries:
         if len(out) >= max_entries:
             truncated = True

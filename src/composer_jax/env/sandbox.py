@@ -142,6 +142,7 @@ class SandboxLease(abc.ABC):
                     # returns once the pipes are drained and closed.
                     overflow.set()
 
+        assert proc.stdout is not None and proc.stderr is not None  # both are PIPEs
         readers = [
             asyncio.ensure_future(drain(proc.stdout, kept["out"])),
             asyncio.ensure_future(drain(proc.stderr, kept["err"])),
@@ -221,7 +222,7 @@ class _UidPool:
 
     LOCK_DIR = Path("/tmp/composer-jax-env-uids")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._next = secrets.randbelow(UID_COUNT)
         self._held: dict[int, int] = {}  # uid -> lock file descriptor
         self.LOCK_DIR.mkdir(mode=0o700, exist_ok=True)
@@ -270,7 +271,9 @@ class BubblewrapLease(SandboxLease):
         self.sandbox = sandbox
         self.cgroup = sandbox.cgroups.create(session_id, sandbox.session_limits) if sandbox.cgroups else None
 
-    def _argv(self, command, mounts, cwd, limits, env):
+    def _argv(
+        self, command: list[str], mounts: list[Mount], cwd: str, limits: Limits, env: dict[str, str]
+    ) -> tuple[list[str], str | None]:
         sb = self.sandbox
         argv: list[str] = []
         if self.cgroup is not None:
@@ -336,12 +339,13 @@ class BubblewrapSandbox(Sandbox):
     isolated = True
 
     def __init__(self, session_limits: Limits | None = None, bwrap: str | None = None, use_cgroups: bool = True):
-        self.bwrap = bwrap or shutil.which("bwrap")
-        if not self.bwrap:
+        found = bwrap or shutil.which("bwrap")
+        if not found:
             raise RuntimeError(
                 "bubblewrap (bwrap) is not installed; install it (apt-get install "
                 "bubblewrap, or `make system-deps`) or pass --unsafe-no-sandbox"
             )
+        self.bwrap: str = found
         self.privileged = os.geteuid() == 0
         self.session_limits = session_limits or Limits()
         self.cgroups = CgroupLimiter.detect() if (use_cgroups and self.privileged) else None
@@ -415,7 +419,9 @@ class LocalLease(SandboxLease):
     """UNSAFE: host processes with rlimits only. Paths such as /app do not exist here; the
     workspace is the cwd and mounts are exported as environment variables (APP_DIR, TESTS_DIR...)."""
 
-    def _argv(self, command, mounts, cwd, limits, env):
+    def _argv(
+        self, command: list[str], mounts: list[Mount], cwd: str, limits: Limits, env: dict[str, str]
+    ) -> tuple[list[str], str | None]:
         host_cwd = None
         exports = {}
         for m in mounts:

@@ -31,8 +31,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 try:
     import orjson  # ~10x faster than json for tool results (file contents); optional
+
+    _HAVE_ORJSON = True
 except ImportError:  # pragma: no cover - orjson is in requirements-env.lock
-    orjson = None
+    _HAVE_ORJSON = False
 
 from composer_jax.env import protocol
 from composer_jax.env.errors import CapacityError, SessionNotFound, TaskError, TaskNotRunnable, UnknownTaskError
@@ -125,7 +127,9 @@ class GradeResponse(BaseModel):
     reward_details: dict[str, Any]
 
 
-_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 409, 413, 422, 429)}
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 409, 413, 422, 429)
+}
 _SESSION_ID = PathParam(description="id returned by POST /sessions", max_length=64)
 
 
@@ -169,7 +173,7 @@ def _tool_calls_response(session_id: str, calls: list[ToolCall], results: list[d
             for c, r in zip(calls, results)
         ],
     }
-    if orjson is not None:
+    if _HAVE_ORJSON:
         try:
             return Response(orjson.dumps(body), media_type="application/json")
         except (orjson.JSONEncodeError, TypeError):
@@ -244,7 +248,8 @@ async def _error_response(_: Request, exc: Exception) -> JSONResponse:
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    for exc_type in (ApiError, *_ERROR_STATUS):
+    exc_types: tuple[type[Exception], ...] = (ApiError, *_ERROR_STATUS)
+    for exc_type in exc_types:
         app.add_exception_handler(exc_type, _error_response)
 
     @app.exception_handler(RequestValidationError)
@@ -347,7 +352,7 @@ def _add_session_routes(app: FastAPI, manager: SessionManager, auth: list) -> No
         summary="Call tools (several calls run in parallel)",
         dependencies=auth,
     )
-    async def call_tools(body: ToolCallsRequest, session_id: str = _SESSION_ID) -> ToolCallsResponse:
+    async def call_tools(body: ToolCallsRequest, session_id: str = _SESSION_ID) -> Response:
         manager.get(session_id)  # an unknown session is a 404 even when the calls are bad too
         calls = parse_calls(body.calls)
         results = await manager.call_tools(session_id, calls)

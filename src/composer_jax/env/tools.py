@@ -16,7 +16,7 @@ import asyncio
 import fnmatch
 import time
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import regex  # the `regex` module: like `re`, plus a timeout that stops catastrophic backtracking
 
@@ -93,7 +93,8 @@ def grep(
         rx = regex.compile(pattern, regex.IGNORECASE if case_insensitive else 0)
     except regex.error as exc:
         raise ToolError(f"invalid regular expression {pattern!r}: {exc}") from None
-    matches, files, truncated = [], 0, False
+    matches: list[dict[str, Any]] = []
+    files, truncated = 0, False
     deadline = time.monotonic() + 10.0
     for display, data in ws.walk_files(path):
         if not _glob_ok(display, glob) or b"\x00" in data[:8192]:

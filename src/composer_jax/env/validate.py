@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from composer_jax.env import grader
@@ -77,8 +78,8 @@ async def validate_all(
     sandbox: Sandbox,
     *,
     jobs: int = 2,
-    families: list[str] = (),
-    seeds: list[int] = (0,),
+    families: Sequence[str] = (),
+    seeds: Sequence[int] = (0,),
     limits: Limits | None = None,
     progress=None,
 ) -> list[TaskReport]:

@@ -84,7 +84,7 @@ def copy_tree(src: Path, dest: Path, uid: int | None = None, gid: int | None = N
     Symlinks are copied as symlinks (never followed), special files are skipped: a workspace may
     contain whatever the agent made, and copying must not read outside it.
     """
-    chown = os.geteuid() == 0 and uid is not None
+    owner = (uid, gid if gid is not None else uid) if os.geteuid() == 0 and uid is not None else None
     for root, dirs, files in os.walk(src, followlinks=False):
         rel = os.path.relpath(root, src)
         target_root = dest if rel == "." else dest / rel
@@ -101,6 +101,6 @@ def copy_tree(src: Path, dest: Path, uid: int | None = None, gid: int | None = N
                 os.chmod(t, stat.S_IMODE(st.st_mode) | 0o600)
             else:
                 continue
-            if chown:
-                os.chown(t, uid, gid if gid is not None else uid, follow_symlinks=False)
+            if owner is not None:
+                os.chown(t, *owner, follow_symlinks=False)
         # os.walk lists symlinked dirs in `dirs` but does not descend (followlinks=False): good.

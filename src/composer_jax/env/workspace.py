@@ -61,7 +61,8 @@ class Workspace:
             )
         else:
             rel = path
-        pending, out, hops = _split(rel), [], 0
+        pending, hops = _split(rel), 0
+        out: list[str] = []
         while pending:
             comp = pending.pop(0)
             if comp == "..":
@@ -110,7 +111,13 @@ class Workspace:
                         raise ToolError(f"{self.display(parts)}: no such directory") from None
                     os.mkdir(comp, 0o755, dir_fd=fd)
                     if self.uid is not None:
-                        os.chown(comp, self.uid, self.gid, dir_fd=fd, follow_symlinks=False)
+                        os.chown(
+                            comp,
+                            self.uid,
+                            self.gid if self.gid is not None else self.uid,
+                            dir_fd=fd,
+                            follow_symlinks=False,
+                        )
                     nfd = os.open(comp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
                 except OSError as exc:
                     if exc.errno in (errno.ELOOP, errno.ENOTDIR):
@@ -188,7 +195,7 @@ class Workspace:
                 f.truncate(0)
                 f.write(data)
                 if self.uid is not None:
-                    os.fchown(f.fileno(), self.uid, self.gid)
+                    os.fchown(f.fileno(), self.uid, self.gid if self.gid is not None else self.uid)
             return not existed, parts
         finally:
             os.close(dfd)

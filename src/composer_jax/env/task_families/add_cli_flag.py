@@ -10,12 +10,20 @@ against an independent reference and check that the default output is unchanged.
 from __future__ import annotations
 
 import random
+from typing import TypedDict
 
 from .base import Family, TaskSpec, dedent
 
 FAMILY = Family("add-cli-flag", "Add one or two options to an argparse word-count CLI.", "feature")
 
-_FLAGS = {
+
+class _Flag(TypedDict):
+    names: list[str]  # accepted spellings of the option
+    kind: str  # int, bool or list
+    say: str  # instruction bullet, formatted with flag=
+
+
+_FLAGS: dict[str, _Flag] = {
     "min_length": {
         "names": ["--min-length", "--min-len"],
         "kind": "int",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Mapping
 
 from .base import Family, TaskSpec, dedent
 
@@ -128,7 +129,7 @@ def _values(rng: random.Random) -> dict[str, dict[str, str]]:
     }
 
 
-def _ini(values: dict[str, dict[str, str | None]]) -> str:
+def _ini(values: Mapping[str, Mapping[str, str | None]]) -> str:
     out = []
     for sec, kv in values.items():
         out.append(f"[{sec}]")
@@ -232,7 +233,8 @@ def generate(rng: random.Random, seed: int) -> TaskSpec:
         ):
             seen.add((sec, key))
             chosen.append(f)
-    broken = {s: dict(kv) for s, kv in values.items()}
+    # a value of None means the key is missing from the broken config
+    broken: dict[str, dict[str, str | None]] = {s: dict(kv) for s, kv in values.items()}
     fixed = {s: dict(kv) for s, kv in values.items()}
     for f in chosen:
         sec, key, bad, good, _ = _FAULTS[f]

@@ -10,6 +10,7 @@ or disappears entirely.
 from __future__ import annotations
 
 import random
+from typing import TypedDict
 
 from .base import Family, TaskSpec, run_source
 
@@ -17,7 +18,15 @@ FAMILY = Family(
     "rename-api", "Rename a pricing function across a package, with or without a deprecated alias.", "refactor"
 )
 
-_TARGETS = {
+
+class _Target(TypedDict):
+    new: list[str]  # candidate new names
+    src: str  # function source, formatted with name=
+    use: str  # call expression used by a caller, formatted with ref=
+    check: tuple[str, int | str]  # (call arguments, expected result)
+
+
+_TARGETS: dict[str, _Target] = {
     "calc_total": {
         "new": ["compute_total", "order_total", "sum_lines"],
         "src": (
