@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from composer_jax.config import ModelConfig
+from composer_jax.model import kv_cache
 from composer_jax.model.context_parallel import context_axes, context_parallel_attention
 from composer_jax.model.flash import blockwise_attention
 from composer_jax.model.layers import apply_rope, linear, rms_norm, softmax_scale
@@ -77,6 +78,22 @@ def _local_visibility(ctx: dict) -> Visibility:
     return Visibility(seg, order, seg, order, causal_skip=ctx.get("layout") == "contiguous")
 
 
+def _mla_project(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, sharding: MeshRules | None = None):
+    """x [b, s, embed] -> (q_nope [b, s, h, nope], q_rope [b, s, h, rope] rotated, latent [b, s, kv_lora]
+    normalised, k_rope [b, s, rope] rotated)."""
+    nope = cfg.qk_nope_head_dim
+    if cfg.q_lora_rank:
+        q = linear(rms_norm(linear(x, p["q_a"]), p["q_a_norm"], LATENT_NORM_EPS), p["q_b"])
+    else:
+        q = linear(x, p["q"])
+    q = constrain(q, sharding, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
+    kv = linear(x, p["kv_a"])
+    latent = rms_norm(kv[..., : cfg.kv_lora_rank], p["kv_a_norm"], LATENT_NORM_EPS)
+    q_rope = apply_rope(q[..., nope:], ctx["cos"], ctx["sin"], cfg.rope_interleave)
+    k_rope = apply_rope(kv[..., cfg.kv_lora_rank :][:, :, None, :], ctx["cos"], ctx["sin"], cfg.rope_interleave)
+    return q[..., :nope], q_rope, latent, k_rope[:, :, 0]
+
+
 def mla(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, sharding: MeshRules | None = None) -> jax.Array:
     """Multi-head latent attention. x: [batch, seq, embed] -> [batch, seq, embed].
 
@@ -84,20 +101,7 @@ def mla(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, sharding: MeshRules 
     c = RMSNorm(x W_kv_a[:kv_lora]) expanded per head by W_kv_b into k_nope and v, plus one rotary
     key k_rope = rope(x W_kv_a[kv_lora:]) shared by all heads.
     """
-    nope = cfg.qk_nope_head_dim
-    if cfg.q_lora_rank:
-        q_lat = rms_norm(linear(x, p["q_a"]), p["q_a_norm"], LATENT_NORM_EPS)
-        q = linear(q_lat, p["q_b"])
-    else:
-        q = linear(x, p["q"])
-    q = constrain(q, sharding, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
-    q_nope, q_rope = q[..., :nope], q[..., nope:]
-    kv = linear(x, p["kv_a"])
-    latent = rms_norm(kv[..., : cfg.kv_lora_rank], p["kv_a_norm"], LATENT_NORM_EPS)
-    q_rope = apply_rope(q_rope, ctx["cos"], ctx["sin"], cfg.rope_interleave)
-    k_rope = apply_rope(kv[..., cfg.kv_lora_rank :][:, :, None, :], ctx["cos"], ctx["sin"], cfg.rope_interleave)[
-        :, :, 0
-    ]
+    q_nope, q_rope, latent, k_rope = _mla_project(p, x, ctx, cfg, sharding)
     if sharding is not None and context_axes(sharding):
         out = context_parallel_attention(
             _mla_core, (q_nope, q_rope), (latent, k_rope), (p["kv_b"],), ctx, cfg, sharding
@@ -108,16 +112,20 @@ def mla(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, sharding: MeshRules 
     return linear(out, p["o"], contract=2)
 
 
-def gqa(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, sharding: MeshRules | None = None) -> jax.Array:
-    """Grouped-query attention with per-head q/k RMSNorm (Qwen3). x: [batch, seq, embed]."""
-    q = linear(x, p["q"])
-    k = linear(x, p["k"])
-    v = linear(x, p["v"])
+def _gqa_project(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig):
+    """x [b, s, embed] -> q [b, s, h, d], k, v [b, s, kv_heads, d]; q and k normed (Qwen3) and rotated."""
+    q, k, v = linear(x, p["q"]), linear(x, p["k"]), linear(x, p["v"])
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
     q = apply_rope(q, ctx["cos"], ctx["sin"], cfg.rope_interleave)
     k = apply_rope(k, ctx["cos"], ctx["sin"], cfg.rope_interleave)
+    return q, k, v
+
+
+def gqa(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, sharding: MeshRules | None = None) -> jax.Array:
+    """Grouped-query attention with per-head q/k RMSNorm (Qwen3). x: [batch, seq, embed]."""
+    q, k, v = _gqa_project(p, x, ctx, cfg)
     q = constrain(q, sharding, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
     if sharding is not None and context_axes(sharding):
         out = context_parallel_attention(_gqa_core, (q,), (k, v), (), ctx, cfg, sharding)
@@ -127,8 +135,60 @@ def gqa(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, sharding: MeshRules 
     return linear(out, p["o"], contract=2)
 
 
+def mla_cached(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, cache: dict) -> tuple[jax.Array, dict]:
+    """MLA over a KV cache with the absorbed weights (DeepSeek-V2 section 2.1.2).
+
+    x: [b, n, embed] new tokens at positions ctx["cache_lengths"][b] + 0..n-1; cache: {"latent":
+    [b, T, kv_lora], "k_rope": [b, T, rope]}. W_UK (kv_b's key part) is folded into the query,
+    q_lat = q_nope W_UK^T, so the scores are q_lat . c + q_rope . k_rope over the cached latents;
+    W_UV is applied after the probabilities weight the latents. No per-head key or value is built:
+    the cost per cached token is kv_lora + rope numbers, whatever the number of heads.
+    Returns (out [b, n, embed], updated cache)."""
+    nope = cfg.qk_nope_head_dim
+    q_nope, q_rope, latent, k_rope = _mla_project(p, x, ctx, cfg)
+    start = ctx["cache_lengths"]
+    cache = {
+        "latent": kv_cache.write(cache["latent"], latent, start),
+        "k_rope": kv_cache.write(cache["k_rope"], k_rope, start),
+    }
+    w_uk, w_uv = p["kv_b"][..., :nope], p["kv_b"][..., nope:]  # [kv_lora, h, nope], [kv_lora, h, v]
+    c, kr = cache["latent"], cache["k_rope"]
+    q_lat = jnp.einsum("bqhn,rhn->bqhr", q_nope, w_uk.astype(q_nope.dtype))
+    scores = jnp.einsum("bqhr,bkr->bhqk", q_lat, c.astype(q_lat.dtype), preferred_element_type=jnp.float32)
+    scores += jnp.einsum("bqhe,bke->bhqk", q_rope, kr.astype(q_rope.dtype), preferred_element_type=jnp.float32)
+    visible = kv_cache.cached_visibility(start, x.shape[1], c.shape[1])
+    probs = _softmax_attend(scores * softmax_scale(cfg), visible).astype(c.dtype)
+    o_lat = jnp.einsum("bhqk,bkr->bqhr", probs, c)
+    out = jnp.einsum("bqhr,rhv->bqhv", o_lat, w_uv.astype(o_lat.dtype))
+    return linear(out, p["o"], contract=2), cache
+
+
+def gqa_cached(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, cache: dict) -> tuple[jax.Array, dict]:
+    """GQA over a KV cache {"k", "v": [b, T, kv_heads, head_dim]} (keys stored rotated and normed)."""
+    q, k, v = _gqa_project(p, x, ctx, cfg)
+    start = ctx["cache_lengths"]
+    cache = {"k": kv_cache.write(cache["k"], k, start), "v": kv_cache.write(cache["v"], v, start)}
+    groups = q.shape[2] // k.shape[2]
+    kc, vc = cache["k"], cache["v"]
+    if groups > 1:
+        kc, vc = jnp.repeat(kc, groups, axis=2), jnp.repeat(vc, groups, axis=2)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, kc.astype(q.dtype), preferred_element_type=jnp.float32)
+    visible = kv_cache.cached_visibility(start, x.shape[1], kc.shape[1])
+    probs = _softmax_attend(scores * softmax_scale(cfg), visible).astype(vc.dtype)
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs, vc)
+    return linear(out, p["o"], contract=2), cache
+
+
 def attention(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, sharding: MeshRules | None = None) -> jax.Array:
     """ctx: cos/sin [batch, seq, rope/2], segment_ids, order [batch, seq], layout ("contiguous": order
     increases along the sequence | "zigzag" | "any")."""
     fn = mla if cfg.attention_type == "mla" else gqa
-    return fn(p, x, ctx, cfg, sharding)
+    with jax.named_scope(cfg.attention_type):
+        return fn(p, x, ctx, cfg, sharding)
+
+
+def attention_cached(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, cache: dict) -> tuple[jax.Array, dict]:
+    """Attention of new tokens over (and into) one layer's KV cache; see `mla_cached`/`gqa_cached`."""
+    fn = mla_cached if cfg.attention_type == "mla" else gqa_cached
+    with jax.named_scope(cfg.attention_type + "_cached"):
+        return fn(p, x, ctx, cfg, cache)

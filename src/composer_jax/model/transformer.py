@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from composer_jax.config import ModelConfig
-from composer_jax.model.attention import attention, segment_positions
+from composer_jax.model.attention import attention, attention_cached, segment_positions
+from composer_jax.model.kv_cache import KVCache, stack_slice
 from composer_jax.model.layers import linear, rms_norm, rope_cos_sin, swiglu
 from composer_jax.model.moe import moe_layer
 from composer_jax.sharding import MeshRules, constrain
@@ -31,6 +32,7 @@ class ModelOutput:
     mtp_routing: jax.Array | None
     hidden: jax.Array
     aux: dict[str, Any]
+    cache: KVCache | None = None  # the updated KV cache when `forward` was given one
 
 
 def _remat(fn, policy: str):
@@ -41,10 +43,19 @@ def _remat(fn, policy: str):
     return jax.checkpoint(fn)
 
 
-def decoder_layer(lp: dict, h: jax.Array, ctx: dict, cfg: ModelConfig, sharding: MeshRules | None, replay=None):
-    """One pre-norm block. h: [batch, seq, embed] -> (h, experts or None, counts or None)."""
+def decoder_layer(
+    lp: dict, h: jax.Array, ctx: dict, cfg: ModelConfig, sharding: MeshRules | None, replay=None, cache=None
+):
+    """One pre-norm block. h: [batch, seq, embed] -> (h, experts or None, counts or None, cache).
+
+    cache: this layer's KV cache (`kv_cache.KVCache.layers[stack]` at one layer) or None; the new
+    tokens' keys are written into it and it comes back updated (None without a cache)."""
     x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-    h = h + attention(lp["attn"], x, ctx, cfg, sharding)
+    if cache is None:
+        h = h + attention(lp["attn"], x, ctx, cfg, sharding)
+    else:
+        a, cache = attention_cached(lp["attn"], x, ctx, cfg, cache)
+        h = h + a
     h = constrain(h, sharding, ("act_batch", "act_seq", "act_embed"))
     x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
     if "moe" in lp:
@@ -55,21 +66,22 @@ def decoder_layer(lp: dict, h: jax.Array, ctx: dict, cfg: ModelConfig, sharding:
         with jax.named_scope("mlp"):
             y, experts, counts = swiglu(x, m["gate"], m["up"], m["down"]), None, None
     h = constrain(h + y, sharding, ("act_batch", "act_seq", "act_embed"))
-    return h, experts, counts
+    return h, experts, counts, cache
 
 
-def _run_stack(stack: dict, h: jax.Array, ctx: dict, cfg: ModelConfig, sharding: MeshRules | None, replay):
-    """lax.scan over a stack of identical layers (leading `layers` axis)."""
+def _run_stack(stack: dict, h: jax.Array, ctx: dict, cfg: ModelConfig, sharding: MeshRules | None, replay, cache=None):
+    """lax.scan over a stack of identical layers (leading `layers` axis); the stack's KV cache (if
+    any) is scanned with its layers and comes back updated. -> (h, (experts, counts) or None, cache)."""
     moe = "moe" in stack
 
     def body(h, xs):
-        lp, rp = xs
-        h, experts, counts = decoder_layer(lp, h, ctx, cfg, sharding, rp)
-        return h, (experts, counts) if moe else None
+        lp, rp, c = xs
+        h, experts, counts, c = decoder_layer(lp, h, ctx, cfg, sharding, rp, c)
+        return h, ((experts, counts) if moe else None, c)
 
     body = _remat(body, cfg.remat)
-    h, ys = jax.lax.scan(body, h, (stack, replay), unroll=not cfg.scan_layers)
-    return h, ys
+    h, (ys, new_cache) = jax.lax.scan(body, h, (stack, replay, cache), unroll=not cfg.scan_layers)
+    return h, ys, new_cache
 
 
 def _embed(params: dict, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -99,6 +111,7 @@ def forward(
     mtp_tokens: jax.Array | None = None,
     context_layout: str = "contiguous",
     sharding: MeshRules | None = None,
+    cache: KVCache | None = None,
 ) -> ModelOutput:
     """Run the model.
 
@@ -115,6 +128,12 @@ def forward(
     local chunk cannot see); "any" for any other order.
     sharding: the mesh and its rules; by default the mesh set with `jax.set_mesh` (if any) with the
     default rules (`MeshRules.resolve`). Without a mesh everything runs as on one device.
+    cache: a `KVCache` (`model.kv_cache.init_cache`): the tokens are each row's next ones, at
+    positions cache.lengths[b] + 0..seq-1 (YaRN/RoPE continue from the cached prefix); they attend
+    to the row's cached tokens and themselves, and their keys are appended. The updated cache is
+    `ModelOutput.cache`. Prefill is a call with the prompt, decoding a call per step; a long
+    prompt may be prefilled in chunks. segment_ids, positions and token_order must be None then;
+    the MTP heads are not run (speculative decoding drives them itself).
     """
     sharding = MeshRules.resolve(sharding)
     # shapes and dtypes at the public boundary (checked at trace time: free under jit)
@@ -125,6 +144,13 @@ def forward(
         chex.assert_shape(routing, (cfg.num_moe_layers, *tokens.shape, cfg.num_experts_per_tok))
     if mtp_tokens is not None:
         chex.assert_shape(mtp_tokens, (cfg.num_mtp_layers, *tokens.shape))
+    if cache is not None:
+        if segment_ids is not None or positions is not None or token_order is not None:
+            raise ValueError(
+                "forward with a cache takes no segment_ids/positions/token_order: each row is one "
+                "sequence continuing at cache.lengths"
+            )
+        positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
     if segment_ids is None:
         segment_ids = jnp.ones(tokens.shape, jnp.int32)
     if positions is None:
@@ -136,16 +162,23 @@ def forward(
     if context_layout not in ("contiguous", "zigzag", "any"):
         raise ValueError(f"context_layout={context_layout!r} is not accepted; accepted: contiguous, zigzag, any")
     ctx = {"cos": cos, "sin": sin, "segment_ids": segment_ids, "order": token_order, "layout": context_layout}
+    new_cache: dict[str, Any] = {}
+    if cache is not None:
+        ctx["cache_lengths"] = cache.lengths
 
     h = constrain(_embed(params, tokens, cfg), sharding, ("act_batch", "act_seq", "act_embed"))
     aux: dict[str, Any] = {}
     if "dense_layers" in params:
         with jax.named_scope("dense_layers"):
-            h, _ = _run_stack(params["dense_layers"], h, ctx, cfg, sharding, None)
+            h, _, new_cache["dense_layers"] = _run_stack(
+                params["dense_layers"], h, ctx, cfg, sharding, None, stack_slice(cache, "dense_layers")
+            )
     experts = None
     if "moe_layers" in params:
         with jax.named_scope("moe_layers"):
-            h, (experts, stats) = _run_stack(params["moe_layers"], h, ctx, cfg, sharding, routing)
+            h, (experts, stats), new_cache["moe_layers"] = _run_stack(
+                params["moe_layers"], h, ctx, cfg, sharding, routing, stack_slice(cache, "moe_layers")
+            )
         aux["expert_counts"] = stats["expert_counts"]
         aux["seq_balance"] = stats["seq_balance"]
     h_final = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
@@ -153,14 +186,17 @@ def forward(
         logits = constrain(_logits(params, h_final, cfg), sharding, ("act_batch", "act_seq", "act_vocab"))
 
     mtp_logits = mtp_experts = None
-    if cfg.num_mtp_layers and "mtp" in params:
+    out_cache = None
+    if cache is not None:
+        out_cache = KVCache({k: v for k, v in new_cache.items() if v is not None}, cache.lengths + tokens.shape[1])
+    elif cfg.num_mtp_layers and "mtp" in params:
         with jax.named_scope("mtp"):
             mtp_logits, mtp_experts, mtp_stats = mtp_forward(
                 params, h_final, tokens, ctx, cfg, sharding, mtp_routing, mtp_tokens
             )
         if mtp_stats is not None:
             aux["mtp_expert_counts"] = mtp_stats["expert_counts"]
-    return ModelOutput(logits, mtp_logits, experts, mtp_experts, h_final, aux)
+    return ModelOutput(logits, mtp_logits, experts, mtp_experts, h_final, aux, out_cache)
 
 
 def mtp_forward(
@@ -196,7 +232,7 @@ def mtp_forward(
         hh = rms_norm(h_prev, mp["hnorm"], cfg.rms_norm_eps)
         x = linear(jnp.concatenate([e, hh], axis=-1), mp["eh_proj"])
         x = constrain(x, sharding, ("act_batch", "act_seq", "act_embed"))
-        h, experts, counts = decoder_layer(mp["layer"], x, ctx, cfg, sharding, rp)
+        h, experts, counts, _ = decoder_layer(mp["layer"], x, ctx, cfg, sharding, rp)
         logits = _logits(params, rms_norm(h, mp["norm"], cfg.rms_norm_eps), cfg)
         return h, (logits, experts, counts) if moe else (logits, None, None)
 

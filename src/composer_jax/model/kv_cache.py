@@ -1,0 +1,116 @@
+"""The KV cache for decoding: a pytree sharded by logical axes like the parameters.
+
+MLA caches what its keys and values are made from, not the keys and values: the normalised latent
+c_kv [kv_lora] and the rotated shared key k_rope [rope] per token (DeepSeek-V2 section 2.1.2),
+576 numbers per token per layer for DeepSeek-V3 instead of 128 heads x (192 + 128). Decoding then
+absorbs W_UK into the query and W_UV into the output (`attention.mla_cached`), so no per-head key
+or value is ever expanded. GQA caches per-head keys (rotated, q/k-normed) and values.
+
+Each row of the batch is its own sequence with its own length (continuous batching: a slot can
+hold a new request while others continue): `lengths[b]` tokens of row b are valid, and a forward
+pass with the cache appends the new tokens of each row at its own offset.
+
+    cache = init_cache(cfg, batch=8, max_len=4096)                  # zeros, lengths 0
+    out = forward(params, prompt_tokens, cfg, cache=cache)          # prefill (any number of tokens)
+    out = forward(params, next_tokens[:, None], cfg, cache=out.cache)  # decode one token per row
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from composer_jax.config import ModelConfig
+from composer_jax.sharding import ShardingRules
+
+STACKS = ("dense_layers", "moe_layers")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """layers: per stack ("dense_layers", "moe_layers" present in the model) a dict of arrays with
+    a leading layers axis: MLA {"latent": [L, b, T, kv_lora], "k_rope": [L, b, T, rope]}, GQA
+    {"k": [L, b, T, kv_heads, head_dim], "v": [L, b, T, kv_heads, head_dim]}. lengths: int32[b]
+    valid tokens per row (T = capacity). The same container also holds the arrays' shardings
+    (`init_cache`), hence the `Any` leaves."""
+
+    layers: dict[str, dict[str, Any]]
+    lengths: Any
+
+    @property
+    def capacity(self) -> int:
+        first = next(iter(next(iter(self.layers.values())).values()))
+        return int(first.shape[2])
+
+
+def cache_specs(cfg: ModelConfig, batch: int, max_len: int) -> dict[str, dict[str, tuple[tuple[int, ...], tuple]]]:
+    """(shape, logical axes) of every cache array, per stack."""
+    out: dict[str, dict[str, tuple[tuple[int, ...], tuple]]] = {}
+    for stack, n in (("dense_layers", cfg.num_dense_layers), ("moe_layers", cfg.num_moe_layers)):
+        if not n:
+            continue
+        if cfg.attention_type == "mla":
+            out[stack] = {
+                "latent": ((n, batch, max_len, cfg.kv_lora_rank), ("layers", "act_batch", None, "kv_lora")),
+                "k_rope": ((n, batch, max_len, cfg.qk_rope_head_dim), ("layers", "act_batch", None, None)),
+            }
+        else:
+            kv = (n, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+            axes = ("layers", "act_batch", None, "act_kv_heads", "act_head_dim")
+            out[stack] = {"k": (kv, axes), "v": (kv, axes)}
+    return out
+
+
+def init_cache(
+    cfg: ModelConfig, batch: int, max_len: int, mesh: Mesh | None = None, rules: ShardingRules | None = None
+) -> KVCache:
+    """An empty cache (zeros, every length 0) of `max_len` tokens per row, in the compute dtype;
+    with a mesh, each array is created on its sharding (rows over the batch axes, MLA latent or GQA
+    heads as the rules place activations)."""
+    if max_len < 1 or batch < 1:
+        raise ValueError(f"init_cache: batch={batch} and max_len={max_len} must be positive")
+    if max_len > cfg.max_position_embeddings:
+        raise ValueError(
+            f"init_cache: max_len={max_len} exceeds model.max_position_embeddings={cfg.max_position_embeddings}"
+        )
+    specs = cache_specs(cfg, batch, max_len)
+    dtype = jnp.dtype(cfg.compute_dtype)
+
+    def make() -> KVCache:
+        layers = {s: {k: jnp.zeros(shape, dtype) for k, (shape, _) in d.items()} for s, d in specs.items()}
+        return KVCache(layers, jnp.zeros((batch,), jnp.int32))
+
+    if mesh is None:
+        return make()
+    rules = rules or ShardingRules.create()
+    shardings = KVCache(  # the same container holding each array's sharding
+        {s: {k: rules.sharding(mesh, axes, shape) for k, (shape, axes) in d.items()} for s, d in specs.items()},
+        rules.sharding(mesh, ("act_batch",), (batch,)),
+    )
+    return jax.jit(make, out_shardings=shardings)()
+
+
+def write(cache_arr: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """cache_arr [b, T, *], new [b, n, *], start int32[b] -> cache with new[b] at rows start[b]..+n.
+
+    Writes past the capacity are dropped by the caller's length check (`forward` refuses them)."""
+    put = lambda c, u, i: jax.lax.dynamic_update_slice(c, u.astype(c.dtype), (i,) + (0,) * (c.ndim - 1))
+    return jax.vmap(put)(cache_arr, new, start)
+
+
+def cached_visibility(lengths: jax.Array, new: int, capacity: int) -> jax.Array:
+    """bool[b, 1, new, T]: query i of row b (position lengths[b] + i) sees cache slots
+    0..lengths[b] + i (its own token included, every later or empty slot excluded)."""
+    q_pos = lengths[:, None] + jnp.arange(new, dtype=jnp.int32)[None, :]
+    k_pos = jnp.arange(capacity, dtype=jnp.int32)
+    return (k_pos[None, None, :] <= q_pos[:, :, None])[:, None]
+
+
+def stack_slice(cache: KVCache | None, stack: str) -> Any:
+    """The cache arrays of one layer stack (scanned over its leading layers axis), or None."""
+    return None if cache is None else cache.layers.get(stack)

@@ -1,0 +1,114 @@
+"""Decoding with the KV cache equals recomputing the full forward at every step: the same greedy
+tokens and log-probabilities within 1e-5, for MLA (with and without query LoRA, with YaRN) and GQA;
+prefill in chunks equals one prefill; routing is the one the full forward picks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import composer_jax as cj
+from composer_jax.config import RopeScalingConfig
+from composer_jax.model.kv_cache import init_cache
+
+BASE = cj.ModelConfig(num_layers=3, num_mtp_layers=0, max_position_embeddings=64)
+CONFIGS = {
+    "mla_q_lora": dataclasses.replace(BASE, q_lora_rank=32),
+    "mla_yarn": dataclasses.replace(
+        BASE,
+        q_lora_rank=0,
+        rope_scaling=RopeScalingConfig(
+            type="yarn", factor=4.0, original_max_position_embeddings=16, mscale=1.0, mscale_all_dim=1.0
+        ),
+    ),
+    "gqa": dataclasses.replace(
+        BASE,
+        attention_type="gqa",
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        score_func="softmax",
+        topk_method="greedy",
+        rope_interleave=False,
+    ),
+}
+
+
+def _full_forward_check(params, cfg, seq, prompt_len):
+    """Reference: the full forward over the whole sequence. Causal attention makes its logits at
+    position t those of recomputing the model on seq[:, :t+1] alone, so one pass checks every step:
+    the greedy token after t is seq[:, t+1]. Returns (log-probs of the chosen tokens, routing)."""
+    out = jax.jit(lambda p, t: cj.forward(p, t, cfg))(params, jnp.asarray(seq))
+    lp = jax.nn.log_softmax(out.logits[:, prompt_len - 1 : -1], axis=-1)
+    np.testing.assert_array_equal(np.asarray(jnp.argmax(lp, axis=-1)), seq[:, prompt_len:])
+    chosen = jnp.take_along_axis(lp, jnp.asarray(seq)[:, prompt_len:, None], axis=-1)[..., 0]
+    routes = [np.asarray(out.routing[:, :, t]) for t in range(prompt_len - 1, seq.shape[1] - 1)]
+    return np.asarray(chosen), routes
+
+
+def _greedy_cached(params, cfg, prompt, steps, chunks=1):
+    fwd = jax.jit(lambda p, t, c: cj.forward(p, t, cfg, cache=c))
+    cache = init_cache(cfg, prompt.shape[0], 32)
+    bounds = np.linspace(0, prompt.shape[1], chunks + 1).astype(int)
+    for a, b in zip(bounds[:-1], bounds[1:]):  # prefill, possibly in chunks
+        out = fwd(params, prompt[:, a:b], cache)
+        cache = out.cache
+    seq, logps, routes = prompt, [], []
+    for _ in range(steps):
+        lp = jax.nn.log_softmax(out.logits[:, -1], axis=-1)
+        nxt = jnp.argmax(lp, axis=-1).astype(jnp.int32)
+        logps.append(np.asarray(jnp.take_along_axis(lp, nxt[:, None], axis=-1)[:, 0]))
+        routes.append(np.asarray(out.routing[:, :, -1]))
+        seq = jnp.concatenate([seq, nxt[:, None]], axis=1)
+        out = fwd(params, nxt[:, None], cache)
+        cache = out.cache
+    assert np.all(np.asarray(cache.lengths) == seq.shape[1])
+    return np.asarray(seq), np.stack(logps, 1), routes
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_cached_decoding_equals_full_recompute(name):
+    cfg = CONFIGS[name]
+    params = cj.init_params(cfg, jax.random.key(1))
+    prompt = jax.random.randint(jax.random.key(2), (2, 7), 0, cfg.vocab_size, jnp.int32)
+    # 7 + 12 = 19 tokens: past YaRN's original 16 positions, so the extended rotary range is used
+    seq, lp, routes = _greedy_cached(params, cfg, prompt, 12)
+    ref_lp, ref_routes = _full_forward_check(params, cfg, seq, prompt.shape[1])
+    np.testing.assert_allclose(lp, ref_lp, atol=1e-5, rtol=0)
+    for r, ref in zip(routes, ref_routes):
+        np.testing.assert_array_equal(r, ref)
+
+
+def test_chunked_prefill_equals_one_prefill():
+    cfg = CONFIGS["mla_q_lora"]
+    params = cj.init_params(cfg, jax.random.key(1))
+    prompt = jax.random.randint(jax.random.key(3), (2, 9), 0, cfg.vocab_size, jnp.int32)
+    one = _greedy_cached(params, cfg, prompt, 4, chunks=1)
+    three = _greedy_cached(params, cfg, prompt, 4, chunks=3)
+    np.testing.assert_array_equal(one[0], three[0])
+    np.testing.assert_allclose(one[1], three[1], atol=1e-5, rtol=0)
+
+
+def test_mla_cache_holds_latent_and_rotary_key_only():
+    cfg = CONFIGS["mla_q_lora"]
+    cache = init_cache(cfg, 2, 32)
+    shapes = {s: {k: v.shape for k, v in d.items()} for s, d in cache.layers.items()}
+    # 1 dense + 2 MoE layers; per token kv_lora (32) + rope (8) numbers, whatever the heads (4 x 32)
+    assert shapes == {
+        "dense_layers": {"latent": (1, 2, 32, 32), "k_rope": (1, 2, 32, 8)},
+        "moe_layers": {"latent": (2, 2, 32, 32), "k_rope": (2, 2, 32, 8)},
+    }
+    with pytest.raises(ValueError, match="max_len=65 exceeds model.max_position_embeddings=64"):
+        init_cache(cfg, 2, 65)
+
+
+def test_cache_is_sharded_by_logical_axes():
+    cfg = CONFIGS["gqa"]
+    mesh = cj.make_mesh(cj.MeshConfig(data=2, fsdp=2, tensor=2))
+    cache = init_cache(cfg, 4, 16, mesh)
+    spec = cache.layers["moe_layers"]["k"].sharding.spec
+    assert spec == jax.sharding.PartitionSpec(None, ("data", "fsdp"), None, "tensor", None)
