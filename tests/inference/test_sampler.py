@@ -152,3 +152,22 @@ def test_sharded_sampler_gives_the_single_device_tokens(params):
     for a, b in zip(got, ref):
         assert a.tokens == b.tokens
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_filtered_sets_equal_a_numpy_sort():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(6, 300)).astype(np.float32) * 3
+    top_k = np.array([0, 1, 7, 0, 40, 300], np.int32)
+    top_p = np.array([0.3, 1.0, 0.9, 0.95, 0.5, 1.0], np.float32)
+    lp = np.asarray(processed_logprobs(jnp.asarray(logits), jnp.ones(6), jnp.asarray(top_k), jnp.asarray(top_p)))
+    for r in range(6):
+        probs = np.exp(logits[r].astype(np.float64) - logits[r].max())
+        probs /= probs.sum()
+        order = np.argsort(-probs)
+        n_k = top_k[r] if top_k[r] > 0 else 300
+        before = np.cumsum(probs[order]) - probs[order]
+        n_p = int((before < top_p[r]).sum()) if top_p[r] < 1 else 300  # p = 1 keeps everything
+        expected = set(order[: min(n_k, n_p)].tolist())
+        assert set(np.flatnonzero(np.isfinite(lp[r])).tolist()) == expected, r
+        kept = np.array(sorted(expected))
+        np.testing.assert_allclose(np.exp(lp[r, kept]), probs[kept] / probs[kept].sum(), rtol=1e-5)

@@ -1,0 +1,103 @@
+"""Decode speed: composer_jax's sampler against Hugging Face transformers `generate`, same weights.
+
+The shared reference model (`../shared/bench/moe_bench_config.json`: a 28M-parameter
+DeepSeek-V3-style MoE) is built in transformers with a fixed seed, written as safetensors, and
+loaded into composer_jax with `from_pretrained`, so both sides decode identical weights. Workload
+(the reference's): prompts of 32 tokens, 64 new tokens, greedy, at batch 1 and batch 16. Both
+sides run in this process on the CPU with the same thread count; compile time (ours) and the
+first call (theirs) are excluded by a warm-up run of the same workload.
+
+    PYTHONPATH=src .venv/bin/python bench/decode.py [--repeats 3] [--threads 2]
+
+Prints tokens/s of each side, the ratio, and how many generated tokens agree (greedy decoding of
+float32 models; a near-tie may flip a token and the rest of that row with it).
+Not yet measured here: MTP speculative decoding (the sampler has none yet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "bench" / "moe_bench_config.json"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per side and batch (median reported)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (XLA uses the process's cores)")
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--batches", default="1,16")
+    args = ap.parse_args(argv)
+    if not REFERENCE.exists():
+        print(f"bench/decode.py: the reference config {REFERENCE} is missing", file=sys.stderr)
+        return 2
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import jax
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from composer_jax.checkpoint.hf import from_pretrained
+    from composer_jax.inference.sampler import Request, Sampler
+    from composer_jax.inference.sampling import SamplingParams
+
+    torch.set_num_threads(args.threads)
+    fields = json.loads(REFERENCE.read_text())
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM._from_config(DeepseekV3Config(**fields), dtype=torch.float32).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        cfg, params = from_pretrained(tmp)
+    print(
+        f"reference model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters; "
+        f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__} ({args.threads} threads)"
+    )
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.new)
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        prompts = np.random.default_rng(batch).integers(0, cfg.vocab_size, (batch, args.prompt))
+        sampler = Sampler(params, cfg, slots=batch, max_len=args.prompt + args.new)
+
+        def ours() -> np.ndarray:
+            done = sampler.run([Request(list(map(int, p)), greedy) for p in prompts])
+            return np.asarray([c.tokens for c in done])
+
+        def theirs() -> np.ndarray:
+            with torch.no_grad():
+                out = model.generate(
+                    torch.from_numpy(prompts),
+                    max_new_tokens=args.new,
+                    min_new_tokens=args.new,
+                    do_sample=False,
+                    attention_mask=torch.ones_like(torch.from_numpy(prompts)),
+                )
+            return out[:, args.prompt :].numpy()
+
+        times: dict[str, list[float]] = {"ours": [], "theirs": []}
+        result = {}
+        for name, fn in (("ours", ours), ("theirs", theirs)):
+            result[name] = fn()  # warm-up: compilation (ours), first-call setup (theirs)
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+        tok = batch * args.new
+        ours_s, theirs_s = float(np.median(times["ours"])), float(np.median(times["theirs"]))
+        agree = float((result["ours"] == result["theirs"]).mean())
+        rows.append((batch, tok / ours_s, tok / theirs_s, theirs_s / ours_s, agree, sampler.compilations))
+    print("\nbatch | composer_jax tok/s | transformers tok/s | ratio | greedy tokens agreeing | our compilations")
+    for b, o, t, r, a, c in rows:
+        print(f"{b:5d} | {o:18.0f} | {t:18.0f} | {r:5.2f}x | {a:22.1%} | {c}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
