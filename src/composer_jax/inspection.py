@@ -199,9 +199,9 @@ def build_report(
         batch = shards * micro_batches
     if batch < 1 or batch % (shards * micro_batches):
         raise UsageError(
-            f"--batch {batch}: each of the {micro_batches} micro-batch(es) is split over mesh axes "
-            f"{list(rules.mesh_axes('act_batch'))} = {shards} ways; accepted: a positive multiple of "
-            f"{shards * micro_batches}"
+            f"batch {batch} (--batch or train.batch_size): each of the {micro_batches} micro-batch(es) "
+            f"is split over mesh axes {list(rules.mesh_axes('act_batch'))} = {shards} ways; "
+            f"accepted: a positive multiple of {shards * micro_batches}"
         )
     cp = sizes["context"]
     if seq < 1 or (cp > 1 and seq % (2 * cp)):
@@ -218,7 +218,7 @@ def build_report(
     if not 0 <= min_headroom < 1:
         raise UsageError(f"--min-headroom {min_headroom}: accepted: a fraction in [0, 1)")
     if device is not None and device not in DEVICES:
-        raise UsageError(f"--device {device!r} is not known; accepted: {', '.join(DEVICES)}")
+        raise UsageError(f"device {device!r} (--device or train.device) is not known; accepted: {', '.join(DEVICES)}")
     rows = accounting.param_rows(m, rules, sizes)
     comps = accounting.breakdown(rows)
     main = {k: v for k, v in comps.items() if k != "mtp"}
@@ -417,7 +417,8 @@ def format_report(r: dict[str, Any]) -> str:
             if r["fp32_master"]
             else "(2 moments in the parameter dtype, as train/optimizer.py keeps them)"
         ),
-        f"  FSDP buffers     {_gib(mem['fsdp_buffers']):>12}   (one layer gathered + its unreduced gradient)",
+        f"  FSDP buffers     {_gib(mem['fsdp_buffers']):>12}   (one layer, the output head and the embedding "
+        "gathered, with unreduced gradients)",
         f"  activations      {_gib(act['total']):>12}   (layers {_gib(act['layers'])}, logits {_gib(act['logits'])}, "
         f"mask {_gib(act['mask'])}; remat={act['remat']})",
         f"  total            {_gib(mem['total']):>12}",
@@ -470,6 +471,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parser().parse_intermixed_args(argv)
         cfg, is_training = _load(args)
         sizes = _mesh_sizes(cfg, args.num_devices)
+        if args.device is None and args.device_memory_gib is None and is_training and cfg.train.device:
+            args.device = cfg.train.device  # the hardware the stage names
         if args.device is not None:
             args.device = args.device.lower()
         t = cfg.train
