@@ -17,7 +17,7 @@ gather), small metric / routing buffers, and buffer-packing slack. The agreement
 printed (`pytest -s` or the -rA summary); `composer-jax inspect CONFIG --xla` prints the same
 comparison for one config.
 
-Two cases run in the default suite; the other six compile for ~30-60 s each on 2 cores and are
+Two cases run in the default suite; the other seven compile for ~30-60 s each on 2 cores and are
 marked slow (`pytest -m slow tests/test_inspect_xla.py`).
 """
 
@@ -34,6 +34,8 @@ from composer_jax.inspection import build_report, xla_comparison
 ROOT = Path(__file__).resolve().parents[1]
 TINY1 = ROOT / "configs" / "pretrain" / "tiny_stage1.yaml"
 TINY2 = ROOT / "configs" / "pretrain" / "tiny_stage2.yaml"
+# the real stages' rules: parameters (and AdamW moments) split over every data-like axis
+ZERO3 = 'sharding_rules={"embed": ["fsdp", "context", "data"], "lora_in": ["fsdp", "context", "data"]}'
 TOLERANCE = 0.25  # on the total: |estimate / XLA - 1| <= 25%
 
 
@@ -52,7 +54,8 @@ def _bench_reference() -> Config:
 # (id, config factory, runs in the default suite)
 CASES = [
     ("tiny-fsdp8", lambda: load_config(TINY1, ["mesh.data=1", "mesh.fsdp=8", "mesh.expert=1"]), True),
-    ("tiny-cp2-ep2-mtp-distill", lambda: load_config(TINY2), True),
+    ("tiny-cp2-ep2-zero3", lambda: load_config(TINY2, [ZERO3]), True),
+    ("tiny-cp2-ep2-mtp-distill", lambda: load_config(TINY2), False),
     ("tiny-dp2-fsdp2-ep2", lambda: load_config(TINY1), False),
     ("tiny-dp2-fsdp2-ep2-remat-full", lambda: load_config(TINY1, ["model.remat=full"]), False),
     ("tiny-dp2-fsdp2-ep2-remat-dots", lambda: load_config(TINY1, ["model.remat=dots"]), False),

@@ -311,15 +311,15 @@ def memory_per_device(
     stacks: dict[str, float] = {}
     for r in rows:
         stack = r.path.split("/", 1)[0]
-        gathered = math.prod(sizes[a] for a in r.mesh_axes if a in ("data", "fsdp", "context"))
-        if r.logical_axes and r.logical_axes[0] in ("layers", "mtp") and gathered > 1:
-            per_layer = r.bytes_per_device / r.shape[0] * gathered
+        undone = math.prod(sizes[a] for a in r.mesh_axes if a in ("data", "fsdp", "context"))
+        if r.logical_axes and r.logical_axes[0] in ("layers", "mtp") and undone > 1:
+            per_layer = r.bytes_per_device / r.shape[0] * undone
             stacks[stack] = stacks.get(stack, 0.0) + per_layer
     layer_buffers = 2 * max(stacks.values(), default=0.0)
     # the output head gathered for the loss plus its unreduced gradient, and the embedding's
     # gradient (a scatter-add into the whole table) before it is reduce-scattered; a tied table
     # plays both parts
-    gathered = {
+    gathered: dict[str, float] = {
         r.component: r.bytes_per_device * math.prod(sizes[a] for a in r.mesh_axes if a in ("data", "fsdp", "context"))
         for r in rows
         if r.component in ("embedding", "lm_head")
