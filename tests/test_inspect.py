@@ -379,3 +379,10 @@ def test_verdict_headroom_by_hand(capsys):
     # the data-sheet table: an H200 is 141 GB = 141e9 bytes
     r = build_report(_cfg("tiny"), sizes, 2, 64, device="h200")
     assert r["device"]["memory_bytes"] == 141e9 and r["fits"]
+
+
+def test_cli_xla_needs_the_mesh_to_fit_this_machine(capsys):
+    # the test session has 8 CPU devices; a 16-device mesh cannot be compiled here
+    assert main([str(PRETRAIN / "tiny_stage1.yaml"), "mesh.data=4", "train.batch_size=16", "--xla"]) == 2
+    err = capsys.readouterr().err
+    assert "--xla compiles the step on this machine's 8 cpu device(s)" in err and "= 16" in err

@@ -287,6 +287,12 @@ def build_report(
     return accounting.as_builtin(report)
 
 
+def _backend() -> str:
+    import jax
+
+    return jax.default_backend()
+
+
 def _with_shape(cfg: Config, report: dict[str, Any]) -> Config:
     """`cfg` with the batch, sequence and micro-batches the report was made for."""
     train = dataclasses.replace(
@@ -316,9 +322,14 @@ def xla_memory(cfg: Config) -> dict[str, int]:
     from composer_jax.train.state import abstract_train_state
     from composer_jax.train.step import BATCH_KEYS, batch_sharding, make_train_step
 
-    need, have = math.prod(_mesh_sizes(cfg, None).values()), jax.device_count()
-    if need != have:
-        raise UsageError(f"--xla compiles on this machine's {have} devices; the mesh needs {need}")
+    have = jax.device_count()
+    try:
+        cfg.mesh.shape(have)
+    except ConfigError as e:
+        raise UsageError(
+            f"--xla compiles the step on this machine's {have} {jax.default_backend()} device(s), which the "
+            f"mesh does not fit: {e}. On CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N gives N devices"
+        ) from None
     rules = ShardingRules.create(cfg.sharding_rules)
     mesh = make_mesh(cfg.mesh)
     shape = (cfg.train.batch_size, cfg.train.seq_len)
@@ -470,6 +481,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UsageError("missing CONFIG: give a YAML config such as configs/model/kimi_k2.yaml")
         args = _parser().parse_intermixed_args(argv)
         cfg, is_training = _load(args)
+        if args.xla and args.num_devices is None and -1 in [getattr(cfg.mesh, a) for a in MESH_AXES]:
+            import jax
+
+            args.num_devices = jax.device_count()  # a -1 axis takes this machine's devices
         sizes = _mesh_sizes(cfg, args.num_devices)
         if args.device is None and args.device_memory_gib is None and is_training and cfg.train.device:
             args.device = cfg.train.device  # the hardware the stage names
@@ -488,6 +503,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             device=args.device,
             min_headroom=args.min_headroom,
             fp32_master=args.fp32_master,
+            backend=_backend() if args.xla else "gpu",
         )
         if args.xla:
             report["xla"] = xla_comparison(_with_shape(cfg, report), report["memory_per_device"])
