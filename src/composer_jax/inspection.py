@@ -1,15 +1,22 @@
 """`composer-jax inspect CONFIG [key=value ...]`: parameter counts, FLOPs per token and per-device
-memory of a model config on a (possibly hypothetical) mesh, without allocating any parameter.
+memory of a model or training config on a (possibly hypothetical) mesh, without allocating any
+parameter, and a verdict against a device.
 
+    composer-jax inspect configs/pretrain/stage2_256k.yaml          # the stage as it runs, on its H200
     composer-jax inspect configs/model/kimi_k2.yaml --mesh configs/mesh/h200x256_ep8.yaml \\
-        --batch 256 --seq 4096 --device-memory-gib 140
+        --batch 256 --seq 4096 --device h200
     composer-jax inspect configs/model/deepseek_v3.yaml mesh.fsdp=64 mesh.expert=8 --json
+    composer-jax inspect configs/pretrain/tiny_stage1.yaml --xla   # next to XLA's own analysis
 
 The mesh is taken from the config (or `--mesh FILE`, a YAML holding only a `mesh:` section, merged
 over it, then `key=value` overrides). It need not match the devices of this machine: the device
 count is not checked, and an axis of -1 takes `--num-devices` (default: the product of the other
-axes, i.e. the -1 axis becomes 1). All figures come from `model/accounting.py`; its docstring states
-the counting conventions and formulas, which the text report repeats.
+axes, i.e. the -1 axis becomes 1). A training config (one with a `train:` section) is sized at its
+own batch, sequence length and micro-batches, and checked against its `train.device`; flags
+override. With a device the exit status is 1 when the estimate does not fit with `--min-headroom`
+free, so a launch script can gate on it; bad arguments exit 2. All figures come from
+`model/accounting.py`; its docstring states the counting conventions and formulas, which the text
+report repeats.
 """
 
 from __future__ import annotations
