@@ -429,10 +429,6 @@ def activation_bytes(
     }
 
 
-def fits(total_bytes: float, device_memory_gib: float) -> bool:
-    return total_bytes <= device_memory_gib * 2**30
-
-
 def as_builtin(x: Any) -> Any:
     """numpy scalars -> Python numbers, recursively (for JSON)."""
     if isinstance(x, dict):
