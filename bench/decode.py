@@ -66,11 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         prompts = np.random.default_rng(batch).integers(0, cfg.vocab_size, (batch, args.prompt))
         sampler = Sampler(params, cfg, slots=batch, max_len=args.prompt + args.new)
 
-        def ours() -> np.ndarray:
+        def ours(sampler: Sampler = sampler, prompts: np.ndarray = prompts) -> np.ndarray:
             done = sampler.run([Request(list(map(int, p)), greedy) for p in prompts])
             return np.asarray([c.tokens for c in done])
 
-        def theirs() -> np.ndarray:
+        def theirs(prompts: np.ndarray = prompts) -> np.ndarray:
             with torch.no_grad():
                 out = model.generate(
                     torch.from_numpy(prompts),

@@ -8,7 +8,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from composer_jax.config import load_config
+from composer_jax.config import load_config, read_yaml
 from composer_jax.inspection import build_report, main
 from composer_jax.model.params import abstract_params
 
@@ -153,16 +153,17 @@ def test_tiny_state_memory_by_hand():
     n = 250_000 + 80_264
     assert mem["params"] == mem["grads"] == 4 * n
     assert mem["optimizer"] == 8 * n
-    # bfloat16 parameters: 2 B each, plus a 4 B float32 master copy except for the float32 router
-    # weights and biases (2 MoE layers + 1 MTP layer) x (64*8 + 8) = 1560 scalars.
-    mem16 = build_report(
-        _cfg("tiny", ["model.param_dtype=bfloat16"]),
-        {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1},
-        2,
-        64,
-    )["memory_per_device"]
+    # bfloat16 parameters: 2 B each except the float32 router weights and biases (2 MoE layers + 1
+    # MTP layer) x (64*8 + 8) = 1560 scalars. AdamW's moments take the parameter dtype (optax's
+    # default, train/optimizer.py): 2 x 2 B, or 2 x 4 B for the routers.
+    one = {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}
+    mem16 = build_report(_cfg("tiny", ["model.param_dtype=bfloat16"]), one, 2, 64)["memory_per_device"]
     assert mem16["params"] == 2 * (n - 1560) + 4 * 1560
-    assert mem16["optimizer"] == 12 * (n - 1560) + 8 * 1560
+    assert mem16["optimizer"] == 4 * (n - 1560) + 8 * 1560
+    # --fp32-master sizes the sound bfloat16 recipe: float32 moments (8 B) plus a float32 master
+    # copy (4 B) of every bfloat16 parameter; the float32 routers need no master copy
+    mem16m = build_report(_cfg("tiny", ["model.param_dtype=bfloat16"]), one, 2, 64, fp32_master=True)
+    assert mem16m["memory_per_device"]["optimizer"] == 12 * (n - 1560) + 8 * 1560
 
 
 def test_remat_orders_activation_memory():
@@ -220,7 +221,8 @@ def test_cli_text(capsys):
         == 0
     )
     out = capsys.readouterr().out
-    assert "routed_experts" in out and "training FLOPs/token" in out and "fits in 140 GiB" in out
+    assert "routed_experts" in out and "training FLOPs/token" in out
+    assert "verdict: FITS" in out and "140.00 GiB" in out
 
 
 @pytest.mark.parametrize(
@@ -229,6 +231,15 @@ def test_cli_text(capsys):
         (["model.num_layrs=2"], "did you mean 'num_layers'"),
         (["mesh.expert=5"], "accepted expert sizes"),
         (["mesh.fsdp=2", "--batch", "3"], "accepted: a positive multiple of 2"),
+        (["mesh.fsdp=2", "--batch", "4", "--micro-batches", "4"], "accepted: a positive multiple of 8"),
+        (["--micro-batches", "0"], "--micro-batches 0: accepted: a positive integer"),
+        (
+            ["--device", "h300"],
+            "device 'h300' (--device or train.device) is not known; accepted: a100-80gb, h100, h200",
+        ),
+        (["--device", "h200", "--device-memory-gib", "80"], "not allowed with argument"),
+        (["--min-headroom", "1.5", "--device", "h200"], "--min-headroom 1.5: accepted: a fraction in [0, 1)"),
+        (["mesh.context=2", "--seq", "102"], "must be a positive multiple of 2 x mesh.context = 4"),
         (["--seq", "100000"], "exceeds model.max_position_embeddings=4096"),
         (["--batch", "x"], "invalid int value: 'x'"),
         (["--mesh", "no/such.yaml"], "does not exist"),
@@ -272,3 +283,106 @@ def test_cli_lists_dimensions_the_mesh_cannot_split(capsys):
     }
     assert main([str(MODELS / "tiny.yaml"), "mesh.fsdp=4", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["unsplit_axes"] == []
+
+
+# --------------------------------------------------------------------------------------------------
+# Training configs: the stage's own shape, a verdict against the hardware it names
+# --------------------------------------------------------------------------------------------------
+
+PRETRAIN = ROOT / "configs" / "pretrain"
+
+
+def _named_hardware(path: Path) -> str:
+    return read_yaml(path).get("train", {}).get("device", "")
+
+
+# every config under configs/ that names the hardware it is sized for (train.device): the real-size
+# pretraining stages now; RL trainer / sampler configs will join this list when they exist
+REAL_SIZE = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if _named_hardware(p))
+
+
+def test_the_three_real_stages_name_their_hardware():
+    assert {p.stem for p in REAL_SIZE} >= {"stage1_32k", "stage2_256k", "stage3_sft"}
+
+
+@pytest.mark.parametrize("path", REAL_SIZE, ids=lambda p: p.stem)
+def test_every_real_size_config_fits_the_hardware_it_names(path, capsys):
+    rc = main([str(path), "--json"])
+    r = json.loads(capsys.readouterr().out)
+    cfg = load_config(path, num_devices=None)
+    # inspect sized the stage as the stage runs it, not a default 4K sequence
+    assert (r["batch"], r["seq"], r["micro_batches"]) == (
+        cfg.train.batch_size,
+        cfg.train.seq_len,
+        cfg.train.micro_batches,
+    )
+    assert r["device"]["name"] == cfg.train.device
+    assert r["devices"] == 256
+    assert rc == 0 and r["fits"], f"{path.name}: {r['memory_per_device']['total'] / 2**30:.1f} GiB per device"
+    assert r["headroom_fraction"] >= 0.10
+
+
+def test_stage2_text_report_prints_the_stage_shape_and_a_verdict(capsys):
+    assert main([str(PRETRAIN / "stage2_256k.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "batch 8 x seq 262144 = 2,097,152 tokens/step, 2 micro-batches of 4,096 tokens per device" in out
+    assert "NVIDIA H200 SXM, 141 GB" in out and "verdict: FITS" in out
+
+
+def test_stage2_zero3_rules_split_parameters_over_the_context_axis_by_hand():
+    # stage 2: mesh expert=4 x context=64, sharding_rules embed/lora_in -> [fsdp, context, data].
+    # Routed experts [60 layers, 384 experts, 7168, 2048] x 3 (gate, up, down): experts over
+    # `expert` (384/4), the model dimension 7168 over `context` (7168/64 = 112): 256 shards.
+    # The embedding [163840, 7168] splits its model dimension over context only: 64 shards.
+    cfg = load_config(PRETRAIN / "stage2_256k.yaml", num_devices=None)
+    sizes = {"data": 1, "fsdp": 1, "expert": 4, "context": 64, "tensor": 1}
+    r = build_report(cfg, sizes, 8, 262144, micro_batches=2)
+    c = r["params"]["components"]
+    assert c["routed_experts"]["bytes_per_device"] == 3 * 60 * 384 * 7168 * 2048 * 2 // 256
+    assert c["embedding"]["bytes_per_device"] == 163840 * 7168 * 2 // 64
+    assert r["replicated_params"] == [] and r["unsplit_axes"] == []
+    # AdamW moments take the parameters' dtype and sharding: exactly twice the parameter bytes
+    mem = r["memory_per_device"]
+    assert mem["optimizer"] == 2 * mem["params"]
+
+
+def test_the_old_stage2_mesh_does_not_fit_and_exits_1(capsys):
+    # the 4-way context mesh the stage used to name, with the default (non-ZeRO) rules: experts split
+    # 64 ways, the rest 8 ways; far beyond an H200, so inspect says so and exits 1 (a launch gate)
+    rc = main(
+        [
+            str(PRETRAIN / "stage2_256k.yaml"),
+            "--mesh",
+            str(MESHES / "h200x256_ep8_cp4.yaml"),
+            "sharding_rules={}",
+            "--micro-batches",
+            "1",
+            "--batch",
+            "64",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert rc == 1 and "verdict: DOES NOT FIT" in out
+
+
+def test_verdict_headroom_by_hand(capsys):
+    # the verdict compares the printed total with the device: headroom = capacity - total, and a
+    # device exactly 10% larger than the total fits at --min-headroom 0.09 but not at 0.1
+    sizes = {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}
+    total = build_report(_cfg("tiny"), sizes, 2, 64)["memory_per_device"]["total"]
+    gib = total / 0.9 / 2**30
+    r = build_report(_cfg("tiny"), sizes, 2, 64, gib, min_headroom=0.09)
+    assert r["headroom_bytes"] == pytest.approx(total / 0.9 - total)
+    assert r["headroom_fraction"] == pytest.approx(0.1)
+    assert r["fits"]
+    assert not build_report(_cfg("tiny"), sizes, 2, 64, gib * 0.999, min_headroom=0.1)["fits"]
+    # the data-sheet table: an H200 is 141 GB = 141e9 bytes
+    r = build_report(_cfg("tiny"), sizes, 2, 64, device="h200")
+    assert r["device"]["memory_bytes"] == 141e9 and r["fits"]
+
+
+def test_cli_xla_needs_the_mesh_to_fit_this_machine(capsys):
+    # the test session has 8 CPU devices; a 16-device mesh cannot be compiled here
+    assert main([str(PRETRAIN / "tiny_stage1.yaml"), "mesh.data=4", "train.batch_size=16", "--xla"]) == 2
+    err = capsys.readouterr().err
+    assert "--xla compiles the step on this machine's 8 cpu device(s)" in err and "= 16" in err

@@ -1,20 +1,28 @@
 """`composer-jax inspect CONFIG [key=value ...]`: parameter counts, FLOPs per token and per-device
-memory of a model config on a (possibly hypothetical) mesh, without allocating any parameter.
+memory of a model or training config on a (possibly hypothetical) mesh, without allocating any
+parameter, and a verdict against a device.
 
+    composer-jax inspect configs/pretrain/stage2_256k.yaml          # the stage as it runs, on its H200
     composer-jax inspect configs/model/kimi_k2.yaml --mesh configs/mesh/h200x256_ep8.yaml \\
-        --batch 256 --seq 4096 --device-memory-gib 140
+        --batch 256 --seq 4096 --device h200
     composer-jax inspect configs/model/deepseek_v3.yaml mesh.fsdp=64 mesh.expert=8 --json
+    composer-jax inspect configs/pretrain/tiny_stage1.yaml --xla   # next to XLA's own analysis
 
 The mesh is taken from the config (or `--mesh FILE`, a YAML holding only a `mesh:` section, merged
 over it, then `key=value` overrides). It need not match the devices of this machine: the device
 count is not checked, and an axis of -1 takes `--num-devices` (default: the product of the other
-axes, i.e. the -1 axis becomes 1). All figures come from `model/accounting.py`; its docstring states
-the counting conventions and formulas, which the text report repeats.
+axes, i.e. the -1 axis becomes 1). A training config (one with a `train:` section) is sized at its
+own batch, sequence length and micro-batches, and checked against its `train.device`; flags
+override. With a device the exit status is 1 when the estimate does not fit with `--min-headroom`
+free, so a launch script can gate on it; bad arguments exit 2. All figures come from
+`model/accounting.py`; its docstring states the counting conventions and formulas, which the text
+report repeats.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -24,13 +32,44 @@ from typing import Any
 
 from composer_jax.config import MESH_AXES, Config, ConfigError, config_from_dict, deep_merge, read_yaml, to_dict
 from composer_jax.model import accounting
-from composer_jax.sharding import ShardingRules
+from composer_jax.sharding import MeshRules, ShardingRules
 
 FLOPS_FORMULA = (
     "6 x active matmul params (embedding gather excluded, output head included) "
     "+ 12 x layers x heads x (qk_head_dim + v_head_dim)/2 x S_ctx; "
     "S_ctx = seq/2 (causal attention, headline) or seq (PaLM/Megatron convention)"
 )
+
+
+DEFAULT_SEQ = 4096
+DEFAULT_MIN_HEADROOM = 0.10
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """An accelerator's memory as its vendor's data sheet states it (decimal GB = 10^9 bytes)."""
+
+    name: str
+    memory_gb: float
+    source: str
+
+    @property
+    def memory_bytes(self) -> float:
+        # Data sheets state decimal GB; the memory a runtime reports is at least that (CUDA shows
+        # an H200's "141 GB" as ~140 GiB = 150e9 bytes), so 10^9 bytes per GB is a lower bound.
+        return self.memory_gb * 1e9
+
+
+# per-device memory from the vendors' data sheets (HBM capacity of one GPU / chip)
+DEVICES: dict[str, Device] = {
+    "a100-80gb": Device("NVIDIA A100 80GB", 80, "NVIDIA A100 data sheet"),
+    "h100": Device("NVIDIA H100 SXM", 80, "NVIDIA H100 data sheet"),
+    "h200": Device("NVIDIA H200 SXM", 141, "NVIDIA H200 data sheet"),
+    "b200": Device("NVIDIA B200", 180, "NVIDIA DGX B200 data sheet (1,440 GB for 8 GPUs)"),
+    "tpu-v5e": Device("Google TPU v5e", 16, "Google Cloud TPU v5e documentation"),
+    "tpu-v5p": Device("Google TPU v5p", 95, "Google Cloud TPU v5p documentation"),
+    "tpu-v6e": Device("Google TPU v6e (Trillium)", 32, "Google Cloud TPU v6e documentation"),
+}
 
 
 class UsageError(ValueError):
@@ -58,21 +97,59 @@ def _parser() -> argparse.ArgumentParser:
         help="devices for a mesh axis of -1 (default: the product of the other axes)",
     )
     p.add_argument(
-        "--batch", type=int, metavar="B", help="global batch in sequences (default: one sequence per batch shard)"
+        "--batch",
+        type=int,
+        metavar="B",
+        help="global batch in sequences (default: the config's train.batch_size; for a model config "
+        "without a train section, one sequence per batch shard)",
     )
-    p.add_argument("--seq", type=int, metavar="S", default=4096, help="sequence length (default 4096)")
     p.add_argument(
-        "--device-memory-gib",
+        "--seq",
+        type=int,
+        metavar="S",
+        help=f"sequence length (default: the config's train.seq_len, else {DEFAULT_SEQ})",
+    )
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        metavar="M",
+        help="gradient-accumulation micro-batches (default: the config's train.micro_batches, else 1)",
+    )
+    dev = p.add_mutually_exclusive_group()
+    dev.add_argument(
+        "--device",
+        metavar="NAME",
+        help=f"device to check the estimate against, from the vendors' data sheets: {', '.join(DEVICES)}",
+    )
+    dev.add_argument("--device-memory-gib", type=float, metavar="GIB", help="device memory to check against, in GiB")
+    p.add_argument(
+        "--min-headroom",
         type=float,
-        metavar="GIB",
-        help="device memory to check the estimate against (an H200 shows ~140 GiB)",
+        metavar="FRAC",
+        default=DEFAULT_MIN_HEADROOM,
+        help=f"share of device memory that must stay free for a 'fits' verdict (default {DEFAULT_MIN_HEADROOM})",
+    )
+    p.add_argument(
+        "--fp32-master",
+        action="store_true",
+        help="size the optimiser as float32 moments + a float32 master copy of bfloat16 parameters "
+        "(16 bytes per parameter with weights and gradients) instead of what train/optimizer.py keeps "
+        "(moments in the parameter dtype)",
+    )
+    p.add_argument(
+        "--xla",
+        action="store_true",
+        help="also compile the real train step on this machine's devices (the mesh must match them) and "
+        "print XLA's per-device memory analysis next to the estimate",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text report")
     return p
 
 
-def _load(args: argparse.Namespace) -> Config:
+def _load(args: argparse.Namespace) -> tuple[Config, bool]:
+    """The config, and whether it is a training config (its YAML, with bases, has a `train:` section)."""
     data = read_yaml(Path(args.config).resolve())
+    is_training = "train" in data
     if args.mesh:
         mesh_data = read_yaml(Path(args.mesh).resolve())
         extra = sorted(set(mesh_data) - {"mesh"})
@@ -83,7 +160,8 @@ def _load(args: argparse.Namespace) -> Config:
             )
         deep_merge(data, mesh_data)
     # num_devices=None: the mesh may describe a cluster this machine is not part of
-    return config_from_dict(data, args.overrides, num_devices=None)
+    cfg = config_from_dict(data, args.overrides, num_devices=None)
+    return cfg, is_training or any(o.startswith("train.") for o in args.overrides)
 
 
 def _mesh_sizes(cfg: Config, num_devices: int | None) -> dict[str, int]:
@@ -93,38 +171,90 @@ def _mesh_sizes(cfg: Config, num_devices: int | None) -> dict[str, int]:
     return cfg.mesh.shape(fixed if num_devices is None else num_devices)
 
 
+def _ce_chunks(batch: int, seq: int, rules: ShardingRules, sizes: dict[str, int]) -> int:
+    """`train.pretrain.ce_chunks` (the fused loss's sequence chunks) for a micro-batch of this shape."""
+    from composer_jax.train.pretrain import ce_chunks
+
+    return ce_chunks((batch, seq), MeshRules(accounting.abstract_mesh(sizes), rules))
+
+
 def build_report(
-    cfg: Config, sizes: dict[str, int], batch: int | None, seq: int, device_memory_gib: float | None = None
+    cfg: Config,
+    sizes: dict[str, int],
+    batch: int | None,
+    seq: int,
+    device_memory_gib: float | None = None,
+    *,
+    micro_batches: int = 1,
+    device: str | None = None,
+    min_headroom: float = DEFAULT_MIN_HEADROOM,
+    fp32_master: bool = False,
+    backend: str = "gpu",
 ) -> dict[str, Any]:
-    """Everything `inspect` prints, as a JSON-serialisable dict. Raises UsageError on bad batch/seq."""
+    """Everything `inspect` prints, as a JSON-serialisable dict. Raises UsageError on bad batch/seq.
+
+    `device` (a key of DEVICES) or `device_memory_gib` adds a verdict: the estimate fits when it
+    leaves at least `min_headroom` of the device's memory free. `backend` is where the step will run
+    ("cpu" for XLA:CPU, anything else an accelerator): `model.moe_impl=auto` takes the tiled
+    dispatch on CPU and ragged_dot elsewhere, and the tiled one costs more memory."""
     m = cfg.model
     rules = ShardingRules.create(cfg.sharding_rules)
     shards = accounting.batch_shards(rules, sizes)
+    if micro_batches < 1:
+        raise UsageError(f"--micro-batches {micro_batches}: accepted: a positive integer")
     if batch is None:
-        batch = shards
-    if batch < 1 or batch % shards:
+        batch = shards * micro_batches
+    if batch < 1 or batch % (shards * micro_batches):
         raise UsageError(
-            f"--batch {batch}: the batch is split over mesh axes {list(rules.mesh_axes('act_batch'))} "
-            f"= {shards} ways; accepted: a positive multiple of {shards}"
+            f"batch {batch} (--batch or train.batch_size): each of the {micro_batches} micro-batch(es) "
+            f"is split over mesh axes {list(rules.mesh_axes('act_batch'))} = {shards} ways; "
+            f"accepted: a positive multiple of {shards * micro_batches}"
         )
-    if seq < 1 or seq % sizes["context"]:
-        raise UsageError(f"--seq {seq}: must be a positive multiple of mesh.context={sizes['context']}")
+    cp = sizes["context"]
+    if seq < 1 or (cp > 1 and seq % (2 * cp)):
+        raise UsageError(
+            f"--seq {seq}: must be a positive multiple of 2 x mesh.context = {2 * cp} (zigzag layout)"
+            if cp > 1
+            else f"--seq {seq}: accepted: a positive integer"
+        )
     if seq > m.max_position_embeddings:
         raise UsageError(
             f"--seq {seq} exceeds model.max_position_embeddings={m.max_position_embeddings}; "
             f"accepted: 1..{m.max_position_embeddings}"
         )
+    if not 0 <= min_headroom < 1:
+        raise UsageError(f"--min-headroom {min_headroom}: accepted: a fraction in [0, 1)")
+    if device is not None and device not in DEVICES:
+        raise UsageError(f"device {device!r} (--device or train.device) is not known; accepted: {', '.join(DEVICES)}")
     rows = accounting.param_rows(m, rules, sizes)
     comps = accounting.breakdown(rows)
     main = {k: v for k, v in comps.items() if k != "mtp"}
     flops = accounting.flops_per_token(m, rows, seq)
-    mem = accounting.memory_per_device(m, rows, rules, sizes, batch, seq)
+    # the loss as train/pretrain.py computes it: the fused head + cross-entropy in sequence chunks,
+    # unless MTP self-distillation needs the main model's whole logits
+    self_distill = bool(m.num_mtp_layers) and cfg.train.mtp_loss == "self_distill"
+    head_chunks = None if self_distill else _ce_chunks(batch // micro_batches, seq, rules, sizes)
+    mem = accounting.memory_per_device(
+        m,
+        rows,
+        rules,
+        sizes,
+        batch,
+        seq,
+        micro_batches,
+        fp32_master=fp32_master,
+        head_chunks=head_chunks,
+        self_distill=self_distill,
+        tiled_moe=m.moe_impl == "tiled" or (m.moe_impl == "auto" and backend == "cpu"),
+    )
     report = {
         "model": m.name,
         "mesh": sizes,
         "devices": math.prod(sizes.values()),
         "batch": batch,
         "seq": seq,
+        "micro_batches": micro_batches,
+        "fp32_master": fp32_master,
         "tokens_per_step": batch * seq,
         "params": {
             "total": sum(v["total"] for v in main.values()),
@@ -145,10 +275,101 @@ def build_report(
             {"path": r.path, "logical_axis": la, "mesh_axis": ma, "dim": dim} for r in rows for la, ma, dim in r.unsplit
         ],
     }
-    if device_memory_gib is not None:
-        report["device_memory_gib"] = device_memory_gib
-        report["fits"] = accounting.fits(mem["total"], device_memory_gib)
+    if device is not None or device_memory_gib is not None:
+        if device is not None:
+            dev = DEVICES[device]
+            capacity, label = dev.memory_bytes, f"{dev.name}, {dev.memory_gb:g} GB"
+        else:
+            assert device_memory_gib is not None
+            if device_memory_gib <= 0:
+                raise UsageError(f"--device-memory-gib {device_memory_gib} must be positive")
+            capacity, label = device_memory_gib * 2**30, f"{device_memory_gib:g} GiB"
+        headroom = capacity - mem["total"]
+        report["device"] = {"name": device, "label": label, "memory_bytes": capacity}
+        report["device_memory_gib"] = capacity / 2**30
+        report["headroom_bytes"] = headroom
+        report["headroom_fraction"] = headroom / capacity
+        report["min_headroom"] = min_headroom
+        report["fits"] = headroom >= min_headroom * capacity
     return accounting.as_builtin(report)
+
+
+def _backend() -> str:
+    import jax
+
+    return jax.default_backend()
+
+
+def _with_shape(cfg: Config, report: dict[str, Any]) -> Config:
+    """`cfg` with the batch, sequence and micro-batches the report was made for."""
+    train = dataclasses.replace(
+        cfg.train, batch_size=report["batch"], seq_len=report["seq"], micro_batches=report["micro_batches"]
+    )
+    return dataclasses.replace(cfg, train=train)
+
+
+def xla_memory(cfg: Config) -> dict[str, int]:
+    """XLA's own per-device memory analysis of the real train step (`train.step.make_train_step`,
+    state donated) for `cfg` on this machine's devices: compiled, never run.
+
+    `compiled.memory_analysis()` of an SPMD program describes one device's program:
+      argument: the inputs' bytes on one device: the train state's shards (parameters, AdamW
+                moments, step count, RNG) plus the batch's shard;
+      output:   the new state's shards plus the metrics;
+      alias:    output bytes that reuse (donated) argument buffers: the whole new state;
+      temp:     every buffer live at some point that is neither argument nor output (gradients,
+                activations, gathered weights, collective buffers, optimiser temporaries), packed
+                by XLA's buffer assignment, so their peak and not their sum.
+    The peak per device is argument + output - alias + temp (`total`).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from composer_jax.sharding import make_mesh
+    from composer_jax.train.state import abstract_train_state
+    from composer_jax.train.step import BATCH_KEYS, batch_sharding, make_train_step
+
+    have = jax.device_count()
+    try:
+        cfg.mesh.shape(have)
+    except ConfigError as e:
+        raise UsageError(
+            f"--xla compiles the step on this machine's {have} {jax.default_backend()} device(s), which the "
+            f"mesh does not fit: {e}. On CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N gives N devices"
+        ) from None
+    rules = ShardingRules.create(cfg.sharding_rules)
+    mesh = make_mesh(cfg.mesh)
+    shape = (cfg.train.batch_size, cfg.train.seq_len)
+    b_sh = batch_sharding(mesh, rules, shape)
+    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=b_sh) for k in BATCH_KEYS}
+    state = abstract_train_state(cfg, mesh, rules)
+    ma = make_train_step(cfg, mesh, rules).lower(state, batch).compile().memory_analysis()
+    out = {
+        "argument": int(ma.argument_size_in_bytes),
+        "output": int(ma.output_size_in_bytes),
+        "alias": int(ma.alias_size_in_bytes),
+        "temp": int(ma.temp_size_in_bytes),
+    }
+    out["total"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+    return out
+
+
+def xla_comparison(cfg: Config, mem: dict[str, Any]) -> dict[str, Any]:
+    """XLA's figures (`xla_memory`) next to the estimate: state (parameters + optimiser, against
+    XLA's arguments), working set (gradients + FSDP buffers + activations, against XLA's temp) and
+    the total, each as estimate / XLA."""
+    x = xla_memory(cfg)
+    state = mem["params"] + mem["optimizer"]
+    work = mem["grads"] + mem["fsdp_buffers"] + mem["activations"]["total"]
+    return {
+        **x,
+        "estimate_state": state,
+        "estimate_working": work,
+        "estimate_total": mem["total"],
+        "ratio_state": state / x["argument"],
+        "ratio_working": work / max(x["temp"], 1),
+        "ratio_total": mem["total"] / x["total"],
+    }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -180,7 +401,8 @@ def format_report(r: dict[str, Any]) -> str:
         f"model {r['model']}  params {r['param_dtype']}  compute {r['compute_dtype']}  remat {act['remat']}",
         f"mesh  {mesh}  ({r['devices']} device{'s' if r['devices'] > 1 else ''})",
         f"batch {r['batch']} x seq {r['seq']} = {r['tokens_per_step']:,} tokens/step, "
-        f"{act['tokens_per_device']:,.0f} per device",
+        f"{r['micro_batches']} micro-batch{'es' if r['micro_batches'] > 1 else ''} of "
+        f"{act['tokens_per_device']:,.0f} tokens per device",
         "",
         f"parameters  total {_n(p['total'])} ({p['total']:,})   active/token {_n(p['active'])} ({p['active']:,})",
     ]
@@ -205,17 +427,44 @@ def format_report(r: dict[str, Any]) -> str:
         "",
         "memory per device (estimate)",
         f"  parameters       {_gib(mem['params']):>12}   ({r['param_dtype']}, sharded by the rules)",
-        f"  gradients        {_gib(mem['grads']):>12}   (parameter dtype and sharding)",
-        f"  AdamW state      {_gib(mem['optimizer']):>12}   (2 x float32 moments"
-        + (" + float32 master copy)" if r["param_dtype"] == "bfloat16" else ")"),
-        f"  FSDP buffers     {_gib(mem['fsdp_buffers']):>12}   (one layer gathered + its unreduced gradient)",
+        f"  gradients        {_gib(mem['grads']):>12}   (parameter dtype and sharding"
+        + ("; accumulator + one micro-batch's)" if r["micro_batches"] > 1 else ")"),
+        f"  AdamW state      {_gib(mem['optimizer']):>12}   "
+        + (
+            "(2 x float32 moments + float32 master copy of bfloat16 weights)"
+            if r["fp32_master"]
+            else "(2 moments in the parameter dtype, as train/optimizer.py keeps them)"
+        ),
+        f"  FSDP buffers     {_gib(mem['fsdp_buffers']):>12}   (one layer, the output head and the embedding "
+        "gathered, with unreduced gradients)",
         f"  activations      {_gib(act['total']):>12}   (layers {_gib(act['layers'])}, logits {_gib(act['logits'])}, "
         f"mask {_gib(act['mask'])}; remat={act['remat']})",
         f"  total            {_gib(mem['total']):>12}",
     ]
     if "fits" in r:
-        verdict = "fits" if r["fits"] else "does NOT fit"
-        lines.append(f"  {verdict} in {r['device_memory_gib']:g} GiB per device")
+        d = r["device"]
+        verdict = "FITS" if r["fits"] else "DOES NOT FIT"
+        free = r["headroom_bytes"]
+        free_s = _gib(free) if free >= 0 else "-" + _gib(-free)
+        lines += [
+            f"  device           {_gib(d['memory_bytes']):>12}   ({d['label']})",
+            f"  headroom         {free_s:>12}"
+            f"   ({r['headroom_fraction']:.1%} of the device; at least {r['min_headroom']:.0%} required)",
+            f"  verdict: {verdict} ({_gib(mem['total'])} of {_gib(d['memory_bytes'])} per device)",
+        ]
+    if "xla" in r:
+        x = r["xla"]
+        lines += [
+            "",
+            "XLA memory analysis of the compiled train step (this machine, per device)",
+            f"  arguments        {_gib(x['argument']):>12}   estimate state {_gib(x['estimate_state'])} "
+            f"({x['ratio_state']:.2f}x)",
+            f"  temporaries      {_gib(x['temp']):>12}   estimate working set {_gib(x['estimate_working'])} "
+            f"({x['ratio_working']:.2f}x)",
+            f"  output - alias   {_gib(x['output'] - x['alias']):>12}",
+            f"  total            {_gib(x['total']):>12}   estimate {_gib(x['estimate_total'])} "
+            f"({x['ratio_total']:.2f}x)",
+        ]
     if r["unsplit_axes"]:
         lines += ["", "not split as the rules say (the mesh axis does not divide the dimension; replicated over it):"]
         lines += [
@@ -231,17 +480,40 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of `composer-jax inspect`; returns 0, or 2 on a bad argument / config."""
+    """Entry point of `composer-jax inspect`: 0, 1 when a device is given and the estimate does not
+    fit it (so a launch script can gate on it), 2 on a bad argument / config."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if not [a for a in argv if not a.startswith("-")] and not {"-h", "--help"} & set(argv):
             raise UsageError("missing CONFIG: give a YAML config such as configs/model/kimi_k2.yaml")
         args = _parser().parse_intermixed_args(argv)
-        cfg = _load(args)
+        cfg, is_training = _load(args)
+        if args.xla and args.num_devices is None and -1 in [getattr(cfg.mesh, a) for a in MESH_AXES]:
+            import jax
+
+            args.num_devices = jax.device_count()  # a -1 axis takes this machine's devices
         sizes = _mesh_sizes(cfg, args.num_devices)
-        if args.device_memory_gib is not None and args.device_memory_gib <= 0:
-            raise UsageError(f"--device-memory-gib {args.device_memory_gib} must be positive")
-        report = build_report(cfg, sizes, args.batch, args.seq, args.device_memory_gib)
+        if args.device is None and args.device_memory_gib is None and is_training and cfg.train.device:
+            args.device = cfg.train.device  # the hardware the stage names
+        if args.device is not None:
+            args.device = args.device.lower()
+        t = cfg.train
+        report = build_report(
+            cfg,
+            sizes,
+            args.batch if args.batch is not None else t.batch_size if is_training else None,
+            args.seq if args.seq is not None else t.seq_len if is_training else DEFAULT_SEQ,
+            args.device_memory_gib,
+            micro_batches=(
+                args.micro_batches if args.micro_batches is not None else t.micro_batches if is_training else 1
+            ),
+            device=args.device,
+            min_headroom=args.min_headroom,
+            fp32_master=args.fp32_master,
+            backend=_backend() if args.xla else "gpu",
+        )
+        if args.xla:
+            report["xla"] = xla_comparison(_with_shape(cfg, report), report["memory_per_device"])
     except SystemExit as e:  # --help
         return int(e.code or 0)
     except (UsageError, ConfigError) as e:
@@ -249,10 +521,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.json:
         report["config"] = to_dict(cfg)
-        print(json.dumps(report, indent=1))
+        print(json.dumps(accounting.as_builtin(report), indent=1))
     else:
         print(format_report(report))
-    return 0
+    return 1 if report.get("fits") is False else 0
 
 
 if __name__ == "__main__":

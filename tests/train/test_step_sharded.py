@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import composer_jax as cj
 from composer_jax.model.attention import segment_positions
@@ -30,7 +31,11 @@ MESHES = {
     "context4-fsdp2": dict(data=1, fsdp=2, expert=1, context=4, tensor=1),
     "data2-fsdp2-expert2-ctx1": dict(data=2, fsdp=2, expert=2, context=1, tensor=1),
     "fsdp2-expert2-context2": dict(data=1, fsdp=2, expert=2, context=2, tensor=1),
+    # the real stages' ZeRO-3 rules (configs/pretrain/stage1_32k.yaml): parameters and moments
+    # split over fsdp x context x data, not over fsdp alone
+    "fsdp2-expert2-context2-zero3": dict(data=1, fsdp=2, expert=2, context=2, tensor=1),
 }
+RULES = {"fsdp2-expert2-context2-zero3": {"embed": ["fsdp", "context", "data"], "lora_in": ["fsdp", "context", "data"]}}
 
 
 def _batch():
@@ -74,8 +79,10 @@ def _assert_same(obj, grads, sums, ref_obj, ref_grads, ref_sums):
 def test_sharded_step_gradients_equal_single_device(reference, name):
     cfg, params, batch, ref_obj, ref_grads, ref_sums = reference
     mesh = cj.make_mesh(cj.MeshConfig(**MESHES[name]))
-    rules = ShardingRules.create()
+    rules = ShardingRules.create(RULES.get(name))
     sharded = cj.init_params(cfg.model, jax.random.key(0), mesh, rules)
+    if name in RULES:  # the rules really split the model dimension over context too
+        assert sharded["embed"].sharding.spec == P(None, ("fsdp", "context"))
     with jax.set_mesh(mesh):
         obj, grads, sums, _ = jax.jit(lambda p, b: batch_gradients(p, b, cfg, MeshRules(mesh, rules)))(sharded, batch)
     _assert_same(obj, grads, sums, ref_obj, ref_grads, ref_sums)

@@ -52,6 +52,9 @@ class TrainConfig:
     init_from: str = ""  # previous stage's checkpoint directory (params only, fresh optimiser)
     skip_nonfinite: bool = True  # a NaN/Inf loss or gradient skips the update and is reported
     peak_tflops: float = 0.0  # per-device peak for MFU; 0 = measure a float32 matmul at start-up
+    # the accelerator the stage is sized for (a key of `composer-jax inspect`'s device table, e.g.
+    # h200); `inspect` checks the stage's memory against it by default. "" = none named
+    device: str = ""
     tensorboard: bool = True
 
 

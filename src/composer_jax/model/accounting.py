@@ -275,32 +275,71 @@ def attention_block_bytes(cfg: ModelConfig, sizes: Mapping[str, int], local_batc
 
 
 def memory_per_device(
-    cfg: ModelConfig, rows: list[ParamRow], rules: ShardingRules, sizes: Mapping[str, int], batch: int, seq: int
+    cfg: ModelConfig,
+    rows: list[ParamRow],
+    rules: ShardingRules,
+    sizes: Mapping[str, int],
+    batch: int,
+    seq: int,
+    micro_batches: int = 1,
+    *,
+    fp32_master: bool = False,
+    head_chunks: int | None = None,
+    self_distill: bool = False,
+    tiled_moe: bool = False,
 ) -> dict[str, Any]:
-    """Estimated bytes per device for training at global `batch` sequences of `seq` tokens.
+    """Estimated bytes per device for training at global `batch` sequences of `seq` tokens, in
+    `micro_batches` gradient-accumulation steps.
 
     params: each array's bytes / its shard count. grads: the same (gradients take the parameter
-    dtype and sharding). optimizer: AdamW's two float32 moments per parameter, sharded like it, plus
-    a float32 master copy of every bfloat16 parameter. fsdp_buffers: one MoE layer's weights
-    gathered over fsdp plus its unreduced gradient (the working copy FSDP materialises per layer).
-    activations: see `activation_bytes`.
+    dtype and sharding); with micro-batches the accumulator and one micro-batch's gradient are both
+    live. optimizer: AdamW's two moments per parameter, sharded like it, in the parameter dtype (what
+    optax keeps by default, train/optimizer.py); with `fp32_master`, two float32 moments plus a
+    float32 master copy of every bfloat16 parameter (12 bytes per bfloat16 parameter). fsdp_buffers:
+    one stacked layer's weights gathered over the data-like axes plus its unreduced gradient (the working copy FSDP
+    materialises per layer). activations: see `activation_bytes`, per micro-batch.
     """
     params = sum(r.bytes_per_device for r in rows)
-    opt = sum(r.size // r.shards * (8 + (4 if r.dtype == "bfloat16" else 0)) for r in rows)
-    # FSDP working set: the largest stacked layer's per-layer slice with the fsdp split undone
-    fsdp = sizes["fsdp"]
+    if fp32_master:
+        opt = sum(r.size // r.shards * (8 + (4 if r.dtype == "bfloat16" else 0)) for r in rows)
+    else:
+        opt = 2 * params
+    grads = params * (2 if micro_batches > 1 else 1)
+    # FSDP working set: the largest stacked layer's per-layer slice with the data-like splits
+    # (fsdp, and context / data when the rules shard parameters over them, ZeRO-3 style) undone;
+    # the expert and tensor splits stay (the compute keeps them)
     stacks: dict[str, float] = {}
     for r in rows:
         stack = r.path.split("/", 1)[0]
-        if r.logical_axes and r.logical_axes[0] in ("layers", "mtp") and fsdp > 1:
-            per_layer = r.bytes_per_device / r.shape[0] * (fsdp if "fsdp" in r.mesh_axes else 1)
+        undone = math.prod(sizes[a] for a in r.mesh_axes if a in ("data", "fsdp", "context"))
+        if r.logical_axes and r.logical_axes[0] in ("layers", "mtp") and undone > 1:
+            per_layer = r.bytes_per_device / r.shape[0] * undone
             stacks[stack] = stacks.get(stack, 0.0) + per_layer
-    fsdp_buffers = 2 * max(stacks.values(), default=0.0)
-    act = activation_bytes(cfg, rules, sizes, batch, seq)
-    total = params * 2 + opt + fsdp_buffers + act["total"]
+    layer_buffers = 2 * max(stacks.values(), default=0.0)
+    # the output head gathered for the loss plus its unreduced gradient, and the embedding's
+    # gradient (a scatter-add into the whole table) before it is reduce-scattered; a tied table
+    # plays both parts
+    gathered: dict[str, float] = {
+        r.component: r.bytes_per_device * math.prod(sizes[a] for a in r.mesh_axes if a in ("data", "fsdp", "context"))
+        for r in rows
+        if r.component in ("embedding", "lm_head")
+    }
+    head_buffers = 2 * gathered.get("lm_head", gathered.get("embedding", 0.0)) + gathered.get("embedding", 0.0)
+    fsdp_buffers = layer_buffers + head_buffers
+    act = activation_bytes(
+        cfg,
+        rules,
+        sizes,
+        batch // micro_batches,
+        seq,
+        head_chunks=head_chunks,
+        self_distill=self_distill,
+        tiled_moe=tiled_moe,
+    )
+    total = params + grads + opt + fsdp_buffers + act["total"]
     return {
         "params": params,
-        "grads": params,
+        "grads": grads,
         "optimizer": opt,
         "fsdp_buffers": fsdp_buffers,
         "activations": act,
@@ -308,21 +347,50 @@ def memory_per_device(
     }
 
 
+def moe_tile_weight_bytes(cfg: ModelConfig, sizes: Mapping[str, int], tokens: float) -> float:
+    """Bytes of one MoE layer's per-tile expert weights on the tiled dispatch (moe.py
+    `_grouped_tiled` / `tiled_dispatch_swiglu`): one [embed, f] x 3 copy per tile, with
+    rows = (ep x) tokens x k assignments padded per expert to the tile size."""
+    ep = sizes["expert"]
+    rows = int(tokens) * cfg.num_experts_per_tok * ep
+    groups = cfg.num_experts // ep
+    avg = max(1, -(-rows // groups))
+    m = int(max(8, min(cfg.moe_tile_size, 1 << (avg - 1).bit_length())))
+    num_tiles = -(-rows // m) + groups
+    return num_tiles * 3 * cfg.hidden_size * cfg.moe_intermediate_size / sizes["tensor"] * _BYTES[cfg.compute_dtype]
+
+
 def activation_bytes(
-    cfg: ModelConfig, rules: ShardingRules, sizes: Mapping[str, int], batch: int, seq: int
+    cfg: ModelConfig,
+    rules: ShardingRules,
+    sizes: Mapping[str, int],
+    batch: int,
+    seq: int,
+    *,
+    head_chunks: int | None = None,
+    self_distill: bool = False,
+    tiled_moe: bool = False,
 ) -> dict[str, Any]:
-    """Stored activations per device, by remat policy (cfg.remat), for T = batch/batch_shards x
-    seq/context local tokens:
+    """Stored activations per device for one micro-batch of `batch` sequences, by remat policy
+    (cfg.remat), for T = batch/batch_shards x seq/context local tokens:
 
       none : every layer keeps everything (`_layer_activation_bytes` x layers);
       dots : every layer keeps its linear (projection / MLP) outputs but not the attention scores,
              which `checkpoint_dots_with_no_batch_dims` recomputes; plus one layer's scores live;
-      full : every layer keeps only its input (T x hidden), plus one layer's full working set while
-             it is recomputed in the backward pass.
+      full : every layer keeps only its input (T x hidden), plus one layer's working set twice
+             while it is recomputed and differentiated in the backward pass (the recomputed forward
+             and its cotangents; the factor 2 is measured against XLA, tests/test_inspect_xla.py).
 
-    Plus, for all policies: the float32 logits and their gradient (T x vocab/tensor x 8 bytes) per
-    output head (main + MTP depths), and for dense attention the causal mask (T x seq bools) shared
-    by all layers; for blockwise attention one block's transient scores.
+    The loss: with `head_chunks` (the fused head + cross-entropy of train/losses.py, used unless
+    MTP self-distillation needs the whole logits) three float32 [T/head_chunks, vocab/tensor] arrays
+    (logits, exponentials, their gradient) live at once; otherwise four float32 [T, vocab/tensor]
+    arrays for the main head (logits, log-softmax, softmax, gradient). Each MTP depth's head: four
+    more, and three more with `self_distill` (the gathered teacher logits, its softmax, the KL
+    gradient). For dense attention the causal mask (T x seq bools) shared by all layers; for
+    blockwise attention one block's transient scores. With `tiled_moe` (the XLA:CPU dispatch,
+    `moe_impl` tiled, or auto off an accelerator) each MoE layer also gathers one copy of its
+    expert's weights per row tile (`_expert_weights_per_tile`): kept per layer without remat, one
+    layer's (and its gradient) with remat=full.
     """
     local_batch = batch / batch_shards(rules, sizes)
     tokens = local_batch * seq / sizes["context"]
@@ -336,25 +404,29 @@ def activation_bytes(
     elif cfg.remat == "dots":
         per_token = sum(a["linear"] for a in layers) + max(a["scores"] for a in layers)
     else:
-        per_token = len(layers) * cfg.hidden_size * c + worst
-    heads = 1 + cfg.num_mtp_layers
-    logits = heads * cfg.vocab_size / sizes["tensor"] * 8
+        per_token = len(layers) * cfg.hidden_size * c + 2 * worst
+    row = cfg.vocab_size / sizes["tensor"] * 4  # one float32 logit row
+    mtp_arrays = cfg.num_mtp_layers * (4 + (3 if self_distill else 0))
+    if head_chunks is None:
+        logits = tokens * row * (4 + mtp_arrays)
+    else:
+        logits = 3 * tokens / head_chunks * row + tokens * row * mtp_arrays
     # the dense path builds a [q, k] mask shared by the layers; the blockwise one builds it per block
     mask = seq if cfg.attention_impl == "dense" else 0
     layer_part = tokens * per_token + attention_block_bytes(cfg, sizes, local_batch, seq)
-    total = layer_part + tokens * (logits + mask)
+    if tiled_moe and cfg.num_experts:
+        tiles = moe_tile_weight_bytes(cfg, sizes, tokens)
+        moe_layers = cfg.num_moe_layers + cfg.num_mtp_layers
+        layer_part += tiles * (2 if cfg.remat == "full" else moe_layers + 1)
+    total = layer_part + logits + tokens * mask
     return {
         "tokens_per_device": tokens,
         "layers": layer_part,
-        "logits": tokens * logits,
+        "logits": logits,
         "mask": tokens * mask,
         "total": total,
         "remat": cfg.remat,
     }
-
-
-def fits(total_bytes: float, device_memory_gib: float) -> bool:
-    return total_bytes <= device_memory_gib * 2**30
 
 
 def as_builtin(x: Any) -> Any:
