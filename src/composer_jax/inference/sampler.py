@@ -106,6 +106,7 @@ class Sampler:
         self._decode = jax.jit(self._decode_fn, donate_argnums=(1,))
         # per-slot sampling settings and state, on the host; sent with every step
         self._last = np.zeros(slots, np.int32)
+        self._settings_cache: tuple | None = None  # per-slot settings on the device; rebuilt when slots change
 
     # -------------------------------------------------------------------------------- programs
     def _prefill_fn(self, params, cache: KVCache, slot, tokens, n, temperature, top_k, top_p, seed):
@@ -188,11 +189,11 @@ class Sampler:
         active = np.array([s is not None for s in self._slot])
         if not active.any():
             return done
-        settings = self._settings()
+        *settings, active_dev = self._settings()
         ctx = jax.set_mesh(self.mesh) if self.mesh is not None else _null()
         with ctx:
             self.cache, tok, lp, routing = self._decode(
-                self.params, self.cache, jnp.asarray(self._last), jnp.asarray(active), *settings
+                self.params, self.cache, jnp.asarray(self._last), active_dev, *settings
             )
         tok, lp = np.asarray(tok), np.asarray(lp)
         routing_np = None if routing is None else np.asarray(routing)
@@ -217,13 +218,17 @@ class Sampler:
 
     # -------------------------------------------------------------------------------- internals
     def _settings(self):
+        if self._settings_cache is not None:
+            return self._settings_cache
         reqs = [s.request.params if s is not None else SamplingParams() for s in self._slot]
-        return (
+        self._settings_cache = (
             jnp.asarray([p.temperature for p in reqs], jnp.float32),
             jnp.asarray([p.top_k for p in reqs], jnp.int32),
             jnp.asarray([p.top_p for p in reqs], jnp.float32),
             jnp.asarray([p.seed for p in reqs], jnp.uint32),
+            jnp.asarray([p is not None for p in self._slot]),
         )
+        return self._settings_cache
 
     def _admit(self, i: int, request: Request) -> list[Completion]:
         n = len(request.prompt)
@@ -248,6 +253,7 @@ class Sampler:
         if routing is not None:
             slot.routing.extend(np.moveaxis(np.asarray(routing)[:, :n], 1, 0))
         self._slot[i] = slot
+        self._settings_cache = None
         return self._record(i, int(tok), float(lp))
 
     def _record(self, i: int, token: int, logprob: float) -> list[Completion]:
@@ -270,6 +276,7 @@ class Sampler:
         if reason is None:
             return []
         self._slot[i] = None
+        self._settings_cache = None
         routing = np.stack(slot.routing).astype(np.int32) if slot.routing else None
         return [
             Completion(
