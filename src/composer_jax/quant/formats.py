@@ -126,6 +126,11 @@ def round_to_format(
     return out
 
 
+def _amax(x: jax.Array, axis, keepdims: bool = False) -> jax.Array:
+    """max |x| with NaN counted as Inf (XLA:CPU's vectorised max reduction may drop a NaN)."""
+    return jnp.max(jnp.where(jnp.isnan(x), jnp.inf, jnp.abs(x)), axis=axis, keepdims=keepdims)
+
+
 def mx_scale_exponent(amax: jax.Array, fmt: ElementFormat | str, rule: ScaleRule = "ocp") -> jax.Array:
     """The block's shared exponent s (X = 2^s) as int32, clamped to [-127, 127]; amax == 0 -> -127.
     (The caller marks non-finite blocks NaN.)"""
@@ -252,7 +257,7 @@ def mx_quantize(
     shape = tuple(x.shape)
     xb, axis = _to_blocks(x.astype(jnp.float32), axis, block)
     blocks = xb.reshape(xb.shape[:-1] + (-1, block))
-    amax = jnp.max(jnp.abs(blocks), axis=-1)  # NaN propagates
+    amax = _amax(blocks, -1)
     s = mx_scale_exponent(amax, elem, rule)
     v = round_to_format(jnp.ldexp(blocks, -s[..., None]), elem, key)
     code = jnp.where(jnp.isfinite(amax), s + E8M0_BIAS, E8M0_NAN).astype(jnp.uint8)
@@ -270,7 +275,7 @@ def _second_scale(x: jax.Array, second, axis: int) -> jax.Array:
         axes = (axis % x.ndim,)
     else:
         axes = tuple(a % x.ndim for a in second)
-    amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True)
+    amax = _amax(x, axes, keepdims=True)
     s = amax / (E4M3.max * E2M1.max)
     return jnp.where(jnp.isfinite(amax), jnp.where(amax > 0, s, 1.0), jnp.nan)
 
@@ -294,7 +299,7 @@ def nvfp4_quantize(
     b = NVFP4_BLOCK
     xb, axis = _to_blocks(x, axis, b, pad_rows=b if block_2d else 0)
     blocks = xb.reshape(xb.shape[:-1] + (-1, b))  # [..., rows, nb, 16]
-    amax = jnp.max(jnp.abs(blocks), axis=-1)  # [..., rows, nb]
+    amax = _amax(blocks, -1)  # [..., rows, nb]
     if block_2d:
         r = amax.shape[-2]
         amax = jnp.max(amax.reshape(amax.shape[:-2] + (r // b, b, amax.shape[-1])), axis=-2)  # [..., rows/16, nb]

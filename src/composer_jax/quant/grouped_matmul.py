@@ -118,7 +118,8 @@ def mx_fake_quantize_grouped_rows(a: jax.Array, sizes: jax.Array, rule: ScaleRul
     seg = block_start[grp] + (r - first_row) // MX_BLOCK
     num = rows // MX_BLOCK + g + 2  # static bound on the number of blocks
     af = a.astype(jnp.float32)
-    amax = jax.ops.segment_max(jnp.abs(af), seg, num_segments=num)[seg]  # [rows, n]
+    mag = jnp.where(jnp.isnan(af), jnp.inf, jnp.abs(af))  # NaN counted as Inf
+    amax = jax.ops.segment_max(mag, seg, num_segments=num)[seg]  # [rows, n]
     s = mx_scale_exponent(amax, E4M3, rule)
     v = jnp.ldexp(round_to_format(jnp.ldexp(af, -s), E4M3), s)
     return jnp.where(jnp.isfinite(amax), v, jnp.nan)
