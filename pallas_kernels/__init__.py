@@ -7,7 +7,10 @@ imports only JAX. Every kernel has a jnp reference twin next to it.
 - `mx_quant.mxfp8_quantize`: MXFP8 E4M3 quantisation, row-wise or column-wise, OCP or round-up
   scale rule (Triton-style Pallas); twin `mxfp8_quantize_ref`, equal bit for bit to
   `composer_jax.quant.formats.mx_quantize`.
+- `nvfp4_quant.nvfp4_quantize`: NVFP4 with a per-token second-level scale, FP4 packed two per
+  byte; twin `nvfp4_quantize_ref`, equal bit for bit to `quant.formats.nvfp4_quantize(...,
+  second="token")`.
 
-Not yet here: NVFP4 per-token quantisation and the grouped matmuls with in-kernel scales; until
+Not yet here: the grouped matmuls with in-kernel scales (Hopper, Blackwell); until
 then the model's quantised MoE matmuls run through the XLA reference (`quant/grouped_matmul.py`).
 """

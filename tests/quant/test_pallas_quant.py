@@ -1,6 +1,7 @@
-"""The MXFP8 quantisation Pallas kernel: in interpret mode on CPU it equals its jnp twin and the
-library's reference format bit for bit (row- and column-wise, both scale rules, zeros, NaN, Inf,
-subnormal-range elements), and it lowers for CUDA as a Triton custom call."""
+"""The quantisation Pallas kernels (MXFP8 row- and column-wise; NVFP4 with a per-token second
+scale): in interpret mode on CPU each equals its jnp twin and the library's reference format bit
+for bit (both MX scale rules, zeros, NaN, Inf, subnormal-range elements), and each lowers for
+CUDA as a Triton custom call found in the `jax.export`ed module."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from jax import export
 
 from composer_jax.quant import formats as F
 from pallas_kernels import mx_quant as K
+from pallas_kernels import nvfp4_quant as NV
 
 
 def _x(m=64, k=96, seed=0):
@@ -55,10 +57,39 @@ def test_kernel_takes_bfloat16():
     _same(v, s, *K.mxfp8_quantize_ref(x, 1, "ceil"), 1)
 
 
-@pytest.mark.parametrize("axis", [1, 0])
-def test_kernel_lowers_for_cuda_as_a_triton_custom_call(axis):
-    x = jax.ShapeDtypeStruct((128, 256), jnp.float32)
-    f = jax.jit(lambda a: K.mxfp8_quantize(a, axis, "ceil"))
+def test_nvfp4_per_token_kernel_equals_its_twin_and_the_format_reference():
+    x = _x(seed=2)
+    x = x.at[8, 3].set(-0.0).at[9, 16:32].set(0.0)
+    u8 = lambda a: np.asarray(a).view(np.uint8)
+    packed, sb, s2 = NV.nvfp4_quantize(x, tile=32, interpret=True)
+    ref = NV.nvfp4_quantize_ref(x)
+    q = F.nvfp4_quantize(x, axis=1, second="token")
+    for got, want in ((packed, ref[0]), (sb, ref[1]), (packed, q.data), (sb, q.scales)):
+        np.testing.assert_array_equal(u8(got), u8(want))
+    for want in (ref[2], q.second):
+        np.testing.assert_array_equal(np.asarray(s2), np.asarray(want))  # NaN rows included
+    assert np.isnan(np.asarray(s2)[[5, 33], 0]).all()
+    # a row's codes depend on that row alone
+    other = x.at[:5].multiply(1000.0)
+    np.testing.assert_array_equal(u8(NV.nvfp4_quantize(other, tile=32, interpret=True)[0])[10:], u8(packed)[10:])
+
+
+KERNELS = {
+    "mxfp8_rows": lambda a: K.mxfp8_quantize(a, 1, "ceil"),
+    "mxfp8_cols": lambda a: K.mxfp8_quantize(a, 0, "ocp"),
+    "nvfp4_token": lambda a: NV.nvfp4_quantize(a),
+}
+OUT_DTYPES = {
+    "mxfp8_rows": [jnp.float8_e4m3fn, jnp.uint8],
+    "mxfp8_cols": [jnp.float8_e4m3fn, jnp.uint8],
+    "nvfp4_token": [jnp.uint8, jnp.float8_e4m3fn, jnp.float32],
+}
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_kernel_lowers_for_cuda_as_a_triton_custom_call(name):
+    x = jax.ShapeDtypeStruct((128, 256), jnp.bfloat16)
+    f = jax.jit(KERNELS[name])
     exp = export.export(
         f,
         platforms=["cuda"],
@@ -67,9 +98,11 @@ def test_kernel_lowers_for_cuda_as_a_triton_custom_call(axis):
     text = exp.mlir_module()
     assert "__gpu$xla.gpu.triton" in text
     assert exp.platforms == ("cuda",)
-    assert [o.dtype for o in exp.out_avals] == [jnp.float8_e4m3fn, jnp.uint8]
+    assert [o.dtype for o in exp.out_avals] == OUT_DTYPES[name]
 
 
 def test_shapes_are_checked():
     with pytest.raises(ValueError, match="multiple of 32"):
         K.mxfp8_quantize(jnp.zeros((64, 40)), 1, interpret=True)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        NV.nvfp4_quantize(jnp.zeros((64, 40)), interpret=True)
