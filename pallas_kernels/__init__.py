@@ -11,11 +11,11 @@ imports only JAX. Every kernel has a jnp reference twin next to it.
   byte; twin `nvfp4_quantize_ref`, equal bit for bit to `quant.formats.nvfp4_quantize(...,
   second="token")`.
 
-- `grouped_matmul.grouped_matmul_mxfp8`: grouped matmul over expert groups whose sizes are known
-  only at run time, MXFP8 operands with the scales applied in the kernel (Triton, Hopper-class);
-  twin `grouped_matmul_mxfp8_ref`.
+- `grouped_matmul.grouped_matmul_mxfp8` / `grouped_matmul_nvfp4`: grouped matmuls over expert
+  groups whose sizes are known only at run time, MXFP8 or NVFP4 (per-token second scale) operands
+  with the scales applied in the kernel (Triton, Hopper-class); twins `*_ref`.
 
-Not yet here: the NVFP4-operand grouped matmul, a Blackwell (tcgen05 block-scaled MMA) path, and
+Not yet here: a Blackwell (tcgen05 block-scaled MMA) path, and
 wiring these kernels in as `quant/`'s "pallas" backend; until
 then the model's quantised MoE matmuls run through the XLA reference (`quant/grouped_matmul.py`).
 """

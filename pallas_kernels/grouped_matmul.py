@@ -1,5 +1,6 @@
-"""Grouped matmul over expert groups with MXFP8 operands, scales applied in the kernel (Hopper-class
-Triton path), and its jnp reference twin.
+"""Grouped matmuls over expert groups with MXFP8 or NVFP4 operands, scales applied in the kernel
+(Triton, Hopper-class: the scaled operands are upcast and multiplied with float32 accumulation),
+and their jnp reference twins. MXFP8 below; NVFP4 (`grouped_matmul_nvfp4`) at the end.
 
     y[r] = dequant(x)[r] @ dequant(w)[g(r)]   for the rows r of group g (rows sorted by group)
 
@@ -104,4 +105,95 @@ def grouped_matmul_mxfp8(xv, xs, wv, ws, sizes, tm: int = 32, tn: int = 32, inte
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
     )(group, first, end, pad(xv, 0), pad(xs, 127), wv, ws)
+    return jnp.where((jnp.arange(rows) < sizes.sum())[:, None], y[:rows], 0.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# NVFP4 operands
+# --------------------------------------------------------------------------------------------------
+
+NVFP4_BLOCK = 16
+
+
+def e2m1_decode(code: jax.Array) -> jax.Array:
+    """4-bit E2M1 codes (int) -> float32: magnitude index i is i/2 for i <= 4, then 3, 4, 6."""
+    i = (code & 7).astype(jnp.float32)
+    mag = jnp.where(i <= 4.0, i * 0.5, jnp.where(i == 5.0, 3.0, jnp.where(i == 6.0, 4.0, 6.0)))
+    return jnp.where((code & 8) != 0, -mag, mag)
+
+
+def _unpack_along(packed: jax.Array, axis: int) -> jax.Array:
+    """Bytes holding elements 2i (low nibble) and 2i+1 (high) along `axis` -> float32 E2M1 values."""
+    c = packed.astype(jnp.int32)
+    both = jnp.stack([e2m1_decode(c & 15), e2m1_decode(c >> 4)], axis=axis + 1)
+    shape = list(packed.shape)
+    shape[axis] *= 2
+    return both.reshape(shape)
+
+
+def grouped_matmul_nvfp4_ref(xp, xsb, xs2, wp, wsb, ws2, sizes) -> jax.Array:
+    """The jnp twin of `grouped_matmul_nvfp4`: dequantise exactly ((e2m1 * s_block) * s_second),
+    then a float32 ragged_dot."""
+    rows = xp.shape[0]
+    x = _unpack_along(xp, 1) * jnp.repeat(xsb.astype(jnp.float32), NVFP4_BLOCK, axis=1) * xs2.reshape(rows, 1)
+    w = _unpack_along(wp, 1) * jnp.repeat(wsb.astype(jnp.float32), NVFP4_BLOCK, axis=1) * ws2.reshape(-1, 1, 1)
+    y = jax.lax.ragged_dot(x, w, sizes.astype(jnp.int32), preferred_element_type=jnp.float32)
+    return jnp.where((jnp.arange(rows) < sizes.sum())[:, None], y, 0.0)
+
+
+def _nvfp4_kernel(
+    group_ref, first_ref, end_ref, xp_ref, xsb_ref, xs2_ref, wp_ref, wsb_ref, ws2_ref, y_ref, *, tm, tn, k
+):
+    t = pl.program_id(0)
+    j = pl.program_id(1)
+    g = group_ref[t]
+    first = first_ref[t]
+    row_ok = first + jnp.arange(tm, dtype=jnp.int32) < end_ref[t]
+    cols = pl.ds(j * tn, tn)
+    rows = pl.ds(first, tm)
+    first_half = jnp.arange(16, dtype=jnp.int32) < 8  # bytes 0-7 of a 32-element slice: its first block
+    acc = jnp.zeros((tm, tn), jnp.float32)
+    for kb in range(k // 32):  # static: 32 elements = 16 bytes = two NVFP4 blocks per step
+        xb = plt.load(xp_ref.at[rows, pl.ds(kb * 16, 16)]).astype(jnp.int32)
+        xa = plt.load(xsb_ref.at[rows, jnp.int32(2 * kb)]).astype(jnp.float32)
+        xc = plt.load(xsb_ref.at[rows, jnp.int32(2 * kb + 1)]).astype(jnp.float32)
+        sx = jnp.where(first_half[None, :], xa[:, None], xc[:, None])
+        wb = plt.load(wp_ref.at[g, pl.ds(kb * 16, 16), cols]).astype(jnp.int32)
+        wa = plt.load(wsb_ref.at[g, jnp.int32(2 * kb), cols]).astype(jnp.float32)
+        wc = plt.load(wsb_ref.at[g, jnp.int32(2 * kb + 1), cols]).astype(jnp.float32)
+        sw = jnp.where(first_half[:, None], wa[None, :], wc[None, :])
+        # the low nibbles hold the even elements of both operands and the high nibbles the odd:
+        # the contraction splits into two dots without reordering any element
+        lo = jnp.dot(e2m1_decode(xb & 15) * sx, e2m1_decode(wb & 15) * sw, preferred_element_type=jnp.float32)
+        hi = jnp.dot(e2m1_decode(xb >> 4) * sx, e2m1_decode(wb >> 4) * sw, preferred_element_type=jnp.float32)
+        acc += lo + hi
+    y = acc * plt.load(xs2_ref.at[rows])[:, None] * ws2_ref[g]  # second-level scales in the epilogue
+    plt.store(y_ref.at[rows, cols], y, mask=row_ok[:, None])
+
+
+@functools.partial(jax.jit, static_argnames=("tm", "tn", "interpret"))
+def grouped_matmul_nvfp4(
+    xp, xsb, xs2, wp, wsb, ws2, sizes, tm: int = 32, tn: int = 32, interpret: bool = False
+) -> jax.Array:
+    """Grouped matmul with NVFP4 operands, scales applied in the kernel.
+
+    x: packed E2M1 uint8 [rows, K/2] (elements 2i / 2i+1 of a row in the low / high nibble of
+    byte i), E4M3 block scales [rows, K/16], per-token second-level scales float32 [rows] (or
+    [rows, 1]); w: packed along K, uint8 [G, K/2, N], E4M3 scales [G, K/16, N], a second-level
+    scale per expert float32 [G]; sizes int32 [G] -> float32 [rows, N]. Block scales multiply the
+    decoded elements before each dot, second-level scales the accumulator (the epilogue)."""
+    rows, kh = xp.shape
+    k = 2 * kh
+    n = wp.shape[2]
+    if k % 32 or n % tn:
+        raise ValueError(f"K={k} must be a multiple of 32 and N={n} of tn={tn}")
+    group, first, end = tile_schedule(sizes, rows, tm)
+    pad = lambda a: jnp.concatenate([a, jnp.zeros((tm,) + a.shape[1:], a.dtype)])
+    y = pl.pallas_call(
+        functools.partial(_nvfp4_kernel, tm=tm, tn=tn, k=k),
+        grid=(group.shape[0], n // tn),
+        out_shape=jax.ShapeDtypeStruct((rows + tm, n), jnp.float32),
+        interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+    )(group, first, end, pad(xp), pad(xsb), pad(xs2.reshape(rows)), wp, wsb, ws2.reshape(-1))
     return jnp.where((jnp.arange(rows) < sizes.sum())[:, None], y[:rows], 0.0)
