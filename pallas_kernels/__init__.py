@@ -1,7 +1,21 @@
 """Pallas GPU kernels for the MoE matmuls (MXFP8 / NVFP4 quantise and grouped matmul).
 
 This package is where the kernels go, outside `src/composer_jax`, so that they can be lowered for
-CUDA and run in interpret mode on a CPU-only machine and replaced independently of the model. No
-kernel is implemented yet: the low-precision MoE work (quant/ and these kernels) is a later issue;
-until then the model's MoE matmuls run through XLA (`model/moe.py`).
+CUDA and run in interpret mode on a CPU-only machine and replaced independently of the model. It
+imports only JAX. Every kernel has a jnp reference twin next to it.
+
+- `mx_quant.mxfp8_quantize`: MXFP8 E4M3 quantisation, row-wise or column-wise, OCP or round-up
+  scale rule (Triton-style Pallas); twin `mxfp8_quantize_ref`, equal bit for bit to
+  `composer_jax.quant.formats.mx_quantize`.
+- `nvfp4_quant.nvfp4_quantize`: NVFP4 with a per-token second-level scale, FP4 packed two per
+  byte; twin `nvfp4_quantize_ref`, equal bit for bit to `quant.formats.nvfp4_quantize(...,
+  second="token")`.
+
+- `grouped_matmul.grouped_matmul_mxfp8` / `grouped_matmul_nvfp4`: grouped matmuls over expert
+  groups whose sizes are known only at run time, MXFP8 or NVFP4 (per-token second scale) operands
+  with the scales applied in the kernel (Triton, Hopper-class); twins `*_ref`.
+
+Not yet here: a Blackwell (tcgen05 block-scaled MMA) path, and
+wiring these kernels in as `quant/`'s "pallas" backend; until
+then the model's quantised MoE matmuls run through the XLA reference (`quant/grouped_matmul.py`).
 """

@@ -86,6 +86,10 @@ class ModelConfig:
     # FLOPs on XLA:CPU); "dense" computes every expert for every token (reference, tiny models only)
     moe_impl: Literal["auto", "tiled", "ragged", "dense"] = "auto"
     moe_tile_size: int = 128
+    # expert matmul precision (quant/grouped_matmul.py): "bf16" = no quantisation (the compute
+    # dtype); "mxfp8" = MXFP8 E4M3 forward and backward; "nvfp4_fwd_mxfp8_bwd" = Composer 2's NVFP4
+    # forward with a per-token second-level scale and MXFP8 backward. Not with moe_impl=dense.
+    moe_precision: Literal["bf16", "mxfp8", "nvfp4_fwd_mxfp8_bwd"] = "bf16"
     # attention: "blockwise" = flash-style blocks with an online softmax and its own VJP (no
     # [q, k] score matrix; causal block skipping in the contiguous layout); "dense" = the whole
     # masked score matrix (reference). Query block size and the key chunk of the online softmax:
@@ -174,6 +178,11 @@ def validate_model(m: ModelConfig) -> None:
                 )
     need(m.num_mtp_layers >= 0, f"model.num_mtp_layers={m.num_mtp_layers} must be >= 0")
     need(m.moe_tile_size >= 1, f"model.moe_tile_size={m.moe_tile_size} must be >= 1")
+    need(
+        m.moe_precision == "bf16" or m.moe_impl != "dense",
+        f"model.moe_precision={m.moe_precision!r} needs moe_impl auto, tiled or ragged "
+        "(moe_impl=dense is the unquantised reference)",
+    )
     need(m.attn_block_q >= 1, f"model.attn_block_q={m.attn_block_q} must be >= 1")
     need(m.attn_block_k >= 1, f"model.attn_block_k={m.attn_block_k} must be >= 1")
     rs = m.rope_scaling

@@ -17,10 +17,14 @@ their expert's weights with a grouped matmul:
 Expert parallelism: inside `jax.shard_map`, assignments are exchanged with `all_to_all` over the
 expert mesh axis into fixed [ep, T*K] buffers (worst case, so nothing is ever dropped), computed by
 the local experts, and returned by the inverse all_to_all.
+Precision (`model.moe_precision`): "bf16" multiplies in the compute dtype (the code below exactly as
+without quantisation); "mxfp8" and "nvfp4_fwd_mxfp8_bwd" run the tiled and ragged grouped matmuls
+(and so expert parallelism, which calls them) through `quant.grouped_matmul`.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -30,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from composer_jax.config import ModelConfig
 from composer_jax.model.params import moe_specs, router_biases, with_router_biases
+from composer_jax.quant.grouped_matmul import ragged_matmul, recipe, tile_matmul
 from composer_jax.sharding import MeshRules, vary_like
 
 
@@ -115,13 +120,18 @@ def _tile_layout(sizes: jax.Array, m: int, num_tiles: int):
     return padded_ends - padded, tile_group
 
 
-def _tiles_swiglu(xp: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+def _tiles_swiglu(xp: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, precision: str = "bf16") -> jax.Array:
     """xp: [tiles, m, embed]; per-tile weights [tiles, embed, f] / [tiles, f, embed] -> [tiles, m, embed]."""
+    if precision != "bf16":
+        mm = functools.partial(tile_matmul, r=recipe(precision))
+        return mm(jax.nn.silu(mm(xp, gate)) * mm(xp, up), down)
     h = jax.nn.silu(jnp.einsum("tmd,tdf->tmf", xp, gate)) * jnp.einsum("tmd,tdf->tmf", xp, up)
     return jnp.einsum("tmf,tfd->tmd", h, down)
 
 
-def _grouped_tiled(x: jax.Array, sizes: jax.Array, ws: tuple[jax.Array, ...], tile: int) -> jax.Array:
+def _grouped_tiled(
+    x: jax.Array, sizes: jax.Array, ws: tuple[jax.Array, ...], tile: int, precision: str = "bf16"
+) -> jax.Array:
     n, d = x.shape
     g = ws[0].shape[0]
     m = _tile_size(n, g, tile)
@@ -136,7 +146,7 @@ def _grouped_tiled(x: jax.Array, sizes: jax.Array, ws: tuple[jax.Array, ...], ti
     dest = jnp.where(valid, padded_starts[rg] + row - starts[rg], num_tiles * m)
     xp = jnp.zeros((num_tiles * m, d), x.dtype).at[dest].set(x, mode="drop")
     gate, up, down = (w[tile_group].astype(x.dtype) for w in ws)
-    y = _tiles_swiglu(xp.reshape(num_tiles, m, d), gate, up, down).reshape(num_tiles * m, d)
+    y = _tiles_swiglu(xp.reshape(num_tiles, m, d), gate, up, down, precision).reshape(num_tiles * m, d)
     return jnp.where(valid[:, None], y.at[dest].get(mode="fill", fill_value=0), 0).astype(x.dtype)
 
 
@@ -197,7 +207,13 @@ _expert_weights_per_tile.defvjp(_ewpt_fwd, _ewpt_bwd)
 
 
 def tiled_dispatch_swiglu(
-    xt: jax.Array, experts: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, tile: int
+    xt: jax.Array,
+    experts: jax.Array,
+    gate: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    tile: int,
+    precision: str = "bf16",
 ) -> jax.Array:
     """Routed SwiGLU of every (token, expert) assignment, straight from the tokens.
 
@@ -225,15 +241,20 @@ def tiled_dispatch_swiglu(
     row_assign = jnp.full((rows,), a, jnp.int32).at[dest].set(jnp.arange(a, dtype=jnp.int32))  # a = padding
     xp = _copy_rows(vary_like(xt, row_assign), row_assign // k, dest.reshape(n, k))  # padding rows read token n: zeros
     per_tile = lambda w: _expert_weights_per_tile(vary_like(w, tile_group), tile_group).astype(xt.dtype)
-    y = _tiles_swiglu(xp.reshape(num_tiles, m, d), per_tile(gate), per_tile(up), per_tile(down)).reshape(rows, d)
+    y = _tiles_swiglu(xp.reshape(num_tiles, m, d), per_tile(gate), per_tile(up), per_tile(down), precision)
+    y = y.reshape(rows, d)
     return _copy_rows(vary_like(y, dest), dest, row_assign[:, None]).reshape(n, k, d)
 
 
-def _grouped_ragged(x: jax.Array, sizes: jax.Array, ws: tuple[jax.Array, ...]) -> jax.Array:
+def _grouped_ragged(x: jax.Array, sizes: jax.Array, ws: tuple[jax.Array, ...], precision: str = "bf16") -> jax.Array:
     gate, up, down = (w.astype(x.dtype) for w in ws)
     sizes = sizes.astype(jnp.int32)
-    h = jax.nn.silu(jax.lax.ragged_dot(x, gate, sizes)) * jax.lax.ragged_dot(x, up, sizes)
-    y = jax.lax.ragged_dot(h, down, sizes)
+    if precision == "bf16":
+        mm = functools.partial(jax.lax.ragged_dot, group_sizes=sizes)
+    else:
+        mm = functools.partial(ragged_matmul, sizes=sizes, r=recipe(precision))
+    h = jax.nn.silu(mm(x, gate)) * mm(x, up)
+    y = mm(h, down)
     valid = jnp.arange(x.shape[0]) < sizes.sum()
     return jnp.where(valid[:, None], y, 0)
 
@@ -249,18 +270,28 @@ def _grouped_dense(x: jax.Array, sizes: jax.Array, ws: tuple[jax.Array, ...]) ->
 
 
 def grouped_swiglu(
-    x: jax.Array, sizes: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, impl: str, tile: int = 128
+    x: jax.Array,
+    sizes: jax.Array,
+    gate: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    impl: str,
+    tile: int = 128,
+    precision: str = "bf16",
 ) -> jax.Array:
     """x: [rows, embed] sorted by group; sizes: int[groups] (sum <= rows; rows past the sum give 0);
-    gate/up: [groups, embed, f]; down: [groups, f, embed] -> [rows, embed]."""
+    gate/up: [groups, embed, f]; down: [groups, f, embed] -> [rows, embed]. `precision`: a
+    `quant.grouped_matmul` recipe name ("bf16" = no quantisation; "dense" accepts only that)."""
     if impl == "auto":
         impl = "ragged" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "tiled"
     ws = (gate, up, down)
     if impl == "tiled":
-        return _grouped_tiled(x, sizes, ws, tile)
+        return _grouped_tiled(x, sizes, ws, tile, precision)
     if impl == "ragged":
-        return _grouped_ragged(x, sizes, ws)
+        return _grouped_ragged(x, sizes, ws, precision)
     if impl == "dense":
+        if precision != "bf16":
+            raise ValueError(f"moe_impl='dense' (the reference) runs only moe_precision='bf16', got {precision!r}")
         return _grouped_dense(x, sizes, ws)
     raise ValueError(f"moe_impl={impl!r} is not accepted; accepted: auto, tiled, ragged, dense")
 
@@ -308,7 +339,7 @@ def _sorted_dispatch(
     xs = xt[flat_tok[order]]
     if ep == 1:
         sizes = jnp.zeros((e,), jnp.int32).at[flat_e].add(1)
-        ys = grouped_swiglu(xs, sizes, *ws, impl=cfg.moe_impl, tile=cfg.moe_tile_size)
+        ys = grouped_swiglu(xs, sizes, *ws, impl=cfg.moe_impl, tile=cfg.moe_tile_size, precision=cfg.moe_precision)
     else:
         e_local = e // ep
         shard = sorted_e // e_local
@@ -320,7 +351,9 @@ def _sorted_dispatch(
         recv_e = jax.lax.all_to_all(send_e, ep_axis, 0, 0).reshape(ep * a)
         r_order = jnp.argsort(recv_e, stable=True)  # the invalid marker e_local sorts last
         r_sizes = jnp.zeros((e_local + 1,), jnp.int32).at[recv_e].add(1)[:e_local]
-        r_y = grouped_swiglu(recv_x[r_order], r_sizes, *ws, impl=cfg.moe_impl, tile=cfg.moe_tile_size)
+        r_y = grouped_swiglu(
+            recv_x[r_order], r_sizes, *ws, impl=cfg.moe_impl, tile=cfg.moe_tile_size, precision=cfg.moe_precision
+        )
         back = jnp.zeros_like(r_y).at[r_order].set(r_y).reshape(ep, a, d)
         ret = jax.lax.all_to_all(back, ep_axis, 0, 0)
         ys = ret[shard, rank]
@@ -350,7 +383,7 @@ def _local_moe(
     if impl == "auto":
         impl = "ragged" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "tiled"
     if ep == 1 and impl == "tiled":
-        y_assign = tiled_dispatch_swiglu(xt, r.experts, *ws, tile=cfg.moe_tile_size)
+        y_assign = tiled_dispatch_swiglu(xt, r.experts, *ws, tile=cfg.moe_tile_size, precision=cfg.moe_precision)
     else:
         y_assign = _sorted_dispatch(xt, r.experts, ws, cfg, ep, ep_axis)
     y = jnp.einsum("tkd,tk->td", y_assign, r.weights.astype(y_assign.dtype))

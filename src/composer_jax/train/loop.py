@@ -39,6 +39,7 @@ STAGE_CHANGEABLE = (
     "model.max_position_embeddings",
     "model.remat",
     "model.moe_impl",
+    "model.moe_precision",
     "model.compute_dtype",
     "model.moe_tile_size",
     "model.router_bias_update_rate",
