@@ -37,7 +37,14 @@ except ImportError:  # pragma: no cover - orjson is in requirements-env.lock
     _HAVE_ORJSON = False
 
 from composer_jax.env import protocol
-from composer_jax.env.errors import CapacityError, SessionNotFound, TaskError, TaskNotRunnable, UnknownTaskError
+from composer_jax.env.errors import (
+    CapacityError,
+    SessionBusy,
+    SessionNotFound,
+    TaskError,
+    TaskNotRunnable,
+    UnknownTaskError,
+)
 from composer_jax.env.openenv_ws import serve_openenv_websocket
 from composer_jax.env.session import SessionManager
 from composer_jax.env.tasks import MAX_SEED
@@ -125,6 +132,7 @@ class GradeResponse(BaseModel):
     output_tail: str
     duration_s: float
     reward_details: dict[str, Any]
+    interpreter: dict[str, Any] = Field(default_factory=dict, description="the sandbox's python3: {python, version}")
 
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -141,6 +149,7 @@ _ERROR_STATUS: dict[type[Exception], tuple[int, str, dict[str, str] | None]] = {
     TaskNotRunnable: (409, "task_not_runnable", None),
     CapacityError: (429, "at_capacity", {"Retry-After": "1"}),
     SessionNotFound: (404, "session_not_found", None),
+    SessionBusy: (409, "session_busy", None),
     protocol.UnknownToolError: (400, "unknown_tool", None),
     protocol.ToolArgumentError: (400, "invalid_arguments", None),
 }
