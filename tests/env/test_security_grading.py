@@ -68,7 +68,7 @@ def canary(tmp_path):
     return d, secret
 
 
-def test_grade_during_symlink_swap_never_reads_host_files(server, canary):
+def test_grade_during_symlink_swap_never_reads_host_files(server, canary) -> None:
     """Grades run while run_shell keeps swapping a directory for a symlink to a root-only host
     directory for 10 s: no byte of the canary appears in any response (issue 10, defect 1)."""
     target, secret = canary
@@ -150,7 +150,7 @@ def test_tool_calls_and_grades_are_serialised(server):
         http.delete(f"/sessions/{sid}")
 
 
-def test_fifo_swap_during_grade_does_not_hang_server(tmp_path):
+def test_fifo_swap_during_grade_does_not_hang_server(tmp_path) -> None:
     """The swapped-in host directory holds FIFOs with the names of the agent's regular files:
     grading must not block on one, and /health must keep answering (defect 2)."""
     fifos = tmp_path / "fifos"
@@ -359,7 +359,12 @@ def test_venv_under_tmp_is_visible_in_sandbox(tmp_path):
     site = next((venv / "lib").glob("python3*/site-packages"))
     parent_site = next(p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir())
     (site / "parent.pth").write_text(parent_site + "\n")  # the server's packages (fastapi...)
-    server = LiveServer(python=str(venv / "bin" / "python"))
+    tasks = tmp_path / "tasks"
+    shutil.copytree(FIXTURE_TASKS / "fix-add", tasks / "fix-add")
+    shutil.copytree(FIXTURE_TASKS / "fix-add", tasks / "needs-module")
+    toml = tasks / "needs-module" / "task.toml"
+    toml.write_text(toml.read_text().replace('python_modules = ["pytest"]', 'python_modules = ["no_such_module_cj"]'))
+    server = LiveServer(tasks=tasks, python=str(venv / "bin" / "python"))
     try:
         http = server.client()
         sid = http.post("/sessions", json={"task_id": "fix-add"}).json()["session_id"]
@@ -369,6 +374,11 @@ def test_venv_under_tmp_is_visible_in_sandbox(tmp_path):
         assert path.split(":")[0] == str(venv / "bin")
         grade = http.post(f"/sessions/{sid}/grade").json()
         assert grade["interpreter"]["python"].startswith(str(venv)), grade["interpreter"]
+        # A task whose declared test dependency the sandbox's python3 lacks: said, tests not run.
+        sid = http.post("/sessions", json={"task_id": "needs-module"}).json()["session_id"]
+        grade = http.post(f"/sessions/{sid}/grade").json()
+        assert grade["reward"] == 0 and "cannot import no_such_module_cj" in grade["error"], grade
+        assert str(venv) in grade["error"] and grade["output_tail"] == ""
     finally:
         server.stop()
 

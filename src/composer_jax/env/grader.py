@@ -186,13 +186,13 @@ async def prepare_job(
         argv = [
             "python3",
             "-I",
-            "-S",
             "-c",
             _SNAPSHOT_SOURCE,
             lease.path_in_sandbox(mounts[0]),
             lease.path_in_sandbox(mounts[1]),
             orig,
             str(MAX_DIFF_BYTES if diff else 0),
+            *(task.config.test_modules if diff else ()),
         ]
         snap_limits = limits.with_(
             wall_seconds=SNAPSHOT_TIMEOUT_S,
@@ -207,6 +207,12 @@ async def prepare_job(
             job.error = f"copying the workspace took over {SNAPSHOT_TIMEOUT_S:g}s; the tests did not run"
         elif result.exit_code != 0 or not facts:
             job.error = f"copying the workspace failed (exit {result.exit_code}): {result.stderr[-500:].strip()}"
+        elif facts.get("missing"):
+            job.error = (
+                f"the sandbox's python3 ({facts.get('python')} {facts.get('version')}) cannot import "
+                f"{', '.join(facts['missing'])}, which task.toml [verifier] python_modules declares; "
+                "the tests did not run (install them in the server's Python environment)"
+            )
         return job
     except BaseException:
         await asyncio.to_thread(release_job, job.app)

@@ -2,24 +2,26 @@
 
 Grading must never walk agent-controlled paths as root in the server: a symlink swapped in during
 the walk would make root read host files, and a FIFO would block the reading thread. So the
-server runs this file (standard library only, passed to `python3 -I -S -c`) in the session's
+server runs this file (standard library only, passed to `python3 -I -c`) in the session's
 sandbox, where the only host files visible are the read-only system directories and the mounts,
 and it runs with the session's unprivileged uid, rlimits and a wall-clock budget. Even so it walks
 by file descriptors (`openat` relative to the parent directory's descriptor with
 `O_NOFOLLOW | O_NONBLOCK`, regular files only, checked with `fstat` after open), so the copy is a
 consistent picture of what the agent could see, never of what a symlink pointed to.
 
-    python3 -I -S -c SOURCE SRC DEST ORIG MAX_DIFF_BYTES
+    python3 -I -c SOURCE SRC DEST ORIG MAX_DIFF_BYTES [MODULE ...]
 
 copies SRC into the existing directory DEST (symlinks as symlinks, special files skipped), then
 writes the unified diff from ORIG (the task's initial workspace; "" for none) to DEST on stdout,
 streamed file by file and capped at MAX_DIFF_BYTES, and one JSON line of facts on stderr:
-`{"python", "version", "copied", "skipped", "entries_truncated"}`.
+`{"python", "version", "copied", "skipped", "entries_truncated", "missing"}` (`missing`: the
+MODULEs, the task's declared test dependencies, that this python3 cannot import).
 """
 
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import json
 import os
 import stat
@@ -183,14 +185,23 @@ def diff(orig_fd: int | None, new_fd: int, max_bytes: int, write) -> None:
 
 
 def main(argv: list[str]) -> int:
-    src, dest, orig, max_bytes = argv[0], argv[1], argv[2], int(argv[3])
+    src, dest, orig, max_bytes, modules = argv[0], argv[1], argv[2], int(argv[3]), argv[4:]
     sfd, dfd = os.open(src, _DIR), os.open(dest, _DIR)
     copy_dir(sfd, dfd)
-    ofd = os.open(orig, _DIR) if orig else None
-    out = open(sys.stdout.fileno(), "w", encoding="utf-8", errors="replace", closefd=False)
-    diff(ofd, dfd, max_bytes, out.write)
-    out.flush()
-    facts = {"python": sys.executable, "version": sys.version.split()[0], **counts}
+    if max_bytes > 0:
+        ofd = os.open(orig, _DIR) if orig else None
+        out = open(sys.stdout.fileno(), "w", encoding="utf-8", errors="replace", closefd=False)
+        diff(ofd, dfd, max_bytes, out.write)
+        out.flush()
+    missing = []
+    for module in modules:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(module)
+    facts = {"python": sys.executable, "version": sys.version.split()[0], "missing": missing, **counts}
     sys.stderr.write(json.dumps(facts) + "\n")
     return 0
 
