@@ -314,6 +314,8 @@ def test_grade_interrupted_by_close_or_kill_leaves_no_mount(tmp_path):
         server = LiveServer("--work-dir", str(work))
         assert mounts_below(work / "sessions") == []
         assert list((work / "sessions").iterdir()) == []
+        with pytest.raises(RuntimeError, match="in use by another env-server"):
+            LiveServer("--work-dir", str(work))  # a live server's work dir is never swept
 
         # 3. Shut down (SIGTERM) mid-grade.
         http = server.client()

@@ -104,12 +104,19 @@ def remove_tree(path: Path) -> None:
         return
     shutil.rmtree(path, ignore_errors=True)
     if os.path.lexists(path):  # e.g. a read-only directory left by the sandboxed user
-        for root, dirs, _ in os.walk(path):
+        # By descriptors (fwalk, O_NOFOLLOW): a symlink planted in the tree is never followed.
+        for _, dirs, _, dir_fd in os.fwalk(path, follow_symlinks=False):
             for d in dirs:
                 try:
-                    os.chmod(os.path.join(root, d), 0o755, follow_symlinks=False)
+                    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+                except OSError:
+                    continue
+                try:
+                    os.fchmod(fd, 0o755)
                 except OSError:
                     pass
+                finally:
+                    os.close(fd)
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -169,8 +176,9 @@ def sweep_dead(parent: Path, prefix: str) -> list[str]:
 def copy_tree(src: Path, dest: Path, uid: int | None = None, gid: int | None = None) -> None:
     """Copy the contents of `src` into the existing directory `dest`, owned by uid/gid.
 
-    Symlinks are copied as symlinks (never followed), special files are skipped: a workspace may
-    contain whatever the agent made, and copying must not read outside it.
+    Symlinks are copied as symlinks (never followed), special files are skipped. Walks by name as
+    the server's user: only for trusted sources (a task's `environment/app/` when a session is
+    created). An agent's workspace is copied inside its sandbox, as its uid (`grader.prepare_job`).
     """
     owner = (uid, gid if gid is not None else uid) if os.geteuid() == 0 and uid is not None else None
     for root, dirs, files in os.walk(src, followlinks=False):
