@@ -362,10 +362,12 @@ class BubblewrapLease(SandboxLease):
 
     async def kill_processes(self) -> None:
         await super().kill_processes()
-        if self.sandbox.privileged:
-            await asyncio.to_thread(_kill_uid, self.uid)
+        # Every process of the session is in its cgroup (nothing inside can leave it: no /sys);
+        # without one, scan /proc for the session's uid.
         if self.cgroup is not None:
             await asyncio.to_thread(self.cgroup.kill)
+        elif self.sandbox.privileged:
+            await asyncio.to_thread(_kill_uid, self.uid)
 
     async def close(self) -> None:
         await super().close()
