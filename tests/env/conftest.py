@@ -30,9 +30,9 @@ def env_with_src() -> dict:
 
 
 class LiveServer:
-    def __init__(self, *extra: str, tasks: Path = FIXTURE_TASKS):
+    def __init__(self, *extra: str, tasks: Path = FIXTURE_TASKS, python: str = sys.executable):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "composer_jax.cli", "env-server", "--tasks", str(tasks), "--port", "0", *extra],
+            [python, "-m", "composer_jax.cli", "env-server", "--tasks", str(tasks), "--port", "0", *extra],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

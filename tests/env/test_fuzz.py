@@ -15,7 +15,7 @@ pytestmark = requires_bwrap
 def _fuzz(max_examples: int) -> None:
     server = LiveServer("--max-sessions", "8")
     try:
-        schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
+        schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json", headers=server.headers)
         failures = []
         http = server.client()
         live = [http.post("/sessions", json={"task_id": "fix-add"}).json()["session_id"]]

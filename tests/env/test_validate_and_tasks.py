@@ -68,6 +68,8 @@ def test_cli_argument_errors(tmp_path):
         ({"environment": {"allow_internet": "yes"}}, "allow_internet = 'yes' must be true or false"),
         ({"metadata": {"tags": "python"}}, "tags = 'python' must be a list of strings"),
         ({"agent": []}, "[agent] must be a table"),
+        ({"verifier": {"python_modules": "pytest"}}, "python_modules = 'pytest' must be a list of importable"),
+        ({"verifier": {"python_modules": ["a b"]}}, "python_modules = ['a b'] must be a list of importable"),
     ],
 )
 def test_task_config_errors_name_the_field(toml, fragment):

@@ -40,7 +40,8 @@ class SessionCgroup:
                 pass
         return sorted(found)
 
-    def kill_and_remove(self) -> None:
+    def kill(self) -> None:
+        """SIGKILL every process in the group, until it is empty (at most ~1 s)."""
         for _ in range(50):
             pids = self.pids()
             if not pids:
@@ -51,6 +52,9 @@ class SessionCgroup:
                 except ProcessLookupError:
                     pass
             time.sleep(0.02)
+
+    def kill_and_remove(self) -> None:
+        self.kill()
         for d in self.dirs:
             try:
                 d.rmdir()

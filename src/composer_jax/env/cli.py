@@ -101,14 +101,18 @@ def env_server_main(argv: list[str]) -> int:
         return 2
     for name, err in store.errors.items():
         print(f"warning: skipping task directory {name}: {err}", file=sys.stderr)
-    manager = SessionManager(
-        store,
-        sandbox,
-        work_dir=work_dir,
-        max_sessions=args.max_sessions,
-        default_ttl_s=args.session_ttl,
-        limits=Limits(wall_seconds=args.shell_timeout),
-    )
+    try:
+        manager = SessionManager(
+            store,
+            sandbox,
+            work_dir=work_dir,
+            max_sessions=args.max_sessions,
+            default_ttl_s=args.session_ttl,
+            limits=Limits(wall_seconds=args.shell_timeout),
+        )
+    except (RuntimeError, OSError) as exc:  # e.g. --work-dir held by another live server
+        print(f"composer-jax env-server: {exc}", file=sys.stderr)
+        return 2
     app = create_app(manager, token, max_body_bytes=args.max_body_bytes)
     try:
         family = socket.AF_INET6 if ipaddress.ip_address(args.host).version == 6 else socket.AF_INET

@@ -25,6 +25,10 @@ class CapacityError(RuntimeError):
     """The server holds `max_sessions` sessions already (HTTP 429; retry later or elsewhere)."""
 
 
+class SessionBusy(RuntimeError):
+    """The session is being graded: tool calls (and a second grade) wait for it (HTTP 409)."""
+
+
 class SessionNotFound(KeyError):
     """No open session with this id (never existed, closed, or expired)."""
 

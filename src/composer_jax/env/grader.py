@@ -6,27 +6,33 @@ a fresh empty directory at /logs/verifier (read-write). `bash /tests/test.sh` ru
 The reward is read from /logs/verifier/reward.txt (a number) or reward.json ({"reward": x, ...});
 per-test results come from /logs/verifier/junit.xml when the tests wrote one. The agent's
 workspace itself is never touched by grading, so a session can be graded many times.
+
+Nothing here walks agent-controlled paths as root: the copy and the diff run inside the session's
+sandbox as its uid (`snapshot.py`, by descriptors, with a time and output budget), and the reward
+files are read by descriptor (`O_NOFOLLOW | O_NONBLOCK`, regular files only) off the event loop.
+The grade response says which `python3` the sandbox has (`interpreter`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-import difflib
 import json
 import math
 import os
 import stat
-import tempfile
+import time
 import uuid
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from composer_jax.env import volumes
+from composer_jax.env import snapshot, volumes
 from composer_jax.env.sandbox import ExecResult, Limits, Mount, SandboxLease
 from composer_jax.env.tasks import Task
 
 MAX_DIFF_BYTES = 256 * 1024
-_DIFF_SKIP = {"__pycache__", ".pytest_cache", ".git"}
+SNAPSHOT_TIMEOUT_S = 120.0  # wall clock (and CPU seconds) for copying and diffing a workspace
+_SNAPSHOT_SOURCE = Path(snapshot.__file__).read_text()
 
 
 @dataclasses.dataclass
@@ -40,27 +46,48 @@ class GradeResult:
     output_tail: str  # the verifier's last stdout/stderr, for debugging tasks
     duration_s: float
     reward_details: dict = dataclasses.field(default_factory=dict)
+    interpreter: dict = dataclasses.field(default_factory=dict)  # {python, version}: the sandbox's python3
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
+def _read_regular(logs: Path, name: str, limit: int) -> bytes | None:
+    """Up to `limit` bytes of the regular file `logs/name`, opened by descriptor without following
+    symlinks or blocking on FIFOs; None when absent. ValueError when it is not a regular file."""
+    dfd = os.open(logs, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise ValueError(f"{name} is not a regular file") from exc
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ValueError(f"{name} is not a regular file")
+            return f.read(limit)
+    finally:
+        os.close(dfd)
+
+
 def read_reward(logs: Path) -> tuple[float | None, dict, str | None]:
     """(reward, extra fields, error) from reward.txt or reward.json in `logs`."""
-    txt, js = logs / "reward.txt", logs / "reward.json"
-    for f in (txt, js):
-        if f.is_symlink() or (f.exists() and not f.is_file()):
-            return None, {}, f"{f.name} is not a regular file"
-    if txt.is_file():
-        raw = txt.read_text(errors="replace")[:1000].strip()
+    try:
+        txt = _read_regular(logs, "reward.txt", 1000)
+        js = _read_regular(logs, "reward.json", 100_000) if txt is None else None
+    except ValueError as exc:
+        return None, {}, str(exc)
+    if txt is not None:
+        raw = txt.decode("utf-8", "replace").strip()
         try:
             reward = float(raw)
         except ValueError:
             return None, {}, f"reward.txt holds {raw[:80]!r}, not a number"
         return (reward, {}, None) if math.isfinite(reward) else (None, {}, f"reward.txt holds {raw!r}")
-    if js.is_file():
+    if js is not None:
         try:
-            data = json.loads(js.read_text(errors="replace")[:100_000])
+            data = json.loads(js.decode("utf-8", "replace"))
             reward = float(data["reward"])
         except (ValueError, KeyError, TypeError) as exc:
             return None, {}, f'reward.json must be an object with a numeric "reward": {exc}'
@@ -72,10 +99,14 @@ def read_reward(logs: Path) -> tuple[float | None, dict, str | None]:
 
 def parse_junit(path: Path) -> list[dict]:
     """Per-test outcomes from a JUnit XML file (pytest --junitxml); [] when absent or unreadable."""
-    if not path.is_file() or path.is_symlink() or path.stat().st_size > 8 * 2**20:
+    try:
+        data = _read_regular(path.parent, path.name, 8 * 2**20 + 1)
+    except (ValueError, OSError):
+        return []
+    if data is None or len(data) > 8 * 2**20:
         return []
     try:
-        root = ET.parse(path).getroot()
+        root = ET.fromstring(data)
     except ET.ParseError:
         return []
     tests = []
@@ -91,118 +122,165 @@ def parse_junit(path: Path) -> list[dict]:
     return tests
 
 
-def _text_files(root: Path) -> dict[str, bytes]:
-    files = {}
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        dirnames[:] = [d for d in dirnames if d not in _DIFF_SKIP]
-        for name in filenames:
-            p = os.path.join(dirpath, name)
-            st = os.lstat(p)
-            rel = os.path.relpath(p, root)
-            if stat.S_ISLNK(st.st_mode):
-                files[rel] = b"symlink -> " + os.readlink(p).encode() + b"\n"
-            elif stat.S_ISREG(st.st_mode):
-                files[rel] = open(p, "rb").read(2 * 2**20) if st.st_size <= 2 * 2**20 else b"\x00large"
-    return files
-
-
 def workspace_diff(before: Path | None, after: Path) -> str:
-    """Unified diff (a/ = task's initial workspace, b/ = `after`), capped at MAX_DIFF_BYTES."""
-    old = _text_files(before) if before is not None and before.is_dir() else {}
-    new = _text_files(after)
+    """Unified diff (a/ = `before`, b/ = `after`), capped at MAX_DIFF_BYTES, walked by descriptors.
+
+    Only for trusted trees in the server process; grading diffs inside the sandbox (`snapshot`)."""
     out: list[str] = []
-    size = 0
-    for rel in sorted(set(old) | set(new)):
-        a, b = old.get(rel), new.get(rel)
-        if a == b:
-            continue
-        if (a and b"\x00" in a[:8192]) or (b and b"\x00" in b[:8192]):
-            chunk = [f"Binary files a/{rel} and b/{rel} differ\n"]
-        else:
-            chunk = list(
-                difflib.unified_diff(
-                    (a or b"").decode("utf-8", "replace").splitlines(keepends=True),
-                    (b or b"").decode("utf-8", "replace").splitlines(keepends=True),
-                    "/dev/null" if a is None else f"a/{rel}",
-                    "/dev/null" if b is None else f"b/{rel}",
-                )
-            )
-        for line in chunk:
-            line = line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
-            size += len(line)
-            if size > MAX_DIFF_BYTES:
-                out.append("... diff truncated ...\n")
-                return "".join(out)
-            out.append(line)
+    ofd = os.open(before, os.O_RDONLY | os.O_DIRECTORY) if before is not None and before.is_dir() else None
+    nfd = os.open(after, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        snapshot.diff(ofd, nfd, MAX_DIFF_BYTES, out.append)
+    finally:
+        os.close(nfd)
+        if ofd is not None:
+            os.close(ofd)
     return "".join(out)
 
 
-async def run_in_copy(
-    task: Task,
-    lease: SandboxLease,
-    source: Path,
-    scratch_root: Path,
-    *,
-    command: list[str],
-    extra_mounts: list[Mount],
-    limits: Limits,
-    keep: bool = False,
-) -> tuple[Path, Path, ExecResult]:
-    """Copy `source` to a fresh volume, run `command` there with /logs/verifier; returns dirs+result."""
-    job = scratch_root / f"job-{uuid.uuid4().hex[:12]}"
-    job.mkdir(parents=True)
-    app, logs = job / "app", job / "logs"
-    volumes.create_volume(app, task.config.storage_mb, lease.uid, lease.gid)
-    volumes.create_volume(logs, 64, lease.uid, lease.gid)
-    volumes.copy_tree(source, app, lease.uid, lease.gid)
-    mounts = [Mount(app, "/app", True), Mount(logs, "/logs/verifier", True)] + extra_mounts
-    result = await lease.run(command, mounts=mounts, cwd="/app", limits=limits)
-    return app, logs, result
+@dataclasses.dataclass
+class Job:
+    """A grading or oracle copy: `dir` holds the `app` and `logs` volumes; free it with `release_job`."""
+
+    dir: Path
+    diff: str = ""
+    error: str | None = None
+    interpreter: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def app(self) -> Path:
+        return self.dir / "app"
+
+    @property
+    def logs(self) -> Path:
+        return self.dir / "logs"
+
+
+def _new_job(task: Task, lease: SandboxLease, scratch_root: Path) -> Job:
+    job = Job(scratch_root / f"job-{uuid.uuid4().hex[:12]}")
+    job.dir.mkdir(parents=True, mode=0o700)
+    try:
+        volumes.create_volume(job.app, task.config.storage_mb, lease.uid, lease.gid)
+        volumes.create_volume(job.logs, 64, lease.uid, lease.gid)
+    except BaseException:
+        volumes.remove_tree(job.dir)
+        raise
+    return job
+
+
+async def prepare_job(
+    task: Task, lease: SandboxLease, source: Path, scratch_root: Path, limits: Limits, *, diff: bool
+) -> Job:
+    """A fresh job whose app volume holds a copy of `source`, made inside the sandbox as the
+    session's uid (`snapshot`); with `diff`, also the diff from the task's initial workspace.
+
+    A copy that fails or runs out of its budget sets `job.error` (the job is still returned);
+    the caller always frees the job with `release_job`, which this does itself on an exception."""
+    job = await asyncio.to_thread(_new_job, task, lease, scratch_root)
+    try:
+        mounts = [Mount(source, "/src", False), Mount(job.app, "/app", True)]
+        orig = ""
+        if diff and task.app_dir.is_dir():
+            mounts.append(Mount(task.app_dir, "/orig", False))
+            orig = lease.path_in_sandbox(mounts[-1])
+        argv = [
+            "python3",
+            "-I",
+            "-c",
+            _SNAPSHOT_SOURCE,
+            lease.path_in_sandbox(mounts[0]),
+            lease.path_in_sandbox(mounts[1]),
+            orig,
+            str(MAX_DIFF_BYTES if diff else 0),
+            *(task.config.test_modules if diff else ()),
+        ]
+        snap_limits = limits.with_(
+            wall_seconds=SNAPSHOT_TIMEOUT_S,
+            cpu_seconds=int(SNAPSHOT_TIMEOUT_S),
+            output_bytes=MAX_DIFF_BYTES + 65536,
+        )
+        result = await lease.run(argv, mounts=mounts, cwd="/app", limits=snap_limits)
+        job.diff = result.stdout
+        facts = _last_json_line(result.stderr)
+        job.interpreter = {k: facts[k] for k in ("python", "version") if k in facts}
+        if result.timed_out:
+            job.error = f"copying the workspace took over {SNAPSHOT_TIMEOUT_S:g}s; the tests did not run"
+        elif result.exit_code != 0 or not facts:
+            job.error = f"copying the workspace failed (exit {result.exit_code}): {result.stderr[-500:].strip()}"
+        elif facts.get("missing"):
+            job.error = (
+                f"the sandbox's python3 ({facts.get('python')} {facts.get('version')}) cannot import "
+                f"{', '.join(facts['missing'])}, which task.toml [verifier] python_modules declares; "
+                "the tests did not run (install them in the server's Python environment)"
+            )
+        return job
+    except BaseException:
+        await asyncio.to_thread(release_job, job.app)
+        raise
+
+
+def _last_json_line(text: str) -> dict:
+    for line in reversed(text.strip().splitlines()):
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        return value if isinstance(value, dict) else {}
+    return {}
 
 
 def release_job(app: Path) -> None:
-    job = app.parent
-    volumes.remove_volume(job / "app")
-    volumes.remove_volume(job / "logs")
-    volumes.remove_volume(job)
+    """Unmount and delete a job (given its app directory); safe to call twice."""
+    volumes.remove_tree(app.parent)
 
 
 async def grade(task: Task, lease: SandboxLease, workspace: Path, scratch_root: Path, limits: Limits) -> GradeResult:
-    """Run the task's verifier on a fresh copy of `workspace` (see module docstring)."""
+    """Run the task's verifier on a fresh copy of `workspace` (see module docstring).
+
+    The copy and the diff run inside the sandbox as the session's uid; reward files are read by
+    descriptor off the event loop; the job's volumes are released on every path."""
+    start = time.monotonic()
     verifier_limits = limits.with_(
         wall_seconds=task.config.verifier_timeout_sec,
         cpu_seconds=max(limits.cpu_seconds, int(task.config.verifier_timeout_sec) + 1),
     )
-    app, logs, result = await run_in_copy(
-        task,
-        lease,
-        workspace,
-        scratch_root,
-        command=["bash", "/tests/test.sh"],
-        extra_mounts=[Mount(task.tests_dir, "/tests", False)],
-        limits=verifier_limits,
-    )
+    job = await prepare_job(task, lease, workspace, scratch_root, limits, diff=True)
     try:
-        reward, details, error = read_reward(logs)
+        if job.error is not None:
+            return GradeResult(
+                reward=0.0,
+                tests=[],
+                diff=job.diff,
+                error=job.error,
+                exit_code=None,
+                timed_out=False,
+                output_tail="",
+                duration_s=round(time.monotonic() - start, 4),
+                interpreter=job.interpreter,
+            )
+        mounts = [Mount(job.app, "/app", True), Mount(job.logs, "/logs/verifier", True)]
+        mounts.append(Mount(task.tests_dir, "/tests", False))
+        result = await lease.run(["bash", "/tests/test.sh"], mounts=mounts, cwd="/app", limits=verifier_limits)
+        reward, details, error = await asyncio.to_thread(read_reward, job.logs)
         if result.timed_out:
             error = f"verifier timed out after {task.config.verifier_timeout_sec}s" + (
                 f"; {error}" if error and reward is None else ""
             )
-        tests = parse_junit(logs / "junit.xml")
-        diff = workspace_diff(task.app_dir, workspace)
+        tests = await asyncio.to_thread(parse_junit, job.logs / "junit.xml")
     finally:
-        release_job(app)
+        await asyncio.to_thread(release_job, job.app)
     tail = result.stdout[-4000:] + ("\n--- stderr ---\n" + result.stderr[-4000:] if result.stderr else "")
     return GradeResult(
         reward=reward if reward is not None else 0.0,
         tests=tests,
-        diff=diff,
+        diff=job.diff,
         error=error if reward is None or result.timed_out else None,
         exit_code=result.exit_code,
         timed_out=result.timed_out,
         output_tail=tail,
         duration_s=result.duration_s,
         reward_details=details,
+        interpreter=job.interpreter,
     )
 
 
@@ -212,16 +290,22 @@ async def oracle_workspace(
     """Run solution/solve.sh on a fresh copy of the initial workspace; returns (solved dir, result).
 
     The caller grades the returned directory and then frees it with `release_job`."""
-    source = task.app_dir if task.app_dir.is_dir() else Path(tempfile.mkdtemp())
-    solve_limits = limits.with_(wall_seconds=task.config.agent_timeout_sec)
-    app, logs, result = await run_in_copy(
-        task,
-        lease,
-        source,
-        scratch_root,
-        command=["bash", "/solution/solve.sh"],
-        extra_mounts=[Mount(task.solution_dir, "/solution", False)],
-        limits=solve_limits,
-    )
-    volumes.remove_volume(logs)
-    return app, result
+    empty = scratch_root / f"empty-{uuid.uuid4().hex[:12]}"
+    source = task.app_dir if task.app_dir.is_dir() else empty
+    empty.mkdir(parents=True, mode=0o755, exist_ok=True)
+    try:
+        job = await prepare_job(task, lease, source, scratch_root, limits, diff=False)
+    finally:
+        empty.rmdir()
+    try:
+        if job.error is not None:
+            raise RuntimeError(f"task {task.task_id!r}: {job.error}")
+        solve_limits = limits.with_(wall_seconds=task.config.agent_timeout_sec)
+        mounts = [Mount(job.app, "/app", True), Mount(job.logs, "/logs/verifier", True)]
+        mounts.append(Mount(task.solution_dir, "/solution", False))
+        result = await lease.run(["bash", "/solution/solve.sh"], mounts=mounts, cwd="/app", limits=solve_limits)
+        await asyncio.to_thread(volumes.remove_tree, job.logs)
+    except BaseException:
+        await asyncio.to_thread(release_job, job.app)
+        raise
+    return job.app, result

@@ -31,7 +31,7 @@ from typing import Any
 from fastapi import WebSocket, WebSocketDisconnect
 
 from composer_jax.env import protocol
-from composer_jax.env.errors import CapacityError, SessionNotFound, TaskError, TaskNotRunnable
+from composer_jax.env.errors import CapacityError, SessionBusy, SessionNotFound, TaskError, TaskNotRunnable
 from composer_jax.env.session import SessionManager
 
 POLICY_VIOLATION = 1008
@@ -143,6 +143,9 @@ async def serve_openenv_websocket(
                     results = await manager.call_tools(session_id, calls)
                 except protocol.ToolArgumentError as exc:
                     await websocket.send_json(_error(str(exc), "VALIDATION_ERROR"))
+                    continue
+                except SessionBusy as exc:
+                    await websocket.send_json(_error(str(exc), "SESSION_ERROR"))
                     continue
                 except SessionNotFound as exc:
                     session_id = None

@@ -81,6 +81,9 @@ class ExecResult:
 # pytest plugins (hypothesis, schemathesis, ...) would add ~1.3 s of start-up to every test run.
 SANDBOX_ENV = {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
 
+# Placeholder in a lease's argv for the descriptor that carries its hidden arguments.
+ARGS_FD = "\0args-fd"
+
 # Reading stops (and the command is killed) after this many times the returned cap: `yes` must
 # not keep a server thread busy for the whole wall-clock budget.
 _HARD_OUTPUT_FACTOR = 64
@@ -97,8 +100,24 @@ class SandboxLease(abc.ABC):
     @abc.abstractmethod
     def _argv(
         self, command: list[str], mounts: list[Mount], cwd: str, limits: Limits, env: dict[str, str]
-    ) -> tuple[list[str], str | None]:
-        """The host argv that runs `command` in the sandbox, and the host cwd to start it in."""
+    ) -> tuple[list[str], str | None, list[str]]:
+        """The host argv that runs `command` in the sandbox, the host cwd to start it in, and
+        arguments handed over through a file descriptor (`ARGS_FD` in argv stands for its number)
+        so that they do not show in the sandbox's /proc/1/cmdline."""
+
+    def path_in_sandbox(self, mount: Mount) -> str:
+        """Where a command run by this lease sees `mount`."""
+        return mount.dest
+
+    async def kill_processes(self) -> None:
+        """Kill every process of this session now (the lease stays usable)."""
+        for proc in list(self._procs):
+            self._kill(proc)
+        for proc in list(self._procs):
+            try:
+                await asyncio.wait_for(proc.wait(), 5)
+            except TimeoutError:
+                pass
 
     async def run(
         self,
@@ -112,16 +131,27 @@ class SandboxLease(abc.ABC):
         """Run `command` inside the sandbox, bounded by `limits`; never raises on command failure."""
         if self.closed:
             raise RuntimeError("sandbox lease is closed")
-        argv, host_cwd = self._argv(command, mounts, cwd, limits, env or {})
+        argv, host_cwd, hidden = self._argv(command, mounts, cwd, limits, env or {})
         start = time.monotonic()
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            cwd=host_cwd,
-            start_new_session=True,
-        )
+        args_fd = None
+        if hidden:
+            args_fd = os.memfd_create("sandbox-args")
+            os.write(args_fd, b"".join(os.fsencode(a) + b"\0" for a in hidden))
+            os.lseek(args_fd, 0, os.SEEK_SET)
+            argv = [str(args_fd) if a == ARGS_FD else a for a in argv]
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                cwd=host_cwd,
+                start_new_session=True,
+                pass_fds=() if args_fd is None else (args_fd,),
+            )
+        finally:
+            if args_fd is not None:
+                os.close(args_fd)
         self._procs.add(proc)
         cap, hard = limits.output_bytes, limits.output_bytes * _HARD_OUTPUT_FACTOR
         kept = {"out": bytearray(), "err": bytearray()}
@@ -273,7 +303,9 @@ class BubblewrapLease(SandboxLease):
 
     def _argv(
         self, command: list[str], mounts: list[Mount], cwd: str, limits: Limits, env: dict[str, str]
-    ) -> tuple[list[str], str | None]:
+    ) -> tuple[list[str], str | None, list[str]]:
+        # bwrap's options (host paths of the workspace, the environment) go through `--args FD`:
+        # as argv they would be readable inside the sandbox in /proc/1/cmdline (bwrap is PID 1).
         sb = self.sandbox
         argv: list[str] = []
         if self.cgroup is not None:
@@ -288,11 +320,16 @@ class BubblewrapLease(SandboxLease):
             "--core=0",
             "--",
         ]
-        argv += sb.base_args()
+        argv += [sb.bwrap, "--args", ARGS_FD]
+        opts = sb.base_args()[1:]  # without the bwrap binary itself
+        # /tmp first, then what must be visible under it (a virtualenv living in /tmp), then mounts.
+        opts += ["--perms", "1777", "--size", str(limits.tmp_mb * 2**20), "--tmpfs", "/tmp"]
+        for p in sb.tmp_ro_paths:
+            opts += sb.parent_dirs(p, skip=("/tmp",)) + ["--ro-bind", p, p]
         for m in mounts:
-            argv += sb.parent_dirs(m.dest)
-            argv += ["--bind" if m.writable else "--ro-bind", str(m.host), m.dest]
-        argv += ["--perms", "1777", "--size", str(limits.tmp_mb * 2**20), "--tmpfs", "/tmp", "--chdir", cwd]
+            opts += sb.parent_dirs(m.dest)
+            opts += ["--bind" if m.writable else "--ro-bind", str(m.host), m.dest]
+        opts += ["--chdir", cwd]
         full_env = {
             "PATH": sb.path_env,
             "HOME": "/tmp",
@@ -304,7 +341,7 @@ class BubblewrapLease(SandboxLease):
             **env,
         }
         for key, value in full_env.items():
-            argv += ["--setenv", key, value]
+            opts += ["--setenv", key, value]
         if sb.privileged:
             # bwrap keeps root's capabilities for its own setup; setpriv then drops to the
             # session uid with an empty bounding set, so nothing inside can regain privilege.
@@ -319,8 +356,18 @@ class BubblewrapLease(SandboxLease):
                 "--no-new-privs",
             ]
         else:
-            argv += ["--unshare-user", "--disable-userns", "--uid", "1000", "--gid", "1000", "--"]
-        return argv + command, None
+            opts += ["--unshare-user", "--disable-userns", "--uid", "1000", "--gid", "1000"]
+            argv += ["--"]
+        return argv + command, None, opts
+
+    async def kill_processes(self) -> None:
+        await super().kill_processes()
+        # Every process of the session is in its cgroup (nothing inside can leave it: no /sys);
+        # without one, scan /proc for the session's uid.
+        if self.cgroup is not None:
+            await asyncio.to_thread(self.cgroup.kill)
+        elif self.sandbox.privileged:
+            await asyncio.to_thread(_kill_uid, self.uid)
 
     async def close(self) -> None:
         await super().close()
@@ -350,7 +397,11 @@ class BubblewrapSandbox(Sandbox):
         self.session_limits = session_limits or Limits()
         self.cgroups = CgroupLimiter.detect() if (use_cgroups and self.privileged) else None
         self.uids = _UidPool()
-        self._ro_paths = self._system_paths()
+        paths = self._system_paths()
+        # A private tmpfs is mounted on /tmp after the base binds: what lives under the host's
+        # /tmp (a virtualenv there) is bound again on top of it (`tmp_ro_paths`).
+        self.tmp_ro_paths = [p for p in paths if p == "/tmp" or p.startswith("/tmp/")]
+        self._ro_paths = [p for p in paths if p not in self.tmp_ro_paths]
         venv_bin = [str(Path(sys.prefix) / "bin")] if sys.prefix != sys.base_prefix else []
         self.path_env = ":".join(
             venv_bin + [str(Path(sys.base_prefix) / "bin"), "/usr/local/bin", "/usr/bin", "/bin", "/usr/sbin", "/sbin"]
@@ -369,11 +420,13 @@ class BubblewrapSandbox(Sandbox):
         return paths
 
     @staticmethod
-    def parent_dirs(dest: str) -> list[str]:
+    def parent_dirs(dest: str, skip: tuple[str, ...] = ()) -> list[str]:
         """bwrap creates missing parents with mode 0700 when run as root; make them traversable."""
         args, parts = [], Path(dest).parts[1:-1]
         for i in range(len(parts)):
-            args += ["--perms", "0755", "--dir", "/" + "/".join(parts[: i + 1])]
+            d = "/" + "/".join(parts[: i + 1])
+            if d not in skip:
+                args += ["--perms", "0755", "--dir", d]
         return args
 
     def _build_base_args(self) -> list[str]:
@@ -419,9 +472,12 @@ class LocalLease(SandboxLease):
     """UNSAFE: host processes with rlimits only. Paths such as /app do not exist here; the
     workspace is the cwd and mounts are exported as environment variables (APP_DIR, TESTS_DIR...)."""
 
+    def path_in_sandbox(self, mount: Mount) -> str:
+        return str(mount.host)  # no mount namespace: commands see host paths
+
     def _argv(
         self, command: list[str], mounts: list[Mount], cwd: str, limits: Limits, env: dict[str, str]
-    ) -> tuple[list[str], str | None]:
+    ) -> tuple[list[str], str | None, list[str]]:
         host_cwd = None
         exports = {}
         for m in mounts:
@@ -439,7 +495,7 @@ class LocalLease(SandboxLease):
             "--",
             "env",
         ] + [f"{k}={v}" for k, v in {**SANDBOX_ENV, **exports, **env}.items()]
-        return prefix + command, host_cwd
+        return prefix + command, host_cwd, []
 
 
 class LocalProcessSandbox(Sandbox):

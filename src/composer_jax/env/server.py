@@ -16,6 +16,7 @@ Errors are JSON `{"error": {"code", "message"}}` with a 4xx status naming the ba
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -24,6 +25,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request, WebSocket
 from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -37,11 +39,20 @@ except ImportError:  # pragma: no cover - orjson is in requirements-env.lock
     _HAVE_ORJSON = False
 
 from composer_jax.env import protocol
-from composer_jax.env.errors import CapacityError, SessionNotFound, TaskError, TaskNotRunnable, UnknownTaskError
+from composer_jax.env.errors import (
+    CapacityError,
+    SessionBusy,
+    SessionNotFound,
+    TaskError,
+    TaskNotRunnable,
+    UnknownTaskError,
+)
 from composer_jax.env.openenv_ws import serve_openenv_websocket
 from composer_jax.env.session import SessionManager
 from composer_jax.env.tasks import MAX_SEED
 from composer_jax.env.volumes import volume_kind
+
+_log = logging.getLogger("composer_jax.env.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 MAX_CALLS_PER_REQUEST = 64
@@ -125,6 +136,7 @@ class GradeResponse(BaseModel):
     output_tail: str
     duration_s: float
     reward_details: dict[str, Any]
+    interpreter: dict[str, Any] = Field(default_factory=dict, description="the sandbox's python3: {python, version}")
 
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -141,6 +153,7 @@ _ERROR_STATUS: dict[type[Exception], tuple[int, str, dict[str, str] | None]] = {
     TaskNotRunnable: (409, "task_not_runnable", None),
     CapacityError: (429, "at_capacity", {"Retry-After": "1"}),
     SessionNotFound: (404, "session_not_found", None),
+    SessionBusy: (409, "session_busy", None),
     protocol.UnknownToolError: (400, "unknown_tool", None),
     protocol.ToolArgumentError: (400, "invalid_arguments", None),
 }
@@ -201,40 +214,72 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str]:
 
 
 class BodySizeLimit:
-    """ASGI middleware: 413 for bodies over `max_bytes`, declared or streamed; counts responses."""
+    """ASGI middleware: 413 for bodies over `max_bytes`, declared or streamed (chunked bodies are
+    read here, at most `max_bytes` of them, before the app sees them); counts every response by
+    status class, including the 500 it sends for an unhandled exception."""
 
     def __init__(self, app, max_bytes: int, metrics=None):
         self.app, self.max_bytes, self.metrics = app, max_bytes, metrics
 
+    def _too_large(self) -> JSONResponse:
+        return JSONResponse(
+            {
+                "error": {
+                    "code": "body_too_large",
+                    "message": f"request body exceeds {self.max_bytes} bytes (--max-body-bytes)",
+                }
+            },
+            413,
+        )
+
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if self.metrics is not None:  # count responses by status class (plain ASGI: cheap)
-            inner_send, metrics = send, self.metrics
+        started = False
+        inner_send, metrics = send, self.metrics
 
-            async def send(message):
-                if message["type"] == "http.response.start":
+        async def send(message):  # count responses by status class (plain ASGI: cheap)
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                if metrics is not None:
                     metrics.inc("cj_env_http_requests_total", code=f"{message['status'] // 100}xx")
-                await inner_send(message)
+            await inner_send(message)
 
-        declared = dict(scope.get("headers") or []).get(b"content-length")
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            too_big = JSONResponse(
-                {"error": {"code": "body_too_large", "message": f"request body exceeds {self.max_bytes} bytes"}}, 413
-            )
-            return await too_big(scope, receive, send)
-        seen = 0
+            return await self._too_large()(scope, receive, send)
+        if declared is None and b"transfer-encoding" in headers:
+            # A streamed body has no declared size: read it here, so that the limit gives 413
+            # rather than the body parser's 400.
+            body = bytearray()
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return  # the client went away
+                body += message.get("body", b"")
+                if len(body) > self.max_bytes:
+                    return await self._too_large()(scope, receive, send)
+                if not message.get("more_body", False):
+                    break
+            replayed = False
+            outer_receive = receive
 
-        async def limited():
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise ApiError(413, "body_too_large", f"request body exceeds {self.max_bytes} bytes")
-            return message
+            async def receive():
+                nonlocal replayed
+                if not replayed:
+                    replayed = True
+                    return {"type": "http.request", "body": bytes(body), "more_body": False}
+                return await outer_receive()
 
-        return await self.app(scope, limited, send)
+        try:
+            await self.app(scope, receive, send)
+        except Exception:  # noqa: BLE001 - answer (and count) the 500 here, inside the metrics
+            _log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            if not started:
+                message = "internal server error (logged by the server); the request may be retried"
+                await JSONResponse({"error": {"code": "internal_error", "message": message}}, 500)(scope, receive, send)
 
 
 async def _error_response(_: Request, exc: Exception) -> JSONResponse:
@@ -321,6 +366,18 @@ def _add_server_routes(app: FastAPI, manager: SessionManager, auth: list) -> Non
         return protocol.TOOL_SCHEMAS
 
 
+def _add_schema_routes(app: FastAPI, auth: list) -> None:
+    """/openapi.json and /docs, authenticated like everything but /health."""
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=auth)
+    async def openapi_schema() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False, dependencies=auth)
+    async def swagger_ui() -> Response:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=app.title)
+
+
 def _add_session_routes(app: FastAPI, manager: SessionManager, auth: list) -> None:
     """/sessions...: create, inspect, call tools, grade, close. Errors propagate as typed exceptions."""
 
@@ -401,12 +458,17 @@ def create_app(
         lifespan=lifespan,
         description=__doc__,
         responses=_ERRORS,
+        # Served below behind the token: only /health answers without it.
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.manager, app.state.token, app.state.max_body_bytes = manager, token, max_body_bytes
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes, metrics=manager.metrics)
     _add_error_handlers(app)
     auth = [Depends(_bearer_auth(token))]
     _add_server_routes(app, manager, auth)
+    _add_schema_routes(app, auth)
     _add_session_routes(app, manager, auth)
     _add_websocket_routes(app, manager, token)
     return app

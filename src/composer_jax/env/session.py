@@ -12,13 +12,17 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
-import shutil
 import tempfile
 import time
 from pathlib import Path
 
 from composer_jax.env import grader, tools, volumes
-from composer_jax.env.errors import CapacityError, SessionNotFound, TaskNotRunnable  # noqa: F401 - re-exported
+from composer_jax.env.errors import (  # noqa: F401 - re-exported
+    CapacityError,
+    SessionBusy,
+    SessionNotFound,
+    TaskNotRunnable,
+)
 from composer_jax.env.metrics import Metrics
 from composer_jax.env.sandbox import ExecResult, Limits, Mount, Sandbox, SandboxLease
 from composer_jax.env.tasks import Task, TaskError, TaskStore
@@ -46,6 +50,15 @@ class Session:
         self.grades = 0
         self.last_reward: float | None = None
         self.busy = 0  # requests in flight; the reaper never closes a busy session
+        # Tool calls and grading are serialised: a grade waits for the calls in flight (`idle`)
+        # and refuses new ones (SessionBusy, HTTP 409) until it has returned (`not_grading`).
+        self.calls_in_flight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.grading = False
+        self.not_grading = asyncio.Event()
+        self.not_grading.set()
+        self.closed = False
 
     async def run_shell(self, command: str, timeout_s: float) -> ExecResult:
         limits = self.limits.with_(wall_seconds=min(float(timeout_s), self.limits.wall_seconds))
@@ -83,9 +96,16 @@ class SessionManager:
     ):
         self.store, self.sandbox = store, sandbox
         self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="composer-jax-env-"))
-        self.sessions_dir = self.work_dir / "sessions"
-        self.sessions_dir.mkdir(parents=True, exist_ok=True)
+        self._own_work_dir = work_dir is None
+        if work_dir is None:
+            # Mounts and scratch directories a killed server left behind in the temp dir.
+            volumes.sweep_dead(self.work_dir.parent, "composer-jax-env-")
+        self.work_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.work_dir, 0o700)  # other host users must not browse workspaces
+        self._work_dir_lock: int | None = volumes.hold_work_dir(self.work_dir)
+        self.sessions_dir = self.work_dir / "sessions"
+        volumes.remove_tree(self.sessions_dir)  # what a killed server left in a reused --work-dir
+        self.sessions_dir.mkdir()
         self.max_sessions, self.default_ttl_s, self.max_ttl_s = max_sessions, default_ttl_s, max_ttl_s
         self.limits = limits or Limits()
         self.metrics = metrics or Metrics()
@@ -139,11 +159,7 @@ class SessionManager:
 
     @staticmethod
     def _remove_root(root: Path) -> None:
-        volumes.remove_volume(root / "app")
-        if root.exists():
-            for child in root.iterdir():
-                volumes.remove_volume(child) if child.is_dir() else child.unlink()
-            shutil.rmtree(root, ignore_errors=True)
+        volumes.remove_tree(root)  # the workspace volume and any grading job's volumes in it
 
     def get(self, session_id: str) -> Session:
         session = self._sessions.get(session_id) if isinstance(session_id, str) else None
@@ -156,8 +172,15 @@ class SessionManager:
         session = self._sessions.pop(session_id, None)
         if session is None:
             raise SessionNotFound(session_id)
-        await session.lease.close()
-        await asyncio.to_thread(self._remove_root, session.root)
+        session.closed = True
+        try:
+            await session.lease.close()  # kills a running verifier: a grade in flight ends quickly
+            try:
+                await asyncio.wait_for(session.not_grading.wait(), 30)  # it releases its own job
+            except TimeoutError:
+                pass
+        finally:
+            await asyncio.to_thread(self._remove_root, session.root)
         self.metrics.inc("cj_env_sessions_closed_total", reason=reason)
         self.metrics.set("cj_env_sessions_active", len(self._sessions))
         return {"session_id": session_id, "closed": True, "reason": reason}
@@ -168,11 +191,21 @@ class SessionManager:
     # ---------------------------------------------------------------- actions
     async def call_tools(self, session_id: str, calls: list[tuple[str, dict]]) -> list[dict]:
         session = self.get(session_id)
+        if session.grading:
+            raise SessionBusy(
+                f"session {session_id!r} is being graded; tool calls are refused until "
+                "POST /sessions/{id}/grade returns"
+            )
         session.busy += 1
+        session.calls_in_flight += 1
+        session.idle.clear()
         try:
             results = await tools.call_tools(session, calls)
         finally:
             session.busy -= 1
+            session.calls_in_flight -= 1
+            if session.calls_in_flight == 0:
+                session.idle.set()
             session.last_used = time.time()
         session.tool_calls += len(calls)
         for (name, _), res in zip(calls, results):
@@ -182,12 +215,29 @@ class SessionManager:
 
     async def grade(self, session_id: str) -> grader.GradeResult:
         session = self.get(session_id)
+        if session.grading:
+            raise SessionBusy(f"session {session_id!r} is already being graded; wait for that grade's result")
+        session.grading = True
+        session.not_grading.clear()
         session.busy += 1
         try:
+            await session.idle.wait()  # the tool calls in flight finish first
+            if session.closed:
+                raise SessionNotFound(session_id)
+            # Nothing of the session may run while its workspace is copied.
+            await session.lease.kill_processes()
             result = await grader.grade(session.task, session.lease, session.workspace.root, session.root, self.limits)
+        except RuntimeError:
+            if session.closed:  # closed mid-grade: the lease refused to run, or the copy vanished
+                raise SessionNotFound(session_id) from None
+            raise
         finally:
             session.busy -= 1
+            session.grading = False
+            session.not_grading.set()
             session.last_used = time.time()
+        if session.closed:
+            raise SessionNotFound(session_id)
         session.grades += 1
         session.last_reward = result.reward
         self.metrics.inc("cj_env_grades_total")
@@ -219,3 +269,11 @@ class SessionManager:
             self._reaper.cancel()
             self._reaper = None
         await self.close_all()
+        await asyncio.to_thread(self.release_work_dir)
+
+    def release_work_dir(self) -> None:
+        """Unmount and delete everything under the work dir (all of it if this server made it)."""
+        volumes.remove_tree(self.work_dir if self._own_work_dir else self.sessions_dir)
+        if self._work_dir_lock is not None:
+            os.close(self._work_dir_lock)
+            self._work_dir_lock = None

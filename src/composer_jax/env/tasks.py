@@ -29,6 +29,7 @@ from composer_jax.env.errors import TaskError, UnknownTaskError
 TASK_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 GENERATED_PREFIX = "gen/"
 MAX_SEED = 2**31 - 1
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +46,8 @@ class TaskConfig:
     gpus: int
     allow_internet: bool
     raw: dict[str, Any]
+    # [verifier] python_modules: what the tests import; a grade checks the sandbox's python3 has them.
+    test_modules: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +124,12 @@ def parse_task_config(data: dict[str, Any], where: str) -> TaskConfig:
     tags = sections["metadata"].get("tags", [])
     if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
         raise TaskError(f"{where}: [metadata] tags = {tags!r} must be a list of strings")
+    modules = sections["verifier"].get("python_modules", [])
+    if not isinstance(modules, list) or not all(isinstance(m, str) and _MODULE.fullmatch(m) for m in modules):
+        raise TaskError(
+            f"{where}: [verifier] python_modules = {modules!r} must be a list of importable module names "
+            'such as ["pytest", "numpy"]'
+        )
     return TaskConfig(
         version=version,
         metadata=dict(sections["metadata"]),
@@ -132,6 +141,7 @@ def parse_task_config(data: dict[str, Any], where: str) -> TaskConfig:
         gpus=gpus,
         allow_internet=allow_internet,
         raw=data,
+        test_modules=tuple(modules),
     )
 
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import fcntl
 import os
+import re
 import shutil
 import stat
 from pathlib import Path
@@ -61,28 +63,122 @@ def create_volume(path: Path, size_mb: int, uid: int | None = None, gid: int | N
         os.chown(path, uid, gid)
 
 
-def remove_volume(path: Path) -> None:
-    """Unmount (if mounted) and delete `path`; never follows symlinks planted inside it."""
-    if not path.exists():
+def _unescape(field: str) -> str:
+    # /proc/self/mountinfo escapes space, tab, newline and backslash as \ooo.
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def mounts_under(path: Path | str) -> list[str]:
+    """Mount points at or below `path` in this process's mount namespace, deepest first."""
+    base = os.path.abspath(path)
+    found = []
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+            for line in f:
+                fields = line.split(" ")
+                if len(fields) > 4:
+                    point = _unescape(fields[4])
+                    if point == base or point.startswith(base.rstrip("/") + "/"):
+                        found.append(point)
+    except OSError:
+        return []
+    return sorted(set(found), key=lambda p: (-p.count("/"), p))
+
+
+def unmount_all(path: Path | str) -> None:
+    """Detach every mount at or below `path` (deepest first)."""
+    for _ in range(3):  # stacked mounts on one point need one umount each
+        points = mounts_under(path)
+        if not points:
+            return
+        for point in points:
+            _libc.umount2(os.fsencode(point), _MNT_DETACH)
+
+
+def remove_tree(path: Path) -> None:
+    """Unmount everything at or below `path`, then delete it; never follows symlinks planted inside.
+
+    Safe to call on a path that is gone, and twice."""
+    unmount_all(path)
+    if not os.path.lexists(path):
         return
-    if os.path.ismount(path):
-        _libc.umount2(str(path).encode(), _MNT_DETACH)
     shutil.rmtree(path, ignore_errors=True)
-    if path.exists():  # e.g. a read-only directory left by the sandboxed user
-        for root, dirs, _ in os.walk(path):
+    if os.path.lexists(path):  # e.g. a read-only directory left by the sandboxed user
+        # By descriptors (fwalk, O_NOFOLLOW): a symlink planted in the tree is never followed.
+        for _, dirs, _, dir_fd in os.fwalk(path, follow_symlinks=False):
             for d in dirs:
                 try:
-                    os.chmod(os.path.join(root, d), 0o755, follow_symlinks=False)
+                    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+                except OSError:
+                    continue
+                try:
+                    os.fchmod(fd, 0o755)
                 except OSError:
                     pass
+                finally:
+                    os.close(fd)
         shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_volume(path: Path) -> None:
+    """Unmount (if mounted) and delete `path` (see `remove_tree`)."""
+    remove_tree(path)
+
+
+LOCK_NAME = ".server-lock"
+
+
+def hold_work_dir(work_dir: Path) -> int:
+    """Mark `work_dir` as in use by this process (an flock the kernel drops if it dies); returns
+    the descriptor to keep open. RuntimeError when another live server holds it."""
+    fd = os.open(work_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RuntimeError(
+            f"work dir {str(work_dir)!r} is in use by another env-server; use another --work-dir"
+        ) from None
+    # The marker is written only once the lock is held, so a sweeper never takes a fresh directory
+    # for a dead server's.
+    Path(work_dir, LOCK_NAME).touch()
+    return fd
+
+
+def sweep_dead(parent: Path, prefix: str) -> list[str]:
+    """Unmount and delete `parent/prefix*` directories left by servers that were killed (marker
+    present, lock free); returns those removed. Directories of live servers are left alone."""
+    removed: list[str] = []
+    try:
+        candidates = [p for p in Path(parent).iterdir() if p.name.startswith(prefix)]
+    except OSError:
+        return removed
+    for d in candidates:
+        if d.is_symlink() or not (d / LOCK_NAME).is_file():
+            continue
+        try:
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue  # a live server
+        try:
+            remove_tree(d)
+            removed.append(str(d))
+        finally:
+            os.close(fd)
+    return removed
 
 
 def copy_tree(src: Path, dest: Path, uid: int | None = None, gid: int | None = None) -> None:
     """Copy the contents of `src` into the existing directory `dest`, owned by uid/gid.
 
-    Symlinks are copied as symlinks (never followed), special files are skipped: a workspace may
-    contain whatever the agent made, and copying must not read outside it.
+    Symlinks are copied as symlinks (never followed), special files are skipped. Walks by name as
+    the server's user: only for trusted sources (a task's `environment/app/` when a session is
+    created). An agent's workspace is copied inside its sandbox, as its uid (`grader.prepare_job`).
     """
     owner = (uid, gid if gid is not None else uid) if os.geteuid() == 0 and uid is not None else None
     for root, dirs, files in os.walk(src, followlinks=False):
