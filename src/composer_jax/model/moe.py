@@ -360,6 +360,17 @@ def _sorted_dispatch(
     return jnp.zeros((a, d), ys.dtype).at[order].set(ys).reshape(n, k, d)
 
 
+def _gathered_swiglu(xt: jax.Array, experts: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+    """Each assignment through its own expert's weights, gathered: xt [t, d], experts int32[t, k]
+    -> [t, k, d]. Reads t*k experts' weights, which is less than a grouped matmul's all-experts read
+    when t*k < experts (decoding)."""
+    dt = xt.dtype
+    e = experts.reshape(-1)
+    x = jnp.repeat(xt, experts.shape[1], axis=0)
+    h = jax.nn.silu(jnp.einsum("ad,adf->af", x, gate[e].astype(dt))) * jnp.einsum("ad,adf->af", x, up[e].astype(dt))
+    return jnp.einsum("af,afd->ad", h, down[e].astype(dt)).reshape(*experts.shape, xt.shape[-1])
+
+
 def _local_moe(
     p: dict,
     x: jax.Array,
@@ -380,9 +391,14 @@ def _local_moe(
     r = route(p["router"], p["router_bias"], xt, cfg, None if replay is None else replay.reshape(b * s, k))
     ws = (p["gate"], p["up"], p["down"])
     impl = cfg.moe_impl
-    if impl == "auto":
+    if impl == "auto" and not (ep == 1 and b * s * k < e and cfg.moe_precision == "bf16"):
         impl = "ragged" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "tiled"
-    if ep == 1 and impl == "tiled":
+    if ep == 1 and impl == "auto" and b * s * k < e and cfg.moe_precision == "bf16":
+        # decoding a few tokens: fewer assignments than experts, so gathering each assignment's
+        # expert weights reads only the experts in use (a grouped matmul reads all of them);
+        # the same products, exact
+        y_assign = _gathered_swiglu(xt, r.experts, *ws)
+    elif ep == 1 and impl == "tiled":
         y_assign = tiled_dispatch_swiglu(xt, r.experts, *ws, tile=cfg.moe_tile_size, precision=cfg.moe_precision)
     else:
         y_assign = _sorted_dispatch(xt, r.experts, ws, cfg, ep, ep_axis)
