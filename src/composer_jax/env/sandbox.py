@@ -111,6 +111,10 @@ class SandboxLease(abc.ABC):
 
     async def kill_processes(self) -> None:
         """Kill every process of this session now (the lease stays usable)."""
+        await self._kill_tracked()
+
+    async def _kill_tracked(self) -> None:
+        """Kill the processes this lease started and wait (5 s each at most) for them to end."""
         for proc in list(self._procs):
             self._kill(proc)
         for proc in list(self._procs):
@@ -218,13 +222,7 @@ class SandboxLease(abc.ABC):
     async def close(self) -> None:
         """Kill every process this lease started (and anything they left behind)."""
         self.closed = True
-        for proc in list(self._procs):
-            self._kill(proc)
-        for proc in list(self._procs):
-            try:
-                await asyncio.wait_for(proc.wait(), 5)
-            except TimeoutError:
-                pass
+        await self._kill_tracked()
         self._procs.clear()
 
 
