@@ -67,6 +67,19 @@ def tile_schedule(sizes: jax.Array, rows: int, tm: int) -> tuple[jax.Array, jax.
     return group, first.astype(jnp.int32), end.astype(jnp.int32)
 
 
+def _launch(kernel, sizes, rows: int, n: int, tm: int, tn: int, interpret: bool, group, *operands) -> jax.Array:
+    """Run a grouped-matmul kernel over the tile schedule (one program per row tile x column tile;
+    inputs padded by one tile of rows) -> float32[rows, n], rows past sum(sizes) zero."""
+    y = pl.pallas_call(
+        kernel,
+        grid=(group.shape[0], n // tn),
+        out_shape=jax.ShapeDtypeStruct((rows + tm, n), jnp.float32),
+        interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+    )(group, *operands)
+    return jnp.where((jnp.arange(rows) < sizes.sum())[:, None], y[:rows], 0.0)
+
+
 def _kernel(group_ref, first_ref, end_ref, xv_ref, xs_ref, wv_ref, ws_ref, y_ref, *, tm, tn, k):
     t = pl.program_id(0)
     j = pl.program_id(1)
@@ -98,14 +111,22 @@ def grouped_matmul_mxfp8(xv, xs, wv, ws, sizes, tm: int = 32, tn: int = 32, inte
         raise ValueError(f"K={k} must be a multiple of {BLOCK} and N={n} of tn={tn}")
     group, first, end = tile_schedule(sizes, rows, tm)
     pad = lambda a, fill: jnp.concatenate([a, jnp.full((tm,) + a.shape[1:], fill, a.dtype)])
-    y = pl.pallas_call(
+    return _launch(
         functools.partial(_kernel, tm=tm, tn=tn, k=k),
-        grid=(group.shape[0], n // tn),
-        out_shape=jax.ShapeDtypeStruct((rows + tm, n), jnp.float32),
-        interpret=interpret,
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
-    )(group, first, end, pad(xv, 0), pad(xs, 127), wv, ws)
-    return jnp.where((jnp.arange(rows) < sizes.sum())[:, None], y[:rows], 0.0)
+        sizes,
+        rows,
+        n,
+        tm,
+        tn,
+        interpret,
+        group,
+        first,
+        end,
+        pad(xv, 0),
+        pad(xs, 127),
+        wv,
+        ws,
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -189,11 +210,21 @@ def grouped_matmul_nvfp4(
         raise ValueError(f"K={k} must be a multiple of 32 and N={n} of tn={tn}")
     group, first, end = tile_schedule(sizes, rows, tm)
     pad = lambda a: jnp.concatenate([a, jnp.zeros((tm,) + a.shape[1:], a.dtype)])
-    y = pl.pallas_call(
+    return _launch(
         functools.partial(_nvfp4_kernel, tm=tm, tn=tn, k=k),
-        grid=(group.shape[0], n // tn),
-        out_shape=jax.ShapeDtypeStruct((rows + tm, n), jnp.float32),
-        interpret=interpret,
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
-    )(group, first, end, pad(xp), pad(xsb), pad(xs2.reshape(rows)), wp, wsb, ws2.reshape(-1))
-    return jnp.where((jnp.arange(rows) < sizes.sum())[:, None], y[:rows], 0.0)
+        sizes,
+        rows,
+        n,
+        tm,
+        tn,
+        interpret,
+        group,
+        first,
+        end,
+        pad(xp),
+        pad(xsb),
+        pad(xs2.reshape(rows)),
+        wp,
+        wsb,
+        ws2.reshape(-1),
+    )

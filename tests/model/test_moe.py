@@ -102,6 +102,13 @@ def _moe_params(cfg, key):
     }
 
 
+def _numpy_reference(p, x, cfg):
+    """The numpy MoE over x's tokens, routed by the library's router: [tokens, embed]."""
+    r = moe.route(p["router"], p["router_bias"], x.reshape(-1, cfg.hidden_size), cfg)
+    flat = np.asarray(x).reshape(-1, cfg.hidden_size)
+    return _numpy_moe(jax.tree.map(np.asarray, p), flat, cfg, np.asarray(r.experts), np.asarray(r.weights))
+
+
 @pytest.mark.parametrize("impl", ["tiled", "ragged", "dense"])
 @pytest.mark.parametrize("tile", [8, 128])
 def test_dispatch_matches_numpy(impl, tile):
@@ -110,14 +117,7 @@ def test_dispatch_matches_numpy(impl, tile):
     x = jax.random.normal(jax.random.key(1), (2, 37, cfg.hidden_size))
     y, experts, stats = moe.moe_layer(p, x, cfg, None)
     counts = stats["expert_counts"]
-    r = moe.route(p["router"], p["router_bias"], x.reshape(-1, cfg.hidden_size), cfg)
-    ref = _numpy_moe(
-        jax.tree.map(np.asarray, p),
-        np.asarray(x).reshape(-1, cfg.hidden_size),
-        cfg,
-        np.asarray(r.experts),
-        np.asarray(r.weights),
-    )
+    ref = _numpy_reference(p, x, cfg)
     np.testing.assert_allclose(np.asarray(y).reshape(-1, cfg.hidden_size), ref, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(counts), np.bincount(np.asarray(experts).ravel(), minlength=8))
     assert float(counts.sum()) == 2 * 37 * 2
@@ -212,14 +212,7 @@ def test_decode_path_gathers_only_the_experts_in_use():
     p = _moe_params(cfg, jax.random.key(0))
     x = jax.random.normal(jax.random.key(2), (3, 1, cfg.hidden_size))
     y, experts, _ = moe.moe_layer(p, x, cfg, None)
-    r = moe.route(p["router"], p["router_bias"], x.reshape(-1, cfg.hidden_size), cfg)
-    ref = _numpy_moe(
-        jax.tree.map(np.asarray, p),
-        np.asarray(x).reshape(-1, cfg.hidden_size),
-        cfg,
-        np.asarray(r.experts),
-        np.asarray(r.weights),
-    )
+    ref = _numpy_reference(p, x, cfg)
     np.testing.assert_allclose(np.asarray(y).reshape(-1, cfg.hidden_size), ref, atol=1e-5)
     loss = lambda p, x, impl: jnp.sum(moe.moe_layer(p, x, dataclasses.replace(cfg, moe_impl=impl), None)[0] ** 2)
     g_auto = jax.grad(loss, argnums=(0, 1))(p, x, "auto")
