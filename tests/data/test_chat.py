@@ -7,7 +7,7 @@ import pytest
 from datahelpers import FIXTURES
 
 from composer_jax.config.data import DataConfig, DataConfigError, SourceConfig
-from composer_jax.data.chat import render_chat, render_chat_text, render_prompt
+from composer_jax.data.chat import parse_assistant, render_chat, render_chat_text, render_prompt
 from composer_jax.data.cli import main as data_main
 from composer_jax.data.pipeline import make_train_iterator
 from composer_jax.data.sft import make_sft
@@ -111,3 +111,48 @@ def test_chat_batches_mask_only_assistant_tokens(tmp_path, tok, tok_dir):
     for s in (1, 2, 3):
         assert row_tokens[seg == s].tolist() == ids.tolist()
         assert row_mask[seg == s].tolist() == mask.tolist()
+
+
+def test_parse_assistant_inverts_the_template(tok):
+    """The assistant tokens render_chat emits parse back to the message (ids kept, arguments as JSON)."""
+    ids, mask = render_chat(CONV[:3], tok)
+    turn = parse_assistant(ids[mask == 1], tok)
+    assert turn.finished and turn.malformed == []
+    assert turn.content == "A"
+    assert turn.tool_calls == CONV[2]["tool_calls"]
+    assert turn.message() == {"role": "assistant", "content": "A", "tool_calls": CONV[2]["tool_calls"]}
+
+
+def test_parse_assistant_several_calls_and_malformed(tok):
+    e, tc, ime = tok.encode, tok.token_id("<|tool_call|>"), tok.token_id("<|im_end|>")
+    gen = (
+        e("look")
+        + [tc] + e('{"name": "list_dir", "arguments": {"path": "."}}')
+        + [tc] + e('{"name": "grep", "arguments": {"pattern": "x"')  # unclosed object
+        + [tc] + e('["read_file"]')  # not an object
+        + [tc] + e('{"name": "run_shell", "arguments": "{\\"command\\": \\"ls\\"}"} trailing')
+        + [tc] + e('{"id": "mine", "name": "read_file", "arguments": {"path": "a<|tool_call|>b"}}')
+        + [ime]
+        + e("ignored after the stop token")
+    )  # fmt: skip
+    turn = parse_assistant(gen, tok, call_id_prefix="t3")
+    assert turn.finished and turn.content == "look"
+    # ids default to prefix_index, index counting every call of the turn (malformed ones too)
+    assert [c["id"] for c in turn.tool_calls] == ["t3_0", "mine"]
+    assert turn.tool_calls[0]["function"] == {"name": "list_dir", "arguments": '{"path": "."}'}
+    # a string that mentions the special token is text, not a call boundary
+    assert json.loads(turn.tool_calls[1]["function"]["arguments"]) == {"path": "a<|tool_call|>b"}
+    assert len(turn.malformed) == 3
+    assert turn.malformed[0].startswith("tool call 1: not valid JSON")
+    assert turn.malformed[1].startswith('tool call 2: expected an object with a string "name"')
+    assert turn.malformed[2].startswith("tool call 3: text after the JSON object")
+
+
+def test_parse_assistant_cut_off(tok):
+    e, tc = tok.encode, tok.token_id("<|tool_call|>")
+    turn = parse_assistant(e("hi") + [tc] + e('{"name": "list_dir", "arguments": {}}'), tok)
+    assert not turn.finished and turn.tool_calls == []
+    assert turn.malformed == ["tool call 0: cut off by the token budget before <|im_end|>"]
+    plain = parse_assistant(e("no calls, no stop"), tok)
+    assert (plain.content, plain.tool_calls, plain.malformed, plain.finished) == ("no calls, no stop", [], [], False)
+    assert plain.message() == {"role": "assistant", "content": "no calls, no stop"}

@@ -31,6 +31,7 @@ function renders inference prompts (`render_prompt`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -151,3 +152,84 @@ def render_chat_text(messages: Sequence[dict]) -> str:
         else:
             out.append(f"<|im_start|>{role}\n{text}<|im_end|>\n")
     return "".join(out) + "<|eos|>"
+
+
+# ---------------------------------------------------------------------------- reading a turn back
+@dataclasses.dataclass
+class AssistantTurn:
+    """A generated assistant turn read back: the inverse of the template's assistant message.
+
+    content: the text before the first <|tool_call|>. tool_calls: OpenAI-shape calls
+    ({"id", "type": "function", "function": {"name", "arguments": JSON string}}) for every call that
+    parsed. malformed: one message per call that did not (not JSON, not an object, no name, or cut
+    off by the token budget); the agent shows these to the model as error observations and counts
+    them. finished: the turn ended with its stop token <|im_end|> (False: cut off by max_tokens)."""
+
+    content: str
+    tool_calls: list[dict]
+    malformed: list[str]
+    finished: bool
+
+    def message(self) -> dict:
+        """The OpenAI assistant message (content None when there is no text, as OpenAI returns it)."""
+        msg: dict[str, Any] = {"role": "assistant", "content": self.content or None}
+        if self.tool_calls:
+            msg["tool_calls"] = self.tool_calls
+        return msg
+
+
+def _parse_call(text: str, index: int, call_id: str) -> dict:
+    """The JSON after one <|tool_call|> -> an OpenAI tool call; raises ValueError saying what is wrong."""
+    body = text.strip()
+    if not body:
+        raise ValueError(f'tool call {index}: empty; expected a JSON object {{"name": ..., "arguments": {{...}}}}')
+    try:
+        obj, end = json.JSONDecoder().raw_decode(body)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"tool call {index}: not valid JSON ({exc.msg} at char {exc.pos}): {body[:120]!r}") from None
+    if body[end:].strip():
+        raise ValueError(f"tool call {index}: text after the JSON object: {body[end:][:80]!r}")
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        raise ValueError(f'tool call {index}: expected an object with a string "name", got {body[:120]!r}')
+    args = obj.get("arguments", {})
+    if isinstance(args, dict):
+        args = json.dumps(args, ensure_ascii=False)
+    elif not isinstance(args, str):
+        raise ValueError(f"tool call {index} ({obj['name']}): arguments must be an object, got {args!r:.80}")
+    given = obj.get("id")
+    return {
+        "id": given if isinstance(given, str) and given else call_id,
+        "type": "function",
+        "function": {"name": obj["name"], "arguments": args},
+    }
+
+
+def parse_assistant(tokens: Sequence[int], tok: Tokenizer, *, call_id_prefix: str = "call") -> AssistantTurn:
+    """Generated tokens of one assistant turn (after `<|im_start|>assistant\\n`, up to and
+    including `<|im_end|>` when the model emitted it) -> AssistantTurn.
+
+    Split at token level on <|tool_call|>, so text that merely mentions "<|tool_call|>" cannot
+    forge a call. Calls without an "id" get f"{call_id_prefix}_{i}" (i counts this turn's calls)."""
+    im_end, tool_call = tok.token_id("<|im_end|>"), tok.token_id("<|tool_call|>")
+    ids = [int(t) for t in tokens]
+    finished = im_end in ids
+    if finished:
+        ids = ids[: ids.index(im_end)]
+    pieces: list[list[int]] = [[]]
+    for t in ids:
+        if t == tool_call:
+            pieces.append([])
+        else:
+            pieces[-1].append(t)
+    content = tok.decode(pieces[0], skip_special_tokens=True)
+    calls: list[dict] = []
+    malformed: list[str] = []
+    for i, piece in enumerate(pieces[1:]):
+        if not finished and i == len(pieces) - 2:
+            malformed.append(f"tool call {i}: cut off by the token budget before <|im_end|>")
+            continue
+        try:
+            calls.append(_parse_call(tok.decode(piece, skip_special_tokens=True), i, f"{call_id_prefix}_{i}"))
+        except ValueError as exc:
+            malformed.append(str(exc))
+    return AssistantTurn(content, calls, malformed, finished)
