@@ -7,7 +7,7 @@ import pytest
 from datahelpers import FIXTURES
 
 from composer_jax.config.data import DataConfig, DataConfigError, SourceConfig
-from composer_jax.data.chat import parse_assistant, render_chat, render_chat_text, render_prompt
+from composer_jax.data.chat import parse_assistant, render_chat, render_chat_text, render_continuation, render_prompt
 from composer_jax.data.cli import main as data_main
 from composer_jax.data.pipeline import make_train_iterator
 from composer_jax.data.sft import make_sft
@@ -156,3 +156,12 @@ def test_parse_assistant_cut_off(tok):
     plain = parse_assistant(e("no calls, no stop"), tok)
     assert (plain.content, plain.tool_calls, plain.malformed, plain.finished) == ("no calls, no stop", [], [], False)
     assert plain.message() == {"role": "assistant", "content": "no calls, no stop"}
+
+
+def test_render_continuation_extends_a_prompt_exactly(tok):
+    """prompt + the assistant's tokens + continuation == the template's rendering of the whole
+    conversation up to the next generation prompt (when the turn tokenises the same way)."""
+    ids, mask = render_chat(CONV[:3], tok)
+    turn = ids[mask == 1].tolist()
+    got = render_prompt(CONV[:2], tok).tolist() + turn + render_continuation(CONV[3:4], tok).tolist()
+    assert got == render_prompt(CONV[:4], tok).tolist()

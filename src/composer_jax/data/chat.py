@@ -85,12 +85,12 @@ def tool_call_json(call: dict, where: str) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(", ", ": "))
 
 
-def _render(messages: Sequence[dict], tok: Tokenizer, *, where: str, generation_prompt: bool):
+def _render(messages: Sequence[dict], tok: Tokenizer, *, where: str, generation_prompt: bool, bos: bool = True):
     im_start, im_end = tok.token_id("<|im_start|>"), tok.token_id("<|im_end|>")
     tool_call, tool_result = tok.token_id("<|tool_call|>"), tok.token_id("<|tool_result|>")
     newline = tok.encode("\n")
-    ids: list[int] = [tok.bos_id]
-    mask: list[float] = [0.0]
+    ids: list[int] = [tok.bos_id] if bos else []
+    mask: list[float] = [0.0] if bos else []
 
     def add(piece: list[int], target: bool) -> None:
         ids.extend(piece)
@@ -137,6 +137,16 @@ def render_prompt(messages: Sequence[dict], tok: Tokenizer) -> np.ndarray:
     """Conversation so far + `<|im_start|>assistant\\n`: the prompt for sampling the next turn,
     which ends at `<|im_end|>`. tokens: int32[n]."""
     return _render(messages, tok, where="prompt", generation_prompt=True)[0]
+
+
+def render_continuation(messages: Sequence[dict], tok: Tokenizer) -> np.ndarray:
+    """The tokens that follow a generated assistant turn (which ended at its `<|im_end|>`) when
+    `messages` (tool results, a user message) come next: the template's newline after the turn,
+    the messages, and `<|im_start|>assistant\\n`. So render_prompt(m) + generated turn +
+    render_continuation(more) is the prompt of the next turn, with the model's own tokens kept
+    verbatim (re-tokenising its text could split it differently). tokens: int32[n]."""
+    body = _render(messages, tok, where="continuation", generation_prompt=True, bos=False)[0]
+    return np.concatenate([np.asarray(tok.encode("\n"), np.int32), body])
 
 
 def render_chat_text(messages: Sequence[dict]) -> str:
