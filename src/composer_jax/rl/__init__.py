@@ -1,0 +1,1 @@
+"""Reinforcement learning: the agent loop, rewards, the RL objective and the learner."""

@@ -1,0 +1,246 @@
+"""The agent loop: one rollout of a policy against an environment server session.
+
+A rollout is a conversation: the system prompt (the environment protocol's tools), the task, then
+assistant turns. Every tool call of a turn is checked against the protocol's schemas here; the
+valid ones run on the server in parallel (one request), and every call, valid or not, gets a tool
+message back: a model's bad call (not JSON, unknown tool, wrong arguments, past the per-turn cap)
+is an observation the model sees and a count the reward can use, never a protocol error. The
+rollout ends when the model answers without a tool call, a budget ends (turns, tokens, context),
+and is then graded by the environment.
+
+Self-summarisation: before a turn that would push a generation's context past
+`agent.context_budget`, the model is asked for a summary of its progress; a new generation starts
+from the task and that summary. All generations of a rollout share its final reward.
+
+Environment failures (the server dies, the session is lost, no server accepts) restart the rollout
+from scratch on another server (`agent.env_retries` times): a rollout is scored by its task, not by
+the infrastructure. Policy failures propagate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any
+
+from composer_jax.config.agent import AgentConfig
+from composer_jax.env.client import EnvClient, EnvClientError, RemoteSession, RequestRejected
+from composer_jax.env.protocol import SYSTEM_PROMPT, ToolArgumentError, parse_call, tool_message
+from composer_jax.rl.policy import Generation, Policy, TurnRequest
+
+
+class RolloutFailed(RuntimeError):
+    """The environment failed on every attempt; the rollout has no score."""
+
+
+@dataclasses.dataclass
+class Rollout:
+    """A finished, graded rollout.
+
+    generations: the contexts in order (more than one after self-summarisation).
+    finish_reason: "answer" (the model answered without a tool call), "turns", "tokens" (the
+    rollout's token budget), "length" (a turn hit max_turn_tokens mid-answer), "context" (full with
+    no summaries left). grade: the environment's grade (reward, tests, diff, ...)."""
+
+    task_id: str
+    seed: int
+    generations: list[Generation]
+    finish_reason: str
+    grade: dict
+    turns: int = 0
+    tool_calls: int = 0  # calls the model made (valid or not)
+    broken_tool_calls: int = 0  # malformed, invalid, unknown-tool or over-the-cap calls
+    parallel_tool_turns: int = 0  # turns with more than one valid call
+    summaries: int = 0
+    env_retries: int = 0
+    server: str = ""
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(g.generated for g in self.generations)
+
+    @property
+    def env_reward(self) -> float:
+        return float(self.grade.get("reward", 0.0))
+
+    def trajectory(self) -> dict[str, Any]:
+        """JSON-ready record: the OpenAI messages of every generation and the counts."""
+        return {
+            "task_id": self.task_id,
+            "seed": self.seed,
+            "finish_reason": self.finish_reason,
+            "reward": self.env_reward,
+            "turns": self.turns,
+            "tool_calls": self.tool_calls,
+            "broken_tool_calls": self.broken_tool_calls,
+            "parallel_tool_turns": self.parallel_tool_turns,
+            "summaries": self.summaries,
+            "generated_tokens": self.generated_tokens,
+            "env_retries": self.env_retries,
+            "generations": [g.messages for g in self.generations],
+            "diff": self.grade.get("diff", ""),
+        }
+
+
+def turn_seed(seed: int, generation: int, turn: int) -> int:
+    """A 32-bit sampling seed per (rollout seed, generation, turn), stable across processes."""
+    digest = hashlib.blake2b(f"{seed}/{generation}/{turn}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
+
+
+def _cut(text: str, limit: int) -> str:
+    if limit and len(text) > limit:
+        return text[:limit] + f"\n[... cut: {len(text) - limit} more characters]"
+    return text
+
+
+@dataclasses.dataclass
+class _Counts:
+    turns: int = 0
+    tool_calls: int = 0
+    broken: int = 0
+    parallel: int = 0
+    summaries: int = 0
+
+
+class _Episode:
+    def __init__(self, policy: Policy, session: RemoteSession, cfg: AgentConfig, seed: int):
+        self.policy, self.session, self.cfg, self.seed = policy, session, cfg, seed
+        self.counts = _Counts()
+        self.generations: list[Generation] = []
+
+    def _request(self, max_tokens: int) -> TurnRequest:
+        cfg = self.cfg
+        seed = turn_seed(self.seed, len(self.generations) - 1, self.counts.turns)
+        return TurnRequest(max_tokens, seed, cfg.temperature, cfg.top_p, cfg.top_k)
+
+    def _opening(self, summary: str | None = None) -> list[dict]:
+        task = self.session.instruction
+        if summary is not None:
+            task += "\n\nYou already worked on this task; your summary of that work:\n" + summary
+        return [
+            {"role": "system", "content": self.cfg.system_prompt or SYSTEM_PROMPT},
+            {"role": "user", "content": task},
+        ]
+
+    async def run(self) -> str:
+        cfg, counts = self.cfg, self.counts
+        gen = self.policy.begin(self._opening())
+        self.generations.append(gen)
+        limit = min(cfg.context_budget or self.policy.max_context, self.policy.max_context)
+        while True:
+            generated = sum(g.generated for g in self.generations)
+            if counts.turns >= cfg.max_turns:
+                return "turns"
+            if generated >= cfg.max_rollout_tokens:
+                return "tokens"
+            room = min(cfg.max_turn_tokens, cfg.max_rollout_tokens - generated)
+            if gen.context_len() + room > limit:
+                if not cfg.summarise or counts.summaries >= cfg.max_summaries:
+                    return "context"
+                gen = await self._summarise(gen)
+                continue
+            turn = await self.policy.turn(gen, self._request(room))
+            counts.turns += 1
+            n_calls = len(turn.tool_calls) + len(turn.malformed)
+            counts.tool_calls += n_calls
+            if not turn.finished:
+                counts.broken += len(turn.malformed)
+                return "length"
+            if n_calls == 0:
+                return "answer"
+            self.policy.extend(gen, await self._observe(turn.tool_calls, turn.malformed))
+
+    async def _observe(self, calls: list[dict], malformed: list[str]) -> list[dict]:
+        """Tool messages answering one turn's calls, in call order, malformed ones last."""
+        cfg, counts = self.cfg, self.counts
+        answers: dict[int, dict] = {}
+        valid: list[tuple[int, dict]] = []
+        for i, call in enumerate(calls):
+            fn = call["function"]
+            if len(valid) >= cfg.max_tool_calls_per_turn:
+                answers[i] = tool_message(
+                    call["id"], error=f"not run: at most {cfg.max_tool_calls_per_turn} tool calls per turn"
+                )
+                continue
+            try:
+                name, args = parse_call(fn["name"], fn["arguments"])
+            except ToolArgumentError as exc:
+                answers[i] = tool_message(call["id"], error=str(exc))
+                continue
+            valid.append((i, {"id": call["id"], "name": name, "arguments": args}))
+        counts.broken += len(calls) - len(valid) + len(malformed)
+        if len(valid) > 1:
+            counts.parallel += 1
+        if valid:
+            try:
+                results = await self.session.call_tools([c for _, c in valid])
+            except RequestRejected as exc:  # checked above, so a server that disagrees: say so, keep going
+                results = [{"ok": False, "error": f"the environment refused the calls: {exc}"}] * len(valid)
+            for (i, call), res in zip(valid, results):
+                if res.get("ok"):
+                    body = json.dumps(res.get("result"), ensure_ascii=False)
+                    answers[i] = {
+                        "role": "tool",
+                        "tool_call_id": call["id"],
+                        "content": _cut(body, cfg.max_observation_chars),
+                    }
+                else:
+                    answers[i] = tool_message(call["id"], error=_cut(str(res.get("error")), cfg.max_observation_chars))
+        out = [answers[i] for i in range(len(calls))]
+        n = len(self.generations[-1].messages)
+        out += [tool_message(f"malformed_{n}_{j}", error=m) for j, m in enumerate(malformed)]
+        return out
+
+    async def _summarise(self, gen: Generation) -> Generation:
+        self.policy.extend(gen, [{"role": "user", "content": self.cfg.summary_prompt}])
+        turn = await self.policy.turn(gen, self._request(self.cfg.summary_tokens))
+        self.counts.turns += 1
+        self.counts.summaries += 1
+        new = self.policy.begin(self._opening(turn.content.strip()))
+        self.generations.append(new)
+        return new
+
+
+async def run_rollout(
+    policy: Policy, client: EnvClient, task_id: str, cfg: AgentConfig, *, seed: int = 0, env_seed: int | None = None
+) -> Rollout:
+    """Run and grade one rollout of `task_id` (env_seed: the task's seed for generated families).
+
+    Raises RolloutFailed when every attempt lost its environment."""
+    errors: list[str] = []
+    for attempt in range(cfg.env_retries + 1):
+        session: RemoteSession | None = None
+        try:
+            session = await client.create_session(task_id, seed=env_seed)
+            episode = _Episode(policy, session, cfg, seed)
+            finish = await episode.run()
+            grade = await session.grade()
+        except EnvClientError as exc:
+            if isinstance(exc, RequestRejected) and exc.status < 500 and exc.status != 429:
+                raise  # a bad request (unknown task...) fails the same way everywhere
+            errors.append(f"attempt {attempt}: {exc}")
+            continue
+        finally:
+            if session is not None:
+                try:
+                    await session.close()
+                except EnvClientError:
+                    pass
+        c = episode.counts
+        return Rollout(
+            task_id,
+            seed,
+            episode.generations,
+            finish,
+            grade,
+            c.turns,
+            c.tool_calls,
+            c.broken,
+            c.parallel,
+            c.summaries,
+            attempt,
+            session.server_url,
+        )
+    raise RolloutFailed(f"task {task_id!r}: the environment failed on all {cfg.env_retries + 1} attempts: {errors}")

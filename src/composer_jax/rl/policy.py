@@ -1,0 +1,175 @@
+"""The policy an agent talks to: the in-process sampler (token level) or an OpenAI-compatible endpoint.
+
+Both keep one *generation* (a context that grows turn by turn) and answer the agent loop's three
+questions: start a generation from messages, sample the next assistant turn, append what the
+environment said. The token policy keeps the model's own tokens verbatim (the trainer trains on
+exactly what was sampled: re-tokenising the text could split it differently) with, per generated
+token, its sampler log-probability, policy version and the experts it was routed to. The endpoint
+policy works on messages and records no tokens: its rollouts are for evaluation, not training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import httpx
+import numpy as np
+
+from composer_jax.data.chat import AssistantTurn, parse_assistant, render_continuation, render_prompt
+from composer_jax.data.tokenizer import Tokenizer
+from composer_jax.env.protocol import TOOL_SCHEMAS
+from composer_jax.inference.async_sampler import AsyncSampler
+from composer_jax.inference.sampling import SamplingParams
+
+
+@dataclasses.dataclass
+class Generation:
+    """One context of a rollout. messages: the OpenAI messages so far (for trajectories).
+
+    Token policy only (empty for the endpoint policy): tokens int32[n] of the whole context;
+    loss_mask[n] 1.0 where the policy generated the token; logprobs[n] and versions[n] the sampler's
+    log-probability and policy version of generated tokens (0.0 / -1 elsewhere); routing
+    int32[n, moe_layers, k] the experts of every position from the latest forward over it (the last
+    token, never fed back, repeats the row before it), None for dense models."""
+
+    messages: list[dict]
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    loss_mask: list[float] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    routing: np.ndarray | None = None
+    generated: int = 0  # tokens the policy generated in this context
+
+    def context_len(self) -> int:
+        return len(self.tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnRequest:
+    max_tokens: int
+    seed: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+class Policy(Protocol):
+    max_context: int  # the most tokens one generation may hold (prompt + generated)
+
+    def begin(self, messages: list[dict]) -> Generation: ...
+
+    async def turn(self, gen: Generation, req: TurnRequest) -> AssistantTurn: ...
+
+    def extend(self, gen: Generation, messages: list[dict]) -> None: ...
+
+
+class TokenPolicy:
+    """The in-process sampler, through the project's chat template."""
+
+    def __init__(self, sampler: AsyncSampler, tok: Tokenizer):
+        self.sampler, self.tok = sampler, tok
+        self.max_context = sampler.sampler.max_len
+        self._stop = (tok.token_id("<|im_end|>"),)
+
+    def begin(self, messages: list[dict]) -> Generation:
+        ids = render_prompt(messages, self.tok).tolist()
+        return Generation(list(messages), ids, [0.0] * len(ids), [0.0] * len(ids), [-1] * len(ids))
+
+    def extend(self, gen: Generation, messages: list[dict]) -> None:
+        ids = render_continuation(messages, self.tok).tolist()
+        gen.messages.extend(messages)
+        gen.tokens += ids
+        gen.loss_mask += [0.0] * len(ids)
+        gen.logprobs += [0.0] * len(ids)
+        gen.versions += [-1] * len(ids)
+
+    async def turn(self, gen: Generation, req: TurnRequest) -> AssistantTurn:
+        params = SamplingParams(
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            max_tokens=req.max_tokens,
+            seed=req.seed,
+            stop_token_ids=self._stop,
+        )
+        done = await self.sampler.generate(gen.tokens, params)
+        gen.tokens += done.tokens
+        gen.loss_mask += [1.0] * len(done.tokens)
+        gen.logprobs += done.logprobs
+        gen.versions += done.versions
+        gen.generated += len(done.tokens)
+        if done.routing is not None:  # covers every position but the last generated token
+            gen.routing = np.concatenate([done.routing, done.routing[-1:]], axis=0)
+        turn = parse_assistant(done.tokens, self.tok, call_id_prefix=f"call_{len(gen.messages)}")
+        gen.messages.append(turn.message())
+        return turn
+
+
+class OpenAIPolicy:
+    """Any OpenAI-compatible /v1/chat/completions endpoint (for evaluation: no token records)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        *,
+        api_key: str = "",
+        max_context: int = 32768,
+        tools: Sequence[dict] = TOOL_SCHEMAS,
+        timeout_s: float = 600.0,
+        http: httpx.AsyncClient | None = None,
+    ):
+        self.base_url, self.model, self.max_context, self.tools = base_url.rstrip("/"), model, max_context, list(tools)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = http or httpx.AsyncClient(timeout=timeout_s, headers=headers)
+
+    def begin(self, messages: list[dict]) -> Generation:
+        return Generation(list(messages))
+
+    def extend(self, gen: Generation, messages: list[dict]) -> None:
+        gen.messages.extend(messages)
+
+    async def turn(self, gen: Generation, req: TurnRequest) -> AssistantTurn:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": gen.messages,
+            "tools": self.tools,
+            "max_tokens": req.max_tokens,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "seed": req.seed,
+        }
+        resp = await self.http.post(f"{self.base_url}/chat/completions", json=body)
+        if resp.status_code >= 400:
+            raise RuntimeError(f"policy endpoint {self.base_url}: HTTP {resp.status_code}: {resp.text[:500]}")
+        data = resp.json()
+        choice = data["choices"][0]
+        msg = choice.get("message") or {}
+        calls, malformed = [], []
+        for i, call in enumerate(msg.get("tool_calls") or []):
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+                args = fn.get("arguments", "{}")
+                calls.append(
+                    {
+                        "id": call.get("id") or f"call_{len(gen.messages)}_{i}",
+                        "type": "function",
+                        "function": {
+                            "name": fn["name"],
+                            "arguments": args if isinstance(args, str) else json.dumps(args),
+                        },
+                    }
+                )
+            else:
+                malformed.append(f"tool call {i}: not an OpenAI function call: {call!r:.200}")
+        usage = data.get("usage") or {}
+        gen.generated += int(usage.get("completion_tokens") or 0)
+        turn = AssistantTurn(msg.get("content") or "", calls, malformed, choice.get("finish_reason") != "length")
+        gen.messages.append(turn.message())
+        return turn
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
