@@ -11,55 +11,15 @@ import json
 
 import pytest
 from live_env import ENV_FIXTURE_TASKS, HAVE_BWRAP, REPO, EnvServer, needs_bwrap
+from scripted import ScriptedPolicy, call
 
 from composer_jax.config.agent import AgentConfig
-from composer_jax.data.chat import parse_assistant
 from composer_jax.data.tokenizer import load_tokenizer
 from composer_jax.env.client import EnvClient
 from composer_jax.errors import ConfigError
 from composer_jax.rl.agent import RolloutFailed, run_rollout, turn_seed
-from composer_jax.rl.policy import Generation, TurnRequest
 
 TOKEN = "rl-agent-test-token-0123456789"
-FIXED = 'def add(a, b):\n    """Return the sum of a and b."""\n    return a + b\n'
-
-
-def call(name: str, **args) -> str:
-    return "<|tool_call|>" + json.dumps({"name": name, "arguments": args})
-
-
-class ScriptedPolicy:
-    """Plays fixed turns; contexts grow by a fixed token count per message (for the budget)."""
-
-    def __init__(self, turns: list[str], tok, max_context: int = 100_000, tokens_per_message: int = 10):
-        self.turns, self.tok, self.max_context, self.per = list(turns), tok, max_context, tokens_per_message
-        self.requests: list[TurnRequest] = []
-        self.contexts: list[int] = []  # context length when each turn was asked for
-        self.hook = None
-
-    def begin(self, messages):
-        return Generation(list(messages), tokens=[0] * self.per * len(messages))
-
-    def extend(self, gen, messages):
-        gen.messages.extend(messages)
-        gen.tokens += [0] * self.per * len(messages)
-
-    async def turn(self, gen, req):
-        self.requests.append(req)
-        if self.hook is not None:
-            await self.hook(len(self.requests))
-        text = self.turns.pop(0)
-        self.contexts.append(gen.context_len())
-        pieces = text.split("<|tool_call|>")
-        ids = self.tok.encode(pieces[0])
-        for p in pieces[1:]:
-            ids += [self.tok.token_id("<|tool_call|>")] + self.tok.encode(p)
-        ids += [self.tok.token_id("<|im_end|>")]
-        gen.tokens += ids
-        gen.generated += len(ids)
-        turn = parse_assistant(ids, self.tok, call_id_prefix=f"c{len(gen.messages)}")
-        gen.messages.append(turn.message())
-        return turn
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,136 @@
+"""Evaluation: the agent without training, N samples per task, and what they add up to.
+
+Success is a reward of 1 (every test passes). Per task: pass@1 (the mean success of its samples)
+and best-of-K (some sample of K succeeded), mean reward, generated tokens, turns and tool calls;
+the same averaged over tasks per task category and overall. Trajectories are written as JSONL
+(one line per sample: the OpenAI messages of every generation and the counts), and a
+SWE-bench-style predictions file (`instance_id`, `model_name_or_path`, `model_patch`) holds one
+patch per task: the diff of its first successful sample, else of its first sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from composer_jax.config.agent import AgentConfig
+from composer_jax.env.client import EnvClient
+from composer_jax.rl.agent import Rollout, RolloutFailed, run_rollout
+from composer_jax.rl.policy import Policy
+
+SUCCESS = 1.0 - 1e-9
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskRef:
+    """A task on the environment servers: a task id, or "gen/FAMILY" with the seed that generates it."""
+
+    task_id: str
+    env_seed: int | None = None
+    category: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.task_id if self.env_seed is None else f"{self.task_id}#{self.env_seed}"
+
+
+async def sample_tasks(
+    policy: Policy,
+    client: EnvClient,
+    tasks: Sequence[TaskRef],
+    samples: int,
+    cfg: AgentConfig,
+    *,
+    seed: int = 0,
+    concurrency: int = 16,
+) -> dict[TaskRef, list[Rollout | RolloutFailed]]:
+    """`samples` rollouts of every task, at most `concurrency` at once; a rollout whose
+    environment failed on every attempt is kept as its RolloutFailed (and counted as such)."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(task: TaskRef, i: int) -> Rollout | RolloutFailed:
+        async with gate:
+            try:
+                return await run_rollout(
+                    policy, client, task.task_id, cfg, seed=seed * 1_000_003 + i, env_seed=task.env_seed
+                )
+            except RolloutFailed as exc:
+                return exc
+
+    jobs = [(t, i) for t in tasks for i in range(samples)]
+    results = await asyncio.gather(*(one(t, i) for t, i in jobs))
+    out: dict[TaskRef, list[Rollout | RolloutFailed]] = {t: [] for t in tasks}
+    for (t, _), r in zip(jobs, results):
+        out[t].append(r)
+    return out
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def task_metrics(rollouts: Sequence[Rollout | RolloutFailed]) -> dict[str, float]:
+    done = [r for r in rollouts if isinstance(r, Rollout)]
+    success = [float(r.env_reward >= SUCCESS) for r in done]
+    return {
+        "samples": float(len(rollouts)),
+        "env_failures": float(len(rollouts) - len(done)),
+        "pass@1": _mean(success),
+        "best_of_k": float(any(success)),
+        "reward": _mean([r.env_reward for r in done]),
+        "tokens": _mean([float(r.generated_tokens) for r in done]),
+        "turns": _mean([float(r.turns) for r in done]),
+        "tool_calls": _mean([float(r.tool_calls) for r in done]),
+        "broken_tool_calls": _mean([float(r.broken_tool_calls) for r in done]),
+    }
+
+
+def report(results: dict[TaskRef, list[Rollout | RolloutFailed]]) -> dict[str, Any]:
+    """{"tasks": {name: metrics}, "categories": {category: metrics averaged over its tasks},
+    "overall": metrics averaged over tasks}."""
+    per_task = {t.name: task_metrics(rs) for t, rs in results.items()}
+    by_cat: dict[str, list[dict[str, float]]] = defaultdict(list)
+    for t in results:
+        by_cat[t.category or "uncategorised"].append(per_task[t.name])
+
+    def average(ms: list[dict[str, float]]) -> dict[str, float]:
+        keys = ms[0].keys() if ms else ()
+        avg = {k: _mean([m[k] for m in ms]) for k in keys if k not in ("samples", "env_failures")}
+        avg.update(tasks=float(len(ms)), env_failures=sum(m["env_failures"] for m in ms))
+        return avg
+
+    return {
+        "tasks": per_task,
+        "categories": {c: average(ms) for c, ms in sorted(by_cat.items())},
+        "overall": average(list(per_task.values())),
+    }
+
+
+def write_outputs(
+    results: dict[TaskRef, list[Rollout | RolloutFailed]], out_dir: str | Path, model_name: str
+) -> dict[str, Path]:
+    """trajectories.jsonl, predictions.jsonl (SWE-bench style) and report.json under `out_dir`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {k: out / f"{k}.{'json' if k == 'report' else 'jsonl'}" for k in ("trajectories", "predictions", "report")}
+    with paths["trajectories"].open("w") as f:
+        for task, rs in results.items():
+            for i, r in enumerate(rs):
+                rec: dict[str, Any] = {"instance_id": task.name, "sample": i}
+                rec.update(r.trajectory() if isinstance(r, Rollout) else {"task_id": task.task_id, "error": str(r)})
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    with paths["predictions"].open("w") as f:
+        for task, rs in results.items():
+            done = [r for r in rs if isinstance(r, Rollout)]
+            best = next((r for r in done if r.env_reward >= SUCCESS), done[0] if done else None)
+            patch = best.grade.get("diff", "") if best is not None else ""
+            f.write(
+                json.dumps({"instance_id": task.name, "model_name_or_path": model_name, "model_patch": patch}) + "\n"
+            )
+    paths["report"].write_text(json.dumps(report(results), indent=2, sort_keys=True) + "\n")
+    return paths

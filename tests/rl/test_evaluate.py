@@ -1,0 +1,73 @@
+"""Evaluation against the real environment server: per-task and per-category metrics worked out
+from which samples were scripted to succeed, and the trajectory / predictions files."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from live_env import ENV_FIXTURE_TASKS, HAVE_BWRAP, REPO, EnvServer
+from scripted import ScriptedPolicy, call
+
+from composer_jax.config.agent import AgentConfig
+from composer_jax.data.tokenizer import load_tokenizer
+from composer_jax.env.client import EnvClient
+from composer_jax.rl.agent import turn_seed
+from composer_jax.rl.evaluate import TaskRef, report, sample_tasks, write_outputs
+
+TOKEN = "rl-eval-test-token-0123456789"
+FIX = call("edit_file", path="calc.py", old_string="return a - b", new_string="return a + b")
+HELLO = call("edit_file", path="hello.txt", new_string="hello, world\n")
+
+
+class Decides(ScriptedPolicy):
+    """First turn: the fix when the turn's seed is even, a harmless look otherwise; then answer."""
+
+    def next_text(self, gen, req):
+        if any(m["role"] == "tool" for m in gen.messages):
+            return "Done."
+        task = gen.messages[1]["content"]
+        if req.seed % 2:
+            return call("list_dir", path=".")
+        return HELLO if "hello.txt" in task else FIX
+
+
+@pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap (bwrap) is not installed; `make system-deps`")
+def test_eval_metrics_and_files(tmp_path):
+    tok = load_tokenizer(REPO / "assets" / "tokenizer")
+    server = EnvServer(ENV_FIXTURE_TASKS, "--token", TOKEN)
+    tasks = [TaskRef("fix-add", category="debugging"), TaskRef("write-hello", category="files")]
+    samples, seed = 4, 3
+
+    async def go():
+        async with EnvClient(server.url, TOKEN) as client:
+            return await sample_tasks(Decides([], tok), client, tasks, samples, AgentConfig(), seed=seed)
+
+    try:
+        results = asyncio.run(go())
+    finally:
+        server.stop()
+    # which samples succeed: their first turn's seed is even (the rollout seeds are seed*1000003+i)
+    wins = [turn_seed(seed * 1_000_003 + i, 0, 0) % 2 == 0 for i in range(samples)]
+    assert 0 < sum(wins) < samples  # this seed gives a mix (else pick another)
+    rep = report(results)
+    for task in tasks:
+        m = rep["tasks"][task.name]
+        assert m["pass@1"] == sum(wins) / samples and m["best_of_k"] == 1.0
+        assert m["turns"] == 2.0 and m["tool_calls"] == 1.0 and m["env_failures"] == 0.0
+        assert [r.env_reward for r in results[task]] == [float(w) for w in wins]
+    assert set(rep["categories"]) == {"debugging", "files"}
+    assert rep["overall"]["pass@1"] == sum(wins) / samples and rep["overall"]["tasks"] == 2.0
+
+    paths = write_outputs(results, tmp_path / "eval", "scripted")
+    lines = [json.loads(x) for x in paths["trajectories"].read_text().splitlines()]
+    assert len(lines) == 2 * samples and lines[0]["instance_id"] == "fix-add" and lines[0]["sample"] == 0
+    assert lines[0]["generations"][0][0]["role"] == "system"
+    preds = {p["instance_id"]: p for p in map(json.loads, paths["predictions"].read_text().splitlines())}
+    assert set(preds) == {"fix-add", "write-hello"} and preds["fix-add"]["model_name_or_path"] == "scripted"
+    assert (
+        "-    return a - b" in preds["fix-add"]["model_patch"]
+        and "+    return a + b" in preds["fix-add"]["model_patch"]
+    )
+    assert json.loads(paths["report"].read_text())["overall"]["pass@1"] == rep["overall"]["pass@1"]
