@@ -30,6 +30,11 @@ from composer_jax.env.protocol import SYSTEM_PROMPT, ToolArgumentError, parse_ca
 from composer_jax.rl.policy import Generation, Policy, TurnRequest
 
 
+# context tokens kept free past the budget for the summary request message (its template tokens and
+# text; the default request is ~60 tokens with the shipped tokenizer)
+SUMMARY_REQUEST_ROOM = 128
+
+
 class RolloutFailed(RuntimeError):
     """The environment failed on every attempt; the rollout has no score."""
 
@@ -128,7 +133,9 @@ class _Episode:
         cfg, counts = self.cfg, self.counts
         gen = self.policy.begin(self._opening())
         self.generations.append(gen)
-        limit = min(cfg.context_budget or self.policy.max_context, self.policy.max_context)
+        limit = self.policy.max_context
+        if cfg.context_budget:  # the summary request and the summary must still fit after it
+            limit = min(cfg.context_budget, limit - cfg.summary_tokens - SUMMARY_REQUEST_ROOM)
         while True:
             generated = sum(g.generated for g in self.generations)
             if counts.turns >= cfg.max_turns:
