@@ -97,7 +97,7 @@ def split_calls(action: Any) -> list[tuple[Any, Any, tuple[str, dict] | str]]:
     """A step's {"tool_calls"} or {"name", "arguments"} action -> [(id, name, parsed)] in call order,
     `parsed` the checked (name, arguments) or the error message for that call. An action of no
     known shape gives one entry with NOT_AN_ACTION."""
-    if not isinstance(action, dict):
+    if not isinstance(action, dict) or "tool_calls" not in action and "name" not in action:
         return [(None, None, NOT_AN_ACTION)]
     raw = action["tool_calls"] if "tool_calls" in action else [action]
     if not isinstance(raw, list) or not raw:
