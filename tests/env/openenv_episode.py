@@ -46,7 +46,11 @@ async def generic_episode(url: str, kw: dict) -> dict:
             await env.step(
                 {
                     "tool_calls": [
-                        {"id": "c1", "name": "read_file", "arguments": {"path": "calc.py", "start_line": 6, "end_line": 6}},
+                        {
+                            "id": "c1",
+                            "name": "read_file",
+                            "arguments": {"path": "calc.py", "start_line": 6, "end_line": 6},
+                        },
                         {"id": "c2", "name": "grep", "arguments": {"pattern": "def add"}},
                     ]
                 }
@@ -60,7 +64,11 @@ async def generic_episode(url: str, kw: dict) -> dict:
                 {
                     "tool_calls": [
                         {"id": "c6", "name": "read_file", "arguments": {"path": "calc.py", "bogus": 1}},
-                        {"id": "c7", "name": "read_file", "arguments": {"path": "calc.py", "start_line": 1, "end_line": 1}},
+                        {
+                            "id": "c7",
+                            "name": "read_file",
+                            "arguments": {"path": "calc.py", "start_line": 1, "end_line": 1},
+                        },
                     ]
                 }
             )
