@@ -3,11 +3,12 @@
 One definition, shared by everything that speaks to or about the tools, so they cannot drift:
 
 * the environment server: `env/tools.py` implements each tool and builds its result with the
-  functions here; `env/server.py` (HTTP) and `env/openenv_ws.py` (WebSocket) parse and check calls
-  with `parse_call`;
+  functions here (list_dir with `list_dir_entries`, the walk itself); `env/server.py` (HTTP),
+  `env/openenv_protocol.py` (WebSocket steps) and `env/mcp.py` (MCP) check calls with `parse_call`;
 * SFT data generation (`data/sft.py`): its conversations use `SYSTEM_PROMPT`, `assistant_tool_call`
-  and `tool_message`, and build each tool result with the same functions the server uses, so the
-  model sees at SFT time exactly what it sees in RL;
+  and `tool_message`, and build each tool result with the same functions the server uses (its
+  list_dir walks the task's initial workspace with `list_dir_entries`), so the model sees at SFT
+  time exactly what it sees in RL;
 * the RL agent loop, which turns the model's tool calls into server calls and the server's
   results back into messages.
 
