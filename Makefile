@@ -4,11 +4,19 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-all lint system-deps clean
+HARBOR_VENV := .venv-harbor
+PYTHON312 ?= python3.12
 
-$(STAMP): requirements.lock requirements-env.lock pyproject.toml
+.PHONY: venv demo test test-all lint system-deps harbor clean
+
+# OpenEnv 0.3 (requirements-openenv03.lock) installs the same `openenv` package as the current line
+# in requirements-env.lock, so it goes to its own directory, with the venv's dependencies;
+# tests/env/test_openenv_clients.py runs its clients from there in a subprocess.
+$(STAMP): requirements.lock requirements-env.lock requirements-openenv03.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.lock -r requirements-env.lock
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps --upgrade --target $(VENV)/openenv-0.3 \
+	  -r requirements-openenv03.lock
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
@@ -26,6 +34,16 @@ system-deps:
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bazel-bootstrap) >/dev/null 2>&1 || echo "warning: could not install bazel-bootstrap"; \
 	  else echo "warning: bazel not found; Bazel build tests will be skipped"; fi; }
 
+# Harbor's linter (tests/env/test_harbor_tasks.py) needs Python 3.12: its own venv when one is found.
+$(HARBOR_VENV)/.installed: requirements-harbor.lock
+	@if $(PYTHON312) -c "" >/dev/null 2>&1; then \
+	  $(PYTHON312) -m venv $(HARBOR_VENV) && \
+	  $(HARBOR_VENV)/bin/pip install -q --disable-pip-version-check -r requirements-harbor.lock && \
+	  touch $@ || echo "warning: could not install Harbor; its linter test will be skipped"; \
+	else echo "warning: no working $(PYTHON312) (set PYTHON312=...); Harbor's linter test will be skipped"; fi
+
+harbor: $(HARBOR_VENV)/.installed
+
 demo: venv system-deps
 	$(PY) -m composer_jax.cli demo
 
@@ -34,11 +52,11 @@ lint: venv
 	$(VENV)/bin/ruff format --check src tests bench pallas_kernels tools
 	$(VENV)/bin/mypy src/composer_jax pallas_kernels bench tests tools
 
-test: venv system-deps lint
+test: venv system-deps harbor lint
 	$(PY) -m pytest -n 2 -m "not slow" tests
 
-test-all: venv system-deps
+test-all: venv system-deps harbor
 	$(PY) -m pytest -n 2 tests
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(HARBOR_VENV) build *.egg-info src/*.egg-info

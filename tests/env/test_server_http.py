@@ -90,7 +90,7 @@ def test_reward_json_and_grading_does_not_touch_workspace(http):
     try:
         call(http, sid, "run_shell", command="echo 'hello, world' > hello.txt")
         g = http.post(f"/sessions/{sid}/grade").json()
-        assert g["reward"] == 1.0 and g["reward_details"] == {"checked": "hello.txt"}
+        assert g["reward"] == 1.0 and g["reward_details"] == {"files_checked": 1}
         assert "+++ b/hello.txt" in g["diff"]
         listing = call(http, sid, "list_dir")["result"]["entries"]
         assert sorted(e["path"] for e in listing) == ["/app/README.md", "/app/hello.txt"]

@@ -126,6 +126,31 @@ def test_reward_files_and_junit(tmp_path):
     ]
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("0.25", (0.25, {}, None)),  # a bare number
+        ('{"accuracy": 0.5}', (0.5, {}, None)),  # the only value is the reward
+        ('{"reward": 0.75, "tests": 4}', (0.75, {"tests": 4}, None)),
+        ('{"reward": 1, "checked": "hello.txt"}', "checked='hello.txt'"),  # Harbor: numbers only
+        ('{"reward": NaN}', "reward=nan"),
+        ("{}", "an empty object"),
+        ('{"a": 1, "b": 0}', 'several values (a, b) and no "reward"'),
+        ("[1, 2]", "reward=[1, 2]"),
+        ("", "not JSON"),
+    ],
+)
+def test_reward_json_follows_harbor(tmp_path, text, expected):
+    """Harbor reads reward.json before reward.txt, and refuses a value that is not a finite number."""
+    (tmp_path / "reward.txt").write_text("0.0\n")  # ignored while reward.json exists
+    (tmp_path / "reward.json").write_text(text)
+    got = grader.read_reward(tmp_path)
+    if isinstance(expected, tuple):
+        assert got == expected
+    else:
+        assert got[0] is None and expected in got[2]
+
+
 def test_workspace_diff(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()

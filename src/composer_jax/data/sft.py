@@ -141,8 +141,8 @@ def task_conversation(task_dir: str | Path, *, timeout_s: float = 60.0) -> dict:
             "tool_calls": [_call(cid, "list_dir", path="/app", depth=2)],
         }
     )
-    # Files only, at every depth (the live server also lists directories, to `depth` levels).
-    listing = protocol.list_dir_result(protocol.APP, [(_app(p), "file", len(before[p])) for p in sorted(before)])
+    # What the server returns for this call on a fresh session: its walk over the initial workspace.
+    listing = list_initial_workspace(task_dir, depth=2)
     msgs.append(protocol.tool_message(cid, listing))
 
     to_read = changed + deleted
@@ -194,6 +194,16 @@ def task_conversation(task_dir: str | Path, *, timeout_s: float = 60.0) -> dict:
         msgs.extend(protocol.tool_message(c, r) for c, _, r in edits)
     msgs.append({"role": "assistant", "content": _summary(changed, added, deleted, before, after)})
     return {"task": task_dir.name, "messages": msgs}
+
+
+def list_initial_workspace(task_dir: Path, depth: int) -> dict:
+    """list_dir /app to `depth` as the server answers it on a fresh session of this task (whose
+    workspace is a copy of environment/app): the same walk, `protocol.list_dir_entries`."""
+    fd = os.open(Path(task_dir) / "environment" / "app", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return protocol.list_dir_result(protocol.APP, protocol.list_dir_entries(fd, protocol.APP, depth))
+    finally:
+        os.close(fd)
 
 
 def _summary(changed, added, deleted, before, after) -> str:

@@ -1,9 +1,9 @@
 """Error types of the environment server, raised where the condition arises.
 
-The HTTP API (`server.py`) maps each type to a status code in one table, and the OpenEnv WebSocket
-endpoint (`openenv_ws.py`) to an OpenEnv error code, so no caller has to read an error's message to
-know what went wrong. Errors of a tool call (`ToolArgumentError`, `ToolError`) belong to the tool
-protocol: see `protocol.py`.
+The HTTP API (`server.py`) maps each type to a status code in one table, the OpenEnv WebSocket
+endpoint (`openenv_ws.py`) to an OpenEnv error code and MCP (`mcp.py`) to a JSON-RPC error code,
+so no caller has to read an error's message to know what went wrong. Errors of a tool call
+(`ToolArgumentError`, `ToolError`) belong to the tool protocol: see `protocol.py`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Grading (Harbor's verifier contract, run locally): the session's current workspace is copied to a
 fresh directory, which is mounted at /app (read-write); the task's tests/ at /tests (read-only);
 a fresh empty directory at /logs/verifier (read-write). `bash /tests/test.sh` runs with cwd /app.
-The reward is read from /logs/verifier/reward.txt (a number) or reward.json ({"reward": x, ...});
+The reward is read as Harbor reads it: /logs/verifier/reward.json first (numbers only), else reward.txt;
 per-test results come from /logs/verifier/junit.xml when the tests wrote one. The agent's
 workspace itself is never touched by grading, so a session can be graded many times.
 
@@ -71,13 +71,35 @@ def _read_regular(logs: Path, name: str, limit: int) -> bytes | None:
         os.close(dfd)
 
 
+def _numeric(value: object) -> bool:
+    # Harbor's test: an int or float (so JSON true/false pass, as in Harbor), and finite.
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
 def read_reward(logs: Path) -> tuple[float | None, dict, str | None]:
-    """(reward, extra fields, error) from reward.txt or reward.json in `logs`."""
+    """(reward, other rewards, error) from `logs`, as Harbor reads them: reward.json when it exists
+    (a number, or an object whose values are all finite numbers: its "reward", or its only value;
+    the other values are returned as details), else reward.txt (one finite number)."""
     try:
-        txt = _read_regular(logs, "reward.txt", 1000)
-        js = _read_regular(logs, "reward.json", 100_000) if txt is None else None
+        js = _read_regular(logs, "reward.json", 100_000)
+        txt = _read_regular(logs, "reward.txt", 1000) if js is None else None
     except ValueError as exc:
         return None, {}, str(exc)
+    if js is not None:
+        try:
+            data = json.loads(js.decode("utf-8", "replace"))
+        except ValueError as exc:
+            return None, {}, f"reward.json is not JSON: {exc}"
+        if not isinstance(data, dict):
+            data = {"reward": data}
+        bad = {k: v for k, v in data.items() if not _numeric(v)}
+        if bad or not data:
+            shown = ", ".join(f"{k}={v!r:.40}" for k, v in list(bad.items())[:5]) or "an empty object"
+            return None, {}, f"reward.json values must all be finite numbers (Harbor's rule); got {shown}"
+        if "reward" not in data and len(data) > 1:
+            return None, {}, f'reward.json has several values ({", ".join(sorted(data))}) and no "reward"'
+        key = "reward" if "reward" in data else next(iter(data))
+        return float(data[key]), {k: v for k, v in data.items() if k != key}, None
     if txt is not None:
         raw = txt.decode("utf-8", "replace").strip()
         try:
@@ -85,16 +107,7 @@ def read_reward(logs: Path) -> tuple[float | None, dict, str | None]:
         except ValueError:
             return None, {}, f"reward.txt holds {raw[:80]!r}, not a number"
         return (reward, {}, None) if math.isfinite(reward) else (None, {}, f"reward.txt holds {raw!r}")
-    if js is not None:
-        try:
-            data = json.loads(js.decode("utf-8", "replace"))
-            reward = float(data["reward"])
-        except (ValueError, KeyError, TypeError) as exc:
-            return None, {}, f'reward.json must be an object with a numeric "reward": {exc}'
-        if not math.isfinite(reward):
-            return None, {}, f"reward.json reward {reward!r} is not finite"
-        return reward, {k: v for k, v in data.items() if k != "reward"}, None
-    return None, {}, "the verifier wrote neither /logs/verifier/reward.txt nor reward.json"
+    return None, {}, "the verifier wrote neither /logs/verifier/reward.json nor reward.txt"
 
 
 def parse_junit(path: Path) -> list[dict]:

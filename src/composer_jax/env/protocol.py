@@ -3,11 +3,12 @@
 One definition, shared by everything that speaks to or about the tools, so they cannot drift:
 
 * the environment server: `env/tools.py` implements each tool and builds its result with the
-  functions here; `env/server.py` (HTTP) and `env/openenv_ws.py` (WebSocket) parse and check calls
-  with `parse_call`;
+  functions here (list_dir with `list_dir_entries`, the walk itself); `env/server.py` (HTTP),
+  `env/openenv_protocol.py` (WebSocket steps) and `env/mcp.py` (MCP) check calls with `parse_call`;
 * SFT data generation (`data/sft.py`): its conversations use `SYSTEM_PROMPT`, `assistant_tool_call`
-  and `tool_message`, and build each tool result with the same functions the server uses, so the
-  model sees at SFT time exactly what it sees in RL;
+  and `tool_message`, and build each tool result with the same functions the server uses (its
+  list_dir walks the task's initial workspace with `list_dir_entries`), so the model sees at SFT
+  time exactly what it sees in RL;
 * the RL agent loop, which turns the model's tool calls into server calls and the server's
   results back into messages.
 
@@ -26,7 +27,9 @@ Two kinds of failure:
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+import os
+import stat
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 APP = "/app"
@@ -323,6 +326,34 @@ def edit_file_replace(
         "mode": "replace",
         "first_changed_line": _line_of(text, text.index(old_string)),
     }
+
+
+def list_dir_entries(dir_fd: int, base: str, depth: int) -> Iterator[tuple[str, str, int]]:
+    """list_dir's walk: (display path, kind, size) for each entry under the open directory `dir_fd`
+    (shown as `base`), to `depth` levels: a directory's entries sorted by name, then each
+    subdirectory's, never following symlinks. kind is file, dir, symlink or other; size is 0 for
+    all but files. The server lists a workspace with it, SFT data a task's initial one."""
+    for dirpath, dirnames, filenames, dirfd in os.fwalk(".", dir_fd=dir_fd, follow_symlinks=False):
+        level = 0 if dirpath == "." else dirpath.count("/")
+        dirnames.sort()
+        for name in sorted(dirnames + filenames):
+            try:
+                st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+            except OSError:
+                continue  # vanished while listing
+            kind = (
+                "dir"
+                if stat.S_ISDIR(st.st_mode)
+                else "symlink"
+                if stat.S_ISLNK(st.st_mode)
+                else "file"
+                if stat.S_ISREG(st.st_mode)
+                else "other"
+            )
+            rel = os.path.normpath(os.path.join(dirpath, name))
+            yield f"{base}/{rel}", kind, st.st_size if kind == "file" else 0
+        if level + 1 >= depth:
+            dirnames[:] = []
 
 
 def list_dir_result(path: str, entries: Iterable[tuple[str, str, int]], max_entries: int = MAX_LIST_ENTRIES) -> dict:

@@ -1,7 +1,10 @@
 """The environment server's HTTP/JSON API (FastAPI; OpenAPI schema at /openapi.json).
 
-Endpoints (all but /health need `Authorization: Bearer TOKEN`):
+Endpoints (all but /health need `Authorization: Bearer TOKEN`, or the path form: every path is
+also served under /t/TOKEN/, for OpenEnv clients and tools that cannot send headers):
     GET    /health                        liveness, capacity, sandbox backend
+    GET    /metadata, /schema             OpenEnv's environment description and JSON schemas
+    POST   /mcp                           MCP JSON-RPC (tools/list, tools/call, sessions; see mcp.py)
     GET    /metrics                       Prometheus text format
     GET    /tasks                         task ids, local runnability, generated families
     GET    /tools                         tool schemas (OpenAI function-calling format)
@@ -10,12 +13,13 @@ Endpoints (all but /health need `Authorization: Bearer TOKEN`):
     POST   /sessions/{id}/tools           {calls: [{id?, name, arguments}]} -> results, run in parallel
     POST   /sessions/{id}/grade           run the task's tests on a copy -> reward, tests, diff
     DELETE /sessions/{id}                 close (kills every process of the session)
-    WS     /ws  (and /t/{token}/ws)       OpenEnv-compatible session (see openenv_ws.py)
+    WS     /ws                            OpenEnv session (reset/step/state/mcp; see openenv_ws.py)
 Errors are JSON `{"error": {"code", "message"}}` with a 4xx status naming the bad value.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
@@ -38,7 +42,8 @@ try:
 except ImportError:  # pragma: no cover - orjson is in requirements-env.lock
     _HAVE_ORJSON = False
 
-from composer_jax.env import protocol
+from composer_jax.env import mcp, protocol
+from composer_jax.env import openenv_protocol as op
 from composer_jax.env.errors import (
     CapacityError,
     SessionBusy,
@@ -80,13 +85,14 @@ class CreateSessionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     task_id: str = Field(min_length=1, max_length=256, description="a task directory name, or gen/<family>")
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED, description="for generated tasks (default 0)")
+    episode_id: str | None = Field(default=None, min_length=1, max_length=256, description="the client's name")
     ttl_s: float | None = Field(default=None, gt=0, le=86400, description="idle time before the session is closed")
 
 
 class CreateSessionResponse(BaseModel):
     session_id: str
     task_id: str
-    seed: int | None
+    seed: int
     instruction: str
     tools: list[dict[str, Any]]
     expires_at: float
@@ -282,6 +288,31 @@ class BodySizeLimit:
                 await JSONResponse({"error": {"code": "internal_error", "message": message}}, 500)(scope, receive, send)
 
 
+class PathToken:
+    """ASGI middleware: `/t/TOKEN/REST` is served as `/REST` with `Authorization: Bearer TOKEN`.
+
+    OpenEnv's 0.3 clients send no headers and append `/ws` to their base URL (a `?token=` query
+    would end up as `?token=T/ws`), and `openenv validate --url` sends none either: with
+    `base_url = http://HOST:PORT/t/TOKEN` every endpoint, the socket and `/mcp` included, is
+    authenticated by the same bearer check. The server's access log is off (`cli.py`), so the
+    token in the path is not written anywhere."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] in ("http", "websocket") and scope["path"].startswith("/t/"):
+            token, _, rest = scope["path"][3:].partition("/")
+            headers = [(k, v) for k, v in scope.get("headers") or [] if k != b"authorization"]
+            scope = {
+                **scope,
+                "path": "/" + rest,
+                "raw_path": ("/" + rest).encode(),
+                "headers": [*headers, (b"authorization", b"Bearer " + token.encode("latin-1", "replace"))],
+            }
+        await self.app(scope, receive, send)
+
+
 async def _error_response(_: Request, exc: Exception) -> JSONResponse:
     """The one handler for ApiError and every type in `_ERROR_STATUS`."""
     if isinstance(exc, ApiError):
@@ -333,7 +364,7 @@ def _add_server_routes(app: FastAPI, manager: SessionManager, auth: list) -> Non
     @app.get("/health", summary="Liveness and capacity (no authentication)")
     async def health() -> dict[str, Any]:
         return {
-            "status": "ok",
+            "status": "healthy",  # OpenEnv's HealthStatus.HEALTHY, which `openenv validate` expects
             "sessions": len(manager),
             "max_sessions": manager.max_sessions,
             "sandbox": manager.sandbox.describe(),
@@ -366,6 +397,30 @@ def _add_server_routes(app: FastAPI, manager: SessionManager, auth: list) -> Non
         return protocol.TOOL_SCHEMAS
 
 
+def _add_openenv_routes(app: FastAPI, manager: SessionManager, auth: list) -> None:
+    """/metadata, /schema and POST /mcp: what OpenEnv's servers serve besides /ws and /health."""
+
+    @app.get("/metadata", summary="Environment metadata (OpenEnv)", dependencies=auth)
+    async def metadata() -> dict[str, Any]:
+        return {**op.METADATA, "tasks": len(manager.store.ids()), "families": manager.store.families()}
+
+    @app.get("/schema", summary="JSON schemas of actions, observations and state (OpenEnv)", dependencies=auth)
+    async def schema() -> dict[str, Any]:
+        return op.SCHEMAS
+
+    @app.post(
+        "/mcp",
+        summary="MCP JSON-RPC 2.0: tools/list, tools/call, openenv/session/create, openenv/session/close",
+        dependencies=auth,
+    )
+    async def mcp_rpc(request: Request) -> dict[str, Any]:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return mcp.response(None, error=mcp.RpcError(mcp.PARSE_ERROR, f"request body is not JSON: {exc}"))
+        return await mcp.handle(manager, body)
+
+
 def _add_schema_routes(app: FastAPI, auth: list) -> None:
     """/openapi.json and /docs, authenticated like everything but /health."""
 
@@ -389,7 +444,7 @@ def _add_session_routes(app: FastAPI, manager: SessionManager, auth: list) -> No
         dependencies=auth,
     )
     async def create_session(body: CreateSessionRequest) -> CreateSessionResponse:
-        s = await manager.create(body.task_id, body.seed, body.ttl_s)
+        s = await manager.create(body.task_id, body.seed, body.ttl_s, episode_id=body.episode_id)
         return CreateSessionResponse(
             session_id=s.session_id,
             task_id=s.task.task_id,
@@ -433,12 +488,7 @@ def _add_session_routes(app: FastAPI, manager: SessionManager, auth: list) -> No
 def _add_websocket_routes(app: FastAPI, manager: SessionManager, token: str) -> None:
     @app.websocket("/ws")
     async def ws(websocket: WebSocket):
-        await serve_openenv_websocket(websocket, manager, token, None)
-
-    @app.websocket("/t/{path_token}/ws")
-    async def ws_token_path(websocket: WebSocket, path_token: str):
-        # For OpenEnv clients that cannot send headers: base_url = http://host:port/t/TOKEN
-        await serve_openenv_websocket(websocket, manager, token, path_token)
+        await serve_openenv_websocket(websocket, manager, token)
 
 
 def create_app(
@@ -465,9 +515,11 @@ def create_app(
     )
     app.state.manager, app.state.token, app.state.max_body_bytes = manager, token, max_body_bytes
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes, metrics=manager.metrics)
+    app.add_middleware(PathToken)  # outermost: the path form is rewritten before anything else
     _add_error_handlers(app)
     auth = [Depends(_bearer_auth(token))]
     _add_server_routes(app, manager, auth)
+    _add_openenv_routes(app, manager, auth)
     _add_schema_routes(app, auth)
     _add_session_routes(app, manager, auth)
     _add_websocket_routes(app, manager, token)

@@ -25,7 +25,7 @@ from composer_jax.env.errors import (  # noqa: F401 - re-exported
 )
 from composer_jax.env.metrics import Metrics
 from composer_jax.env.sandbox import ExecResult, Limits, Mount, Sandbox, SandboxLease
-from composer_jax.env.tasks import Task, TaskError, TaskStore
+from composer_jax.env.tasks import MAX_SEED, Task, TaskError, TaskStore, check_seed
 from composer_jax.env.workspace import Workspace
 
 
@@ -36,7 +36,7 @@ class Session:
         self,
         session_id: str,
         task: Task,
-        seed: int | None,
+        seed: int,
         root: Path,
         lease: SandboxLease,
         limits: Limits,
@@ -59,6 +59,13 @@ class Session:
         self.not_grading = asyncio.Event()
         self.not_grading.set()
         self.closed = False
+        # OpenEnv episode bookkeeping, shared by the WebSocket and /mcp (openenv_ws.py, mcp.py):
+        # the client's episode id (else the session id), steps taken, whether it was submitted, and
+        # whether a socket is attached to a session created over /mcp.
+        self.episode_id = session_id
+        self.step_count = 0
+        self.done = False
+        self.attached = False
 
     async def run_shell(self, command: str, timeout_s: float) -> ExecResult:
         limits = self.limits.with_(wall_seconds=min(float(timeout_s), self.limits.wall_seconds))
@@ -78,6 +85,9 @@ class Session:
             "tool_calls": self.tool_calls,
             "grades": self.grades,
             "last_reward": self.last_reward,
+            "episode_id": self.episode_id,
+            "step_count": self.step_count,
+            "done": self.done,
         }
 
 
@@ -117,11 +127,32 @@ class SessionManager:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    async def create(self, task_id: str, seed: int | None = None, ttl_s: float | None = None) -> Session:
+    def resolve_task(self, task_id: str | None, seed: int | None) -> tuple[str, int]:
+        """(task id, seed) a session is created with. Without a task id (OpenEnv's bare reset) the
+        task is picked by the seed, drawn at random when not given either; with one, seed defaults to 0."""
+        if task_id is None:
+            seed = secrets.randbelow(MAX_SEED + 1) if seed is None else check_seed(seed)
+            return self.store.pick(seed), seed
+        return task_id, 0 if seed is None else seed
+
+    async def create(
+        self,
+        task_id: str | None,
+        seed: int | None = None,
+        ttl_s: float | None = None,
+        *,
+        session_id: str | None = None,
+        episode_id: str | None = None,
+    ) -> Session:
+        """A new session of `task_id` (picked by the seed when None: `resolve_task`); `session_id`
+        reuses an id (a reset), `episode_id` is the client's name for the episode."""
         start = time.monotonic()
-        ttl = self.default_ttl_s if ttl_s is None else float(ttl_s)
-        if not 0 < ttl <= self.max_ttl_s:
-            raise TaskError(f"ttl_s {ttl_s!r} must be in (0, {self.max_ttl_s}]")
+        ttl = self.default_ttl_s if ttl_s is None else ttl_s
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= self.max_ttl_s:
+            raise TaskError(f"ttl_s {ttl_s!r} must be a number in (0, {self.max_ttl_s}]")
+        if episode_id is not None and (not isinstance(episode_id, str) or not 0 < len(episode_id) <= 256):
+            raise TaskError(f"episode_id {episode_id!r:.80} must be a string of 1 to 256 characters")
+        task_id, seed = self.resolve_task(task_id, seed)
         task = await asyncio.to_thread(self.store.get, task_id, seed)  # may generate a task
         if not task.runnable:
             raise TaskNotRunnable(f"task {task_id!r} cannot run in the local sandbox: {task.not_runnable_reason}")
@@ -131,14 +162,17 @@ class SessionManager:
                 f"server is at its limit of {self.max_sessions} concurrent sessions; "
                 "close a session or retry later / on another server"
             )
+        if session_id is not None and session_id in self._sessions:
+            raise TaskError(f"session {session_id!r} is open; close it before reusing its id")
         self._reserved += 1
-        session_id = secrets.token_hex(12)
+        session_id = session_id or secrets.token_hex(12)
         root = self.sessions_dir / session_id
         lease = self.sandbox.lease(session_id)
         try:
             root.mkdir(mode=0o700)
             await asyncio.to_thread(self._materialise, task, root, lease)
-            session = Session(session_id, task, seed, root, lease, self.limits, ttl)
+            session = Session(session_id, task, seed, root, lease, self.limits, float(ttl))
+            session.episode_id = episode_id or session_id
             self._sessions[session_id] = session
         except BaseException:
             await lease.close()
@@ -184,6 +218,27 @@ class SessionManager:
         self.metrics.inc("cj_env_sessions_closed_total", reason=reason)
         self.metrics.set("cj_env_sessions_active", len(self._sessions))
         return {"session_id": session_id, "closed": True, "reason": reason}
+
+    async def reset(
+        self,
+        session_id: str,
+        task_id: str | None,
+        seed: int | None = None,
+        ttl_s: float | None = None,
+        episode_id: str | None = None,
+    ) -> Session:
+        """A fresh episode in session `session_id` (OpenEnv's reset): same id, a new workspace of
+        `task_id`. The task is checked first, so a bad reset leaves the session as it was."""
+        old = self.get(session_id)
+        if old.grading:
+            raise SessionBusy(f"session {session_id!r} is being graded; reset it when the grade has returned")
+        task_id, seed = self.resolve_task(task_id, seed)
+        await asyncio.to_thread(self.store.get, task_id, seed)
+        attached, ttl = old.attached, old.ttl_s if ttl_s is None else ttl_s
+        await self.close(session_id, reason="reset")
+        session = await self.create(task_id, seed, ttl, session_id=session_id, episode_id=episode_id)
+        session.attached = attached
+        return session
 
     async def close_all(self, reason: str = "shutdown") -> None:
         await asyncio.gather(*(self.close(sid, reason) for sid in list(self._sessions)), return_exceptions=True)

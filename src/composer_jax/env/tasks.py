@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import random
 import re
 import threading
 import tomllib
@@ -29,6 +30,9 @@ from composer_jax.env.errors import TaskError, UnknownTaskError
 TASK_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 GENERATED_PREFIX = "gen/"
 MAX_SEED = 2**31 - 1
+# Harbor's [verifier] environment_mode. This server grades a fresh copy of the workspace whatever
+# the task says ("separate"); "shared" (Harbor's default when unset) is accepted for Harbor's sake.
+VERIFIER_MODES = ("separate", "shared")
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
@@ -124,6 +128,12 @@ def parse_task_config(data: dict[str, Any], where: str) -> TaskConfig:
     tags = sections["metadata"].get("tags", [])
     if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
         raise TaskError(f"{where}: [metadata] tags = {tags!r} must be a list of strings")
+    mode = sections["verifier"].get("environment_mode", "separate")
+    if mode not in VERIFIER_MODES:
+        raise TaskError(
+            f"{where}: [verifier] environment_mode = {mode!r}; accepted: "
+            f"{', '.join(repr(m) for m in VERIFIER_MODES)} (this server always grades a fresh copy)"
+        )
     modules = sections["verifier"].get("python_modules", [])
     if not isinstance(modules, list) or not all(isinstance(m, str) and _MODULE.fullmatch(m) for m in modules):
         raise TaskError(
@@ -188,6 +198,13 @@ def load_task(root: Path, task_id: str | None = None) -> Task:
     return Task(task_id, root, config, instruction, _not_runnable_reason(root, config))
 
 
+def check_seed(seed: object) -> int:
+    """`seed` if it is an integer in [0, MAX_SEED]; TaskError naming it otherwise."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise TaskError(f"seed {seed!r} must be an integer in [0, {MAX_SEED}]")
+    return seed
+
+
 class TaskStore:
     """Resolves task ids to loaded tasks: directories under `tasks_dir` and `gen/<family>` ids.
 
@@ -239,8 +256,8 @@ class TaskStore:
         """The task for `task_id` (a directory name or `gen/<family>`); TaskError if unknown."""
         if not isinstance(task_id, str) or not task_id:
             raise TaskError(f"task_id {task_id!r} must be a non-empty string")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
-            raise TaskError(f"seed {seed!r} must be an integer in [0, {MAX_SEED}]")
+        if seed is not None:
+            check_seed(seed)
         if task_id.startswith(GENERATED_PREFIX):
             return self._generate(task_id[len(GENERATED_PREFIX) :], seed or 0)
         task = self._tasks.get(task_id)
@@ -252,6 +269,16 @@ class TaskStore:
                 f"generated families: {', '.join(GENERATED_PREFIX + f for f in self.families()) or '(none)'}"
             )
         return task
+
+    def pick(self, seed: int) -> str:
+        """The task id a reset without `task_id` gets: one of the runnable tasks and `gen/<family>`
+        ids (sorted), chosen by `random.Random(seed)`, so a seed names the same task on any server
+        with the same tasks."""
+        check_seed(seed)
+        candidates = [t.task_id for t in self.tasks() if t.runnable] + [GENERATED_PREFIX + f for f in self.families()]
+        if not candidates:
+            raise TaskError("no runnable task to pick: the task directory has none and there are no task families")
+        return candidates[random.Random(seed).randrange(len(candidates))]
 
     def _generate(self, family: str, seed: int) -> Task:
         families = self.families()

@@ -24,6 +24,7 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
+from composer_jax.env import protocol
 from composer_jax.env.protocol import APP, ToolError  # noqa: F401 - ToolError re-exported (its old home)
 
 MAX_SYMLINK_HOPS = 40
@@ -236,30 +237,10 @@ class Workspace:
             os.close(dfd)
 
     def list_entries(self, path: str, depth: int) -> Iterator[tuple[str, str, int]]:
-        """(display path, kind, size) of entries under `path` to `depth` levels, sorted."""
+        """(display path, kind, size) of entries under `path` to `depth` levels, sorted
+        (`protocol.list_dir_entries`, which SFT data uses on a task's initial workspace too)."""
         dfd, parts = self.open_dir(path)
-        base = self.display(parts)
         try:
-            for dirpath, dirnames, filenames, dirfd in os.fwalk(".", dir_fd=dfd, follow_symlinks=False):
-                level = 0 if dirpath == "." else dirpath.count("/")
-                dirnames.sort()
-                for name in sorted(dirnames + filenames):
-                    try:
-                        st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
-                    except OSError:
-                        continue
-                    kind = (
-                        "dir"
-                        if stat.S_ISDIR(st.st_mode)
-                        else "symlink"
-                        if stat.S_ISLNK(st.st_mode)
-                        else "file"
-                        if stat.S_ISREG(st.st_mode)
-                        else "other"
-                    )
-                    rel = os.path.normpath(os.path.join(dirpath, name))
-                    yield f"{base}/{rel}", kind, st.st_size if kind == "file" else 0
-                if level + 1 >= depth:
-                    dirnames[:] = []
+            yield from protocol.list_dir_entries(dfd, self.display(parts), depth)
         finally:
             os.close(dfd)

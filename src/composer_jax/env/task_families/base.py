@@ -24,6 +24,7 @@ __all__ = [
     "TaskSpec",
     "Generator",
     "DOCKERFILE",
+    "PYTEST_REQUIREMENT",
     "TEST_SH",
     "SOLVE_SH_COPY",
     "task_toml",
@@ -44,10 +45,14 @@ class Family:
 # ----------------------------------------------------------------------------------------------
 # Shared task boilerplate (also used verbatim by the bundled suite under tasks/).
 
-DOCKERFILE = """\
+# Harbor builds this image for the agent and, with `[verifier] environment_mode = "separate"`, a
+# fresh one for the verifier. pytest is pinned (Harbor's linter: unpinned-python-dependency) to the
+# version requirements.lock pins, which the local sandbox runs the tests with.
+PYTEST_REQUIREMENT = "pytest==9.2.0"
+DOCKERFILE = f"""\
 FROM python:3.11-slim
 WORKDIR /app
-RUN pip install --no-cache-dir pytest
+RUN pip install --no-cache-dir {PYTEST_REQUIREMENT}
 COPY app/ /app/
 """
 
@@ -81,7 +86,8 @@ def task_toml(*, difficulty: str, category: str, tags: list[str], agent_timeout:
         f'difficulty = "{difficulty}"\n'
         f'category = "{category}"\n'
         f"tags = [{tag_list}]\n\n"
-        "[verifier]\ntimeout_sec = 60.0\n\n"
+        # This server grades a fresh copy of the workspace: Harbor's "separate" verifier.
+        '[verifier]\nenvironment_mode = "separate"\ntimeout_sec = 60.0\n\n'
         f"[agent]\ntimeout_sec = {float(agent_timeout)}\n\n"
         "[environment]\nbuild_timeout_sec = 300.0\ncpus = 1\nmemory_mb = 1024\nstorage_mb = 1024\n"
     )
