@@ -29,7 +29,6 @@ from composer_jax.env.client import EnvClient, EnvClientError, RemoteSession, Re
 from composer_jax.env.protocol import SYSTEM_PROMPT, ToolArgumentError, parse_call, tool_message
 from composer_jax.rl.policy import Generation, Policy, TurnRequest
 
-
 # context tokens kept free past the budget for the summary request message (its template tokens and
 # text; the default request is ~60 tokens with the shipped tokenizer)
 SUMMARY_REQUEST_ROOM = 128
