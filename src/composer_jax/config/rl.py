@@ -71,7 +71,7 @@ class RLLossConfig:
     kl_coef: float = 0.0
     # [lo, hi]: a policy token whose trainer/sampler probability ratio lies outside gets no loss
     # (numerical mismatch between the two stacks); None = keep every token
-    plausibility_band: tuple[float, float] | None = None
+    plausibility_band: tuple[float, ...] | None = None
     # replay the sampler's recorded MoE experts in the training forward (ignored for dense models)
     router_replay: bool = True
     # the sampling temperature: trainer log-probabilities are of softmax(logits / temperature), the
@@ -97,7 +97,9 @@ class RLLossConfig:
         if self.plausibility_band is not None:
             band = tuple(self.plausibility_band)
             if len(band) != 2:
-                raise ConfigError(f"rl.loss.plausibility_band={band!r}: expected [lo, hi] with 0 <= lo < 1 < hi")
+                raise ConfigError(
+                    f"rl.loss.plausibility_band={list(band)!r}: expected [lo, hi] with 0 <= lo < 1 < hi, or null"
+                )
             lo, hi = band
             _number("rl.loss.plausibility_band[0]", lo, low=0.0)
             _number("rl.loss.plausibility_band[1]", hi)
