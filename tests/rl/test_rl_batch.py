@@ -40,7 +40,8 @@ def test_rows_padding_advantages_and_routing():
         Rollout("b", 0.6, [_gen(1, 1, 50)]),
     ]
     batch = build_batch(rollouts, CFG)
-    assert set(batch) == {"tokens", "segment_ids", "positions", "loss_mask", "advantages", "sampler_logprobs", "routing"}
+    keys = {"tokens", "segment_ids", "positions", "loss_mask", "advantages", "sampler_logprobs", "routing"}
+    assert set(batch) == keys
     assert batch["tokens"].shape == (6, 8) and batch["routing"].shape == (6, 8, 2, 2)
     assert batch["tokens"].dtype == np.int32 and batch["routing"].dtype == np.int32
     assert batch["loss_mask"].dtype == np.float32 and batch["advantages"].dtype == np.float32

@@ -84,7 +84,9 @@ def test_reward_composition_components_weighted_and_separate():
         style_penalty=0.02,
         parallel_tool_bonus=0.4,
     )
-    stats = RolloutStats(grade=1.0, tokens=900, turns=4, tool_calls=6, broken_tool_calls=2, parallel_tool_turns=1, lint_findings=5)
+    stats = RolloutStats(
+        grade=1.0, tokens=900, turns=4, tool_calls=6, broken_tool_calls=2, parallel_tool_turns=1, lint_findings=5
+    )
     r = compose_reward(stats, cfg)
     assert r.grade == pytest.approx(2.0)
     assert r.length_penalty == pytest.approx(-0.4)
