@@ -106,6 +106,8 @@ def test_objective_equals_the_whole_batch_reference(setup):
     flat = dict(jax.tree_util.tree_leaves_with_path(grads))
     for path, g in jax.tree_util.tree_leaves_with_path(ref_grads):
         np.testing.assert_allclose(flat[path], g, atol=1e-6, rtol=2e-4, err_msg=jax.tree_util.keystr(path))
+    # build_batch + reference_logprobs give exactly the objective's keys (the step's jit wants them)
+    assert set(batch) == set(rl_objective(cfg).batch_keys)
     m = rl_objective(cfg).metrics(sums, denoms, cfg)
     # the batch exercises every path: some tokens filtered, some clipped, policy tokens counted
     assert float(m["policy_tokens"]) == float(mask.sum())
@@ -127,7 +129,7 @@ def test_micro_batches_equal_the_full_batch(setup):
 
 
 def test_sharded_equals_unsharded_with_expert_and_context_parallelism(setup):
-    cfg, params, _, batch, (value, grads, sums, _), _ = setup
+    cfg, params, _, batch, (value, grads, sums, _), ref_fn = setup
     # fsdp 2 x expert 2 x context 2: the recorded routing is split with the tokens, the sequence is
     # in the zigzag layout, the MoE layer's all-to-all carries the replayed experts
     mesh = cj.make_mesh(cj.MeshConfig(data=1, fsdp=2, expert=2, context=2, tensor=1))
@@ -136,6 +138,9 @@ def test_sharded_equals_unsharded_with_expert_and_context_parallelism(setup):
     obj = rl_objective(cfg)
     with jax.set_mesh(mesh):
         v, g, s, _ = jax.jit(lambda p, b: batch_gradients(p, b, cfg, MeshRules(mesh, rules), obj))(sharded, batch)
+        # the reference forward under the same mesh undoes the zigzag layout
+        ref_sharded = jax.jit(lambda p, b: reference_logprobs(p, b, cfg, MeshRules(mesh, rules)))(sharded, batch)
+    np.testing.assert_allclose(np.asarray(ref_sharded), np.asarray(ref_fn(params, batch)), atol=2e-5)
     np.testing.assert_allclose(float(v), float(value), rtol=2e-6)
     for k in ("pg_loss", "kl_loss", "kept_tokens", "clipped_tokens", "entropy", "mismatch_kl_k3", "expert_counts"):
         np.testing.assert_allclose(np.asarray(s[k]), np.asarray(sums[k]), rtol=2e-5, atol=1e-6, err_msg=k)
