@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 
 from composer_jax.config import Config, ModelConfig, RLConfig, RLLossConfig, TrainConfig
-from composer_jax.rl.batch import Generation, Rollout, build_batch, version_lag
+from composer_jax.rl.batch import GenerationRecord, ScoredRollout, build_batch, version_lag
 
 # 2 MoE layers (3 layers, the first dense), top-2 of 8 experts
 MODEL = ModelConfig(num_layers=3, first_k_dense=1, num_experts=8, num_experts_per_tok=2)
 CFG = Config(model=MODEL, train=TrainConfig(batch_size=6, seq_len=8))
 
 
-def _gen(n_prompt: int, n_policy: int, base: int, routing: bool = True, version: int = 3) -> Generation:
+def _gen(n_prompt: int, n_policy: int, base: int, routing: bool = True, version: int = 3) -> GenerationRecord:
     n = n_prompt + n_policy
     routing_arr = (np.arange((n - 1) * 2 * 2).reshape(n - 1, 2, 2) % 8).astype(np.int32) if routing else None
-    return Generation(
+    return GenerationRecord(
         tokens=list(range(base, base + n)),
         loss_mask=[0] * n_prompt + [1] * n_policy,
         logprobs=[0.0] * n_prompt + [-0.5] * n_policy,
@@ -34,10 +34,10 @@ def test_rows_padding_advantages_and_routing():
     # group "b": a two-generation chain (reward 0.2) and a single one (reward 0.6): mean 0.4, so
     # -0.2 on both generations of the chain (it counts once in the mean, not twice) and +0.2.
     rollouts = [
-        Rollout("a", 1.0, [_gen(2, 3, 10)]),
-        Rollout("a", 0.0, [_gen(3, 2, 20)]),
-        Rollout("b", 0.2, [_gen(4, 4, 30), _gen(2, 1, 40)]),
-        Rollout("b", 0.6, [_gen(1, 1, 50)]),
+        ScoredRollout("a", 1.0, [_gen(2, 3, 10)]),
+        ScoredRollout("a", 0.0, [_gen(3, 2, 20)]),
+        ScoredRollout("b", 0.2, [_gen(4, 4, 30), _gen(2, 1, 40)]),
+        ScoredRollout("b", 0.6, [_gen(1, 1, 50)]),
     ]
     batch = build_batch(rollouts, CFG)
     keys = {"tokens", "segment_ids", "positions", "loss_mask", "advantages", "sampler_logprobs", "routing"}
@@ -64,27 +64,28 @@ def test_rows_padding_advantages_and_routing():
 def test_grpo_estimator_and_no_routing_without_replay():
     cfg = dataclasses.replace(CFG, rl=RLConfig(loss=RLLossConfig(advantage="grpo", router_replay=False)))
     # rewards 1, 0 in one group: deviations +-0.5, sample std sqrt(0.5) = 0.7071068 -> +-0.7071058
-    batch = build_batch([Rollout(0, 1.0, [_gen(1, 1, 1, routing=False)]), Rollout(0, 0.0, [_gen(1, 1, 5)])], cfg)
+    rollouts = [ScoredRollout(0, 1.0, [_gen(1, 1, 1, routing=False)]), ScoredRollout(0, 0.0, [_gen(1, 1, 5)])]
+    batch = build_batch(rollouts, cfg)
     assert "routing" not in batch
     np.testing.assert_allclose(batch["advantages"][:2, 0], [0.5 / (0.5**0.5 + 1e-6), -0.5 / (0.5**0.5 + 1e-6)])
 
 
 def test_errors_name_the_rollout_and_what_is_accepted():
     with pytest.raises(ValueError, match=r"rollout 1 \(row 1\) has 9 tokens; a generation must have 1..seq_len=8"):
-        build_batch([Rollout(0, 1.0, [_gen(1, 1, 1)]), Rollout(0, 1.0, [_gen(4, 5, 1)])], CFG)
+        build_batch([ScoredRollout(0, 1.0, [_gen(1, 1, 1)]), ScoredRollout(0, 1.0, [_gen(4, 5, 1)])], CFG)
     with pytest.raises(ValueError, match="hold 7 generations .* batch_size=6"):
-        build_batch([Rollout(i, 1.0, [_gen(1, 1, 1)]) for i in range(7)], CFG)
+        build_batch([ScoredRollout(i, 1.0, [_gen(1, 1, 1)]) for i in range(7)], CFG)
     bad = _gen(2, 2, 1)
     bad.logprobs = [0.0] * 3
     with pytest.raises(ValueError, match="logprobs has 3 entries for 4 tokens"):
-        build_batch([Rollout(0, 1.0, [bad])], CFG)
+        build_batch([ScoredRollout(0, 1.0, [bad])], CFG)
     bad = _gen(2, 2, 1)
     bad.loss_mask = [0, 0, 2, 1]
     with pytest.raises(ValueError, match=r"loss_mask holds \[2\]; expected 0 or 1"):
-        build_batch([Rollout(0, 1.0, [bad])], CFG)
+        build_batch([ScoredRollout(0, 1.0, [bad])], CFG)
     with pytest.raises(ValueError, match="no recorded routing but rl.loss.router_replay is on"):
-        build_batch([Rollout(0, 1.0, [_gen(2, 2, 1, routing=False)])], CFG)
+        build_batch([ScoredRollout(0, 1.0, [_gen(2, 2, 1, routing=False)])], CFG)
     bad = _gen(2, 2, 1)
     bad.routing = np.zeros((3, 2, 3), np.int32)
     with pytest.raises(ValueError, match=r"routing of shape \(3, 2, 3\) for 4 tokens; expected \[3 or 4, 2, 2\]"):
-        build_batch([Rollout(0, 1.0, [bad])], CFG)
+        build_batch([ScoredRollout(0, 1.0, [bad])], CFG)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import composer_jax as cj
-from composer_jax.rl.batch import Generation, Rollout, build_batch
+from composer_jax.rl.batch import GenerationRecord, ScoredRollout, build_batch
 from composer_jax.rl.loss import reference_logprobs, rl_objective
 from composer_jax.sharding import MeshRules, ShardingRules
 from composer_jax.train.state import init_train_state
@@ -68,8 +68,8 @@ def setup():
         mask[3:7] = 1  # tokens 7..8 are a tool observation
         mask[9:] = 1
         logprobs = np.concatenate([[0.0], lp[i, : n - 1]]) + rng.normal(0.0, 0.4, n)
-        gen = Generation(tokens[i, :n], mask, logprobs, routing=routing[:, i, : n - 1].transpose(1, 0, 2))
-        rollouts.append(Rollout(i // 2, float(rng.integers(0, 2)), [gen]))
+        gen = GenerationRecord(tokens[i, :n], mask, logprobs, routing=routing[:, i, : n - 1].transpose(1, 0, 2))
+        rollouts.append(ScoredRollout(i // 2, float(rng.integers(0, 2)), [gen]))
     batch = build_batch(rollouts, cfg)
     ref_params = cj.init_params(cfg.model, jax.random.key(1))
     ref_fn = jax.jit(lambda p, b: reference_logprobs(p, b, cfg))

@@ -1,3 +1,1 @@
-"""Reinforcement learning: rewards (`rewards.py`), group-relative advantages (`advantages.py`),
-the rollouts-to-batch step (`batch.py`) and the policy-gradient objective (`loss.py`) that the
-train step optimises; the agent loop and the learner build on them."""
+"""Reinforcement learning: the agent loop, rewards, the RL objective and the learner."""

@@ -1,6 +1,6 @@
 """Completed rollouts -> the padded numpy batch the RL objective (`rl/loss.py`) consumes.
 
-A rollout is one or more generations (a self-summarisation chain: each generation is the model's
+A rollout (`ScoredRollout`) is one or more generations (a self-summarisation chain: each generation is the model's
 context from the task, or the task plus a summary, to its last token); each generation becomes
 one row of the batch, and every row of a rollout carries the rollout's advantage, so the final
 reward reaches every generation's tokens, the summaries included. Advantages are computed over
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -19,9 +20,9 @@ from composer_jax.rl.advantages import advantages as estimate_advantages
 from composer_jax.rl.loss import replays_routing
 
 
-@dataclasses.dataclass
-class Generation:
-    """One model context, token by token (all of length n).
+class TokenGeneration(Protocol):
+    """One model context, token by token (all of length n): what `build_batch` reads of a
+    generation. The agent loop's `rl.policy.Generation` is one; `GenerationRecord` another.
 
     tokens: int[n], the prompt, the policy's tokens and the tool observations in order;
     loss_mask: 0/1 [n], 1 on tokens the policy generated (trained), 0 on prompt and observation
@@ -32,28 +33,45 @@ class Generation:
     has seen; its replayed experts affect only its own, untrained, output). A policy token at
     index 0 is never trained (no position predicts it)."""
 
+    @property
+    def tokens(self) -> Sequence[int] | np.ndarray: ...
+
+    @property
+    def loss_mask(self) -> Sequence[float] | np.ndarray: ...
+
+    @property
+    def logprobs(self) -> Sequence[float] | np.ndarray: ...
+
+    @property
+    def versions(self) -> Sequence[int] | np.ndarray | None: ...
+
+    @property
+    def routing(self) -> np.ndarray | None: ...
+
+
+@dataclasses.dataclass
+class GenerationRecord:
+    """A `TokenGeneration` as plain data (fields as described there)."""
+
     tokens: Sequence[int] | np.ndarray
-    loss_mask: Sequence[int] | np.ndarray
+    loss_mask: Sequence[float] | np.ndarray
     logprobs: Sequence[float] | np.ndarray
     versions: Sequence[int] | np.ndarray | None = None
     routing: np.ndarray | None = None
 
-    def __len__(self) -> int:
-        return len(self.tokens)
-
 
 @dataclasses.dataclass
-class Rollout:
-    """A finished rollout: its group (rollouts of one task sampled together), its reward (the
-    composed reward, `rl.rewards.compose_reward`) and its generations (one, or a
-    self-summarisation chain)."""
+class ScoredRollout:
+    """A finished rollout as the learner trains on it: its group (rollouts of one task sampled
+    together), its reward (the composed reward, `rl.rewards.compose_reward`) and its generations
+    (one, or a self-summarisation chain; e.g. `rl.agent.Rollout.generations`)."""
 
     group: Hashable
     reward: float
-    generations: list[Generation]
+    generations: Sequence[TokenGeneration]
 
 
-def _check(g: Generation, where: str, seq_len: int) -> None:
+def _check(g: TokenGeneration, where: str, seq_len: int) -> None:
     n = len(g.tokens)
     if n < 1 or n > seq_len:
         raise ValueError(
@@ -70,7 +88,7 @@ def _check(g: Generation, where: str, seq_len: int) -> None:
 
 
 def build_batch(
-    rollouts: Sequence[Rollout], cfg: Config, *, batch_size: int | None = None, seq_len: int | None = None
+    rollouts: Sequence[ScoredRollout], cfg: Config, *, batch_size: int | None = None, seq_len: int | None = None
 ) -> dict[str, np.ndarray]:
     """The objective's batch (`rl.loss` module docstring), rows padded to [batch_size, seq_len]
     (default train.batch_size / train.seq_len): one row per generation, then all-padding rows.
@@ -135,7 +153,7 @@ def build_batch(
     return batch
 
 
-def version_lag(rollouts: Sequence[Rollout], policy_version: int) -> dict[str, float]:
+def version_lag(rollouts: Sequence[ScoredRollout], policy_version: int) -> dict[str, float]:
     """How stale the batch's policy tokens are: mean and max of policy_version minus the version
     that generated each policy token (0 in a synchronous loop). Generations without versions are
     skipped; {} when none has any."""
