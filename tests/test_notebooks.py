@@ -4,6 +4,7 @@ what it computes and prints matches numbers worked out independently of the code
 import contextlib
 import io
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -74,7 +75,38 @@ def _check_01_model_tour(ns: dict, printed: str) -> None:
     np.testing.assert_array_equal(np.asarray(ns["again"].logits), np.asarray(out.logits))
 
 
-CHECKS = {"01_model_tour.ipynb": _check_01_model_tour}
+def _check_02_rl_objective(ns: dict, printed: str) -> None:
+    # Dr. GRPO: A = [1, 0, 0, 1] - 0.5 and [1, 1, 0] - 2/3; GRPO divides by the sample std 0.57735
+    np.testing.assert_allclose(ns["adv_dr"], [0.5, -0.5, -0.5, 0.5, 1 / 3, 1 / 3, -2 / 3], atol=1e-12)
+    std = math.sqrt(1 / 3) + 1e-6
+    np.testing.assert_allclose(ns["adv_grpo"], np.array([0.5, -0.5, -0.5, 0.5, 1 / 3, 1 / 3, -2 / 3]) / std)
+    # kept pg terms 0.6 + 0.5 - 0.5 - 0.4 - 0.625 - 0.45 = -0.875 (row 0's r = 3 filtered):
+    # token_sum 0.875 / 10; token_mean 0.875 / 7; sequence_mean -(1.1 / 3 - 1.975 / 4) / 2
+    losses = ns["losses"]
+    assert abs(losses["token_sum"] - 0.0875) < 1e-7
+    assert abs(losses["token_mean"] - 0.125) < 1e-7
+    assert abs(losses["sequence_mean"] - (-(1.1 / 3 - 1.975 / 4) / 2)) < 1e-7
+    assert "token_sum      loss = 0.875000 / 10 = 0.087500" in printed
+    assert abs(ns["filtered"] - 1 / 7) < 1e-7 and abs(ns["clip_fraction"] - 1 / 3) < 1e-7
+    k1 = -(math.log(1.5) + math.log(3) + math.log(0.5) + math.log(1.25) + math.log(0.9)) / 7
+    assert abs(ns["mismatch_k1"] - k1) < 1e-6
+    # d loss / d logp = -r A / 10 inside the clip range, 0 on clipped / filtered / prompt tokens
+    np.testing.assert_allclose(ns["grad"], [[0, 0, -0.05, 0, 0], [0, 0.05, 0, 0.0625, 0.045]], atol=1e-7)
+    # C_{0.01,q}(100): q = 0 -> 100; 0.5 -> (sqrt 2 - 1) / 0.005; 1 -> ln 2 / 0.01; 2 -> 0.5 / 0.01
+    curve = ns["curve"]
+    np.testing.assert_allclose(
+        [curve[0.0][2], curve[0.5][2], curve[1.0][2], curve[2.0][2]],
+        [100.0, (math.sqrt(2) - 1) / 0.005, math.log(2) / 0.01, 50.0],
+        rtol=1e-12,
+    )
+    # continuity through q = 1: the first-order term a L^2 / (2k) = 1e-9 * ln(2)^2 / 0.02 = 2.4e-8
+    np.testing.assert_allclose(ns["near"], [math.log(2) / 0.01] * 3, rtol=1e-9)
+    # 1 - 0.3 * 4/3 - 0.2 - 0.1 + 0.1
+    assert abs(ns["breakdown"].total - 0.4) < 1e-12
+    assert "length_penalty     -0.4000" in printed
+
+
+CHECKS = {"01_model_tour.ipynb": _check_01_model_tour, "02_rl_objective.ipynb": _check_02_rl_objective}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

@@ -4,7 +4,7 @@ Every error a user can cause names the key, the value given and what is accepted
 
 The package is the ground floor: it imports no subsystem. `loader` is the generic machinery
 (YAML with `base:` includes, overrides, typed dataclass construction); each section is a module of
-its own (`model`, `mesh`, `train`, `data`, `checkpoint`; later `inference`, `rl`, `quant`), and
+its own (`model`, `mesh`, `train`, `data`, `checkpoint`, `rl`; later `inference`, `quant`), and
 `run` composes them into the run's `Config`. Subsystems import their section from here.
 """
 
@@ -23,6 +23,7 @@ from composer_jax.config.loader import (
 )
 from composer_jax.config.mesh import MESH_AXES, MeshConfig, validate_mesh_for_model
 from composer_jax.config.model import ModelConfig, RopeScalingConfig, validate_model
+from composer_jax.config.rl import LengthPenaltyConfig, RewardConfig, RLConfig, RLLossConfig
 from composer_jax.config.run import Config, config_from_dict, load_config
 from composer_jax.config.train import OptimizerConfig, TrainConfig, validate_train
 from composer_jax.errors import ConfigError
@@ -35,8 +36,12 @@ __all__ = [
     "DataConfig",
     "DataConfigError",
     "MeshConfig",
+    "LengthPenaltyConfig",
     "ModelConfig",
     "OptimizerConfig",
+    "RLConfig",
+    "RLLossConfig",
+    "RewardConfig",
     "RopeScalingConfig",
     "SourceConfig",
     "TrainConfig",

@@ -12,6 +12,7 @@ from composer_jax.config.data import DataConfig
 from composer_jax.config.loader import build_dataclass, parse_overrides, plain, read_yaml, set_path
 from composer_jax.config.mesh import MeshConfig, validate_mesh_for_model
 from composer_jax.config.model import ModelConfig, validate_model
+from composer_jax.config.rl import RLConfig
 from composer_jax.config.train import TrainConfig, validate_train
 
 
@@ -22,6 +23,7 @@ class Config:
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    rl: RLConfig = dataclasses.field(default_factory=RLConfig)  # used by `composer-jax rl` only
     # logical axis -> mesh axes overrides of the default rules in sharding.py
     sharding_rules: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 

@@ -47,8 +47,12 @@ def prepared(
         raise ValueError(
             f"the {objective.name} objective needs batch keys {list(objective.batch_keys)}; missing {missing}"
         )
-    chex.assert_equal_shape([batch[k] for k in objective.batch_keys])
-    chex.assert_rank([batch[k] for k in objective.batch_keys], 2)
+    # every input is [batch, seq, ...]: per-token values, or per-token vectors such as the RL
+    # objective's recorded routing [batch, seq, moe_layers, k]
+    short = {k: batch[k].shape for k in objective.batch_keys if batch[k].ndim < 2}
+    if short:
+        raise ValueError(f"the {objective.name} objective's batch arrays must be [batch, seq, ...]; got shapes {short}")
+    chex.assert_equal_shape_prefix([batch[k] for k in objective.batch_keys], 2)
     prep, denoms = objective.prepare(params, batch, cfg, context_size(sharding))
     for k, v in prep.items():
         prep[k] = constrain(v, sharding, (None,) * (v.ndim - 2) + ("act_batch", "act_seq"))
@@ -133,7 +137,8 @@ def make_train_step(
     cfg: Config, mesh: Mesh, rules: ShardingRules, *, objective: Objective = PRETRAINING, donate: bool = True
 ):
     """jit-compiled `step(state, batch) -> (state, metrics)` with explicit in/out shardings; the state
-    buffers are donated. batch: dict of int/float [batch_size, seq_len] arrays (`objective.batch_keys`)."""
+    buffers are donated. batch: dict of int/float [batch_size, seq_len, ...] arrays
+    (`objective.batch_keys`), split over the batch and sequence axes (trailing axes whole)."""
     tx = optimizer_for(cfg)
     st_sh = state_shardings(cfg, mesh, rules)
     b_sh = batch_sharding(mesh, rules, (cfg.train.batch_size, cfg.train.seq_len))

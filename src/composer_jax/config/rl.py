@@ -1,0 +1,158 @@
+"""The reinforcement-learning section: the policy-gradient objective and the reward's components.
+
+Frozen dataclasses with no JAX import, attached to the top-level `Config` as `rl:` (defaults
+apply when a run's YAML has no `rl` section, as for pretraining). Every value is checked when
+the dataclass is built (`__post_init__`), so `dataclasses.replace` in tests is checked as well.
+
+Example (YAML):
+
+    rl:
+      loss:
+        advantage: drgrpo          # reward minus group mean (Dr. GRPO); grpo also divides by the std
+        aggregation: token_sum     # sum over tokens / a constant; token_mean, sequence_mean
+        normalizer: 0              # the token_sum constant; 0 = batch rows x seq_len
+        clip_eps_low: null         # PPO clipping of the importance ratio; null = no clipping
+        clip_eps_high: null
+        kl_coef: 0.0               # k1 KL to the frozen reference policy
+        plausibility_band: [0.5, 2.0]   # tokens with trainer/sampler ratio outside get no loss
+        router_replay: true
+      reward:
+        grade_weight: 1.0
+        length_penalty: {weight: 0.1, k: 0.01, q: 1.5, x: turns}
+        broken_tool_call_penalty: 0.1
+        style_penalty: 0.01
+        parallel_tool_bonus: 0.05
+
+docs/rl.md gives the formulas.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+from composer_jax.errors import ConfigError
+
+# The built-in names of `rl.loss.advantage` and `rl.loss.aggregation`; `rl/loss.py` registers one
+# function under each (tests/rl hold the registries and these names equal).
+ADVANTAGE_ESTIMATORS = ("drgrpo", "grpo")
+AGGREGATIONS = ("token_sum", "token_mean", "sequence_mean")
+LENGTH_MEASURES = ("tokens", "turns", "tool_calls")
+
+
+def _number(key: str, value: object, *, low: float | None = None, strict: bool = False) -> None:
+    """A finite real number, at least `low` (above it when `strict`)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{key}={value!r}: expected a finite number")
+    if low is not None and (value <= low if strict else value < low):
+        raise ConfigError(f"{key}={value!r}: expected a number {'>' if strict else '>='} {low}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLLossConfig:
+    """The policy-gradient objective (`rl/loss.py`; formulas in docs/rl.md)."""
+
+    # advantage estimator: drgrpo = r - mean(group) (Dr. GRPO, as Composer 2); grpo = the same
+    # divided by the group's standard deviation (DeepSeekMath)
+    advantage: Literal["drgrpo", "grpo"] = "drgrpo"
+    # how per-token terms become the loss: token_sum = sum / normalizer (Dr. GRPO: no per-sequence
+    # length normalisation); token_mean = sum / policy tokens in the batch (DAPO); sequence_mean =
+    # mean over sequences of each sequence's token mean (the original GRPO)
+    aggregation: Literal["token_sum", "token_mean", "sequence_mean"] = "token_sum"
+    # the token_sum constant (e.g. max tokens per rollout x rollouts per batch); 0 = the batch's
+    # rows x seq_len, a constant of the run
+    normalizer: float = 0.0
+    # PPO-style clipping of the trainer/sampler importance ratio to [1 - low, 1 + high] (DAPO's
+    # clip-higher when high > low); None on a side = that side unclipped
+    clip_eps_low: float | None = None
+    clip_eps_high: float | None = None
+    # weight of the k1 KL estimate to the frozen reference policy; 0 = no reference forward
+    kl_coef: float = 0.0
+    # [lo, hi]: a policy token whose trainer/sampler probability ratio lies outside gets no loss
+    # (numerical mismatch between the two stacks); None = keep every token
+    plausibility_band: tuple[float, ...] | None = None
+    # replay the sampler's recorded MoE experts in the training forward (ignored for dense models)
+    router_replay: bool = True
+    # the sampling temperature: trainer log-probabilities are of softmax(logits / temperature), the
+    # distribution the sampler drew from (top-k / top-p truncation is not modelled)
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.advantage not in ADVANTAGE_ESTIMATORS:
+            raise ConfigError(f"rl.loss.advantage={self.advantage!r} is not accepted; accepted: {ADVANTAGE_ESTIMATORS}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ConfigError(f"rl.loss.aggregation={self.aggregation!r} is not accepted; accepted: {AGGREGATIONS}")
+        _number("rl.loss.normalizer", self.normalizer, low=0.0)
+        for side in ("low", "high"):
+            eps = getattr(self, f"clip_eps_{side}")
+            if eps is not None:
+                _number(f"rl.loss.clip_eps_{side}", eps, low=0.0, strict=True)
+        if self.clip_eps_low is not None and self.clip_eps_low >= 1.0:
+            raise ConfigError(
+                f"rl.loss.clip_eps_low={self.clip_eps_low!r}: expected a number in (0, 1) (the ratio's lower "
+                f"bound 1 - eps must stay positive), or null for no lower clip"
+            )
+        _number("rl.loss.kl_coef", self.kl_coef, low=0.0)
+        if self.plausibility_band is not None:
+            band = tuple(self.plausibility_band)
+            if len(band) != 2:
+                raise ConfigError(
+                    f"rl.loss.plausibility_band={list(band)!r}: expected [lo, hi] with 0 <= lo < 1 < hi, or null"
+                )
+            lo, hi = band
+            _number("rl.loss.plausibility_band[0]", lo, low=0.0)
+            _number("rl.loss.plausibility_band[1]", hi)
+            if not lo < 1.0 < hi:
+                raise ConfigError(
+                    f"rl.loss.plausibility_band={[lo, hi]!r}: expected [lo, hi] with 0 <= lo < 1 < hi (a band that "
+                    f"keeps tokens on which trainer and sampler agree), or null to keep every token"
+                )
+            object.__setattr__(self, "plausibility_band", (float(lo), float(hi)))
+        _number("rl.loss.temperature", self.temperature, low=0.0, strict=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthPenaltyConfig:
+    """C_{k,q}(x) = ((1 + k x)^(1 - q) - 1) / (k (1 - q)), log(1 + k x) / k at q = 1; subtracted
+    from the reward with `weight`. q < 1 grows without bound (like x^(1-q)); q > 1 saturates at
+    1 / (k (q - 1)), so long rollouts on hard tasks cost little more than medium ones."""
+
+    weight: float = 0.0  # 0 = no length penalty
+    k: float = 0.01
+    q: float = 1.0
+    x: Literal["tokens", "turns", "tool_calls"] = "tokens"
+
+    def __post_init__(self) -> None:
+        _number("rl.reward.length_penalty.weight", self.weight, low=0.0)
+        _number("rl.reward.length_penalty.k", self.k, low=0.0, strict=True)
+        _number("rl.reward.length_penalty.q", self.q)
+        if self.x not in LENGTH_MEASURES:
+            raise ConfigError(f"rl.reward.length_penalty.x={self.x!r} is not accepted; accepted: {LENGTH_MEASURES}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    """The reward of one rollout (`rl/rewards.py`): the environment's grade times `grade_weight`,
+    minus the length penalty, minus `broken_tool_call_penalty` per malformed or incomplete tool
+    call, minus `style_penalty` per lint finding on the files the rollout changed, plus
+    `parallel_tool_bonus` times the fraction of turns that issued several tool calls at once."""
+
+    grade_weight: float = 1.0
+    length_penalty: LengthPenaltyConfig = dataclasses.field(default_factory=LengthPenaltyConfig)
+    broken_tool_call_penalty: float = 0.0
+    style_penalty: float = 0.0
+    parallel_tool_bonus: float = 0.0
+
+    def __post_init__(self) -> None:
+        for key in ("grade_weight", "broken_tool_call_penalty", "style_penalty", "parallel_tool_bonus"):
+            # signs are in the formula: a penalty is given as a size (>= 0) and subtracted
+            _number(f"rl.reward.{key}", getattr(self, key), low=0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    """Reinforcement learning (YAML section `rl`)."""
+
+    loss: RLLossConfig = dataclasses.field(default_factory=RLLossConfig)
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)

@@ -1,0 +1,344 @@
+"""The RL objective: Dr. GRPO policy gradient against the sampler's recorded log-probabilities,
+with optional PPO clipping, k1 KL to a frozen reference policy, plausibility filtering and MoE
+router replay. An `Objective` (`train/objective.py`): the train step micro-batches, shards and
+accumulates it exactly as it does pretraining.
+
+Per policy token t of a rollout with advantage A (docs/rl.md has the derivation):
+
+    r_t    = exp(log pi(t) - log mu(t))                  pi: trainer, mu: sampler (recorded)
+    keep_t = loss_mask_t * [lo <= sg(r_t) <= hi]         plausibility filter (no band: all kept)
+    pg_t   = min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A)     (no clipping: r_t A)
+    kl_t   = sg(log pi(t) - log pi_ref(t)) r_t          k1, as a penalty on the sampled token
+    loss   = sum_t w_t keep_t (-pg_t + beta kl_t) / D
+
+with (w, D) from the aggregation registry: token_sum (w = mask, D = a constant), token_mean
+(D = policy tokens in the batch), sequence_mean (w = mask / tokens of its sequence, D =
+sequences). D is a whole-batch number computed in `prepare`, so micro-batches add up exactly.
+
+Why k1 enters through sg(k1) r_t: the gradient of KL(pi || pi_ref) is E_pi[(log pi - log pi_ref)
+grad log pi], i.e. k1 acting as a per-token negative reward; adding k1 itself to the loss would
+give E_pi[grad log pi] = 0 in expectation. At r = 1 the term's value is beta times the k1
+estimate, so the logged loss still reads as one.
+
+Batch (every array [batch, seq, ...], values aligned with `tokens`: index i describes token i):
+    tokens int32, segment_ids int32 (0 = padding), positions int32, loss_mask float32 (1 = a
+    policy-generated token), advantages float32 (its rollout's advantage), sampler_logprobs
+    float32 (log mu of token i, as the sampler recorded it), ref_logprobs float32 (log pi_ref of
+    token i; `reference_logprobs`; only when rl.loss.kl_coef > 0), routing int32[batch, seq,
+    moe_layers, k] (the sampler's experts of token i; only with rl.loss.router_replay on a MoE
+    model). `rl/batch.py` builds it from rollouts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from composer_jax.config import Config
+from composer_jax.config.rl import RLLossConfig
+from composer_jax.model.context_parallel import context_size, zigzag_permutation
+from composer_jax.model.layers import linear
+from composer_jax.model.transformer import forward, output_head
+from composer_jax.sharding import MeshRules
+from composer_jax.train.objective import Objective
+from composer_jax.train.pretrain import ce_chunks
+
+BASE_KEYS = ("tokens", "segment_ids", "positions", "loss_mask", "advantages", "sampler_logprobs")
+# |log r| above this is clamped in the ratio and k3 metrics only (exp would overflow float32 at 88
+# and one such token would make the step skip its update for a logged number)
+_METRIC_LOG_RATIO_CAP = 20.0
+
+# --------------------------------------------------------------------------------------------------
+# Aggregation registry: per-token weights and the whole-batch denominator
+# --------------------------------------------------------------------------------------------------
+
+Aggregation = Callable[[jax.Array, float], tuple[jax.Array, jax.Array]]
+AGGREGATIONS: dict[str, Aggregation] = {}
+
+
+def register_aggregation(name: str) -> Callable[[Aggregation], Aggregation]:
+    """Decorator: register `fn(mask float32[batch, seq], normalizer) -> (weights float32[batch,
+    seq], denominator float32[])` as `name`. The loss is sum(weights * per-token loss) / denominator."""
+
+    def register(fn: Aggregation) -> Aggregation:
+        if name in AGGREGATIONS:
+            raise ValueError(f"aggregation {name!r} is already registered")
+        AGGREGATIONS[name] = fn
+        return fn
+
+    return register
+
+
+@register_aggregation("token_sum")
+def token_sum(mask: jax.Array, normalizer: float) -> tuple[jax.Array, jax.Array]:
+    """Dr. GRPO: sum over tokens divided by a constant (default rows x seq_len of the batch), so a
+    sequence's weight does not shrink with its length and no step's scale depends on its lengths."""
+    constant = normalizer if normalizer > 0 else float(np.prod(mask.shape))
+    return mask, jnp.asarray(constant, jnp.float32)
+
+
+@register_aggregation("token_mean")
+def token_mean(mask: jax.Array, normalizer: float) -> tuple[jax.Array, jax.Array]:
+    """DAPO: sum over tokens divided by the batch's policy tokens (before plausibility filtering)."""
+    return mask, jnp.maximum(mask.sum(), 1.0)
+
+
+@register_aggregation("sequence_mean")
+def sequence_mean(mask: jax.Array, normalizer: float) -> tuple[jax.Array, jax.Array]:
+    """Original GRPO: each sequence's token mean, averaged over the sequences with policy tokens."""
+    per_row = mask.sum(axis=-1, keepdims=True)
+    return mask / jnp.maximum(per_row, 1.0), jnp.maximum((per_row > 0).sum(), 1).astype(jnp.float32)
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-token pieces
+# --------------------------------------------------------------------------------------------------
+
+
+def token_logprobs(
+    hidden: jax.Array, head: jax.Array, targets: jax.Array, temperature: float = 1.0, chunks: int = 1
+) -> tuple[jax.Array, jax.Array]:
+    """log softmax(hidden @ head / temperature)[target] and the distribution's entropy per token.
+
+    hidden: [batch, seq, embed]; head: [embed, vocab]; targets: int32[batch, seq] -> (logp
+    float32[batch, seq], entropy float32[batch, seq], the latter without gradient). Computed
+    `chunks` sequence pieces at a time, each rematerialised in the backward pass, so no
+    [tokens, vocab] array outlives its chunk."""
+    b, s, _ = hidden.shape
+    if s % chunks:
+        raise ValueError(f"chunks={chunks} must divide the sequence length {s}")
+    c = s // chunks
+    split = lambda x: jnp.moveaxis(x.reshape(b, chunks, c, *x.shape[2:]), 1, 0)
+
+    @jax.checkpoint
+    def chunk(xs):
+        h, t = xs
+        logits = linear(h, head, preferred_element_type=jnp.float32) / temperature
+        log_z = jax.nn.logsumexp(logits, axis=-1)
+        logp = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0] - log_z
+        probs = jax.lax.stop_gradient(jnp.exp(logits - log_z[..., None]))
+        entropy = jax.lax.stop_gradient(log_z - jnp.sum(probs * logits, axis=-1))
+        return logp, entropy
+
+    logp, entropy = jax.lax.map(chunk, (split(hidden), split(targets)))
+    join = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, s)
+    return join(logp), join(entropy)
+
+
+def policy_loss(
+    logp: jax.Array,
+    sampler_logp: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    weights: jax.Array,
+    cfg: RLLossConfig,
+    ref_logp: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The per-token objective of the module docstring, summed: (loss_sum, metric sums).
+
+    All arrays float32 of one shape (e.g. [batch, seq]): logp = log pi of each target token
+    (differentiable), sampler_logp = log mu, advantages, mask = 1 on policy tokens, weights = the
+    aggregation's weights, ref_logp = log pi_ref (needed when cfg.kl_coef > 0). loss_sum is to be
+    divided by the aggregation's denominator. Metric sums (no gradient): policy_tokens,
+    kept_tokens, clipped_tokens, ratio, mismatch_kl_k1, mismatch_kl_k3, pg_loss, kl_loss, and
+    kl_ref with a reference."""
+    mask = mask.astype(jnp.float32)
+    on = mask > 0
+    # 0 off the policy tokens: prompt and padding positions never reach exp()
+    log_ratio = jnp.where(on, logp - sampler_logp, 0.0)
+    lr = jax.lax.stop_gradient(log_ratio)
+    if cfg.plausibility_band is not None:
+        lo, hi = cfg.plausibility_band
+        plausible = (lr >= np.log(lo) if lo > 0 else True) & (lr <= np.log(hi))
+        keep = on & plausible
+    else:
+        keep = on
+    # filtered tokens get log r = 0 too: an implausible (huge) ratio cannot overflow into the gradient
+    ratio = jnp.exp(jnp.where(keep, log_ratio, 0.0))
+    unclipped = ratio * advantages
+    if cfg.clip_eps_low is None and cfg.clip_eps_high is None:
+        pg = unclipped
+        clipped_tok = jnp.zeros_like(mask)
+    else:
+        lo_r = 1.0 - cfg.clip_eps_low if cfg.clip_eps_low is not None else 0.0
+        hi_r = 1.0 + cfg.clip_eps_high if cfg.clip_eps_high is not None else jnp.inf
+        clipped = jnp.clip(ratio, lo_r, hi_r) * advantages
+        pg = jnp.minimum(unclipped, clipped)
+        clipped_tok = jax.lax.stop_gradient((clipped < unclipped).astype(jnp.float32))
+    w = jnp.where(keep, weights, 0.0)
+    keep_f = keep.astype(jnp.float32)
+    pg_term = -pg
+    sums: dict[str, jax.Array] = {}
+    loss_sum = jnp.sum(w * pg_term)
+    sums["pg_loss"] = jax.lax.stop_gradient(loss_sum)
+    if cfg.kl_coef > 0:
+        if ref_logp is None:
+            raise ValueError("rl.loss.kl_coef > 0 needs the reference log-probabilities (batch key ref_logprobs)")
+        k1 = jax.lax.stop_gradient(jnp.where(on, logp - ref_logp, 0.0))
+        kl_sum = jnp.sum(w * cfg.kl_coef * k1 * ratio)
+        loss_sum = loss_sum + kl_sum
+        sums["kl_loss"] = jax.lax.stop_gradient(kl_sum)
+        sums["kl_ref"] = jnp.sum(mask * k1)
+    capped = jnp.clip(lr, -_METRIC_LOG_RATIO_CAP, _METRIC_LOG_RATIO_CAP)
+    sums.update(
+        policy_tokens=mask.sum(),
+        kept_tokens=keep_f.sum(),
+        clipped_tokens=jnp.sum(keep_f * clipped_tok),
+        ratio=jnp.sum(mask * jnp.exp(capped)),
+        # KL(mu || pi) on tokens drawn from mu: k1 = log mu - log pi; k3 = (r - 1) - log r
+        mismatch_kl_k1=jnp.sum(mask * -lr),
+        mismatch_kl_k3=jnp.sum(mask * (jnp.expm1(capped) - capped)),
+    )
+    return loss_sum, sums
+
+
+# --------------------------------------------------------------------------------------------------
+# The objective
+# --------------------------------------------------------------------------------------------------
+
+
+def replays_routing(cfg: Config) -> bool:
+    """Whether the objective replays recorded routing: rl.loss.router_replay on a MoE model."""
+    return cfg.rl.loss.router_replay and cfg.model.num_moe_layers > 0
+
+
+def _shift_left(x: jax.Array) -> jax.Array:
+    """Token-aligned -> prediction-aligned along seq (axis 1): position i gets token i+1's value."""
+    pad = jnp.zeros((x.shape[0], 1) + x.shape[2:], x.dtype)
+    return jnp.concatenate([x[:, 1:], pad], axis=1)
+
+
+def prepare_rl_batch(batch: dict, cfg: Config, context: int, *, with_ref: bool, with_routing: bool) -> dict:
+    """Token-aligned batch -> prediction-aligned arrays in layout order (every array's last two
+    axes [batch, seq]; routing as int32[moe_layers, k, batch, seq]). Position i predicts token
+    i+1: its target, mask, sampler/reference log-probs and advantage are token i+1's; a target in
+    another segment (or padding) has mask 0."""
+    tokens = batch["tokens"].astype(jnp.int32)
+    seg = batch["segment_ids"].astype(jnp.int32)
+    b, s = tokens.shape
+    same = (seg != 0) & (_shift_left(seg) == seg)
+    mask = _shift_left(batch["loss_mask"].astype(jnp.float32)) * same
+    out = {
+        "tokens": tokens,
+        "segment_ids": seg,
+        "positions": batch["positions"].astype(jnp.int32),
+        "order": jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)),
+        "targets": _shift_left(tokens),
+        "mask": mask,
+        "advantages": _shift_left(batch["advantages"].astype(jnp.float32)),
+        "sampler_logprobs": _shift_left(batch["sampler_logprobs"].astype(jnp.float32)),
+    }
+    if with_ref:
+        out["ref_logprobs"] = _shift_left(batch["ref_logprobs"].astype(jnp.float32))
+    if with_routing:
+        out["routing"] = jnp.transpose(batch["routing"].astype(jnp.int32), (2, 3, 0, 1))
+    if context > 1:
+        perm = jnp.asarray(zigzag_permutation(s, context))
+        out = {k: jnp.take(v, perm, axis=v.ndim - 1) for k, v in out.items()}
+    return out
+
+
+def prepare(params: Any, batch: dict, cfg: Config, context: int) -> tuple[dict, dict]:
+    """`prepare_rl_batch` plus the aggregation's weights and the whole-batch denominators
+    (loss: the aggregation's D; policy_tokens: for the per-token metrics)."""
+    lc = cfg.rl.loss
+    prep = prepare_rl_batch(batch, cfg, context, with_ref=lc.kl_coef > 0, with_routing=replays_routing(cfg))
+    # per-row reductions do not care about the zigzag order of the sequence axis
+    weights, denom = AGGREGATIONS[lc.aggregation](prep["mask"], lc.normalizer)
+    prep["loss_weights"] = weights
+    return prep, {"loss": denom, "policy_tokens": jnp.maximum(prep["mask"].sum(), 1.0)}
+
+
+def _policy_forward(params: Any, mb: dict, cfg: Config, sharding: MeshRules | None, routing: jax.Array | None):
+    m = cfg.model
+    out = forward(
+        params,
+        mb["tokens"],
+        m,
+        segment_ids=mb["segment_ids"],
+        positions=mb["positions"],
+        token_order=mb["order"],
+        routing=routing,
+        context_layout="zigzag" if context_size(sharding) > 1 else "contiguous",
+        sharding=sharding,
+    )
+    chunks = ce_chunks(mb["tokens"].shape, sharding)
+    logp, entropy = token_logprobs(out.hidden, output_head(params, m), mb["targets"], cfg.rl.loss.temperature, chunks)
+    return out, logp, entropy
+
+
+def loss_terms(params: Any, mb: dict, cfg: Config, denoms: dict, sharding: MeshRules | None):
+    """One micro-batch's objective (divided by the whole-batch denominator) and metric sums."""
+    routing = jnp.transpose(mb["routing"], (0, 2, 3, 1)) if "routing" in mb else None  # [L, b, s, k]
+    out, logp, entropy = _policy_forward(params, mb, cfg, sharding, routing)
+    loss_sum, sums = policy_loss(
+        logp,
+        mb["sampler_logprobs"],
+        mb["advantages"],
+        mb["mask"],
+        mb["loss_weights"],
+        cfg.rl.loss,
+        ref_logp=mb.get("ref_logprobs"),
+    )
+    sums["entropy"] = jnp.sum(mb["mask"] * entropy)
+    if "expert_counts" in out.aux:
+        sums["expert_counts"] = out.aux["expert_counts"]
+        sums["seq_balance"] = out.aux["seq_balance"]
+    return loss_sum / denoms["loss"], sums
+
+
+def metrics(sums: dict, denoms: dict, cfg: Config) -> dict:
+    """pg_loss / kl_loss (the objective's two parts), per-policy-token means (entropy, ratio_mean,
+    mismatch_kl_k1 / _k3 between sampler and trainer, kl_ref), filtered_fraction (of policy
+    tokens), clip_fraction (of kept tokens) and policy_tokens."""
+    tokens = denoms["policy_tokens"]
+    out = {
+        "pg_loss": sums["pg_loss"] / denoms["loss"],
+        "entropy": sums["entropy"] / tokens,
+        "ratio_mean": sums["ratio"] / tokens,
+        "mismatch_kl_k1": sums["mismatch_kl_k1"] / tokens,
+        "mismatch_kl_k3": sums["mismatch_kl_k3"] / tokens,
+        "filtered_fraction": 1.0 - sums["kept_tokens"] / tokens,
+        "clip_fraction": sums["clipped_tokens"] / jnp.maximum(sums["kept_tokens"], 1.0),
+        "policy_tokens": sums["policy_tokens"],
+    }
+    if "kl_loss" in sums:
+        out["kl_loss"] = sums["kl_loss"] / denoms["loss"]
+        out["kl_ref"] = sums["kl_ref"] / tokens
+    return out
+
+
+def rl_objective(cfg: Config) -> Objective:
+    """The RL objective for this run: its batch keys are `BASE_KEYS`, plus ref_logprobs when
+    rl.loss.kl_coef > 0 and routing when the model is MoE and rl.loss.router_replay is on.
+    Pass it to `train.step.make_train_step(..., objective=)` / `batch_gradients`."""
+    keys = BASE_KEYS + (("ref_logprobs",) if cfg.rl.loss.kl_coef > 0 else ())
+    keys += ("routing",) if replays_routing(cfg) else ()
+    return Objective(name="rl", batch_keys=keys, prepare=prepare, terms=loss_terms, metrics=metrics)
+
+
+def reference_logprobs(
+    ref_params: Any, batch: dict, cfg: Config, sharding: MeshRules | None = None, *, replay: bool = False
+) -> jax.Array:
+    """log pi_ref of every token under the frozen reference parameters: float32[batch, seq],
+    token-aligned like `sampler_logprobs` (index i is token i's; 0 where no prediction reaches it:
+    the first token of each segment and padding). The batch as the objective takes it, without
+    ref_logprobs. replay: route with the batch's recorded experts (default: the reference model
+    routes itself). Pure; jit it with the step's shardings (see tests/rl)."""
+    s = batch["tokens"].shape[1]
+    context = context_size(sharding)
+    with_routing = replay and "routing" in batch
+    prep = prepare_rl_batch(batch, cfg, context, with_ref=False, with_routing=with_routing)
+    routing = jnp.transpose(prep["routing"], (0, 2, 3, 1)) if with_routing else None
+    _, logp, _ = _policy_forward(ref_params, prep, cfg, sharding, routing)
+    logp = jax.lax.stop_gradient(logp)
+    if context > 1:  # back to the original order
+        logp = jnp.take(logp, jnp.asarray(np.argsort(zigzag_permutation(s, context))), axis=1)
+    seg = batch["segment_ids"].astype(jnp.int32)
+    valid = jnp.concatenate([jnp.zeros_like(seg[:, :1], bool), (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] != 0)], 1)
+    # prediction at i is token i+1's: shift right to align with the tokens
+    return jnp.where(valid, jnp.concatenate([jnp.zeros_like(logp[:, :1]), logp[:, :-1]], axis=1), 0.0)

@@ -1,0 +1,63 @@
+"""The `rl` config section: loaded from YAML keys and overrides, and every bad value rejected with
+the key, the value and what is accepted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import composer_jax as cj
+from composer_jax.config import ConfigError, LengthPenaltyConfig, RLLossConfig
+
+TINY = Path(__file__).resolve().parents[2] / "configs" / "model" / "tiny.yaml"
+
+
+def test_overrides_reach_the_rl_section():
+    cfg = cj.load_config(
+        TINY,
+        [
+            "rl.loss.advantage=grpo",
+            "rl.loss.aggregation=token_mean",
+            "rl.loss.clip_eps_low=0.2",
+            "rl.loss.clip_eps_high=0.28",
+            "rl.loss.plausibility_band=[0.5, 2]",
+            "rl.loss.kl_coef=0.001",
+            "rl.reward.length_penalty.q=1.5",
+            "rl.reward.length_penalty.x=turns",
+            "rl.reward.style_penalty=0.01",
+        ],
+        num_devices=None,
+    )
+    loss = cfg.rl.loss
+    assert (loss.advantage, loss.aggregation) == ("grpo", "token_mean")
+    assert (loss.clip_eps_low, loss.clip_eps_high) == (0.2, 0.28)
+    assert loss.plausibility_band == (0.5, 2.0) and loss.kl_coef == 0.001 and loss.router_replay
+    assert cfg.rl.reward.length_penalty == LengthPenaltyConfig(weight=0.0, k=0.01, q=1.5, x="turns")
+    assert cfg.rl.reward.style_penalty == 0.01
+    # a pretraining config has the defaults: Dr. GRPO, token sum, no clipping, no KL, no band
+    plain = cj.load_config(TINY, num_devices=None).rl.loss
+    assert plain == RLLossConfig() and plain.advantage == "drgrpo" and plain.aggregation == "token_sum"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("rl.loss.advantage=ppo", r"rl.loss.advantage='ppo' is not accepted; accepted: one of 'drgrpo', 'grpo'"),
+        ("rl.loss.aggregation=mean", r"rl.loss.aggregation='mean' is not accepted; accepted: one of 'token_sum'"),
+        ("rl.loss.normalizer=-1", r"rl.loss.normalizer=-1.0: expected a number >= 0.0"),
+        ("rl.loss.clip_eps_low=0", r"rl.loss.clip_eps_low=0.0: expected a number > 0.0"),
+        ("rl.loss.clip_eps_low=1.5", r"rl.loss.clip_eps_low=1.5: expected a number in \(0, 1\)"),
+        ("rl.loss.kl_coef=-0.1", r"rl.loss.kl_coef=-0.1: expected a number >= 0.0"),
+        ("rl.loss.plausibility_band=[2, 3]", r"band=\[2.0, 3.0\]: expected \[lo, hi\] with 0 <= lo < 1 < hi"),
+        ("rl.loss.plausibility_band=[0.5]", r"plausibility_band=\[0.5\]: expected \[lo, hi\] with 0 <= lo < 1 < hi"),
+        ("rl.loss.temperature=0", r"rl.loss.temperature=0.0: expected a number > 0.0"),
+        ("rl.reward.length_penalty.x=chars", r"x='chars' is not accepted; accepted: one of 'tokens', 'turns'"),
+        ("rl.reward.length_penalty.k=0", r"rl.reward.length_penalty.k=0.0: expected a number > 0.0"),
+        ("rl.reward.style_penalty=-1", r"rl.reward.style_penalty=-1.0: expected a number >= 0.0"),
+        ("rl.loss.clip_eps=0.2", r"unknown key 'rl.loss.clip_eps' \(did you mean 'clip_eps_low'\?\)"),
+    ],
+)
+def test_bad_values_name_key_value_and_accepted(override, message):
+    with pytest.raises(ConfigError, match=message):
+        cj.load_config(TINY, [override], num_devices=None)
