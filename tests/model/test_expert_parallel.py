@@ -221,3 +221,49 @@ def test_exchange_traffic_ratio_is_ep():
     assert t["ragged"]["bytes"] == a * 7 / 8 * 7168 * 2
     assert t["padded"]["bytes"] / t["ragged"]["bytes"] == 8
     assert xp.exchanges_per_step("full") == 6 and xp.exchanges_per_step("none") == 4
+
+
+@pytest.mark.slow  # compiles a whole train step (~90 s on 2 cores)
+def test_train_step_logs_dropped_assignments_and_exchange_bytes():
+    """The step's metrics: every token forced onto device 0's experts (router bias +100 on
+    experts 0 and 1, k = 2) with capacity 2.5. Hand-worked per MoE layer and group of 4 devices:
+    each device has 32 tokens x 2 = 64 assignments, receiver 0 is offered 4 x 64 = 256 rows and
+    keeps R = 160: source 0's 64 (local), source 1's 64, 32 of source 2's, none of source 3's. So
+    96 dropped per group, 2 groups x 2 MoE layers = 384 per step; 96 rows sent off-device per
+    group = 24 per device per layer, 48 per step, each sent 4 times (dispatch, combine, forward
+    and backward; remat none) as 64 float32 values: 48 x 64 x 4 bytes x 4 = 49,152 bytes."""
+    from composer_jax.model.params import router_biases, with_router_biases
+    from composer_jax.train.state import init_train_state
+    from composer_jax.train.step import make_train_step
+
+    tiny = Path(__file__).resolve().parents[2] / "configs/model/tiny.yaml"
+    overrides = [
+        "model.num_mtp_layers=0",
+        "model.moe_ep_exchange=ragged_emulated",
+        "model.moe_ep_capacity_factor=2.5",
+        "model.remat=none",
+        "train.batch_size=8",
+        "train.seq_len=32",
+        "train.router_bias_update=false",
+        f"mesh.fsdp={FSDP}",
+        f"mesh.expert={EP}",
+        "mesh.data=1",
+    ]
+    cfg = cj.load_config(tiny, overrides, num_devices=8)
+    mesh = cj.make_mesh(cfg.mesh)
+    rules = cj.ShardingRules.create()
+    state = init_train_state(cfg, mesh, rules)
+    biases = {k: b.at[..., :2].add(100.0) for k, b in router_biases(state.params).items()}
+    state = dataclasses.replace(state, params=with_router_biases(state.params, biases))
+    rng = np.random.default_rng(0)
+    batch = {
+        "tokens": rng.integers(1, 512, (8, 32)).astype(np.int32),
+        "segment_ids": np.ones((8, 32), np.int32),
+        "positions": np.tile(np.arange(32, dtype=np.int32), (8, 1)),
+        "loss_mask": np.ones((8, 32), np.float32),
+    }
+    with jax.set_mesh(mesh):
+        _, metrics = make_train_step(cfg, mesh, rules, donate=False)(state, batch)
+    assert cfg.model.num_moe_layers == 2 and cfg.model.hidden_size == 64
+    assert float(metrics["moe_dropped"]) == 384
+    assert float(metrics["moe_a2a_bytes_per_device"]) == 48 * 64 * 4 * 4
