@@ -31,7 +31,7 @@ def _numpy_plan(counts: np.ndarray, rows: int):
     kept = np.zeros((ep, ep), np.int64)
     layout = []
     for d in range(ep):
-        buf = []
+        buf: list[tuple[int, int]] = []
         for s in range(ep):
             for le in range(el):
                 for _ in range(counts[s, d * el + le]):
@@ -146,7 +146,11 @@ def test_ragged_equals_padded_forward_and_gradients(routing):
     off = sum(int((experts[row] // 2 != row % EP).sum()) for row in range(8)) / 8
     assert float(s["moe_a2a_rows"]) == off
     # the padded reference against numpy too (the layer's own reference, independent of both paths)
-    w = np.asarray(moe.route(p["router"], p["router_bias"], x.reshape(-1, 16), cfg, None if replay is None else replay.reshape(-1, 2)).weights)
+    w = np.asarray(
+        moe.route(
+            p["router"], p["router_bias"], x.reshape(-1, 16), cfg, None if replay is None else replay.reshape(-1, 2)
+        ).weights
+    )
     ref = _numpy_moe(jax.tree.map(np.asarray, p), np.asarray(x).reshape(-1, 16), cfg, experts.reshape(-1, 2), w)
     np.testing.assert_allclose(np.asarray(y_ref).reshape(-1, 16), ref, atol=1e-5)
 
@@ -176,7 +180,9 @@ def test_overflow_is_dropped_and_counted(routing, capacity):
     cfg, p, x, sh = _setup("ragged_emulated", capacity)
     replay = _routing(routing)
     y, stats, _ = _run(cfg, p, x, sh, replay)
-    r = moe.route(p["router"], p["router_bias"], x.reshape(-1, 16), cfg, None if replay is None else replay.reshape(-1, 2))
+    r = moe.route(
+        p["router"], p["router_bias"], x.reshape(-1, 16), cfg, None if replay is None else replay.reshape(-1, 2)
+    )
     experts = np.asarray(r.experts).reshape(8, 6, 2)
     rows = xp.ragged_buffer_rows(12, EP, 8, 2, capacity)
     drop = _expected_drops(experts, rows)

@@ -51,7 +51,6 @@ def test_forward_and_gradient_lower_for_cuda(moe_impl):
         assert n_ragged == 0
 
 
-
 def test_ragged_expert_parallel_layer_lowers_for_cuda_with_the_ragged_op():
     """The ragged exchange lowers for CUDA (XLA:CPU cannot compile it): the HLO of the layer's
     forward and gradient holds four `ragged-all-to-all` ops (dispatch, combine and their
@@ -81,4 +80,4 @@ def test_ragged_expert_parallel_layer_lowers_for_cuda_with_the_ragged_op():
     assert sum(f"f32[24,{d}]" in op for op in ops) == 2  # back into the sorted assignments
     assert not [line for line in hlo.splitlines() if " all-to-all(" in line and "f32[" in line.split("=")[1][:12]]
     dots = [line for line in hlo.splitlines() if "ragged-dot(" in line]
-    assert dots and all(f"[48," in line.split("=")[1][:16] for line in dots[:3]), dots[:3]
+    assert dots and all("[48," in line.split("=")[1][:16] for line in dots[:3]), dots[:3]

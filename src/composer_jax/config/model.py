@@ -198,8 +198,7 @@ def validate_model(m: ModelConfig) -> None:
     )
     need(
         m.moe_ep_exchange in ("auto", "padded", "ragged", "ragged_emulated"),
-        f"model.moe_ep_exchange={m.moe_ep_exchange!r} is not accepted; accepted: auto, padded, ragged, "
-        "ragged_emulated",
+        f"model.moe_ep_exchange={m.moe_ep_exchange!r} is not accepted; accepted: auto, padded, ragged, ragged_emulated",
     )
     need(
         isinstance(m.moe_ep_capacity_factor, (int, float))

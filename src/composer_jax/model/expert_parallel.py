@@ -154,10 +154,9 @@ def ragged_all_to_all_emulated(
     return output.at[dest.reshape(-1)].set(got.reshape((-1,) + operand.shape[1:]), mode="drop")
 
 
-def _collective(kind: str):
-    if kind == "ragged":
-        return lambda *args, axis_name: jax.lax.ragged_all_to_all(*args, axis_name=axis_name)
-    return lambda *args, axis_name: ragged_all_to_all_emulated(*args, axis_name=axis_name)
+def _collective(kind: str) -> Callable[..., jax.Array]:
+    """The ragged all-to-all to use: the real op ("ragged") or its emulation ("ragged_emulated")."""
+    return jax.lax.ragged_all_to_all if kind == "ragged" else ragged_all_to_all_emulated
 
 
 def ragged_exchange(

@@ -40,7 +40,6 @@ from composer_jax.model.params import moe_specs, router_biases, with_router_bias
 from composer_jax.quant.grouped_matmul import ragged_matmul, recipe, tile_matmul
 from composer_jax.sharding import MeshRules, vary_like
 
-
 STATS = ("expert_counts", "seq_balance", "moe_dropped", "moe_a2a_rows")
 
 
