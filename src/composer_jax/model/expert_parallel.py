@@ -100,18 +100,15 @@ def ragged_plan(counts: jax.Array, me: jax.Array, rows: int) -> ExchangePlan:
     off = jnp.minimum(start, rows)
     kept = jnp.minimum(per_dest, rows - off)  # [source, destination], a prefix of each slice
     send_start = jnp.cumsum(per_dest, axis=1) - per_dest  # [source, destination] in the source's rows
-    # the receive buffer's rows: source of each row, its rank inside that source's slice, and its
-    # local expert from the source's per-expert counts for me (its rows are sorted by expert)
+    # the receive buffer holds (source, local expert) segments in that order (each source's rows
+    # are sorted by expert, and only a prefix of them is kept); a row's segment is the first whose
+    # end lies past it: a searchsorted over E segment ends, not a comparison with every row
     kept_me, off_me = kept[:, me], off[:, me]
-    p = jnp.arange(rows, dtype=jnp.int32)
-    src = jnp.searchsorted(jnp.cumsum(kept_me), p, side="right").astype(jnp.int32)  # ep = empty
-    valid = src < ep
-    s = jnp.minimum(src, ep - 1)
-    rank = p - off_me[s]
     mine = jax.lax.dynamic_slice_in_dim(counts, me * e_local, e_local, axis=1)  # [source, e_local]
-    ends = jnp.cumsum(mine, axis=1)[s]  # [R, e_local]
-    local = (rank[:, None] >= ends).sum(-1).astype(jnp.int32)
-    recv_expert = jnp.where(valid, local, e_local)
+    seg_ends = off_me[:, None] + jnp.minimum(jnp.cumsum(mine, axis=1), kept_me[:, None])
+    p = jnp.arange(rows, dtype=jnp.int32)
+    seg = jnp.searchsorted(seg_ends.reshape(-1), p, side="right").astype(jnp.int32)  # E = empty row
+    recv_expert = jnp.where(seg < e, seg % e_local, e_local)
     not_me = jnp.arange(ep) != me
     return ExchangePlan(
         send_offsets=send_start[me],
