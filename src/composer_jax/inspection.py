@@ -532,6 +532,30 @@ def format_report(r: dict[str, Any]) -> str:
         f"mask {_gib(act['mask'])}; remat={act['remat']})",
         f"  total            {_gib(mem['total']):>12}",
     ]
+    if "fits" in r:
+        d = r["device"]
+        verdict = "FITS" if r["fits"] else "DOES NOT FIT"
+        free = r["headroom_bytes"]
+        free_s = _gib(free) if free >= 0 else "-" + _gib(-free)
+        lines += [
+            f"  device           {_gib(d['memory_bytes']):>12}   ({d['label']})",
+            f"  headroom         {free_s:>12}"
+            f"   ({r['headroom_fraction']:.1%} of the device; at least {r['min_headroom']:.0%} required)",
+            f"  verdict: {verdict} ({_gib(mem['total'])} of {_gib(d['memory_bytes'])} per device)",
+        ]
+    if "xla" in r:
+        x = r["xla"]
+        lines += [
+            "",
+            "XLA memory analysis of the compiled train step (this machine, per device)",
+            f"  arguments        {_gib(x['argument']):>12}   estimate state {_gib(x['estimate_state'])} "
+            f"({x['ratio_state']:.2f}x)",
+            f"  temporaries      {_gib(x['temp']):>12}   estimate working set {_gib(x['estimate_working'])} "
+            f"({x['ratio_working']:.2f}x)",
+            f"  output - alias   {_gib(x['output'] - x['alias']):>12}",
+            f"  total            {_gib(x['total']):>12}   estimate {_gib(x['estimate_total'])} "
+            f"({x['ratio_total']:.2f}x)",
+        ]
     x2 = r["expert_all_to_all"]
     if x2["ep"] > 1 and x2["moe_layers"]:
         st = x2["strategies"]
@@ -561,30 +585,6 @@ def format_report(r: dict[str, Any]) -> str:
                 else f"across nodes of {x2['gpus_per_node']} GPUs (InfiniBand sets the time)"
             )
             + f"; vendors' line rates (lower bounds); on GPU the step runs {x2['exchange_on_gpu']}",
-        ]
-    if "fits" in r:
-        d = r["device"]
-        verdict = "FITS" if r["fits"] else "DOES NOT FIT"
-        free = r["headroom_bytes"]
-        free_s = _gib(free) if free >= 0 else "-" + _gib(-free)
-        lines += [
-            f"  device           {_gib(d['memory_bytes']):>12}   ({d['label']})",
-            f"  headroom         {free_s:>12}"
-            f"   ({r['headroom_fraction']:.1%} of the device; at least {r['min_headroom']:.0%} required)",
-            f"  verdict: {verdict} ({_gib(mem['total'])} of {_gib(d['memory_bytes'])} per device)",
-        ]
-    if "xla" in r:
-        x = r["xla"]
-        lines += [
-            "",
-            "XLA memory analysis of the compiled train step (this machine, per device)",
-            f"  arguments        {_gib(x['argument']):>12}   estimate state {_gib(x['estimate_state'])} "
-            f"({x['ratio_state']:.2f}x)",
-            f"  temporaries      {_gib(x['temp']):>12}   estimate working set {_gib(x['estimate_working'])} "
-            f"({x['ratio_working']:.2f}x)",
-            f"  output - alias   {_gib(x['output'] - x['alias']):>12}",
-            f"  total            {_gib(x['total']):>12}   estimate {_gib(x['estimate_total'])} "
-            f"({x['ratio_total']:.2f}x)",
         ]
     if r["unsplit_axes"]:
         lines += ["", "not split as the rules say (the mesh axis does not divide the dimension; replicated over it):"]
