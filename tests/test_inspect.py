@@ -386,3 +386,41 @@ def test_cli_xla_needs_the_mesh_to_fit_this_machine(capsys):
     assert main([str(PRETRAIN / "tiny_stage1.yaml"), "mesh.data=4", "train.batch_size=16", "--xla"]) == 2
     err = capsys.readouterr().err
     assert "--xla compiles the step on this machine's 8 cpu device(s)" in err and "= 16" in err
+
+
+def test_expert_all_to_all_bytes_by_hand_on_the_stage1_mesh(capsys):
+    """Stage 1 (Kimi K2.5, EP 8, 2,048 tokens per device per micro-batch, 16 micro-batches, 60 MoE
+    layers, hidden 7,168 in bfloat16, remat full). Per layer and exchange one device sends, padded,
+    (8 - 1) x 2,048 x 8 = 114,688 rows of 14,336 bytes = 1,644,167,168 bytes; ragged, at uniform
+    routing, 7/8 of its 16,384 assignments = 14,336 rows = 205,520,896 bytes. x 6 exchanges x 60
+    layers x 16 micro-batches = 9.470e12 / 1.184e12 bytes per step. Metadata per forward pass
+    (2 with remat): padded 114,688 int32 ids, ragged 7 x 384 int32 counts. The context axis (16)
+    is innermost, so an expert group spans 8 x 16 devices: InfiniBand, 50 GB/s."""
+    cfg = load_config(PRETRAIN / "stage1_32k.yaml", num_devices=None)
+    sizes = {"data": 1, "fsdp": 2, "expert": 8, "context": 16, "tensor": 1}
+    r = build_report(cfg, sizes, 256, 32768, micro_batches=16)["expert_all_to_all"]
+    per_step = 6 * 60 * 16
+    padded, ragged = r["strategies"]["padded"], r["strategies"]["ragged"]
+    assert padded["row_bytes"] == 1_644_167_168 * per_step
+    assert ragged["row_bytes"] == 205_520_896 * per_step
+    assert padded["metadata_bytes"] == 114_688 * 4 * 2 * 60 * 16
+    assert ragged["metadata_bytes"] == 7 * 384 * 4 * 2 * 60 * 16
+    assert padded["row_bytes"] / ragged["row_bytes"] == 8
+    assert r["link"] == "infiniband" and r["expert_axis_stride"] == 16
+    assert ragged["seconds"]["infiniband"] == pytest.approx(ragged["bytes"] / 50e9)
+    assert ragged["receive_rows"] == padded["receive_rows"] == 8 * 16_384  # capacity factor 0: worst case
+    # EP inside a node (h200x256_ep8: fsdp 32 x expert 8, nothing after expert): NVLink
+    inner = build_report(cfg, {"data": 1, "fsdp": 32, "expert": 8, "context": 1, "tensor": 1}, 256, 4096)
+    assert inner["expert_all_to_all"]["link"] == "nvlink"
+    # a capacity factor shrinks the ragged receive buffer, not the rows sent
+    c2 = build_report(
+        load_config(PRETRAIN / "stage1_32k.yaml", ["model.moe_ep_capacity_factor=2"], num_devices=None),
+        sizes,
+        256,
+        32768,
+        micro_batches=16,
+    )["expert_all_to_all"]["strategies"]["ragged"]
+    assert c2["receive_rows"] == 2 * 16_384 and c2["row_bytes"] == ragged["row_bytes"]
+    assert main([str(PRETRAIN / "stage1_32k.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "expert all-to-all per device per step (EP 8" in out and "padded / ragged 8.00x" in out

@@ -8,6 +8,9 @@ parameter, and a verdict against a device.
     composer-jax inspect configs/model/deepseek_v3.yaml mesh.fsdp=64 mesh.expert=8 --json
     composer-jax inspect configs/pretrain/tiny_stage1.yaml --xla   # next to XLA's own analysis
 
+Also: the expert-parallel all-to-all bytes per device per step of both exchange strategies
+(padded, ragged) and their time at NVLink and InfiniBand line rates (`expert_all_to_all`).
+
 The mesh is taken from the config (or `--mesh FILE`, a YAML holding only a `mesh:` section, merged
 over it, then `key=value` overrides). It need not match the devices of this machine: the device
 count is not checked, and an axis of -1 takes `--num-devices` (default: the product of the other
@@ -70,6 +73,93 @@ DEVICES: dict[str, Device] = {
     "tpu-v5p": Device("Google TPU v5p", 95, "Google Cloud TPU v5p documentation"),
     "tpu-v6e": Device("Google TPU v6e (Trillium)", 32, "Google Cloud TPU v6e documentation"),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Interconnect:
+    """One GPU's bandwidth in ONE direction over a link, from the vendor's data sheet. An
+    all-to-all sends and receives at once, so a device's time is its bytes sent / this figure."""
+
+    name: str
+    bytes_per_s: float
+    source: str
+
+
+# NVLink: NVIDIA H200 (and H100 SXM) data sheet, "NVLink: 900GB/s" per GPU, the sum of both
+# directions (18 fourth-generation links x 50 GB/s bidirectional), so 450 GB/s each way.
+# InfiniBand: NVIDIA DGX H200 data sheet, "8x single-port NVIDIA ConnectX-7 VPI, up to 400Gb/s
+# InfiniBand/Ethernet" (one NDR port per GPU; ConnectX-7 data sheet: 400 Gb/s per port), 400 Gb/s =
+# 50 GB/s each way. Both are line rates: the all-to-all attains less (protocol overhead, congestion,
+# latency of small messages), so the times below are lower bounds.
+INTERCONNECTS: dict[str, Interconnect] = {
+    "nvlink": Interconnect(
+        "NVLink 4 (H100/H200 SXM)", 450e9, "NVIDIA H200 data sheet: NVLink 900 GB/s per GPU, both ways"
+    ),
+    "infiniband": Interconnect(
+        "InfiniBand NDR (one 400 Gb/s ConnectX-7 per GPU)",
+        50e9,
+        "NVIDIA DGX H200 data sheet: 8x single-port ConnectX-7, 400 Gb/s InfiniBand",
+    ),
+}
+GPUS_PER_NODE = 8  # HGX / DGX H100, H200, B200: the NVLink domain of the meshes' plain device order
+
+
+def expert_all_to_all(cfg: Config, sizes: dict[str, int], tokens_per_device: float, micro_batches: int) -> dict:
+    """All-to-all bytes per device per training step of the expert-parallel exchange, for both
+    strategies (`model/expert_parallel.py`): the hidden-vector rows (`exchange_traffic` per layer
+    and exchange x `exchanges_per_step` x MoE layers (MTP included) x micro-batches) and the int32
+    metadata (padded: expert ids with the dispatch; ragged: the counts all_gather; once per forward
+    pass), with the time at each `INTERCONNECTS` line rate and the link the mesh's expert axis uses
+    (make_mesh's plain device order: an expert group whose devices lie within one node of
+    GPUS_PER_NODE uses NVLink, otherwise InfiniBand)."""
+    from composer_jax.model import expert_parallel as xp
+    from composer_jax.model.moe import ep_exchange
+
+    m = cfg.model
+    ep = sizes["expert"]
+    layers = (m.num_moe_layers + m.num_mtp_layers) if m.num_experts else 0
+    itemsize = 2 if m.compute_dtype == "bfloat16" else 4
+    exchanges = xp.exchanges_per_step(m.remat)
+    forward_passes = 1 + (m.remat != "none")
+    per_layer = xp.exchange_traffic(
+        m.hidden_size,
+        itemsize,
+        m.num_experts or 1,
+        m.num_experts_per_tok,
+        ep,
+        int(tokens_per_device),
+        m.moe_ep_capacity_factor,
+    )
+    stride = math.prod(sizes[a] for a in MESH_AXES[MESH_AXES.index("expert") + 1 :])
+    span = stride * (ep - 1) + 1  # devices from the first to the last of one expert group
+    link = "nvlink" if span <= GPUS_PER_NODE else "infiniband"
+    out: dict[str, Any] = {
+        "ep": ep,
+        "moe_layers": layers,
+        "exchanges_per_layer": exchanges,
+        "micro_batches": micro_batches,
+        "tokens_per_device": tokens_per_device,
+        "expert_axis_stride": stride,
+        "link": link,
+        "gpus_per_node": GPUS_PER_NODE,
+        "capacity_factor": m.moe_ep_capacity_factor,
+        "exchange_on_gpu": "ragged" if m.moe_ep_exchange == "auto" else ep_exchange(m),
+        "interconnects": {k: dataclasses.asdict(v) for k, v in INTERCONNECTS.items()},
+        "strategies": {},
+    }
+    for name, t in per_layer.items():
+        rows = t["bytes"] * exchanges * layers * micro_batches if ep > 1 and layers else 0
+        meta = t["metadata_bytes"] * forward_passes * layers * micro_batches if ep > 1 and layers else 0
+        total = rows + meta
+        out["strategies"][name] = {
+            "row_bytes": rows,
+            "metadata_bytes": meta,
+            "bytes": total,
+            "bytes_per_layer_exchange": t["bytes"],
+            "receive_rows": t["receive_rows"],
+            "seconds": {k: total / v.bytes_per_s for k, v in INTERCONNECTS.items()},
+        }
+    return out
 
 
 class UsageError(ValueError):
@@ -274,6 +364,7 @@ def build_report(
         "unsplit_axes": [
             {"path": r.path, "logical_axis": la, "mesh_axis": ma, "dim": dim} for r in rows for la, ma, dim in r.unsplit
         ],
+        "expert_all_to_all": expert_all_to_all(cfg, sizes, mem["activations"]["tokens_per_device"], micro_batches),
     }
     if device is not None or device_memory_gib is not None:
         if device is not None:
@@ -464,6 +555,36 @@ def format_report(r: dict[str, Any]) -> str:
             f"  output - alias   {_gib(x['output'] - x['alias']):>12}",
             f"  total            {_gib(x['total']):>12}   estimate {_gib(x['estimate_total'])} "
             f"({x['ratio_total']:.2f}x)",
+        ]
+    x2 = r["expert_all_to_all"]
+    if x2["ep"] > 1 and x2["moe_layers"]:
+        st = x2["strategies"]
+        links = x2["interconnects"]
+        lines += [
+            "",
+            f"expert all-to-all per device per step (EP {x2['ep']}; {x2['moe_layers']} MoE layers x "
+            f"{x2['micro_batches']} micro-batch(es) x {x2['exchanges_per_layer']} exchanges: dispatch and combine, "
+            "forward, backward" + (", remat recompute)" if x2["exchanges_per_layer"] == 6 else ")"),
+        ]
+        for name, label in (
+            ("padded", "padded (all_to_all, [ep, tokens*k] slots)"),
+            ("ragged", "ragged (real rows only)"),
+        ):
+            v = st[name]
+            times = ", ".join(f"{v['seconds'][k]:.3g} s at {links[k]['bytes_per_s'] / 1e9:g} GB/s {k}" for k in links)
+            lines.append(f"  {label:<42}{_gib(v['bytes']):>12}   ({times})")
+        ratio = st["padded"]["bytes"] / max(st["ragged"]["bytes"], 1)
+        lines += [
+            f"  padded / ragged {ratio:.2f}x; ragged rows at uniform routing ((ep-1)/ep of the assignments leave the "
+            f"device); receive buffer {st['ragged']['receive_rows']:,} rows (capacity factor "
+            f"{x2['capacity_factor']:g}; 0 = worst case) vs padded {st['padded']['receive_rows']:,}",
+            f"  expert groups span devices {x2['expert_axis_stride']} apart: "
+            + (
+                f"inside a node of {x2['gpus_per_node']} GPUs (NVLink)"
+                if x2["link"] == "nvlink"
+                else f"across nodes of {x2['gpus_per_node']} GPUs (InfiniBand sets the time)"
+            )
+            + f"; vendors' line rates (lower bounds); on GPU the step runs {x2['exchange_on_gpu']}",
         ]
     if r["unsplit_axes"]:
         lines += ["", "not split as the rules say (the mesh axis does not divide the dimension; replicated over it):"]

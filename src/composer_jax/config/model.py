@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 from composer_jax.errors import ConfigError
@@ -90,6 +91,18 @@ class ModelConfig:
     # dtype); "mxfp8" = MXFP8 E4M3 forward and backward; "nvfp4_fwd_mxfp8_bwd" = Composer 2's NVFP4
     # forward with a per-token second-level scale and MXFP8 backward. Not with moe_impl=dense.
     moe_precision: Literal["bf16", "mxfp8", "nvfp4_fwd_mxfp8_bwd"] = "bf16"
+    # expert-parallel exchange (model/expert_parallel.py): "padded" = all_to_all of worst-case
+    # [ep, tokens*k] buffers (moves ep x the rows that exist; never drops; the only one XLA:CPU
+    # runs); "ragged" = jax.lax.ragged_all_to_all of the real rows only, counts exchanged first (GPU
+    # and TPU; XLA:CPU fails to compile it); "ragged_emulated" = the ragged path's bookkeeping, bound
+    # and drops with the collective emulated by a padded all_to_all (runs on CPU; tests);
+    # "auto" = ragged on GPU/TPU, padded on CPU.
+    moe_ep_exchange: Literal["auto", "padded", "ragged", "ragged_emulated"] = "auto"
+    # ragged receive buffer per device, as a multiple of the balanced share (tokens*k rows): 0 = the
+    # worst case tokens*k*min(ep, E/k), nothing can be dropped; c > 0 = ceil(c*tokens*k) rows (capped
+    # at the worst case): less memory and matmul padding, and assignments past it are dropped and
+    # counted (metric moe_dropped). The padded exchange ignores it (always the worst case).
+    moe_ep_capacity_factor: float = 0.0
     # attention: "blockwise" = flash-style blocks with an online softmax and its own VJP (no
     # [q, k] score matrix; causal block skipping in the contiguous layout); "dense" = the whole
     # masked score matrix (reference). Query block size and the key chunk of the online softmax:
@@ -182,6 +195,17 @@ def validate_model(m: ModelConfig) -> None:
         m.moe_precision == "bf16" or m.moe_impl != "dense",
         f"model.moe_precision={m.moe_precision!r} needs moe_impl auto, tiled or ragged "
         "(moe_impl=dense is the unquantised reference)",
+    )
+    need(
+        m.moe_ep_exchange in ("auto", "padded", "ragged", "ragged_emulated"),
+        f"model.moe_ep_exchange={m.moe_ep_exchange!r} is not accepted; accepted: auto, padded, ragged, ragged_emulated",
+    )
+    need(
+        isinstance(m.moe_ep_capacity_factor, (int, float))
+        and math.isfinite(m.moe_ep_capacity_factor)
+        and m.moe_ep_capacity_factor >= 0,
+        f"model.moe_ep_capacity_factor={m.moe_ep_capacity_factor!r} is not accepted; accepted: 0 (the "
+        "worst case, never drops) or a finite number > 0 (a multiple of the balanced share tokens*k)",
     )
     need(m.attn_block_q >= 1, f"model.attn_block_q={m.attn_block_q} must be >= 1")
     need(m.attn_block_k >= 1, f"model.attn_block_k={m.attn_block_k} must be >= 1")

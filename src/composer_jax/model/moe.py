@@ -14,9 +14,11 @@ their expert's weights with a grouped matmul:
               tiles with per-tile gathered weights. On XLA:CPU ragged_dot lowers to a masked dense
               dot doing G x the FLOPs (FIELD-NOTES), tiling wastes at most G*(tile-1) rows;
   - "dense":  every expert on every row, then select (reference for tests; G x the FLOPs).
-Expert parallelism: inside `jax.shard_map`, assignments are exchanged with `all_to_all` over the
-expert mesh axis into fixed [ep, T*K] buffers (worst case, so nothing is ever dropped), computed by
-the local experts, and returned by the inverse all_to_all.
+Expert parallelism: inside `jax.shard_map`, assignments are exchanged over the expert mesh axis
+(`model/expert_parallel.py`, `model.moe_ep_exchange`): on GPU/TPU by `ragged_all_to_all` of the
+real rows into a receive buffer bounded by `model.moe_ep_capacity_factor` (overflow dropped and
+counted), on CPU by `all_to_all` of worst-case [ep, T*K] buffers (the reference; never drops);
+computed by the local experts, and returned by the inverse exchange.
 Precision (`model.moe_precision`): "bf16" multiplies in the compute dtype (the code below exactly as
 without quantisation); "mxfp8" and "nvfp4_fwd_mxfp8_bwd" run the tiled and ragged grouped matmuls
 (and so expert parallelism, which calls them) through `quant.grouped_matmul`.
@@ -33,9 +35,12 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from composer_jax.config import ModelConfig
+from composer_jax.model import expert_parallel
 from composer_jax.model.params import moe_specs, router_biases, with_router_biases
 from composer_jax.quant.grouped_matmul import ragged_matmul, recipe, tile_matmul
 from composer_jax.sharding import MeshRules, vary_like
+
+STATS = ("expert_counts", "seq_balance", "moe_dropped", "moe_a2a_rows")
 
 
 class Routing(NamedTuple):
@@ -319,6 +324,14 @@ def sequence_balance(scores: jax.Array, experts: jax.Array, num_experts: int, se
     return jnp.sum(f * p_sum / seq)
 
 
+def ep_exchange(cfg: ModelConfig) -> str:
+    """The expert-parallel exchange `cfg.moe_ep_exchange` names, "auto" resolved for this backend:
+    the ragged all-to-all on GPU/TPU, the padded one on XLA:CPU (which has no ragged-all-to-all)."""
+    if cfg.moe_ep_exchange != "auto":
+        return cfg.moe_ep_exchange
+    return "ragged" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "padded"
+
+
 def _sorted_dispatch(
     xt: jax.Array,
     experts: jax.Array,
@@ -326,9 +339,11 @@ def _sorted_dispatch(
     cfg: ModelConfig,
     ep: int,
     ep_axis: str | None,
-) -> jax.Array:
-    """Assignments sorted by expert, through `grouped_swiglu` (and all_to_all over the expert axis
-    when ep > 1) and back: -> [tokens, k, embed]."""
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Assignments sorted by expert, through `grouped_swiglu` (and exchanged over the expert axis
+    when ep > 1, `model/expert_parallel.py`) and back: -> (y [tokens, k, embed], dropped int32[]
+    assignments of this device refused by the ragged buffer bound, sent int32[] assignment rows
+    this device dispatched to other devices)."""
     n, d = xt.shape
     k, e = cfg.num_experts_per_tok, cfg.num_experts
     a = n * k
@@ -337,27 +352,24 @@ def _sorted_dispatch(
     order = jnp.argsort(flat_e, stable=True)
     sorted_e = flat_e[order]
     xs = xt[flat_tok[order]]
+
+    def compute(rows: jax.Array, sizes: jax.Array) -> jax.Array:
+        return grouped_swiglu(rows, sizes, *ws, impl=cfg.moe_impl, tile=cfg.moe_tile_size, precision=cfg.moe_precision)
+
+    zero = jnp.zeros((), jnp.int32)
     if ep == 1:
-        sizes = jnp.zeros((e,), jnp.int32).at[flat_e].add(1)
-        ys = grouped_swiglu(xs, sizes, *ws, impl=cfg.moe_impl, tile=cfg.moe_tile_size, precision=cfg.moe_precision)
+        ys, dropped, sent = compute(xs, jnp.zeros((e,), jnp.int32).at[flat_e].add(1)), zero, zero
     else:
-        e_local = e // ep
-        shard = sorted_e // e_local
-        shard_counts = jnp.zeros((ep,), jnp.int32).at[shard].add(1)
-        rank = jnp.arange(a, dtype=jnp.int32) - (jnp.cumsum(shard_counts) - shard_counts)[shard]
-        send_x = jnp.zeros((ep, a, d), xt.dtype).at[shard, rank].set(xs)
-        send_e = jnp.full((ep, a), e_local, jnp.int32).at[shard, rank].set(sorted_e % e_local)
-        recv_x = jax.lax.all_to_all(send_x, ep_axis, 0, 0).reshape(ep * a, d)
-        recv_e = jax.lax.all_to_all(send_e, ep_axis, 0, 0).reshape(ep * a)
-        r_order = jnp.argsort(recv_e, stable=True)  # the invalid marker e_local sorts last
-        r_sizes = jnp.zeros((e_local + 1,), jnp.int32).at[recv_e].add(1)[:e_local]
-        r_y = grouped_swiglu(
-            recv_x[r_order], r_sizes, *ws, impl=cfg.moe_impl, tile=cfg.moe_tile_size, precision=cfg.moe_precision
-        )
-        back = jnp.zeros_like(r_y).at[r_order].set(r_y).reshape(ep, a, d)
-        ret = jax.lax.all_to_all(back, ep_axis, 0, 0)
-        ys = ret[shard, rank]
-    return jnp.zeros((a, d), ys.dtype).at[order].set(ys).reshape(n, k, d)
+        assert ep_axis is not None
+        exchange = ep_exchange(cfg)
+        if exchange == "padded":
+            ys = expert_parallel.padded_exchange(xs, sorted_e, compute, e, ep, ep_axis)
+            dropped, sent = zero, jnp.full((), (ep - 1) * a, jnp.int32)
+        else:
+            rows = expert_parallel.ragged_buffer_rows(a, ep, e, k, cfg.moe_ep_capacity_factor)
+            ys, dropped, sent = expert_parallel.ragged_exchange(xs, sorted_e, compute, e, ep, ep_axis, rows, exchange)
+    y = jnp.zeros((a, d), ys.dtype).at[order].set(ys).reshape(n, k, d)
+    return y, dropped, sent
 
 
 def _gathered_swiglu(xt: jax.Array, experts: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
@@ -382,9 +394,11 @@ def _local_moe(
     batch_axes: tuple[str, ...] = (),
     seq_axes: tuple[str, ...] = (),
     seq_shards: int = 1,
+    token_shards: int = 1,
 ):
     """x: [batch, seq, embed] local block -> (y [batch, seq, embed], experts int32[batch, seq, k],
-    counts float32[experts] and the sequence-balance sum over rows, both over the whole mesh)."""
+    stats as `moe_layer` returns them, over the whole mesh). token_shards: devices the tokens are
+    split over (the product of batch_axes and seq_axes sizes)."""
     b, s, d = x.shape
     k, e = cfg.num_experts_per_tok, cfg.num_experts
     xt = x.reshape(b * s, d)
@@ -393,6 +407,7 @@ def _local_moe(
     impl = cfg.moe_impl
     if impl == "auto" and not (ep == 1 and b * s * k < e and cfg.moe_precision == "bf16"):
         impl = "ragged" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "tiled"
+    dropped = sent = jnp.zeros((), jnp.int32)
     if ep == 1 and impl == "auto" and b * s * k < e and cfg.moe_precision == "bf16":
         # decoding a few tokens: fewer assignments than experts, so gathering each assignment's
         # expert weights reads only the experts in use (a grouped matmul reads all of them);
@@ -401,7 +416,7 @@ def _local_moe(
     elif ep == 1 and impl == "tiled":
         y_assign = tiled_dispatch_swiglu(xt, r.experts, *ws, tile=cfg.moe_tile_size, precision=cfg.moe_precision)
     else:
-        y_assign = _sorted_dispatch(xt, r.experts, ws, cfg, ep, ep_axis)
+        y_assign, dropped, sent = _sorted_dispatch(xt, r.experts, ws, cfg, ep, ep_axis)
     y = jnp.einsum("tkd,tk->td", y_assign, r.weights.astype(y_assign.dtype))
     if cfg.num_shared_experts:
         dt = x.dtype
@@ -411,16 +426,27 @@ def _local_moe(
         y = jax.lax.psum(y, reduce_axes)
     counts = expert_counts(r.experts, e)
     balance = sequence_balance(r.scores.reshape(b, s, e), r.experts.reshape(b, s, k), e, seq_axes, seq_shards)
+    ep_stats = jnp.stack([dropped, sent]).astype(jnp.float32)
     if batch_axes or seq_axes:
-        counts = jax.lax.psum(counts, batch_axes + seq_axes)
+        counts, ep_stats = jax.lax.psum((counts, ep_stats), batch_axes + seq_axes)
     if batch_axes:
         balance = jax.lax.psum(balance, batch_axes)
-    return y.reshape(b, s, d), r.experts.reshape(b, s, k), {"expert_counts": counts, "seq_balance": balance}
+    stats = {
+        "expert_counts": counts,
+        "seq_balance": balance,
+        "moe_dropped": ep_stats[0],
+        # per device: the token shards' rows, averaged (tensor-axis replicas each send their own copy)
+        "moe_a2a_rows": ep_stats[1] / token_shards,
+    }
+    return y.reshape(b, s, d), r.experts.reshape(b, s, k), stats
 
 
 def moe_layer(p: dict, x: jax.Array, cfg: ModelConfig, sharding: MeshRules | None, replay: jax.Array | None = None):
     """x: [batch, seq, embed] -> (y [batch, seq, embed], experts int32[batch, seq, k], stats) with
-    stats = {"expert_counts": float32[experts], "seq_balance": float32[] summed over sequences}.
+    stats = {"expert_counts": float32[experts], "seq_balance": float32[] summed over sequences,
+    "moe_dropped": float32[] assignments the expert-parallel buffer bound dropped (0 unless
+    model.moe_ep_capacity_factor > 0 on the ragged exchange), "moe_a2a_rows": float32[] assignment
+    rows one device dispatched to other devices (mean over devices; the combine returns as many)}.
     With a mesh, runs per device inside `jax.shard_map`."""
     if sharding is None or all(n == 1 for n in dict(sharding.mesh.shape).values()):
         return _local_moe(p, x, replay, cfg, None, 1, ())
@@ -457,14 +483,24 @@ def moe_layer(p: dict, x: jax.Array, cfg: ModelConfig, sharding: MeshRules | Non
 
     def body(p, x, replay):
         return _local_moe(
-            p, x, replay, cfg, ep_axis, ep, tp_e, b_axes, s_axes, int(np.prod([sharding.size(a) for a in s_axes]))
+            p,
+            x,
+            replay,
+            cfg,
+            ep_axis,
+            ep,
+            tp_e,
+            b_axes,
+            s_axes,
+            int(np.prod([sharding.size(a) for a in s_axes])),
+            int(np.prod([sharding.size(a) for a in token_axes])),
         )
 
     fn = jax.shard_map(
         body,
         mesh=sharding.mesh,
         in_specs=(specs, tok_spec, None if replay is None else tok_spec),
-        out_specs=(tok_spec, tok_spec, {"expert_counts": P(), "seq_balance": P()}),
+        out_specs=(tok_spec, tok_spec, {k: P() for k in STATS}),
     )
     return fn(p, x, replay)
 

@@ -181,6 +181,8 @@ def forward(
             )
         aux["expert_counts"] = stats["expert_counts"]
         aux["seq_balance"] = stats["seq_balance"]
+        # float32[moe_layers]: assignments the expert-parallel bound dropped, rows each device sent
+        aux["moe_dropped"], aux["moe_a2a_rows"] = stats["moe_dropped"], stats["moe_a2a_rows"]
     h_final = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
     with jax.named_scope("output_head"):
         logits = constrain(_logits(params, h_final, cfg), sharding, ("act_batch", "act_seq", "act_vocab"))
@@ -196,6 +198,7 @@ def forward(
             )
         if mtp_stats is not None:
             aux["mtp_expert_counts"] = mtp_stats["expert_counts"]
+            aux["mtp_moe_dropped"], aux["mtp_moe_a2a_rows"] = mtp_stats["moe_dropped"], mtp_stats["moe_a2a_rows"]
     return ModelOutput(logits, mtp_logits, experts, mtp_experts, h_final, aux, out_cache)
 
 

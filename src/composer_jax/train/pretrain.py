@@ -138,7 +138,16 @@ def loss_terms(params: Any, mb: dict, cfg: Config, denoms: dict, sharding: MeshR
             objective = objective + t.seq_balance_loss * out.aux["seq_balance"].sum() / denoms["sequences"]
     if "mtp_expert_counts" in out.aux:
         sums["mtp_expert_counts"] = out.aux["mtp_expert_counts"]
+    sums.update(moe_exchange_sums(out.aux))
     return objective, sums
+
+
+def moe_exchange_sums(aux: dict) -> dict:
+    """The expert-parallel exchange's statistics of `ModelOutput.aux` (main and MTP MoE layers),
+    float32[layers] each, as sums the step accumulates over micro-batches and reports
+    (`train.step.train_step`: moe_dropped, moe_a2a_bytes_per_device)."""
+    keys = ("moe_dropped", "moe_a2a_rows", "mtp_moe_dropped", "mtp_moe_a2a_rows")
+    return {k: aux[k] for k in keys if k in aux}
 
 
 def metrics(sums: dict, denoms: dict, cfg: Config) -> dict:

@@ -17,8 +17,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from composer_jax.config import Config
+from composer_jax.config import Config, ModelConfig
 from composer_jax.model.context_parallel import context_size
+from composer_jax.model.expert_parallel import exchanges_per_step
 from composer_jax.model.moe import update_router_biases
 from composer_jax.model.params import ROUTER_BIAS_PATHS, router_biases
 from composer_jax.sharding import MeshRules, ShardingRules, constrain
@@ -126,7 +127,23 @@ def train_step(
         metrics["router_bias"] = router_biases(params)["expert_counts"]
         sequences = jax.tree.leaves(batch)[0].shape[0]
         metrics["seq_balance"] = sums["seq_balance"].sum() / (sequences * m.num_moe_layers)
+    metrics.update(moe_exchange_metrics(sums, m))
     return new_state, metrics
+
+
+def moe_exchange_metrics(sums: dict, m: ModelConfig) -> dict:
+    """From the objective's sums (`pretrain.moe_exchange_sums`), over all MoE layers (MTP included)
+    and micro-batches of the step: `moe_dropped`, the assignments the expert-parallel receive bound
+    dropped (0 means the step was dropless); `moe_a2a_bytes_per_device`, the bytes of hidden-vector
+    rows each device sent off-device in the expert all-to-alls (dispatch and combine, forward,
+    backward and remat recompute: `expert_parallel.exchanges_per_step`; the int32 counts / expert
+    ids beside them are left out)."""
+    if "moe_dropped" not in sums:
+        return {}
+    dropped = sums["moe_dropped"].sum() + sums.get("mtp_moe_dropped", jnp.zeros(())).sum()
+    rows = sums["moe_a2a_rows"].sum() + sums.get("mtp_moe_a2a_rows", jnp.zeros(())).sum()
+    row_bytes = m.hidden_size * jnp.dtype(m.compute_dtype).itemsize
+    return {"moe_dropped": dropped, "moe_a2a_bytes_per_device": rows * row_bytes * exchanges_per_step(m.remat)}
 
 
 def batch_sharding(mesh: Mesh, rules: ShardingRules, shape: tuple[int, int]) -> NamedSharding:
