@@ -12,9 +12,9 @@ tells each listener what happened:
 
 Failures never stop the engine. A request the sampler refuses (`submit` raises ValueError) gets
 status 400. If a step raises, every request in the sampler fails with status 500 and a fresh
-sampler is built (the old one's KV cache may have been donated to the failed program); when the
-step was the first after a weight swap, the previous weights are restored and the swap's future
-gets the exception.
+sampler is built (the old one's KV cache may have been donated to the failed program) with the
+weights in place before the latest swap when the failing step was the first under new weights
+(the swap's future gets the exception when still pending).
 
 Capacity: at most `slots + max_queued` requests are in the engine; `submit` raises EngineFull
 beyond that (the server's 429).
@@ -94,6 +94,10 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.steps = 0
         self.failures = 0
+        self._before: tuple[Any, int] | None = None  # the weights before the latest swap
+        self._verified = True  # a step has run with the current weights
+        self._previous = version  # the version before the pending swaps
+        self._unverified: list[_Swap] = []
 
     # ------------------------------------------------------------------ other threads
     @property
@@ -139,7 +143,8 @@ class Engine:
     def update_weights(self, params: Any, version: int) -> concurrent.futures.Future:
         """Swap the weights between two steps; the future resolves to the previous version once a
         step has run with the new weights (at once when nothing is running), or gets the exception
-        of that step (the previous weights are then back in place)."""
+        of that step. Whenever the first step under new weights fails, the weights before them are
+        put back."""
         swap = _Swap(params, version, concurrent.futures.Future())
         with self._cond:
             if self._stop:
@@ -177,12 +182,10 @@ class Engine:
                 self.sampler.cancel(rid)
                 with self._cond:
                     self._outstanding -= 1
-            previous: tuple[Any, int] | None = None
-            verify: list[_Swap] = []
             for swap in swaps:
-                previous = previous or (self.sampler.params, self.sampler.version)
+                self._before, self._verified = (self.sampler.params, self.sampler.version), False
                 self.sampler.update_weights(swap.params, swap.version)
-                verify.append(swap)
+                self._unverified.append(swap)
             for job in inbox:
                 try:
                     self.sampler.submit(job.request)
@@ -191,20 +194,29 @@ class Engine:
                     continue
                 self._jobs[job.request.id] = job
             if not self.sampler.busy:
-                for swap in verify:
-                    swap.future.set_result(previous[1] if previous else self.sampler.version)
+                # nothing to run the new weights on: the swap is done (a failure of its first step
+                # later still puts the weights before it back)
+                self._resolve_swaps()
                 continue
             try:
                 done = self.sampler.step()
             except Exception as e:
-                self._recover(e, previous, verify)
+                self._recover(e)
                 continue
             self.steps += 1
-            for swap in verify:
-                swap.future.set_result(previous[1] if previous else self.sampler.version)
+            self._verified = True
+            self._resolve_swaps()
             self._report(done)
         for job in list(self._jobs.values()) + self._inbox:
             self._finish(job, Event(job.request.id, error="the server is shutting down", status=503))
+
+    def _resolve_swaps(self) -> None:
+        for swap in self._unverified:
+            if not swap.future.done():
+                swap.future.set_result(self._previous)
+        if self._unverified:
+            self._previous = self.sampler.version
+        self._unverified = []
 
     def _report(self, done: list[Completion]) -> None:
         finished = {c.id for c in done}
@@ -223,14 +235,19 @@ class Engine:
             if job is not None:
                 self._finish(job, Event(c.id, completion=c))
 
-    def _recover(self, exc: Exception, previous: tuple[Any, int] | None, swaps: list[_Swap]) -> None:
+    def _recover(self, exc: Exception) -> None:
         self.failures += 1
         _log.error("a sampler step failed; failing %d requests:\n%s", len(self._jobs), traceback.format_exc())
         params, version = self.sampler.params, self.sampler.version
-        if previous is not None:  # the first step under new weights failed: back to the old ones
-            params, version = previous
-            for swap in swaps:
-                swap.future.set_exception(exc)
+        if not self._verified and self._before is not None:  # new weights failed their first step
+            params, version = self._before
+            self._verified = True
+            _log.error("weights of version %d failed in their first step; back to version %d", self.version, version)
+            for swap in self._unverified:
+                if not swap.future.done():
+                    swap.future.set_exception(exc)
+            self._unverified = []
+            self._previous = version
         message = (
             f"the inference engine failed while this request ran ({type(exc).__name__}: {str(exc)[:300]}); "
             "the request was dropped and the server keeps serving"
