@@ -153,7 +153,13 @@ def test_token_id_prompts_n_choices_stop_strings_and_routing(served, client):
     tok = served["tok"]
     prompt = [tok.bos_id, *tok.encode("import os\n")]
     r = client.completions.create(
-        model="tiny-test", prompt=prompt, max_tokens=6, temperature=1.0, seed=5, n=2, extra_body={"return_routing": True}
+        model="tiny-test",
+        prompt=prompt,
+        max_tokens=6,
+        temperature=1.0,
+        seed=5,
+        n=2,
+        extra_body={"return_routing": True},
     )
     assert [c.index for c in r.choices] == [0, 1]
     a, b = (c.model_extra for c in r.choices)
@@ -178,9 +184,7 @@ def test_token_id_prompts_n_choices_stop_strings_and_routing(served, client):
 def test_tools_are_rendered_into_the_prompt_as_the_template_says(served):
     tok = served["tok"]
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Show a.py"}]
-    gen = api.parse_chat(
-        {"messages": messages, "tools": TOOLS}, tok=tok, served="m", max_len=MAX_LEN * 100, vocab=2048
-    )
+    gen = api.parse_chat({"messages": messages, "tools": TOOLS}, tok=tok, served="m", max_len=MAX_LEN * 100, vocab=2048)
     fn = json.dumps(TOOLS[0]["function"], separators=(", ", ": "))
     expected = (
         "<|bos|><|im_start|>system\nBe brief.\n\n# Tools\n" + fn + "\n<|im_end|>\n"

@@ -54,8 +54,12 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="checkpoint directory (see module help)")
     p.add_argument("--step", type=int, default=None, help="training checkpoints: the step (default: the latest)")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json or its directory (default: see module help)")
-    p.add_argument("--max-len", type=_positive_int, default=None, help="context per request (default: min(4096, model))")
-    p.add_argument("--mesh", type=_mesh_arg, default=None, help="device mesh, e.g. tensor=2,expert=4 (default: one device)")
+    p.add_argument(
+        "--max-len", type=_positive_int, default=None, help="context per request (default: min(4096, model))"
+    )
+    p.add_argument(
+        "--mesh", type=_mesh_arg, default=None, help="device mesh, e.g. tensor=2,expert=4 (default: one device)"
+    )
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
@@ -102,7 +106,9 @@ def _new_sampler(policy: Any, tok: Any, mesh: Any, slots: int, max_len: int):
 
 # ---------------------------------------------------------------------------- serve
 def _serve_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="composer-jax serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="composer-jax serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     _model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: a free port, printed at start)")

@@ -112,7 +112,9 @@ def _stop(body: dict) -> tuple[str, ...]:
 
 def _refuse_unsupported(body: dict, kind: str) -> None:
     if body.get("echo"):
-        raise _bad("echo", "echo=true is not supported (the prompt's log-probabilities are not computed)", "unsupported")
+        raise _bad(
+            "echo", "echo=true is not supported (the prompt's log-probabilities are not computed)", "unsupported"
+        )
     if body.get("best_of") not in (None, 1):
         raise _bad("best_of", f"{body['best_of']!r} is not supported; accepted: 1 (use n for several choices)")
     if body.get("suffix"):
@@ -212,6 +214,10 @@ def _common(
     return n, params, stop, flags
 
 
+def _flags(flags: dict[str, bool]) -> tuple[bool, bool, bool]:
+    return flags["stream"], flags["include_usage"], flags["return_routing"]
+
+
 def _prompt_ids(prompt: Any, tok: Tokenizer, vocab: int, where: str) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
@@ -252,7 +258,10 @@ def parse_completion(body: Any, *, tok: Tokenizer, served: str, max_len: int, vo
         default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS,
         stop_ids=(tok.eos_id,),
     )
-    return Generation("completion", model, prompts, n, params, stop, logprobs=logprobs is not None, **flags)
+    stream, include_usage, routing = _flags(flags)
+    return Generation(
+        "completion", model, prompts, n, params, stop, stream, include_usage, logprobs is not None, routing
+    )
 
 
 def parse_chat(body: Any, *, tok: Tokenizer, served: str, max_len: int, vocab: int) -> Generation:
@@ -296,7 +305,10 @@ def parse_chat(body: Any, *, tok: Tokenizer, served: str, max_len: int, vocab: i
     n, params, stop, flags = _common(
         body, prompt_lens=[len(prompt)], max_len=max_len, default_max_tokens=None, stop_ids=stop_ids
     )
-    return Generation("chat", model, [prompt.tolist()], n, params, stop, logprobs=logprobs, tools=tools, **flags)
+    stream, include_usage, routing = _flags(flags)
+    return Generation(
+        "chat", model, [prompt.tolist()], n, params, stop, stream, include_usage, logprobs, routing, tools
+    )
 
 
 # ---------------------------------------------------------------------------- text and tokens

@@ -66,7 +66,11 @@ class _Auth(BaseHTTPMiddleware):
             if not secrets.compare_digest(given, self._expected):
                 what = "no Authorization header" if not given else "a wrong key"
                 return _error(
-                    ApiError(401, f"{what}: send 'Authorization: Bearer KEY' with the server's API key", code="invalid_api_key"),
+                    ApiError(
+                        401,
+                        f"{what}: send 'Authorization: Bearer KEY' with the server's API key",
+                        code="invalid_api_key",
+                    ),
                     {"WWW-Authenticate": "Bearer"},
                 )
         return await call_next(request)
@@ -104,7 +108,9 @@ class OpenAIServer:
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/admin/load_weights", self.load_weights, methods=["POST"]),
         ]
-        self.app = Starlette(routes=routes, exception_handlers={Exception: self._unexpected, 404: self._not_found, 405: self._not_found})
+        self.app = Starlette(
+            routes=routes, exception_handlers={Exception: self._unexpected, 404: self._not_found, 405: self._not_found}
+        )
         self.app.add_middleware(_Auth, key=api_key)
 
     # ------------------------------------------------------------------ plumbing
@@ -167,7 +173,9 @@ class OpenAIServer:
     async def chat(self, request: HttpRequest) -> Response:
         return await self._generate(request, api.parse_chat, "chatcmpl", "chat.completion")
 
-    async def _generate(self, request: HttpRequest, parse: Callable[..., Generation], prefix: str, obj: str) -> Response:
+    async def _generate(
+        self, request: HttpRequest, parse: Callable[..., Generation], prefix: str, obj: str
+    ) -> Response:
         try:
             body = await self._body(request)
             gen = parse(body, tok=self.tok, served=self.model_name, max_len=self.max_len, vocab=self.vocab)
@@ -180,7 +188,10 @@ class OpenAIServer:
         ]
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
-        listener = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)
+
+        def listener(ev: Event) -> None:  # called on the engine thread
+            loop.call_soon_threadsafe(events.put_nowait, ev)
+
         try:
             self.engine.submit(reqs, listener, stream=gen.stream)
         except EngineFull as e:
@@ -275,7 +286,9 @@ class OpenAIServer:
 
         try:
             if gen.kind == "chat":
-                first = [{"index": c, "delta": {"role": "assistant", "content": ""}, "finish_reason": None} for c in tokens]
+                first = [
+                    {"index": c, "delta": {"role": "assistant", "content": ""}, "finish_reason": None} for c in tokens
+                ]
                 yield chunk(first)
             while len(finished) < len(ids):
                 ev = await events.get()
@@ -332,7 +345,9 @@ class OpenAIServer:
                 )
             path = body.get("checkpoint")
             if not isinstance(path, str) or not path:
-                raise ApiError(400, f"checkpoint: {path!r} is not accepted; accepted: a directory path", param="checkpoint")
+                raise ApiError(
+                    400, f"checkpoint: {path!r} is not accepted; accepted: a directory path", param="checkpoint"
+                )
             step = api.int_field(body, "step", None, 0)
             if self.load_policy is None:
                 raise ApiError(403, "this server was built without a weight loader", code="disabled")
@@ -344,7 +359,9 @@ class OpenAIServer:
                 try:
                     policy = await asyncio.to_thread(self.load_policy, path, step)
                 except (ConfigError, ValueError, OSError) as e:
-                    raise ApiError(400, f"checkpoint {path!r}: {e}", param="checkpoint", code="bad_checkpoint") from None
+                    raise ApiError(
+                        400, f"checkpoint {path!r}: {e}", param="checkpoint", code="bad_checkpoint"
+                    ) from None
                 params = self._matching(policy)
                 load_s = time.perf_counter() - t0
                 try:
@@ -383,7 +400,10 @@ class OpenAIServer:
                 param="checkpoint",
                 code="model_mismatch",
             )
-        ours, theirs = jax.tree.structure(served.params), jax.tree.structure(policy.params)
+        ours: Any = jax.tree.structure(served.params)  # (jaxlib's PyTreeDef stub lacks __eq__)
+        theirs: Any = jax.tree.structure(policy.params)
         if ours != theirs:
-            raise ApiError(409, f"checkpoint {policy.path!r}: parameter tree differs from the served one", code="model_mismatch")
+            raise ApiError(
+                409, f"checkpoint {policy.path!r}: parameter tree differs from the served one", code="model_mismatch"
+            )
         return jax.tree.map(lambda new, old: new.astype(old.dtype), policy.params, served.params)
