@@ -24,7 +24,7 @@ openai = pytest.importorskip("openai")
 import uvicorn  # noqa: E402
 
 from composer_jax.checkpoint.manager import TrainCheckpointer  # noqa: E402
-from composer_jax.config import load_config, to_dict  # noqa: E402
+from composer_jax.config import ConfigError, load_config, to_dict  # noqa: E402
 from composer_jax.config.checkpoint import CheckpointConfig  # noqa: E402
 from composer_jax.data.chat import render_chat_text  # noqa: E402
 from composer_jax.data.tokenizer import load_tokenizer  # noqa: E402
@@ -419,3 +419,42 @@ def test_sample_cli(ckpts, served, capsys):
     assert len(capsys.readouterr().out.splitlines()) >= 5
     assert sample_main([*args, "--prompt", "word " * 80]) == 2
     assert "server's context is 64 tokens" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- checkpoint kinds
+def test_hf_and_converted_directories_load_the_same_weights(ckpts, served, tmp_path, capsys):
+    from composer_jax.checkpoint.convert import main as convert_main
+    from composer_jax.checkpoint.hf import save_pretrained
+    from composer_jax.inference.checkpoints import checkpoint_kind
+
+    policy = served["policy"]
+    hf_dir = save_pretrained(policy.params, policy.cfg, tmp_path / "hf")
+    assert convert_main(["--from-hf", str(hf_dir), "--to-orbax", str(tmp_path / "orbax")]) == 0
+    capsys.readouterr()
+    assert [checkpoint_kind(p) for p in (ckpts[0], ckpts[0] / "1", hf_dir, tmp_path / "orbax")] == [
+        "train",
+        "train",
+        "hf",
+        "orbax",
+    ]
+    want = dict(jax.tree_util.tree_leaves_with_path(policy.params))
+    for where in (hf_dir, tmp_path / "orbax"):
+        loaded = load_policy(where)
+        assert loaded.tokenizer_hint is None  # these directories hold no tokenizer: serve needs --tokenizer
+        for path, leaf in jax.tree_util.tree_leaves_with_path(loaded.params):
+            np.testing.assert_array_equal(np.asarray(leaf), np.asarray(want[path]), err_msg=f"{where} {path}")
+    with pytest.raises(ConfigError, match="not a checkpoint directory; accepted"):
+        checkpoint_kind(tmp_path)
+
+
+def test_serve_cli_refuses_bad_settings(ckpts, tmp_path, capsys):
+    from composer_jax.inference.cli import serve_main
+
+    assert serve_main(["--checkpoint", str(ckpts[0]), "--api-key", "short"]) == 2
+    assert "at least 16 characters" in capsys.readouterr().err
+    assert serve_main(["--checkpoint", str(tmp_path), "--api-key", KEY]) == 2
+    assert "not a checkpoint directory" in capsys.readouterr().err
+    assert serve_main(["--checkpoint", str(ckpts[0]), "--api-key", KEY, "--max-len", "9999"]) == 2
+    assert "exceeds the model's max_position_embeddings=512" in capsys.readouterr().err
+    assert serve_main(["--checkpoint", str(ckpts[0]), "--api-key", KEY, "--step", "7"]) == 2
+    assert "saved steps: [1]" in capsys.readouterr().err

@@ -120,8 +120,9 @@ class OpenAIServer:
 
     async def _not_found(self, request: HttpRequest, exc: Exception) -> JSONResponse:
         status = getattr(exc, "status_code", 404)
-        paths = "/health, /v1/models, /v1/completions, /v1/chat/completions, /admin/load_weights"
-        return _error(ApiError(status, f"{request.method} {request.url.path}: no such endpoint; endpoints: {paths}"))
+        paths = "GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /admin/load_weights"
+        what = "no such endpoint" if status == 404 else "method not allowed"
+        return _error(ApiError(status, f"{request.method} {request.url.path}: {what}; endpoints: {paths}"))
 
     async def _body(self, request: HttpRequest) -> Any:
         raw = await request.body()
