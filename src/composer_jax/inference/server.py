@@ -125,6 +125,9 @@ class OpenAIServer:
         return _error(ApiError(status, f"{request.method} {request.url.path}: {what}; endpoints: {paths}"))
 
     async def _body(self, request: HttpRequest) -> Any:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise ApiError(413, f"the request body is {declared} bytes; the limit is {self.max_body_bytes}")
         raw = await request.body()
         if len(raw) > self.max_body_bytes:
             raise ApiError(413, f"the request body is {len(raw)} bytes; the limit is {self.max_body_bytes}")
