@@ -180,6 +180,18 @@ def test_token_id_prompts_n_choices_stop_strings_and_routing(served, client):
     assert streamed == r2.choices[0].text
 
 
+def test_long_streams_concatenate_to_the_non_streamed_text(served, client):
+    # long enough for the stream's incremental decoding to restart from a cached prefix many times
+    kw = dict(model="tiny-test", prompt="class A:", max_tokens=200, temperature=1.0, seed=9)
+    text = client.completions.create(**kw).choices[0].text
+    assert "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True)) == text
+    chat = dict(model="tiny-test", messages=[{"role": "user", "content": "hi"}], max_tokens=150, seed=4)
+    content = client.chat.completions.create(**chat).choices[0].message.content or ""
+    assert "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**chat, stream=True)) == (
+        content
+    )
+
+
 # ---------------------------------------------------------------------------- chat and tools
 def test_tools_are_rendered_into_the_prompt_as_the_template_says(served):
     tok = served["tok"]

@@ -267,9 +267,16 @@ class OpenAIServer:
             body = {"id": rid, "object": obj, "created": created, "model": gen.model, "choices": choices, **extra}
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
+        # decoded text of tokens[:n] per choice, kept at a point where it ends on a whole character,
+        # so each chunk decodes only the tokens after it (not the whole completion again)
+        decoded: dict[int, tuple[int, str]] = {c: (0, "") for c in tokens}
+
         def text_of(c: int, final: bool) -> str:
             toks = tokens[c] if gen.kind == "completion" else api.chat_content_tokens(self.tok, tokens[c])
-            text = self.tok.decode(toks, skip_special_tokens=True)
+            n, head = decoded[c]
+            text = head + self.tok.decode(toks[n:], skip_special_tokens=True)
+            if len(toks) - n >= 32 and not text.endswith("\ufffd"):
+                decoded[c] = (len(toks), text)
             return api.cut_at_stop(text, gen.stop)[0] if final else api.streamable(text, gen.stop)
 
         def delta(c: int, new: list[int], lps: list[float], versions: list[int], final: bool) -> dict:
