@@ -398,6 +398,21 @@ def test_admin_load_weights(served, client, ckpts):
     assert _post(served, "/admin/load_weights", {"checkpoint": str(ckpts[0])}).json()["version"] == start + 6
 
 
+def test_admin_refuses_another_architecture(served, tmp_path):
+    import dataclasses
+
+    from composer_jax.checkpoint.hf import save_pretrained
+    from composer_jax.model.params import init_params
+
+    cfg = dataclasses.replace(served["policy"].cfg, num_layers=3)
+    hf_dir = save_pretrained(init_params(cfg, jax.random.key(0)), cfg, tmp_path / "hf")
+    version = served["engine"].version
+    r = _post(served, "/admin/load_weights", {"checkpoint": str(hf_dir)})
+    err = _error_of(r)
+    assert r.status_code == 409 and err["code"] == "model_mismatch" and "model.num_layers: 2 -> 3" in err["message"]
+    assert served["engine"].version == version
+
+
 def test_engine_failure_fails_the_request_with_500_and_keeps_serving(served, client):
     engine = served["engine"]
     version = engine.version
