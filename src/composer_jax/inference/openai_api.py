@@ -110,7 +110,7 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(items)
 
 
-def _refuse_unsupported(body: dict, kind: str) -> None:
+def _refuse_unsupported(body: dict) -> None:
     if body.get("echo"):
         raise _bad(
             "echo", "echo=true is not supported (the prompt's log-probabilities are not computed)", "unsupported"
@@ -236,7 +236,7 @@ def parse_completion(body: Any, *, tok: Tokenizer, served: str, max_len: int, vo
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
     model = _model(body, served)
-    _refuse_unsupported(body, "completion")
+    _refuse_unsupported(body)
     if "prompt" not in body:
         raise _bad("prompt", "is required: a string, a list of token ids, or a list of either", "missing")
     raw = body["prompt"]
@@ -269,7 +269,7 @@ def parse_chat(body: Any, *, tok: Tokenizer, served: str, max_len: int, vocab: i
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
     model = _model(body, served)
-    _refuse_unsupported(body, "chat")
+    _refuse_unsupported(body)
     tools = None
     if body.get("tools") is not None:
         try:
