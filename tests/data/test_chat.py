@@ -58,6 +58,28 @@ def test_render_chat_hand_worked(tok):
     assert tok.decode(prompt).endswith("<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_tools_block_in_the_system_message(tok):
+    tools = [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}]
+    ids, mask = render_chat(CONV, tok, tools=tools)
+    e, sp = tok.encode, tok.token_id
+    system = "S\n\n# Tools\n" + '{"name": "read_file", "parameters": {"type": "object"}}\n'
+    head = [tok.bos_id, sp("<|im_start|>")] + e("system") + e("\n") + e(system) + [sp("<|im_end|>")] + e("\n")
+    assert ids.tolist()[: len(head)] == head and not mask[: len(head)].any()  # never a target
+    plain_ids, plain_mask = render_chat(CONV, tok)
+    assert ids[mask == 1].tolist() == plain_ids[plain_mask == 1].tolist()
+    assert tok.decode(ids) == render_chat_text(CONV, tools)
+    for bad, message in [
+        ({"type": "function"}, r"tools\[0\]: expected"),
+        ({"type": "function", "function": {"name": ""}}, "accepted: 1-64 of"),
+        ({"type": "function", "function": {"name": "f", "parameters": "x"}}, "JSON-schema object"),
+        ({"type": "function", "function": {"name": "f", "extra": 1}}, r"unknown keys \['extra'\]"),
+    ]:
+        with pytest.raises(DataConfigError, match=message):
+            render_prompt(CONV[:2], tok, tools=[bad])
+    with pytest.raises(DataConfigError, match="given twice"):
+        render_prompt(CONV[:2], tok, tools=tools * 2)
+
+
 def test_render_chat_errors_name_the_message(tok):
     with pytest.raises(
         DataConfigError,

@@ -56,7 +56,9 @@ def _orbax_save(params: dict, cfg, out: Path) -> None:
     (out / "model.yaml").write_text(yaml.safe_dump({"model": to_dict(cfg)}, sort_keys=False))
 
 
-def _orbax_load(src: Path, dtype: str | None):
+def load_orbax(src: Path, dtype: str | None):
+    """(ModelConfig, params) from a directory written by --to-orbax (params/ + model.yaml); dtype
+    "float32"/"bfloat16" casts the parameters (None: as saved)."""
     import dataclasses
 
     import orbax.checkpoint as ocp
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.print_config:
                 print("--print-config needs --from-hf", file=sys.stderr)
                 return 2
-            cfg, params = _orbax_load(Path(args.from_orbax), args.dtype)
+            cfg, params = load_orbax(Path(args.from_orbax), args.dtype)
         if args.to_hf:
             out = save_pretrained(params, cfg, args.to_hf, max_shard_size=args.max_shard_size)
         else:

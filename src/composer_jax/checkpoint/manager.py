@@ -383,6 +383,43 @@ class TrainCheckpointer:
         self._manager.reload()
 
 
+def _root_and_step(path_or_dir: str | os.PathLike, step: int | None) -> tuple[epath.Path, int | None]:
+    """A checkpoint root or one step's directory -> (root, step or None for the latest)."""
+    path = _root_path(path_or_dir)
+    if (path / COMMIT_MARKER).exists() or (path / STATE_ITEM).is_dir():
+        if step is not None and str(step) != path.name:
+            raise ValueError(f"{str(path)!r} is the directory of step {path.name}, but step={step} was asked for")
+        root, step = path.parent, int(path.name)
+    else:
+        root = path
+    if not root.is_dir():
+        raise CheckpointNotFoundError(f"checkpoint directory {str(root)!r} does not exist", path=root)
+    return root, step
+
+
+def read_run_config(path_or_dir: str | os.PathLike, step: int | None = None) -> tuple[dict, int]:
+    """(the run config saved with a step, that step): the latest step of a checkpoint root, or
+    `step`, or the step whose directory is given. For loading a checkpoint's parameters without
+    knowing its config (the inference server), before `restore_params_only`."""
+    root, step = _root_and_step(path_or_dir, step)
+    options = ocp.CheckpointManagerOptions(read_only=True, create=False)
+    with ocp.CheckpointManager(
+        root, options=options, item_handlers=_item_handlers(ocp.PyTreeCheckpointHandler())
+    ) as manager:
+        steps = sorted(manager.all_steps())
+        if not steps:
+            raise CheckpointNotFoundError(f"no checkpoints in {str(root)!r}", path=root)
+        if step is None:
+            step = steps[-1]
+        elif step not in steps:
+            raise CheckpointNotFoundError(
+                f"no checkpoint for step {step} in {str(root)!r}; saved steps: {steps}", path=root, step=step
+            )
+        step_dir = _step_dir(manager, step)
+        check_committed(step_dir, step, (STATE_ITEM, CONFIG_ITEM))
+        return _read_config(manager, step, step_dir), step
+
+
 def restore_params_only(
     path_or_dir: str | os.PathLike,
     abstract_params: Any,
@@ -406,15 +443,7 @@ def restore_params_only(
     Only the parameter arrays are read (orbax partial restore): the optimiser moments, often twice
     the size of the parameters, are never loaded.
     """
-    path = _root_path(path_or_dir)
-    if (path / COMMIT_MARKER).exists() or (path / STATE_ITEM).is_dir():
-        if step is not None and str(step) != path.name:
-            raise ValueError(f"{str(path)!r} is the directory of step {path.name}, but step={step} was asked for")
-        root, step = path.parent, int(path.name)
-    else:
-        root = path
-    if not root.is_dir():
-        raise CheckpointNotFoundError(f"checkpoint directory {str(root)!r} does not exist", path=root)
+    root, step = _root_and_step(path_or_dir, step)
     unsharded = leaves_without_sharding(abstract_params)
     if unsharded:
         raise ValueError(f"abstract_params leaves without a sharding: {unsharded[:8]}")

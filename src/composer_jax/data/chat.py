@@ -16,6 +16,13 @@ It is rendered as (spaces added here for reading; `\\n` is a newline):
   ...
   <|eos|>
 
+With function tools (the OpenAI request's `tools`), a tools block goes at the end of the first
+system message (after a blank line when it has content; a system message holding only the block
+is put first when the conversation has none):
+
+  # Tools\n
+  {"name": .., "description": .., "parameters": {..}}\n     (one line per tool, in the given order)
+
 Tool-call arguments are embedded as the parsed JSON object (compact, keys in the order given) when
 the `arguments` string parses, else as the raw string. Every tool call is one `<|tool_call|>`
 followed by one JSON object; the next `<|tool_call|>` or `<|im_end|>` ends it.
@@ -85,6 +92,70 @@ def tool_call_json(call: dict, where: str) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(", ", ": "))
 
 
+TOOL_KEYS = ("name", "description", "parameters")
+
+
+def check_tools(tools: Any, where: str = "tools") -> list[dict]:
+    """OpenAI function tools -> their `function` objects ({"name", "description"?, "parameters"?}).
+
+    Accepted: a list of {"type": "function", "function": {"name": non-empty string of letters,
+    digits, _ and - (at most 64), "description": string, "parameters": JSON-schema object,
+    "strict": bool}}; names unique. Raises DataConfigError naming the bad entry."""
+    if not isinstance(tools, (list, tuple)):
+        raise DataConfigError(f"{where}: must be a list of tools, got {type(tools).__name__}")
+    out: list[dict] = []
+    seen: set[str] = set()
+    for i, t in enumerate(tools):
+        at = f"{where}[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
+            raise DataConfigError(
+                f'{at}: expected {{"type": "function", "function": {{"name": ..., "parameters": {{...}}}}}}, '
+                f"got {t!r:.200}"
+            )
+        fn = t["function"]
+        name = fn.get("name")
+        if (
+            not isinstance(name, str)
+            or not 0 < len(name) <= 64
+            or not all(c.isascii() and (c.isalnum() or c in "_-") for c in name)
+        ):
+            raise DataConfigError(f"{at}.function.name: {name!r} is not accepted; accepted: 1-64 of a-z A-Z 0-9 _ -")
+        if name in seen:
+            raise DataConfigError(f"{at}.function.name: {name!r} is given twice; tool names must be unique")
+        seen.add(name)
+        unknown = sorted(set(fn) - {*TOOL_KEYS, "strict"})
+        if unknown:
+            raise DataConfigError(f"{at}.function: unknown keys {unknown}; accepted: {[*TOOL_KEYS, 'strict']}")
+        if "description" in fn and not isinstance(fn["description"], str):
+            raise DataConfigError(f"{at}.function.description must be a string, got {fn['description']!r:.80}")
+        if "parameters" in fn and not isinstance(fn["parameters"], dict):
+            raise DataConfigError(
+                f"{at}.function.parameters must be a JSON-schema object, got {fn['parameters']!r:.80}"
+            )
+        out.append({k: fn[k] for k in TOOL_KEYS if k in fn})
+    return out
+
+
+def tools_block(tools: Sequence[dict]) -> str:
+    """The text the template appends to the system message for function tools (module docstring)."""
+    lines = [json.dumps(fn, ensure_ascii=False, separators=(", ", ": ")) for fn in check_tools(tools)]
+    return "# Tools\n" + "".join(line + "\n" for line in lines)
+
+
+def _with_tools(messages: Sequence[dict], tools: Sequence[dict] | None, where: str) -> Sequence[dict]:
+    if not tools:
+        return messages
+    block = tools_block(tools)
+    if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict):
+        first = messages[0]
+        if first.get("role") == "system":
+            text = _content_text(first.get("content"), f"{where} message 0")
+            return [{**first, "content": f"{text}\n\n{block}" if text else block}, *messages[1:]]
+    if not isinstance(messages, (list, tuple)):
+        return messages  # _render reports it
+    return [{"role": "system", "content": block}, *messages]
+
+
 def _render(messages: Sequence[dict], tok: Tokenizer, *, where: str, generation_prompt: bool, bos: bool = True):
     im_start, im_end = tok.token_id("<|im_start|>"), tok.token_id("<|im_end|>")
     tool_call, tool_result = tok.token_id("<|tool_call|>"), tok.token_id("<|tool_result|>")
@@ -124,19 +195,20 @@ def _render(messages: Sequence[dict], tok: Tokenizer, *, where: str, generation_
 
 
 def render_chat(
-    messages: Sequence[dict], tok: Tokenizer, *, where: str = "conversation"
+    messages: Sequence[dict], tok: Tokenizer, *, where: str = "conversation", tools: Sequence[dict] | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """A whole conversation -> (tokens: int32[n], loss_mask: float32[n]) for SFT.
 
     loss_mask[i] = 1.0 where tokens[i] is an assistant-emitted token (see module docstring).
-    `where` prefixes error messages (e.g. "train.jsonl:12")."""
-    return _render(messages, tok, where=where, generation_prompt=False)
+    `where` prefixes error messages (e.g. "train.jsonl:12"). tools: OpenAI function tools, rendered
+    into the system message (module docstring)."""
+    return _render(_with_tools(messages, tools, where), tok, where=where, generation_prompt=False)
 
 
-def render_prompt(messages: Sequence[dict], tok: Tokenizer) -> np.ndarray:
+def render_prompt(messages: Sequence[dict], tok: Tokenizer, *, tools: Sequence[dict] | None = None) -> np.ndarray:
     """Conversation so far + `<|im_start|>assistant\\n`: the prompt for sampling the next turn,
-    which ends at `<|im_end|>`. tokens: int32[n]."""
-    return _render(messages, tok, where="prompt", generation_prompt=True)[0]
+    which ends at `<|im_end|>`. tools: as for `render_chat`. tokens: int32[n]."""
+    return _render(_with_tools(messages, tools, "prompt"), tok, where="prompt", generation_prompt=True)[0]
 
 
 def render_continuation(messages: Sequence[dict], tok: Tokenizer) -> np.ndarray:
@@ -149,8 +221,9 @@ def render_continuation(messages: Sequence[dict], tok: Tokenizer) -> np.ndarray:
     return np.concatenate([np.asarray(tok.encode("\n"), np.int32), body])
 
 
-def render_chat_text(messages: Sequence[dict]) -> str:
+def render_chat_text(messages: Sequence[dict], tools: Sequence[dict] | None = None) -> str:
     """The template as a string (for reading and docs; training uses `render_chat`)."""
+    messages = _with_tools(messages, tools, "conversation")
     out = ["<|bos|>"]
     for i, m in enumerate(messages):
         role, text = m["role"], _content_text(m.get("content"), f"message {i}")

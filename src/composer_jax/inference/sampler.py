@@ -175,6 +175,25 @@ class Sampler:
         cache, computed by the earlier weights, stays) and their later tokens carry `version`."""
         self.params, self.version = params, version
 
+    def running(self) -> dict[str, tuple[list[int], list[float], list[int]]]:
+        """Requests in a slot -> their (tokens, logprobs, versions) generated so far: the live lists,
+        for streaming servers to read between steps (do not modify them)."""
+        return {s.request.id: (s.tokens, s.logprobs, s.versions) for s in self._slot if s is not None}
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a waiting or running request (its slot is free from the next step on); no Completion
+        is returned for it. Returns whether it was found."""
+        for r in self._waiting:
+            if r.id == request_id:
+                self._waiting.remove(r)
+                return True
+        for i, s in enumerate(self._slot):
+            if s is not None and s.request.id == request_id:
+                self._slot[i] = None
+                self._settings_cache = None
+                return True
+        return False
+
     @property
     def busy(self) -> bool:
         return bool(self._waiting) or any(s is not None for s in self._slot)

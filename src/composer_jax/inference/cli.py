@@ -1,0 +1,318 @@
+"""`composer-jax serve` (the OpenAI-compatible server) and `composer-jax sample` (one prompt, printed).
+
+    composer-jax serve --checkpoint runs/tiny/stage3_sft/checkpoints [--port 8000] [--api-key KEY]
+    composer-jax sample --checkpoint DIR --prompt "def add(a, b):" [--chat] [--max-tokens 64] [--json]
+
+--checkpoint takes a training run's checkpoint directory (its latest step, or --step), one step's
+directory, a `convert --to-orbax` directory or a Hugging Face directory (inference/checkpoints.py).
+The tokenizer is --tokenizer, else a tokenizer.json next to the checkpoint, else the training
+run's data.tokenizer (resolved against the current directory, as in training).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from composer_jax.errors import ConfigError
+
+API_KEY_ENV = "COMPOSER_JAX_API_KEY"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
+    return v
+
+
+def _mesh_arg(text: str) -> dict[str, int]:
+    from composer_jax.config import MESH_AXES
+
+    out: dict[str, int] = {}
+    for part in filter(None, text.split(",")):
+        key, _, value = part.partition("=")
+        if key not in MESH_AXES or not value.lstrip("-").isdigit():
+            raise argparse.ArgumentTypeError(
+                f"{part!r} is not accepted; accepted: comma-separated AXIS=SIZE with AXIS in {MESH_AXES}, "
+                "e.g. tensor=2,expert=4"
+            )
+        out[key] = int(value)
+    return out
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory (see module help)")
+    p.add_argument("--step", type=int, default=None, help="training checkpoints: the step (default: the latest)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json or its directory (default: see module help)")
+    p.add_argument(
+        "--max-len", type=_positive_int, default=None, help="context per request (default: min(4096, model))"
+    )
+    p.add_argument(
+        "--mesh", type=_mesh_arg, default=None, help="device mesh, e.g. tensor=2,expert=4 (default: one device)"
+    )
+
+
+def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
+    """-> (policy, tokenizer, mesh, max_len); raises ConfigError / CheckpointError with the cause."""
+    from composer_jax.config import MeshConfig
+    from composer_jax.data.tokenizer import load_tokenizer
+    from composer_jax.inference.checkpoints import load_policy
+    from composer_jax.sharding import make_mesh
+
+    mesh = None
+    if args.mesh:
+        mesh = make_mesh(MeshConfig(**{"fsdp": 1, **args.mesh}))
+    policy = load_policy(args.checkpoint, step=args.step, mesh=mesh)
+    where = args.tokenizer or policy.tokenizer_hint
+    if where is None:
+        raise ConfigError(
+            f"no tokenizer found for {args.checkpoint!r} (no tokenizer.json next to it, no data.tokenizer in its "
+            "run config); pass --tokenizer PATH"
+        )
+    tok = load_tokenizer(where)
+    cfg = policy.cfg
+    if tok.vocab_size > cfg.vocab_size:
+        raise ConfigError(
+            f"the tokenizer {where!r} has {tok.vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}; "
+            "pass the tokenizer the model was trained with (--tokenizer)"
+        )
+    max_len = args.max_len or min(4096, cfg.max_position_embeddings)
+    if max_len > cfg.max_position_embeddings:
+        raise ConfigError(
+            f"--max-len {max_len} exceeds the model's max_position_embeddings={cfg.max_position_embeddings}; "
+            f"accepted: at most {cfg.max_position_embeddings}"
+        )
+    return policy, tok, mesh, max_len
+
+
+def _new_sampler(policy: Any, tok: Any, mesh: Any, slots: int, max_len: int):
+    from composer_jax.inference.sampler import Sampler
+
+    detok = lambda ids: tok.decode(ids, skip_special_tokens=True)
+    return lambda params, version: Sampler(
+        params, policy.cfg, slots=slots, max_len=max_len, version=version, mesh=mesh, detokenize=detok
+    )
+
+
+# ---------------------------------------------------------------------------- serve
+def _serve_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="composer-jax serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    _model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1, loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: a free port, printed at start)")
+    p.add_argument("--api-key", default=None, help=f"bearer key (or set {API_KEY_ENV}; default: generated and printed)")
+    p.add_argument("--model-name", default=None, help="the model id clients send (default: the checkpoint's name)")
+    p.add_argument("--slots", type=_positive_int, default=8, help="sequences decoded together (default 8)")
+    p.add_argument("--max-queued", type=int, default=64, help="requests waiting for a slot before 429 (default 64)")
+    p.add_argument("--version", type=int, default=0, help="policy version of the loaded weights (default 0)")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def default_model_name(policy: Any) -> str:
+    name = getattr(policy.cfg, "name", "") or ""
+    path = Path(policy.path).resolve()
+    base = path.parent.name if path.name == "checkpoints" or path.name.isdigit() else path.name
+    return name if name and name != "model" else base or "composer-jax"
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    import secrets
+
+    args = _serve_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper())
+    key = args.api_key or os.environ.get(API_KEY_ENV)
+    if key is not None and len(key) < 16:
+        print("composer-jax serve: the API key must be at least 16 characters", file=sys.stderr)
+        return 2
+    if args.max_queued < 0:
+        print(f"composer-jax serve: --max-queued {args.max_queued} must be >= 0", file=sys.stderr)
+        return 2
+    generated = key is None
+    key = key or secrets.token_urlsafe(32)
+    from composer_jax.checkpoint.hf import CheckpointError as HFCheckpointError
+    from composer_jax.checkpoint.validate import CheckpointError
+
+    try:
+        policy, tok, mesh, max_len = _load(args)
+    except (ConfigError, CheckpointError, HFCheckpointError, ValueError) as e:
+        print(f"composer-jax serve: {e}", file=sys.stderr)
+        return 2
+    try:
+        sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((args.host, args.port))
+    except OSError as e:
+        print(f"composer-jax serve: cannot bind {args.host}:{args.port}: {e.strerror}", file=sys.stderr)
+        return 2
+    server, engine = build_server(
+        policy,
+        tok,
+        mesh=mesh,
+        slots=args.slots,
+        max_len=max_len,
+        max_queued=args.max_queued,
+        api_key=key,
+        model_name=args.model_name or default_model_name(policy),
+        version=args.version,
+    )
+    host, port = sock.getsockname()[:2]
+    url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+    print(
+        f"composer-jax serve: {server.model_name} ({policy.kind} checkpoint {policy.path}"
+        f"{f', step {policy.step}' if policy.step is not None else ''}) on {url}/v1 "
+        f"slots={args.slots} max_len={max_len}" + (f" api_key={key}" if generated else ""),
+        flush=True,
+    )
+    if host not in ("127.0.0.1", "::1", "localhost"):
+        print(f"composer-jax serve: WARNING: listening on {host}, reachable from other machines", file=sys.stderr)
+    run_uvicorn(server.app, sock, args.log_level)
+    engine.stop()
+    return 0
+
+
+def build_server(
+    policy: Any,
+    tok: Any,
+    *,
+    mesh: Any = None,
+    slots: int,
+    max_len: int,
+    max_queued: int,
+    api_key: str,
+    model_name: str,
+    version: int = 0,
+):
+    """-> (OpenAIServer, started Engine) over a loaded policy; the admin endpoint loads on `mesh`."""
+    from composer_jax.inference.checkpoints import load_policy
+    from composer_jax.inference.engine import Engine
+    from composer_jax.inference.server import OpenAIServer
+
+    engine = Engine(_new_sampler(policy, tok, mesh, slots, max_len), policy.params, version, max_queued=max_queued)
+    engine.start()
+    server = OpenAIServer(
+        engine,
+        tok,
+        model_name=model_name,
+        api_key=api_key,
+        load_policy=lambda path, step: load_policy(path, step=step, mesh=mesh),
+    )
+    return server, engine
+
+
+def run_uvicorn(app: Any, sock: socket.socket, log_level: str = "warning") -> None:
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+# ---------------------------------------------------------------------------- sample
+def _sample_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="composer-jax sample",
+        description="Sample one completion from a checkpoint and print it (no server).",
+    )
+    _model_args(p)
+    p.add_argument("--prompt", required=True, help="the prompt text ('-' reads standard input)")
+    p.add_argument("--chat", action="store_true", help="the prompt is a user message in the chat template")
+    p.add_argument("--system", default=None, help="--chat: a system message before it")
+    p.add_argument("--tools", type=Path, default=None, help="--chat: a JSON file with an OpenAI tools list")
+    p.add_argument("--max-tokens", type=_positive_int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--n", type=_positive_int, default=1, help="completions (seeds seed, seed+1, ...)")
+    p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    p.add_argument("--logprobs", action="store_true", help="print each generated token with its log-probability")
+    p.add_argument("--json", action="store_true", help="print the OpenAI-shaped response JSON instead of the text")
+    return p
+
+
+def sample_main(argv: list[str] | None = None) -> int:
+    args = _sample_parser().parse_args(argv)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    from composer_jax.checkpoint.hf import CheckpointError as HFCheckpointError
+    from composer_jax.checkpoint.validate import CheckpointError
+    from composer_jax.inference import openai_api as api
+    from composer_jax.inference.sampler import Request
+
+    body: dict[str, Any] = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "n": args.n,
+        "stop": args.stop,
+    }
+    try:
+        policy, tok, mesh, max_len = _load(args)
+        if args.chat:
+            messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+                {"role": "user", "content": prompt}
+            ]
+            body.update(messages=messages, logprobs=True)
+            if args.tools is not None:
+                body["tools"] = json.loads(args.tools.read_text())
+            gen = api.parse_chat(body, tok=tok, served="local", max_len=max_len, vocab=policy.cfg.vocab_size)
+        else:
+            body.update(prompt=prompt, logprobs=0)
+            gen = api.parse_completion(body, tok=tok, served="local", max_len=max_len, vocab=policy.cfg.vocab_size)
+    except api.ApiError as e:
+        print(f"composer-jax sample: {e.message}", file=sys.stderr)
+        return 2
+    except (ConfigError, CheckpointError, HFCheckpointError, ValueError, OSError) as e:
+        print(f"composer-jax sample: {e}", file=sys.stderr)
+        return 2
+    sampler = _new_sampler(policy, tok, mesh, min(len(gen.params), 8), max_len)(policy.params, 0)
+    reqs = [Request(gen.prompts[c // gen.n], p, id=str(c)) for c, p in enumerate(gen.params)]
+    done = sampler.run(reqs)
+    choices = [
+        api.build_choice(
+            gen,
+            c,
+            tok,
+            tokens=d.tokens,
+            logprobs=d.logprobs,
+            versions=d.versions,
+            finish_reason=d.finish_reason,
+            routing=d.routing,
+            prompt_len=len(d.prompt),
+            call_id_prefix=f"call_{c}",
+        )
+        for c, d in enumerate(done)
+    ]
+    if args.json:
+        used = api.usage(sum(len(p) for p in gen.prompts), sum(len(d.tokens) for d in done))
+        print(json.dumps({"object": gen.kind, "choices": choices, "usage": used}, ensure_ascii=False, indent=1))
+        return 0
+    for c, (choice, d) in enumerate(zip(choices, done)):
+        if len(choices) > 1:
+            print(f"--- choice {c} ({choice['finish_reason']})")
+        if gen.kind == "completion":
+            print(choice["text"])
+        else:
+            msg = choice["message"]
+            print(msg["content"] or "")
+            for call in msg.get("tool_calls", []):
+                print(f"[tool call] {call['function']['name']}({call['function']['arguments']})")
+            for bad in choice["malformed_tool_calls"]:
+                print(f"[malformed tool call] {bad}")
+        if args.logprobs:
+            for t, lp in zip(d.tokens, d.logprobs):
+                print(f"{t:>7} {lp:>10.4f} {tok.decode([t])!r}")
+    return 0

@@ -1,0 +1,260 @@
+"""The serving engine: one thread owns the Sampler and loops `step()`; other threads talk to it.
+
+HTTP handlers (or any caller) `submit` requests with a listener, `cancel` them, and
+`update_weights`; all three only queue work under a lock. The engine thread, between two decode
+steps, applies cancellations, swaps weights, hands new requests to the sampler, runs one step and
+tells each listener what happened:
+
+  Event(tokens, logprobs, versions)   new tokens of a streaming request (read from
+                                      `Sampler.running()` after the step)
+  Event(completion=...)               the request finished (the whole Completion)
+  Event(error=..., status=...)        the request failed; it is no longer in the engine
+
+Failures never stop the engine. A request the sampler refuses (`submit` raises ValueError) gets
+status 400. If a step raises, every request in the sampler fails with status 500 and a fresh
+sampler is built (the old one's KV cache may have been donated to the failed program) with the
+weights in place before the latest swap when the failing step was the first under new weights
+(the swap's future gets the exception when still pending).
+
+Capacity: at most `slots + max_queued` requests are in the engine; `submit` raises EngineFull
+beyond that (the server's 429).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from composer_jax.inference.sampler import Completion, Request, Sampler
+
+_log = logging.getLogger("composer_jax.inference.engine")
+
+
+class EngineFull(Exception):
+    """No room for the requests: `slots + max_queued` are in the engine already."""
+
+
+class EngineStopped(Exception):
+    """The engine was stopped; it accepts nothing more."""
+
+
+@dataclasses.dataclass
+class Event:
+    """What a listener hears about one request (module docstring)."""
+
+    request_id: str
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    completion: Completion | None = None
+    error: str | None = None
+    status: int = 200
+
+
+Listener = Callable[[Event], None]
+
+
+@dataclasses.dataclass
+class _Job:
+    request: Request
+    listener: Listener
+    stream: bool
+    sent: int = 0  # tokens already reported
+
+
+@dataclasses.dataclass
+class _Swap:
+    params: Any
+    version: int
+    future: concurrent.futures.Future
+
+
+class Engine:
+    """new_sampler(params, version) -> Sampler builds the sampler (again after a failure)."""
+
+    def __init__(self, new_sampler: Callable[[Any, int], Sampler], params: Any, version: int, *, max_queued: int):
+        if max_queued < 0:
+            raise ValueError(f"max_queued={max_queued} must be >= 0")
+        self._new_sampler = new_sampler
+        self.sampler = new_sampler(params, version)
+        self.max_queued = max_queued
+        self.capacity = self.sampler.slots + max_queued
+        self._cond = threading.Condition()
+        self._inbox: list[_Job] = []
+        self._cancels: list[str] = []
+        self._swaps: list[_Swap] = []
+        self._jobs: dict[str, _Job] = {}  # in the sampler (engine thread only)
+        self._outstanding = 0  # submitted and not yet finished, failed or cancelled
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+        self.failures = 0
+        self._before: tuple[Any, int] | None = None  # the weights before the latest swap
+        self._verified = True  # a step has run with the current weights
+        self._previous = version  # the version before the pending swaps
+        self._unverified: list[_Swap] = []
+
+    # ------------------------------------------------------------------ other threads
+    @property
+    def version(self) -> int:
+        return self.sampler.version
+
+    @property
+    def outstanding(self) -> int:
+        return self._outstanding
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="composer-jax-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Stop after the current step; requests still in the engine fail with status 503."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, requests: Sequence[Request], listener: Listener, *, stream: bool = False) -> None:
+        """Queue requests (all or none: EngineFull when they do not all fit). Each needs a unique id."""
+        with self._cond:
+            if self._stop:
+                raise EngineStopped("the engine is stopped")
+            if self._outstanding + len(requests) > self.capacity:
+                raise EngineFull(
+                    f"{self._outstanding} requests are in the server and {len(requests)} more do not fit "
+                    f"(capacity {self.capacity} = {self.sampler.slots} slots + max_queued {self.max_queued})"
+                )
+            self._outstanding += len(requests)
+            self._inbox.extend(_Job(r, listener, stream) for r in requests)
+            self._cond.notify()
+
+    def cancel(self, request_ids: Sequence[str]) -> None:
+        """Drop requests (e.g. the client went away); their listeners hear nothing more."""
+        with self._cond:
+            self._cancels.extend(request_ids)
+            self._cond.notify()
+
+    def update_weights(self, params: Any, version: int) -> concurrent.futures.Future:
+        """Swap the weights between two steps; the future resolves to the previous version once a
+        step has run with the new weights (at once when nothing is running), or gets the exception
+        of that step. Whenever the first step under new weights fails, the weights before them are
+        put back."""
+        swap = _Swap(params, version, concurrent.futures.Future())
+        with self._cond:
+            if self._stop:
+                raise EngineStopped("the engine is stopped")
+            self._swaps.append(swap)
+            self._cond.notify()
+        return swap.future
+
+    # ------------------------------------------------------------------ the engine thread
+    def _finish(self, job: _Job, event: Event) -> None:
+        self._jobs.pop(job.request.id, None)
+        with self._cond:
+            self._outstanding -= 1
+        try:
+            job.listener(event)
+        except Exception:  # a listener's bug must not stop the engine
+            _log.exception("listener of %s failed", job.request.id)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stop or self._inbox or self._cancels or self._swaps or self.sampler.busy):
+                    self._cond.wait()
+                if self._stop:
+                    break
+                inbox, self._inbox = self._inbox, []
+                cancels, self._cancels = self._cancels, []
+                swaps, self._swaps = self._swaps, []
+            for rid in cancels:
+                job = self._jobs.pop(rid, None) or next((j for j in inbox if j.request.id == rid), None)
+                if job is None:
+                    continue
+                if job in inbox:
+                    inbox.remove(job)
+                self.sampler.cancel(rid)
+                with self._cond:
+                    self._outstanding -= 1
+            for swap in swaps:
+                self._before, self._verified = (self.sampler.params, self.sampler.version), False
+                self.sampler.update_weights(swap.params, swap.version)
+                self._unverified.append(swap)
+            for job in inbox:
+                try:
+                    self.sampler.submit(job.request)
+                except ValueError as e:
+                    self._finish(job, Event(job.request.id, error=str(e), status=400))
+                    continue
+                self._jobs[job.request.id] = job
+            if not self.sampler.busy:
+                # nothing to run the new weights on: the swap is done (a failure of its first step
+                # later still puts the weights before it back)
+                self._resolve_swaps()
+                continue
+            try:
+                done = self.sampler.step()
+            except Exception as e:
+                self._recover(e)
+                continue
+            self.steps += 1
+            self._verified = True
+            self._resolve_swaps()
+            self._report(done)
+        for job in list(self._jobs.values()) + self._inbox:
+            self._finish(job, Event(job.request.id, error="the server is shutting down", status=503))
+
+    def _resolve_swaps(self) -> None:
+        for swap in self._unverified:
+            if not swap.future.done():
+                swap.future.set_result(self._previous)
+        if self._unverified:
+            self._previous = self.sampler.version
+        self._unverified = []
+
+    def _report(self, done: list[Completion]) -> None:
+        finished = {c.id for c in done}
+        if any(j.stream for j in self._jobs.values()):
+            for rid, (tokens, logprobs, versions) in self.sampler.running().items():
+                job = self._jobs.get(rid)
+                if job is None or not job.stream or rid in finished or len(tokens) <= job.sent:
+                    continue
+                n, job.sent = job.sent, len(tokens)
+                try:
+                    job.listener(Event(rid, tokens[n:], logprobs[n:], versions[n:]))
+                except Exception:
+                    _log.exception("listener of %s failed", rid)
+        for c in done:
+            job = self._jobs.get(c.id)
+            if job is not None:
+                self._finish(job, Event(c.id, completion=c))
+
+    def _recover(self, exc: Exception) -> None:
+        self.failures += 1
+        _log.error("a sampler step failed; failing %d requests:\n%s", len(self._jobs), traceback.format_exc())
+        params, version = self.sampler.params, self.sampler.version
+        if not self._verified and self._before is not None:  # new weights failed their first step
+            params, version = self._before
+            self._verified = True
+            _log.error("weights of version %d failed in their first step; back to version %d", self.version, version)
+            for swap in self._unverified:
+                if not swap.future.done():
+                    swap.future.set_exception(exc)
+            self._unverified = []
+            self._previous = version
+        message = (
+            f"the inference engine failed while this request ran ({type(exc).__name__}: {str(exc)[:300]}); "
+            "the request was dropped and the server keeps serving"
+        )
+        for job in list(self._jobs.values()):
+            self._finish(job, Event(job.request.id, error=message, status=500))
+        try:
+            self.sampler = self._new_sampler(params, version)
+        except Exception:  # keep the old object; the next step will fail and report again
+            _log.exception("rebuilding the sampler failed")

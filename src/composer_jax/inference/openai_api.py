@@ -1,0 +1,475 @@
+"""The OpenAI API's request and response shapes: checking a request body, building the response.
+
+Pure functions over dicts (no HTTP, no engine), so the server's reading of a request and its
+response for given generated tokens are tested without a server.
+
+Requests: `/v1/completions` (prompt: a string, token ids, or a list of either) and
+`/v1/chat/completions` (messages in the project's chat template, `data/chat.py`, with `tools`).
+Supported fields: model, max_tokens (chat: also max_completion_tokens), temperature, top_p, n,
+seed, stop, stream, stream_options.include_usage, logprobs (completions: 0, the sampled tokens'
+log-probabilities; chat: true with top_logprobs 0), tools and tool_choice "auto" (chat);
+extensions: top_k, return_routing. Fields OpenAI defines that the sampler cannot honour
+(echo, best_of, suffix, logit_bias, penalties, top alternatives in logprobs) are refused with a
+400 naming them; unknown fields are ignored (clients send e.g. `user`).
+
+Every choice carries two extension fields: `token_ids` (the generated tokens) and
+`token_versions` (the policy version that produced each), and with `return_routing` also
+`routed_experts` (module `build_choice` docstring).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from composer_jax.data.chat import AssistantTurn, check_tools, parse_assistant, render_prompt
+from composer_jax.data.tokenizer import Tokenizer
+from composer_jax.errors import ConfigError
+from composer_jax.inference.sampling import SamplingParams
+
+MAX_N = 16
+MAX_STOP = 16
+MAX_SEED = 2**32 - 1
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class ApiError(Exception):
+    """An OpenAI-style error: `{"error": {"message", "type", "param", "code"}}` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    @property
+    def type(self) -> str:
+        return {
+            401: "authentication_error",
+            403: "permission_error",
+            404: "not_found_error",
+            409: "conflict_error",
+            413: "invalid_request_error",
+            429: "rate_limit_error",
+            503: "service_unavailable",
+        }.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _bad(param: str, message: str, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, f"{param}: {message}", param=param, code=code)
+
+
+# ---------------------------------------------------------------------------- field readers
+def int_field(body: dict, key: str, default: int | None, lo: int, hi: int | None = None) -> int | None:
+    """body[key] as an integer in [lo, hi] (default when absent or null); ApiError naming it otherwise."""
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
+        raise _bad(key, f"{v!r} is not an integer")
+    v = int(v)
+    if v < lo or (hi is not None and v > hi):
+        accepted = f">= {lo}" if hi is None else f"{lo}..{hi}"
+        raise _bad(key, f"{v} is out of range; accepted: {accepted}")
+    return v
+
+
+def _float(body: dict, key: str, default: float, lo: float, hi: float, *, lo_open: bool = False) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise _bad(key, f"{v!r} is not a number")
+    if v < lo or v > hi or (lo_open and v == lo):
+        raise _bad(key, f"{v} is out of range; accepted: {'(' if lo_open else '['}{lo}, {hi}]")
+    return float(v)
+
+
+def _bool(body: dict, key: str, default: bool = False) -> bool:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _bad(key, f"{v!r} is not a boolean (true or false)")
+    return v
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items) or len(items) > MAX_STOP:
+        raise _bad("stop", f"{v!r:.200} is not accepted; accepted: a non-empty string or a list of at most {MAX_STOP}")
+    return tuple(items)
+
+
+def _refuse_unsupported(body: dict) -> None:
+    if body.get("echo"):
+        raise _bad(
+            "echo", "echo=true is not supported (the prompt's log-probabilities are not computed)", "unsupported"
+        )
+    if body.get("best_of") not in (None, 1):
+        raise _bad("best_of", f"{body['best_of']!r} is not supported; accepted: 1 (use n for several choices)")
+    if body.get("suffix"):
+        raise _bad("suffix", "insertion (suffix) is not supported", "unsupported")
+    if body.get("logit_bias"):
+        raise _bad("logit_bias", "logit_bias is not supported", "unsupported")
+    for key in ("presence_penalty", "frequency_penalty"):
+        if body.get(key) not in (None, 0, 0.0):
+            raise _bad(key, f"{body[key]!r} is not supported; accepted: 0", "unsupported")
+    if body.get("response_format") not in (None, {"type": "text"}):
+        raise _bad("response_format", "only {'type': 'text'} is supported", "unsupported")
+
+
+# ---------------------------------------------------------------------------- requests
+@dataclasses.dataclass
+class Generation:
+    """One HTTP request's work. prompts: token ids per prompt (chat: one); choice c of the
+    response is prompt c // n with params[c]. stop: the stop strings (cut from the text)."""
+
+    kind: str  # "completion" | "chat"
+    model: str
+    prompts: list[list[int]]
+    n: int
+    params: list[SamplingParams]
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    return_routing: bool
+    tools: list[dict] | None = None
+
+
+def _model(body: dict, served: str) -> str:
+    model = body.get("model", served)
+    if model != served:
+        raise ApiError(
+            404, f"model {model!r} is not served here; accepted: [{served!r}]", param="model", code="model_not_found"
+        )
+    return served
+
+
+def _common(
+    body: dict, *, prompt_lens: list[int], max_len: int, default_max_tokens: int | None, stop_ids: tuple[int, ...]
+) -> tuple[int, list[SamplingParams], tuple[str, ...], dict[str, bool]]:
+    n = int_field(body, "n", 1, 1, MAX_N)
+    assert n is not None
+    longest = max(prompt_lens)
+    if longest >= max_len:
+        raise ApiError(
+            400,
+            f"the prompt is {longest} tokens, but this server's context is {max_len} tokens (prompt + "
+            f"max_tokens); shorten the prompt to at most {max_len - 1} tokens",
+            param="messages" if "messages" in body else "prompt",
+            code="context_length_exceeded",
+        )
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = int_field(body, key, default_max_tokens, 1)
+    if max_tokens is None:  # chat's default: the rest of the context
+        max_tokens = max_len - longest
+    if longest + max_tokens > max_len:
+        raise ApiError(
+            400,
+            f"{key}={max_tokens} plus the prompt's {longest} tokens = {longest + max_tokens} exceeds this "
+            f"server's context of {max_len} tokens; accepted: {key} <= {max_len - longest}",
+            param=key,
+            code="context_length_exceeded",
+        )
+    temperature = _float(body, "temperature", 1.0, 0.0, 1e6)
+    top_p = _float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
+    top_k = int_field(body, "top_k", 0, 0)
+    seed = int_field(body, "seed", None, 0, MAX_SEED)
+    if seed is None:
+        seed = secrets.randbelow(MAX_SEED)  # OpenAI: no seed, no determinism
+    stop = _stop(body)
+    params = [
+        SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k or 0,
+            max_tokens=max_tokens,
+            seed=(seed + i) % (MAX_SEED + 1),  # choice i of a prompt: seed + i
+            stop_token_ids=stop_ids,
+            stop_strings=stop,
+        )
+        for _ in prompt_lens
+        for i in range(n)
+    ]
+    stream = _bool(body, "stream")
+    opts = body.get("stream_options")
+    if opts is not None and (not isinstance(opts, dict) or not stream):
+        raise _bad("stream_options", f"{opts!r:.100} is accepted only as an object with stream=true")
+    flags = {
+        "stream": stream,
+        "include_usage": bool(opts and _bool(opts, "include_usage")),
+        "return_routing": _bool(body, "return_routing"),
+    }
+    return n, params, stop, flags
+
+
+def _flags(flags: dict[str, bool]) -> tuple[bool, bool, bool]:
+    return flags["stream"], flags["include_usage"], flags["return_routing"]
+
+
+def _prompt_ids(prompt: Any, tok: Tokenizer, vocab: int, where: str) -> list[int]:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise _bad(where, "the prompt is empty")
+        return [tok.bos_id, *tok.encode(prompt)]  # documents start with <|bos|> in training
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise _bad(where, f"token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}")
+        return list(prompt)
+    raise _bad(where, f"{prompt!r:.100} is not accepted; accepted: a non-empty string or a non-empty list of token ids")
+
+
+def parse_completion(body: Any, *, tok: Tokenizer, served: str, max_len: int, vocab: int) -> Generation:
+    """A /v1/completions body -> Generation; raises ApiError naming the bad field."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    model = _model(body, served)
+    _refuse_unsupported(body)
+    if "prompt" not in body:
+        raise _bad("prompt", "is required: a string, a list of token ids, or a list of either", "missing")
+    raw = body["prompt"]
+    batch = isinstance(raw, list) and raw and all(isinstance(p, (str, list)) for p in raw)
+    items = raw if batch else [raw]
+    prompts = [_prompt_ids(p, tok, vocab, f"prompt[{i}]" if batch else "prompt") for i, p in enumerate(items)]
+    logprobs = int_field(body, "logprobs", None, 0, 5)
+    if logprobs:
+        raise _bad(
+            "logprobs",
+            f"{logprobs} alternatives per token are not computed by this sampler; accepted: 0 "
+            "(the sampled tokens' log-probabilities) or null",
+            "unsupported",
+        )
+    n, params, stop, flags = _common(
+        body,
+        prompt_lens=[len(p) for p in prompts],
+        max_len=max_len,
+        default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS,
+        stop_ids=(tok.eos_id,),
+    )
+    stream, include_usage, routing = _flags(flags)
+    return Generation(
+        "completion", model, prompts, n, params, stop, stream, include_usage, logprobs is not None, routing
+    )
+
+
+def parse_chat(body: Any, *, tok: Tokenizer, served: str, max_len: int, vocab: int) -> Generation:
+    """A /v1/chat/completions body -> Generation; raises ApiError naming the bad field."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    model = _model(body, served)
+    _refuse_unsupported(body)
+    tools = None
+    if body.get("tools") is not None:
+        try:
+            tools = check_tools(body["tools"], "tools")
+        except ConfigError as e:
+            raise ApiError(400, str(e), param="tools", code="invalid_tools") from None
+        tools = body["tools"]
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto") and not (choice == "none" and not tools):
+        raise _bad(
+            "tool_choice",
+            f"{choice!r:.100} is not supported; accepted: 'auto' (the model decides; forcing a call is not "
+            "supported by this sampler)",
+            "unsupported",
+        )
+    if "messages" not in body:
+        raise _bad("messages", "is required: a non-empty list of messages", "missing")
+    try:
+        prompt = render_prompt(body["messages"], tok, tools=tools)
+    except ConfigError as e:
+        raise ApiError(400, f"messages: {e}", param="messages", code="invalid_messages") from None
+    except (AttributeError, TypeError) as e:  # e.g. a message's tool_calls that is not a list
+        raise ApiError(400, f"messages: malformed ({e})", param="messages", code="invalid_messages") from None
+    top = int_field(body, "top_logprobs", None, 0, 20)
+    if top:
+        raise _bad(
+            "top_logprobs",
+            f"{top} alternatives per token are not computed by this sampler; accepted: 0 or null",
+            "unsupported",
+        )
+    logprobs = _bool(body, "logprobs")
+    stop_ids = (tok.token_id("<|im_end|>"), tok.eos_id)
+    n, params, stop, flags = _common(
+        body, prompt_lens=[len(prompt)], max_len=max_len, default_max_tokens=None, stop_ids=stop_ids
+    )
+    stream, include_usage, routing = _flags(flags)
+    return Generation(
+        "chat", model, [prompt.tolist()], n, params, stop, stream, include_usage, logprobs, routing, tools
+    )
+
+
+# ---------------------------------------------------------------------------- text and tokens
+def _bytes_to_unicode() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's): printable bytes stand for themselves, the others are
+    shifted to code points 256 and up. -> {character: byte}."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, shift = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + shift)] = b
+            shift += 1
+    return table
+
+
+_BYTE_OF = _bytes_to_unicode()
+
+
+def token_bytes(tok: Tokenizer, token: int) -> bytes:
+    """The bytes a token stands for (a special token: its name in UTF-8)."""
+    piece = tok.hf.id_to_token(int(token))
+    if piece is None:
+        return b""
+    if piece in tok.special:
+        return piece.encode("utf-8")
+    if all(c in _BYTE_OF for c in piece):
+        return bytes(_BYTE_OF[c] for c in piece)
+    return tok.decode([token]).encode("utf-8")  # not a byte-level vocabulary
+
+
+def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    """text up to the earliest stop string (OpenAI leaves it out), and whether one occurred."""
+    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+def streamable(text: str, stop: Sequence[str]) -> str:
+    """The part of a growing text that can be sent now: not a trailing incomplete UTF-8 character
+    (decoded as U+FFFD) and not a suffix that may still become a stop string."""
+    text, hit = cut_at_stop(text, stop)
+    if hit:
+        return text
+    text = text.rstrip("\ufffd")
+    hold = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                hold = max(hold, k)
+                break
+    return text[: len(text) - hold]
+
+
+def completion_text(tok: Tokenizer, tokens: Sequence[int], stop: Sequence[str]) -> str:
+    return cut_at_stop(tok.decode(tokens, skip_special_tokens=True), stop)[0]
+
+
+def chat_content_tokens(tok: Tokenizer, tokens: Sequence[int]) -> list[int]:
+    """The content part of an assistant turn: the tokens before its first <|tool_call|> or <|im_end|>."""
+    ends = {tok.token_id("<|tool_call|>"), tok.token_id("<|im_end|>")}
+    out: list[int] = []
+    for t in tokens:
+        if t in ends:
+            break
+        out.append(int(t))
+    return out
+
+
+# ---------------------------------------------------------------------------- responses
+def completion_logprobs(tok: Tokenizer, tokens: Sequence[int], logprobs: Sequence[float], offset: int = 0) -> dict:
+    """The /v1/completions `logprobs` object (tokens, token_logprobs, top_logprobs, text_offset);
+    text_offset counts characters from `offset` (the text already sent)."""
+    pieces = [tok.decode([t]) for t in tokens]
+    offsets, at = [], offset
+    for p in pieces:
+        offsets.append(at)
+        at += len(p)
+    return {
+        "tokens": pieces,
+        "token_logprobs": [float(x) for x in logprobs],
+        "top_logprobs": None,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(tok: Tokenizer, tokens: Sequence[int], logprobs: Sequence[float]) -> dict:
+    """The chat `logprobs` object: {"content": [{"token", "logprob", "bytes", "top_logprobs": []}],
+    "refusal": None}, one entry per generated token (tool-call and stop tokens included: the
+    trainer needs every sampled token's log-probability)."""
+    content = []
+    for t, lp in zip(tokens, logprobs):
+        b = token_bytes(tok, t)
+        content.append(
+            {
+                "token": b.decode("utf-8", "replace"),
+                "logprob": float(lp),
+                "bytes": list(b),
+                "top_logprobs": [],
+            }
+        )
+    return {"content": content, "refusal": None}
+
+
+def routing_field(routing: np.ndarray | None, prompt_len: int) -> list | None:
+    """int32[prompt + generated - 1, moe_layers, k] (Completion.routing) -> the experts of each
+    generated token fed back through the model: [generated - 1][moe_layers][k]. None for dense
+    models."""
+    if routing is None:
+        return None
+    return np.asarray(routing[prompt_len:], np.int64).tolist()
+
+
+def turn_of(tok: Tokenizer, tokens: Sequence[int], call_id_prefix: str) -> AssistantTurn:
+    return parse_assistant(tokens, tok, call_id_prefix=call_id_prefix)
+
+
+def build_choice(
+    gen: Generation,
+    index: int,
+    tok: Tokenizer,
+    *,
+    tokens: Sequence[int],
+    logprobs: Sequence[float],
+    versions: Sequence[int],
+    finish_reason: str,
+    routing: np.ndarray | None,
+    prompt_len: int,
+    call_id_prefix: str,
+) -> dict:
+    """One choice of a non-streamed response.
+
+    Extension fields: `token_ids` (the generated tokens, stop token included), `token_versions`
+    (per generated token, the policy version of the weights that produced it), `routed_experts`
+    (with return_routing: per generated token but the last, which no forward pass has seen, per
+    MoE layer, the k expert ids it was routed to; null for dense models), and for chat
+    `malformed_tool_calls` (why each unparseable tool call was dropped)."""
+    choice: dict[str, Any] = {"index": index}
+    if gen.kind == "completion":
+        choice["text"] = completion_text(tok, tokens, gen.stop)
+        choice["logprobs"] = completion_logprobs(tok, tokens, logprobs) if gen.logprobs else None
+        choice["finish_reason"] = finish_reason
+    else:
+        turn = turn_of(tok, tokens, call_id_prefix)
+        message = turn.message()
+        if message["content"] is not None:
+            message["content"] = cut_at_stop(message["content"], gen.stop)[0] or None
+        choice["message"] = message
+        choice["logprobs"] = chat_logprobs(tok, tokens, logprobs) if gen.logprobs else None
+        choice["finish_reason"] = "tool_calls" if turn.tool_calls and finish_reason == "stop" else finish_reason
+        choice["malformed_tool_calls"] = turn.malformed
+    choice["token_ids"] = [int(t) for t in tokens]
+    choice["token_versions"] = [int(v) for v in versions]
+    if gen.return_routing:
+        choice["routed_experts"] = routing_field(routing, prompt_len)
+    return choice
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }

@@ -1,0 +1,420 @@
+"""`composer-jax serve`: an OpenAI-compatible HTTP server over the continuous-batching sampler.
+
+Endpoints (all but /health need `Authorization: Bearer KEY`):
+    GET  /health                 liveness, policy version, load (no key needed)
+    GET  /v1/models              the served model
+    POST /v1/completions         prompt string / token ids (or a list of them); stream, logprobs
+    POST /v1/chat/completions    messages (+ tools) in the chat template; tool_calls; stream, logprobs
+    POST /admin/load_weights     {"checkpoint": DIR, "version"?, "step"?, "source"?: "checkpoint"}
+
+Requests and responses: `openai_api.py` (extension fields: top_k, return_routing; token_ids,
+token_versions, routed_experts, malformed_tool_calls). Errors: `{"error": {"message", "type",
+"param", "code"}}` with a 4xx status for a bad request, 401 without the key, 429 when the engine
+is full, 500 when the engine failed the request (the server keeps serving).
+
+Architecture: one engine thread owns the Sampler (`engine.py`); handlers submit requests and
+await their events through an asyncio queue fed with `call_soon_threadsafe`. Streaming reads each
+request's tokens after every decode step (`Sampler.running()`); a client that disconnects
+mid-stream has its requests cancelled (`Sampler.cancel`), freeing the slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import jax
+from starlette.applications import Starlette
+from starlette.middleware.base import BaseHTTPMiddleware
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from composer_jax.data.tokenizer import Tokenizer
+from composer_jax.errors import ConfigError
+from composer_jax.inference import openai_api as api
+from composer_jax.inference.checkpoints import Policy, config_differences
+from composer_jax.inference.engine import Engine, EngineFull, EngineStopped, Event
+from composer_jax.inference.openai_api import ApiError, Generation
+from composer_jax.inference.sampler import Request
+
+_log = logging.getLogger("composer_jax.inference.server")
+
+DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+SOURCES = ("checkpoint",)  # issue 14 adds the RL weight-sync store
+
+
+def _error(e: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+class _Auth(BaseHTTPMiddleware):
+    """Bearer key on every path but /health (compared in constant time)."""
+
+    def __init__(self, app: Any, key: str):
+        super().__init__(app)
+        self._expected = f"Bearer {key}".encode()
+
+    async def dispatch(self, request: HttpRequest, call_next: Any) -> Response:
+        if request.url.path != "/health":
+            given = request.headers.get("authorization", "").encode()
+            if not secrets.compare_digest(given, self._expected):
+                what = "no Authorization header" if not given else "a wrong key"
+                return _error(
+                    ApiError(
+                        401,
+                        f"{what}: send 'Authorization: Bearer KEY' with the server's API key",
+                        code="invalid_api_key",
+                    ),
+                    {"WWW-Authenticate": "Bearer"},
+                )
+        return await call_next(request)
+
+
+class OpenAIServer:
+    """The HTTP side: request checking, submission to the engine, responses and streams.
+
+    load_policy(checkpoint, step) -> Policy reads weights for /admin/load_weights (on the served
+    mesh)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        tok: Tokenizer,
+        *,
+        model_name: str,
+        api_key: str,
+        load_policy: Callable[[str, int | None], Policy] | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ):
+        if len(api_key) < 16:
+            raise ConfigError("the API key must be at least 16 characters")
+        self.engine, self.tok, self.model_name = engine, tok, model_name
+        self.max_len = engine.sampler.max_len
+        self.vocab = engine.sampler.cfg.vocab_size
+        self.load_policy = load_policy
+        self.max_body_bytes = max_body_bytes
+        self.created = int(time.time())
+        self._load_lock = asyncio.Lock()
+        routes = [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/admin/load_weights", self.load_weights, methods=["POST"]),
+        ]
+        self.app = Starlette(
+            routes=routes, exception_handlers={Exception: self._unexpected, 404: self._not_found, 405: self._not_found}
+        )
+        self.app.add_middleware(_Auth, key=api_key)
+
+    # ------------------------------------------------------------------ plumbing
+    async def _unexpected(self, request: HttpRequest, exc: Exception) -> JSONResponse:
+        _log.exception("unexpected error in %s", request.url.path, exc_info=exc)
+        return _error(ApiError(500, f"internal error: {type(exc).__name__}: {str(exc)[:300]}", code="internal_error"))
+
+    async def _not_found(self, request: HttpRequest, exc: Exception) -> JSONResponse:
+        status = getattr(exc, "status_code", 404)
+        paths = "GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /admin/load_weights"
+        what = "no such endpoint" if status == 404 else "method not allowed"
+        return _error(ApiError(status, f"{request.method} {request.url.path}: {what}; endpoints: {paths}"))
+
+    async def _body(self, request: HttpRequest) -> Any:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise ApiError(413, f"the request body is {declared} bytes; the limit is {self.max_body_bytes}")
+        raw = await request.body()
+        if len(raw) > self.max_body_bytes:
+            raise ApiError(413, f"the request body is {len(raw)} bytes; the limit is {self.max_body_bytes}")
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+    # ------------------------------------------------------------------ small endpoints
+    async def health(self, request: HttpRequest) -> JSONResponse:
+        e = self.engine
+        return JSONResponse(
+            {
+                "status": "ok",
+                "model": self.model_name,
+                "policy_version": e.version,
+                "slots": e.sampler.slots,
+                "max_len": self.max_len,
+                "in_engine": e.outstanding,
+                "capacity": e.capacity,
+                "steps": e.steps,
+                "engine_failures": e.failures,
+            }
+        )
+
+    async def models(self, request: HttpRequest) -> JSONResponse:
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model_name,
+                        "object": "model",
+                        "created": self.created,
+                        "owned_by": "composer-jax",
+                        "max_model_len": self.max_len,
+                        "policy_version": self.engine.version,
+                    }
+                ],
+            }
+        )
+
+    # ------------------------------------------------------------------ generation
+    async def completions(self, request: HttpRequest) -> Response:
+        return await self._generate(request, api.parse_completion, "cmpl", "text_completion")
+
+    async def chat(self, request: HttpRequest) -> Response:
+        return await self._generate(request, api.parse_chat, "chatcmpl", "chat.completion")
+
+    async def _generate(
+        self, request: HttpRequest, parse: Callable[..., Generation], prefix: str, obj: str
+    ) -> Response:
+        try:
+            body = await self._body(request)
+            gen = parse(body, tok=self.tok, served=self.model_name, max_len=self.max_len, vocab=self.vocab)
+        except ApiError as e:
+            return _error(e)
+        rid = f"{prefix}-{secrets.token_hex(12)}"
+        reqs = [
+            Request(gen.prompts[c // gen.n], p, id=f"{rid}-{c}")
+            for c, p in enumerate(gen.params)  # choice c: prompt c // n
+        ]
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+
+        def listener(ev: Event) -> None:  # called on the engine thread
+            loop.call_soon_threadsafe(events.put_nowait, ev)
+
+        try:
+            self.engine.submit(reqs, listener, stream=gen.stream)
+        except EngineFull as e:
+            return _error(ApiError(429, f"the server is full: {e}; retry later", code="queue_full"))
+        except EngineStopped as e:
+            return _error(ApiError(503, str(e), code="shutting_down"))
+        ids = [r.id for r in reqs]
+        if gen.stream:
+            return StreamingResponse(
+                self._stream(gen, rid, obj + ".chunk", ids, events),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        return await self._collect(gen, rid, obj, ids, events)
+
+    async def _collect(self, gen: Generation, rid: str, obj: str, ids: list[str], events: asyncio.Queue) -> Response:
+        index = {r: c for c, r in enumerate(ids)}
+        choices: dict[int, dict] = {}
+        failure: Event | None = None
+        try:
+            while len(choices) < len(ids):
+                ev = await events.get()
+                if ev.error is not None:
+                    failure = ev
+                    break
+                c, done = index[ev.request_id], ev.completion
+                if done is None:
+                    continue
+                choices[c] = api.build_choice(
+                    gen,
+                    c,
+                    self.tok,
+                    tokens=done.tokens,
+                    logprobs=done.logprobs,
+                    versions=done.versions,
+                    finish_reason=done.finish_reason,
+                    routing=done.routing,
+                    prompt_len=len(done.prompt),
+                    call_id_prefix=f"call_{rid[-8:]}_{c}",
+                )
+        finally:
+            pending = [r for c, r in enumerate(ids) if c not in choices]
+            if pending:
+                self.engine.cancel(pending)
+        if failure is not None:
+            return _error(ApiError(failure.status, failure.error or "", code="engine_error"))
+        completion_tokens = sum(len(ch["token_ids"]) for ch in choices.values())
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": obj,
+                "created": int(time.time()),
+                "model": gen.model,
+                "choices": [choices[c] for c in range(len(ids))],
+                "usage": api.usage(sum(len(p) for p in gen.prompts), completion_tokens),
+            }
+        )
+
+    async def _stream(
+        self, gen: Generation, rid: str, obj: str, ids: list[str], events: asyncio.Queue
+    ) -> AsyncIterator[str]:
+        index = {r: c for c, r in enumerate(ids)}
+        created = int(time.time())
+        tokens: dict[int, list[int]] = {c: [] for c in range(len(ids))}
+        sent: dict[int, str] = {c: "" for c in range(len(ids))}
+        finished: set[int] = set()
+
+        def chunk(choices: list[dict], **extra: Any) -> str:
+            body = {"id": rid, "object": obj, "created": created, "model": gen.model, "choices": choices, **extra}
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        # decoded text of tokens[:n] per choice, kept at a point where it ends on a whole character,
+        # so each chunk decodes only the tokens after it (not the whole completion again)
+        decoded: dict[int, tuple[int, str]] = {c: (0, "") for c in tokens}
+
+        def text_of(c: int, final: bool) -> str:
+            toks = tokens[c] if gen.kind == "completion" else api.chat_content_tokens(self.tok, tokens[c])
+            n, head = decoded[c]
+            text = head + self.tok.decode(toks[n:], skip_special_tokens=True)
+            if len(toks) - n >= 32 and not text.endswith("\ufffd"):
+                decoded[c] = (len(toks), text)
+            return api.cut_at_stop(text, gen.stop)[0] if final else api.streamable(text, gen.stop)
+
+        def delta(c: int, new: list[int], lps: list[float], versions: list[int], final: bool) -> dict:
+            text = text_of(c, final)
+            piece = text[len(sent[c]) :] if text.startswith(sent[c]) else ""
+            sent[c] += piece
+            choice: dict[str, Any] = {"index": c}
+            if gen.kind == "completion":
+                choice["text"] = piece
+                choice["logprobs"] = api.completion_logprobs(self.tok, new, lps) if gen.logprobs else None
+            else:
+                choice["delta"] = {"content": piece} if piece else {}
+                choice["logprobs"] = api.chat_logprobs(self.tok, new, lps) if gen.logprobs else None
+            choice["finish_reason"] = None
+            choice["token_ids"] = [int(t) for t in new]
+            choice["token_versions"] = [int(v) for v in versions]
+            return choice
+
+        try:
+            if gen.kind == "chat":
+                first = [
+                    {"index": c, "delta": {"role": "assistant", "content": ""}, "finish_reason": None} for c in tokens
+                ]
+                yield chunk(first)
+            while len(finished) < len(ids):
+                ev = await events.get()
+                if ev.error is not None:
+                    yield f"data: {json.dumps(ApiError(ev.status, ev.error, code='engine_error').body())}\n\n"
+                    break
+                c = index[ev.request_id]
+                done = ev.completion
+                if done is None:
+                    tokens[c].extend(ev.tokens)
+                    yield chunk([delta(c, ev.tokens, ev.logprobs, ev.versions, final=False)])
+                    continue
+                n = len(tokens[c])
+                tokens[c] = list(done.tokens)
+                choice = delta(c, done.tokens[n:], done.logprobs[n:], done.versions[n:], final=True)
+                reason = done.finish_reason
+                if gen.kind == "chat":
+                    turn = api.turn_of(self.tok, done.tokens, f"call_{rid[-8:]}_{c}")
+                    if turn.tool_calls:
+                        choice["delta"]["tool_calls"] = [{"index": i, **call} for i, call in enumerate(turn.tool_calls)]
+                        reason = "tool_calls" if reason == "stop" else reason
+                    choice["malformed_tool_calls"] = turn.malformed
+                choice["finish_reason"] = reason
+                if gen.return_routing:
+                    choice["routed_experts"] = api.routing_field(done.routing, len(done.prompt))
+                finished.add(c)
+                yield chunk([choice])
+            else:
+                if gen.include_usage:
+                    completion = sum(len(t) for t in tokens.values())
+                    yield chunk([], usage=api.usage(sum(len(p) for p in gen.prompts), completion))
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (or the stream ended): free the slots still generating
+            pending = [r for c, r in enumerate(ids) if c not in finished]
+            if pending:
+                self.engine.cancel(pending)
+
+    # ------------------------------------------------------------------ admin
+    async def load_weights(self, request: HttpRequest) -> Response:
+        """{"checkpoint": DIR, "version": int (default current + 1; must exceed the current one),
+        "step": int (training checkpoints; default latest), "source": "checkpoint"} -> the new
+        version, once a decode step has run with it (requests in flight continue)."""
+        try:
+            body = await self._body(request)
+            if not isinstance(body, dict):
+                raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+            source = body.get("source", "checkpoint")
+            if source not in SOURCES:
+                raise ApiError(
+                    400,
+                    f"source: {source!r} is not accepted; accepted: {list(SOURCES)} "
+                    "(the RL weight-sync store is not wired in yet)",
+                    param="source",
+                )
+            path = body.get("checkpoint")
+            if not isinstance(path, str) or not path:
+                raise ApiError(
+                    400, f"checkpoint: {path!r} is not accepted; accepted: a directory path", param="checkpoint"
+                )
+            step = api.int_field(body, "step", None, 0)
+            if self.load_policy is None:
+                raise ApiError(403, "this server was built without a weight loader", code="disabled")
+            async with self._load_lock:
+                current = self.engine.version
+                version = api.int_field(body, "version", current + 1, current + 1)
+                assert version is not None
+                t0 = time.perf_counter()
+                try:
+                    policy = await asyncio.to_thread(self.load_policy, path, step)
+                except (ConfigError, ValueError, OSError) as e:
+                    raise ApiError(
+                        400, f"checkpoint {path!r}: {e}", param="checkpoint", code="bad_checkpoint"
+                    ) from None
+                params = self._matching(policy)
+                load_s = time.perf_counter() - t0
+                try:
+                    previous = await asyncio.wrap_future(self.engine.update_weights(params, version))
+                except EngineStopped as e:
+                    raise ApiError(503, str(e), code="shutting_down") from None
+                except Exception as e:
+                    raise ApiError(
+                        500,
+                        f"the weights of {path!r} failed in their first decode step ({type(e).__name__}: "
+                        f"{str(e)[:300]}); version {current} is back in place",
+                        code="engine_error",
+                    ) from None
+        except ApiError as e:
+            return _error(e)
+        return JSONResponse(
+            {
+                "version": version,
+                "previous_version": previous,
+                "checkpoint": path,
+                "kind": policy.kind,
+                "step": policy.step,
+                "load_seconds": round(load_s, 3),
+            }
+        )
+
+    def _matching(self, policy: Policy) -> Any:
+        """The loaded parameters in the served tree's dtypes; 409 when the architecture differs."""
+        served = self.engine.sampler
+        diffs = config_differences(served.cfg, policy.cfg)
+        if diffs:
+            raise ApiError(
+                409,
+                f"checkpoint {policy.path!r} is a different model than the served one ({'; '.join(diffs[:8])}); "
+                "only weights of the same architecture can be swapped in",
+                param="checkpoint",
+                code="model_mismatch",
+            )
+        ours: Any = jax.tree.structure(served.params)  # (jaxlib's PyTreeDef stub lacks __eq__)
+        theirs: Any = jax.tree.structure(policy.params)
+        if ours != theirs:
+            raise ApiError(
+                409, f"checkpoint {policy.path!r}: parameter tree differs from the served one", code="model_mismatch"
+            )
+        return jax.tree.map(lambda new, old: new.astype(old.dtype), policy.params, served.params)

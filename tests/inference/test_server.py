@@ -1,0 +1,487 @@
+"""`composer-jax serve` through the `openai` client, and `composer-jax sample`.
+
+A tiny MoE (random init) saved as a training checkpoint, served in-process on a free port with the
+shipped tokenizer. Log-probabilities are checked against the training forward over the same tokens
+(an independent computation: no KV cache, no sampler), the tool-call path against hand-made tokens
+and the template's own text, streams against the non-streamed response for the same seed.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+
+import uvicorn  # noqa: E402
+
+from composer_jax.checkpoint.manager import TrainCheckpointer  # noqa: E402
+from composer_jax.config import ConfigError, load_config, to_dict  # noqa: E402
+from composer_jax.config.checkpoint import CheckpointConfig  # noqa: E402
+from composer_jax.data.chat import render_chat_text  # noqa: E402
+from composer_jax.data.tokenizer import load_tokenizer  # noqa: E402
+from composer_jax.inference import openai_api as api  # noqa: E402
+from composer_jax.inference.checkpoints import load_policy  # noqa: E402
+from composer_jax.inference.cli import build_server, sample_main  # noqa: E402
+from composer_jax.inference.sampler import Request  # noqa: E402
+from composer_jax.inference.sampling import SamplingParams  # noqa: E402
+from composer_jax.model.transformer import forward  # noqa: E402
+from composer_jax.sharding import ShardingRules, make_mesh  # noqa: E402
+from composer_jax.train.state import init_train_state  # noqa: E402
+
+KEY = "test-key-0123456789abcdef"
+MAX_LEN = 512
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a file.",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+        },
+    }
+]
+
+
+def _save(directory, seed: int):
+    cfg = load_config(
+        "configs/model/tiny.yaml",
+        [
+            "model.vocab_size=2048",
+            "model.num_layers=2",
+            "model.max_position_embeddings=512",
+            "mesh.fsdp=1",
+            "data.tokenizer=assets/tokenizer",
+            f"train.seed={seed}",
+        ],
+        num_devices=None,
+    )
+    mesh = make_mesh(cfg.mesh, jax.devices()[:1])
+    state = init_train_state(cfg, mesh, ShardingRules.create(cfg.sharding_rules))
+    with TrainCheckpointer(CheckpointConfig(directory=str(directory), save_every=1)) as ck:
+        ck.save(1, state, config=to_dict(cfg))
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    a, b = tmp_path_factory.mktemp("ckpt_a"), tmp_path_factory.mktemp("ckpt_b")
+    _save(a, 0)
+    _save(b, 1)
+    return a, b
+
+
+@pytest.fixture(scope="module")
+def served(ckpts):
+    policy = load_policy(ckpts[0])
+    tok = load_tokenizer(policy.tokenizer_hint)
+    server, engine = build_server(
+        policy, tok, slots=2, max_len=MAX_LEN, max_queued=1, api_key=KEY, model_name="tiny-test"
+    )
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    http = uvicorn.Server(uvicorn.Config(server.app, log_level="warning", access_log=False))
+    thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            httpx.get(url + "/health", timeout=1.0)
+            break
+        except httpx.TransportError:
+            time.sleep(0.05)
+    yield {"url": url, "server": server, "engine": engine, "policy": policy, "tok": tok}
+    http.should_exit = True
+    thread.join(10)
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served["url"] + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def _reference_logprobs(params, cfg, prompt: list[int], tokens: list[int], temperature: float) -> np.ndarray:
+    """The training forward over prompt + tokens: log softmax(logits / T) of each generated token."""
+    seq = jnp.asarray([prompt + tokens], jnp.int32)
+    logits = forward(params, seq, cfg).logits[0, len(prompt) - 1 : -1]
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+    return np.asarray(jnp.take_along_axis(lp, jnp.asarray(tokens)[:, None], axis=-1)[:, 0])
+
+
+def _post(served, path: str, body, key: str | None = KEY) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(served["url"] + path, content=data, headers=headers, timeout=120)
+
+
+# ---------------------------------------------------------------------------- completions
+def test_completion_logprobs_equal_the_training_forward_and_stream_matches(served, client):
+    tok, policy = served["tok"], served["policy"]
+    kw = dict(model="tiny-test", prompt="def add(a, b):", max_tokens=8, temperature=0.7, seed=11, logprobs=0)
+    r = client.completions.create(**kw)
+    (choice,) = r.choices
+    ids = choice.model_extra["token_ids"]
+    assert len(ids) == 8 and choice.finish_reason == "length" and r.usage.completion_tokens == 8
+    assert choice.text == tok.decode(ids, skip_special_tokens=True)
+    assert choice.model_extra["token_versions"] == [0] * 8
+    prompt = [tok.bos_id, *tok.encode("def add(a, b):")]
+    assert r.usage.prompt_tokens == len(prompt)
+    want = _reference_logprobs(policy.params, policy.cfg, prompt, ids, 0.7)
+    np.testing.assert_allclose(choice.logprobs.token_logprobs, want, atol=1e-5, rtol=0)
+    assert choice.logprobs.tokens == [tok.decode([t]) for t in ids]
+
+    # the same seed streamed: chunks concatenate to the same text, tokens and log-probabilities
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens == 8 and chunks[-1].choices == []
+    body = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(c.text for c in body) == choice.text
+    assert sum((c.model_extra["token_ids"] for c in body), []) == ids
+    assert sum((c.logprobs.token_logprobs for c in body if c.logprobs), []) == choice.logprobs.token_logprobs
+    assert [c.finish_reason for c in body][-1] == "length" and len(body) > 2  # token by token
+
+
+def test_token_id_prompts_n_choices_stop_strings_and_routing(served, client):
+    tok = served["tok"]
+    prompt = [tok.bos_id, *tok.encode("import os\n")]
+    r = client.completions.create(
+        model="tiny-test",
+        prompt=prompt,
+        max_tokens=6,
+        temperature=1.0,
+        seed=5,
+        n=2,
+        extra_body={"return_routing": True},
+    )
+    assert [c.index for c in r.choices] == [0, 1]
+    a, b = (c.model_extra for c in r.choices)
+    assert a["token_ids"] != b["token_ids"]  # seeds 5 and 6
+    cfg = served["policy"].cfg
+    moe_layers = cfg.num_layers - cfg.first_k_dense
+    routing = np.asarray(a["routed_experts"])
+    assert routing.shape == (5, moe_layers, cfg.num_experts_per_tok)  # generated tokens but the last
+    assert routing.min() >= 0 and routing.max() < cfg.num_experts
+
+    # a stop string cut out of the text, as OpenAI does; the stream holds back its prefix
+    text = tok.decode(a["token_ids"], skip_special_tokens=True)
+    stop = text[3:5]
+    kw = dict(model="tiny-test", prompt=prompt, max_tokens=6, temperature=1.0, seed=5, stop=[stop])
+    r2 = client.completions.create(**kw)
+    assert r2.choices[0].text == text[: text.find(stop)] and r2.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True) if c.choices)
+    assert streamed == r2.choices[0].text
+
+
+def test_long_streams_concatenate_to_the_non_streamed_text(served, client):
+    # long enough for the stream's incremental decoding to restart from a cached prefix many times
+    kw = dict(model="tiny-test", prompt="class A:", max_tokens=200, temperature=1.0, seed=9)
+    text = client.completions.create(**kw).choices[0].text
+    assert "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True)) == text
+    chat = dict(model="tiny-test", messages=[{"role": "user", "content": "hi"}], max_tokens=150, seed=4)
+    content = client.chat.completions.create(**chat).choices[0].message.content or ""
+    assert "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**chat, stream=True)) == (
+        content
+    )
+
+
+# ---------------------------------------------------------------------------- chat and tools
+def test_tools_are_rendered_into_the_prompt_as_the_template_says(served):
+    tok = served["tok"]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Show a.py"}]
+    gen = api.parse_chat({"messages": messages, "tools": TOOLS}, tok=tok, served="m", max_len=MAX_LEN * 100, vocab=2048)
+    fn = json.dumps(TOOLS[0]["function"], separators=(", ", ": "))
+    expected = (
+        "<|bos|><|im_start|>system\nBe brief.\n\n# Tools\n" + fn + "\n<|im_end|>\n"
+        "<|im_start|>user\nShow a.py<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert tok.decode(gen.prompts[0]) == expected
+    assert render_chat_text(messages, TOOLS).removesuffix("<|eos|>") == expected.removesuffix("<|im_start|>assistant\n")
+    # no system message: one holding only the tools block comes first
+    gen = api.parse_chat({"messages": messages[1:], "tools": TOOLS}, tok=tok, served="m", max_len=10**4, vocab=2048)
+    assert tok.decode(gen.prompts[0]).startswith("<|bos|><|im_start|>system\n# Tools\n" + fn + "\n<|im_end|>\n")
+
+
+def test_generated_tool_calls_come_back_as_openai_tool_calls(served):
+    tok = served["tok"]
+    call = tok.token_id("<|tool_call|>")
+    tokens = [
+        *tok.encode("Reading it."),
+        call,
+        *tok.encode('{"name": "read_file", "arguments": {"path": "a.py"}}'),
+        call,
+        *tok.encode('{"name": oops}'),
+        tok.token_id("<|im_end|>"),
+    ]
+    gen = api.parse_chat(
+        {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "logprobs": True},
+        tok=tok,
+        served="m",
+        max_len=MAX_LEN,
+        vocab=2048,
+    )
+    choice = api.build_choice(
+        gen,
+        0,
+        tok,
+        tokens=tokens,
+        logprobs=[-0.5] * len(tokens),
+        versions=[3] * len(tokens),
+        finish_reason="stop",
+        routing=None,
+        prompt_len=4,
+        call_id_prefix="call_x",
+    )
+    body = {"id": "c", "object": "chat.completion", "created": 0, "model": "m", "choices": [choice]}
+    parsed = openai.types.chat.ChatCompletion.model_validate(body)  # the client's own schema
+    (c,) = parsed.choices
+    assert c.finish_reason == "tool_calls" and c.message.content == "Reading it."
+    (tc,) = c.message.tool_calls
+    assert (tc.id, tc.function.name, json.loads(tc.function.arguments)) == ("call_x_0", "read_file", {"path": "a.py"})
+    assert len(choice["malformed_tool_calls"]) == 1 and "tool call 1" in choice["malformed_tool_calls"][0]
+    assert [e.token for e in c.logprobs.content][-1] == "<|im_end|>" and len(c.logprobs.content) == len(tokens)
+    assert bytes(c.logprobs.content[0].bytes) == tok.decode([tokens[0]]).encode()
+
+
+def test_chat_with_tools_end_to_end(served, client):
+    tok, policy = served["tok"], served["policy"]
+    messages = [{"role": "user", "content": "List the files."}]
+    kw = dict(model="tiny-test", messages=messages, tools=TOOLS, max_tokens=10, temperature=0.8, seed=2, logprobs=True)
+    r = client.chat.completions.create(**kw)
+    (c,) = r.choices
+    ids = c.model_extra["token_ids"]
+    turn = api.turn_of(tok, ids, "unused")
+    assert c.message.content == (turn.content or None)
+    assert [t.function.name for t in c.message.tool_calls or []] == [t["function"]["name"] for t in turn.tool_calls]
+    assert c.model_extra["malformed_tool_calls"] == turn.malformed
+    prompt = api.parse_chat({"messages": messages, "tools": TOOLS}, tok=tok, served="m", max_len=MAX_LEN, vocab=2048)
+    want = _reference_logprobs(policy.params, policy.cfg, prompt.prompts[0], ids, 0.8)
+    np.testing.assert_allclose([e.logprob for e in c.logprobs.content], want, atol=1e-5, rtol=0)
+
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    assert content == (c.message.content or "")
+    assert sum((ch.choices[0].model_extra["token_ids"] for ch in chunks[1:]), []) == ids
+    assert chunks[-1].choices[0].finish_reason == c.finish_reason
+
+
+# ---------------------------------------------------------------------------- errors, auth, limits
+def _error_of(response: httpx.Response) -> dict:
+    err = response.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+def test_bad_requests_get_4xx_naming_the_value(served, client):
+    with pytest.raises(openai.NotFoundError, match="'gpt-4' is not served here"):
+        client.completions.create(model="gpt-4", prompt="x")
+    user = [{"role": "user", "content": "hi"}]
+    cases = [
+        ("/v1/completions", {"prompt": "x", "max_tokens": -3}, "max_tokens", "-3 is out of range"),
+        ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature", "-1 is out of range"),
+        ("/v1/completions", {"prompt": [1, 99999]}, "prompt", "99999"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 3}, "logprobs", "3 alternatives"),
+        ("/v1/completions", {"prompt": "word " * 600}, "prompt", "server's context is 512 tokens"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 511}, "max_tokens", "accepted: max_tokens <= 510"),
+        ("/v1/chat/completions", {"messages": [{"role": "bot", "content": "x"}]}, "messages", "role 'bot'"),
+        ("/v1/chat/completions", {"messages": "hello"}, "messages", "non-empty list"),
+        ("/v1/chat/completions", {"messages": user, "tools": [{"type": "function"}]}, "tools", "tools[0]"),
+        (
+            "/v1/chat/completions",
+            {"messages": user, "tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+            "tools",
+            "'bad name!'",
+        ),
+        ("/v1/chat/completions", {"messages": user, "tool_choice": "required", "tools": TOOLS}, "tool_choice", "auto"),
+        ("/v1/chat/completions", {"messages": user, "n": 0}, "n", "0 is out of range"),
+    ]
+    for path, body, param, text in cases:
+        r = _post(served, path, {"model": "tiny-test", **body})
+        err = _error_of(r)
+        assert r.status_code == 400 and err["param"] == param and text in err["message"], (body, err)
+    r = _post(served, "/v1/completions", b"{not json")
+    assert r.status_code == 400 and "not valid JSON" in _error_of(r)["message"]
+    r = httpx.get(served["url"] + "/v1/nothing", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 404 and "/v1/chat/completions" in _error_of(r)["message"]
+
+
+def test_auth(served):
+    url = served["url"]
+    assert httpx.get(url + "/health").status_code == 200
+    for path in ("/v1/models", "/v1/completions", "/admin/load_weights"):
+        for key in (None, "wrong-key-0123456789"):
+            r = _post(served, path, {"prompt": "x"}, key=key) if path != "/v1/models" else httpx.get(url + path)
+            assert r.status_code == 401 and _error_of(r)["code"] == "invalid_api_key", (path, key)
+    assert httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"][0]["id"] == (
+        "tiny-test"
+    )
+
+
+def test_full_server_answers_429_and_a_dropped_stream_frees_its_slots(served, client):
+    # capacity: 2 slots + max_queued 1
+    with pytest.raises(openai.RateLimitError, match="do not fit"):
+        client.completions.create(model="tiny-test", prompt="x", max_tokens=4, n=4)
+    stream = client.completions.create(model="tiny-test", prompt="x", max_tokens=80, n=3, stream=True, seed=0)
+    next(iter(stream))  # the three are in the engine now
+    with pytest.raises(openai.RateLimitError) as exc:
+        client.completions.create(model="tiny-test", prompt="x", max_tokens=2)
+    assert exc.value.status_code == 429 and exc.value.body["code"] == "queue_full"
+    stream.close()  # the client goes away: its requests are cancelled
+    for _ in range(100):
+        if served["engine"].outstanding == 0:
+            break
+        time.sleep(0.05)
+    assert served["engine"].outstanding == 0
+    assert client.completions.create(model="tiny-test", prompt="x", max_tokens=2).choices[0].finish_reason == "length"
+
+
+# ---------------------------------------------------------------------------- weights
+def test_weight_swap_mid_generation_in_the_engine(served, ckpts):
+    # the swap is asked for by the request's own listener when its 5th token arrives (the engine
+    # thread calls listeners between steps), so it lands at a known token
+    engine, other = served["engine"], load_policy(ckpts[1])
+    start, events = engine.version, []
+
+    def listen(ev):
+        events.append(ev)
+        if sum(len(e.tokens) for e in events) == 5 and ev.completion is None:
+            engine.update_weights(other.params, start + 1)
+
+    done = threading.Event()
+    engine.submit(
+        [Request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=30), id="swap-test")],
+        lambda ev: (listen(ev), done.set() if ev.completion or ev.error else None),
+        stream=True,
+    )
+    assert done.wait(120)
+    final = events[-1].completion
+    assert final is not None and final.finish_reason == "length" and len(final.tokens) == 30  # it ran on
+    assert final.versions == [start] * 5 + [start + 1] * 25
+    assert sum((e.tokens for e in events[:-1]), []) == final.tokens[: sum(len(e.tokens) for e in events[:-1])]
+    assert engine.version == start + 1
+
+
+def test_admin_load_weights(served, client, ckpts):
+    engine = served["engine"]
+    start = engine.version
+    # long enough to outlast the checkpoint read on most machines; the assertions hold either way
+    stream = client.completions.create(model="tiny-test", prompt="x", max_tokens=500, temperature=0, stream=True)
+    it = iter(stream)
+    versions = list(next(it).choices[0].model_extra["token_versions"])
+    bad = _post(served, "/admin/load_weights", {"checkpoint": str(ckpts[1]), "version": start})
+    assert bad.status_code == 400 and _error_of(bad)["param"] == "version"
+    assert f"accepted: >= {start + 1}" in _error_of(bad)["message"]
+    bad = _post(served, "/admin/load_weights", {"checkpoint": str(ckpts[1]), "source": "weight_sync"})
+    assert bad.status_code == 400 and "accepted: ['checkpoint']" in _error_of(bad)["message"]
+    bad = _post(served, "/admin/load_weights", {"checkpoint": str(ckpts[1]) + "/nope"})
+    assert bad.status_code == 400 and _error_of(bad)["param"] == "checkpoint"
+    r = _post(served, "/admin/load_weights", {"checkpoint": str(ckpts[1]), "version": start + 5})
+    assert r.status_code == 200, r.text
+    assert r.json()["version"] == start + 5 and r.json()["previous_version"] == start and r.json()["step"] == 1
+    rest = list(it)
+    versions += sum((c.choices[0].model_extra["token_versions"] for c in rest), [])
+    assert rest[-1].choices[0].finish_reason == "length" and len(versions) == 500  # the request ran on
+    k = versions.index(start + 5) if start + 5 in versions else 500
+    assert versions == [start] * k + [start + 5] * (500 - k)
+    assert httpx.get(served["url"] + "/health").json()["policy_version"] == start + 5
+    r = client.completions.create(model="tiny-test", prompt="x", max_tokens=2)
+    assert r.choices[0].model_extra["token_versions"] == [start + 5] * 2
+    # back to the first checkpoint's weights for the other tests (version defaults to current + 1)
+    assert _post(served, "/admin/load_weights", {"checkpoint": str(ckpts[0])}).json()["version"] == start + 6
+
+
+def test_admin_refuses_another_architecture(served, tmp_path):
+    import dataclasses
+
+    from composer_jax.checkpoint.hf import save_pretrained
+    from composer_jax.model.params import init_params
+
+    cfg = dataclasses.replace(served["policy"].cfg, num_layers=3)
+    hf_dir = save_pretrained(init_params(cfg, jax.random.key(0)), cfg, tmp_path / "hf")
+    version = served["engine"].version
+    r = _post(served, "/admin/load_weights", {"checkpoint": str(hf_dir)})
+    err = _error_of(r)
+    assert r.status_code == 409 and err["code"] == "model_mismatch" and "model.num_layers: 2 -> 3" in err["message"]
+    assert served["engine"].version == version
+
+
+def test_engine_failure_fails_the_request_with_500_and_keeps_serving(served, client):
+    engine = served["engine"]
+    version = engine.version
+    # weights of shapes the decode program cannot take (the admin endpoint would refuse them),
+    # swapped in while nothing runs: the next request's first step fails
+    broken = jax.tree.map(lambda x: x[..., :1], engine.sampler.params)
+    assert engine.update_weights(broken, version + 1).result(timeout=60) == version
+    with pytest.raises(openai.InternalServerError, match="the inference engine failed") as exc:
+        client.completions.create(model="tiny-test", prompt="x", max_tokens=3)
+    assert exc.value.status_code == 500 and exc.value.body["code"] == "engine_error"
+    assert engine.version == version  # the last weights that ran are back
+    r = client.completions.create(model="tiny-test", prompt="x", max_tokens=2)
+    assert r.choices[0].model_extra["token_versions"] == [version, version]
+    assert httpx.get(served["url"] + "/health").json()["engine_failures"] == 1
+
+
+# ---------------------------------------------------------------------------- sample CLI
+def test_sample_cli(ckpts, served, capsys):
+    tok, policy = served["tok"], served["policy"]
+    args = ["--checkpoint", str(ckpts[0]), "--max-len", "64", "--max-tokens", "5", "--temperature", "0"]
+    assert sample_main([*args, "--prompt", "def f():", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    (choice,) = out["choices"]
+    prompt = [tok.bos_id, *tok.encode("def f():")]
+    seq = jnp.asarray([prompt + choice["token_ids"]], jnp.int32)
+    greedy = np.asarray(jnp.argmax(forward(policy.params, seq, policy.cfg).logits[0, len(prompt) - 1 : -1], -1))
+    assert choice["token_ids"] == greedy.tolist()
+    assert sample_main([*args, "--prompt", "def f():"]) == 0
+    assert capsys.readouterr().out.rstrip("\n") == choice["text"]
+    assert sample_main([*args, "--prompt", "hi", "--chat", "--logprobs"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) >= 5
+    assert sample_main([*args, "--prompt", "word " * 80]) == 2
+    assert "server's context is 64 tokens" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- checkpoint kinds
+def test_hf_and_converted_directories_load_the_same_weights(ckpts, served, tmp_path, capsys):
+    from composer_jax.checkpoint.convert import main as convert_main
+    from composer_jax.checkpoint.hf import save_pretrained
+    from composer_jax.inference.checkpoints import checkpoint_kind
+
+    policy = served["policy"]
+    hf_dir = save_pretrained(policy.params, policy.cfg, tmp_path / "hf")
+    assert convert_main(["--from-hf", str(hf_dir), "--to-orbax", str(tmp_path / "orbax")]) == 0
+    capsys.readouterr()
+    assert [checkpoint_kind(p) for p in (ckpts[0], ckpts[0] / "1", hf_dir, tmp_path / "orbax")] == [
+        "train",
+        "train",
+        "hf",
+        "orbax",
+    ]
+    want = dict(jax.tree_util.tree_leaves_with_path(policy.params))
+    for where in (hf_dir, tmp_path / "orbax"):
+        loaded = load_policy(where)
+        assert loaded.tokenizer_hint is None  # these directories hold no tokenizer: serve needs --tokenizer
+        for path, leaf in jax.tree_util.tree_leaves_with_path(loaded.params):
+            np.testing.assert_array_equal(np.asarray(leaf), np.asarray(want[path]), err_msg=f"{where} {path}")
+    with pytest.raises(ConfigError, match="not a checkpoint directory; accepted"):
+        checkpoint_kind(tmp_path)
+
+
+def test_serve_cli_refuses_bad_settings(ckpts, tmp_path, capsys):
+    from composer_jax.inference.cli import serve_main
+
+    assert serve_main(["--checkpoint", str(ckpts[0]), "--api-key", "short"]) == 2
+    assert "at least 16 characters" in capsys.readouterr().err
+    assert serve_main(["--checkpoint", str(tmp_path), "--api-key", KEY]) == 2
+    assert "not a checkpoint directory" in capsys.readouterr().err
+    assert serve_main(["--checkpoint", str(ckpts[0]), "--api-key", KEY, "--max-len", "9999"]) == 2
+    assert "exceeds the model's max_position_embeddings=512" in capsys.readouterr().err
+    assert serve_main(["--checkpoint", str(ckpts[0]), "--api-key", KEY, "--step", "7"]) == 2
+    assert "saved steps: [1]" in capsys.readouterr().err
