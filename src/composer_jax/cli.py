@@ -25,6 +25,12 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
         "main",
         "train a byte-level BPE on code (tokenizer train), try one (tokenizer encode)",
     ),
+    "rl": ("composer_jax.rl.cli", "rl_main", "reinforcement learning against environment servers (configs/rl/)"),
+    "eval": (
+        "composer_jax.rl.cli",
+        "eval_main",
+        "the agent on tasks without training: pass@1, best-of-K, trajectories",
+    ),
     "data": ("composer_jax.data.cli", "main", "data tools: make-sft from Harbor tasks, peek at packed batches"),
 }
 

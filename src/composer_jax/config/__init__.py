@@ -4,12 +4,13 @@ Every error a user can cause names the key, the value given and what is accepted
 
 The package is the ground floor: it imports no subsystem. `loader` is the generic machinery
 (YAML with `base:` includes, overrides, typed dataclass construction); each section is a module of
-its own (`model`, `mesh`, `train`, `data`, `checkpoint`, `rl`; later `inference`, `quant`), and
+its own (`model`, `mesh`, `train`, `data`, `checkpoint`, `rl`, `agent`; later `inference`, `quant`), and
 `run` composes them into the run's `Config`. Subsystems import their section from here.
 """
 
 from __future__ import annotations
 
+from composer_jax.config.agent import AgentConfig
 from composer_jax.config.checkpoint import CheckpointConfig, validate_checkpoint_config
 from composer_jax.config.data import DataConfig, DataConfigError, SourceConfig, validate_data_config
 from composer_jax.config.loader import (
@@ -29,6 +30,7 @@ from composer_jax.config.train import OptimizerConfig, TrainConfig, validate_tra
 from composer_jax.errors import ConfigError
 
 __all__ = [
+    "AgentConfig",
     "MESH_AXES",
     "CheckpointConfig",
     "Config",

@@ -152,7 +152,47 @@ class RewardConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
-    """Reinforcement learning (YAML section `rl`)."""
+    """Reinforcement learning (YAML section `rl`): the objective, the reward, and the learner's
+    sampling (`rl/trainer.py`). The optimiser, steps, batch rows (`train.batch_size`, one row per
+    generation) and row length (`train.seq_len`, also the sampler's context) come from `train`;
+    the agent's budgets from `agent`."""
 
     loss: RLLossConfig = dataclasses.field(default_factory=RLLossConfig)
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    # tasks trained on, in turn: task ids, or gen/FAMILY (a generated task, new seed per group)
+    tasks: tuple[str, ...] = ()
+    task_seed: int = 0  # group i of a gen/ task uses seed task_seed + i
+    group_size: int = 8  # rollouts per task sampled together (the advantage baseline's group)
+    groups_per_step: int = 4
+    # environment servers: URLs (token from env_token or COMPOSER_JAX_ENV_TOKEN); none = start
+    # env_servers local servers on tasks_dir (the embedded default)
+    env_urls: tuple[str, ...] = ()
+    env_token: str = ""
+    env_servers: int = 1
+    tasks_dir: str = "tasks"
+    sampler_slots: int = 32  # sequences decoded together (rollouts in flight wait for a slot)
+    # held-out evaluation every eval_every steps (0 = at the start and end only): eval_samples per
+    # task; gen/ families evaluated on eval_seeds seeds from eval_seed (keep them apart from training's)
+    eval_tasks: tuple[str, ...] = ()
+    eval_every: int = 0
+    eval_samples: int = 4
+    eval_seeds: int = 8
+    eval_seed: int = 1_000_000
+
+    def __post_init__(self) -> None:
+        for name in ("tasks", "env_urls", "eval_tasks"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                value = (value,)
+            object.__setattr__(self, name, tuple(value))
+        for name, low in (("group_size", 2), ("groups_per_step", 1), ("env_servers", 1), ("sampler_slots", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"rl.{name}={value!r}: expected an integer >= {low}")
+        for name in ("eval_every", "eval_samples", "eval_seeds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"rl.{name}={value!r}: expected an integer >= 0")
+        bad = [u for u in self.env_urls if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ConfigError(f"rl.env_urls={list(self.env_urls)!r}: {bad[0]!r} is not an http:// or https:// URL")

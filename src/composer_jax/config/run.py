@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from composer_jax.config.agent import AgentConfig
 from composer_jax.config.checkpoint import CheckpointConfig
 from composer_jax.config.data import DataConfig
 from composer_jax.config.loader import build_dataclass, parse_overrides, plain, read_yaml, set_path
@@ -24,6 +25,7 @@ class Config:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     rl: RLConfig = dataclasses.field(default_factory=RLConfig)  # used by `composer-jax rl` only
+    agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)  # rollouts: `rl`, `eval`
     # logical axis -> mesh axes overrides of the default rules in sharding.py
     sharding_rules: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 

@@ -32,6 +32,7 @@ from composer_jax.rl.policy import Generation, Policy, TurnRequest
 # context tokens kept free past the budget for the summary request message (its template tokens and
 # text; the default request is ~60 tokens with the shipped tokenizer)
 SUMMARY_REQUEST_ROOM = 128
+MIN_SUMMARY_TOKENS = 16  # below this, a summary would say nothing: the rollout ends instead
 
 
 class RolloutFailed(RuntimeError):
@@ -145,7 +146,10 @@ class _Episode:
             if gen.context_len() + room > limit:
                 if not cfg.summarise or counts.summaries >= cfg.max_summaries:
                     return "context"
-                gen = await self._summarise(gen)
+                summarised = await self._summarise(gen)
+                if summarised is None:
+                    return "context"
+                gen = summarised
                 continue
             turn = await self.policy.turn(gen, self._request(room))
             counts.turns += 1
@@ -199,9 +203,14 @@ class _Episode:
         out += [tool_message(f"malformed_{n}_{j}", error=m) for j, m in enumerate(malformed)]
         return out
 
-    async def _summarise(self, gen: Generation) -> Generation:
+    async def _summarise(self, gen: Generation) -> Generation | None:
+        """The summary turn and the generation that starts from it; None when even the summary
+        request no longer fits (observations filled the context): the rollout then ends."""
         self.policy.extend(gen, [{"role": "user", "content": self.cfg.summary_prompt}])
-        turn = await self.policy.turn(gen, self._request(self.cfg.summary_tokens))
+        room = min(self.cfg.summary_tokens, self.policy.max_context - gen.context_len())
+        if room < MIN_SUMMARY_TOKENS:
+            return None
+        turn = await self.policy.turn(gen, self._request(room))
         self.counts.turns += 1
         self.counts.summaries += 1
         new = self.policy.begin(self._opening(turn.content.strip()))

@@ -60,6 +60,18 @@ class GenerationRecord:
     routing: np.ndarray | None = None
 
 
+def trained_part(g: TokenGeneration) -> GenerationRecord:
+    """`g` without the tokens after its last policy token (tool results after the last turn):
+    they carry no loss and nothing after them is trained, and they may run past the context the
+    sampler (and a batch row) holds. A generation without policy tokens keeps its first token."""
+    mask = np.asarray(g.loss_mask)
+    hits = np.flatnonzero(mask > 0)
+    n = int(hits[-1]) + 1 if hits.size else 1
+    routing = None if g.routing is None else np.asarray(g.routing)[:n]
+    versions = None if g.versions is None else np.asarray(g.versions)[:n]
+    return GenerationRecord(np.asarray(g.tokens)[:n], mask[:n], np.asarray(g.logprobs)[:n], versions, routing)
+
+
 @dataclasses.dataclass
 class ScoredRollout:
     """A finished rollout as the learner trains on it: its group (rollouts of one task sampled

@@ -45,7 +45,7 @@ from composer_jax.model.layers import linear
 from composer_jax.model.transformer import forward, output_head
 from composer_jax.sharding import MeshRules
 from composer_jax.train.objective import Objective
-from composer_jax.train.pretrain import ce_chunks
+from composer_jax.train.pretrain import ce_chunks, moe_exchange_sums
 
 BASE_KEYS = ("tokens", "segment_ids", "positions", "loss_mask", "advantages", "sampler_logprobs")
 # |log r| above this is clamped in the ratio and k3 metrics only (exp would overflow float32 at 88
@@ -288,6 +288,7 @@ def loss_terms(params: Any, mb: dict, cfg: Config, denoms: dict, sharding: MeshR
     if "expert_counts" in out.aux:
         sums["expert_counts"] = out.aux["expert_counts"]
         sums["seq_balance"] = out.aux["seq_balance"]
+    sums.update(moe_exchange_sums(out.aux))  # the step reports dropped assignments and exchange bytes
     return loss_sum / denoms["loss"], sums
 
 

@@ -32,8 +32,9 @@ class Generation:
     Token policy only (empty for the endpoint policy): tokens int32[n] of the whole context;
     loss_mask[n] 1.0 where the policy generated the token; logprobs[n] and versions[n] the sampler's
     log-probability and policy version of generated tokens (0.0 / -1 elsewhere); routing
-    int32[n, moe_layers, k] the experts of every position from the latest forward over it (the last
-    token, never fed back, repeats the row before it), None for dense models."""
+    int32[n, moe_layers, k] the experts of every position from the latest forward over it; positions
+    no forward has seen yet (the last generated token, observations after the last turn) repeat the
+    row before them: they only affect their own outputs, which train nothing. None for dense models."""
 
     messages: list[dict]
     tokens: list[int] = dataclasses.field(default_factory=list)
@@ -85,6 +86,8 @@ class TokenPolicy:
         gen.loss_mask += [0.0] * len(ids)
         gen.logprobs += [0.0] * len(ids)
         gen.versions += [-1] * len(ids)
+        if gen.routing is not None:  # no forward has routed these yet: the next turn's prefill will
+            gen.routing = np.concatenate([gen.routing, np.repeat(gen.routing[-1:], len(ids), axis=0)], axis=0)
 
     async def turn(self, gen: Generation, req: TurnRequest) -> AssistantTurn:
         params = SamplingParams(

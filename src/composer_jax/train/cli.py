@@ -36,7 +36,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     return ap
 
 
-def _init_jax(args) -> None:
+def init_jax(args) -> None:
+    """Start JAX for a training job: multi-host when asked, else a fake CPU mesh on a CPU-only machine."""
     # XLA's C++ INFO/WARNING lines (SPMD resharding notes) drown the progress bar; errors still show.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import jax
@@ -62,7 +63,7 @@ def _init_jax(args) -> None:
 
 def _main(argv: list[str] | None, prog: str, fmt: str) -> int:
     args = _parser(prog).parse_args(argv)
-    _init_jax(args)
+    init_jax(args)
     from composer_jax.config import ConfigError, load_config
     from composer_jax.train.loop import run_stage
 
