@@ -10,7 +10,7 @@ import asyncio
 import json
 
 import pytest
-from live_env import ENV_FIXTURE_TASKS, HAVE_BWRAP, REPO, EnvServer, needs_bwrap
+from live_env import ENV_FIXTURE_TASKS, HAVE_BWRAP, REPO, needs_bwrap
 from scripted import ScriptedPolicy, call
 
 from composer_jax.config.agent import AgentConfig
@@ -18,6 +18,7 @@ from composer_jax.data.tokenizer import load_tokenizer
 from composer_jax.env.client import EnvClient
 from composer_jax.errors import ConfigError
 from composer_jax.rl.agent import RolloutFailed, run_rollout, turn_seed
+from composer_jax.rl.envs import LocalEnvServers
 
 TOKEN = "rl-agent-test-token-0123456789"
 
@@ -31,10 +32,8 @@ def tok():
 def servers():
     if not HAVE_BWRAP:
         pytest.skip("bubblewrap (bwrap) is not installed; `make system-deps`")
-    s = [EnvServer(ENV_FIXTURE_TASKS, "--token", TOKEN), EnvServer(ENV_FIXTURE_TASKS, "--token", TOKEN)]
-    yield s
-    for x in s:
-        x.stop()
+    with LocalEnvServers(ENV_FIXTURE_TASKS, 2, token=TOKEN) as (urls, _):
+        yield urls
 
 
 def rollout(policy, urls, cfg, task="fix-add", seed=7):
@@ -54,7 +53,7 @@ def test_rollout_fixes_the_task_with_parallel_and_bad_calls(servers, tok):
         "Fixed `add`: it subtracted.",
     ]
     policy = ScriptedPolicy(turns, tok)
-    r = rollout(policy, [servers[0].url], AgentConfig())
+    r = rollout(policy, [servers[0]], AgentConfig())
     assert r.finish_reason == "answer" and r.grade["reward"] == 1.0
     assert (r.turns, r.tool_calls, r.parallel_tool_turns) == (4, 6, 1)
     # unknown tool, wrong argument type, and the unparseable third call of turn 2
@@ -79,18 +78,18 @@ def test_rollout_fixes_the_task_with_parallel_and_bad_calls(servers, tok):
 @needs_bwrap
 def test_budgets_end_a_rollout(servers, tok):
     looping = [call("list_dir", path=".")] * 10
-    r = rollout(ScriptedPolicy(looping, tok), [servers[0].url], AgentConfig(max_turns=3))
+    r = rollout(ScriptedPolicy(looping, tok), [servers[0]], AgentConfig(max_turns=3))
     assert (r.finish_reason, r.turns, r.grade["reward"]) == ("turns", 3, 0.0)
 
     policy = ScriptedPolicy(looping, tok, max_context=90)
-    r = rollout(policy, [servers[0].url], AgentConfig(context_budget=0, max_turn_tokens=8))
+    r = rollout(policy, [servers[0]], AgentConfig(context_budget=0, max_turn_tokens=8))
     assert r.finish_reason == "context" and r.summaries == 0 and r.turns >= 1
     # every turn was asked for with room for max_turn_tokens; the next one would not have fitted
     assert all(c + 8 <= 90 for c in policy.contexts)
     assert r.generations[0].context_len() + 8 > 90
 
     few = ScriptedPolicy(looping, tok)
-    r = rollout(few, [servers[0].url], AgentConfig(max_rollout_tokens=50, max_turn_tokens=40))
+    r = rollout(few, [servers[0]], AgentConfig(max_rollout_tokens=50, max_turn_tokens=40))
     assert r.finish_reason == "tokens" and r.generated_tokens >= 50
     per_turn = len(tok.encode(json.dumps({"name": "list_dir", "arguments": {"path": "."}}))) + 2  # + call, end
     assert [q.max_tokens for q in few.requests] == [min(40, 50 - n * per_turn) for n in range(len(few.requests))]
@@ -108,7 +107,7 @@ def test_self_summarisation_starts_a_new_generation(servers, tok):
     policy = ScriptedPolicy(turns, tok)
     # each message counts 10 tokens of context here; a turn's own tokens count as generated
     cfg = AgentConfig(context_budget=120, max_turn_tokens=40, summary_prompt="SUMMARISE NOW")
-    r = rollout(policy, [servers[0].url], cfg)
+    r = rollout(policy, [servers[0]], cfg)
     assert r.finish_reason == "answer" and r.grade["reward"] == 1.0
     assert r.summaries == 1 and len(r.generations) == 2 and r.turns == 5
     first, second = (g.messages for g in r.generations)
@@ -123,26 +122,24 @@ def test_self_summarisation_starts_a_new_generation(servers, tok):
 
 @needs_bwrap
 def test_dead_server_restarts_the_rollout_elsewhere(servers, tok):
-    victim = EnvServer(ENV_FIXTURE_TASKS, "--token", TOKEN)
     script = [call("read_file", path="calc.py"), call("list_dir", path=".")]
     fix = [call("edit_file", path="calc.py", old_string="return a - b", new_string="return a + b"), "Done."]
     policy = ScriptedPolicy(script + script + fix, tok)
+    victim = LocalEnvServers(ENV_FIXTURE_TASKS, 1, token=TOKEN)
 
     async def kill_on_second_turn(n):
         if n == 2:
             victim.stop()
 
     policy.hook = kill_on_second_turn
-    try:
-        r = rollout(policy, [victim.url, servers[0].url], AgentConfig())
-    finally:
-        victim.stop()
+    with victim as ((victim_url,), _):
+        r = rollout(policy, [victim_url, servers[0]], AgentConfig())
     # attempt 0 ran on the victim (first in round-robin) and lost its session at turn 2's calls
-    assert r.env_retries == 1 and r.server == servers[0].url
+    assert r.env_retries == 1 and r.server == servers[0]
     assert r.grade["reward"] == 1.0 and r.turns == 4
 
     with pytest.raises(RolloutFailed, match="all 2 attempts"):
-        rollout(ScriptedPolicy(script, tok), [victim.url], AgentConfig(env_retries=1))
+        rollout(ScriptedPolicy(script, tok), [victim_url], AgentConfig(env_retries=1))
 
 
 def test_agent_config_errors_name_the_value():

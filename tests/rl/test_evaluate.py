@@ -7,16 +7,16 @@ import asyncio
 import json
 
 import pytest
-from live_env import ENV_FIXTURE_TASKS, HAVE_BWRAP, REPO, EnvServer
+from live_env import ENV_FIXTURE_TASKS, HAVE_BWRAP, REPO
 from scripted import ScriptedPolicy, call
 
 from composer_jax.config.agent import AgentConfig
 from composer_jax.data.tokenizer import load_tokenizer
 from composer_jax.env.client import EnvClient
 from composer_jax.rl.agent import turn_seed
+from composer_jax.rl.envs import LocalEnvServers
 from composer_jax.rl.evaluate import TaskRef, report, sample_tasks, write_outputs
 
-TOKEN = "rl-eval-test-token-0123456789"
 FIX = call("edit_file", path="calc.py", old_string="return a - b", new_string="return a + b")
 HELLO = call("edit_file", path="hello.txt", new_string="hello, world\n")
 
@@ -36,18 +36,15 @@ class Decides(ScriptedPolicy):
 @pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap (bwrap) is not installed; `make system-deps`")
 def test_eval_metrics_and_files(tmp_path):
     tok = load_tokenizer(REPO / "assets" / "tokenizer")
-    server = EnvServer(ENV_FIXTURE_TASKS, "--token", TOKEN)
     tasks = [TaskRef("fix-add", category="debugging"), TaskRef("write-hello", category="files")]
     samples, seed = 4, 3
 
-    async def go():
-        async with EnvClient(server.url, TOKEN) as client:
+    async def go(urls, token):
+        async with EnvClient(urls, token) as client:
             return await sample_tasks(Decides([], tok), client, tasks, samples, AgentConfig(), seed=seed)
 
-    try:
-        results = asyncio.run(go())
-    finally:
-        server.stop()
+    with LocalEnvServers(ENV_FIXTURE_TASKS) as (urls, token):
+        results = asyncio.run(go(urls, token))
     # which samples succeed: their first turn's seed is even (the rollout seeds are seed*1000003+i)
     wins = [turn_seed(seed * 1_000_003 + i, 0, 0) % 2 == 0 for i in range(samples)]
     assert 0 < sum(wins) < samples  # this seed gives a mix (else pick another)

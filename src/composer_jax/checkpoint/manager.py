@@ -397,6 +397,22 @@ def _root_and_step(path_or_dir: str | os.PathLike, step: int | None) -> tuple[ep
     return root, step
 
 
+def _committed_step(manager: Any, root: Any, step: int | None) -> tuple[int, Any]:
+    """(step, its directory): the latest step of `manager`, or `step`, checked to be fully written."""
+    steps = sorted(manager.all_steps())
+    if not steps:
+        raise CheckpointNotFoundError(f"no checkpoints in {str(root)!r}", path=root)
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise CheckpointNotFoundError(
+            f"no checkpoint for step {step} in {str(root)!r}; saved steps: {steps}", path=root, step=step
+        )
+    step_dir = _step_dir(manager, step)
+    check_committed(step_dir, step, (STATE_ITEM, CONFIG_ITEM))
+    return step, step_dir
+
+
 def read_run_config(path_or_dir: str | os.PathLike, step: int | None = None) -> tuple[dict, int]:
     """(the run config saved with a step, that step): the latest step of a checkpoint root, or
     `step`, or the step whose directory is given. For loading a checkpoint's parameters without
@@ -406,17 +422,7 @@ def read_run_config(path_or_dir: str | os.PathLike, step: int | None = None) -> 
     with ocp.CheckpointManager(
         root, options=options, item_handlers=_item_handlers(ocp.PyTreeCheckpointHandler())
     ) as manager:
-        steps = sorted(manager.all_steps())
-        if not steps:
-            raise CheckpointNotFoundError(f"no checkpoints in {str(root)!r}", path=root)
-        if step is None:
-            step = steps[-1]
-        elif step not in steps:
-            raise CheckpointNotFoundError(
-                f"no checkpoint for step {step} in {str(root)!r}; saved steps: {steps}", path=root, step=step
-            )
-        step_dir = _step_dir(manager, step)
-        check_committed(step_dir, step, (STATE_ITEM, CONFIG_ITEM))
+        step, step_dir = _committed_step(manager, root, step)
         return _read_config(manager, step, step_dir), step
 
 
@@ -453,17 +459,7 @@ def restore_params_only(
     with ocp.CheckpointManager(
         root, options=options, item_handlers=_item_handlers(ocp.PyTreeCheckpointHandler())
     ) as manager:
-        steps = sorted(manager.all_steps())
-        if not steps:
-            raise CheckpointNotFoundError(f"no checkpoints in {str(root)!r}", path=root)
-        if step is None:
-            step = steps[-1]
-        elif step not in steps:
-            raise CheckpointNotFoundError(
-                f"no checkpoint for step {step} in {str(root)!r}; saved steps: {steps}", path=root, step=step
-            )
-        step_dir = _step_dir(manager, step)
-        check_committed(step_dir, step, (STATE_ITEM, CONFIG_ITEM))
+        step, step_dir = _committed_step(manager, root, step)
         if config is not None:
             diffs = config_differences(
                 _read_config(manager, step, step_dir), config, check_config_sections, allow_config_changes

@@ -25,13 +25,20 @@ class EnvServerError(RuntimeError):
 class LocalEnvServers:
     """`with LocalEnvServers(tasks_dir, count) as (urls, token):` - servers on 127.0.0.1."""
 
-    def __init__(self, tasks_dir: str | os.PathLike, count: int = 1, *, extra_args: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        tasks_dir: str | os.PathLike,
+        count: int = 1,
+        *,
+        token: str | None = None,
+        extra_args: tuple[str, ...] = (),
+    ):
         if count < 1:
             raise ValueError(f"count={count} local environment servers: give at least 1")
         if not Path(tasks_dir).is_dir():
             raise EnvServerError(f"tasks directory {str(tasks_dir)!r} does not exist or is not a directory")
         self.tasks_dir, self.count, self.extra = Path(tasks_dir), count, extra_args
-        self.token = secrets.token_urlsafe(24)
+        self.token = token or secrets.token_urlsafe(24)
         self.procs: list[subprocess.Popen] = []
         self.urls: list[str] = []
 

@@ -32,7 +32,6 @@ import numpy as np
 
 from composer_jax.checkpoint.manager import TrainCheckpointer, restore_params_only
 from composer_jax.config import Config, ConfigError, to_dict
-from composer_jax.data.tokenizer import load_tokenizer
 from composer_jax.env.client import EnvClient
 from composer_jax.inference.async_sampler import AsyncSampler
 from composer_jax.inference.sampler import Sampler
@@ -45,7 +44,7 @@ from composer_jax.rl.loss import reference_logprobs, rl_objective
 from composer_jax.rl.policy import TokenPolicy
 from composer_jax.rl.rewards import RewardBreakdown, RolloutStats, compose_reward, mean_components
 from composer_jax.sharding import MeshRules, ShardingRules, make_mesh
-from composer_jax.train.loop import STAGE_CHANGEABLE
+from composer_jax.train.loop import STAGE_CHANGEABLE, run_checkpoint_config, run_tokenizer
 from composer_jax.train.observe import Progress, RunLogger, scalars
 from composer_jax.train.state import abstract_train_state, init_train_state
 from composer_jax.train.step import batch_sharding, make_train_step
@@ -196,16 +195,9 @@ async def _run(
     t, r = cfg.train, cfg.rl
     mesh = mesh if mesh is not None else make_mesh(cfg.mesh)
     rules = ShardingRules.create(cfg.sharding_rules)
-    tok = load_tokenizer(cfg.data.tokenizer)
-    if tok.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(
-            f"the tokenizer {cfg.data.tokenizer!r} has {tok.vocab_size} tokens but model.vocab_size="
-            f"{cfg.model.vocab_size}; accepted: model.vocab_size >= {tok.vocab_size}"
-        )
+    tok = run_tokenizer(cfg)
     out_dir = Path(t.out_dir)
-    ckpt_cfg = cfg.checkpoint
-    if not ckpt_cfg.directory:
-        ckpt_cfg = dataclasses.replace(ckpt_cfg, directory=str((out_dir / "checkpoints").resolve()))
+    ckpt_cfg = run_checkpoint_config(cfg)
     run_config = to_dict(cfg)
     checkpointer = TrainCheckpointer(ckpt_cfg)
     next_group, start = 0, 0

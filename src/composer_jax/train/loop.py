@@ -46,6 +46,24 @@ STAGE_CHANGEABLE = (
 )
 
 
+def run_tokenizer(cfg: Config) -> Any:
+    """The run's tokenizer (data.tokenizer), checked to fit the model's vocabulary."""
+    tok = load_tokenizer(cfg.data.tokenizer)
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"the tokenizer {cfg.data.tokenizer!r} has {tok.vocab_size} tokens but "
+            f"model.vocab_size={cfg.model.vocab_size}; accepted: model.vocab_size >= {tok.vocab_size}"
+        )
+    return tok
+
+
+def run_checkpoint_config(cfg: Config) -> Any:
+    """The checkpoint section with its directory defaulted to <train.out_dir>/checkpoints."""
+    if cfg.checkpoint.directory:
+        return cfg.checkpoint
+    return dataclasses.replace(cfg.checkpoint, directory=str((Path(cfg.train.out_dir) / "checkpoints").resolve()))
+
+
 def _global_batch(local: dict, mesh, rules, shape) -> dict:
     sharding = batch_sharding(mesh, rules, shape)
     return {k: jax.make_array_from_process_local_data(sharding, np.asarray(local[k]), shape) for k in BATCH_KEYS}
@@ -126,16 +144,9 @@ def run_stage(
     pc, pi = jax.process_count(), jax.process_index()
     if t.batch_size % pc:
         raise ConfigError(f"train.batch_size={t.batch_size} must be divisible by the {pc} processes")
-    tok = load_tokenizer(cfg.data.tokenizer)
-    if tok.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(
-            f"the tokenizer {cfg.data.tokenizer!r} has {tok.vocab_size} tokens but "
-            f"model.vocab_size={cfg.model.vocab_size}; accepted: model.vocab_size >= {tok.vocab_size}"
-        )
+    run_tokenizer(cfg)
     out_dir = Path(t.out_dir)
-    ckpt_cfg = cfg.checkpoint
-    if not ckpt_cfg.directory:
-        ckpt_cfg = dataclasses.replace(ckpt_cfg, directory=str((out_dir / "checkpoints").resolve()))
+    ckpt_cfg = run_checkpoint_config(cfg)
     run_config = to_dict(cfg)
     checkpointer = TrainCheckpointer(ckpt_cfg)
     shape = (t.batch_size, t.seq_len)
