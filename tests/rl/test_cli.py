@@ -48,3 +48,16 @@ def test_cli_errors_name_the_bad_value(tmp_path, capsys, monkeypatch):
     assert "eval takes agent.KEY=VALUE overrides only; got 'turns'" in capsys.readouterr().err
     assert eval_main([*args, "--model", "m", "--task", "nope"]) == 2
     assert "task(s) ['nope'] are not runnable" in capsys.readouterr().err
+
+
+def test_shipped_rl_config_loads_and_names_real_families(monkeypatch):
+    """configs/rl/tiny_families.yaml is valid for the learner and names families the server has."""
+    from composer_jax.config import load_config
+    from composer_jax.env.task_families import FAMILIES
+    from composer_jax.rl.trainer import check_config
+
+    monkeypatch.chdir(REPO)
+    cfg = load_config("configs/rl/tiny_families.yaml")
+    check_config(cfg)
+    assert {t.removeprefix("gen/") for t in cfg.rl.tasks + cfg.rl.eval_tasks} <= set(FAMILIES)
+    assert cfg.train.init_from == "runs/tiny/stage3/checkpoints" and cfg.agent.context_budget == 640
