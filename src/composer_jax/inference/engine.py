@@ -252,9 +252,9 @@ class Engine:
             f"the inference engine failed while this request ran ({type(exc).__name__}: {str(exc)[:300]}); "
             "the request was dropped and the server keeps serving"
         )
-        for job in list(self._jobs.values()):
-            self._finish(job, Event(job.request.id, error=message, status=500))
-        try:
+        try:  # before the requests learn of the failure, so a client that retries meets the old weights
             self.sampler = self._new_sampler(params, version)
         except Exception:  # keep the old object; the next step will fail and report again
             _log.exception("rebuilding the sampler failed")
+        for job in list(self._jobs.values()):
+            self._finish(job, Event(job.request.id, error=message, status=500))
