@@ -107,9 +107,9 @@ def test_acceptance_statistics_of_a_drafter_that_is_always_right():
     params = _perfect_drafter(MLA, jax.random.key(3))
     k = 3
     spec = Sampler(params, MLA, slots=2, max_len=40, speculative_tokens=k)
-    ref = Sampler(params, MLA, slots=2, max_len=40).run(_staggered())
+    greedy_ref = Sampler(params, MLA, slots=2, max_len=40).run(_staggered())
     got = spec.run(_staggered())
-    assert [c.tokens for c in got] == [c.tokens for c in ref]
+    assert [c.tokens for c in got] == [c.tokens for c in greedy_ref]
     st = spec.spec_stats
     assert st.acceptance_rate == [1.0] * k  # every depth accepted, chained drafts included
     # 12 + 9 + 7 + 4 + 3 tokens, the first of each from its prefill: 30 verified, 4 per full step;
@@ -117,13 +117,29 @@ def test_acceptance_statistics_of_a_drafter_that_is_always_right():
     assert st.steps == 9 and st.tokens == 4 * 9 and st.tokens_per_step == 4.0
     # sampled: p and q agree to rounding, so every draft is accepted and, drafts being drawn with
     # the non-speculative uniform of their position, the tokens are the non-speculative sampler's
-    sampled = [Request(r.prompt, dataclasses.replace(r.params, temperature=0.8, seed=i)) for i, r in enumerate(_staggered())]
+    sampled = [
+        Request(r.prompt, dataclasses.replace(r.params, temperature=0.8, seed=i)) for i, r in enumerate(_staggered())
+    ]
     spec2 = Sampler(params, MLA, slots=2, max_len=40, speculative_tokens=k)
     got = spec2.run(sampled)
     ref = Sampler(params, MLA, slots=2, max_len=40).run(sampled)
     assert [c.tokens for c in got] == [c.tokens for c in ref]
-    np.testing.assert_allclose(np.concatenate([c.logprobs for c in got]), np.concatenate([c.logprobs for c in ref]), atol=1e-5)
+    np.testing.assert_allclose(
+        np.concatenate([c.logprobs for c in got]), np.concatenate([c.logprobs for c in ref]), atol=1e-5
+    )
     assert spec2.spec_stats.acceptance_rate == [1.0] * k
+    # a draft vocabulary holding every token greedy decoding can reach from these requests (the
+    # closure of their tokens under t -> the model's next token, a function of t alone here): the
+    # restricted head's arg-max is still the model's, so every draft is accepted
+    nxt = np.asarray(jnp.argmax(cj.forward(params, jnp.arange(MLA.vocab_size)[:, None], MLA).logits[:, 0], -1))
+    used = {t for c in greedy_ref for t in c.tokens}
+    while not {int(nxt[t]) for t in used} <= used:
+        used |= {int(nxt[t]) for t in used}
+    assert len(used) < MLA.vocab_size // 4  # a real restriction
+    spec3 = Sampler(params, MLA, slots=2, max_len=40, speculative_tokens=k, draft_vocab=sorted(used))
+    got = spec3.run(_staggered())
+    assert [c.tokens for c in got] == [c.tokens for c in greedy_ref]
+    assert spec3.spec_stats.acceptance_rate == [1.0] * k
 
 
 def test_spec_stats_counting_by_hand():
@@ -287,7 +303,10 @@ def test_sampled_tokens_follow_the_model_distribution():
     proc = lambda logits: np.exp(
         np.asarray(
             processed_logprobs(
-                logits, jnp.full(logits.shape[:1], sp.temperature), jnp.full(logits.shape[:1], sp.top_k), jnp.ones(logits.shape[:1])
+                logits,
+                jnp.full(logits.shape[:1], sp.temperature),
+                jnp.full(logits.shape[:1], sp.top_k),
+                jnp.ones(logits.shape[:1]),
             )
         )
     ).astype(np.float64)

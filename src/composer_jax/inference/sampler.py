@@ -87,7 +87,9 @@ class Sampler:
     are. detokenize: ids -> text, needed only for stop strings. speculative_tokens: k > 0 drafts k
     tokens per step with MTP module 1 and verifies them in one pass (needs model.num_mtp_layers >=
     1 and the MTP parameters; the KV caches then hold max_len + 2k positions: a verify window and
-    the chained drafts reach up to 2k - 1 past the last confirmed token)."""
+    the chained drafts reach up to 2k - 1 past the last confirmed token). draft_vocab: token ids
+    the drafts are restricted to (a cheaper draft head, FR-Spec; `inference/speculative.py`);
+    None = the whole vocabulary. Neither changes the output distribution."""
 
     def __init__(
         self,
@@ -101,6 +103,7 @@ class Sampler:
         rules: ShardingRules | None = None,
         detokenize: Callable[[list[int]], str] | None = None,
         speculative_tokens: int = 0,
+        draft_vocab: Sequence[int] | None = None,
     ):
         k = speculative_tokens
         if k < 0:
@@ -121,6 +124,15 @@ class Sampler:
         self.sharding = MeshRules(mesh, rules or ShardingRules.create()) if mesh is not None else None
         self.detokenize = detokenize
         self.speculative_tokens = k
+        self.draft_vocab = None
+        if draft_vocab is not None:
+            ids = sorted({int(t) for t in draft_vocab})
+            if not ids or ids[0] < 0 or ids[-1] >= cfg.vocab_size:
+                raise ValueError(
+                    f"draft_vocab: {len(ids)} ids from {ids[:1]} to {ids[-1:]}; give at least one id, all in "
+                    f"0..{cfg.vocab_size - 1}"
+                )
+            self.draft_vocab = np.asarray(ids, np.int32)
         self.cache = init_cache(cfg, slots, max_len + 2 * k, mesh, rules)
         self.spec_stats = SpecStats.zeros(k)
         if k:
@@ -158,7 +170,19 @@ class Sampler:
         return cache, tok[0], lp[0], routing, out.hidden
 
     def _spec_prefill_fn(
-        self, params, cache: KVCache, mtp_cache: KVCache, drafts, draft_lp, slot, tokens, n, temperature, top_k, top_p, seed
+        self,
+        params,
+        cache: KVCache,
+        mtp_cache: KVCache,
+        drafts,
+        draft_lp,
+        slot,
+        tokens,
+        n,
+        temperature,
+        top_k,
+        top_p,
+        seed,
     ):
         """`_prefill_fn` plus MTP module 1 over the prompt (its cache row) and the first k drafts."""
         self.compilations += 1
@@ -181,6 +205,7 @@ class Sampler:
             top_p[None],
             seed[None],
             self.sharding,
+            self._draft_vocab(),
         )
         mtp_cache = _put_row(mtp_cache, row, slot, n)
         drafts = jax.lax.dynamic_update_slice_in_dim(drafts, d, slot, axis=0)
@@ -201,7 +226,18 @@ class Sampler:
         return new_cache, tok, lp, routing
 
     def _spec_decode_fn(
-        self, params, cache: KVCache, mtp_cache: KVCache, drafts, draft_lp, last, active, temperature, top_k, top_p, seeds
+        self,
+        params,
+        cache: KVCache,
+        mtp_cache: KVCache,
+        drafts,
+        draft_lp,
+        last,
+        active,
+        temperature,
+        top_k,
+        top_p,
+        seeds,
     ):
         """One verify step for every slot: its last token and k drafts int32[S, k+1] through the
         main model, the accept/resample rule, then MTP module 1 over the confirmed positions and the
@@ -239,6 +275,7 @@ class Sampler:
             top_p,
             seeds,
             self.sharding,
+            self._draft_vocab(),
         )
         cache = KVCache(out.cache.layers, new_lengths)
         return cache, mtp_cache, drafts, draft_lp, tokens, logprobs, accepted, out.routing
@@ -317,6 +354,9 @@ class Sampler:
         return [out[i] for i in ids]
 
     # -------------------------------------------------------------------------------- internals
+    def _draft_vocab(self) -> jax.Array | None:
+        return None if self.draft_vocab is None else jnp.asarray(self.draft_vocab)
+
     def _spec_step(self, active: np.ndarray) -> list[Completion]:
         *settings, active_dev = self._settings()
         ctx = jax.set_mesh(self.mesh) if self.mesh is not None else _null()
@@ -427,7 +467,10 @@ class Sampler:
 def _row(cache: KVCache, slot: jax.Array) -> KVCache:
     """Cache row `slot` as a batch-1 cache of length 0 (a prefill rewrites it from the start)."""
     return KVCache(
-        {s: {k: jax.lax.dynamic_slice_in_dim(v, slot, 1, axis=1) for k, v in d.items()} for s, d in cache.layers.items()},
+        {
+            s: {k: jax.lax.dynamic_slice_in_dim(v, slot, 1, axis=1) for k, v in d.items()}
+            for s, d in cache.layers.items()
+        },
         jnp.zeros((1,), jnp.int32),
     )
 

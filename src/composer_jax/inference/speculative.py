@@ -24,6 +24,13 @@ it. Cache entries a chained draft writes lie past the module's confirmed length 
 before anything reads them (`kv_cache.cached_visibility`). Modules 2..D of a deeper MTP stack are
 not used for drafting (each would need its own cache lagging d - 1 positions behind).
 
+Draft vocabulary (optional, FR-Spec: Zhao et al. 2025, "Accelerating Large-Vocabulary Language
+Models via Frequency-Ranked Speculative Sampling"): the drafts' head is the shared output head
+restricted to a list of token ids (e.g. the most frequent ones), so a draft reads |draft vocab|
+columns of the head instead of all of them. At batch 1 the head dominates a draft's cost (the
+reference model: 8.2M of the ~9.5M parameters an MTP draft reads). q is then zero outside the
+list; the rule above is exact for any q, so the output distribution is unchanged.
+
 Random numbers: every uniform comes from (request seed, token position, stream) with
 `sampling.token_uniforms`: a draft for position P is drawn from q with stream 0 (the uniform the
 non-speculative sampler would use at P, so a draft distribution equal to p reproduces its tokens),
@@ -44,7 +51,8 @@ import numpy as np
 from composer_jax.config import ModelConfig
 from composer_jax.inference.sampling import draw, inverse_cdf, processed_logprobs, token_uniforms
 from composer_jax.model.kv_cache import KVCache
-from composer_jax.model.transformer import logits_of, mtp_forward_cached
+from composer_jax.model.layers import linear
+from composer_jax.model.transformer import logits_of, mtp_forward_cached, output_head
 from composer_jax.sharding import MeshRules
 
 
@@ -142,6 +150,7 @@ def draft(
     top_p: jax.Array,
     seeds: jax.Array,
     sharding: MeshRules | None = None,
+    draft_vocab: jax.Array | None = None,
 ) -> tuple[KVCache, jax.Array, jax.Array]:
     """Bring MTP module 1's cache up to the confirmed tokens and draft the next k.
 
@@ -150,6 +159,7 @@ def draft(
     the token after each of those positions; new_lengths: int32[S] the confirmed length m after
     this step (positions L..m-1 of the window are real, m - L <= W; the rest is padding). Draft 1
     comes from the window's position m - 1, drafts 2..k from module 1 chained at m, m+1, ...
+    draft_vocab: int32[Vd] the only token ids drafts may take (None: the whole vocabulary).
     Returns (the cache with lengths m, drafts int32[S, k] (draft i is the token at index m + i),
     their processed distributions float32[S, k, V])."""
     old = mtp_cache.lengths
@@ -157,9 +167,19 @@ def draft(
     last = jnp.clip(new_lengths - 1 - old, 0, next_tokens.shape[1] - 1)
     h = jnp.take_along_axis(h_normed, last[:, None, None], axis=1)  # [S, 1, embed] at position m - 1
     drafts, dists = [], []
+    columns = None if draft_vocab is None else jnp.take(output_head(params, cfg), draft_vocab, axis=1)
     for i in range(k):
-        q = processed_logprobs(logits_of(params, h[:, 0], cfg), temperature, top_k, top_p)
-        d = draw(q, temperature, token_uniforms(seeds, new_lengths + i + 1))
+        u = token_uniforms(seeds, new_lengths + i + 1)
+        if columns is None:
+            q = processed_logprobs(logits_of(params, h[:, 0], cfg), temperature, top_k, top_p)
+            d = draw(q, temperature, u)
+        else:
+            assert draft_vocab is not None
+            q_sub = processed_logprobs(
+                linear(h[:, 0], columns, preferred_element_type=jnp.float32), temperature, top_k, top_p
+            )
+            d = draft_vocab[draw(q_sub, temperature, u)]
+            q = jnp.full((h.shape[0], cfg.vocab_size), -jnp.inf, q_sub.dtype).at[:, draft_vocab].set(q_sub)
         drafts.append(d)
         dists.append(q)
         if i < k - 1:  # module 1 one position further: (draft i, its own head input) at m + i

@@ -296,7 +296,9 @@ def mtp_forward_cached(
     mp = jax.tree.map(lambda x: x[module], params["mtp"])
     layer_cache = {k: v[module] for k, v in cache.layers["mtp"].items()}
     with jax.named_scope("mtp_cached"):
-        _, h_normed, _, _, layer_cache = mtp_block(params, mp, h_prev, next_tokens, ctx, cfg, sharding, None, layer_cache)
+        _, h_normed, _, _, layer_cache = mtp_block(
+            params, mp, h_prev, next_tokens, ctx, cfg, sharding, None, layer_cache
+        )
     layers = {"mtp": {k: v.at[module].set(layer_cache[k]) for k, v in cache.layers["mtp"].items()}}
     return h_normed, KVCache(layers, cache.lengths + n)
 
