@@ -34,7 +34,7 @@ from jax.sharding import Mesh
 
 from composer_jax.config import ModelConfig
 from composer_jax.inference.sampling import SamplingParams, processed_logprobs, sample
-from composer_jax.inference.speculative import SpecStats, draft, verify_drafts
+from composer_jax.inference.speculative import SpecStats, draft, draft_head_columns, verify_drafts
 from composer_jax.model.kv_cache import KVCache, init_cache
 from composer_jax.model.transformer import forward
 from composer_jax.sharding import MeshRules, ShardingRules
@@ -133,6 +133,8 @@ class Sampler:
                     f"0..{cfg.vocab_size - 1}"
                 )
             self.draft_vocab = np.asarray(ids, np.int32)
+        self._draft_head_of: Any = None  # the params the cached draft head columns belong to
+        self._draft_head_cache: tuple[jax.Array, jax.Array] | None = None
         self.cache = init_cache(cfg, slots, max_len + 2 * k, mesh, rules)
         self.spec_stats = SpecStats.zeros(k)
         if k:
@@ -176,6 +178,7 @@ class Sampler:
         mtp_cache: KVCache,
         drafts,
         draft_lp,
+        draft_head,
         slot,
         tokens,
         n,
@@ -205,7 +208,7 @@ class Sampler:
             top_p[None],
             seed[None],
             self.sharding,
-            self._draft_vocab(),
+            draft_head,
         )
         mtp_cache = _put_row(mtp_cache, row, slot, n)
         drafts = jax.lax.dynamic_update_slice_in_dim(drafts, d, slot, axis=0)
@@ -232,6 +235,7 @@ class Sampler:
         mtp_cache: KVCache,
         drafts,
         draft_lp,
+        draft_head,
         last,
         active,
         temperature,
@@ -275,7 +279,7 @@ class Sampler:
             top_p,
             seeds,
             self.sharding,
-            self._draft_vocab(),
+            draft_head,
         )
         cache = KVCache(out.cache.layers, new_lengths)
         return cache, mtp_cache, drafts, draft_lp, tokens, logprobs, accepted, out.routing
@@ -354,8 +358,15 @@ class Sampler:
         return [out[i] for i in ids]
 
     # -------------------------------------------------------------------------------- internals
-    def _draft_vocab(self) -> jax.Array | None:
-        return None if self.draft_vocab is None else jnp.asarray(self.draft_vocab)
+    def _draft_head(self) -> tuple[jax.Array, jax.Array] | None:
+        """(draft ids, the head's columns of them) for the current weights, or None."""
+        if self.draft_vocab is None:
+            return None
+        if self._draft_head_of is not self.params:
+            ids = jnp.asarray(self.draft_vocab)
+            self._draft_head_cache = (ids, jax.jit(draft_head_columns, static_argnums=1)(self.params, self.cfg, ids))
+            self._draft_head_of = self.params
+        return self._draft_head_cache
 
     def _spec_step(self, active: np.ndarray) -> list[Completion]:
         *settings, active_dev = self._settings()
@@ -367,6 +378,7 @@ class Sampler:
                 self._mtp_cache,
                 self._drafts,
                 self._draft_lp,
+                self._draft_head(),
                 jnp.asarray(self._last),
                 active_dev,
                 *settings,
@@ -418,7 +430,7 @@ class Sampler:
         with ctx:
             if self.speculative_tokens:
                 self.cache, self._mtp_cache, self._drafts, self._draft_lp, tok, lp, routing = self._spec_prefill(
-                    self.params, self.cache, self._mtp_cache, self._drafts, self._draft_lp, *args
+                    self.params, self.cache, self._mtp_cache, self._drafts, self._draft_lp, self._draft_head(), *args
                 )
             else:
                 self.cache, tok, lp, routing = self._prefill(self.params, self.cache, *args)

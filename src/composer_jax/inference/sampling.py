@@ -136,4 +136,10 @@ def inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
 def draw(lp: jax.Array, temperature: jax.Array, u: jax.Array) -> jax.Array:
     """Tokens int32[S] from processed log-probabilities lp [S, V]: the arg-max for greedy (T = 0)
     slots, the inverse CDF at u for the others."""
-    return jnp.where(temperature > 0, inverse_cdf(jnp.exp(lp), u), jnp.argmax(lp, axis=-1)).astype(jnp.int32)
+    greedy = jnp.argmax(lp, axis=-1).astype(jnp.int32)
+    # the cumulative sum over the vocabulary only when some slot samples (all-greedy steps skip it)
+    return jax.lax.cond(
+        jnp.any(temperature > 0),
+        lambda: jnp.where(temperature > 0, inverse_cdf(jnp.exp(lp), u), greedy),
+        lambda: greedy,
+    )

@@ -131,7 +131,12 @@ def verify_drafts(
     # p == q (to rounding) leaves no residual mass, and then a rejection had probability 0
     residual = jnp.where(residual.sum(-1, keepdims=True) > 0, residual, p_next)
     u = jnp.where(rejected, uniforms(2)[rows, accepted], uniforms(0)[rows, accepted])
-    new = jnp.where(temperature > 0, inverse_cdf(residual, u), jnp.argmax(p_next, axis=-1)).astype(jnp.int32)
+    greedy = jnp.argmax(p_next, axis=-1).astype(jnp.int32)
+    new = jax.lax.cond(
+        jnp.any(temperature > 0),
+        lambda: jnp.where(temperature > 0, inverse_cdf(residual, u), greedy),
+        lambda: greedy,
+    )
     tokens = _emitted(drafts, accepted, new)
     logprobs = jnp.take_along_axis(p_lp, tokens[..., None], axis=-1)[..., 0]
     return accepted, tokens, logprobs
@@ -150,7 +155,7 @@ def draft(
     top_p: jax.Array,
     seeds: jax.Array,
     sharding: MeshRules | None = None,
-    draft_vocab: jax.Array | None = None,
+    draft_head: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[KVCache, jax.Array, jax.Array]:
     """Bring MTP module 1's cache up to the confirmed tokens and draft the next k.
 
@@ -159,7 +164,8 @@ def draft(
     the token after each of those positions; new_lengths: int32[S] the confirmed length m after
     this step (positions L..m-1 of the window are real, m - L <= W; the rest is padding). Draft 1
     comes from the window's position m - 1, drafts 2..k from module 1 chained at m, m+1, ...
-    draft_vocab: int32[Vd] the only token ids drafts may take (None: the whole vocabulary).
+    draft_head: (ids int32[Vd], the output head's columns of those ids [embed, Vd]) when drafts
+    are restricted to a draft vocabulary (`draft_head_columns`); None: the whole vocabulary.
     Returns (the cache with lengths m, drafts int32[S, k] (draft i is the token at index m + i),
     their processed distributions float32[S, k, V])."""
     old = mtp_cache.lengths
@@ -167,14 +173,13 @@ def draft(
     last = jnp.clip(new_lengths - 1 - old, 0, next_tokens.shape[1] - 1)
     h = jnp.take_along_axis(h_normed, last[:, None, None], axis=1)  # [S, 1, embed] at position m - 1
     drafts, dists = [], []
-    columns = None if draft_vocab is None else jnp.take(output_head(params, cfg), draft_vocab, axis=1)
     for i in range(k):
         u = token_uniforms(seeds, new_lengths + i + 1)
-        if columns is None:
+        if draft_head is None:
             q = processed_logprobs(logits_of(params, h[:, 0], cfg), temperature, top_k, top_p)
             d = draw(q, temperature, u)
         else:
-            assert draft_vocab is not None
+            draft_vocab, columns = draft_head
             q_sub = processed_logprobs(
                 linear(h[:, 0], columns, preferred_element_type=jnp.float32), temperature, top_k, top_p
             )
@@ -187,6 +192,12 @@ def draft(
                 params, h, d[:, None], cfg, KVCache(mtp_cache.layers, new_lengths + i), sharding=sharding
             )
     return KVCache(mtp_cache.layers, new_lengths), jnp.stack(drafts, 1), jnp.stack(dists, 1)
+
+
+def draft_head_columns(params: dict, cfg: ModelConfig, draft_vocab: jax.Array) -> jax.Array:
+    """The shared output head's columns of the draft vocabulary: [embed, Vd] (computed once per
+    weights, not per step)."""
+    return jnp.take(output_head(params, cfg), draft_vocab, axis=1)
 
 
 def _emitted(drafts: jax.Array, accepted: jax.Array, new: jax.Array) -> jax.Array:
