@@ -138,8 +138,4 @@ def draw(lp: jax.Array, temperature: jax.Array, u: jax.Array) -> jax.Array:
     slots, the inverse CDF at u for the others."""
     greedy = jnp.argmax(lp, axis=-1).astype(jnp.int32)
     # the cumulative sum over the vocabulary only when some slot samples (all-greedy steps skip it)
-    return jax.lax.cond(
-        jnp.any(temperature > 0),
-        lambda: jnp.where(temperature > 0, inverse_cdf(jnp.exp(lp), u), greedy),
-        lambda: greedy,
-    )
+    return jnp.where(temperature > 0, inverse_cdf(jnp.exp(lp), u), greedy)

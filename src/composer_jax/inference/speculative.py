@@ -132,11 +132,7 @@ def verify_drafts(
     residual = jnp.where(residual.sum(-1, keepdims=True) > 0, residual, p_next)
     u = jnp.where(rejected, uniforms(2)[rows, accepted], uniforms(0)[rows, accepted])
     greedy = jnp.argmax(p_next, axis=-1).astype(jnp.int32)
-    new = jax.lax.cond(
-        jnp.any(temperature > 0),
-        lambda: jnp.where(temperature > 0, inverse_cdf(residual, u), greedy),
-        lambda: greedy,
-    )
+    new = jnp.where(temperature > 0, inverse_cdf(residual, u), greedy)
     tokens = _emitted(drafts, accepted, new)
     logprobs = jnp.take_along_axis(p_lp, tokens[..., None], axis=-1)[..., 0]
     return accepted, tokens, logprobs
