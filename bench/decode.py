@@ -11,7 +11,7 @@ first call (theirs) are excluded by a warm-up run of the same workload.
 
 Prints tokens/s of each side, the ratio, and how many generated tokens agree (greedy decoding of
 float32 models; a near-tie may flip a token and the rest of that row with it).
-Not yet measured here: MTP speculative decoding (the sampler has none yet).
+MTP speculative decoding is measured by `bench/speculative.py`.
 """
 
 from __future__ import annotations

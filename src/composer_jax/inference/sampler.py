@@ -12,6 +12,11 @@ in every layer (`routing`, the trainer's `routing=` replay input; prompt tokens'
 `update_weights` swaps the parameters between two decode steps: running requests keep their KV
 cache and continue under the new weights, and their later tokens carry the new version (PipelineRL's
 in-flight weight update).
+
+With `speculative_tokens=k` the MTP module drafts k tokens per slot and one compiled verify step
+checks them with the main model ([slots, k+1] tokens), emitting 1..k+1 tokens per slot per step
+with exactly the model's sampling distribution (`inference/speculative.py`); `spec_stats` counts
+acceptance per depth.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from composer_jax.config import ModelConfig
-from composer_jax.inference.sampling import SamplingParams, sample
+from composer_jax.inference.sampling import SamplingParams, processed_logprobs, sample
+from composer_jax.inference.speculative import SpecStats, draft, draft_head_columns, verify_drafts
 from composer_jax.model.kv_cache import KVCache, init_cache
 from composer_jax.model.transformer import forward
 from composer_jax.sharding import MeshRules, ShardingRules
@@ -78,7 +84,12 @@ class Sampler:
     """Continuous-batching sampler over `slots` sequences of at most `max_len` tokens each.
 
     params: the model's parameters (placed on `mesh` if given); version: the policy version they
-    are. detokenize: ids -> text, needed only for stop strings."""
+    are. detokenize: ids -> text, needed only for stop strings. speculative_tokens: k > 0 drafts k
+    tokens per step with MTP module 1 and verifies them in one pass (needs model.num_mtp_layers >=
+    1 and the MTP parameters; the KV caches then hold max_len + 2k positions: a verify window and
+    the chained drafts reach up to 2k - 1 past the last confirmed token). draft_vocab: token ids
+    the drafts are restricted to (a cheaper draft head, FR-Spec; `inference/speculative.py`);
+    None = the whole vocabulary. Neither changes the output distribution."""
 
     def __init__(
         self,
@@ -91,19 +102,53 @@ class Sampler:
         mesh: Mesh | None = None,
         rules: ShardingRules | None = None,
         detokenize: Callable[[list[int]], str] | None = None,
+        speculative_tokens: int = 0,
+        draft_vocab: Sequence[int] | None = None,
     ):
+        k = speculative_tokens
+        if k < 0:
+            raise ValueError(f"speculative_tokens={k} must be >= 0 (0 = no speculative decoding)")
+        if k and (cfg.num_mtp_layers < 1 or "mtp" not in params):
+            raise ValueError(
+                f"speculative_tokens={k} drafts with the MTP modules, but the model has none "
+                f"(model.num_mtp_layers={cfg.num_mtp_layers}); use speculative_tokens=0"
+            )
+        if max_len + 2 * k > cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_len={max_len} + 2 x speculative_tokens={k} exceeds model.max_position_embeddings="
+                f"{cfg.max_position_embeddings}; lower max_len to at most {cfg.max_position_embeddings - 2 * k}"
+            )
         self.cfg, self.slots, self.max_len = cfg, slots, max_len
         self.params, self.version = params, version
         self.mesh = mesh
         self.sharding = MeshRules(mesh, rules or ShardingRules.create()) if mesh is not None else None
         self.detokenize = detokenize
-        self.cache = init_cache(cfg, slots, max_len, mesh, rules)
+        self.speculative_tokens = k
+        self.draft_vocab = None
+        if draft_vocab is not None:
+            ids = sorted({int(t) for t in draft_vocab})
+            if not ids or ids[0] < 0 or ids[-1] >= cfg.vocab_size:
+                raise ValueError(
+                    f"draft_vocab: {len(ids)} ids from {ids[:1]} to {ids[-1:]}; give at least one id, all in "
+                    f"0..{cfg.vocab_size - 1}"
+                )
+            self.draft_vocab = np.asarray(ids, np.int32)
+        self._draft_head_of: Any = None  # the params the cached draft head columns belong to
+        self._draft_head_cache: tuple[jax.Array, jax.Array] | None = None
+        self.cache = init_cache(cfg, slots, max_len + 2 * k, mesh, rules)
+        self.spec_stats = SpecStats.zeros(k)
+        if k:
+            self._mtp_cache = init_cache(cfg, slots, max_len + 2 * k, mesh, rules, mtp_modules=1)
+            self._drafts = jnp.zeros((slots, k), jnp.int32)
+            self._draft_lp = jnp.zeros((slots, k, cfg.vocab_size), jnp.float32)
         self._slot: list[_Slot | None] = [None] * slots
         self._waiting: collections.deque[Request] = collections.deque()
         self._ids = itertools.count()
         self.compilations = 0
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,))
         self._decode = jax.jit(self._decode_fn, donate_argnums=(1,))
+        self._spec_prefill = jax.jit(self._spec_prefill_fn, donate_argnums=(1, 2, 3, 4))
+        self._spec_decode = jax.jit(self._spec_decode_fn, donate_argnums=(1, 2, 3, 4))
         # per-slot sampling settings and state, on the host; sent with every step
         self._last = np.zeros(slots, np.int32)
         self._settings_cache: tuple | None = None  # per-slot settings on the device; rebuilt when slots change
@@ -113,24 +158,62 @@ class Sampler:
         """Prompt tokens int32[1, bucket] (n real) into cache row `slot`; -> (cache, first token,
         its log-prob, routing of the prompt tokens [moe_layers, bucket, k] or None)."""
         self.compilations += 1  # runs once per trace: a new bucket size
-        row = KVCache(
-            {
-                s: {k: jax.lax.dynamic_slice_in_dim(v, slot, 1, axis=1) for k, v in d.items()}
-                for s, d in cache.layers.items()
-            },
-            jnp.zeros((1,), jnp.int32),
-        )
-        out = forward(params, tokens, self.cfg, cache=row, sharding=self.sharding)
+        cache, tok, lp, routing, _ = self._prefill_row(params, cache, slot, tokens, n, temperature, top_k, top_p, seed)
+        return cache, tok, lp, routing
+
+    def _prefill_row(self, params, cache: KVCache, slot, tokens, n, temperature, top_k, top_p, seed):
+        """The prefill of `_prefill_fn`, also returning the prompt's final hidden states [1, bucket, E]."""
+        out = forward(params, tokens, self.cfg, cache=_row(cache, slot), sharding=self.sharding)
         assert out.cache is not None
-        layers = {
-            s: {k: jax.lax.dynamic_update_slice_in_dim(v, out.cache.layers[s][k], slot, axis=1) for k, v in d.items()}
-            for s, d in cache.layers.items()
-        }
-        cache = KVCache(layers, cache.lengths.at[slot].set(n))
+        cache = _put_row(cache, out.cache, slot, n)
         logits = jax.lax.dynamic_index_in_dim(out.logits[0], n - 1, axis=0)  # [1, V]
         tok, lp = sample(logits, temperature[None], top_k[None], top_p[None], seed[None], n[None])
         routing = None if out.routing is None else out.routing[:, 0]
-        return cache, tok[0], lp[0], routing
+        return cache, tok[0], lp[0], routing, out.hidden
+
+    def _spec_prefill_fn(
+        self,
+        params,
+        cache: KVCache,
+        mtp_cache: KVCache,
+        drafts,
+        draft_lp,
+        draft_head,
+        slot,
+        tokens,
+        n,
+        temperature,
+        top_k,
+        top_p,
+        seed,
+    ):
+        """`_prefill_fn` plus MTP module 1 over the prompt (its cache row) and the first k drafts."""
+        self.compilations += 1
+        cache, tok, lp, routing, hidden = self._prefill_row(
+            params, cache, slot, tokens, n, temperature, top_k, top_p, seed
+        )
+        # the token after each prompt position: the prompt shifted by one, the sampled token after n - 1
+        after = jnp.concatenate([tokens[:, 1:], jnp.zeros((1, 1), tokens.dtype)], axis=1)
+        after = jnp.where(jnp.arange(tokens.shape[1])[None, :] == n - 1, tok, after)
+        row, d, q = draft(
+            params,
+            self.cfg,
+            _row(mtp_cache, slot),
+            hidden,
+            after,
+            n[None],
+            self.speculative_tokens,
+            temperature[None],
+            top_k[None],
+            top_p[None],
+            seed[None],
+            self.sharding,
+            draft_head,
+        )
+        mtp_cache = _put_row(mtp_cache, row, slot, n)
+        drafts = jax.lax.dynamic_update_slice_in_dim(drafts, d, slot, axis=0)
+        draft_lp = jax.lax.dynamic_update_slice_in_dim(draft_lp, q, slot, axis=0)
+        return cache, mtp_cache, drafts, draft_lp, tok, lp, routing
 
     def _decode_fn(self, params, cache: KVCache, tokens, active, temperature, top_k, top_p, seeds):
         """One token for every slot: tokens int32[S] (each slot's last token) -> (cache, next
@@ -144,6 +227,62 @@ class Sampler:
         tok, lp = sample(out.logits[:, 0], temperature, top_k, top_p, seeds, lengths)
         routing = None if out.routing is None else out.routing[:, :, 0]
         return new_cache, tok, lp, routing
+
+    def _spec_decode_fn(
+        self,
+        params,
+        cache: KVCache,
+        mtp_cache: KVCache,
+        drafts,
+        draft_lp,
+        draft_head,
+        last,
+        active,
+        temperature,
+        top_k,
+        top_p,
+        seeds,
+    ):
+        """One verify step for every slot: its last token and k drafts int32[S, k+1] through the
+        main model, the accept/resample rule, then MTP module 1 over the confirmed positions and the
+        next k drafts. -> (cache, mtp_cache, drafts, draft_lp, tokens int32[S, k+1] and their
+        log-probs (the first accepted + 1 are emitted), accepted int32[S], routing of the k+1 input
+        tokens [moe_layers, S, k+1, topk] or None)."""
+        self.compilations += 1
+        k, s = self.speculative_tokens, self.slots
+        # idle slots restart at 0 (their writes are never read): no window runs past the capacity
+        lengths = jnp.where(active, cache.lengths, 0)
+        out = forward(
+            params,
+            jnp.concatenate([last[:, None], drafts], axis=1),
+            self.cfg,
+            cache=KVCache(cache.layers, lengths),
+            sharding=self.sharding,
+        )
+        assert out.cache is not None
+        each = lambda x: jnp.repeat(x, k + 1)
+        p_lp = processed_logprobs(
+            out.logits.reshape(s * (k + 1), -1), each(temperature), each(top_k), each(top_p)
+        ).reshape(s, k + 1, -1)
+        accepted, tokens, logprobs = verify_drafts(p_lp, draft_lp, drafts, temperature, seeds, lengths)
+        new_lengths = jnp.where(active, lengths + accepted + 1, 0)
+        mtp_cache, drafts, draft_lp = draft(
+            params,
+            self.cfg,
+            KVCache(mtp_cache.layers, lengths),
+            out.hidden,
+            tokens,  # the token after each window position (drafts accepted, then the new one)
+            new_lengths,
+            k,
+            temperature,
+            top_k,
+            top_p,
+            seeds,
+            self.sharding,
+            draft_head,
+        )
+        cache = KVCache(out.cache.layers, new_lengths)
+        return cache, mtp_cache, drafts, draft_lp, tokens, logprobs, accepted, out.routing
 
     # -------------------------------------------------------------------------------- API
     def submit(self, request: Request | Sequence[int], params: SamplingParams | None = None) -> str:
@@ -208,6 +347,8 @@ class Sampler:
         active = np.array([s is not None for s in self._slot])
         if not active.any():
             return done
+        if self.speculative_tokens:
+            return done + self._spec_step(active)
         *settings, active_dev = self._settings()
         ctx = jax.set_mesh(self.mesh) if self.mesh is not None else _null()
         with ctx:
@@ -236,6 +377,46 @@ class Sampler:
         return [out[i] for i in ids]
 
     # -------------------------------------------------------------------------------- internals
+    def _draft_head(self) -> tuple[jax.Array, jax.Array] | None:
+        """(draft ids, the head's columns of them) for the current weights, or None."""
+        if self.draft_vocab is None:
+            return None
+        if self._draft_head_of is not self.params:
+            ids = jnp.asarray(self.draft_vocab)
+            self._draft_head_cache = (ids, jax.jit(draft_head_columns, static_argnums=1)(self.params, self.cfg, ids))
+            self._draft_head_of = self.params
+        return self._draft_head_cache
+
+    def _spec_step(self, active: np.ndarray) -> list[Completion]:
+        *settings, active_dev = self._settings()
+        ctx = jax.set_mesh(self.mesh) if self.mesh is not None else _null()
+        with ctx:
+            self.cache, self._mtp_cache, self._drafts, self._draft_lp, tok, lp, acc, routing = self._spec_decode(
+                self.params,
+                self.cache,
+                self._mtp_cache,
+                self._drafts,
+                self._draft_lp,
+                self._draft_head(),
+                jnp.asarray(self._last),
+                active_dev,
+                *settings,
+            )
+        tok, lp, acc = np.asarray(tok), np.asarray(lp), np.asarray(acc)
+        routing_np = None if routing is None else np.asarray(routing)
+        live = np.flatnonzero(active)
+        self.spec_stats.add(acc[live])
+        done: list[Completion] = []
+        for i in map(int, live):
+            for j in range(int(acc[i]) + 1):
+                slot = self._slot[i]
+                if slot is None:  # finished on an earlier token of this step; the rest is dropped
+                    break
+                if routing_np is not None:
+                    slot.routing.append(routing_np[:, i, j])  # the input token before tok[i, j]
+                done += self._record(i, int(tok[i, j]), float(lp[i, j]))
+        return done
+
     def _settings(self):
         if self._settings_cache is not None:
             return self._settings_cache
@@ -255,19 +436,23 @@ class Sampler:
         tokens = np.zeros((1, bucket), np.int32)
         tokens[0, :n] = request.prompt
         p = request.params
+        args = (
+            jnp.int32(i),
+            jnp.asarray(tokens),
+            jnp.int32(n),
+            jnp.float32(p.temperature),
+            jnp.int32(p.top_k),
+            jnp.float32(p.top_p),
+            jnp.uint32(p.seed),
+        )
         ctx = jax.set_mesh(self.mesh) if self.mesh is not None else _null()
         with ctx:
-            self.cache, tok, lp, routing = self._prefill(
-                self.params,
-                self.cache,
-                jnp.int32(i),
-                jnp.asarray(tokens),
-                jnp.int32(n),
-                jnp.float32(p.temperature),
-                jnp.int32(p.top_k),
-                jnp.float32(p.top_p),
-                jnp.uint32(p.seed),
-            )
+            if self.speculative_tokens:
+                self.cache, self._mtp_cache, self._drafts, self._draft_lp, tok, lp, routing = self._spec_prefill(
+                    self.params, self.cache, self._mtp_cache, self._drafts, self._draft_lp, self._draft_head(), *args
+                )
+            else:
+                self.cache, tok, lp, routing = self._prefill(self.params, self.cache, *args)
         slot = _Slot(request)
         if routing is not None:
             slot.routing.extend(np.moveaxis(np.asarray(routing)[:, :n], 1, 0))
@@ -308,6 +493,26 @@ class Sampler:
                 reason,
             )
         ]
+
+
+def _row(cache: KVCache, slot: jax.Array) -> KVCache:
+    """Cache row `slot` as a batch-1 cache of length 0 (a prefill rewrites it from the start)."""
+    return KVCache(
+        {
+            s: {k: jax.lax.dynamic_slice_in_dim(v, slot, 1, axis=1) for k, v in d.items()}
+            for s, d in cache.layers.items()
+        },
+        jnp.zeros((1,), jnp.int32),
+    )
+
+
+def _put_row(cache: KVCache, row: KVCache, slot: jax.Array, n: jax.Array) -> KVCache:
+    """`cache` with row `slot` replaced by the batch-1 cache `row`, its length set to n."""
+    layers = {
+        s: {k: jax.lax.dynamic_update_slice_in_dim(v, row.layers[s][k], slot, axis=1) for k, v in d.items()}
+        for s, d in cache.layers.items()
+    }
+    return KVCache(layers, cache.lengths.at[slot].set(n))
 
 
 class _null:

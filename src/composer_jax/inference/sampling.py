@@ -112,8 +112,30 @@ def sample(
     distribution). Greedy (T = 0) slots take the arg-max; the others invert the distribution's
     CDF at one uniform number per slot (one random draw per token, not one per vocabulary entry)."""
     lp = processed_logprobs(logits, temperature, top_k, top_p)
-    u = 1.0 - jax.vmap(jax.random.uniform)(token_keys(seeds, positions))  # (0, 1]: never picks p = 0
-    cdf = jnp.cumsum(jnp.exp(lp), axis=-1)
-    drawn = jnp.minimum(jnp.sum(cdf < u[:, None] * cdf[:, -1:], axis=-1), lp.shape[-1] - 1)
-    tokens = jnp.where(temperature > 0, drawn, jnp.argmax(lp, axis=-1)).astype(jnp.int32)
+    tokens = draw(lp, temperature, token_uniforms(seeds, positions))
     return tokens, jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+
+
+def token_uniforms(seeds: jax.Array, positions: jax.Array, stream: int = 0) -> jax.Array:
+    """float32[S] in (0, 1], one per slot, from (seed, position, stream). Stream 0 is the draw of
+    the token itself (what `sample` uses); speculative decoding takes its accept test and residual
+    draw from streams 1 and 2 of the same (seed, position)."""
+    keys = token_keys(seeds, positions)
+    if stream:
+        keys = jax.vmap(lambda k: jax.random.fold_in(k, stream))(keys)
+    return 1.0 - jax.vmap(jax.random.uniform)(keys)  # (0, 1]: never picks p = 0
+
+
+def inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
+    """int32[S]: per row, the first index whose cumulative (unnormalised) mass reaches u times the
+    row's total; probs: float32[S, V] >= 0, u: (0, 1]. An entry of zero mass is never picked."""
+    cdf = jnp.cumsum(probs, axis=-1)
+    return jnp.minimum(jnp.sum(cdf < u[:, None] * cdf[:, -1:], axis=-1), probs.shape[-1] - 1).astype(jnp.int32)
+
+
+def draw(lp: jax.Array, temperature: jax.Array, u: jax.Array) -> jax.Array:
+    """Tokens int32[S] from processed log-probabilities lp [S, V]: the arg-max for greedy (T = 0)
+    slots, the inverse CDF at u for the others."""
+    greedy = jnp.argmax(lp, axis=-1).astype(jnp.int32)
+    # the cumulative sum over the vocabulary only when some slot samples (all-greedy steps skip it)
+    return jnp.where(temperature > 0, inverse_cdf(jnp.exp(lp), u), greedy)

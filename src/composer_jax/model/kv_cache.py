@@ -13,6 +13,10 @@ pass with the cache appends the new tokens of each row at its own offset.
     cache = init_cache(cfg, batch=8, max_len=4096)                  # zeros, lengths 0
     out = forward(params, prompt_tokens, cfg, cache=cache)          # prefill (any number of tokens)
     out = forward(params, next_tokens[:, None], cfg, cache=out.cache)  # decode one token per row
+
+The MTP modules have a cache of their own (`init_cache(..., mtp_modules=1)`: one stack "mtp", no
+main-model layers), driven by `transformer.mtp_forward_cached` for speculative decoding: MTP
+module d at position j attends over the module's earlier positions, exactly as in training.
 """
 
 from __future__ import annotations
@@ -27,13 +31,14 @@ from jax.sharding import Mesh
 from composer_jax.config import ModelConfig
 from composer_jax.sharding import ShardingRules
 
-STACKS = ("dense_layers", "moe_layers")
+STACKS = ("dense_layers", "moe_layers", "mtp")
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    """layers: per stack ("dense_layers", "moe_layers" present in the model) a dict of arrays with
+    """layers: per stack ("dense_layers", "moe_layers" present in the model; or "mtp" alone for the
+    MTP modules' cache) a dict of arrays with
     a leading layers axis: MLA {"latent": [L, b, T, kv_lora], "k_rope": [L, b, T, rope]}, GQA
     {"k": [L, b, T, kv_heads, head_dim], "v": [L, b, T, kv_heads, head_dim]}. lengths: int32[b]
     valid tokens per row (T = capacity). The same container also holds the arrays' shardings
@@ -48,10 +53,18 @@ class KVCache:
         return int(first.shape[2])
 
 
-def cache_specs(cfg: ModelConfig, batch: int, max_len: int) -> dict[str, dict[str, tuple[tuple[int, ...], tuple]]]:
-    """(shape, logical axes) of every cache array, per stack."""
+def cache_specs(
+    cfg: ModelConfig, batch: int, max_len: int, mtp_modules: int = 0
+) -> dict[str, dict[str, tuple[tuple[int, ...], tuple]]]:
+    """(shape, logical axes) of every cache array, per stack: the main model's layers, or with
+    mtp_modules > 0 the first `mtp_modules` MTP modules only (stack "mtp")."""
     out: dict[str, dict[str, tuple[tuple[int, ...], tuple]]] = {}
-    for stack, n in (("dense_layers", cfg.num_dense_layers), ("moe_layers", cfg.num_moe_layers)):
+    stacks = (
+        (("mtp", mtp_modules),)
+        if mtp_modules
+        else (("dense_layers", cfg.num_dense_layers), ("moe_layers", cfg.num_moe_layers))
+    )
+    for stack, n in stacks:
         if not n:
             continue
         if cfg.attention_type == "mla":
@@ -67,18 +80,29 @@ def cache_specs(cfg: ModelConfig, batch: int, max_len: int) -> dict[str, dict[st
 
 
 def init_cache(
-    cfg: ModelConfig, batch: int, max_len: int, mesh: Mesh | None = None, rules: ShardingRules | None = None
+    cfg: ModelConfig,
+    batch: int,
+    max_len: int,
+    mesh: Mesh | None = None,
+    rules: ShardingRules | None = None,
+    *,
+    mtp_modules: int = 0,
 ) -> KVCache:
     """An empty cache (zeros, every length 0) of `max_len` tokens per row, in the compute dtype;
     with a mesh, each array is created on its sharding (rows over the batch axes, MLA latent or GQA
-    heads as the rules place activations)."""
+    heads as the rules place activations). mtp_modules > 0: the cache of the first `mtp_modules`
+    MTP modules instead of the main model's layers."""
     if max_len < 1 or batch < 1:
         raise ValueError(f"init_cache: batch={batch} and max_len={max_len} must be positive")
+    if not 0 <= mtp_modules <= cfg.num_mtp_layers:
+        raise ValueError(
+            f"init_cache: mtp_modules={mtp_modules} must be in 0..model.num_mtp_layers={cfg.num_mtp_layers}"
+        )
     if max_len > cfg.max_position_embeddings:
         raise ValueError(
             f"init_cache: max_len={max_len} exceeds model.max_position_embeddings={cfg.max_position_embeddings}"
         )
-    specs = cache_specs(cfg, batch, max_len)
+    specs = cache_specs(cfg, batch, max_len, mtp_modules)
     dtype = jnp.dtype(cfg.compute_dtype)
 
     def make() -> KVCache:
@@ -105,7 +129,12 @@ def write(cache_arr: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
 
 def cached_visibility(lengths: jax.Array, new: int, capacity: int) -> jax.Array:
     """bool[b, 1, new, T]: query i of row b (position lengths[b] + i) sees cache slots
-    0..lengths[b] + i (its own token included, every later or empty slot excluded)."""
+    0..lengths[b] + i (its own token included, every later or empty slot excluded).
+
+    This is what makes speculative rollback free: entries written past a row's length (rejected
+    draft tokens, a window's padding) are never read; the next pass that reaches those positions
+    writes them again before any query can see them, since a pass writes its tokens at
+    lengths[b] + 0..new-1 and query i sees nothing past lengths[b] + i."""
     q_pos = lengths[:, None] + jnp.arange(new, dtype=jnp.int32)[None, :]
     k_pos = jnp.arange(capacity, dtype=jnp.int32)
     return (k_pos[None, None, :] <= q_pos[:, :, None])[:, None]

@@ -231,12 +231,8 @@ def mtp_forward(
 
     def body(h_prev, xs):
         mp, rp, shifted = xs
-        e = rms_norm(_embed(params, shifted, cfg), mp["enorm"], cfg.rms_norm_eps)
-        hh = rms_norm(h_prev, mp["hnorm"], cfg.rms_norm_eps)
-        x = linear(jnp.concatenate([e, hh], axis=-1), mp["eh_proj"])
-        x = constrain(x, sharding, ("act_batch", "act_seq", "act_embed"))
-        h, experts, counts, _ = decoder_layer(mp["layer"], x, ctx, cfg, sharding, rp)
-        logits = _logits(params, rms_norm(h, mp["norm"], cfg.rms_norm_eps), cfg)
+        h, h_normed, experts, counts, _ = mtp_block(params, mp, h_prev, shifted, ctx, cfg, sharding, rp)
+        logits = _logits(params, h_normed, cfg)
         return h, (logits, experts, counts) if moe else (logits, None, None)
 
     body = _remat(body, cfg.remat)
@@ -244,3 +240,72 @@ def mtp_forward(
         body, h_main, (params["mtp"], replay, mtp_tokens), length=depth, unroll=not cfg.scan_layers
     )
     return logits, experts, counts
+
+
+def mtp_block(
+    params: dict,
+    mp: dict,
+    h_prev: jax.Array,
+    next_tokens: jax.Array,
+    ctx: dict,
+    cfg: ModelConfig,
+    sharding: MeshRules | None,
+    replay=None,
+    cache=None,
+):
+    """One MTP module (DeepSeek-V3 sec. 2.2), the code both training and speculative drafting run:
+    h^k = Block_k(eh_proj[RMSNorm(Emb(t_{i+k})) ; RMSNorm(h^{k-1})]).
+
+    mp: the module's parameters (one entry of params["mtp"]); h_prev: [batch, seq, embed];
+    next_tokens: int32[batch, seq] (t_{i+k}); cache: the module's layer cache or None. Returns
+    (h^k [batch, seq, embed], RMSNorm(h^k) with the module's norm (the shared head's input),
+    experts, counts, cache)."""
+    e = rms_norm(_embed(params, next_tokens, cfg), mp["enorm"], cfg.rms_norm_eps)
+    hh = rms_norm(h_prev, mp["hnorm"], cfg.rms_norm_eps)
+    x = linear(jnp.concatenate([e, hh], axis=-1), mp["eh_proj"])
+    x = constrain(x, sharding, ("act_batch", "act_seq", "act_embed"))
+    h, experts, counts, cache = decoder_layer(mp["layer"], x, ctx, cfg, sharding, replay, cache)
+    return h, rms_norm(h, mp["norm"], cfg.rms_norm_eps), experts, counts, cache
+
+
+def mtp_forward_cached(
+    params: dict,
+    h_prev: jax.Array,
+    next_tokens: jax.Array,
+    cfg: ModelConfig,
+    cache: KVCache,
+    *,
+    module: int = 0,
+    sharding: MeshRules | None = None,
+) -> tuple[jax.Array, KVCache]:
+    """MTP module `module` (0 = depth 1) over its KV cache (`init_cache(..., mtp_modules=...)`).
+
+    h_prev: [batch, n, embed] the previous depth's hidden state at positions cache.lengths[b] +
+    0..n-1 (depth 1: the main model's final hidden state, `ModelOutput.hidden`); next_tokens:
+    int32[batch, n] the token `module + 1` places ahead of each position. The new positions attend
+    to the module's cached positions and themselves and are appended (the returned cache's lengths
+    advance by n; the caller sets them back to roll a draft back). Returns (RMSNorm(h^k) [batch, n,
+    embed], the shared output head's input; the updated cache). With the cache holding the
+    module's states of positions 0..L-1 this equals the training `mtp_forward` at positions
+    L..L+n-1."""
+    sharding = MeshRules.resolve(sharding)
+    chex.assert_rank(next_tokens, 2)
+    chex.assert_equal_shape_prefix([h_prev, next_tokens], 2)
+    n = next_tokens.shape[1]
+    positions = cache.lengths[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
+    rope_dim = cfg.qk_rope_head_dim if cfg.attention_type == "mla" else cfg.head_dim
+    cos, sin = rope_cos_sin(positions, rope_dim, cfg)
+    ctx = {"cos": cos, "sin": sin, "cache_lengths": cache.lengths}
+    mp = jax.tree.map(lambda x: x[module], params["mtp"])
+    layer_cache = {k: v[module] for k, v in cache.layers["mtp"].items()}
+    with jax.named_scope("mtp_cached"):
+        _, h_normed, _, _, layer_cache = mtp_block(
+            params, mp, h_prev, next_tokens, ctx, cfg, sharding, None, layer_cache
+        )
+    layers = {"mtp": {k: v.at[module].set(layer_cache[k]) for k, v in cache.layers["mtp"].items()}}
+    return h_normed, KVCache(layers, cache.lengths + n)
+
+
+def logits_of(params: dict, h_normed: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The shared output head on normed hidden states [..., embed] -> float32[..., vocab]."""
+    return _logits(params, h_normed, cfg)

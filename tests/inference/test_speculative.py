@@ -1,0 +1,335 @@
+"""MTP speculative decoding: greedy tokens, log-probabilities and routing equal the sampler's
+without speculation (MLA and GQA, staggered requests, a weight swap, the 8-device mesh); sampled
+tokens follow the exact distribution (the accept/resample rule against numpy, and the whole
+sampler against the model's distribution computed by full forwards); the cached MTP module equals
+the training forward; acceptance statistics on a model whose drafts are right by construction."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+import composer_jax as cj
+from composer_jax.inference.sampler import Request, Sampler
+from composer_jax.inference.sampling import SamplingParams, draw, processed_logprobs, token_uniforms
+from composer_jax.inference.speculative import SpecStats, verify_drafts
+from composer_jax.model.kv_cache import init_cache
+from composer_jax.model.params import path_str
+from composer_jax.model.transformer import logits_of, mtp_forward_cached
+
+MLA = cj.ModelConfig(num_layers=2, num_mtp_layers=1, max_position_embeddings=64)
+GQA = dataclasses.replace(
+    MLA,
+    attention_type="gqa",
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    score_func="softmax",
+    topk_method="greedy",
+    rope_interleave=False,
+)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+K = 2
+
+
+def _prompt(seed: int, n: int, vocab: int = MLA.vocab_size) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(0, vocab, n)]
+
+
+def _staggered() -> list[Request]:
+    # 5 requests of different prompt and output lengths through 2 slots: they join as others leave
+    return [
+        Request(_prompt(i, n), dataclasses.replace(GREEDY, max_tokens=m))
+        for i, (n, m) in enumerate([(5, 9), (11, 3), (3, 12), (17, 4), (8, 7)])
+    ]
+
+
+def _chi2_threshold(df: int) -> float:
+    return float(stats.chi2.ppf(1 - 1e-4, df))
+
+
+def _chi2(observed: np.ndarray, expected_p: np.ndarray) -> tuple[float, int]:
+    """Pearson's statistic of counts against probabilities; cells of probability 0 must be empty."""
+    n = observed.sum()
+    zero = expected_p <= 0
+    assert observed[zero].sum() == 0, "a token of probability 0 was emitted"
+    e = n * expected_p[~zero]
+    return float(((observed[~zero] - e) ** 2 / e).sum()), int((~zero).sum()) - 1
+
+
+# ------------------------------------------------------------------------------------------ greedy
+
+
+@pytest.mark.parametrize("cfg", [MLA, GQA], ids=["mla", "gqa"])
+def test_greedy_equals_the_sampler_without_speculation(cfg):
+    params = cj.init_params(cfg, jax.random.key(0))
+    ref = Sampler(params, cfg, slots=2, max_len=40).run(_staggered())
+    spec = Sampler(params, cfg, slots=2, max_len=40, speculative_tokens=K)
+    got = spec.run(_staggered())
+    for a, b in zip(got, ref):
+        assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+        assert a.routing is not None and b.routing is not None
+        np.testing.assert_array_equal(a.routing, b.routing)  # accepted tokens' routing from the verify pass
+        assert a.versions == b.versions
+    # one verify program and one prefill per bucket met (16 and 32 tokens), as without speculation
+    assert spec.compilations == 3
+    assert spec.spec_stats.steps > 0 and len(spec.spec_stats.acceptance_rate) == K
+
+
+def _perfect_drafter(cfg: cj.ModelConfig, key) -> dict:
+    """A model whose next token depends only on the current one, and an MTP module that computes
+    the same function of the token it is given: attention outputs and every MLP/expert down
+    projection are zero, so the main model's head sees RMSNorm(Emb(t)); eh_proj passes the token
+    embedding and drops the hidden state, so the MTP module's head sees RMSNorm(RMSNorm(Emb(t')))
+    = RMSNorm(Emb(t')) up to eps. Each draft is then the main model's prediction, at every depth."""
+    params = cj.init_params(cfg, key)
+    d = cfg.hidden_size
+
+    def zero_outputs(tree):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, x: jnp.zeros_like(x) if path_str(path).split("/")[-1] in ("o", "down", "shared_down") else x,
+            tree,
+        )
+
+    params = {k: zero_outputs(v) if k in ("dense_layers", "moe_layers", "mtp") else v for k, v in params.items()}
+    eh = jnp.concatenate([jnp.eye(d), jnp.zeros((d, d))], axis=0)
+    params["mtp"]["eh_proj"] = jnp.broadcast_to(eh, params["mtp"]["eh_proj"].shape)
+    return params
+
+
+def test_acceptance_statistics_of_a_drafter_that_is_always_right():
+    params = _perfect_drafter(MLA, jax.random.key(3))
+    k = 3
+    spec = Sampler(params, MLA, slots=2, max_len=40, speculative_tokens=k)
+    greedy_ref = Sampler(params, MLA, slots=2, max_len=40).run(_staggered())
+    got = spec.run(_staggered())
+    assert [c.tokens for c in got] == [c.tokens for c in greedy_ref]
+    st = spec.spec_stats
+    assert st.acceptance_rate == [1.0] * k  # every depth accepted, chained drafts included
+    # 12 + 9 + 7 + 4 + 3 tokens, the first of each from its prefill: 30 verified, 4 per full step;
+    # a request needing n more tokens takes ceil(n / 4) steps: 11 -> 3, 8 -> 2, 6 -> 2, 3 -> 1, 2 -> 1
+    assert st.steps == 9 and st.tokens == 4 * 9 and st.tokens_per_step == 4.0
+    # sampled: p and q agree to rounding, so every draft is accepted and, drafts being drawn with
+    # the non-speculative uniform of their position, the tokens are the non-speculative sampler's
+    sampled = [
+        Request(r.prompt, dataclasses.replace(r.params, temperature=0.8, seed=i)) for i, r in enumerate(_staggered())
+    ]
+    spec2 = Sampler(params, MLA, slots=2, max_len=40, speculative_tokens=k)
+    got = spec2.run(sampled)
+    ref = Sampler(params, MLA, slots=2, max_len=40).run(sampled)
+    assert [c.tokens for c in got] == [c.tokens for c in ref]
+    np.testing.assert_allclose(
+        np.concatenate([c.logprobs for c in got]), np.concatenate([c.logprobs for c in ref]), atol=1e-5
+    )
+    assert spec2.spec_stats.acceptance_rate == [1.0] * k
+    # a draft vocabulary holding every token greedy decoding can reach from these requests (the
+    # closure of their tokens under t -> the model's next token, a function of t alone here): the
+    # restricted head's arg-max is still the model's, so every draft is accepted
+    nxt = np.asarray(jnp.argmax(cj.forward(params, jnp.arange(MLA.vocab_size)[:, None], MLA).logits[:, 0], -1))
+    used = {t for c in greedy_ref for t in c.tokens}
+    while not {int(nxt[t]) for t in used} <= used:
+        used |= {int(nxt[t]) for t in used}
+    assert len(used) < MLA.vocab_size // 4  # a real restriction
+    spec3 = Sampler(params, MLA, slots=2, max_len=40, speculative_tokens=k, draft_vocab=sorted(used))
+    got = spec3.run(_staggered())
+    assert [c.tokens for c in got] == [c.tokens for c in greedy_ref]
+    assert spec3.spec_stats.acceptance_rate == [1.0] * k
+
+
+def test_spec_stats_counting_by_hand():
+    st = SpecStats.zeros(3)
+    st.add(np.array([0, 3, 1]))  # depth 1: 2 of 3 accepted, depth 2: 1 of 3, depth 3: 1 of 3
+    st.add(np.array([2]))
+    np.testing.assert_allclose(st.acceptance_rate, [3 / 4, 2 / 4, 1 / 4])
+    assert st.steps == 4 and st.tokens == (0 + 3 + 1 + 2) + 4 and st.tokens_per_step == 10 / 4
+
+
+def test_weight_swap_and_early_stop_with_speculation():
+    params = cj.init_params(MLA, jax.random.key(0))
+    other = jax.tree.map(lambda x: x * 1.5, params)
+    p = dataclasses.replace(GREEDY, max_tokens=10)
+    spec = Sampler(params, MLA, slots=2, max_len=40, speculative_tokens=K)
+    spec.submit(Request(_prompt(1, 5), p, id="a"))
+    spec.step()
+    spec.step()
+    running = spec._slot[0]
+    assert running is not None
+    before = len(running.tokens)
+    spec.update_weights(other, version=1)
+    (a,) = _finish(spec)
+    assert len(a.tokens) == 10 and a.versions == [0] * before + [1] * (10 - before)
+    # the same swap point without speculation: the same tokens (the cache of earlier tokens stays)
+    ref = Sampler(params, MLA, slots=2, max_len=40)
+    ref.submit(Request(_prompt(1, 5), p, id="a"))
+    while (s := ref._slot[0]) is None or len(s.tokens) < before:
+        ref.step()
+    ref.update_weights(other, version=1)
+    (b,) = _finish(ref)
+    assert a.tokens == b.tokens
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    # a stop token inside a step's accepted run ends the request there, as without speculation
+    (base,) = Sampler(params, MLA, slots=1, max_len=40).run([Request(_prompt(1, 5), p)])
+    stop = base.tokens[4]
+    with_stop = Request(_prompt(1, 5), dataclasses.replace(p, stop_token_ids=(stop,)))
+    (c,) = Sampler(params, MLA, slots=2, max_len=40, speculative_tokens=K).run([with_stop])
+    assert c.tokens == base.tokens[: base.tokens.index(stop) + 1] and c.finish_reason == "stop"
+
+
+def _finish(sampler: Sampler) -> list:
+    done = []
+    while sampler.busy:
+        done += sampler.step()
+    return done
+
+
+def test_sharded_speculative_sampler_gives_the_single_device_tokens():
+    mesh = cj.make_mesh(cj.MeshConfig(data=2, fsdp=2, tensor=2))
+    params = cj.init_params(MLA, jax.random.key(0))
+    sharded = cj.init_params(MLA, jax.random.key(0), mesh)
+    reqs = [
+        Request(_prompt(i, n), SamplingParams(temperature=t, max_tokens=6, seed=i))
+        for i, (n, t) in enumerate([(3, 0.0), (6, 1.0), (9, 0.0), (4, 0.7), (5, 1.0)])
+    ]
+    ref = Sampler(params, MLA, slots=4, max_len=24, speculative_tokens=K).run(reqs)
+    got = Sampler(sharded, MLA, slots=4, max_len=24, mesh=mesh, speculative_tokens=K).run(
+        [Request(r.prompt, r.params) for r in reqs]
+    )
+    for a, b in zip(got, ref):
+        assert a.tokens == b.tokens
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_refused_without_mtp_modules():
+    cfg = dataclasses.replace(MLA, num_mtp_layers=0)
+    with pytest.raises(ValueError, match="model.num_mtp_layers=0"):
+        Sampler(cj.init_params(cfg, jax.random.key(0)), cfg, slots=1, max_len=16, speculative_tokens=2)
+
+
+# ---------------------------------------------------------------------------- MTP cache numerics
+
+
+def test_cached_mtp_module_equals_the_training_forward():
+    cfg = dataclasses.replace(MLA, q_lora_rank=16)
+    params = cj.init_params(cfg, jax.random.key(4))
+    seq = jax.random.randint(jax.random.key(5), (2, 13), 0, cfg.vocab_size, jnp.int32)
+    full = cj.forward(params, seq, cfg)  # mtp_logits[0, :, j]: module 1 at j, given t_{j+1}
+    cache = init_cache(cfg, 2, 16, mtp_modules=1)
+    after = jnp.concatenate([seq[:, 1:], jnp.zeros((2, 1), jnp.int32)], axis=1)
+    logits = []
+    for a, b in [(0, 5), (5, 6), (6, 12)]:  # chunks, as prefill then verify windows append them
+        h, cache = mtp_forward_cached(params, full.hidden[:, a:b], after[:, a:b], cfg, cache)
+        logits.append(logits_of(params, h, cfg))
+    np.testing.assert_allclose(
+        np.asarray(jnp.concatenate(logits, axis=1)), np.asarray(full.mtp_logits[0, :, :12]), atol=1e-4, rtol=1e-4
+    )
+    assert np.asarray(cache.lengths).tolist() == [12, 12]
+
+
+# ---------------------------------------------------------------------------- distributions
+
+
+def _rule_outcomes(p, q, temperature: float, n: int):
+    """n independent verify steps of one slot each (seeds 0..n-1) with context-free distributions:
+    p float[k+1, V], q float[k, V]. Drafts are drawn from q as the sampler draws them."""
+    k = q.shape[0]
+    seeds = jnp.arange(n, dtype=jnp.uint32)
+    lengths = jnp.full((n,), 7, jnp.int32)
+    t = jnp.full((n,), temperature, jnp.float32)
+    q_lp = jnp.broadcast_to(jnp.log(jnp.asarray(q, jnp.float32)), (n, *q.shape))
+    p_lp = jnp.broadcast_to(jnp.log(jnp.asarray(p, jnp.float32)), (n, *p.shape))
+    drafts = jnp.stack([draw(q_lp[:, i], t, token_uniforms(seeds, lengths + i + 1)) for i in range(k)], 1)
+    accepted, tokens, logprobs = jax.jit(verify_drafts)(p_lp, q_lp, drafts, t, seeds, lengths)
+    return np.asarray(drafts), np.asarray(accepted), np.asarray(tokens), np.asarray(logprobs)
+
+
+def test_accept_resample_rule_gives_the_target_distribution():
+    # p and q far apart, each with a token the other cannot produce (as top-k / top-p leave them)
+    p = np.array(
+        [
+            [0.40, 0.30, 0.15, 0.10, 0.05, 0.00],
+            [0.05, 0.05, 0.10, 0.20, 0.25, 0.35],
+            [0.25, 0.00, 0.25, 0.25, 0.125, 0.125],
+        ]
+    )
+    q = np.array([[0.05, 0.10, 0.15, 0.20, 0.30, 0.20], [0.30, 0.30, 0.00, 0.20, 0.10, 0.10]])
+    n = 40_000
+    drafts, accepted, tokens, logprobs = _rule_outcomes(p, q, 1.0, n)
+    v = p.shape[1]
+    threshold = _chi2_threshold(v - 1)
+    # step i's token is p_i-distributed given the steps before it were accepted drafts
+    for i in range(3):
+        reached = accepted >= i
+        stat, _ = _chi2(np.bincount(tokens[reached, i], minlength=v), p[i])
+        assert stat < threshold, (i, stat, threshold)
+    np.testing.assert_allclose(logprobs[:, 0], np.log(p[0, tokens[:, 0]]), rtol=1e-6)
+    # acceptance at depth 1 is sum_x min(p, q) (Leviathan et al. sec. 3.1)
+    assert abs((accepted >= 1).mean() - np.minimum(p[0], q[0]).sum()) < 4 * np.sqrt(0.25 / n)
+    # power: the drafts themselves (what "always accept" would emit) fail the same test by far
+    stat, _ = _chi2(np.bincount(drafts[:, 0], minlength=v), np.where(p[0] > 0, p[0], 1e-12))
+    assert stat > 100 * threshold
+
+
+def test_accept_rule_greedy_by_hand():
+    # p's arg-max: 2 after the last token, 1 after draft 1, 3 after draft 2
+    p = np.full((1, 3, 4), 0.1)
+    p[0, 0, 2] = p[0, 1, 1] = p[0, 2, 3] = 0.7
+    q = np.full((1, 2, 4), 0.25)
+    p_lp, q_lp, t = jnp.log(jnp.asarray(p)), jnp.log(jnp.asarray(q)), jnp.zeros((1,))
+    seeds, lengths = jnp.zeros((1,), jnp.uint32), jnp.zeros((1,), jnp.int32)
+    for drafts, acc, toks in [([2, 1], 2, [2, 1, 3]), ([2, 0], 1, [2, 1, 0]), ([0, 1], 0, [2, 0, 0])]:
+        a, tokens, _ = verify_drafts(p_lp, q_lp, jnp.asarray([drafts], jnp.int32), t, seeds, lengths)
+        assert int(a[0]) == acc and np.asarray(tokens[0]).tolist() == toks
+
+
+def test_sampled_tokens_follow_the_model_distribution():
+    # a vocabulary of 8, peaked enough that the MTP module's guesses are far from the model's
+    cfg = dataclasses.replace(MLA, vocab_size=8, initializer_range=0.5)
+    params = cj.init_params(cfg, jax.random.key(7))
+    prompt = _prompt(2, 4, cfg.vocab_size)
+    sp = SamplingParams(temperature=0.9, top_k=6, max_tokens=3)
+    n = 1500
+    sampler = Sampler(params, cfg, slots=16, max_len=16, speculative_tokens=K)
+    done = sampler.run([Request(prompt, dataclasses.replace(sp, seed=s)) for s in range(n)])
+    toks = np.asarray([c.tokens for c in done])
+
+    # exact: the processed distribution after the prompt, and after prompt + x for every x
+    v = cfg.vocab_size
+    proc = lambda logits: np.exp(
+        np.asarray(
+            processed_logprobs(
+                logits,
+                jnp.full(logits.shape[:1], sp.temperature),
+                jnp.full(logits.shape[:1], sp.top_k),
+                jnp.ones(logits.shape[:1]),
+            )
+        )
+    ).astype(np.float64)
+    seqs = jnp.asarray([prompt + [x] for x in range(v)], jnp.int32)
+    out = cj.forward(params, seqs, cfg)
+    p0 = proc(out.logits[:1, len(prompt) - 1])[0]
+    p1 = proc(out.logits[:, -1])  # [x, y]: p(y | prompt, x)
+    joint = p0[:, None] * p1  # tokens 1 and 2 of every request: the second is speculative
+    stat, df = _chi2(np.bincount(toks[:, 0] * v + toks[:, 1], minlength=v * v).astype(float), joint.reshape(-1))
+    assert stat < _chi2_threshold(df), (stat, df)
+    # the third token (a draft verified after an accepted one, or a resample, or a bonus)
+    seqs2 = jnp.asarray([prompt + [x, y] for x in range(v) for y in range(v)], jnp.int32)
+    p2 = proc(cj.forward(params, seqs2, cfg).logits[:, -1]).reshape(v, v, v)
+    marg2 = np.einsum("xy,xyz->z", joint, p2)
+    stat, df = _chi2(np.bincount(toks[:, 2], minlength=v).astype(float), marg2)
+    assert stat < _chi2_threshold(df), (stat, df)
+    # power: emitting the drafts unverified ("always accept") gives token 2 the MTP module's
+    # distribution sum_x p0(x) q(. | x), whose expected statistic against the truth at this n is
+    # n * chi2-divergence; it must clear the threshold many times over
+    q1 = proc(out.mtp_logits[0, :, len(prompt) - 1])  # module 1 at the prompt's end, given x
+    wrong = p0 @ q1
+    marg1 = p0 @ p1
+    kept = marg1 > 0
+    divergence = n * (((wrong - marg1)[kept]) ** 2 / marg1[kept]).sum() + (n if (wrong[~kept] > 0.01).any() else 0)
+    assert divergence > 10 * _chi2_threshold(v - 1), divergence
+    assert 0 < sampler.spec_stats.acceptance_rate[0] < 1
