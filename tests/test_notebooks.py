@@ -106,7 +106,46 @@ def _check_02_rl_objective(ns: dict, printed: str) -> None:
     assert "length_penalty     -0.4000" in printed
 
 
-CHECKS = {"01_model_tour.ipynb": _check_01_model_tour, "02_rl_objective.ipynb": _check_02_rl_objective}
+def _check_03_one_rollout(ns: dict, printed: str) -> None:
+    if not ns["sandbox"]:
+        assert "bubblewrap sandbox available: False" in printed
+        pytest.skip("bubblewrap (bwrap) is not installed: the notebook's rollouts did not run")
+    # the random model: one turn of max_turn_tokens=24 without its stop token (finish "length"),
+    # every generated token recorded with a log-probability, version 0 and top-2 experts
+    r = ns["random_rollout"]
+    gen = r.generations[0]
+    mask = np.asarray(gen.loss_mask)
+    if r.finish_reason == "length":
+        assert mask.sum() == 24 == gen.generated
+    assert mask.sum() == gen.generated and len(gen.tokens) == len(gen.logprobs) == len(gen.versions)
+    lp = np.asarray(gen.logprobs)[mask == 1]
+    assert np.all(lp <= 0) and np.all(np.isfinite(lp))
+    assert set(np.asarray(gen.versions)[mask == 1]) == {0} and gen.routing.shape == (len(gen.tokens), 1, 2)
+    # the scripted rollout: turn 1 = list_dir + grep (valid, run together) + an unknown tool; turn 2 answers
+    s = ns["rollout"]
+    roles = [m["role"] for m in s.generations[0].messages]
+    assert roles == ["system", "user", "assistant", "tool", "tool", "tool", "assistant"]
+    assert (s.finish_reason, s.turns, s.tool_calls, s.broken_tool_calls, s.parallel_tool_turns) == (
+        "answer",
+        2,
+        3,
+        1,
+        1,
+    )
+    assert "unknown tool 'read_fil'" in s.generations[0].messages[5]["content"]
+    # reward: grade 0; length penalty 0.1 * log(1 + 0.5 * 2) / 0.5 = 0.138629 (q = 1, x = 2 turns);
+    # one broken call at 0.05
+    b = ns["breakdown"]
+    assert b.grade == 0.0 and abs(b.length_penalty + 0.1 * math.log(2.0) / 0.5) < 1e-9
+    assert b.broken_tool_calls == -0.05 and abs(b.total - (-0.1 * math.log(2.0) / 0.5 - 0.05)) < 1e-9
+    assert "length_penalty     -0.1386" in printed
+
+
+CHECKS = {
+    "01_model_tour.ipynb": _check_01_model_tour,
+    "02_rl_objective.ipynb": _check_02_rl_objective,
+    "03_one_rollout.ipynb": _check_03_one_rollout,
+}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
