@@ -281,21 +281,7 @@ def sample_main(argv: list[str] | None = None) -> int:
     sampler = _new_sampler(policy, tok, mesh, min(len(gen.params), 8), max_len)(policy.params, 0)
     reqs = [Request(gen.prompts[c // gen.n], p, id=str(c)) for c, p in enumerate(gen.params)]
     done = sampler.run(reqs)
-    choices = [
-        api.build_choice(
-            gen,
-            c,
-            tok,
-            tokens=d.tokens,
-            logprobs=d.logprobs,
-            versions=d.versions,
-            finish_reason=d.finish_reason,
-            routing=d.routing,
-            prompt_len=len(d.prompt),
-            call_id_prefix=f"call_{c}",
-        )
-        for c, d in enumerate(done)
-    ]
+    choices = [api.completion_choice(gen, c, tok, d, f"call_{c}") for c, d in enumerate(done)]
     if args.json:
         used = api.usage(sum(len(p) for p in gen.prompts), sum(len(d.tokens) for d in done))
         print(json.dumps({"object": gen.kind, "choices": choices, "usage": used}, ensure_ascii=False, indent=1))

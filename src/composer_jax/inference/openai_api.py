@@ -426,6 +426,22 @@ def turn_of(tok: Tokenizer, tokens: Sequence[int], call_id_prefix: str) -> Assis
     return parse_assistant(tokens, tok, call_id_prefix=call_id_prefix)
 
 
+def completion_choice(gen: Generation, index: int, tok: Tokenizer, done: Any, call_id_prefix: str) -> dict:
+    """`build_choice` for a finished `inference.sampler.Completion`."""
+    return build_choice(
+        gen,
+        index,
+        tok,
+        tokens=done.tokens,
+        logprobs=done.logprobs,
+        versions=done.versions,
+        finish_reason=done.finish_reason,
+        routing=done.routing,
+        prompt_len=len(done.prompt),
+        call_id_prefix=call_id_prefix,
+    )
+
+
 def build_choice(
     gen: Generation,
     index: int,

@@ -224,18 +224,7 @@ class OpenAIServer:
                 c, done = index[ev.request_id], ev.completion
                 if done is None:
                     continue
-                choices[c] = api.build_choice(
-                    gen,
-                    c,
-                    self.tok,
-                    tokens=done.tokens,
-                    logprobs=done.logprobs,
-                    versions=done.versions,
-                    finish_reason=done.finish_reason,
-                    routing=done.routing,
-                    prompt_len=len(done.prompt),
-                    call_id_prefix=f"call_{rid[-8:]}_{c}",
-                )
+                choices[c] = api.completion_choice(gen, c, self.tok, done, f"call_{rid[-8:]}_{c}")
         finally:
             pending = [r for c, r in enumerate(ids) if c not in choices]
             if pending:
