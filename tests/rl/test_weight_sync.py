@@ -44,11 +44,14 @@ def _params(rng: np.random.Generator) -> dict:
 
 
 def _step(params: dict, rng: np.random.Generator, frac: float = 0.02, rel: float = 0.05) -> dict:
-    """Change a fraction `frac` of the floating entries by `rel` relative (specials kept)."""
+    """Change a fraction `frac` of the floating entries by `rel` relative; the NaN/inf/-0.0 leaves
+    are rolled by one (so a delta XORs special bit patterns with each other)."""
 
     def upd(a: np.ndarray) -> np.ndarray:
-        if a.ndim == 0 or a.size <= 8:
+        if a.ndim == 0:
             return a
+        if a.size <= 8:
+            return np.roll(a, 1)
         f = a.astype(np.float32)
         mask = rng.random(a.shape) < frac
         return np.where(mask, f * (1 + rel), f).astype(a.dtype)

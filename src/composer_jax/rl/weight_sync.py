@@ -329,9 +329,20 @@ def _read_leaves(store: _Store, manifest: dict, base_bits: dict[str, np.ndarray]
     version, out = manifest["version"], {}
     vdir = _vdir(version)
     for lf in manifest["leaves"]:
-        path, dtype, shape = lf["path"], _dtype_from_name(lf["dtype"]), tuple(lf["shape"])
         try:
-            stored = store.read_array(vdir + lf["key"])
+            path, dtype, shape, key, want = (
+                lf["path"],
+                _dtype_from_name(lf["dtype"]),
+                tuple(lf["shape"]),
+                lf["key"],
+                lf["sha256"],
+            )
+        except (KeyError, TypeError) as e:
+            raise WeightSyncError(
+                f"manifest of version {version} in {store.url} has a malformed leaf entry {lf!r}"
+            ) from e
+        try:
+            stored = store.read_array(vdir + key)
         except Exception as e:
             raise WeightSyncError(f"leaf {path!r} of version {version} in {store.url} cannot be read: {e}") from e
         if stored.shape != shape or stored.dtype != _UINT[dtype.itemsize]:
@@ -346,7 +357,7 @@ def _read_leaves(store: _Store, manifest: dict, base_bits: dict[str, np.ndarray]
                 )
             stored = stored ^ base_bits[path]
         arr = stored.view(dtype)
-        if _sha256(arr) != lf["sha256"]:
+        if _sha256(arr) != want:
             raise WeightSyncError(
                 f"checksum mismatch for leaf {path!r} of version {version} ({manifest['kind']}) in {store.url}"
             )
