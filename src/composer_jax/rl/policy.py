@@ -57,6 +57,11 @@ class TurnRequest:
     top_k: int = 0
 
 
+class SamplerUnavailable(RuntimeError):
+    """The policy's sampler cannot serve (a dead or unreachable sampler process, a closed engine).
+    The rollout in flight is not scored: the caller redoes it on another sampler."""
+
+
 class Policy(Protocol):
     max_context: int  # the most tokens one generation may hold (prompt + generated)
 
