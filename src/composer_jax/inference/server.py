@@ -14,8 +14,9 @@ swaps it in between two decode steps (running requests continue; each token keep
 produced it). Served version numbers are the published ones. /health reports the store, the last
 error reading it and the last fallback (a bad version replaced by an older one).
 
-Requests and responses: `openai_api.py` (extension fields: top_k, return_routing; token_ids,
-token_versions, routed_experts, malformed_tool_calls). Errors: `{"error": {"message", "type",
+Requests and responses: `openai_api.py` (extension fields: top_k, return_routing,
+return_prompt_routing, stop_token_ids, ignore_eos; token_ids, token_versions, routed_experts,
+prompt_routed_experts, malformed_tool_calls). Errors: `{"error": {"message", "type",
 "param", "code"}}` with a 4xx status for a bad request, 401 without the key, 429 when the engine
 is full, 500 when the engine failed the request (the server keeps serving).
 
@@ -389,6 +390,8 @@ class OpenAIServer:
                 choice["finish_reason"] = reason
                 if gen.return_routing:
                     choice["routed_experts"] = api.routing_field(done.routing, len(done.prompt))
+                if gen.return_prompt_routing:
+                    choice["prompt_routed_experts"] = api.prompt_routing_field(done.routing, len(done.prompt))
                 finished.add(c)
                 yield chunk([choice])
             else:
