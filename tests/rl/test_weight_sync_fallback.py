@@ -36,8 +36,11 @@ def _versions(n: int, seed: int = 0) -> list[dict]:
     return out
 
 
-def _publish(url: str, trees: list[dict], force_base: tuple[int, ...] = ()) -> None:
-    pub = WeightPublisher(url, new_base_fraction=1e9)
+MODES = pytest.mark.parametrize("mode", ["previous", "base"])
+
+
+def _publish(url: str, trees: list[dict], force_base: tuple[int, ...] = (), mode: str = "previous") -> None:
+    pub = WeightPublisher(url, new_base_fraction=1e9, delta_against=mode)
     for v, t in enumerate(trees):
         pub.publish(t, v, force_base=v in force_base)
 
@@ -60,9 +63,10 @@ def _chunks(root: Path, version: int, path: str) -> list[Path]:
     return [f for f in _leaf_dir(root, version, path).rglob("*") if f.is_file() and f.name != "zarr.json"]
 
 
-def test_corrupted_delta_falls_back_to_the_version_before(tmp_path: Path) -> None:
+@MODES
+def test_corrupted_delta_falls_back_to_the_version_before(tmp_path: Path, mode: str) -> None:
     root, trees = tmp_path / "s", _versions(4)
-    _publish(f"file://{root}", trees)
+    _publish(f"file://{root}", trees, mode=mode)
     _flip_bit(root, 3, "blk/w")
     sub = WeightSubscriber(f"file://{root}", retry_delay_s=0)
     with pytest.raises(WeightSyncError, match=r"checksum mismatch for leaf 'blk/w' of version 3"):
@@ -75,16 +79,19 @@ def test_corrupted_delta_falls_back_to_the_version_before(tmp_path: Path) -> Non
     assert sub.read(1)[0] == 1 and sub.last_fallback is None
 
 
-def test_deleted_delta_chunk_and_manifest_fall_back(tmp_path: Path) -> None:
+@MODES
+def test_deleted_delta_chunk_and_manifest_fall_back(tmp_path: Path, mode: str) -> None:
     root, trees = tmp_path / "s", _versions(4, seed=1)
-    _publish(f"file://{root}", trees)
+    _publish(f"file://{root}", trees, mode=mode)
     for f in _chunks(root, 3, "embed"):
         f.unlink()
     (root / "versions" / "00000002" / "manifest.json").unlink()
     sub = WeightSubscriber(f"file://{root}", retry_delay_s=0)
     v, got = sub.read()  # 3 lacks a chunk (reads as fill value 0: checksum), 2 lacks its manifest
     assert v == 1 and tree_sha256(got) == tree_sha256(trees[1])
-    assert "'embed' of version 3" in (sub.last_fallback or "")
+    # a chain meets the missing parent 2 first; a star (deltas on the base) reads 3's leaves first
+    first = "version 2 is not in" if mode == "previous" else "'embed' of version 3"
+    assert first in (sub.last_fallback or "")
 
 
 def test_retry_reads_the_same_version_when_the_store_recovers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -110,10 +117,11 @@ def test_retry_reads_the_same_version_when_the_store_recovers(tmp_path: Path, mo
     assert "second try" in (sub.last_fallback or "")
 
 
-def test_corrupted_base_chunk_falls_back_past_its_deltas(tmp_path: Path) -> None:
-    # versions 0 (base), 1 (delta on 0), 2 (base), 3, 4 (deltas on 2)
+@MODES
+def test_corrupted_base_chunk_falls_back_past_its_deltas(tmp_path: Path, mode: str) -> None:
+    # versions 0 (base), 1 (delta on 0), 2 (base), 3, 4 (deltas after 2)
     root, trees = tmp_path / "s", _versions(5, seed=3)
-    _publish(f"file://{root}", trees, force_base=(2,))
+    _publish(f"file://{root}", trees, force_base=(2,), mode=mode)
     assert WeightSubscriber(f"file://{root}").manifest(4)["base_version"] == 2
     _flip_bit(root, 2, "embed")
     sub = WeightSubscriber(f"file://{root}", retry_delay_s=0)
@@ -136,3 +144,24 @@ def test_nothing_readable_raises_naming_version_and_leaf(tmp_path: Path) -> None
 def test_retry_delay_checked() -> None:
     with pytest.raises(WeightSyncError, match=r"retry_delay_s=-1; accepted: a number >= 0"):
         WeightSubscriber("memory://x/", retry_delay_s=-1)
+
+
+@MODES
+def test_chain_and_star_deltas_round_trip_through_late_joiners_and_reopen(tmp_path: Path, mode: str) -> None:
+    url, trees = f"file://{tmp_path}/s", _versions(7, seed=5)
+    pub = WeightPublisher(url, new_base_fraction=1e9, delta_against=mode)
+    for v in range(4):
+        pub.publish(trees[v], v)
+    pub = WeightPublisher(url, new_base_fraction=1e9, delta_against=mode)  # a restarted trainer continues
+    for v in range(4, 7):
+        pub.publish(trees[v], v)
+    sub = WeightSubscriber(url)
+    parents = [sub.manifest(v)["parent_version"] for v in range(1, 7)]
+    assert parents == ([0, 1, 2, 3, 4, 5] if mode == "previous" else [0] * 6)
+    follower = WeightSubscriber(url)
+    for v in range(7):  # one that follows every version, and late joiners at every version
+        assert tree_sha256(follower.read(v)[1]) == tree_sha256(trees[v])
+        assert tree_sha256(WeightSubscriber(url).read(v)[1]) == tree_sha256(trees[v])
+    assert tree_sha256(follower.read(2)[1]) == tree_sha256(trees[2])  # going back reads from the base
+    with pytest.raises(WeightSyncError, match=r"delta_against='next'; accepted: 'previous' or 'base'"):
+        WeightPublisher(url, delta_against="next")

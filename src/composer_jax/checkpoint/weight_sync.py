@@ -3,18 +3,22 @@
 A `WeightPublisher` writes each policy version of a parameter pytree (nested dicts of arrays) to a
 kvstore given by URL (``file://DIR`` by default, or any tensorstore kvstore URL: ``gs://``,
 ``s3://``, ``memory://``). A version is either a *base* (the raw bit patterns of every leaf) or a
-*delta* against the latest base: the bit patterns viewed as same-width unsigned ints XOR-ed with the
-base's. Both are stored as zarr3 arrays with the zstd codec, so a small update (most high bits equal)
+*delta* against a parent version: the bit patterns viewed as same-width unsigned ints XOR-ed with the
+parent's. The parent is the previous version (`delta_against="previous"`, the default: a chain of
+deltas back to the latest base, each as small as one step's change) or the latest base
+(`delta_against="base"`: one delta to read after the base, but it grows with every step since the
+base). Both are stored as zarr3 arrays with the zstd codec, so a small update (most bits equal)
 compresses well. Layout under the URL::
 
-    versions/00000007/manifest.json       version, kind, base_version, leaves (path, dtype, shape,
-                                          sha256 of the reconstructed bytes, stored_bytes)
+    versions/00000007/manifest.json       version, kind, base_version, parent_version, leaves (path,
+                                          dtype, shape, sha256 of the reconstructed bytes, stored_bytes)
     versions/00000007/leaves/<i>/...      one zarr3 array per leaf (uint bits or XOR bits)
     latest                                {"version": 7}, written last
 
 The manifest is written after every leaf and ``latest`` after the manifest, so a reader that
 follows ``latest`` never sees a half-written version. A new base is written once the stored bytes of
-the deltas since the latest base reach ``new_base_fraction`` of the base's stored bytes.
+the deltas since the latest base reach ``new_base_fraction`` of the base's stored bytes (which also
+bounds what a subscriber joining late reads: the base plus at most that fraction of it).
 
 A `WeightSubscriber` (in any process or host) reads the latest or a given version and reconstructs
 the pytree bit-exactly, checking every leaf's sha256 (`WeightSyncError` names the leaf and version);
@@ -214,13 +218,20 @@ class WeightPublisher:
 
     `new_base_fraction`: a new base is written when the stored bytes of the deltas since the latest
     base reach this fraction of the base's stored bytes (> 0; 0 is not accepted, use
-    `publish(..., force_base=True)`). Reopening a URL that holds versions continues after the latest.
-    `context`: a tensorstore Context shared with subscribers in the same process (needed for
-    ``memory://``, whose store lives in the context).
+    `publish(..., force_base=True)`). `delta_against`: "previous" (each delta XORs the version before
+    it) or "base" (each delta XORs the latest base; module docstring). Reopening a URL that holds
+    versions continues after the latest. `context`: a tensorstore Context shared with subscribers in
+    the same process (needed for ``memory://``, whose store lives in the context).
     """
 
     def __init__(
-        self, url: str, *, new_base_fraction: float = 0.5, zstd_level: int = 3, context: ts.Context | None = None
+        self,
+        url: str,
+        *,
+        new_base_fraction: float = 0.5,
+        delta_against: str = "previous",
+        zstd_level: int = 3,
+        context: ts.Context | None = None,
     ) -> None:
         if (
             isinstance(new_base_fraction, bool)
@@ -228,18 +239,22 @@ class WeightPublisher:
             or not new_base_fraction > 0
         ):
             raise WeightSyncError(f"new_base_fraction={new_base_fraction!r}; accepted: a number > 0")
+        if delta_against not in ("previous", "base"):
+            raise WeightSyncError(f"delta_against={delta_against!r}; accepted: 'previous' or 'base'")
         _check_level(zstd_level)
         self.new_base_fraction = float(new_base_fraction)
+        self.delta_against = delta_against
         self.store = _Store(url, context, zstd_level)
-        self._base: dict[str, np.ndarray] | None = None  # bits of the latest base, by leaf path
+        self._ref: dict[str, np.ndarray] | None = None  # bits of the version the next delta XORs
+        self._ref_version: int | None = None
         self._base_manifest: dict | None = None
         self._since_base = 0
         self.latest = self.store.latest()
         if self.latest is not None:
-            m = _read_manifest(self.store, self.latest)
-            base_v = m["base_version"]
+            base_v = int(_read_manifest(self.store, self.latest)["base_version"])
             self._base_manifest = _read_manifest(self.store, base_v)
-            self._base = {path: _bits(a) for path, a in _read_leaves(self.store, self._base_manifest, {}).items()}
+            self._ref_version = self.latest if delta_against == "previous" else base_v
+            self._ref = _Reader(self.store).bits(self._ref_version)
             self._since_base = sum(
                 _read_manifest(self.store, v)["stored_bytes"]
                 for v in self.store.versions()
@@ -260,14 +275,13 @@ class WeightPublisher:
         leaves = _flatten(params)
         if not leaves:
             raise WeightSyncError("params has no array leaves; nothing to publish")
-        base = self._base
+        ref, base_bm = self._ref, self._base_manifest
         layout_same = (
-            base is not None
-            and self._base_manifest is not None
+            ref is not None
+            and base_bm is not None
             and [(p, a.dtype.name, list(a.shape)) for p, a in leaves]
-            == [(lf["path"], lf["dtype"], lf["shape"]) for lf in self._base_manifest["leaves"]]
+            == [(lf["path"], lf["dtype"], lf["shape"]) for lf in base_bm["leaves"]]
         )
-        base_bm = self._base_manifest
         as_delta = (
             not force_base
             and layout_same
@@ -280,7 +294,7 @@ class WeightPublisher:
         for i, (path, arr) in enumerate(leaves):
             bits = _bits(arr)
             bits_by_path[path] = bits
-            stored = bits ^ base[path] if as_delta and base is not None else bits
+            stored = bits ^ ref[path] if as_delta and ref is not None else bits
             nbytes = self.store.write_array(f"{vdir}leaves/{i}/", stored)
             entries.append(
                 {
@@ -295,6 +309,7 @@ class WeightPublisher:
             )
         kind = "delta" if as_delta else "base"
         base_version = int(base_bm["version"]) if as_delta and base_bm is not None else version
+        parent_version = self._ref_version if as_delta and self._ref_version is not None else version
         raw_total = sum(int(e["raw_bytes"]) for e in entries)
         stored_total = sum(int(e["stored_bytes"]) for e in entries)
         manifest: dict[str, Any] = {
@@ -302,6 +317,7 @@ class WeightPublisher:
             "version": version,
             "kind": kind,
             "base_version": base_version,
+            "parent_version": parent_version,
             "raw_bytes": raw_total,
             "stored_bytes": stored_total,
             "leaves": entries,
@@ -312,7 +328,9 @@ class WeightPublisher:
         if as_delta:
             self._since_base += stored_total
         else:
-            self._base, self._base_manifest, self._since_base = bits_by_path, manifest, 0
+            self._base_manifest, self._since_base = manifest, 0
+        if not as_delta or self.delta_against == "previous":
+            self._ref, self._ref_version = {p: b.copy() for p, b in bits_by_path.items()}, version
         return PublishInfo(version, kind, base_version, raw_total, stored_total)
 
 
@@ -362,7 +380,7 @@ def _read_leaves(store: _Store, manifest: dict, base_bits: dict[str, np.ndarray]
         if manifest["kind"] == "delta":
             if path not in base_bits:
                 raise WeightSyncError(
-                    f"leaf {path!r} of version {version} has no counterpart in base version {manifest['base_version']}"
+                    f"leaf {path!r} of version {version} has no counterpart in its parent version {_parent(manifest)}"
                 )
             stored = stored ^ base_bits[path]
         arr = stored.view(dtype)
@@ -372,6 +390,57 @@ def _read_leaves(store: _Store, manifest: dict, base_bits: dict[str, np.ndarray]
             )
         out[path] = arr
     return out
+
+
+def _parent(m: dict) -> int:
+    """The version a delta XORs (format 1 manifests written before chains: the base)."""
+    parent = m.get("parent_version", m["base_version"])
+    if not isinstance(parent, int) or not 0 <= parent < m["version"]:
+        raise WeightSyncError(f"manifest of version {m['version']} names parent version {parent!r}")
+    return parent
+
+
+class _Reader:
+    """Reconstructs versions by following parents back to a base or a cached version. Caches the
+    bits of the latest base and of the last version read, so a subscriber following every version
+    reads one delta per version in either mode."""
+
+    def __init__(self, store: _Store) -> None:
+        self.store = store
+        self._cache: dict[int, dict[str, np.ndarray]] = {}
+        self._base: int | None = None
+
+    def forget(self) -> None:
+        self._cache, self._base = {}, None
+
+    def views(self, version: int) -> dict[str, np.ndarray]:
+        """version -> {leaf path: array in its dtype}, every leaf checksummed."""
+        chain: list[dict] = []
+        v: int | None = version
+        while v is not None and v not in self._cache:
+            m = _read_manifest(self.store, v)
+            chain.append(m)
+            v = None if m["kind"] == "base" else _parent(m)
+        bits = self._cache[v] if v is not None else {}
+        out: dict[str, np.ndarray] = {}
+        for m in reversed(chain):
+            out = _read_leaves(self.store, m, bits)
+            bits = {p: _bits(a) for p, a in out.items()}
+            if m["kind"] == "base":
+                self._base = int(m["version"])
+                self._cache = {self._base: bits}
+        if not chain:  # the cached version itself
+            out = {p: b.view(_dtype_from_name(lf["dtype"])) for p, b, lf in self._leaf_meta(version, bits)}
+        keep = {k: self._cache[k] for k in (self._base,) if k is not None and k in self._cache}
+        self._cache = {**keep, version: bits}
+        return out
+
+    def _leaf_meta(self, version: int, bits: dict[str, np.ndarray]) -> list[tuple[str, np.ndarray, dict]]:
+        m = _read_manifest(self.store, version)
+        return [(lf["path"], bits[lf["path"]], lf) for lf in m["leaves"]]
+
+    def bits(self, version: int) -> dict[str, np.ndarray]:
+        return {p: _bits(a).copy() for p, a in self.views(version).items()}
 
 
 class WeightSubscriber:
@@ -392,8 +461,7 @@ class WeightSubscriber:
             raise WeightSyncError(f"retry_delay_s={retry_delay_s!r}; accepted: a number >= 0")
         self.store = _Store(url, context, 3)
         self.retry_delay_s = float(retry_delay_s)
-        self._base_version: int | None = None
-        self._base_bits: dict[str, np.ndarray] = {}
+        self._reader = _Reader(self.store)
         self.last_fallback: str | None = None  # why the latest read returned another version, or None
 
     def latest_version(self) -> int | None:
@@ -428,7 +496,7 @@ class WeightSubscriber:
             if not fallback or latest is None or version > latest:  # never published: nothing to fall back for
                 raise
             failure = first
-        self._base_version, self._base_bits = None, {}
+        self._reader.forget()
         time.sleep(self.retry_delay_s)
         try:
             params = self._read_once(version)
@@ -441,25 +509,14 @@ class WeightSubscriber:
             try:
                 params = self._read_once(older)
             except WeightSyncError:
-                self._base_version, self._base_bits = None, {}
+                self._reader.forget()
                 continue
             self.last_fallback = f"version {version} failed twice ({failure}); read version {older} instead"
             return older, params
         raise WeightSyncError(f"version {version} failed twice and no earlier version reads: {failure}") from failure
 
     def _read_once(self, version: int) -> dict:
-        m = _read_manifest(self.store, version)
-        base_v = int(m["base_version"])
-        if m["kind"] == "delta" and self._base_version != base_v:
-            bm = _read_manifest(self.store, base_v)
-            if bm["kind"] != "base":
-                raise WeightSyncError(f"version {version} names base {base_v}, whose manifest says kind={bm['kind']!r}")
-            self._base_bits = {p: _bits(a) for p, a in _read_leaves(self.store, bm, {}).items()}
-            self._base_version = base_v
-        leaves = _read_leaves(self.store, m, self._base_bits)
-        if m["kind"] == "base":
-            self._base_bits, self._base_version = {p: _bits(a) for p, a in leaves.items()}, version
-        return _unflatten(leaves)
+        return _unflatten(self._reader.views(version))
 
 
 def tree_sha256(params: Any) -> str:
