@@ -18,8 +18,9 @@ Two measurements on the tiny model's parameters (configs/model/tiny.yaml, `compo
    base. Printed per version: kind, entries differing from its parent (the XOR's non-zeros), stored
    bytes (zarr metadata included: 53 zarr.json files, about 17 KB = 2.6% of this tiny model's bf16
    bytes, negligible for a large model) and their share of the raw bf16 model; then the mean stored
-   bytes per version over the run (bases included) as a share of the raw bf16 model, and whether
-   every read is bit-exact.
+   bytes per version over the run (bases included) as a share of the raw bf16 model, what a
+   subscriber that follows every version reads per version (in "previous" mode a new base also
+   gets a delta beside it, which followers read instead), and whether every read is bit-exact.
 
     PYTHONPATH=src .venv/bin/python bench/weight_sync.py [--url file:///tmp/ws] [--lrs 1e-3,1e-6]
         [--rl-lr 1e-6 --rl-versions 20 --new-base-fraction 0.5 --delta-against previous,base]
@@ -134,7 +135,8 @@ def _rl_run(params: dict, args: argparse.Namespace, mode: str) -> None:
         copy = to_bf16(jax.device_get(master))
         info = pub.publish(copy)
         ref_copy, total_stored, raw = copy, info.stored_bytes, info.raw_bytes
-        exact = True
+        exact, followed = True, 0
+        sub.read()
         print(
             f"RL run, deltas against the {mode} version: fp32 master + Adam lr={args.rl_lr:g}, bf16 copy published"
             " per step; raw bf16 model "
@@ -153,19 +155,22 @@ def _rl_run(params: dict, args: argparse.Namespace, mode: str) -> None:
                 changed = sum(a.size for a in _leaves(copy))
             if info.kind == "base" or mode == "previous":
                 ref_copy = copy
+            before = sub.bytes_read
             got_v, got = sub.read()
+            followed += sub.bytes_read - before
             ok = got_v == v and tree_sha256(got) == tree_sha256(copy)
             exact = exact and ok
             total = sum(a.size for a in _leaves(copy))
             print(
                 f"  version {v:3d} {info.kind:5s}: entries differing from its parent {changed / total:7.3%}; stored"
-                f" {info.stored_bytes / 1e6:.4f} MB = {info.stored_bytes / raw:6.2%} of the raw bf16 model;"
-                f" bit-exact {ok}"
+                f" {info.stored_bytes / 1e6:.4f} MB = {info.stored_bytes / raw:6.2%} of the raw bf16 model; a"
+                f" follower read {(sub.bytes_read - before) / raw:6.2%}; bit-exact {ok}"
             )
         mean = total_stored / (args.rl_versions + 1)
         print(
             f"RL run ({mode}): mean stored bytes per version (bases included) {mean / 1e6:.4f} MB ="
-            f" {mean / raw:.2%} of the raw bf16 model over {args.rl_versions + 1} versions; all reads bit-exact {exact}"
+            f" {mean / raw:.2%} of the raw bf16 model over {args.rl_versions + 1} versions; a subscriber following"
+            f" every version read {followed / args.rl_versions / raw:.2%} per version; all reads bit-exact {exact}"
         )
         if not exact:
             raise SystemExit("read-back is not bit-exact")

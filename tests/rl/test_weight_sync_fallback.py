@@ -165,3 +165,29 @@ def test_chain_and_star_deltas_round_trip_through_late_joiners_and_reopen(tmp_pa
     assert tree_sha256(follower.read(2)[1]) == tree_sha256(trees[2])  # going back reads from the base
     with pytest.raises(WeightSyncError, match=r"delta_against='next'; accepted: 'previous' or 'base'"):
         WeightPublisher(url, delta_against="next")
+
+
+def test_a_follower_reads_the_delta_beside_a_new_base(tmp_path: Path) -> None:
+    root, trees = tmp_path / "s", _versions(4, seed=6)
+    url = f"file://{root}"
+    pub = WeightPublisher(url, new_base_fraction=1e9)
+    infos = [pub.publish(t, v, force_base=v == 2) for v, t in enumerate(trees)]
+    assert infos[2].kind == "base" and 0 < infos[2].follower_bytes < infos[2].stored_bytes
+    assert infos[3].follower_bytes == infos[3].stored_bytes
+    follower = WeightSubscriber(url, retry_delay_s=0)
+    follower.read(1)
+    before = follower.bytes_read
+    assert tree_sha256(follower.read(2)[1]) == tree_sha256(trees[2])
+    assert follower.bytes_read - before == infos[2].follower_bytes  # the delta, not the base
+    late = WeightSubscriber(url)
+    assert tree_sha256(late.read(3)[1]) == tree_sha256(trees[3])
+    assert late.bytes_read == infos[2].stored_bytes + infos[3].stored_bytes  # the base, then 3's delta
+    # a bad delta beside the base: the retry reads the base itself
+    follower2 = WeightSubscriber(url, retry_delay_s=0)
+    follower2.read(1)
+    arr = ts.open({"driver": "zarr3", "kvstore": f"{url}/versions/00000002/delta/0/"}).result()
+    bits = arr.read().result()
+    bits.reshape(-1)[0] ^= 1
+    arr.write(bits).result()
+    v, got = follower2.read(2)
+    assert v == 2 and tree_sha256(got) == tree_sha256(trees[2]) and "second try" in (follower2.last_fallback or "")

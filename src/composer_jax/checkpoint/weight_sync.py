@@ -58,13 +58,16 @@ class WeightSyncError(ValueError):
 
 @dataclass(frozen=True)
 class PublishInfo:
-    """What `WeightPublisher.publish` wrote: the version, its kind, and raw vs stored bytes."""
+    """What `WeightPublisher.publish` wrote: the version, its kind, and raw vs stored bytes.
+    follower_bytes: what a subscriber holding the previous version reads to get this one (the delta;
+    for a base written with a delta beside it, that delta; else the base)."""
 
     version: int
     kind: str
     base_version: int
     raw_bytes: int
     stored_bytes: int
+    follower_bytes: int = 0
 
 
 def _dtype_from_name(name: str) -> np.dtype:
@@ -307,6 +310,14 @@ class WeightPublisher:
                     "stored_bytes": nbytes,
                 }
             )
+        beside: dict[str, Any] | None = None
+        if not as_delta and layout_same and self.delta_against == "previous" and ref is not None:
+            # a follower that holds the previous version reads this delta instead of the new base
+            keys, nbytes_total = [], 0
+            for i, (path, _) in enumerate(leaves):
+                keys.append(f"delta/{i}/")
+                nbytes_total += self.store.write_array(f"{vdir}delta/{i}/", bits_by_path[path] ^ ref[path])
+            beside = {"parent_version": self._ref_version, "keys": keys, "stored_bytes": nbytes_total}
         kind = "delta" if as_delta else "base"
         base_version = int(base_bm["version"]) if as_delta and base_bm is not None else version
         parent_version = self._ref_version if as_delta and self._ref_version is not None else version
@@ -322,6 +333,8 @@ class WeightPublisher:
             "stored_bytes": stored_total,
             "leaves": entries,
         }
+        if beside is not None:
+            manifest["delta"] = beside
         self.store.write_json(vdir + "manifest.json", manifest)
         self.store.write_json("latest", {"version": version})
         self.latest = version
@@ -331,7 +344,8 @@ class WeightPublisher:
             self._base_manifest, self._since_base = manifest, 0
         if not as_delta or self.delta_against == "previous":
             self._ref, self._ref_version = {p: b.copy() for p, b in bits_by_path.items()}, version
-        return PublishInfo(version, kind, base_version, raw_total, stored_total)
+        follower = beside["stored_bytes"] if beside is not None else stored_total
+        return PublishInfo(version, kind, base_version, raw_total, stored_total, follower)
 
 
 def _read_manifest(store: _Store, version: int) -> dict:
@@ -400,6 +414,22 @@ def _parent(m: dict) -> int:
     return parent
 
 
+def _beside_as_delta(m: dict, beside: dict) -> dict:
+    """A base's manifest read through the delta written beside it (same checksums)."""
+    keys = beside.get("keys")
+    if not isinstance(keys, list) or len(keys) != len(m["leaves"]):
+        raise WeightSyncError(f"manifest of version {m['version']} has a malformed 'delta' entry")
+    leaves = [{**lf, "key": k} for lf, k in zip(m["leaves"], keys, strict=True)]
+    return {
+        **m,
+        "kind": "delta",
+        "is_base": True,
+        "parent_version": beside["parent_version"],
+        "stored_bytes": beside.get("stored_bytes", 0),
+        "leaves": leaves,
+    }
+
+
 class _Reader:
     """Reconstructs versions by following parents back to a base or a cached version. Caches the
     bits of the latest base and of the last version read, so a subscriber following every version
@@ -409,6 +439,7 @@ class _Reader:
         self.store = store
         self._cache: dict[int, dict[str, np.ndarray]] = {}
         self._base: int | None = None
+        self.bytes_read = 0  # stored bytes of the leaves read so far
 
     def forget(self) -> None:
         self._cache, self._base = {}, None
@@ -419,6 +450,9 @@ class _Reader:
         v: int | None = version
         while v is not None and v not in self._cache:
             m = _read_manifest(self.store, v)
+            beside = m.get("delta") if m["kind"] == "base" else None
+            if isinstance(beside, dict) and beside.get("parent_version") in self._cache:
+                m = _beside_as_delta(m, beside)  # a base with a delta beside it, whose parent we hold
             chain.append(m)
             v = None if m["kind"] == "base" else _parent(m)
         bits = self._cache[v] if v is not None else {}
@@ -426,7 +460,8 @@ class _Reader:
         for m in reversed(chain):
             out = _read_leaves(self.store, m, bits)
             bits = {p: _bits(a) for p, a in out.items()}
-            if m["kind"] == "base":
+            self.bytes_read += int(m["stored_bytes"])
+            if m["kind"] == "base" or m.get("is_base"):
                 self._base = int(m["version"])
                 self._cache = {self._base: bits}
         if not chain:  # the cached version itself
@@ -463,6 +498,11 @@ class WeightSubscriber:
         self.retry_delay_s = float(retry_delay_s)
         self._reader = _Reader(self.store)
         self.last_fallback: str | None = None  # why the latest read returned another version, or None
+
+    @property
+    def bytes_read(self) -> int:
+        """Stored bytes of the leaves this subscriber has read (bases and deltas)."""
+        return self._reader.bytes_read
 
     def latest_version(self) -> int | None:
         """The version `latest` points at, or None for an empty store."""
