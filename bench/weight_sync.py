@@ -118,12 +118,12 @@ def _rl_run(params: dict, args: argparse.Namespace, mode: str) -> None:
     key = jax.random.key(1)
     leaves, treedef = jax.tree.flatten(master)
     keys = jax.random.split(key, len(leaves) + 1)
-    direction = treedef.unflatten([jax.random.normal(k, a.shape) for k, a in zip(keys[1:], leaves, strict=True)])
+    direction = jax.tree.unflatten(treedef, [jax.random.normal(k, a.shape) for k, a in zip(keys[1:], leaves, strict=True)])
 
     @jax.jit
     def step(master, state, key):
         ks = jax.random.split(key, len(leaves))
-        noise = treedef.unflatten([jax.random.normal(k, a.shape) for k, a in zip(ks, leaves, strict=True)])
+        noise = jax.tree.unflatten(treedef, [jax.random.normal(k, a.shape) for k, a in zip(ks, leaves, strict=True)])
         grads = jax.tree.map(lambda d, n: d + n, direction, noise)
         updates, state = opt.update(grads, state, master)
         return optax.apply_updates(master, updates), state
