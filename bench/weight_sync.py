@@ -118,7 +118,9 @@ def _rl_run(params: dict, args: argparse.Namespace, mode: str) -> None:
     key = jax.random.key(1)
     leaves, treedef = jax.tree.flatten(master)
     keys = jax.random.split(key, len(leaves) + 1)
-    direction = jax.tree.unflatten(treedef, [jax.random.normal(k, a.shape) for k, a in zip(keys[1:], leaves, strict=True)])
+    direction = jax.tree.unflatten(
+        treedef, [jax.random.normal(k, a.shape) for k, a in zip(keys[1:], leaves, strict=True)]
+    )
 
     @jax.jit
     def step(master, state, key):
