@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import jax
@@ -52,11 +55,25 @@ def checkpoint(tmp_path_factory):
 
 
 def _gone(pid: int) -> bool:
+    """No such process, or a zombie (dead, waiting for a parent that may not reap it)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
         return True
-    return False
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(d.name))
+    return out
 
 
 def _turn(url: str, key: str) -> list[int]:
@@ -113,3 +130,32 @@ def test_failed_start_is_reported_and_cleaned_up(checkpoint, tmp_path):
         LocalSamplers(checkpoint, 0)
     with pytest.raises(SamplerLaunchError, match="does not exist"):
         LocalSamplers(tmp_path / "nope", 1)
+
+
+LAUNCHER = """
+import sys, time
+from composer_jax.rl.launch import LocalSamplers
+with LocalSamplers(sys.argv[1], 1, log_dir=sys.argv[2]):
+    time.sleep(600)
+"""
+
+
+def test_replicas_die_with_a_killed_launcher(checkpoint, tmp_path):
+    # the launcher is SIGKILLed (no teardown runs) while its replica is still starting
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(checkpoint), str(tmp_path)])
+    try:
+        for _ in range(600):
+            kids = _children(launcher.pid)
+            if kids:
+                break
+            time.sleep(0.05)
+        assert kids, "the launcher started no replica"
+        time.sleep(1.0)
+    finally:
+        launcher.kill()
+        launcher.wait(10)
+    for _ in range(600):
+        if all(_gone(k) for k in kids):
+            break
+        time.sleep(0.05)
+    assert all(_gone(k) for k in kids)
