@@ -186,7 +186,7 @@ def test_pool_redoes_work_on_another_policy_and_drops_the_dead_one():
         pass
 
     dead, alive = Dies(), Lives()
-    pool = PolicyPool([dead, alive])  # type: ignore[list-item]
+    pool = PolicyPool([dead, alive])
     calls: list[object] = []
 
     async def work(p):
