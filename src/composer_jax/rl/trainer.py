@@ -1,17 +1,20 @@
-"""The synchronous learner: sample groups of rollouts, train one step on them, update the sampler.
+"""The learner: sample groups of rollouts, train steps on them, update the samplers.
 
-One step: `rl.groups_per_step` tasks (cycling through `rl.tasks`; a generated family `gen/NAME`
-gets a new seed per group), `rl.group_size` rollouts of each, all in flight at once through one
-continuous-batching sampler and the environment servers; rewards composed from the grade and the
-auxiliary terms; the batch built (`rl/batch.py`: one row per generation) and the RL objective
-(`rl/loss.py`) stepped by the pretraining step's code; then the new weights go into the sampler
-between two decode steps (`update_weights`, with the step number as the policy version). The
-asynchronous learner reuses all of this but the scheduling.
+Groups: `rl.group_size` rollouts of one task (`rl.tasks` in turn; a generated family `gen/NAME`
+gets a new seed per group), concurrent through the samplers (`make_policies`: the in-process
+continuous-batching sampler) and the environment servers; rewards composed from the grade and the
+auxiliary terms. The rollout queue (`rl/queue.py`) keeps groups sampling while the trainer steps,
+within `rl.max_staleness` policy versions; each finished group is persisted
+(`rl/rollout_store.py`) before it is queued. A step takes up to `rl.groups_per_step` whole groups
+that fit one batch (`train.batch_size` rows of `train.seq_len`; the rest wait), builds the batch
+(`rl/batch.py`: one row per generation), steps the RL objective (`rl/loss.py`) with the pretraining
+step's code in a worker thread, then hands the new weights to the samplers between two decode
+steps (`update_weights`, policy version = step) and publishes them to `rl.weight_store`.
+`rl.max_staleness: 0` is the synchronous learner: each step's groups are sampled by its weights.
 
-Groups whose generations do not all fit into one batch (`train.batch_size` rows of
-`train.seq_len`) wait for the next step, whole, so no rollout is lost and no group is split. The
-data position (groups consumed, groups waiting) is saved with every checkpoint: a resumed run
-samples the same tasks and seeds it would have.
+Checkpoints hold the group ids done (trained or dropped); a resumed run trains the persisted
+groups not done first, samples again those that were in flight (same id: same task and seeds),
+and never trains an id twice.
 """
 
 from __future__ import annotations
