@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import collections
 
+import jax
 import pytest
 from live_env import HAVE_BWRAP, REPO
 
+from composer_jax.checkpoint.manager import restore_params_only
 from composer_jax.config import load_config
+from composer_jax.model.params import abstract_params
 from composer_jax.rl import trainer
 from composer_jax.rl.policy import SamplerUnavailable
 from composer_jax.rl.rollout_store import GroupStore
+from composer_jax.rl.weight_sync import WeightSubscriber, tree_sha256
+from composer_jax.sharding import ShardingRules, make_mesh
 
 pytestmark = pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap (bwrap) is not installed; `make system-deps`")
 
@@ -45,7 +50,8 @@ class DiesAfter:
 def test_async_run_survives_a_dead_sampler_and_a_restart_training_each_group_once(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     out = tmp_path / "run"
-    base = [f"train.out_dir={out}", "train.steps=3", "rl.eval_tasks=[]"]
+    store_url = f"file://{tmp_path / 'weights'}"
+    base = [f"train.out_dir={out}", "train.steps=3", "rl.eval_tasks=[]", f"rl.weight_store={store_url}"]
     dying: list[DiesAfter] = []
     make_policies, sample_group = trainer.make_policies, trainer.sample_group
 
@@ -96,4 +102,11 @@ def test_async_run_survives_a_dead_sampler_and_a_restart_training_each_group_onc
     assert len(trained_first + trained_second) == 6 and max(uses.values()) == 1, uses
     # every persisted group was trained or dropped; every trained or dropped group's file is gone
     assert set(persisted) <= set(uses) and not set(store.indices()) & set(uses)
+    # every version went to the weight store, the last one bit-exactly the trained weights
+    sub = WeightSubscriber(store_url)
+    assert sub.versions() == [0, 1, 2, 3]
+    params = restore_params_only(
+        out / "checkpoints", abstract_params(cfg.model, make_mesh(cfg.mesh), ShardingRules.create())
+    )
+    assert tree_sha256(sub.read(3)[1]) == tree_sha256(jax.device_get(params))
     print("trained:", first["trained_groups"], second["trained_groups"], "persisted (id: version):", persisted)

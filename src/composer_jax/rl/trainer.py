@@ -430,15 +430,16 @@ async def _run(
                 )
                 if r.eval_every and n % r.eval_every == 0 and n != t.steps:
                     await run_eval(n)
+                if covered and (n % ckpt_cfg.save_every == 0 or n == t.steps):
+                    checkpointer.wait()  # the earlier save is committed: the files it covers can go
+                    store.remove([i for _, ids in covered for i in ids])
+                    covered = []
                 data_state = {"next_group": queue.next_index, "done": done.state()}
                 if checkpointer.save(n, state, data_state=data_state, config=run_config, force=n == t.steps):
                     covered.append((n, pending_files))
                     pending_files = []
-                    # files of groups an earlier, now committed, checkpoint covers
-                    while len(covered) > 1:
-                        checkpointer.wait()
-                        store.remove(covered.pop(0)[1])
                 ran += 1
+                summary["wall_s"] = time.perf_counter() - t_run  # of the step loop
                 if stop_after is not None and ran >= stop_after:
                     summary["stopped_at"] = n
                     break
@@ -452,9 +453,9 @@ async def _run(
         store.remove(ids)
     checkpointer.close()
     logger.close()
+    summary.setdefault("wall_s", 0.0)
     # the share of the trainer's loop spent waiting for groups (not training, publishing, updating)
     summary["trainer_idle_fraction"] = waited / (waited + busy) if waited + busy > 0 else 0.0
-    summary["wall_s"] = time.perf_counter() - t_run
     summary["final_step"] = t.steps
     summary["checkpoint_dir"] = ckpt_cfg.directory
     return summary
