@@ -19,7 +19,7 @@ def test_rl_cli_stops_resumes_and_eval_reads_its_checkpoint(tmp_path, capsys, mo
     out = tmp_path / "run"
     assert rl_main(["--config", CONFIG, f"train.out_dir={out}", "--stop-after", "1"]) == 0
     first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert first["final_step"] == 1 and first["rollout/groups"] == 2.0
+    assert first["final_step"] == 1 and first["rollout/groups"] == 2.0 and first["dropped_stale_groups"] == 0
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert lines[0]["step"] == 0 and "eval/pass@1" in lines[0]  # the held-out evaluation at the start
     assert lines[1]["step"] == 1 and "mismatch_kl_k1" in lines[1] and "reward/total" in lines[1]

@@ -360,6 +360,9 @@ async def _run(
         client = await stack.enter_async_context(EnvClient(urls, token))
         for s in samplers:
             stack.push_async_callback(s.aclose)
+        for p in policies:  # policies over other processes hold connections
+            if callable(getattr(p, "aclose", None)):
+                stack.push_async_callback(p.aclose)  # type: ignore[attr-defined]
         stack.push_async_callback(queue.aclose)
 
         async def run_eval(step: int) -> None:
