@@ -93,8 +93,17 @@ class SimulatedSampler:
 
     def __init__(self, rng: random.Random, slow: set[int]):
         self.version, self.rng, self.slow = 0, rng, slow
+        self.running = self.most_running = 0
 
     async def sample(self, index: int, version: int) -> Group:
+        self.running += 1
+        self.most_running = max(self.most_running, self.running)
+        try:
+            return await self._sample(index)
+        finally:
+            self.running -= 1
+
+    async def _sample(self, index: int) -> Group:
         async def rollout() -> list[int]:
             vs = []
             for _ in range(self.rng.randint(2, 6) * (8 if index in self.slow else 1)):
@@ -141,7 +150,14 @@ def simulate(s: int, unit: str, *, steps=12, gps=3, ready=(), seed=0, in_flight=
             sim.version = k + 1
             q.advance(k + 1, len(groups))
         await q.aclose()
-        return {"trained": trained, "lags": lags, "dropped": dropped, "persisted": persisted, "q": q}
+        return {
+            "trained": trained,
+            "lags": lags,
+            "dropped": dropped,
+            "persisted": persisted,
+            "q": q,
+            "most_running": sim.most_running,
+        }
 
     return asyncio.run(main())
 
@@ -174,7 +190,8 @@ def test_stale_persisted_groups_are_dropped_counted_and_replaced(unit):
 
 def test_in_flight_bound_is_kept():
     out = simulate(3, "token", in_flight=2, steps=6)
-    assert len(out["trained"]) == 18 and max(out["lags"]) <= 3
+    assert len(out["trained"]) == 18 and max(out["lags"]) <= 3 and out["most_running"] == 2
+    assert simulate(3, "token", steps=6)["most_running"] == 3 * 4  # default: (s + 1) x groups_per_step
 
 
 def test_pool_redoes_work_on_another_policy_and_drops_the_dead_one():
