@@ -19,15 +19,19 @@ def test_rl_cli_stops_resumes_and_eval_reads_its_checkpoint(tmp_path, capsys, mo
     out = tmp_path / "run"
     assert rl_main(["--config", CONFIG, f"train.out_dir={out}", "--stop-after", "1"]) == 0
     first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert first["final_step"] == 1 and first["rollout/groups"] == 2.0
+    assert first["final_step"] == 1 and first["rollout/groups"] == 2.0 and first["dropped_stale_groups"] == 0
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert lines[0]["step"] == 0 and "eval/pass@1" in lines[0]  # the held-out evaluation at the start
     assert lines[1]["step"] == 1 and "mismatch_kl_k1" in lines[1] and "reward/total" in lines[1]
+    # rl.max_staleness 0 (the default) is the synchronous learner: every token of the policy version trained
+    assert lines[1]["version_lag_max"] == 0 and lines[1]["staleness/max"] == 0 and lines[1]["staleness/groups_0"] == 2
+    assert lines[1]["rl/dropped_stale_groups"] == 0
 
     assert rl_main(["--config", CONFIG, f"train.out_dir={out}"]) == 0
     captured = capsys.readouterr().out
     assert "resumed from step 1" in captured and "at group 2" in captured
     assert json.loads(captured.strip().splitlines()[-1])["final_step"] == 2
+    assert not list((out / "rollouts").glob("group_*"))  # every trained group's file went with its checkpoint
 
     ev = tmp_path / "eval"
     args = ["--tasks", "tests/rl/fixtures/tasks", "--checkpoint", str(out / "checkpoints"), "--samples", "2"]

@@ -55,9 +55,23 @@ def test_overrides_reach_the_rl_section():
         ("rl.reward.length_penalty.x=chars", r"x='chars' is not accepted; accepted: one of 'tokens', 'turns'"),
         ("rl.reward.length_penalty.k=0", r"rl.reward.length_penalty.k=0.0: expected a number > 0.0"),
         ("rl.reward.style_penalty=-1", r"rl.reward.style_penalty=-1.0: expected a number >= 0.0"),
+        ("rl.staleness_unit=step", r"rl.staleness_unit='step' is not accepted; accepted: one of 'token', 'group'"),
+        ("rl.max_staleness=-1", r"rl.max_staleness=-1: expected an integer >= 0"),
+        ("rl.queue_size=-2", r"rl.queue_size=-2: expected an integer >= 0"),
+        ("rl.max_groups_in_flight=true", r"rl.max_groups_in_flight=True: expected an integer"),
+        ("rl.weight_store=/tmp/w", r"rl.weight_store='/tmp/w': expected a tensorstore kvstore URL"),
         ("rl.loss.clip_eps=0.2", r"unknown key 'rl.loss.clip_eps' \(did you mean 'clip_eps_low'\?\)"),
     ],
 )
 def test_bad_values_name_key_value_and_accepted(override, message):
     with pytest.raises(ConfigError, match=message):
         cj.load_config(TINY, [override], num_devices=None)
+
+
+def test_learner_refuses_a_queue_smaller_than_a_step():
+    from composer_jax.rl.trainer import check_config
+
+    over = ["rl.tasks=[t]", "rl.group_size=4", "train.batch_size=8", "train.seq_len=64", "agent.max_turn_tokens=16"]
+    check_config(cj.load_config(TINY, [*over, "rl.groups_per_step=2", "rl.queue_size=2"], num_devices=None))
+    with pytest.raises(ConfigError, match=r"rl.queue_size=1 cannot hold one step's rl.groups_per_step=2 groups"):
+        check_config(cj.load_config(TINY, [*over, "rl.groups_per_step=2", "rl.queue_size=1"], num_devices=None))

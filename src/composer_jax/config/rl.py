@@ -39,6 +39,7 @@ from composer_jax.errors import ConfigError
 ADVANTAGE_ESTIMATORS = ("drgrpo", "grpo")
 AGGREGATIONS = ("token_sum", "token_mean", "sequence_mean")
 LENGTH_MEASURES = ("tokens", "turns", "tool_calls")
+STALENESS_UNITS = ("token", "group")
 
 
 def _number(key: str, value: object, *, low: float | None = None, strict: bool = False) -> None:
@@ -178,6 +179,18 @@ class RLConfig:
     eval_samples: int = 4
     eval_seeds: int = 8
     eval_seed: int = 1_000_000
+    # the rollout queue (rl/queue.py): groups are trained at most max_staleness policy versions
+    # after the version that sampled them (0 = the synchronous learner), counted per token (the
+    # oldest policy token) or per group (the version the group started at); older groups are
+    # dropped whole. max_groups_in_flight bounds the groups being sampled at once and queue_size
+    # the finished groups waiting for the trainer (0 = only the staleness bound limits them).
+    max_staleness: int = 0
+    staleness_unit: str = "token"
+    max_groups_in_flight: int = 0
+    queue_size: int = 0
+    # a tensorstore kvstore URL (file://DIR, gs://...) each new policy version is published to for
+    # samplers in other processes (rl/weight_sync.py); empty = none
+    weight_store: str = ""
 
     def __post_init__(self) -> None:
         for name in ("tasks", "env_urls", "eval_tasks"):
@@ -189,10 +202,20 @@ class RLConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"rl.{name}={value!r}: expected an integer >= {low}")
-        for name in ("eval_every", "eval_samples", "eval_seeds"):
+        for name in ("eval_every", "eval_samples", "eval_seeds", "max_staleness", "max_groups_in_flight", "queue_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"rl.{name}={value!r}: expected an integer >= 0")
         bad = [u for u in self.env_urls if not u.startswith(("http://", "https://"))]
         if bad:
             raise ConfigError(f"rl.env_urls={list(self.env_urls)!r}: {bad[0]!r} is not an http:// or https:// URL")
+        if self.staleness_unit not in STALENESS_UNITS:
+            raise ConfigError(
+                f"rl.staleness_unit={self.staleness_unit!r} is not accepted; accepted: one of "
+                + ", ".join(repr(u) for u in STALENESS_UNITS)
+            )
+        if not isinstance(self.weight_store, str) or (self.weight_store and "://" not in self.weight_store):
+            raise ConfigError(
+                f"rl.weight_store={self.weight_store!r}: expected a tensorstore kvstore URL "
+                "(file://DIR, gs://BUCKET/PATH, ...) or empty for none"
+            )

@@ -53,7 +53,9 @@ def rl_main(argv: list[str] | None = None) -> int:
         json.dumps(
             {
                 "final_step": summary.get("stopped_at", summary["final_step"]),
-                **{k: last[k] for k in sorted(last) if k.startswith(("reward/", "rollout/"))},
+                "dropped_stale_groups": len(summary["dropped_stale_groups"]),
+                "trainer_idle_fraction": round(summary["trainer_idle_fraction"], 4),
+                **{k: last[k] for k in sorted(last) if k.startswith(("reward/", "rollout/", "staleness/"))},
             }
         )
     )

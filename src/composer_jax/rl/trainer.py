@@ -1,24 +1,27 @@
-"""The synchronous learner: sample groups of rollouts, train one step on them, update the sampler.
+"""The learner: sample groups of rollouts, train steps on them, update the samplers.
 
-One step: `rl.groups_per_step` tasks (cycling through `rl.tasks`; a generated family `gen/NAME`
-gets a new seed per group), `rl.group_size` rollouts of each, all in flight at once through one
-continuous-batching sampler and the environment servers; rewards composed from the grade and the
-auxiliary terms; the batch built (`rl/batch.py`: one row per generation) and the RL objective
-(`rl/loss.py`) stepped by the pretraining step's code; then the new weights go into the sampler
-between two decode steps (`update_weights`, with the step number as the policy version). The
-asynchronous learner reuses all of this but the scheduling.
+Groups: `rl.group_size` rollouts of one task (`rl.tasks` in turn; a generated family `gen/NAME`
+gets a new seed per group), concurrent through the samplers (`make_policies`: the in-process
+continuous-batching sampler) and the environment servers; rewards composed from the grade and the
+auxiliary terms. The rollout queue (`rl/queue.py`) keeps groups sampling while the trainer steps,
+within `rl.max_staleness` policy versions; each finished group is persisted
+(`rl/rollout_store.py`) before it is queued. A step takes up to `rl.groups_per_step` whole groups
+that fit one batch (`train.batch_size` rows of `train.seq_len`; the rest wait), builds the batch
+(`rl/batch.py`: one row per generation), steps the RL objective (`rl/loss.py`) with the pretraining
+step's code in a worker thread, then hands the new weights to the samplers between two decode
+steps (`update_weights`, policy version = step) and publishes them to `rl.weight_store`.
+`rl.max_staleness: 0` is the synchronous learner: each step's groups are sampled by its weights.
 
-Groups whose generations do not all fit into one batch (`train.batch_size` rows of
-`train.seq_len`) wait for the next step, whole, so no rollout is lost and no group is split. The
-data position (groups consumed, groups waiting) is saved with every checkpoint: a resumed run
-samples the same tasks and seeds it would have.
+Checkpoints hold the group ids done (trained or dropped); a resumed run trains the persisted
+groups not done first, samples again those that were in flight (same id: same task and seeds),
+and never trains an id twice.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
+import itertools
 import logging
 import os
 import time
@@ -41,8 +44,11 @@ from composer_jax.rl.agent import Rollout, RolloutFailed, run_rollout
 from composer_jax.rl.envs import LocalEnvServers
 from composer_jax.rl.evaluate import SUCCESS, TaskRef, report, sample_tasks
 from composer_jax.rl.loss import reference_logprobs, rl_objective
-from composer_jax.rl.policy import TokenPolicy
-from composer_jax.rl.rewards import RewardBreakdown, RolloutStats, compose_reward, mean_components
+from composer_jax.rl.policy import Policy, TokenPolicy
+from composer_jax.rl.queue import DoneIds, PolicyPool, RolloutQueue, staleness
+from composer_jax.rl.rewards import RolloutStats, compose_reward, mean_components
+from composer_jax.rl.rollout_store import Group, GroupStore, RolloutStoreError
+from composer_jax.rl.weight_sync import WeightPublisher
 from composer_jax.sharding import MeshRules, ShardingRules, make_mesh
 from composer_jax.train.loop import STAGE_CHANGEABLE, run_checkpoint_config, run_tokenizer
 from composer_jax.train.observe import Progress, RunLogger, scalars
@@ -50,21 +56,6 @@ from composer_jax.train.state import abstract_train_state, init_train_state
 from composer_jax.train.step import batch_sharding, make_train_step
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class Group:
-    """Rollouts of one task sampled together (their rewards' mean is the advantage baseline)."""
-
-    index: int  # position in the run's task stream (the group id)
-    task: TaskRef
-    rollouts: list[Rollout]
-    rewards: list[RewardBreakdown]
-    failed: int = 0  # rollouts whose environment failed on every attempt (not scored)
-
-    @property
-    def rows(self) -> int:
-        return sum(len(r.generations) for r in self.rollouts)
 
 
 def task_of(cfg: Config, index: int) -> TaskRef:
@@ -84,14 +75,19 @@ def rollout_stats(r: Rollout) -> RolloutStats:
     )
 
 
-async def sample_group(policy: TokenPolicy, client: EnvClient, cfg: Config, index: int) -> Group:
-    """`rl.group_size` rollouts of group `index`'s task, concurrently."""
+async def sample_group(policies: PolicyPool | Policy, client: EnvClient, cfg: Config, index: int) -> Group:
+    """`rl.group_size` rollouts of group `index`'s task, concurrently, spread over `policies` (a
+    rollout whose sampler becomes unavailable is redone on another)."""
     task, g = task_of(cfg, index), cfg.rl.group_size
+    pool = policies if isinstance(policies, PolicyPool) else PolicyPool([policies])
     seeds = [cfg.train.seed * 1_000_003 + index * g + i for i in range(g)]
-    results = await asyncio.gather(
-        *(run_rollout(policy, client, task.task_id, cfg.agent, seed=s, env_seed=task.env_seed) for s in seeds),
-        return_exceptions=True,
-    )
+
+    async def one(seed: int) -> Rollout:
+        return await pool.run(
+            lambda p: run_rollout(p, client, task.task_id, cfg.agent, seed=seed, env_seed=task.env_seed)
+        )
+
+    results = await asyncio.gather(*(one(s) for s in seeds), return_exceptions=True)
     done: list[Rollout] = []
     failed = 0
     for res in results:
@@ -133,27 +129,6 @@ def _copy(tree: Any) -> Any:
     return jax.tree.map(jnp.copy, tree)
 
 
-class _Batcher:
-    """Takes whole groups, in order, while their generations fit into one batch."""
-
-    def __init__(self, rows: int):
-        self.rows = rows
-        self.waiting: list[Group] = []
-
-    def take(self) -> list[Group]:
-        out, used = [], 0
-        while self.waiting and used + self.waiting[0].rows <= self.rows:
-            used += self.waiting[0].rows
-            out.append(self.waiting.pop(0))
-        if not out and self.waiting:
-            g = self.waiting[0]
-            raise ConfigError(
-                f"group {g.index} ({g.task.name}) has {g.rows} generations but a batch holds train.batch_size="
-                f"{self.rows} rows; raise train.batch_size to at least rl.group_size x (1 + agent.max_summaries)"
-            )
-        return out
-
-
 def check_config(cfg: Config) -> None:
     r, t, a = cfg.rl, cfg.train, cfg.agent
     if not r.tasks:
@@ -171,6 +146,32 @@ def check_config(cfg: Config) -> None:
         )
     if t.micro_batches > 1 and t.batch_size % t.micro_batches:
         raise ConfigError(f"train.batch_size={t.batch_size} must be divisible by train.micro_batches={t.micro_batches}")
+    if r.queue_size and r.queue_size < r.groups_per_step:
+        raise ConfigError(
+            f"rl.queue_size={r.queue_size} cannot hold one step's rl.groups_per_step={r.groups_per_step} groups; "
+            "give at least that, or 0 (bounded by the staleness only)"
+        )
+
+
+def make_policies(cfg: Config, params: Any, tok, *, version: int, mesh, rules) -> list[Policy]:
+    """The samplers rollouts are spread over: the in-process continuous-batching sampler (a
+    `TokenPolicy` on an `AsyncSampler`) holding `params` as policy `version`. Samplers in other
+    processes join this list (they follow `rl.weight_store`)."""
+    r, t = cfg.rl, cfg.train
+    sampler = AsyncSampler(
+        Sampler(params, cfg.model, slots=r.sampler_slots, max_len=t.seq_len, version=version, mesh=mesh, rules=rules)
+    )
+    return [TokenPolicy(sampler, tok)]
+
+
+def _in_process(policies: list[Policy]) -> list[AsyncSampler]:
+    """The in-process samplers behind `policies` (they take new weights by `update_weights`)."""
+    out: list[AsyncSampler] = []
+    for p in policies:
+        s = getattr(p, "sampler", None)
+        if isinstance(s, AsyncSampler) and s not in out:
+            out.append(s)
+    return out
 
 
 def run_rl(
@@ -182,11 +183,34 @@ def run_rl(
     stop_after: int | None = None,
 ) -> dict[str, Any]:
     """Train with RL for train.steps steps. Starts from the run's latest checkpoint when there is
-    one, else `init_params` (e.g. from a notebook), else train.init_from, else a fresh model.
+    one (and the groups persisted under the run directory it has not trained), else `init_params`
+    (e.g. from a notebook), else train.init_from, else a fresh model.
     stop_after: return once this many steps ran in this call (as a crash would, for resume tests).
-    Returns a summary: per-step values (`summary["steps"][n]`) and evaluations."""
+    Returns a summary: per-step values (`summary["steps"][n]`), the group ids each step trained
+    (`summary["trained_groups"][n]`), the dropped ones and the evaluations."""
     check_config(cfg)
     return asyncio.run(_run(cfg, mesh, init_params, echo, stop_after))
+
+
+def _resume_groups(
+    store: GroupStore, done: DoneIds, next_group: int, echo: Callable[[str], None]
+) -> tuple[list[Group], list[int], int]:
+    """The persisted groups not done yet (loaded), the ids that were in flight (re-sampled), and
+    one past the highest id used. Files of done groups are removed."""
+    ready: list[Group] = []
+    on_disk = store.indices()
+    store.remove([i for i in on_disk if i in done])
+    for i in on_disk:
+        if i in done:
+            continue
+        try:
+            ready.append(store.load(i))
+        except RolloutStoreError as exc:
+            echo(f"[rl] {exc}; group {i} is sampled again")
+    end = max([next_group, *(i + 1 for i in on_disk)])
+    have = {g.index for g in ready}
+    again = [i for i in range(done.below, end) if i not in done and i not in have]
+    return ready, again, end
 
 
 async def _run(
@@ -200,14 +224,15 @@ async def _run(
     ckpt_cfg = run_checkpoint_config(cfg)
     run_config = to_dict(cfg)
     checkpointer = TrainCheckpointer(ckpt_cfg)
-    next_group, start = 0, 0
-    batcher = _Batcher(t.batch_size)
+    store = GroupStore(out_dir / "rollouts")
+    next_group, start, done = 0, 0, DoneIds()
     if checkpointer.latest_step() is not None:
         restored = checkpointer.restore(abstract_train_state(cfg, mesh, rules), config=run_config)
         state, start = restored.train_state, restored.step
-        # groups sampled but not trained before the checkpoint are sampled again (same seeds)
-        next_group = int((restored.data_state or {}).get("next_group", 0))
-        echo(f"[rl] resumed from step {start} ({checkpointer.step_dir(start)}) at group {next_group}")
+        data_state = restored.data_state or {}
+        next_group = int(data_state.get("next_group", 0))
+        # runs saved before the queue: every group below next_group was trained
+        done = DoneIds.from_state(data_state["done"]) if "done" in data_state else DoneIds(next_group)
     elif init_params is not None:
         state = init_train_state(cfg, mesh, rules, init_params)
     elif t.init_from:
@@ -221,6 +246,12 @@ async def _run(
         echo(f"[rl] initialised from {t.init_from}")
     else:
         state = init_train_state(cfg, mesh, rules)
+    ready, again, end = _resume_groups(store, done, next_group, echo)
+    if start:
+        echo(
+            f"[rl] resumed from step {start} ({checkpointer.step_dir(start)}) at group {done.below}: "
+            f"{len(ready)} persisted group(s) to train, {len(again)} to sample again"
+        )
     objective = rl_objective(cfg)
     step_fn = make_train_step(cfg, mesh, rules, objective=objective)
     sharding = MeshRules(mesh, rules)
@@ -229,27 +260,96 @@ async def _run(
     if r.loss.kl_coef > 0:  # the frozen reference: the policy the run started from
         ref_params = _copy(state.params)
         ref_fn = jax.jit(lambda p, b: reference_logprobs(p, b, cfg, sharding))
+    publisher = WeightPublisher(r.weight_store) if r.weight_store else None
 
-    sampler = AsyncSampler(
-        Sampler(
-            _copy(state.params),
-            cfg.model,
-            slots=r.sampler_slots,
-            max_len=t.seq_len,
-            version=start,
-            mesh=mesh,
-            rules=rules,
-        )
-    )
-    policy = TokenPolicy(sampler, tok)
+    def publish(params: Any, version: int) -> None:
+        if publisher is None:
+            return
+        if publisher.latest is not None and version <= publisher.latest:
+            log.warning("rl.weight_store already holds version %d (from before a restart); not republished", version)
+            return
+        publisher.publish(jax.device_get(params), version)
+
+    policies = make_policies(cfg, _copy(state.params), tok, version=start, mesh=mesh, rules=rules)
+    pool = PolicyPool(policies)
+    samplers = _in_process(policies)
+    eval_policy = policies[0]
     logger = RunLogger(out_dir, "rl", t.tensorboard)
     progress = Progress(t.steps, start)
-    summary: dict[str, Any] = {"steps": {}, "evals": [], "start_step": start}
+    summary: dict[str, Any] = {
+        "steps": {},
+        "evals": [],
+        "start_step": start,
+        "trained_groups": {},
+        "dropped_stale_groups": [],
+        "lost_groups": [],
+    }
     eval_tasks = [
         TaskRef(name, r.eval_seed + i if name.startswith("gen/") else None)
         for name in r.eval_tasks
         for i in range(r.eval_seeds if name.startswith("gen/") else 1)
     ]
+
+    def train_step(state: Any, groups: list[Group], step: int) -> tuple[Any, dict[str, float], list, Any]:
+        """One step of the objective on `groups` (in a worker thread: the event loop keeps sampling)."""
+        with jax.set_mesh(mesh):
+            rollouts = [
+                rl_batch.ScoredRollout(g.index, b.total, [rl_batch.trained_part(x) for x in ro.generations])
+                for g in groups
+                for ro, b in zip(g.rollouts, g.rewards)
+            ]
+            host = rl_batch.build_batch(rollouts, cfg)
+            batch = {k: jax.device_put(v, b_sh) for k, v in host.items()}
+            if ref_fn is not None:
+                batch["ref_logprobs"] = ref_fn(ref_params, batch)
+            state, metrics = step_fn(state, batch)
+            params = _copy(state.params)
+            publish(params, step + 1)
+            return state, scalars(jax.device_get(metrics)), rollouts, params
+
+    def fits(taken: list[Group], g: Group) -> bool:
+        if g.rows > t.batch_size:
+            raise ConfigError(
+                f"group {g.index} ({g.task.name}) has {g.rows} generations but a batch holds train.batch_size="
+                f"{t.batch_size} rows; raise train.batch_size to at least rl.group_size x (1 + agent.max_summaries)"
+            )
+        return sum(x.rows for x in taken) + g.rows <= t.batch_size
+
+    async def sample(index: int, version: int) -> Group:
+        group = await sample_group(pool, client, cfg, index)
+        group.version = version
+        return group
+
+    async def persist(group: Group) -> None:
+        await asyncio.to_thread(store.save, group)
+
+    queue = RolloutQueue(
+        sample=sample,
+        persist=persist,
+        order=itertools.chain(again, itertools.count(end)),
+        ready=ready,
+        version=start,
+        groups_per_step=r.groups_per_step,
+        max_staleness=r.max_staleness,
+        unit=r.staleness_unit,
+        max_in_flight=r.max_groups_in_flight,
+        queue_size=r.queue_size,
+        budget=(t.steps - start) * r.groups_per_step,
+    )
+    queue.next_index = max(queue.next_index, end)
+    covered: list[tuple[int, list[int]]] = []  # (checkpoint step, group files it makes removable)
+    pending_files: list[int] = []  # done groups whose files wait for a checkpoint
+
+    def mark_done() -> list[int]:
+        """Ids the queue dropped or lost since the last call, marked done."""
+        out = []
+        for lst, key in ((queue.dropped_stale, "dropped_stale_groups"), (queue.lost, "lost_groups")):
+            while lst:
+                i = lst.pop(0)
+                done.add(i)
+                summary[key].append(i)
+                out.append(i)
+        return out
 
     async with contextlib.AsyncExitStack() as stack:
         if r.env_urls:
@@ -258,13 +358,18 @@ async def _run(
             urls, token = stack.enter_context(LocalEnvServers(r.tasks_dir, r.env_servers))
             echo(f"[rl] started {len(urls)} local environment server(s) on {r.tasks_dir}")
         client = await stack.enter_async_context(EnvClient(urls, token))
-        stack.push_async_callback(sampler.aclose)
+        for s in samplers:
+            stack.push_async_callback(s.aclose)
+        for p in policies:  # policies over other processes hold connections
+            if callable(getattr(p, "aclose", None)):
+                stack.push_async_callback(p.aclose)  # type: ignore[attr-defined]
+        stack.push_async_callback(queue.aclose)
 
         async def run_eval(step: int) -> None:
             if not eval_tasks:
                 return
             res = await sample_tasks(
-                policy, client, eval_tasks, r.eval_samples, cfg.agent, seed=10_000_019 + r.eval_seed
+                eval_policy, client, eval_tasks, r.eval_samples, cfg.agent, seed=10_000_019 + r.eval_seed
             )
             overall = report(res)["overall"]
             ev = {f"eval/{k}": v for k, v in overall.items()}
@@ -275,37 +380,49 @@ async def _run(
         with jax.set_mesh(mesh):
             if start == 0:
                 await run_eval(0)
-            ran = 0
+            if start < t.steps:
+                await asyncio.to_thread(publish, state.params, start)
+                queue.start()
+            ran, waited, busy, t_run = 0, 0.0, 0.0, time.perf_counter()
             for step in range(start, t.steps):
                 t0 = time.perf_counter()
-                while len(batcher.waiting) < r.groups_per_step:
-                    want = r.groups_per_step - len(batcher.waiting)
-                    new = await asyncio.gather(
-                        *(sample_group(policy, client, cfg, next_group + j) for j in range(want))
+                groups, stale = await queue.take(step, fits)
+                pending_files += mark_done()
+                if not groups:
+                    raise RuntimeError(
+                        f"step {step}: no group left to train (lost: {summary['lost_groups']}, dropped as stale: "
+                        f"{summary['dropped_stale_groups']}); see the warnings above"
                     )
-                    next_group += want
-                    # a group left with fewer than 2 scored rollouts has no advantage: dropped, logged
-                    batcher.waiting += [g for g in new if len(g.rollouts) >= 2]
-                t_sample = time.perf_counter() - t0
-                groups = batcher.take()
-                # the data position: the first group not trained yet (waiting ones are resampled on resume)
-                position = batcher.waiting[0].index if batcher.waiting else next_group
-                rollouts = [
-                    rl_batch.ScoredRollout(g.index, b.total, [rl_batch.trained_part(x) for x in ro.generations])
-                    for g in groups
-                    for ro, b in zip(g.rollouts, g.rewards)
-                ]
-                host = rl_batch.build_batch(rollouts, cfg)
-                batch = {k: jax.device_put(v, b_sh) for k, v in host.items()}
-                if ref_fn is not None:
-                    batch["ref_logprobs"] = ref_fn(ref_params, batch)
-                state, metrics = step_fn(state, batch)
+                lags = [staleness(g, step, r.staleness_unit) for g in groups]
+                t1 = time.perf_counter()
+                state, values, rollouts, params = await asyncio.to_thread(train_step, state, groups, step)
                 n = step + 1
-                sampler.update_weights(_copy(state.params), n)
-                values = scalars(jax.device_get(metrics))
+                for s in samplers:
+                    s.update_weights(params, n)
+                queue.advance(n, len(groups))
+                t2 = time.perf_counter()
+                waited, busy = waited + t1 - t0, busy + t2 - t1
+                for g in groups:
+                    done.add(g.index)
+                pending_files += [g.index for g in groups]
+                summary["trained_groups"][n] = [g.index for g in groups]
                 values.update(step_report(groups))
                 values.update(rl_batch.version_lag(rollouts, step))
-                values.update({"time/sample_s": t_sample, "time/step_s": time.perf_counter() - t0})
+                values.update(
+                    {
+                        "staleness/mean": float(np.mean(lags)),
+                        "staleness/max": float(max(lags)),
+                        **{f"staleness/groups_{d}": float(lags.count(d)) for d in range(r.max_staleness + 1)},
+                        "rl/dropped_stale_groups": float(len(summary["dropped_stale_groups"])),
+                        "queue/ready": float(len(queue.ready)),
+                        "queue/in_flight": float(len(queue.in_flight)),
+                        "time/wait_s": t1 - t0,
+                        "time/train_s": t2 - t1,
+                        "time/step_s": t2 - t0,
+                    }
+                )
+                if stale:
+                    echo(f"[rl] step {n}: dropped {len(stale)} stale group(s) {[g.index for g in stale]}")
                 summary["steps"][n] = values
                 if n % t.log_every == 0 or n == t.steps:
                     logger.log(n, values)
@@ -316,18 +433,32 @@ async def _run(
                 )
                 if r.eval_every and n % r.eval_every == 0 and n != t.steps:
                     await run_eval(n)
-                checkpointer.save(n, state, data_state={"next_group": position}, config=run_config, force=n == t.steps)
+                if covered and (n % ckpt_cfg.save_every == 0 or n == t.steps):
+                    checkpointer.wait()  # the earlier save is committed: the files it covers can go
+                    store.remove([i for _, ids in covered for i in ids])
+                    covered = []
+                data_state = {"next_group": queue.next_index, "done": done.state()}
+                if checkpointer.save(n, state, data_state=data_state, config=run_config, force=n == t.steps):
+                    covered.append((n, pending_files))
+                    pending_files = []
                 ran += 1
+                summary["wall_s"] = time.perf_counter() - t_run  # of the step loop
                 if stop_after is not None and ran >= stop_after:
                     summary["stopped_at"] = n
                     break
             else:
                 if t.steps > start:
+                    await queue.aclose()
                     await run_eval(t.steps)
     progress.close()
     checkpointer.wait()
+    for _, ids in covered:
+        store.remove(ids)
     checkpointer.close()
     logger.close()
+    summary.setdefault("wall_s", 0.0)
+    # the share of the trainer's loop spent waiting for groups (not training, publishing, updating)
+    summary["trainer_idle_fraction"] = waited / (waited + busy) if waited + busy > 0 else 0.0
     summary["final_step"] = t.steps
     summary["checkpoint_dir"] = ckpt_cfg.directory
     return summary
