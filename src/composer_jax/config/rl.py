@@ -40,6 +40,7 @@ ADVANTAGE_ESTIMATORS = ("drgrpo", "grpo")
 AGGREGATIONS = ("token_sum", "token_mean", "sequence_mean")
 LENGTH_MEASURES = ("tokens", "turns", "tool_calls")
 STALENESS_UNITS = ("token", "group")
+PUBLISH_DTYPES = ("", "bfloat16", "float32")
 
 
 def _number(key: str, value: object, *, low: float | None = None, strict: bool = False) -> None:
@@ -191,9 +192,23 @@ class RLConfig:
     # a tensorstore kvstore URL (file://DIR, gs://...) each new policy version is published to for
     # samplers in other processes (rl/weight_sync.py); empty = none
     weight_store: str = ""
+    # the dtype of the published copy: "" = as trained; "bfloat16" = a bf16 copy (smaller deltas:
+    # entries change only when an update crosses a bf16 rounding step; samplers then run in bf16)
+    publish_dtype: str = ""
+    # samplers in other processes (rl/remote_policy.py): the URLs of `composer-jax serve` replicas
+    # following rl.weight_store (bearer key from sampler_token or COMPOSER_JAX_SAMPLER_TOKEN), or
+    # local_samplers replicas started by the run itself as child processes (rl/launch.py; the
+    # weight store defaults to OUT_DIR/weight_store). Neither: the in-process sampler.
+    sampler_urls: tuple[str, ...] = ()
+    sampler_token: str = ""
+    local_samplers: int = 0
+    sampler_poll_s: float = 0.2  # how often a local replica looks for a new version
+    # pin the trainer's threads to the first core this process may use and local replica i to the
+    # (i+1)-th (as on separate accelerators); needs 1 + local_samplers cores
+    pin_cores: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("tasks", "env_urls", "eval_tasks"):
+        for name in ("tasks", "env_urls", "eval_tasks", "sampler_urls"):
             value = getattr(self, name)
             if isinstance(value, str):
                 value = (value,)
@@ -202,13 +217,44 @@ class RLConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"rl.{name}={value!r}: expected an integer >= {low}")
-        for name in ("eval_every", "eval_samples", "eval_seeds", "max_staleness", "max_groups_in_flight", "queue_size"):
+        for name in (
+            "eval_every",
+            "eval_samples",
+            "eval_seeds",
+            "max_staleness",
+            "max_groups_in_flight",
+            "queue_size",
+            "local_samplers",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"rl.{name}={value!r}: expected an integer >= 0")
-        bad = [u for u in self.env_urls if not u.startswith(("http://", "https://"))]
-        if bad:
-            raise ConfigError(f"rl.env_urls={list(self.env_urls)!r}: {bad[0]!r} is not an http:// or https:// URL")
+        for name in ("env_urls", "sampler_urls"):
+            urls = getattr(self, name)
+            bad = [u for u in urls if not isinstance(u, str) or not u.startswith(("http://", "https://"))]
+            if bad:
+                raise ConfigError(f"rl.{name}={list(urls)!r}: {bad[0]!r} is not an http:// or https:// URL")
+        if self.sampler_urls and self.local_samplers:
+            raise ConfigError(
+                f"rl.sampler_urls={list(self.sampler_urls)!r} and rl.local_samplers={self.local_samplers}: give one "
+                "(replicas to use, or the number to start), not both"
+            )
+        if self.sampler_urls and not self.weight_store:
+            raise ConfigError(
+                "rl.sampler_urls needs rl.weight_store: the URL the replicas follow for new policy versions "
+                "(the same one their `composer-jax serve --weights-from` names)"
+            )
+        if self.publish_dtype not in PUBLISH_DTYPES:
+            raise ConfigError(
+                f"rl.publish_dtype={self.publish_dtype!r} is not accepted; accepted: one of "
+                + ", ".join(repr(d) for d in PUBLISH_DTYPES)
+            )
+        if isinstance(self.sampler_poll_s, bool) or not isinstance(self.sampler_poll_s, int | float):
+            raise ConfigError(f"rl.sampler_poll_s={self.sampler_poll_s!r}: expected seconds > 0")
+        if not self.sampler_poll_s > 0:
+            raise ConfigError(f"rl.sampler_poll_s={self.sampler_poll_s!r}: expected seconds > 0")
+        if not isinstance(self.pin_cores, bool):
+            raise ConfigError(f"rl.pin_cores={self.pin_cores!r}: expected true or false")
         if self.staleness_unit not in STALENESS_UNITS:
             raise ConfigError(
                 f"rl.staleness_unit={self.staleness_unit!r} is not accepted; accepted: one of "

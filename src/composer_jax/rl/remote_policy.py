@@ -168,6 +168,30 @@ class RemoteTokenPolicy:
             )
         return tokens, logprobs, versions, rows
 
+    async def load_version(self, version: int, store_url: str | None = None) -> int:
+        """Have the replica serve `version` of its weight-sync store (`store_url`, default the one it
+        follows) from its next decode step on, through `POST /admin/load_weights`; returns once a
+        decode step ran with it (requests in flight continue). A replica already serving it or a
+        newer one (it polled first: 409) counts as done. SamplerUnavailable when it cannot."""
+        where = f"sampler {self.base_url}"
+        if self.closed:
+            raise SamplerUnavailable(f"{where}: this policy is closed")
+        body: dict[str, Any] = {"source": "weight_store", "version": int(version)}
+        if store_url:
+            body["url"] = store_url
+        try:
+            resp = await self.http.post(f"{self.base_url}/admin/load_weights", json=body)
+        except (httpx.TransportError, RuntimeError) as e:
+            raise SamplerUnavailable(f"{where}: loading version {version}: {type(e).__name__}: {e}") from e
+        if resp.status_code == 409:
+            return int(version)
+        if resp.status_code >= 400:
+            raise SamplerUnavailable(f"{where}: loading version {version}: HTTP {resp.status_code}: {resp.text[:500]}")
+        try:
+            return int(resp.json()["version"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise SamplerUnavailable(f"{where}: loading version {version}: malformed answer {resp.text[:300]}") from e
+
     async def aclose(self) -> None:
         self.closed = True
         await self.http.aclose()

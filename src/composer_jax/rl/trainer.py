@@ -2,14 +2,18 @@
 
 Groups: `rl.group_size` rollouts of one task (`rl.tasks` in turn; a generated family `gen/NAME`
 gets a new seed per group), concurrent through the samplers (`make_policies`: the in-process
-continuous-batching sampler) and the environment servers; rewards composed from the grade and the
+continuous-batching sampler, or `composer-jax serve` replicas in other processes - given by URL in
+`rl.sampler_urls`, or `rl.local_samplers` of them started by the run, optionally each pinned to its
+own core with the trainer on another) and the environment servers; rewards composed from the grade and the
 auxiliary terms. The rollout queue (`rl/queue.py`) keeps groups sampling while the trainer steps,
 within `rl.max_staleness` policy versions; each finished group is persisted
 (`rl/rollout_store.py`) before it is queued. A step takes up to `rl.groups_per_step` whole groups
 that fit one batch (`train.batch_size` rows of `train.seq_len`; the rest wait), builds the batch
 (`rl/batch.py`: one row per generation), steps the RL objective (`rl/loss.py`) with the pretraining
 step's code in a worker thread, then hands the new weights to the samplers between two decode
-steps (`update_weights`, policy version = step) and publishes them to `rl.weight_store`.
+steps (`update_weights`, policy version = step) and publishes them to `rl.weight_store`; replicas in
+other processes are told to load that version from the store (`RemoteTokenPolicy.load_version`,
+answered once a decode step ran with it), so a version's groups start on its weights there too.
 `rl.max_staleness: 0` is the synchronous learner: each step's groups are sampled by its weights.
 
 Checkpoints hold the group ids done (trained or dropped); a resumed run trains the persisted
@@ -34,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from composer_jax.checkpoint.manager import TrainCheckpointer, restore_params_only
+from composer_jax.checkpoint.weight_sync import WeightPublisher
 from composer_jax.config import Config, ConfigError, to_dict
 from composer_jax.env.client import EnvClient
 from composer_jax.inference.async_sampler import AsyncSampler
@@ -43,12 +48,13 @@ from composer_jax.rl import batch as rl_batch
 from composer_jax.rl.agent import Rollout, RolloutFailed, run_rollout
 from composer_jax.rl.envs import LocalEnvServers
 from composer_jax.rl.evaluate import SUCCESS, TaskRef, report, sample_tasks
+from composer_jax.rl.launch import LocalSamplers
 from composer_jax.rl.loss import reference_logprobs, rl_objective
-from composer_jax.rl.policy import Policy, TokenPolicy
+from composer_jax.rl.policy import Policy, SamplerUnavailable, TokenPolicy
 from composer_jax.rl.queue import DoneIds, PolicyPool, RolloutQueue, staleness
+from composer_jax.rl.remote_policy import RemoteTokenPolicy
 from composer_jax.rl.rewards import RolloutStats, compose_reward, mean_components
 from composer_jax.rl.rollout_store import Group, GroupStore, RolloutStoreError
-from composer_jax.rl.weight_sync import WeightPublisher
 from composer_jax.sharding import MeshRules, ShardingRules, make_mesh
 from composer_jax.train.loop import STAGE_CHANGEABLE, run_checkpoint_config, run_tokenizer
 from composer_jax.train.observe import Progress, RunLogger, scalars
@@ -146,6 +152,18 @@ def check_config(cfg: Config) -> None:
         )
     if t.micro_batches > 1 and t.batch_size % t.micro_batches:
         raise ConfigError(f"train.batch_size={t.batch_size} must be divisible by train.micro_batches={t.micro_batches}")
+    if r.pin_cores:
+        if not r.local_samplers:
+            raise ConfigError(
+                "rl.pin_cores pins the trainer and the rl.local_samplers replicas to cores of their own; "
+                "with rl.local_samplers=0 there is nothing to pin apart"
+            )
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < 1 + r.local_samplers:
+            raise ConfigError(
+                f"rl.pin_cores with rl.local_samplers={r.local_samplers} needs {1 + r.local_samplers} cores "
+                f"(one for the trainer, one per replica); this process may use {len(cores)}: {cores}"
+            )
     if r.queue_size and r.queue_size < r.groups_per_step:
         raise ConfigError(
             f"rl.queue_size={r.queue_size} cannot hold one step's rl.groups_per_step={r.groups_per_step} groups; "
@@ -153,15 +171,40 @@ def check_config(cfg: Config) -> None:
         )
 
 
-def make_policies(cfg: Config, params: Any, tok, *, version: int, mesh, rules) -> list[Policy]:
-    """The samplers rollouts are spread over: the in-process continuous-batching sampler (a
-    `TokenPolicy` on an `AsyncSampler`) holding `params` as policy `version`. Samplers in other
-    processes join this list (they follow `rl.weight_store`)."""
+def make_policies(
+    cfg: Config, params: Any, tok, *, version: int, mesh, rules, remote: tuple[list[str], str] | None = None
+) -> list[Policy]:
+    """The samplers rollouts are spread over: with `remote` (replica URLs, bearer key) one
+    `RemoteTokenPolicy` per replica (they follow `rl.weight_store`); else the in-process
+    continuous-batching sampler (a `TokenPolicy` on an `AsyncSampler`) holding `params` as policy
+    `version`."""
     r, t = cfg.rl, cfg.train
+    if remote is not None:
+        urls, key = remote
+        return [RemoteTokenPolicy(u, key, tok, max_context=t.seq_len) for u in urls]
     sampler = AsyncSampler(
         Sampler(params, cfg.model, slots=r.sampler_slots, max_len=t.seq_len, version=version, mesh=mesh, rules=rules)
     )
     return [TokenPolicy(sampler, tok)]
+
+
+def pin_threads(core: int) -> int:
+    """Pin every thread of this process (JAX's pools included: `sched_setaffinity` on a pid moves
+    one thread only) to `core`; returns the number of threads pinned."""
+    n = 0
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), {core})
+            n += 1
+    return n
+
+
+def _published(params: Any, dtype: str) -> Any:
+    """The host copy published to the weight store: floating leaves cast to `dtype` ("" = as is)."""
+    host = jax.device_get(params)
+    if not dtype:
+        return host
+    return jax.tree.map(lambda x: x.astype(dtype) if np.issubdtype(x.dtype, np.floating) else x, host)
 
 
 def _in_process(policies: list[Policy]) -> list[AsyncSampler]:
@@ -260,7 +303,8 @@ async def _run(
     if r.loss.kl_coef > 0:  # the frozen reference: the policy the run started from
         ref_params = _copy(state.params)
         ref_fn = jax.jit(lambda p, b: reference_logprobs(p, b, cfg, sharding))
-    publisher = WeightPublisher(r.weight_store) if r.weight_store else None
+    store_url = r.weight_store or (f"file://{out_dir.resolve()}/weight_store" if r.local_samplers else "")
+    publisher = WeightPublisher(store_url) if store_url else None
 
     def publish(params: Any, version: int) -> None:
         if publisher is None:
@@ -268,12 +312,16 @@ async def _run(
         if publisher.latest is not None and version <= publisher.latest:
             log.warning("rl.weight_store already holds version %d (from before a restart); not republished", version)
             return
-        publisher.publish(jax.device_get(params), version)
+        publisher.publish(_published(params, r.publish_dtype), version)
 
-    policies = make_policies(cfg, _copy(state.params), tok, version=start, mesh=mesh, rules=rules)
-    pool = PolicyPool(policies)
-    samplers = _in_process(policies)
-    eval_policy = policies[0]
+    if r.local_samplers and checkpointer.latest_step() is None:
+        # the replicas start from a checkpoint of the run (then follow the store): step `start`
+        data_state = {"next_group": next_group, "done": done.state()}
+        checkpointer.save(start, state, data_state=data_state, config=run_config, force=True)
+        checkpointer.wait()
+    policies: list[Policy] = []
+    samplers: list[AsyncSampler] = []
+    remotes: list[RemoteTokenPolicy] = []
     logger = RunLogger(out_dir, "rl", t.tensorboard)
     progress = Progress(t.steps, start)
     summary: dict[str, Any] = {
@@ -358,6 +406,42 @@ async def _run(
             urls, token = stack.enter_context(LocalEnvServers(r.tasks_dir, r.env_servers))
             echo(f"[rl] started {len(urls)} local environment server(s) on {r.tasks_dir}")
         client = await stack.enter_async_context(EnvClient(urls, token))
+        remote = None
+        if r.sampler_urls:
+            remote = (list(r.sampler_urls), r.sampler_token or os.environ.get("COMPOSER_JAX_SAMPLER_TOKEN", ""))
+        elif r.local_samplers:
+            cores = sorted(os.sched_getaffinity(0))
+            launcher = LocalSamplers(
+                ckpt_cfg.directory,
+                r.local_samplers,
+                weights_from=store_url,
+                poll_interval_s=r.sampler_poll_s,
+                cores=cores[1 : 1 + r.local_samplers] if r.pin_cores else None,
+                extra_args=["--version", str(start), "--slots", str(r.sampler_slots), "--max-queued", "100000"],
+                log_dir=out_dir / "samplers",
+            )
+            remote = stack.enter_context(launcher)
+            echo(f"[rl] started {r.local_samplers} sampler replica(s): {', '.join(remote[0])}")
+        policies = make_policies(cfg, _copy(state.params), tok, version=start, mesh=mesh, rules=rules, remote=remote)
+        pool = PolicyPool(policies)
+        samplers = _in_process(policies)
+        remotes = [p for p in policies if isinstance(p, RemoteTokenPolicy)]
+        eval_policy = policies[0]
+        if r.pin_cores:
+            pinned = pin_threads(sorted(os.sched_getaffinity(0))[0])
+            echo(f"[rl] trainer pinned to core {sorted(os.sched_getaffinity(0))[0]} ({pinned} threads)")
+
+        async def load_version(version: int) -> None:
+            """Every replica in rotation serves `version` before its groups are sampled."""
+
+            async def one(p: RemoteTokenPolicy) -> None:
+                try:
+                    await p.load_version(version, store_url)
+                except SamplerUnavailable as exc:
+                    pool.remove(p, str(exc))
+
+            await asyncio.gather(*(one(p) for p in remotes if p in pool.alive))
+
         for s in samplers:
             stack.push_async_callback(s.aclose)
         for p in policies:  # policies over other processes hold connections
@@ -399,6 +483,7 @@ async def _run(
                 n = step + 1
                 for s in samplers:
                     s.update_weights(params, n)
+                await load_version(n)
                 queue.advance(n, len(groups))
                 t2 = time.perf_counter()
                 waited, busy = waited + t1 - t0, busy + t2 - t1
