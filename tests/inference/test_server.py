@@ -380,7 +380,7 @@ def test_admin_load_weights(served, client, ckpts):
     assert bad.status_code == 400 and _error_of(bad)["param"] == "version"
     assert f"accepted: >= {start + 1}" in _error_of(bad)["message"]
     bad = _post(served, "/admin/load_weights", {"checkpoint": str(ckpts[1]), "source": "weight_sync"})
-    assert bad.status_code == 400 and "accepted: ['checkpoint']" in _error_of(bad)["message"]
+    assert bad.status_code == 400 and "accepted: ['checkpoint', 'weight_store']" in _error_of(bad)["message"]
     bad = _post(served, "/admin/load_weights", {"checkpoint": str(ckpts[1]) + "/nope"})
     assert bad.status_code == 400 and _error_of(bad)["param"] == "checkpoint"
     r = _post(served, "/admin/load_weights", {"checkpoint": str(ckpts[1]), "version": start + 5})

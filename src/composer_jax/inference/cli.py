@@ -1,12 +1,15 @@
 """`composer-jax serve` (the OpenAI-compatible server) and `composer-jax sample` (one prompt, printed).
 
     composer-jax serve --checkpoint runs/tiny/stage3_sft/checkpoints [--port 8000] [--api-key KEY]
+        [--weights-from file:///runs/rl/weights --poll-interval 1]
     composer-jax sample --checkpoint DIR --prompt "def add(a, b):" [--chat] [--max-tokens 64] [--json]
 
 --checkpoint takes a training run's checkpoint directory (its latest step, or --step), one step's
 directory, a `convert --to-orbax` directory or a Hugging Face directory (inference/checkpoints.py).
 The tokenizer is --tokenizer, else a tokenizer.json next to the checkpoint, else the training
 run's data.tokenizer (resolved against the current directory, as in training).
+--weights-from follows an RL weight-sync store by URL: each newer published version is swapped in
+between two decode steps and served under its published version number (docs/inference.md).
 """
 
 from __future__ import annotations
@@ -117,6 +120,12 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", type=_positive_int, default=8, help="sequences decoded together (default 8)")
     p.add_argument("--max-queued", type=int, default=64, help="requests waiting for a slot before 429 (default 64)")
     p.add_argument("--version", type=int, default=0, help="policy version of the loaded weights (default 0)")
+    p.add_argument(
+        "--weights-from", default=None, help="weight-sync store URL to follow (file://DIR, gs://..., s3://...)"
+    )
+    p.add_argument(
+        "--poll-interval", type=float, default=1.0, help="--weights-from: seconds between store polls (default 1)"
+    )
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -140,6 +149,9 @@ def serve_main(argv: list[str] | None = None) -> int:
     if args.max_queued < 0:
         print(f"composer-jax serve: --max-queued {args.max_queued} must be >= 0", file=sys.stderr)
         return 2
+    if not args.poll_interval > 0:
+        print(f"composer-jax serve: --poll-interval {args.poll_interval} must be > 0 (seconds)", file=sys.stderr)
+        return 2
     generated = key is None
     key = key or secrets.token_urlsafe(32)
     from composer_jax.checkpoint.hf import CheckpointError as HFCheckpointError
@@ -157,23 +169,31 @@ def serve_main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"composer-jax serve: cannot bind {args.host}:{args.port}: {e.strerror}", file=sys.stderr)
         return 2
-    server, engine = build_server(
-        policy,
-        tok,
-        mesh=mesh,
-        slots=args.slots,
-        max_len=max_len,
-        max_queued=args.max_queued,
-        api_key=key,
-        model_name=args.model_name or default_model_name(policy),
-        version=args.version,
-    )
+    try:
+        server, engine = build_server(
+            policy,
+            tok,
+            mesh=mesh,
+            slots=args.slots,
+            max_len=max_len,
+            max_queued=args.max_queued,
+            api_key=key,
+            model_name=args.model_name or default_model_name(policy),
+            version=args.version,
+            weights_from=args.weights_from,
+            poll_interval_s=args.poll_interval,
+        )
+    except ConfigError as e:
+        print(f"composer-jax serve: {e}", file=sys.stderr)
+        return 2
     host, port = sock.getsockname()[:2]
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
     print(
         f"composer-jax serve: {server.model_name} ({policy.kind} checkpoint {policy.path}"
         f"{f', step {policy.step}' if policy.step is not None else ''}) on {url}/v1 "
-        f"slots={args.slots} max_len={max_len}" + (f" api_key={key}" if generated else ""),
+        f"slots={args.slots} max_len={max_len}"
+        + (f" following {args.weights_from}" if args.weights_from else "")
+        + (f" api_key={key}" if generated else ""),
         flush=True,
     )
     if host not in ("127.0.0.1", "::1", "localhost"):
@@ -194,21 +214,30 @@ def build_server(
     api_key: str,
     model_name: str,
     version: int = 0,
+    weights_from: str | None = None,
+    poll_interval_s: float = 1.0,
 ):
-    """-> (OpenAIServer, started Engine) over a loaded policy; the admin endpoint loads on `mesh`."""
+    """-> (OpenAIServer, started Engine) over a loaded policy; the admin endpoint loads on `mesh`.
+    weights_from: a weight-sync store URL the server follows (polled every poll_interval_s)."""
     from composer_jax.inference.checkpoints import load_policy
     from composer_jax.inference.engine import Engine
     from composer_jax.inference.server import OpenAIServer
 
     engine = Engine(_new_sampler(policy, tok, mesh, slots, max_len), policy.params, version, max_queued=max_queued)
     engine.start()
-    server = OpenAIServer(
-        engine,
-        tok,
-        model_name=model_name,
-        api_key=api_key,
-        load_policy=lambda path, step: load_policy(path, step=step, mesh=mesh),
-    )
+    try:
+        server = OpenAIServer(
+            engine,
+            tok,
+            model_name=model_name,
+            api_key=api_key,
+            load_policy=lambda path, step: load_policy(path, step=step, mesh=mesh),
+            weights_from=weights_from,
+            poll_interval_s=poll_interval_s,
+        )
+    except BaseException:
+        engine.stop()
+        raise
     return server, engine
 
 

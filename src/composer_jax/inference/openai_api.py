@@ -8,13 +8,14 @@ Requests: `/v1/completions` (prompt: a string, token ids, or a list of either) a
 Supported fields: model, max_tokens (chat: also max_completion_tokens), temperature, top_p, n,
 seed, stop, stream, stream_options.include_usage, logprobs (completions: 0, the sampled tokens'
 log-probabilities; chat: true with top_logprobs 0), tools and tool_choice "auto" (chat);
-extensions: top_k, return_routing. Fields OpenAI defines that the sampler cannot honour
+extensions: top_k, return_routing, return_prompt_routing, and vLLM's stop_token_ids (extra stop
+tokens) and ignore_eos (do not stop at the default stop tokens). Fields OpenAI defines that the sampler cannot honour
 (echo, best_of, suffix, logit_bias, penalties, top alternatives in logprobs) are refused with a
 400 naming them; unknown fields are ignored (clients send e.g. `user`).
 
 Every choice carries two extension fields: `token_ids` (the generated tokens) and
 `token_versions` (the policy version that produced each), and with `return_routing` also
-`routed_experts` (module `build_choice` docstring).
+`routed_experts`, with `return_prompt_routing` `prompt_routed_experts` (module `build_choice` docstring).
 """
 
 from __future__ import annotations
@@ -145,6 +146,7 @@ class Generation:
     logprobs: bool
     return_routing: bool
     tools: list[dict] | None = None
+    return_prompt_routing: bool = False
 
 
 def _model(body: dict, served: str) -> str:
@@ -157,7 +159,13 @@ def _model(body: dict, served: str) -> str:
 
 
 def _common(
-    body: dict, *, prompt_lens: list[int], max_len: int, default_max_tokens: int | None, stop_ids: tuple[int, ...]
+    body: dict,
+    *,
+    prompt_lens: list[int],
+    max_len: int,
+    default_max_tokens: int | None,
+    stop_ids: tuple[int, ...],
+    vocab: int,
 ) -> tuple[int, list[SamplingParams], tuple[str, ...], dict[str, bool]]:
     n = int_field(body, "n", 1, 1, MAX_N)
     assert n is not None
@@ -189,6 +197,17 @@ def _common(
     if seed is None:
         seed = secrets.randbelow(MAX_SEED)  # OpenAI: no seed, no determinism
     stop = _stop(body)
+    extra = body.get("stop_token_ids")
+    if extra is not None and (
+        not isinstance(extra, list)
+        or len(extra) > 64
+        or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in extra)
+    ):
+        raise _bad(
+            "stop_token_ids",
+            f"{extra!r:.100} is not accepted; accepted: a list of at most 64 token ids in [0, {vocab})",
+        )
+    stop_ids = (() if _bool(body, "ignore_eos") else stop_ids) + tuple(t for t in extra or () if t not in stop_ids)
     params = [
         SamplingParams(
             temperature=temperature,
@@ -210,6 +229,7 @@ def _common(
         "stream": stream,
         "include_usage": bool(opts and _bool(opts, "include_usage")),
         "return_routing": _bool(body, "return_routing"),
+        "return_prompt_routing": _bool(body, "return_prompt_routing"),
     }
     return n, params, stop, flags
 
@@ -257,10 +277,21 @@ def parse_completion(body: Any, *, tok: Tokenizer, served: str, max_len: int, vo
         max_len=max_len,
         default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS,
         stop_ids=(tok.eos_id,),
+        vocab=vocab,
     )
     stream, include_usage, routing = _flags(flags)
     return Generation(
-        "completion", model, prompts, n, params, stop, stream, include_usage, logprobs is not None, routing
+        "completion",
+        model,
+        prompts,
+        n,
+        params,
+        stop,
+        stream,
+        include_usage,
+        logprobs is not None,
+        routing,
+        return_prompt_routing=flags["return_prompt_routing"],
     )
 
 
@@ -303,11 +334,22 @@ def parse_chat(body: Any, *, tok: Tokenizer, served: str, max_len: int, vocab: i
     logprobs = _bool(body, "logprobs")
     stop_ids = (tok.token_id("<|im_end|>"), tok.eos_id)
     n, params, stop, flags = _common(
-        body, prompt_lens=[len(prompt)], max_len=max_len, default_max_tokens=None, stop_ids=stop_ids
+        body, prompt_lens=[len(prompt)], max_len=max_len, default_max_tokens=None, stop_ids=stop_ids, vocab=vocab
     )
     stream, include_usage, routing = _flags(flags)
     return Generation(
-        "chat", model, [prompt.tolist()], n, params, stop, stream, include_usage, logprobs, routing, tools
+        "chat",
+        model,
+        [prompt.tolist()],
+        n,
+        params,
+        stop,
+        stream,
+        include_usage,
+        logprobs,
+        routing,
+        tools,
+        return_prompt_routing=flags["return_prompt_routing"],
     )
 
 
@@ -422,6 +464,13 @@ def routing_field(routing: np.ndarray | None, prompt_len: int) -> list | None:
     return np.asarray(routing[prompt_len:], np.int64).tolist()
 
 
+def prompt_routing_field(routing: np.ndarray | None, prompt_len: int) -> list | None:
+    """Completion.routing -> the experts of each prompt position: [prompt][moe_layers][k]."""
+    if routing is None:
+        return None
+    return np.asarray(routing[:prompt_len], np.int64).tolist()
+
+
 def turn_of(tok: Tokenizer, tokens: Sequence[int], call_id_prefix: str) -> AssistantTurn:
     return parse_assistant(tokens, tok, call_id_prefix=call_id_prefix)
 
@@ -460,7 +509,9 @@ def build_choice(
     Extension fields: `token_ids` (the generated tokens, stop token included), `token_versions`
     (per generated token, the policy version of the weights that produced it), `routed_experts`
     (with return_routing: per generated token but the last, which no forward pass has seen, per
-    MoE layer, the k expert ids it was routed to; null for dense models), and for chat
+    MoE layer, the k expert ids it was routed to; null for dense models), `prompt_routed_experts`
+    (with return_prompt_routing: the same for every prompt position, from this request's prefill, so
+    that prompt + routed_experts rows cover every position but the last), and for chat
     `malformed_tool_calls` (why each unparseable tool call was dropped)."""
     choice: dict[str, Any] = {"index": index}
     if gen.kind == "completion":
@@ -480,6 +531,8 @@ def build_choice(
     choice["token_versions"] = [int(v) for v in versions]
     if gen.return_routing:
         choice["routed_experts"] = routing_field(routing, prompt_len)
+    if gen.return_prompt_routing:
+        choice["prompt_routed_experts"] = prompt_routing_field(routing, prompt_len)
     return choice
 
 

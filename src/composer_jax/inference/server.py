@@ -5,10 +5,18 @@ Endpoints (all but /health need `Authorization: Bearer KEY`):
     GET  /v1/models              the served model
     POST /v1/completions         prompt string / token ids (or a list of them); stream, logprobs
     POST /v1/chat/completions    messages (+ tools) in the chat template; tool_calls; stream, logprobs
-    POST /admin/load_weights     {"checkpoint": DIR, "version"?, "step"?, "source"?: "checkpoint"}
+    POST /admin/load_weights     {"checkpoint": DIR, "version"?, "step"?, "source"?: "checkpoint"} or
+                                 {"source": "weight_store", "url"?: URL, "version"?: N (default latest)}
 
-Requests and responses: `openai_api.py` (extension fields: top_k, return_routing; token_ids,
-token_versions, routed_experts, malformed_tool_calls). Errors: `{"error": {"message", "type",
+With `weights_from` (serve --weights-from URL) the server also follows an RL weight-sync store: every
+`poll_interval_s` it reads the store's latest version and, when it is newer than the served one,
+swaps it in between two decode steps (running requests continue; each token keeps the version that
+produced it). Served version numbers are the published ones. /health reports the store, the last
+error reading it and the last fallback (a bad version replaced by an older one).
+
+Requests and responses: `openai_api.py` (extension fields: top_k, return_routing,
+return_prompt_routing, stop_token_ids, ignore_eos; token_ids, token_versions, routed_experts,
+prompt_routed_experts, malformed_tool_calls). Errors: `{"error": {"message", "type",
 "param", "code"}}` with a 4xx status for a bad request, 401 without the key, 429 when the engine
 is full, 500 when the engine failed the request (the server keeps serving).
 
@@ -21,6 +29,7 @@ mid-stream has its requests cancelled (`Sampler.cancel`), freeing the slot.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -35,6 +44,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from composer_jax.checkpoint.weight_sync import WeightSyncError
 from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.errors import ConfigError
 from composer_jax.inference import openai_api as api
@@ -42,11 +52,12 @@ from composer_jax.inference.checkpoints import Policy, config_differences
 from composer_jax.inference.engine import Engine, EngineFull, EngineStopped, Event
 from composer_jax.inference.openai_api import ApiError, Generation
 from composer_jax.inference.sampler import Request
+from composer_jax.inference.store_weights import StoreVersion, StoreWeights
 
 _log = logging.getLogger("composer_jax.inference.server")
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
-SOURCES = ("checkpoint",)  # issue 14 adds the RL weight-sync store
+SOURCES = ("checkpoint", "weight_store")
 
 
 def _error(e: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -80,7 +91,8 @@ class OpenAIServer:
     """The HTTP side: request checking, submission to the engine, responses and streams.
 
     load_policy(checkpoint, step) -> Policy reads weights for /admin/load_weights (on the served
-    mesh)."""
+    mesh). weights_from: a weight-sync store URL to follow, polled every poll_interval_s seconds
+    (module docstring)."""
 
     def __init__(
         self,
@@ -91,9 +103,13 @@ class OpenAIServer:
         api_key: str,
         load_policy: Callable[[str, int | None], Policy] | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        weights_from: str | None = None,
+        poll_interval_s: float = 1.0,
     ):
         if len(api_key) < 16:
             raise ConfigError("the API key must be at least 16 characters")
+        if isinstance(poll_interval_s, bool) or not isinstance(poll_interval_s, (int, float)) or poll_interval_s <= 0:
+            raise ConfigError(f"poll_interval_s={poll_interval_s!r}; accepted: a number of seconds > 0")
         self.engine, self.tok, self.model_name = engine, tok, model_name
         self.max_len = engine.sampler.max_len
         self.vocab = engine.sampler.cfg.vocab_size
@@ -101,6 +117,16 @@ class OpenAIServer:
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
         self._load_lock = asyncio.Lock()
+        self.store = StoreWeights()
+        self.weights_from, self.poll_interval_s = weights_from, float(poll_interval_s)
+        if weights_from is not None:
+            try:
+                self.store.subscriber(weights_from)
+            except WeightSyncError as e:
+                raise ConfigError(f"weights_from: {e}") from None
+        self.store_error: str | None = None  # the last failure reading the followed store
+        self.store_fallback: str | None = None  # the last version replaced by an older one
+        self.queued_version: int | None = None  # the latest store version handed to the engine
         routes = [
             Route("/health", self.health, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
@@ -109,9 +135,56 @@ class OpenAIServer:
             Route("/admin/load_weights", self.load_weights, methods=["POST"]),
         ]
         self.app = Starlette(
-            routes=routes, exception_handlers={Exception: self._unexpected, 404: self._not_found, 405: self._not_found}
+            routes=routes,
+            exception_handlers={Exception: self._unexpected, 404: self._not_found, 405: self._not_found},
+            lifespan=self._lifespan,
         )
         self.app.add_middleware(_Auth, key=api_key)
+
+    # ------------------------------------------------------------------ following the store
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Any) -> AsyncIterator[None]:
+        task = asyncio.create_task(self._follow()) if self.weights_from is not None else None
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    async def _follow(self) -> None:
+        """Poll the store; swap in each version newer than the served one (errors are logged and
+        reported on /health, and the next poll tries again)."""
+        url = self.weights_from
+        assert url is not None
+        while True:
+            try:
+                latest = await asyncio.to_thread(self.store.latest, url)
+                if latest is not None and latest > self.engine.version:
+                    async with self._load_lock:
+                        if latest > self.engine.version:
+                            await self._swap_from_store(url, latest)
+                self.store_error = None
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # keep serving the current weights; the next poll retries
+                self.store_error = f"{type(e).__name__}: {str(e)[:500]}"
+                _log.error("following the weight store %s failed: %s", url, self.store_error)
+            await asyncio.sleep(self.poll_interval_s)
+
+    async def _swap_from_store(self, url: str, version: int | None) -> tuple[StoreVersion, int | None]:
+        """Read `version` (None: latest) and swap it in if newer than the served one; -> (what was
+        read, the previous version, or None when nothing was swapped). Call under `_load_lock`."""
+        got = await asyncio.to_thread(self.store.read, url, version, self.engine.sampler.params)
+        if got.fallback is not None:
+            self.store_fallback = got.fallback
+            _log.warning("weight store %s: %s", url, got.fallback)
+        if got.version <= self.engine.version:
+            return got, None
+        future = self.engine.update_weights(got.params, got.version)
+        self.queued_version = got.version
+        return got, await asyncio.wrap_future(future)
 
     # ------------------------------------------------------------------ plumbing
     async def _unexpected(self, request: HttpRequest, exc: Exception) -> JSONResponse:
@@ -150,6 +223,9 @@ class OpenAIServer:
                 "capacity": e.capacity,
                 "steps": e.steps,
                 "engine_failures": e.failures,
+                "weights_from": self.weights_from,
+                "store_error": self.store_error,
+                "store_fallback": self.store_fallback,
             }
         )
 
@@ -314,6 +390,8 @@ class OpenAIServer:
                 choice["finish_reason"] = reason
                 if gen.return_routing:
                     choice["routed_experts"] = api.routing_field(done.routing, len(done.prompt))
+                if gen.return_prompt_routing:
+                    choice["prompt_routed_experts"] = api.prompt_routing_field(done.routing, len(done.prompt))
                 finished.add(c)
                 yield chunk([choice])
             else:
@@ -337,12 +415,9 @@ class OpenAIServer:
                 raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
             source = body.get("source", "checkpoint")
             if source not in SOURCES:
-                raise ApiError(
-                    400,
-                    f"source: {source!r} is not accepted; accepted: {list(SOURCES)} "
-                    "(the RL weight-sync store is not wired in yet)",
-                    param="source",
-                )
+                raise ApiError(400, f"source: {source!r} is not accepted; accepted: {list(SOURCES)}", param="source")
+            if source == "weight_store":
+                return await self._load_from_store(body)
             path = body.get("checkpoint")
             if not isinstance(path, str) or not path:
                 raise ApiError(
@@ -385,6 +460,56 @@ class OpenAIServer:
                 "kind": policy.kind,
                 "step": policy.step,
                 "load_seconds": round(load_s, 3),
+            }
+        )
+
+    async def _load_from_store(self, body: dict) -> JSONResponse:
+        """{"source": "weight_store", "url": URL (default: the followed store), "version": N (default:
+        the latest)} -> the version served afterwards. A version not newer than the served one is
+        refused with 409 (versions only move forward); a bad copy in the store is replaced by the
+        newest earlier good one (`fallback` in the answer) and is swapped in only when newer."""
+        url = body.get("url", self.weights_from)
+        if not isinstance(url, str) or "://" not in url:
+            raise ApiError(
+                400,
+                f"url: {url!r} is not accepted; accepted: a weight-sync store URL (file://DIR, gs://..., s3://...)"
+                + ("" if self.weights_from else "; this server follows no store, so url is required"),
+                param="url",
+            )
+        async with self._load_lock:
+            current = self.engine.version
+            version = api.int_field(body, "version", None, current + 1)
+            t0 = time.perf_counter()
+            try:
+                got, previous = await self._swap_from_store(url, version)
+            except WeightSyncError as e:
+                raise ApiError(400, f"weight store {url!r}: {e}", param="url", code="bad_weight_store") from None
+            except EngineStopped as e:
+                raise ApiError(503, str(e), code="shutting_down") from None
+            except Exception as e:
+                raise ApiError(
+                    500,
+                    f"version {version} of {url!r} failed in its first decode step ({type(e).__name__}: "
+                    f"{str(e)[:300]}); version {current} is back in place",
+                    code="engine_error",
+                ) from None
+        if previous is None:
+            raise ApiError(
+                409,
+                f"the store's version {got.version} is not newer than the served version {current}"
+                + (f" ({got.fallback})" if got.fallback else "")
+                + "; versions only move forward",
+                param="version",
+                code="not_newer",
+            )
+        return JSONResponse(
+            {
+                "version": got.version,
+                "previous_version": previous,
+                "url": url,
+                "source": "weight_store",
+                "fallback": got.fallback,
+                "load_seconds": round(time.perf_counter() - t0, 3),
             }
         )
 

@@ -1,0 +1,46 @@
+"""The vLLM-style extension fields of /v1/completions that the remote token policy sends:
+stop_token_ids, ignore_eos, return_prompt_routing (inference/openai_api.py, pure functions)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from composer_jax.data.tokenizer import load_tokenizer
+from composer_jax.inference import openai_api as api
+
+TOK = load_tokenizer(Path(__file__).resolve().parents[2] / "assets" / "tokenizer")
+
+
+def _parse(**body):
+    return api.parse_completion({"prompt": [1, 2, 3], **body}, tok=TOK, served="m", max_len=64, vocab=TOK.vocab_size)
+
+
+def test_stop_token_ids_and_ignore_eos():
+    im_end = TOK.token_id("<|im_end|>")
+    assert _parse().params[0].stop_token_ids == (TOK.eos_id,)
+    assert _parse(stop_token_ids=[im_end]).params[0].stop_token_ids == (TOK.eos_id, im_end)
+    assert _parse(stop_token_ids=[im_end], ignore_eos=True).params[0].stop_token_ids == (im_end,)
+    assert _parse(ignore_eos=True).params[0].stop_token_ids == ()
+    for bad in ([TOK.vocab_size], [-1], "5", [True], list(range(65))):
+        with pytest.raises(
+            api.ApiError, match=rf"stop_token_ids.*accepted: a list of at most 64 token ids in \[0, {TOK.vocab_size}\)"
+        ):
+            _parse(stop_token_ids=bad)
+    with pytest.raises(api.ApiError, match="ignore_eos"):
+        _parse(ignore_eos="yes")
+
+
+def test_prompt_routing_field_and_choice():
+    gen = _parse(return_routing=True, return_prompt_routing=True)
+    assert gen.return_prompt_routing and gen.return_routing
+    routing = np.arange(6 * 2 * 3).reshape(6, 2, 3)  # prompt 3 + generated 4 - 1 positions
+    done = type("Done", (), {})()
+    done.tokens, done.logprobs, done.versions = [7, 8, 9, 10], [-1.0, -2.0, -3.0, -4.0], [0, 0, 1, 1]
+    done.finish_reason, done.routing, done.prompt = "length", routing, [1, 2, 3]
+    choice = api.completion_choice(gen, 0, TOK, done, "c")
+    assert choice["prompt_routed_experts"] == routing[:3].tolist()
+    assert choice["routed_experts"] == routing[3:].tolist()
+    assert "prompt_routed_experts" not in api.completion_choice(_parse(), 0, TOK, done, "c")
