@@ -121,3 +121,12 @@ def test_explicit_rule_that_splits_nothing_is_warned_about():
         sh = param_shardings(ModelConfig(vocab_size=512), mesh, ShardingRules.create({"vocab": ["data"]}))
         assert sh["embed"].spec == jax.sharding.PartitionSpec("data", "fsdp")
         param_shardings(odd, mesh, ShardingRules.create())
+
+
+def test_exponent_without_a_dot_is_a_number_not_a_string():
+    """YAML 1.1 resolves `1e-6` to a string; a float field takes it (and `1.5E+3`), not `1e` or `x`."""
+    cfg = cj.load_config(TINY, ["train.optimizer.lr=1e-6", "train.optimizer.weight_decay=2E-2"])
+    assert cfg.train.optimizer.lr == 1e-6 and cfg.train.optimizer.weight_decay == 0.02
+    for bad in ("1e", "x", "1e-6e"):
+        with pytest.raises(cj.ConfigError, match=f"train.optimizer.lr='{bad}': expected a number"):
+            cj.load_config(TINY, [f"train.optimizer.lr={bad}"])

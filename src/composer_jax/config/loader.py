@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -19,6 +20,8 @@ from typing import Any, Literal
 import yaml
 
 from composer_jax.errors import ConfigError
+
+_DECIMAL = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 __all__ = ["build_dataclass", "coerce", "deep_merge", "parse_overrides", "plain", "read_yaml", "set_path", "to_dict"]
 
@@ -82,6 +85,9 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}={value!r}: expected an integer")
         return value
     if tp is float:
+        # YAML 1.1 reads 1e-6 (no dot) as a string: a decimal number written so is taken as one
+        if isinstance(value, str) and _DECIMAL.fullmatch(value.strip()):
+            return float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}={value!r}: expected a number")
         return float(value)

@@ -1,0 +1,193 @@
+"""Asynchronous vs synchronous RL with trainer and sampler in separate processes, each on its own core.
+
+The learner (`composer-jax rl`, src/composer_jax/rl/trainer.py) runs once per `rl.max_staleness`
+value (default 0, the synchronous learner, then 2), each time as a fresh child process of this
+script with the same workload and the same starting weights (the config's seeded initialisation,
+which the run saves as its step-0 checkpoint for the replica): the one-choice fixture task
+(tests/rl/fixtures/rl_pick.yaml: the tiny MoE, a local environment server), `--steps` steps of
+`rl.groups_per_step` x `rl.group_size` rollouts, so the same number of samples. In each run the
+trainer's threads are pinned to one core and one `composer-jax serve` replica (the sampler,
+`rl.local_samplers=1`) to another (`rl.pin_cores`), as they would be on separate accelerators;
+the environment server is not pinned. The optimiser runs at an RL learning rate (`--lr`, 1e-6) and
+each version is published as a bf16 copy (`rl.publish_dtype=bfloat16`) to the run's weight store,
+which the replica follows.
+
+Compilation: a first, untimed one-step run fills a persistent JAX compilation cache (a temporary
+directory) that the timed runs' trainers and replicas then read, so neither pays for compiling.
+
+Printed per run: wall time of the step loop (start-up excluded), the ratio of the
+synchronous run's to it, the trainer's idle fraction (time waiting for groups over time waiting
+plus training), the staleness distribution of the trained groups (groups per lag in versions, and
+the largest per-token lag), groups dropped as stale; and for the weight store: the bytes a follower
+reads per version as a share of the full bf16 model (version 1 on: the deltas), and whether the
+last version reads back bit-exactly as the bf16 copy of the final checkpoint.
+
+    PYTHONPATH=src .venv/bin/python bench/async_rl.py [--steps 8] [--staleness 0,2] [--lr 1e-6]
+
+Needs two cores (three or more leave the environment server a core of its own) and bubblewrap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "tests" / "rl" / "fixtures" / "rl_pick.yaml"
+
+
+def overrides(out: Path, args: argparse.Namespace, staleness: int) -> list[str]:
+    return [
+        "mesh.fsdp=1",
+        f"train.out_dir={out}",
+        f"train.steps={args.steps}",
+        f"train.optimizer.lr={args.lr}",
+        "checkpoint.save_every=1000",
+        "rl.eval_tasks=[]",
+        f"rl.group_size={args.group_size}",
+        f"rl.groups_per_step={args.groups_per_step}",
+        f"rl.max_staleness={staleness}",
+        f"rl.staleness_unit={args.unit}",
+        "rl.local_samplers=1",
+        "rl.pin_cores=true",
+        "rl.publish_dtype=bfloat16",
+        "rl.sampler_poll_s=5.0",  # the trainer tells the replica each version; polling is the fallback
+        *args.overrides,
+    ]
+
+
+def child(args: argparse.Namespace) -> None:
+    """One learner run (this process is the trainer); its summary as JSON on the last line."""
+    from composer_jax.config import load_config
+    from composer_jax.rl.trainer import run_rl
+
+    os.chdir(REPO)
+    out = Path(args.out)
+    cfg = load_config(CONFIG, overrides(out, args, args.child))
+    t0 = time.perf_counter()
+    s = run_rl(cfg, echo=lambda m: print(m, file=sys.stderr))
+    steps = s["steps"].values()
+    lags: dict[int, int] = {}
+    for v in steps:
+        for k, n in v.items():
+            if k.startswith("staleness/groups_") and n:
+                d = int(k.rsplit("_", 1)[1])
+                lags[d] = lags.get(d, 0) + int(n)
+    res = {
+        "staleness": args.child,
+        "wall_s": s["wall_s"],
+        "total_s": time.perf_counter() - t0,
+        "idle": s["trainer_idle_fraction"],
+        "lags": lags,
+        "token_lag_max": max(v.get("version_lag_max", 0.0) for v in steps),
+        "dropped": len(s["dropped_stale_groups"]),
+        "trained_groups": sum(len(x) for x in s["trained_groups"].values()),
+        "checkpoint_dir": s["checkpoint_dir"],
+    }
+    print(json.dumps(res))
+
+
+def store_figures(out: Path, cfg_overrides: list[str], steps: int) -> tuple[list[float], bool]:
+    """(follower bytes per version 1..steps as a share of the full bf16 model, last version bit-exact)."""
+    import jax
+    import numpy as np
+
+    from composer_jax.checkpoint.manager import restore_params_only
+    from composer_jax.checkpoint.weight_sync import WeightSubscriber
+    from composer_jax.config import load_config
+    from composer_jax.model.params import abstract_params
+    from composer_jax.sharding import ShardingRules, make_mesh
+    from composer_jax.train.loop import run_checkpoint_config
+
+    sub = WeightSubscriber(f"file://{out}/weight_store")
+    _, first = sub.read(0)
+    raw = sum(np.asarray(x).nbytes for x in jax.tree.leaves(first))
+    shares = []
+    for v in range(1, steps + 1):
+        before = sub.bytes_read
+        got, last = sub.read(v)
+        assert got == v, (got, v)
+        shares.append((sub.bytes_read - before) / raw)
+    cfg = load_config(CONFIG, cfg_overrides)
+    mesh = make_mesh(cfg.mesh)
+    abstract = abstract_params(cfg.model, mesh, ShardingRules.create(cfg.sharding_rules))
+    params = jax.device_get(restore_params_only(run_checkpoint_config(cfg).directory, abstract, steps))
+    exact = all(
+        np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).astype(a.dtype).view(np.uint8))
+        for a, b in zip(jax.tree.leaves(last), jax.tree.leaves(params), strict=True)
+    )
+    return shares, exact
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--staleness", default="0,2", help="comma-separated rl.max_staleness values (the first: baseline)")
+    ap.add_argument("--unit", default="token", choices=["token", "group"])
+    ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--group-size", type=int, default=4)
+    ap.add_argument("--groups-per-step", type=int, default=2)
+    ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("overrides", nargs="*", help="config KEY=VALUE overrides for every run")
+    args = ap.parse_args()
+    if args.child is not None:
+        child(args)
+        return
+    if len(os.sched_getaffinity(0)) < 2:
+        sys.exit("bench/async_rl.py needs at least two cores (one for the trainer, one for the sampler)")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), env.get("PYTHONPATH", "")]))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        env.update(JAX_COMPILATION_CACHE_DIR=f"{tmp}/jax-cache", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+        env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
+        def run(s: int, out: Path, steps: int) -> dict:
+            cmd = [sys.executable, __file__, "--child", str(s), "--out", str(out), "--steps", str(steps)]
+            cmd += ["--unit", args.unit, "--lr", str(args.lr), "--group-size", str(args.group_size)]
+            cmd += ["--groups-per-step", str(args.groups_per_step), *args.overrides]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
+            if proc.returncode != 0:
+                sys.exit(f"run with max_staleness={s} failed:\n{proc.stderr[-4000:]}")
+            return json.loads(proc.stdout.strip().splitlines()[-1])
+
+        run(0, Path(tmp) / "warm-up", 1)
+        for s in [int(x) for x in args.staleness.split(",")]:
+            out = Path(tmp) / f"s{s}"
+            res = run(s, out, args.steps)
+            os.environ["XLA_FLAGS"] = env["XLA_FLAGS"]
+            res["store"] = store_figures(out, overrides(out, args, s), args.steps)
+            rows.append(res)
+    base = rows[0]["wall_s"]
+    samples = args.steps * args.groups_per_step * args.group_size
+    print(
+        f"workload: {args.steps} steps x {args.groups_per_step} groups x {args.group_size} rollouts = {samples} "
+        f"samples (pick-colour, tiny MoE), lr {args.lr:g}, trainer and 1 sampler replica pinned to a core each"
+    )
+    print(
+        f"{'staleness':>9} {'wall s':>8} {'ratio':>6} {'idle':>6} {'trained':>7} {'dropped':>7} "
+        f"{'max token lag':>13}  groups per lag"
+    )
+    for r in rows:
+        print(
+            f"{r['staleness']:9d} {r['wall_s']:8.2f} {base / r['wall_s']:6.2f} {r['idle']:6.2f} "
+            f"{r['trained_groups']:7d} {r['dropped']:7d} {r['token_lag_max']:13.0f}  {r['lags']}"
+        )
+    for r in rows:
+        shares, exact = r["store"]
+        mean = sum(shares) / len(shares)
+        print(
+            f"weight store (max_staleness={r['staleness']}): a follower reads per version {mean:.2%} of the full "
+            f"bf16 model (min {min(shares):.2%}, max {max(shares):.2%}); last version bit-exact: {exact}"
+        )
+
+
+if __name__ == "__main__":
+    main()
