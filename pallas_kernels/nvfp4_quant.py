@@ -90,13 +90,18 @@ def _kernel(even_ref, odd_ref, s2_ref, packed_ref, sb_ref):
 
 
 @functools.partial(jax.jit, static_argnames=("tile", "interpret"))
-def nvfp4_quantize(x: jax.Array, tile: int = 64, interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+def nvfp4_quantize(
+    x: jax.Array, s2: jax.Array | None = None, tile: int = 64, interpret: bool = False
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The Pallas kernel: x [M, K], M a multiple of `tile` (a power of two), K of 16 -> as
-    `nvfp4_quantize_ref`. Grid: (M / tile, K / 16), one 16-element block per row and step."""
+    `nvfp4_quantize_ref`. Grid: (M / tile, K / 16), one 16-element block per row and step.
+
+    s2: float32 [M, 1] second-level scales to use instead of the per-token ones (e.g. one per
+    expert matrix, repeated over its rows: `second_scale` of the whole matrix); returned as given."""
     m, k = x.shape
     if k % BLOCK or m % tile:
         raise ValueError(f"x {x.shape}: K must be a multiple of {BLOCK}, M of tile={tile}")
-    s2 = second_scale(x)
+    s2 = second_scale(x) if s2 is None else s2.astype(jnp.float32).reshape(m, 1)
     half = pl.BlockSpec((tile, BLOCK // 2), lambda i, j: (i, j))
     per_row = pl.BlockSpec((tile, None), lambda i, j: (i, j))
     packed, sb = pl.pallas_call(
