@@ -92,18 +92,21 @@ def _kernel(group_ref, first_ref, end_ref, xv_ref, xs_ref, wv_ref, ws_ref, y_ref
     row_ok = first + jnp.arange(tm, dtype=jnp.int32) < end
     cols = pl.ds(j * tn, tn)
     rows = pl.ds(first, tm)
-    acc = jnp.zeros((tm, tn), jnp.float32)
-    for kb in range(k // BLOCK):  # static: K / 32 scaled slices
+
+    # one loop over the K / 32 scaled slices (a loop in the kernel's IR, not K / 32 unrolled copies)
+    def step(kb, acc):
         # rows past the group's end (another group's, or padding) are read but never stored: an
         # output row depends on its own x row only
         x = plt.load(xv_ref.at[rows, pl.ds(kb * BLOCK, BLOCK)])
-        xs = plt.load(xs_ref.at[rows, jnp.int32(kb)])
+        xs = plt.load(xs_ref.at[rows, kb])
         w = plt.load(wv_ref.at[g, pl.ds(kb * BLOCK, BLOCK), cols])
-        ws = plt.load(ws_ref.at[g, jnp.int32(kb), cols])
+        ws = plt.load(ws_ref.at[g, kb, cols])
         # an FP8 x FP8 product with float32 accumulation (the tensor-core MMA); one block's scales
         # are constant along its 32-element slice of K, so they multiply the partial product
         part = jnp.dot(x, w, preferred_element_type=jnp.float32)
-        acc += (part * e8m0_to_f32(xs)[:, None]) * e8m0_to_f32(ws)[None, :]
+        return acc + (part * e8m0_to_f32(xs)[:, None]) * e8m0_to_f32(ws)[None, :]
+
+    acc = jax.lax.fori_loop(0, k // BLOCK, step, jnp.zeros((tm, tn), jnp.float32))
     plt.store(y_ref.at[rows, cols], acc, mask=row_ok[:, None])
 
 
@@ -179,15 +182,15 @@ def _nvfp4_kernel(
     cols = pl.ds(j * tn, tn)
     rows = pl.ds(first, tm)
     first_half = jnp.arange(16, dtype=jnp.int32) < 8  # bytes 0-7 of a 32-element slice: its first block
-    acc = jnp.zeros((tm, tn), jnp.float32)
-    for kb in range(k // 32):  # static: 32 elements = 16 bytes = two NVFP4 blocks per step
+
+    def step(kb, acc):  # 32 elements = 16 bytes = two NVFP4 blocks per step
         xb = plt.load(xp_ref.at[rows, pl.ds(kb * 16, 16)]).astype(jnp.int32)
-        xa = plt.load(xsb_ref.at[rows, jnp.int32(2 * kb)]).astype(jnp.float32)
-        xc = plt.load(xsb_ref.at[rows, jnp.int32(2 * kb + 1)]).astype(jnp.float32)
+        xa = plt.load(xsb_ref.at[rows, 2 * kb]).astype(jnp.float32)
+        xc = plt.load(xsb_ref.at[rows, 2 * kb + 1]).astype(jnp.float32)
         sx = jnp.where(first_half[None, :], xa[:, None], xc[:, None])
         wb = plt.load(wp_ref.at[g, pl.ds(kb * 16, 16), cols]).astype(jnp.int32)
-        wa = plt.load(wsb_ref.at[g, jnp.int32(2 * kb), cols]).astype(jnp.float32)
-        wc = plt.load(wsb_ref.at[g, jnp.int32(2 * kb + 1), cols]).astype(jnp.float32)
+        wa = plt.load(wsb_ref.at[g, 2 * kb, cols]).astype(jnp.float32)
+        wc = plt.load(wsb_ref.at[g, 2 * kb + 1, cols]).astype(jnp.float32)
         sw = jnp.where(first_half[:, None], wa[None, :], wc[None, :])
         # the low nibbles hold the even elements of both operands and the high nibbles the odd:
         # the contraction splits into two dots without reordering any element
@@ -196,7 +199,9 @@ def _nvfp4_kernel(
         bf = lambda a: a.astype(jnp.bfloat16)
         lo = jnp.dot(bf(e2m1_decode(xb & 15) * sx), bf(e2m1_decode(wb & 15) * sw), preferred_element_type=jnp.float32)
         hi = jnp.dot(bf(e2m1_decode(xb >> 4) * sx), bf(e2m1_decode(wb >> 4) * sw), preferred_element_type=jnp.float32)
-        acc += lo + hi
+        return acc + lo + hi
+
+    acc = jax.lax.fori_loop(0, k // 32, step, jnp.zeros((tm, tn), jnp.float32))
     y = acc * plt.load(xs2_ref.at[rows])[:, None] * ws2_ref[g]  # second-level scales in the epilogue
     plt.store(y_ref.at[rows, cols], y, mask=row_ok[:, None])
 

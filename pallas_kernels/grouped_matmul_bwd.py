@@ -65,14 +65,16 @@ def _dgrad_kernel(group_ref, first_ref, end_ref, dyv_ref, dys_ref, wv_ref, ws_re
     row_ok = first + jnp.arange(tm, dtype=jnp.int32) < end_ref[t]
     rows = pl.ds(first, tm)
     cols = pl.ds(j * tk, tk)  # columns of dx = rows of w[g]
-    acc = jnp.zeros((tm, tk), jnp.float32)
-    for nb in range(n // BLOCK):  # static: N / 32 scaled slices of the contraction
+
+    def step(nb, acc):  # the N / 32 scaled slices of the contraction
         dy = plt.load(dyv_ref.at[rows, pl.ds(nb * BLOCK, BLOCK)])  # [tm, 32]
         w = plt.load(wv_ref.at[g, cols, pl.ds(nb * BLOCK, BLOCK)])  # [tk, 32]: w[g] read transposed
         part = jnp.dot(dy, w.T, preferred_element_type=jnp.float32)
-        sd = e8m0_to_f32(plt.load(dys_ref.at[rows, jnp.int32(nb)]))
-        sw = e8m0_to_f32(plt.load(ws_ref.at[g, cols, jnp.int32(nb)]))
-        acc += (part * sd[:, None]) * sw[None, :]
+        sd = e8m0_to_f32(plt.load(dys_ref.at[rows, nb]))
+        sw = e8m0_to_f32(plt.load(ws_ref.at[g, cols, nb]))
+        return acc + (part * sd[:, None]) * sw[None, :]
+
+    acc = jax.lax.fori_loop(0, n // BLOCK, step, jnp.zeros((tm, tk), jnp.float32))
     plt.store(dx_ref.at[rows, cols], acc, mask=row_ok[:, None])
 
 

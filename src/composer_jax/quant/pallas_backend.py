@@ -30,7 +30,11 @@ if TYPE_CHECKING:
     from composer_jax.quant.grouped_matmul import Recipe
 
 ALIGN = 32  # every padded axis: MX block, two NVFP4 blocks, the smallest tile
-TM = 32  # rows per grouped-matmul tile
+
+
+def rows_tile() -> int:
+    """Rows per grouped-matmul tile: 64 on a GPU (Hopper wgmma's M), 32 in the interpreter."""
+    return 32 if interpret_mode() else 64
 
 
 def interpret_mode() -> bool:
@@ -105,14 +109,16 @@ def forward(x: jax.Array, w: jax.Array, sizes: jax.Array, r: Recipe) -> jax.Arra
     if r.fwd == "mxfp8":
         xv, xs = mx_along_cols(x, r.mx_rule)
         wv, ws = mx_weight_along_k(w, r.mx_rule)
-        y = gm.grouped_matmul_mxfp8(xv, xs, wv, ws, sizes, tm=TM, tn=tn, interpret=interpret_mode())
+        y = gm.grouped_matmul_mxfp8(xv, xs, wv, ws, sizes, tm=rows_tile(), tn=tn, interpret=interpret_mode())
     elif r.fwd == "nvfp4":
         s2 = None
         if r.nvfp4_second == "tensor":
             s2 = jnp.broadcast_to(nvfp4_quant.second_scale(x.reshape(1, -1)), (rows, 1))
         xp, xsb, xs2 = nvfp4_rows(x, s2)
         wp, wsb, ws2 = nvfp4_weight_along_k(w)
-        y = gm.grouped_matmul_nvfp4(xp, xsb, xs2, wp, wsb, ws2, sizes, tm=TM, tn=tn, interpret=interpret_mode())
+        y = gm.grouped_matmul_nvfp4(
+            xp, xsb, xs2, wp, wsb, ws2, sizes, tm=rows_tile(), tn=tn, interpret=interpret_mode()
+        )
     else:
         raise ValueError(f"the pallas backend has no forward format {r.fwd!r}; accepted: mxfp8, nvfp4")
     return y[:rows, :n]
@@ -132,7 +138,7 @@ def dgrad(dy: jax.Array, w: jax.Array, sizes: jax.Array, r: Recipe) -> jax.Array
         wv.reshape(g, kp, np_),
         ws.reshape(g, kp, np_ // ALIGN),
         sizes,
-        tm=TM,
+        tm=rows_tile(),
         tk=_tile(kp),
         interpret=interpret_mode(),
     )
