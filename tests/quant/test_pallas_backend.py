@@ -7,6 +7,7 @@ chosen in the config and a bad value is named."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import jax
@@ -148,3 +149,22 @@ def test_backend_is_chosen_in_the_config_and_bad_values_are_named():
         G.recipe("mxfp8", backend="tpu")
     with pytest.raises(ValueError, match="pallas.*'bf16'"):
         G.recipe("bf16", backend="pallas")
+
+
+def test_moe_layer_forward_and_backward_on_the_pallas_backend_lower_for_cuda(monkeypatch):
+    """Lowered for CUDA (compiled kernels, as on a GPU machine), the layer's gradient holds every
+    kernel of the recipe as a Triton custom call: NVFP4 quantisation and matmul forward, MXFP8
+    row/column quantisation, dgrad and wgrad backward."""
+    monkeypatch.setattr(P, "interpret_mode", lambda: False)
+    cfg = _cfg(moe_impl="ragged", moe_precision="nvfp4_fwd_mxfp8_bwd", moe_quant_backend="pallas")
+    d, e, f = 32, 8, 32
+    shapes = {"router": (d, e), "router_bias": (e,), "gate": (e, d, f), "up": (e, d, f), "down": (e, f, d)}
+    shapes.update(shared_gate=(d, f), shared_up=(d, f), shared_down=(f, d))
+    p = {name: jax.ShapeDtypeStruct(s, jnp.float32) for name, s in shapes.items()}
+    x = jax.ShapeDtypeStruct((2, 32, d), jnp.float32)
+    grad = jax.jit(jax.grad(lambda p, x: jnp.sum(moe.moe_layer(p, x, cfg, None)[0]), argnums=(0, 1)))
+    text = grad.trace(p, x).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") >= 6
+    kernels = set(re.findall(r'name = "(_[a-z0-9_]*kernel)"', text))
+    # _kernel: the NVFP4 quantisation; _nvfp4_kernel its matmul; _row/_col: MXFP8 quantisation
+    assert kernels == {"_kernel", "_nvfp4_kernel", "_row_kernel", "_col_kernel", "_dgrad_kernel", "_wgrad_kernel"}
