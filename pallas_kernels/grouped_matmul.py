@@ -31,6 +31,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels.shapes import out_struct
+
 BLOCK = 32
 
 
@@ -76,7 +78,7 @@ def launch_grouped(kernel, sizes, rows: int, n: int, tm: int, tn: int, interpret
     y = pl.pallas_call(
         kernel,
         grid=(group.shape[0], n // tn),
-        out_shape=jax.ShapeDtypeStruct((rows + tm, n), jnp.float32),
+        out_shape=out_struct((rows + tm, n), jnp.float32, group, *operands),
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
     )(group, *operands)

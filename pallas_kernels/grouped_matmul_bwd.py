@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.grouped_matmul import BLOCK, e8m0_to_f32, launch_grouped, tile_schedule
+from pallas_kernels.shapes import out_struct
 
 
 def _dequant_rows(v: jax.Array, s: jax.Array) -> jax.Array:
@@ -180,7 +181,7 @@ def grouped_matmul_mxfp8_wgrad(xv, xs, dyv, dys, sizes, tk: int = 32, tn: int = 
         grid=(g, k // tk, n // tn),
         in_specs=[pl.no_block_spec] * 6,
         out_specs=pl.BlockSpec((None, tk, tn), lambda g_, k_, n_: (g_, k_, n_)),
-        out_shape=jax.ShapeDtypeStruct((g, k, n), jnp.float32),
+        out_shape=out_struct((g, k, n), jnp.float32, sizes, xv, xs, dyv, dys),
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
     )(starts.astype(jnp.int32), nblocks.astype(jnp.int32), xv, xs, dyv, dys)

@@ -28,6 +28,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels.shapes import out_struct
+
 BLOCK = 16
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
@@ -110,8 +112,8 @@ def nvfp4_quantize(
         in_specs=[half, half, pl.BlockSpec((tile, None), lambda i, j: (i, 0))],
         out_specs=[half, per_row],
         out_shape=[
-            jax.ShapeDtypeStruct((m, k // 2), jnp.uint8),
-            jax.ShapeDtypeStruct((m, k // BLOCK), jnp.float8_e4m3fn),
+            out_struct((m, k // 2), jnp.uint8, x, s2),
+            out_struct((m, k // BLOCK), jnp.float8_e4m3fn, x, s2),
         ],
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),

@@ -21,6 +21,7 @@ from composer_jax.model import moe
 from composer_jax.quant import formats as F
 from composer_jax.quant import grouped_matmul as G
 from composer_jax.quant import pallas_backend as P
+from composer_jax.sharding import MeshRules
 from pallas_kernels import grouped_matmul_bwd as B
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "model" / "tiny.yaml"
@@ -167,4 +168,23 @@ def test_moe_layer_forward_and_backward_on_the_pallas_backend_lower_for_cuda(mon
     assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") >= 6
     kernels = set(re.findall(r'name = "(_[a-z0-9_]*kernel)"', text))
     # _kernel: the NVFP4 quantisation; _nvfp4_kernel its matmul; _row/_col: MXFP8 quantisation
+    assert kernels == {"_kernel", "_nvfp4_kernel", "_row_kernel", "_col_kernel", "_dgrad_kernel", "_wgrad_kernel"}
+
+
+def test_expert_parallel_layer_lowers_for_cuda_and_the_interpreter_refuses_a_mesh(monkeypatch):
+    """Inside the MoE layer's shard_map (expert parallelism over a fake 8-device mesh) the kernels
+    lower for CUDA; the Pallas interpreter cannot run there (check_vma), and says so."""
+    cfg = _cfg(moe_impl="ragged", moe_precision="nvfp4_fwd_mxfp8_bwd", moe_quant_backend="pallas")
+    keys = jax.random.split(jax.random.key(0), 8)
+    shapes = {"router": (32, 8), "router_bias": (8,), "gate": (8, 32, 32), "up": (8, 32, 32), "down": (8, 32, 32)}
+    shapes.update(shared_gate=(32, 32), shared_up=(32, 32), shared_down=(32, 32))
+    p = {name: 0.3 * jax.random.normal(k, s) for k, (name, s) in zip(keys, shapes.items())}
+    x = jax.random.normal(jax.random.key(1), (8, 4, 32))
+    sharding = MeshRules(cj.make_mesh(cj.MeshConfig(data=2, fsdp=2, expert=2, context=1, tensor=1)))
+    grad = jax.jit(jax.grad(lambda p, x: jnp.sum(moe.moe_layer(p, x, cfg, sharding)[0]), argnums=(0, 1)))
+    with pytest.raises(NotImplementedError, match="moe_quant_backend='xla' with a mesh"):
+        grad(p, x)
+    monkeypatch.setattr(P, "interpret_mode", lambda: False)
+    text = grad.trace(p, x).lower(lowering_platforms=("cuda",)).as_text()
+    kernels = set(re.findall(r'name = "(_[a-z0-9_]*kernel)"', text))
     assert kernels == {"_kernel", "_nvfp4_kernel", "_row_kernel", "_col_kernel", "_dgrad_kernel", "_wgrad_kernel"}

@@ -49,6 +49,7 @@ from composer_jax.quant.formats import (
     mx_scale_exponent,
     round_to_format,
 )
+from composer_jax.sharding import vary_like
 
 RECIPES = ("bf16", "mxfp8", "nvfp4_fwd_mxfp8_bwd")
 RecipeName = Literal["bf16", "mxfp8", "nvfp4_fwd_mxfp8_bwd"]
@@ -141,6 +142,14 @@ def mx_fake_quantize_grouped_rows(a: jax.Array, sizes: jax.Array, rule: ScaleRul
 # --------------------------------------------------------------------------------------------------
 
 
+def _one_type(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Inside shard_map, both operands cast to vary over every manual axis either varies over
+    (tokens vary over the data axes, expert weights only over the expert axis): the custom VJP's
+    gradients then have its inputs' type, and autodiff turns the cast of w into the psum of its
+    gradient over the data axes. Outside shard_map nothing changes."""
+    return vary_like(x, w), vary_like(w, x)
+
+
 def _tile_sizes(x: jax.Array) -> jax.Array:
     """[tiles, m, k] as groups of m rows, one per tile (the pallas backend's ragged layout)."""
     return jnp.full((x.shape[0],), x.shape[1], jnp.int32)
@@ -169,12 +178,16 @@ def _tile_bwd(r, res, dy):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def tile_matmul(x: jax.Array, w: jax.Array, r: Recipe) -> jax.Array:
-    """x: [tiles, m, k] @ w: [tiles, k, n] -> [tiles, m, n] (dtype of x), quantised by recipe r."""
+def _tile_matmul(x: jax.Array, w: jax.Array, r: Recipe) -> jax.Array:
     return _tile_fwd(x, w, r)[0]
 
 
-tile_matmul.defvjp(_tile_fwd, _tile_bwd)
+_tile_matmul.defvjp(_tile_fwd, _tile_bwd)
+
+
+def tile_matmul(x: jax.Array, w: jax.Array, r: Recipe) -> jax.Array:
+    """x: [tiles, m, k] @ w: [tiles, k, n] -> [tiles, m, n] (dtype of x), quantised by recipe r."""
+    return _tile_matmul(*_one_type(x, w), r)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -206,16 +219,21 @@ def _ragged_bwd(r, res, dy):
         xs, dys = (mx_fake_quantize_grouped_rows(a, sizes, r.mx_rule) for a in (x, dy))
     else:
         xs, dys = x.astype(jnp.float32), dy.astype(jnp.float32)
-    _, wgrad = jax.vjp(lambda w_: _ragged(xs, w_, sizes), jnp.zeros(w.shape, jnp.float32))
+    # linearised at w itself (ragged_dot is linear in w): the point carries w's manual-axis type
+    _, wgrad = jax.vjp(lambda w_: _ragged(xs, w_, sizes), w.astype(jnp.float32))
     (dw,) = wgrad(dys)
     return dx.astype(x.dtype), dw.astype(w.dtype), f0
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def ragged_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, r: Recipe) -> jax.Array:
-    """x: [rows, k] sorted by group @ w: [groups, k, n] with sizes int[groups] -> [rows, n];
-    rows past sum(sizes) give 0. Quantised by recipe r."""
+def _ragged_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, r: Recipe) -> jax.Array:
     return _ragged_fwd(x, w, sizes, r)[0]
 
 
-ragged_matmul.defvjp(_ragged_fwd, _ragged_bwd)
+_ragged_matmul.defvjp(_ragged_fwd, _ragged_bwd)
+
+
+def ragged_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, r: Recipe) -> jax.Array:
+    """x: [rows, k] sorted by group @ w: [groups, k, n] with sizes int[groups] -> [rows, n];
+    rows past sum(sizes) give 0. Quantised by recipe r."""
+    return _ragged_matmul(*_one_type(x, w), sizes, r)

@@ -42,6 +42,23 @@ def interpret_mode() -> bool:
     return jax.default_backend() not in ("gpu", "cuda", "rocm")
 
 
+def _check_runnable(*arrays: jax.Array) -> None:
+    """The Pallas interpreter (jax 0.10.2) cannot run a kernel on values that vary over the manual
+    axes of a `shard_map` with check_vma (the MoE layer's, whenever there is a mesh): it evaluates
+    the kernel's untyped body on typed values and fails on the first constant. Compiled for a GPU
+    the same call lowers (tested); in the interpreter say so instead of failing inside JAX."""
+    varying: set = set()
+    for a in arrays:
+        mat = getattr(jax.typeof(a), "mat", None)
+        varying |= set(mat.varying) if mat is not None else set()
+    if varying and interpret_mode():
+        raise NotImplementedError(
+            f"model.moe_quant_backend='pallas' in interpret mode (backend {jax.default_backend()!r}) cannot run "
+            f"inside the MoE layer's shard_map (operands vary over mesh axes {sorted(varying)}); on CPU use "
+            "moe_quant_backend='xla' with a mesh, or run without one; on a GPU the kernels compile and run there"
+        )
+
+
 def _pad(a: jax.Array, axis: int, multiple: int = ALIGN) -> jax.Array:
     widths = [(0, 0)] * a.ndim
     widths[axis] = (0, -a.shape[axis] % multiple)
@@ -103,6 +120,7 @@ def nvfp4_weight_along_k(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]
 def forward(x: jax.Array, w: jax.Array, sizes: jax.Array, r: Recipe) -> jax.Array:
     """x [rows, K] sorted by group, w [G, K, N], sizes int32 [G] -> float32 [rows, N] (rows past
     sum(sizes) 0), both operands quantised along K by the recipe's forward format."""
+    _check_runnable(x, w)
     rows, n = x.shape[0], w.shape[2]
     np_ = -(-n // ALIGN) * ALIGN
     tn = _tile(np_)
@@ -126,6 +144,7 @@ def forward(x: jax.Array, w: jax.Array, sizes: jax.Array, r: Recipe) -> jax.Arra
 
 def dgrad(dy: jax.Array, w: jax.Array, sizes: jax.Array, r: Recipe) -> jax.Array:
     """dy [rows, N], w [G, K, N] -> float32 [rows, K] = dy . w[g]^T per group, MXFP8 along N."""
+    _check_runnable(dy, w)
     rows, k = dy.shape[0], w.shape[1]
     g = w.shape[0]
     dyv, dys = mx_along_cols(dy, r.mx_rule)
@@ -148,6 +167,7 @@ def dgrad(dy: jax.Array, w: jax.Array, sizes: jax.Array, r: Recipe) -> jax.Array
 def wgrad(x: jax.Array, dy: jax.Array, sizes: jax.Array, r: Recipe) -> jax.Array:
     """x [rows, K], dy [rows, N] sorted by group -> float32 [G, K, N] = x_g^T dy_g, MXFP8 along the
     rows in blocks that restart at every group boundary (the group-padded layout)."""
+    _check_runnable(x, dy)
     k, n = x.shape[1], dy.shape[1]
     xv, xs = mx_along_rows(gm_bwd.to_group_padded(_pad(x, 1), sizes), r.mx_rule)
     dv, ds = mx_along_rows(gm_bwd.to_group_padded(_pad(dy, 1), sizes), r.mx_rule)
