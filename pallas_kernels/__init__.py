@@ -15,7 +15,10 @@ imports only JAX. Every kernel has a jnp reference twin next to it.
   groups whose sizes are known only at run time, MXFP8 or NVFP4 (per-token second scale) operands
   with the scales applied in the kernel (Triton, Hopper-class); twins `*_ref`.
 
-Not yet here: a Blackwell (tcgen05 block-scaled MMA) path, and
-wiring these kernels in as `quant/`'s "pallas" backend; until
-then the model's quantised MoE matmuls run through the XLA reference (`quant/grouped_matmul.py`).
+- `grouped_matmul_bwd.grouped_matmul_mxfp8_dgrad` (dy @ w^T per group, MXFP8 along N) and
+  `grouped_matmul_mxfp8_wgrad` (x^T @ dy per group over the group-padded layout, MXFP8 along the
+  rows, a ragged contraction), twins `*_ref`.
+
+`composer_jax.quant.pallas_backend` wires these in as the "pallas" backend of the quantised MoE
+matmuls (`model.moe_quant_backend`). Not yet here: a Blackwell (tcgen05 block-scaled MMA) path.
 """

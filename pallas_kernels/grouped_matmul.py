@@ -1,6 +1,9 @@
 """Grouped matmuls over expert groups with MXFP8 or NVFP4 operands, scales applied in the kernel
-(Triton, Hopper-class: the scaled operands are upcast and multiplied with float32 accumulation),
-and their jnp reference twins. MXFP8 below; NVFP4 (`grouped_matmul_nvfp4`) at the end.
+(Triton, Hopper-class), and their jnp reference twins. MXFP8: FP8 x FP8 dots with float32
+accumulation, one per 32-wide slice of K, each partial product multiplied by its two blocks'
+power-of-two scales; NVFP4: E2M1 expanded in the kernel and multiplied by its block scales into
+bfloat16 (exact), bfloat16 dots with float32 accumulation, second-level scales in the epilogue.
+MXFP8 below; NVFP4 (`grouped_matmul_nvfp4`) at the end. Backward kernels: `grouped_matmul_bwd.py`.
 
     y[r] = dequant(x)[r] @ dequant(w)[g(r)]   for the rows r of group g (rows sorted by group)
 
@@ -12,8 +15,8 @@ Output float32 [rows, N].
 Schedule: the wrapper cuts every group into tiles of `tm` rows (a tile never spans two groups;
 the number of tiles is bounded statically by rows / tm + G) and passes, per tile, its group, first
 row and the group's end row as small int32 arrays. Grid (tiles, N / tn): a step loads its group's
-weight columns and, for each 32-wide slice of K, its rows (masked at the group's end), multiplies
-each operand by its power-of-two scales (exact) and accumulates x_k @ w_k in float32. Masked
+weight columns and, for each 32-wide slice of K, its tile of rows, multiplies
+the FP8 slices x_k @ w_k in float32 and accumulates that partial product times its scales. Masked
 stores write only the tile's valid rows; the wrapper zeroes rows no tile covers. x is padded by
 `tm` rows so that no load reads past its end (rows past a group's end are loaded unmasked: an
 output row depends on its own x row only). E8M0 code 255 (NaN) decodes to NaN.
@@ -27,6 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
+
+from pallas_kernels.shapes import out_struct
 
 BLOCK = 32
 
@@ -67,13 +72,13 @@ def tile_schedule(sizes: jax.Array, rows: int, tm: int) -> tuple[jax.Array, jax.
     return group, first.astype(jnp.int32), end.astype(jnp.int32)
 
 
-def _launch(kernel, sizes, rows: int, n: int, tm: int, tn: int, interpret: bool, group, *operands) -> jax.Array:
+def launch_grouped(kernel, sizes, rows: int, n: int, tm: int, tn: int, interpret: bool, group, *operands) -> jax.Array:
     """Run a grouped-matmul kernel over the tile schedule (one program per row tile x column tile;
     inputs padded by one tile of rows) -> float32[rows, n], rows past sum(sizes) zero."""
     y = pl.pallas_call(
         kernel,
         grid=(group.shape[0], n // tn),
-        out_shape=jax.ShapeDtypeStruct((rows + tm, n), jnp.float32),
+        out_shape=out_struct((rows + tm, n), jnp.float32, group, *operands),
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
     )(group, *operands)
@@ -89,15 +94,21 @@ def _kernel(group_ref, first_ref, end_ref, xv_ref, xs_ref, wv_ref, ws_ref, y_ref
     row_ok = first + jnp.arange(tm, dtype=jnp.int32) < end
     cols = pl.ds(j * tn, tn)
     rows = pl.ds(first, tm)
-    acc = jnp.zeros((tm, tn), jnp.float32)
-    for kb in range(k // BLOCK):  # static: K / 32 scaled slices
+
+    # one loop over the K / 32 scaled slices (a loop in the kernel's IR, not K / 32 unrolled copies)
+    def step(kb, acc):
         # rows past the group's end (another group's, or padding) are read but never stored: an
         # output row depends on its own x row only
-        x = plt.load(xv_ref.at[rows, pl.ds(kb * BLOCK, BLOCK)]).astype(jnp.float32)
-        xs = plt.load(xs_ref.at[rows, jnp.int32(kb)])
-        w = plt.load(wv_ref.at[g, pl.ds(kb * BLOCK, BLOCK), cols]).astype(jnp.float32)
-        ws = plt.load(ws_ref.at[g, jnp.int32(kb), cols])
-        acc += jnp.dot(x * e8m0_to_f32(xs)[:, None], w * e8m0_to_f32(ws)[None, :], preferred_element_type=jnp.float32)
+        x = plt.load(xv_ref.at[rows, pl.ds(kb * BLOCK, BLOCK)])
+        xs = plt.load(xs_ref.at[rows, kb])
+        w = plt.load(wv_ref.at[g, pl.ds(kb * BLOCK, BLOCK), cols])
+        ws = plt.load(ws_ref.at[g, kb, cols])
+        # an FP8 x FP8 product with float32 accumulation (the tensor-core MMA); one block's scales
+        # are constant along its 32-element slice of K, so they multiply the partial product
+        part = jnp.dot(x, w, preferred_element_type=jnp.float32)
+        return acc + (part * e8m0_to_f32(xs)[:, None]) * e8m0_to_f32(ws)[None, :]
+
+    acc = jax.lax.fori_loop(0, k // BLOCK, step, jnp.zeros((tm, tn), jnp.float32))
     plt.store(y_ref.at[rows, cols], acc, mask=row_ok[:, None])
 
 
@@ -111,7 +122,7 @@ def grouped_matmul_mxfp8(xv, xs, wv, ws, sizes, tm: int = 32, tn: int = 32, inte
         raise ValueError(f"K={k} must be a multiple of {BLOCK} and N={n} of tn={tn}")
     group, first, end = tile_schedule(sizes, rows, tm)
     pad = lambda a, fill: jnp.concatenate([a, jnp.full((tm,) + a.shape[1:], fill, a.dtype)])
-    return _launch(
+    return launch_grouped(
         functools.partial(_kernel, tm=tm, tn=tn, k=k),
         sizes,
         rows,
@@ -173,21 +184,26 @@ def _nvfp4_kernel(
     cols = pl.ds(j * tn, tn)
     rows = pl.ds(first, tm)
     first_half = jnp.arange(16, dtype=jnp.int32) < 8  # bytes 0-7 of a 32-element slice: its first block
-    acc = jnp.zeros((tm, tn), jnp.float32)
-    for kb in range(k // 32):  # static: 32 elements = 16 bytes = two NVFP4 blocks per step
+
+    def step(kb, acc):  # 32 elements = 16 bytes = two NVFP4 blocks per step
         xb = plt.load(xp_ref.at[rows, pl.ds(kb * 16, 16)]).astype(jnp.int32)
-        xa = plt.load(xsb_ref.at[rows, jnp.int32(2 * kb)]).astype(jnp.float32)
-        xc = plt.load(xsb_ref.at[rows, jnp.int32(2 * kb + 1)]).astype(jnp.float32)
+        xa = plt.load(xsb_ref.at[rows, 2 * kb]).astype(jnp.float32)
+        xc = plt.load(xsb_ref.at[rows, 2 * kb + 1]).astype(jnp.float32)
         sx = jnp.where(first_half[None, :], xa[:, None], xc[:, None])
         wb = plt.load(wp_ref.at[g, pl.ds(kb * 16, 16), cols]).astype(jnp.int32)
-        wa = plt.load(wsb_ref.at[g, jnp.int32(2 * kb), cols]).astype(jnp.float32)
-        wc = plt.load(wsb_ref.at[g, jnp.int32(2 * kb + 1), cols]).astype(jnp.float32)
+        wa = plt.load(wsb_ref.at[g, 2 * kb, cols]).astype(jnp.float32)
+        wc = plt.load(wsb_ref.at[g, 2 * kb + 1, cols]).astype(jnp.float32)
         sw = jnp.where(first_half[:, None], wa[None, :], wc[None, :])
         # the low nibbles hold the even elements of both operands and the high nibbles the odd:
         # the contraction splits into two dots without reordering any element
-        lo = jnp.dot(e2m1_decode(xb & 15) * sx, e2m1_decode(wb & 15) * sw, preferred_element_type=jnp.float32)
-        hi = jnp.dot(e2m1_decode(xb >> 4) * sx, e2m1_decode(wb >> 4) * sw, preferred_element_type=jnp.float32)
-        acc += lo + hi
+        # E2M1 (2 significant bits) x an E4M3 block scale (4) is exact in bfloat16 (8): the expanded
+        # operands go through the 16-bit MMA with float32 accumulation and lose nothing
+        bf = lambda a: a.astype(jnp.bfloat16)
+        lo = jnp.dot(bf(e2m1_decode(xb & 15) * sx), bf(e2m1_decode(wb & 15) * sw), preferred_element_type=jnp.float32)
+        hi = jnp.dot(bf(e2m1_decode(xb >> 4) * sx), bf(e2m1_decode(wb >> 4) * sw), preferred_element_type=jnp.float32)
+        return acc + lo + hi
+
+    acc = jax.lax.fori_loop(0, k // 32, step, jnp.zeros((tm, tn), jnp.float32))
     y = acc * plt.load(xs2_ref.at[rows])[:, None] * ws2_ref[g]  # second-level scales in the epilogue
     plt.store(y_ref.at[rows, cols], y, mask=row_ok[:, None])
 
@@ -210,7 +226,7 @@ def grouped_matmul_nvfp4(
         raise ValueError(f"K={k} must be a multiple of 32 and N={n} of tn={tn}")
     group, first, end = tile_schedule(sizes, rows, tm)
     pad = lambda a: jnp.concatenate([a, jnp.zeros((tm,) + a.shape[1:], a.dtype)])
-    return _launch(
+    return launch_grouped(
         functools.partial(_nvfp4_kernel, tm=tm, tn=tn, k=k),
         sizes,
         rows,

@@ -28,6 +28,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels.shapes import out_struct
+
 BLOCK = 32
 E4M3_MAX = 448.0
 _FRAC_175 = 0x600000  # fraction bits of 1.75 = 448 / 256
@@ -119,8 +121,8 @@ def mxfp8_quantize(
         in_specs=[in_spec],
         out_specs=[in_spec, scale_spec],
         out_shape=[
-            jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn),
-            jax.ShapeDtypeStruct(scale_shape, jnp.uint8),
+            out_struct((m, k), jnp.float8_e4m3fn, x),
+            out_struct(scale_shape, jnp.uint8, x),
         ],
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),

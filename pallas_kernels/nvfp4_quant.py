@@ -28,6 +28,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels.shapes import out_struct
+
 BLOCK = 16
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
@@ -90,13 +92,18 @@ def _kernel(even_ref, odd_ref, s2_ref, packed_ref, sb_ref):
 
 
 @functools.partial(jax.jit, static_argnames=("tile", "interpret"))
-def nvfp4_quantize(x: jax.Array, tile: int = 64, interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+def nvfp4_quantize(
+    x: jax.Array, s2: jax.Array | None = None, tile: int = 64, interpret: bool = False
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The Pallas kernel: x [M, K], M a multiple of `tile` (a power of two), K of 16 -> as
-    `nvfp4_quantize_ref`. Grid: (M / tile, K / 16), one 16-element block per row and step."""
+    `nvfp4_quantize_ref`. Grid: (M / tile, K / 16), one 16-element block per row and step.
+
+    s2: float32 [M, 1] second-level scales to use instead of the per-token ones (e.g. one per
+    expert matrix, repeated over its rows: `second_scale` of the whole matrix); returned as given."""
     m, k = x.shape
     if k % BLOCK or m % tile:
         raise ValueError(f"x {x.shape}: K must be a multiple of {BLOCK}, M of tile={tile}")
-    s2 = second_scale(x)
+    s2 = second_scale(x) if s2 is None else s2.astype(jnp.float32).reshape(m, 1)
     half = pl.BlockSpec((tile, BLOCK // 2), lambda i, j: (i, j))
     per_row = pl.BlockSpec((tile, None), lambda i, j: (i, j))
     packed, sb = pl.pallas_call(
@@ -105,8 +112,8 @@ def nvfp4_quantize(x: jax.Array, tile: int = 64, interpret: bool = False) -> tup
         in_specs=[half, half, pl.BlockSpec((tile, None), lambda i, j: (i, 0))],
         out_specs=[half, per_row],
         out_shape=[
-            jax.ShapeDtypeStruct((m, k // 2), jnp.uint8),
-            jax.ShapeDtypeStruct((m, k // BLOCK), jnp.float8_e4m3fn),
+            out_struct((m, k // 2), jnp.uint8, x, s2),
+            out_struct((m, k // BLOCK), jnp.float8_e4m3fn, x, s2),
         ],
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),

@@ -141,10 +141,52 @@ def _check_03_one_rollout(ns: dict, printed: str) -> None:
     assert "length_penalty     -0.1386" in printed
 
 
+def _mx_by_hand(b: np.ndarray, dtype, emax: int, elem_max: float, rule: str) -> np.ndarray:
+    """MX quantise-dequantise of [n, 32] blocks with numpy and ml_dtypes: scale 2^(floor(log2 amax) -
+    emax) saturating (OCP MX v1.0), or 2^ceil(log2(amax / elem_max)) (round-up)."""
+    amax = np.abs(b).max(axis=1, keepdims=True)
+    if rule == "ocp":
+        scale = np.exp2(np.floor(np.log2(amax)) - emax)
+    else:
+        scale = np.exp2(np.ceil(np.log2(amax / elem_max)))
+    return np.clip(b / scale, -elem_max, elem_max).astype(dtype).astype(np.float64) * scale
+
+
+def _check_04_quantisation(ns: dict, printed: str) -> None:
+    import ml_dtypes
+
+    errors, acts = ns["errors"], ns["acts"]
+    assert list(acts) == ["hidden [256, 64]", "expert SwiGLU [256, 32]", "gate weight^T [32, 64]"]
+    # the notebook's numbers against an independent quantiser (numpy + ml_dtypes rounding)
+    for name, a in acts.items():
+        b = np.asarray(a, np.float64).reshape(-1, 32)  # 32-element blocks along each row
+        j = list(acts).index(name)
+        for fmt, dtype, emax, elem_max in (
+            ("mxfp8_e4m3", ml_dtypes.float8_e4m3fn, 8, 448.0),
+            ("mxfp8_e5m2", ml_dtypes.float8_e5m2, 15, 57344.0),
+        ):
+            for rule in ("ocp", "ceil"):
+                q = _mx_by_hand(b, dtype, emax, elem_max, rule)
+                ref = np.linalg.norm(q - b) / np.linalg.norm(b)
+                np.testing.assert_allclose(errors[fmt, rule][j], ref, rtol=1e-4, err_msg=f"{fmt} {rule} {name}")
+    # what the markdown says of the table
+    for j in range(3):
+        e4, e5 = errors["mxfp8_e4m3", "ceil"][j], errors["mxfp8_e5m2", "ceil"][j]
+        nv, mx4 = errors["nvfp4", "second: token"][j], errors["mxfp4", "ocp"][j]
+        assert 1.6 < e5 / e4 < 2.4 and e5 < nv < mx4 and 3 < nv / e4 and mx4 / e4 < 5.5
+        assert abs(errors["nvfp4", "second: token"][j] / errors["nvfp4", "second: tensor"][j] - 1) < 0.1
+        assert errors["mxfp8_e4m3", "ocp"][j] > e4  # saturation costs more than the lost binade here
+    assert "mxfp8_e4m3   ceil" in printed
+    # the leak: per tensor token 0's output moves, per token it is bit-identical
+    assert ns["leak"]["tensor"] > 1e-3 and ns["leak"]["token"] == 0.0
+    assert "per token: token 0's output moved by max |dy| = 0 " in printed
+
+
 CHECKS = {
     "01_model_tour.ipynb": _check_01_model_tour,
     "02_rl_objective.ipynb": _check_02_rl_objective,
     "03_one_rollout.ipynb": _check_03_one_rollout,
+    "04_quantisation.ipynb": _check_04_quantisation,
 }
 
 

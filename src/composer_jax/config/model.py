@@ -91,6 +91,11 @@ class ModelConfig:
     # dtype); "mxfp8" = MXFP8 E4M3 forward and backward; "nvfp4_fwd_mxfp8_bwd" = Composer 2's NVFP4
     # forward with a per-token second-level scale and MXFP8 backward. Not with moe_impl=dense.
     moe_precision: Literal["bf16", "mxfp8", "nvfp4_fwd_mxfp8_bwd"] = "bf16"
+    # where the quantised expert matmuls run (with moe_precision mxfp8 or nvfp4_fwd_mxfp8_bwd; no
+    # effect with bf16): "xla" = the reference (exact dequantise + float32 matmul, runs anywhere);
+    # "pallas" = the Pallas kernels of pallas_kernels/ for quantisation, forward, dgrad and wgrad
+    # (compiled on a GPU, interpret mode on CPU: slow, for tests)
+    moe_quant_backend: Literal["xla", "pallas"] = "xla"
     # expert-parallel exchange (model/expert_parallel.py): "padded" = all_to_all of worst-case
     # [ep, tokens*k] buffers (moves ep x the rows that exist; never drops; the only one XLA:CPU
     # runs); "ragged" = jax.lax.ragged_all_to_all of the real rows only, counts exchanged first (GPU

@@ -21,7 +21,8 @@ counted), on CPU by `all_to_all` of worst-case [ep, T*K] buffers (the reference;
 computed by the local experts, and returned by the inverse exchange.
 Precision (`model.moe_precision`): "bf16" multiplies in the compute dtype (the code below exactly as
 without quantisation); "mxfp8" and "nvfp4_fwd_mxfp8_bwd" run the tiled and ragged grouped matmuls
-(and so expert parallelism, which calls them) through `quant.grouped_matmul`.
+(and so expert parallelism, which calls them) through `quant.grouped_matmul`, on the backend
+`model.moe_quant_backend` (xla reference or pallas kernels).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 from composer_jax.config import ModelConfig
 from composer_jax.model import expert_parallel
 from composer_jax.model.params import moe_specs, router_biases, with_router_biases
-from composer_jax.quant.grouped_matmul import ragged_matmul, recipe, tile_matmul
+from composer_jax.quant.grouped_matmul import Recipe, as_recipe, ragged_matmul, recipe, tile_matmul
 from composer_jax.sharding import MeshRules, vary_like
 
 STATS = ("expert_counts", "seq_balance", "moe_dropped", "moe_a2a_rows")
@@ -111,6 +112,14 @@ def update_router_biases(params: dict, counts: dict[str, jax.Array], rate: float
 # --------------------------------------------------------------------------------------------------
 
 
+def moe_recipe(cfg: ModelConfig) -> str | Recipe:
+    """The expert matmuls' precision: "bf16" (no quantisation), else the `quant` recipe named by
+    `model.moe_precision` on the backend `model.moe_quant_backend`."""
+    if cfg.moe_precision == "bf16":
+        return "bf16"
+    return recipe(cfg.moe_precision, backend=cfg.moe_quant_backend)
+
+
 def _tile_size(rows: int, groups: int, max_tile: int) -> int:
     avg = max(1, -(-rows // groups))
     return int(max(8, min(max_tile, 1 << (avg - 1).bit_length())))
@@ -125,17 +134,19 @@ def _tile_layout(sizes: jax.Array, m: int, num_tiles: int):
     return padded_ends - padded, tile_group
 
 
-def _tiles_swiglu(xp: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, precision: str = "bf16") -> jax.Array:
+def _tiles_swiglu(
+    xp: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, precision: str | Recipe = "bf16"
+) -> jax.Array:
     """xp: [tiles, m, embed]; per-tile weights [tiles, embed, f] / [tiles, f, embed] -> [tiles, m, embed]."""
     if precision != "bf16":
-        mm = functools.partial(tile_matmul, r=recipe(precision))
+        mm = functools.partial(tile_matmul, r=as_recipe(precision))
         return mm(jax.nn.silu(mm(xp, gate)) * mm(xp, up), down)
     h = jax.nn.silu(jnp.einsum("tmd,tdf->tmf", xp, gate)) * jnp.einsum("tmd,tdf->tmf", xp, up)
     return jnp.einsum("tmf,tfd->tmd", h, down)
 
 
 def _grouped_tiled(
-    x: jax.Array, sizes: jax.Array, ws: tuple[jax.Array, ...], tile: int, precision: str = "bf16"
+    x: jax.Array, sizes: jax.Array, ws: tuple[jax.Array, ...], tile: int, precision: str | Recipe = "bf16"
 ) -> jax.Array:
     n, d = x.shape
     g = ws[0].shape[0]
@@ -218,7 +229,7 @@ def tiled_dispatch_swiglu(
     up: jax.Array,
     down: jax.Array,
     tile: int,
-    precision: str = "bf16",
+    precision: str | Recipe = "bf16",
 ) -> jax.Array:
     """Routed SwiGLU of every (token, expert) assignment, straight from the tokens.
 
@@ -251,13 +262,15 @@ def tiled_dispatch_swiglu(
     return _copy_rows(vary_like(y, dest), dest, row_assign[:, None]).reshape(n, k, d)
 
 
-def _grouped_ragged(x: jax.Array, sizes: jax.Array, ws: tuple[jax.Array, ...], precision: str = "bf16") -> jax.Array:
+def _grouped_ragged(
+    x: jax.Array, sizes: jax.Array, ws: tuple[jax.Array, ...], precision: str | Recipe = "bf16"
+) -> jax.Array:
     gate, up, down = (w.astype(x.dtype) for w in ws)
     sizes = sizes.astype(jnp.int32)
     if precision == "bf16":
         mm = functools.partial(jax.lax.ragged_dot, group_sizes=sizes)
     else:
-        mm = functools.partial(ragged_matmul, sizes=sizes, r=recipe(precision))
+        mm = functools.partial(ragged_matmul, sizes=sizes, r=as_recipe(precision))
     h = jax.nn.silu(mm(x, gate)) * mm(x, up)
     y = mm(h, down)
     valid = jnp.arange(x.shape[0]) < sizes.sum()
@@ -282,7 +295,7 @@ def grouped_swiglu(
     down: jax.Array,
     impl: str,
     tile: int = 128,
-    precision: str = "bf16",
+    precision: str | Recipe = "bf16",
 ) -> jax.Array:
     """x: [rows, embed] sorted by group; sizes: int[groups] (sum <= rows; rows past the sum give 0);
     gate/up: [groups, embed, f]; down: [groups, f, embed] -> [rows, embed]. `precision`: a
@@ -354,7 +367,7 @@ def _sorted_dispatch(
     xs = xt[flat_tok[order]]
 
     def compute(rows: jax.Array, sizes: jax.Array) -> jax.Array:
-        return grouped_swiglu(rows, sizes, *ws, impl=cfg.moe_impl, tile=cfg.moe_tile_size, precision=cfg.moe_precision)
+        return grouped_swiglu(rows, sizes, *ws, impl=cfg.moe_impl, tile=cfg.moe_tile_size, precision=moe_recipe(cfg))
 
     zero = jnp.zeros((), jnp.int32)
     if ep == 1:
@@ -414,7 +427,7 @@ def _local_moe(
         # the same products, exact
         y_assign = _gathered_swiglu(xt, r.experts, *ws)
     elif ep == 1 and impl == "tiled":
-        y_assign = tiled_dispatch_swiglu(xt, r.experts, *ws, tile=cfg.moe_tile_size, precision=cfg.moe_precision)
+        y_assign = tiled_dispatch_swiglu(xt, r.experts, *ws, tile=cfg.moe_tile_size, precision=moe_recipe(cfg))
     else:
         y_assign, dropped, sent = _sorted_dispatch(xt, r.experts, ws, cfg, ep, ep_axis)
     y = jnp.einsum("tkd,tk->td", y_assign, r.weights.astype(y_assign.dtype))

@@ -25,7 +25,9 @@ in the tiled layout groups are tile-aligned and a tile is padded with zeros to 3
 
 Backend "xla" is the reference: operands are quantised and dequantised exactly in float32
 (`quant.formats`) and multiplied with float32 accumulation, which is what a block-scaled MMA computes
-up to the order of its sums. Backend "pallas" (kernels in `pallas_kernels/`) is not wired yet.
+up to the order of its sums. Backend "pallas" (`quant/pallas_backend.py`) runs the quantisation and
+all three products as `pallas_kernels` (compiled on a GPU, interpreted elsewhere); it equals the
+reference bit for bit in quantisation and to float32 accumulation order in the products (tested).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from composer_jax.quant import pallas_backend
 from composer_jax.quant.formats import (
     E4M3,
     MX_BLOCK,
@@ -46,9 +49,11 @@ from composer_jax.quant.formats import (
     mx_scale_exponent,
     round_to_format,
 )
+from composer_jax.sharding import vary_like
 
 RECIPES = ("bf16", "mxfp8", "nvfp4_fwd_mxfp8_bwd")
 RecipeName = Literal["bf16", "mxfp8", "nvfp4_fwd_mxfp8_bwd"]
+BACKENDS = ("xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +64,7 @@ class Recipe:
     bwd: Literal["none", "mxfp8"]
     nvfp4_second: Literal["token", "tensor"] = "token"  # activations' second-level NVFP4 scale
     mx_rule: ScaleRule = "ceil"
-    backend: Literal["xla"] = "xla"
+    backend: Literal["xla", "pallas"] = "xla"
 
 
 def recipe(name: str, **overrides) -> Recipe:
@@ -72,9 +77,16 @@ def recipe(name: str, **overrides) -> Recipe:
     if name not in base:
         raise ValueError(f"MoE precision {name!r} is not accepted; accepted: {', '.join(RECIPES)}")
     r = dataclasses.replace(base[name], **overrides)
-    if r.backend != "xla":
-        raise NotImplementedError(f"grouped matmul backend {r.backend!r}: only 'xla' is implemented")
+    if r.backend not in BACKENDS:
+        raise ValueError(f"grouped matmul backend {r.backend!r} is not accepted; accepted: {', '.join(BACKENDS)}")
+    if r.backend == "pallas" and (r.fwd == "none" or r.bwd != "mxfp8"):
+        raise ValueError(f"backend 'pallas' runs the recipes mxfp8 and nvfp4_fwd_mxfp8_bwd, not {name!r}")
     return r
+
+
+def as_recipe(precision: str | Recipe) -> Recipe:
+    """A `Recipe` as it is, a recipe name through `recipe`."""
+    return precision if isinstance(precision, Recipe) else recipe(precision)
 
 
 def _mx(a: jax.Array, axis: int, r: Recipe) -> jax.Array:
@@ -130,25 +142,52 @@ def mx_fake_quantize_grouped_rows(a: jax.Array, sizes: jax.Array, rule: ScaleRul
 # --------------------------------------------------------------------------------------------------
 
 
+def _one_type(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Inside shard_map, both operands cast to vary over every manual axis either varies over
+    (tokens vary over the data axes, expert weights only over the expert axis): the custom VJP's
+    gradients then have its inputs' type, and autodiff turns the cast of w into the psum of its
+    gradient over the data axes. Outside shard_map nothing changes."""
+    return vary_like(x, w), vary_like(w, x)
+
+
+def _tile_sizes(x: jax.Array) -> jax.Array:
+    """[tiles, m, k] as groups of m rows, one per tile (the pallas backend's ragged layout)."""
+    return jnp.full((x.shape[0],), x.shape[1], jnp.int32)
+
+
 def _tile_fwd(x, w, r):
+    if r.backend == "pallas":
+        t, m, k = x.shape
+        y = pallas_backend.forward(x.reshape(t * m, k), w, _tile_sizes(x), r).reshape(t, m, -1)
+        return y.astype(x.dtype), (x, w)
     y = jnp.einsum("tmk,tkn->tmn", _fwd_act(x, 2, r), _fwd_weight(w, 1, r))
     return y.astype(x.dtype), (x, w)
 
 
 def _tile_bwd(r, res, dy):
     x, w = res
+    if r.backend == "pallas":
+        t, m, k = x.shape
+        sizes, dyr = _tile_sizes(x), dy.reshape(t * m, -1)
+        dx = pallas_backend.dgrad(dyr, w, sizes, r).reshape(x.shape)
+        dw = pallas_backend.wgrad(x.reshape(t * m, k), dyr, sizes, r)
+        return dx.astype(x.dtype), dw.astype(w.dtype)
     dx = jnp.einsum("tmn,tkn->tmk", _bwd_q(dy, 2, r), _bwd_q(w, 2, r))
     dw = jnp.einsum("tmk,tmn->tkn", _bwd_q(x, 1, r), _bwd_q(dy, 1, r))
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def tile_matmul(x: jax.Array, w: jax.Array, r: Recipe) -> jax.Array:
-    """x: [tiles, m, k] @ w: [tiles, k, n] -> [tiles, m, n] (dtype of x), quantised by recipe r."""
+def _tile_matmul(x: jax.Array, w: jax.Array, r: Recipe) -> jax.Array:
     return _tile_fwd(x, w, r)[0]
 
 
-tile_matmul.defvjp(_tile_fwd, _tile_bwd)
+_tile_matmul.defvjp(_tile_fwd, _tile_bwd)
+
+
+def tile_matmul(x: jax.Array, w: jax.Array, r: Recipe) -> jax.Array:
+    """x: [tiles, m, k] @ w: [tiles, k, n] -> [tiles, m, n] (dtype of x), quantised by recipe r."""
+    return _tile_matmul(*_one_type(x, w), r)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -162,27 +201,39 @@ def _ragged(x, w, sizes):
 
 def _ragged_fwd(x, w, sizes, r):
     sizes = sizes.astype(jnp.int32)
-    y = _ragged(_fwd_act(x, 1, r), _fwd_weight(w, 1, r), sizes)
+    if r.backend == "pallas":
+        y = pallas_backend.forward(x, w, sizes, r)
+    else:
+        y = _ragged(_fwd_act(x, 1, r), _fwd_weight(w, 1, r), sizes)
     return y.astype(x.dtype), (x, w, sizes)
 
 
 def _ragged_bwd(r, res, dy):
     x, w, sizes = res
+    f0 = np.zeros(sizes.shape, jax.dtypes.float0)
+    if r.backend == "pallas":
+        dx, dw = pallas_backend.dgrad(dy, w, sizes, r), pallas_backend.wgrad(x, dy, sizes, r)
+        return dx.astype(x.dtype), dw.astype(w.dtype), f0
     dx = _ragged(_bwd_q(dy, 1, r), jnp.swapaxes(_bwd_q(w, 2, r), 1, 2), sizes)
     if r.bwd == "mxfp8":
         xs, dys = (mx_fake_quantize_grouped_rows(a, sizes, r.mx_rule) for a in (x, dy))
     else:
         xs, dys = x.astype(jnp.float32), dy.astype(jnp.float32)
-    _, wgrad = jax.vjp(lambda w_: _ragged(xs, w_, sizes), jnp.zeros(w.shape, jnp.float32))
+    # linearised at w itself (ragged_dot is linear in w): the point carries w's manual-axis type
+    _, wgrad = jax.vjp(lambda w_: _ragged(xs, w_, sizes), w.astype(jnp.float32))
     (dw,) = wgrad(dys)
-    return dx.astype(x.dtype), dw.astype(w.dtype), np.zeros(sizes.shape, jax.dtypes.float0)
+    return dx.astype(x.dtype), dw.astype(w.dtype), f0
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def ragged_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, r: Recipe) -> jax.Array:
-    """x: [rows, k] sorted by group @ w: [groups, k, n] with sizes int[groups] -> [rows, n];
-    rows past sum(sizes) give 0. Quantised by recipe r."""
+def _ragged_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, r: Recipe) -> jax.Array:
     return _ragged_fwd(x, w, sizes, r)[0]
 
 
-ragged_matmul.defvjp(_ragged_fwd, _ragged_bwd)
+_ragged_matmul.defvjp(_ragged_fwd, _ragged_bwd)
+
+
+def ragged_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, r: Recipe) -> jax.Array:
+    """x: [rows, k] sorted by group @ w: [groups, k, n] with sizes int[groups] -> [rows, n];
+    rows past sum(sizes) give 0. Quantised by recipe r."""
+    return _ragged_matmul(*_one_type(x, w), sizes, r)

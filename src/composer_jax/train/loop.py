@@ -40,6 +40,7 @@ STAGE_CHANGEABLE = (
     "model.remat",
     "model.moe_impl",
     "model.moe_precision",
+    "model.moe_quant_backend",
     "model.compute_dtype",
     "model.moe_tile_size",
     "model.router_bias_update_rate",
