@@ -8,9 +8,9 @@ which the run saves as its step-0 checkpoint for the replica): the one-choice fi
 `rl.groups_per_step` x `rl.group_size` rollouts, so the same number of samples. In each run the
 trainer's threads are pinned to one core and one `composer-jax serve` replica (the sampler,
 `rl.local_samplers=1`) to another (`rl.pin_cores`), as they would be on separate accelerators;
-the environment server is not pinned. The optimiser runs at an RL learning rate (`--lr`, 1e-6) and
-each version is published as a bf16 copy (`rl.publish_dtype=bfloat16`) to the run's weight store,
-which the replica follows.
+the environment server and its graders share the sampler's core. The optimiser runs at an RL
+learning rate (`--lr`, 1e-6) and each version is published as a bf16 copy
+(`rl.publish_dtype=bfloat16`) to the run's weight store, which the replica follows.
 
 Compilation: a first, untimed one-step run fills a persistent JAX compilation cache (a temporary
 directory) that the timed runs' trainers and replicas then read, so neither pays for compiling.
@@ -180,6 +180,12 @@ def main() -> None:
             f"{r['staleness']:9d} {r['wall_s']:8.2f} {base / r['wall_s']:6.2f} {r['idle']:6.2f} "
             f"{r['trained_groups']:7d} {r['dropped']:7d} {r['token_lag_max']:13.0f}  {r['lags']}"
         )
+    f = rows[0]["idle"]
+    print(
+        f"overlap bound: the synchronous trainer waited {f:.0%} of its loop for groups, so sampling S and training T "
+        f"stand about {f:.2f}:{1 - f:.2f}; a perfect overlap takes max(S, T), a ratio of at most "
+        f"1/max({f:.2f}, {1 - f:.2f}) = {1 / max(f, 1 - f):.2f}x"
+    )
     for r in rows:
         shares, exact = r["store"]
         mean = sum(shares) / len(shares)

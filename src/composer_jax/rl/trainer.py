@@ -188,13 +188,14 @@ def make_policies(
     return [TokenPolicy(sampler, tok)]
 
 
-def pin_threads(core: int) -> int:
-    """Pin every thread of this process (JAX's pools included: `sched_setaffinity` on a pid moves
-    one thread only) to `core`; returns the number of threads pinned."""
+def pin_threads(cores: set[int], pid: int | str = "self") -> int:
+    """Pin every thread of process `pid` (JAX's pools included: `sched_setaffinity` on a pid moves
+    one thread only) to `cores`; returns the number of threads pinned. Children started later
+    inherit the mask."""
     n = 0
-    for tid in os.listdir("/proc/self/task"):
+    for tid in os.listdir(f"/proc/{pid}/task"):
         with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-            os.sched_setaffinity(int(tid), {core})
+            os.sched_setaffinity(int(tid), cores)
             n += 1
     return n
 
@@ -403,8 +404,12 @@ async def _run(
         if r.env_urls:
             urls, token = list(r.env_urls), r.env_token or os.environ.get("COMPOSER_JAX_ENV_TOKEN", "")
         else:
-            urls, token = stack.enter_context(LocalEnvServers(r.tasks_dir, r.env_servers))
+            env_servers = LocalEnvServers(r.tasks_dir, r.env_servers)
+            urls, token = stack.enter_context(env_servers)
             echo(f"[rl] started {len(urls)} local environment server(s) on {r.tasks_dir}")
+            if r.pin_cores:  # they (and the graders they start) share the replicas' cores, not the trainer's
+                for proc in env_servers.procs:
+                    pin_threads(set(sorted(os.sched_getaffinity(0))[1 : 1 + r.local_samplers]), proc.pid)
         client = await stack.enter_async_context(EnvClient(urls, token))
         remote = None
         if r.sampler_urls:
@@ -428,7 +433,7 @@ async def _run(
         remotes = [p for p in policies if isinstance(p, RemoteTokenPolicy)]
         eval_policy = policies[0]
         if r.pin_cores:
-            pinned = pin_threads(sorted(os.sched_getaffinity(0))[0])
+            pinned = pin_threads({sorted(os.sched_getaffinity(0))[0]})
             echo(f"[rl] trainer pinned to core {sorted(os.sched_getaffinity(0))[0]} ({pinned} threads)")
 
         async def load_version(version: int) -> None:
@@ -441,6 +446,9 @@ async def _run(
                     pool.remove(p, str(exc))
 
             await asyncio.gather(*(one(p) for p in remotes if p in pool.alive))
+
+        loads: set[asyncio.Future] = set()  # version loads in flight (asynchronous runs)
+        stack.push_async_callback(lambda: asyncio.gather(*loads, return_exceptions=True))
 
         for s in samplers:
             stack.push_async_callback(s.aclose)
@@ -483,7 +491,11 @@ async def _run(
                 n = step + 1
                 for s in samplers:
                     s.update_weights(params, n)
-                await load_version(n)
+                if r.max_staleness == 0:  # the next groups must start on version n
+                    await load_version(n)
+                else:  # replicas take it between decode steps; tokens keep the version that made them
+                    loads.add(asyncio.ensure_future(load_version(n)))
+                    loads.difference_update([f for f in loads if f.done()])
                 queue.advance(n, len(groups))
                 t2 = time.perf_counter()
                 waited, busy = waited + t1 - t0, busy + t2 - t1
