@@ -375,12 +375,81 @@ def _sorted_dispatch(
 def _gathered_swiglu(xt: jax.Array, experts: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
     """Each assignment through its own expert's weights, gathered: xt [t, d], experts int32[t, k]
     -> [t, k, d]. Reads t*k experts' weights, which is less than a grouped matmul's all-experts read
-    when t*k < experts (decoding)."""
+    when t*k < experts (small training blocks)."""
     dt = xt.dtype
     e = experts.reshape(-1)
     x = jnp.repeat(xt, experts.shape[1], axis=0)
     h = jax.nn.silu(jnp.einsum("ad,adf->af", x, gate[e].astype(dt))) * jnp.einsum("ad,adf->af", x, up[e].astype(dt))
     return jnp.einsum("af,afd->ad", h, down[e].astype(dt)).reshape(*experts.shape, xt.shape[-1])
+
+
+# decode-mode choice of `decode_swiglu` (bench/moe_decode.py measures the candidates): the expert
+# loop while a step has fewer than LOOP_ASSIGNMENTS_PER_EXPERT x experts assignments, all experts
+# on every token up to DENSE_MAX_TOKENS tokens, the tiled grouped matmul beyond (long prefills)
+LOOP_ASSIGNMENTS_PER_EXPERT = 2
+DENSE_MAX_TOKENS = 256
+
+
+def decode_strategy(tokens: int, k: int, experts: int) -> str:
+    """Which `decode_swiglu` scheme a step of `tokens` tokens (k assignments each) over `experts`
+    local experts uses: "loop", "dense" or "tiled"."""
+    if tokens * k < LOOP_ASSIGNMENTS_PER_EXPERT * experts:
+        return "loop"
+    return "dense" if tokens <= DENSE_MAX_TOKENS else "tiled"
+
+
+def _combine_matrix(experts: jax.Array, weights: jax.Array, num_experts: int) -> jax.Array:
+    """experts int[t, k], weights [t, k] -> [t, experts]: each token's gate weight of every expert
+    (0 for experts it did not choose; a replayed duplicate adds up, as the per-assignment sum does)."""
+    t = experts.shape[0]
+    return jnp.zeros((t, num_experts), weights.dtype).at[jnp.arange(t)[:, None], experts].add(weights)
+
+
+def decode_swiglu(
+    xt: jax.Array,
+    experts: jax.Array,
+    weights: jax.Array,
+    gate: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    strategy: str,
+    tile: int = 128,
+) -> jax.Array:
+    """Routed SwiGLU of a decode / verify / prefill step, combined: xt [t, d], experts int32[t, k],
+    weights [t, k] (gate weights) -> sum_j weights[t, j] * expert_{experts[t, j]}(xt[t]), [t, d].
+
+    Every scheme reads each expert's weights at most once per step, in place (no gathered copies):
+      - "loop":  a loop over the experts; an expert no token chose is skipped (`lax.cond`), one that
+                 is chosen runs on all t tokens (t is small) and is weighted by the combine matrix.
+                 A step of t tokens reads only the distinct experts its t*k assignments name, which
+                 is what a speculative verify window of tokens sharing experts needs.
+      - "dense": every expert on every token as one batched matmul, weighted by the combine matrix
+                 (E/k x the assignments' FLOPs, but one pass over the weights with no sort or
+                 scatter; the fastest on XLA:CPU while t is moderate).
+      - "tiled": `tiled_dispatch_swiglu` (the training path's grouped matmul).
+    The products are the assignments' own; only the order of the final sum differs (rounding)."""
+    dt = xt.dtype
+    g = gate.shape[0]
+    if strategy == "tiled":
+        y = tiled_dispatch_swiglu(xt, experts, gate, up, down, tile=tile)
+        return jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
+    comb = _combine_matrix(experts, weights.astype(dt), g)
+    if strategy == "dense":
+        h = jax.nn.silu(jnp.einsum("td,edf->etf", xt, gate.astype(dt))) * jnp.einsum("td,edf->etf", xt, up.astype(dt))
+        return jnp.einsum("etf,efd->td", h * comb.T[:, :, None], down.astype(dt))  # one [t, E*f] @ [E*f, d]
+    if strategy != "loop":
+        raise ValueError(f"decode strategy {strategy!r} is not accepted; accepted: loop, dense, tiled")
+    used = jnp.zeros((g,), bool).at[experts.reshape(-1)].set(True)
+
+    def body(i, acc):
+        def run(acc):
+            w = lambda m: jax.lax.dynamic_index_in_dim(m, i, keepdims=False).astype(dt)
+            h = jax.nn.silu(xt @ w(gate)) * (xt @ w(up))
+            return acc + (h @ w(down)) * jax.lax.dynamic_index_in_dim(comb, i, axis=1)
+
+        return jax.lax.cond(used[i], run, lambda acc: acc, acc)
+
+    return jax.lax.fori_loop(0, g, body, vary_like(jnp.zeros_like(xt), xt, comb, gate, up, down))
 
 
 def _local_moe(
@@ -395,29 +464,35 @@ def _local_moe(
     seq_axes: tuple[str, ...] = (),
     seq_shards: int = 1,
     token_shards: int = 1,
+    decode: bool = False,
 ):
     """x: [batch, seq, embed] local block -> (y [batch, seq, embed], experts int32[batch, seq, k],
-    stats as `moe_layer` returns them, over the whole mesh). token_shards: devices the tokens are
-    split over (the product of batch_axes and seq_axes sizes)."""
+        stats as `moe_layer` returns them, over the whole mesh). token_shards: devices the tokens are
+        split over (the product of batch_axes and seq_axes sizes). decode: an inference step (a forward
+    with a KV cache), which on one expert shard without quantisation takes `decode_swiglu`."""
     b, s, d = x.shape
     k, e = cfg.num_experts_per_tok, cfg.num_experts
     xt = x.reshape(b * s, d)
     r = route(p["router"], p["router_bias"], xt, cfg, None if replay is None else replay.reshape(b * s, k))
     ws = (p["gate"], p["up"], p["down"])
     impl = cfg.moe_impl
-    if impl == "auto" and not (ep == 1 and b * s * k < e and cfg.moe_precision == "bf16"):
+    plain = ep == 1 and impl == "auto" and cfg.moe_precision == "bf16"
+    if impl == "auto" and not (plain and (decode or b * s * k < e)):
         impl = "ragged" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "tiled"
     dropped = sent = jnp.zeros((), jnp.int32)
-    if ep == 1 and impl == "auto" and b * s * k < e and cfg.moe_precision == "bf16":
-        # decoding a few tokens: fewer assignments than experts, so gathering each assignment's
-        # expert weights reads only the experts in use (a grouped matmul reads all of them);
-        # the same products, exact
-        y_assign = _gathered_swiglu(xt, r.experts, *ws)
-    elif ep == 1 and impl == "tiled":
-        y_assign = tiled_dispatch_swiglu(xt, r.experts, *ws, tile=cfg.moe_tile_size, precision=cfg.moe_precision)
+    if plain and decode:
+        # inference (a forward with a KV cache): every expert's weights read at most once per step
+        y = decode_swiglu(xt, r.experts, r.weights, *ws, decode_strategy(b * s, k, e), cfg.moe_tile_size)
     else:
-        y_assign, dropped, sent = _sorted_dispatch(xt, r.experts, ws, cfg, ep, ep_axis)
-    y = jnp.einsum("tkd,tk->td", y_assign, r.weights.astype(y_assign.dtype))
+        if plain and b * s * k < e:
+            # a few tokens: fewer assignments than experts, so gathering each assignment's expert
+            # weights reads only the experts in use (a grouped matmul reads all of them); exact
+            y_assign = _gathered_swiglu(xt, r.experts, *ws)
+        elif ep == 1 and impl == "tiled":
+            y_assign = tiled_dispatch_swiglu(xt, r.experts, *ws, tile=cfg.moe_tile_size, precision=cfg.moe_precision)
+        else:
+            y_assign, dropped, sent = _sorted_dispatch(xt, r.experts, ws, cfg, ep, ep_axis)
+        y = jnp.einsum("tkd,tk->td", y_assign, r.weights.astype(y_assign.dtype))
     if cfg.num_shared_experts:
         dt = x.dtype
         h = jax.nn.silu(xt @ p["shared_gate"].astype(dt)) * (xt @ p["shared_up"].astype(dt))
@@ -441,15 +516,23 @@ def _local_moe(
     return y.reshape(b, s, d), r.experts.reshape(b, s, k), stats
 
 
-def moe_layer(p: dict, x: jax.Array, cfg: ModelConfig, sharding: MeshRules | None, replay: jax.Array | None = None):
+def moe_layer(
+    p: dict,
+    x: jax.Array,
+    cfg: ModelConfig,
+    sharding: MeshRules | None,
+    replay: jax.Array | None = None,
+    decode: bool = False,
+):
     """x: [batch, seq, embed] -> (y [batch, seq, embed], experts int32[batch, seq, k], stats) with
     stats = {"expert_counts": float32[experts], "seq_balance": float32[] summed over sequences,
     "moe_dropped": float32[] assignments the expert-parallel buffer bound dropped (0 unless
     model.moe_ep_capacity_factor > 0 on the ragged exchange), "moe_a2a_rows": float32[] assignment
     rows one device dispatched to other devices (mean over devices; the combine returns as many)}.
-    With a mesh, runs per device inside `jax.shard_map`."""
+    With a mesh, runs per device inside `jax.shard_map`. decode: the forward is an inference step
+    with a KV cache (`decode_swiglu` instead of the training dispatch where it applies)."""
     if sharding is None or all(n == 1 for n in dict(sharding.mesh.shape).values()):
-        return _local_moe(p, x, replay, cfg, None, 1, ())
+        return _local_moe(p, x, replay, cfg, None, 1, (), decode=decode)
     b, s, d = x.shape
     # the shard_map specs come from the logical axes: tokens as activations, each weight by its
     # ParamSpec axes with the model dimension whole inside the block (FSDP gathers it on entry)
@@ -494,6 +577,7 @@ def moe_layer(p: dict, x: jax.Array, cfg: ModelConfig, sharding: MeshRules | Non
             s_axes,
             int(np.prod([sharding.size(a) for a in s_axes])),
             int(np.prod([sharding.size(a) for a in token_axes])),
+            decode,
         )
 
     fn = jax.shard_map(
