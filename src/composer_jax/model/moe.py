@@ -398,11 +398,17 @@ def decode_strategy(tokens: int, k: int, experts: int) -> str:
     return "dense" if tokens <= DENSE_MAX_TOKENS else "tiled"
 
 
-def _combine_matrix(experts: jax.Array, weights: jax.Array, num_experts: int) -> jax.Array:
-    """experts int[t, k], weights [t, k] -> [t, experts]: each token's gate weight of every expert
-    (0 for experts it did not choose; a replayed duplicate adds up, as the per-assignment sum does)."""
+def _combine_matrix(experts: jax.Array, weights: jax.Array, num_experts: int, first: jax.Array | int = 0):
+    """experts int[t, k], weights [t, k] -> [t, num_experts]: each token's gate weight of experts
+    first..first+num_experts-1 (0 for those it did not choose, and for choices outside the range;
+    a replayed duplicate adds up, as the per-assignment sum does)."""
     t = experts.shape[0]
-    return jnp.zeros((t, num_experts), weights.dtype).at[jnp.arange(t)[:, None], experts].add(weights)
+    local = experts - first
+    ok = (local >= 0) & (local < num_experts)
+    rows = jnp.broadcast_to(jnp.arange(t)[:, None], experts.shape)
+    return (
+        jnp.zeros((t, num_experts), weights.dtype).at[rows, jnp.where(ok, local, num_experts)].add(weights, mode="drop")
+    )
 
 
 def decode_swiglu(
@@ -414,9 +420,12 @@ def decode_swiglu(
     down: jax.Array,
     strategy: str,
     tile: int = 128,
+    first_expert: jax.Array | int = 0,
 ) -> jax.Array:
     """Routed SwiGLU of a decode / verify / prefill step, combined: xt [t, d], experts int32[t, k],
     weights [t, k] (gate weights) -> sum_j weights[t, j] * expert_{experts[t, j]}(xt[t]), [t, d].
+    gate/up/down may hold a slice of the experts, first_expert.. (an expert-parallel device's):
+    then only the assignments to those experts are summed.
 
     Every scheme reads each expert's weights at most once per step, in place (no gathered copies):
       - "loop":  a loop over the experts; an expert no token chose is skipped (`lax.cond`), one that
@@ -426,20 +435,20 @@ def decode_swiglu(
       - "dense": every expert on every token as one batched matmul, weighted by the combine matrix
                  (E/k x the assignments' FLOPs, but one pass over the weights with no sort or
                  scatter; the fastest on XLA:CPU while t is moderate).
-      - "tiled": `tiled_dispatch_swiglu` (the training path's grouped matmul).
+      - "tiled": `tiled_dispatch_swiglu` (the training path's grouped matmul; all experts only).
     The products are the assignments' own; only the order of the final sum differs (rounding)."""
     dt = xt.dtype
     g = gate.shape[0]
     if strategy == "tiled":
         y = tiled_dispatch_swiglu(xt, experts, gate, up, down, tile=tile)
         return jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
-    comb = _combine_matrix(experts, weights.astype(dt), g)
+    comb = _combine_matrix(experts, weights.astype(dt), g, first_expert)
     if strategy == "dense":
         h = jax.nn.silu(jnp.einsum("td,edf->etf", xt, gate.astype(dt))) * jnp.einsum("td,edf->etf", xt, up.astype(dt))
         return jnp.einsum("etf,efd->td", h * comb.T[:, :, None], down.astype(dt))  # one [t, E*f] @ [E*f, d]
     if strategy != "loop":
         raise ValueError(f"decode strategy {strategy!r} is not accepted; accepted: loop, dense, tiled")
-    used = jnp.zeros((g,), bool).at[experts.reshape(-1)].set(True)
+    used = _combine_matrix(experts, jnp.ones(experts.shape, jnp.int32), g, first_expert).sum(0) > 0
 
     def body(i, acc):
         def run(acc):
@@ -450,6 +459,27 @@ def decode_swiglu(
         return jax.lax.cond(used[i], run, lambda acc: acc, acc)
 
     return jax.lax.fori_loop(0, g, body, vary_like(jnp.zeros_like(xt), xt, comb, gate, up, down))
+
+
+def _decode_expert_parallel(
+    xt: jax.Array, r: Routing, ws: tuple[jax.Array, ...], cfg: ModelConfig, ep_axis: str, gathered: bool
+) -> jax.Array:
+    """Routed experts of an inference step on an expert-parallel mesh, dropless: every device runs
+    its E/ep experts on every token of its expert group (all-gathered over the expert axis when the
+    tokens are split over it, `gathered`; as they are when replicated over it, e.g. a batch-1
+    prefill) and the partial sums are added over the axis (reduce-scattered back to each device's
+    tokens). No capacity bound applies, so no assignment is dropped. -> [tokens, d]."""
+    e_local = ws[0].shape[0]
+    first = jax.lax.axis_index(ep_axis) * e_local
+    x, experts, weights = xt, r.experts, r.weights
+    if gathered:
+        x, experts, weights = (jax.lax.all_gather(a, ep_axis, tiled=True) for a in (x, experts, weights))
+    strategy = decode_strategy(x.shape[0], experts.shape[1], e_local)
+    strategy = "dense" if strategy == "tiled" else strategy
+    y = decode_swiglu(x, experts, weights, *ws, strategy, cfg.moe_tile_size, first)
+    if gathered:
+        return jax.lax.psum_scatter(y, ep_axis, scatter_dimension=0, tiled=True)
+    return jax.lax.psum(y, ep_axis)
 
 
 def _local_moe(
@@ -483,6 +513,11 @@ def _local_moe(
     if plain and decode:
         # inference (a forward with a KV cache): every expert's weights read at most once per step
         y = decode_swiglu(xt, r.experts, r.weights, *ws, decode_strategy(b * s, k, e), cfg.moe_tile_size)
+    elif decode and ep > 1 and cfg.moe_precision == "bf16":
+        assert ep_axis is not None
+        gathered = ep_axis in batch_axes + seq_axes
+        y = _decode_expert_parallel(xt, r, ws, cfg, ep_axis, gathered)
+        sent = jnp.full((), (ep - 1) * b * s if gathered else 0, jnp.int32)
     else:
         if plain and b * s * k < e:
             # a few tokens: fewer assignments than experts, so gathering each assignment's expert
@@ -545,7 +580,7 @@ def moe_layer(
         raise ValueError(f"experts may be split over one mesh axis, got {ep_axes}")
     ep_axis = ep_axes[0] if ep_axes else None
     ep = sharding.size(ep_axis) if ep_axis else 1
-    if ep_axis and ep_axis not in token_axes:
+    if ep_axis and ep_axis not in token_axes and not (decode and cfg.moe_precision == "bf16"):
         raise ValueError(
             f"expert parallelism over mesh axis {ep_axis!r} needs the tokens split over it too: batch "
             f"{b} x seq {s} is not divisible so that act_batch/act_seq include {ep_axis!r}; use a batch "
