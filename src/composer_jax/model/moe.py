@@ -497,9 +497,10 @@ def _local_moe(
     decode: bool = False,
 ):
     """x: [batch, seq, embed] local block -> (y [batch, seq, embed], experts int32[batch, seq, k],
-        stats as `moe_layer` returns them, over the whole mesh). token_shards: devices the tokens are
-        split over (the product of batch_axes and seq_axes sizes). decode: an inference step (a forward
-    with a KV cache), which on one expert shard without quantisation takes `decode_swiglu`."""
+    stats as `moe_layer` returns them, over the whole mesh). token_shards: devices the tokens are
+    split over (the product of batch_axes and seq_axes sizes). decode: an inference step (a forward
+    with a KV cache): `decode_swiglu` without quantisation, on an expert-parallel mesh through the
+    dropless `_decode_expert_parallel`."""
     b, s, d = x.shape
     k, e = cfg.num_experts_per_tok, cfg.num_experts
     xt = x.reshape(b * s, d)
