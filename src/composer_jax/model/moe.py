@@ -462,7 +462,12 @@ def decode_swiglu(
 
 
 def _decode_expert_parallel(
-    xt: jax.Array, r: Routing, ws: tuple[jax.Array, ...], cfg: ModelConfig, ep_axis: str, gathered: bool
+    xt: jax.Array,
+    r: Routing,
+    ws: tuple[jax.Array, jax.Array, jax.Array],
+    cfg: ModelConfig,
+    ep_axis: str,
+    gathered: bool,
 ) -> jax.Array:
     """Routed experts of an inference step on an expert-parallel mesh, dropless: every device runs
     its E/ep experts on every token of its expert group (all-gathered over the expert axis when the
@@ -476,7 +481,8 @@ def _decode_expert_parallel(
         x, experts, weights = (jax.lax.all_gather(a, ep_axis, tiled=True) for a in (x, experts, weights))
     strategy = decode_strategy(x.shape[0], experts.shape[1], e_local)
     strategy = "dense" if strategy == "tiled" else strategy
-    y = decode_swiglu(x, experts, weights, *ws, strategy, cfg.moe_tile_size, first)
+    gate, up, down = ws
+    y = decode_swiglu(x, experts, weights, gate, up, down, strategy, cfg.moe_tile_size, first)
     if gathered:
         return jax.lax.psum_scatter(y, ep_axis, scatter_dimension=0, tiled=True)
     return jax.lax.psum(y, ep_axis)
