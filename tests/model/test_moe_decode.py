@@ -86,7 +86,8 @@ def test_strategy_by_step_size():
     # the reference model: 16 experts, top-4
     assert moe.decode_strategy(1, 4, 16) == "loop"  # a batch-1 decode step
     assert moe.decode_strategy(4, 4, 16) == "loop"  # a verify window of k = 3
-    assert moe.decode_strategy(8, 4, 16) == "dense"
+    assert moe.decode_strategy(8, 4, 16) == "loop"
+    assert moe.decode_strategy(9, 4, 16) == "dense"
     assert moe.decode_strategy(16, 4, 16) == "dense"  # batch 16
     assert moe.decode_strategy(moe.DENSE_MAX_TOKENS + 1, 4, 16) == "tiled"  # a long prefill
     with pytest.raises(ValueError, match="accepted: loop, dense, tiled"):

@@ -384,7 +384,7 @@ def _gathered_swiglu(xt: jax.Array, experts: jax.Array, gate: jax.Array, up: jax
 
 
 # decode-mode choice of `decode_swiglu` (bench/moe_decode.py measures the candidates): the expert
-# loop while a step has fewer than LOOP_ASSIGNMENTS_PER_EXPERT x experts assignments, all experts
+# loop while a step has at most LOOP_ASSIGNMENTS_PER_EXPERT x experts assignments, all experts
 # on every token up to DENSE_MAX_TOKENS tokens, the tiled grouped matmul beyond (long prefills)
 LOOP_ASSIGNMENTS_PER_EXPERT = 2
 DENSE_MAX_TOKENS = 256
@@ -393,7 +393,7 @@ DENSE_MAX_TOKENS = 256
 def decode_strategy(tokens: int, k: int, experts: int) -> str:
     """Which `decode_swiglu` scheme a step of `tokens` tokens (k assignments each) over `experts`
     local experts uses: "loop", "dense" or "tiled"."""
-    if tokens * k < LOOP_ASSIGNMENTS_PER_EXPERT * experts:
+    if tokens * k <= LOOP_ASSIGNMENTS_PER_EXPERT * experts:
         return "loop"
     return "dense" if tokens <= DENSE_MAX_TOKENS else "tiled"
 
