@@ -7,7 +7,7 @@ loaded into composer_jax with `from_pretrained`, so both sides decode identical 
 sides run in this process on the CPU with the same thread count; compile time (ours) and the
 first call (theirs) are excluded by a warm-up run of the same workload.
 
-    PYTHONPATH=src .venv/bin/python bench/decode.py [--repeats 3] [--threads 2]
+    PYTHONPATH=src .venv/bin/python bench/decode.py [--repeats 3] [--threads 2] [--reference PATH]
 
 Prints tokens/s of each side, the ratio, and how many generated tokens agree (greedy decoding of
 float32 models; a near-tie may flip a token and the rest of that row with it).
@@ -36,9 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--reference", type=Path, default=REFERENCE, help="the reference model's config.json")
     args = ap.parse_args(argv)
-    if not REFERENCE.exists():
-        print(f"bench/decode.py: the reference config {REFERENCE} is missing", file=sys.stderr)
+    if not args.reference.exists():
+        print(f"bench/decode.py: the reference config {args.reference} is missing", file=sys.stderr)
         return 2
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import jax
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from composer_jax.inference.sampling import SamplingParams
 
     torch.set_num_threads(args.threads)
-    fields = json.loads(REFERENCE.read_text())
+    fields = json.loads(args.reference.read_text())
     torch.manual_seed(0)
     model = DeepseekV3ForCausalLM._from_config(DeepseekV3Config(**fields), dtype=torch.float32).eval()
     with tempfile.TemporaryDirectory() as tmp:

@@ -205,6 +205,28 @@ def test_sharded_speculative_sampler_gives_the_single_device_tokens():
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
+def test_expert_parallel_speculation_never_drops_so_greedy_tokens_are_the_single_device_ones():
+    """On an expert-parallel mesh whose capacity factor makes the training forward drop
+    assignments, inference steps take the dropless exchange (`moe._decode_expert_parallel`): the
+    speculative sampler's greedy tokens, log-probabilities and routing equal the single-device
+    sampler's without speculation."""
+    cfg = dataclasses.replace(MLA, moe_ep_exchange="ragged_emulated", moe_ep_capacity_factor=0.5)
+    mesh = cj.make_mesh(cj.MeshConfig(data=1, fsdp=2, expert=4, tensor=1))
+    sharded = cj.init_params(cfg, jax.random.key(0), mesh)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (8, 12)), jnp.int32)
+    with jax.set_mesh(mesh):
+        dropped = jax.jit(lambda p, t: cj.forward(p, t, cfg).aux["moe_dropped"])(sharded, tokens)
+    assert float(np.sum(dropped)) > 0, "the capacity factor should make the training forward drop"
+    params = cj.init_params(MLA, jax.random.key(0))
+    reqs = lambda: [Request(_prompt(i, n), GREEDY) for i, n in enumerate([3, 6, 9, 4, 5, 7, 2, 8, 5])]
+    ref = Sampler(params, MLA, slots=8, max_len=24).run(reqs())
+    got = Sampler(sharded, cfg, slots=8, max_len=24, mesh=mesh, speculative_tokens=K).run(reqs())
+    for a, b in zip(got, ref):
+        assert a.tokens == b.tokens
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+        np.testing.assert_array_equal(a.routing, b.routing)
+
+
 def test_refused_without_mtp_modules():
     cfg = dataclasses.replace(MLA, num_mtp_layers=0)
     with pytest.raises(ValueError, match="model.num_mtp_layers=0"):

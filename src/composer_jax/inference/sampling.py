@@ -133,9 +133,22 @@ def inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
     return jnp.minimum(jnp.sum(cdf < u[:, None] * cdf[:, -1:], axis=-1), probs.shape[-1] - 1).astype(jnp.int32)
 
 
+def argmax_first(x: jax.Array) -> jax.Array:
+    """int32[...]: per row of x [..., V] the first index of the largest value (`jnp.argmax`'s answer
+    for rows without NaN) as a max and a min reduction: XLA:CPU's variadic arg-max reduce took
+    ~3x as long over [16, 32000] (1.25 vs 0.37 ms)."""
+    v = x.shape[-1]
+    first = jnp.where(x == x.max(-1, keepdims=True), jnp.arange(v, dtype=jnp.int32), v)
+    return jnp.minimum(first.min(-1), v - 1)
+
+
+def sampled_or_greedy(temperature: jax.Array, greedy: jax.Array, sampled) -> jax.Array:
+    """greedy where temperature == 0, sampled() elsewhere; sampled() (a cumulative sum over the
+    vocabulary, ~2 ms for [16, 32000] on XLA:CPU) runs only when some slot samples."""
+    return jax.lax.cond(jnp.any(temperature > 0), lambda: jnp.where(temperature > 0, sampled(), greedy), lambda: greedy)
+
+
 def draw(lp: jax.Array, temperature: jax.Array, u: jax.Array) -> jax.Array:
     """Tokens int32[S] from processed log-probabilities lp [S, V]: the arg-max for greedy (T = 0)
     slots, the inverse CDF at u for the others."""
-    greedy = jnp.argmax(lp, axis=-1).astype(jnp.int32)
-    # the cumulative sum over the vocabulary only when some slot samples (all-greedy steps skip it)
-    return jnp.where(temperature > 0, inverse_cdf(jnp.exp(lp), u), greedy)
+    return sampled_or_greedy(temperature, argmax_first(lp), lambda: inverse_cdf(jnp.exp(lp), u))

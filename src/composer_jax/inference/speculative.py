@@ -49,7 +49,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from composer_jax.config import ModelConfig
-from composer_jax.inference.sampling import draw, inverse_cdf, processed_logprobs, token_uniforms
+from composer_jax.inference.sampling import (
+    argmax_first,
+    draw,
+    inverse_cdf,
+    processed_logprobs,
+    sampled_or_greedy,
+    token_uniforms,
+)
 from composer_jax.model.kv_cache import KVCache
 from composer_jax.model.layers import linear
 from composer_jax.model.transformer import logits_of, mtp_forward_cached, output_head
@@ -119,7 +126,7 @@ def verify_drafts(
     # accept iff u <= p/q with u uniform on (0, 1]: probability min(1, p/q); in logs, so a tiny p
     # or q neither underflows nor divides by zero (p = 0: never accepted)
     sampled_ok = jnp.log(uniforms(1)[:, :k]) + q_at <= p_at
-    greedy_ok = drafts == jnp.argmax(p_lp[:, :k], axis=-1)
+    greedy_ok = drafts == argmax_first(p_lp[:, :k])
     ok = jnp.where(temperature[:, None] > 0, sampled_ok, greedy_ok)
     accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
 
@@ -131,8 +138,7 @@ def verify_drafts(
     # p == q (to rounding) leaves no residual mass, and then a rejection had probability 0
     residual = jnp.where(residual.sum(-1, keepdims=True) > 0, residual, p_next)
     u = jnp.where(rejected, uniforms(2)[rows, accepted], uniforms(0)[rows, accepted])
-    greedy = jnp.argmax(p_next, axis=-1).astype(jnp.int32)
-    new = jnp.where(temperature > 0, inverse_cdf(residual, u), greedy)
+    new = sampled_or_greedy(temperature, argmax_first(p_next), lambda: inverse_cdf(residual, u))
     tokens = _emitted(drafts, accepted, new)
     logprobs = jnp.take_along_axis(p_lp, tokens[..., None], axis=-1)[..., 0]
     return accepted, tokens, logprobs

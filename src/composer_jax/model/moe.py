@@ -388,12 +388,117 @@ def _sorted_dispatch(
 def _gathered_swiglu(xt: jax.Array, experts: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
     """Each assignment through its own expert's weights, gathered: xt [t, d], experts int32[t, k]
     -> [t, k, d]. Reads t*k experts' weights, which is less than a grouped matmul's all-experts read
-    when t*k < experts (decoding)."""
+    when t*k < experts (small training blocks)."""
     dt = xt.dtype
     e = experts.reshape(-1)
     x = jnp.repeat(xt, experts.shape[1], axis=0)
     h = jax.nn.silu(jnp.einsum("ad,adf->af", x, gate[e].astype(dt))) * jnp.einsum("ad,adf->af", x, up[e].astype(dt))
     return jnp.einsum("af,afd->ad", h, down[e].astype(dt)).reshape(*experts.shape, xt.shape[-1])
+
+
+# decode-mode choice of `decode_swiglu` (bench/moe_decode.py measures the candidates): the expert
+# loop while a step has at most LOOP_ASSIGNMENTS_PER_EXPERT x experts assignments, all experts
+# on every token up to DENSE_MAX_TOKENS tokens, the tiled grouped matmul beyond (long prefills)
+LOOP_ASSIGNMENTS_PER_EXPERT = 2
+DENSE_MAX_TOKENS = 256
+
+
+def decode_strategy(tokens: int, k: int, experts: int) -> str:
+    """Which `decode_swiglu` scheme a step of `tokens` tokens (k assignments each) over `experts`
+    local experts uses: "loop", "dense" or "tiled"."""
+    if tokens * k <= LOOP_ASSIGNMENTS_PER_EXPERT * experts:
+        return "loop"
+    return "dense" if tokens <= DENSE_MAX_TOKENS else "tiled"
+
+
+def _combine_matrix(experts: jax.Array, weights: jax.Array, num_experts: int, first: jax.Array | int = 0):
+    """experts int[t, k], weights [t, k] -> [t, num_experts]: each token's gate weight of experts
+    first..first+num_experts-1 (0 for those it did not choose, and for choices outside the range;
+    a replayed duplicate adds up, as the per-assignment sum does)."""
+    t = experts.shape[0]
+    local = experts - first
+    ok = (local >= 0) & (local < num_experts)
+    rows = jnp.broadcast_to(jnp.arange(t)[:, None], experts.shape)
+    return (
+        jnp.zeros((t, num_experts), weights.dtype).at[rows, jnp.where(ok, local, num_experts)].add(weights, mode="drop")
+    )
+
+
+def decode_swiglu(
+    xt: jax.Array,
+    experts: jax.Array,
+    weights: jax.Array,
+    gate: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    strategy: str,
+    tile: int = 128,
+    first_expert: jax.Array | int = 0,
+) -> jax.Array:
+    """Routed SwiGLU of a decode / verify / prefill step, combined: xt [t, d], experts int32[t, k],
+    weights [t, k] (gate weights) -> sum_j weights[t, j] * expert_{experts[t, j]}(xt[t]), [t, d].
+    gate/up/down may hold a slice of the experts, first_expert.. (an expert-parallel device's):
+    then only the assignments to those experts are summed.
+
+    Every scheme reads each expert's weights at most once per step, in place (no gathered copies):
+      - "loop":  a loop over the experts; an expert no token chose is skipped (`lax.cond`), one that
+                 is chosen runs on all t tokens (t is small) and is weighted by the combine matrix.
+                 A step of t tokens reads only the distinct experts its t*k assignments name, which
+                 is what a speculative verify window of tokens sharing experts needs.
+      - "dense": every expert on every token as one batched matmul, weighted by the combine matrix
+                 (E/k x the assignments' FLOPs, but one pass over the weights with no sort or
+                 scatter; the fastest on XLA:CPU while t is moderate).
+      - "tiled": `tiled_dispatch_swiglu` (the training path's grouped matmul; all experts only).
+    The products are the assignments' own; only the order of the final sum differs (rounding)."""
+    dt = xt.dtype
+    g = gate.shape[0]
+    if strategy == "tiled":
+        y = tiled_dispatch_swiglu(xt, experts, gate, up, down, tile=tile)
+        return jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
+    comb = _combine_matrix(experts, weights.astype(dt), g, first_expert)
+    if strategy == "dense":
+        h = jax.nn.silu(jnp.einsum("td,edf->etf", xt, gate.astype(dt))) * jnp.einsum("td,edf->etf", xt, up.astype(dt))
+        return jnp.einsum("etf,efd->td", h * comb.T[:, :, None], down.astype(dt))  # one [t, E*f] @ [E*f, d]
+    if strategy != "loop":
+        raise ValueError(f"decode strategy {strategy!r} is not accepted; accepted: loop, dense, tiled")
+    used = _combine_matrix(experts, jnp.ones(experts.shape, jnp.int32), g, first_expert).sum(0) > 0
+
+    def body(i, acc):
+        def run(acc):
+            w = lambda m: jax.lax.dynamic_index_in_dim(m, i, keepdims=False).astype(dt)
+            h = jax.nn.silu(xt @ w(gate)) * (xt @ w(up))
+            return acc + (h @ w(down)) * jax.lax.dynamic_index_in_dim(comb, i, axis=1)
+
+        return jax.lax.cond(used[i], run, lambda acc: acc, acc)
+
+    return jax.lax.fori_loop(0, g, body, vary_like(jnp.zeros_like(xt), xt, comb, gate, up, down))
+
+
+def _decode_expert_parallel(
+    xt: jax.Array,
+    r: Routing,
+    ws: tuple[jax.Array, jax.Array, jax.Array],
+    cfg: ModelConfig,
+    ep_axis: str,
+    gathered: bool,
+) -> jax.Array:
+    """Routed experts of an inference step on an expert-parallel mesh, dropless: every device runs
+    its E/ep experts on every token of its expert group (all-gathered over the expert axis when the
+    tokens are split over it, `gathered`; as they are when replicated over it, e.g. a batch-1
+    prefill) and the partial sums are added over the axis (reduce-scattered back to each device's
+    tokens). No capacity bound applies, so no assignment is dropped. -> [tokens, d]."""
+    e_local = ws[0].shape[0]
+    first = jax.lax.axis_index(ep_axis) * e_local
+    x, experts, weights = xt, r.experts, r.weights
+    if gathered:
+        x, experts, weights = (jax.lax.all_gather(a, ep_axis, tiled=True) for a in (x, experts, weights))
+    strategy = decode_strategy(x.shape[0], experts.shape[1], e_local)
+    strategy = "dense" if strategy == "tiled" else strategy
+    gate, up, down = ws
+    y = decode_swiglu(x, experts, weights, gate, up, down, strategy, cfg.moe_tile_size, first)
+    if gathered:
+        return jax.lax.psum_scatter(y, ep_axis, scatter_dimension=0, tiled=True)
+    return jax.lax.psum(y, ep_axis)
 
 
 def _local_moe(
@@ -408,29 +513,41 @@ def _local_moe(
     seq_axes: tuple[str, ...] = (),
     seq_shards: int = 1,
     token_shards: int = 1,
+    decode: bool = False,
 ):
     """x: [batch, seq, embed] local block -> (y [batch, seq, embed], experts int32[batch, seq, k],
     stats as `moe_layer` returns them, over the whole mesh). token_shards: devices the tokens are
-    split over (the product of batch_axes and seq_axes sizes)."""
+    split over (the product of batch_axes and seq_axes sizes). decode: an inference step (a forward
+    with a KV cache): `decode_swiglu` without quantisation, on an expert-parallel mesh through the
+    dropless `_decode_expert_parallel`."""
     b, s, d = x.shape
     k, e = cfg.num_experts_per_tok, cfg.num_experts
     xt = x.reshape(b * s, d)
     r = route(p["router"], p["router_bias"], xt, cfg, None if replay is None else replay.reshape(b * s, k))
     ws = (p["gate"], p["up"], p["down"])
     impl = cfg.moe_impl
-    if impl == "auto" and not (ep == 1 and b * s * k < e and cfg.moe_precision == "bf16"):
+    plain = ep == 1 and impl == "auto" and cfg.moe_precision == "bf16"
+    if impl == "auto" and not (plain and (decode or b * s * k < e)):
         impl = "ragged" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "tiled"
     dropped = sent = jnp.zeros((), jnp.int32)
-    if ep == 1 and impl == "auto" and b * s * k < e and cfg.moe_precision == "bf16":
-        # decoding a few tokens: fewer assignments than experts, so gathering each assignment's
-        # expert weights reads only the experts in use (a grouped matmul reads all of them);
-        # the same products, exact
-        y_assign = _gathered_swiglu(xt, r.experts, *ws)
-    elif ep == 1 and impl == "tiled":
-        y_assign = tiled_dispatch_swiglu(xt, r.experts, *ws, tile=cfg.moe_tile_size, precision=moe_recipe(cfg))
+    if plain and decode:
+        # inference (a forward with a KV cache): every expert's weights read at most once per step
+        y = decode_swiglu(xt, r.experts, r.weights, *ws, decode_strategy(b * s, k, e), cfg.moe_tile_size)
+    elif decode and ep > 1 and cfg.moe_precision == "bf16":
+        assert ep_axis is not None
+        gathered = ep_axis in batch_axes + seq_axes
+        y = _decode_expert_parallel(xt, r, ws, cfg, ep_axis, gathered)
+        sent = jnp.full((), (ep - 1) * b * s if gathered else 0, jnp.int32)
     else:
-        y_assign, dropped, sent = _sorted_dispatch(xt, r.experts, ws, cfg, ep, ep_axis)
-    y = jnp.einsum("tkd,tk->td", y_assign, r.weights.astype(y_assign.dtype))
+        if plain and b * s * k < e:
+            # a few tokens: fewer assignments than experts, so gathering each assignment's expert
+            # weights reads only the experts in use (a grouped matmul reads all of them); exact
+            y_assign = _gathered_swiglu(xt, r.experts, *ws)
+        elif ep == 1 and impl == "tiled":
+            y_assign = tiled_dispatch_swiglu(xt, r.experts, *ws, tile=cfg.moe_tile_size, precision=moe_recipe(cfg))
+        else:
+            y_assign, dropped, sent = _sorted_dispatch(xt, r.experts, ws, cfg, ep, ep_axis)
+        y = jnp.einsum("tkd,tk->td", y_assign, r.weights.astype(y_assign.dtype))
     if cfg.num_shared_experts:
         dt = x.dtype
         h = jax.nn.silu(xt @ p["shared_gate"].astype(dt)) * (xt @ p["shared_up"].astype(dt))
@@ -454,15 +571,23 @@ def _local_moe(
     return y.reshape(b, s, d), r.experts.reshape(b, s, k), stats
 
 
-def moe_layer(p: dict, x: jax.Array, cfg: ModelConfig, sharding: MeshRules | None, replay: jax.Array | None = None):
+def moe_layer(
+    p: dict,
+    x: jax.Array,
+    cfg: ModelConfig,
+    sharding: MeshRules | None,
+    replay: jax.Array | None = None,
+    decode: bool = False,
+):
     """x: [batch, seq, embed] -> (y [batch, seq, embed], experts int32[batch, seq, k], stats) with
     stats = {"expert_counts": float32[experts], "seq_balance": float32[] summed over sequences,
     "moe_dropped": float32[] assignments the expert-parallel buffer bound dropped (0 unless
     model.moe_ep_capacity_factor > 0 on the ragged exchange), "moe_a2a_rows": float32[] assignment
     rows one device dispatched to other devices (mean over devices; the combine returns as many)}.
-    With a mesh, runs per device inside `jax.shard_map`."""
+    With a mesh, runs per device inside `jax.shard_map`. decode: the forward is an inference step
+    with a KV cache (`decode_swiglu` instead of the training dispatch where it applies)."""
     if sharding is None or all(n == 1 for n in dict(sharding.mesh.shape).values()):
-        return _local_moe(p, x, replay, cfg, None, 1, ())
+        return _local_moe(p, x, replay, cfg, None, 1, (), decode=decode)
     b, s, d = x.shape
     # the shard_map specs come from the logical axes: tokens as activations, each weight by its
     # ParamSpec axes with the model dimension whole inside the block (FSDP gathers it on entry)
@@ -475,7 +600,7 @@ def moe_layer(p: dict, x: jax.Array, cfg: ModelConfig, sharding: MeshRules | Non
         raise ValueError(f"experts may be split over one mesh axis, got {ep_axes}")
     ep_axis = ep_axes[0] if ep_axes else None
     ep = sharding.size(ep_axis) if ep_axis else 1
-    if ep_axis and ep_axis not in token_axes:
+    if ep_axis and ep_axis not in token_axes and not (decode and cfg.moe_precision == "bf16"):
         raise ValueError(
             f"expert parallelism over mesh axis {ep_axis!r} needs the tokens split over it too: batch "
             f"{b} x seq {s} is not divisible so that act_batch/act_seq include {ep_axis!r}; use a batch "
@@ -507,6 +632,7 @@ def moe_layer(p: dict, x: jax.Array, cfg: ModelConfig, sharding: MeshRules | Non
             s_axes,
             int(np.prod([sharding.size(a) for a in s_axes])),
             int(np.prod([sharding.size(a) for a in token_axes])),
+            decode,
         )
 
     fn = jax.shard_map(

@@ -60,7 +60,7 @@ def decoder_layer(
     x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
     if "moe" in lp:
         with jax.named_scope("moe"):
-            y, experts, counts = moe_layer(lp["moe"], x, cfg, sharding, replay)
+            y, experts, counts = moe_layer(lp["moe"], x, cfg, sharding, replay, decode=cache is not None)
     else:
         m = lp["mlp"]
         with jax.named_scope("mlp"):
