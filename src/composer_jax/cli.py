@@ -31,6 +31,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
         "eval_main",
         "the agent on tasks without training: pass@1, best-of-K, trajectories",
     ),
+    "report": ("composer_jax.report", "main", "a run directory's Markdown report with PNG plots (loss, reward, eval)"),
     "data": ("composer_jax.data.cli", "main", "data tools: make-sft from Harbor tasks, peek at packed batches"),
 }
 

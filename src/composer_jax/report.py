@@ -1,0 +1,232 @@
+"""`composer-jax report RUN_DIR`: a run directory's Markdown report with PNG plots.
+
+A run directory holds one folder per stage, each with the `metrics.jsonl` its RunLogger wrote (one
+JSON record per logged step: `{"stage", "step", "time", name: value, ...}`; a step's evaluation is
+a separate record at the same step) and, for evaluations, a `report.json` written by
+`rl.evaluate.write_outputs`. This module reads them all and writes, under RUN_DIR:
+
+- `report.md`: per stage, first -> last of the main values, the RL table per step, and every
+  evaluation's overall and per-category table;
+- `plots/pretraining.png`: train loss and held-out perplexity over steps, one row per stage;
+- `plots/rl.png`: reward (total and grade), success and best-of-K, length penalty, staleness
+  (version lag, dropped stale groups), sampler/trainer mismatch KL and held-out pass@1 over RL
+  steps, for every stage whose records carry RL values.
+
+Nothing here imports JAX: a report can be made on any machine from a copied run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+Series = dict[str, list[tuple[int, float]]]  # metric -> [(step, value)] in step order
+
+# (panel title, [(metric, label)]) of the RL figure; panels with no data are left out
+RL_PANELS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
+    ("reward", (("reward/total", "total"), ("reward/grade", "grade"), ("eval/reward", "held-out"))),
+    (
+        "success",
+        (("rollout/success", "mean"), ("rollout/best_of_k", "best-of-K"), ("eval/pass@1", "held-out pass@1")),
+    ),
+    ("length penalty", (("reward/length_penalty", "length penalty"),)),
+    ("staleness (versions)", (("version_lag_mean", "mean lag"), ("version_lag_max", "max lag"))),
+    ("dropped stale groups", (("rl/dropped_stale_groups", "dropped"),)),
+    ("sampler/trainer mismatch KL", (("mismatch_kl_k1", "k1"), ("mismatch_kl_k3", "k3"))),
+)
+PRETRAIN_PANELS: tuple[tuple[str, str], ...] = (("loss", "train loss"), ("eval/perplexity", "held-out perplexity"))
+
+
+class ReportError(ValueError):
+    """A run directory that cannot be reported on (missing, or with unreadable records)."""
+
+
+@dataclass
+class Stage:
+    name: str
+    path: Path  # the metrics.jsonl
+    series: Series = field(default_factory=dict)
+
+    @property
+    def is_rl(self) -> bool:
+        return "reward/total" in self.series
+
+
+@dataclass
+class Evaluation:
+    name: str
+    path: Path
+    report: dict[str, Any]
+
+
+def read_metrics(path: Path) -> Series:
+    """metric -> [(step, value)] sorted by step (a resumed run's repeated step keeps the last value)."""
+    by_key: dict[str, dict[int, float]] = defaultdict(dict)
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            step = int(rec["step"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ReportError(f"{path}:{n}: not a metrics record (a JSON object with a 'step'): {e}") from e
+        for k, v in rec.items():
+            if k in ("stage", "step", "time") or isinstance(v, bool) or not isinstance(v, int | float):
+                continue  # raw arrays (expert counts) and tags are not plotted
+            by_key[k][step] = float(v)
+    return {k: sorted(d.items()) for k, d in by_key.items()}
+
+
+def collect(run_dir: Path) -> tuple[list[Stage], list[Evaluation]]:
+    if not run_dir.is_dir():
+        raise ReportError(f"run directory {str(run_dir)!r} does not exist or is not a directory")
+    stages = [
+        Stage(str(p.parent.relative_to(run_dir)) if p.parent != run_dir else run_dir.name, p, read_metrics(p))
+        for p in sorted(run_dir.rglob("metrics.jsonl"), key=lambda p: (p.stat().st_mtime, str(p)))
+    ]
+    evals = []
+    for p in sorted(run_dir.rglob("report.json")):
+        try:
+            rep = json.loads(p.read_text())
+        except ValueError as e:
+            raise ReportError(f"{p}: not JSON: {e}") from e
+        if isinstance(rep, dict) and isinstance(rep.get("overall"), dict):
+            evals.append(Evaluation(str(p.parent.relative_to(run_dir)), p, rep))
+    if not stages and not evals:
+        raise ReportError(
+            f"run directory {str(run_dir)!r} holds no metrics.jsonl and no evaluation report.json; give the "
+            "directory a run wrote (train.out_dir, or the folder above its stages)"
+        )
+    return stages, evals
+
+
+def _fmt(v: float) -> str:
+    if not math.isfinite(v):
+        return str(v)
+    return f"{v:.4g}"
+
+
+def _first_last(s: list[tuple[int, float]]) -> str:
+    return f"{_fmt(s[0][1])} -> {_fmt(s[-1][1])} (steps {s[0][0]}-{s[-1][0]})"
+
+
+def _plot(panels: Sequence[tuple[str, Sequence[tuple[str, str]]]], stages: list[Stage], out: Path, title: str) -> bool:
+    """One row per stage, one column per panel with data; False when nothing to plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [(st, [(t, [(k, lab) for k, lab in ms if k in st.series]) for t, ms in panels]) for st in stages]
+    rows = [(st, [(t, ms) for t, ms in ps if ms]) for st, ps in rows]
+    rows = [(st, ps) for st, ps in rows if ps]
+    if not rows:
+        return False
+    cols = max(len(ps) for _, ps in rows)
+    fig, axes = plt.subplots(len(rows), cols, figsize=(4.2 * cols, 3.0 * len(rows)), squeeze=False)
+    for r, (st, ps) in enumerate(rows):
+        for c in range(cols):
+            ax = axes[r][c]
+            if c >= len(ps):
+                ax.axis("off")
+                continue
+            t, ms = ps[c]
+            for k, lab in ms:
+                xs, ys = zip(*st.series[k], strict=True)
+                ax.plot(xs, ys, marker="o" if len(xs) < 40 else None, markersize=3, label=lab)
+            ax.set_title(f"{st.name}: {t}", fontsize=9)
+            ax.set_xlabel("step", fontsize=8)
+            ax.tick_params(labelsize=7)
+            ax.grid(alpha=0.3)
+            if len(ms) > 1:
+                ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return True
+
+
+RL_TABLE = (
+    ("reward/total", "reward"),
+    ("rollout/success", "success"),
+    ("rollout/best_of_k", "best-of-K"),
+    ("reward/length_penalty", "length pen."),
+    ("version_lag_mean", "lag mean"),
+    ("version_lag_max", "lag max"),
+    ("mismatch_kl_k1", "mismatch KL"),
+    ("eval/pass@1", "held-out pass@1"),
+)
+EVAL_COLUMNS = ("pass@1", "best_of_k", "reward", "tokens", "turns", "tool_calls")
+
+
+def _rl_table(st: Stage) -> list[str]:
+    cols = [(k, lab) for k, lab in RL_TABLE if k in st.series]
+    steps = sorted({s for k, _ in cols for s, _ in st.series[k]})
+    values = {k: dict(st.series[k]) for k, _ in cols}
+    lines = ["| step | " + " | ".join(lab for _, lab in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for s in steps:
+        cells = [_fmt(values[k][s]) if s in values[k] else "" for k, _ in cols]
+        lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _eval_table(ev: Evaluation) -> list[str]:
+    rows = [("overall", ev.report["overall"])] + sorted((ev.report.get("categories") or {}).items())
+    cols = [c for c in EVAL_COLUMNS if any(c in m for _, m in rows)]
+    lines = ["| | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for name, m in rows:
+        lines.append(f"| {name} | " + " | ".join(_fmt(float(m[c])) if c in m else "" for c in cols) + " |")
+    return lines
+
+
+def write_report(run_dir: str | Path, title: str | None = None) -> Path:
+    """Write RUN_DIR/report.md and RUN_DIR/plots/*.png; returns the Markdown path."""
+    run = Path(run_dir)
+    stages, evals = collect(run)
+    plots = run / "plots"
+    pre = [s for s in stages if not s.is_rl]
+    rl = [s for s in stages if s.is_rl]
+    lines = [f"# {title or 'Run report'}: `{run.name}`", ""]
+    if pre and _plot([(lab, [(k, lab)]) for k, lab in PRETRAIN_PANELS], pre, plots / "pretraining.png", "pretraining"):
+        lines += ["## Pretraining stages", "", "![pretraining](plots/pretraining.png)", ""]
+        lines += ["| stage | train loss | held-out perplexity |", "|---|---|---|"]
+        for s in pre:
+            cells = [_first_last(s.series[k]) if k in s.series else "" for k, _ in PRETRAIN_PANELS]
+            lines.append(f"| {s.name} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if rl and _plot(RL_PANELS, rl, plots / "rl.png", "reinforcement learning"):
+        lines += ["## Reinforcement learning", "", "![rl](plots/rl.png)", ""]
+        for s in rl:
+            lines += [f"### {s.name}", "", *_rl_table(s), ""]
+    for ev in evals:
+        lines += [f"## Evaluation: {ev.name}", "", *_eval_table(ev), ""]
+    out = run / "report.md"
+    out.write_text("\n".join(lines))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="composer-jax report", description=__doc__.split("\n\n")[0])
+    ap.add_argument("run_dir", help="a run directory (holding stage folders with metrics.jsonl)")
+    ap.add_argument("--title", default=None)
+    args = ap.parse_args(argv)
+    try:
+        out = write_report(args.run_dir, args.title)
+    except ReportError as e:
+        print(f"composer-jax report: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
