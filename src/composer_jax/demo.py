@@ -87,7 +87,9 @@ def rl_stage(out_root: str, init_from: str, scale: float, echo=print) -> dict:
         f"per step, {cfg.train.steps} steps; held-out: {cfg.rl.eval_seeds} seeds from {cfg.rl.eval_seed} x "
         f"{cfg.rl.eval_samples} samples ==="
     )
-    summary = run_rl(cfg, echo=echo)
+    # one device: the sampler and the small RL step run faster unsharded on a CPU (the config's
+    # mesh has fsdp -1, which `composer-jax rl --cpu-devices 1` also resolves to one device)
+    summary = run_rl(cfg, mesh=cj.make_mesh(cfg.mesh, jax.devices()[:1]), echo=echo)
     summary["name"], summary["eval_samples"] = name, cfg.rl.eval_samples
     return summary
 

@@ -41,7 +41,7 @@ def test_tasks_name_one_constant_and_a_new_value(tmp_path):
     for seed in range(40):
         root = generate_task("set-constant", seed, tmp_path)
         target, new, old = parse(root)
-        assert list(old) == list(NAMES) and target in NAMES and 1 <= new <= 9 and new != old[target]
+        assert sorted(old) == sorted(NAMES) and target in NAMES and 1 <= new <= 9 and new != old[target]
         solution = (root / "solution" / "app" / "settings.py").read_text()
         # the reference changes exactly the target's line
         assert solution == (root / "environment" / "app" / "settings.py").read_text().replace(
@@ -63,6 +63,7 @@ def test_grader_reference_one_wrong_edits_zero(tmp_path):
     other = next(n for n in NAMES if n != target)
     wrong = {
         "wrong value": original.replace(f"{target} = {old[target]}\n", f"{target} = {new % 9 + 1}\n"),
+        "the right value on another constant": original.replace(f"{other} = {old[other]}\n", f"{other} = {new}\n"),
         "another constant changed too": original.replace(f"{target} = {old[target]}\n", f"{target} = {new}\n").replace(
             f"{other} = {old[other]}\n", f"{other} = {old[other] % 9 + 1}\n"
         ),
@@ -94,7 +95,7 @@ def test_family_sft_conversation_replays_on_the_server(family_server, seed):
         created = http.post("/sessions", json={"task_id": "gen/set-constant", "seed": seed}).json()
         sid = created["session_id"]
         try:
-            assert messages[1]["content"] == created["instruction"].strip()
+            assert messages[1]["content"] == created["instruction"]  # byte for byte what the agent is given
             for message in messages:
                 calls = message.get("tool_calls") or []
                 if not calls:

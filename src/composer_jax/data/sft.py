@@ -126,7 +126,9 @@ def task_conversation(task_dir: str | Path, *, timeout_s: float = 60.0) -> dict:
     deleted = sorted(p for p in before if p not in after)
     msgs: list[dict] = [
         {"role": "system", "content": protocol.SYSTEM_PROMPT},
-        {"role": "user", "content": (task_dir / "instruction.md").read_text().strip()},
+        # exactly what the server hands the agent (the file's text, trailing newline included): the
+        # tiny model learns the template token for token, and one token off derails it
+        {"role": "user", "content": (task_dir / "instruction.md").read_text(encoding="utf-8")},
     ]
     n = 0
 

@@ -19,8 +19,9 @@ from .base import Family, TaskSpec
 
 FAMILY = Family("set-constant", "Set one constant of settings.py to a given value.", "config")
 
-# The constants a workspace may hold (each workspace holds them all, in this order).
-NAMES = ("RETRIES", "WORKERS", "TIMEOUT", "BATCH")
+# The constants every workspace holds (in a seed-dependent order), with their starting values.
+DEFAULTS = {"RETRIES": 3, "WORKERS": 4, "TIMEOUT": 30, "BATCH": 16}
+NAMES = tuple(DEFAULTS)
 
 _TESTS = """\
 import importlib
@@ -40,8 +41,10 @@ def _module(values: dict[str, int]) -> str:
 
 
 def generate(rng: random.Random, seed: int) -> TaskSpec:
+    order = list(NAMES)
+    rng.shuffle(order)
     target = rng.choice(NAMES)
-    old = {n: rng.randint(1, 9) for n in NAMES}
+    old = {n: DEFAULTS[n] for n in order}
     new_value = rng.choice([v for v in range(1, 10) if v != old[target]])
     new = {**old, target: new_value}
     return TaskSpec(
