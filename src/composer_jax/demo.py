@@ -123,7 +123,7 @@ def pipeline(out_root: str, scale: float, echo=print, rl: bool = True) -> list[d
         previous = summary["checkpoint_dir"]
     if rl:
         t0 = time.perf_counter()
-        results.append(rl_stage(out_root, previous, scale, echo))
+        results.append(rl_stage(out_root, str(previous), scale, echo))
         results[-1]["time_s"] = time.perf_counter() - t0
     echo("\nstage        train loss first->last   held-out ppl first->last   MTP-1 acc first->last")
     for r in results[: len(STAGES)]:
