@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import LiveServer, requires_bwrap
 
-from composer_jax.data.sft import family_conversations
+from composer_jax.data.sft import task_conversation
 from composer_jax.env.task_families import generate_task
 from composer_jax.env.task_families.set_constant import NAMES
 
@@ -22,9 +22,8 @@ import harbor_oracle  # noqa: E402
 
 
 def sandboxed(test):
-    for mark in requires_bwrap:
-        test = mark(test)
-    return test
+    skip = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
+    return pytest.mark.sandbox(skip(test))
 
 
 def parse(root: Path) -> tuple[str, int, dict[str, int]]:
@@ -77,34 +76,27 @@ def test_grader_reference_one_wrong_edits_zero(tmp_path):
     assert harbor_oracle.run_task(root, oracle=False).reward == 1.0  # the same edit made by hand
 
 
-@pytest.fixture(scope="module")
-def family_server(tmp_path_factory):
-    server = LiveServer(tasks=tmp_path_factory.mktemp("empty-tasks"))
-    yield server
-    server.stop()
-
-
 @sandboxed
 @pytest.mark.parametrize("seed", [0, 1_000_003])
-def test_family_sft_conversation_replays_on_the_server(family_server, seed):
-    (conv,) = family_conversations("set-constant", range(seed, seed + 1))
+def test_family_sft_conversation_replays_on_the_server(http, seed, tmp_path):
+    """`http`: a client of the live server of tests/env/conftest.py (it serves every family)."""
+    conv = task_conversation(generate_task("set-constant", seed, tmp_path))
     messages = conv["messages"]
     assert conv["task"] == f"set-constant-{seed}"
     expected = {m["tool_call_id"]: json.loads(m["content"]) for m in messages if m["role"] == "tool"}
-    with family_server.client() as http:
-        created = http.post("/sessions", json={"task_id": "gen/set-constant", "seed": seed}).json()
-        sid = created["session_id"]
-        try:
-            assert messages[1]["content"] == created["instruction"]  # byte for byte what the agent is given
-            for message in messages:
-                calls = message.get("tool_calls") or []
-                if not calls:
-                    continue
-                body = {"calls": [{"id": c["id"], **c["function"]} for c in calls]}
-                for call, result in zip(calls, http.post(f"/sessions/{sid}/tools", json=body).json()["results"]):
-                    assert result["ok"] and result["result"] == expected[call["id"]], call
-            names = [c["function"]["name"] for m in messages for c in m.get("tool_calls") or []]
-            assert names == ["list_dir", "read_file", "edit_file"]
-            assert http.post(f"/sessions/{sid}/grade").json()["reward"] == 1.0
-        finally:
-            http.delete(f"/sessions/{sid}")
+    created = http.post("/sessions", json={"task_id": "gen/set-constant", "seed": seed}).json()
+    sid = created["session_id"]
+    try:
+        assert messages[1]["content"] == created["instruction"]  # byte for byte what the agent is given
+        for message in messages:
+            calls = message.get("tool_calls") or []
+            if not calls:
+                continue
+            body = {"calls": [{"id": c["id"], **c["function"]} for c in calls]}
+            for call, result in zip(calls, http.post(f"/sessions/{sid}/tools", json=body).json()["results"]):
+                assert result["ok"] and result["result"] == expected[call["id"]], call
+        names = [c["function"]["name"] for m in messages for c in m.get("tool_calls") or []]
+        assert names == ["list_dir", "read_file", "edit_file"]
+        assert http.post(f"/sessions/{sid}/grade").json()["reward"] == 1.0
+    finally:
+        http.delete(f"/sessions/{sid}")

@@ -13,8 +13,9 @@ import pytest
 
 from composer_jax.config import load_config
 from composer_jax.data.chat import render_chat
-from composer_jax.data.sft import family_conversations, parse_seeds
+from composer_jax.data.cli import main as data_main
 from composer_jax.data.tokenizer import load_tokenizer
+from composer_jax.env.cli import env_main
 from composer_jax.env.task_families import FAMILIES
 from composer_jax.rl.trainer import check_config
 
@@ -56,7 +57,7 @@ def test_reference_trajectory_fits_the_agent_budgets(monkeypatch, conversations)
         assert len(runs) == len(assistant) and runs.max() <= cfg.agent.max_turn_tokens, runs
 
 
-def test_sft_data_is_the_family_replayed_on_seeds_apart_from_rl(conversations):
+def test_sft_data_is_the_family_replayed_on_seeds_apart_from_rl(conversations, tmp_path):
     sft = load_config(SFT_CONFIG)
     rl = load_config(RL_CONFIG)
     assert any(s.path == "assets/sft/set_constant.jsonl" for s in sft.data.sources)
@@ -65,15 +66,22 @@ def test_sft_data_is_the_family_replayed_on_seeds_apart_from_rl(conversations):
     trained = range(rl.rl.task_seed, rl.rl.task_seed + rl.train.steps * rl.rl.groups_per_step * 4)
     evaluated = range(rl.rl.eval_seed, rl.rl.eval_seed + rl.rl.eval_seeds)
     assert not set(seeds) & set(trained) and not set(seeds) & set(evaluated) and not set(trained) & set(evaluated)
-    # the file is what `composer-jax data make-sft --family set-constant --seeds 0:256` writes
-    assert family_conversations("set-constant", range(0, 3)) == conversations[:3]
-    assert family_conversations("set-constant", range(200, 201)) == conversations[200:201]
+    # the file is what `composer-jax env generate set-constant --seeds 0:256 --out DIR` and
+    # `composer-jax data make-sft --tasks DIR` write (checked on a few seeds: natural seed order)
+    assert env_main(["generate", "set-constant", "--seeds", "8:12", "--out", str(tmp_path / "t")]) == 0
+    assert data_main(["make-sft", "--tasks", str(tmp_path / "t"), "--out", str(tmp_path / "s.jsonl")]) == 0
+    made = [json.loads(line) for line in (tmp_path / "s.jsonl").read_text().splitlines()]
+    assert made == conversations[8:12]
     tok = load_tokenizer(REPO / "assets" / "tokenizer")
     assert max(len(render_chat(c["messages"], tok)[0]) for c in conversations) <= sft.train.seq_len
 
 
-def test_seed_specs():
-    assert parse_seeds("4") == range(4) and parse_seeds("10:12") == range(10, 12)
+def test_env_generate_seed_specs(tmp_path, capsys):
+    assert env_main(["generate", "set-constant", "--seeds", "3", "--out", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"set-constant-{i}" for i in range(3)]
     for bad in ("x", "5:5", "-1:3", "3:1"):
-        with pytest.raises(Exception, match="expected"):
-            parse_seeds(bad)
+        assert env_main(["generate", "set-constant", f"--seeds={bad}", "--out", str(tmp_path)]) == 2
+        assert f"--seeds {bad!r}: expected N" in capsys.readouterr().err
+    assert env_main(["generate", "nope", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown family 'nope'; accepted:" in err and "set-constant" in err

@@ -1,8 +1,7 @@
 """`composer-jax data ...`: offline data tools.
 
 data make-sft --tasks tasks/ --out assets/sft/train.jsonl   SFT conversations from Harbor tasks
-data make-sft --family set-constant --seeds 0:256 --out assets/sft/set_constant.jsonl
-                                                           ... from seeds of a generated task family
+    (a generated family: `composer-jax env generate set-constant --seeds 0:256 --out DIR` first)
 data peek --config CFG [--seq-len N --batch-size B]         print one packed batch, decoded
 """
 
@@ -41,13 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="composer-jax data", description="offline data tools")
     sub = parser.add_subparsers(dest="cmd", required=True)
     ms = sub.add_parser("make-sft", help="SFT conversations (JSONL) from Harbor tasks' reference solutions")
-    what = ms.add_mutually_exclusive_group(required=True)
-    what.add_argument(
+    ms.add_argument(
         "--tasks",
+        required=True,
         help="directory of task directories (instruction.md, environment/app, solution/solve.sh)",
     )
-    what.add_argument("--family", help="a generated task family (env/task_families), e.g. set-constant")
-    ms.add_argument("--seeds", default="64", help="--family: seeds N (0..N-1) or A:B (A..B-1)")
     ms.add_argument("--out", required=True, help="output JSONL file")
     ms.add_argument("--timeout", type=float, default=60.0, help="seconds per solve.sh run")
     pk = sub.add_parser("peek", help="print the first packed training batch of a config, decoded")
@@ -61,14 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code or 0)
     try:
         if args.cmd == "make-sft":
-            from composer_jax.data.sft import family_conversations, make_sft, parse_seeds, write_jsonl
+            from composer_jax.data.sft import make_sft
 
-            if args.family:
-                convs = family_conversations(args.family, parse_seeds(args.seeds), timeout_s=args.timeout)
-                write_jsonl(convs, args.out)
-                n = len(convs)
-            else:
-                n = make_sft(args.tasks, args.out, timeout_s=args.timeout)
+            n = make_sft(args.tasks, args.out, timeout_s=args.timeout)
             print(f"wrote {n} conversations to {args.out}")
         else:
             _peek(args)

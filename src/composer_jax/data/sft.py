@@ -1,7 +1,8 @@
 """SFT conversations from Harbor tasks: the reference solution replayed as an agent trajectory.
 
-The tasks are a directory of Harbor tasks (`make_sft`) or seeds of a generated task family
-(`family_conversations`, e.g. the RL demo's set-constant on seeds its held-out evaluation never uses).
+The tasks are a directory of Harbor tasks: the bundled suite, or seeds of a generated family
+written by `composer-jax env generate FAMILY --seeds A:B --out DIR` (e.g. the RL demo's
+set-constant on seeds its RL run and held-out evaluation never use).
 A task directory holds instruction.md, environment/app/ (the initial repository) and
 solution/solve.sh (+ files it copies). For each task we run solve.sh offline on a temporary copy of
 the repository (its `/app` and `/solution` paths rewritten to the copies, under a timeout), diff the
@@ -235,7 +236,11 @@ def iter_task_dirs(tasks_dir: str | Path) -> Iterator[Path]:
     root = Path(tasks_dir)
     if not root.is_dir():
         raise DataConfigError(f"tasks directory {str(root)!r} does not exist (relative to {Path.cwd()})")
-    found = sorted(p.parent for p in root.glob("*/instruction.md"))
+    # natural order (set-constant-2 before set-constant-10): generated seeds stay in seed order
+    found = sorted(
+        (p.parent for p in root.glob("*/instruction.md")),
+        key=lambda d: [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", d.name)],
+    )
     if not found:
         raise DataConfigError(f"no tasks under {str(root)!r}: expected subdirectories holding instruction.md")
     yield from found
@@ -246,28 +251,6 @@ def make_sft(tasks_dir: str | Path, out_file: str | Path, *, timeout_s: float = 
     convs = [task_conversation(t, timeout_s=timeout_s) for t in iter_task_dirs(tasks_dir)]
     write_jsonl(convs, out_file)
     return len(convs)
-
-
-def parse_seeds(spec: str) -> range:
-    """`A:B` (seeds A..B-1) or `N` (seeds 0..N-1) -> the range; bad specs name what is accepted."""
-    try:
-        lo, hi = (int(x) for x in spec.split(":")) if ":" in spec else (0, int(spec))
-    except ValueError:
-        raise DataConfigError(f"seeds {spec!r}: expected N (seeds 0..N-1) or A:B (seeds A..B-1)") from None
-    if lo < 0 or hi <= lo:
-        raise DataConfigError(f"seeds {spec!r}: expected 0 <= A < B")
-    return range(lo, hi)
-
-
-def family_conversations(family: str, seeds: range, *, timeout_s: float = 60.0) -> list[dict]:
-    """One conversation per seed of a generated task family (env/task_families), each its task's
-    reference solution replayed as for the bundled tasks; "task" is the generated task id."""
-    from composer_jax.env.task_families import FAMILIES, generate_task
-
-    if family not in FAMILIES:
-        raise DataConfigError(f"unknown task family {family!r}; accepted: {', '.join(sorted(FAMILIES))}")
-    with tempfile.TemporaryDirectory(prefix="cj-sft-family-") as tmp:
-        return [task_conversation(generate_task(family, s, tmp), timeout_s=timeout_s) for s in seeds]
 
 
 def write_jsonl(convs: list[dict], out_file: str | Path) -> None:
