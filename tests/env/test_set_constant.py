@@ -15,7 +15,7 @@ import pytest
 
 from composer_jax.data.sft import task_conversation
 from composer_jax.env.task_families import generate_task
-from composer_jax.env.task_families.set_constant import NAMES
+from composer_jax.env.task_families.set_constant import NAMES, VALUES
 
 sys.path.insert(0, str(Path(__file__).parent))
 import harbor_oracle  # noqa: E402
@@ -40,7 +40,7 @@ def test_tasks_name_one_constant_and_a_new_value(tmp_path):
     for seed in range(40):
         root = generate_task("set-constant", seed, tmp_path)
         target, new, old = parse(root)
-        assert sorted(old) == sorted(NAMES) and target in NAMES and 1 <= new <= 9 and new != old[target]
+        assert sorted(old) == sorted(NAMES) and target in NAMES and new in VALUES and new != old[target]
         solution = (root / "solution" / "app" / "settings.py").read_text()
         # the reference changes exactly the target's line
         assert solution == (root / "environment" / "app" / "settings.py").read_text().replace(
@@ -48,7 +48,7 @@ def test_tasks_name_one_constant_and_a_new_value(tmp_path):
         )
         targets.add(target)
         values.add(new)
-    assert targets == set(NAMES) and len(values) >= 7
+    assert targets == set(NAMES) and values == set(VALUES)
 
 
 @sandboxed
@@ -61,7 +61,9 @@ def test_grader_reference_one_wrong_edits_zero(tmp_path):
     original = app.read_text()
     other = next(n for n in NAMES if n != target)
     wrong = {
-        "wrong value": original.replace(f"{target} = {old[target]}\n", f"{target} = {new % 9 + 1}\n"),
+        "wrong value": original.replace(
+            f"{target} = {old[target]}\n", f"{target} = {VALUES[(VALUES.index(new) + 1) % len(VALUES)]}\n"
+        ),
         "the right value on another constant": original.replace(f"{other} = {old[other]}\n", f"{other} = {new}\n"),
         "another constant changed too": original.replace(f"{target} = {old[target]}\n", f"{target} = {new}\n").replace(
             f"{other} = {old[other]}\n", f"{other} = {old[other] % 9 + 1}\n"

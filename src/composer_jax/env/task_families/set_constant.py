@@ -22,6 +22,8 @@ FAMILY = Family("set-constant", "Set one constant of settings.py to a given valu
 # The constants every workspace holds (in a seed-dependent order), with their starting values.
 DEFAULTS = {"RETRIES": 3, "WORKERS": 4, "TIMEOUT": 30, "BATCH": 16}
 NAMES = tuple(DEFAULTS)
+# The values an instruction may ask for (none is a default, so the change is never a no-op).
+VALUES = (2, 5, 8)
 
 _TESTS = """\
 import importlib
@@ -45,7 +47,7 @@ def generate(rng: random.Random, seed: int) -> TaskSpec:
     rng.shuffle(order)
     target = rng.choice(NAMES)
     old = {n: DEFAULTS[n] for n in order}
-    new_value = rng.choice([v for v in range(1, 10) if v != old[target]])
+    new_value = rng.choice(VALUES)
     new = {**old, target: new_value}
     return TaskSpec(
         instruction=f"Set {target} to {new_value} in settings.py.",
