@@ -3,8 +3,11 @@
 Default: Composer 2's continued-pretraining pipeline in miniature, on a fake 8-device CPU mesh:
 the tiny DeepSeek-V3-style MoE's report, then stage 1 (bulk pretraining on this repository's code,
 bundled BPE tokenizer), stage 2 (long-context extension: YaRN, context parallelism, MTP by
-self-distillation) and stage 3 (SFT on agent conversations built from the bundled coding tasks),
-each starting from the previous stage's checkpoint; then a per-stage summary.
+self-distillation) and stage 3 (SFT on agent conversations built from the bundled coding tasks and
+from training seeds of the generated family set-constant), each starting from the previous stage's
+checkpoint; then RL (`composer-jax rl`'s learner, configs/rl/tiny_set_constant.yaml) on new seeds of
+set-constant, with the held-out evaluation (seeds 1000000.., never trained on) before and after;
+then a per-stage summary.
 
 `--quick`: a few sharded AdamW steps on a synthetic rule (t_{i+1} = 5 t_i + 7 mod V), in a minute.
 """
@@ -60,10 +63,39 @@ STAGES = (
     ("stage2", "pretrain/tiny_stage2.yaml"),
     ("stage3_sft", "pretrain/tiny_stage3_sft.yaml"),
 )
+RL_STAGE = ("rl", "rl/tiny_set_constant.yaml")
 
 
-def pipeline(out_root: str, scale: float, echo=print) -> list[dict]:
-    """Run the three tiny stages in order; returns one summary per stage."""
+def rl_stage(out_root: str, init_from: str, scale: float, echo=print) -> dict:
+    """The RL stage from the SFT checkpoint; its summary holds the per-step values and the
+    held-out evaluations (rl/evaluate.py: pass@1, best-of-K, reward) before and after."""
+    from composer_jax.rl.trainer import run_rl
+
+    name, path = RL_STAGE
+    base = cj.load_config(REPO / "configs" / path, num_devices=None)
+    cfg = cj.load_config(
+        REPO / "configs" / path,
+        [
+            f"train.out_dir={out_root}/{name}",
+            f"train.init_from={init_from}",
+            f"train.steps={max(2, int(base.train.steps * scale))}",
+            f"rl.eval_every={max(1, int(base.rl.eval_every * scale))}",
+        ],
+    )
+    echo(
+        f"\n=== {name}: {', '.join(cfg.rl.tasks)}, {cfg.rl.groups_per_step} groups x {cfg.rl.group_size} rollouts "
+        f"per step, {cfg.train.steps} steps; held-out: {cfg.rl.eval_seeds} seeds from {cfg.rl.eval_seed} x "
+        f"{cfg.rl.eval_samples} samples ==="
+    )
+    # one device: the sampler and the small RL step run faster unsharded on a CPU (the config's
+    # mesh has fsdp -1, which `composer-jax rl --cpu-devices 1` also resolves to one device)
+    summary = run_rl(cfg, mesh=cj.make_mesh(cfg.mesh, jax.devices()[:1]), echo=echo)
+    summary["name"], summary["eval_samples"] = name, cfg.rl.eval_samples
+    return summary
+
+
+def pipeline(out_root: str, scale: float, echo=print, rl: bool = True) -> list[dict]:
+    """Run the three tiny stages and (rl=True) the RL stage in order; returns one summary per stage."""
     from composer_jax.train.loop import run_stage
 
     os.chdir(REPO)  # the stage configs name the corpus, tokenizer and SFT set relative to the repo
@@ -83,20 +115,41 @@ def pipeline(out_root: str, scale: float, echo=print) -> list[dict]:
             f"\n=== {name}: {cfg.data.format} on {cfg.data.sources[0].path}..., seq {cfg.train.seq_len}, "
             f"mesh {cfg.mesh.shape(jax.device_count())}, {cfg.train.steps} steps ==="
         )
+        t0 = time.perf_counter()
         summary = run_stage(cfg, echo=echo)
         summary["name"] = name
+        summary["time_s"] = time.perf_counter() - t0
         results.append(summary)
         previous = summary["checkpoint_dir"]
+    if rl:
+        t0 = time.perf_counter()
+        results.append(rl_stage(out_root, str(previous), scale, echo))
+        results[-1]["time_s"] = time.perf_counter() - t0
     echo("\nstage        train loss first->last   held-out ppl first->last   MTP-1 acc first->last")
-    for r in results:
+    for r in results[: len(STAGES)]:
         losses = [r["losses"][k] for k in sorted(r["losses"])]
         ev = r["evals"]
         mtp = [e.get("eval/mtp_accuracy/1", float("nan")) for e in (ev[0], ev[-1])]
         echo(
             f"{r['name']:<12} {losses[0]:8.3f} -> {losses[-1]:8.3f}   {ev[0]['eval/perplexity']:10.2f} -> "
-            f"{ev[-1]['eval/perplexity']:10.2f}   {mtp[0]:8.3f} -> {mtp[1]:8.3f}"
+            f"{ev[-1]['eval/perplexity']:10.2f}   {mtp[0]:8.3f} -> {mtp[1]:8.3f}   ({r['time_s']:.0f}s)"
         )
+    if rl:
+        echo(rl_line(results[-1]))
     return results
+
+
+def rl_line(rl: dict) -> str:
+    """The RL stage's summary line: first -> last training step, and the held-out evaluations."""
+    steps = [rl["steps"][n] for n in sorted(rl["steps"])]
+    first, last = rl["evals"][0], rl["evals"][-1]
+    return (
+        f"rl           reward {steps[0]['reward/total']:.3f} -> {steps[-1]['reward/total']:.3f}, success "
+        f"{steps[0]['rollout/success']:.2f} -> {steps[-1]['rollout/success']:.2f}   ({rl['time_s']:.0f}s)\n"
+        f"held-out     pass@1 {first['eval/pass@1']:.3f} (step {first['step']}) -> {last['eval/pass@1']:.3f} "
+        f"(step {last['step']}), best-of-{rl['eval_samples']} {first['eval/best_of_k']:.3f} -> "
+        f"{last['eval/best_of_k']:.3f}, reward {first['eval/reward']:.3f} -> {last['eval/reward']:.3f}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

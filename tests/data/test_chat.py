@@ -96,7 +96,9 @@ def test_make_sft_on_fixture_tasks(tmp_path, tok):
     assert make_sft(FIXTURES / "tasks", out) == 2
     convs = {c["task"]: c["messages"] for c in map(json.loads, out.read_text().splitlines())}
     fix = convs["fix-add"]
-    assert fix[1] == {"role": "user", "content": "Fix `add` in calc/ops.py: it subtracts instead of adding."}
+    # the instruction exactly as the environment server gives it to the agent (trailing newline kept)
+    assert fix[1] == {"role": "user", "content": (FIXTURES / "tasks/fix-add/instruction.md").read_text()}
+    assert fix[1]["content"].startswith("Fix `add` in calc/ops.py: it subtracts instead of adding.")
     read = json.loads(fix[5]["content"])  # the real file contents come back from read_file
     assert read["content"] == (FIXTURES / "tasks/fix-add/environment/app/calc/ops.py").read_text()
     edit = json.loads(fix[6]["tool_calls"][0]["function"]["arguments"])

@@ -9,7 +9,7 @@ def test_three_stage_pipeline(tmp_path, monkeypatch):
     from composer_jax.demo import REPO, pipeline
 
     monkeypatch.chdir(REPO)
-    results = pipeline(str(tmp_path), scale=1.0, echo=lambda s: None)
+    results = pipeline(str(tmp_path), scale=1.0, echo=lambda s: None, rl=False)
     assert [r["name"] for r in results] == ["stage1", "stage2", "stage3_sft"]
     for r in results:
         losses = [r["losses"][k] for k in sorted(r["losses"])]

@@ -1,6 +1,7 @@
 """`composer-jax data ...`: offline data tools.
 
 data make-sft --tasks tasks/ --out assets/sft/train.jsonl   SFT conversations from Harbor tasks
+    (a generated family: `composer-jax env generate set-constant --seeds 0:256 --out DIR` first)
 data peek --config CFG [--seq-len N --batch-size B]         print one packed batch, decoded
 """
 

@@ -1,5 +1,8 @@
 """SFT conversations from Harbor tasks: the reference solution replayed as an agent trajectory.
 
+The tasks are a directory of Harbor tasks: the bundled suite, or seeds of a generated family
+written by `composer-jax env generate FAMILY --seeds A:B --out DIR` (e.g. the RL demo's
+set-constant on seeds its RL run and held-out evaluation never use).
 A task directory holds instruction.md, environment/app/ (the initial repository) and
 solution/solve.sh (+ files it copies). For each task we run solve.sh offline on a temporary copy of
 the repository (its `/app` and `/solution` paths rewritten to the copies, under a timeout), diff the
@@ -124,7 +127,9 @@ def task_conversation(task_dir: str | Path, *, timeout_s: float = 60.0) -> dict:
     deleted = sorted(p for p in before if p not in after)
     msgs: list[dict] = [
         {"role": "system", "content": protocol.SYSTEM_PROMPT},
-        {"role": "user", "content": (task_dir / "instruction.md").read_text().strip()},
+        # exactly what the server hands the agent (the file's text, trailing newline included): the
+        # tiny model learns the template token for token, and one token off derails it
+        {"role": "user", "content": (task_dir / "instruction.md").read_text(encoding="utf-8")},
     ]
     n = 0
 
@@ -231,7 +236,11 @@ def iter_task_dirs(tasks_dir: str | Path) -> Iterator[Path]:
     root = Path(tasks_dir)
     if not root.is_dir():
         raise DataConfigError(f"tasks directory {str(root)!r} does not exist (relative to {Path.cwd()})")
-    found = sorted(p.parent for p in root.glob("*/instruction.md"))
+    # natural order (set-constant-2 before set-constant-10): generated seeds stay in seed order
+    found = sorted(
+        (p.parent for p in root.glob("*/instruction.md")),
+        key=lambda d: [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", d.name)],
+    )
     if not found:
         raise DataConfigError(f"no tasks under {str(root)!r}: expected subdirectories holding instruction.md")
     yield from found
@@ -240,9 +249,13 @@ def iter_task_dirs(tasks_dir: str | Path) -> Iterator[Path]:
 def make_sft(tasks_dir: str | Path, out_file: str | Path, *, timeout_s: float = 60.0) -> int:
     """Write one JSON line {"task", "messages"} per task to out_file; returns the count."""
     convs = [task_conversation(t, timeout_s=timeout_s) for t in iter_task_dirs(tasks_dir)]
+    write_jsonl(convs, out_file)
+    return len(convs)
+
+
+def write_jsonl(convs: list[dict], out_file: str | Path) -> None:
     out = Path(out_file)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w") as f:
         for c in convs:
             f.write(json.dumps(c, ensure_ascii=False) + "\n")
-    return len(convs)

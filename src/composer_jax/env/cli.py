@@ -172,13 +172,56 @@ def validate_parser() -> argparse.ArgumentParser:
     return p
 
 
+def generate_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="composer-jax env generate",
+        description="Write tasks of a generated family as Harbor task directories OUT/<family>-<seed>/ "
+        "(e.g. for `composer-jax data make-sft --tasks OUT`).",
+    )
+    p.add_argument("family", help="a family of env/task_families, e.g. set-constant")
+    p.add_argument("--seeds", default="8", help="N (seeds 0..N-1) or A:B (seeds A..B-1); default 8")
+    p.add_argument("--out", type=Path, required=True, help="parent directory of the task directories")
+    return p
+
+
+def generate_main(argv: list[str]) -> int:
+    from composer_jax.env.task_families import FAMILIES, generate_task
+
+    args = generate_parser().parse_args(argv)
+    try:
+        lo, hi = (int(x) for x in args.seeds.split(":")) if ":" in args.seeds else (0, int(args.seeds))
+    except ValueError:
+        lo, hi = -1, -1
+    if lo < 0 or hi <= lo:
+        print(
+            f"composer-jax env generate: --seeds {args.seeds!r}: expected N (seeds 0..N-1) or A:B with 0 <= A < B",
+            file=sys.stderr,
+        )
+        return 2
+    if args.family not in FAMILIES:
+        print(
+            f"composer-jax env generate: unknown family {args.family!r}; accepted: {', '.join(sorted(FAMILIES))}",
+            file=sys.stderr,
+        )
+        return 2
+    for seed in range(lo, hi):
+        generate_task(args.family, seed, args.out)
+    print(f"wrote {hi - lo} {args.family} tasks (seeds {lo}..{hi - 1}) under {args.out}")
+    return 0
+
+
 def env_main(argv: list[str]) -> int:
-    """`composer-jax env SUBCOMMAND`: currently `validate`."""
+    """`composer-jax env SUBCOMMAND`: `validate` or `generate`."""
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: composer-jax env validate DIR [--jobs N] [--families [F ...]] [--seeds S ...] [--strict]")
+        print(
+            "usage: composer-jax env validate DIR [--jobs N] [--families [F ...]] [--seeds S ...] [--strict]\n"
+            "       composer-jax env generate FAMILY [--seeds N|A:B] --out DIR"
+        )
         return 0 if argv else 2
+    if argv[0] == "generate":
+        return generate_main(argv[1:])
     if argv[0] != "validate":
-        print(f"composer-jax env: unknown subcommand {argv[0]!r}; accepted: validate", file=sys.stderr)
+        print(f"composer-jax env: unknown subcommand {argv[0]!r}; accepted: validate, generate", file=sys.stderr)
         return 2
     args = validate_parser().parse_args(argv[1:])
     if not args.dir.is_dir():
