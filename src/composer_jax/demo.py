@@ -180,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
 
         shutil.rmtree(REPO / args.out, ignore_errors=True)  # a demo starts fresh, never resumes
         pipeline(args.out, args.scale)
+        from composer_jax.report import write_report
+
+        # the run directory's report: loss and perplexity per stage, the RL curves, the evaluations
+        print(f"\nreport: {write_report(REPO / args.out, title='composer-jax demo')}")
         return 0
     # the library's step and optimiser: AdamW peaking at 1e-2 after 5 warmup steps, cosine to 0
     train = [

@@ -47,7 +47,7 @@ class DiesAfter:
         return await self.inner.turn(gen, req)
 
 
-def test_async_run_survives_a_dead_sampler_and_a_restart_training_each_group_once(tmp_path, monkeypatch):
+def test_async_run_survives_a_dead_sampler_and_a_restart_training_each_group_once(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(REPO)
     out = tmp_path / "run"
     store_url = f"file://{tmp_path / 'weights'}"
