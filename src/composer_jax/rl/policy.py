@@ -72,13 +72,11 @@ class Policy(Protocol):
     def extend(self, gen: Generation, messages: list[dict]) -> None: ...
 
 
-class TokenPolicy:
-    """The in-process sampler, through the project's chat template."""
+class TokenContext:
+    """The context-only operations of a token-level policy (the chat template's tokens, with the
+    records of tokens no sampler generated); `tok` is set by the subclass."""
 
-    def __init__(self, sampler: AsyncSampler, tok: Tokenizer):
-        self.sampler, self.tok = sampler, tok
-        self.max_context = sampler.sampler.max_len
-        self._stop = (tok.token_id("<|im_end|>"),)
+    tok: Tokenizer
 
     def begin(self, messages: list[dict]) -> Generation:
         ids = render_prompt(messages, self.tok).tolist()
@@ -93,6 +91,15 @@ class TokenPolicy:
         gen.versions += [-1] * len(ids)
         if gen.routing is not None:  # no forward has routed these yet: the next turn's prefill will
             gen.routing = np.concatenate([gen.routing, np.repeat(gen.routing[-1:], len(ids), axis=0)], axis=0)
+
+
+class TokenPolicy(TokenContext):
+    """The in-process sampler, through the project's chat template."""
+
+    def __init__(self, sampler: AsyncSampler, tok: Tokenizer):
+        self.sampler, self.tok = sampler, tok
+        self.max_context = sampler.sampler.max_len
+        self._stop = (tok.token_id("<|im_end|>"),)
 
     async def turn(self, gen: Generation, req: TurnRequest) -> AssistantTurn:
         params = SamplingParams(

@@ -25,9 +25,9 @@ from typing import Any
 import httpx
 import numpy as np
 
-from composer_jax.data.chat import AssistantTurn, parse_assistant, render_continuation, render_prompt
+from composer_jax.data.chat import AssistantTurn, parse_assistant
 from composer_jax.data.tokenizer import Tokenizer
-from composer_jax.rl.policy import Generation, SamplerUnavailable, TurnRequest
+from composer_jax.rl.policy import Generation, SamplerUnavailable, TokenContext, TurnRequest
 
 
 def _api_root(base_url: str) -> str:
@@ -37,7 +37,7 @@ def _api_root(base_url: str) -> str:
     return root[: -len("/v1")] if root.endswith("/v1") else root
 
 
-class RemoteTokenPolicy:
+class RemoteTokenPolicy(TokenContext):  # begin/extend: the token policy's (same template, records)
     """The token policy over a serve replica's `/v1/completions` (module docstring).
 
     base_url: the replica (`http://host:port` or `.../v1`); api_key: its bearer key; max_context:
@@ -68,21 +68,6 @@ class RemoteTokenPolicy:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = http or httpx.AsyncClient(timeout=timeout_s, headers=headers)
         self.closed = False
-
-    # the two context-only operations are the token policy's (same template, same records)
-    def begin(self, messages: list[dict]) -> Generation:
-        ids = render_prompt(messages, self.tok).tolist()
-        return Generation(list(messages), ids, [0.0] * len(ids), [0.0] * len(ids), [-1] * len(ids))
-
-    def extend(self, gen: Generation, messages: list[dict]) -> None:
-        ids = render_continuation(messages, self.tok).tolist()
-        gen.messages.extend(messages)
-        gen.tokens += ids
-        gen.loss_mask += [0.0] * len(ids)
-        gen.logprobs += [0.0] * len(ids)
-        gen.versions += [-1] * len(ids)
-        if gen.routing is not None:  # no forward has routed these yet: the next turn's prefill will
-            gen.routing = np.concatenate([gen.routing, np.repeat(gen.routing[-1:], len(ids), axis=0)], axis=0)
 
     async def turn(self, gen: Generation, req: TurnRequest) -> AssistantTurn:
         body: dict[str, Any] = {
