@@ -13,12 +13,12 @@ import pytest
 from live_env import HAVE_BWRAP, REPO
 
 from composer_jax.checkpoint.manager import restore_params_only
+from composer_jax.checkpoint.weight_sync import WeightSubscriber, tree_sha256
 from composer_jax.config import load_config
 from composer_jax.model.params import abstract_params
 from composer_jax.rl import trainer
 from composer_jax.rl.policy import SamplerUnavailable
 from composer_jax.rl.rollout_store import GroupStore
-from composer_jax.rl.weight_sync import WeightSubscriber, tree_sha256
 from composer_jax.sharding import ShardingRules, make_mesh
 
 pytestmark = pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap (bwrap) is not installed; `make system-deps`")
