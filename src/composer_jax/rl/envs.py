@@ -22,6 +22,21 @@ class EnvServerError(RuntimeError):
     pass
 
 
+def stop_processes(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    """Terminate the running children (SIGTERM), SIGKILL those still alive after `grace_s`, wait
+    for each (no zombies), and empty the list."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    procs.clear()
+
+
 class LocalEnvServers:
     """`with LocalEnvServers(tasks_dir, count) as (urls, token):` - servers on 127.0.0.1."""
 
@@ -80,14 +95,7 @@ class LocalEnvServers:
         return self.urls, self.token
 
     def stop(self) -> None:
-        for proc in self.procs:
-            proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        self.procs.clear()
+        stop_processes(self.procs)
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import httpx
 
+from composer_jax.rl.envs import stop_processes
+
 _LISTENING = re.compile(r"composer-jax serve: .* on (http://\S+?)/v1 ")
 
 
@@ -152,16 +154,7 @@ class LocalSamplers:
 
     def stop(self) -> None:
         """Terminate every replica (SIGTERM, then SIGKILL after 10 s) and wait for each."""
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self.procs.clear()
+        stop_processes(self.procs)
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
