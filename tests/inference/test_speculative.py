@@ -240,12 +240,14 @@ def test_cached_mtp_module_equals_the_training_forward():
     cfg = dataclasses.replace(MLA, q_lora_rank=16)
     params = cj.init_params(cfg, jax.random.key(4))
     seq = jax.random.randint(jax.random.key(5), (2, 13), 0, cfg.vocab_size, jnp.int32)
-    full = cj.forward(params, seq, cfg)  # mtp_logits[0, :, j]: module 1 at j, given t_{j+1}
+    # jitted: op-by-op dispatch of these forwards took over a minute
+    full = jax.jit(cj.forward, static_argnums=2)(params, seq, cfg)  # mtp_logits[0, :, j]: module 1 at j, given t_{j+1}
     cache = init_cache(cfg, 2, 16, mtp_modules=1)
     after = jnp.concatenate([seq[:, 1:], jnp.zeros((2, 1), jnp.int32)], axis=1)
+    mtp_step = jax.jit(lambda p, h, t, c: mtp_forward_cached(p, h, t, cfg, c))
     logits = []
     for a, b in [(0, 5), (5, 6), (6, 12)]:  # chunks, as prefill then verify windows append them
-        h, cache = mtp_forward_cached(params, full.hidden[:, a:b], after[:, a:b], cfg, cache)
+        h, cache = mtp_step(params, full.hidden[:, a:b], after[:, a:b], cache)
         logits.append(logits_of(params, h, cfg))
     np.testing.assert_allclose(
         np.asarray(jnp.concatenate(logits, axis=1)), np.asarray(full.mtp_logits[0, :, :12]), atol=1e-4, rtol=1e-4

@@ -7,6 +7,10 @@ import pytest
 
 from composer_jax.model.flash import blockwise_attention
 
+# Jitted for the value and gradient comparisons: op by op, the unrolled query blocks and their
+# backward passes took most of these tests' time. Shape checks are tested on the plain function.
+flash_jit = jax.jit(blockwise_attention, static_argnames=("scale", "block_q", "block_k", "causal_skip"))
+
 
 def dense_reference(q, k, v, qs, qo, ks, ko, scale):
     s = np.einsum("bhqd,bhkd->bhqk", q, k) * scale
@@ -47,7 +51,7 @@ def _inputs(b=2, h=3, s=64, d=8, dv=6, seed=0, packed=True):
 def test_matches_dense(block_q, block_k, skip):
     q, k, v, seg, order = _inputs()
     want = dense_reference(q, k, v, seg, order, seg, order, 0.3)
-    got = blockwise_attention(
+    got = flash_jit(
         jnp.asarray(q),
         jnp.asarray(k),
         jnp.asarray(v),
@@ -76,8 +80,8 @@ def test_gradients_match_dense(block_q, block_k, skip):
     )
     dense = lambda q, k, v: dense_jax(q, k, v, seg, order, seg, order, 0.3)
     args = tuple(jnp.asarray(x) for x in (q, k, v))
-    g_flash = jax.grad(lambda *a: loss(flash, *a), argnums=(0, 1, 2))(*args)
-    g_dense = jax.grad(lambda *a: loss(dense, *a), argnums=(0, 1, 2))(*args)
+    g_flash = jax.jit(jax.grad(lambda *a: loss(flash, *a), argnums=(0, 1, 2)))(*args)
+    g_dense = jax.jit(jax.grad(lambda *a: loss(dense, *a), argnums=(0, 1, 2)))(*args)
     for a, b in zip(g_flash, g_dense):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
 
@@ -92,15 +96,19 @@ def test_permuted_keys_and_rows_that_see_nothing():
     qs = seg.copy()
     qs[0, :4] = 5  # segment 5 has no keys
     kp, vp = k[:, :, perm], v[:, :, perm]
-    got = blockwise_attention(
+    got = flash_jit(
         jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), qs, order, ks, ko, scale=0.5, block_q=8, block_k=8
     )
     want = dense_reference(q, kp, vp, qs, order, ks, ko, 0.5)
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-6, rtol=1e-5)
     assert np.all(np.asarray(got)[0, :, :4] == 0)
-    g = jax.grad(
-        lambda q: jnp.sum(
-            blockwise_attention(q, jnp.asarray(kp), jnp.asarray(vp), qs, order, ks, ko, scale=0.5, block_q=8, block_k=8)
+    g = jax.jit(
+        jax.grad(
+            lambda q: jnp.sum(
+                blockwise_attention(
+                    q, jnp.asarray(kp), jnp.asarray(vp), qs, order, ks, ko, scale=0.5, block_q=8, block_k=8
+                )
+            )
         )
     )(jnp.asarray(q))
     assert np.all(np.isfinite(np.asarray(g))) and np.all(np.asarray(g)[0, :, :4] == 0)
@@ -212,14 +220,14 @@ def test_span_without_divisor_pads_keys():
     qo, ko = np.arange(57, 97, dtype=np.int32)[None], np.arange(97, dtype=np.int32)[None]
     flash = lambda q, k, v: blockwise_attention(q, k, v, qs, qo, ks, ko, scale=0.4, block_q=8, block_k=16)
     np.testing.assert_allclose(
-        np.asarray(flash(*map(jnp.asarray, (q, k, v)))),
+        np.asarray(jax.jit(flash)(*map(jnp.asarray, (q, k, v)))),
         dense_reference(q, k, v, qs, qo, ks, ko, 0.4),
         atol=2e-6,
         rtol=1e-5,
     )
     dense = lambda q, k, v: dense_jax(q, k, v, qs, qo, ks, ko, 0.4)
-    g_f = jax.grad(lambda *a: jnp.sum(jnp.sin(flash(*a))), argnums=(0, 1, 2))(*map(jnp.asarray, (q, k, v)))
-    g_d = jax.grad(lambda *a: jnp.sum(jnp.sin(dense(*a))), argnums=(0, 1, 2))(*map(jnp.asarray, (q, k, v)))
+    g_f = jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(flash(*a))), argnums=(0, 1, 2)))(*map(jnp.asarray, (q, k, v)))
+    g_d = jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(dense(*a))), argnums=(0, 1, 2)))(*map(jnp.asarray, (q, k, v)))
     for a, b in zip(g_f, g_d):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
 
@@ -244,9 +252,12 @@ def test_inside_shard_map_with_gathered_keys():
     plain = lambda q, k, v, s_, o_: blockwise_attention(q, k, v, s_, o_, s_, o_, **kw)
     args = tuple(jnp.asarray(x) for x in (q, k, v))
     np.testing.assert_allclose(
-        np.asarray(jax.jit(sharded)(*args, seg, order)), np.asarray(plain(*args, seg, order)), atol=2e-6, rtol=1e-5
+        np.asarray(jax.jit(sharded)(*args, seg, order)),
+        np.asarray(jax.jit(plain)(*args, seg, order)),
+        atol=2e-6,
+        rtol=1e-5,
     )
     g_s = jax.jit(jax.grad(loss(sharded), argnums=(0, 1, 2)))(*args)
-    g_p = jax.grad(loss(plain), argnums=(0, 1, 2))(*args)
+    g_p = jax.jit(jax.grad(loss(plain), argnums=(0, 1, 2)))(*args)
     for a, b in zip(g_s, g_p):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
