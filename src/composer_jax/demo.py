@@ -79,7 +79,8 @@ def rl_stage(out_root: str, init_from: str, scale: float, echo=print) -> dict:
             f"train.out_dir={out_root}/{name}",
             f"train.init_from={init_from}",
             f"train.steps={max(2, int(base.train.steps * scale))}",
-            f"rl.eval_every={max(1, int(base.rl.eval_every * scale))}",
+            # 0 (start and end only) stays 0
+            f"rl.eval_every={max(1, int(base.rl.eval_every * scale)) if base.rl.eval_every else 0}",
         ],
     )
     echo(
