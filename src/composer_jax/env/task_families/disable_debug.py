@@ -1,9 +1,9 @@
 """Family disable-debug: turn off the DEBUG flag in settings.py, leaving the other settings alone.
 
-The RL demo's family, sized for the tiny model: "Disable DEBUG in settings.py." (one of eight wordings) on a
-one-file workspace that holds ``DEBUG = True`` among three other integer constants. The other constants'
-names (three of a pool of eight), their values and the position of DEBUG among them depend on the
-seed; the change asked for does not. Solving it takes the agent's usual moves (look, read, one
+The RL demo's family, sized for the tiny model: "Disable DEBUG in settings.py." (one of eight
+wordings) on a one-file workspace that holds ``DEBUG = True`` among three other integer constants.
+The wording, the other constants' names (three of a pool of eight), their values and the position
+of DEBUG among them depend on the seed; the change asked for does not. Solving it takes the agent's usual moves (look, read, one
 search/replace of ``DEBUG = True``, summarise) carried out without a broken tool call, which a model
 fine-tuned on some seeds can learn to do reliably on every seed: what varies between seeds is what
 it reads, not what it must write. (Its sibling set-constant asks for a seed-dependent name and
@@ -54,7 +54,7 @@ def _module(values: dict[str, object]) -> str:
 
 
 def generate(rng: random.Random, seed: int) -> TaskSpec:
-    instruction = rng.choice(INSTRUCTIONS)
+    instruction = INSTRUCTIONS[seed % len(INSTRUCTIONS)]  # every wording within any 8 consecutive seeds
     names = rng.sample(OTHERS, 3)
     others = {n: rng.randint(1, 99) for n in names}
     order = list(others)
