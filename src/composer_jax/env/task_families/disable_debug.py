@@ -3,11 +3,12 @@
 The RL demo's family, sized for the tiny model: "Disable DEBUG in settings.py." (one of eight
 wordings) on a one-file workspace that holds ``DEBUG = True`` among three other integer constants.
 The wording, the other constants' names (three of a pool of eight), their values and the position
-of DEBUG among them depend on the seed; the change asked for does not. Solving it takes the agent's usual moves (look, read, one
-search/replace of ``DEBUG = True``, summarise) carried out without a broken tool call, which a model
-fine-tuned on some seeds can learn to do reliably on every seed: what varies between seeds is what
-it reads, not what it must write. (Its sibling set-constant asks for a seed-dependent name and
-value copied from the instruction, which the tiny model does not learn to copy.)
+of DEBUG among them depend on the seed; the change asked for does not. Solving it takes the agent's
+usual moves (look, read, one search/replace of ``DEBUG = True``, summarise) carried out without a
+broken tool call, which a model fine-tuned on some seeds can learn to do reliably on every seed:
+what varies between seeds is what it reads, not what it must write. (Its sibling set-constant asks
+for a seed-dependent name and value copied from the instruction, which the tiny model does not
+learn to copy.)
 
 The hidden tests import the module and check every constant: DEBUG is False (the bool, not 0 or a
 string) and the others are unchanged.
@@ -16,6 +17,7 @@ string) and the others are unchanged.
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 
 from .base import Family, TaskSpec
 
@@ -48,7 +50,7 @@ def test_settings():
 """
 
 
-def _module(values: dict[str, object]) -> str:
+def _module(values: Mapping[str, object]) -> str:
     lines = ['"""Service settings."""', ""] + [f"{n} = {v}" for n, v in values.items()]
     return "\n".join(lines) + "\n"
 
