@@ -4,9 +4,9 @@ Default: Composer 2's continued-pretraining pipeline in miniature, on a fake 8-d
 the tiny DeepSeek-V3-style MoE's report, then stage 1 (bulk pretraining on this repository's code,
 bundled BPE tokenizer), stage 2 (long-context extension: YaRN, context parallelism, MTP by
 self-distillation) and stage 3 (SFT on agent conversations built from the bundled coding tasks and
-from training seeds of the generated family set-constant), each starting from the previous stage's
-checkpoint; then RL (`composer-jax rl`'s learner, configs/rl/tiny_set_constant.yaml) on new seeds of
-set-constant, with the held-out evaluation (seeds 1000000.., never trained on) before and after;
+from training seeds of the generated family disable-debug), each starting from the previous stage's
+checkpoint; then RL (`composer-jax rl`'s learner, configs/rl/tiny_disable_debug.yaml) on new seeds of
+disable-debug, with the held-out evaluation (seeds 1000000.., never trained on) before and after;
 then a per-stage summary.
 
 `--quick`: a few sharded AdamW steps on a synthetic rule (t_{i+1} = 5 t_i + 7 mod V), in a minute.
@@ -63,7 +63,7 @@ STAGES = (
     ("stage2", "pretrain/tiny_stage2.yaml"),
     ("stage3_sft", "pretrain/tiny_stage3_sft.yaml"),
 )
-RL_STAGE = ("rl", "rl/tiny_set_constant.yaml")
+RL_STAGE = ("rl", "rl/tiny_disable_debug.yaml")
 
 
 def rl_stage(out_root: str, init_from: str, scale: float, echo=print) -> dict:
@@ -79,7 +79,8 @@ def rl_stage(out_root: str, init_from: str, scale: float, echo=print) -> dict:
             f"train.out_dir={out_root}/{name}",
             f"train.init_from={init_from}",
             f"train.steps={max(2, int(base.train.steps * scale))}",
-            f"rl.eval_every={max(1, int(base.rl.eval_every * scale))}",
+            # 0 (start and end only) stays 0
+            f"rl.eval_every={max(1, int(base.rl.eval_every * scale)) if base.rl.eval_every else 0}",
         ],
     )
     echo(

@@ -1,4 +1,4 @@
-"""The main RL run's pieces fit together: configs/rl/tiny_set_constant.yaml is valid for the
+"""The main RL run's pieces fit together: configs/rl/tiny_disable_debug.yaml is valid for the
 learner; the reference trajectory of its family fits the agent's budgets and the RL row length;
 the stage-3 SFT data holds the family's conversations whole in a row, is what `data make-sft
 --family` writes, and never uses a seed the RL run trains or is evaluated on."""
@@ -20,9 +20,9 @@ from composer_jax.env.task_families import FAMILIES
 from composer_jax.rl.trainer import check_config
 
 REPO = Path(__file__).resolve().parents[2]
-RL_CONFIG = REPO / "configs" / "rl" / "tiny_set_constant.yaml"
+RL_CONFIG = REPO / "configs" / "rl" / "tiny_disable_debug.yaml"
 SFT_CONFIG = REPO / "configs" / "pretrain" / "tiny_stage3_sft.yaml"
-FAMILY_SFT = REPO / "assets" / "sft" / "set_constant.jsonl"
+FAMILY_SFT = REPO / "assets" / "sft" / "disable_debug.jsonl"
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +34,8 @@ def test_rl_config_loads_and_names_the_family(monkeypatch):
     monkeypatch.chdir(REPO)
     cfg = load_config(RL_CONFIG)
     check_config(cfg)
-    assert cfg.rl.tasks == ("gen/set-constant",) and cfg.rl.eval_tasks == ("gen/set-constant",)
-    assert "set-constant" in FAMILIES and cfg.agent.context_budget == 0
+    assert cfg.rl.tasks == ("gen/disable-debug",) and cfg.rl.eval_tasks == ("gen/disable-debug",)
+    assert "disable-debug" in FAMILIES and cfg.agent.context_budget == 0
     assert cfg.train.init_from == "runs/tiny/stage3/checkpoints"
     # the RL model is the SFT stage's (same architecture and tokenizer)
     assert cfg.model == load_config(SFT_CONFIG).model and cfg.data.tokenizer == "assets/tokenizer"
@@ -60,15 +60,15 @@ def test_reference_trajectory_fits_the_agent_budgets(monkeypatch, conversations)
 def test_sft_data_is_the_family_replayed_on_seeds_apart_from_rl(conversations, tmp_path):
     sft = load_config(SFT_CONFIG)
     rl = load_config(RL_CONFIG)
-    assert any(s.path == "assets/sft/set_constant.jsonl" for s in sft.data.sources)
+    assert any(s.path == "assets/sft/disable_debug.jsonl" for s in sft.data.sources)
     seeds = sorted(int(c["task"].rsplit("-", 1)[1]) for c in conversations)
     assert seeds == list(range(len(seeds))) and len(seeds) >= 128
     trained = range(rl.rl.task_seed, rl.rl.task_seed + rl.train.steps * rl.rl.groups_per_step * 4)
     evaluated = range(rl.rl.eval_seed, rl.rl.eval_seed + rl.rl.eval_seeds)
     assert not set(seeds) & set(trained) and not set(seeds) & set(evaluated) and not set(trained) & set(evaluated)
-    # the file is what `composer-jax env generate set-constant --seeds 0:256 --out DIR` and
+    # the file is what `composer-jax env generate disable-debug --seeds 0:256 --out DIR` and
     # `composer-jax data make-sft --tasks DIR` write (checked on a few seeds: natural seed order)
-    assert env_main(["generate", "set-constant", "--seeds", "8:12", "--out", str(tmp_path / "t")]) == 0
+    assert env_main(["generate", "disable-debug", "--seeds", "8:12", "--out", str(tmp_path / "t")]) == 0
     assert data_main(["make-sft", "--tasks", str(tmp_path / "t"), "--out", str(tmp_path / "s.jsonl")]) == 0
     made = [json.loads(line) for line in (tmp_path / "s.jsonl").read_text().splitlines()]
     assert made == conversations[8:12]

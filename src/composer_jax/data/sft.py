@@ -2,7 +2,7 @@
 
 The tasks are a directory of Harbor tasks: the bundled suite, or seeds of a generated family
 written by `composer-jax env generate FAMILY --seeds A:B --out DIR` (e.g. the RL demo's
-set-constant on seeds its RL run and held-out evaluation never use).
+disable-debug on seeds its RL run and held-out evaluation never use).
 A task directory holds instruction.md, environment/app/ (the initial repository) and
 solution/solve.sh (+ files it copies). For each task we run solve.sh offline on a temporary copy of
 the repository (its `/app` and `/solution` paths rewritten to the copies, under a timeout), diff the

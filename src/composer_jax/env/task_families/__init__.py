@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import pathlib
 
-from . import add_cli_flag, config_repair, implement_spec, off_by_one, rename_api, set_constant
+from . import add_cli_flag, config_repair, disable_debug, implement_spec, off_by_one, rename_api, set_constant
 from .base import DOCKERFILE, TEST_SH, Family, Generator, materialise, seeded_rng
 
 __all__ = ["Family", "FAMILIES", "generate_task", "task_id_for", "TEST_SH", "DOCKERFILE"]
 
 # Registry order is the listing order of FAMILIES (callers sort it where order matters).
-_MODULES = (off_by_one, implement_spec, rename_api, add_cli_flag, config_repair, set_constant)
+_MODULES = (off_by_one, implement_spec, rename_api, add_cli_flag, config_repair, set_constant, disable_debug)
 
 FAMILIES: dict[str, Family] = {m.FAMILY.name: m.FAMILY for m in _MODULES}
 

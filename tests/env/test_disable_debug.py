@@ -1,0 +1,100 @@
+"""The RL demo's family disable-debug: its task text, its grader (the reference edit scores 1, an
+untouched workspace, a falsy non-bool or another constant changed score 0), and its SFT
+conversations replayed call by call on a live environment server serving the generated task (each
+tool message equals the server's result, and the replayed edits pass the hidden tests)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from composer_jax.data.sft import task_conversation
+from composer_jax.env.task_families import generate_task
+from composer_jax.env.task_families.disable_debug import INSTRUCTIONS, OTHERS
+
+sys.path.insert(0, str(Path(__file__).parent))
+import harbor_oracle  # noqa: E402
+
+
+def sandboxed(test):
+    skip = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
+    return pytest.mark.sandbox(skip(test))
+
+
+def constants(text: str) -> dict[str, str]:
+    return dict(re.findall(r"^(\w+) = (\S+)$", text, flags=re.M))
+
+
+def test_tasks_ask_for_debug_off_among_seed_dependent_settings(tmp_path):
+    wordings, layouts, positions = set(), set(), set()
+    for seed in range(40):
+        root = generate_task("disable-debug", seed, tmp_path)
+        instruction = (root / "instruction.md").read_text()
+        assert instruction.endswith("\n") and instruction[:-1] in INSTRUCTIONS
+        text = (root / "environment" / "app" / "settings.py").read_text()
+        old = constants(text)
+        assert old["DEBUG"] == "True" and len(old) == 4 and set(old) - {"DEBUG"} <= set(OTHERS)
+        assert all(1 <= int(v) <= 99 for n, v in old.items() if n != "DEBUG")
+        # the reference changes exactly DEBUG's line
+        solution = (root / "solution" / "app" / "settings.py").read_text()
+        assert text.count("DEBUG = True\n") == 1
+        assert solution == text.replace("DEBUG = True\n", "DEBUG = False\n")
+        wordings.add(instruction)
+        layouts.add(tuple(old))
+        positions.add(list(old).index("DEBUG"))
+    assert wordings == {w + "\n" for w in INSTRUCTIONS} and len(layouts) >= 20 and positions == {0, 1, 2, 3}
+
+
+@sandboxed
+def test_grader_reference_one_wrong_edits_zero(tmp_path):
+    root = generate_task("disable-debug", 5, tmp_path / "t")
+    app = root / "environment" / "app" / "settings.py"
+    assert harbor_oracle.run_task(root, oracle=True).reward == 1.0
+    assert harbor_oracle.run_task(root, oracle=False).reward == 0.0
+    original = app.read_text()
+    other, value = next((n, v) for n, v in constants(original).items() if n != "DEBUG")
+    off = original.replace("DEBUG = True\n", "DEBUG = False\n")
+    wrong = {
+        "zero, not False": original.replace("DEBUG = True\n", "DEBUG = 0\n"),
+        "a string": original.replace("DEBUG = True\n", "DEBUG = 'False'\n"),
+        "DEBUG deleted": original.replace("DEBUG = True\n", ""),
+        "another constant changed too": off.replace(f"{other} = {value}\n", f"{other} = {int(value) % 99 + 1}\n"),
+    }
+    for why, text in wrong.items():
+        assert text != original, why
+        app.write_text(text)
+        assert harbor_oracle.run_task(root, oracle=False).reward == 0.0, why
+    app.write_text(off)
+    assert harbor_oracle.run_task(root, oracle=False).reward == 1.0  # the same edit made by hand
+
+
+@sandboxed
+@pytest.mark.parametrize("seed", [0, 1_000_003])
+def test_family_sft_conversation_replays_on_the_server(http, seed, tmp_path):
+    """`http`: a client of the live server of tests/env/conftest.py (it serves every family)."""
+    conv = task_conversation(generate_task("disable-debug", seed, tmp_path))
+    messages = conv["messages"]
+    assert conv["task"] == f"disable-debug-{seed}"
+    expected = {m["tool_call_id"]: json.loads(m["content"]) for m in messages if m["role"] == "tool"}
+    created = http.post("/sessions", json={"task_id": "gen/disable-debug", "seed": seed}).json()
+    sid = created["session_id"]
+    try:
+        assert messages[1]["content"] == created["instruction"]  # byte for byte what the agent is given
+        for message in messages:
+            calls = message.get("tool_calls") or []
+            if not calls:
+                continue
+            body = {"calls": [{"id": c["id"], **c["function"]} for c in calls]}
+            for call, result in zip(calls, http.post(f"/sessions/{sid}/tools", json=body).json()["results"]):
+                assert result["ok"] and result["result"] == expected[call["id"]], call
+        edits = [c["function"] for m in messages for c in m.get("tool_calls") or []]
+        assert [e["name"] for e in edits] == ["list_dir", "read_file", "edit_file"]
+        assert json.loads(edits[2]["arguments"])["old_string"] == "DEBUG = True\n"
+        assert http.post(f"/sessions/{sid}/grade").json()["reward"] == 1.0
+    finally:
+        http.delete(f"/sessions/{sid}")
