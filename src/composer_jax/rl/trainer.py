@@ -236,11 +236,13 @@ def run_rl(
     return asyncio.run(_run(cfg, mesh, init_params, echo, stop_after))
 
 
-def _resume_groups(
-    store: GroupStore, done: DoneIds, next_group: int, echo: Callable[[str], None]
+def resume_groups(
+    store: GroupStore, done: DoneIds, next_group: int, version: int, echo: Callable[[str], None]
 ) -> tuple[list[Group], list[int], int]:
     """The persisted groups not done yet (loaded), the ids that were in flight (re-sampled), and
-    one past the highest id used. Files of done groups are removed."""
+    one past the highest id used. Files of done groups are removed, and so are those of groups with
+    tokens of a policy version after `version` (the checkpoint resumed from): a trainer stopped after
+    its last checkpoint published versions that died with it, and those groups are sampled again."""
     ready: list[Group] = []
     on_disk = store.indices()
     store.remove([i for i in on_disk if i in done])
@@ -248,9 +250,16 @@ def _resume_groups(
         if i in done:
             continue
         try:
-            ready.append(store.load(i))
+            g = store.load(i)
         except RolloutStoreError as exc:
             echo(f"[rl] {exc}; group {i} is sampled again")
+            continue
+        if g.newest_token_version() > version:
+            newest = g.newest_token_version()
+            echo(f"[rl] group {i}: a token of version {newest}, lost with the stopped run; sampled again")
+            store.remove([i])
+            continue
+        ready.append(g)
     end = max([next_group, *(i + 1 for i in on_disk)])
     have = {g.index for g in ready}
     again = [i for i in range(done.below, end) if i not in done and i not in have]
@@ -290,7 +299,7 @@ async def _run(
         echo(f"[rl] initialised from {t.init_from}")
     else:
         state = init_train_state(cfg, mesh, rules)
-    ready, again, end = _resume_groups(store, done, next_group, echo)
+    ready, again, end = resume_groups(store, done, next_group, start, echo)
     if start:
         echo(
             f"[rl] resumed from step {start} ({checkpointer.step_dir(start)}) at group {done.below}: "
@@ -306,6 +315,14 @@ async def _run(
         ref_fn = jax.jit(lambda p, b: reference_logprobs(p, b, cfg, sharding))
     store_url = r.weight_store or (f"file://{out_dir.resolve()}/weight_store" if r.local_samplers else "")
     publisher = WeightPublisher(store_url) if store_url else None
+    if publisher is not None and publisher.latest is not None and publisher.latest > start:
+        # a trainer stopped after its last checkpoint: the versions it published since are a lost
+        # lineage (its weights died with it); this run publishes those numbers anew
+        if start in publisher.store.versions():
+            gone = publisher.rewind(start)
+            echo(f"[rl] weight store rewound to version {start}: versions {gone} were of the lost run")
+        else:
+            log.warning("rl.weight_store holds versions up to %d, not %d (the resumed step)", publisher.latest, start)
 
     def publish(params: Any, version: int) -> None:
         if publisher is None:
