@@ -43,8 +43,16 @@ CONFIG = REPO / "tests" / "rl" / "fixtures" / "rl_pick.yaml"
 
 
 def overrides(out: Path, args: argparse.Namespace, staleness: int) -> list[str]:
+    extra = [f"train.init_from={Path(args.init_from).resolve()}"] if args.init_from else []
+    if args.slots:
+        extra.append(f"rl.sampler_slots={args.slots}")
     return [
+        *extra,
         "mesh.fsdp=1",
+        "mesh.data=1",
+        "mesh.expert=1",
+        "mesh.context=1",
+        "mesh.tensor=1",
         f"train.out_dir={out}",
         f"train.steps={args.steps}",
         f"train.optimizer.lr={args.lr}",
@@ -69,7 +77,7 @@ def child(args: argparse.Namespace) -> None:
 
     os.chdir(REPO)
     out = Path(args.out)
-    cfg = load_config(CONFIG, overrides(out, args, args.child))
+    cfg = load_config(args.config, overrides(out, args, args.child))
     t0 = time.perf_counter()
     s = run_rl(cfg, echo=lambda m: print(m, file=sys.stderr))
     steps = s["steps"].values()
@@ -89,11 +97,16 @@ def child(args: argparse.Namespace) -> None:
         "dropped": len(s["dropped_stale_groups"]),
         "trained_groups": sum(len(x) for x in s["trained_groups"].values()),
         "checkpoint_dir": s["checkpoint_dir"],
+        "samplers": s.get("samplers", []),
+        "load_wait_s": sum(v.get("time/load_wait_s", 0.0) for v in steps),
+        "slots": cfg.rl.sampler_slots,
+        "rollouts_per_step": cfg.rl.groups_per_step * cfg.rl.group_size,
+        "tokens": sum(v["rollout/generated_tokens"] * v["rollout/groups"] * cfg.rl.group_size for v in steps),
     }
     print(json.dumps(res))
 
 
-def store_figures(out: Path, cfg_overrides: list[str], steps: int) -> tuple[list[float], bool]:
+def store_figures(config: str, out: Path, cfg_overrides: list[str], steps: int) -> tuple[list[float], bool]:
     """(follower bytes per version 1..steps as a share of the full bf16 model, last version bit-exact)."""
     import jax
     import numpy as np
@@ -114,7 +127,7 @@ def store_figures(out: Path, cfg_overrides: list[str], steps: int) -> tuple[list
         got, last = sub.read(v)
         assert got == v, (got, v)
         shares.append((sub.bytes_read - before) / raw)
-    cfg = load_config(CONFIG, cfg_overrides)
+    cfg = load_config(config, cfg_overrides)
     mesh = make_mesh(cfg.mesh)
     abstract = abstract_params(cfg.model, mesh, ShardingRules.create(cfg.sharding_rules))
     params = jax.device_get(restore_params_only(run_checkpoint_config(cfg).directory, abstract, steps))
@@ -133,6 +146,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--groups-per-step", type=int, default=2)
+    ap.add_argument("--config", default=str(CONFIG), help="the RL config (default: the one-choice fixture task)")
+    ap.add_argument("--init-from", default="", help="a checkpoint every run starts from (default: the seeded init)")
+    ap.add_argument("--slots", type=int, default=0, help="rl.sampler_slots of every run (default: the config's)")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="config KEY=VALUE overrides for every run")
@@ -152,7 +168,8 @@ def main() -> None:
         def run(s: int, out: Path, steps: int) -> dict:
             cmd = [sys.executable, __file__, "--child", str(s), "--out", str(out), "--steps", str(steps)]
             cmd += ["--unit", args.unit, "--lr", str(args.lr), "--group-size", str(args.group_size)]
-            cmd += ["--groups-per-step", str(args.groups_per_step), *args.overrides]
+            cmd += ["--groups-per-step", str(args.groups_per_step), "--config", args.config]
+            cmd += ["--init-from", args.init_from, "--slots", str(args.slots), *args.overrides]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
             if proc.returncode != 0:
                 sys.exit(f"run with max_staleness={s} failed:\n{proc.stderr[-4000:]}")
@@ -163,13 +180,14 @@ def main() -> None:
             out = Path(tmp) / f"s{s}"
             res = run(s, out, args.steps)
             os.environ["XLA_FLAGS"] = env["XLA_FLAGS"]
-            res["store"] = store_figures(out, overrides(out, args, s), args.steps)
+            res["store"] = store_figures(args.config, out, overrides(out, args, s), args.steps)
             rows.append(res)
     base = rows[0]["wall_s"]
     samples = args.steps * args.groups_per_step * args.group_size
     print(
         f"workload: {args.steps} steps x {args.groups_per_step} groups x {args.group_size} rollouts = {samples} "
-        f"samples (pick-colour, tiny MoE), lr {args.lr:g}, trainer and 1 sampler replica pinned to a core each"
+        f"samples ({Path(args.config).name}{', from ' + args.init_from if args.init_from else ''}), lr {args.lr:g}, "
+        f"trainer and 1 sampler replica ({rows[0]['slots']} slots) pinned to a core each"
     )
     print(
         f"{'staleness':>9} {'wall s':>8} {'ratio':>6} {'idle':>6} {'trained':>7} {'dropped':>7} "
@@ -180,6 +198,17 @@ def main() -> None:
             f"{r['staleness']:9d} {r['wall_s']:8.2f} {base / r['wall_s']:6.2f} {r['idle']:6.2f} "
             f"{r['trained_groups']:7d} {r['dropped']:7d} {r['token_lag_max']:13.0f}  {r['lags']}"
         )
+    print(
+        f"{'staleness':>9} {'slots':>5} {'decode steps':>12} {'occupancy':>9} {'decode s':>8} {'swap s':>6} "
+        f"{'load wait s':>11} {'tokens':>7}  (the replica's decode steps; occupancy: mean share of slots decoding)"
+    )
+    for r in rows:
+        for h in r["samplers"]:
+            occ = h["slot_steps"] / max(h["steps"] * h["slots"], 1)
+            print(
+                f"{r['staleness']:9d} {h['slots']:5d} {h['steps']:12d} {occ:9.2f} {h['step_s']:8.1f} "
+                f"{h['swap_s']:6.2f} {r['load_wait_s']:11.2f} {r['tokens']:7.0f}"
+            )
     f = rows[0]["idle"]
     print(
         f"overlap bound: the synchronous trainer waited {f:.0%} of its loop for groups, so sampling S and training T "

@@ -81,15 +81,19 @@ def test_remote_policy_records_what_the_in_process_policy_records(params):
             remote = RemoteTokenPolicy(url + "/v1", KEY, TOK, max_context=MAX_LEN)
             want = await _rollout(local, requests)
             got = await _rollout(remote, requests)
+            health = await remote.health()
             await local.sampler.aclose()
             await remote.aclose()
-            return want, got
+            return want, got, health
 
-        (want, want_turns), (got, got_turns) = asyncio.run(go())
+        (want, want_turns), (got, got_turns), health = asyncio.run(go())
     finally:
         http.should_exit = True
         thread.join(10)
         engine.stop()
+    # one request at a time on 2 slots: every decode step decoded exactly one (occupancy 1/2)
+    assert health["slots"] == 2 and health["steps"] > 0 and health["slot_steps"] == health["steps"]
+    assert health["step_s"] > 0 and health["policy_version"] == 3
     assert got_turns == want_turns and got.messages == want.messages
     assert got.tokens == want.tokens and got.loss_mask == want.loss_mask and got.generated == want.generated == 27
     assert got.versions == want.versions and set(got.versions) == {-1, 3}

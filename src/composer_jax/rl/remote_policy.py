@@ -177,6 +177,16 @@ class RemoteTokenPolicy(TokenContext):  # begin/extend: the token policy's (same
         except (ValueError, KeyError, TypeError) as e:
             raise SamplerUnavailable(f"{where}: loading version {version}: malformed answer {resp.text[:300]}") from e
 
+    async def health(self) -> dict:
+        """The replica's `/health` (policy version, decode steps, slot occupancy, ...);
+        SamplerUnavailable when it does not answer."""
+        try:
+            resp = await self.http.get(f"{self.base_url}/health")
+            resp.raise_for_status()
+            return dict(resp.json())
+        except (httpx.HTTPError, ValueError, RuntimeError) as e:
+            raise SamplerUnavailable(f"sampler {self.base_url}: /health: {type(e).__name__}: {e}") from e
+
     async def aclose(self) -> None:
         self.closed = True
         await self.http.aclose()

@@ -474,6 +474,14 @@ async def _run(
                 stack.push_async_callback(p.aclose)  # type: ignore[attr-defined]
         stack.push_async_callback(queue.aclose)
 
+        async def sampler_health() -> list[dict]:
+            """Each replica's /health at the end of the step loop (decode steps, slot occupancy)."""
+            out = []
+            for p in remotes:
+                with contextlib.suppress(SamplerUnavailable):
+                    out.append(await p.health())
+            return out
+
         async def run_eval(step: int) -> None:
             if not eval_tasks:
                 return
@@ -508,6 +516,7 @@ async def _run(
                 n = step + 1
                 for s in samplers:
                     s.update_weights(params, n)
+                t_load = time.perf_counter()
                 if r.max_staleness == 0:  # the next groups must start on version n
                     await load_version(n)
                 else:  # replicas take it between decode steps; tokens keep the version that made them
@@ -532,6 +541,7 @@ async def _run(
                         "queue/in_flight": float(len(queue.in_flight)),
                         "time/wait_s": t1 - t0,
                         "time/train_s": t2 - t1,
+                        "time/load_wait_s": t2 - t_load,  # waiting for replicas to serve version n
                         "time/step_s": t2 - t0,
                     }
                 )
@@ -563,6 +573,7 @@ async def _run(
             else:
                 if t.steps > start:
                     await queue.aclose()
+                    summary["samplers"] = await sampler_health()
                     await run_eval(t.steps)
     progress.close()
     checkpointer.wait()
