@@ -50,8 +50,8 @@ from composer_jax.rl.envs import LocalEnvServers
 from composer_jax.rl.evaluate import SUCCESS, TaskRef, report, sample_tasks
 from composer_jax.rl.launch import LocalSamplers
 from composer_jax.rl.loss import reference_logprobs, rl_objective
-from composer_jax.rl.policy import Policy, SamplerUnavailable, TokenPolicy
-from composer_jax.rl.queue import DoneIds, PolicyPool, RolloutQueue, staleness
+from composer_jax.rl.policy import Policy, PolicyPool, SamplerUnavailable, TokenPolicy
+from composer_jax.rl.queue import DoneIds, RolloutQueue, staleness
 from composer_jax.rl.remote_policy import RemoteTokenPolicy
 from composer_jax.rl.rewards import RolloutStats, compose_reward, mean_components
 from composer_jax.rl.rollout_store import Group, GroupStore, RolloutStoreError
@@ -448,7 +448,6 @@ async def _run(
         pool = PolicyPool(policies)
         samplers = _in_process(policies)
         remotes = [p for p in policies if isinstance(p, RemoteTokenPolicy)]
-        eval_policy = policies[0]
         if r.pin_cores:
             pinned = pin_threads({sorted(os.sched_getaffinity(0))[0]})
             echo(f"[rl] trainer pinned to core {sorted(os.sched_getaffinity(0))[0]} ({pinned} threads)")
@@ -485,9 +484,7 @@ async def _run(
         async def run_eval(step: int) -> None:
             if not eval_tasks:
                 return
-            res = await sample_tasks(
-                eval_policy, client, eval_tasks, r.eval_samples, cfg.agent, seed=10_000_019 + r.eval_seed
-            )
+            res = await sample_tasks(pool, client, eval_tasks, r.eval_samples, cfg.agent, seed=10_000_019 + r.eval_seed)
             overall = report(res)["overall"]
             ev = {f"eval/{k}": v for k, v in overall.items()}
             summary["evals"].append({"step": step, **ev})
