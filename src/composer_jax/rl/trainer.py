@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from composer_jax.checkpoint.manager import TrainCheckpointer, restore_params_only
-from composer_jax.checkpoint.weight_sync import WeightPublisher
+from composer_jax.checkpoint.weight_sync import WeightPublisher, WeightSubscriber
 from composer_jax.config import Config, ConfigError, to_dict
 from composer_jax.env.client import EnvClient
 from composer_jax.inference.async_sampler import AsyncSampler
@@ -201,8 +201,15 @@ def pin_threads(cores: set[int], pid: int | str = "self") -> int:
 
 
 def _published(params: Any, dtype: str) -> Any:
-    """The host copy published to the weight store: floating leaves cast to `dtype` ("" = as is)."""
-    host = jax.device_get(params)
+    """The host copy published to the weight store: floating leaves cast to `dtype` ("" = as is).
+    A multi-process trainer gathers every array to every process first (a collective: each process
+    calls this for each version), and process 0 alone writes it."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        host = multihost_utils.process_allgather(params, tiled=True)
+    else:
+        host = jax.device_get(params)
     if not dtype:
         return host
     return jax.tree.map(lambda x: x.astype(dtype) if np.issubdtype(x.dtype, np.floating) else x, host)
@@ -279,7 +286,8 @@ async def _run(
     checkpointer = TrainCheckpointer(ckpt_cfg)
     store = GroupStore(out_dir / "rollouts")
     next_group, start, done = 0, 0, DoneIds()
-    if checkpointer.latest_step() is not None:
+    resumed = checkpointer.latest_step() is not None
+    if resumed:
         restored = checkpointer.restore(abstract_train_state(cfg, mesh, rules), config=run_config)
         state, start = restored.train_state, restored.step
         data_state = restored.data_state or {}
@@ -314,23 +322,30 @@ async def _run(
         ref_params = _copy(state.params)
         ref_fn = jax.jit(lambda p, b: reference_logprobs(p, b, cfg, sharding))
     store_url = r.weight_store or (f"file://{out_dir.resolve()}/weight_store" if r.local_samplers else "")
-    publisher = WeightPublisher(store_url) if store_url else None
+    # the store's versions before this run: every process reads them (a publish is a collective,
+    # which all must skip or all take), process 0 alone writes
+    stored = set(WeightSubscriber(store_url).versions()) if store_url else set()
+    publisher = WeightPublisher(store_url) if store_url and jax.process_index() == 0 else None
+    if stored and (not resumed or (start not in stored and max(stored) > start)):
+        raise ConfigError(
+            f"rl.weight_store={store_url!r} holds versions {sorted(stored)[:5]}..{max(stored)} that are not this "
+            f"run's ({'a fresh run' if not resumed else f'resumed at step {start}, a version it lacks'}); "
+            "give an empty store (or remove it)"
+        )
     if publisher is not None and publisher.latest is not None and publisher.latest > start:
         # a trainer stopped after its last checkpoint: the versions it published since are a lost
         # lineage (its weights died with it); this run publishes those numbers anew
-        if start in publisher.store.versions():
-            gone = publisher.rewind(start)
-            echo(f"[rl] weight store rewound to version {start}: versions {gone} were of the lost run")
-        else:
-            log.warning("rl.weight_store holds versions up to %d, not %d (the resumed step)", publisher.latest, start)
+        gone = publisher.rewind(start)
+        echo(f"[rl] weight store rewound to version {start}: versions {gone} were of the lost run")
 
     def publish(params: Any, version: int) -> None:
-        if publisher is None:
+        if not store_url:
             return
-        if publisher.latest is not None and version <= publisher.latest:
-            log.warning("rl.weight_store already holds version %d (from before a restart); not republished", version)
+        if version == start and start in stored:  # the checkpoint's own weights, published before it
             return
-        publisher.publish(_published(params, r.publish_dtype), version)
+        host = _published(params, r.publish_dtype)
+        if publisher is not None:
+            publisher.publish(host, version)
 
     if r.local_samplers and checkpointer.latest_step() is None:
         # the replicas start from a checkpoint of the run (then follow the store): step `start`
