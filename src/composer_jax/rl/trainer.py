@@ -454,7 +454,8 @@ async def _run(
                 weights_from=store_url,
                 poll_interval_s=r.sampler_poll_s,
                 cores=cores[1 : 1 + r.local_samplers] if r.pin_cores else None,
-                extra_args=["--version", str(start), "--slots", str(r.sampler_slots), "--max-queued", "100000"],
+                extra_args=["--version", str(start), "--slots", str(r.sampler_slots), "--max-len", str(t.seq_len)]
+                + ["--max-queued", "100000"],
                 log_dir=out_dir / "samplers",
             )
             remote = stack.enter_context(launcher)
