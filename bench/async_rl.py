@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -79,7 +80,11 @@ def child(args: argparse.Namespace) -> None:
     out = Path(args.out)
     cfg = load_config(args.config, overrides(out, args, args.child))
     t0 = time.perf_counter()
+    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     s = run_rl(cfg, echo=lambda m: print(m, file=sys.stderr))
+    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+    # the replica, the environment server and its graders: children reaped by the end of run_rl
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
     steps = s["steps"].values()
     lags: dict[int, int] = {}
     for v in steps:
@@ -98,12 +103,53 @@ def child(args: argparse.Namespace) -> None:
         "trained_groups": sum(len(x) for x in s["trained_groups"].values()),
         "checkpoint_dir": s["checkpoint_dir"],
         "samplers": s.get("samplers", []),
+        "cpu_trainer": cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime,
+        "cpu_sampler_side": kids.ru_utime + kids.ru_stime,
         "load_wait_s": sum(v.get("time/load_wait_s", 0.0) for v in steps),
         "slots": cfg.rl.sampler_slots,
         "rollouts_per_step": cfg.rl.groups_per_step * cfg.rl.group_size,
         "tokens": sum(v["rollout/generated_tokens"] * v["rollout/groups"] * cfg.rl.group_size for v in steps),
     }
     print(json.dumps(res))
+
+
+def decode_sweep(args: argparse.Namespace) -> None:
+    """Decode-step time against the number of occupied slots, the replica's way (the run's model and
+    weights, rl.sampler_slots slots of train.seq_len, one core): a step decoding n requests costs
+    about the same as one decoding 1 when the device is bound by reading the weights (an
+    accelerator); where it grows with n, fuller slots raise no throughput. JSON on the last line."""
+    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[-1]})
+    import jax
+
+    from composer_jax.checkpoint.manager import restore_params_only
+    from composer_jax.config import load_config
+    from composer_jax.inference.sampler import Request, Sampler
+    from composer_jax.inference.sampling import SamplingParams
+    from composer_jax.model.params import abstract_params, init_params
+    from composer_jax.sharding import ShardingRules, make_mesh
+
+    os.chdir(REPO)
+    cfg = load_config(args.config, overrides(Path(args.out), args, 0))
+    mesh, rules = make_mesh(cfg.mesh), ShardingRules.create(cfg.sharding_rules)
+    if cfg.train.init_from:
+        params = restore_params_only(cfg.train.init_from, abstract_params(cfg.model, mesh, rules))
+    else:
+        params = init_params(cfg.model, jax.random.key(cfg.train.seed), mesh, rules)
+    slots, n_steps, out = cfg.rl.sampler_slots, 24, {}
+    sampler = Sampler(params, cfg.model, slots=slots, max_len=cfg.train.seq_len, mesh=mesh, rules=rules)
+    prompt = list(range(10, 74))
+    for n in sorted({1, max(1, slots // 4), max(1, slots // 2), slots}):
+        for i in range(n):
+            sampler.submit(Request(prompt, SamplingParams(max_tokens=3 * n_steps, seed=i), id=f"{n}-{i}"))
+        for _ in range(4):  # admission (prefill) and warm-up
+            sampler.step()
+        t0 = time.perf_counter()
+        for _ in range(n_steps):
+            sampler.step()
+        out[n] = (time.perf_counter() - t0) / n_steps
+        for i in range(n):
+            sampler.cancel(f"{n}-{i}")
+    print(json.dumps({"slots": slots, "step_s": out}))
 
 
 def store_figures(config: str, out: Path, cfg_overrides: list[str], steps: int) -> tuple[list[float], bool]:
@@ -154,7 +200,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="config KEY=VALUE overrides for every run")
     args = ap.parse_args()
     if args.child is not None:
-        child(args)
+        decode_sweep(args) if args.child < 0 else child(args)
         return
     if len(os.sched_getaffinity(0)) < 2:
         sys.exit("bench/async_rl.py needs at least two cores (one for the trainer, one for the sampler)")
@@ -175,6 +221,7 @@ def main() -> None:
                 sys.exit(f"run with max_staleness={s} failed:\n{proc.stderr[-4000:]}")
             return json.loads(proc.stdout.strip().splitlines()[-1])
 
+        sweep = run(-1, Path(tmp) / "sweep", 1)
         run(0, Path(tmp) / "warm-up", 1)
         for s in [int(x) for x in args.staleness.split(",")]:
             out = Path(tmp) / f"s{s}"
@@ -209,7 +256,34 @@ def main() -> None:
                 f"{r['staleness']:9d} {h['slots']:5d} {h['steps']:12d} {occ:9.2f} {h['step_s']:8.1f} "
                 f"{h['swap_s']:6.2f} {r['load_wait_s']:11.2f} {r['tokens']:7.0f}"
             )
+    print(
+        "CPU seconds per core (start-up included): trainer core / sampler core (replica, environment server, "
+        "graders); a run's wall time cannot go below the busier core's"
+    )
+    for r in rows:
+        busier = max(r["cpu_trainer"], r["cpu_sampler_side"])
+        print(
+            f"{r['staleness']:9d} trainer {r['cpu_trainer']:7.1f}  sampler side {r['cpu_sampler_side']:7.1f}  "
+            f"wall {r['total_s']:7.1f}  -> wall / busier core {r['total_s'] / busier:.2f}"
+        )
     f = rows[0]["idle"]
+    one, full = sweep["step_s"]["1"], sweep["step_s"][str(sweep["slots"])]
+    print(
+        f"decode step on one core, {sweep['slots']} slots (ms per step by occupied slots): "
+        + ", ".join(f"{n}: {1e3 * t:.1f}" for n, t in sweep["step_s"].items())
+        + f"; per occupied slot, 1 vs all: {1e3 * one:.1f} vs {1e3 * full / sweep['slots']:.1f}"
+    )
+    occ = [
+        sum(h["slot_steps"] for h in r["samplers"]) / max(sum(h["steps"] * h["slots"] for h in r["samplers"]), 1)
+        for r in rows
+    ]
+    if len(rows) > 1 and occ[0] > 0:
+        gain = max(o for o in occ[1:]) / occ[0]
+        print(
+            f"on a device whose decode step costs the same at any occupancy, the asynchronous run's occupancy "
+            f"({max(occ[1:]):.2f} vs {occ[0]:.2f}) would sample {gain:.2f}x faster: a bound of "
+            f"1/max({f:.2f}/{gain:.2f}, {1 - f:.2f}) = {1 / max(f / gain, 1 - f):.2f}x (a projection, not measured)"
+        )
     print(
         f"overlap bound: the synchronous trainer waited {f:.0%} of its loop for groups, so sampling S and training T "
         f"stand about {f:.2f}:{1 - f:.2f}; a perfect overlap takes max(S, T), a ratio of at most "
