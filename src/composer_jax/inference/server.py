@@ -481,7 +481,14 @@ class OpenAIServer:
             )
         async with self._load_lock:
             current = self.engine.version
-            version = api.int_field(body, "version", None, current + 1)
+            version = api.int_field(body, "version", None, 0)
+            if version is not None and version <= current:  # e.g. it polled that version (or a newer) first
+                raise ApiError(
+                    409,
+                    f"version {version} is not newer than the served version {current}; versions only move forward",
+                    param="version",
+                    code="not_newer",
+                )
             t0 = time.perf_counter()
             try:
                 got, previous = await self._swap_from_store(url, version)
