@@ -266,6 +266,14 @@ def main() -> None:
             f"{r['staleness']:9d} trainer {r['cpu_trainer']:7.1f}  sampler side {r['cpu_sampler_side']:7.1f}  "
             f"wall {r['total_s']:7.1f}  -> wall / busier core {r['total_s'] / busier:.2f}"
         )
+    if len(rows) > 1:
+        serial = rows[0]["cpu_trainer"] + rows[0]["cpu_sampler_side"]
+        best = min(max(r["cpu_trainer"], r["cpu_sampler_side"]) for r in rows[1:])
+        print(
+            f"CPU-seconds bound: the synchronous loop alternates (training, then sampling: >= {serial:.1f} core-s at "
+            f"full speed), the asynchronous one overlaps (>= its busier core, {best:.1f}): a ratio of at most "
+            f"{serial / best:.2f}x on two idle cores (start-up included on both sides)"
+        )
     f = rows[0]["idle"]
     one, full = sweep["step_s"]["1"], sweep["step_s"][str(sweep["slots"])]
     print(
