@@ -22,7 +22,17 @@ the largest per-token lag), groups dropped as stale; and for the weight store: t
 reads per version as a share of the full bf16 model (version 1 on: the deltas), and whether the
 last version reads back bit-exactly as the bf16 copy of the final checkpoint.
 
+Also printed: the replica's decode steps and mean slot occupancy per run (its /health), the
+seconds it spent in decode steps and weight swaps, the trainer's waits for a version load; CPU
+seconds per core (trainer; replica + environment server + graders) and the bound they set; a
+decode-step sweep by occupied slots on one core and the projection for a device whose decode step
+costs the same at any occupancy. `--config`/`--init-from` run another workload, e.g. the demo's RL
+stage from its SFT checkpoint (rollouts of 1-6 turns, so lengths vary), `--slots` the replica's
+slots in every run (the synchronous one never has more than one step's rollouts in flight).
+
     PYTHONPATH=src .venv/bin/python bench/async_rl.py [--steps 8] [--staleness 0,2] [--lr 1e-6]
+    PYTHONPATH=src .venv/bin/python bench/async_rl.py --config configs/rl/tiny_set_constant.yaml \
+        --init-from runs/demo/stage3_sft/checkpoints --group-size 8 --slots 32 --steps 4 --staleness 0,1
 
 Needs two cores (three or more leave the environment server a core of its own) and bubblewrap.
 """
