@@ -130,3 +130,31 @@ def test_dead_server_or_closed_engine_raises_sampler_unavailable(params):
         asyncio.run(turn(closed))
     with pytest.raises(ValueError, match="base_url 'localhost:1'"):
         RemoteTokenPolicy("localhost:1", KEY, TOK, max_context=MAX_LEN)
+
+
+@pytest.mark.parametrize(("drops", "ok"), [(2, True), (3, False)])
+def test_a_dropped_connection_is_asked_again_then_the_replica_is_unavailable(drops, ok):
+    """A connection the server closed under a request (a pooled keep-alive one) is retried on a new
+    one, twice; a third drop in a row takes the replica for gone."""
+    calls: list[int] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(1)
+        if len(calls) <= drops:
+            raise httpx.ReadError("connection closed by the server", request=request)
+        return httpx.Response(200, json={"choices": []})
+
+    async def go():
+        http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        policy = RemoteTokenPolicy("http://replica:1", KEY, TOK, max_context=MAX_LEN, http=http)
+        try:
+            return await policy._post({"prompt": [1, 2]})
+        finally:
+            await policy.aclose()
+
+    if ok:
+        assert asyncio.run(go()) == {"choices": []} and len(calls) == 3
+    else:
+        with pytest.raises(SamplerUnavailable, match=r"ReadError \(3 times\)"):
+            asyncio.run(go())
+        assert len(calls) == 3
