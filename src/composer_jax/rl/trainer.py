@@ -500,6 +500,8 @@ async def _run(
         async def run_eval(step: int) -> None:
             if not eval_tasks:
                 return
+            # asynchronous runs: the replicas serve the evaluated version first (its load may be in flight)
+            await asyncio.gather(*loads, return_exceptions=True)
             res = await sample_tasks(pool, client, eval_tasks, r.eval_samples, cfg.agent, seed=10_000_019 + r.eval_seed)
             overall = report(res)["overall"]
             ev = {f"eval/{k}": v for k, v in overall.items()}
