@@ -22,7 +22,17 @@ the largest per-token lag), groups dropped as stale; and for the weight store: t
 reads per version as a share of the full bf16 model (version 1 on: the deltas), and whether the
 last version reads back bit-exactly as the bf16 copy of the final checkpoint.
 
+Also printed: the replica's decode steps and mean slot occupancy per run (its /health), the
+seconds it spent in decode steps and weight swaps, the trainer's waits for a version load; CPU
+seconds per core (trainer; replica + environment server + graders) and the bound they set; a
+decode-step sweep by occupied slots on one core and the projection for a device whose decode step
+costs the same at any occupancy. `--config`/`--init-from` run another workload, e.g. the demo's RL
+stage from its SFT checkpoint (rollouts of 1-6 turns, so lengths vary), `--slots` the replica's
+slots in every run (the synchronous one never has more than one step's rollouts in flight).
+
     PYTHONPATH=src .venv/bin/python bench/async_rl.py [--steps 8] [--staleness 0,2] [--lr 1e-6]
+    PYTHONPATH=src .venv/bin/python bench/async_rl.py --config configs/rl/tiny_disable_debug.yaml \
+        --init-from runs/demo/stage3_sft/checkpoints --group-size 8 --slots 32 --steps 4 --staleness 0,1
 
 Needs two cores (three or more leave the environment server a core of its own) and bubblewrap.
 """
@@ -32,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -43,8 +54,16 @@ CONFIG = REPO / "tests" / "rl" / "fixtures" / "rl_pick.yaml"
 
 
 def overrides(out: Path, args: argparse.Namespace, staleness: int) -> list[str]:
+    extra = [f"train.init_from={Path(args.init_from).resolve()}"] if args.init_from else []
+    if args.slots:
+        extra.append(f"rl.sampler_slots={args.slots}")
     return [
+        *extra,
         "mesh.fsdp=1",
+        "mesh.data=1",
+        "mesh.expert=1",
+        "mesh.context=1",
+        "mesh.tensor=1",
         f"train.out_dir={out}",
         f"train.steps={args.steps}",
         f"train.optimizer.lr={args.lr}",
@@ -69,9 +88,13 @@ def child(args: argparse.Namespace) -> None:
 
     os.chdir(REPO)
     out = Path(args.out)
-    cfg = load_config(CONFIG, overrides(out, args, args.child))
+    cfg = load_config(args.config, overrides(out, args, args.child))
     t0 = time.perf_counter()
+    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     s = run_rl(cfg, echo=lambda m: print(m, file=sys.stderr))
+    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+    # the replica, the environment server and its graders: children reaped by the end of run_rl
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
     steps = s["steps"].values()
     lags: dict[int, int] = {}
     for v in steps:
@@ -89,11 +112,57 @@ def child(args: argparse.Namespace) -> None:
         "dropped": len(s["dropped_stale_groups"]),
         "trained_groups": sum(len(x) for x in s["trained_groups"].values()),
         "checkpoint_dir": s["checkpoint_dir"],
+        "samplers": s.get("samplers", []),
+        "cpu_trainer": cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime,
+        "cpu_sampler_side": kids.ru_utime + kids.ru_stime,
+        "load_wait_s": sum(v.get("time/load_wait_s", 0.0) for v in steps),
+        "slots": cfg.rl.sampler_slots,
+        "rollouts_per_step": cfg.rl.groups_per_step * cfg.rl.group_size,
+        "tokens": sum(v["rollout/generated_tokens"] * v["rollout/groups"] * cfg.rl.group_size for v in steps),
     }
     print(json.dumps(res))
 
 
-def store_figures(out: Path, cfg_overrides: list[str], steps: int) -> tuple[list[float], bool]:
+def decode_sweep(args: argparse.Namespace) -> None:
+    """Decode-step time against the number of occupied slots, the replica's way (the run's model and
+    weights, rl.sampler_slots slots of train.seq_len, one core): a step decoding n requests costs
+    about the same as one decoding 1 when the device is bound by reading the weights (an
+    accelerator); where it grows with n, fuller slots raise no throughput. JSON on the last line."""
+    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[-1]})
+    import jax
+
+    from composer_jax.checkpoint.manager import restore_params_only
+    from composer_jax.config import load_config
+    from composer_jax.inference.sampler import Request, Sampler
+    from composer_jax.inference.sampling import SamplingParams
+    from composer_jax.model.params import abstract_params, init_params
+    from composer_jax.sharding import ShardingRules, make_mesh
+
+    os.chdir(REPO)
+    cfg = load_config(args.config, overrides(Path(args.out), args, 0))
+    mesh, rules = make_mesh(cfg.mesh), ShardingRules.create(cfg.sharding_rules)
+    if cfg.train.init_from:
+        params = restore_params_only(cfg.train.init_from, abstract_params(cfg.model, mesh, rules))
+    else:
+        params = init_params(cfg.model, jax.random.key(cfg.train.seed), mesh, rules)
+    slots, n_steps, out = cfg.rl.sampler_slots, 24, {}
+    sampler = Sampler(params, cfg.model, slots=slots, max_len=cfg.train.seq_len, mesh=mesh, rules=rules)
+    prompt = list(range(10, 74))
+    for n in sorted({1, max(1, slots // 4), max(1, slots // 2), slots}):
+        for i in range(n):
+            sampler.submit(Request(prompt, SamplingParams(max_tokens=3 * n_steps, seed=i), id=f"{n}-{i}"))
+        for _ in range(4):  # admission (prefill) and warm-up
+            sampler.step()
+        t0 = time.perf_counter()
+        for _ in range(n_steps):
+            sampler.step()
+        out[n] = (time.perf_counter() - t0) / n_steps
+        for i in range(n):
+            sampler.cancel(f"{n}-{i}")
+    print(json.dumps({"slots": slots, "step_s": out}))
+
+
+def store_figures(config: str, out: Path, cfg_overrides: list[str], steps: int) -> tuple[list[float], bool]:
     """(follower bytes per version 1..steps as a share of the full bf16 model, last version bit-exact)."""
     import jax
     import numpy as np
@@ -114,7 +183,7 @@ def store_figures(out: Path, cfg_overrides: list[str], steps: int) -> tuple[list
         got, last = sub.read(v)
         assert got == v, (got, v)
         shares.append((sub.bytes_read - before) / raw)
-    cfg = load_config(CONFIG, cfg_overrides)
+    cfg = load_config(config, cfg_overrides)
     mesh = make_mesh(cfg.mesh)
     abstract = abstract_params(cfg.model, mesh, ShardingRules.create(cfg.sharding_rules))
     params = jax.device_get(restore_params_only(run_checkpoint_config(cfg).directory, abstract, steps))
@@ -133,12 +202,15 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--groups-per-step", type=int, default=2)
+    ap.add_argument("--config", default=str(CONFIG), help="the RL config (default: the one-choice fixture task)")
+    ap.add_argument("--init-from", default="", help="a checkpoint every run starts from (default: the seeded init)")
+    ap.add_argument("--slots", type=int, default=0, help="rl.sampler_slots of every run (default: the config's)")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="config KEY=VALUE overrides for every run")
     args = ap.parse_args()
     if args.child is not None:
-        child(args)
+        decode_sweep(args) if args.child < 0 else child(args)
         return
     if len(os.sched_getaffinity(0)) < 2:
         sys.exit("bench/async_rl.py needs at least two cores (one for the trainer, one for the sampler)")
@@ -152,24 +224,27 @@ def main() -> None:
         def run(s: int, out: Path, steps: int) -> dict:
             cmd = [sys.executable, __file__, "--child", str(s), "--out", str(out), "--steps", str(steps)]
             cmd += ["--unit", args.unit, "--lr", str(args.lr), "--group-size", str(args.group_size)]
-            cmd += ["--groups-per-step", str(args.groups_per_step), *args.overrides]
+            cmd += ["--groups-per-step", str(args.groups_per_step), "--config", args.config]
+            cmd += ["--init-from", args.init_from, "--slots", str(args.slots), *args.overrides]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
             if proc.returncode != 0:
                 sys.exit(f"run with max_staleness={s} failed:\n{proc.stderr[-4000:]}")
             return json.loads(proc.stdout.strip().splitlines()[-1])
 
+        sweep = run(-1, Path(tmp) / "sweep", 1)
         run(0, Path(tmp) / "warm-up", 1)
         for s in [int(x) for x in args.staleness.split(",")]:
             out = Path(tmp) / f"s{s}"
             res = run(s, out, args.steps)
             os.environ["XLA_FLAGS"] = env["XLA_FLAGS"]
-            res["store"] = store_figures(out, overrides(out, args, s), args.steps)
+            res["store"] = store_figures(args.config, out, overrides(out, args, s), args.steps)
             rows.append(res)
     base = rows[0]["wall_s"]
     samples = args.steps * args.groups_per_step * args.group_size
     print(
         f"workload: {args.steps} steps x {args.groups_per_step} groups x {args.group_size} rollouts = {samples} "
-        f"samples (pick-colour, tiny MoE), lr {args.lr:g}, trainer and 1 sampler replica pinned to a core each"
+        f"samples ({Path(args.config).name}{', from ' + args.init_from if args.init_from else ''}), lr {args.lr:g}, "
+        f"trainer and 1 sampler replica ({rows[0]['slots']} slots) pinned to a core each"
     )
     print(
         f"{'staleness':>9} {'wall s':>8} {'ratio':>6} {'idle':>6} {'trained':>7} {'dropped':>7} "
@@ -180,7 +255,53 @@ def main() -> None:
             f"{r['staleness']:9d} {r['wall_s']:8.2f} {base / r['wall_s']:6.2f} {r['idle']:6.2f} "
             f"{r['trained_groups']:7d} {r['dropped']:7d} {r['token_lag_max']:13.0f}  {r['lags']}"
         )
+    print(
+        f"{'staleness':>9} {'slots':>5} {'decode steps':>12} {'occupancy':>9} {'decode s':>8} {'swap s':>6} "
+        f"{'load wait s':>11} {'tokens':>7}  (the replica's decode steps; occupancy: mean share of slots decoding)"
+    )
+    for r in rows:
+        for h in r["samplers"]:
+            occ = h["slot_steps"] / max(h["steps"] * h["slots"], 1)
+            print(
+                f"{r['staleness']:9d} {h['slots']:5d} {h['steps']:12d} {occ:9.2f} {h['step_s']:8.1f} "
+                f"{h['swap_s']:6.2f} {r['load_wait_s']:11.2f} {r['tokens']:7.0f}"
+            )
+    print(
+        "CPU seconds per core (start-up included): trainer core / sampler core (replica, environment server, "
+        "graders); a run's wall time cannot go below the busier core's"
+    )
+    for r in rows:
+        busier = max(r["cpu_trainer"], r["cpu_sampler_side"])
+        print(
+            f"{r['staleness']:9d} trainer {r['cpu_trainer']:7.1f}  sampler side {r['cpu_sampler_side']:7.1f}  "
+            f"wall {r['total_s']:7.1f}  -> wall / busier core {r['total_s'] / busier:.2f}"
+        )
+    if len(rows) > 1:
+        serial = rows[0]["cpu_trainer"] + rows[0]["cpu_sampler_side"]
+        best = min(max(r["cpu_trainer"], r["cpu_sampler_side"]) for r in rows[1:])
+        print(
+            f"CPU-seconds bound: the synchronous loop alternates (training, then sampling: >= {serial:.1f} core-s at "
+            f"full speed), the asynchronous one overlaps (>= its busier core, {best:.1f}): a ratio of at most "
+            f"{serial / best:.2f}x on two idle cores (start-up included on both sides)"
+        )
     f = rows[0]["idle"]
+    one, full = sweep["step_s"]["1"], sweep["step_s"][str(sweep["slots"])]
+    print(
+        f"decode step on one core, {sweep['slots']} slots (ms per step by occupied slots): "
+        + ", ".join(f"{n}: {1e3 * t:.1f}" for n, t in sweep["step_s"].items())
+        + f"; per occupied slot, 1 vs all: {1e3 * one:.1f} vs {1e3 * full / sweep['slots']:.1f}"
+    )
+    occ = [
+        sum(h["slot_steps"] for h in r["samplers"]) / max(sum(h["steps"] * h["slots"] for h in r["samplers"]), 1)
+        for r in rows
+    ]
+    if len(rows) > 1 and occ[0] > 0:
+        gain = max(o for o in occ[1:]) / occ[0]
+        print(
+            f"on a device whose decode step costs the same at any occupancy, the asynchronous run's occupancy "
+            f"({max(occ[1:]):.2f} vs {occ[0]:.2f}) would sample {gain:.2f}x faster: a bound of "
+            f"1/max({f:.2f}/{gain:.2f}, {1 - f:.2f}) = {1 / max(f / gain, 1 - f):.2f}x (a projection, not measured)"
+        )
     print(
         f"overlap bound: the synchronous trainer waited {f:.0%} of its loop for groups, so sampling S and training T "
         f"stand about {f:.2f}:{1 - f:.2f}; a perfect overlap takes max(S, T), a ratio of at most "

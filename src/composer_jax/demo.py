@@ -5,7 +5,8 @@ the tiny DeepSeek-V3-style MoE's report, then stage 1 (bulk pretraining on this 
 bundled BPE tokenizer), stage 2 (long-context extension: YaRN, context parallelism, MTP by
 self-distillation) and stage 3 (SFT on agent conversations built from the bundled coding tasks and
 from training seeds of the generated family disable-debug), each starting from the previous stage's
-checkpoint; then RL (`composer-jax rl`'s learner, configs/rl/tiny_disable_debug.yaml) on new seeds of
+checkpoint; then asynchronous RL (`composer-jax rl`'s learner, configs/rl/tiny_disable_debug.yaml with
+`async_overrides`: a sampler replica and environment servers as local processes) on new seeds of
 disable-debug, with the held-out evaluation (seeds 1000000.., never trained on) before and after;
 then a per-stage summary.
 
@@ -66,6 +67,16 @@ STAGES = (
 RL_STAGE = ("rl", "rl/tiny_disable_debug.yaml")
 
 
+def async_overrides(cores: int) -> list[str]:
+    """The demo's scheduling on top of the RL config (whatever its family, lr or steps): the
+    asynchronous learner (groups sampled up to one policy version ahead of the trainer, weights
+    taken in flight), the sampler a `composer-jax serve` replica in its own process following the
+    run's weight store, the environment servers local processes; with two cores or more the
+    trainer and the replica (with the environment servers) are pinned to a core each, as on
+    separate accelerators."""
+    return ["rl.max_staleness=1", "rl.local_samplers=1", f"rl.pin_cores={'true' if cores >= 2 else 'false'}"]
+
+
 def rl_stage(out_root: str, init_from: str, scale: float, echo=print) -> dict:
     """The RL stage from the SFT checkpoint; its summary holds the per-step values and the
     held-out evaluations (rl/evaluate.py: pass@1, best-of-K, reward) before and after."""
@@ -81,12 +92,14 @@ def rl_stage(out_root: str, init_from: str, scale: float, echo=print) -> dict:
             f"train.steps={max(2, int(base.train.steps * scale))}",
             # 0 (start and end only) stays 0
             f"rl.eval_every={max(1, int(base.rl.eval_every * scale)) if base.rl.eval_every else 0}",
+            *async_overrides(len(os.sched_getaffinity(0))),
         ],
     )
     echo(
         f"\n=== {name}: {', '.join(cfg.rl.tasks)}, {cfg.rl.groups_per_step} groups x {cfg.rl.group_size} rollouts "
-        f"per step, {cfg.train.steps} steps; held-out: {cfg.rl.eval_seeds} seeds from {cfg.rl.eval_seed} x "
-        f"{cfg.rl.eval_samples} samples ==="
+        f"per step, {cfg.train.steps} steps, asynchronous (max staleness {cfg.rl.max_staleness}, "
+        f"{cfg.rl.local_samplers} sampler replica, {cfg.rl.env_servers} environment server(s)); held-out: "
+        f"{cfg.rl.eval_seeds} seeds from {cfg.rl.eval_seed} x {cfg.rl.eval_samples} samples ==="
     )
     # one device: the sampler and the small RL step run faster unsharded on a CPU (the config's
     # mesh has fsdp -1, which `composer-jax rl --cpu-devices 1` also resolves to one device)

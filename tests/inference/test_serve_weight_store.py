@@ -175,6 +175,10 @@ def test_admin_load_weights_from_a_store(live, tmp_path):
     assert httpx.get(live["base"] + "/health").json()["policy_version"] == current + 10
     again = _post(live, "/admin/load_weights", {"source": "weight_store", "url": url})
     assert again.status_code == 409 and "not newer than the served version" in again.json()["error"]["message"]
+    # a version at or below the served one (the replica polled it, or a newer one, first): 409, not an error
+    for v in (current + 10, current):
+        older = _post(live, "/admin/load_weights", {"source": "weight_store", "url": url, "version": v})
+        assert older.status_code == 409 and older.json()["error"]["code"] == "not_newer", older.text
     missing = _post(live, "/admin/load_weights", {"source": "weight_store", "url": url, "version": current + 50})
     assert missing.status_code == 400 and f"version {current + 50} is not in" in missing.json()["error"]["message"]
     bad = _post(live, "/admin/load_weights", {"source": "weight_store", "url": "not a url"})

@@ -16,6 +16,7 @@ from composer_jax.env.client import EnvClient
 from composer_jax.rl.agent import turn_seed
 from composer_jax.rl.envs import LocalEnvServers
 from composer_jax.rl.evaluate import TaskRef, report, sample_tasks, write_outputs
+from composer_jax.rl.policy import PolicyPool, SamplerUnavailable
 
 FIX = call("edit_file", path="calc.py", old_string="return a - b", new_string="return a + b")
 HELLO = call("edit_file", path="hello.txt", new_string="hello, world\n")
@@ -33,18 +34,38 @@ class Decides(ScriptedPolicy):
         return HELLO if "hello.txt" in task else FIX
 
 
+class DiesAfter(Decides):
+    """Decides for `turns` turns, then every call fails as a dead sampler's would."""
+
+    def __init__(self, tok, turns: int):
+        super().__init__([], tok)
+        self.left = turns
+
+    async def turn(self, gen, req):
+        self.left -= 1
+        if self.left < 0:
+            raise SamplerUnavailable("sampler replica died")
+        return await super().turn(gen, req)
+
+
 @pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap (bwrap) is not installed; `make system-deps`")
 def test_eval_metrics_and_files(tmp_path):
     tok = load_tokenizer(REPO / "assets" / "tokenizer")
     tasks = [TaskRef("fix-add", category="debugging"), TaskRef("write-hello", category="files")]
     samples, seed = 4, 3
 
-    async def go(urls, token):
+    async def go(urls, token, policy):
         async with EnvClient(urls, token) as client:
-            return await sample_tasks(Decides([], tok), client, tasks, samples, AgentConfig(), seed=seed)
+            return await sample_tasks(policy, client, tasks, samples, AgentConfig(), seed=seed)
 
+    # the evaluation spreads rollouts over every sampler: one that dies costs only its rollouts in
+    # flight, redone on the other, and the metrics are those of one sampler alone
+    dying, other = DiesAfter(tok, 3), Decides([], tok)
     with LocalEnvServers(ENV_FIXTURE_TASKS) as (urls, token):
-        results = asyncio.run(go(urls, token))
+        results = asyncio.run(go(urls, token, Decides([], tok)))
+        pooled = asyncio.run(go(urls, token, PolicyPool([dying, other])))
+    assert dying.left < 0 and len(dying.requests) == 3 and len(other.requests) > 3
+    assert report(pooled) == report(results)
     # which samples succeed: their first turn's seed is even (the rollout seeds are seed*1000003+i)
     wins = [turn_seed(seed * 1_000_003 + i, 0, 0) % 2 == 0 for i in range(samples)]
     assert 0 < sum(wins) < samples  # this seed gives a mix (else pick another)

@@ -81,15 +81,19 @@ def test_remote_policy_records_what_the_in_process_policy_records(params):
             remote = RemoteTokenPolicy(url + "/v1", KEY, TOK, max_context=MAX_LEN)
             want = await _rollout(local, requests)
             got = await _rollout(remote, requests)
+            health = await remote.health()
             await local.sampler.aclose()
             await remote.aclose()
-            return want, got
+            return want, got, health
 
-        (want, want_turns), (got, got_turns) = asyncio.run(go())
+        (want, want_turns), (got, got_turns), health = asyncio.run(go())
     finally:
         http.should_exit = True
         thread.join(10)
         engine.stop()
+    # one request at a time on 2 slots: every decode step decoded exactly one (occupancy 1/2)
+    assert health["slots"] == 2 and health["steps"] > 0 and health["slot_steps"] == health["steps"]
+    assert health["step_s"] > 0 and health["policy_version"] == 3
     assert got_turns == want_turns and got.messages == want.messages
     assert got.tokens == want.tokens and got.loss_mask == want.loss_mask and got.generated == want.generated == 27
     assert got.versions == want.versions and set(got.versions) == {-1, 3}
@@ -126,3 +130,31 @@ def test_dead_server_or_closed_engine_raises_sampler_unavailable(params):
         asyncio.run(turn(closed))
     with pytest.raises(ValueError, match="base_url 'localhost:1'"):
         RemoteTokenPolicy("localhost:1", KEY, TOK, max_context=MAX_LEN)
+
+
+@pytest.mark.parametrize(("drops", "ok"), [(2, True), (3, False)])
+def test_a_dropped_connection_is_asked_again_then_the_replica_is_unavailable(drops, ok):
+    """A connection the server closed under a request (a pooled keep-alive one) is retried on a new
+    one, twice; a third drop in a row takes the replica for gone."""
+    calls: list[int] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(1)
+        if len(calls) <= drops:
+            raise httpx.ReadError("connection closed by the server", request=request)
+        return httpx.Response(200, json={"choices": []})
+
+    async def go():
+        http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        policy = RemoteTokenPolicy("http://replica:1", KEY, TOK, max_context=MAX_LEN, http=http)
+        try:
+            return await policy._post({"prompt": [1, 2]})
+        finally:
+            await policy.aclose()
+
+    if ok:
+        assert asyncio.run(go()) == {"choices": []} and len(calls) == 3
+    else:
+        with pytest.raises(SamplerUnavailable, match=r"ReadError \(3 times\)"):
+            asyncio.run(go())
+        assert len(calls) == 3

@@ -75,3 +75,21 @@ def test_learner_refuses_a_queue_smaller_than_a_step():
     check_config(cj.load_config(TINY, [*over, "rl.groups_per_step=2", "rl.queue_size=2"], num_devices=None))
     with pytest.raises(ConfigError, match=r"rl.queue_size=1 cannot hold one step's rl.groups_per_step=2 groups"):
         check_config(cj.load_config(TINY, [*over, "rl.groups_per_step=2", "rl.queue_size=1"], num_devices=None))
+
+
+def test_a_fresh_run_refuses_a_weight_store_holding_another_runs_versions(tmp_path, monkeypatch):
+    import numpy as np
+
+    from composer_jax.checkpoint.weight_sync import WeightPublisher
+    from composer_jax.rl.trainer import run_rl
+
+    repo = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(repo)
+    url = f"file://{tmp_path / 'weights'}"
+    for v in range(3):
+        WeightPublisher(url).publish({"w": np.full((4,), v, np.float32)}, v)
+    cfg = cj.load_config(
+        "tests/rl/fixtures/rl_pick.yaml", [f"train.out_dir={tmp_path / 'run'}", f"rl.weight_store={url}"]
+    )
+    with pytest.raises(ConfigError, match=r"rl.weight_store=.* holds versions \[0, 1, 2\]..2 that are not this run's"):
+        run_rl(cfg, echo=lambda _: None)

@@ -17,6 +17,7 @@ from composer_jax.rl.policy import Generation, SamplerUnavailable
 from composer_jax.rl.queue import DoneIds, PolicyPool, RolloutQueue, staleness
 from composer_jax.rl.rewards import RewardBreakdown
 from composer_jax.rl.rollout_store import Group, GroupStore, RolloutStoreError
+from composer_jax.rl.trainer import resume_groups
 
 
 def make_group(index: int, versions: list[list[int]], routing: bool = False) -> Group:
@@ -220,3 +221,25 @@ def test_pool_redoes_work_on_another_policy_and_drops_the_dead_one():
     pool.remove(alive, "also gone")
     with pytest.raises(RuntimeError, match="every sampler is unavailable .*replica gone; also gone"):
         pool.pick()
+
+
+def test_resume_keeps_the_checkpointed_lineage_and_samples_lost_groups_again(tmp_path):
+    """Resuming from the checkpoint of version 2 (groups 0-3 done): files of done groups go; a group
+    with a token of version 3 (the stopped run's, lost with it) or started at 3 is sampled again,
+    as are ids in flight (no file) and a corrupt file; groups of versions <= 2 are loaded to train."""
+    store = GroupStore(tmp_path)
+    for g in (
+        make_group(1, [[0, 0], [0, 1]]),  # done: its file goes
+        make_group(4, [[1, 1], [2, 2]]),  # version <= 2: trained after the restart
+        make_group(5, [[2, 3], [2, 2]]),  # a version-3 token: the lost run's weights made it
+        make_group(6, [[3, 3], [3, 3]]),  # started on version 3
+        make_group(8, [[2], [2]]),
+    ):
+        store.save(g)
+    store.path(9).write_bytes(b"truncated")
+    said: list[str] = []
+    ready, again, end = resume_groups(store, DoneIds(4), 7, 2, said.append)
+    assert [g.index for g in ready] == [4, 8]
+    assert again == [5, 6, 7, 9] and end == 10
+    assert store.indices() == [4, 8, 9]  # the corrupt file stays until group 9's new sample replaces it
+    assert sum("lost with the stopped run" in m for m in said) == 2 and any("group 9" in m for m in said)

@@ -236,3 +236,37 @@ def test_subscriber_in_another_process(tmp_path: Path) -> None:
         [sys.executable, "-c", code, url], capture_output=True, text=True, env=env, timeout=60, check=True
     )
     assert out.stdout.split() == ["1", tree_sha256(p)]
+
+
+def test_rewind_forgets_a_lost_lineage_and_republishes_its_numbers(tmp_path: Path) -> None:
+    """A trainer restarted from version 1's checkpoint rewinds the store: versions 2 and 3 (its
+    lost run's) go, and the new 2 and 3 read back bit-exactly, for a subscriber that never saw the
+    lost ones and for one reopened after the rewind."""
+    rng = np.random.default_rng(3)
+    url = f"file://{tmp_path}/store"
+    pub = WeightPublisher(url, new_base_fraction=10.0)
+    lineage = [_params(rng)]
+    for _ in range(3):
+        lineage.append(_step(lineage[-1], rng))
+    for p in lineage:
+        pub.publish(p)
+    reopened = WeightPublisher(url, new_base_fraction=10.0)  # the restarted trainer's publisher
+    with pytest.raises(WeightSyncError, match=r"rewind to version=7; accepted: a version in the store \[0, 1, 2, 3\]"):
+        reopened.rewind(7)
+    assert reopened.rewind(1) == [2, 3]
+    assert reopened.latest == 1 and WeightSubscriber(url).versions() == [0, 1]
+    assert WeightSubscriber(url).latest_version() == 1
+    assert reopened.rewind(1) == []
+    new = [lineage[1]]
+    for _ in range(2):
+        new.append(_step(new[-1], rng, frac=0.3))
+    for v, p in enumerate(new[1:], start=2):
+        info = reopened.publish(p, v)
+        assert (info.kind, info.base_version) == ("delta", 0)
+    sub = WeightSubscriber(url)
+    for v, p in enumerate(new[1:], start=2):
+        got_v, got = sub.read(v, fallback=False)
+        assert got_v == v
+        _assert_bit_equal(got, p)
+    assert tree_sha256(new[2]) != tree_sha256(lineage[3])
+    assert WeightPublisher(url).latest == 3

@@ -252,17 +252,41 @@ class WeightPublisher:
         self._ref_version: int | None = None
         self._base_manifest: dict | None = None
         self._since_base = 0
+        self._load()
+
+    def _load(self) -> None:
+        """The state the next publish continues from: the store's latest version and its base."""
+        self._ref, self._ref_version, self._base_manifest, self._since_base = None, None, None, 0
         self.latest = self.store.latest()
         if self.latest is not None:
             base_v = int(_read_manifest(self.store, self.latest)["base_version"])
             self._base_manifest = _read_manifest(self.store, base_v)
-            self._ref_version = self.latest if delta_against == "previous" else base_v
+            self._ref_version = self.latest if self.delta_against == "previous" else base_v
             self._ref = _Reader(self.store).bits(self._ref_version)
             self._since_base = sum(
                 _read_manifest(self.store, v)["stored_bytes"]
                 for v in self.store.versions()
                 if base_v < v <= self.latest
             )
+
+    def rewind(self, version: int) -> list[int]:
+        """Forget the versions after `version`, a lineage lost with a trainer that restarts from
+        `version`'s checkpoint: `latest` points at `version` again, the later versions' files are
+        deleted, and the next publish writes version + 1 anew. Returns the versions removed.
+        (A subscriber that read a removed version keeps it in its cache: restart it, or make it
+        forget, before it reads the new version of that number.)"""
+        have = self.store.versions()
+        if isinstance(version, bool) or not isinstance(version, int) or version not in have:
+            raise WeightSyncError(f"rewind to version={version!r}; accepted: a version in the store {have}")
+        gone = [v for v in have if v > version]
+        if not gone and self.latest == version:
+            return []
+        self.store.write_json("latest", {"version": version})  # readers stop following the lost versions first
+        for v in gone:
+            vdir = _vdir(v)
+            self.store.kv.delete_range(ts.KvStore.KeyRange(vdir, vdir[:-1] + chr(ord(vdir[-1]) + 1))).result()
+        self._load()
+        return gone
 
     def publish(self, params: Any, version: int | None = None, *, force_base: bool = False) -> PublishInfo:
         """Write `params` as `version` (default: latest + 1, or 0) and point `latest` at it."""

@@ -244,7 +244,11 @@ def build_server(
 def run_uvicorn(app: Any, sock: socket.socket, log_level: str = "warning") -> None:
     import uvicorn
 
-    config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=5)
+    # keep-alive well past a client's pauses between turns (uvicorn's 5 s default closes pooled
+    # connections the learner is about to reuse)
+    config = uvicorn.Config(
+        app, log_level=log_level, access_log=False, timeout_graceful_shutdown=5, timeout_keep_alive=75
+    )
     uvicorn.Server(config).run(sockets=[sock])
 
 

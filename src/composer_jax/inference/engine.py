@@ -26,6 +26,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -94,6 +95,11 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.steps = 0
         self.failures = 0
+        # occupancy: requests decoded summed over steps (slot_steps / (steps x slots) is the mean
+        # share of slots busy in a decode step) and the seconds spent inside steps and weight swaps
+        self.slot_steps = 0
+        self.step_s = 0.0
+        self.swap_s = 0.0
         self._before: tuple[Any, int] | None = None  # the weights before the latest swap
         self._verified = True  # a step has run with the current weights
         self._previous = version  # the version before the pending swaps
@@ -182,10 +188,12 @@ class Engine:
                 self.sampler.cancel(rid)
                 with self._cond:
                     self._outstanding -= 1
+            t0 = time.perf_counter()
             for swap in swaps:
                 self._before, self._verified = (self.sampler.params, self.sampler.version), False
                 self.sampler.update_weights(swap.params, swap.version)
                 self._unverified.append(swap)
+            self.swap_s += time.perf_counter() - t0
             for job in inbox:
                 try:
                     self.sampler.submit(job.request)
@@ -198,12 +206,16 @@ class Engine:
                 # later still puts the weights before it back)
                 self._resolve_swaps()
                 continue
+            decoding = min(len(self._jobs), self.sampler.slots)  # waiting requests fill free slots first
+            t0 = time.perf_counter()
             try:
                 done = self.sampler.step()
             except Exception as e:
                 self._recover(e)
                 continue
+            self.step_s += time.perf_counter() - t0
             self.steps += 1
+            self.slot_steps += decoding
             self._verified = True
             self._resolve_swaps()
             self._report(done)

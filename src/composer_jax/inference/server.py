@@ -222,6 +222,9 @@ class OpenAIServer:
                 "in_engine": e.outstanding,
                 "capacity": e.capacity,
                 "steps": e.steps,
+                "slot_steps": e.slot_steps,
+                "step_s": e.step_s,
+                "swap_s": e.swap_s,
                 "engine_failures": e.failures,
                 "weights_from": self.weights_from,
                 "store_error": self.store_error,
@@ -478,7 +481,14 @@ class OpenAIServer:
             )
         async with self._load_lock:
             current = self.engine.version
-            version = api.int_field(body, "version", None, current + 1)
+            version = api.int_field(body, "version", None, 0)
+            if version is not None and version <= current:  # e.g. it polled that version (or a newer) first
+                raise ApiError(
+                    409,
+                    f"version {version} is not newer than the served version {current}; versions only move forward",
+                    param="version",
+                    code="not_newer",
+                )
             t0 = time.perf_counter()
             try:
                 got, previous = await self._swap_from_store(url, version)

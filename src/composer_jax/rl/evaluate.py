@@ -21,7 +21,7 @@ from typing import Any
 from composer_jax.config.agent import AgentConfig
 from composer_jax.env.client import EnvClient
 from composer_jax.rl.agent import Rollout, RolloutFailed, run_rollout
-from composer_jax.rl.policy import Policy
+from composer_jax.rl.policy import Policy, PolicyPool
 
 SUCCESS = 1.0 - 1e-9
 
@@ -40,7 +40,7 @@ class TaskRef:
 
 
 async def sample_tasks(
-    policy: Policy,
+    policy: Policy | PolicyPool,
     client: EnvClient,
     tasks: Sequence[TaskRef],
     samples: int,
@@ -49,15 +49,19 @@ async def sample_tasks(
     seed: int = 0,
     concurrency: int = 16,
 ) -> dict[TaskRef, list[Rollout | RolloutFailed]]:
-    """`samples` rollouts of every task, at most `concurrency` at once; a rollout whose
-    environment failed on every attempt is kept as its RolloutFailed (and counted as such)."""
+    """`samples` rollouts of every task, at most `concurrency` at once, spread over the policies of
+    a `PolicyPool` (a rollout whose sampler became unavailable is redone on another); a rollout
+    whose environment failed on every attempt is kept as its RolloutFailed (and counted as such)."""
     gate = asyncio.Semaphore(concurrency)
+    pool = policy if isinstance(policy, PolicyPool) else PolicyPool([policy])
 
     async def one(task: TaskRef, i: int) -> Rollout | RolloutFailed:
         async with gate:
             try:
-                return await run_rollout(
-                    policy, client, task.task_id, cfg, seed=seed * 1_000_003 + i, env_seed=task.env_seed
+                return await pool.run(
+                    lambda p: run_rollout(
+                        p, client, task.task_id, cfg, seed=seed * 1_000_003 + i, env_seed=task.env_seed
+                    )
                 )
             except RolloutFailed as exc:
                 return exc

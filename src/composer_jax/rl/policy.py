@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
-from typing import Any, Protocol
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 import httpx
 import numpy as np
@@ -23,6 +24,9 @@ from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.env.protocol import TOOL_SCHEMAS
 from composer_jax.inference.async_sampler import AsyncSampler
 from composer_jax.inference.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclasses.dataclass
@@ -188,3 +192,38 @@ class OpenAIPolicy:
 
     async def aclose(self) -> None:
         await self.http.aclose()
+
+
+class PolicyPool:
+    """The policies rollouts run on, in turn; those that raised `SamplerUnavailable` are left out."""
+
+    def __init__(self, policies: Sequence[Policy]):
+        if not policies:
+            raise ValueError("no policies to sample with; give at least one sampler")
+        self.policies = list(policies)
+        self.alive = list(policies)
+        self.lost: list[tuple[Policy, str]] = []
+        self._turn = 0
+
+    def pick(self) -> Policy:
+        if not self.alive:
+            reasons = "; ".join(why for _, why in self.lost)
+            raise RuntimeError(f"every sampler is unavailable ({len(self.lost)} lost: {reasons})")
+        p = self.alive[self._turn % len(self.alive)]
+        self._turn += 1
+        return p
+
+    def remove(self, policy: Policy, why: str) -> None:
+        if policy in self.alive:
+            self.alive.remove(policy)
+            self.lost.append((policy, why))
+            log.warning("sampler %r taken out of rotation: %s (%d left)", policy, why, len(self.alive))
+
+    async def run(self, fn: Callable[[Policy], Awaitable[T]]) -> T:
+        """`fn(policy)` on the next policy; redone on another while policies raise SamplerUnavailable."""
+        while True:
+            policy = self.pick()
+            try:
+                return await fn(policy)
+            except SamplerUnavailable as exc:
+                self.remove(policy, str(exc) or type(exc).__name__)

@@ -17,8 +17,8 @@ Staleness of a group trained at version k: k minus the version of its oldest pol
 - the trainer at version k first waits for every in-flight group that started at a version
   <= k - s (its last chance to be fresh enough) and takes the finished groups oldest first.
 
-Samplers are a list of policies (`PolicyPool`): rollouts are spread over them in turn; a policy
-that raises `SamplerUnavailable` is taken out of rotation and the rollout is redone on another.
+Samplers are a list of policies (`rl.policy.PolicyPool`): rollouts are spread over them in turn; a
+policy that raises `SamplerUnavailable` is taken out of rotation and the rollout is redone on another.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
-from composer_jax.rl.policy import Policy, SamplerUnavailable
+from composer_jax.rl.policy import PolicyPool
 from composer_jax.rl.rollout_store import Group
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
+__all__ = ["DoneIds", "PolicyPool", "RolloutQueue", "staleness"]
 
 
 def staleness(group: Group, version: int, unit: str) -> int:
@@ -70,41 +70,6 @@ class DoneIds:
         if not isinstance(below, int) or below < 0 or not all(isinstance(i, int) and i >= below for i in extra):
             raise ValueError(f"done-groups state {state!r}: expected {{'below': int >= 0, 'extra': [ids >= below]}}")
         return cls(below, extra)
-
-
-class PolicyPool:
-    """The policies rollouts run on, in turn; those that raised `SamplerUnavailable` are left out."""
-
-    def __init__(self, policies: Sequence[Policy]):
-        if not policies:
-            raise ValueError("no policies to sample with; give at least one sampler")
-        self.policies = list(policies)
-        self.alive = list(policies)
-        self.lost: list[tuple[Policy, str]] = []
-        self._turn = 0
-
-    def pick(self) -> Policy:
-        if not self.alive:
-            reasons = "; ".join(why for _, why in self.lost)
-            raise RuntimeError(f"every sampler is unavailable ({len(self.lost)} lost: {reasons})")
-        p = self.alive[self._turn % len(self.alive)]
-        self._turn += 1
-        return p
-
-    def remove(self, policy: Policy, why: str) -> None:
-        if policy in self.alive:
-            self.alive.remove(policy)
-            self.lost.append((policy, why))
-            log.warning("sampler %r taken out of rotation: %s (%d left)", policy, why, len(self.alive))
-
-    async def run(self, fn: Callable[[Policy], Awaitable[T]]) -> T:
-        """`fn(policy)` on the next policy; redone on another while policies raise SamplerUnavailable."""
-        while True:
-            policy = self.pick()
-            try:
-                return await fn(policy)
-            except SamplerUnavailable as exc:
-                self.remove(policy, str(exc) or type(exc).__name__)
 
 
 class RolloutQueue:

@@ -101,10 +101,20 @@ class RemoteTokenPolicy(TokenContext):  # begin/extend: the token policy's (same
         where = f"sampler {self.base_url}"
         if self.closed:
             raise SamplerUnavailable(f"{where}: this policy is closed")
-        for attempt in range(self.full_retries + 1):
+        dropped, attempt = 0, -1
+        while True:
+            attempt += 1
             try:
                 resp = await self.http.post(f"{self.base_url}/v1/completions", json=body)
-            except httpx.TransportError as e:  # refused, reset, timed out: the replica is gone or stuck
+            except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as e:
+                # a dropped connection (often a pooled keep-alive one the server just closed): asked
+                # again on a new one; a replica that is gone then refuses the connection
+                dropped += 1
+                if dropped <= 2:
+                    attempt -= 1
+                    continue
+                raise SamplerUnavailable(f"{where}: {type(e).__name__} ({dropped} times): {e}") from e
+            except httpx.TransportError as e:  # refused, timed out: the replica is gone or stuck
                 raise SamplerUnavailable(f"{where}: {type(e).__name__}: {e}") from e
             except RuntimeError as e:  # httpx: the client has been closed
                 raise SamplerUnavailable(f"{where}: {e}") from e
@@ -176,6 +186,16 @@ class RemoteTokenPolicy(TokenContext):  # begin/extend: the token policy's (same
             return int(resp.json()["version"])
         except (ValueError, KeyError, TypeError) as e:
             raise SamplerUnavailable(f"{where}: loading version {version}: malformed answer {resp.text[:300]}") from e
+
+    async def health(self) -> dict:
+        """The replica's `/health` (policy version, decode steps, slot occupancy, ...);
+        SamplerUnavailable when it does not answer."""
+        try:
+            resp = await self.http.get(f"{self.base_url}/health")
+            resp.raise_for_status()
+            return dict(resp.json())
+        except (httpx.HTTPError, ValueError, RuntimeError) as e:
+            raise SamplerUnavailable(f"sampler {self.base_url}: /health: {type(e).__name__}: {e}") from e
 
     async def aclose(self) -> None:
         self.closed = True

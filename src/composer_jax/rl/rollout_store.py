@@ -56,6 +56,16 @@ class Group:
         ]
         return min(oldest) if oldest else self.version
 
+    def newest_token_version(self) -> int:
+        """The policy version of the group's newest policy token (`version` when it has none)."""
+        newest = [
+            int(np.max(np.asarray(g.versions)[np.asarray(g.loss_mask) > 0]))
+            for r in self.rollouts
+            for g in r.generations
+            if g.versions and np.any(np.asarray(g.loss_mask) > 0)
+        ]
+        return max([self.version, *newest])
+
 
 class RolloutStoreError(ValueError):
     """A persisted group file that cannot be read back (truncated, foreign, or of another format)."""

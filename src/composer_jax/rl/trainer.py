@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from composer_jax.checkpoint.manager import TrainCheckpointer, restore_params_only
-from composer_jax.checkpoint.weight_sync import WeightPublisher
+from composer_jax.checkpoint.weight_sync import WeightPublisher, WeightSubscriber
 from composer_jax.config import Config, ConfigError, to_dict
 from composer_jax.env.client import EnvClient
 from composer_jax.inference.async_sampler import AsyncSampler
@@ -50,8 +50,8 @@ from composer_jax.rl.envs import LocalEnvServers
 from composer_jax.rl.evaluate import SUCCESS, TaskRef, report, sample_tasks
 from composer_jax.rl.launch import LocalSamplers
 from composer_jax.rl.loss import reference_logprobs, rl_objective
-from composer_jax.rl.policy import Policy, SamplerUnavailable, TokenPolicy
-from composer_jax.rl.queue import DoneIds, PolicyPool, RolloutQueue, staleness
+from composer_jax.rl.policy import Policy, PolicyPool, SamplerUnavailable, TokenPolicy
+from composer_jax.rl.queue import DoneIds, RolloutQueue, staleness
 from composer_jax.rl.remote_policy import RemoteTokenPolicy
 from composer_jax.rl.rewards import RolloutStats, compose_reward, mean_components
 from composer_jax.rl.rollout_store import Group, GroupStore, RolloutStoreError
@@ -201,8 +201,15 @@ def pin_threads(cores: set[int], pid: int | str = "self") -> int:
 
 
 def _published(params: Any, dtype: str) -> Any:
-    """The host copy published to the weight store: floating leaves cast to `dtype` ("" = as is)."""
-    host = jax.device_get(params)
+    """The host copy published to the weight store: floating leaves cast to `dtype` ("" = as is).
+    A multi-process trainer gathers every array to every process first (a collective: each process
+    calls this for each version), and process 0 alone writes it."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        host = multihost_utils.process_allgather(params, tiled=True)
+    else:
+        host = jax.device_get(params)
     if not dtype:
         return host
     return jax.tree.map(lambda x: x.astype(dtype) if np.issubdtype(x.dtype, np.floating) else x, host)
@@ -236,11 +243,13 @@ def run_rl(
     return asyncio.run(_run(cfg, mesh, init_params, echo, stop_after))
 
 
-def _resume_groups(
-    store: GroupStore, done: DoneIds, next_group: int, echo: Callable[[str], None]
+def resume_groups(
+    store: GroupStore, done: DoneIds, next_group: int, version: int, echo: Callable[[str], None]
 ) -> tuple[list[Group], list[int], int]:
     """The persisted groups not done yet (loaded), the ids that were in flight (re-sampled), and
-    one past the highest id used. Files of done groups are removed."""
+    one past the highest id used. Files of done groups are removed, and so are those of groups with
+    tokens of a policy version after `version` (the checkpoint resumed from): a trainer stopped after
+    its last checkpoint published versions that died with it, and those groups are sampled again."""
     ready: list[Group] = []
     on_disk = store.indices()
     store.remove([i for i in on_disk if i in done])
@@ -248,9 +257,16 @@ def _resume_groups(
         if i in done:
             continue
         try:
-            ready.append(store.load(i))
+            g = store.load(i)
         except RolloutStoreError as exc:
             echo(f"[rl] {exc}; group {i} is sampled again")
+            continue
+        if g.newest_token_version() > version:
+            newest = g.newest_token_version()
+            echo(f"[rl] group {i}: a token of version {newest}, lost with the stopped run; sampled again")
+            store.remove([i])
+            continue
+        ready.append(g)
     end = max([next_group, *(i + 1 for i in on_disk)])
     have = {g.index for g in ready}
     again = [i for i in range(done.below, end) if i not in done and i not in have]
@@ -270,7 +286,8 @@ async def _run(
     checkpointer = TrainCheckpointer(ckpt_cfg)
     store = GroupStore(out_dir / "rollouts")
     next_group, start, done = 0, 0, DoneIds()
-    if checkpointer.latest_step() is not None:
+    resumed = checkpointer.latest_step() is not None
+    if resumed:
         restored = checkpointer.restore(abstract_train_state(cfg, mesh, rules), config=run_config)
         state, start = restored.train_state, restored.step
         data_state = restored.data_state or {}
@@ -290,7 +307,7 @@ async def _run(
         echo(f"[rl] initialised from {t.init_from}")
     else:
         state = init_train_state(cfg, mesh, rules)
-    ready, again, end = _resume_groups(store, done, next_group, echo)
+    ready, again, end = resume_groups(store, done, next_group, start, echo)
     if start:
         echo(
             f"[rl] resumed from step {start} ({checkpointer.step_dir(start)}) at group {done.below}: "
@@ -305,15 +322,30 @@ async def _run(
         ref_params = _copy(state.params)
         ref_fn = jax.jit(lambda p, b: reference_logprobs(p, b, cfg, sharding))
     store_url = r.weight_store or (f"file://{out_dir.resolve()}/weight_store" if r.local_samplers else "")
-    publisher = WeightPublisher(store_url) if store_url else None
+    # the store's versions before this run: every process reads them (a publish is a collective,
+    # which all must skip or all take), process 0 alone writes
+    stored = set(WeightSubscriber(store_url).versions()) if store_url else set()
+    publisher = WeightPublisher(store_url) if store_url and jax.process_index() == 0 else None
+    if stored and (not resumed or (start not in stored and max(stored) > start)):
+        raise ConfigError(
+            f"rl.weight_store={store_url!r} holds versions {sorted(stored)[:5]}..{max(stored)} that are not this "
+            f"run's ({'a fresh run' if not resumed else f'resumed at step {start}, a version it lacks'}); "
+            "give an empty store (or remove it)"
+        )
+    if publisher is not None and publisher.latest is not None and publisher.latest > start:
+        # a trainer stopped after its last checkpoint: the versions it published since are a lost
+        # lineage (its weights died with it); this run publishes those numbers anew
+        gone = publisher.rewind(start)
+        echo(f"[rl] weight store rewound to version {start}: versions {gone} were of the lost run")
 
     def publish(params: Any, version: int) -> None:
-        if publisher is None:
+        if not store_url:
             return
-        if publisher.latest is not None and version <= publisher.latest:
-            log.warning("rl.weight_store already holds version %d (from before a restart); not republished", version)
+        if version == start and start in stored:  # the checkpoint's own weights, published before it
             return
-        publisher.publish(_published(params, r.publish_dtype), version)
+        host = _published(params, r.publish_dtype)
+        if publisher is not None:
+            publisher.publish(host, version)
 
     if r.local_samplers and checkpointer.latest_step() is None:
         # the replicas start from a checkpoint of the run (then follow the store): step `start`
@@ -422,7 +454,8 @@ async def _run(
                 weights_from=store_url,
                 poll_interval_s=r.sampler_poll_s,
                 cores=cores[1 : 1 + r.local_samplers] if r.pin_cores else None,
-                extra_args=["--version", str(start), "--slots", str(r.sampler_slots), "--max-queued", "100000"],
+                extra_args=["--version", str(start), "--slots", str(r.sampler_slots), "--max-len", str(t.seq_len)]
+                + ["--max-queued", "100000"],
                 log_dir=out_dir / "samplers",
             )
             remote = stack.enter_context(launcher)
@@ -431,7 +464,6 @@ async def _run(
         pool = PolicyPool(policies)
         samplers = _in_process(policies)
         remotes = [p for p in policies if isinstance(p, RemoteTokenPolicy)]
-        eval_policy = policies[0]
         if r.pin_cores:
             pinned = pin_threads({sorted(os.sched_getaffinity(0))[0]})
             echo(f"[rl] trainer pinned to core {sorted(os.sched_getaffinity(0))[0]} ({pinned} threads)")
@@ -457,12 +489,20 @@ async def _run(
                 stack.push_async_callback(p.aclose)  # type: ignore[attr-defined]
         stack.push_async_callback(queue.aclose)
 
+        async def sampler_health() -> list[dict]:
+            """Each replica's /health at the end of the step loop (decode steps, slot occupancy)."""
+            out = []
+            for p in remotes:
+                with contextlib.suppress(SamplerUnavailable):
+                    out.append(await p.health())
+            return out
+
         async def run_eval(step: int) -> None:
             if not eval_tasks:
                 return
-            res = await sample_tasks(
-                eval_policy, client, eval_tasks, r.eval_samples, cfg.agent, seed=10_000_019 + r.eval_seed
-            )
+            # asynchronous runs: the replicas serve the evaluated version first (its load may be in flight)
+            await asyncio.gather(*loads, return_exceptions=True)
+            res = await sample_tasks(pool, client, eval_tasks, r.eval_samples, cfg.agent, seed=10_000_019 + r.eval_seed)
             overall = report(res)["overall"]
             ev = {f"eval/{k}": v for k, v in overall.items()}
             summary["evals"].append({"step": step, **ev})
@@ -491,6 +531,7 @@ async def _run(
                 n = step + 1
                 for s in samplers:
                     s.update_weights(params, n)
+                t_load = time.perf_counter()
                 if r.max_staleness == 0:  # the next groups must start on version n
                     await load_version(n)
                 else:  # replicas take it between decode steps; tokens keep the version that made them
@@ -515,6 +556,7 @@ async def _run(
                         "queue/in_flight": float(len(queue.in_flight)),
                         "time/wait_s": t1 - t0,
                         "time/train_s": t2 - t1,
+                        "time/load_wait_s": t2 - t_load,  # waiting for replicas to serve version n
                         "time/step_s": t2 - t0,
                     }
                 )
@@ -546,6 +588,7 @@ async def _run(
             else:
                 if t.steps > start:
                     await queue.aclose()
+                    summary["samplers"] = await sampler_health()
                     await run_eval(t.steps)
     progress.close()
     checkpointer.wait()
