@@ -15,7 +15,7 @@ TOKEN = "rl-learner-fault-token-0123456789"
 pytestmark = pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap (bwrap) is not installed; `make system-deps`")
 
 
-def test_step_completes_when_a_server_dies_mid_rollout(tmp_path, monkeypatch):
+def test_step_completes_when_a_server_dies_mid_rollout(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(REPO)
     tasks = REPO / "tests" / "rl" / "fixtures" / "tasks"
     victim = LocalEnvServers(tasks, token=TOKEN)

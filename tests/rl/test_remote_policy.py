@@ -133,7 +133,7 @@ def test_dead_server_or_closed_engine_raises_sampler_unavailable(params):
 
 
 @pytest.mark.parametrize(("drops", "ok"), [(2, True), (3, False)])
-def test_a_dropped_connection_is_asked_again_then_the_replica_is_unavailable(drops, ok):
+def test_a_dropped_connection_is_asked_again_then_the_replica_is_unavailable(drops, ok) -> None:
     """A connection the server closed under a request (a pooled keep-alive one) is retried on a new
     one, twice; a third drop in a row takes the replica for gone."""
     calls: list[int] = []

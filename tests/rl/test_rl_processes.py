@@ -45,7 +45,7 @@ def _replicas(out: Path) -> list[int]:
     return sorted(pids)
 
 
-def test_two_replicas_one_killed_mid_run(tmp_path, monkeypatch):
+def test_two_replicas_one_killed_mid_run(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(REPO)
     out = tmp_path / "run"
     cfg = load_config(
