@@ -4,8 +4,11 @@ The shared reference model (`../shared/bench/moe_bench_config.json`: a 28M-param
 DeepSeek-V3-style MoE) is built in transformers with a fixed seed, written as safetensors, and
 loaded into composer_jax with `from_pretrained`, so both sides decode identical weights. Workload
 (the reference's): prompts of 32 tokens, 64 new tokens, greedy, at batch 1 and batch 16. Both
-sides run in this process on the CPU with the same thread count; compile time (ours) and the
-first call (theirs) are excluded by a warm-up run of the same workload.
+sides run in this process on the CPU with the same thread count: `--threads N` pins the process to
+N of its cores (`os.sched_setaffinity`, before JAX or torch start), so XLA:CPU sizes its intra-op
+thread pool from those N cores, and sets torch's intra-op threads to N (`torch.set_num_threads`);
+both sides then compute on the same N cores with N threads each. Compile time (ours) and the first
+call (theirs) are excluded by a warm-up run of the same workload.
 
     PYTHONPATH=src .venv/bin/python bench/decode.py [--repeats 3] [--threads 2] [--reference PATH]
 
@@ -29,10 +32,26 @@ import numpy as np
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "bench" / "moe_bench_config.json"
 
 
+def pin_threads(n: int) -> set[int]:
+    """Pin this process to n of the cores it may use (before JAX or torch create their thread
+    pools); -> the cores. XLA:CPU sizes its intra-op pool from the schedulable cores."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if not 1 <= n <= len(allowed):
+        raise SystemExit(f"--threads {n}: give 1..{len(allowed)} (the cores this process may use: {allowed})")
+    cores = set(allowed[:n])
+    os.sched_setaffinity(0, cores)
+    return cores
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per side and batch (median reported)")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads (XLA uses the process's cores)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="cores the process is pinned to; torch's intra-op threads and XLA's pool both get this many",
+    )
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--batches", default="1,16")
@@ -41,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.reference.exists():
         print(f"bench/decode.py: the reference config {args.reference} is missing", file=sys.stderr)
         return 2
+    cores = pin_threads(args.threads)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import jax
     import torch
@@ -59,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg, params = from_pretrained(tmp)
     print(
         f"reference model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters; "
-        f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__} ({args.threads} threads)"
+        f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__}; both sides on cores "
+        f"{sorted(cores)} with {torch.get_num_threads()} threads (torch) / an XLA pool sized from {len(cores)} cores; "
+        f"load average {os.getloadavg()[0]:.1f}"
     )
     greedy = SamplingParams(temperature=0.0, max_tokens=args.new)
     rows = []
@@ -94,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         ours_s, theirs_s = float(np.median(times["ours"])), float(np.median(times["theirs"]))
         agree = float((result["ours"] == result["theirs"]).mean())
         rows.append((batch, tok / ours_s, tok / theirs_s, theirs_s / ours_s, agree, sampler.compilations))
+    print(f"(load average at the end {os.getloadavg()[0]:.1f}; other processes on these cores slow both sides)")
     print("\nbatch | composer_jax tok/s | transformers tok/s | ratio | greedy tokens agreeing | our compilations")
     for b, o, t, r, a, c in rows:
         print(f"{b:5d} | {o:18.0f} | {t:18.0f} | {r:5.2f}x | {a:22.1%} | {c}")

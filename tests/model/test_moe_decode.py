@@ -106,7 +106,8 @@ def test_grouped_rows():
     assert moe.grouped_rows(4, 4, 16) == 4  # a verify window: one tile per distinct expert
     assert moe.grouped_rows(16, 4, 16) == 4  # batch 16: 64 assignments, 4 per expert on average
     assert moe.grouped_rows(32, 4, 16) == 8
-    assert moe.grouped_rows(256, 4, 16) == 16
+    assert moe.grouped_rows(256, 4, 16) == 64
+    assert moe.grouped_rows(1024, 4, 16) == 64
 
 
 def test_strategy_by_step_size():

@@ -2,9 +2,11 @@
 
 Requests of any prompt and output length join free slots and leave when done, between decode
 steps; every decode step advances all occupied slots by one token with one compiled program
-(static shapes: [slots, 1] tokens over a [slots, max_len] cache). A prompt is prefilled into its
-slot alone, padded to a power-of-two bucket, so a run compiles the decode step once and the prefill
-once per bucket it meets (`Sampler.compilations` counts them).
+(static shapes: [slots, 1] tokens over a [slots, max_len] cache). The prompts admitted at one step
+are prefilled together, in a group of a power-of-two rows (at most `slots`), each padded to the
+longest one's power-of-two bucket (speculative and mesh samplers prefill one prompt at a time), so a
+run compiles the decode step once and the prefill once per (group, bucket) it meets
+(`Sampler.compilations` counts them).
 
 For every generated token the sampler records its log-probability under the sampling distribution,
 the policy version of the weights that produced it, and for MoE models the experts it was routed to
@@ -146,6 +148,7 @@ class Sampler:
         self._ids = itertools.count()
         self.compilations = 0
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,))
+        self._prefill_group = jax.jit(self._prefill_group_fn, donate_argnums=(1,))
         self._decode = jax.jit(self._decode_fn, donate_argnums=(1,))
         self._spec_prefill = jax.jit(self._spec_prefill_fn, donate_argnums=(1, 2, 3, 4))
         self._spec_decode = jax.jit(self._spec_decode_fn, donate_argnums=(1, 2, 3, 4))
@@ -160,6 +163,29 @@ class Sampler:
         self.compilations += 1  # runs once per trace: a new bucket size
         cache, tok, lp, routing, _ = self._prefill_row(params, cache, slot, tokens, n, temperature, top_k, top_p, seed)
         return cache, tok, lp, routing
+
+    def _prefill_group_fn(self, params, cache: KVCache, slots, tokens, n, temperature, top_k, top_p, seed):
+        """Prompts int32[g, bucket] (n[j] real in row j) into cache rows `slots` (an index past the
+        cache's rows marks a padding row, whose writes are dropped) in one forward; -> (cache, first
+        tokens [g], their log-probs, routing of the prompt tokens [moe_layers, g, bucket, k] or None)."""
+        self.compilations += 1  # once per (group size, bucket) met
+        rows = KVCache(
+            {
+                s: {k: jnp.take(v, jnp.minimum(slots, self.slots - 1), axis=1) for k, v in d.items()}
+                for s, d in cache.layers.items()
+            },
+            jnp.zeros(slots.shape, jnp.int32),
+        )
+        out = forward(params, tokens, self.cfg, cache=rows, sharding=self.sharding)
+        assert out.cache is not None
+        layers = {
+            s: {k: v.at[:, slots].set(out.cache.layers[s][k], mode="drop") for k, v in d.items()}
+            for s, d in cache.layers.items()
+        }
+        cache = KVCache(layers, cache.lengths.at[slots].set(n, mode="drop"))
+        logits = jnp.take_along_axis(out.logits, (n - 1)[:, None, None], axis=1)[:, 0]  # [g, V]
+        tok, lp = sample(logits, temperature, top_k, top_p, seed, n)
+        return cache, tok, lp, out.routing
 
     def _prefill_row(self, params, cache: KVCache, slot, tokens, n, temperature, top_k, top_p, seed):
         """The prefill of `_prefill_fn`, also returning the prompt's final hidden states [1, bucket, E]."""
@@ -341,9 +367,13 @@ class Sampler:
         """Admit waiting requests into free slots (prefill), then decode one token in every
         occupied slot. Returns the requests that finished."""
         done: list[Completion] = []
-        for i in range(self.slots):
-            if self._slot[i] is None and self._waiting:
-                done += self._admit(i, self._waiting.popleft())
+        free = [i for i in range(self.slots) if self._slot[i] is None]
+        admit = [(i, self._waiting.popleft()) for i in free[: len(self._waiting)]]
+        if self.speculative_tokens or self.mesh is not None:
+            for i, request in admit:
+                done += self._admit(i, request)
+        elif admit:
+            done += self._admit_group(admit)
         active = np.array([s is not None for s in self._slot])
         if not active.any():
             return done
@@ -429,6 +459,41 @@ class Sampler:
             jnp.asarray([p is not None for p in self._slot]),
         )
         return self._settings_cache
+
+    def _admit_group(self, admit: list[tuple[int, Request]]) -> list[Completion]:
+        """Prefill the requests into their slots in one program: a group of a power-of-two rows
+        (padding rows write nothing), the prompts padded to the longest one's bucket."""
+        g = min(self.slots, 1 << (len(admit) - 1).bit_length())
+        bucket = max(_bucket(len(r.prompt), self.max_len) for _, r in admit)
+        tokens = np.zeros((g, bucket), np.int32)
+        slots = np.full(g, self.slots, np.int32)  # past the cache's rows: a padding row
+        n = np.ones(g, np.int32)
+        reqs = [SamplingParams()] * g
+        for j, (i, request) in enumerate(admit):
+            tokens[j, : len(request.prompt)] = request.prompt
+            slots[j], n[j], reqs[j] = i, len(request.prompt), request.params
+        self.cache, tok, lp, routing = self._prefill_group(
+            self.params,
+            self.cache,
+            jnp.asarray(slots),
+            jnp.asarray(tokens),
+            jnp.asarray(n),
+            jnp.asarray([p.temperature for p in reqs], jnp.float32),
+            jnp.asarray([p.top_k for p in reqs], jnp.int32),
+            jnp.asarray([p.top_p for p in reqs], jnp.float32),
+            jnp.asarray([p.seed for p in reqs], jnp.uint32),
+        )
+        tok, lp = np.asarray(tok), np.asarray(lp)
+        routing_np = None if routing is None else np.asarray(routing)
+        done: list[Completion] = []
+        for j, (i, request) in enumerate(admit):
+            slot = _Slot(request)
+            if routing_np is not None:
+                slot.routing.extend(np.moveaxis(routing_np[:, j, : n[j]], 1, 0))
+            self._slot[i] = slot
+            done += self._record(i, int(tok[j]), float(lp[j]))
+        self._settings_cache = None
+        return done
 
     def _admit(self, i: int, request: Request) -> list[Completion]:
         n = len(request.prompt)

@@ -401,7 +401,7 @@ def _gathered_swiglu(xt: jax.Array, experts: jax.Array, gate: jax.Array, up: jax
 # tiles of the real assignments up to GROUPED_MAX_TOKENS tokens, the training path's tiled dispatch
 # beyond (long prefills)
 LOOP_ASSIGNMENTS_PER_EXPERT = 2
-GROUPED_MAX_TOKENS = 256
+GROUPED_MAX_TOKENS = 1024
 
 
 def decode_strategy(tokens: int, k: int, experts: int) -> str:
@@ -485,11 +485,11 @@ def decode_swiglu(
 def grouped_rows(tokens: int, k: int, experts: int) -> int:
     """Rows per tile of the "grouped" scheme for a step of `tokens` tokens (k assignments each) over
     `experts` experts: the step's tokens when few (a verify window: one tile per distinct expert),
-    else the mean assignments per expert rounded up to a power of two, at most 16."""
+    else the mean assignments per expert rounded up to a power of two, at most 64."""
     if tokens <= 8:
         return tokens
     mean = -(-tokens * k // experts)
-    return min(16, 1 << max(0, mean - 1).bit_length())
+    return min(64, 1 << max(0, mean - 1).bit_length())
 
 
 def _grouped_swiglu(
