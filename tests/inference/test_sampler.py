@@ -61,6 +61,25 @@ def test_staggered_greedy_requests_equal_the_training_forward(params):
     assert sampler.compilations == 4
 
 
+def test_a_group_prefill_with_a_padding_row_leaves_the_other_slots_alone(params):
+    # slot 0 runs; three prompts then join together: a group of 4 rows, one of them padding, whose
+    # writes must land nowhere (not in slot 3, the last real row)
+    sampler = Sampler(params, CFG, slots=4, max_len=40)
+    sampler.submit(Request(_prompt(20, 9), dataclasses.replace(GREEDY, max_tokens=8), id="first"))
+    sampler.step()
+    for i, n in enumerate([4, 13, 6]):
+        sampler.submit(Request(_prompt(21 + i, n), dataclasses.replace(GREEDY, max_tokens=5), id=f"late{i}"))
+    done = []
+    while sampler.busy:
+        done += sampler.step()
+    assert sorted(c.id for c in done) == ["first", "late0", "late1", "late2"]
+    for c in done:
+        lp, chosen, routing = _training_view(params, c)
+        np.testing.assert_array_equal(np.argmax(lp, axis=-1), c.tokens)
+        np.testing.assert_allclose(c.logprobs, chosen, atol=1e-5, rtol=0)
+        np.testing.assert_array_equal(c.routing, routing)
+
+
 def test_recorded_routing_replayed_in_training_gives_the_sampler_logprobs(params):
     sampler = Sampler(params, CFG, slots=1, max_len=32)
     (c,) = sampler.run([Request(_prompt(7, 6), SamplingParams(temperature=1.0, max_tokens=5, seed=3))])
