@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--chunk", type=int, default=16, help="our sampler's decode steps per compiled call (decode_chunk)")
     ap.add_argument("--reference", type=Path, default=REFERENCE, help="the reference model's config.json")
     args = ap.parse_args(argv)
     if not args.reference.exists():
@@ -81,13 +82,13 @@ def main(argv: list[str] | None = None) -> int:
         f"reference model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters; "
         f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__}; both sides on cores "
         f"{sorted(cores)} with {torch.get_num_threads()} threads (torch) / an XLA pool sized from {len(cores)} cores; "
-        f"load average {os.getloadavg()[0]:.1f}"
+        f"load average {os.getloadavg()[0]:.1f}; our sampler runs {args.chunk} decode steps per call (--chunk)"
     )
     greedy = SamplingParams(temperature=0.0, max_tokens=args.new)
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = np.random.default_rng(batch).integers(0, cfg.vocab_size, (batch, args.prompt))
-        sampler = Sampler(params, cfg, slots=batch, max_len=args.prompt + args.new)
+        sampler = Sampler(params, cfg, slots=batch, max_len=args.prompt + args.new, decode_chunk=args.chunk)
 
         def ours(sampler: Sampler = sampler, prompts: np.ndarray = prompts) -> np.ndarray:
             done = sampler.run([Request(list(map(int, p)), greedy) for p in prompts])
@@ -104,22 +105,37 @@ def main(argv: list[str] | None = None) -> int:
                 )
             return out[:, args.prompt :].numpy()
 
-        times: dict[str, list[float]] = {"ours": [], "theirs": []}
-        result = {}
-        for name, fn in (("ours", ours), ("theirs", theirs)):
-            result[name] = fn()  # warm-up: compilation (ours), first-call setup (theirs)
-            for _ in range(args.repeats):
-                t0 = time.perf_counter()
+        fns = {"ours": ours, "theirs": theirs}
+        result = {name: fn() for name, fn in fns.items()}  # warm-up: compilation (ours), first-call setup (theirs)
+        wall: dict[str, list[float]] = {"ours": [], "theirs": []}
+        cpu: dict[str, list[float]] = {"ours": [], "theirs": []}
+        for _ in range(args.repeats):  # alternating, so a change in the machine's load hits both sides alike
+            for name, fn in fns.items():
+                t0, c0 = time.perf_counter(), time.process_time()
                 fn()
-                times[name].append(time.perf_counter() - t0)
+                wall[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
+        med = {name: (float(np.median(wall[name])), float(np.median(cpu[name]))) for name in fns}
         tok = batch * args.new
-        ours_s, theirs_s = float(np.median(times["ours"])), float(np.median(times["theirs"]))
         agree = float((result["ours"] == result["theirs"]).mean())
-        rows.append((batch, tok / ours_s, tok / theirs_s, theirs_s / ours_s, agree, sampler.compilations))
-    print(f"(load average at the end {os.getloadavg()[0]:.1f}; other processes on these cores slow both sides)")
-    print("\nbatch | composer_jax tok/s | transformers tok/s | ratio | greedy tokens agreeing | our compilations")
-    for b, o, t, r, a, c in rows:
-        print(f"{b:5d} | {o:18.0f} | {t:18.0f} | {r:5.2f}x | {a:22.1%} | {c}")
+        rows.append((batch, tok / med["ours"][0], tok / med["theirs"][0], med, agree, sampler.compilations))
+    print(f"load average at the end {os.getloadavg()[0]:.1f} (other processes on these cores slow both sides)")
+    print(
+        "\nratio: transformers' time / ours for the same tokens (higher is better for composer_jax). 'wall' is"
+        "\nelapsed time (tokens/s); 'cpu' is the process's CPU time over all its threads, which other jobs on"
+        "\nthe machine disturb much less than wall time (with --threads 1 it is the work each side does; with"
+        "\nmore threads it also counts pool threads spinning while they wait)."
+    )
+    print(
+        "\nbatch | composer_jax tok/s | transformers tok/s | ratio (wall) | ratio (cpu) | ms cpu ours / theirs"
+        " | greedy tokens agreeing | our compilations"
+    )
+    for b, o, t, m, a, c in rows:
+        (ow, oc), (tw, tc) = m["ours"], m["theirs"]
+        print(
+            f"{b:5d} | {o:18.0f} | {t:18.0f} | {tw / ow:11.2f}x | {tc / oc:10.2f}x | {oc * 1e3:8.0f} / {tc * 1e3:<8.0f}"
+            f" | {a:22.1%} | {c}"
+        )
     return 0
 
 

@@ -80,6 +80,39 @@ def test_a_group_prefill_with_a_padding_row_leaves_the_other_slots_alone(params)
         np.testing.assert_array_equal(c.routing, routing)
 
 
+def test_decode_chunks_give_the_one_step_samplers_tokens(params):
+    # 5 staggered requests, greedy and sampled, through 2 slots with 4 decode steps per call; two
+    # stop on a token: one on device (its stop id among the first STOP_IDS_ON_DEVICE), one only on
+    # the host (its stop id the 9th), which drops the tokens after it
+    def reqs(stops):
+        return [
+            Request(
+                _prompt(30 + i, n),
+                SamplingParams(temperature=(0.0, 1.0)[i % 2], max_tokens=m, seed=i, stop_token_ids=stops[i]),
+            )
+            for i, (n, m) in enumerate([(5, 9), (11, 3), (3, 8), (17, 6), (8, 5)])
+        ]
+
+    free = Sampler(params, CFG, slots=2, max_len=48).run(reqs([()] * 5))
+    far = tuple(t for t in range(100, 120) if t not in free[2].tokens)[:8]
+    stops = [(free[0].tokens[2],), (), far + (free[2].tokens[4],), (), ()]
+    one = Sampler(params, CFG, slots=2, max_len=48).run(reqs(stops))
+    chunked = Sampler(params, CFG, slots=2, max_len=48, decode_chunk=4)
+    many = chunked.run(reqs(stops))
+    assert [len(c.tokens) for c in one][0] <= 3 and len(one[2].tokens) <= 5
+    assert one[0].finish_reason == one[2].finish_reason == "stop"
+    for a, b in zip(one, many):
+        assert (a.tokens, a.finish_reason, a.versions) == (b.tokens, b.finish_reason, b.versions)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6, rtol=0)
+        np.testing.assert_array_equal(a.routing, b.routing)
+    lp, chosen, routing = _training_view(params, many[4])  # greedy: also against the training forward
+    np.testing.assert_array_equal(np.argmax(lp, axis=-1), many[4].tokens)
+    np.testing.assert_allclose(many[4].logprobs, chosen, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(many[4].routing, routing)
+    with pytest.raises(ValueError, match="decode_chunk=0"):
+        Sampler(params, CFG, slots=1, max_len=16, decode_chunk=0)
+
+
 def test_recorded_routing_replayed_in_training_gives_the_sampler_logprobs(params):
     sampler = Sampler(params, CFG, slots=1, max_len=32)
     (c,) = sampler.run([Request(_prompt(7, 6), SamplingParams(temperature=1.0, max_tokens=5, seed=3))])

@@ -97,9 +97,7 @@ def test_grouped_tiles_of_any_size(rows):
     y = fn(x, experts, w, gate, up, down, strategy="grouped", rows=rows)
     np.testing.assert_allclose(np.asarray(y), _reference(x, experts, w, gate, up, down), rtol=2e-5, atol=2e-5)
     part = fn(x, experts, w, gate[1:3], up[1:3], down[1:3], strategy="grouped", first_expert=1, rows=rows)
-    np.testing.assert_allclose(
-        np.asarray(part), _reference(x, experts, w, gate, up, down, 1, 2), rtol=2e-5, atol=2e-5
-    )
+    np.testing.assert_allclose(np.asarray(part), _reference(x, experts, w, gate, up, down, 1, 2), rtol=2e-5, atol=2e-5)
 
 
 def test_grouped_rows():
