@@ -25,6 +25,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             return out[:, args.prompt :].numpy()
 
-        fns = {"ours": ours, "theirs": theirs}
+        fns: dict[str, Callable[[], np.ndarray]] = {"ours": ours, "theirs": theirs}
         result = {name: fn() for name, fn in fns.items()}  # warm-up: compilation (ours), first-call setup (theirs)
         wall: dict[str, list[float]] = {"ours": [], "theirs": []}
         cpu: dict[str, list[float]] = {"ours": [], "theirs": []}
