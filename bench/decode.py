@@ -4,8 +4,11 @@ The shared reference model (`../shared/bench/moe_bench_config.json`: a 28M-param
 DeepSeek-V3-style MoE) is built in transformers with a fixed seed, written as safetensors, and
 loaded into composer_jax with `from_pretrained`, so both sides decode identical weights. Workload
 (the reference's): prompts of 32 tokens, 64 new tokens, greedy, at batch 1 and batch 16. Both
-sides run in this process on the CPU with the same thread count; compile time (ours) and the
-first call (theirs) are excluded by a warm-up run of the same workload.
+sides run in this process on the CPU with the same thread count: `--threads N` pins the process to
+N of its cores (`os.sched_setaffinity`, before JAX or torch start), so XLA:CPU sizes its intra-op
+thread pool from those N cores, and sets torch's intra-op threads to N (`torch.set_num_threads`);
+both sides then compute on the same N cores with N threads each. Compile time (ours) and the first
+call (theirs) are excluded by a warm-up run of the same workload.
 
     PYTHONPATH=src .venv/bin/python bench/decode.py [--repeats 3] [--threads 2] [--reference PATH]
 
@@ -22,6 +25,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -29,18 +33,36 @@ import numpy as np
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "bench" / "moe_bench_config.json"
 
 
+def pin_threads(n: int) -> set[int]:
+    """Pin this process to n of the cores it may use (before JAX or torch create their thread
+    pools); -> the cores. XLA:CPU sizes its intra-op pool from the schedulable cores."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if not 1 <= n <= len(allowed):
+        raise SystemExit(f"--threads {n}: give 1..{len(allowed)} (the cores this process may use: {allowed})")
+    cores = set(allowed[:n])
+    os.sched_setaffinity(0, cores)
+    return cores
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per side and batch (median reported)")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads (XLA uses the process's cores)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="cores the process is pinned to; torch's intra-op threads and XLA's pool both get this many",
+    )
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--chunk", type=int, default=16, help="our sampler's decode steps per compiled call (decode_chunk)")
     ap.add_argument("--reference", type=Path, default=REFERENCE, help="the reference model's config.json")
     args = ap.parse_args(argv)
     if not args.reference.exists():
         print(f"bench/decode.py: the reference config {args.reference} is missing", file=sys.stderr)
         return 2
+    cores = pin_threads(args.threads)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import jax
     import torch
@@ -59,13 +81,15 @@ def main(argv: list[str] | None = None) -> int:
         cfg, params = from_pretrained(tmp)
     print(
         f"reference model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters; "
-        f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__} ({args.threads} threads)"
+        f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__}; both sides on cores "
+        f"{sorted(cores)} with {torch.get_num_threads()} threads (torch) / an XLA pool sized from {len(cores)} cores; "
+        f"load average {os.getloadavg()[0]:.1f}; our sampler runs {args.chunk} decode steps per call (--chunk)"
     )
     greedy = SamplingParams(temperature=0.0, max_tokens=args.new)
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = np.random.default_rng(batch).integers(0, cfg.vocab_size, (batch, args.prompt))
-        sampler = Sampler(params, cfg, slots=batch, max_len=args.prompt + args.new)
+        sampler = Sampler(params, cfg, slots=batch, max_len=args.prompt + args.new, decode_chunk=args.chunk)
 
         def ours(sampler: Sampler = sampler, prompts: np.ndarray = prompts) -> np.ndarray:
             done = sampler.run([Request(list(map(int, p)), greedy) for p in prompts])
@@ -82,21 +106,37 @@ def main(argv: list[str] | None = None) -> int:
                 )
             return out[:, args.prompt :].numpy()
 
-        times: dict[str, list[float]] = {"ours": [], "theirs": []}
-        result = {}
-        for name, fn in (("ours", ours), ("theirs", theirs)):
-            result[name] = fn()  # warm-up: compilation (ours), first-call setup (theirs)
-            for _ in range(args.repeats):
-                t0 = time.perf_counter()
+        fns: dict[str, Callable[[], np.ndarray]] = {"ours": ours, "theirs": theirs}
+        result = {name: fn() for name, fn in fns.items()}  # warm-up: compilation (ours), first-call setup (theirs)
+        wall: dict[str, list[float]] = {"ours": [], "theirs": []}
+        cpu: dict[str, list[float]] = {"ours": [], "theirs": []}
+        for _ in range(args.repeats):  # alternating, so a change in the machine's load hits both sides alike
+            for name, fn in fns.items():
+                t0, c0 = time.perf_counter(), time.process_time()
                 fn()
-                times[name].append(time.perf_counter() - t0)
+                wall[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
+        med = {name: (float(np.median(wall[name])), float(np.median(cpu[name]))) for name in fns}
         tok = batch * args.new
-        ours_s, theirs_s = float(np.median(times["ours"])), float(np.median(times["theirs"]))
         agree = float((result["ours"] == result["theirs"]).mean())
-        rows.append((batch, tok / ours_s, tok / theirs_s, theirs_s / ours_s, agree, sampler.compilations))
-    print("\nbatch | composer_jax tok/s | transformers tok/s | ratio | greedy tokens agreeing | our compilations")
-    for b, o, t, r, a, c in rows:
-        print(f"{b:5d} | {o:18.0f} | {t:18.0f} | {r:5.2f}x | {a:22.1%} | {c}")
+        rows.append((batch, tok / med["ours"][0], tok / med["theirs"][0], med, agree, sampler.compilations))
+    print(f"load average at the end {os.getloadavg()[0]:.1f} (other processes on these cores slow both sides)")
+    print(
+        "\nratio: transformers' time / ours for the same tokens (higher is better for composer_jax). 'wall' is"
+        "\nelapsed time (tokens/s); 'cpu' is the process's CPU time over all its threads, which other jobs on"
+        "\nthe machine disturb much less than wall time (with --threads 1 it is the work each side does; with"
+        "\nmore threads it also counts pool threads spinning while they wait)."
+    )
+    print(
+        "\nbatch | composer_jax tok/s | transformers tok/s | ratio (wall) | ratio (cpu) | ms cpu ours / theirs"
+        " | greedy tokens agreeing | our compilations"
+    )
+    for b, o, t, m, a, c in rows:
+        (ow, oc), (tw, tc) = m["ours"], m["theirs"]
+        print(
+            f"{b:5d} | {o:18.0f} | {t:18.0f} | {tw / ow:11.2f}x | {tc / oc:10.2f}x | {oc * 1e3:8.0f} / {tc * 1e3:<8.0f}"
+            f" | {a:22.1%} | {c}"
+        )
     return 0
 
 

@@ -61,7 +61,13 @@ def main(argv: list[str] | None = None) -> int:
         tuple(jnp.asarray(rng.standard_normal(s, np.float32) * 0.05) for s in [(E, D, F), (E, D, F), (E, F, D)])
         for _ in range(args.layers)
     ]
-    schemes = {"gathered": _gathered, "loop": _scheme("loop"), "dense": _scheme("dense"), "tiled": _scheme("tiled")}
+    schemes = {
+        "gathered": _gathered,
+        "loop": _scheme("loop"),
+        "dense": _scheme("dense"),
+        "grouped": _scheme("grouped"),
+        "tiled": _scheme("tiled"),
+    }
 
     def chain(f: Callable) -> Callable:
         def run(x, exs, w):

@@ -56,8 +56,61 @@ def test_staggered_greedy_requests_equal_the_training_forward(params):
         assert c.routing is not None
         np.testing.assert_array_equal(c.routing, routing)  # what the training forward picks
         assert c.versions == [0] * len(c.tokens)
-    # one decode program, and one prefill per bucket met (16 and 32 tokens)
-    assert sampler.compilations == 3
+    # one decode program, and one prefill per (group, bucket) met: the first two prompts together
+    # (2 rows of 16 tokens), later ones alone as slots free up (1 x 16, 1 x 32)
+    assert sampler.compilations == 4
+
+
+def test_a_group_prefill_with_a_padding_row_leaves_the_other_slots_alone(params):
+    # slot 0 runs; three prompts then join together: a group of 4 rows, one of them padding, whose
+    # writes must land nowhere (not in slot 3, the last real row)
+    sampler = Sampler(params, CFG, slots=4, max_len=40)
+    sampler.submit(Request(_prompt(20, 9), dataclasses.replace(GREEDY, max_tokens=8), id="first"))
+    sampler.step()
+    for i, n in enumerate([4, 13, 6]):
+        sampler.submit(Request(_prompt(21 + i, n), dataclasses.replace(GREEDY, max_tokens=5), id=f"late{i}"))
+    done = []
+    while sampler.busy:
+        done += sampler.step()
+    assert sorted(c.id for c in done) == ["first", "late0", "late1", "late2"]
+    for c in done:
+        lp, chosen, routing = _training_view(params, c)
+        np.testing.assert_array_equal(np.argmax(lp, axis=-1), c.tokens)
+        np.testing.assert_allclose(c.logprobs, chosen, atol=1e-5, rtol=0)
+        np.testing.assert_array_equal(c.routing, routing)
+
+
+def test_decode_chunks_give_the_one_step_samplers_tokens(params):
+    # 5 staggered requests, greedy and sampled, through 2 slots with 4 decode steps per call; two
+    # stop on a token: one on device (its stop id among the first STOP_IDS_ON_DEVICE), one only on
+    # the host (its stop id the 9th), which drops the tokens after it
+    def reqs(stops):
+        return [
+            Request(
+                _prompt(30 + i, n),
+                SamplingParams(temperature=(0.0, 1.0)[i % 2], max_tokens=m, seed=i, stop_token_ids=stops[i]),
+            )
+            for i, (n, m) in enumerate([(5, 9), (11, 3), (3, 8), (17, 6), (8, 5)])
+        ]
+
+    free = Sampler(params, CFG, slots=2, max_len=48).run(reqs([()] * 5))
+    far = tuple(t for t in range(100, 120) if t not in free[2].tokens)[:8]
+    stops = [(free[0].tokens[2],), (), far + (free[2].tokens[4],), (), ()]
+    one = Sampler(params, CFG, slots=2, max_len=48).run(reqs(stops))
+    chunked = Sampler(params, CFG, slots=2, max_len=48, decode_chunk=4)
+    many = chunked.run(reqs(stops))
+    assert [len(c.tokens) for c in one][0] <= 3 and len(one[2].tokens) <= 5
+    assert one[0].finish_reason == one[2].finish_reason == "stop"
+    for a, b in zip(one, many):
+        assert (a.tokens, a.finish_reason, a.versions) == (b.tokens, b.finish_reason, b.versions)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6, rtol=0)
+        np.testing.assert_array_equal(a.routing, b.routing)
+    lp, chosen, routing = _training_view(params, many[4])  # greedy: also against the training forward
+    np.testing.assert_array_equal(np.argmax(lp, axis=-1), many[4].tokens)
+    np.testing.assert_allclose(many[4].logprobs, chosen, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(many[4].routing, routing)
+    with pytest.raises(ValueError, match="decode_chunk=0"):
+        Sampler(params, CFG, slots=1, max_len=16, decode_chunk=0)
 
 
 def test_recorded_routing_replayed_in_training_gives_the_sampler_logprobs(params):

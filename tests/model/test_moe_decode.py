@@ -38,7 +38,7 @@ def _reference(x, experts, weights, gate, up, down, first=0, count=E):
     return y
 
 
-@pytest.mark.parametrize("strategy", ["loop", "dense", "tiled"])
+@pytest.mark.parametrize("strategy", ["loop", "dense", "grouped", "tiled"])
 @pytest.mark.parametrize("tokens", [1, 3, 9])
 def test_each_scheme_equals_the_per_assignment_reference(strategy, tokens):
     rng = np.random.default_rng(tokens)
@@ -52,7 +52,7 @@ def test_each_scheme_equals_the_per_assignment_reference(strategy, tokens):
     np.testing.assert_allclose(np.asarray(y), _reference(x, experts, w, gate, up, down), rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("strategy", ["loop", "dense"])
+@pytest.mark.parametrize("strategy", ["loop", "dense", "grouped"])
 def test_a_slice_of_the_experts_sums_only_its_own_assignments(strategy):
     rng = np.random.default_rng(7)
     gate, up, down = _weights()
@@ -70,16 +70,42 @@ def test_a_slice_of_the_experts_sums_only_its_own_assignments(strategy):
     np.testing.assert_allclose(sum(parts), _reference(x, experts, w, gate, up, down), rtol=2e-5, atol=2e-5)
 
 
-def test_the_loop_skips_experts_nobody_chose():
+@pytest.mark.parametrize("strategy", ["loop", "grouped"])
+def test_the_loop_skips_experts_nobody_chose(strategy):
     """An expert no token chose is never evaluated: NaN weights there do not reach the output."""
     gate, up, down = (a.copy() for a in _weights())
     gate[3] = np.nan
     x = np.ones((2, D), np.float32)
     experts = np.array([[0, 1], [1, 2]], np.int32)
     w = np.full((2, K), 0.5, np.float32)
-    y = np.asarray(moe.decode_swiglu(x, experts, w, gate, up, down, "loop"))
+    y = np.asarray(moe.decode_swiglu(x, experts, w, gate, up, down, strategy))
     assert np.isfinite(y).all()
     np.testing.assert_allclose(y, _reference(x, experts, w, gate, up, down), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 16])
+def test_grouped_tiles_of_any_size(rows):
+    """An expert's assignments spread over several tiles (rows 1-3 for up to 9 of them), or one tile
+    padded well past them (16): the same sums; a slice of the experts counts only its own."""
+    rng = np.random.default_rng(rows)
+    gate, up, down = _weights()
+    x = rng.standard_normal((12, D)).astype(np.float32)
+    experts = rng.integers(0, 3, (12, K)).astype(np.int32)  # 24 assignments onto experts 0-2
+    experts[:, 1] = np.where(experts[:, 1] == experts[:, 0], 7, experts[:, 1])
+    w = rng.random((12, K)).astype(np.float32)
+    fn = jax.jit(moe.decode_swiglu, static_argnames=("strategy", "rows"))
+    y = fn(x, experts, w, gate, up, down, strategy="grouped", rows=rows)
+    np.testing.assert_allclose(np.asarray(y), _reference(x, experts, w, gate, up, down), rtol=2e-5, atol=2e-5)
+    part = fn(x, experts, w, gate[1:3], up[1:3], down[1:3], strategy="grouped", first_expert=1, rows=rows)
+    np.testing.assert_allclose(np.asarray(part), _reference(x, experts, w, gate, up, down, 1, 2), rtol=2e-5, atol=2e-5)
+
+
+def test_grouped_rows():
+    assert moe.grouped_rows(4, 4, 16) == 4  # a verify window: one tile per distinct expert
+    assert moe.grouped_rows(16, 4, 16) == 4  # batch 16: 64 assignments, 4 per expert on average
+    assert moe.grouped_rows(32, 4, 16) == 8
+    assert moe.grouped_rows(256, 4, 16) == 64
+    assert moe.grouped_rows(1024, 4, 16) == 64
 
 
 def test_strategy_by_step_size():
@@ -87,10 +113,10 @@ def test_strategy_by_step_size():
     assert moe.decode_strategy(1, 4, 16) == "loop"  # a batch-1 decode step
     assert moe.decode_strategy(4, 4, 16) == "loop"  # a verify window of k = 3
     assert moe.decode_strategy(8, 4, 16) == "loop"
-    assert moe.decode_strategy(9, 4, 16) == "dense"
-    assert moe.decode_strategy(16, 4, 16) == "dense"  # batch 16
-    assert moe.decode_strategy(moe.DENSE_MAX_TOKENS + 1, 4, 16) == "tiled"  # a long prefill
-    with pytest.raises(ValueError, match="accepted: loop, dense, tiled"):
+    assert moe.decode_strategy(9, 4, 16) == "grouped"
+    assert moe.decode_strategy(16, 4, 16) == "grouped"  # batch 16
+    assert moe.decode_strategy(moe.GROUPED_MAX_TOKENS + 1, 4, 16) == "tiled"  # a long prefill
+    with pytest.raises(ValueError, match="accepted: loop, dense, grouped, tiled"):
         moe.decode_swiglu(
             *(np.zeros((1, D), np.float32), np.zeros((1, K), np.int32), np.ones((1, K))), *_weights(), "x"
         )

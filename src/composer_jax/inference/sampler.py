@@ -2,9 +2,11 @@
 
 Requests of any prompt and output length join free slots and leave when done, between decode
 steps; every decode step advances all occupied slots by one token with one compiled program
-(static shapes: [slots, 1] tokens over a [slots, max_len] cache). A prompt is prefilled into its
-slot alone, padded to a power-of-two bucket, so a run compiles the decode step once and the prefill
-once per bucket it meets (`Sampler.compilations` counts them).
+(static shapes: [slots, 1] tokens over a [slots, max_len] cache). The prompts admitted at one step
+are prefilled together, in a group of a power-of-two rows (at most `slots`), each padded to the
+longest one's power-of-two bucket (speculative and mesh samplers prefill one prompt at a time), so a
+run compiles the decode step once and the prefill once per (group, bucket) it meets
+(`Sampler.compilations` counts them).
 
 For every generated token the sampler records its log-probability under the sampling distribution,
 the policy version of the weights that produced it, and for MoE models the experts it was routed to
@@ -40,6 +42,7 @@ from composer_jax.model.transformer import forward
 from composer_jax.sharding import MeshRules, ShardingRules
 
 MIN_BUCKET = 16
+STOP_IDS_ON_DEVICE = 8  # a request's first stop token ids, checked inside a decode chunk
 
 
 @dataclasses.dataclass
@@ -89,7 +92,13 @@ class Sampler:
     1 and the MTP parameters; the KV caches then hold max_len + 2k positions: a verify window and
     the chained drafts reach up to 2k - 1 past the last confirmed token). draft_vocab: token ids
     the drafts are restricted to (a cheaper draft head, FR-Spec; `inference/speculative.py`);
-    None = the whole vocabulary. Neither changes the output distribution."""
+    None = the whole vocabulary. Neither changes the output distribution. decode_chunk: decode steps
+    per compiled call (without speculation): `step` then runs up to that many steps in one on-device
+    loop, which ends early once every slot has reached its max_tokens or one of its first
+    STOP_IDS_ON_DEVICE stop token ids; the host then records the tokens (stop strings and any further
+    stop ids are checked there, and a request's tokens after its stop are dropped). Requests join,
+    leave, are cancelled and see new weights between calls, so a larger chunk trades the granularity
+    of continuous batching and streaming for fewer host round trips; the tokens are the same."""
 
     def __init__(
         self,
@@ -104,8 +113,11 @@ class Sampler:
         detokenize: Callable[[list[int]], str] | None = None,
         speculative_tokens: int = 0,
         draft_vocab: Sequence[int] | None = None,
+        decode_chunk: int = 1,
     ):
         k = speculative_tokens
+        if decode_chunk < 1:
+            raise ValueError(f"decode_chunk={decode_chunk} must be >= 1 (decode steps per compiled call)")
         if k < 0:
             raise ValueError(f"speculative_tokens={k} must be >= 0 (0 = no speculative decoding)")
         if k and (cfg.num_mtp_layers < 1 or "mtp" not in params):
@@ -124,6 +136,7 @@ class Sampler:
         self.sharding = MeshRules(mesh, rules or ShardingRules.create()) if mesh is not None else None
         self.detokenize = detokenize
         self.speculative_tokens = k
+        self.decode_chunk = 1 if k else decode_chunk
         self.draft_vocab = None
         if draft_vocab is not None:
             ids = sorted({int(t) for t in draft_vocab})
@@ -146,7 +159,9 @@ class Sampler:
         self._ids = itertools.count()
         self.compilations = 0
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,))
+        self._prefill_group = jax.jit(self._prefill_group_fn, donate_argnums=(1,))
         self._decode = jax.jit(self._decode_fn, donate_argnums=(1,))
+        self._decode_many = jax.jit(self._decode_chunk_fn, donate_argnums=(1,))
         self._spec_prefill = jax.jit(self._spec_prefill_fn, donate_argnums=(1, 2, 3, 4))
         self._spec_decode = jax.jit(self._spec_decode_fn, donate_argnums=(1, 2, 3, 4))
         # per-slot sampling settings and state, on the host; sent with every step
@@ -160,6 +175,29 @@ class Sampler:
         self.compilations += 1  # runs once per trace: a new bucket size
         cache, tok, lp, routing, _ = self._prefill_row(params, cache, slot, tokens, n, temperature, top_k, top_p, seed)
         return cache, tok, lp, routing
+
+    def _prefill_group_fn(self, params, cache: KVCache, slots, tokens, n, temperature, top_k, top_p, seed):
+        """Prompts int32[g, bucket] (n[j] real in row j) into cache rows `slots` (an index past the
+        cache's rows marks a padding row, whose writes are dropped) in one forward; -> (cache, first
+        tokens [g], their log-probs, routing of the prompt tokens [moe_layers, g, bucket, k] or None)."""
+        self.compilations += 1  # once per (group size, bucket) met
+        rows = KVCache(
+            {
+                s: {k: jnp.take(v, jnp.minimum(slots, self.slots - 1), axis=1) for k, v in d.items()}
+                for s, d in cache.layers.items()
+            },
+            jnp.zeros(slots.shape, jnp.int32),
+        )
+        out = forward(params, tokens, self.cfg, cache=rows, sharding=self.sharding)
+        assert out.cache is not None
+        layers = {
+            s: {k: v.at[:, slots].set(out.cache.layers[s][k], mode="drop") for k, v in d.items()}
+            for s, d in cache.layers.items()
+        }
+        cache = KVCache(layers, cache.lengths.at[slots].set(n, mode="drop"))
+        logits = jnp.take_along_axis(out.logits, (n - 1)[:, None, None], axis=1)[:, 0]  # [g, V]
+        tok, lp = sample(logits, temperature, top_k, top_p, seed, n)
+        return cache, tok, lp, out.routing
 
     def _prefill_row(self, params, cache: KVCache, slot, tokens, n, temperature, top_k, top_p, seed):
         """The prefill of `_prefill_fn`, also returning the prompt's final hidden states [1, bucket, E]."""
@@ -219,6 +257,9 @@ class Sampler:
         """One token for every slot: tokens int32[S] (each slot's last token) -> (cache, next
         tokens, their log-probs, routing of the input tokens [moe_layers, S, k] or None)."""
         self.compilations += 1
+        return self._decode_body(params, cache, tokens, active, temperature, top_k, top_p, seeds)
+
+    def _decode_body(self, params, cache: KVCache, tokens, active, temperature, top_k, top_p, seeds):
         out = forward(params, tokens[:, None], self.cfg, cache=cache, sharding=self.sharding)
         assert out.cache is not None
         # idle slots stay where they are (their writes land past their length and are never seen)
@@ -227,6 +268,36 @@ class Sampler:
         tok, lp = sample(out.logits[:, 0], temperature, top_k, top_p, seeds, lengths)
         routing = None if out.routing is None else out.routing[:, :, 0]
         return new_cache, tok, lp, routing
+
+    def _decode_chunk_fn(self, params, cache: KVCache, tokens, active, remaining, stop_ids, *settings):
+        """Up to `decode_chunk` decode steps in one loop: tokens int32[S] (each slot's last token),
+        remaining int32[S] (tokens each slot may still make), stop_ids int32[S, STOP_IDS_ON_DEVICE]
+        (-1 = none). A slot stops on device after its max_tokens or a stop id; the loop ends when
+        none is left or after the chunk. -> (cache, steps run, tokens int32[C, S], log-probs
+        [C, S], routing [C, moe_layers, S, k] or None)."""
+        self.compilations += 1
+        c, s = self.decode_chunk, self.slots
+        toks = jnp.zeros((c, s), jnp.int32)
+        lps = jnp.zeros((c, s), jnp.float32)
+        r_shape = jax.eval_shape(self._decode_body, params, cache, tokens, active, *settings)[3]
+        routing = None if r_shape is None else jnp.zeros((c, *r_shape.shape), r_shape.dtype)
+
+        def body(carry):
+            i, cache, last, live, left, toks, lps, routing = carry
+            cache, tok, lp, r = self._decode_body(params, cache, last, live, *settings)
+            toks, lps = toks.at[i].set(tok), lps.at[i].set(lp)
+            if routing is not None:
+                routing = routing.at[i].set(r)
+            left = left - live.astype(jnp.int32)
+            live = live & (left > 0) & ~(tok[:, None] == stop_ids).any(axis=1)
+            return i + 1, cache, jnp.where(live, tok, last), live, left, toks, lps, routing
+
+        def cond(carry):
+            return (carry[0] < c) & carry[3].any()
+
+        carry = (jnp.int32(0), cache, tokens, active, remaining, toks, lps, routing)
+        n, cache, _, _, _, toks, lps, routing = jax.lax.while_loop(cond, body, carry)
+        return cache, n, toks, lps, routing
 
     def _spec_decode_fn(
         self,
@@ -341,14 +412,20 @@ class Sampler:
         """Admit waiting requests into free slots (prefill), then decode one token in every
         occupied slot. Returns the requests that finished."""
         done: list[Completion] = []
-        for i in range(self.slots):
-            if self._slot[i] is None and self._waiting:
-                done += self._admit(i, self._waiting.popleft())
+        free = [i for i in range(self.slots) if self._slot[i] is None]
+        admit = [(i, self._waiting.popleft()) for i in free[: len(self._waiting)]]
+        if self.speculative_tokens or self.mesh is not None:
+            for i, request in admit:
+                done += self._admit(i, request)
+        elif admit:
+            done += self._admit_group(admit)
         active = np.array([s is not None for s in self._slot])
         if not active.any():
             return done
         if self.speculative_tokens:
             return done + self._spec_step(active)
+        if self.decode_chunk > 1:
+            return done + self._chunk_step(active)
         *settings, active_dev = self._settings()
         ctx = jax.set_mesh(self.mesh) if self.mesh is not None else _null()
         with ctx:
@@ -386,6 +463,41 @@ class Sampler:
             self._draft_head_cache = (ids, jax.jit(draft_head_columns, static_argnums=1)(self.params, self.cfg, ids))
             self._draft_head_of = self.params
         return self._draft_head_cache
+
+    def _chunk_step(self, active: np.ndarray) -> list[Completion]:
+        *settings, active_dev = self._settings()
+        remaining = np.zeros(self.slots, np.int32)
+        stop_ids = np.full((self.slots, STOP_IDS_ON_DEVICE), -1, np.int32)
+        for i in map(int, np.flatnonzero(active)):
+            slot = self._slot[i]
+            assert slot is not None
+            remaining[i] = slot.request.params.max_tokens - len(slot.tokens)
+            ids = slot.request.params.stop_token_ids[:STOP_IDS_ON_DEVICE]
+            stop_ids[i, : len(ids)] = ids
+        ctx = jax.set_mesh(self.mesh) if self.mesh is not None else _null()
+        with ctx:
+            self.cache, n, tok, lp, routing = self._decode_many(
+                self.params,
+                self.cache,
+                jnp.asarray(self._last),
+                active_dev,
+                jnp.asarray(remaining),
+                jnp.asarray(stop_ids),
+                *settings,
+            )
+        n = int(n)
+        tok, lp = np.asarray(tok)[:n], np.asarray(lp)[:n]
+        routing_np = None if routing is None else np.asarray(routing)[:n]
+        done: list[Completion] = []
+        for i in map(int, np.flatnonzero(active)):
+            for j in range(n):
+                slot = self._slot[i]
+                if slot is None:  # finished at an earlier token of this chunk; the rest is dropped
+                    break
+                if routing_np is not None:
+                    slot.routing.append(routing_np[j, :, i])
+                done += self._record(i, int(tok[j, i]), float(lp[j, i]))
+        return done
 
     def _spec_step(self, active: np.ndarray) -> list[Completion]:
         *settings, active_dev = self._settings()
@@ -429,6 +541,41 @@ class Sampler:
             jnp.asarray([p is not None for p in self._slot]),
         )
         return self._settings_cache
+
+    def _admit_group(self, admit: list[tuple[int, Request]]) -> list[Completion]:
+        """Prefill the requests into their slots in one program: a group of a power-of-two rows
+        (padding rows write nothing), the prompts padded to the longest one's bucket."""
+        g = min(self.slots, 1 << (len(admit) - 1).bit_length())
+        bucket = max(_bucket(len(r.prompt), self.max_len) for _, r in admit)
+        tokens = np.zeros((g, bucket), np.int32)
+        slots = np.full(g, self.slots, np.int32)  # past the cache's rows: a padding row
+        n = np.ones(g, np.int32)
+        reqs = [SamplingParams()] * g
+        for j, (i, request) in enumerate(admit):
+            tokens[j, : len(request.prompt)] = request.prompt
+            slots[j], n[j], reqs[j] = i, len(request.prompt), request.params
+        self.cache, tok, lp, routing = self._prefill_group(
+            self.params,
+            self.cache,
+            jnp.asarray(slots),
+            jnp.asarray(tokens),
+            jnp.asarray(n),
+            jnp.asarray([p.temperature for p in reqs], jnp.float32),
+            jnp.asarray([p.top_k for p in reqs], jnp.int32),
+            jnp.asarray([p.top_p for p in reqs], jnp.float32),
+            jnp.asarray([p.seed for p in reqs], jnp.uint32),
+        )
+        tok, lp = np.asarray(tok), np.asarray(lp)
+        routing_np = None if routing is None else np.asarray(routing)
+        done: list[Completion] = []
+        for j, (i, request) in enumerate(admit):
+            slot = _Slot(request)
+            if routing_np is not None:
+                slot.routing.extend(np.moveaxis(routing_np[:, j, : n[j]], 1, 0))
+            self._slot[i] = slot
+            done += self._record(i, int(tok[j]), float(lp[j]))
+        self._settings_cache = None
+        return done
 
     def _admit(self, i: int, request: Request) -> list[Completion]:
         n = len(request.prompt)

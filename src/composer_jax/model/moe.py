@@ -397,18 +397,19 @@ def _gathered_swiglu(xt: jax.Array, experts: jax.Array, gate: jax.Array, up: jax
 
 
 # decode-mode choice of `decode_swiglu` (bench/moe_decode.py measures the candidates): the expert
-# loop while a step has at most LOOP_ASSIGNMENTS_PER_EXPERT x experts assignments, all experts
-# on every token up to DENSE_MAX_TOKENS tokens, the tiled grouped matmul beyond (long prefills)
+# loop while a step has at most LOOP_ASSIGNMENTS_PER_EXPERT x experts assignments, the grouped
+# tiles of the real assignments up to GROUPED_MAX_TOKENS tokens, the training path's tiled dispatch
+# beyond (long prefills)
 LOOP_ASSIGNMENTS_PER_EXPERT = 2
-DENSE_MAX_TOKENS = 256
+GROUPED_MAX_TOKENS = 1024
 
 
 def decode_strategy(tokens: int, k: int, experts: int) -> str:
     """Which `decode_swiglu` scheme a step of `tokens` tokens (k assignments each) over `experts`
-    local experts uses: "loop", "dense" or "tiled"."""
+    local experts uses: "loop", "grouped" or "tiled" ("dense" is kept for comparison)."""
     if tokens * k <= LOOP_ASSIGNMENTS_PER_EXPERT * experts:
         return "loop"
-    return "dense" if tokens <= DENSE_MAX_TOKENS else "tiled"
+    return "grouped" if tokens <= GROUPED_MAX_TOKENS else "tiled"
 
 
 def _combine_matrix(experts: jax.Array, weights: jax.Array, num_experts: int, first: jax.Array | int = 0):
@@ -434,6 +435,7 @@ def decode_swiglu(
     strategy: str,
     tile: int = 128,
     first_expert: jax.Array | int = 0,
+    rows: int | None = None,
 ) -> jax.Array:
     """Routed SwiGLU of a decode / verify / prefill step, combined: xt [t, d], experts int32[t, k],
     weights [t, k] (gate weights) -> sum_j weights[t, j] * expert_{experts[t, j]}(xt[t]), [t, d].
@@ -448,6 +450,10 @@ def decode_swiglu(
       - "dense": every expert on every token as one batched matmul, weighted by the combine matrix
                  (E/k x the assignments' FLOPs, but one pass over the weights with no sort or
                  scatter; the fastest on XLA:CPU while t is moderate).
+      - "grouped": only the real assignments, sorted by expert and cut into tiles of a few rows, in a
+                 loop over the occupied tiles (`_grouped_swiglu`); an expert's weights are read once
+                 per tile of it (once while its tokens fit one tile). rows: the tile's rows
+                 (default `grouped_rows`).
       - "tiled": `tiled_dispatch_swiglu` (the training path's grouped matmul; all experts only).
     The products are the assignments' own; only the order of the final sum differs (rounding)."""
     dt = xt.dtype
@@ -455,12 +461,14 @@ def decode_swiglu(
     if strategy == "tiled":
         y = tiled_dispatch_swiglu(xt, experts, gate, up, down, tile=tile)
         return jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
+    if strategy == "grouped":
+        return _grouped_swiglu(xt, experts, weights.astype(dt), gate, up, down, first_expert, rows)
     comb = _combine_matrix(experts, weights.astype(dt), g, first_expert)
     if strategy == "dense":
         h = jax.nn.silu(jnp.einsum("td,edf->etf", xt, gate.astype(dt))) * jnp.einsum("td,edf->etf", xt, up.astype(dt))
         return jnp.einsum("etf,efd->td", h * comb.T[:, :, None], down.astype(dt))  # one [t, E*f] @ [E*f, d]
     if strategy != "loop":
-        raise ValueError(f"decode strategy {strategy!r} is not accepted; accepted: loop, dense, tiled")
+        raise ValueError(f"decode strategy {strategy!r} is not accepted; accepted: loop, dense, grouped, tiled")
     used = _combine_matrix(experts, jnp.ones(experts.shape, jnp.int32), g, first_expert).sum(0) > 0
 
     def body(i, acc):
@@ -472,6 +480,64 @@ def decode_swiglu(
         return jax.lax.cond(used[i], run, lambda acc: acc, acc)
 
     return jax.lax.fori_loop(0, g, body, vary_like(jnp.zeros_like(xt), xt, comb, gate, up, down))
+
+
+def grouped_rows(tokens: int, k: int, experts: int) -> int:
+    """Rows per tile of the "grouped" scheme for a step of `tokens` tokens (k assignments each) over
+    `experts` experts: the step's tokens when few (a verify window: one tile per distinct expert),
+    else the mean assignments per expert rounded up to a power of two, at most 64."""
+    if tokens <= 8:
+        return tokens
+    mean = -(-tokens * k // experts)
+    return min(64, 1 << max(0, mean - 1).bit_length())
+
+
+def _grouped_swiglu(
+    xt: jax.Array,
+    experts: jax.Array,
+    weights: jax.Array,
+    gate: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    first_expert: jax.Array | int,
+    rows: int | None = None,
+) -> jax.Array:
+    """`decode_swiglu`'s "grouped" scheme: the assignments sorted by expert, each expert's run cut
+    into tiles of `rows` rows, and a loop over the tiles actually occupied (a dynamic trip count):
+    a tile gathers its tokens' rows, runs its expert's SwiGLU on them with the weights read in place,
+    and scatter-adds the gate-weighted results into their tokens' rows. Only the real assignments
+    are computed (plus the padding of each expert's last tile), and an expert no token chose costs
+    nothing."""
+    xt = jnp.asarray(xt)
+    dt = xt.dtype
+    t, k = experts.shape
+    g = gate.shape[0]
+    r = rows or grouped_rows(t, k, g)
+    local = (experts - first_expert).reshape(-1)
+    key = jnp.where((local >= 0) & (local < g), local, g).astype(jnp.int32)
+    order = jnp.argsort(key, stable=True)
+    counts = jnp.zeros((g,), jnp.int32).at[key].add(1, mode="drop")  # assignments outside the slice: none
+    seg_start = jnp.cumsum(counts) - counts
+    tiles = (counts + r - 1) // r
+    tiles_end = jnp.cumsum(tiles)
+    pad = jnp.zeros((r,), jnp.int32)
+    tok = jnp.concatenate([(order // k).astype(jnp.int32), pad])  # token of each sorted assignment
+    w = jnp.concatenate([weights.reshape(-1)[order], pad.astype(dt)])
+
+    def body(j, acc):
+        e = jnp.sum(tiles_end <= j).astype(jnp.int32)  # the expert of tile j
+        off = (j - tiles_end[e] + tiles[e]) * r  # this tile's first row within the expert's run
+        start = seg_start[e] + off
+        idx = jax.lax.dynamic_slice_in_dim(tok, start, r)
+        real = jnp.arange(r) < counts[e] - off
+        xr = jnp.take(xt, idx, axis=0)
+        m = lambda a: jax.lax.dynamic_index_in_dim(a, e, keepdims=False).astype(dt)
+        h = jax.nn.silu(xr @ m(gate)) * (xr @ m(up))
+        y = (h @ m(down)) * jax.lax.dynamic_slice_in_dim(w, start, r)[:, None]
+        return acc.at[idx].add(jnp.where(real[:, None], y, 0))
+
+    init = vary_like(jnp.zeros_like(xt), xt, experts, weights, gate, up, down)
+    return jax.lax.fori_loop(0, tiles_end[-1], body, init)
 
 
 def _decode_expert_parallel(
@@ -493,7 +559,7 @@ def _decode_expert_parallel(
     if gathered:
         x, experts, weights = (jax.lax.all_gather(a, ep_axis, tiled=True) for a in (x, experts, weights))
     strategy = decode_strategy(x.shape[0], experts.shape[1], e_local)
-    strategy = "dense" if strategy == "tiled" else strategy
+    strategy = "grouped" if strategy == "tiled" else strategy
     gate, up, down = ws
     y = decode_swiglu(x, experts, weights, gate, up, down, strategy, cfg.moe_tile_size, first)
     if gathered:
