@@ -188,6 +188,7 @@ def _finish(sampler: Sampler) -> list:
     return done
 
 
+@pytest.mark.slow  # 1-3 min on 2 cores; the sharded sampler without speculation is tested in the default suite
 def test_sharded_speculative_sampler_gives_the_single_device_tokens():
     mesh = cj.make_mesh(cj.MeshConfig(data=2, fsdp=2, tensor=2))
     params = cj.init_params(MLA, jax.random.key(0))
@@ -205,6 +206,7 @@ def test_sharded_speculative_sampler_gives_the_single_device_tokens():
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
+@pytest.mark.slow  # 1-3 min on 2 cores; the sharded sampler without speculation is tested in the default suite
 def test_expert_parallel_speculation_never_drops_so_greedy_tokens_are_the_single_device_ones():
     """On an expert-parallel mesh whose capacity factor makes the training forward drop
     assignments, inference steps take the dropless exchange (`moe._decode_expert_parallel`): the
