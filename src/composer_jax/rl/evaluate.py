@@ -50,20 +50,23 @@ async def sample_tasks(
     concurrency: int = 16,
 ) -> dict[TaskRef, list[Rollout | RolloutFailed]]:
     """`samples` rollouts of every task, at most `concurrency` at once; a rollout whose
-    environment failed on every attempt is kept as its RolloutFailed (and counted as such)."""
+    environment failed on every attempt is kept as its RolloutFailed (and counted as such).
+    Every rollout has its own sampling seed, `seed * 1_000_003 + j` for the j-th (task, sample)
+    pair: a seed per sample index alone would give sample i of every task the same random draws,
+    and on similar tasks (a generated family's seeds) their outcomes would move together."""
     gate = asyncio.Semaphore(concurrency)
 
-    async def one(task: TaskRef, i: int) -> Rollout | RolloutFailed:
+    async def one(task: TaskRef, j: int) -> Rollout | RolloutFailed:
         async with gate:
             try:
                 return await run_rollout(
-                    policy, client, task.task_id, cfg, seed=seed * 1_000_003 + i, env_seed=task.env_seed
+                    policy, client, task.task_id, cfg, seed=seed * 1_000_003 + j, env_seed=task.env_seed
                 )
             except RolloutFailed as exc:
                 return exc
 
     jobs = [(t, i) for t in tasks for i in range(samples)]
-    results = await asyncio.gather(*(one(t, i) for t, i in jobs))
+    results = await asyncio.gather(*(one(t, j) for j, (t, _) in enumerate(jobs)))
     out: dict[TaskRef, list[Rollout | RolloutFailed]] = {t: [] for t in tasks}
     for (t, _), r in zip(jobs, results):
         out[t].append(r)
