@@ -460,14 +460,8 @@ async def _run(
         async def run_eval(step: int) -> None:
             if not eval_tasks:
                 return
-            res = await sample_tasks(  # as many rollouts in flight as the sampler decodes together
-                eval_policy,
-                client,
-                eval_tasks,
-                r.eval_samples,
-                cfg.agent,
-                seed=10_000_019 + r.eval_seed,
-                concurrency=r.sampler_slots,
+            res = await sample_tasks(
+                eval_policy, client, eval_tasks, r.eval_samples, cfg.agent, seed=10_000_019 + r.eval_seed
             )
             overall = report(res)["overall"]
             ev = {f"eval/{k}": v for k, v in overall.items()}
