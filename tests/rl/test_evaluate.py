@@ -66,17 +66,20 @@ def test_eval_metrics_and_files(tmp_path):
         pooled = asyncio.run(go(urls, token, PolicyPool([dying, other])))
     assert dying.left < 0 and len(dying.requests) == 3 and len(other.requests) > 3
     assert report(pooled) == report(results)
-    # which samples succeed: their first turn's seed is even (the rollout seeds are seed*1000003+i)
-    wins = [turn_seed(seed * 1_000_003 + i, 0, 0) % 2 == 0 for i in range(samples)]
-    assert 0 < sum(wins) < samples  # this seed gives a mix (else pick another)
+    # which samples succeed: their first turn's seed is even; the rollout seeds are seed*1000003+j for
+    # the j-th (task, sample) pair, so sample i of one task does not share its draws with another's
+    wins = [[turn_seed(seed * 1_000_003 + k * samples + i, 0, 0) % 2 == 0 for i in range(samples)] for k in range(2)]
+    assert all(0 < sum(w) < samples for w in wins) and wins[0] != wins[1]  # this seed gives a mix (else pick another)
+    rollout_seeds = [r.seed for task in tasks for r in results[task]]
+    assert rollout_seeds == [seed * 1_000_003 + j for j in range(2 * samples)]
     rep = report(results)
-    for task in tasks:
+    for task, w in zip(tasks, wins):
         m = rep["tasks"][task.name]
-        assert m["pass@1"] == sum(wins) / samples and m["best_of_k"] == 1.0
+        assert m["pass@1"] == sum(w) / samples and m["best_of_k"] == 1.0
         assert m["turns"] == 2.0 and m["tool_calls"] == 1.0 and m["env_failures"] == 0.0
-        assert [r.env_reward for r in results[task]] == [float(w) for w in wins]
+        assert [r.env_reward for r in results[task]] == [float(x) for x in w]
     assert set(rep["categories"]) == {"debugging", "files"}
-    assert rep["overall"]["pass@1"] == sum(wins) / samples and rep["overall"]["tasks"] == 2.0
+    assert rep["overall"]["pass@1"] == (sum(wins[0]) + sum(wins[1])) / (2 * samples) and rep["overall"]["tasks"] == 2.0
 
     paths = write_outputs(results, tmp_path / "eval", "scripted")
     lines = [json.loads(x) for x in paths["trajectories"].read_text().splitlines()]

@@ -51,23 +51,26 @@ async def sample_tasks(
 ) -> dict[TaskRef, list[Rollout | RolloutFailed]]:
     """`samples` rollouts of every task, at most `concurrency` at once, spread over the policies of
     a `PolicyPool` (a rollout whose sampler became unavailable is redone on another); a rollout
-    whose environment failed on every attempt is kept as its RolloutFailed (and counted as such)."""
+    whose environment failed on every attempt is kept as its RolloutFailed (and counted as such).
+    Every rollout has its own sampling seed, `seed * 1_000_003 + j` for the j-th (task, sample)
+    pair: a seed per sample index alone would give sample i of every task the same random draws,
+    and on similar tasks (a generated family's seeds) their outcomes would move together."""
     gate = asyncio.Semaphore(concurrency)
     pool = policy if isinstance(policy, PolicyPool) else PolicyPool([policy])
 
-    async def one(task: TaskRef, i: int) -> Rollout | RolloutFailed:
+    async def one(task: TaskRef, j: int) -> Rollout | RolloutFailed:
         async with gate:
             try:
                 return await pool.run(
                     lambda p: run_rollout(
-                        p, client, task.task_id, cfg, seed=seed * 1_000_003 + i, env_seed=task.env_seed
+                        p, client, task.task_id, cfg, seed=seed * 1_000_003 + j, env_seed=task.env_seed
                     )
                 )
             except RolloutFailed as exc:
                 return exc
 
     jobs = [(t, i) for t in tasks for i in range(samples)]
-    results = await asyncio.gather(*(one(t, i) for t, i in jobs))
+    results = await asyncio.gather(*(one(t, j) for j, (t, _) in enumerate(jobs)))
     out: dict[TaskRef, list[Rollout | RolloutFailed]] = {t: [] for t in tasks}
     for (t, _), r in zip(jobs, results):
         out[t].append(r)
