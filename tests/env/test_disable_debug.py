@@ -7,23 +7,17 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
-from composer_jax.data.sft import task_conversation
 from composer_jax.env.task_families import generate_task
 from composer_jax.env.task_families.disable_debug import INSTRUCTIONS, OTHERS
 
 sys.path.insert(0, str(Path(__file__).parent))
 import harbor_oracle  # noqa: E402
-
-
-def sandboxed(test):
-    skip = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
-    return pytest.mark.sandbox(skip(test))
+from family_replay import replay_sft_conversation, sandboxed  # noqa: E402
 
 
 def constants(text: str) -> dict[str, str]:
@@ -77,24 +71,6 @@ def test_grader_reference_one_wrong_edits_zero(tmp_path):
 @pytest.mark.parametrize("seed", [0, 1_000_003])
 def test_family_sft_conversation_replays_on_the_server(http, seed, tmp_path):
     """`http`: a client of the live server of tests/env/conftest.py (it serves every family)."""
-    conv = task_conversation(generate_task("disable-debug", seed, tmp_path))
-    messages = conv["messages"]
-    assert conv["task"] == f"disable-debug-{seed}"
-    expected = {m["tool_call_id"]: json.loads(m["content"]) for m in messages if m["role"] == "tool"}
-    created = http.post("/sessions", json={"task_id": "gen/disable-debug", "seed": seed}).json()
-    sid = created["session_id"]
-    try:
-        assert messages[1]["content"] == created["instruction"]  # byte for byte what the agent is given
-        for message in messages:
-            calls = message.get("tool_calls") or []
-            if not calls:
-                continue
-            body = {"calls": [{"id": c["id"], **c["function"]} for c in calls]}
-            for call, result in zip(calls, http.post(f"/sessions/{sid}/tools", json=body).json()["results"]):
-                assert result["ok"] and result["result"] == expected[call["id"]], call
-        edits = [c["function"] for m in messages for c in m.get("tool_calls") or []]
-        assert [e["name"] for e in edits] == ["list_dir", "read_file", "edit_file"]
-        assert json.loads(edits[2]["arguments"])["old_string"] == "DEBUG = True\n"
-        assert http.post(f"/sessions/{sid}/grade").json()["reward"] == 1.0
-    finally:
-        http.delete(f"/sessions/{sid}")
+    edits = replay_sft_conversation(http, "disable-debug", seed, tmp_path)
+    assert [e["name"] for e in edits] == ["list_dir", "read_file", "edit_file"]
+    assert json.loads(edits[2]["arguments"])["old_string"] == "DEBUG = True\n"

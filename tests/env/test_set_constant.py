@@ -1,29 +1,22 @@
-"""The RL demo's family set-constant: its task text, its grader (the reference edit scores 1, a
-wrong value or a second changed constant 0), and its SFT conversations replayed call by call on a
-live environment server serving the generated task (each tool message equals the server's result,
-and the replayed edits pass the hidden tests)."""
+"""The first main-run family set-constant (docs/rl.md, "The main run"): its task text, its grader
+(the reference edit scores 1, a wrong value or a second changed constant 0), and its SFT
+conversations replayed call by call on a live environment server serving the generated task (each
+tool message equals the server's result, and the replayed edits pass the hidden tests)."""
 
 from __future__ import annotations
 
-import json
 import re
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
-from composer_jax.data.sft import task_conversation
 from composer_jax.env.task_families import generate_task
 from composer_jax.env.task_families.set_constant import NAMES, VALUES
 
 sys.path.insert(0, str(Path(__file__).parent))
 import harbor_oracle  # noqa: E402
-
-
-def sandboxed(test):
-    skip = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
-    return pytest.mark.sandbox(skip(test))
+from family_replay import replay_sft_conversation, sandboxed  # noqa: E402
 
 
 def parse(root: Path) -> tuple[str, int, dict[str, int]]:
@@ -82,23 +75,5 @@ def test_grader_reference_one_wrong_edits_zero(tmp_path):
 @pytest.mark.parametrize("seed", [0, 1_000_003])
 def test_family_sft_conversation_replays_on_the_server(http, seed, tmp_path):
     """`http`: a client of the live server of tests/env/conftest.py (it serves every family)."""
-    conv = task_conversation(generate_task("set-constant", seed, tmp_path))
-    messages = conv["messages"]
-    assert conv["task"] == f"set-constant-{seed}"
-    expected = {m["tool_call_id"]: json.loads(m["content"]) for m in messages if m["role"] == "tool"}
-    created = http.post("/sessions", json={"task_id": "gen/set-constant", "seed": seed}).json()
-    sid = created["session_id"]
-    try:
-        assert messages[1]["content"] == created["instruction"]  # byte for byte what the agent is given
-        for message in messages:
-            calls = message.get("tool_calls") or []
-            if not calls:
-                continue
-            body = {"calls": [{"id": c["id"], **c["function"]} for c in calls]}
-            for call, result in zip(calls, http.post(f"/sessions/{sid}/tools", json=body).json()["results"]):
-                assert result["ok"] and result["result"] == expected[call["id"]], call
-        names = [c["function"]["name"] for m in messages for c in m.get("tool_calls") or []]
-        assert names == ["list_dir", "read_file", "edit_file"]
-        assert http.post(f"/sessions/{sid}/grade").json()["reward"] == 1.0
-    finally:
-        http.delete(f"/sessions/{sid}")
+    edits = replay_sft_conversation(http, "set-constant", seed, tmp_path)
+    assert [e["name"] for e in edits] == ["list_dir", "read_file", "edit_file"]
