@@ -40,6 +40,19 @@ def make_group(index: int, versions: list[list[int]], routing: bool = False) -> 
     return Group(index, TaskRef("t"), rollouts, rewards, version=min(min(v) for v in versions))
 
 
+def test_token_versions_count_only_policy_tokens() -> None:
+    """The prompt's -1 versions are not policy tokens; a group with none falls back to its own version."""
+    g = make_group(0, [[4, 5, 7], [5, 6]])
+    assert g.oldest_token_version() == 4 and g.newest_token_version() == 7
+    np.testing.assert_array_equal(np.sort(g.policy_token_versions()), [4, 5, 5, 6, 7])
+    for r in g.rollouts:  # mask every generated token off: no policy tokens left
+        r.generations[0].loss_mask = [0.0] * len(r.generations[0].loss_mask)
+    assert g.oldest_token_version() == g.newest_token_version() == g.version == 4
+    g.version = 9  # a group stamped newer than its tokens reports that version as its newest
+    g.rollouts[0].generations[0].loss_mask[-1] = 1.0
+    assert g.oldest_token_version() == 7 and g.newest_token_version() == 9
+
+
 def test_done_ids_are_compact_and_refuse_a_second_use():
     done = DoneIds()
     for i in (2, 0, 5, 1):

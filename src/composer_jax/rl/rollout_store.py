@@ -46,25 +46,25 @@ class Group:
     def rows(self) -> int:
         return sum(len(r.generations) for r in self.rollouts)
 
+    def policy_token_versions(self) -> np.ndarray:
+        """The policy versions of every policy token (loss mask > 0) of the group's generations."""
+        parts = [
+            np.asarray(g.versions)[np.asarray(g.loss_mask) > 0]
+            for r in self.rollouts
+            for g in r.generations
+            if g.versions
+        ]
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros((0,), np.int64)
+
     def oldest_token_version(self) -> int:
         """The policy version of the group's oldest policy token (`version` when it has none)."""
-        oldest = [
-            int(np.min(np.asarray(g.versions)[np.asarray(g.loss_mask) > 0]))
-            for r in self.rollouts
-            for g in r.generations
-            if g.versions and np.any(np.asarray(g.loss_mask) > 0)
-        ]
-        return min(oldest) if oldest else self.version
+        versions = self.policy_token_versions()
+        return int(versions.min()) if versions.size else self.version
 
     def newest_token_version(self) -> int:
-        """The policy version of the group's newest policy token (`version` when it has none)."""
-        newest = [
-            int(np.max(np.asarray(g.versions)[np.asarray(g.loss_mask) > 0]))
-            for r in self.rollouts
-            for g in r.generations
-            if g.versions and np.any(np.asarray(g.loss_mask) > 0)
-        ]
-        return max([self.version, *newest])
+        """The policy version of the group's newest policy token, or `version` when that is newer."""
+        versions = self.policy_token_versions()
+        return max(self.version, int(versions.max())) if versions.size else self.version
 
 
 class RolloutStoreError(ValueError):
