@@ -203,6 +203,11 @@ class TrainCheckpointer:
 
     # -- save -----------------------------------------------------------------------------------
 
+    def due(self, step: int, *, force: bool = False) -> bool:
+        """Whether `save(step, ..., force=force)` would write (to gather what it needs only then)."""
+        step = int(step)
+        return step not in self._manager.all_steps() and (force or self._manager.should_save(step))
+
     def save(
         self,
         step: int,

@@ -124,6 +124,9 @@ class DataConfig:
     max_chunks_per_document: a document longer than the sequence is cut into chunks of seq_len
       tokens; chunks past this many are dropped (bounds one huge file's share of a batch).
     eval_batches: the number of fixed held-out batches `make_eval_batches` returns by default.
+    shards: independent streams the global batch is cut into (each reads documents i::shards and
+      fills batch_size/shards rows of every batch); a host reads the shards whose rows it holds,
+      so the batches do not depend on the host count. 0 = one shard per host (process).
     """
 
     sources: tuple[SourceConfig, ...] = ()
@@ -138,6 +141,7 @@ class DataConfig:
     num_packing_bins: int = 16
     max_chunks_per_document: int = 64
     eval_batches: int = 8
+    shards: int = 0
 
 
 def validate_data_config(cfg: DataConfig, *, require_sources: bool = True) -> None:
@@ -159,6 +163,7 @@ def validate_data_config(cfg: DataConfig, *, require_sources: bool = True) -> No
     need(cfg.num_packing_bins >= 1, f"data.num_packing_bins={cfg.num_packing_bins} must be >= 1")
     need(cfg.max_chunks_per_document >= 1, f"data.max_chunks_per_document={cfg.max_chunks_per_document} must be >= 1")
     need(cfg.eval_batches >= 0, f"data.eval_batches={cfg.eval_batches} must be >= 0")
+    need(cfg.shards >= 0, f"data.shards={cfg.shards} must be >= 0 (0 = one shard per process)")
     for group, sources in (("sources", cfg.sources), ("eval_sources", cfg.eval_sources)):
         for i, s in enumerate(sources):
             key = f"data.{group}[{i}]"

@@ -214,7 +214,7 @@ class DataIterator:
 def _pipeline_fingerprint(cfg: DataConfig, tok: Tokenizer, **shape: int) -> dict[str, Any]:
     from composer_jax.config import to_dict
 
-    keep = {k: v for k, v in to_dict(cfg).items() if k not in ("eval_sources", "eval_batches", "tokenizer")}
+    keep = {k: v for k, v in to_dict(cfg).items() if k not in ("eval_sources", "eval_batches", "tokenizer", "shards")}
     # JSON round trip so that a fingerprint read back from a checkpoint compares equal.
     return json.loads(json.dumps({"data": keep, "vocab_size": tok.vocab_size, **shape}))
 
@@ -284,7 +284,7 @@ def make_train_iterator(
     return DataIterator(ds, fingerprint)
 
 
-def _padding_rows(n: int, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+def padding_rows(n: int, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
     return {
         "tokens": np.full((n, seq_len), pad_id, np.int32),
         "segment_ids": np.zeros((n, seq_len), np.int32),
@@ -328,7 +328,7 @@ def _eval_batches_cached(
     for batch in ds:
         n = batch["tokens"].shape[0]
         if n < batch_size:  # the trainer compiles one shape: fill the last batch with padding rows
-            pad = _padding_rows(batch_size - n, seq_len, tok.pad_id)
+            pad = padding_rows(batch_size - n, seq_len, tok.pad_id)
             batch = {k: np.concatenate([v, pad[k]]) for k, v in batch.items()}
         batches.append(batch)
         if len(batches) == num_batches:

@@ -8,6 +8,7 @@ previous stage's parameters, fresh optimiser) or from scratch.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import time
@@ -20,7 +21,14 @@ import numpy as np
 
 from composer_jax.checkpoint.manager import TrainCheckpointer, restore_params_only
 from composer_jax.config import Config, ConfigError, to_dict
-from composer_jax.data.pipeline import make_eval_batches, make_train_iterator
+from composer_jax.data.shards import (
+    host_eval_batches,
+    host_shards,
+    make_host_iterator,
+    merge_states,
+    shard_count,
+    stack_eval_batches,
+)
 from composer_jax.data.tokenizer import load_tokenizer
 from composer_jax.model.accounting import flops_per_token, param_rows
 from composer_jax.model.params import abstract_params
@@ -68,6 +76,30 @@ def run_checkpoint_config(cfg: Config) -> Any:
 def _global_batch(local: dict, mesh, rules, shape) -> dict:
     sharding = batch_sharding(mesh, rules, shape)
     return {k: jax.make_array_from_process_local_data(sharding, np.asarray(local[k]), shape) for k in BATCH_KEYS}
+
+
+def _host_rows(mesh, rules, shape) -> tuple[int, int]:
+    """The rows [start, stop) of a global [batch, seq] batch that this process's devices hold."""
+    index = batch_sharding(mesh, rules, shape).addressable_devices_indices_map(shape).values()
+    rows = [range(*i[0].indices(shape[0])) for i in index]
+    start, stop = min(r.start for r in rows), max(r.stop for r in rows)
+    if set().union(*map(set, rows)) != set(range(start, stop)):
+        raise ConfigError(f"process {jax.process_index()} holds non-contiguous batch rows; check the mesh layout")
+    return start, stop
+
+
+def _allgather_json(obj: Any) -> list[Any]:
+    """Every process's `obj` (JSON-able), in process order; all processes must call this."""
+    if jax.process_count() == 1:
+        return [obj]
+    from jax.experimental import multihost_utils
+
+    raw = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    lengths = np.asarray(multihost_utils.process_allgather(np.array([raw.size], np.int32))).reshape(-1)
+    buf = np.zeros(int(lengths.max()), np.uint8)
+    buf[: raw.size] = raw
+    gathered = np.asarray(multihost_utils.process_allgather(buf)).reshape(len(lengths), -1)
+    return [json.loads(bytes(row[:n])) for row, n in zip(gathered, lengths)]
 
 
 def evaluate(eval_step, params, batches: list[dict], mesh, rules, shape) -> dict[str, float]:
@@ -143,25 +175,29 @@ def run_stage(
     mesh = mesh if mesh is not None else make_mesh(cfg.mesh)
     rules = ShardingRules.create(cfg.sharding_rules)
     pc, pi = jax.process_count(), jax.process_index()
-    if t.batch_size % pc:
-        raise ConfigError(f"train.batch_size={t.batch_size} must be divisible by the {pc} processes")
+    if pi != 0:  # every process computes the same numbers: one of them prints
+        echo = lambda _line: None  # noqa: E731
     run_tokenizer(cfg)
     out_dir = Path(t.out_dir)
     ckpt_cfg = run_checkpoint_config(cfg)
     run_config = to_dict(cfg)
     checkpointer = TrainCheckpointer(ckpt_cfg)
     shape = (t.batch_size, t.seq_len)
-    data = make_train_iterator(
-        cfg.data, seq_len=t.seq_len, batch_size=t.batch_size // pc, seed=t.seed, process_index=pi, process_count=pc
+    n_shards = shard_count(cfg.data, pc)
+    shards = host_shards(*_host_rows(mesh, rules, shape), t.batch_size, n_shards)
+    data = make_host_iterator(
+        cfg.data, seq_len=t.seq_len, global_batch=t.batch_size, seed=t.seed, shards=shards, shard_count=n_shards
     )
-    eval_batches = make_eval_batches(
+    per_shard_eval = host_eval_batches(
         cfg.data,
         seq_len=t.seq_len,
-        batch_size=t.batch_size // pc,
+        global_batch=t.batch_size,
         num_batches=t.eval_batches,
-        process_index=pi,
-        process_count=pc,
+        shards=shards,
+        shard_count=n_shards,
     )
+    n_eval = max(_allgather_json(max(len(b) for b in per_shard_eval)))
+    eval_batches = stack_eval_batches(per_shard_eval, n_eval, cfg.data.tokenizer)
 
     state, start = _initial_state(cfg, mesh, rules, checkpointer, data, run_config, echo)
     step_fn = make_train_step(cfg, mesh, rules)
@@ -173,6 +209,7 @@ def run_stage(
     summary: dict[str, Any] = {"losses": {}, "evals": [], "skipped_steps": [], "start_step": start}
     progress = Progress(t.steps, start) if pi == 0 else None
     ran = 0
+    data_state: dict | None = None
 
     def run_eval(step: int) -> None:
         ev = evaluate(eval_fn, state.params, eval_batches, mesh, rules, shape)
@@ -216,10 +253,13 @@ def run_stage(
                 t_last = now
             if n % t.eval_every == 0 and n != t.steps:
                 run_eval(n)
+            if checkpointer.due(n, force=n == t.steps):
+                # each process holds its own shards' positions: the checkpoint gets all of them
+                data_state = merge_states(_allgather_json(data.get_state()))
             checkpointer.save(
                 n,
                 state,
-                data_state=data.get_state(),
+                data_state=data_state,
                 config=run_config,
                 metrics={"loss": float(host["loss"])},
                 force=n == t.steps,
