@@ -50,6 +50,10 @@ _UINT: dict[int, np.dtype[Any]] = {
 }
 _VERSION_RE = re.compile(r"^versions/(\d{8})/manifest\.json$")
 _CHUNK_BYTES = 16 << 20
+# manifest formats: 1 = one writer, whole leaves (base / delta); 2 = adds kind "sharded" (every
+# trainer process writes its own shards: checkpoint/sharded_publish.py)
+SHARDED_FORMAT = 2
+_FORMATS = (1, SHARDED_FORMAT)
 
 
 class WeightSyncError(ValueError):
@@ -179,6 +183,20 @@ class _Store:
 
     def _spec(self, key: str) -> dict:
         return {"driver": "zarr3", "kvstore": self.url + key}
+
+    def array_spec(self, key: str, bits_dtype: np.dtype, shape: list[int], chunk: list[int]) -> dict:
+        """The zarr3 spec (zstd) of a uint bits array of `shape` in chunks of `chunk`."""
+        metadata: dict[str, Any] = {
+            "data_type": np.dtype(bits_dtype).name,
+            "shape": shape,
+            "codecs": [
+                {"name": "bytes", "configuration": {"endian": "little"}},
+                {"name": "zstd", "configuration": {"level": self.zstd_level}},
+            ],
+        }
+        if shape:
+            metadata["chunk_grid"] = {"name": "regular", "configuration": {"chunk_shape": chunk}}
+        return {**self._spec(key), "metadata": metadata}
 
     def write_array(self, key: str, bits: np.ndarray) -> int:
         shape = list(bits.shape)
@@ -372,6 +390,22 @@ class WeightPublisher:
         return PublishInfo(version, kind, base_version, raw_total, stored_total, follower)
 
 
+def open_store(url: str, context: ts.Context | None = None, zstd_level: int = 3) -> _Store:
+    """The kvstore under `url` (for writers other than `WeightPublisher`: sharded_publish.py)."""
+    _check_level(zstd_level)
+    return _Store(url, context, zstd_level)
+
+
+def version_dir(version: int) -> str:
+    """`versions/<8 digits>/`, the key prefix of one version."""
+    return _vdir(version)
+
+
+def read_manifest(store: _Store, version: int) -> dict:
+    """The checked manifest of `version` (WeightSyncError naming what is wrong)."""
+    return _read_manifest(store, version)
+
+
 def _read_manifest(store: _Store, version: int) -> dict:
     m = store.read_json(_vdir(version) + "manifest.json")
     if m is None:
@@ -382,7 +416,12 @@ def _read_manifest(store: _Store, version: int) -> dict:
     for field in ("version", "kind", "base_version", "leaves", "stored_bytes"):
         if field not in m:
             raise WeightSyncError(f"manifest of version {version} in {store.url} lacks {field!r}")
-    if m["version"] != version or m["kind"] not in ("base", "delta"):
+    if m.get("format", 1) not in _FORMATS:
+        raise WeightSyncError(
+            f"manifest of version {version} in {store.url} has format {m.get('format')!r}; this reader "
+            f"knows formats {_FORMATS}: read it with a newer composer_jax"
+        )
+    if m["version"] != version or m["kind"] not in ("base", "delta", "sharded"):
         raise WeightSyncError(
             f"manifest of version {version} in {store.url} says version={m['version']!r} kind={m['kind']!r}"
         )
@@ -400,7 +439,7 @@ def _read_leaves(store: _Store, manifest: dict, base_bits: dict[str, np.ndarray]
                 _dtype_from_name(lf["dtype"]),
                 tuple(lf["shape"]),
                 lf["key"],
-                lf["sha256"],
+                lf["sha256"] if manifest["kind"] != "sharded" else lf["shards"],
             )
         except (KeyError, TypeError) as e:
             raise WeightSyncError(
@@ -415,6 +454,8 @@ def _read_leaves(store: _Store, manifest: dict, base_bits: dict[str, np.ndarray]
                 f"leaf {path!r} of version {version}: stored {stored.dtype}{list(stored.shape)}, "
                 f"manifest says {dtype}{list(shape)}"
             )
+        if manifest["kind"] == "sharded":
+            _check_shards(stored, lf, version, store.url)
         if manifest["kind"] == "delta":
             if path not in base_bits:
                 raise WeightSyncError(
@@ -422,12 +463,28 @@ def _read_leaves(store: _Store, manifest: dict, base_bits: dict[str, np.ndarray]
                 )
             stored = stored ^ base_bits[path]
         arr = stored.view(dtype)
-        if _sha256(arr) != want:
+        if manifest["kind"] != "sharded" and _sha256(arr) != want:
             raise WeightSyncError(
                 f"checksum mismatch for leaf {path!r} of version {version} ({manifest['kind']}) in {store.url}"
             )
         out[path] = arr
     return out
+
+
+def _check_shards(bits: np.ndarray, lf: dict, version: int, url: str) -> None:
+    """Every shard of a sharded leaf against its sha256; the shards must tile the leaf."""
+    total = 0
+    for sh in lf["shards"]:
+        region = bits[tuple(slice(a, b) for a, b in sh["index"])]
+        total += region.size
+        if _sha256(region) != sh["sha256"]:
+            raise WeightSyncError(
+                f"checksum mismatch for shard {sh['index']} of leaf {lf['path']!r} of version {version} in {url}"
+            )
+    if total != bits.size:
+        raise WeightSyncError(
+            f"the shards of leaf {lf['path']!r} of version {version} in {url} cover {total} of {bits.size} elements"
+        )
 
 
 def _parent(m: dict) -> int:
@@ -478,14 +535,14 @@ class _Reader:
             if isinstance(beside, dict) and beside.get("parent_version") in self._cache:
                 m = _beside_as_delta(m, beside)  # a base with a delta beside it, whose parent we hold
             chain.append(m)
-            v = None if m["kind"] == "base" else _parent(m)
+            v = None if m["kind"] in ("base", "sharded") else _parent(m)
         bits = self._cache[v] if v is not None else {}
         out: dict[str, np.ndarray] = {}
         for m in reversed(chain):
             out = _read_leaves(self.store, m, bits)
             bits = {p: _bits(a) for p, a in out.items()}
             self.bytes_read += int(m["stored_bytes"])
-            if m["kind"] == "base" or m.get("is_base"):
+            if m["kind"] in ("base", "sharded") or m.get("is_base"):
                 self._base = int(m["version"])
                 self._cache = {self._base: bits}
         if not chain:  # the cached version itself

@@ -8,7 +8,6 @@ previous stage's parameters, fresh optimiser) or from scratch.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import time
@@ -20,6 +19,7 @@ import jax
 import numpy as np
 
 from composer_jax.checkpoint.manager import TrainCheckpointer, restore_params_only
+from composer_jax.checkpoint.multihost import allgather_json
 from composer_jax.config import Config, ConfigError, to_dict
 from composer_jax.data.shards import (
     host_eval_batches,
@@ -86,20 +86,6 @@ def _host_rows(mesh, rules, shape) -> tuple[int, int]:
     if set().union(*map(set, rows)) != set(range(start, stop)):
         raise ConfigError(f"process {jax.process_index()} holds non-contiguous batch rows; check the mesh layout")
     return start, stop
-
-
-def _allgather_json(obj: Any) -> list[Any]:
-    """Every process's `obj` (JSON-able), in process order; all processes must call this."""
-    if jax.process_count() == 1:
-        return [obj]
-    from jax.experimental import multihost_utils
-
-    raw = np.frombuffer(json.dumps(obj).encode(), np.uint8)
-    lengths = np.asarray(multihost_utils.process_allgather(np.array([raw.size], np.int32))).reshape(-1)
-    buf = np.zeros(int(lengths.max()), np.uint8)
-    buf[: raw.size] = raw
-    gathered = np.asarray(multihost_utils.process_allgather(buf)).reshape(len(lengths), -1)
-    return [json.loads(bytes(row[:n])) for row, n in zip(gathered, lengths)]
 
 
 def evaluate(eval_step, params, batches: list[dict], mesh, rules, shape) -> dict[str, float]:
@@ -196,7 +182,7 @@ def run_stage(
         shards=shards,
         shard_count=n_shards,
     )
-    n_eval = max(_allgather_json(max(len(b) for b in per_shard_eval)))
+    n_eval = max(allgather_json(max(len(b) for b in per_shard_eval)))
     eval_batches = stack_eval_batches(per_shard_eval, n_eval, cfg.data.tokenizer)
 
     state, start = _initial_state(cfg, mesh, rules, checkpointer, data, run_config, echo)
@@ -255,7 +241,7 @@ def run_stage(
                 run_eval(n)
             if checkpointer.due(n, force=n == t.steps):
                 # each process holds its own shards' positions: the checkpoint gets all of them
-                data_state = merge_states(_allgather_json(data.get_state()))
+                data_state = merge_states(allgather_json(data.get_state()))
             checkpointer.save(
                 n,
                 state,

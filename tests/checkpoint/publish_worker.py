@@ -1,0 +1,81 @@
+"""One process of a two-process weight publish (run by test_multiprocess_publish.py, not by pytest).
+
+usage: python publish_worker.py PROCESS_ID PORT GATHER_URL SHARDED_URL
+
+Joins a 2-process JAX job (2 CPU devices each, gloo), builds `publish_tree` as global arrays on a
+(data=2, fsdp=2) mesh whose data axis spans the processes, and publishes versions 0 and 1 twice:
+through the RL trainer's path (`_published` gathers to every process, process 0's WeightPublisher
+writes) and per shard (`publish_sharded`: each process writes its own replica-0 shards).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+PUBLISH_DTYPE = "bfloat16"
+# path -> (shape, dtype, partition spec over the (data, fsdp) mesh)
+LAYOUT = {
+    "embed": ((8, 6), "float32", ("data", "fsdp")),
+    "norm": ((8, 4), "float32", ("fsdp", None)),  # replicated over data: one process writes it
+    "scale": ((5,), "bfloat16", ()),  # replicated everywhere
+    "counts": ((4, 2), "int32", ("data", None)),
+    "layer": {"w": ((6, 8), "float32", (None, ("data", "fsdp")))},
+}
+
+
+def publish_tree(version: int, layout: dict = LAYOUT) -> dict:
+    """The numpy tree of `version` (the same on every process and in the test)."""
+    import ml_dtypes
+
+    out: dict = {}
+    for i, (k, v) in enumerate(sorted(layout.items())):
+        if isinstance(v, dict):
+            out[k] = publish_tree(version, v)
+            continue
+        shape, dtype, _ = v
+        rng = np.random.default_rng(1000 * version + i)
+        if dtype == "int32":
+            out[k] = rng.integers(-50, 50, shape).astype(np.int32)
+        else:
+            out[k] = rng.standard_normal(shape).astype(np.float32).astype(getattr(ml_dtypes, dtype, dtype))
+    return out
+
+
+def _main(pid: int, port: int, gather_url: str, sharded_url: str) -> None:
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_num_cpu_devices", 2)
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    from composer_jax.checkpoint.sharded_publish import publish_sharded
+    from composer_jax.checkpoint.weight_sync import WeightPublisher
+    from composer_jax.rl.trainer import _published
+
+    mesh = jax.make_mesh((2, 2), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
+
+    def to_global(tree: dict, layout: dict) -> dict:
+        out = {}
+        for k, v in tree.items():
+            if isinstance(v, dict):
+                out[k] = to_global(v, layout[k])
+                continue
+            sharding = NamedSharding(mesh, PartitionSpec(*layout[k][2]))
+            out[k] = jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
+        return out
+
+    publisher = WeightPublisher(gather_url) if jax.process_index() == 0 else None
+    for version in (0, 1):
+        params = to_global(publish_tree(version), LAYOUT)
+        host = _published(params, PUBLISH_DTYPE)  # a collective: both processes
+        if publisher is not None:
+            publisher.publish(host, version)
+        publish_sharded(sharded_url, params, version, dtype=PUBLISH_DTYPE)
+    print(f"process {pid} published", flush=True)
+
+
+if __name__ == "__main__":
+    _main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])

@@ -1,0 +1,141 @@
+"""Weight publishing from a real two-process JAX job (CPU collectives over gloo), read back here.
+
+The worker (publish_worker.py) publishes the same two versions through the RL trainer's gather path
+(`_published`, process 0's `WeightPublisher`) and per shard (`publish_sharded`). Both stores must
+read back bit-exactly equal to a single-process `WeightPublisher` store of the same numpy tree
+(the reference: the tree built in numpy, cast in numpy).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from composer_jax.checkpoint.sharded_publish import read_shard
+from composer_jax.checkpoint.weight_sync import WeightPublisher, WeightSubscriber, WeightSyncError, tree_sha256
+
+sys.path.insert(0, str(Path(__file__).parent))
+from publish_worker import PUBLISH_DTYPE, publish_tree  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cast(tree: dict) -> dict:
+    return {
+        k: _cast(v) if isinstance(v, dict) else (v.astype(ml_dtypes.bfloat16) if v.dtype.kind == "f" else v)
+        for k, v in tree.items()
+    }
+
+
+def _assert_bits_equal(a: dict, b: dict, where: str) -> None:
+    assert sorted(a) == sorted(b), where
+    for k in a:
+        if isinstance(a[k], dict):
+            _assert_bits_equal(a[k], b[k], f"{where}/{k}")
+            continue
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, (where, k)
+        assert a[k].tobytes() == b[k].tobytes(), (where, k)
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("stores")
+    urls = {name: f"file://{root / name}" for name in ("gathered", "sharded", "single")}
+    port = _free_port()
+    env = {**os.environ, "XLA_FLAGS": "", "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": f"{REPO / 'src'}:{REPO}"}
+    worker = str(Path(__file__).parent / "publish_worker.py")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, worker, str(i), str(port), urls["gathered"], urls["sharded"]],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    single = WeightPublisher(urls["single"])
+    for version in (0, 1):
+        single.publish(_cast(publish_tree(version)), version)
+    return urls
+
+
+@pytest.mark.slow
+def test_two_process_publishes_read_back_as_the_single_process_one(stores):
+    for version in (0, 1):
+        want = _cast(publish_tree(version))
+        reads = {name: WeightSubscriber(url).read(version, fallback=False) for name, url in stores.items()}
+        for name, (v, tree) in reads.items():
+            assert v == version
+            _assert_bits_equal(tree, want, f"{name} v{version}")
+        assert len({tree_sha256(t) for _, t in reads.values()}) == 1
+    assert WeightSubscriber(stores["gathered"]).manifest(1)["kind"] == "delta"  # process 0 kept its chain
+
+
+@pytest.mark.slow
+def test_sharded_store_is_written_per_shard_by_its_holder(stores):
+    m = {lf["path"]: lf for lf in WeightSubscriber(stores["sharded"]).manifest(1)["leaves"]}
+    assert m["embed"]["dtype"] == PUBLISH_DTYPE and m["counts"]["dtype"] == "int32"
+    # embed [8, 6] over (data, fsdp): 4 shards of [4, 3]; the data axis spans the processes
+    assert [(s["index"], s["process"]) for s in m["embed"]["shards"]] == [
+        ([[0, 4], [0, 3]], 0),
+        ([[0, 4], [3, 6]], 0),
+        ([[4, 8], [0, 3]], 1),
+        ([[4, 8], [3, 6]], 1),
+    ]
+    # norm is replicated over data: only the holder of replica 0 (process 0) writes each shard
+    assert [(s["index"], s["process"]) for s in m["norm"]["shards"]] == [([[0, 4], [0, 4]], 0), ([[4, 8], [0, 4]], 0)]
+    assert [(s["index"], s["process"]) for s in m["scale"]["shards"]] == [([[0, 5]], 0)]
+    assert [s["index"] for s in m["layer/w"]["shards"]] == [[[0, 6], [2 * i, 2 * i + 2]] for i in range(4)]
+
+    # a reader asking for a slice gets exactly it, from the shards it overlaps
+    want = _cast(publish_tree(1))
+    got = read_shard(stores["sharded"], 1, "layer/w", (slice(1, 5), slice(1, 6)))
+    assert got.tobytes() == np.ascontiguousarray(want["layer"]["w"][1:5, 1:6]).tobytes()
+    with pytest.raises(WeightSyncError, match="no leaf 'nope'"):
+        read_shard(stores["sharded"], 1, "nope", (slice(0, 1),))
+
+
+@pytest.mark.slow
+def test_a_corrupted_shard_is_detected(stores, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(stores["sharded"][len("file://") :], copy)
+    url = f"file://{copy}"
+    manifest = WeightSubscriber(url).manifest(1)
+    lf = next(x for x in manifest["leaves"] if x["path"] == "embed")
+    lf["shards"][2]["sha256"] = "0" * 64
+    (copy / "versions" / "00000001" / "manifest.json").write_text(__import__("json").dumps(manifest))
+    with pytest.raises(WeightSyncError, match=r"checksum mismatch for shard \[\[4, 8\], \[0, 3\]\] of leaf 'embed'"):
+        WeightSubscriber(url).read(1, fallback=False)
+    with pytest.raises(WeightSyncError, match="checksum mismatch"):
+        read_shard(url, 1, "embed", (slice(5, 6),))
+    # a manifest format this reader does not know is refused by name
+    manifest["format"] = 9
+    (copy / "versions" / "00000001" / "manifest.json").write_text(__import__("json").dumps(manifest))
+    with pytest.raises(WeightSyncError, match="has format 9; this reader knows formats"):
+        WeightSubscriber(url).read(1, fallback=False)
