@@ -58,13 +58,13 @@ def _main(pid: int, port: int, gather_url: str, sharded_url: str) -> None:
     mesh = jax.make_mesh((2, 2), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
 
     def to_global(tree: dict, layout: dict) -> dict:
-        out = {}
+        out: dict = {}
         for k, v in tree.items():
             if isinstance(v, dict):
                 out[k] = to_global(v, layout[k])
                 continue
             sharding = NamedSharding(mesh, PartitionSpec(*layout[k][2]))
-            out[k] = jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
+            out[k] = jax.make_array_from_callback(v.shape, sharding, v.__getitem__)
         return out
 
     publisher = WeightPublisher(gather_url) if jax.process_index() == 0 else None

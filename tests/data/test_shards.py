@@ -22,7 +22,11 @@ from composer_jax.data.shards import (
 def cfg(tmp_path, tok_dir) -> DataConfig:
     path = write_jsonl(tmp_path / "a.jsonl", [{"text": d} for d in numbered_docs(40)])
     return DataConfig(
-        sources=(SourceConfig(type="jsonl", path=str(path)),), tokenizer=tok_dir, eval_fraction=0.2, shards=4, shuffle_window=2
+        sources=(SourceConfig(type="jsonl", path=str(path)),),
+        tokenizer=tok_dir,
+        eval_fraction=0.2,
+        shards=4,
+        shuffle_window=2,
     )
 
 

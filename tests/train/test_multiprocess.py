@@ -73,7 +73,7 @@ def _pretrain(out_dir: Path, data_dir: Path, extra: list[str]) -> list[str]:
     ]
 
 
-def two_processes(out_dir: Path, data_dir: Path, extra: list[str] = ()) -> list[str]:
+def two_processes(out_dir: Path, data_dir: Path, extra: tuple[str, ...] = ()) -> list[str]:
     port = free_port()
     return run_processes(
         [
@@ -116,7 +116,7 @@ def test_two_processes_train_and_resume_as_one(tmp_path, small_corpus):
     assert sorted(ref) == [1, 2, 3, 4]
 
     two = tmp_path / "two"
-    outs = two_processes(two, small_corpus, ["--stop-after", "2"])
+    outs = two_processes(two, small_corpus, ("--stop-after", "2"))
     assert [final_json(o)["steps"] for o in outs] == [2, 2]
     assert sorted(int(p.name) for p in (two / "checkpoints").iterdir() if p.name.isdigit()) == [2]
     # the checkpoint holds both hosts' data positions

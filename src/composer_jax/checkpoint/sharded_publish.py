@@ -39,12 +39,16 @@ def _leaves(tree: Any, prefix: str = "") -> list[tuple[str, jax.Array]]:
         out: list[tuple[str, jax.Array]] = []
         for k in sorted(tree):
             if not isinstance(k, str) or not k or "/" in k:
-                raise WeightSyncError(f"pytree key {k!r} at {prefix or '<root>'!r}: keys must be non-empty str without '/'")
+                raise WeightSyncError(
+                    f"pytree key {k!r} at {prefix or '<root>'!r}: keys must be non-empty str without '/'"
+                )
             out += _leaves(tree[k], f"{prefix}/{k}" if prefix else k)
         return out
     if isinstance(tree, jax.Array):
         return [(prefix, tree)]
-    raise WeightSyncError(f"pytree node at {prefix or '<root>'!r} is a {type(tree).__name__}; accepted: dict or jax.Array")
+    raise WeightSyncError(
+        f"pytree node at {prefix or '<root>'!r} is a {type(tree).__name__}; accepted: dict or jax.Array"
+    )
 
 
 def _ranges(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[list[int]]:
@@ -65,8 +69,11 @@ def publish_sharded(url: str, params: Any, version: int, *, dtype: str = "", con
         raise WeightSyncError("params has no array leaves; nothing to publish")
     pi = jax.process_index()
     latest = store.latest()
-    if isinstance(version, bool) or not isinstance(version, int) or version < 0 or (
-        latest is not None and version <= latest
+    if (
+        isinstance(version, bool)
+        or not isinstance(version, int)
+        or version < 0
+        or (latest is not None and version <= latest)
     ):
         raise WeightSyncError(f"version={version!r}; accepted: an int > latest version {latest} (>= 0)")
     vdir = version_dir(version)
@@ -109,19 +116,23 @@ def publish_sharded(url: str, params: Any, version: int, *, dtype: str = "", con
         mine.append(entries)
     everyone = allgather_json(mine)
     if pi == 0:
-        entries = []
+        leaf_entries: list[dict[str, Any]] = []
+        raw_total = stored_total = 0
         for i, ((path, arr), dt) in enumerate(zip(leaves, out_dtypes)):
             shards = sorted((e for proc in everyone for e in proc[i]), key=lambda e: e["index"])
             key = f"leaves/{i}/"
-            entries.append(
+            raw = int(np.prod(arr.shape)) * dt.itemsize
+            stored = store.stored_bytes(vdir + key)
+            raw_total, stored_total = raw_total + raw, stored_total + stored
+            leaf_entries.append(
                 {
                     "path": path,
                     "dtype": dt.name,
                     "shape": list(arr.shape),
                     "key": key,
                     "shards": shards,
-                    "raw_bytes": int(np.prod(arr.shape)) * dt.itemsize,
-                    "stored_bytes": store.stored_bytes(vdir + key),
+                    "raw_bytes": raw,
+                    "stored_bytes": stored,
                 }
             )
         manifest = {
@@ -130,9 +141,9 @@ def publish_sharded(url: str, params: Any, version: int, *, dtype: str = "", con
             "kind": "sharded",
             "base_version": version,
             "parent_version": version,
-            "raw_bytes": sum(e["raw_bytes"] for e in entries),
-            "stored_bytes": sum(e["stored_bytes"] for e in entries),
-            "leaves": entries,
+            "raw_bytes": raw_total,
+            "stored_bytes": stored_total,
+            "leaves": leaf_entries,
         }
         store.write_json(vdir + "manifest.json", manifest)
         store.write_json("latest", {"version": version})
@@ -157,8 +168,9 @@ def read_shard(
     if len(index) > len(shape) or any(r.step != 1 for r in want):
         raise WeightSyncError(f"index {index!r} for leaf {path!r} of shape {list(shape)}; accepted: unit-step slices")
     dt = np.dtype(jax.numpy.dtype(lf["dtype"]))
-    arr = ts.open({"driver": "zarr3", "kvstore": store.url + version_dir(version) + lf["key"]}, open=True,
-                  context=store.context).result()
+    arr = ts.open(
+        {"driver": "zarr3", "kvstore": store.url + version_dir(version) + lf["key"]}, open=True, context=store.context
+    ).result()
     out = np.zeros([len(r) for r in want], _uint(dt))
     covered = 0
     for sh in lf["shards"]:

@@ -150,7 +150,12 @@ def host_eval_batches(
     per = global_batch // shard_count
     return [
         make_eval_batches(
-            data_cfg, seq_len=seq_len, batch_size=per, num_batches=num_batches, process_index=s, process_count=shard_count
+            data_cfg,
+            seq_len=seq_len,
+            batch_size=per,
+            num_batches=num_batches,
+            process_index=s,
+            process_count=shard_count,
         )
         for s in shards
     ]

@@ -81,7 +81,7 @@ def _global_batch(local: dict, mesh, rules, shape) -> dict:
 def _host_rows(mesh, rules, shape) -> tuple[int, int]:
     """The rows [start, stop) of a global [batch, seq] batch that this process's devices hold."""
     index = batch_sharding(mesh, rules, shape).addressable_devices_indices_map(shape).values()
-    rows = [range(*i[0].indices(shape[0])) for i in index]
+    rows = [range(*i[0].indices(shape[0])) if i else range(shape[0]) for i in index]
     start, stop = min(r.start for r in rows), max(r.stop for r in rows)
     if set().union(*map(set, rows)) != set(range(start, stop)):
         raise ConfigError(f"process {jax.process_index()} holds non-contiguous batch rows; check the mesh layout")
