@@ -1,16 +1,19 @@
 """One process of a two-process weight publish (run by test_multiprocess_publish.py, not by pytest).
 
-usage: python publish_worker.py PROCESS_ID PORT GATHER_URL SHARDED_URL
+usage: python publish_worker.py PROCESS_ID PORT GATHER_URL SHARDED_URL HF_DIR
 
 Joins a 2-process JAX job (2 CPU devices each, gloo), builds `publish_tree` as global arrays on a
 (data=2, fsdp=2) mesh whose data axis spans the processes, and publishes versions 0 and 1 twice:
 through the RL trainer's path (`_published` gathers to every process, process 0's WeightPublisher
-writes) and per shard (`publish_sharded`: each process writes its own replica-0 shards).
+writes) and per shard (`publish_sharded`: each process writes its own replica-0 shards). Then it
+exports the tiny model (`export_model_config`, initialised from `EXPORT_SEED`, its parameters split
+over both processes) as a Hugging Face checkpoint to HF_DIR (`save_pretrained`: process 0 writes).
 """
 
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import numpy as np
 
@@ -23,6 +26,19 @@ LAYOUT = {
     "counts": ((4, 2), "int32", ("data", None)),
     "layer": {"w": ((6, 8), "float32", (None, ("data", "fsdp")))},
 }
+
+
+EXPORT_SEED = 7
+EXPORT_SHARD_SIZE = "300KB"  # several safetensors files for the tiny model
+
+
+def export_model_config(num_devices: int) -> Any:
+    """The tiny model of the stage configs, with its parameters over fsdp (across the processes)
+    and experts (within one)."""
+    from composer_jax.config import load_config
+
+    overrides = ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2"]
+    return load_config("configs/pretrain/tiny_stage1.yaml", overrides, num_devices=num_devices)
 
 
 def publish_tree(version: int, layout: dict = LAYOUT) -> dict:
@@ -43,7 +59,7 @@ def publish_tree(version: int, layout: dict = LAYOUT) -> dict:
     return out
 
 
-def _main(pid: int, port: int, gather_url: str, sharded_url: str) -> None:
+def _main(pid: int, port: int, gather_url: str, sharded_url: str, hf_dir: str) -> None:
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -76,6 +92,16 @@ def _main(pid: int, port: int, gather_url: str, sharded_url: str) -> None:
         publish_sharded(sharded_url, params, version, dtype=PUBLISH_DTYPE)
     print(f"process {pid} published", flush=True)
 
+    from composer_jax.checkpoint.hf import save_pretrained
+    from composer_jax.model.params import init_params
+    from composer_jax.sharding import ShardingRules, make_mesh
+
+    cfg = export_model_config(4)
+    model_mesh = make_mesh(cfg.mesh)
+    model = init_params(cfg.model, jax.random.key(EXPORT_SEED), model_mesh, ShardingRules.create(cfg.sharding_rules))
+    save_pretrained(model, cfg.model, hf_dir, max_shard_size=EXPORT_SHARD_SIZE)
+    print(f"process {pid} exported", flush=True)
+
 
 if __name__ == "__main__":
-    _main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    _main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])

@@ -22,7 +22,13 @@ from composer_jax.checkpoint.sharded_publish import read_shard
 from composer_jax.checkpoint.weight_sync import WeightPublisher, WeightSubscriber, WeightSyncError, tree_sha256
 
 sys.path.insert(0, str(Path(__file__).parent))
-from publish_worker import PUBLISH_DTYPE, publish_tree  # noqa: E402
+from publish_worker import (  # noqa: E402
+    EXPORT_SEED,
+    EXPORT_SHARD_SIZE,
+    PUBLISH_DTYPE,
+    export_model_config,
+    publish_tree,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -54,12 +60,13 @@ def _assert_bits_equal(a: dict, b: dict, where: str) -> None:
 def stores(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("stores")
     urls = {name: f"file://{root / name}" for name in ("gathered", "sharded", "single")}
+    urls["hf"] = str(root / "hf")
     port = _free_port()
     env = {**os.environ, "XLA_FLAGS": "", "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": f"{REPO / 'src'}:{REPO}"}
     worker = str(Path(__file__).parent / "publish_worker.py")
     procs = [
         subprocess.Popen(
-            [sys.executable, worker, str(i), str(port), urls["gathered"], urls["sharded"]],
+            [sys.executable, worker, str(i), str(port), urls["gathered"], urls["sharded"], urls["hf"]],
             cwd=REPO,
             env=env,
             stdout=subprocess.PIPE,
@@ -87,7 +94,9 @@ def stores(tmp_path_factory) -> dict[str, str]:
 def test_two_process_publishes_read_back_as_the_single_process_one(stores):
     for version in (0, 1):
         want = _cast(publish_tree(version))
-        reads = {name: WeightSubscriber(url).read(version, fallback=False) for name, url in stores.items()}
+        reads = {
+            name: WeightSubscriber(url).read(version, fallback=False) for name, url in stores.items() if name != "hf"
+        }
         for name, (v, tree) in reads.items():
             assert v == version
             _assert_bits_equal(tree, want, f"{name} v{version}")
@@ -139,3 +148,21 @@ def test_a_corrupted_shard_is_detected(stores, tmp_path):
     (copy / "versions" / "00000001" / "manifest.json").write_text(__import__("json").dumps(manifest))
     with pytest.raises(WeightSyncError, match="has format 9; this reader knows formats"):
         WeightSubscriber(url).read(1, fallback=False)
+
+
+@pytest.mark.slow
+def test_two_process_hf_export_equals_the_single_process_one(stores, tmp_path):
+    import jax
+
+    from composer_jax.checkpoint.hf import save_pretrained
+    from composer_jax.model.params import init_params
+
+    cfg = export_model_config(4)  # the model section only: no mesh is built here
+    params = init_params(cfg.model, jax.random.key(EXPORT_SEED))  # one device: init is keyed by path, not mesh
+    single = save_pretrained(params, cfg.model, tmp_path / "single", max_shard_size=EXPORT_SHARD_SIZE)
+    two = Path(stores["hf"])
+    names = sorted(p.name for p in single.iterdir())
+    assert len([n for n in names if n.endswith(".safetensors")]) > 1  # the sharded-files path
+    assert sorted(p.name for p in two.iterdir()) == names
+    for name in names:
+        assert (two / name).read_bytes() == (single / name).read_bytes(), name
