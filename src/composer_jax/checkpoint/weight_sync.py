@@ -15,6 +15,10 @@ compresses well. Layout under the URL::
     versions/00000007/leaves/<i>/...      one zarr3 array per leaf (uint bits or XOR bits)
     latest                                {"version": 7}, written last
 
+A version written by every process of a multi-host trainer, each its own shards (manifest format 2,
+kind "sharded": per-shard index ranges and sha256s), is read the same way (checkpoint/
+sharded_publish.py); a manifest of a format this module does not know is refused by name.
+
 The manifest is written after every leaf and ``latest`` after the manifest, so a reader that
 follows ``latest`` never sees a half-written version. A new base is written once the stored bytes of
 the deltas since the latest base reach ``new_base_fraction`` of the base's stored bytes (which also
