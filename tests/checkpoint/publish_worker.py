@@ -5,7 +5,8 @@ usage: python publish_worker.py PROCESS_ID PORT GATHER_URL SHARDED_URL HF_DIR
 Joins a 2-process JAX job (2 CPU devices each, gloo), builds `publish_tree` as global arrays on a
 (data=2, fsdp=2) mesh whose data axis spans the processes, and publishes versions 0 and 1 twice:
 through the RL trainer's path (`_published` gathers to every process, process 0's WeightPublisher
-writes) and per shard (`publish_sharded`: each process writes its own replica-0 shards). Then it
+writes) and per shard (`ShardedWeightPublisher`: each process writes its own replica-0 shards,
+version 1 as a per-shard XOR delta). Then it
 exports the tiny model (`export_model_config`, initialised from `EXPORT_SEED`, its parameters split
 over both processes) as a Hugging Face checkpoint to HF_DIR (`save_pretrained`: process 0 writes).
 """
@@ -67,7 +68,7 @@ def _main(pid: int, port: int, gather_url: str, sharded_url: str, hf_dir: str) -
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid)
     from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-    from composer_jax.checkpoint.sharded_publish import publish_sharded
+    from composer_jax.checkpoint.sharded_publish import ShardedWeightPublisher
     from composer_jax.checkpoint.weight_sync import WeightPublisher
     from composer_jax.rl.trainer import _published
 
@@ -84,12 +85,13 @@ def _main(pid: int, port: int, gather_url: str, sharded_url: str, hf_dir: str) -
         return out
 
     publisher = WeightPublisher(gather_url) if jax.process_index() == 0 else None
+    per_shard = ShardedWeightPublisher(sharded_url)  # on every process
     for version in (0, 1):
         params = to_global(publish_tree(version), LAYOUT)
         host = _published(params, PUBLISH_DTYPE)  # a collective: both processes
         if publisher is not None:
             publisher.publish(host, version)
-        publish_sharded(sharded_url, params, version, dtype=PUBLISH_DTYPE)
+        per_shard.publish(params, version, dtype=PUBLISH_DTYPE)
     print(f"process {pid} published", flush=True)
 
     from composer_jax.checkpoint.hf import save_pretrained

@@ -106,7 +106,10 @@ def test_two_process_publishes_read_back_as_the_single_process_one(stores):
 
 @pytest.mark.slow
 def test_sharded_store_is_written_per_shard_by_its_holder(stores):
-    m = {lf["path"]: lf for lf in WeightSubscriber(stores["sharded"]).manifest(1)["leaves"]}
+    manifest = WeightSubscriber(stores["sharded"]).manifest(1)
+    assert manifest["kind"] == "sharded_delta" and manifest["parent_version"] == 0
+    assert WeightSubscriber(stores["sharded"]).manifest(0)["kind"] == "sharded"
+    m = {lf["path"]: lf for lf in manifest["leaves"]}
     assert m["embed"]["dtype"] == PUBLISH_DTYPE and m["counts"]["dtype"] == "int32"
     # embed [8, 6] over (data, fsdp): 4 shards of [4, 3]; the data axis spans the processes
     assert [(s["index"], s["process"]) for s in m["embed"]["shards"]] == [
@@ -120,7 +123,7 @@ def test_sharded_store_is_written_per_shard_by_its_holder(stores):
     assert [(s["index"], s["process"]) for s in m["scale"]["shards"]] == [([[0, 5]], 0)]
     assert [s["index"] for s in m["layer/w"]["shards"]] == [[[0, 6], [2 * i, 2 * i + 2]] for i in range(4)]
 
-    # a reader asking for a slice gets exactly it, from the shards it overlaps
+    # a reader asking for a slice gets exactly it, from the shards it overlaps (snapshot XOR delta)
     want = _cast(publish_tree(1))
     got = read_shard(stores["sharded"], 1, "layer/w", (slice(1, 5), slice(1, 6)))
     assert got.tobytes() == np.ascontiguousarray(want["layer"]["w"][1:5, 1:6]).tobytes()

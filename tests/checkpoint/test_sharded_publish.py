@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from composer_jax.checkpoint.sharded_publish import publish_sharded, read_shard
+from composer_jax.checkpoint.sharded_publish import ShardedWeightPublisher, publish_sharded, read_shard
 from composer_jax.checkpoint.weight_sync import WeightPublisher, WeightSubscriber, WeightSyncError
 
 
@@ -55,7 +55,45 @@ def test_sharded_versions_read_back_and_continue_with_deltas(tmp_path):
             assert got[k].dtype == want.dtype and got[k].tobytes() == want.tobytes(), (v, k)
     part = read_shard(url, 0, "w", (slice(3, 7), slice(2, 5)))
     assert part.tobytes() == np.ascontiguousarray(cast(_tree(0))["w"][3:7, 2:5]).tobytes()
-    with pytest.raises(WeightSyncError, match="read_shard reads 'sharded' ones"):
+    with pytest.raises(WeightSyncError, match="is a 'delta' version .*read_shard reads versions written per shard"):
         read_shard(url, 1, "w", (slice(0, 1),))
     with pytest.raises(WeightSyncError, match=r"version=0; accepted: an int > latest version 1"):
         publish_sharded(url, _global(_tree(0), mesh), 0)
+
+
+def test_per_shard_deltas_chain_and_rebase(tmp_path):
+    mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
+    url = f"file://{tmp_path}/store"
+    pub = ShardedWeightPublisher(url, new_base_fraction=1.5)
+    trees = [_tree(0)]
+    for v in range(1, 5):  # small updates: most bits of each version equal the one before
+        prev = trees[-1]
+        trees.append({**prev, "w": prev["w"] + np.float32(1e-3) * _tree(10 + v)["w"]})
+    kinds = [pub.publish(_global(t, mesh), v)["kind"] for v, t in enumerate(trees)]
+    sub = WeightSubscriber(url)
+    manifests = [sub.manifest(v) for v in range(5)]
+    # deltas until their stored bytes reach 1.5 x the snapshot's, then a new snapshot
+    since, expect = 0, ["sharded"]
+    for m in manifests[1:]:
+        if since < 1.5 * manifests[[k for k, e in enumerate(expect) if e == "sharded"][-1]]["stored_bytes"]:
+            expect.append("sharded_delta")
+            since += m["stored_bytes"]
+        else:
+            expect.append("sharded")
+            since = 0
+    assert kinds == expect and "sharded_delta" in kinds
+    # b and ids never change: their XOR shards are all zero and not stored at all
+    for m in manifests[1:]:
+        if m["kind"] == "sharded_delta":
+            leaves = {lf["path"]: lf for lf in m["leaves"]}
+            assert leaves["b"]["stored_bytes"] == 0 and leaves["ids"]["stored_bytes"] == 0
+            assert 0 < leaves["w"]["stored_bytes"]
+    for v, t in enumerate(trees):
+        got = WeightSubscriber(url).read(v, fallback=False)[1]  # a fresh reader: the whole chain
+        for k in t:
+            assert got[k].tobytes() == t[k].tobytes(), (v, k)
+        part = read_shard(url, v, "w", (slice(1, 8), slice(3, 4)))
+        assert part.tobytes() == np.ascontiguousarray(t["w"][1:8, 3:4]).tobytes(), v
+    # a resharded tree cannot be a delta: a snapshot is written
+    other = jax.make_mesh((4, 2), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
+    assert pub.publish(_global(trees[-1], other), 5)["kind"] == "sharded"

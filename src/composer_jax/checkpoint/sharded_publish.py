@@ -59,16 +59,7 @@ def _uint(dtype: np.dtype) -> np.dtype:
     return np.dtype(f"uint{8 * dtype.itemsize}")
 
 
-def publish_sharded(url: str, params: Any, version: int, *, dtype: str = "", context: ts.Context | None = None) -> dict:
-    """Write `params` (a dict tree of global jax.Arrays, the same on every process) as `version`,
-    each process writing its own replica-0 shards; floating leaves are cast to `dtype` first ("" =
-    as is). A collective: every process calls it with the same arguments. Returns the manifest."""
-    store = open_store(url, context)
-    leaves = _leaves(params)
-    if not leaves:
-        raise WeightSyncError("params has no array leaves; nothing to publish")
-    pi = jax.process_index()
-    latest = store.latest()
+def _check_version(version: Any, latest: int | None) -> int:
     if (
         isinstance(version, bool)
         or not isinstance(version, int)
@@ -76,101 +67,196 @@ def publish_sharded(url: str, params: Any, version: int, *, dtype: str = "", con
         or (latest is not None and version <= latest)
     ):
         raise WeightSyncError(f"version={version!r}; accepted: an int > latest version {latest} (>= 0)")
-    vdir = version_dir(version)
-    out_dtypes = []
-    for _, arr in leaves:
-        dt = np.dtype(arr.dtype)
-        if dtype and np.issubdtype(dt, np.floating):
-            dt = np.dtype(jax.numpy.dtype(dtype))
-        if dt.itemsize not in (1, 2, 4, 8):
-            raise WeightSyncError(f"dtype {dt} of itemsize {dt.itemsize}; accepted itemsizes: 1, 2, 4, 8")
-        out_dtypes.append(dt)
-    specs = []
-    for i, ((_, arr), dt) in enumerate(zip(leaves, out_dtypes)):
-        chunk = list(arr.sharding.shard_shape(arr.shape))
-        specs.append(store.array_spec(f"{vdir}leaves/{i}/", _uint(dt), list(arr.shape), chunk))
-    if pi == 0:  # one creator per array; the others open it after the barrier
-        for spec in specs:
-            ts.open(spec, create=True, delete_existing=True, context=store.context).result()
-    barrier(f"composer_jax_publish_sharded_create_{version}")
-    mine: list[list[dict]] = []
-    for (_, arr), dt, spec in zip(leaves, out_dtypes, specs):
-        target = ts.open({k: v for k, v in spec.items() if k != "metadata"}, open=True, context=store.context).result()
-        entries, writes = [], []
-        for shard in arr.addressable_shards:
-            if shard.replica_id != 0:
-                continue
-            host = np.asarray(shard.data)
-            bits = np.ascontiguousarray(host.astype(dt) if host.dtype != dt else host).view(_uint(dt))
-            idx = shard.index if shard.index else ()
-            writes.append(target[idx].write(bits) if idx else target.write(bits))
-            entries.append(
-                {
-                    "index": _ranges(idx, arr.shape),
-                    "sha256": hashlib.sha256(bits.tobytes()).hexdigest(),
-                    "process": pi,
-                }
-            )
-        for w in writes:
-            w.result()
-        mine.append(entries)
-    everyone = allgather_json(mine)
-    if pi == 0:
-        leaf_entries: list[dict[str, Any]] = []
-        raw_total = stored_total = 0
+    return version
+
+
+class ShardedWeightPublisher:
+    """Writes versions per shard from every process of a multi-host trainer (module docstring).
+
+    Every process constructs one with the same arguments and calls `publish` for every version (a
+    collective). A version is a snapshot (kind "sharded") or an XOR delta against the previous
+    version (kind "sharded_delta": each process XORs its shards with its own shards of the version
+    before, so no host ever holds more than its shards); a snapshot is written first, when the
+    sharding changed, and once the deltas' stored bytes since the last snapshot reach
+    `new_base_fraction` of its stored bytes. A publisher opened on a store that holds versions
+    continues after the latest with a snapshot.
+    """
+
+    def __init__(
+        self, url: str, *, new_base_fraction: float = 0.5, zstd_level: int = 3, context: ts.Context | None = None
+    ) -> None:
+        if (
+            isinstance(new_base_fraction, bool)
+            or not isinstance(new_base_fraction, (int, float))
+            or not new_base_fraction > 0
+        ):
+            raise WeightSyncError(f"new_base_fraction={new_base_fraction!r}; accepted: a number > 0")
+        self.new_base_fraction = float(new_base_fraction)
+        self.store = open_store(url, context, zstd_level)
+        self.latest = self.store.latest()
+        self._prev: dict[tuple[str, str], np.ndarray] | None = None  # this process's shards of `latest`
+        self._base_version: int | None = None
+        self._base_stored = 0
+        self._since_base = 0
+
+    def publish(self, params: Any, version: int | None = None, *, dtype: str = "", force_base: bool = False) -> dict:
+        """Write `params` (a dict tree of global jax.Arrays) as `version` (default: latest + 1, or
+        0), floating leaves cast to `dtype` first ("" = as is). Returns the manifest."""
+        store = self.store
+        leaves = _leaves(params)
+        if not leaves:
+            raise WeightSyncError("params has no array leaves; nothing to publish")
+        if version is None:
+            version = 0 if self.latest is None else self.latest + 1
+        version = _check_version(version, self.latest)
+        pi = jax.process_index()
+        vdir = version_dir(version)
+        out_dtypes = []
+        for _, arr in leaves:
+            dt = np.dtype(arr.dtype)
+            if dtype and np.issubdtype(dt, np.floating):
+                dt = np.dtype(jax.numpy.dtype(dtype))
+            if dt.itemsize not in (1, 2, 4, 8):
+                raise WeightSyncError(f"dtype {dt} of itemsize {dt.itemsize}; accepted itemsizes: 1, 2, 4, 8")
+            out_dtypes.append(dt)
+        # this process's replica-0 shards, as bits: {(path, index): bits}
+        local: list[list[tuple[tuple[slice, ...], np.ndarray]]] = []
+        bits_now: dict[tuple[str, str], np.ndarray] = {}
+        for (path, arr), dt in zip(leaves, out_dtypes):
+            mine = []
+            for shard in arr.addressable_shards:
+                if shard.replica_id != 0:
+                    continue
+                host = np.asarray(shard.data)
+                bits = np.ascontiguousarray(host.astype(dt) if host.dtype != dt else host).view(_uint(dt))
+                idx = tuple(shard.index) if shard.index else ()
+                mine.append((idx, bits))
+                bits_now[(path, str(_ranges(idx, arr.shape)))] = bits
+            local.append(mine)
+        prev = self._prev
+        same_layout = (
+            prev is not None
+            and set(prev) == set(bits_now)
+            and all(prev[k].shape == b.shape and prev[k].dtype == b.dtype for k, b in bits_now.items())
+        )
+        # every process must take the same decision: a delta only if all can
+        as_delta = (
+            all(allgather_json(bool(same_layout)))
+            and not force_base
+            and self._since_base < self.new_base_fraction * max(self._base_stored, 1)
+        )
+        specs = []
+        for i, ((_, arr), dt) in enumerate(zip(leaves, out_dtypes)):
+            chunk = list(arr.sharding.shard_shape(arr.shape))
+            specs.append(store.array_spec(f"{vdir}leaves/{i}/", _uint(dt), list(arr.shape), chunk))
+        if pi == 0:  # one creator per array; the others open it after the barrier
+            for spec in specs:
+                ts.open(spec, create=True, delete_existing=True, context=store.context).result()
+        barrier(f"composer_jax_publish_sharded_create_{version}")
+        entries: list[list[dict]] = []
+        for i, ((path, arr), spec, mine) in enumerate(zip(leaves, specs, local)):
+            target = ts.open(
+                {k: v for k, v in spec.items() if k != "metadata"}, open=True, context=store.context
+            ).result()
+            chunk = arr.sharding.shard_shape(arr.shape)
+            writes, leaf_entries = [], []
+            for idx, bits in mine:
+                ranges = _ranges(idx, arr.shape)
+                stored = bits ^ prev[(path, str(ranges))] if as_delta and prev is not None else bits
+                writes.append(target[idx].write(stored) if idx else target.write(stored))
+                # one shard = one chunk: its key under the zarr3 default encoding ("c/i/j", "c" for 0-d)
+                key = f"{vdir}leaves/{i}/c" + "".join(f"/{a // max(c, 1)}" for (a, _), c in zip(ranges, chunk))
+                leaf_entries.append(
+                    {"index": ranges, "sha256": hashlib.sha256(bits.tobytes()).hexdigest(), "process": pi, "key": key}
+                )
+            for w in writes:
+                w.result()
+            for e in leaf_entries:  # a chunk equal to the fill value (an unchanged shard's XOR) is not stored
+                r = store.kv.read(e.pop("key")).result()
+                e["stored_bytes"] = len(r.value) if r.state != "missing" else 0
+            entries.append(leaf_entries)
+        everyone = allgather_json(entries)
+        leaf_meta: list[dict[str, Any]] = []
         for i, ((path, arr), dt) in enumerate(zip(leaves, out_dtypes)):
             shards = sorted((e for proc in everyone for e in proc[i]), key=lambda e: e["index"])
-            key = f"leaves/{i}/"
-            raw = int(np.prod(arr.shape)) * dt.itemsize
-            stored = store.stored_bytes(vdir + key)
-            raw_total, stored_total = raw_total + raw, stored_total + stored
-            leaf_entries.append(
+            leaf_meta.append(
                 {
                     "path": path,
                     "dtype": dt.name,
                     "shape": list(arr.shape),
-                    "key": key,
+                    "key": f"leaves/{i}/",
                     "shards": shards,
-                    "raw_bytes": raw,
-                    "stored_bytes": stored,
+                    "raw_bytes": int(np.prod(arr.shape)) * dt.itemsize,
+                    "stored_bytes": sum(int(sh["stored_bytes"]) for sh in shards),
                 }
             )
+        stored_total = sum(int(lf["stored_bytes"]) for lf in leaf_meta)
+        base_version = self._base_version if as_delta and self._base_version is not None else version
         manifest = {
             "format": SHARDED_FORMAT,
             "version": version,
-            "kind": "sharded",
-            "base_version": version,
-            "parent_version": version,
-            "raw_bytes": raw_total,
+            "kind": "sharded_delta" if as_delta else "sharded",
+            "base_version": base_version,
+            "parent_version": self.latest if as_delta and self.latest is not None else version,
+            "raw_bytes": sum(int(lf["raw_bytes"]) for lf in leaf_meta),
             "stored_bytes": stored_total,
-            "leaves": leaf_entries,
+            "leaves": leaf_meta,
         }
-        store.write_json(vdir + "manifest.json", manifest)
-        store.write_json("latest", {"version": version})
-    barrier(f"composer_jax_publish_sharded_done_{version}")
-    return read_manifest(store, version)
+        if pi == 0:
+            store.write_json(vdir + "manifest.json", manifest)
+            store.write_json("latest", {"version": version})
+        barrier(f"composer_jax_publish_sharded_done_{version}")
+        # every process saw the same gathered sizes: the next decision agrees everywhere
+        if as_delta:
+            self._since_base += stored_total
+        else:
+            self._base_version, self._base_stored, self._since_base = version, stored_total, 0
+        self._prev, self.latest = bits_now, version
+        return manifest
+
+
+def publish_sharded(url: str, params: Any, version: int, *, dtype: str = "", context: ts.Context | None = None) -> dict:
+    """Write `params` as snapshot `version` per shard (`ShardedWeightPublisher` for a single
+    version). A collective: every process calls it with the same arguments. Returns the manifest."""
+    return ShardedWeightPublisher(url, context=context).publish(params, version, dtype=dtype)
 
 
 def read_shard(
     url: str, version: int, path: str, index: tuple[slice, ...], *, context: ts.Context | None = None
 ) -> np.ndarray:
-    """Only the index ranges `index` of leaf `path` in sharded `version` (a serving shard loading its
-    slice). Every stored shard the request overlaps is read whole and checked against its sha256."""
+    """Only the index ranges `index` of leaf `path` in a per-shard `version` (a serving shard
+    loading its slice): the stored shards the request overlaps are read, XOR-ed back through the
+    deltas to the snapshot, and each checked against its sha256."""
     store = open_store(url, context)
-    m = read_manifest(store, version)
-    if m["kind"] != "sharded":
-        raise WeightSyncError(f"version {version} in {store.url} is a {m['kind']!r}; read_shard reads 'sharded' ones")
-    lf = next((x for x in m["leaves"] if x["path"] == path), None)
-    if lf is None:
-        raise WeightSyncError(f"version {version} has no leaf {path!r}; leaves: {[x['path'] for x in m['leaves']][:8]}")
+    chain = [read_manifest(store, version)]
+    while chain[-1]["kind"] == "sharded_delta":
+        chain.append(read_manifest(store, int(chain[-1]["parent_version"])))
+    if chain[-1]["kind"] != "sharded":
+        raise WeightSyncError(
+            f"version {version} in {store.url} is a {chain[-1]['kind']!r} version (or a delta against one); "
+            "read_shard reads versions written per shard ('sharded', 'sharded_delta')"
+        )
+    leaves = []
+    for m in chain:
+        lf = next((x for x in m["leaves"] if x["path"] == path), None)
+        if lf is None:
+            have = [x["path"] for x in m["leaves"]][:8]
+            raise WeightSyncError(f"version {m['version']} has no leaf {path!r}; leaves: {have}")
+        leaves.append((m["version"], lf))
+    lf = leaves[0][1]
     shape = tuple(lf["shape"])
+    if len(index) > len(shape):
+        raise WeightSyncError(f"index {index!r} for leaf {path!r} of shape {list(shape)}: too many dimensions")
     want = [range(*sl.indices(n)) for sl, n in zip(index, shape)] + [range(n) for n in shape[len(index) :]]
-    if len(index) > len(shape) or any(r.step != 1 for r in want):
-        raise WeightSyncError(f"index {index!r} for leaf {path!r} of shape {list(shape)}; accepted: unit-step slices")
+    if any(r.step != 1 for r in want):
+        raise WeightSyncError(f"index {index!r} for leaf {path!r}; accepted: unit-step slices")
     dt = np.dtype(jax.numpy.dtype(lf["dtype"]))
-    arr = ts.open(
-        {"driver": "zarr3", "kvstore": store.url + version_dir(version) + lf["key"]}, open=True, context=store.context
-    ).result()
+    arrays = [
+        ts.open(
+            {"driver": "zarr3", "kvstore": store.url + version_dir(v) + x["key"]}, open=True, context=store.context
+        ).result()
+        for v, x in leaves
+    ]
     out = np.zeros([len(r) for r in want], _uint(dt))
     covered = 0
     for sh in lf["shards"]:
@@ -179,7 +265,10 @@ def read_shard(
         hi = [min(r.stop, w.stop) for r, w in zip(rng, want)]
         if any(a >= b for a, b in zip(lo, hi)):
             continue
-        bits = np.asarray(arr[tuple(slice(r.start, r.stop) for r in rng)].read().result(), order="C")
+        region = tuple(slice(r.start, r.stop) for r in rng)
+        bits = np.zeros([len(r) for r in rng], _uint(dt))
+        for arr in arrays:  # the snapshot and every delta since, XOR-ed
+            bits ^= np.asarray(arr[region].read().result() if region else arr.read().result())
         if hashlib.sha256(bits.tobytes()).hexdigest() != sh["sha256"]:
             raise WeightSyncError(f"checksum mismatch for shard {sh['index']} of leaf {path!r}, version {version}")
         src = tuple(slice(a - r.start, b - r.start) for a, b, r in zip(lo, hi, rng))
@@ -191,4 +280,4 @@ def read_shard(
     return out.view(dt)
 
 
-__all__ = ["publish_sharded", "read_shard"]
+__all__ = ["ShardedWeightPublisher", "publish_sharded", "read_shard"]

@@ -16,7 +16,8 @@ compresses well. Layout under the URL::
     latest                                {"version": 7}, written last
 
 A version written by every process of a multi-host trainer, each its own shards (manifest format 2,
-kind "sharded": per-shard index ranges and sha256s), is read the same way (checkpoint/
+kind "sharded", or "sharded_delta" XOR-ed shard by shard with its parent: per-shard index ranges
+and sha256s), is read the same way (checkpoint/
 sharded_publish.py); a manifest of a format this module does not know is refused by name.
 
 The manifest is written after every leaf and ``latest`` after the manifest, so a reader that
@@ -425,7 +426,7 @@ def _read_manifest(store: _Store, version: int) -> dict:
             f"manifest of version {version} in {store.url} has format {m.get('format')!r}; this reader "
             f"knows formats {_FORMATS}: read it with a newer composer_jax"
         )
-    if m["version"] != version or m["kind"] not in ("base", "delta", "sharded"):
+    if m["version"] != version or m["kind"] not in ("base", "delta", "sharded", "sharded_delta"):
         raise WeightSyncError(
             f"manifest of version {version} in {store.url} says version={m['version']!r} kind={m['kind']!r}"
         )
@@ -443,7 +444,7 @@ def _read_leaves(store: _Store, manifest: dict, base_bits: dict[str, np.ndarray]
                 _dtype_from_name(lf["dtype"]),
                 tuple(lf["shape"]),
                 lf["key"],
-                lf["sha256"] if manifest["kind"] != "sharded" else lf["shards"],
+                lf["shards"] if manifest["kind"].startswith("sharded") else lf["sha256"],
             )
         except (KeyError, TypeError) as e:
             raise WeightSyncError(
@@ -458,16 +459,16 @@ def _read_leaves(store: _Store, manifest: dict, base_bits: dict[str, np.ndarray]
                 f"leaf {path!r} of version {version}: stored {stored.dtype}{list(stored.shape)}, "
                 f"manifest says {dtype}{list(shape)}"
             )
-        if manifest["kind"] == "sharded":
-            _check_shards(stored, lf, version, store.url)
-        if manifest["kind"] == "delta":
+        if manifest["kind"] in ("delta", "sharded_delta"):
             if path not in base_bits:
                 raise WeightSyncError(
                     f"leaf {path!r} of version {version} has no counterpart in its parent version {_parent(manifest)}"
                 )
             stored = stored ^ base_bits[path]
+        if manifest["kind"] in ("sharded", "sharded_delta"):
+            _check_shards(stored, lf, version, store.url)
         arr = stored.view(dtype)
-        if manifest["kind"] != "sharded" and _sha256(arr) != want:
+        if manifest["kind"] not in ("sharded", "sharded_delta") and _sha256(arr) != want:
             raise WeightSyncError(
                 f"checksum mismatch for leaf {path!r} of version {version} ({manifest['kind']}) in {store.url}"
             )
