@@ -1,14 +1,17 @@
 """One process of a two-process weight publish (run by test_multiprocess_publish.py, not by pytest).
 
-usage: python publish_worker.py PROCESS_ID PORT GATHER_URL SHARDED_URL HF_DIR
+usage: python publish_worker.py PROCESS_ID PORT GATHER_URL SHARDED_URL HF_DIR TRAINER_URL
 
 Joins a 2-process JAX job (2 CPU devices each, gloo), builds `publish_tree` as global arrays on a
 (data=2, fsdp=2) mesh whose data axis spans the processes, and publishes versions 0 and 1 twice:
-through the RL trainer's path (`_published` gathers to every process, process 0's WeightPublisher
-writes) and per shard (`ShardedWeightPublisher`: each process writes its own replica-0 shards,
-version 1 as a per-shard XOR delta). Then it
-exports the tiny model (`export_model_config`, initialised from `EXPORT_SEED`, its parameters split
-over both processes) as a Hugging Face checkpoint to HF_DIR (`save_pretrained`: process 0 writes).
+through the single-writer path (`_published` gathers to every process, process 0's
+WeightPublisher writes) and per shard (`ShardedWeightPublisher`: each process writes its own
+replica-0 shards, version 1 as a per-shard XOR delta). The RL trainer's own publish
+(`_store_publisher`, per shard with two processes) then writes versions 0-2 to TRAINER_URL, and a
+restarted trainer (resumed at step 1) rewinds the store and publishes version 2 anew from
+`publish_tree(3)`. Last it exports the tiny model (`export_model_config`, initialised from
+`EXPORT_SEED`, its parameters split over both processes) as a Hugging Face checkpoint to HF_DIR
+(`save_pretrained`: process 0 writes).
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ def publish_tree(version: int, layout: dict = LAYOUT) -> dict:
     return out
 
 
-def _main(pid: int, port: int, gather_url: str, sharded_url: str, hf_dir: str) -> None:
+def _main(pid: int, port: int, gather_url: str, sharded_url: str, hf_dir: str, trainer_url: str) -> None:
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -70,7 +73,7 @@ def _main(pid: int, port: int, gather_url: str, sharded_url: str, hf_dir: str) -
 
     from composer_jax.checkpoint.sharded_publish import ShardedWeightPublisher
     from composer_jax.checkpoint.weight_sync import WeightPublisher
-    from composer_jax.rl.trainer import _published
+    from composer_jax.rl.trainer import _published, _store_publisher
 
     mesh = jax.make_mesh((2, 2), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
 
@@ -94,6 +97,15 @@ def _main(pid: int, port: int, gather_url: str, sharded_url: str, hf_dir: str) -
         per_shard.publish(params, version, dtype=PUBLISH_DTYPE)
     print(f"process {pid} published", flush=True)
 
+    quiet = lambda line: None  # noqa: E731
+    publish = _store_publisher(trainer_url, resumed=False, start=0, dtype=PUBLISH_DTYPE, echo=quiet)
+    for version in (0, 1, 2):
+        publish(to_global(publish_tree(version), LAYOUT), version)
+    # the trainer restarts from its step-1 checkpoint: version 2 was of the lost run
+    publish = _store_publisher(trainer_url, resumed=True, start=1, dtype=PUBLISH_DTYPE, echo=print)
+    publish(to_global(publish_tree(1), LAYOUT), 1)  # the checkpoint's own version: skipped
+    publish(to_global(publish_tree(3), LAYOUT), 2)
+
     from composer_jax.checkpoint.hf import save_pretrained
     from composer_jax.model.params import init_params
     from composer_jax.sharding import ShardingRules, make_mesh
@@ -106,4 +118,4 @@ def _main(pid: int, port: int, gather_url: str, sharded_url: str, hf_dir: str) -
 
 
 if __name__ == "__main__":
-    _main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])
+    _main(int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:7])

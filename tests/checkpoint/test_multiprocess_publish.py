@@ -61,12 +61,13 @@ def stores(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("stores")
     urls = {name: f"file://{root / name}" for name in ("gathered", "sharded", "single")}
     urls["hf"] = str(root / "hf")
+    urls["trainer"] = f"file://{root / 'trainer'}"
     port = _free_port()
     env = {**os.environ, "XLA_FLAGS": "", "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": f"{REPO / 'src'}:{REPO}"}
     worker = str(Path(__file__).parent / "publish_worker.py")
     procs = [
         subprocess.Popen(
-            [sys.executable, worker, str(i), str(port), urls["gathered"], urls["sharded"], urls["hf"]],
+            [sys.executable, worker, str(i), str(port), urls["gathered"], urls["sharded"], urls["hf"], urls["trainer"]],
             cwd=REPO,
             env=env,
             stdout=subprocess.PIPE,
@@ -84,6 +85,7 @@ def stores(tmp_path_factory) -> dict[str, str]:
                 p.wait()
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
+    assert "weight store rewound to version 1: versions [2] were of the lost run" in outs[0]
     single = WeightPublisher(urls["single"])
     for version in (0, 1):
         single.publish(_cast(publish_tree(version)), version)
@@ -95,13 +97,24 @@ def test_two_process_publishes_read_back_as_the_single_process_one(stores):
     for version in (0, 1):
         want = _cast(publish_tree(version))
         reads = {
-            name: WeightSubscriber(url).read(version, fallback=False) for name, url in stores.items() if name != "hf"
+            name: WeightSubscriber(url).read(version, fallback=False)
+            for name, url in stores.items()
+            if name not in ("hf", "trainer")
         }
         for name, (v, tree) in reads.items():
             assert v == version
             _assert_bits_equal(tree, want, f"{name} v{version}")
         assert len({tree_sha256(t) for _, t in reads.values()}) == 1
     assert WeightSubscriber(stores["gathered"]).manifest(1)["kind"] == "delta"  # process 0 kept its chain
+
+
+@pytest.mark.slow
+def test_the_rl_trainers_two_process_publish_and_rewind(stores):
+    sub = WeightSubscriber(stores["trainer"])
+    assert sub.versions() == [0, 1, 2] and sub.latest_version() == 2
+    assert [sub.manifest(v)["kind"] for v in (0, 1, 2)] == ["sharded", "sharded_delta", "sharded"]
+    for version, tree in ((0, 0), (1, 1), (2, 3)):  # version 2 was published anew after the rewind
+        _assert_bits_equal(sub.read(version, fallback=False)[1], _cast(publish_tree(tree)), f"trainer v{version}")
 
 
 @pytest.mark.slow

@@ -158,21 +158,25 @@ class ShardedWeightPublisher:
             target = ts.open(
                 {k: v for k, v in spec.items() if k != "metadata"}, open=True, context=store.context
             ).result()
-            chunk = arr.sharding.shard_shape(arr.shape)
-            writes, leaf_entries = [], []
+            shard_shape = arr.sharding.shard_shape(arr.shape)
+            writes, keys, leaf_entries = [], [], []
             for idx, bits in mine:
                 ranges = _ranges(idx, arr.shape)
                 stored = bits ^ prev[(path, str(ranges))] if as_delta and prev is not None else bits
                 writes.append(target[idx].write(stored) if idx else target.write(stored))
                 # one shard = one chunk: its key under the zarr3 default encoding ("c/i/j", "c" for 0-d)
-                key = f"{vdir}leaves/{i}/c" + "".join(f"/{a // max(c, 1)}" for (a, _), c in zip(ranges, chunk))
+                keys.append(
+                    f"{vdir}leaves/{i}/c" + "".join(f"/{a // max(c, 1)}" for (a, _), c in zip(ranges, shard_shape))
+                )
                 leaf_entries.append(
-                    {"index": ranges, "sha256": hashlib.sha256(bits.tobytes()).hexdigest(), "process": pi, "key": key}
+                    {"index": ranges, "sha256": hashlib.sha256(bits.tobytes()).hexdigest(), "process": pi}
                 )
             for w in writes:
                 w.result()
-            for e in leaf_entries:  # a chunk equal to the fill value (an unchanged shard's XOR) is not stored
-                r = store.kv.read(e.pop("key")).result()
+            for e, key in zip(
+                leaf_entries, keys
+            ):  # a chunk equal to the fill value (0: an unchanged shard's XOR) is not stored
+                r = store.kv.read(key).result()
                 e["stored_bytes"] = len(r.value) if r.state != "missing" else 0
             entries.append(leaf_entries)
         everyone = allgather_json(entries)

@@ -298,16 +298,9 @@ class WeightPublisher:
         deleted, and the next publish writes version + 1 anew. Returns the versions removed.
         (A subscriber that read a removed version keeps it in its cache: restart it, or make it
         forget, before it reads the new version of that number.)"""
-        have = self.store.versions()
-        if isinstance(version, bool) or not isinstance(version, int) or version not in have:
-            raise WeightSyncError(f"rewind to version={version!r}; accepted: a version in the store {have}")
-        gone = [v for v in have if v > version]
+        gone = rewind_store(self.store, version)
         if not gone and self.latest == version:
             return []
-        self.store.write_json("latest", {"version": version})  # readers stop following the lost versions first
-        for v in gone:
-            vdir = _vdir(v)
-            self.store.kv.delete_range(ts.KvStore.KeyRange(vdir, vdir[:-1] + chr(ord(vdir[-1]) + 1))).result()
         self._load()
         return gone
 
@@ -393,6 +386,23 @@ class WeightPublisher:
             self._ref, self._ref_version = {p: b.copy() for p, b in bits_by_path.items()}, version
         follower = beside["stored_bytes"] if beside is not None else stored_total
         return PublishInfo(version, kind, base_version, raw_total, stored_total, follower)
+
+
+def rewind_store(store: _Store, version: int) -> list[int]:
+    """Point `latest` at `version` and delete the versions after it (`WeightPublisher.rewind`);
+    returns the versions removed. For a store whose writers are not one `WeightPublisher` (a
+    multi-host trainer's per-shard writers): one process calls it before they reopen the store."""
+    have = store.versions()
+    if isinstance(version, bool) or not isinstance(version, int) or version not in have:
+        raise WeightSyncError(f"rewind to version={version!r}; accepted: a version in the store {have}")
+    gone = [v for v in have if v > version]
+    if not gone and store.latest() == version:
+        return []
+    store.write_json("latest", {"version": version})  # readers stop following the lost versions first
+    for v in gone:
+        vdir = _vdir(v)
+        store.kv.delete_range(ts.KvStore.KeyRange(vdir, vdir[:-1] + chr(ord(vdir[-1]) + 1))).result()
+    return gone
 
 
 def open_store(url: str, context: ts.Context | None = None, zstd_level: int = 3) -> _Store:

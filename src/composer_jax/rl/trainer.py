@@ -38,7 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from composer_jax.checkpoint.manager import TrainCheckpointer, restore_params_only
-from composer_jax.checkpoint.weight_sync import WeightPublisher, WeightSubscriber
+from composer_jax.checkpoint.multihost import barrier
+from composer_jax.checkpoint.sharded_publish import ShardedWeightPublisher
+from composer_jax.checkpoint.weight_sync import WeightPublisher, WeightSubscriber, open_store, rewind_store
 from composer_jax.config import Config, ConfigError, to_dict
 from composer_jax.env.client import EnvClient
 from composer_jax.inference.async_sampler import AsyncSampler
@@ -202,8 +204,8 @@ def pin_threads(cores: set[int], pid: int | str = "self") -> int:
 
 def _published(params: Any, dtype: str) -> Any:
     """The host copy published to the weight store: floating leaves cast to `dtype` ("" = as is).
-    A multi-process trainer gathers every array to every process first (a collective: each process
-    calls this for each version), and process 0 alone writes it."""
+    With several processes every array is gathered to every process (a collective); the trainer
+    then publishes per shard instead (`_store_publisher`)."""
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
@@ -213,6 +215,47 @@ def _published(params: Any, dtype: str) -> Any:
     if not dtype:
         return host
     return jax.tree.map(lambda x: x.astype(dtype) if np.issubdtype(x.dtype, np.floating) else x, host)
+
+
+def _store_publisher(
+    store_url: str, *, resumed: bool, start: int, dtype: str, echo: Callable[[str], None]
+) -> Callable[[Any, int], None]:
+    """`publish(params, version)`, which every process of the trainer calls for every version (a
+    collective): one process gathers (`_published`) and writes with a `WeightPublisher`; several
+    each write their own shards (`ShardedWeightPublisher`: no host gathers the model). On a resume
+    the store is rewound to the checkpoint's version `start` first."""
+    if not store_url:
+        return lambda params, version: None
+    # the store's versions before this run: every process reads them (a publish is a collective,
+    # which all must skip or all take)
+    stored = set(WeightSubscriber(store_url).versions())
+    if stored and (not resumed or (start not in stored and max(stored) > start)):
+        raise ConfigError(
+            f"rl.weight_store={store_url!r} holds versions {sorted(stored)[:5]}..{max(stored)} that are not this "
+            f"run's ({'a fresh run' if not resumed else f'resumed at step {start}, a version it lacks'}); "
+            "give an empty store (or remove it)"
+        )
+    # a trainer stopped after its last checkpoint: the versions it published since are a lost
+    # lineage (its weights died with it); this run publishes those numbers anew
+    if jax.process_index() == 0 and stored and max(stored) > start:
+        gone = rewind_store(open_store(store_url), start)
+        echo(f"[rl] weight store rewound to version {start}: versions {gone} were of the lost run")
+    barrier("composer_jax_rl_store_rewound")
+    multi = jax.process_count() > 1
+    publisher = WeightPublisher(store_url) if jax.process_index() == 0 and not multi else None
+    per_shard = ShardedWeightPublisher(store_url) if multi else None
+
+    def publish(params: Any, version: int) -> None:
+        if version == start and start in stored:  # the checkpoint's own weights, published before it
+            return
+        if per_shard is not None:
+            per_shard.publish(params, version, dtype=dtype)
+            return
+        host = _published(params, dtype)
+        if publisher is not None:
+            publisher.publish(host, version)
+
+    return publish
 
 
 def _in_process(policies: list[Policy]) -> list[AsyncSampler]:
@@ -322,30 +365,7 @@ async def _run(
         ref_params = _copy(state.params)
         ref_fn = jax.jit(lambda p, b: reference_logprobs(p, b, cfg, sharding))
     store_url = r.weight_store or (f"file://{out_dir.resolve()}/weight_store" if r.local_samplers else "")
-    # the store's versions before this run: every process reads them (a publish is a collective,
-    # which all must skip or all take), process 0 alone writes
-    stored = set(WeightSubscriber(store_url).versions()) if store_url else set()
-    publisher = WeightPublisher(store_url) if store_url and jax.process_index() == 0 else None
-    if stored and (not resumed or (start not in stored and max(stored) > start)):
-        raise ConfigError(
-            f"rl.weight_store={store_url!r} holds versions {sorted(stored)[:5]}..{max(stored)} that are not this "
-            f"run's ({'a fresh run' if not resumed else f'resumed at step {start}, a version it lacks'}); "
-            "give an empty store (or remove it)"
-        )
-    if publisher is not None and publisher.latest is not None and publisher.latest > start:
-        # a trainer stopped after its last checkpoint: the versions it published since are a lost
-        # lineage (its weights died with it); this run publishes those numbers anew
-        gone = publisher.rewind(start)
-        echo(f"[rl] weight store rewound to version {start}: versions {gone} were of the lost run")
-
-    def publish(params: Any, version: int) -> None:
-        if not store_url:
-            return
-        if version == start and start in stored:  # the checkpoint's own weights, published before it
-            return
-        host = _published(params, r.publish_dtype)
-        if publisher is not None:
-            publisher.publish(host, version)
+    publish = _store_publisher(store_url, resumed=resumed, start=start, dtype=r.publish_dtype, echo=echo)
 
     if r.local_samplers and checkpointer.latest_step() is None:
         # the replicas start from a checkpoint of the run (then follow the store): step `start`
