@@ -19,11 +19,17 @@ def _tree(seed: int) -> dict:
         "w": rng.standard_normal((8, 8)).astype(np.float32),
         "b": rng.standard_normal((4,)).astype(ml_dtypes.bfloat16),
         "ids": rng.integers(0, 9, (2, 4)).astype(np.int32),
+        "step": np.asarray(seed, np.int32),  # a 0-d leaf
     }
 
 
 def _global(tree: dict, mesh) -> dict:
-    specs = {"w": PartitionSpec("data", "fsdp"), "b": PartitionSpec(), "ids": PartitionSpec(None, "fsdp")}
+    specs = {
+        "w": PartitionSpec("data", "fsdp"),
+        "b": PartitionSpec(),
+        "ids": PartitionSpec(None, "fsdp"),
+        "step": PartitionSpec(),
+    }
     return {
         k: jax.make_array_from_callback(v.shape, NamedSharding(mesh, specs[k]), v.__getitem__) for k, v in tree.items()
     }
@@ -86,11 +92,12 @@ def test_per_shard_deltas_chain_and_rebase(tmp_path):
     for m in manifests[1:]:
         if m["kind"] == "sharded_delta":
             leaves = {lf["path"]: lf for lf in m["leaves"]}
-            assert leaves["b"]["stored_bytes"] == 0 and leaves["ids"]["stored_bytes"] == 0
+            assert leaves["b"]["stored_bytes"] == leaves["ids"]["stored_bytes"] == leaves["step"]["stored_bytes"] == 0
             assert 0 < leaves["w"]["stored_bytes"]
     for v, t in enumerate(trees):
         got = WeightSubscriber(url).read(v, fallback=False)[1]  # a fresh reader: the whole chain
         for k in t:
+            assert isinstance(got[k], np.ndarray) and got[k].shape == t[k].shape, (v, k)
             assert got[k].tobytes() == t[k].tobytes(), (v, k)
         part = read_shard(url, v, "w", (slice(1, 8), slice(3, 4)))
         assert part.tobytes() == np.ascontiguousarray(t["w"][1:8, 3:4]).tobytes(), v

@@ -47,7 +47,10 @@ def run_processes(cmds: list[list[str]], timeout: float = 900) -> list[str]:
     return outs
 
 
-def _pretrain(out_dir: Path, data_dir: Path, extra: list[str]) -> list[str]:
+FOUR_DEVICES = ("mesh.data=2", "mesh.fsdp=2", "mesh.expert=1", "data.shards=2", "train.batch_size=4")
+
+
+def _pretrain(out_dir: Path, data_dir: Path, extra: list[str], layout: tuple[str, ...] = FOUR_DEVICES) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -60,20 +63,18 @@ def _pretrain(out_dir: Path, data_dir: Path, extra: list[str]) -> list[str]:
         "train.log_every=1",
         "train.eval_batches=1",
         "train.seq_len=64",
-        "train.batch_size=4",
         "train.tensorboard=false",
         f"train.out_dir={out_dir}",
         "checkpoint.save_every=2",
-        "mesh.data=2",
-        "mesh.fsdp=2",
-        "mesh.expert=1",
-        "data.shards=2",
+        *layout,
         f"data.sources=[{{type: directory, path: {data_dir}, eval_fraction: 0.2}}]",
         *extra,
     ]
 
 
-def two_processes(out_dir: Path, data_dir: Path, extra: tuple[str, ...] = ()) -> list[str]:
+def two_processes(
+    out_dir: Path, data_dir: Path, extra: tuple[str, ...] = (), devices: int = 2, layout: tuple[str, ...] = FOUR_DEVICES
+) -> list[str]:
     port = free_port()
     return run_processes(
         [
@@ -81,7 +82,8 @@ def two_processes(out_dir: Path, data_dir: Path, extra: tuple[str, ...] = ()) ->
                 out_dir,
                 data_dir,
                 [*extra, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)]
-                + ["--cpu-devices", "2"],
+                + ["--cpu-devices", str(devices)],
+                layout,
             )
             for i in range(2)
         ]
@@ -133,3 +135,17 @@ def test_two_processes_train_and_resume_as_one(tmp_path, small_corpus):
     assert finals[0] == finals[1]  # both processes computed the same global numbers
     assert finals[0]["eval"]["eval/perplexity"] == pytest.approx(final_json(single)["eval"]["eval/perplexity"], 1e-5)
     assert sorted(int(p.name) for p in (two / "checkpoints").iterdir() if p.name.isdigit()) == [2, 4]
+
+
+@pytest.mark.slow
+def test_two_processes_with_one_data_shard_each(tmp_path, small_corpus):
+    """The default `data.shards: 0` (one shard per process) on the stage config's 8-device mesh
+    (data 2 x fsdp 2 x expert 2, 4 devices per process): both processes agree, checkpoints land."""
+    layout = ("mesh.data=2", "mesh.fsdp=2", "mesh.expert=2", "data.shards=0", "train.batch_size=8")
+    outs = two_processes(tmp_path, small_corpus, devices=4, layout=layout)
+    finals = [final_json(o) for o in outs]
+    assert finals[0] == finals[1] and finals[0]["steps"] == 4
+    assert sorted(step_losses(tmp_path)) == [1, 2, 3, 4]
+    assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [2, 4]
+    data_state = json.loads((tmp_path / "checkpoints" / "4" / "data_state" / "metadata").read_text())
+    assert data_state["shard_count"] == 2 and sorted(data_state["shards"]) == ["0", "1"]

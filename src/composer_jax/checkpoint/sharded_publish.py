@@ -128,7 +128,7 @@ class ShardedWeightPublisher:
                 if shard.replica_id != 0:
                     continue
                 host = np.asarray(shard.data)
-                bits = np.ascontiguousarray(host.astype(dt) if host.dtype != dt else host).view(_uint(dt))
+                bits = np.asarray(host.astype(dt) if host.dtype != dt else host, order="C").view(_uint(dt))
                 idx = tuple(shard.index) if shard.index else ()
                 mine.append((idx, bits))
                 bits_now[(path, str(_ranges(idx, arr.shape)))] = bits

@@ -474,7 +474,7 @@ def _read_leaves(store: _Store, manifest: dict, base_bits: dict[str, np.ndarray]
                 raise WeightSyncError(
                     f"leaf {path!r} of version {version} has no counterpart in its parent version {_parent(manifest)}"
                 )
-            stored = stored ^ base_bits[path]
+            stored = np.asarray(stored ^ base_bits[path])  # 0-d: an array, not a numpy scalar
         if manifest["kind"] in ("sharded", "sharded_delta"):
             _check_shards(stored, lf, version, store.url)
         arr = stored.view(dtype)
