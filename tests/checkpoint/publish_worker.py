@@ -1,6 +1,7 @@
 """One process of a two-process weight publish (run by test_multiprocess_publish.py, not by pytest).
 
 usage: python publish_worker.py PROCESS_ID PORT GATHER_URL SHARDED_URL HF_DIR TRAINER_URL
+       python publish_worker.py quick PROCESS_ID PORT SHARDED_URL   (`quick_tree` per shard only)
 
 Joins a 2-process JAX job (2 CPU devices each, gloo), builds `publish_tree` as global arrays on a
 (data=2, fsdp=2) mesh whose data axis spans the processes, and publishes versions 0 and 1 twice:
@@ -63,12 +64,38 @@ def publish_tree(version: int, layout: dict = LAYOUT) -> dict:
     return out
 
 
-def _main(pid: int, port: int, gather_url: str, sharded_url: str, hf_dir: str, trainer_url: str) -> None:
+def quick_tree(version: int) -> np.ndarray:
+    """The one leaf of the quick run: float32[8, 4] over (data, fsdp)."""
+    return np.arange(32, dtype=np.float32).reshape(8, 4) * (1 + version)
+
+
+def _join(pid: int, port: int) -> None:
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_num_cpu_devices", 2)
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+
+
+def _quick(pid: int, port: int, url: str) -> None:
+    """Versions 0 and 1 of `quick_tree` per shard (no model, no trainer import: a few seconds)."""
+    _join(pid, port)
+    import jax
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    from composer_jax.checkpoint.sharded_publish import ShardedWeightPublisher
+
+    mesh = jax.make_mesh((2, 2), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
+    sharding = NamedSharding(mesh, PartitionSpec("data", "fsdp"))
+    publisher = ShardedWeightPublisher(url)
+    for version in (0, 1):
+        w = quick_tree(version)
+        publisher.publish({"w": jax.make_array_from_callback(w.shape, sharding, w.__getitem__)}, version)
+
+
+def _main(pid: int, port: int, gather_url: str, sharded_url: str, hf_dir: str, trainer_url: str) -> None:
+    _join(pid, port)
+    import jax
     from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
     from composer_jax.checkpoint.sharded_publish import ShardedWeightPublisher
@@ -118,4 +145,7 @@ def _main(pid: int, port: int, gather_url: str, sharded_url: str, hf_dir: str, t
 
 
 if __name__ == "__main__":
-    _main(int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:7])
+    if sys.argv[1] == "quick":
+        _quick(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    else:
+        _main(int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:7])

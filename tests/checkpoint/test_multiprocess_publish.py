@@ -28,6 +28,7 @@ from publish_worker import (  # noqa: E402
     PUBLISH_DTYPE,
     export_model_config,
     publish_tree,
+    quick_tree,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,25 +57,15 @@ def _assert_bits_equal(a: dict, b: dict, where: str) -> None:
         assert a[k].tobytes() == b[k].tobytes(), (where, k)
 
 
-@pytest.fixture(scope="module")
-def stores(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("stores")
-    urls = {name: f"file://{root / name}" for name in ("gathered", "sharded", "single")}
-    urls["hf"] = str(root / "hf")
-    urls["trainer"] = f"file://{root / 'trainer'}"
-    port = _free_port()
+def _run_workers(args: list[list[str]]) -> list[str]:
+    """Both worker processes at once; none left running whatever happens."""
     env = {**os.environ, "XLA_FLAGS": "", "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": f"{REPO / 'src'}:{REPO}"}
     worker = str(Path(__file__).parent / "publish_worker.py")
     procs = [
         subprocess.Popen(
-            [sys.executable, worker, str(i), str(port), urls["gathered"], urls["sharded"], urls["hf"], urls["trainer"]],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+            [sys.executable, worker, *a], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
-        for i in range(2)
+        for a in args
     ]
     try:
         outs = [p.communicate(timeout=300)[0] for p in procs]
@@ -85,6 +76,34 @@ def stores(tmp_path_factory) -> dict[str, str]:
                 p.wait()
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
+    return outs
+
+
+def test_two_processes_publish_their_own_shards(tmp_path):
+    """The quick two-process check (default suite): each process writes its half, read back whole."""
+    url = f"file://{tmp_path / 'store'}"
+    port = str(_free_port())
+    _run_workers([["quick", str(i), port, url] for i in range(2)])
+    sub = WeightSubscriber(url)
+    assert [sub.manifest(v)["kind"] for v in (0, 1)] == ["sharded", "sharded_delta"]
+    # w [8, 4] over (data, fsdp): rows 0-3 live on process 0's devices, rows 4-7 on process 1's
+    shards = sub.manifest(1)["leaves"][0]["shards"]
+    assert [(s["index"][0], s["process"]) for s in shards] == [([0, 4], 0), ([0, 4], 0), ([4, 8], 1), ([4, 8], 1)]
+    for v in (0, 1):
+        got = sub.read(v, fallback=False)[1]["w"]
+        assert got.dtype == np.float32 and got.tobytes() == quick_tree(v).tobytes()
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("stores")
+    urls = {name: f"file://{root / name}" for name in ("gathered", "sharded", "single")}
+    urls["hf"] = str(root / "hf")
+    urls["trainer"] = f"file://{root / 'trainer'}"
+    port = str(_free_port())
+    outs = _run_workers(
+        [[str(i), port, urls["gathered"], urls["sharded"], urls["hf"], urls["trainer"]] for i in range(2)]
+    )
     assert "weight store rewound to version 1: versions [2] were of the lost run" in outs[0]
     single = WeightPublisher(urls["single"])
     for version in (0, 1):
