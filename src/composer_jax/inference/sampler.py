@@ -18,7 +18,8 @@ in-flight weight update).
 With `speculative_tokens=k` the MTP module drafts k tokens per slot and one compiled verify step
 checks them with the main model ([slots, k+1] tokens), emitting 1..k+1 tokens per slot per step
 with exactly the model's sampling distribution (`inference/speculative.py`); `spec_stats` counts
-acceptance per depth.
+acceptance per depth. With `decode_chunk=N` as well, one compiled call runs up to N verify steps
+(the accept, max-tokens and stop-id bookkeeping on device), with the tokens of N one-step calls.
 """
 
 from __future__ import annotations
@@ -93,8 +94,8 @@ class Sampler:
     the chained drafts reach up to 2k - 1 past the last confirmed token). draft_vocab: token ids
     the drafts are restricted to (a cheaper draft head, FR-Spec; `inference/speculative.py`);
     None = the whole vocabulary. Neither changes the output distribution. decode_chunk: decode steps
-    per compiled call (without speculation): `step` then runs up to that many steps in one on-device
-    loop, which ends early once every slot has reached its max_tokens or one of its first
+    (with speculation: verify steps) per compiled call: `step` then runs up to that many steps in one
+    on-device loop, which ends early once every slot has reached its max_tokens or one of its first
     STOP_IDS_ON_DEVICE stop token ids; the host then records the tokens (stop strings and any further
     stop ids are checked there, and a request's tokens after its stop are dropped). Requests join,
     leave, are cancelled and see new weights between calls, so a larger chunk trades the granularity
