@@ -14,10 +14,12 @@ k + 1 tokens against a 1-token decode step, which bounds the speed-up.
 
     PYTHONPATH=src .venv/bin/python bench/speculative.py [--train-steps 120] [--repeats 5] [--threads 2]
 
-Speed-ups are against the plain sampler stepping one token per call (decode_chunk=1, the host
-round trip per step that a verify step also has); the plain sampler with 16 decode steps per call
-(decode_chunk=16) is printed as a second baseline ("k=0 c16"). Timed runs alternate over the
-settings; each row reports wall and CPU time (CPU time is less disturbed by other jobs).
+Every row's speed-up is printed against two baselines: the plain sampler stepping one token per
+call (decode_chunk=1, "k=0") and the plain sampler with 16 decode steps per compiled call
+(decode_chunk=16, "k=0 c16", the engine's best plain mode). Speculative rows run with one verify
+step per call ("c1") and with `--chunk` verify steps per call ("c16": the accept and stop
+bookkeeping on device, `Sampler(speculative_tokens=k, decode_chunk=16)`). Timed runs alternate
+over the settings; each row reports wall and CPU time (CPU time is less disturbed by other jobs).
 """
 
 from __future__ import annotations
@@ -116,6 +118,13 @@ def main(argv: list[str] | None = None) -> int:
         default=1024,
         help="also draft over the N most frequent training tokens (FR-Spec); 0 = full vocabulary only",
     )
+    ap.add_argument("--chunk", type=int, default=16, help="decode / verify steps per call of the chunked rows")
+    ap.add_argument(
+        "--spec-chunks", default="1,16", help="verify steps per call of the speculative rows (16 = --chunk)"
+    )
+    ap.add_argument(
+        "--no-full-vocab", action="store_true", help="skip the speculative rows drafting over the whole vocabulary"
+    )
     ap.add_argument("--reference", type=Path, default=REFERENCE, help="the reference model's config.json")
     ap.add_argument(
         "--threads", type=int, default=2, help="cores the process is pinned to (XLA sizes its pool from them)"
@@ -157,8 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [corpus.sample(args.prompt, rng).tolist() for _ in range(args.prompts)]
     max_len = args.prompt + args.new
     ks = [int(k) for k in args.ks.split(",")]
-    settings = [(0, 0, 1), (0, 0, 16)] + [(k, 0, 1) for k in ks]
-    settings += [(k, args.draft_vocab, 1) for k in ks] if args.draft_vocab else []
+    spec_chunks = [int(c) for c in args.spec_chunks.split(",")]
+    vocabs = ([] if args.no_full_vocab else [0]) + ([args.draft_vocab] if args.draft_vocab else [])
+    settings = [(0, 0, 1), (0, 0, args.chunk)]
+    settings += [(k, vocab, chunk) for vocab in vocabs for chunk in spec_chunks for k in ks]
     temperatures = (0.0, 1.0)
     # every setting is compiled and warmed up first, then the timed runs go round-robin over the
     # settings, so a change in the machine's load hits all of them alike (medians over repeats)
@@ -201,23 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for temperature in temperatures:
         base, base_cpu, _, base_tokens = result[temperature, 0, 0, 1]
+        chunked, chunked_cpu, _, _ = result[temperature, 0, 0, args.chunk]
         for k, vocab, chunk in settings:
             tps, c, st, first = result[temperature, k, vocab, chunk]
             same = np.mean([a == b for a, b in zip(first, base_tokens)])
-            rows.append(
-                (
-                    temperature,
-                    k,
-                    vocab,
-                    chunk,
-                    tps,
-                    tps / base,
-                    base_cpu / c,
-                    st.acceptance_rate,
-                    st.tokens_per_step,
-                    same,
-                )
-            )
+            ups = (tps / base, base_cpu / c, tps / chunked, chunked_cpu / c)
+            rows.append((temperature, k, vocab, chunk, tps, ups, st.acceptance_rate, st.tokens_per_step, same))
 
     # what one step costs: a verify of k + 1 tokens against a 1-token decode (main model only)
     from composer_jax.model.kv_cache import init_cache
@@ -238,21 +238,22 @@ def main(argv: list[str] | None = None) -> int:
         cost[n] = float(np.median(ts)) * 1e3
 
     print(
-        "\nspeed-up: against k = 0 with one decode step per call (c1), in wall time and in CPU time (less disturbed"
-        "\nby other jobs); 'k=0 c16' is the plain sampler with 16 decode steps per call (no speculation)."
+        "\nspeed-up against k = 0 with one decode step per call ('vs c1') and against k = 0 with"
+        f" {args.chunk} decode steps per call ('vs c{args.chunk}'), in wall time and in CPU time (less disturbed"
+        "\nby other jobs); 'cN' after k: N decode / verify steps per compiled call."
     )
     print(
-        "\nT   | k       | draft vocab | tok/s | speed-up wall | speed-up cpu | acceptance per depth | tokens/step |"
-        " ms/step | same tokens as k=0"
+        f"\nT   | k       | draft vocab | tok/s | vs c1 wall | vs c1 cpu | vs c{args.chunk} wall | "
+        f"vs c{args.chunk} cpu | acceptance per depth | tokens/step | ms/step | same tokens as k=0"
     )
-    for t, k, vocab, chunk, tps, up, up_cpu, acc, tpv, same in rows:
+    for t, k, vocab, chunk, tps, ups, acc, tpv, same in rows:
         accs = " ".join(f"{a:.2f}" for a in acc) if k else "-"
         v = "-" if not k else (str(vocab) if vocab else "all")
         per = tpv if k else 1.0
-        name = f"{k}" if chunk == 1 else f"{k} c{chunk}"
+        name = f"{k} c{chunk}"
         print(
-            f"{t:3.1f} | {name:7s} | {v:11s} | {tps:5.0f} | {up:12.2f}x | {up_cpu:11.2f}x | {accs:20s} | {per:11.2f} | "
-            f"{1e3 * per / tps:7.1f} | {same:.0%}"
+            f"{t:3.1f} | {name:7s} | {v:11s} | {tps:5.0f} | {ups[0]:9.2f}x | {ups[1]:8.2f}x | {ups[2]:9.2f}x | "
+            f"{ups[3]:8.2f}x | {accs:20s} | {per:11.2f} | {1e3 * per / tps:7.1f} | {same:.0%}"
         )
     print(
         "\nmain-model forward over the cache, batch 1 (ms): "

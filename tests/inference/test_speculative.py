@@ -359,3 +359,101 @@ def test_sampled_tokens_follow_the_model_distribution():
     divergence = n * (((wrong - marg1)[kept]) ** 2 / marg1[kept]).sum() + (n if (wrong[~kept] > 0.01).any() else 0)
     assert divergence > 10 * _chi2_threshold(v - 1), divergence
     assert 0 < sampler.spec_stats.acceptance_rate[0] < 1
+
+
+# ---------------------------------------------------------------------------- verify chunks
+
+
+def test_chunked_verify_steps_on_a_dense_model():
+    """The fast check of verify chunks (the full one below is slow): a one-layer dense model, k = 1,
+    greedy and sampled requests, one with a stop id, staggered through 2 slots: the chunked
+    sampler's tokens, log-probabilities and acceptance counts are the one-step sampler's."""
+    cfg = dataclasses.replace(MLA, num_layers=1, first_k_dense=1)
+    params = cj.init_params(cfg, jax.random.key(1))
+    reqs = lambda stops: [
+        Request(_prompt(60 + i, n), SamplingParams(temperature=t, max_tokens=m, seed=i, stop_token_ids=stops[i]))
+        for i, (n, m, t) in enumerate([(5, 9, 0.0), (9, 4, 1.0), (3, 12, 1.0), (7, 8, 0.0)])
+    ]
+    one = Sampler(params, cfg, slots=2, max_len=32, speculative_tokens=1)
+    chunked = Sampler(params, cfg, slots=2, max_len=32, speculative_tokens=1, decode_chunk=3)
+    free = one.run(reqs([()] * 4))
+    one.spec_stats = SpecStats.zeros(1)
+    stops = [(), (), (free[2].tokens[5],), ()]
+    a_run, b_run = one.run(reqs(stops)), chunked.run(reqs(stops))
+    assert a_run[2].finish_reason == "stop" and len(a_run[2].tokens) <= 6
+    for a, b in zip(a_run, b_run):
+        assert (a.tokens, a.finish_reason, a.versions) == (b.tokens, b.finish_reason, b.versions)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(one.spec_stats.accepted, chunked.spec_stats.accepted)
+    assert (one.spec_stats.steps, one.spec_stats.tokens) == (chunked.spec_stats.steps, chunked.spec_stats.tokens)
+
+
+@pytest.mark.slow  # ~25 s on a quiet machine, 70 s under load (cold compilation cache)
+def test_chunked_verify_steps_equal_one_step_per_call():
+    """Several verify steps per compiled call (decode_chunk) give the one-step speculative sampler's
+    tokens, log-probabilities, routing, versions, finish reasons and acceptance counts: greedy and
+    sampled (same seeds) requests, staggered through 2 slots; stops on device (a stop id among the
+    first STOP_IDS_ON_DEVICE), on the host only (the 9th stop id; a stop string), and by max_tokens.
+    Then a weight swap between two chunks."""
+    params = cj.init_params(MLA, jax.random.key(0))
+    text = lambda ids: "".join(chr(97 + t % 26) for t in ids)
+
+    def reqs(stop_ids, stop_strings):
+        return [
+            Request(
+                _prompt(40 + i, n),
+                SamplingParams(
+                    temperature=(0.0, 1.0)[i % 2],
+                    max_tokens=m,
+                    seed=i,
+                    stop_token_ids=stop_ids[i],
+                    stop_strings=stop_strings[i],
+                ),
+            )
+            for i, (n, m) in enumerate([(5, 11), (11, 3), (3, 12), (13, 9), (8, 7), (6, 10)])
+        ]
+
+    make = lambda chunk: Sampler(
+        params, MLA, slots=2, max_len=40, speculative_tokens=K, decode_chunk=chunk, detokenize=text
+    )
+    one, chunked = make(1), make(4)
+    free = one.run(reqs([()] * 6, [()] * 6))
+    one.spec_stats = SpecStats.zeros(K)
+    far = tuple(t for t in range(100, 140) if t not in free[2].tokens)[:8]
+    stop_ids = [(free[0].tokens[3],), (), far + (free[2].tokens[6],), (), (), ()]
+    stop_strings = [(), (), (), (text(free[3].tokens[4:6]),), (), ()]
+    a_run, b_run = one.run(reqs(stop_ids, stop_strings)), chunked.run(reqs(stop_ids, stop_strings))
+    assert a_run[0].finish_reason == a_run[2].finish_reason == a_run[3].finish_reason == "stop"
+    assert len(a_run[0].tokens) <= 4 and len(a_run[2].tokens) <= 7 and len(a_run[3].tokens) <= 6
+    assert [c.finish_reason for c in a_run[4:]] == ["length"] * 2
+    for a, b in zip(a_run, b_run):
+        assert (a.tokens, a.finish_reason, a.versions) == (b.tokens, b.finish_reason, b.versions)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+        np.testing.assert_array_equal(a.routing, b.routing)
+    for field in ("proposed", "accepted"):
+        np.testing.assert_array_equal(getattr(one.spec_stats, field), getattr(chunked.spec_stats, field))
+    assert (one.spec_stats.steps, one.spec_stats.tokens) == (chunked.spec_stats.steps, chunked.spec_stats.tokens)
+    assert chunked.compilations == one.compilations == 2  # one prefill (bucket 16) + the chunk / the verify step
+
+    # a weight swap between two chunks: later tokens carry the new version, and (greedy) equal the
+    # one-step speculative sampler's with the swap at the same token (the first step at or after it:
+    # greedy tokens do not depend on where the verify steps fall)
+    other = jax.tree.map(lambda x: x * 1.5, params)
+    p = dataclasses.replace(GREEDY, max_tokens=24)
+    chunked.submit(Request(_prompt(1, 5), p, id="a"))
+    chunked.step()
+    running = chunked._slot[0]
+    assert running is not None
+    before = len(running.tokens)
+    assert 5 <= before <= 1 + 4 * (K + 1)  # the prefill's token and four verify steps of 1..K+1 tokens
+    chunked.update_weights(other, version=1)
+    (a,) = _finish(chunked)
+    assert a.versions == [0] * before + [1] * (24 - before)
+    ref = Sampler(params, MLA, slots=2, max_len=40)
+    ref.submit(Request(_prompt(1, 5), p, id="a"))
+    while (s := ref._slot[0]) is None or len(s.tokens) < before:
+        ref.step()
+    ref.update_weights(other, version=1)
+    (b,) = _finish(ref)
+    assert a.tokens == b.tokens
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)

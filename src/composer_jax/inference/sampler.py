@@ -18,7 +18,8 @@ in-flight weight update).
 With `speculative_tokens=k` the MTP module drafts k tokens per slot and one compiled verify step
 checks them with the main model ([slots, k+1] tokens), emitting 1..k+1 tokens per slot per step
 with exactly the model's sampling distribution (`inference/speculative.py`); `spec_stats` counts
-acceptance per depth.
+acceptance per depth. With `decode_chunk=N` as well, one compiled call runs up to N verify steps
+(the accept, max-tokens and stop-id bookkeeping on device), with the tokens of N one-step calls.
 """
 
 from __future__ import annotations
@@ -93,8 +94,8 @@ class Sampler:
     the chained drafts reach up to 2k - 1 past the last confirmed token). draft_vocab: token ids
     the drafts are restricted to (a cheaper draft head, FR-Spec; `inference/speculative.py`);
     None = the whole vocabulary. Neither changes the output distribution. decode_chunk: decode steps
-    per compiled call (without speculation): `step` then runs up to that many steps in one on-device
-    loop, which ends early once every slot has reached its max_tokens or one of its first
+    (with speculation: verify steps) per compiled call: `step` then runs up to that many steps in one
+    on-device loop, which ends early once every slot has reached its max_tokens or one of its first
     STOP_IDS_ON_DEVICE stop token ids; the host then records the tokens (stop strings and any further
     stop ids are checked there, and a request's tokens after its stop are dropped). Requests join,
     leave, are cancelled and see new weights between calls, so a larger chunk trades the granularity
@@ -136,7 +137,7 @@ class Sampler:
         self.sharding = MeshRules(mesh, rules or ShardingRules.create()) if mesh is not None else None
         self.detokenize = detokenize
         self.speculative_tokens = k
-        self.decode_chunk = 1 if k else decode_chunk
+        self.decode_chunk = decode_chunk
         self.draft_vocab = None
         if draft_vocab is not None:
             ids = sorted({int(t) for t in draft_vocab})
@@ -164,6 +165,7 @@ class Sampler:
         self._decode_many = jax.jit(self._decode_chunk_fn, donate_argnums=(1,))
         self._spec_prefill = jax.jit(self._spec_prefill_fn, donate_argnums=(1, 2, 3, 4))
         self._spec_decode = jax.jit(self._spec_decode_fn, donate_argnums=(1, 2, 3, 4))
+        self._spec_decode_many = jax.jit(self._spec_chunk_fn, donate_argnums=(1, 2, 3, 4))
         # per-slot sampling settings and state, on the host; sent with every step
         self._last = np.zeros(slots, np.int32)
         self._settings_cache: tuple | None = None  # per-slot settings on the device; rebuilt when slots change
@@ -320,6 +322,25 @@ class Sampler:
         log-probs (the first accepted + 1 are emitted), accepted int32[S], routing of the k+1 input
         tokens [moe_layers, S, k+1, topk] or None)."""
         self.compilations += 1
+        return self._spec_body(
+            params, cache, mtp_cache, drafts, draft_lp, draft_head, last, active, temperature, top_k, top_p, seeds
+        )
+
+    def _spec_body(
+        self,
+        params,
+        cache: KVCache,
+        mtp_cache: KVCache,
+        drafts,
+        draft_lp,
+        draft_head,
+        last,
+        active,
+        temperature,
+        top_k,
+        top_p,
+        seeds,
+    ):
         k, s = self.speculative_tokens, self.slots
         # idle slots restart at 0 (their writes are never read): no window runs past the capacity
         lengths = jnp.where(active, cache.lengths, 0)
@@ -354,6 +375,78 @@ class Sampler:
         )
         cache = KVCache(out.cache.layers, new_lengths)
         return cache, mtp_cache, drafts, draft_lp, tokens, logprobs, accepted, out.routing
+
+    def _spec_chunk_fn(
+        self,
+        params,
+        cache: KVCache,
+        mtp_cache: KVCache,
+        drafts,
+        draft_lp,
+        draft_head,
+        last,
+        active,
+        remaining,
+        stop_ids,
+        *settings,
+    ):
+        """Up to `decode_chunk` verify steps (`_spec_body`) in one loop, as `_decode_chunk_fn` does
+        for plain steps: a slot stops on device once it has emitted `remaining` tokens or one of its
+        `stop_ids` (int32[S, STOP_IDS_ON_DEVICE], -1 = none) among a step's emitted tokens, and from
+        then on is idle (as a freed slot is in the next one-step call); the loop ends when no slot
+        is live or after the chunk. Each step's last emitted token is the next step's input.
+        -> (cache, mtp_cache, drafts, draft_lp, steps run, tokens int32[C, S, k+1], log-probs
+        [C, S, k+1], accepted int32[C, S], live bool[C, S] (the slots each step verified), routing
+        [C, moe_layers, S, k+1, topk] or None)."""
+        self.compilations += 1
+        c, s, k = self.decode_chunk, self.slots, self.speculative_tokens
+        args = (params, cache, mtp_cache, drafts, draft_lp, draft_head, last, active, *settings)
+        r_shape = jax.eval_shape(self._spec_body, *args)[7]
+        routing = None if r_shape is None else jnp.zeros((c, *r_shape.shape), r_shape.dtype)
+        toks = jnp.zeros((c, s, k + 1), jnp.int32)
+        lps = jnp.zeros((c, s, k + 1), jnp.float32)
+        accs = jnp.zeros((c, s), jnp.int32)
+        lives = jnp.zeros((c, s), bool)
+        step = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+
+        def body(carry):
+            i, cache, mtp_cache, drafts, draft_lp, last, live, left, toks, lps, accs, lives, routing = carry
+            cache, mtp_cache, drafts, draft_lp, tok, lp, acc, r = self._spec_body(
+                params, cache, mtp_cache, drafts, draft_lp, draft_head, last, live, *settings
+            )
+            toks, lps, accs, lives = toks.at[i].set(tok), lps.at[i].set(lp), accs.at[i].set(acc), lives.at[i].set(live)
+            if routing is not None:
+                routing = routing.at[i].set(r)
+            emitted = step <= acc[:, None]  # [S, k+1]: the tokens this step emits
+            stopped = (emitted & (tok[:, :, None] == stop_ids[:, None, :]).any(axis=2)).any(axis=1)
+            left = left - jnp.where(live, acc + 1, 0)
+            new_last = jnp.take_along_axis(tok, acc[:, None], axis=1)[:, 0]
+            last = jnp.where(live, new_last, last)
+            live = live & (left > 0) & ~stopped
+            return i + 1, cache, mtp_cache, drafts, draft_lp, last, live, left, toks, lps, accs, lives, routing
+
+        def cond(carry):
+            return (carry[0] < c) & carry[6].any()
+
+        carry = (
+            jnp.int32(0),
+            cache,
+            mtp_cache,
+            drafts,
+            draft_lp,
+            last,
+            active,
+            remaining,
+            toks,
+            lps,
+            accs,
+            lives,
+            routing,
+        )
+        n, cache, mtp_cache, drafts, draft_lp, _, _, _, toks, lps, accs, lives, routing = jax.lax.while_loop(
+            cond, body, carry
+        )
+        return cache, mtp_cache, drafts, draft_lp, n, toks, lps, accs, lives, routing
 
     # -------------------------------------------------------------------------------- API
     def submit(self, request: Request | Sequence[int], params: SamplingParams | None = None) -> str:
@@ -422,6 +515,8 @@ class Sampler:
         active = np.array([s is not None for s in self._slot])
         if not active.any():
             return done
+        if self.speculative_tokens and self.decode_chunk > 1:
+            return done + self._spec_chunk_step(active)
         if self.speculative_tokens:
             return done + self._spec_step(active)
         if self.decode_chunk > 1:
@@ -466,14 +561,7 @@ class Sampler:
 
     def _chunk_step(self, active: np.ndarray) -> list[Completion]:
         *settings, active_dev = self._settings()
-        remaining = np.zeros(self.slots, np.int32)
-        stop_ids = np.full((self.slots, STOP_IDS_ON_DEVICE), -1, np.int32)
-        for i in map(int, np.flatnonzero(active)):
-            slot = self._slot[i]
-            assert slot is not None
-            remaining[i] = slot.request.params.max_tokens - len(slot.tokens)
-            ids = slot.request.params.stop_token_ids[:STOP_IDS_ON_DEVICE]
-            stop_ids[i, : len(ids)] = ids
+        remaining, stop_ids = self._on_device_limits(active)
         ctx = jax.set_mesh(self.mesh) if self.mesh is not None else _null()
         with ctx:
             self.cache, n, tok, lp, routing = self._decode_many(
@@ -497,6 +585,58 @@ class Sampler:
                 if routing_np is not None:
                     slot.routing.append(routing_np[j, :, i])
                 done += self._record(i, int(tok[j, i]), float(lp[j, i]))
+        return done
+
+    def _on_device_limits(self, active: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens each slot may still make int32[S], its first stop ids int32[S, STOP_IDS_ON_DEVICE],
+        -1 = none) for the on-device checks of a chunk."""
+        remaining = np.zeros(self.slots, np.int32)
+        stop_ids = np.full((self.slots, STOP_IDS_ON_DEVICE), -1, np.int32)
+        for i in map(int, np.flatnonzero(active)):
+            slot = self._slot[i]
+            assert slot is not None
+            remaining[i] = slot.request.params.max_tokens - len(slot.tokens)
+            ids = slot.request.params.stop_token_ids[:STOP_IDS_ON_DEVICE]
+            stop_ids[i, : len(ids)] = ids
+        return remaining, stop_ids
+
+    def _spec_chunk_step(self, active: np.ndarray) -> list[Completion]:
+        *settings, active_dev = self._settings()
+        remaining, stop_ids = self._on_device_limits(active)
+        ctx = jax.set_mesh(self.mesh) if self.mesh is not None else _null()
+        with ctx:
+            (self.cache, self._mtp_cache, self._drafts, self._draft_lp, n, tok, lp, acc, live, routing) = (
+                self._spec_decode_many(
+                    self.params,
+                    self.cache,
+                    self._mtp_cache,
+                    self._drafts,
+                    self._draft_lp,
+                    self._draft_head(),
+                    jnp.asarray(self._last),
+                    active_dev,
+                    jnp.asarray(remaining),
+                    jnp.asarray(stop_ids),
+                    *settings,
+                )
+            )
+        n = int(n)
+        tok, lp, acc, live = np.asarray(tok)[:n], np.asarray(lp)[:n], np.asarray(acc)[:n], np.asarray(live)[:n]
+        routing_np = None if routing is None else np.asarray(routing)[:n]
+        done: list[Completion] = []
+        for j in range(n):
+            # the slots this verify step served that the host has not ended (a stop string or a
+            # stop id past the on-device ones ends a request here; its later steps are dropped)
+            verified = [i for i in map(int, np.flatnonzero(live[j])) if self._slot[i] is not None]
+            self.spec_stats.add(acc[j, verified])
+            for i in verified:
+                for t in range(int(acc[j, i]) + 1):
+                    slot = self._slot[i]
+                    if slot is None:  # finished on an earlier token of this step
+                        break
+                    if routing_np is not None:
+                        slot.routing.append(routing_np[j, :, i, t])
+                    done += self._record(i, int(tok[j, i, t]), float(lp[j, i, t]))
         return done
 
     def _spec_step(self, active: np.ndarray) -> list[Completion]:

@@ -27,6 +27,7 @@ without quantisation); "mxfp8" and "nvfp4_fwd_mxfp8_bwd" run the tiled and ragge
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -404,6 +405,50 @@ LOOP_ASSIGNMENTS_PER_EXPERT = 2
 GROUPED_MAX_TOKENS = 1024
 
 
+EXPERT_WEIGHTS = ("gate", "up", "down")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerView:
+    """Layer `layer` of a stacked routed-expert weight `stack` [layers, experts, ...], read expert
+    by expert where it is used. A scan over a layer stack slices each layer's parameters out of
+    the stacked arrays, and XLA:CPU materialises such a slice that feeds a loop: for the reference
+    model 12.6 MB of expert weights copied per MoE layer per decode step (more than the step's
+    reads of the experts it uses). The inference path (`transformer._run_stack` with a cache,
+    `transformer.mtp_forward_cached`) hands `decode_swiglu` views instead, and its "loop" and
+    "grouped" schemes slice only the experts they run straight out of the stack."""
+
+    stack: jax.Array
+    layer: jax.Array  # int32 scalar
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.stack.shape[1:])
+
+    def expert(self, e: jax.Array) -> jax.Array:
+        """The weight of expert e of this layer, [...]."""
+        start = (self.layer, e) + (0,) * (self.stack.ndim - 2)
+        return jax.lax.dynamic_slice(self.stack, start, (1, 1, *self.stack.shape[2:]))[0, 0]
+
+    def materialise(self) -> jax.Array:
+        return jax.lax.dynamic_index_in_dim(self.stack, self.layer, keepdims=False)
+
+
+def _whole(w):
+    """A weight as an array (a `LayerView` materialised)."""
+    return w.materialise() if isinstance(w, LayerView) else w
+
+
+def _expert(w, e: jax.Array) -> jax.Array:
+    """Expert e's weight of [experts, ...] `w` (or of a `LayerView`)."""
+    return w.expert(e) if isinstance(w, LayerView) else jax.lax.dynamic_index_in_dim(w, e, keepdims=False)
+
+
+def _base(w) -> jax.Array:
+    return w.stack if isinstance(w, LayerView) else w
+
+
 def decode_strategy(tokens: int, k: int, experts: int) -> str:
     """Which `decode_swiglu` scheme a step of `tokens` tokens (k assignments each) over `experts`
     local experts uses: "loop", "grouped" or "tiled" ("dense" is kept for comparison)."""
@@ -455,9 +500,13 @@ def decode_swiglu(
                  per tile of it (once while its tokens fit one tile). rows: the tile's rows
                  (default `grouped_rows`).
       - "tiled": `tiled_dispatch_swiglu` (the training path's grouped matmul; all experts only).
-    The products are the assignments' own; only the order of the final sum differs (rounding)."""
+    The products are the assignments' own; only the order of the final sum differs (rounding).
+    gate/up/down may be `LayerView`s (one layer of stacked weights): "loop" and "grouped" then read
+    each expert they run straight from the stack; "dense" and "tiled" take the layer whole."""
     dt = xt.dtype
     g = gate.shape[0]
+    if strategy in ("tiled", "dense"):
+        gate, up, down = _whole(gate), _whole(up), _whole(down)
     if strategy == "tiled":
         y = tiled_dispatch_swiglu(xt, experts, gate, up, down, tile=tile)
         return jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
@@ -473,13 +522,14 @@ def decode_swiglu(
 
     def body(i, acc):
         def run(acc):
-            w = lambda m: jax.lax.dynamic_index_in_dim(m, i, keepdims=False).astype(dt)
+            w = lambda m: _expert(m, i).astype(dt)
             h = jax.nn.silu(xt @ w(gate)) * (xt @ w(up))
             return acc + (h @ w(down)) * jax.lax.dynamic_index_in_dim(comb, i, axis=1)
 
         return jax.lax.cond(used[i], run, lambda acc: acc, acc)
 
-    return jax.lax.fori_loop(0, g, body, vary_like(jnp.zeros_like(xt), xt, comb, gate, up, down))
+    init = vary_like(jnp.zeros_like(xt), xt, comb, _base(gate), _base(up), _base(down))
+    return jax.lax.fori_loop(0, g, body, init)
 
 
 def grouped_rows(tokens: int, k: int, experts: int) -> int:
@@ -531,12 +581,12 @@ def _grouped_swiglu(
         idx = jax.lax.dynamic_slice_in_dim(tok, start, r)
         real = jnp.arange(r) < counts[e] - off
         xr = jnp.take(xt, idx, axis=0)
-        m = lambda a: jax.lax.dynamic_index_in_dim(a, e, keepdims=False).astype(dt)
+        m = lambda a: _expert(a, e).astype(dt)
         h = jax.nn.silu(xr @ m(gate)) * (xr @ m(up))
         y = (h @ m(down)) * jax.lax.dynamic_slice_in_dim(w, start, r)[:, None]
         return acc.at[idx].add(jnp.where(real[:, None], y, 0))
 
-    init = vary_like(jnp.zeros_like(xt), xt, experts, weights, gate, up, down)
+    init = vary_like(jnp.zeros_like(xt), xt, experts, weights, _base(gate), _base(up), _base(down))
     return jax.lax.fori_loop(0, tiles_end[-1], body, init)
 
 
@@ -596,6 +646,8 @@ def _local_moe(
     if impl == "auto" and not (plain and (decode or b * s * k < e)):
         impl = "ragged" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "tiled"
     dropped = sent = jnp.zeros((), jnp.int32)
+    if not (plain and decode):
+        ws = tuple(_whole(w) for w in ws)
     if plain and decode:
         # inference (a forward with a KV cache): every expert's weights read at most once per step
         y = decode_swiglu(xt, r.experts, r.weights, *ws, decode_strategy(b * s, k, e), cfg.moe_tile_size)

@@ -13,7 +13,7 @@ from composer_jax.config import ModelConfig
 from composer_jax.model.attention import attention, attention_cached, segment_positions
 from composer_jax.model.kv_cache import KVCache, stack_slice
 from composer_jax.model.layers import linear, rms_norm, rope_cos_sin, swiglu
-from composer_jax.model.moe import moe_layer
+from composer_jax.model.moe import EXPERT_WEIGHTS, LayerView, moe_layer
 from composer_jax.sharding import MeshRules, constrain
 
 
@@ -73,15 +73,33 @@ def _run_stack(stack: dict, h: jax.Array, ctx: dict, cfg: ModelConfig, sharding:
     """lax.scan over a stack of identical layers (leading `layers` axis); the stack's KV cache (if
     any) is scanned with its layers and comes back updated. -> (h, (experts, counts) or None, cache)."""
     moe = "moe" in stack
+    views = {}
+    if moe and cache is not None and _experts_as_views(cfg, sharding):
+        # an inference step: the routed experts' weights stay stacked, and each layer reads the
+        # experts it uses from the stack (`moe.LayerView`) instead of a sliced copy of the layer's
+        views = {k: stack["moe"][k] for k in EXPERT_WEIGHTS}
+        stack = {**stack, "moe": {k: v for k, v in stack["moe"].items() if k not in views}}
+    n = jax.tree.leaves(stack)[0].shape[0]
 
     def body(h, xs):
-        lp, rp, c = xs
+        lp, rp, c, i = xs
+        if views:
+            lp = {**lp, "moe": {**lp["moe"], **{k: LayerView(v, i) for k, v in views.items()}}}
         h, experts, counts, c = decoder_layer(lp, h, ctx, cfg, sharding, rp, c)
         return h, ((experts, counts) if moe else None, c)
 
     body = _remat(body, cfg.remat)
-    h, (ys, new_cache) = jax.lax.scan(body, h, (stack, replay, cache), unroll=not cfg.scan_layers)
+    xs = (stack, replay, cache, jnp.arange(n, dtype=jnp.int32))
+    h, (ys, new_cache) = jax.lax.scan(body, h, xs, unroll=not cfg.scan_layers)
     return h, ys, new_cache
+
+
+def _experts_as_views(cfg: ModelConfig, sharding: MeshRules | None) -> bool:
+    """Whether an inference step's MoE layers take their routed experts as `moe.LayerView`s: on
+    one device (or a mesh of size 1) with the plain decode path (`moe._local_moe`'s `decode_swiglu`
+    branch); sharded runs slice the layer as before (the views do not cross `shard_map`)."""
+    single = sharding is None or all(n == 1 for n in dict(sharding.mesh.shape).values())
+    return single and cfg.moe_impl == "auto" and cfg.moe_precision == "bf16"
 
 
 def _embed(params: dict, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -297,6 +315,10 @@ def mtp_forward_cached(
     cos, sin = rope_cos_sin(positions, rope_dim, cfg)
     ctx = {"cos": cos, "sin": sin, "cache_lengths": cache.lengths}
     mp = jax.tree.map(lambda x: x[module], params["mtp"])
+    if "moe" in mp["layer"] and _experts_as_views(cfg, sharding):  # as in `_run_stack`
+        moe_p = params["mtp"]["layer"]["moe"]
+        views = {k: LayerView(moe_p[k], jnp.int32(module)) for k in EXPERT_WEIGHTS}
+        mp = {**mp, "layer": {**mp["layer"], "moe": {**mp["layer"]["moe"], **views}}}
     layer_cache = {k: v[module] for k, v in cache.layers["mtp"].items()}
     with jax.named_scope("mtp_cached"):
         _, h_normed, _, _, layer_cache = mtp_block(
