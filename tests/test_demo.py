@@ -2,7 +2,7 @@
 
 import re
 
-from composer_jax.demo import main
+from composer_jax.demo import main, rl_line
 
 
 def test_demo_runs_and_learns(capsys):
@@ -17,3 +17,16 @@ def test_demo_bad_override_is_clear(capsys):
     assert main(["--quick", "mesh.expert=3"]) == 2
     err = capsys.readouterr().err
     assert "mesh" in err and "8 devices" in err
+
+
+def test_rl_summary_line_carries_the_paired_change():
+    steps = {n: {"reward/total": 0.1 * n, "rollout/success": 0.2 * n} for n in (1, 2)}
+    start = {"step": 0, "eval/pass@1": 0.25, "eval/best_of_k": 0.5, "eval/reward": 0.25}
+    end = {"step": 2, "eval/pass@1": 0.375, "eval/best_of_k": 0.5, "eval/reward": 0.375}
+    rl = {"steps": steps, "evals": [start, end], "time_s": 12.0, "eval_samples": 2}
+    assert "paired" not in rl_line(rl)  # no paired values: the line is as before
+    end.update({"eval/paired_diff": 0.125, "eval/paired_se": 0.0625, "eval/paired_z": 2.0})
+    end.update({"eval/paired_tasks": 4.0, "eval/paired_pairs": 8.0})
+    line = rl_line(rl)
+    assert "held-out     pass@1 0.250 (step 0) -> 0.375 (step 2)" in line
+    assert line.endswith("paired change +0.125 (se 0.062, z 2.00; 4 tasks, 8 pairs)")

@@ -40,7 +40,19 @@ def _run_dir(tmp_path: Path) -> Path:
         }
         for s in (1, 2)
     ]
-    rl.append({"stage": "rl", "step": 2, "time": 0.0, "eval/pass@1": 0.75, "eval/reward": 0.8})
+    rl.append({"stage": "rl", "step": 0, "time": 0.0, "eval/pass@1": 0.5, "eval/reward": 0.5})
+    rl.append(
+        {
+            "stage": "rl",
+            "step": 2,
+            "time": 0.0,
+            "eval/pass@1": 0.75,
+            "eval/reward": 0.8,
+            "eval/paired_diff": 0.25,
+            "eval/paired_se": 0.125,
+            "eval/paired_z": 2.0,
+        }
+    )
     _write(run / "rl" / "metrics.jsonl", rl)
     ev = {
         "overall": {"pass@1": 0.5, "best_of_k": 1.0, "reward": 0.5, "tokens": 120.0},
@@ -58,9 +70,13 @@ def test_report_tables_and_plots(tmp_path):
     assert "| stage1 | 5 -> 3 (steps 1-3) | 40.5 -> 40.5 (steps 3-3) |" in md
     # the RL table: one row per step, the held-out value on the step it was measured
     header = "| step | reward | success | best-of-K | length pen. | lag mean | lag max | mismatch KL | held-out "
-    assert header + "pass@1 |" in md
-    assert "| 1 | 0.1 | 0.25 | 1 | -0.01 | 0.5 | 1 | 0.0001 |  |" in md
-    assert "| 2 | 0.2 | 0.5 | 1 | -0.01 | 0.5 | 1 | 0.0001 | 0.75 |" in md
+    assert header + "pass@1 | paired change | paired se | z |" in md
+    assert "| 0 |  |  |  |  |  |  |  | 0.5 |  |  |  |" in md
+    assert "| 1 | 0.1 | 0.25 | 1 | -0.01 | 0.5 | 1 | 0.0001 |  |  |  |  |" in md
+    assert "| 2 | 0.2 | 0.5 | 1 | -0.01 | 0.5 | 1 | 0.0001 | 0.75 | 0.25 | 0.125 | 2 |" in md
+    # above the table: the held-out start -> end with the end's paired change from step 0
+    assert "Held-out pass@1 0.5 (step 0) -> 0.75 (step 2); paired change +0.25 (standard error 0.125" in md
+    assert "over the held-out tasks, z 2)." in md
     assert "## Evaluation: eval" in md and "| overall | 0.5 | 1 | 0.5 | 120 |" in md
     assert "| gen | 0.25 |  | 0.25 |  |" in md
     for name in ("pretraining", "rl"):

@@ -33,6 +33,7 @@ import composer_jax as cj  # noqa: E402
 from composer_jax.inspection import build_report, format_report  # noqa: E402
 from composer_jax.model.masks import segment_positions  # noqa: E402
 from composer_jax.model.params import count_params, param_specs  # noqa: E402
+from composer_jax.rl.evaluate import format_paired  # noqa: E402
 from composer_jax.train.state import init_train_state  # noqa: E402
 from composer_jax.train.step import batch_sharding, make_train_step  # noqa: E402
 
@@ -163,6 +164,16 @@ def rl_line(rl: dict) -> str:
         f"held-out     pass@1 {first['eval/pass@1']:.3f} (step {first['step']}) -> {last['eval/pass@1']:.3f} "
         f"(step {last['step']}), best-of-{rl['eval_samples']} {first['eval/best_of_k']:.3f} -> "
         f"{last['eval/best_of_k']:.3f}, reward {first['eval/reward']:.3f} -> {last['eval/reward']:.3f}"
+        + paired_line(last)
+    )
+
+
+def paired_line(ev: dict) -> str:
+    """An evaluation's paired change of pass@1 from step 0 (same rollout seeds), when it has one."""
+    if "eval/paired_diff" not in ev:
+        return ""
+    return "\n             paired change " + format_paired(
+        {k.removeprefix("eval/paired_"): v for k, v in ev.items() if k.startswith("eval/paired_")}
     )
 
 

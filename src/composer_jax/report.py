@@ -5,7 +5,8 @@ JSON record per logged step: `{"stage", "step", "time", name: value, ...}`; a st
 a separate record at the same step) and, for evaluations, a `report.json` written by
 `rl.evaluate.write_outputs`. This module reads them all and writes, under RUN_DIR:
 
-- `report.md`: per stage, first -> last of the main values, the RL table per step, and every
+- `report.md`: per stage, first -> last of the main values, the RL table per step (with the
+  held-out pass@1 and its paired change from step 0: diff, standard error, z), and every
   evaluation's overall and per-category table;
 - `plots/pretraining.png`: train loss and held-out perplexity over steps, one row per stage;
 - `plots/rl.png`: reward (total and grade), success and best-of-K, length penalty, staleness
@@ -164,6 +165,9 @@ RL_TABLE = (
     ("version_lag_max", "lag max"),
     ("mismatch_kl_k1", "mismatch KL"),
     ("eval/pass@1", "held-out pass@1"),
+    ("eval/paired_diff", "paired change"),
+    ("eval/paired_se", "paired se"),
+    ("eval/paired_z", "z"),
 )
 EVAL_COLUMNS = ("pass@1", "best_of_k", "reward", "tokens", "turns", "tool_calls")
 
@@ -177,6 +181,22 @@ def _rl_table(st: Stage) -> list[str]:
         cells = [_fmt(values[k][s]) if s in values[k] else "" for k, _ in cols]
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _heldout_line(st: Stage) -> list[str]:
+    """The held-out evaluations first -> last, with the last one's paired change from step 0 (the
+    same rollout seeds at both: rl/evaluate.py::paired_difference)."""
+    p = st.series.get("eval/pass@1")
+    if not p or len(p) < 2:
+        return []
+    line = f"Held-out pass@1 {_fmt(p[0][1])} (step {p[0][0]}) -> {_fmt(p[-1][1])} (step {p[-1][0]})"
+    last = {k: dict(st.series[k]).get(p[-1][0]) for k in ("eval/paired_diff", "eval/paired_se", "eval/paired_z")}
+    if last["eval/paired_diff"] is not None:
+        line += f"; paired change {last['eval/paired_diff']:+.4g}"
+        if last["eval/paired_se"] is not None:
+            line += f" (standard error {_fmt(last['eval/paired_se'])} over the held-out tasks"
+            line += f", z {_fmt(last['eval/paired_z'])})" if last["eval/paired_z"] is not None else ")"
+    return [line + ".", ""]
 
 
 def _eval_table(ev: Evaluation) -> list[str]:
@@ -206,7 +226,7 @@ def write_report(run_dir: str | Path, title: str | None = None) -> Path:
     if rl and _plot(RL_PANELS, rl, plots / "rl.png", "reinforcement learning"):
         lines += ["## Reinforcement learning", "", "![rl](plots/rl.png)", ""]
         for s in rl:
-            lines += [f"### {s.name}", "", *_rl_table(s), ""]
+            lines += [f"### {s.name}", "", *_heldout_line(s), *_rl_table(s), ""]
     for ev in evals:
         lines += [f"## Evaluation: {ev.name}", "", *_eval_table(ev), ""]
     out = run / "report.md"

@@ -39,6 +39,11 @@ def test_rl_config_loads_and_names_the_family(monkeypatch):
     assert cfg.train.init_from == "runs/tiny/stage3/checkpoints"
     # the RL model is the SFT stage's (same architecture and tokenizer)
     assert cfg.model == load_config(SFT_CONFIG).model and cfg.data.tokenizer == "assets/tokenizer"
+    # the policy is the tempered distribution: the trainer's log-probabilities are of what the agent samples
+    assert cfg.agent.temperature == cfg.rl.loss.temperature
+    # the start is set by the temperature on a saturated SFT stage: its lr schedule runs to its end
+    sft = load_config(SFT_CONFIG)
+    assert sft.train.steps >= 320 and sft.train.optimizer.schedule == "warmup_cosine"
 
 
 def test_reference_trajectory_fits_the_agent_budgets(monkeypatch, conversations):

@@ -32,6 +32,13 @@ def test_rl_cli_stops_resumes_and_eval_reads_its_checkpoint(tmp_path, capsys, mo
     assert "resumed from step 1" in captured and "at group 2" in captured
     assert json.loads(captured.strip().splitlines()[-1])["final_step"] == 2
     assert not list((out / "rollouts").glob("group_*"))  # every trained group's file went with its checkpoint
+    # the resumed run's end evaluation is paired with the step-0 one the first call ran, rollout by rollout
+    start, end = (json.loads((out / "eval_outcomes" / f"step_{s:06d}.json").read_text()) for s in (0, 2))
+    assert set(start) == set(end) == {"pick-colour"} and len(start["pick-colour"]) == len(end["pick-colour"]) == 2
+    last = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    assert last["step"] == 2 and sum(start["pick-colour"]) / 2 == lines[0]["eval/pass@1"]
+    assert last["eval/paired_diff"] == pytest.approx((sum(end["pick-colour"]) - sum(start["pick-colour"])) / 2)
+    assert last["eval/paired_tasks"] == 1 and last["eval/paired_pairs"] == 2
 
     ev = tmp_path / "eval"
     args = ["--tasks", "tests/rl/fixtures/tasks", "--checkpoint", str(out / "checkpoints"), "--samples", "2"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -116,6 +117,59 @@ def report(results: dict[TaskRef, list[Rollout | RolloutFailed]]) -> dict[str, A
         "categories": {c: average(ms) for c, ms in sorted(by_cat.items())},
         "overall": average(list(per_task.values())),
     }
+
+
+Outcomes = dict[str, list[float | None]]  # task name -> success (1.0 / 0.0) per sample; None: the environment failed
+
+
+def outcomes(results: dict[TaskRef, list[Rollout | RolloutFailed]]) -> Outcomes:
+    """Each rollout's success by (task name, sample index), the unit a paired comparison matches on:
+    two evaluations with the same `seed`, tasks and samples run every pair on the same sampling seed."""
+    return {
+        t.name: [float(r.env_reward >= SUCCESS) if isinstance(r, Rollout) else None for r in rs]
+        for t, rs in results.items()
+    }
+
+
+def paired_difference(start: Outcomes, end: Outcomes) -> dict[str, float]:
+    """The change in pass@1 from `start` to `end` measured per rollout: over the (task, sample) pairs
+    present and scored in both, each task's mean of end-minus-start success d_t; the difference is
+    the mean of the d_t over the n tasks (the mean over pairs when every task has as many), its
+    standard error std(d_t, ddof=1) / sqrt(n) (the samples of one task share its prompt and are
+    correlated: the task, e.g. a generated family's seed, is the independent unit), z = diff / se.
+    Keys: diff, se, z (left out when se is 0), tasks (n), pairs. Fewer than two tasks: diff only."""
+    per_task: list[float] = []
+    pairs = 0
+    for name, a in start.items():
+        b = end.get(name)
+        if b is None:
+            continue
+        ds = [y - x for x, y in zip(a, b) if x is not None and y is not None]
+        if ds:
+            per_task.append(sum(ds) / len(ds))
+            pairs += len(ds)
+    n = len(per_task)
+    out: dict[str, float] = {"tasks": float(n), "pairs": float(pairs)}
+    if n == 0:
+        return out
+    diff = sum(per_task) / n
+    out["diff"] = diff
+    if n >= 2:
+        se = math.sqrt(sum((d - diff) ** 2 for d in per_task) / (n - 1) / n)
+        out["se"] = se
+        if se > 0:
+            out["z"] = diff / se
+    return out
+
+
+def format_paired(paired: dict[str, float]) -> str:
+    """A paired_difference as one phrase: "+0.070 (se 0.031, z 2.26; 64 tasks, 128 pairs)"."""
+    if "diff" not in paired:
+        return "n/a (no task scored in both)"
+    stats = [f"se {paired['se']:.3f}"] if "se" in paired else []
+    stats += [f"z {paired['z']:.2f}"] if "z" in paired else []
+    counts = f"{paired['tasks']:.0f} tasks, {paired['pairs']:.0f} pairs"
+    return f"{paired['diff']:+.3f} ({', '.join(stats)}; {counts})" if stats else f"{paired['diff']:+.3f} ({counts})"
 
 
 def write_outputs(

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import os
 import time
@@ -49,7 +50,7 @@ from composer_jax.model.params import abstract_params
 from composer_jax.rl import batch as rl_batch
 from composer_jax.rl.agent import Rollout, RolloutFailed, run_rollout
 from composer_jax.rl.envs import LocalEnvServers
-from composer_jax.rl.evaluate import SUCCESS, TaskRef, report, sample_tasks
+from composer_jax.rl.evaluate import SUCCESS, TaskRef, format_paired, outcomes, paired_difference, report, sample_tasks
 from composer_jax.rl.launch import LocalSamplers
 from composer_jax.rl.loss import reference_logprobs, rl_objective
 from composer_jax.rl.policy import Policy, PolicyPool, SamplerUnavailable, TokenPolicy
@@ -328,6 +329,7 @@ async def _run(
     run_config = to_dict(cfg)
     checkpointer = TrainCheckpointer(ckpt_cfg)
     store = GroupStore(out_dir / "rollouts")
+    outcome_dir = out_dir / "eval_outcomes"  # step_NNNNNN.json: each evaluation's per-rollout success
     next_group, start, done = 0, 0, DoneIds()
     resumed = checkpointer.latest_step() is not None
     if resumed:
@@ -525,9 +527,21 @@ async def _run(
             res = await sample_tasks(pool, client, eval_tasks, r.eval_samples, cfg.agent, seed=10_000_019 + r.eval_seed)
             overall = report(res)["overall"]
             ev = {f"eval/{k}": v for k, v in overall.items()}
+            # per-rollout outcomes, kept on disk (a resumed run pairs with the step-0 evaluation it
+            # did not run): every evaluation uses the same rollout seeds, so a later one is compared
+            # with the start pair by pair (rl/evaluate.py::paired_difference)
+            outs = outcomes(res)
+            outcome_dir.mkdir(parents=True, exist_ok=True)
+            (outcome_dir / f"step_{step:06d}.json").write_text(json.dumps(outs) + "\n")
+            start_file = outcome_dir / f"step_{0:06d}.json"
+            line = f"[rl] step {step} held-out pass@1 {overall['pass@1']:.3f} reward {overall['reward']:.3f}"
+            if step > 0 and start_file.exists():
+                paired = paired_difference(json.loads(start_file.read_text()), outs)
+                ev.update({f"eval/paired_{k}": v for k, v in paired.items()})
+                line += f"; paired change from step 0 {format_paired(paired)}"
             summary["evals"].append({"step": step, **ev})
             logger.log(step, ev)
-            echo(f"[rl] step {step} held-out pass@1 {overall['pass@1']:.3f} reward {overall['reward']:.3f}")
+            echo(line)
 
         with jax.set_mesh(mesh):
             if start == 0:
