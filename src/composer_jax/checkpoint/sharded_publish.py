@@ -28,27 +28,15 @@ from composer_jax.checkpoint.multihost import allgather_json, barrier
 from composer_jax.checkpoint.weight_sync import (
     SHARDED_FORMAT,
     WeightSyncError,
+    flatten_tree,
     open_store,
     read_manifest,
     version_dir,
 )
 
 
-def _leaves(tree: Any, prefix: str = "") -> list[tuple[str, jax.Array]]:
-    if isinstance(tree, dict):
-        out: list[tuple[str, jax.Array]] = []
-        for k in sorted(tree):
-            if not isinstance(k, str) or not k or "/" in k:
-                raise WeightSyncError(
-                    f"pytree key {k!r} at {prefix or '<root>'!r}: keys must be non-empty str without '/'"
-                )
-            out += _leaves(tree[k], f"{prefix}/{k}" if prefix else k)
-        return out
-    if isinstance(tree, jax.Array):
-        return [(prefix, tree)]
-    raise WeightSyncError(
-        f"pytree node at {prefix or '<root>'!r} is a {type(tree).__name__}; accepted: dict or jax.Array"
-    )
+def _leaves(tree: Any) -> list[tuple[str, jax.Array]]:
+    return flatten_tree(tree, lambda _path, node: node if isinstance(node, jax.Array) else None, "dict or jax.Array")
 
 
 def _ranges(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[list[int]]:

@@ -40,8 +40,9 @@ import hashlib
 import json
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import ml_dtypes
 import numpy as np
@@ -90,25 +91,43 @@ def _dtype_from_name(name: str) -> np.dtype:
     return np.dtype(dt)
 
 
-def _flatten(tree: Any, prefix: str = "") -> list[tuple[str, np.ndarray]]:
+_T = TypeVar("_T")
+
+
+def flatten_tree(
+    tree: Any, leaf: Callable[[str, Any], _T | None], accepted: str, prefix: str = ""
+) -> list[tuple[str, _T]]:
+    """The leaves of a tree of nested dicts as ("a/b/c", leaf(path, node)) pairs in key order. Keys
+    must be non-empty str without '/'; `leaf` returns None for a node it does not accept, which is
+    refused naming `accepted`."""
     if isinstance(tree, dict):
-        out: list[tuple[str, np.ndarray]] = []
+        out: list[tuple[str, _T]] = []
         for k in sorted(tree):
             if not isinstance(k, str) or not k or "/" in k:
                 raise WeightSyncError(
                     f"pytree key {k!r} at {prefix or '<root>'!r}: keys must be non-empty str without '/'"
                 )
-            out += _flatten(tree[k], f"{prefix}/{k}" if prefix else k)
+            out += flatten_tree(tree[k], leaf, accepted, f"{prefix}/{k}" if prefix else k)
         return out
-    if hasattr(tree, "shape") and hasattr(tree, "dtype"):
-        arr = np.asarray(tree, order="C")
-        if arr.dtype.itemsize not in _UINT:
-            raise WeightSyncError(
-                f"leaf {prefix!r} has dtype {arr.dtype} of itemsize {arr.dtype.itemsize}; "
-                "accepted itemsizes: 1, 2, 4, 8"
-            )
-        return [(prefix, arr)]
-    raise WeightSyncError(f"pytree node at {prefix or '<root>'!r} is a {type(tree).__name__}; accepted: dict or array")
+    value = leaf(prefix, tree)
+    if value is None:
+        raise WeightSyncError(f"pytree node at {prefix or '<root>'!r} is a {type(tree).__name__}; accepted: {accepted}")
+    return [(prefix, value)]
+
+
+def _host_leaf(path: str, node: Any) -> np.ndarray | None:
+    if not (hasattr(node, "shape") and hasattr(node, "dtype")):
+        return None
+    arr = np.asarray(node, order="C")
+    if arr.dtype.itemsize not in _UINT:
+        raise WeightSyncError(
+            f"leaf {path!r} has dtype {arr.dtype} of itemsize {arr.dtype.itemsize}; accepted itemsizes: 1, 2, 4, 8"
+        )
+    return arr
+
+
+def _flatten(tree: Any) -> list[tuple[str, np.ndarray]]:
+    return flatten_tree(tree, _host_leaf, "dict or array")
 
 
 def _unflatten(leaves: dict[str, np.ndarray]) -> dict:
@@ -209,19 +228,8 @@ class _Store:
         if shape and bits.nbytes > _CHUNK_BYTES:
             row = max(1, bits.nbytes // max(shape[0], 1))
             chunk[0] = max(1, _CHUNK_BYTES // row)
-        metadata: dict[str, Any] = {
-            "data_type": bits.dtype.name,
-            "shape": shape,
-            "codecs": [
-                {"name": "bytes", "configuration": {"endian": "little"}},
-                {"name": "zstd", "configuration": {"level": self.zstd_level}},
-            ],
-        }
-        if shape:
-            metadata["chunk_grid"] = {"name": "regular", "configuration": {"chunk_shape": chunk}}
-        arr = ts.open(
-            {**self._spec(key), "metadata": metadata}, create=True, delete_existing=True, context=self.context
-        ).result()
+        spec = self.array_spec(key, bits.dtype, shape, chunk)
+        arr = ts.open(spec, create=True, delete_existing=True, context=self.context).result()
         arr.write(bits).result()
         return self.stored_bytes(key)
 
