@@ -8,9 +8,6 @@ read back bit-exactly equal to a single-process `WeightPublisher` store of the s
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +19,8 @@ from composer_jax.checkpoint.sharded_publish import read_shard
 from composer_jax.checkpoint.weight_sync import WeightPublisher, WeightSubscriber, WeightSyncError, tree_sha256
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from multiprocess_launch import free_port, run_processes  # noqa: E402
 from publish_worker import (  # noqa: E402
     EXPORT_SEED,
     EXPORT_SHARD_SIZE,
@@ -30,14 +29,6 @@ from publish_worker import (  # noqa: E402
     publish_tree,
     quick_tree,
 )
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cast(tree: dict) -> dict:
@@ -59,30 +50,14 @@ def _assert_bits_equal(a: dict, b: dict, where: str) -> None:
 
 def _run_workers(args: list[list[str]]) -> list[str]:
     """Both worker processes at once; none left running whatever happens."""
-    env = {**os.environ, "XLA_FLAGS": "", "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": f"{REPO / 'src'}:{REPO}"}
     worker = str(Path(__file__).parent / "publish_worker.py")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, worker, *a], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        for a in args
-    ]
-    try:
-        outs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-3000:]
-    return outs
+    return run_processes([[sys.executable, worker, *a] for a in args], timeout=300)
 
 
 def test_two_processes_publish_their_own_shards(tmp_path):
     """The quick two-process check (default suite): each process writes its half, read back whole."""
     url = f"file://{tmp_path / 'store'}"
-    port = str(_free_port())
+    port = str(free_port())
     _run_workers([["quick", str(i), port, url] for i in range(2)])
     sub = WeightSubscriber(url)
     assert [sub.manifest(v)["kind"] for v in (0, 1)] == ["sharded", "sharded_delta"]
@@ -100,7 +75,7 @@ def stores(tmp_path_factory) -> dict[str, str]:
     urls = {name: f"file://{root / name}" for name in ("gathered", "sharded", "single")}
     urls["hf"] = str(root / "hf")
     urls["trainer"] = f"file://{root / 'trainer'}"
-    port = str(_free_port())
+    port = str(free_port())
     outs = _run_workers(
         [[str(i), port, urls["gathered"], urls["sharded"], urls["hf"], urls["trainer"]] for i in range(2)]
     )

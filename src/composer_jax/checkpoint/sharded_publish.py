@@ -28,6 +28,7 @@ from composer_jax.checkpoint.multihost import allgather_json, barrier
 from composer_jax.checkpoint.weight_sync import (
     SHARDED_FORMAT,
     WeightSyncError,
+    check_new_base_fraction,
     flatten_tree,
     open_store,
     read_manifest,
@@ -73,12 +74,7 @@ class ShardedWeightPublisher:
     def __init__(
         self, url: str, *, new_base_fraction: float = 0.5, zstd_level: int = 3, context: ts.Context | None = None
     ) -> None:
-        if (
-            isinstance(new_base_fraction, bool)
-            or not isinstance(new_base_fraction, (int, float))
-            or not new_base_fraction > 0
-        ):
-            raise WeightSyncError(f"new_base_fraction={new_base_fraction!r}; accepted: a number > 0")
+        check_new_base_fraction(new_base_fraction)
         self.new_base_fraction = float(new_base_fraction)
         self.store = open_store(url, context, zstd_level)
         self.latest = self.store.latest()

@@ -242,6 +242,16 @@ class _Store:
         return sum(len(self.kv.read(k).result().value) for k in keys)
 
 
+def check_new_base_fraction(new_base_fraction: float) -> None:
+    """Reject a `new_base_fraction` that is not a number > 0 (shared by both publishers)."""
+    if (
+        isinstance(new_base_fraction, bool)
+        or not isinstance(new_base_fraction, (int, float))
+        or not new_base_fraction > 0
+    ):
+        raise WeightSyncError(f"new_base_fraction={new_base_fraction!r}; accepted: a number > 0")
+
+
 def _check_level(zstd_level: int) -> None:
     if not isinstance(zstd_level, int) or not -7 <= zstd_level <= 22:
         raise WeightSyncError(f"zstd_level={zstd_level!r}; accepted: an int in [-7, 22]")
@@ -267,12 +277,7 @@ class WeightPublisher:
         zstd_level: int = 3,
         context: ts.Context | None = None,
     ) -> None:
-        if (
-            isinstance(new_base_fraction, bool)
-            or not isinstance(new_base_fraction, (int, float))
-            or not new_base_fraction > 0
-        ):
-            raise WeightSyncError(f"new_base_fraction={new_base_fraction!r}; accepted: a number > 0")
+        check_new_base_fraction(new_base_fraction)
         if delta_against not in ("previous", "base"):
             raise WeightSyncError(f"delta_against={delta_against!r}; accepted: 'previous' or 'base'")
         _check_level(zstd_level)
