@@ -1,11 +1,15 @@
 """`composer-jax rl` (the learner) and `composer-jax eval` (the agent without training).
 
     composer-jax rl --config configs/rl/tiny_pick.yaml [key=value ...]
+    composer-jax rl --config C --coordinator HOST:PORT --num-processes N --process-id I [key=value ...]
     composer-jax eval --tasks tasks --checkpoint runs/tiny/stage3/checkpoints --samples 4 --out runs/eval
     composer-jax eval --tasks tasks --endpoint http://127.0.0.1:8000/v1 --model composer --samples 4 --out runs/eval
 
 Without --env-url, both start local environment servers on --tasks / rl.tasks_dir (the embedded
 default); with URLs they use those servers (token: --env-token or COMPOSER_JAX_ENV_TOKEN).
+A multi-host trainer runs the same `rl` command on every host (as `pretrain`): process 0 runs the
+rollout side and hands each step's batch to the others; its samplers are `serve` replicas
+(rl.sampler_urls or rl.local_samplers).
 """
 
 from __future__ import annotations
@@ -27,9 +31,9 @@ def _rl_parser() -> argparse.ArgumentParser:
     ap.add_argument("--config", required=True, help="RL YAML, e.g. configs/rl/tiny_pick.yaml")
     ap.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rl.group_size=8 train.steps=20")
     ap.add_argument("--stop-after", type=int, default=None, help="stop after N steps of this run (crash test)")
-    ap.add_argument("--cpu-devices", type=int, default=None, help="CPU only: fake devices (default 8)")
-    ap.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--distributed", action="store_true", help=argparse.SUPPRESS)
+    from composer_jax.train.cli import add_jax_args
+
+    add_jax_args(ap)  # multi-host trainer: the same command on every host (docs/scaling.md)
     return ap
 
 
@@ -55,6 +59,7 @@ def rl_main(argv: list[str] | None = None) -> int:
                 "final_step": summary.get("stopped_at", summary["final_step"]),
                 "dropped_stale_groups": len(summary["dropped_stale_groups"]),
                 "trainer_idle_fraction": round(summary["trainer_idle_fraction"], 4),
+                "trained_groups": {str(n): ids for n, ids in sorted(summary["trained_groups"].items())},
                 **{k: last[k] for k in sorted(last) if k.startswith(("reward/", "rollout/", "staleness/"))},
             }
         )

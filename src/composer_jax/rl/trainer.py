@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from composer_jax.checkpoint.manager import TrainCheckpointer, restore_params_only
-from composer_jax.checkpoint.multihost import barrier
+from composer_jax.checkpoint.multihost import barrier, broadcast_arrays, broadcast_json
 from composer_jax.checkpoint.sharded_publish import ShardedWeightPublisher
 from composer_jax.checkpoint.weight_sync import WeightPublisher, WeightSubscriber, open_store, rewind_store
 from composer_jax.config import Config, ConfigError, to_dict
@@ -166,6 +166,18 @@ def check_config(cfg: Config) -> None:
             raise ConfigError(
                 f"rl.pin_cores with rl.local_samplers={r.local_samplers} needs {1 + r.local_samplers} cores "
                 f"(one for the trainer, one per replica); this process may use {len(cores)}: {cores}"
+            )
+    if jax.process_count() > 1:
+        if not (r.sampler_urls or r.local_samplers):
+            raise ConfigError(
+                f"a trainer of {jax.process_count()} processes samples through `composer-jax serve` replicas: give "
+                "rl.sampler_urls (replica URLs) or rl.local_samplers >= 1 (started by process 0); the in-process "
+                "sampler (rl.local_samplers=0, no rl.sampler_urls) runs inside a one-process trainer only"
+            )
+        if r.pin_cores:
+            raise ConfigError(
+                f"rl.pin_cores=true pins a one-process trainer and its replicas on one machine; this trainer has "
+                f"{jax.process_count()} processes: accepted rl.pin_cores=false"
             )
     if r.queue_size and r.queue_size < r.groups_per_step:
         raise ConfigError(
@@ -321,6 +333,13 @@ async def _run(
     cfg: Config, mesh, init_params: Any, echo: Callable[[str], None], stop_after: int | None
 ) -> dict[str, Any]:
     t, r = cfg.train, cfg.rl
+    # several processes (a multi-host trainer): process 0 runs the rollout side (environment
+    # client, samplers, queue, group store, evaluation), prints and writes the run files; each step
+    # it hands the others the chosen groups' ids and batch (`broadcast_json`, `broadcast_arrays`).
+    # Every collective (batch broadcast, train step, publish, checkpoint) is entered by all in order.
+    lead, multi = jax.process_index() == 0, jax.process_count() > 1
+    if not lead:
+        echo = lambda _line: None  # noqa: E731
     mesh = mesh if mesh is not None else make_mesh(cfg.mesh)
     rules = ShardingRules.create(cfg.sharding_rules)
     tok = run_tokenizer(cfg)
@@ -352,7 +371,7 @@ async def _run(
         echo(f"[rl] initialised from {t.init_from}")
     else:
         state = init_train_state(cfg, mesh, rules)
-    ready, again, end = resume_groups(store, done, next_group, start, echo)
+    ready, again, end = resume_groups(store, done, next_group, start, echo) if lead else ([], [], next_group)
     if start:
         echo(
             f"[rl] resumed from step {start} ({checkpointer.step_dir(start)}) at group {done.below}: "
@@ -369,7 +388,7 @@ async def _run(
     store_url = r.weight_store or (f"file://{out_dir.resolve()}/weight_store" if r.local_samplers else "")
     publish = _store_publisher(store_url, resumed=resumed, start=start, dtype=r.publish_dtype, echo=echo)
 
-    if r.local_samplers and checkpointer.latest_step() is None:
+    if r.local_samplers and not resumed:
         # the replicas start from a checkpoint of the run (then follow the store): step `start`
         data_state = {"next_group": next_group, "done": done.state()}
         checkpointer.save(start, state, data_state=data_state, config=run_config, force=True)
@@ -377,8 +396,8 @@ async def _run(
     policies: list[Policy] = []
     samplers: list[AsyncSampler] = []
     remotes: list[RemoteTokenPolicy] = []
-    logger = RunLogger(out_dir, "rl", t.tensorboard)
-    progress = Progress(t.steps, start)
+    logger = RunLogger(out_dir, "rl", t.tensorboard, enabled=lead)
+    progress = Progress(t.steps, start) if lead else None
     summary: dict[str, Any] = {
         "steps": {},
         "evals": [],
@@ -393,22 +412,27 @@ async def _run(
         for i in range(r.eval_seeds if name.startswith("gen/") else 1)
     ]
 
-    def train_step(state: Any, groups: list[Group], step: int) -> tuple[Any, dict[str, float], list, Any]:
-        """One step of the objective on `groups` (in a worker thread: the event loop keeps sampling)."""
+    def global_batch(host: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """The host batch (the same on every process) as arrays on the mesh; each process puts
+        only the rows its devices hold."""
+        if not multi:
+            return {k: jax.device_put(v, b_sh) for k, v in host.items()}
+        out: dict[str, jax.Array] = {}
+        for k, v in host.items():
+            out[k] = jax.make_array_from_callback(v.shape, b_sh, lambda idx, v=v: v[idx])  # type: ignore[misc]
+        return out
+
+    def train_step(state: Any, host: dict[str, np.ndarray] | None, step: int) -> tuple[Any, dict[str, float], Any]:
+        """One step of the objective on process 0's batch `host` (None on the others: they receive
+        it here), in a worker thread: the event loop keeps sampling."""
         with jax.set_mesh(mesh):
-            rollouts = [
-                rl_batch.ScoredRollout(g.index, b.total, [rl_batch.trained_part(x) for x in ro.generations])
-                for g in groups
-                for ro, b in zip(g.rollouts, g.rewards)
-            ]
-            host = rl_batch.build_batch(rollouts, cfg)
-            batch = {k: jax.device_put(v, b_sh) for k, v in host.items()}
+            batch = global_batch(broadcast_arrays(host))
             if ref_fn is not None:
                 batch["ref_logprobs"] = ref_fn(ref_params, batch)
             state, metrics = step_fn(state, batch)
             params = _copy(state.params)
             publish(params, step + 1)
-            return state, scalars(jax.device_get(metrics)), rollouts, params
+            return state, scalars(jax.device_get(metrics)), params
 
     def fits(taken: list[Group], g: Group) -> bool:
         if g.rows > t.batch_size:
@@ -443,18 +467,27 @@ async def _run(
     covered: list[tuple[int, list[int]]] = []  # (checkpoint step, group files it makes removable)
     pending_files: list[int] = []  # done groups whose files wait for a checkpoint
 
-    def mark_done() -> list[int]:
-        """Ids the queue dropped or lost since the last call, marked done."""
-        out = []
+    def mark_done() -> dict[str, list[int]]:
+        """Ids the queue dropped or lost since the last call (process 0), by summary key."""
+        out: dict[str, list[int]] = {}
         for lst, key in ((queue.dropped_stale, "dropped_stale_groups"), (queue.lost, "lost_groups")):
-            while lst:
-                i = lst.pop(0)
+            out[key] = list(lst)
+            lst.clear()
+        return out
+
+    def apply_done(marked: dict[str, list[int]]) -> list[int]:
+        """Mark dropped or lost ids done (every process: the checkpoint's state); returns them."""
+        out = []
+        for key, ids in marked.items():
+            for i in ids:
                 done.add(i)
                 summary[key].append(i)
                 out.append(i)
         return out
 
-    async with contextlib.AsyncExitStack() as stack:
+    async def start_rollout_side(stack: contextlib.AsyncExitStack) -> tuple[EnvClient, list[Policy]]:
+        """Process 0's rollout side: the environment client (servers started when no URLs are
+        given) and the samplers (in process, or replicas by URL or started here)."""
         if r.env_urls:
             urls, token = list(r.env_urls), r.env_token or os.environ.get("COMPOSER_JAX_ENV_TOKEN", "")
         else:
@@ -482,8 +515,14 @@ async def _run(
             )
             remote = stack.enter_context(launcher)
             echo(f"[rl] started {r.local_samplers} sampler replica(s): {', '.join(remote[0])}")
-        policies = make_policies(cfg, _copy(state.params), tok, version=start, mesh=mesh, rules=rules, remote=remote)
-        pool = PolicyPool(policies)
+        return client, make_policies(
+            cfg, _copy(state.params), tok, version=start, mesh=mesh, rules=rules, remote=remote
+        )
+
+    async with contextlib.AsyncExitStack() as stack:
+        if lead:  # the others only train
+            client, policies = await start_rollout_side(stack)
+            pool = PolicyPool(policies)
         samplers = _in_process(policies)
         remotes = [p for p in policies if isinstance(p, RemoteTokenPolicy)]
         if r.pin_cores:
@@ -543,73 +582,127 @@ async def _run(
             logger.log(step, ev)
             echo(line)
 
+        async def take(step: int) -> tuple[list[Group], dict[str, Any], dict[str, np.ndarray]]:
+            """Process 0: the step's groups, what every process needs of them (ids trained, ids
+            dropped or lost, their logged values) and their batch."""
+            groups, stale = await queue.take(step, fits)
+            marked = mark_done()
+            if not groups:
+                lost = summary["lost_groups"] + marked["lost_groups"]
+                dropped = summary["dropped_stale_groups"] + marked["dropped_stale_groups"]
+                raise RuntimeError(
+                    f"step {step}: no group left to train (lost: {lost}, dropped as stale: {dropped}); "
+                    "see the warnings above"
+                )
+            if stale:
+                echo(f"[rl] step {step + 1}: dropped {len(stale)} stale group(s) {[g.index for g in stale]}")
+            rollouts = [
+                rl_batch.ScoredRollout(g.index, b.total, [rl_batch.trained_part(x) for x in ro.generations])
+                for g in groups
+                for ro, b in zip(g.rollouts, g.rewards)
+            ]
+            host = rl_batch.build_batch(rollouts, cfg)
+            lags = [staleness(g, step, r.staleness_unit) for g in groups]
+            values = {**step_report(groups), **rl_batch.version_lag(rollouts, step)}
+            values.update(
+                {
+                    "staleness/mean": float(np.mean(lags)),
+                    "staleness/max": float(max(lags)),
+                    **{f"staleness/groups_{d}": float(lags.count(d)) for d in range(r.max_staleness + 1)},
+                    "rl/dropped_stale_groups": float(
+                        len(summary["dropped_stale_groups"]) + len(marked["dropped_stale_groups"])
+                    ),
+                }
+            )
+            return groups, {"error": "", "groups": [g.index for g in groups], "marked": marked, "values": values}, host
+
+        async def take_shared(step: int) -> tuple[list[Group], dict[str, Any], dict[str, np.ndarray] | None]:
+            """`take` on process 0, its header broadcast to the others (they get no groups and no
+            batch: the train step broadcasts it); an error on process 0 stops every process."""
+            if not multi:
+                return await take(step)
+            if lead:
+                try:
+                    groups, header, host = await take(step)
+                except Exception as exc:
+                    await asyncio.to_thread(checkpointer.wait)
+                    await asyncio.to_thread(broadcast_json, {"error": f"{type(exc).__name__}: {exc}"})
+                    raise
+            # the last checkpoint's commit first: orbax ends an asynchronous save with a barrier that
+            # is a device collective in its own thread, which must not interleave with this step's
+            await asyncio.to_thread(checkpointer.wait)
+            if lead:
+                await asyncio.to_thread(broadcast_json, header)
+                return groups, header, host
+            header = await asyncio.to_thread(broadcast_json, None)
+            if header["error"]:
+                raise RuntimeError(f"step {step}: process 0 stopped the run: {header['error']}")
+            return [], header, None
+
         with jax.set_mesh(mesh):
-            if start == 0:
+            if lead and start == 0:
                 await run_eval(0)
             if start < t.steps:
                 await asyncio.to_thread(publish, state.params, start)
-                queue.start()
+                if lead:
+                    queue.start()
             ran, waited, busy, t_run = 0, 0.0, 0.0, time.perf_counter()
             for step in range(start, t.steps):
                 t0 = time.perf_counter()
-                groups, stale = await queue.take(step, fits)
-                pending_files += mark_done()
-                if not groups:
-                    raise RuntimeError(
-                        f"step {step}: no group left to train (lost: {summary['lost_groups']}, dropped as stale: "
-                        f"{summary['dropped_stale_groups']}); see the warnings above"
-                    )
-                lags = [staleness(g, step, r.staleness_unit) for g in groups]
+                groups, header, host = await take_shared(step)
+                pending_files += apply_done(header["marked"])
                 t1 = time.perf_counter()
-                state, values, rollouts, params = await asyncio.to_thread(train_step, state, groups, step)
+                state, values, params = await asyncio.to_thread(train_step, state, host, step)
                 n = step + 1
                 for s in samplers:
                     s.update_weights(params, n)
                 t_load = time.perf_counter()
-                if r.max_staleness == 0:  # the next groups must start on version n
+                if not lead:
+                    pass
+                elif r.max_staleness == 0:  # the next groups must start on version n
                     await load_version(n)
                 else:  # replicas take it between decode steps; tokens keep the version that made them
                     loads.add(asyncio.ensure_future(load_version(n)))
                     loads.difference_update([f for f in loads if f.done()])
-                queue.advance(n, len(groups))
+                if lead:
+                    queue.advance(n, len(groups))
                 t2 = time.perf_counter()
                 waited, busy = waited + t1 - t0, busy + t2 - t1
-                for g in groups:
-                    done.add(g.index)
-                pending_files += [g.index for g in groups]
-                summary["trained_groups"][n] = [g.index for g in groups]
-                values.update(step_report(groups))
-                values.update(rl_batch.version_lag(rollouts, step))
+                trained = list(header["groups"])
+                for i in trained:
+                    done.add(i)
+                pending_files += trained
+                summary["trained_groups"][n] = trained
+                values.update(header["values"])
+                if lead:
+                    values.update(
+                        {"queue/ready": float(len(queue.ready)), "queue/in_flight": float(len(queue.in_flight))}
+                    )
                 values.update(
                     {
-                        "staleness/mean": float(np.mean(lags)),
-                        "staleness/max": float(max(lags)),
-                        **{f"staleness/groups_{d}": float(lags.count(d)) for d in range(r.max_staleness + 1)},
-                        "rl/dropped_stale_groups": float(len(summary["dropped_stale_groups"])),
-                        "queue/ready": float(len(queue.ready)),
-                        "queue/in_flight": float(len(queue.in_flight)),
                         "time/wait_s": t1 - t0,
                         "time/train_s": t2 - t1,
                         "time/load_wait_s": t2 - t_load,  # waiting for replicas to serve version n
                         "time/step_s": t2 - t0,
                     }
                 )
-                if stale:
-                    echo(f"[rl] step {n}: dropped {len(stale)} stale group(s) {[g.index for g in stale]}")
                 summary["steps"][n] = values
                 if n % t.log_every == 0 or n == t.steps:
                     logger.log(n, values)
-                progress.update(
-                    n,
-                    f"reward {values['reward/total']:.3f} success {values['rollout/success']:.2f} "
-                    f"mismatch-kl {values.get('mismatch_kl_k1', 0.0):.1e}",
-                )
-                if r.eval_every and n % r.eval_every == 0 and n != t.steps:
+                if progress is not None:
+                    progress.update(
+                        n,
+                        f"reward {values['reward/total']:.3f} success {values['rollout/success']:.2f} "
+                        f"mismatch-kl {values.get('mismatch_kl_k1', 0.0):.1e}",
+                    )
+                if lead and r.eval_every and n % r.eval_every == 0 and n != t.steps:
                     await run_eval(n)
                 if covered and (n % ckpt_cfg.save_every == 0 or n == t.steps):
                     checkpointer.wait()  # the earlier save is committed: the files it covers can go
-                    store.remove([i for _, ids in covered for i in ids])
+                    if lead:
+                        store.remove([i for _, ids in covered for i in ids])
                     covered = []
+                # (several processes: process 0's data state is the one written, by orbax's primary host)
                 data_state = {"next_group": queue.next_index, "done": done.state()}
                 if checkpointer.save(n, state, data_state=data_state, config=run_config, force=n == t.steps):
                     covered.append((n, pending_files))
@@ -620,14 +713,16 @@ async def _run(
                     summary["stopped_at"] = n
                     break
             else:
-                if t.steps > start:
+                if t.steps > start and lead:
                     await queue.aclose()
                     summary["samplers"] = await sampler_health()
                     await run_eval(t.steps)
-    progress.close()
+    if progress is not None:
+        progress.close()
     checkpointer.wait()
     for _, ids in covered:
-        store.remove(ids)
+        if lead:
+            store.remove(ids)
     checkpointer.close()
     logger.close()
     summary.setdefault("wall_s", 0.0)

@@ -19,6 +19,12 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("--config", required=True, help="stage YAML, e.g. configs/pretrain/tiny_stage1.yaml")
     ap.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=10 mesh.fsdp=2")
     ap.add_argument("--stop-after", type=int, default=None, help="stop after N steps of this run (crash test)")
+    add_jax_args(ap)
+    return ap
+
+
+def add_jax_args(ap: argparse.ArgumentParser) -> None:
+    """The flags `init_jax` reads: multi-host (`jax.distributed`) and the fake CPU device count."""
     ap.add_argument("--coordinator", default=os.environ.get("JAX_COORDINATOR_ADDRESS"))
     ap.add_argument("--num-processes", type=int, default=int(os.environ.get("JAX_NUM_PROCESSES", "0")) or None)
     ap.add_argument("--process-id", type=int, default=int(os.environ.get("JAX_PROCESS_ID", "-1")))
@@ -33,7 +39,6 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         action="store_true",
         help="call jax.distributed.initialize() with cluster auto-detection (SLURM, TPU, ...)",
     )
-    return ap
 
 
 def init_jax(args) -> None:

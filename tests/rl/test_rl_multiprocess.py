@@ -1,0 +1,150 @@
+"""`composer-jax rl` as a real two-process JAX job on one machine (CPU collectives over gloo).
+
+Two trainer processes (2 CPU devices each, one 4-device mesh) against one process with 4 devices on
+the same config: process 0 runs the rollout side (a local environment server, one `serve` replica
+following the weight store) and broadcasts each step's groups; both train. Synchronous
+(`rl.max_staleness: 0`) with fixed seeds the rollouts are the replica's, so both runs must train the
+same group ids per step with the same per-step losses (float32 reduction order aside) and the same
+held-out evaluations; one metrics record per step; both processes report the same numbers. A
+two-process run stopped after step 2 and restarted trains every group id exactly once across the two.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+from learnable import sft_params
+from live_env import HAVE_BWRAP, REPO
+
+from composer_jax.checkpoint.manager import TrainCheckpointer
+from composer_jax.config import CheckpointConfig, load_config, to_dict
+from composer_jax.sharding import ShardingRules, make_mesh
+from composer_jax.train.loop import run_tokenizer
+from composer_jax.train.state import init_train_state
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from multiprocess_launch import free_port, run_processes  # noqa: E402
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap (bwrap) is not installed; `make system-deps`"),
+]
+
+STEPS = 3
+SFT_STEPS = 150
+RUN = (
+    "agent.max_turn_tokens=40",  # room for the tool call the starting policy makes
+    "rl.reward.length_penalty.weight=0.05",  # and lengths differ: fewer groups of equal rewards
+    f"train.steps={STEPS}",
+    "mesh.data=2",
+    "mesh.fsdp=2",
+    "mesh.expert=1",
+    "rl.local_samplers=1",
+    "rl.sampler_slots=8",
+    "rl.max_staleness=0",
+    "rl.eval_every=2",
+    "checkpoint.save_every=1",
+)
+
+
+CONFIG = "tests/rl/fixtures/rl_pick.yaml"
+
+
+def starting_checkpoint(directory: Path) -> Path:
+    """The fixture's tiny model fine-tuned a little on the task's two answers (tests/rl/learnable.py),
+    so that rollouts differ in outcome and length and the RL loss is not zero; saved for init_from."""
+    cfg = load_config(CONFIG, ["train.optimizer.lr=0.02", "train.optimizer.warmup_steps=5", "mesh.fsdp=1"])
+    mesh = make_mesh(cfg.mesh, jax.devices()[:1])  # a tiny model: one device is fastest
+    params, _ = sft_params(cfg, run_tokenizer(cfg), steps=SFT_STEPS, mesh=mesh)
+    with TrainCheckpointer(CheckpointConfig(directory=str(directory))) as ckpt:
+        ckpt.save(0, init_train_state(cfg, mesh, ShardingRules.create(), params), config=to_dict(cfg), force=True)
+    return directory
+
+
+def rl_command(out_dir: Path, extra: list[str]) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "composer_jax.cli",
+        "rl",
+        "--config",
+        CONFIG,
+        f"train.out_dir={out_dir}",
+        *RUN,
+        *extra,
+    ]
+
+
+def two_processes(out_dir: Path, extra: list[str]) -> list[str]:
+    port = free_port()
+    return run_processes(
+        [
+            rl_command(out_dir, [*extra, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"])
+            + ["--process-id", str(i), "--cpu-devices", "2"]
+            for i in range(2)
+        ],
+        timeout=1200,
+    )
+
+
+def final_json(out: str) -> dict:
+    return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+
+
+def records(out_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:
+    """(step records with a loss, evaluation records) of metrics.jsonl, each step once."""
+    lines = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in lines if "loss" in r]
+    evals = [r for r in lines if "eval/pass@1" in r]
+    for kind in (train, evals):
+        steps = [r["step"] for r in kind]
+        assert len(steps) == len(set(steps)), f"a step was logged twice: {steps}"
+    return {r["step"]: r for r in train}, {r["step"]: r for r in evals}
+
+
+def same_numbers(a: dict, b: dict) -> dict:
+    """`a` without what depends on time (the idle fraction)."""
+    assert a.keys() == b.keys()
+    return {k: v for k, v in a.items() if k != "trainer_idle_fraction"}
+
+
+def test_two_process_rl_trains_and_resumes_as_one(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(REPO)
+    init = [f"train.init_from={starting_checkpoint(tmp_path / 'sft')}"]
+    one = tmp_path / "one"
+    (single,) = run_processes([rl_command(one, [*init, "--cpu-devices", "4"])], timeout=1200)
+    ref, ref_evals = records(one)
+    assert sorted(ref) == [1, 2, 3] and sorted(ref_evals) == [0, 2, 3]
+    ref_groups = final_json(single)["trained_groups"]
+    assert ref_groups == {"1": [0, 1], "2": [2, 3], "3": [4, 5]}
+
+    two = tmp_path / "two"
+    first = two_processes(two, [*init, "--stop-after", "2"])
+    a, b = (final_json(o) for o in first)
+    assert same_numbers(a, b) == same_numbers(b, a) and a["final_step"] == 2
+    assert 2 in [int(p.name) for p in (two / "checkpoints").iterdir() if p.name.isdigit()]
+    second = two_processes(two, init)
+    assert "resumed from step 2" in second[0] and "resumed from step 2" not in second[1]  # process 0 prints
+    a2, b2 = (final_json(o) for o in second)
+    assert same_numbers(a2, b2) == same_numbers(b2, a2) and a2["final_step"] == STEPS
+
+    # every group id trained exactly once across the two runs, at the single process's steps
+    trained = {**a["trained_groups"], **a2["trained_groups"]}
+    assert trained == ref_groups
+    ids = [i for g in trained.values() for i in g]
+    assert sorted(ids) == list(range(2 * STEPS))
+    assert not list((two / "rollouts").glob("*"))  # every persisted group trained and removed
+
+    got, got_evals = records(two)
+    assert sorted(got) == [1, 2, 3] and sorted(got_evals) == [0, 2, 3]  # process 0 alone writes
+    assert any(r["grad_norm"] > 0 for r in ref.values())  # the losses compared are of real gradients
+    for step, r in ref.items():
+        for key in ("loss", "reward/total", "rollout/success", "rollout/generated_tokens"):
+            assert got[step][key] == pytest.approx(r[key], rel=2e-5, abs=1e-6), (step, key, got[step], r)
+        assert got[step]["staleness/max"] == 0 and got[step]["version_lag_max"] == 0
+    for step, r in ref_evals.items():
+        assert got_evals[step]["eval/pass@1"] == r["eval/pass@1"], (step, got_evals, ref_evals)
