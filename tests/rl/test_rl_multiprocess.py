@@ -45,7 +45,6 @@ RUN = (
     "mesh.expert=1",
     "rl.local_samplers=1",
     "rl.sampler_slots=8",
-    "rl.max_staleness=0",
     "rl.eval_every=2",
     "checkpoint.save_every=1",
 )
@@ -57,7 +56,7 @@ CONFIG = "tests/rl/fixtures/rl_pick.yaml"
 def starting_checkpoint(directory: Path) -> Path:
     """The fixture's tiny model fine-tuned a little on the task's two answers (tests/rl/learnable.py),
     so that rollouts differ in outcome and length and the RL loss is not zero; saved for init_from."""
-    cfg = load_config(CONFIG, ["train.optimizer.lr=0.02", "train.optimizer.warmup_steps=5", "mesh.fsdp=1"])
+    cfg = load_config(CONFIG, ["train.optimizer.lr=0.02", "train.optimizer.warmup_steps=5", "mesh.fsdp=-1"])
     mesh = make_mesh(cfg.mesh, jax.devices()[:1])  # a tiny model: one device is fastest
     params, _ = sft_params(cfg, run_tokenizer(cfg), steps=SFT_STEPS, mesh=mesh)
     with TrainCheckpointer(CheckpointConfig(directory=str(directory))) as ckpt:
@@ -114,7 +113,7 @@ def same_numbers(a: dict, b: dict) -> dict:
 
 def test_two_process_rl_trains_and_resumes_as_one(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(REPO)
-    init = [f"train.init_from={starting_checkpoint(tmp_path / 'sft')}"]
+    init = [f"train.init_from={starting_checkpoint(tmp_path / 'sft')}", "rl.max_staleness=0"]
     one = tmp_path / "one"
     (single,) = run_processes([rl_command(one, [*init, "--cpu-devices", "4"])], timeout=1200)
     ref, ref_evals = records(one)
@@ -141,10 +140,28 @@ def test_two_process_rl_trains_and_resumes_as_one(tmp_path, monkeypatch) -> None
 
     got, got_evals = records(two)
     assert sorted(got) == [1, 2, 3] and sorted(got_evals) == [0, 2, 3]  # process 0 alone writes
-    assert any(r["grad_norm"] > 0 for r in ref.values())  # the losses compared are of real gradients
+    assert all(r["grad_norm"] > 0 for r in ref.values())  # the losses compared are of real gradients
     for step, r in ref.items():
         for key in ("loss", "reward/total", "rollout/success", "rollout/generated_tokens"):
             assert got[step][key] == pytest.approx(r[key], rel=2e-5, abs=1e-6), (step, key, got[step], r)
         assert got[step]["staleness/max"] == 0 and got[step]["version_lag_max"] == 0
     for step, r in ref_evals.items():
         assert got_evals[step]["eval/pass@1"] == r["eval/pass@1"], (step, got_evals, ref_evals)
+
+
+def test_two_process_asynchronous_rl(tmp_path, monkeypatch) -> None:
+    """`rl.max_staleness: 1`: process 0's queue keeps sampling while both processes train; which
+    groups a step takes depends on timing, so the check is the contract, not equality with one
+    process: each group id trained once, no trained token over one version old, one metrics record
+    per step, both processes agreeing on every step's groups and values."""
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "async"
+    outs = two_processes(out, ["rl.max_staleness=1", "rl.eval_tasks=[]"])
+    a, b = (final_json(o) for o in outs)
+    assert same_numbers(a, b) == same_numbers(b, a) and a["final_step"] == STEPS
+    ids = [i for g in a["trained_groups"].values() for i in g]
+    assert len(ids) == len(set(ids)) == 2 * STEPS - a["dropped_stale_groups"]
+    got, _ = records(out)
+    assert sorted(got) == [1, 2, 3]
+    for step, r in got.items():
+        assert r["staleness/max"] <= 1 and r["version_lag_max"] <= 1, (step, r)

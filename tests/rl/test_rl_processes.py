@@ -107,3 +107,14 @@ def test_process_config_errors(monkeypatch):
         load_config(CONFIG, ["rl.sampler_urls=[http://127.0.0.1:1]"])
     with pytest.raises(ConfigError, match="not both"):
         load_config(CONFIG, ["rl.sampler_urls=[http://h:1]", "rl.weight_store=file:///x", "rl.local_samplers=1"])
+
+
+def test_multi_process_trainer_config_errors(monkeypatch):
+    """A trainer of several JAX processes samples through replicas and pins nothing."""
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ConfigError, match=r"rl.sampler_urls .* or rl.local_samplers >= 1"):
+        check_config(load_config(CONFIG, []))
+    with pytest.raises(ConfigError, match=r"rl.pin_cores=true .* 2 processes: accepted rl.pin_cores=false"):
+        check_config(load_config(CONFIG, ["rl.local_samplers=1", "rl.pin_cores=true"]))
+    check_config(load_config(CONFIG, ["rl.local_samplers=1"]))
+    check_config(load_config(CONFIG, ["rl.sampler_urls=[http://h:1]", "rl.weight_store=file:///x"]))

@@ -155,18 +155,6 @@ def check_config(cfg: Config) -> None:
         )
     if t.micro_batches > 1 and t.batch_size % t.micro_batches:
         raise ConfigError(f"train.batch_size={t.batch_size} must be divisible by train.micro_batches={t.micro_batches}")
-    if r.pin_cores:
-        if not r.local_samplers:
-            raise ConfigError(
-                "rl.pin_cores pins the trainer and the rl.local_samplers replicas to cores of their own; "
-                "with rl.local_samplers=0 there is nothing to pin apart"
-            )
-        cores = sorted(os.sched_getaffinity(0))
-        if len(cores) < 1 + r.local_samplers:
-            raise ConfigError(
-                f"rl.pin_cores with rl.local_samplers={r.local_samplers} needs {1 + r.local_samplers} cores "
-                f"(one for the trainer, one per replica); this process may use {len(cores)}: {cores}"
-            )
     if jax.process_count() > 1:
         if not (r.sampler_urls or r.local_samplers):
             raise ConfigError(
@@ -178,6 +166,18 @@ def check_config(cfg: Config) -> None:
             raise ConfigError(
                 f"rl.pin_cores=true pins a one-process trainer and its replicas on one machine; this trainer has "
                 f"{jax.process_count()} processes: accepted rl.pin_cores=false"
+            )
+    if r.pin_cores:
+        if not r.local_samplers:
+            raise ConfigError(
+                "rl.pin_cores pins the trainer and the rl.local_samplers replicas to cores of their own; "
+                "with rl.local_samplers=0 there is nothing to pin apart"
+            )
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < 1 + r.local_samplers:
+            raise ConfigError(
+                f"rl.pin_cores with rl.local_samplers={r.local_samplers} needs {1 + r.local_samplers} cores "
+                f"(one for the trainer, one per replica); this process may use {len(cores)}: {cores}"
             )
     if r.queue_size and r.queue_size < r.groups_per_step:
         raise ConfigError(
