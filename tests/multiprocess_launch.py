@@ -17,9 +17,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_processes(cmds: list[list[str]], timeout: float = 900) -> list[str]:
+def run_processes(cmds: list[list[str]], timeout: float = 900, *, returncodes: list[int] | None = None) -> list[str]:
     """Start every command at once from the repository root, wait for all and return their outputs;
-    kill the rest if one fails or time runs out (none is left running whatever happens)."""
+    kill the rest if one fails or time runs out (none is left running whatever happens). Every
+    command must exit 0, or with `returncodes` those codes."""
     env = {**os.environ, "XLA_FLAGS": "", "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": f"{REPO / 'src'}:{REPO}"}
     procs = [
         subprocess.Popen(c, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -32,6 +33,6 @@ def run_processes(cmds: list[list[str]], timeout: float = 900) -> list[str]:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-3000:]
+    for p, out, want in zip(procs, outs, returncodes or [0] * len(procs)):
+        assert p.returncode == want, out[-3000:]
     return outs

@@ -7,6 +7,8 @@ following the weight store) and broadcasts each step's groups; both train. Synch
 same group ids per step with the same per-step losses (float32 reduction order aside) and the same
 held-out evaluations; one metrics record per step; both processes report the same numbers. A
 two-process run stopped after step 2 and restarted trains every group id exactly once across the two.
+Also: an asynchronous two-process run keeps the staleness contract, and an error in process 0's step
+stops both processes.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def rl_command(out_dir: Path, extra: list[str]) -> list[str]:
     ]
 
 
-def two_processes(out_dir: Path, extra: list[str]) -> list[str]:
+def two_processes(out_dir: Path, extra: list[str], returncodes: list[int] | None = None) -> list[str]:
     port = free_port()
     return run_processes(
         [
@@ -87,6 +89,7 @@ def two_processes(out_dir: Path, extra: list[str]) -> list[str]:
             for i in range(2)
         ],
         timeout=1200,
+        returncodes=returncodes,
     )
 
 
@@ -165,3 +168,13 @@ def test_two_process_asynchronous_rl(tmp_path, monkeypatch) -> None:
     assert sorted(got) == [1, 2, 3]
     for step, r in got.items():
         assert r["staleness/max"] <= 1 and r["version_lag_max"] <= 1, (step, r)
+
+
+def test_an_error_on_process_0_stops_both(tmp_path, monkeypatch) -> None:
+    """Process 0's step fails (the environment server rejects the task): it hands the error to
+    process 1, which stops with it instead of waiting in the step's collectives."""
+    monkeypatch.chdir(REPO)
+    outs = two_processes(tmp_path / "bad", ["rl.tasks=[no-such-task]", "rl.eval_tasks=[]"], returncodes=[1, 1])
+    assert "unknown task_id 'no-such-task'" in outs[0]
+    assert "step 0: process 0 stopped the run: RequestRejected" in outs[1]
+    assert "unknown task_id 'no-such-task'" in outs[1]
