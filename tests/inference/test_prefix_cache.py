@@ -87,7 +87,13 @@ def test_a_second_turn_reuses_the_first_and_equals_a_fresh_prefill(name):
     np.testing.assert_array_equal(b.routing, np.asarray(out.routing[:, 0, :-1]).transpose(1, 0, 2))
     # the cache holds the 9 prompt tokens and the 4 generated ones fed back (not the 5th): 13 of
     # the 18 prompt tokens are reused, 5 prefilled (the last generated token and the tool's 4)
-    assert on.prefix_stats.as_dict() == {"admitted": 2, "hits": 1, "reused": 13, "prefilled": 9 + 5, "hit_rate": 13 / 27}
+    assert on.prefix_stats.as_dict() == {
+        "admitted": 2,
+        "hits": 1,
+        "reused": 13,
+        "prefilled": 9 + 5,
+        "hit_rate": 13 / 27,
+    }
     assert off.prefix_stats.reused == 0 and off.prefix_stats.prefilled == 9 + 18
     # one decode program and one prefill (1 row x 16): the second turn's 5 tokens fit the first's
     # bucket; without reuse its 18 tokens need a 32-token bucket, a second prefill program

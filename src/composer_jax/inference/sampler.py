@@ -48,6 +48,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from composer_jax.config import ModelConfig
+from composer_jax.config.rl import PREFIX_CACHE_MODES
 from composer_jax.inference.sampling import SamplingParams, processed_logprobs, sample
 from composer_jax.inference.speculative import SpecStats, draft, draft_head_columns, verify_drafts
 from composer_jax.model.kv_cache import KVCache, init_cache
@@ -91,9 +92,6 @@ class _Slot:
     versions: list[int] = dataclasses.field(default_factory=list)
     routing: list[np.ndarray] = dataclasses.field(default_factory=list)
     weights: int = 0  # Sampler._weights_gen when admitted: the weights its prefix and prefill ran with
-
-
-PREFIX_CACHE_MODES = ("off", "version", "keep")
 
 
 @dataclasses.dataclass

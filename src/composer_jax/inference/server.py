@@ -225,6 +225,8 @@ class OpenAIServer:
                 "slot_steps": e.slot_steps,
                 "step_s": e.step_s,
                 "swap_s": e.swap_s,
+                "prefix_cache": e.sampler.prefix_cache,
+                "prefix": e.prefix_stats.as_dict(),
                 "engine_failures": e.failures,
                 "weights_from": self.weights_from,
                 "store_error": self.store_error,
