@@ -39,6 +39,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -228,6 +229,7 @@ class Sampler:
         self._clock = itertools.count()
         self._weights_gen = 0
         self.prefix_stats = PrefixStats()
+        self.prefill_s = 0.0  # seconds spent admitting requests (prefill, first token, compilations)
 
     # -------------------------------------------------------------------------------- programs
     def _prefill_fn(self, params, cache: KVCache, slot, start, tokens, n, temperature, top_k, top_p, seed):
@@ -572,12 +574,14 @@ class Sampler:
         """Admit waiting requests into free slots (prefill), then decode one token in every
         occupied slot. Returns the requests that finished."""
         done: list[Completion] = []
+        t0 = time.perf_counter()
         admit = self._place()
         if self.speculative_tokens or self.mesh is not None:
             for i, request, reuse in admit:
                 done += self._admit(i, request, reuse)
         elif admit:
             done += self._admit_group(admit)
+        self.prefill_s += time.perf_counter() - t0
         active = np.array([s is not None for s in self._slot])
         if not active.any():
             return done

@@ -227,6 +227,8 @@ class OpenAIServer:
                 "swap_s": e.swap_s,
                 "prefix_cache": e.sampler.prefix_cache,
                 "prefix": e.prefix_stats.as_dict(),
+                "prefill_s": e.sampler.prefill_s,
+                "compilations": e.sampler.compilations,
                 "engine_failures": e.failures,
                 "weights_from": self.weights_from,
                 "store_error": self.store_error,
