@@ -70,7 +70,7 @@ def test_a_second_turn_reuses_the_first_and_equals_a_fresh_prefill(name):
     cfg = CONFIGS[name]
     params = cj.init_params(cfg, jax.random.key(1))
     first = Request(_prompt(1, 9), _greedy(5))
-    on, off = Sampler(params, cfg, slots=2, max_len=48), Sampler(params, cfg, slots=2, max_len=48, prefix_cache="off")
+    on, off = Sampler(params, cfg, slots=2, max_len=48), Sampler(params, cfg, slots=2, max_len=48, prefix_cache="none")
     (a,) = on.run([first])
     (a_ref,) = off.run([Request(first.prompt, first.params)])
     _same(a, a_ref)
@@ -101,7 +101,10 @@ def test_a_second_turn_reuses_the_first_and_equals_a_fresh_prefill(name):
 
 
 def test_misses_partial_matches_and_the_end_of_the_cache(params):
-    on, off = Sampler(params, BASE, slots=2, max_len=48), Sampler(params, BASE, slots=2, max_len=48, prefix_cache="off")
+    on, off = (
+        Sampler(params, BASE, slots=2, max_len=48),
+        Sampler(params, BASE, slots=2, max_len=48, prefix_cache="none"),
+    )
     a_prompt = _prompt(10, 10)
     b_prompt = _prompt(11, 7)
     assert a_prompt[0] != b_prompt[0]
@@ -133,7 +136,10 @@ def test_staggered_continuation_with_a_group_of_different_prefixes(params):
     # three first turns through 2 slots, then their continuations (and a new conversation) arrive
     # together: two reuse their slots' prefixes in one group prefill, the rest wait and miss
     first = [Request(_prompt(20 + i, n), _greedy(m)) for i, (n, m) in enumerate([(7, 4), (12, 6), (5, 3)])]
-    on, off = Sampler(params, BASE, slots=2, max_len=48), Sampler(params, BASE, slots=2, max_len=48, prefix_cache="off")
+    on, off = (
+        Sampler(params, BASE, slots=2, max_len=48),
+        Sampler(params, BASE, slots=2, max_len=48, prefix_cache="none"),
+    )
     done = on.run(first)
     for g, r in zip(done, off.run([Request(q.prompt, q.params) for q in first]), strict=True):
         _same(g, r)
@@ -170,7 +176,7 @@ def test_a_weight_swap_drops_the_cached_prefixes_unless_kept(params):
     version.update_weights(other, 1)
     keep.update_weights(other, 1)
     (b,) = version.run([Request(follow(a), _greedy(3))])
-    (b_ref,) = Sampler(other, BASE, slots=1, max_len=32, prefix_cache="off").run([Request(follow(a), _greedy(3))])
+    (b_ref,) = Sampler(other, BASE, slots=1, max_len=32, prefix_cache="none").run([Request(follow(a), _greedy(3))])
     _same(b, b_ref)  # the whole prompt under the new weights, as a fresh prefill
     assert version.prefix_stats.reused == 0
     keep.run([Request(follow(k), _greedy(3))])
@@ -197,12 +203,12 @@ def test_cancelled_requests_leave_a_reusable_prefix_and_bad_modes_are_refused(pa
     generated = list(tokens)
     assert sampler.cancel("x")
     (c,) = sampler.run([Request(prompt + generated + [1, 2], _greedy(2))])
-    (ref,) = Sampler(params, BASE, slots=1, max_len=32, prefix_cache="off").run(
+    (ref,) = Sampler(params, BASE, slots=1, max_len=32, prefix_cache="none").run(
         [Request(prompt + generated + [1, 2], _greedy(2))]
     )
     _same(c, ref)
     assert sampler.prefix_stats.reused == 6 + 2  # the prompt and the 2 tokens fed back
-    with pytest.raises(ValueError, match=r"prefix_cache='on' is not accepted; accepted: off, version, keep"):
+    with pytest.raises(ValueError, match=r"prefix_cache='on' is not accepted; accepted: none, version, keep"):
         Sampler(params, BASE, slots=1, max_len=32, prefix_cache="on")
 
 
@@ -213,7 +219,7 @@ def test_a_sharded_sampler_reuses_like_the_single_device_one(params):
     got_sampler = Sampler(sharded, BASE, slots=2, max_len=32, mesh=mesh)
     (a,) = got_sampler.run([first])
     (b,) = got_sampler.run([Request(a.prompt + a.tokens + _prompt(61, 3), _greedy(3))])
-    ref = Sampler(params, BASE, slots=2, max_len=32, prefix_cache="off")
+    ref = Sampler(params, BASE, slots=2, max_len=32, prefix_cache="none")
     for got, want in zip([a, b], _run_turns(ref, [[first], [Request(b.prompt, _greedy(3))]]), strict=True):
         assert got.tokens == want.tokens
         np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)

@@ -513,4 +513,4 @@ def test_serve_cli_refuses_bad_settings(ckpts, tmp_path, capsys):
     with pytest.raises(SystemExit):
         serve_main(["--checkpoint", str(ckpts[0]), "--api-key", KEY, "--prefix-cache", "on"])
     err = capsys.readouterr().err
-    assert "--prefix-cache: invalid choice: 'on'" in err and all(m in err for m in ("off", "version", "keep"))
+    assert "--prefix-cache: invalid choice: 'on'" in err and all(m in err for m in ("none", "version", "keep"))

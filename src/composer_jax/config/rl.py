@@ -42,7 +42,7 @@ LENGTH_MEASURES = ("tokens", "turns", "tool_calls")
 STALENESS_UNITS = ("token", "group")
 PUBLISH_DTYPES = ("", "bfloat16", "float32")
 # the sampler's prefix KV reuse (inference/sampler.py): never, within one weight version, across versions
-PREFIX_CACHE_MODES = ("off", "version", "keep")
+PREFIX_CACHE_MODES = ("none", "version", "keep")
 
 
 def _number(key: str, value: object, *, low: float | None = None, strict: bool = False) -> None:
@@ -177,7 +177,7 @@ class RLConfig:
     sampler_slots: int = 32  # sequences decoded together (rollouts in flight wait for a slot)
     # the samplers' prefix KV reuse (a turn re-sends the conversation; its cached prefix is not
     # prefilled again): "version" = prefixes computed with the current weights only (exact), "keep"
-    # = across versions too, "off" = never (inference/sampler.py)
+    # = across versions too, "none" = never ("off" would read as a YAML boolean) (inference/sampler.py)
     sampler_prefix_cache: str = "version"
     # held-out evaluation every eval_every steps (0 = at the start and end only): eval_samples per
     # task; gen/ families evaluated on eval_seeds seeds from eval_seed (keep them apart from training's)

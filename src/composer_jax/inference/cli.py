@@ -132,7 +132,7 @@ def _serve_parser() -> argparse.ArgumentParser:
         choices=PREFIX_CACHE_MODES,
         default="version",
         help="reuse a finished request's KV as the prefix of a later prompt: version (default: computed with the "
-        "current weights only, so exactly a fresh prefill), keep (across weight versions too), off",
+        "current weights only, so exactly a fresh prefill), keep (across weight versions too), none",
     )
     p.add_argument("--version", type=int, default=0, help="policy version of the loaded weights (default 0)")
     p.add_argument(

@@ -29,7 +29,7 @@ only the rest of the prompt, at the positions after the reused ones (the same pr
 no new compilations). The reused positions' routing comes from the host's record of the earlier
 request, so `Completion.routing` stays complete. By default ("version") the cached prefixes are
 dropped when the weights change, so a prompt's KV is always the current weights' (what a fresh
-prefill computes); "keep" keeps them across versions (as running requests keep theirs); "off"
+prefill computes); "keep" keeps them across versions (as running requests keep theirs); "none"
 never reuses. Speculative samplers never reuse (their idle verify windows overwrite free rows);
 `prefix_stats` counts reused and prefilled tokens.
 """
@@ -144,7 +144,7 @@ class Sampler:
     leave, are cancelled and see new weights between calls, so a larger chunk trades the granularity
     of continuous batching and streaming for fewer host round trips; the tokens are the same.
     prefix_cache: "version" (default) reuses a free slot's cached prefix computed with the current
-    weights, "keep" one computed with any earlier weights too, "off" none (module docstring);
+    weights, "keep" one computed with any earlier weights too, "none" never (module docstring);
     speculative samplers ignore it (no reuse)."""
 
     def __init__(
@@ -223,7 +223,7 @@ class Sampler:
         # prefix reuse: each free slot's cached prefix (None: nothing reusable), when each slot was
         # last admitted to or left (least recently used first among equal matches), the weights' generation
         self.prefix_cache = prefix_cache
-        self._reuse = prefix_cache != "off" and not k
+        self._reuse = prefix_cache != "none" and not k
         self._prefix: list[_Prefix | None] = [None] * slots
         self._used_at = [-1] * slots
         self._clock = itertools.count()
