@@ -25,8 +25,8 @@ Prefix reuse (`prefix_cache`, on by default): when a request leaves its slot, th
 row (the prompt and every generated token but the last, which no forward has seen) stays valid as
 a cached prefix until the slot is reused; a new request takes the free slot whose cached tokens
 share the longest prefix with its prompt (none or a tie: the least recently used one) and prefills
-only the rest of the prompt, at the positions after the reused ones (the same program and buckets:
-no new compilations). The reused positions' routing comes from the host's record of the earlier
+only the rest of the prompt, at the positions after the reused ones (the same (group, bucket)
+programs with a per-row start: no compilation per request). The reused positions' routing comes from the host's record of the earlier
 request, so `Completion.routing` stays complete. By default ("version") the cached prefixes are
 dropped when the weights change, so a prompt's KV is always the current weights' (what a fresh
 prefill computes); "keep" keeps them across versions (as running requests keep theirs); "none"
