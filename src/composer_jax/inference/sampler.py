@@ -26,11 +26,11 @@ row (the prompt and every generated token but the last, which no forward has see
 a cached prefix until the slot is reused; a new request takes the free slot whose cached tokens
 share the longest prefix with its prompt (none or a tie: the least recently used one) and prefills
 only the rest of the prompt, at the positions after the reused ones (the same (group, bucket)
-programs with a per-row start: no compilation per request). The reused positions' routing comes from the host's record of the earlier
-request, so `Completion.routing` stays complete. By default ("version") the cached prefixes are
-dropped when the weights change, so a prompt's KV is always the current weights' (what a fresh
-prefill computes); "keep" keeps them across versions (as running requests keep theirs); "none"
-never reuses. Speculative samplers never reuse (their idle verify windows overwrite free rows);
+programs with a per-row start: no compilation per request). The reused positions' routing comes
+from the host's record of the earlier request, so `Completion.routing` stays complete. By
+default ("version") the cached prefixes are dropped when the weights change, so a prompt's KV is
+always the current weights' (what a fresh prefill computes); "keep" keeps them across versions (as
+running requests keep theirs); "none" never reuses. Speculative samplers never reuse (their idle verify windows overwrite free rows);
 `prefix_stats` counts reused and prefilled tokens.
 """
 
