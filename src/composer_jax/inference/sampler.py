@@ -30,8 +30,8 @@ programs with a per-row start: no compilation per request). The reused positions
 from the host's record of the earlier request, so `Completion.routing` stays complete. By
 default ("version") the cached prefixes are dropped when the weights change, so a prompt's KV is
 always the current weights' (what a fresh prefill computes); "keep" keeps them across versions (as
-running requests keep theirs); "none" never reuses. Speculative samplers never reuse (their idle verify windows overwrite free rows);
-`prefix_stats` counts reused and prefilled tokens.
+running requests keep theirs); "none" never reuses. Speculative samplers never reuse (their idle
+verify windows overwrite free rows). `prefix_stats` counts reused and prefilled tokens.
 """
 
 from __future__ import annotations
