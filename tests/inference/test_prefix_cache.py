@@ -225,3 +225,20 @@ def test_a_sharded_sampler_reuses_like_the_single_device_one(params):
         np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
         np.testing.assert_array_equal(got.routing, want.routing)
     assert got_sampler.prefix_stats.reused == 7 + 3
+
+
+def test_decode_chunks_leave_the_same_reusable_prefix(params):
+    # several decode steps per call: a slot that stops inside a chunk (max_tokens or a stop id) goes
+    # idle on device; its cached prefix is still the prompt and its tokens but the last
+    chunked = Sampler(params, BASE, slots=2, max_len=48, decode_chunk=3)
+    ref = Sampler(params, BASE, slots=2, max_len=48, prefix_cache="none")
+    (probe,) = ref.run([Request(_prompt(70, 8), _greedy(7))])
+    stop = SamplingParams(temperature=0.0, max_tokens=7, stop_token_ids=[probe.tokens[4]])
+    first = [Request(_prompt(70, 8), stop), Request(_prompt(71, 6), _greedy(5))]
+    done = chunked.run(first)
+    assert done[0].finish_reason == "stop" and len(done[0].tokens) <= 5
+    second = [Request(c.prompt + c.tokens + _prompt(72 + j, 3), _greedy(4)) for j, c in enumerate(done)]
+    got = chunked.run(second)
+    for g, r in zip(got, ref.run([Request(q.prompt, q.params) for q in second]), strict=True):
+        _same(g, r)
+    assert chunked.prefix_stats.reused == sum(len(c.prompt) + len(c.tokens) - 1 for c in done)
