@@ -267,6 +267,19 @@ def main() -> None:
                 f"{h['swap_s']:6.2f} {r['load_wait_s']:11.2f} {r['tokens']:7.0f}"
             )
     print(
+        f"{'staleness':>9} {'prefix cache':>12} {'admitted':>8} {'hits':>6} {'reused':>8} {'prefilled':>9} "
+        f"{'hit rate':>8} {'prefill s':>9} {'compilations':>12}  (the replica's prompt tokens: reused from cached "
+        "prefixes or prefilled; seconds admitting requests, part of decode s; programs traced)"
+    )
+    for r in rows:
+        for h in r["samplers"]:
+            p = h.get("prefix", {})
+            print(
+                f"{r['staleness']:9d} {h.get('prefix_cache', '?'):>12} {p.get('admitted', 0):8d} "
+                f"{p.get('hits', 0):6d} {p.get('reused', 0):8d} {p.get('prefilled', 0):9d} "
+                f"{p.get('hit_rate', 0.0):8.2f} {h.get('prefill_s', 0.0):9.1f} {h.get('compilations', 0):12d}"
+            )
+    print(
         "CPU seconds per core (start-up included): trainer core / sampler core (replica, environment server, "
         "graders); a run's wall time cannot go below the busier core's"
     )

@@ -170,6 +170,31 @@ def test_token_id_prompts_n_choices_stop_strings_and_routing(served, client):
     assert routing.shape == (5, moe_layers, cfg.num_experts_per_tok)  # generated tokens but the last
     assert routing.min() >= 0 and routing.max() < cfg.num_experts
 
+    # the next turn (the conversation so far and more): the engine reuses choice 0's cached prefix
+    # (prompt + its tokens but the last) and prefills the rest; the answer is the training forward's
+    before = httpx.get(served["url"] + "/health").json()["prefix"]
+    turn = prompt + a["token_ids"] + tok.encode("\n")
+    r3 = client.completions.create(
+        model="tiny-test",
+        prompt=turn,
+        max_tokens=4,
+        temperature=1.0,
+        seed=9,
+        logprobs=0,
+        extra_body={"return_routing": True, "return_prompt_routing": True},
+    )
+    after = httpx.get(served["url"] + "/health").json()
+    assert after["prefix_cache"] == "version"
+    assert after["prefix"]["reused"] - before["reused"] == len(prompt) + 5
+    assert after["prefix"]["prefilled"] - before["prefilled"] == len(turn) - len(prompt) - 5
+    (c3,) = r3.choices
+    want = _reference_logprobs(served["policy"].params, cfg, turn, c3.model_extra["token_ids"], 1.0)
+    np.testing.assert_allclose(c3.logprobs.token_logprobs, want, atol=1e-5, rtol=0)
+    full = np.asarray(c3.model_extra["prompt_routed_experts"] + c3.model_extra["routed_experts"])
+    seq = jnp.asarray([turn + c3.model_extra["token_ids"]], jnp.int32)
+    fresh = forward(served["policy"].params, seq, cfg).routing[:, 0, :-1]
+    np.testing.assert_array_equal(full, np.asarray(fresh).transpose(1, 0, 2))  # reused positions' routing too
+
     # a stop string cut out of the text, as OpenAI does; the stream holds back its prefix
     text = tok.decode(a["token_ids"], skip_special_tokens=True)
     stop = text[3:5]
@@ -485,3 +510,7 @@ def test_serve_cli_refuses_bad_settings(ckpts, tmp_path, capsys):
     assert "exceeds the model's max_position_embeddings=512" in capsys.readouterr().err
     assert serve_main(["--checkpoint", str(ckpts[0]), "--api-key", KEY, "--step", "7"]) == 2
     assert "saved steps: [1]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        serve_main(["--checkpoint", str(ckpts[0]), "--api-key", KEY, "--prefix-cache", "on"])
+    err = capsys.readouterr().err
+    assert "--prefix-cache: invalid choice: 'on'" in err and all(m in err for m in ("none", "version", "keep"))

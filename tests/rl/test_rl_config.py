@@ -57,6 +57,10 @@ def test_overrides_reach_the_rl_section():
         ("rl.reward.style_penalty=-1", r"rl.reward.style_penalty=-1.0: expected a number >= 0.0"),
         ("rl.staleness_unit=step", r"rl.staleness_unit='step' is not accepted; accepted: one of 'token', 'group'"),
         ("rl.max_staleness=-1", r"rl.max_staleness=-1: expected an integer >= 0"),
+        (
+            "rl.sampler_prefix_cache=always",
+            r"rl.sampler_prefix_cache='always' is not accepted; accepted: one of 'none', 'version', 'keep'",
+        ),
         ("rl.queue_size=-2", r"rl.queue_size=-2: expected an integer >= 0"),
         ("rl.max_groups_in_flight=true", r"rl.max_groups_in_flight=True: expected an integer"),
         ("rl.weight_store=/tmp/w", r"rl.weight_store='/tmp/w': expected a tensorstore kvstore URL"),

@@ -41,6 +41,8 @@ AGGREGATIONS = ("token_sum", "token_mean", "sequence_mean")
 LENGTH_MEASURES = ("tokens", "turns", "tool_calls")
 STALENESS_UNITS = ("token", "group")
 PUBLISH_DTYPES = ("", "bfloat16", "float32")
+# the sampler's prefix KV reuse (inference/sampler.py): never, within one weight version, across versions
+PREFIX_CACHE_MODES = ("none", "version", "keep")
 
 
 def _number(key: str, value: object, *, low: float | None = None, strict: bool = False) -> None:
@@ -173,6 +175,10 @@ class RLConfig:
     env_servers: int = 1
     tasks_dir: str = "tasks"
     sampler_slots: int = 32  # sequences decoded together (rollouts in flight wait for a slot)
+    # the samplers' prefix KV reuse (a turn re-sends the conversation; its cached prefix is not
+    # prefilled again): "version" = prefixes computed with the current weights only (exact), "keep"
+    # = across versions too, "none" = never ("off" would read as a YAML boolean) (inference/sampler.py)
+    sampler_prefix_cache: str = "version"
     # held-out evaluation every eval_every steps (0 = at the start and end only): eval_samples per
     # task; gen/ families evaluated on eval_seeds seeds from eval_seed (keep them apart from training's)
     eval_tasks: tuple[str, ...] = ()
@@ -255,6 +261,11 @@ class RLConfig:
             raise ConfigError(f"rl.sampler_poll_s={self.sampler_poll_s!r}: expected seconds > 0")
         if not isinstance(self.pin_cores, bool):
             raise ConfigError(f"rl.pin_cores={self.pin_cores!r}: expected true or false")
+        if self.sampler_prefix_cache not in PREFIX_CACHE_MODES:
+            raise ConfigError(
+                f"rl.sampler_prefix_cache={self.sampler_prefix_cache!r} is not accepted; accepted: one of "
+                + ", ".join(repr(m) for m in PREFIX_CACHE_MODES)
+            )
         if self.staleness_unit not in STALENESS_UNITS:
             raise ConfigError(
                 f"rl.staleness_unit={self.staleness_unit!r} is not accepted; accepted: one of "

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from composer_jax.config.rl import PREFIX_CACHE_MODES
 from composer_jax.errors import ConfigError
 
 API_KEY_ENV = "COMPOSER_JAX_API_KEY"
@@ -98,12 +99,19 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     return policy, tok, mesh, max_len
 
 
-def _new_sampler(policy: Any, tok: Any, mesh: Any, slots: int, max_len: int):
+def _new_sampler(policy: Any, tok: Any, mesh: Any, slots: int, max_len: int, prefix_cache: str = "version"):
     from composer_jax.inference.sampler import Sampler
 
     detok = lambda ids: tok.decode(ids, skip_special_tokens=True)
     return lambda params, version: Sampler(
-        params, policy.cfg, slots=slots, max_len=max_len, version=version, mesh=mesh, detokenize=detok
+        params,
+        policy.cfg,
+        slots=slots,
+        max_len=max_len,
+        version=version,
+        mesh=mesh,
+        detokenize=detok,
+        prefix_cache=prefix_cache,
     )
 
 
@@ -119,6 +127,13 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the checkpoint's name)")
     p.add_argument("--slots", type=_positive_int, default=8, help="sequences decoded together (default 8)")
     p.add_argument("--max-queued", type=int, default=64, help="requests waiting for a slot before 429 (default 64)")
+    p.add_argument(
+        "--prefix-cache",
+        choices=PREFIX_CACHE_MODES,
+        default="version",
+        help="reuse a finished request's KV as the prefix of a later prompt: version (default: computed with the "
+        "current weights only, so exactly a fresh prefill), keep (across weight versions too), none",
+    )
     p.add_argument("--version", type=int, default=0, help="policy version of the loaded weights (default 0)")
     p.add_argument(
         "--weights-from", default=None, help="weight-sync store URL to follow (file://DIR, gs://..., s3://...)"
@@ -182,6 +197,7 @@ def serve_main(argv: list[str] | None = None) -> int:
             version=args.version,
             weights_from=args.weights_from,
             poll_interval_s=args.poll_interval,
+            prefix_cache=args.prefix_cache,
         )
     except ConfigError as e:
         print(f"composer-jax serve: {e}", file=sys.stderr)
@@ -216,14 +232,18 @@ def build_server(
     version: int = 0,
     weights_from: str | None = None,
     poll_interval_s: float = 1.0,
+    prefix_cache: str = "version",
 ):
     """-> (OpenAIServer, started Engine) over a loaded policy; the admin endpoint loads on `mesh`.
-    weights_from: a weight-sync store URL the server follows (polled every poll_interval_s)."""
+    weights_from: a weight-sync store URL the server follows (polled every poll_interval_s);
+    prefix_cache: the sampler's prefix KV reuse (`Sampler`'s prefix_cache)."""
     from composer_jax.inference.checkpoints import load_policy
     from composer_jax.inference.engine import Engine
     from composer_jax.inference.server import OpenAIServer
 
-    engine = Engine(_new_sampler(policy, tok, mesh, slots, max_len), policy.params, version, max_queued=max_queued)
+    engine = Engine(
+        _new_sampler(policy, tok, mesh, slots, max_len, prefix_cache), policy.params, version, max_queued=max_queued
+    )
     engine.start()
     try:
         server = OpenAIServer(

@@ -31,7 +31,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from composer_jax.inference.sampler import Completion, Request, Sampler
+from composer_jax.inference.sampler import Completion, PrefixStats, Request, Sampler
 
 _log = logging.getLogger("composer_jax.inference.engine")
 
@@ -100,6 +100,7 @@ class Engine:
         self.slot_steps = 0
         self.step_s = 0.0
         self.swap_s = 0.0
+        self._prefix_before = PrefixStats()  # the prefix counters of samplers replaced after a failure
         self._before: tuple[Any, int] | None = None  # the weights before the latest swap
         self._verified = True  # a step has run with the current weights
         self._previous = version  # the version before the pending swaps
@@ -113,6 +114,12 @@ class Engine:
     @property
     def outstanding(self) -> int:
         return self._outstanding
+
+    @property
+    def prefix_stats(self) -> PrefixStats:
+        """Admissions and prompt tokens reused from cached prefixes or prefilled, over the engine's life."""
+        a, b = self._prefix_before, self.sampler.prefix_stats
+        return PrefixStats(a.admitted + b.admitted, a.hits + b.hits, a.reused + b.reused, a.prefilled + b.prefilled)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="composer-jax-engine", daemon=True)
@@ -265,7 +272,9 @@ class Engine:
             "the request was dropped and the server keeps serving"
         )
         try:  # before the requests learn of the failure, so a client that retries meets the old weights
+            prefix = self.prefix_stats
             self.sampler = self._new_sampler(params, version)
+            self._prefix_before = prefix
         except Exception:  # keep the old object; the next step will fail and report again
             _log.exception("rebuilding the sampler failed")
         for job in list(self._jobs.values()):

@@ -20,6 +20,18 @@ checks them with the main model ([slots, k+1] tokens), emitting 1..k+1 tokens pe
 with exactly the model's sampling distribution (`inference/speculative.py`); `spec_stats` counts
 acceptance per depth. With `decode_chunk=N` as well, one compiled call runs up to N verify steps
 (the accept, max-tokens and stop-id bookkeeping on device), with the tokens of N one-step calls.
+
+Prefix reuse (`prefix_cache`, on by default): when a request leaves its slot, the slot's KV cache
+row (the prompt and every generated token but the last, which no forward has seen) stays valid as
+a cached prefix until the slot is reused; a new request takes the free slot whose cached tokens
+share the longest prefix with its prompt (none or a tie: the least recently used one) and prefills
+only the rest of the prompt, at the positions after the reused ones (the same (group, bucket)
+programs with a per-row start: no compilation per request). The reused positions' routing comes
+from the host's record of the earlier request, so `Completion.routing` stays complete. By
+default ("version") the cached prefixes are dropped when the weights change, so a prompt's KV is
+always the current weights' (what a fresh prefill computes); "keep" keeps them across versions (as
+running requests keep theirs); "none" never reuses. Speculative samplers never reuse (their idle
+verify windows overwrite free rows). `prefix_stats` counts reused and prefilled tokens.
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -36,6 +49,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from composer_jax.config import ModelConfig
+from composer_jax.config.rl import PREFIX_CACHE_MODES
 from composer_jax.inference.sampling import SamplingParams, processed_logprobs, sample
 from composer_jax.inference.speculative import SpecStats, draft, draft_head_columns, verify_drafts
 from composer_jax.model.kv_cache import KVCache, init_cache
@@ -78,6 +92,35 @@ class _Slot:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
     routing: list[np.ndarray] = dataclasses.field(default_factory=list)
+    weights: int = 0  # Sampler._weights_gen when admitted: the weights its prefix and prefill ran with
+
+
+@dataclasses.dataclass
+class _Prefix:
+    """A free slot's cached prefix: the tokens whose KV its cache row holds (positions 0..n-1) and
+    the experts each was routed to ([moe_layers, k] each; empty for dense models)."""
+
+    tokens: np.ndarray
+    routing: list[np.ndarray]
+
+
+@dataclasses.dataclass
+class PrefixStats:
+    """Admissions and prompt tokens: `reused` tokens taken from cached prefixes, `prefilled` ones
+    computed by a prefill; `hits` admissions that reused at least one token."""
+
+    admitted: int = 0
+    hits: int = 0
+    reused: int = 0
+    prefilled: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of admitted prompt tokens that were reused."""
+        return self.reused / max(self.reused + self.prefilled, 1)
+
+    def as_dict(self) -> dict[str, float]:
+        return {**dataclasses.asdict(self), "hit_rate": self.hit_rate}
 
 
 def _bucket(n: int, cap: int) -> int:
@@ -99,7 +142,10 @@ class Sampler:
     STOP_IDS_ON_DEVICE stop token ids; the host then records the tokens (stop strings and any further
     stop ids are checked there, and a request's tokens after its stop are dropped). Requests join,
     leave, are cancelled and see new weights between calls, so a larger chunk trades the granularity
-    of continuous batching and streaming for fewer host round trips; the tokens are the same."""
+    of continuous batching and streaming for fewer host round trips; the tokens are the same.
+    prefix_cache: "version" (default) reuses a free slot's cached prefix computed with the current
+    weights, "keep" one computed with any earlier weights too, "none" never (module docstring);
+    speculative samplers ignore it (no reuse)."""
 
     def __init__(
         self,
@@ -115,8 +161,13 @@ class Sampler:
         speculative_tokens: int = 0,
         draft_vocab: Sequence[int] | None = None,
         decode_chunk: int = 1,
+        prefix_cache: str = "version",
     ):
         k = speculative_tokens
+        if prefix_cache not in PREFIX_CACHE_MODES:
+            raise ValueError(
+                f"prefix_cache={prefix_cache!r} is not accepted; accepted: {', '.join(PREFIX_CACHE_MODES)}"
+            )
         if decode_chunk < 1:
             raise ValueError(f"decode_chunk={decode_chunk} must be >= 1 (decode steps per compiled call)")
         if k < 0:
@@ -169,26 +220,42 @@ class Sampler:
         # per-slot sampling settings and state, on the host; sent with every step
         self._last = np.zeros(slots, np.int32)
         self._settings_cache: tuple | None = None  # per-slot settings on the device; rebuilt when slots change
+        # prefix reuse: each free slot's cached prefix (None: nothing reusable), when each slot was
+        # last admitted to or left (least recently used first among equal matches), the weights' generation
+        self.prefix_cache = prefix_cache
+        self._reuse = prefix_cache != "none" and not k
+        self._prefix: list[_Prefix | None] = [None] * slots
+        self._used_at = [-1] * slots
+        self._clock = itertools.count()
+        self._weights_gen = 0
+        self.prefix_stats = PrefixStats()
+        self.prefill_s = 0.0  # seconds spent admitting requests (prefill, first token, compilations)
 
     # -------------------------------------------------------------------------------- programs
-    def _prefill_fn(self, params, cache: KVCache, slot, tokens, n, temperature, top_k, top_p, seed):
-        """Prompt tokens int32[1, bucket] (n real) into cache row `slot`; -> (cache, first token,
-        its log-prob, routing of the prompt tokens [moe_layers, bucket, k] or None)."""
+    def _prefill_fn(self, params, cache: KVCache, slot, start, tokens, n, temperature, top_k, top_p, seed):
+        """Prompt tokens int32[1, bucket] (n real) into cache row `slot` at positions start..start+n-1
+        (the row's first `start` positions: a reused prefix); -> (cache, first token, its log-prob,
+        routing of the prefilled tokens [moe_layers, bucket, k] or None)."""
         self.compilations += 1  # runs once per trace: a new bucket size
-        cache, tok, lp, routing, _ = self._prefill_row(params, cache, slot, tokens, n, temperature, top_k, top_p, seed)
-        return cache, tok, lp, routing
+        out = forward(params, tokens, self.cfg, cache=_row(cache, slot, start), sharding=self.sharding)
+        assert out.cache is not None
+        cache = _put_row(cache, out.cache, slot, start + n)
+        logits = jax.lax.dynamic_index_in_dim(out.logits[0], n - 1, axis=0)  # [1, V]
+        tok, lp = sample(logits, temperature[None], top_k[None], top_p[None], seed[None], (start + n)[None])
+        return cache, tok[0], lp[0], None if out.routing is None else out.routing[:, 0]
 
-    def _prefill_group_fn(self, params, cache: KVCache, slots, tokens, n, temperature, top_k, top_p, seed):
-        """Prompts int32[g, bucket] (n[j] real in row j) into cache rows `slots` (an index past the
-        cache's rows marks a padding row, whose writes are dropped) in one forward; -> (cache, first
-        tokens [g], their log-probs, routing of the prompt tokens [moe_layers, g, bucket, k] or None)."""
+    def _prefill_group_fn(self, params, cache: KVCache, slots, start, tokens, n, temperature, top_k, top_p, seed):
+        """Prompts int32[g, bucket] (n[j] real in row j) into cache rows `slots` at positions
+        start[j]..start[j]+n[j]-1 (an index past the cache's rows marks a padding row, whose writes
+        are dropped) in one forward; -> (cache, first tokens [g], their log-probs, routing of the
+        prefilled tokens [moe_layers, g, bucket, k] or None)."""
         self.compilations += 1  # once per (group size, bucket) met
         rows = KVCache(
             {
                 s: {k: jnp.take(v, jnp.minimum(slots, self.slots - 1), axis=1) for k, v in d.items()}
                 for s, d in cache.layers.items()
             },
-            jnp.zeros(slots.shape, jnp.int32),
+            start,
         )
         out = forward(params, tokens, self.cfg, cache=rows, sharding=self.sharding)
         assert out.cache is not None
@@ -196,9 +263,9 @@ class Sampler:
             s: {k: v.at[:, slots].set(out.cache.layers[s][k], mode="drop") for k, v in d.items()}
             for s, d in cache.layers.items()
         }
-        cache = KVCache(layers, cache.lengths.at[slots].set(n, mode="drop"))
+        cache = KVCache(layers, cache.lengths.at[slots].set(start + n, mode="drop"))
         logits = jnp.take_along_axis(out.logits, (n - 1)[:, None, None], axis=1)[:, 0]  # [g, V]
-        tok, lp = sample(logits, temperature, top_k, top_p, seed, n)
+        tok, lp = sample(logits, temperature, top_k, top_p, seed, start + n)
         return cache, tok, lp, out.routing
 
     def _prefill_row(self, params, cache: KVCache, slot, tokens, n, temperature, top_k, top_p, seed):
@@ -477,6 +544,9 @@ class Sampler:
         """New policy weights from the next decode step on; running requests continue (their KV
         cache, computed by the earlier weights, stays) and their later tokens carry `version`."""
         self.params, self.version = params, version
+        self._weights_gen += 1
+        if self.prefix_cache != "keep":  # the cached prefixes were computed with other weights
+            self._prefix = [None] * self.slots
 
     def running(self) -> dict[str, tuple[list[int], list[float], list[int]]]:
         """Requests in a slot -> their (tokens, logprobs, versions) generated so far: the live lists,
@@ -492,8 +562,7 @@ class Sampler:
                 return True
         for i, s in enumerate(self._slot):
             if s is not None and s.request.id == request_id:
-                self._slot[i] = None
-                self._settings_cache = None
+                self._release(i, s)
                 return True
         return False
 
@@ -505,13 +574,14 @@ class Sampler:
         """Admit waiting requests into free slots (prefill), then decode one token in every
         occupied slot. Returns the requests that finished."""
         done: list[Completion] = []
-        free = [i for i in range(self.slots) if self._slot[i] is None]
-        admit = [(i, self._waiting.popleft()) for i in free[: len(self._waiting)]]
+        t0 = time.perf_counter()
+        admit = self._place()
         if self.speculative_tokens or self.mesh is not None:
-            for i, request in admit:
-                done += self._admit(i, request)
+            for i, request, reuse in admit:
+                done += self._admit(i, request, reuse)
         elif admit:
             done += self._admit_group(admit)
+        self.prefill_s += time.perf_counter() - t0
         active = np.array([s is not None for s in self._slot])
         if not active.any():
             return done
@@ -682,22 +752,75 @@ class Sampler:
         )
         return self._settings_cache
 
-    def _admit_group(self, admit: list[tuple[int, Request]]) -> list[Completion]:
+    def _place(self) -> list[tuple[int, Request, int]]:
+        """Waiting requests into free slots, first come first served: each takes the free slot whose
+        cached prefix shares the most tokens with its prompt (none or a tie: the least recently used
+        slot). -> (slot, request, prompt tokens its cached prefix covers)."""
+        free = [i for i in range(self.slots) if self._slot[i] is None]
+        out: list[tuple[int, Request, int]] = []
+        while free and self._waiting:
+            request = self._waiting.popleft()
+            prompt = np.asarray(request.prompt, np.int32)
+            best = max(free, key=lambda i: (self._match(i, prompt), -self._used_at[i]))
+            free.remove(best)
+            out.append((best, request, self._match(best, prompt)))
+        return out
+
+    def _match(self, i: int, prompt: np.ndarray) -> int:
+        """Leading prompt tokens slot i's cached prefix holds (at most all but the last prompt
+        token: a prefill needs one token to compute the next one's distribution)."""
+        prefix = self._prefix[i]
+        if prefix is None:
+            return 0
+        k = min(len(prefix.tokens), len(prompt) - 1)
+        same = prefix.tokens[:k] == prompt[:k]
+        return k if same.all() else int(np.argmin(same))
+
+    def _take_prefix(self, i: int, request: Request, reuse: int) -> list[np.ndarray]:
+        """Slot i is taken by `request`, `reuse` of whose prompt tokens its cached prefix covers:
+        count it and return the routing of those tokens (the cache row is the new request's now)."""
+        prefix, self._prefix[i] = self._prefix[i], None
+        self._used_at[i] = next(self._clock)
+        st = self.prefix_stats
+        st.admitted, st.hits = st.admitted + 1, st.hits + (reuse > 0)
+        st.reused, st.prefilled = st.reused + reuse, st.prefilled + len(request.prompt) - reuse
+        return [] if prefix is None or not reuse else prefix.routing[:reuse]
+
+    def _release(self, i: int, slot: _Slot) -> None:
+        """Slot i's request left (finished or cancelled): the slot is free; its cache row holds the
+        KV of the prompt and of every generated token but the last (never forwarded), a prefix
+        later requests may reuse if it was computed with the current weights (or prefix_cache="keep")."""
+        self._slot[i] = None
+        self._settings_cache = None
+        self._used_at[i] = next(self._clock)
+        if self._reuse and (self.prefix_cache == "keep" or slot.weights == self._weights_gen):
+            tokens = np.asarray([*slot.request.prompt, *slot.tokens[:-1]], np.int32)
+            self._prefix[i] = _Prefix(tokens, slot.routing)
+
+    def _admit_group(self, admit: list[tuple[int, Request, int]]) -> list[Completion]:
         """Prefill the requests into their slots in one program: a group of a power-of-two rows
-        (padding rows write nothing), the prompts padded to the longest one's bucket."""
+        (padding rows write nothing), each prompt's part past its reused prefix padded to the
+        longest such part's bucket (a reused prefix is cut short where that bucket would run past
+        the cache's end)."""
         g = min(self.slots, 1 << (len(admit) - 1).bit_length())
-        bucket = max(_bucket(len(r.prompt), self.max_len) for _, r in admit)
+        bucket = max(_bucket(len(r.prompt) - reuse, self.max_len) for _, r, reuse in admit)
         tokens = np.zeros((g, bucket), np.int32)
         slots = np.full(g, self.slots, np.int32)  # past the cache's rows: a padding row
+        start = np.zeros(g, np.int32)
         n = np.ones(g, np.int32)
         reqs = [SamplingParams()] * g
-        for j, (i, request) in enumerate(admit):
-            tokens[j, : len(request.prompt)] = request.prompt
-            slots[j], n[j], reqs[j] = i, len(request.prompt), request.params
+        prefix_routing = []
+        for j, (i, request, reuse) in enumerate(admit):
+            start[j] = min(reuse, self.max_len - bucket)
+            n[j] = len(request.prompt) - start[j]
+            tokens[j, : n[j]] = request.prompt[start[j] :]
+            slots[j], reqs[j] = i, request.params
+            prefix_routing.append(self._take_prefix(i, request, int(start[j])))
         self.cache, tok, lp, routing = self._prefill_group(
             self.params,
             self.cache,
             jnp.asarray(slots),
+            jnp.asarray(start),
             jnp.asarray(tokens),
             jnp.asarray(n),
             jnp.asarray([p.temperature for p in reqs], jnp.float32),
@@ -708,8 +831,8 @@ class Sampler:
         tok, lp = np.asarray(tok), np.asarray(lp)
         routing_np = None if routing is None else np.asarray(routing)
         done: list[Completion] = []
-        for j, (i, request) in enumerate(admit):
-            slot = _Slot(request)
+        for j, (i, request, _) in enumerate(admit):
+            slot = _Slot(request, routing=prefix_routing[j], weights=self._weights_gen)
             if routing_np is not None:
                 slot.routing.extend(np.moveaxis(routing_np[:, j, : n[j]], 1, 0))
             self._slot[i] = slot
@@ -717,14 +840,17 @@ class Sampler:
         self._settings_cache = None
         return done
 
-    def _admit(self, i: int, request: Request) -> list[Completion]:
-        n = len(request.prompt)
-        bucket = _bucket(n, self.max_len)
+    def _admit(self, i: int, request: Request, reuse: int) -> list[Completion]:
+        """Prefill one request into slot i (past the `reuse` prompt tokens its cached prefix covers,
+        fewer where the bucket would run past the cache's end)."""
+        bucket = _bucket(len(request.prompt) - reuse, self.max_len)
+        start = min(reuse, self.max_len - bucket)
+        n = len(request.prompt) - start
         tokens = np.zeros((1, bucket), np.int32)
-        tokens[0, :n] = request.prompt
+        tokens[0, :n] = request.prompt[start:]
+        prefix_routing = self._take_prefix(i, request, start)
         p = request.params
         args = (
-            jnp.int32(i),
             jnp.asarray(tokens),
             jnp.int32(n),
             jnp.float32(p.temperature),
@@ -736,11 +862,20 @@ class Sampler:
         with ctx:
             if self.speculative_tokens:
                 self.cache, self._mtp_cache, self._drafts, self._draft_lp, tok, lp, routing = self._spec_prefill(
-                    self.params, self.cache, self._mtp_cache, self._drafts, self._draft_lp, self._draft_head(), *args
+                    self.params,
+                    self.cache,
+                    self._mtp_cache,
+                    self._drafts,
+                    self._draft_lp,
+                    self._draft_head(),
+                    jnp.int32(i),
+                    *args,
                 )
             else:
-                self.cache, tok, lp, routing = self._prefill(self.params, self.cache, *args)
-        slot = _Slot(request)
+                self.cache, tok, lp, routing = self._prefill(
+                    self.params, self.cache, jnp.int32(i), jnp.int32(start), *args
+                )
+        slot = _Slot(request, routing=prefix_routing, weights=self._weights_gen)
         if routing is not None:
             slot.routing.extend(np.moveaxis(np.asarray(routing)[:, :n], 1, 0))
         self._slot[i] = slot
@@ -766,8 +901,7 @@ class Sampler:
             reason = "length"
         if reason is None:
             return []
-        self._slot[i] = None
-        self._settings_cache = None
+        self._release(i, slot)
         routing = np.stack(slot.routing).astype(np.int32) if slot.routing else None
         return [
             Completion(
@@ -782,14 +916,15 @@ class Sampler:
         ]
 
 
-def _row(cache: KVCache, slot: jax.Array) -> KVCache:
-    """Cache row `slot` as a batch-1 cache of length 0 (a prefill rewrites it from the start)."""
+def _row(cache: KVCache, slot: jax.Array, start: jax.Array | None = None) -> KVCache:
+    """Cache row `slot` as a batch-1 cache of length `start` (default 0: a prefill rewrites it from
+    the start; more: it continues after the row's first `start` cached positions)."""
     return KVCache(
         {
             s: {k: jax.lax.dynamic_slice_in_dim(v, slot, 1, axis=1) for k, v in d.items()}
             for s, d in cache.layers.items()
         },
-        jnp.zeros((1,), jnp.int32),
+        jnp.zeros((1,), jnp.int32) if start is None else jnp.reshape(start, (1,)).astype(jnp.int32),
     )
 
 

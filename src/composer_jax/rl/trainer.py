@@ -198,7 +198,16 @@ def make_policies(
         urls, key = remote
         return [RemoteTokenPolicy(u, key, tok, max_context=t.seq_len) for u in urls]
     sampler = AsyncSampler(
-        Sampler(params, cfg.model, slots=r.sampler_slots, max_len=t.seq_len, version=version, mesh=mesh, rules=rules)
+        Sampler(
+            params,
+            cfg.model,
+            slots=r.sampler_slots,
+            max_len=t.seq_len,
+            version=version,
+            mesh=mesh,
+            rules=rules,
+            prefix_cache=r.sampler_prefix_cache,
+        )
     )
     return [TokenPolicy(sampler, tok)]
 
@@ -510,7 +519,7 @@ async def _run(
                 poll_interval_s=r.sampler_poll_s,
                 cores=cores[1 : 1 + r.local_samplers] if r.pin_cores else None,
                 extra_args=["--version", str(start), "--slots", str(r.sampler_slots), "--max-len", str(t.seq_len)]
-                + ["--max-queued", "100000"],
+                + ["--max-queued", "100000", "--prefix-cache", r.sampler_prefix_cache],
                 log_dir=out_dir / "samplers",
             )
             remote = stack.enter_context(launcher)
