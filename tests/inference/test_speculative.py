@@ -54,12 +54,19 @@ def _chi2_threshold(df: int) -> float:
 
 
 def _chi2(observed: np.ndarray, expected_p: np.ndarray) -> tuple[float, int]:
-    """Pearson's statistic of counts against probabilities; cells of probability 0 must be empty."""
+    """Pearson's statistic of counts against probabilities; cells of probability 0 must be empty.
+    Cells expected fewer than 5 times are pooled into one (the usual rule: one event in a cell of
+    expected count 0.002 would otherwise add ~500 to the statistic, so the chi-square threshold's
+    false-alarm rate would not hold)."""
     n = observed.sum()
     zero = expected_p <= 0
     assert observed[zero].sum() == 0, "a token of probability 0 was emitted"
-    e = n * expected_p[~zero]
-    return float(((observed[~zero] - e) ** 2 / e).sum()), int((~zero).sum()) - 1
+    o, e = observed[~zero], n * expected_p[~zero]
+    rare = e < 5
+    if rare.sum() > 1:
+        o = np.append(o[~rare], o[rare].sum())
+        e = np.append(e[~rare], e[rare].sum())
+    return float(((o - e) ** 2 / e).sum()), len(e) - 1
 
 
 # ------------------------------------------------------------------------------------------ greedy
