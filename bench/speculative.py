@@ -213,15 +213,16 @@ def _layer(tree):
 
 
 def _median_ms(fn, *args, repeats: int = 20) -> float:
-    """Median wall ms of fn(*args) (a jitted function), after one warm-up call."""
+    """Median CPU ms (the process's, XLA's threads included: little disturbed by other jobs on a
+    shared machine) of fn(*args), a jitted function, after one warm-up call."""
     import jax
 
     jax.block_until_ready(fn(*args))
     ts = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
+        ts.append(time.process_time() - t0)
     return float(np.median(ts)) * 1e3
 
 
@@ -294,7 +295,7 @@ def floor(params, cfg, prompts, runs, rows, cost, frequent, args, log) -> None:
     print(
         f"  plain step (1 token): {k_model} experts / MoE layer, {mb(plain):.1f} MiB "
         f"({mb(head(1, cfg.vocab_size)):.1f} of them the output head), {plain.flops / 1e6:.0f} MFLOP; "
-        f"measured {cost[1]:.2f} ms"
+        f"measured {cost[1]:.2f} CPU ms"
     )
     for w in windows[1:]:
         c = main(w)
@@ -302,7 +303,7 @@ def floor(params, cfg, prompts, runs, rows, cost, frequent, args, log) -> None:
             f"  verify window of {w} tokens: {d_main[w]:.2f} distinct experts / MoE layer (1 token: {d_main[1]:.2f}), "
             f"{mb(c):.1f} MiB = {c.bytes / plain.bytes:.2f}x, "
             f"{c.flops / 1e6:.0f} MFLOP = {c.flops / plain.flops:.2f}x; "
-            f"measured {cost[w]:.2f} ms = {cost[w] / cost[1]:.2f}x"
+            f"measured {cost[w]:.2f} CPU ms = {cost[w] / cost[1]:.2f}x"
         )
     for n in ns:
         for w in windows:
@@ -323,14 +324,14 @@ def floor(params, cfg, prompts, runs, rows, cost, frequent, args, log) -> None:
     }
     print(
         "  the output head's product alone (the same weights, read once): "
-        + ", ".join(f"{w} rows {t:.2f} ms ({t / head_ms[1]:.2f}x)" for w, t in head_ms.items())
+        + ", ".join(f"{w} rows {t:.2f} CPU ms ({t / head_ms[1]:.2f}x)" for w, t in head_ms.items())
         + "\n  (on XLA:CPU a 1-row product runs as a matrix-vector kernel at memory speed, 2+ rows as a"
         "\n  matrix-matrix kernel that is not: the verify window pays in time what it does not in bytes)"
     )
     print(
         "\nBound = tokens per verify step / (cost of a speculative step / cost of a plain step), a speculative"
         "\nstep = verify window of k + 1 + MTP block over it + k draft heads + k - 1 chained MTP blocks;"
-        "\n'pieces': the measured main forward over k + 1 tokens + the draft program, timed alone; 'at 100%':"
+        "\n'pieces': the main forward over k + 1 tokens + the draft program, each timed alone (CPU ms); 'at 100%':"
         "\nthe bytes bound if every draft were accepted; 'need': tokens / step the bytes model needs for 1.6x."
     )
     print(
@@ -510,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{ups[2]:9.2f}x | {ups[3]:8.2f}x | {accs:20s} | {per:11.2f} | {1e3 * per / tps:7.1f} | {same:.0%}"
         )
     print(
-        "\nmain-model forward over the cache, batch 1 (ms): "
+        "\nmain-model forward over the cache, batch 1 (CPU ms): "
         + ", ".join(f"{w} tokens {c:.2f}" for w, c in cost.items())
     )
     floor(params, cfg, prompts, runs, rows, cost, frequent, args, log)
