@@ -324,7 +324,11 @@ def floor(params, cfg, prompts, runs, rows, cost, frequent, args, log) -> None:
     }
     print(
         "  the output head's product alone (the same weights, read once): "
-        + ", ".join(f"{w} rows {t:.2f} CPU ms ({t / head_ms[1]:.2f}x)" for w, t in head_ms.items())
+        + ", ".join(
+            f"{w} rows {t:.2f} CPU ms ({t / head_ms[1]:.2f}x; {head(1, cfg.vocab_size).bytes / t / 1e6:.0f} GB/s, "
+            f"{head(w, cfg.vocab_size).flops / t / 1e6:.0f} GFLOP/s)"
+            for w, t in head_ms.items()
+        )
         + "\n  (on XLA:CPU a 1-row product runs as a matrix-vector kernel at memory speed, 2+ rows as a"
         "\n  matrix-matrix kernel that is not: the verify window pays in time what it does not in bytes)"
     )
