@@ -17,7 +17,7 @@ from scipy import stats
 import composer_jax as cj
 from composer_jax.inference.sampler import Request, Sampler
 from composer_jax.inference.sampling import SamplingParams, draw, processed_logprobs, token_uniforms
-from composer_jax.inference.speculative import SpecStats, verify_drafts
+from composer_jax.inference.speculative import SpecStats, draft_model, verify_drafts
 from composer_jax.model.kv_cache import init_cache
 from composer_jax.model.params import path_str
 from composer_jax.model.transformer import logits_of, mtp_forward_cached
@@ -54,12 +54,19 @@ def _chi2_threshold(df: int) -> float:
 
 
 def _chi2(observed: np.ndarray, expected_p: np.ndarray) -> tuple[float, int]:
-    """Pearson's statistic of counts against probabilities; cells of probability 0 must be empty."""
+    """Pearson's statistic of counts against probabilities; cells of probability 0 must be empty.
+    Cells expected fewer than 5 times are pooled into one (the usual rule: one event in a cell of
+    expected count 0.002 would otherwise add ~500 to the statistic, so the chi-square threshold's
+    false-alarm rate would not hold)."""
     n = observed.sum()
     zero = expected_p <= 0
     assert observed[zero].sum() == 0, "a token of probability 0 was emitted"
-    e = n * expected_p[~zero]
-    return float(((observed[~zero] - e) ** 2 / e).sum()), int((~zero).sum()) - 1
+    o, e = observed[~zero], n * expected_p[~zero]
+    rare = e < 5
+    if rare.sum() > 1:
+        o = np.append(o[~rare], o[rare].sum())
+        e = np.append(e[~rare], e[rare].sum())
+    return float(((o - e) ** 2 / e).sum()), len(e) - 1
 
 
 # ------------------------------------------------------------------------------------------ greedy
@@ -80,6 +87,22 @@ def test_greedy_equals_the_sampler_without_speculation(cfg):
     # one verify program and one prefill per bucket met (16 and 32 tokens), as without speculation
     assert spec.compilations == 3
     assert spec.spec_stats.steps > 0 and len(spec.spec_stats.acceptance_rate) == K
+
+
+@pytest.mark.slow  # ~12 s each under load (three compilations); the draft block itself is checked fast below
+@pytest.mark.parametrize("draft_experts", [0, 1], ids=["shared", "one"])
+def test_greedy_with_cheaper_drafts_equals_the_sampler_without_speculation(draft_experts):
+    cfg = dataclasses.replace(MLA, num_layers=1, first_k_dense=0)
+    params = cj.init_params(cfg, jax.random.key(1))
+    reqs = lambda: [
+        Request(_prompt(i, n), dataclasses.replace(GREEDY, max_tokens=m)) for i, (n, m) in enumerate([(5, 9), (9, 6)])
+    ]
+    ref = Sampler(params, cfg, slots=2, max_len=24).run(reqs())
+    spec = Sampler(params, cfg, slots=2, max_len=24, speculative_tokens=K, draft_experts=draft_experts)
+    for a, b in zip(spec.run(reqs()), ref):
+        assert a.tokens == b.tokens
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+        np.testing.assert_array_equal(a.routing, b.routing)
 
 
 def _perfect_drafter(cfg: cj.ModelConfig, key) -> dict:
@@ -235,6 +258,63 @@ def test_refused_without_mtp_modules():
         Sampler(cj.init_params(cfg, jax.random.key(0)), cfg, slots=1, max_len=16, speculative_tokens=2)
 
 
+def test_draft_experts_bad_values_are_refused():
+    params = cj.init_params(MLA, jax.random.key(0))  # 2 experts per token, 1 shared expert
+    for bad in (-1, 3):
+        with pytest.raises(ValueError, match=rf"draft experts={bad} must be in 0\.\.model\.num_experts_per_tok=2"):
+            Sampler(params, MLA, slots=1, max_len=16, speculative_tokens=2, draft_experts=bad)
+    with pytest.raises(ValueError, match="draft_experts=1 needs speculative_tokens >= 1"):
+        Sampler(params, MLA, slots=1, max_len=16, draft_experts=1)
+    no_shared = dataclasses.replace(MLA, num_shared_experts=0)
+    with pytest.raises(ValueError, match="0, shared expert only, needs model.num_shared_experts >= 1"):
+        Sampler(
+            cj.init_params(no_shared, jax.random.key(0)),
+            no_shared,
+            slots=1,
+            max_len=16,
+            speculative_tokens=1,
+            draft_experts=0,
+        )
+
+
+def test_draft_model_against_hand_built_references():
+    """The cheaper MTP block of the drafts against independent constructions: shared expert only
+    equals the full block with every routed expert's output projection zeroed; one expert per
+    token equals the training forward with the router's top choice replayed."""
+    cfg = dataclasses.replace(MLA, num_layers=1, first_k_dense=0, num_experts_per_tok=3, n_group=1, topk_group=1)
+    params = cj.init_params(cfg, jax.random.key(3))
+    h = jax.random.normal(jax.random.key(4), (2, 5, cfg.hidden_size), jnp.float32)
+    nxt = jax.random.randint(jax.random.key(5), (2, 5), 0, cfg.vocab_size, jnp.int32)
+    run = jax.jit(
+        lambda p, c: mtp_forward_cached(p, h, nxt, c, init_cache(c, 2, 8, mtp_modules=1))[0], static_argnums=1
+    )
+
+    moe = params["mtp"]["layer"]["moe"]
+    zeroed = {**moe, "down": jnp.zeros_like(moe["down"])}
+    ref0 = run({**params, "mtp": {**params["mtp"], "layer": {**params["mtp"]["layer"], "moe": zeroed}}}, cfg)
+    got0 = np.asarray(run(*draft_model(params, cfg, 0)))
+    np.testing.assert_allclose(got0, np.asarray(ref0), atol=1e-5, rtol=1e-5)
+    assert not np.allclose(got0, np.asarray(run(params, cfg)), atol=1e-3)  # the routed experts did count
+    assert draft_model(params, cfg, 3) == (params, cfg)  # the model's own k: unchanged
+
+    # one expert per token: the training forward with module 1's routing replayed as the router's
+    # top choice three times (a replayed duplicate adds up: gates 1/3 each, renormalised) computes
+    # shared(x) + routed_scaling_factor * expert_top1(x), what the one-expert draft block must
+    seq = jax.random.randint(jax.random.key(6), (2, 9), 0, cfg.vocab_size, jnp.int32)
+    fwd = jax.jit(lambda p, r: cj.forward(p, seq, cfg, mtp_routing=r))
+    full = fwd(params, None)
+    assert full.mtp_routing is not None
+    ref1 = fwd(params, jnp.repeat(full.mtp_routing[..., :1], 3, axis=-1)).mtp_logits[0]
+    after = jnp.concatenate([seq[:, 1:], jnp.zeros((2, 1), jnp.int32)], axis=1)
+    p1, c1 = draft_model(params, cfg, 1)
+    h1, _ = jax.jit(lambda p, h: mtp_forward_cached(p, h, after, c1, init_cache(c1, 2, 12, mtp_modules=1)))(
+        p1, full.hidden
+    )
+    got1 = np.asarray(logits_of(params, h1, cfg))[:, :8]
+    np.testing.assert_allclose(got1, np.asarray(ref1)[:, :8], atol=1e-4, rtol=1e-4)
+    assert not np.allclose(got1, np.asarray(full.mtp_logits[0])[:, :8], atol=1e-3)  # not the full block
+
+
 # ---------------------------------------------------------------------------- MTP cache numerics
 
 
@@ -313,14 +393,20 @@ def test_accept_rule_greedy_by_hand():
         assert int(a[0]) == acc and np.asarray(tokens[0]).tolist() == toks
 
 
-def test_sampled_tokens_follow_the_model_distribution():
+@pytest.mark.parametrize(
+    "draft_experts",
+    # the cheaper drafts (shared expert only, one routed expert) change q, not p; ~40 s each
+    [None, pytest.param(0, marks=pytest.mark.slow), pytest.param(1, marks=pytest.mark.slow)],
+    ids=["full-draft", "shared-only-draft", "one-expert-draft"],
+)
+def test_sampled_tokens_follow_the_model_distribution(draft_experts):
     # a vocabulary of 8, peaked enough that the MTP module's guesses are far from the model's
     cfg = dataclasses.replace(MLA, vocab_size=8, initializer_range=0.5)
     params = cj.init_params(cfg, jax.random.key(7))
     prompt = _prompt(2, 4, cfg.vocab_size)
     sp = SamplingParams(temperature=0.9, top_k=6, max_tokens=3)
     n = 1500
-    sampler = Sampler(params, cfg, slots=16, max_len=16, speculative_tokens=K)
+    sampler = Sampler(params, cfg, slots=16, max_len=16, speculative_tokens=K, draft_experts=draft_experts)
     done = sampler.run([Request(prompt, dataclasses.replace(sp, seed=s)) for s in range(n)])
     toks = np.asarray([c.tokens for c in done])
 
@@ -352,7 +438,9 @@ def test_sampled_tokens_follow_the_model_distribution():
     # power: emitting the drafts unverified ("always accept") gives token 2 the MTP module's
     # distribution sum_x p0(x) q(. | x), whose expected statistic against the truth at this n is
     # n * chi2-divergence; it must clear the threshold many times over
-    q1 = proc(out.mtp_logits[0, :, len(prompt) - 1])  # module 1 at the prompt's end, given x
+    # module 1 (as the drafts run it) at the prompt's end, given x
+    dp, dcfg = (params, cfg) if draft_experts is None else draft_model(params, cfg, draft_experts)
+    q1 = proc(cj.forward(dp, seqs, dcfg).mtp_logits[0, :, len(prompt) - 1])
     wrong = p0 @ q1
     marg1 = p0 @ p1
     kept = marg1 > 0

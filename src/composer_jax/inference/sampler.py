@@ -51,7 +51,7 @@ from jax.sharding import Mesh
 from composer_jax.config import ModelConfig
 from composer_jax.config.rl import PREFIX_CACHE_MODES
 from composer_jax.inference.sampling import SamplingParams, processed_logprobs, sample
-from composer_jax.inference.speculative import SpecStats, draft, draft_head_columns, verify_drafts
+from composer_jax.inference.speculative import SpecStats, draft, draft_head_columns, draft_model, verify_drafts
 from composer_jax.model.kv_cache import KVCache, init_cache
 from composer_jax.model.transformer import forward
 from composer_jax.sharding import MeshRules, ShardingRules
@@ -136,7 +136,9 @@ class Sampler:
     1 and the MTP parameters; the KV caches then hold max_len + 2k positions: a verify window and
     the chained drafts reach up to 2k - 1 past the last confirmed token). draft_vocab: token ids
     the drafts are restricted to (a cheaper draft head, FR-Spec; `inference/speculative.py`);
-    None = the whole vocabulary. Neither changes the output distribution. decode_chunk: decode steps
+    None = the whole vocabulary. draft_experts: routed experts per token in the MTP module's MoE
+    block while drafting (0 = its shared expert only; None = the model's num_experts_per_tok), a
+    cheaper draft (`speculative.draft_model`). None of these changes the output distribution. decode_chunk: decode steps
     (with speculation: verify steps) per compiled call: `step` then runs up to that many steps in one
     on-device loop, which ends early once every slot has reached its max_tokens or one of its first
     STOP_IDS_ON_DEVICE stop token ids; the host then records the tokens (stop strings and any further
@@ -162,6 +164,7 @@ class Sampler:
         draft_vocab: Sequence[int] | None = None,
         decode_chunk: int = 1,
         prefix_cache: str = "version",
+        draft_experts: int | None = None,
     ):
         k = speculative_tokens
         if prefix_cache not in PREFIX_CACHE_MODES:
@@ -200,6 +203,13 @@ class Sampler:
             self.draft_vocab = np.asarray(ids, np.int32)
         self._draft_head_of: Any = None  # the params the cached draft head columns belong to
         self._draft_head_cache: tuple[jax.Array, jax.Array] | None = None
+        self.draft_experts = draft_experts
+        if draft_experts is not None:
+            if not k:
+                raise ValueError(
+                    f"draft_experts={draft_experts} needs speculative_tokens >= 1 (it sets the drafts' cost)"
+                )
+            draft_model(params, cfg, draft_experts)  # raises on a bad value
         self.cache = init_cache(cfg, slots, max_len + 2 * k, mesh, rules)
         self.spec_stats = SpecStats.zeros(k)
         if k:
@@ -316,6 +326,7 @@ class Sampler:
             seed[None],
             self.sharding,
             draft_head,
+            self.draft_experts,
         )
         mtp_cache = _put_row(mtp_cache, row, slot, n)
         drafts = jax.lax.dynamic_update_slice_in_dim(drafts, d, slot, axis=0)
@@ -439,6 +450,7 @@ class Sampler:
             seeds,
             self.sharding,
             draft_head,
+            self.draft_experts,
         )
         cache = KVCache(out.cache.layers, new_lengths)
         return cache, mtp_cache, drafts, draft_lp, tokens, logprobs, accepted, out.routing

@@ -158,6 +158,7 @@ def draft(
     seeds: jax.Array,
     sharding: MeshRules | None = None,
     draft_head: tuple[jax.Array, jax.Array] | None = None,
+    experts: int | None = None,
 ) -> tuple[KVCache, jax.Array, jax.Array]:
     """Bring MTP module 1's cache up to the confirmed tokens and draft the next k.
 
@@ -168,8 +169,12 @@ def draft(
     comes from the window's position m - 1, drafts 2..k from module 1 chained at m, m+1, ...
     draft_head: (ids int32[Vd], the output head's columns of those ids [embed, Vd]) when drafts
     are restricted to a draft vocabulary (`draft_head_columns`); None: the whole vocabulary.
+    experts: routed experts per token in module 1's MoE block while drafting (`draft_model`); None:
+    the model's own num_experts_per_tok.
     Returns (the cache with lengths m, drafts int32[S, k] (draft i is the token at index m + i),
     their processed distributions float32[S, k, V])."""
+    if experts is not None:
+        params, cfg = draft_model(params, cfg, experts)
     old = mtp_cache.lengths
     h_normed, mtp_cache = mtp_forward_cached(params, hidden, next_tokens, cfg, mtp_cache, sharding=sharding)
     last = jnp.clip(new_lengths - 1 - old, 0, next_tokens.shape[1] - 1)
@@ -194,6 +199,34 @@ def draft(
                 params, h, d[:, None], cfg, KVCache(mtp_cache.layers, new_lengths + i), sharding=sharding
             )
     return KVCache(mtp_cache.layers, new_lengths), jnp.stack(drafts, 1), jnp.stack(dists, 1)
+
+
+def draft_model(params: dict, cfg: ModelConfig, experts: int) -> tuple[dict, ModelConfig]:
+    """The MTP modules made cheaper to run for drafting: each token's MoE block uses only its top
+    `experts` routed experts (gate weights renormalised over them when model.norm_topk_prob, as
+    the router does for its own k), and with experts = 0 only the shared expert(s), as a dense
+    SwiGLU. The main model's entries are untouched (params are only re-keyed, nothing is copied).
+    Any draft keeps the output distribution exact (only acceptance changes); this one reads
+    (shared + experts) of the (shared + num_experts_per_tok) expert MLPs a full MTP block reads
+    per token. experts must be in 0..num_experts_per_tok (0 only with shared experts)."""
+    k = cfg.num_experts_per_tok
+    if not cfg.num_experts or "moe" not in params["mtp"]["layer"]:
+        raise ValueError(f"draft experts={experts}: the MTP modules have no MoE block; use None")
+    if not 0 <= experts <= k or (experts == 0 and not cfg.num_shared_experts):
+        lo = 0 if cfg.num_shared_experts else 1
+        raise ValueError(
+            f"draft experts={experts} must be in {lo}..model.num_experts_per_tok={k}"
+            + ("" if lo == 0 else " (0, shared expert only, needs model.num_shared_experts >= 1)")
+        )
+    if experts == k:
+        return params, cfg
+    if experts:
+        return params, dataclasses.replace(cfg, num_experts_per_tok=experts)
+    layer = params["mtp"]["layer"]
+    moe = layer["moe"]
+    mlp = {"gate": moe["shared_gate"], "up": moe["shared_up"], "down": moe["shared_down"]}
+    rest = {key: v for key, v in layer.items() if key != "moe"}
+    return {**params, "mtp": {**params["mtp"], "layer": {**rest, "mlp": mlp}}}, cfg
 
 
 def draft_head_columns(params: dict, cfg: ModelConfig, draft_vocab: jax.Array) -> jax.Array:
