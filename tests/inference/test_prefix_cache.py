@@ -11,31 +11,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from small_models import gqa, mla_yarn
 
 import composer_jax as cj
-from composer_jax.config import RopeScalingConfig
 from composer_jax.inference.sampler import Completion, Request, Sampler
 from composer_jax.inference.sampling import SamplingParams
 
 BASE = cj.ModelConfig(num_layers=2, num_mtp_layers=0, max_position_embeddings=64)
 CONFIGS = {
-    "mla_yarn": dataclasses.replace(
-        BASE,
-        q_lora_rank=0,
-        rope_scaling=RopeScalingConfig(
-            type="yarn", factor=4.0, original_max_position_embeddings=16, mscale=1.0, mscale_all_dim=1.0
-        ),
-    ),
-    "gqa": dataclasses.replace(
-        BASE,
-        attention_type="gqa",
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        score_func="softmax",
-        topk_method="greedy",
-        rope_interleave=False,
-    ),
+    "mla_yarn": mla_yarn(BASE),
+    "gqa": gqa(BASE),
 }
 
 

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from scipy import stats
+from small_models import gqa
 
 import composer_jax as cj
 from composer_jax.inference.sampler import Request, Sampler
@@ -23,16 +24,7 @@ from composer_jax.model.params import path_str
 from composer_jax.model.transformer import logits_of, mtp_forward_cached
 
 MLA = cj.ModelConfig(num_layers=2, num_mtp_layers=1, max_position_embeddings=64)
-GQA = dataclasses.replace(
-    MLA,
-    attention_type="gqa",
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    score_func="softmax",
-    topk_method="greedy",
-    rope_interleave=False,
-)
+GQA = gqa(MLA)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
 K = 2
 

@@ -10,31 +10,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from small_models import gqa, mla_yarn
 
 import composer_jax as cj
-from composer_jax.config import RopeScalingConfig
 from composer_jax.model.kv_cache import init_cache
 
 BASE = cj.ModelConfig(num_layers=3, num_mtp_layers=0, max_position_embeddings=64)
 CONFIGS = {
     "mla_q_lora": dataclasses.replace(BASE, q_lora_rank=32),
-    "mla_yarn": dataclasses.replace(
-        BASE,
-        q_lora_rank=0,
-        rope_scaling=RopeScalingConfig(
-            type="yarn", factor=4.0, original_max_position_embeddings=16, mscale=1.0, mscale_all_dim=1.0
-        ),
-    ),
-    "gqa": dataclasses.replace(
-        BASE,
-        attention_type="gqa",
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        score_func="softmax",
-        topk_method="greedy",
-        rope_interleave=False,
-    ),
+    "mla_yarn": mla_yarn(BASE),
+    "gqa": gqa(BASE),
 }
 
 

@@ -379,30 +379,14 @@ class Sampler:
         n, cache, _, _, _, toks, lps, routing = jax.lax.while_loop(cond, body, carry)
         return cache, n, toks, lps, routing
 
-    def _spec_decode_fn(
-        self,
-        params,
-        cache: KVCache,
-        mtp_cache: KVCache,
-        drafts,
-        draft_lp,
-        draft_head,
-        last,
-        active,
-        temperature,
-        top_k,
-        top_p,
-        seeds,
-    ):
+    def _spec_decode_fn(self, *args):
         """One verify step for every slot: its last token and k drafts int32[S, k+1] through the
         main model, the accept/resample rule, then MTP module 1 over the confirmed positions and the
         next k drafts. -> (cache, mtp_cache, drafts, draft_lp, tokens int32[S, k+1] and their
         log-probs (the first accepted + 1 are emitted), accepted int32[S], routing of the k+1 input
         tokens [moe_layers, S, k+1, topk] or None)."""
         self.compilations += 1
-        return self._spec_body(
-            params, cache, mtp_cache, drafts, draft_lp, draft_head, last, active, temperature, top_k, top_p, seeds
-        )
+        return self._spec_body(*args)  # the arguments of `_spec_body`
 
     def _spec_body(
         self,
