@@ -625,6 +625,11 @@ class Sampler:
             self._draft_head_of = self.params
         return self._draft_head_cache
 
+    def _spec_state(self) -> tuple:
+        """The leading arguments of every speculative program: (params, cache, MTP cache, drafts,
+        their log-probs, the draft head)."""
+        return self.params, self.cache, self._mtp_cache, self._drafts, self._draft_lp, self._draft_head()
+
     def _chunk_step(self, active: np.ndarray) -> list[Completion]:
         *settings, active_dev = self._settings()
         remaining, stop_ids = self._on_device_limits(active)
@@ -673,12 +678,7 @@ class Sampler:
         with ctx:
             (self.cache, self._mtp_cache, self._drafts, self._draft_lp, n, tok, lp, acc, live, routing) = (
                 self._spec_decode_many(
-                    self.params,
-                    self.cache,
-                    self._mtp_cache,
-                    self._drafts,
-                    self._draft_lp,
-                    self._draft_head(),
+                    *self._spec_state(),
                     jnp.asarray(self._last),
                     active_dev,
                     jnp.asarray(remaining),
@@ -710,12 +710,7 @@ class Sampler:
         ctx = jax.set_mesh(self.mesh) if self.mesh is not None else _null()
         with ctx:
             self.cache, self._mtp_cache, self._drafts, self._draft_lp, tok, lp, acc, routing = self._spec_decode(
-                self.params,
-                self.cache,
-                self._mtp_cache,
-                self._drafts,
-                self._draft_lp,
-                self._draft_head(),
+                *self._spec_state(),
                 jnp.asarray(self._last),
                 active_dev,
                 *settings,
@@ -858,12 +853,7 @@ class Sampler:
         with ctx:
             if self.speculative_tokens:
                 self.cache, self._mtp_cache, self._drafts, self._draft_lp, tok, lp, routing = self._spec_prefill(
-                    self.params,
-                    self.cache,
-                    self._mtp_cache,
-                    self._drafts,
-                    self._draft_lp,
-                    self._draft_head(),
+                    *self._spec_state(),
                     jnp.int32(i),
                     *args,
                 )
