@@ -120,6 +120,9 @@ def child(args: argparse.Namespace) -> None:
         "rollouts_per_step": cfg.rl.groups_per_step * cfg.rl.group_size,
         "tokens": sum(v["rollout/generated_tokens"] * v["rollout/groups"] * cfg.rl.group_size for v in steps),
     }
+    n = sum(v["rollout/groups"] for v in steps)  # each step's means weigh by its groups (of equal size)
+    for key in ("policy_s", "env_s", "wall_s"):
+        res["rollout_" + key] = sum(v.get("rollout/" + key, 0.0) * v["rollout/groups"] for v in steps) / max(n, 1)
     print(json.dumps(res))
 
 
@@ -279,6 +282,14 @@ def main() -> None:
                 f"{p.get('hits', 0):6d} {p.get('reused', 0):8d} {p.get('prefilled', 0):9d} "
                 f"{p.get('hit_rate', 0.0):8.2f} {h.get('prefill_s', 0.0):9.1f} {h.get('compilations', 0):12d}"
             )
+    print(
+        f"{'staleness':>9} {'rollout s':>9} {'sampler s':>9} {'env s':>7} {'other s':>7}  (a trained rollout's mean "
+        "seconds: in all; awaiting its turns from the replica (HTTP, queue, prefill, decode); the environment server "
+        "(session, tool runs, grading); the rest (the client's own work and waits for the event loop))"
+    )
+    for r in rows:
+        w, p, e = r["rollout_wall_s"], r["rollout_policy_s"], r["rollout_env_s"]
+        print(f"{r['staleness']:9d} {w:9.2f} {p:9.2f} {e:7.2f} {w - p - e:7.2f}")
     print(
         "CPU seconds per core (start-up included): trainer core / sampler core (replica, environment server, "
         "graders); a run's wall time cannot go below the busier core's"

@@ -53,8 +53,17 @@ def test_rollout_fixes_the_task_with_parallel_and_bad_calls(servers, tok):
         "Fixed `add`: it subtracted.",
     ]
     policy = ScriptedPolicy(turns, tok)
+
+    async def slow_sampler(n: int) -> None:  # each turn takes >= 50 ms, as a sampler's round trip would
+        await asyncio.sleep(0.05)
+
+    policy.hook = slow_sampler
     r = rollout(policy, [servers[0]], AgentConfig())
     assert r.finish_reason == "answer" and r.grade["reward"] == 1.0
+    # the time split: 4 turns of >= 50 ms awaiting the policy; session, 3 tool requests and grading
+    # on the server; the two parts are disjoint pieces of the attempt's wall time
+    assert r.policy_s >= 4 * 0.05 and r.env_s > 0
+    assert r.policy_s + r.env_s <= r.wall_s
     assert (r.turns, r.tool_calls, r.parallel_tool_turns) == (4, 6, 1)
     # unknown tool, wrong argument type, and the unparseable third call of turn 2
     assert r.broken_tool_calls == 3

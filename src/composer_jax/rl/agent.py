@@ -22,9 +22,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import time
 from typing import Any
 
 from composer_jax.config.agent import AgentConfig
+from composer_jax.data.chat import AssistantTurn
 from composer_jax.env.client import EnvClient, EnvClientError, RemoteSession, RequestRejected
 from composer_jax.env.protocol import SYSTEM_PROMPT, ToolArgumentError, parse_call, tool_message
 from composer_jax.rl.policy import Generation, Policy, TurnRequest
@@ -60,6 +62,11 @@ class Rollout:
     summaries: int = 0
     env_retries: int = 0
     server: str = ""
+    # seconds of the graded attempt: waiting for the policy's turns (sampler HTTP round trip, its
+    # queue, prefill and decode), for the environment (session, tool runs, grading), and in all
+    policy_s: float = 0.0
+    env_s: float = 0.0
+    wall_s: float = 0.0
 
     @property
     def generated_tokens(self) -> int:
@@ -114,6 +121,14 @@ class _Episode:
         self.policy, self.session, self.cfg, self.seed = policy, session, cfg, seed
         self.counts = _Counts()
         self.generations: list[Generation] = []
+        self.policy_s = self.env_s = 0.0  # seconds awaiting the policy's turns / the tool runs
+
+    async def _turn(self, gen: Generation, request: TurnRequest) -> AssistantTurn:
+        t0 = time.perf_counter()
+        try:
+            return await self.policy.turn(gen, request)
+        finally:
+            self.policy_s += time.perf_counter() - t0
 
     def _request(self, max_tokens: int) -> TurnRequest:
         cfg = self.cfg
@@ -151,7 +166,7 @@ class _Episode:
                     return "context"
                 gen = summarised
                 continue
-            turn = await self.policy.turn(gen, self._request(room))
+            turn = await self._turn(gen, self._request(room))
             counts.turns += 1
             n_calls = len(turn.tool_calls) + len(turn.malformed)
             counts.tool_calls += n_calls
@@ -184,10 +199,13 @@ class _Episode:
         if len(valid) > 1:
             counts.parallel += 1
         if valid:
+            t0 = time.perf_counter()
             try:
                 results = await self.session.call_tools([c for _, c in valid])
             except RequestRejected as exc:  # checked above, so a server that disagrees: say so, keep going
                 results = [{"ok": False, "error": f"the environment refused the calls: {exc}"}] * len(valid)
+            finally:
+                self.env_s += time.perf_counter() - t0
             for (i, call), res in zip(valid, results):
                 if res.get("ok"):
                     body = json.dumps(res.get("result"), ensure_ascii=False)
@@ -210,7 +228,7 @@ class _Episode:
         room = min(self.cfg.summary_tokens, self.policy.max_context - gen.context_len())
         if room < MIN_SUMMARY_TOKENS:
             return None
-        turn = await self.policy.turn(gen, self._request(room))
+        turn = await self._turn(gen, self._request(room))
         self.counts.turns += 1
         self.counts.summaries += 1
         new = self.policy.begin(self._opening(turn.content.strip()))
@@ -227,11 +245,15 @@ async def run_rollout(
     errors: list[str] = []
     for attempt in range(cfg.env_retries + 1):
         session: RemoteSession | None = None
+        t0 = time.perf_counter()
         try:
             session = await client.create_session(task_id, seed=env_seed)
+            setup_s = time.perf_counter() - t0
             episode = _Episode(policy, session, cfg, seed)
             finish = await episode.run()
+            t1 = time.perf_counter()
             grade = await session.grade()
+            grade_s = time.perf_counter() - t1
         except EnvClientError as exc:
             if isinstance(exc, RequestRejected) and exc.status < 500 and exc.status != 429:
                 raise  # a bad request (unknown task...) fails the same way everywhere
@@ -257,5 +279,8 @@ async def run_rollout(
             c.summaries,
             attempt,
             session.server_url,
+            policy_s=episode.policy_s,
+            env_s=setup_s + episode.env_s + grade_s,
+            wall_s=time.perf_counter() - t0,
         )
     raise RolloutFailed(f"task {task_id!r}: the environment failed on all {cfg.env_retries + 1} attempts: {errors}")
