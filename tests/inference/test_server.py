@@ -185,6 +185,7 @@ def test_token_id_prompts_n_choices_stop_strings_and_routing(served, client):
     )
     after = httpx.get(served["url"] + "/health").json()
     assert after["prefix_cache"] == "version"
+    assert after["warm_up_s"] == 0.0 and 0 < after["prefill_trace_s"] <= after["prefill_s"]  # no --warm-up here
     assert after["prefix"]["reused"] - before["reused"] == len(prompt) + 5
     assert after["prefix"]["prefilled"] - before["prefilled"] == len(turn) - len(prompt) - 5
     (c3,) = r3.choices
@@ -514,3 +515,15 @@ def test_serve_cli_refuses_bad_settings(ckpts, tmp_path, capsys):
         serve_main(["--checkpoint", str(ckpts[0]), "--api-key", KEY, "--prefix-cache", "on"])
     err = capsys.readouterr().err
     assert "--prefix-cache: invalid choice: 'on'" in err and all(m in err for m in ("none", "version", "keep"))
+
+
+def test_serve_warm_up_compiles_the_admission_programs(ckpts):
+    policy = load_policy(ckpts[0])
+    tok = load_tokenizer(policy.tokenizer_hint)
+    _, engine = build_server(
+        policy, tok, slots=2, max_len=32, max_queued=1, api_key=KEY, model_name="tiny-test", warm_up=True
+    )
+    try:  # groups 1, 2 x buckets 16, 32, traced before any request
+        assert engine.sampler.compilations == 4 and engine.sampler.warm_up_s > 0 and engine.steps == 0
+    finally:
+        engine.stop()

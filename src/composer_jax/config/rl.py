@@ -179,6 +179,9 @@ class RLConfig:
     # prefilled again): "version" = prefixes computed with the current weights only (exact), "keep"
     # = across versions too, "none" = never ("off" would read as a YAML boolean) (inference/sampler.py)
     sampler_prefix_cache: str = "version"
+    # compile the samplers' admission programs (every power-of-two group x prompt bucket) when they
+    # start, so no rollout waits for a compilation mid-run (inference/sampler.py `Sampler.warm_up`)
+    sampler_warm_up: bool = False
     # held-out evaluation every eval_every steps (0 = at the start and end only): eval_samples per
     # task; gen/ families evaluated on eval_seeds seeds from eval_seed (keep them apart from training's)
     eval_tasks: tuple[str, ...] = ()

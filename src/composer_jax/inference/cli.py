@@ -99,20 +99,29 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     return policy, tok, mesh, max_len
 
 
-def _new_sampler(policy: Any, tok: Any, mesh: Any, slots: int, max_len: int, prefix_cache: str = "version"):
+def _new_sampler(
+    policy: Any, tok: Any, mesh: Any, slots: int, max_len: int, prefix_cache: str = "version", warm_up: bool = False
+):
     from composer_jax.inference.sampler import Sampler
 
     detok = lambda ids: tok.decode(ids, skip_special_tokens=True)
-    return lambda params, version: Sampler(
-        params,
-        policy.cfg,
-        slots=slots,
-        max_len=max_len,
-        version=version,
-        mesh=mesh,
-        detokenize=detok,
-        prefix_cache=prefix_cache,
-    )
+
+    def new(params: Any, version: int) -> Sampler:
+        sampler = Sampler(
+            params,
+            policy.cfg,
+            slots=slots,
+            max_len=max_len,
+            version=version,
+            mesh=mesh,
+            detokenize=detok,
+            prefix_cache=prefix_cache,
+        )
+        if warm_up:
+            sampler.warm_up()
+        return sampler
+
+    return new
 
 
 # ---------------------------------------------------------------------------- serve
@@ -133,6 +142,12 @@ def _serve_parser() -> argparse.ArgumentParser:
         default="version",
         help="reuse a finished request's KV as the prefix of a later prompt: version (default: computed with the "
         "current weights only, so exactly a fresh prefill), keep (across weight versions too), none",
+    )
+    p.add_argument(
+        "--warm-up",
+        action="store_true",
+        help="compile every admission program (power-of-two groups up to --slots by power-of-two prompt buckets up "
+        "to --max-len) before serving, so no request waits for a compilation (a mesh sampler compiles at first use)",
     )
     p.add_argument("--version", type=int, default=0, help="policy version of the loaded weights (default 0)")
     p.add_argument(
@@ -184,6 +199,12 @@ def serve_main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"composer-jax serve: cannot bind {args.host}:{args.port}: {e.strerror}", file=sys.stderr)
         return 2
+    if args.warm_up and mesh is not None:
+        print(
+            "composer-jax serve: --warm-up skipped: a --mesh sampler admits one prompt at a time and compiles at "
+            "first use",
+            file=sys.stderr,
+        )
     try:
         server, engine = build_server(
             policy,
@@ -198,6 +219,7 @@ def serve_main(argv: list[str] | None = None) -> int:
             weights_from=args.weights_from,
             poll_interval_s=args.poll_interval,
             prefix_cache=args.prefix_cache,
+            warm_up=args.warm_up and mesh is None,
         )
     except ConfigError as e:
         print(f"composer-jax serve: {e}", file=sys.stderr)
@@ -233,16 +255,21 @@ def build_server(
     weights_from: str | None = None,
     poll_interval_s: float = 1.0,
     prefix_cache: str = "version",
+    warm_up: bool = False,
 ):
     """-> (OpenAIServer, started Engine) over a loaded policy; the admin endpoint loads on `mesh`.
     weights_from: a weight-sync store URL the server follows (polled every poll_interval_s);
-    prefix_cache: the sampler's prefix KV reuse (`Sampler`'s prefix_cache)."""
+    prefix_cache: the sampler's prefix KV reuse (`Sampler`'s prefix_cache); warm_up: compile the
+    sampler's admission programs before serving (`Sampler.warm_up`)."""
     from composer_jax.inference.checkpoints import load_policy
     from composer_jax.inference.engine import Engine
     from composer_jax.inference.server import OpenAIServer
 
     engine = Engine(
-        _new_sampler(policy, tok, mesh, slots, max_len, prefix_cache), policy.params, version, max_queued=max_queued
+        _new_sampler(policy, tok, mesh, slots, max_len, prefix_cache, warm_up),
+        policy.params,
+        version,
+        max_queued=max_queued,
     )
     engine.start()
     try:

@@ -240,6 +240,8 @@ class Sampler:
         self._weights_gen = 0
         self.prefix_stats = PrefixStats()
         self.prefill_s = 0.0  # seconds spent admitting requests (prefill, first token, compilations)
+        self.prefill_trace_s = 0.0  # the part of prefill_s in admissions that traced a new program
+        self.warm_up_s = 0.0  # seconds `warm_up` took (not part of prefill_s)
 
     # -------------------------------------------------------------------------------- programs
     def _prefill_fn(self, params, cache: KVCache, slot, start, tokens, n, temperature, top_k, top_p, seed):
@@ -562,6 +564,52 @@ class Sampler:
                 return True
         return False
 
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        """The (rows, bucket) shapes of every admission program this sampler can run: power-of-two
+        groups up to `slots` (one row for speculative and mesh samplers, which admit one prompt at a
+        time) by power-of-two buckets from MIN_BUCKET up to max_len (the last one max_len itself)."""
+        rows, groups = 1, []
+        while True:
+            groups.append(min(rows, self.slots))
+            if rows >= self.slots or self.speculative_tokens or self.mesh is not None:
+                break
+            rows *= 2
+        buckets = sorted({_bucket(1 << e, self.max_len) for e in range(self.max_len.bit_length() + 1)})
+        return [(g, b) for g in groups for b in buckets]
+
+    def warm_up(self) -> int:
+        """Trace and compile every admission program (`prefill_shapes`) before the first request, so
+        no admission waits for a compilation (with JAX's persistent compilation cache, a later start
+        loads them instead). Runs each program once on padding rows, which write nothing: the cache,
+        its cached prefixes and the counters are unchanged. The decode program compiles at the first
+        step as before. Only on an idle sampler; returns the programs traced."""
+        if self.busy:
+            raise RuntimeError("warm_up runs before any request is submitted (the sampler is busy)")
+        if self.speculative_tokens or self.mesh is not None:
+            raise ValueError(
+                "warm_up compiles the grouped admission programs of a plain sampler; this one admits one "
+                f"prompt at a time (speculative_tokens={self.speculative_tokens}, mesh="
+                f"{'set' if self.mesh is not None else 'None'}): its programs compile at first use"
+            )
+        t0, before = time.perf_counter(), self.compilations
+        for g, bucket in self.prefill_shapes():
+            f32 = jnp.zeros(g, jnp.float32)
+            self.cache, tok, *_ = self._prefill_group(
+                self.params,
+                self.cache,
+                jnp.full(g, self.slots, jnp.int32),  # every row a padding row: no write lands
+                jnp.zeros(g, jnp.int32),
+                jnp.zeros((g, bucket), jnp.int32),
+                jnp.ones(g, jnp.int32),
+                f32,
+                jnp.zeros(g, jnp.int32),
+                f32 + 1.0,
+                jnp.zeros(g, jnp.uint32),
+            )
+            tok.block_until_ready()
+        self.warm_up_s += time.perf_counter() - t0
+        return self.compilations - before
+
     @property
     def busy(self) -> bool:
         return bool(self._waiting) or any(s is not None for s in self._slot)
@@ -570,14 +618,17 @@ class Sampler:
         """Admit waiting requests into free slots (prefill), then decode one token in every
         occupied slot. Returns the requests that finished."""
         done: list[Completion] = []
-        t0 = time.perf_counter()
+        t0, traced = time.perf_counter(), self.compilations
         admit = self._place()
         if self.speculative_tokens or self.mesh is not None:
             for i, request, reuse in admit:
                 done += self._admit(i, request, reuse)
         elif admit:
             done += self._admit_group(admit)
-        self.prefill_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.prefill_s += dt
+        if self.compilations != traced:
+            self.prefill_trace_s += dt
         active = np.array([s is not None for s in self._slot])
         if not active.any():
             return done

@@ -228,6 +228,8 @@ class OpenAIServer:
                 "prefix_cache": e.sampler.prefix_cache,
                 "prefix": e.prefix_stats.as_dict(),
                 "prefill_s": e.sampler.prefill_s,
+                "prefill_trace_s": e.sampler.prefill_trace_s,
+                "warm_up_s": e.sampler.warm_up_s,
                 "compilations": e.sampler.compilations,
                 "engine_failures": e.failures,
                 "weights_from": self.weights_from,

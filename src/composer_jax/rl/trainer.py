@@ -201,19 +201,19 @@ def make_policies(
     if remote is not None:
         urls, key = remote
         return [RemoteTokenPolicy(u, key, tok, max_context=t.seq_len) for u in urls]
-    sampler = AsyncSampler(
-        Sampler(
-            params,
-            cfg.model,
-            slots=r.sampler_slots,
-            max_len=t.seq_len,
-            version=version,
-            mesh=mesh,
-            rules=rules,
-            prefix_cache=r.sampler_prefix_cache,
-        )
+    inner = Sampler(
+        params,
+        cfg.model,
+        slots=r.sampler_slots,
+        max_len=t.seq_len,
+        version=version,
+        mesh=mesh,
+        rules=rules,
+        prefix_cache=r.sampler_prefix_cache,
     )
-    return [TokenPolicy(sampler, tok)]
+    if r.sampler_warm_up and mesh is None:  # a mesh sampler admits one prompt at a time: compiled at first use
+        inner.warm_up()
+    return [TokenPolicy(AsyncSampler(inner), tok)]
 
 
 def pin_threads(cores: set[int], pid: int | str = "self") -> int:
@@ -523,7 +523,8 @@ async def _run(
                 poll_interval_s=r.sampler_poll_s,
                 cores=cores[1 : 1 + r.local_samplers] if r.pin_cores else None,
                 extra_args=["--version", str(start), "--slots", str(r.sampler_slots), "--max-len", str(t.seq_len)]
-                + ["--max-queued", "100000", "--prefix-cache", r.sampler_prefix_cache],
+                + ["--max-queued", "100000", "--prefix-cache", r.sampler_prefix_cache]
+                + (["--warm-up"] if r.sampler_warm_up else []),
                 log_dir=out_dir / "samplers",
             )
             remote = stack.enter_context(launcher)
