@@ -121,6 +121,8 @@ def child(args: argparse.Namespace) -> None:
         "tokens": sum(v["rollout/generated_tokens"] * v["rollout/groups"] * cfg.rl.group_size for v in steps),
     }
     n = sum(v["rollout/groups"] for v in steps)  # each step's means weigh by its groups (of equal size)
+    for key in ("update_s", "publish_s", "wait_s"):  # the trainer's seconds per step: update, publish, waiting
+        res["trainer_" + key] = sum(v.get("time/" + key, 0.0) for v in steps) / max(len(steps), 1)
     for key in ("policy_s", "env_s", "wall_s"):
         res["rollout_" + key] = sum(v.get("rollout/" + key, 0.0) * v["rollout/groups"] for v in steps) / max(n, 1)
     print(json.dumps(res))
@@ -290,6 +292,14 @@ def main() -> None:
     for r in rows:
         w, p, e = r["rollout_wall_s"], r["rollout_policy_s"], r["rollout_env_s"]
         print(f"{r['staleness']:9d} {w:9.2f} {p:9.2f} {e:7.2f} {w - p - e:7.2f}")
+    print(
+        f"{'staleness':>9} {'update s':>8} {'publish s':>9} {'wait s':>6}  (the trainer's mean seconds per step: the "
+        "batch and the optimiser update; writing the new version to the weight store; waiting for groups)"
+    )
+    for r in rows:
+        print(
+            f"{r['staleness']:9d} {r['trainer_update_s']:8.2f} {r['trainer_publish_s']:9.2f} {r['trainer_wait_s']:6.2f}"
+        )
     print(
         "CPU seconds per core (start-up included): trainer core / sampler core (replica, environment server, "
         "graders); a run's wall time cannot go below the busier core's"

@@ -439,13 +439,18 @@ async def _run(
         """One step of the objective on process 0's batch `host` (None on the others: they receive
         it here), in a worker thread: the event loop keeps sampling."""
         with jax.set_mesh(mesh):
+            t0 = time.perf_counter()
             batch = global_batch(broadcast_arrays(host))
             if ref_fn is not None:
                 batch["ref_logprobs"] = ref_fn(ref_params, batch)
             state, metrics = step_fn(state, batch)
+            values = scalars(jax.device_get(metrics))  # waits for the step
+            t1 = time.perf_counter()
             params = _copy(state.params)
             publish(params, step + 1)
-            return state, scalars(jax.device_get(metrics)), params
+            # the step's parts: the batch and the update, then the new version to the weight store
+            values.update({"time/update_s": t1 - t0, "time/publish_s": time.perf_counter() - t1})
+            return state, values, params
 
     def fits(taken: list[Group], g: Group) -> bool:
         if g.rows > t.batch_size:
