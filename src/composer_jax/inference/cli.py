@@ -155,11 +155,15 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
             f"the tokenizer {where!r} has {tok.vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}; "
             "pass the tokenizer the model was trained with (--tokenizer)"
         )
-    max_len = args.max_len or min(4096, cfg.max_position_embeddings)
-    if max_len > cfg.max_position_embeddings:
+    # speculative decoding keeps 2 x k positions past a request's context for the chained drafts
+    reserve = 2 * args.speculative_tokens
+    limit = cfg.max_position_embeddings - reserve
+    max_len = args.max_len or min(4096, limit)
+    if max_len > limit:
         raise ConfigError(
-            f"--max-len {max_len} exceeds the model's max_position_embeddings={cfg.max_position_embeddings}; "
-            f"accepted: at most {cfg.max_position_embeddings}"
+            f"--max-len {max_len} exceeds the model's max_position_embeddings={cfg.max_position_embeddings}"
+            + (f" less 2 x --speculative-tokens {args.speculative_tokens}" if reserve else "")
+            + f"; accepted: at most {limit}"
         )
     return policy, tok, mesh, max_len
 
