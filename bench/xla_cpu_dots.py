@@ -68,6 +68,8 @@ PRESETS: dict[str, str] = {
     "isa-avx2": "--xla_cpu_max_isa=AVX2",
     "fast-math": "--xla_cpu_enable_fast_math=true",
     "legacy-emitters": "--xla_cpu_use_fusion_emitters=false",
+    "isa-avx512": "--xla_cpu_max_isa=AVX512",
+    "scheduler-off": "--xla_cpu_enable_concurrency_optimized_scheduler=false",
 }
 DEFAULT_SETS = (
     "none;ynn-off;ynn-off-xnnpack-off;ynn-dot;ynn-dot-eltwise;ynn-all;xnn-dot;xnn-graph;onednn-dot;"

@@ -10,6 +10,8 @@ The tokenizer is --tokenizer, else a tokenizer.json next to the checkpoint, else
 run's data.tokenizer (resolved against the current directory, as in training).
 --weights-from follows an RL weight-sync store by URL: each newer published version is swapped in
 between two decode steps and served under its published version number (docs/inference.md).
+--speculative-tokens K (both commands) decodes with K MTP drafts per step; --draft-experts N and
+--draft-vocab FILE make the drafts cheaper (the Sampler's draft_experts and draft_vocab).
 """
 
 from __future__ import annotations
