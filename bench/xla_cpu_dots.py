@@ -26,7 +26,9 @@ log-softmax (log-probabilities) and whether every row's arg-max (the greedy toke
 
 `--sets` takes names of the presets below (`--list` prints them) or raw flag strings (anything with
 `--`), separated by ';'. A child that crashes or rejects a flag is reported with its last error line
-and the table goes on.
+and the table goes on. `--rounds N` runs the sets round-robin N times and keeps each piece's lowest
+min and median (load changes then hit every set alike). Findings (jaxlib 0.10.2: no set beats the
+default, which already sends every dot to YNNPACK) are in docs/inference.md, "XLA:CPU flags".
 """
 
 from __future__ import annotations
