@@ -472,6 +472,12 @@ def test_sample_cli(ckpts, served, capsys):
     assert len(capsys.readouterr().out.splitlines()) >= 5
     assert sample_main([*args, "--prompt", "word " * 80]) == 2
     assert "server's context is 64 tokens" in capsys.readouterr().err
+    assert sample_main([*args, "--prompt", "x", "--speculative-tokens", "1", "--draft-experts", "5"]) == 2
+    assert "draft experts=5 must be in 0..model.num_experts_per_tok=2" in capsys.readouterr().err
+    long = ["--checkpoint", str(ckpts[0]), "--max-len", "510", "--prompt", "x", "--speculative-tokens", "2"]
+    assert sample_main(long) == 2
+    err = capsys.readouterr().err
+    assert "max_position_embeddings=512 less 2 x --speculative-tokens 2; accepted: at most 508" in err
 
 
 # ---------------------------------------------------------------------------- checkpoint kinds

@@ -10,6 +10,8 @@ The tokenizer is --tokenizer, else a tokenizer.json next to the checkpoint, else
 run's data.tokenizer (resolved against the current directory, as in training).
 --weights-from follows an RL weight-sync store by URL: each newer published version is swapped in
 between two decode steps and served under its published version number (docs/inference.md).
+--speculative-tokens K (both commands) decodes with K MTP drafts per step; --draft-experts N and
+--draft-vocab FILE make the drafts cheaper (the Sampler's draft_experts and draft_vocab).
 """
 
 from __future__ import annotations
@@ -54,6 +56,71 @@ def _mesh_arg(text: str) -> dict[str, int]:
     return out
 
 
+def _token_ids_file(text: str) -> list[int]:
+    """--draft-vocab: a file of token ids (a JSON list, or integers separated by spaces, commas or lines)."""
+    try:
+        raw = Path(text).read_text()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r}: {e.strerror}") from None
+    try:
+        items = json.loads(raw) if raw.lstrip().startswith("[") else raw.replace(",", " ").split()
+        ids = [int(t) for t in items]
+    except (ValueError, TypeError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a list of token ids; accepted: a JSON list of integers or integers separated by "
+            "spaces, commas or newlines"
+        ) from None
+    if not ids or min(ids) < 0:
+        bad = "no ids" if not ids else f"negative id {min(ids)}"
+        raise argparse.ArgumentTypeError(f"{text!r} holds {bad}; give at least one token id, all >= 0")
+    return ids
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 0")
+    return v
+
+
+def _speculative_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--speculative-tokens",
+        type=_non_negative_int,
+        default=0,
+        help="MTP speculative decoding: tokens drafted per step (default 0: off; needs a model with MTP modules)",
+    )
+    p.add_argument(
+        "--draft-experts",
+        type=_non_negative_int,
+        default=None,
+        help="routed experts per token in the drafts' MTP block, 0..the model's experts per token (0: its "
+        "shared expert only); cheaper drafts, same output distribution (default: the model's own)",
+    )
+    p.add_argument(
+        "--draft-vocab",
+        type=_token_ids_file,
+        default=None,
+        metavar="FILE",
+        help="draft only over these token ids (a file: JSON list or whitespace/comma-separated integers, e.g. "
+        "the most frequent tokens of the training data); default: the whole vocabulary",
+    )
+
+
+def speculative_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:
+    """The Sampler's speculative keyword arguments from parsed --speculative-tokens / --draft-experts /
+    --draft-vocab; exits through p.error (status 2) when a draft option is given without drafting.
+    Ranges that depend on the model (draft experts, vocabulary size) are checked by the Sampler."""
+    k = args.speculative_tokens
+    for flag, value in (("--draft-experts", args.draft_experts), ("--draft-vocab", args.draft_vocab)):
+        if value is not None and k < 1:
+            p.error(f"{flag} needs --speculative-tokens >= 1 (got {k}); it only shapes the drafts")
+    return {"speculative_tokens": k, "draft_experts": args.draft_experts, "draft_vocab": args.draft_vocab}
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="checkpoint directory (see module help)")
     p.add_argument("--step", type=int, default=None, help="training checkpoints: the step (default: the latest)")
@@ -90,18 +157,31 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
             f"the tokenizer {where!r} has {tok.vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}; "
             "pass the tokenizer the model was trained with (--tokenizer)"
         )
-    max_len = args.max_len or min(4096, cfg.max_position_embeddings)
-    if max_len > cfg.max_position_embeddings:
+    # speculative decoding keeps 2 x k positions past a request's context for the chained drafts
+    reserve = 2 * args.speculative_tokens
+    limit = cfg.max_position_embeddings - reserve
+    max_len = args.max_len or min(4096, limit)
+    if max_len > limit:
         raise ConfigError(
-            f"--max-len {max_len} exceeds the model's max_position_embeddings={cfg.max_position_embeddings}; "
-            f"accepted: at most {cfg.max_position_embeddings}"
+            f"--max-len {max_len} exceeds the model's max_position_embeddings={cfg.max_position_embeddings}"
+            + (f" less 2 x --speculative-tokens {args.speculative_tokens}" if reserve else "")
+            + f"; accepted: at most {limit}"
         )
     return policy, tok, mesh, max_len
 
 
 def _new_sampler(
-    policy: Any, tok: Any, mesh: Any, slots: int, max_len: int, prefix_cache: str = "version", warm_up: bool = False
+    policy: Any,
+    tok: Any,
+    mesh: Any,
+    slots: int,
+    max_len: int,
+    prefix_cache: str = "version",
+    speculative: dict[str, Any] | None = None,
+    warm_up: bool = False,
 ):
+    """-> (params, version) -> Sampler; speculative: `speculative_options`' keyword arguments;
+    warm_up: compile the sampler's admission programs before it serves (`Sampler.warm_up`)."""
     from composer_jax.inference.sampler import Sampler
 
     detok = lambda ids: tok.decode(ids, skip_special_tokens=True)
@@ -116,6 +196,7 @@ def _new_sampler(
             mesh=mesh,
             detokenize=detok,
             prefix_cache=prefix_cache,
+            **(speculative or {}),
         )
         if warm_up:
             sampler.warm_up()
@@ -130,6 +211,7 @@ def _serve_parser() -> argparse.ArgumentParser:
         prog="composer-jax serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     _model_args(p)
+    _speculative_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: a free port, printed at start)")
     p.add_argument("--api-key", default=None, help=f"bearer key (or set {API_KEY_ENV}; default: generated and printed)")
@@ -170,7 +252,9 @@ def default_model_name(policy: Any) -> str:
 def serve_main(argv: list[str] | None = None) -> int:
     import secrets
 
-    args = _serve_parser().parse_args(argv)
+    parser = _serve_parser()
+    args = parser.parse_args(argv)
+    speculative = speculative_options(parser, args)
     logging.basicConfig(level=args.log_level.upper())
     key = args.api_key or os.environ.get(API_KEY_ENV)
     if key is not None and len(key) < 16:
@@ -199,10 +283,11 @@ def serve_main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"composer-jax serve: cannot bind {args.host}:{args.port}: {e.strerror}", file=sys.stderr)
         return 2
-    if args.warm_up and mesh is not None:
+    one_at_a_time = mesh is not None or args.speculative_tokens > 0
+    if args.warm_up and one_at_a_time:
         print(
-            "composer-jax serve: --warm-up skipped: a --mesh sampler admits one prompt at a time and compiles at "
-            "first use",
+            "composer-jax serve: --warm-up skipped: a --mesh or --speculative-tokens sampler admits one prompt at a "
+            "time and compiles at first use",
             file=sys.stderr,
         )
     try:
@@ -219,9 +304,11 @@ def serve_main(argv: list[str] | None = None) -> int:
             weights_from=args.weights_from,
             poll_interval_s=args.poll_interval,
             prefix_cache=args.prefix_cache,
-            warm_up=args.warm_up and mesh is None,
+            speculative=speculative,
+            warm_up=args.warm_up and not one_at_a_time,
         )
-    except ConfigError as e:
+    except (ConfigError, ValueError) as e:
+        sock.close()
         print(f"composer-jax serve: {e}", file=sys.stderr)
         return 2
     host, port = sock.getsockname()[:2]
@@ -255,18 +342,20 @@ def build_server(
     weights_from: str | None = None,
     poll_interval_s: float = 1.0,
     prefix_cache: str = "version",
+    speculative: dict[str, Any] | None = None,
     warm_up: bool = False,
 ):
     """-> (OpenAIServer, started Engine) over a loaded policy; the admin endpoint loads on `mesh`.
     weights_from: a weight-sync store URL the server follows (polled every poll_interval_s);
-    prefix_cache: the sampler's prefix KV reuse (`Sampler`'s prefix_cache); warm_up: compile the
-    sampler's admission programs before serving (`Sampler.warm_up`)."""
+    prefix_cache: the sampler's prefix KV reuse (`Sampler`'s prefix_cache); speculative: the
+    Sampler's speculative_tokens / draft_experts / draft_vocab (`speculative_options`); warm_up:
+    compile the sampler's admission programs before serving (`Sampler.warm_up`)."""
     from composer_jax.inference.checkpoints import load_policy
     from composer_jax.inference.engine import Engine
     from composer_jax.inference.server import OpenAIServer
 
     engine = Engine(
-        _new_sampler(policy, tok, mesh, slots, max_len, prefix_cache, warm_up),
+        _new_sampler(policy, tok, mesh, slots, max_len, prefix_cache, speculative, warm_up),
         policy.params,
         version,
         max_queued=max_queued,
@@ -306,6 +395,7 @@ def _sample_parser() -> argparse.ArgumentParser:
         description="Sample one completion from a checkpoint and print it (no server).",
     )
     _model_args(p)
+    _speculative_args(p)
     p.add_argument("--prompt", required=True, help="the prompt text ('-' reads standard input)")
     p.add_argument("--chat", action="store_true", help="the prompt is a user message in the chat template")
     p.add_argument("--system", default=None, help="--chat: a system message before it")
@@ -323,7 +413,9 @@ def _sample_parser() -> argparse.ArgumentParser:
 
 
 def sample_main(argv: list[str] | None = None) -> int:
-    args = _sample_parser().parse_args(argv)
+    parser = _sample_parser()
+    args = parser.parse_args(argv)
+    speculative = speculative_options(parser, args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     from composer_jax.checkpoint.hf import CheckpointError as HFCheckpointError
     from composer_jax.checkpoint.validate import CheckpointError
@@ -358,7 +450,13 @@ def sample_main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError, HFCheckpointError, ValueError, OSError) as e:
         print(f"composer-jax sample: {e}", file=sys.stderr)
         return 2
-    sampler = _new_sampler(policy, tok, mesh, min(len(gen.params), 8), max_len)(policy.params, 0)
+    try:
+        sampler = _new_sampler(policy, tok, mesh, min(len(gen.params), 8), max_len, speculative=speculative)(
+            policy.params, 0
+        )
+    except ValueError as e:  # a speculative option the model does not accept (no MTP modules, draft experts)
+        print(f"composer-jax sample: {e}", file=sys.stderr)
+        return 2
     reqs = [Request(gen.prompts[c // gen.n], p, id=str(c)) for c, p in enumerate(gen.params)]
     done = sampler.run(reqs)
     choices = [api.completion_choice(gen, c, tok, d, f"call_{c}") for c, d in enumerate(done)]
