@@ -310,6 +310,12 @@ def main() -> None:
             f"{r['staleness']:9d} trainer {r['cpu_trainer']:7.1f}  sampler side {r['cpu_sampler_side']:7.1f}  "
             f"wall {r['total_s']:7.1f}  -> wall / busier core {r['total_s'] / busier:.2f}"
         )
+    for r in rows:
+        replica = sum(h.get("process_cpu_s", 0.0) for h in r["samplers"])
+        print(
+            f"{r['staleness']:9d} of the sampler core: replica {replica:7.1f}, environment server and graders "
+            f"{r['cpu_sampler_side'] - replica:7.1f} (the replica's own /health figure, taken at the end of the run)"
+        )
     if len(rows) > 1:
         serial = rows[0]["cpu_trainer"] + rows[0]["cpu_sampler_side"]
         best = min(max(r["cpu_trainer"], r["cpu_sampler_side"]) for r in rows[1:])

@@ -186,6 +186,7 @@ def test_token_id_prompts_n_choices_stop_strings_and_routing(served, client):
     after = httpx.get(served["url"] + "/health").json()
     assert after["prefix_cache"] == "version"
     assert after["warm_up_s"] == 0.0 and 0 < after["prefill_trace_s"] <= after["prefill_s"]  # no --warm-up here
+    assert after["process_cpu_s"] > 0
     assert after["prefix"]["reused"] - before["reused"] == len(prompt) + 5
     assert after["prefix"]["prefilled"] - before["prefilled"] == len(turn) - len(prompt) - 5
     (c3,) = r3.choices

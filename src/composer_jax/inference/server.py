@@ -232,6 +232,7 @@ class OpenAIServer:
                 "warm_up_s": e.sampler.warm_up_s,
                 "compilations": e.sampler.compilations,
                 "engine_failures": e.failures,
+                "process_cpu_s": time.process_time(),  # this server's CPU seconds, all threads, since it started
                 "weights_from": self.weights_from,
                 "store_error": self.store_error,
                 "store_fallback": self.store_fallback,
