@@ -78,6 +78,26 @@ def test_chunked_prefill_equals_one_prefill():
     np.testing.assert_allclose(one[1], three[1], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("cached", [False, True])
+def test_logits_at_one_position_per_row_equal_the_full_heads_there(cached):
+    cfg = CONFIGS["mla_yarn"]
+    params = cj.init_params(cfg, jax.random.key(2))
+    tokens = jax.random.randint(jax.random.key(4), (3, 11), 0, cfg.vocab_size, jnp.int32)
+    at = jnp.asarray([10, 0, 6], jnp.int32)
+    kw = {"cache": init_cache(cfg, 3, 32)} if cached else {}
+    full = cj.forward(params, tokens, cfg, **kw)
+    one = cj.forward(params, tokens, cfg, logits_at=at, **kw)
+    assert one.logits.shape == (3, 1, cfg.vocab_size)
+    want = np.asarray(full.logits)[np.arange(3), np.asarray(at)]
+    np.testing.assert_allclose(np.asarray(one.logits[:, 0]), want, atol=1e-5, rtol=1e-5)
+    # everything else is every position's, as without it
+    np.testing.assert_array_equal(np.asarray(one.routing), np.asarray(full.routing))
+    np.testing.assert_array_equal(np.asarray(one.hidden), np.asarray(full.hidden))
+    if cached:
+        for a_, b_ in zip(jax.tree.leaves(one.cache), jax.tree.leaves(full.cache)):
+            np.testing.assert_array_equal(np.asarray(a_), np.asarray(b_))
+
+
 def test_mla_cache_holds_latent_and_rotary_key_only():
     cfg = CONFIGS["mla_q_lora"]
     cache = init_cache(cfg, 2, 32)

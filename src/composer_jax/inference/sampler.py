@@ -249,10 +249,12 @@ class Sampler:
         (the row's first `start` positions: a reused prefix); -> (cache, first token, its log-prob,
         routing of the prefilled tokens [moe_layers, bucket, k] or None)."""
         self.compilations += 1  # runs once per trace: a new bucket size
-        out = forward(params, tokens, self.cfg, cache=_row(cache, slot, start), sharding=self.sharding)
+        out = forward(
+            params, tokens, self.cfg, cache=_row(cache, slot, start), sharding=self.sharding, logits_at=(n - 1)[None]
+        )
         assert out.cache is not None
         cache = _put_row(cache, out.cache, slot, start + n)
-        logits = jax.lax.dynamic_index_in_dim(out.logits[0], n - 1, axis=0)  # [1, V]
+        logits = out.logits[0]  # [1, V]: after the prompt's last token
         tok, lp = sample(logits, temperature[None], top_k[None], top_p[None], seed[None], (start + n)[None])
         return cache, tok[0], lp[0], None if out.routing is None else out.routing[:, 0]
 
@@ -269,23 +271,25 @@ class Sampler:
             },
             start,
         )
-        out = forward(params, tokens, self.cfg, cache=rows, sharding=self.sharding)
+        out = forward(params, tokens, self.cfg, cache=rows, sharding=self.sharding, logits_at=n - 1)
         assert out.cache is not None
         layers = {
             s: {k: v.at[:, slots].set(out.cache.layers[s][k], mode="drop") for k, v in d.items()}
             for s, d in cache.layers.items()
         }
         cache = KVCache(layers, cache.lengths.at[slots].set(start + n, mode="drop"))
-        logits = jnp.take_along_axis(out.logits, (n - 1)[:, None, None], axis=1)[:, 0]  # [g, V]
+        logits = out.logits[:, 0]  # [g, V]: after each prompt's last token
         tok, lp = sample(logits, temperature, top_k, top_p, seed, start + n)
         return cache, tok, lp, out.routing
 
     def _prefill_row(self, params, cache: KVCache, slot, tokens, n, temperature, top_k, top_p, seed):
         """The prefill of `_prefill_fn`, also returning the prompt's final hidden states [1, bucket, E]."""
-        out = forward(params, tokens, self.cfg, cache=_row(cache, slot), sharding=self.sharding)
+        out = forward(
+            params, tokens, self.cfg, cache=_row(cache, slot), sharding=self.sharding, logits_at=(n - 1)[None]
+        )
         assert out.cache is not None
         cache = _put_row(cache, out.cache, slot, n)
-        logits = jax.lax.dynamic_index_in_dim(out.logits[0], n - 1, axis=0)  # [1, V]
+        logits = out.logits[0]  # [1, V]: after the prompt's last token
         tok, lp = sample(logits, temperature[None], top_k[None], top_p[None], seed[None], n[None])
         routing = None if out.routing is None else out.routing[:, 0]
         return cache, tok[0], lp[0], routing, out.hidden

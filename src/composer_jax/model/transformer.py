@@ -130,6 +130,7 @@ def forward(
     context_layout: str = "contiguous",
     sharding: MeshRules | None = None,
     cache: KVCache | None = None,
+    logits_at: jax.Array | None = None,
 ) -> ModelOutput:
     """Run the model.
 
@@ -152,12 +153,18 @@ def forward(
     `ModelOutput.cache`. Prefill is a call with the prompt, decoding a call per step; a long
     prompt may be prefilled in chunks. segment_ids, positions and token_order must be None then;
     the MTP heads are not run (speculative decoding drives them itself).
+    logits_at: int32[batch], one position per row: the output head runs there only and `logits` is
+    [batch, 1, vocab] (a prefill needs the distribution after the prompt's last token, not the
+    [batch, seq, vocab] of every position, which costs more than the rest of a small model's pass);
+    hidden states, routing and the cache are those of every position as without it.
     """
     sharding = MeshRules.resolve(sharding)
     # shapes and dtypes at the public boundary (checked at trace time: free under jit)
     chex.assert_rank(tokens, 2)
     chex.assert_type(tokens, int)
     chex.assert_equal_shape([tokens] + [x for x in (segment_ids, positions, token_order) if x is not None])
+    if logits_at is not None:
+        chex.assert_shape(logits_at, tokens.shape[:1])
     if routing is not None:
         chex.assert_shape(routing, (cfg.num_moe_layers, *tokens.shape, cfg.num_experts_per_tok))
     if mtp_tokens is not None:
@@ -203,7 +210,8 @@ def forward(
         aux["moe_dropped"], aux["moe_a2a_rows"] = stats["moe_dropped"], stats["moe_a2a_rows"]
     h_final = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
     with jax.named_scope("output_head"):
-        logits = constrain(_logits(params, h_final, cfg), sharding, ("act_batch", "act_seq", "act_vocab"))
+        at = h_final if logits_at is None else jnp.take_along_axis(h_final, logits_at[:, None, None], axis=1)
+        logits = constrain(_logits(params, at, cfg), sharding, ("act_batch", "act_seq", "act_vocab"))
 
     mtp_logits = mtp_experts = None
     out_cache = None
