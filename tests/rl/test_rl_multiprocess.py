@@ -178,3 +178,16 @@ def test_an_error_on_process_0_stops_both(tmp_path, monkeypatch) -> None:
     assert "unknown task_id 'no-such-task'" in outs[0]
     assert "step 0: process 0 stopped the run: RequestRejected" in outs[1]
     assert "unknown task_id 'no-such-task'" in outs[1]
+
+
+def test_a_setup_error_on_process_0_stops_both(tmp_path, monkeypatch) -> None:
+    """Process 0 fails before step 1, outside any step (its local environment servers cannot start:
+    no such tasks directory): process 1, which only trains, gets the error at the setup's end
+    instead of waiting for process 0 in the first step's collectives."""
+    monkeypatch.chdir(REPO)
+    outs = two_processes(tmp_path / "setup", ["rl.tasks_dir=no/such/tasks"], returncodes=[2, 1])
+    assert "composer-jax rl: tasks directory 'no/such/tasks' does not exist" in outs[0]
+    assert (
+        "composer-jax rl: starting the rollout side: process 0 stopped the run: EnvServerError: "
+        "tasks directory 'no/such/tasks' does not exist"
+    ) in outs[1]

@@ -1,5 +1,6 @@
 """Small host-side collectives for multi-process jobs: gather JSON from every process, broadcast
-process 0's JSON or host arrays to all, a barrier.
+process 0's JSON or host arrays to all, a barrier; and `ProcessZeroWork`, which turns an error in
+process 0's own work into an error on every process at the next point where they wait on it.
 
 Every process of the job must make the same calls in the same order (they are collectives over
 JAX's devices); with one process they return at once.
@@ -7,7 +8,9 @@ JAX's devices); with one process they return at once.
 
 from __future__ import annotations
 
+import inspect
 import json
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -69,4 +72,103 @@ def barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-__all__ = ["allgather_json", "barrier", "broadcast_arrays", "broadcast_json"]
+class ProcessZeroFailed(RuntimeError):
+    """Raised on the other processes when process 0 reports that its own work failed."""
+
+
+class ProcessZeroWork:
+    """Process 0's own work (no collective: a rollout side, evaluations, file clean-up) in a job of
+    several processes, and the points where the others wait on it (`share`).
+
+    An error in process 0's work cannot simply be raised there: the others would wait in their next
+    collective until JAX's coordination service (on process 0) goes away. So `run` keeps the error
+    (and skips process 0's later work), process 0 keeps entering the collectives every process
+    enters, and at the next `share` it hands the others the error instead of its header: they raise
+    `ProcessZeroFailed` with its message, process 0 raises the error itself. With one process `run`
+    raises at once and `share` returns the header.
+
+    `before_share` runs on every process before each share (the trainer waits for an asynchronous
+    checkpoint commit there: its barrier must not interleave with the broadcast); `broadcast` is
+    the collective (process 0's JSON on every process: `broadcast_json`).
+    """
+
+    def __init__(
+        self,
+        *,
+        lead: bool | None = None,
+        multi: bool | None = None,
+        before_share: Callable[[], None] = lambda: None,
+        broadcast: Callable[[Any], Any] = broadcast_json,
+    ):
+        self.lead = jax.process_index() == 0 if lead is None else lead
+        self.multi = jax.process_count() > 1 if multi is None else multi
+        self.before_share, self.broadcast = before_share, broadcast
+        self.failed: tuple[str, Exception] | None = None  # (where, error) of process 0, not yet shared
+
+    async def run(self, where: str, work: Callable[..., Any], *args: Any) -> Any:
+        """`work(*args)` (awaited when it returns an awaitable) on process 0 unless its work already
+        failed; None on the others (and on process 0 once failed). `where` names the work in the
+        message the others get."""
+        if not self.lead or self.failed is not None:
+            return None
+        try:
+            out = work(*args)
+            return await out if inspect.isawaitable(out) else out
+        except Exception as exc:
+            self._keep(where, exc)
+            return None
+
+    def call(self, where: str, work: Callable[..., Any], *args: Any) -> Any:
+        """`run` for synchronous work."""
+        if not self.lead or self.failed is not None:
+            return None
+        try:
+            return work(*args)
+        except Exception as exc:
+            self._keep(where, exc)
+            return None
+
+    def _keep(self, where: str, exc: Exception) -> None:
+        if not self.multi:
+            raise exc
+        self.failed = (where, exc)
+
+    def share(self, header: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A collective (blocking; every process calls it at the same point): process 0's `header`
+        on every process, or, when process 0's work failed, that error raised on every process."""
+        if not self.multi:
+            if self.failed is not None:
+                raise self.failed[1]
+            return dict(header or {})
+        self.before_share()
+        if self.lead:
+            if self.failed is not None:
+                where, exc = self.failed
+                self.broadcast(failure_header(where, exc))
+                raise exc
+            return self.broadcast({"error": "", **(header or {})})
+        return check_header(self.broadcast(None))
+
+
+def failure_header(where: str, exc: BaseException) -> dict[str, Any]:
+    """The header process 0 sends instead of its own when its work at `where` failed."""
+    return {"error": f"{type(exc).__name__}: {exc}", "where": where}
+
+
+def check_header(header: dict[str, Any]) -> dict[str, Any]:
+    """`header` from process 0, or `ProcessZeroFailed` with its error when it carries one."""
+    if header.get("error"):
+        raise ProcessZeroFailed(f"{header.get('where', '?')}: process 0 stopped the run: {header['error']}")
+    return header
+
+
+__all__ = [
+    "ProcessZeroFailed",
+    "ProcessZeroWork",
+    "allgather_json",
+    "barrier",
+    "broadcast_arrays",
+    "broadcast_json",
+    "check_header",
+    "failure_header",
+]
