@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from composer_jax.checkpoint.manager import TrainCheckpointer, restore_params_only
-from composer_jax.checkpoint.multihost import ProcessZeroWork, broadcast_arrays
+from composer_jax.checkpoint.multihost import ProcessZeroWork, scatter_arrays
 from composer_jax.checkpoint.sharded_publish import ShardedWeightPublisher
 from composer_jax.checkpoint.weight_sync import WeightPublisher, WeightSubscriber, open_store, rewind_store
 from composer_jax.config import Config, ConfigError, to_dict
@@ -350,8 +350,10 @@ async def _run(
     t, r = cfg.train, cfg.rl
     # several processes (a multi-host trainer): process 0 runs the rollout side (environment
     # client, samplers, queue, group store, evaluation), prints and writes the run files; each step
-    # it hands the others the chosen groups' ids and batch (`broadcast_json`, `broadcast_arrays`).
-    # Every collective (batch broadcast, train step, publish, checkpoint) is entered by all in order.
+    # it hands the others the chosen groups' ids (`ProcessZeroWork.share`) and their rows of the batch
+    # (`scatter_arrays`).
+    # Every collective (header share, batch scatter, train step, publish, checkpoint) is entered by all
+    # in order.
     lead, multi = jax.process_index() == 0, jax.process_count() > 1
     if not lead:
         echo = lambda _line: None  # noqa: E731
@@ -425,27 +427,31 @@ async def _run(
         for i in range(r.eval_seeds if name.startswith("gen/") else 1)
     ]
 
-    def global_batch(host: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """The host batch (the same on every process) as arrays on the mesh; each process puts
-        only the rows its devices hold."""
+    def global_batch(host: dict[str, np.ndarray] | None) -> tuple[dict[str, jax.Array], dict[str, float]]:
+        """Process 0's host batch as arrays on the mesh (several processes: each receives only the
+        rows its devices hold, `scatter_arrays`), and the bytes moved: the whole batch, and the
+        most any other process received."""
         if not multi:
-            return {k: jax.device_put(v, b_sh) for k, v in host.items()}
-        out: dict[str, jax.Array] = {}
-        for k, v in host.items():
-            out[k] = jax.make_array_from_callback(v.shape, b_sh, lambda idx, v=v: v[idx])  # type: ignore[misc]
-        return out
+            assert host is not None
+            batch = {k: jax.device_put(v, b_sh) for k, v in host.items()}
+            return batch, {"batch/bytes": float(sum(v.nbytes for v in host.values()))}
+        batch, received = scatter_arrays(host, b_sh)
+        return batch, {
+            "batch/bytes": float(sum(v.nbytes for v in batch.values())),
+            "batch/received_bytes_max": float(max(received)),
+        }
 
     def train_step(state: Any, host: dict[str, np.ndarray] | None, step: int) -> tuple[Any, dict[str, float], Any]:
         """One step of the objective on process 0's batch `host` (None on the others: they receive
-        it here), in a worker thread: the event loop keeps sampling."""
+        their rows here), in a worker thread: the event loop keeps sampling."""
+        batch, moved = global_batch(host)  # (its permute runs on a one-axis mesh of its own)
         with jax.set_mesh(mesh):
-            batch = global_batch(broadcast_arrays(host))
             if ref_fn is not None:
                 batch["ref_logprobs"] = ref_fn(ref_params, batch)
             state, metrics = step_fn(state, batch)
             params = _copy(state.params)
             publish(params, step + 1)
-            return state, scalars(jax.device_get(metrics)), params
+            return state, {**scalars(jax.device_get(metrics)), **moved}, params
 
     def fits(taken: list[Group], g: Group) -> bool:
         if g.rows > t.batch_size:
