@@ -148,6 +148,11 @@ def test_two_process_rl_trains_and_resumes_as_one(tmp_path, monkeypatch) -> None
         for key in ("loss", "reward/total", "rollout/success", "rollout/generated_tokens"):
             assert got[step][key] == pytest.approx(r[key], rel=2e-5, abs=1e-6), (step, key, got[step], r)
         assert got[step]["staleness/max"] == 0 and got[step]["version_lag_max"] == 0
+        # each process receives only its rows: process 1's devices hold rows 4-7 of the 8 (data 2 x
+        # fsdp 2 over 2 processes), half the batch's bytes; the whole batch is 8 rows x 192 tokens
+        # x (6 int32/float32 arrays + routing of 1 MoE layer x k=2 int32) = 49,152 bytes
+        assert got[step]["batch/bytes"] == r["batch/bytes"] == 8 * 192 * (6 * 4 + 1 * 2 * 4)
+        assert got[step]["batch/received_bytes_max"] == got[step]["batch/bytes"] / 2
     for step, r in ref_evals.items():
         assert got_evals[step]["eval/pass@1"] == r["eval/pass@1"], (step, got_evals, ref_evals)
 
@@ -178,3 +183,16 @@ def test_an_error_on_process_0_stops_both(tmp_path, monkeypatch) -> None:
     assert "unknown task_id 'no-such-task'" in outs[0]
     assert "step 0: process 0 stopped the run: RequestRejected" in outs[1]
     assert "unknown task_id 'no-such-task'" in outs[1]
+
+
+def test_a_setup_error_on_process_0_stops_both(tmp_path, monkeypatch) -> None:
+    """Process 0 fails before step 1, outside any step (its local environment servers cannot start:
+    no such tasks directory): process 1, which only trains, gets the error at the setup's end
+    instead of waiting for process 0 in the first step's collectives."""
+    monkeypatch.chdir(REPO)
+    outs = two_processes(tmp_path / "setup", ["rl.tasks_dir=no/such/tasks"], returncodes=[2, 1])
+    assert "composer-jax rl: tasks directory 'no/such/tasks' does not exist" in outs[0]
+    assert (
+        "composer-jax rl: starting the rollout side: process 0 stopped the run: EnvServerError: "
+        "tasks directory 'no/such/tasks' does not exist"
+    ) in outs[1]

@@ -42,6 +42,7 @@ def rl_main(argv: list[str] | None = None) -> int:
     from composer_jax.train.cli import init_jax
 
     init_jax(args)
+    from composer_jax.checkpoint.multihost import ProcessZeroFailed
     from composer_jax.config import ConfigError, load_config
     from composer_jax.rl.envs import EnvServerError
     from composer_jax.rl.trainer import run_rl
@@ -52,6 +53,9 @@ def rl_main(argv: list[str] | None = None) -> int:
     except (ConfigError, EnvServerError, ValueError, FileNotFoundError) as e:
         print(f"composer-jax rl: {e}", file=sys.stderr)
         return 2
+    except ProcessZeroFailed as e:  # a process of a multi-host trainer: process 0's error (it prints the details)
+        print(f"composer-jax rl: {e}", file=sys.stderr)
+        return 1
     last = summary["steps"].get(max(summary["steps"], default=0), {})
     print(
         json.dumps(

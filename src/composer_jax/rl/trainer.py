@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from composer_jax.checkpoint.manager import TrainCheckpointer, restore_params_only
-from composer_jax.checkpoint.multihost import barrier, broadcast_arrays, broadcast_json
+from composer_jax.checkpoint.multihost import ProcessZeroWork, scatter_arrays
 from composer_jax.checkpoint.sharded_publish import ShardedWeightPublisher
 from composer_jax.checkpoint.weight_sync import WeightPublisher, WeightSubscriber, open_store, rewind_store
 from composer_jax.config import Config, ConfigError, to_dict
@@ -262,11 +262,17 @@ def _store_publisher(
             "give an empty store (or remove it)"
         )
     # a trainer stopped after its last checkpoint: the versions it published since are a lost
-    # lineage (its weights died with it); this run publishes those numbers anew
-    if jax.process_index() == 0 and stored and max(stored) > start:
+    # lineage (its weights died with it); this run publishes those numbers anew. Process 0 rewinds,
+    # the others wait for it (and stop with its error if the rewind fails).
+    work = ProcessZeroWork()
+
+    def rewind() -> None:
         gone = rewind_store(open_store(store_url), start)
         echo(f"[rl] weight store rewound to version {start}: versions {gone} were of the lost run")
-    barrier("composer_jax_rl_store_rewound")
+
+    if stored and max(stored) > start:
+        work.call("rewinding the weight store", rewind)
+    work.share()
     multi = jax.process_count() > 1
     publisher = WeightPublisher(store_url) if jax.process_index() == 0 and not multi else None
     per_shard = ShardedWeightPublisher(store_url) if multi else None
@@ -348,8 +354,10 @@ async def _run(
     t, r = cfg.train, cfg.rl
     # several processes (a multi-host trainer): process 0 runs the rollout side (environment
     # client, samplers, queue, group store, evaluation), prints and writes the run files; each step
-    # it hands the others the chosen groups' ids and batch (`broadcast_json`, `broadcast_arrays`).
-    # Every collective (batch broadcast, train step, publish, checkpoint) is entered by all in order.
+    # it hands the others the chosen groups' ids (`ProcessZeroWork.share`) and their rows of the batch
+    # (`scatter_arrays`).
+    # Every collective (header share, batch scatter, train step, publish, checkpoint) is entered by all
+    # in order.
     lead, multi = jax.process_index() == 0, jax.process_count() > 1
     if not lead:
         echo = lambda _line: None  # noqa: E731
@@ -384,12 +392,10 @@ async def _run(
         echo(f"[rl] initialised from {t.init_from}")
     else:
         state = init_train_state(cfg, mesh, rules)
-    ready, again, end = resume_groups(store, done, next_group, start, echo) if lead else ([], [], next_group)
-    if start:
-        echo(
-            f"[rl] resumed from step {start} ({checkpointer.step_dir(start)}) at group {done.below}: "
-            f"{len(ready)} persisted group(s) to train, {len(again)} to sample again"
-        )
+    # process 0's own work (rollout side, evaluations, group files): an error in it stops every
+    # process at the next point where the others wait on process 0 (`work.share`: the setup's end,
+    # each step's header, the end of the run), with process 0's message
+    work = ProcessZeroWork(before_share=checkpointer.wait)
     objective = rl_objective(cfg)
     step_fn = make_train_step(cfg, mesh, rules, objective=objective)
     sharding = MeshRules(mesh, rules)
@@ -425,26 +431,30 @@ async def _run(
         for i in range(r.eval_seeds if name.startswith("gen/") else 1)
     ]
 
-    def global_batch(host: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """The host batch (the same on every process) as arrays on the mesh; each process puts
-        only the rows its devices hold."""
+    def global_batch(host: dict[str, np.ndarray] | None) -> tuple[dict[str, jax.Array], dict[str, float]]:
+        """Process 0's host batch as arrays on the mesh (several processes: each receives only the
+        rows its devices hold, `scatter_arrays`), and the bytes moved: the whole batch, and the
+        most any other process received."""
         if not multi:
-            return {k: jax.device_put(v, b_sh) for k, v in host.items()}
-        out: dict[str, jax.Array] = {}
-        for k, v in host.items():
-            out[k] = jax.make_array_from_callback(v.shape, b_sh, lambda idx, v=v: v[idx])  # type: ignore[misc]
-        return out
+            assert host is not None
+            batch = {k: jax.device_put(v, b_sh) for k, v in host.items()}
+            return batch, {"batch/bytes": float(sum(v.nbytes for v in host.values()))}
+        batch, received = scatter_arrays(host, b_sh)
+        return batch, {
+            "batch/bytes": float(sum(v.nbytes for v in batch.values())),
+            "batch/received_bytes_max": float(max(received)),
+        }
 
     def train_step(state: Any, host: dict[str, np.ndarray] | None, step: int) -> tuple[Any, dict[str, float], Any]:
         """One step of the objective on process 0's batch `host` (None on the others: they receive
-        it here), in a worker thread: the event loop keeps sampling."""
+        their rows here), in a worker thread: the event loop keeps sampling."""
+        t0 = time.perf_counter()
+        batch, moved = global_batch(host)  # (its permute runs on a one-axis mesh of its own)
         with jax.set_mesh(mesh):
-            t0 = time.perf_counter()
-            batch = global_batch(broadcast_arrays(host))
             if ref_fn is not None:
                 batch["ref_logprobs"] = ref_fn(ref_params, batch)
             state, metrics = step_fn(state, batch)
-            values = scalars(jax.device_get(metrics))  # waits for the step
+            values = {**scalars(jax.device_get(metrics)), **moved}  # waits for the step
             t1 = time.perf_counter()
             params = _copy(state.params)
             publish(params, step + 1)
@@ -468,6 +478,16 @@ async def _run(
     async def persist(group: Group) -> None:
         await asyncio.to_thread(store.save, group)
 
+    def resume() -> tuple[list[Group], list[int], int]:
+        out = resume_groups(store, done, next_group, start, echo)
+        if start:
+            echo(
+                f"[rl] resumed from step {start} ({checkpointer.step_dir(start)}) at group {done.below}: "
+                f"{len(out[0])} persisted group(s) to train, {len(out[1])} to sample again"
+            )
+        return out
+
+    ready, again, end = work.call("loading the persisted groups", resume) or ([], [], next_group)
     queue = RolloutQueue(
         sample=sample,
         persist=persist,
@@ -539,8 +559,10 @@ async def _run(
         )
 
     async with contextlib.AsyncExitStack() as stack:
-        if lead:  # the others only train
-            client, policies = await start_rollout_side(stack)
+        # the others only train
+        rollout_side = await work.run("starting the rollout side", start_rollout_side, stack)
+        if rollout_side is not None:
+            client, policies = rollout_side
             pool = PolicyPool(policies)
         samplers = _in_process(policies)
         remotes = [p for p in policies if isinstance(p, RemoteTokenPolicy)]
@@ -636,35 +658,40 @@ async def _run(
             return groups, {"error": "", "groups": [g.index for g in groups], "marked": marked, "values": values}, host
 
         async def take_shared(step: int) -> tuple[list[Group], dict[str, Any], dict[str, np.ndarray] | None]:
-            """`take` on process 0, its header broadcast to the others (they get no groups and no
-            batch: the train step broadcasts it); an error on process 0 stops every process."""
-            if not multi:
-                return await take(step)
-            if lead:
-                try:
-                    groups, header, host = await take(step)
-                except Exception as exc:
-                    await asyncio.to_thread(checkpointer.wait)
-                    await asyncio.to_thread(broadcast_json, {"error": f"{type(exc).__name__}: {exc}"})
-                    raise
-            # the last checkpoint's commit first: orbax ends an asynchronous save with a barrier that
-            # is a device collective in its own thread, which must not interleave with this step's
-            await asyncio.to_thread(checkpointer.wait)
-            if lead:
-                await asyncio.to_thread(broadcast_json, header)
-                return groups, header, host
-            header = await asyncio.to_thread(broadcast_json, None)
-            if header["error"]:
-                raise RuntimeError(f"step {step}: process 0 stopped the run: {header['error']}")
+            """`take` on process 0, its header shared with the others (they get no groups and no
+            batch: the train step sends it); an error on process 0, in `take` or in its work since
+            the last share, stops every process. (Before the share every process waits for the
+            last checkpoint's commit: orbax ends an asynchronous save with a barrier that is a device
+            collective in its own thread, which must not interleave with this step's.)"""
+            taken = await work.run(f"step {step}", take, step)
+            header = await asyncio.to_thread(work.share, taken[1] if taken is not None else None)
+            if taken is not None:
+                return taken[0], header, taken[2]
             return [], header, None
 
+        async def after_step(n: int, trained: int) -> None:
+            """Process 0: the replicas to version n, the queue told of it (`trained` groups)."""
+            if r.max_staleness == 0:  # the next groups must start on version n
+                await load_version(n)
+            else:  # replicas take it between decode steps; tokens keep the version that made them
+                loads.add(asyncio.ensure_future(load_version(n)))
+                loads.difference_update([f for f in loads if f.done()])
+            queue.advance(n, trained)
+
+        async def finish() -> None:
+            """Process 0 at the end of the run: the queue closed, the replicas' health, the final
+            evaluation."""
+            await queue.aclose()
+            summary["samplers"] = await sampler_health()
+            await run_eval(t.steps)
+
         with jax.set_mesh(mesh):
-            if lead and start == 0:
-                await run_eval(0)
+            if start == 0:
+                await work.run("the evaluation at step 0", run_eval, 0)
+            await asyncio.to_thread(work.share)  # the setup's end: the others wait for process 0's
             if start < t.steps:
                 await asyncio.to_thread(publish, state.params, start)
-                if lead:
-                    queue.start()
+                work.call("starting the rollout queue", queue.start)
             ran, waited, busy, t_run = 0, 0.0, 0.0, time.perf_counter()
             for step in range(start, t.steps):
                 t0 = time.perf_counter()
@@ -676,15 +703,7 @@ async def _run(
                 for s in samplers:
                     s.update_weights(params, n)
                 t_load = time.perf_counter()
-                if not lead:
-                    pass
-                elif r.max_staleness == 0:  # the next groups must start on version n
-                    await load_version(n)
-                else:  # replicas take it between decode steps; tokens keep the version that made them
-                    loads.add(asyncio.ensure_future(load_version(n)))
-                    loads.difference_update([f for f in loads if f.done()])
-                if lead:
-                    queue.advance(n, len(groups))
+                await work.run(f"handing version {n} to the samplers", after_step, n, len(groups))
                 t2 = time.perf_counter()
                 waited, busy = waited + t1 - t0, busy + t2 - t1
                 trained = list(header["groups"])
@@ -714,12 +733,12 @@ async def _run(
                         f"reward {values['reward/total']:.3f} success {values['rollout/success']:.2f} "
                         f"mismatch-kl {values.get('mismatch_kl_k1', 0.0):.1e}",
                     )
-                if lead and r.eval_every and n % r.eval_every == 0 and n != t.steps:
-                    await run_eval(n)
+                if r.eval_every and n % r.eval_every == 0 and n != t.steps:
+                    await work.run(f"the evaluation at step {n}", run_eval, n)
                 if covered and (n % ckpt_cfg.save_every == 0 or n == t.steps):
                     checkpointer.wait()  # the earlier save is committed: the files it covers can go
-                    if lead:
-                        store.remove([i for _, ids in covered for i in ids])
+                    gone = [i for _, ids in covered for i in ids]
+                    work.call("removing trained groups' files", store.remove, gone)
                     covered = []
                 # (several processes: process 0's data state is the one written, by orbax's primary host)
                 data_state = {"next_group": queue.next_index, "done": done.state()}
@@ -732,10 +751,9 @@ async def _run(
                     summary["stopped_at"] = n
                     break
             else:
-                if t.steps > start and lead:
-                    await queue.aclose()
-                    summary["samplers"] = await sampler_health()
-                    await run_eval(t.steps)
+                if t.steps > start:
+                    await work.run("the end of the run", finish)
+            await asyncio.to_thread(work.share)  # the others stop with an error process 0 had since
     if progress is not None:
         progress.close()
     checkpointer.wait()
