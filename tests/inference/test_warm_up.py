@@ -66,9 +66,10 @@ def test_warm_up_compiles_every_admission_program_and_changes_nothing(params):
         if sampler is warm:
             assert traced == 0 and sampler.prefill_trace_s == trace_s
         else:
-            # (1, 32): the continuation's 21 tokens past its 13 reused, then the 17-token prompt;
-            # (4, 48): the three new prompts of up to 40 tokens together
-            assert traced == 2 and sampler.prefill_trace_s > trace_s
+            # (1, 32): the continuation's 21 tokens past its 13 reused (and later the 17-token
+            # prompt); the three new prompts of 30, 40 and 3 tokens in parts by bucket: (1, 16) for
+            # the 3, (1, 32) again for the 30, (1, 48) for the 40 (joined they would pad to 4 x 48)
+            assert traced == 3 and sampler.prefill_trace_s > trace_s
     assert len(got) == 5
     for g, r in zip(sorted(got, key=lambda c: c.prompt), sorted(ref, key=lambda c: c.prompt)):
         assert g.prompt == r.prompt and g.tokens == r.tokens
@@ -87,3 +88,26 @@ def test_warm_up_is_refused_where_it_cannot_run(params):
     assert sharded.prefill_shapes() == [(1, 16), (1, 32)]
     with pytest.raises(ValueError, match="one prompt at a time"):
         sharded.warm_up()
+
+
+def test_an_admission_is_prefilled_in_parts_by_bucket(params):
+    """Requests admitted together are prefilled in programs by the bucket of what each prefills: a
+    long prompt does not pad three short ones to its length. Rows are independent, so each gets what
+    it gets prefilled alone."""
+    reqs = [_req(10, 40, 4), _req(11, 5, 4), _req(12, 6, 4), _req(13, 7, 4)]
+    together = Sampler(params, BASE, slots=4, max_len=48)
+    for r in reqs:
+        together.submit(Request(r.prompt, r.params))
+    got = together.step()
+    # (4, 16) for the three short prompts (3 rows padded to 4), (1, 48) for the 40-token one (all in
+    # one program would be (4, 48): 192 padded tokens against 112), and the decode step
+    assert together.compilations == 3 and got == []
+    while together.busy:
+        got += together.step()
+    alone, by_prompt = Sampler(params, BASE, slots=4, max_len=48), {tuple(c.prompt): c for c in got}
+    for r in reqs:
+        c = by_prompt[tuple(r.prompt)]
+        (ref,) = alone.run([Request(r.prompt, r.params)])
+        assert c.prompt == ref.prompt and c.tokens == ref.tokens
+        np.testing.assert_allclose(c.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+        np.testing.assert_array_equal(c.routing, ref.routing)

@@ -3,10 +3,12 @@
 Requests of any prompt and output length join free slots and leave when done, between decode
 steps; every decode step advances all occupied slots by one token with one compiled program
 (static shapes: [slots, 1] tokens over a [slots, max_len] cache). The prompts admitted at one step
-are prefilled together, in a group of a power-of-two rows (at most `slots`), each padded to the
-longest one's power-of-two bucket (speculative and mesh samplers prefill one prompt at a time), so a
-run compiles the decode step once and the prefill once per (group, bucket) it meets
-(`Sampler.compilations` counts them).
+are prefilled together by the power-of-two bucket of what each prefills (a part of similar lengths
+per program, so a short continuation is not padded to a long first prompt), each part a group of a
+power-of-two rows (at most `slots`) padded to its longest row's bucket (speculative and mesh
+samplers prefill one prompt at a time), so a run compiles the decode step once and the prefill once
+per (group, bucket) it meets (`Sampler.compilations` counts them; `Sampler.warm_up` compiles them
+all before the first request).
 
 For every generated token the sampler records its log-probability under the sampling distribution,
 the policy version of the weights that produced it, and for MoE models the experts it was routed to
@@ -627,8 +629,9 @@ class Sampler:
         if self.speculative_tokens or self.mesh is not None:
             for i, request, reuse in admit:
                 done += self._admit(i, request, reuse)
-        elif admit:
-            done += self._admit_group(admit)
+        else:
+            for part in self._admission_parts(admit):
+                done += self._admit_group(part)
         dt = time.perf_counter() - t0
         self.prefill_s += dt
         if self.compilations != traced:
@@ -811,6 +814,27 @@ class Sampler:
             free.remove(best)
             out.append((best, request, self._match(best, prompt)))
         return out
+
+    def _admission_parts(self, admit: list[tuple[int, Request, int]]) -> list[list[tuple[int, Request, int]]]:
+        """The admitted requests split into prefill programs by the bucket of what each prefills:
+        one program pads every row to its longest row's bucket and its rows to a power of two, so a
+        30-token continuation beside a 400-token first prompt would cost a 512-token row. Parts of
+        equal buckets, smallest first; a part joins the next larger one where the joined program has
+        no more padded tokens (its power-of-two rows x bucket) than the two apart."""
+        rows = lambda n: min(self.slots, 1 << (n - 1).bit_length())
+        by: dict[int, list[tuple[int, Request, int]]] = {}
+        for item in admit:
+            by.setdefault(_bucket(len(item[1].prompt) - item[2], self.max_len), []).append(item)
+        parts: list[tuple[int, list[tuple[int, Request, int]]]] = []
+        for bucket in sorted(by):
+            part = by[bucket]
+            if parts:
+                b0, prev = parts[-1]
+                if rows(len(prev) + len(part)) * bucket <= rows(len(prev)) * b0 + rows(len(part)) * bucket:
+                    parts[-1] = (bucket, prev + part)
+                    continue
+            parts.append((bucket, part))
+        return [p for _, p in parts]
 
     def _match(self, i: int, prompt: np.ndarray) -> int:
         """Leading prompt tokens slot i's cached prefix holds (at most all but the last prompt
