@@ -132,6 +132,15 @@ def test_failed_start_is_reported_and_cleaned_up(checkpoint, tmp_path):
         LocalSamplers(tmp_path / "nope", 1)
 
 
+def test_slow_start_names_the_timeout_and_is_cleaned_up(checkpoint, tmp_path):
+    # no replica imports JAX and reads a checkpoint in 0.5 s: the error names the limit to raise
+    samplers = LocalSamplers(checkpoint, 1, log_dir=tmp_path, start_timeout_s=0.5)
+    with pytest.raises(SamplerLaunchError, match=r"sampler replica 0 .* within start_timeout_s=0.5 s"):
+        with samplers:
+            pass
+    assert samplers.procs == []
+
+
 LAUNCHER = """
 import sys, time
 from composer_jax.rl.launch import LocalSamplers

@@ -61,7 +61,8 @@ class LocalSamplers:
 
     cores: one CPU core per replica to pin it to (None: not pinned); the cores must be in this
     process's affinity set. extra_args: more `serve` arguments (e.g. ("--slots", "16", "--max-len",
-    "4096")). start_timeout_s bounds each replica's start (JAX import, checkpoint read)."""
+    "4096")). start_timeout_s bounds each replica's start (JAX import, checkpoint read, and with
+    `--warm-up` the compilation of its admission programs)."""
 
     def __init__(
         self,
@@ -138,7 +139,11 @@ class LocalSamplers:
                     pass
             time.sleep(0.1)
         tail = path.read_text(errors="replace")[-3000:]
-        why = f"exited with status {proc.returncode}" if proc.poll() is not None else "did not answer /health in time"
+        why = (
+            f"exited with status {proc.returncode}"
+            if proc.poll() is not None
+            else f"did not answer /health within start_timeout_s={self.start_timeout_s:g} s"
+        )
         raise SamplerLaunchError(f"sampler replica {i} ({self.checkpoint}) {why}; its log ({path}):\n{tail}")
 
     def __enter__(self) -> tuple[list[str], str]:

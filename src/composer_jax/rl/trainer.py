@@ -551,6 +551,10 @@ async def _run(
                 + ["--max-queued", "100000", "--prefix-cache", r.sampler_prefix_cache]
                 + (["--warm-up"] if r.sampler_warm_up else []),
                 log_dir=out_dir / "samplers",
+                # a warm-up compiles every (group, bucket) admission program before the replica
+                # answers /health: 5-6 min for 48 slots x 768 tokens on one core here, past the
+                # plain start's 300 s (a cached compilation loads in seconds)
+                start_timeout_s=1800.0 if r.sampler_warm_up else 300.0,
             )
             remote = stack.enter_context(launcher)
             echo(f"[rl] started {r.local_samplers} sampler replica(s): {', '.join(remote[0])}")
