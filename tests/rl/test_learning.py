@@ -38,7 +38,7 @@ def rl_config(sft, out_dir):
     tree = to_dict(sft)
     tree["train"].update(
         steps=STEPS, batch_size=16, seq_len=192, out_dir=str(out_dir), log_every=1, tensorboard=False,
-        optimizer={"lr": 0.0015, "warmup_steps": 0, "schedule": "constant", "weight_decay": 0.0},
+        optimizer={"lr": 0.001, "warmup_steps": 0, "schedule": "constant", "weight_decay": 0.0},
     )  # fmt: skip
     tree["data"] = {"tokenizer": str(REPO / "assets" / "tokenizer")}
     tree["agent"] = {"max_turns": 1, "max_turn_tokens": 40, "context_budget": 0, "system_prompt": SYSTEM}
