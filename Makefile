@@ -53,7 +53,7 @@ lint: venv
 	$(VENV)/bin/mypy src/composer_jax pallas_kernels bench tests tools
 
 test: venv system-deps harbor lint
-	$(PY) -m pytest -n 2 -m "not slow" tests
+	$(PY) -m pytest -n 2 -m "not slow" --durations=30 tests
 
 test-all: venv system-deps harbor
 	$(PY) -m pytest -n 2 tests
