@@ -56,7 +56,7 @@ test: venv system-deps harbor lint
 	$(PY) -m pytest -n 2 -m "not slow" --durations=30 tests
 
 test-all: venv system-deps harbor
-	$(PY) -m pytest -n 2 tests
+	COMPOSER_JAX_TEST_XLA_OPT=default $(PY) -m pytest -n 2 tests
 
 clean:
 	rm -rf $(VENV) $(HARBOR_VENV) build *.egg-info src/*.egg-info

@@ -75,7 +75,11 @@ def _assert_same(obj, grads, sums, ref_obj, ref_grads, ref_sums):
         )
 
 
-@pytest.mark.parametrize("name", list(MESHES))
+# fsdp2-expert2-context2 runs in the full suite only: its mesh is also the zero3 case's, under other rules
+SLOW = {"fsdp2-expert2-context2"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in MESHES])
 def test_sharded_step_gradients_equal_single_device(reference, name):
     cfg, params, batch, ref_obj, ref_grads, ref_sums = reference
     mesh = cj.make_mesh(cj.MeshConfig(**MESHES[name]))
