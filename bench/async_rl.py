@@ -8,7 +8,9 @@ which the run saves as its step-0 checkpoint for the replica): the one-choice fi
 `rl.groups_per_step` x `rl.group_size` rollouts, so the same number of samples. In each run the
 trainer's threads are pinned to one core and one `composer-jax serve` replica (the sampler,
 `rl.local_samplers=1`) to another (`rl.pin_cores`), as they would be on separate accelerators;
-the environment server and its graders share the sampler's core. The optimiser runs at an RL
+the environment server and its sandboxes share the sampler's core (`--env-cores samplers`, the
+default) or run on both (`--env-cores all`: where a core is idle, e.g. the synchronous trainer's
+while it waits; on a real deployment they have machines of their own). The optimiser runs at an RL
 learning rate (`--lr`, 1e-6) and each version is published as a bf16 copy
 (`rl.publish_dtype=bfloat16`) to the run's weight store, which the replica follows.
 
@@ -75,6 +77,7 @@ def overrides(out: Path, args: argparse.Namespace, staleness: int) -> list[str]:
         f"rl.staleness_unit={args.unit}",
         "rl.local_samplers=1",
         "rl.pin_cores=true",
+        f"rl.env_cores={args.env_cores}",
         "rl.publish_dtype=bfloat16",
         "rl.sampler_poll_s=5.0",  # the trainer tells the replica each version; polling is the fallback
         *args.overrides,
@@ -138,6 +141,7 @@ def child(args: argparse.Namespace) -> None:
         # every process's seconds on the replica's core, the sandboxes' tool and test runs included
         # (reparented when their sandbox exits, so RUSAGE_CHILDREN above misses them)
         "sampler_core_busy_s": busy1[cores[1]] - busy0[cores[1]] if len(cores) > 1 and busy0 and busy1 else None,
+        "trainer_core_busy_s": busy1[cores[0]] - busy0[cores[0]] if busy0 and busy1 else None,
         "load_wait_s": sum(v.get("time/load_wait_s", 0.0) for v in steps),
         "slots": cfg.rl.sampler_slots,
         "rollouts_per_step": cfg.rl.groups_per_step * cfg.rl.group_size,
@@ -233,6 +237,12 @@ def main() -> None:
     ap.add_argument("--config", default=str(CONFIG), help="the RL config (default: the one-choice fixture task)")
     ap.add_argument("--init-from", default="", help="a checkpoint every run starts from (default: the seeded init)")
     ap.add_argument("--slots", type=int, default=0, help="rl.sampler_slots of every run (default: the config's)")
+    ap.add_argument(
+        "--env-cores",
+        default="samplers",
+        choices=["samplers", "all"],
+        help="rl.env_cores: the environment servers and their sandboxes on the sampler's core or on both",
+    )
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="config KEY=VALUE overrides for every run")
@@ -253,7 +263,8 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--child", str(s), "--out", str(out), "--steps", str(steps)]
             cmd += ["--unit", args.unit, "--lr", str(args.lr), "--group-size", str(args.group_size)]
             cmd += ["--groups-per-step", str(args.groups_per_step), "--config", args.config]
-            cmd += ["--init-from", args.init_from, "--slots", str(args.slots), *args.overrides]
+            cmd += ["--init-from", args.init_from, "--slots", str(args.slots), "--env-cores", args.env_cores]
+            cmd += args.overrides
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
             if proc.returncode != 0:
                 sys.exit(f"run with max_staleness={s} failed:\n{proc.stderr[-4000:]}")
@@ -272,7 +283,8 @@ def main() -> None:
     print(
         f"workload: {args.steps} steps x {args.groups_per_step} groups x {args.group_size} rollouts = {samples} "
         f"samples ({Path(args.config).name}{', from ' + args.init_from if args.init_from else ''}), lr {args.lr:g}, "
-        f"trainer and 1 sampler replica ({rows[0]['slots']} slots) pinned to a core each"
+        f"trainer and 1 sampler replica ({rows[0]['slots']} slots) pinned to a core each; environment servers "
+        f"and sandboxes on {'the sampler core' if args.env_cores == 'samplers' else 'both cores'}"
     )
     print(
         f"{'staleness':>9} {'wall s':>8} {'ratio':>6} {'idle':>6} {'trained':>7} {'dropped':>7} "
@@ -336,7 +348,7 @@ def main() -> None:
     for r in rows:
         replica = sum(h.get("process_cpu_s", 0.0) for h in r["samplers"])
         print(
-            f"{r['staleness']:9d} of the sampler core: replica {replica:7.1f}, environment server and graders "
+            f"{r['staleness']:9d} of the sampler side: replica {replica:7.1f}, environment server and graders "
             f"{r['cpu_sampler_side'] - replica:7.1f} (the replica's own /health figure, taken at the end of the run)"
         )
         if r.get("sampler_core_busy_s") is not None:
@@ -347,7 +359,14 @@ def main() -> None:
                 "s by processes not counted above (the sandboxes' tool and test runs, reparented when their sandbox "
                 "exits, and the kernel's work for them)"
             )
-    if len(rows) > 1:
+        if r.get("trainer_core_busy_s") is not None:
+            print(
+                f"{r['staleness']:9d} the trainer core was busy {r['trainer_core_busy_s']:7.1f} s (/proc/stat, every "
+                f"process), the trainer {r['cpu_trainer']:7.1f}"
+            )
+    if len(rows) > 1 and args.env_cores == "all":
+        print("CPU-seconds bound: not computed (the environments' seconds fall on both cores)")
+    elif len(rows) > 1:
 
         def side(r: dict) -> float:  # its core's /proc/stat seconds where read (the uncounted sandboxes included)
             return r.get("sampler_core_busy_s") or r["cpu_sampler_side"]

@@ -103,6 +103,8 @@ def test_process_config_errors(monkeypatch):
     many = len(os.sched_getaffinity(0)) + 1
     with pytest.raises(ConfigError, match=f"needs {many + 1} cores"):
         check_config(load_config(CONFIG, ["rl.pin_cores=true", f"rl.local_samplers={many}"]))
+    with pytest.raises(ConfigError, match=r"rl.env_cores='trainer' is not accepted; accepted: 'samplers' or 'all'"):
+        load_config(CONFIG, ["rl.env_cores=trainer"])
     with pytest.raises(ConfigError, match="rl.sampler_urls needs rl.weight_store"):
         load_config(CONFIG, ["rl.sampler_urls=[http://127.0.0.1:1]"])
     with pytest.raises(ConfigError, match="not both"):

@@ -215,6 +215,10 @@ class RLConfig:
     # pin the trainer's threads to the first core this process may use and local replica i to the
     # (i+1)-th (as on separate accelerators); needs 1 + local_samplers cores
     pin_cores: bool = False
+    # with pin_cores, where the local environment servers (and the sandboxes they start) run:
+    # "samplers", the replicas' cores; "all", every core this process may use, the trainer's too
+    # (the scheduler puts them where a core is idle)
+    env_cores: str = "samplers"
 
     def __post_init__(self) -> None:
         for name in ("tasks", "env_urls", "eval_tasks", "sampler_urls"):
@@ -264,6 +268,8 @@ class RLConfig:
             raise ConfigError(f"rl.sampler_poll_s={self.sampler_poll_s!r}: expected seconds > 0")
         if not isinstance(self.pin_cores, bool):
             raise ConfigError(f"rl.pin_cores={self.pin_cores!r}: expected true or false")
+        if self.env_cores not in ("samplers", "all"):
+            raise ConfigError(f"rl.env_cores={self.env_cores!r} is not accepted; accepted: 'samplers' or 'all'")
         if self.sampler_prefix_cache not in PREFIX_CACHE_MODES:
             raise ConfigError(
                 f"rl.sampler_prefix_cache={self.sampler_prefix_cache!r} is not accepted; accepted: one of "

@@ -532,7 +532,7 @@ async def _run(
             env_servers = LocalEnvServers(r.tasks_dir, r.env_servers)
             urls, token = stack.enter_context(env_servers)
             echo(f"[rl] started {len(urls)} local environment server(s) on {r.tasks_dir}")
-            if r.pin_cores:  # they (and the graders they start) share the replicas' cores, not the trainer's
+            if r.pin_cores and r.env_cores == "samplers":  # they and their sandboxes share the replicas' cores
                 for proc in env_servers.procs:
                     pin_threads(set(sorted(os.sched_getaffinity(0))[1 : 1 + r.local_samplers]), proc.pid)
         client = await stack.enter_async_context(EnvClient(urls, token))
