@@ -227,6 +227,8 @@ def store_figures(config: str, out: Path, cfg_overrides: list[str], steps: int) 
 
 
 def main() -> None:
+    from composer_jax.config.rl import ENV_CORES
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--staleness", default="0,2", help="comma-separated rl.max_staleness values (the first: baseline)")
@@ -240,7 +242,7 @@ def main() -> None:
     ap.add_argument(
         "--env-cores",
         default="samplers",
-        choices=["samplers", "all"],
+        choices=ENV_CORES,
         help="rl.env_cores: the environment servers and their sandboxes on the sampler's core or on both",
     )
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)

@@ -43,6 +43,7 @@ STALENESS_UNITS = ("token", "group")
 PUBLISH_DTYPES = ("", "bfloat16", "float32")
 # the sampler's prefix KV reuse (inference/sampler.py): never, within one weight version, across versions
 PREFIX_CACHE_MODES = ("none", "version", "keep")
+ENV_CORES = ("samplers", "all")  # rl.env_cores
 
 
 def _number(key: str, value: object, *, low: float | None = None, strict: bool = False) -> None:
@@ -268,8 +269,10 @@ class RLConfig:
             raise ConfigError(f"rl.sampler_poll_s={self.sampler_poll_s!r}: expected seconds > 0")
         if not isinstance(self.pin_cores, bool):
             raise ConfigError(f"rl.pin_cores={self.pin_cores!r}: expected true or false")
-        if self.env_cores not in ("samplers", "all"):
-            raise ConfigError(f"rl.env_cores={self.env_cores!r} is not accepted; accepted: 'samplers' or 'all'")
+        if self.env_cores not in ENV_CORES:
+            raise ConfigError(
+                f"rl.env_cores={self.env_cores!r} is not accepted; accepted: " + " or ".join(repr(m) for m in ENV_CORES)
+            )
         if self.sampler_prefix_cache not in PREFIX_CACHE_MODES:
             raise ConfigError(
                 f"rl.sampler_prefix_cache={self.sampler_prefix_cache!r} is not accepted; accepted: one of "

@@ -31,6 +31,7 @@ import httpx
 
 from composer_jax.rl.envs import stop_processes
 
+START_TIMEOUT_S = 300.0  # LocalSamplers' default bound on a replica's start
 _LISTENING = re.compile(r"composer-jax serve: .* on (http://\S+?)/v1 ")
 
 
@@ -75,7 +76,7 @@ class LocalSamplers:
         api_key: str | None = None,
         extra_args: Sequence[str] = (),
         log_dir: str | os.PathLike | None = None,
-        start_timeout_s: float = 300.0,
+        start_timeout_s: float = START_TIMEOUT_S,
     ):
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise SamplerLaunchError(f"count={count!r} sampler replicas: give an int >= 1")

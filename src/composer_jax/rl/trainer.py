@@ -51,7 +51,7 @@ from composer_jax.rl import batch as rl_batch
 from composer_jax.rl.agent import Rollout, RolloutFailed, run_rollout
 from composer_jax.rl.envs import LocalEnvServers
 from composer_jax.rl.evaluate import SUCCESS, TaskRef, format_paired, outcomes, paired_difference, report, sample_tasks
-from composer_jax.rl.launch import LocalSamplers
+from composer_jax.rl.launch import START_TIMEOUT_S, LocalSamplers
 from composer_jax.rl.loss import reference_logprobs, rl_objective
 from composer_jax.rl.policy import Policy, PolicyPool, SamplerUnavailable, TokenPolicy
 from composer_jax.rl.queue import DoneIds, RolloutQueue, staleness
@@ -554,7 +554,7 @@ async def _run(
                 # a warm-up compiles every (group, bucket) admission program before the replica
                 # answers /health: 5-6 min for 48 slots x 768 tokens on one core here, past the
                 # plain start's 300 s (a cached compilation loads in seconds)
-                start_timeout_s=1800.0 if r.sampler_warm_up else 300.0,
+                start_timeout_s=1800.0 if r.sampler_warm_up else START_TIMEOUT_S,
             )
             remote = stack.enter_context(launcher)
             echo(f"[rl] started {r.local_samplers} sampler replica(s): {', '.join(remote[0])}")
