@@ -175,6 +175,9 @@ class RLConfig:
     env_token: str = ""
     env_servers: int = 1
     tasks_dir: str = "tasks"
+    # while no environment server answers /health (all dead, restarting or unreachable) no group
+    # starts; the run fails with an error after env_wait_s seconds of that
+    env_wait_s: float = 300.0
     sampler_slots: int = 32  # sequences decoded together (rollouts in flight wait for a slot)
     # the samplers' prefix KV reuse (a turn re-sends the conversation; its cached prefix is not
     # prefilled again): "version" = prefixes computed with the current weights only (exact), "keep"
@@ -263,6 +266,8 @@ class RLConfig:
                 f"rl.publish_dtype={self.publish_dtype!r} is not accepted; accepted: one of "
                 + ", ".join(repr(d) for d in PUBLISH_DTYPES)
             )
+        if isinstance(self.env_wait_s, bool) or not isinstance(self.env_wait_s, int | float) or not self.env_wait_s > 0:
+            raise ConfigError(f"rl.env_wait_s={self.env_wait_s!r}: expected seconds > 0")
         if isinstance(self.sampler_poll_s, bool) or not isinstance(self.sampler_poll_s, int | float):
             raise ConfigError(f"rl.sampler_poll_s={self.sampler_poll_s!r}: expected seconds > 0")
         if not self.sampler_poll_s > 0:

@@ -40,6 +40,45 @@ class TaskRef:
         return self.task_id if self.env_seed is None else f"{self.task_id}#{self.env_seed}"
 
 
+def rollout_seed(seed: int, j: int) -> int:
+    """The sampling seed of the j-th rollout drawn under `seed` (an evaluation's (task, sample)
+    pairs, a training group's rollouts): a seed per sample index alone would give sample i of every
+    task the same random draws, and on similar tasks (a generated family's seeds) their outcomes
+    would move together."""
+    return seed * 1_000_003 + j
+
+
+async def run_rollouts(
+    policy: Policy | PolicyPool,
+    client: EnvClient,
+    jobs: Sequence[tuple[TaskRef, int]],
+    cfg: AgentConfig,
+    *,
+    concurrency: int = 0,
+) -> list[Rollout | RolloutFailed]:
+    """One rollout per (task, sampling seed) job, concurrently (at most `concurrency` at once; 0:
+    all), spread over the policies of a `PolicyPool` (a rollout whose sampler became unavailable is
+    redone on another). A rollout whose environment failed on every attempt is returned as its
+    RolloutFailed; any other error is raised once every rollout has ended."""
+    gate = asyncio.Semaphore(concurrency or max(len(jobs), 1))
+    pool = policy if isinstance(policy, PolicyPool) else PolicyPool([policy])
+
+    async def one(task: TaskRef, seed: int) -> Rollout | RolloutFailed:
+        async with gate:
+            try:
+                return await pool.run(
+                    lambda p: run_rollout(p, client, task.task_id, cfg, seed=seed, env_seed=task.env_seed)
+                )
+            except RolloutFailed as exc:
+                return exc
+
+    results = await asyncio.gather(*(one(t, seed) for t, seed in jobs), return_exceptions=True)
+    for res in results:
+        if isinstance(res, BaseException) and not isinstance(res, RolloutFailed):
+            raise res
+    return [r for r in results if isinstance(r, (Rollout, RolloutFailed))]
+
+
 async def sample_tasks(
     policy: Policy | PolicyPool,
     client: EnvClient,
@@ -50,28 +89,12 @@ async def sample_tasks(
     seed: int = 0,
     concurrency: int = 16,
 ) -> dict[TaskRef, list[Rollout | RolloutFailed]]:
-    """`samples` rollouts of every task, at most `concurrency` at once, spread over the policies of
-    a `PolicyPool` (a rollout whose sampler became unavailable is redone on another); a rollout
-    whose environment failed on every attempt is kept as its RolloutFailed (and counted as such).
-    Every rollout has its own sampling seed, `seed * 1_000_003 + j` for the j-th (task, sample)
-    pair: a seed per sample index alone would give sample i of every task the same random draws,
-    and on similar tasks (a generated family's seeds) their outcomes would move together."""
-    gate = asyncio.Semaphore(concurrency)
-    pool = policy if isinstance(policy, PolicyPool) else PolicyPool([policy])
-
-    async def one(task: TaskRef, j: int) -> Rollout | RolloutFailed:
-        async with gate:
-            try:
-                return await pool.run(
-                    lambda p: run_rollout(
-                        p, client, task.task_id, cfg, seed=seed * 1_000_003 + j, env_seed=task.env_seed
-                    )
-                )
-            except RolloutFailed as exc:
-                return exc
-
+    """`samples` rollouts of every task (`run_rollouts`, at most `concurrency` at once), the j-th
+    (task, sample) pair on sampling seed `rollout_seed(seed, j)`; a rollout whose environment failed
+    on every attempt is kept as its RolloutFailed (and counted as such)."""
     jobs = [(t, i) for t in tasks for i in range(samples)]
-    results = await asyncio.gather(*(one(t, j) for j, (t, _) in enumerate(jobs)))
+    seeded = [(t, rollout_seed(seed, j)) for j, (t, _) in enumerate(jobs)]
+    results = await run_rollouts(policy, client, seeded, cfg, concurrency=concurrency)
     out: dict[TaskRef, list[Rollout | RolloutFailed]] = {t: [] for t in tasks}
     for (t, _), r in zip(jobs, results):
         out[t].append(r)
@@ -195,3 +218,61 @@ def write_outputs(
             )
     paths["report"].write_text(json.dumps(report(results), indent=2, sort_keys=True) + "\n")
     return paths
+
+
+def held_out_tasks(names: Sequence[str], seeds: int, first_seed: int) -> list[TaskRef]:
+    """The held-out tasks of a run: each task id once, each `gen/FAMILY` at `seeds` seeds from
+    `first_seed` on (`rl.eval_tasks`, `rl.eval_seeds`, `rl.eval_seed`)."""
+    return [
+        TaskRef(name, first_seed + i if name.startswith("gen/") else None)
+        for name in names
+        for i in range(seeds if name.startswith("gen/") else 1)
+    ]
+
+
+class HeldOutEvaluation:
+    """A run's held-out evaluations: the same tasks and rollout seeds every time, at step 0, every
+    `every` steps and at the end (`due`); each one's per-rollout outcomes kept on disk under
+    `outcome_dir/step_NNNNNN.json` (a resumed run pairs with the step-0 evaluation it did not run),
+    and a later one compared with step 0 pair by pair (`paired_difference`).
+
+    `sample(tasks, samples, seed)` draws the rollouts (the learner's rollout side: its policy pool
+    and environment client)."""
+
+    SEED = 10_000_019  # rollout seeds of every evaluation: rollout_seed(SEED + rl.eval_seed, j)
+
+    def __init__(
+        self,
+        tasks: Sequence[TaskRef],
+        *,
+        samples: int,
+        seed: int,
+        every: int,
+        final_step: int,
+        outcome_dir: str | Path,
+    ):
+        self.tasks, self.samples, self.seed = list(tasks), samples, self.SEED + seed
+        self.every, self.final_step, self.outcome_dir = every, final_step, Path(outcome_dir)
+
+    def due(self, step: int) -> bool:
+        """An evaluation after step `step` inside the run (the start's and the end's are run apart)."""
+        return bool(self.tasks) and bool(self.every) and step % self.every == 0 and step != self.final_step
+
+    async def run(self, step: int, sample: Any) -> tuple[dict[str, float], str] | None:
+        """Evaluate the policy as of `step`: its logged values (eval/...) and a console line; None
+        when the run has no held-out tasks."""
+        if not self.tasks:
+            return None
+        res = await sample(self.tasks, self.samples, self.seed)
+        overall = report(res)["overall"]
+        values = {f"eval/{k}": v for k, v in overall.items()}
+        outs = outcomes(res)
+        self.outcome_dir.mkdir(parents=True, exist_ok=True)
+        (self.outcome_dir / f"step_{step:06d}.json").write_text(json.dumps(outs) + "\n")
+        start_file = self.outcome_dir / f"step_{0:06d}.json"
+        line = f"[rl] step {step} held-out pass@1 {overall['pass@1']:.3f} reward {overall['reward']:.3f}"
+        if step > 0 and start_file.exists():
+            paired = paired_difference(json.loads(start_file.read_text()), outs)
+            values.update({f"eval/paired_{k}": v for k, v in paired.items()})
+            line += f"; paired change from step 0 {format_paired(paired)}"
+        return values, line

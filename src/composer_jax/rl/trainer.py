@@ -25,9 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
-import json
-import logging
 import os
 import time
 from collections.abc import Callable
@@ -38,76 +35,45 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from composer_jax.checkpoint.manager import TrainCheckpointer, restore_params_only
-from composer_jax.checkpoint.multihost import ProcessZeroWork, scatter_arrays
-from composer_jax.checkpoint.sharded_publish import ShardedWeightPublisher
-from composer_jax.checkpoint.weight_sync import WeightPublisher, WeightSubscriber, open_store, rewind_store
+from composer_jax.checkpoint.manager import TrainCheckpointer
 from composer_jax.config import Config, ConfigError, to_dict
-from composer_jax.env.client import EnvClient
 from composer_jax.inference.async_sampler import AsyncSampler
 from composer_jax.inference.sampler import Sampler
-from composer_jax.model.params import abstract_params
 from composer_jax.rl import batch as rl_batch
-from composer_jax.rl.agent import Rollout, RolloutFailed, run_rollout
-from composer_jax.rl.envs import LocalEnvServers
-from composer_jax.rl.evaluate import SUCCESS, TaskRef, format_paired, outcomes, paired_difference, report, sample_tasks
-from composer_jax.rl.launch import START_TIMEOUT_S, LocalSamplers
+from composer_jax.rl.evaluate import SUCCESS, HeldOutEvaluation, held_out_tasks
+from composer_jax.rl.hosts import Hosts
+from composer_jax.rl.ledger import GroupLedger, resume_groups
 from composer_jax.rl.loss import reference_logprobs, rl_objective
-from composer_jax.rl.policy import Policy, PolicyPool, SamplerUnavailable, TokenPolicy
-from composer_jax.rl.queue import DoneIds, RolloutQueue, staleness
+from composer_jax.rl.policy import Policy, TokenPolicy
+from composer_jax.rl.publish import published_copy as _published
+from composer_jax.rl.publish import store_publisher as _store_publisher
+from composer_jax.rl.queue import staleness
 from composer_jax.rl.remote_policy import RemoteTokenPolicy
-from composer_jax.rl.rewards import RolloutStats, compose_reward, mean_components
-from composer_jax.rl.rollout_store import Group, GroupStore, RolloutStoreError
+from composer_jax.rl.restore import Start, restore_or_init
+from composer_jax.rl.rewards import mean_components
+from composer_jax.rl.rollout_side import Rollouts, RolloutSide, pin_threads, rollout_stats, sample_group, task_of
+from composer_jax.rl.rollout_store import Group, GroupStore
 from composer_jax.sharding import MeshRules, ShardingRules, make_mesh
-from composer_jax.train.loop import STAGE_CHANGEABLE, run_checkpoint_config, run_tokenizer
+from composer_jax.train.loop import run_checkpoint_config, run_tokenizer
 from composer_jax.train.observe import Progress, RunLogger, scalars
-from composer_jax.train.state import abstract_train_state, init_train_state
+from composer_jax.train.state import TrainState
 from composer_jax.train.step import batch_sharding, make_train_step
 
-log = logging.getLogger(__name__)
-
-
-def task_of(cfg: Config, index: int) -> TaskRef:
-    """The task of group `index`: rl.tasks in turn; `gen/FAMILY` seeded with rl.task_seed + index."""
-    name = cfg.rl.tasks[index % len(cfg.rl.tasks)]
-    return TaskRef(name, cfg.rl.task_seed + index if name.startswith("gen/") else None)
-
-
-def rollout_stats(r: Rollout) -> RolloutStats:
-    return RolloutStats(
-        grade=r.env_reward,
-        tokens=r.generated_tokens,
-        turns=r.turns,
-        tool_calls=r.tool_calls,
-        broken_tool_calls=r.broken_tool_calls,
-        parallel_tool_turns=min(r.parallel_tool_turns, r.turns),
-    )
-
-
-async def sample_group(policies: PolicyPool | Policy, client: EnvClient, cfg: Config, index: int) -> Group:
-    """`rl.group_size` rollouts of group `index`'s task, concurrently, spread over `policies` (a
-    rollout whose sampler becomes unavailable is redone on another)."""
-    task, g = task_of(cfg, index), cfg.rl.group_size
-    pool = policies if isinstance(policies, PolicyPool) else PolicyPool([policies])
-    seeds = [cfg.train.seed * 1_000_003 + index * g + i for i in range(g)]
-
-    async def one(seed: int) -> Rollout:
-        return await pool.run(
-            lambda p: run_rollout(p, client, task.task_id, cfg.agent, seed=seed, env_seed=task.env_seed)
-        )
-
-    results = await asyncio.gather(*(one(s) for s in seeds), return_exceptions=True)
-    done: list[Rollout] = []
-    failed = 0
-    for res in results:
-        if isinstance(res, RolloutFailed):
-            log.warning("group %d (%s): %s", index, task.name, res)
-            failed += 1
-        elif isinstance(res, BaseException):
-            raise res
-        else:
-            done.append(res)
-    return Group(index, task, done, [compose_reward(rollout_stats(r), cfg.rl.reward) for r in done], failed)
+# the learner's parts, re-exported where callers and tests have always found them
+__all__ = [
+    "Learner",
+    "_published",
+    "_store_publisher",
+    "check_config",
+    "make_policies",
+    "pin_threads",
+    "resume_groups",
+    "rollout_stats",
+    "run_rl",
+    "sample_group",
+    "step_report",
+    "task_of",
+]
 
 
 def step_report(groups: list[Group]) -> dict[str, float]:
@@ -216,90 +182,6 @@ def make_policies(
     return [TokenPolicy(AsyncSampler(inner), tok)]
 
 
-def pin_threads(cores: set[int], pid: int | str = "self") -> int:
-    """Pin every thread of process `pid` (JAX's pools included: `sched_setaffinity` on a pid moves
-    one thread only) to `cores`; returns the number of threads pinned. Children started later
-    inherit the mask."""
-    n = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-            os.sched_setaffinity(int(tid), cores)
-            n += 1
-    return n
-
-
-def _published(params: Any, dtype: str) -> Any:
-    """The host copy published to the weight store: floating leaves cast to `dtype` ("" = as is).
-    With several processes every array is gathered to every process (a collective); the trainer
-    then publishes per shard instead (`_store_publisher`)."""
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        host = multihost_utils.process_allgather(params, tiled=True)
-    else:
-        host = jax.device_get(params)
-    if not dtype:
-        return host
-    return jax.tree.map(lambda x: x.astype(dtype) if np.issubdtype(x.dtype, np.floating) else x, host)
-
-
-def _store_publisher(
-    store_url: str, *, resumed: bool, start: int, dtype: str, echo: Callable[[str], None]
-) -> Callable[[Any, int], None]:
-    """`publish(params, version)`, which every process of the trainer calls for every version (a
-    collective): one process gathers (`_published`) and writes with a `WeightPublisher`; several
-    each write their own shards (`ShardedWeightPublisher`: no host gathers the model). On a resume
-    the store is rewound to the checkpoint's version `start` first."""
-    if not store_url:
-        return lambda params, version: None
-    # the store's versions before this run: every process reads them (a publish is a collective,
-    # which all must skip or all take)
-    stored = set(WeightSubscriber(store_url).versions())
-    if stored and (not resumed or (start not in stored and max(stored) > start)):
-        raise ConfigError(
-            f"rl.weight_store={store_url!r} holds versions {sorted(stored)[:5]}..{max(stored)} that are not this "
-            f"run's ({'a fresh run' if not resumed else f'resumed at step {start}, a version it lacks'}); "
-            "give an empty store (or remove it)"
-        )
-    # a trainer stopped after its last checkpoint: the versions it published since are a lost
-    # lineage (its weights died with it); this run publishes those numbers anew. Process 0 rewinds,
-    # the others wait for it (and stop with its error if the rewind fails).
-    work = ProcessZeroWork()
-
-    def rewind() -> None:
-        gone = rewind_store(open_store(store_url), start)
-        echo(f"[rl] weight store rewound to version {start}: versions {gone} were of the lost run")
-
-    if stored and max(stored) > start:
-        work.call("rewinding the weight store", rewind)
-    work.share()
-    multi = jax.process_count() > 1
-    publisher = WeightPublisher(store_url) if jax.process_index() == 0 and not multi else None
-    per_shard = ShardedWeightPublisher(store_url) if multi else None
-
-    def publish(params: Any, version: int) -> None:
-        if version == start and start in stored:  # the checkpoint's own weights, published before it
-            return
-        if per_shard is not None:
-            per_shard.publish(params, version, dtype=dtype)
-            return
-        host = _published(params, dtype)
-        if publisher is not None:
-            publisher.publish(host, version)
-
-    return publish
-
-
-def _in_process(policies: list[Policy]) -> list[AsyncSampler]:
-    """The in-process samplers behind `policies` (they take new weights by `update_weights`)."""
-    out: list[AsyncSampler] = []
-    for p in policies:
-        s = getattr(p, "sampler", None)
-        if isinstance(s, AsyncSampler) and s not in out:
-            out.append(s)
-    return out
-
-
 def run_rl(
     cfg: Config,
     *,
@@ -318,457 +200,308 @@ def run_rl(
     return asyncio.run(_run(cfg, mesh, init_params, echo, stop_after))
 
 
-def resume_groups(
-    store: GroupStore, done: DoneIds, next_group: int, version: int, echo: Callable[[str], None]
-) -> tuple[list[Group], list[int], int]:
-    """The persisted groups not done yet (loaded), the ids that were in flight (re-sampled), and
-    one past the highest id used. Files of done groups are removed, and so are those of groups with
-    tokens of a policy version after `version` (the checkpoint resumed from): a trainer stopped after
-    its last checkpoint published versions that died with it, and those groups are sampled again."""
-    ready: list[Group] = []
-    on_disk = store.indices()
-    store.remove([i for i in on_disk if i in done])
-    for i in on_disk:
-        if i in done:
-            continue
-        try:
-            g = store.load(i)
-        except RolloutStoreError as exc:
-            echo(f"[rl] {exc}; group {i} is sampled again")
-            continue
-        if g.newest_token_version() > version:
-            newest = g.newest_token_version()
-            echo(f"[rl] group {i}: a token of version {newest}, lost with the stopped run; sampled again")
-            store.remove([i])
-            continue
-        ready.append(g)
-    end = max([next_group, *(i + 1 for i in on_disk)])
-    have = {g.index for g in ready}
-    again = [i for i in range(done.below, end) if i not in done and i not in have]
-    return ready, again, end
-
-
 async def _run(
     cfg: Config, mesh, init_params: Any, echo: Callable[[str], None], stop_after: int | None
 ) -> dict[str, Any]:
-    t, r = cfg.train, cfg.rl
-    # several processes (a multi-host trainer): process 0 runs the rollout side (environment
-    # client, samplers, queue, group store, evaluation), prints and writes the run files; each step
-    # it hands the others the chosen groups' ids (`ProcessZeroWork.share`) and their rows of the batch
-    # (`scatter_arrays`).
-    # Every collective (header share, batch scatter, train step, publish, checkpoint) is entered by all
-    # in order.
-    lead, multi = jax.process_index() == 0, jax.process_count() > 1
-    if not lead:
-        echo = lambda _line: None  # noqa: E731
-    mesh = mesh if mesh is not None else make_mesh(cfg.mesh)
-    rules = ShardingRules.create(cfg.sharding_rules)
-    tok = run_tokenizer(cfg)
-    out_dir = Path(t.out_dir)
-    ckpt_cfg = run_checkpoint_config(cfg)
-    run_config = to_dict(cfg)
-    checkpointer = TrainCheckpointer(ckpt_cfg)
-    store = GroupStore(out_dir / "rollouts")
-    outcome_dir = out_dir / "eval_outcomes"  # step_NNNNNN.json: each evaluation's per-rollout success
-    next_group, start, done = 0, 0, DoneIds()
-    resumed = checkpointer.latest_step() is not None
-    if resumed:
-        restored = checkpointer.restore(abstract_train_state(cfg, mesh, rules), config=run_config)
-        state, start = restored.train_state, restored.step
-        data_state = restored.data_state or {}
-        next_group = int(data_state.get("next_group", 0))
-        # runs saved before the queue: every group below next_group was trained
-        done = DoneIds.from_state(data_state["done"]) if "done" in data_state else DoneIds(next_group)
-    elif init_params is not None:
-        state = init_train_state(cfg, mesh, rules, init_params)
-    elif t.init_from:
-        params = restore_params_only(
-            t.init_from,
-            abstract_params(cfg.model, mesh, rules),
-            config=run_config,
-            allow_config_changes=STAGE_CHANGEABLE,
+    learner = Learner(cfg, mesh=mesh, init_params=init_params, echo=echo)
+    async with contextlib.AsyncExitStack() as stack:
+        await learner.start_rollout_side(stack)
+        await learner.run(stop_after)
+    return learner.close()
+
+
+class Learner:
+    """One learner (module docstring): the train state and its step, the group ledger, the weight
+    publisher, the held-out evaluation and, on process 0, the rollout side (`Rollouts`).
+
+    Built in two parts so that a step can run without any process or server: the constructor
+    restores or initialises the state and builds the step (no child process, no connection);
+    `attach(rollouts)` gives it a rollout side (`start_rollout_side` starts the real one); then
+    `await step(n)` trains step n, or `await run()` the whole loop."""
+
+    def __init__(self, cfg: Config, *, mesh=None, init_params: Any = None, echo: Callable[[str], None] = print):
+        t, r = cfg.train, cfg.rl
+        self.cfg = cfg
+        self.checkpointer = TrainCheckpointer(run_checkpoint_config(cfg))
+        self.hosts = Hosts(before_share=self.checkpointer.wait)
+        self.echo = echo if self.hosts.lead else (lambda _line: None)
+        self.mesh = mesh if mesh is not None else make_mesh(cfg.mesh)
+        self.rules = ShardingRules.create(cfg.sharding_rules)
+        self.tok = run_tokenizer(cfg)
+        self.out_dir = Path(t.out_dir)
+        self.run_config = to_dict(cfg)
+        self.store = GroupStore(self.out_dir / "rollouts")
+        begin = restore_or_init(
+            cfg,
+            self.mesh,
+            self.rules,
+            self.checkpointer,
+            run_config=self.run_config,
+            init_params=init_params,
+            echo=self.echo,
         )
-        state = init_train_state(cfg, mesh, rules, params)
-        echo(f"[rl] initialised from {t.init_from}")
-    else:
-        state = init_train_state(cfg, mesh, rules)
-    # process 0's own work (rollout side, evaluations, group files): an error in it stops every
-    # process at the next point where the others wait on process 0 (`work.share`: the setup's end,
-    # each step's header, the end of the run), with process 0's message
-    work = ProcessZeroWork(before_share=checkpointer.wait)
-    objective = rl_objective(cfg)
-    step_fn = make_train_step(cfg, mesh, rules, objective=objective)
-    sharding = MeshRules(mesh, rules)
-    b_sh = batch_sharding(mesh, rules, (t.batch_size, t.seq_len))
-    ref_params = ref_fn = None
-    if r.loss.kl_coef > 0:  # the frozen reference: the policy the run started from
-        ref_params = _copy(state.params)
-        ref_fn = jax.jit(lambda p, b: reference_logprobs(p, b, cfg, sharding))
-    store_url = r.weight_store or (f"file://{out_dir.resolve()}/weight_store" if r.local_samplers else "")
-    publish = _store_publisher(store_url, resumed=resumed, start=start, dtype=r.publish_dtype, echo=echo)
+        self.begin: Start = begin
+        self.state: TrainState = begin.state
+        self.ledger = GroupLedger(begin.done)
+        self.step_fn = make_train_step(cfg, self.mesh, self.rules, objective=rl_objective(cfg))
+        self.batch_sharding = batch_sharding(self.mesh, self.rules, (t.batch_size, t.seq_len))
+        self.ref_params = self.ref_fn = None
+        if r.loss.kl_coef > 0:  # the frozen reference: the policy the run started from
+            sharding = MeshRules(self.mesh, self.rules)
+            self.ref_params = _copy(self.state.params)
+            self.ref_fn = jax.jit(lambda p, b: reference_logprobs(p, b, cfg, sharding))
+        self.store_url = r.weight_store or (f"file://{self.out_dir.resolve()}/weight_store" if r.local_samplers else "")
+        self.publish = _store_publisher(
+            self.store_url, resumed=begin.resumed, start=begin.step, dtype=r.publish_dtype, echo=self.echo
+        )
+        self.logger = RunLogger(self.out_dir, "rl", t.tensorboard, enabled=self.hosts.lead)
+        self.progress = Progress(t.steps, begin.step) if self.hosts.lead else None
+        self.evaluation = HeldOutEvaluation(
+            held_out_tasks(r.eval_tasks, r.eval_seeds, r.eval_seed),
+            samples=r.eval_samples,
+            seed=r.eval_seed,
+            every=r.eval_every,
+            final_step=t.steps,
+            outcome_dir=self.out_dir / "eval_outcomes",
+        )
+        self.rollouts: Rollouts | None = None
+        self.summary: dict[str, Any] = {"steps": {}, "evals": [], "start_step": begin.step}
+        self._waited = self._busy = 0.0  # the step loop's time waiting for groups / training
 
-    if r.local_samplers and not resumed:
-        # the replicas start from a checkpoint of the run (then follow the store): step `start`
-        data_state = {"next_group": next_group, "done": done.state()}
-        checkpointer.save(start, state, data_state=data_state, config=run_config, force=True)
-        checkpointer.wait()
-    policies: list[Policy] = []
-    samplers: list[AsyncSampler] = []
-    remotes: list[RemoteTokenPolicy] = []
-    logger = RunLogger(out_dir, "rl", t.tensorboard, enabled=lead)
-    progress = Progress(t.steps, start) if lead else None
-    summary: dict[str, Any] = {
-        "steps": {},
-        "evals": [],
-        "start_step": start,
-        "trained_groups": {},
-        "dropped_stale_groups": [],
-        "lost_groups": [],
-    }
-    eval_tasks = [
-        TaskRef(name, r.eval_seed + i if name.startswith("gen/") else None)
-        for name in r.eval_tasks
-        for i in range(r.eval_seeds if name.startswith("gen/") else 1)
-    ]
+    # -- the rollout side ---------------------------------------------------------------------------
+    def resume_state(self) -> dict[str, Any]:
+        """Process 0: the persisted groups to train first, the ids to sample again, one past the
+        highest id used, the version and the group budget: what the rollout queue starts from."""
+        b, t = self.begin, self.cfg.train
+        ready, again, end = resume_groups(self.store, self.ledger.done, b.next_group, b.step, self.echo)
+        if b.step:
+            self.echo(
+                f"[rl] resumed from step {b.step} ({self.checkpointer.step_dir(b.step)}) at group "
+                f"{self.ledger.done.below}: {len(ready)} persisted group(s) to train, {len(again)} to sample again"
+            )
+        budget = (t.steps - b.step) * self.cfg.rl.groups_per_step
+        return {"ready": ready, "again": again, "end": end, "version": b.step, "budget": budget}
 
-    def global_batch(host: dict[str, np.ndarray] | None) -> tuple[dict[str, jax.Array], dict[str, float]]:
-        """Process 0's host batch as arrays on the mesh (several processes: each receives only the
-        rows its devices hold, `scatter_arrays`), and the bytes moved: the whole batch, and the
-        most any other process received."""
-        if not multi:
-            assert host is not None
-            batch = {k: jax.device_put(v, b_sh) for k, v in host.items()}
-            return batch, {"batch/bytes": float(sum(v.nbytes for v in host.values()))}
-        batch, received = scatter_arrays(host, b_sh)
-        return batch, {
-            "batch/bytes": float(sum(v.nbytes for v in batch.values())),
-            "batch/received_bytes_max": float(max(received)),
-        }
+    async def start_rollout_side(self, stack: contextlib.AsyncExitStack) -> None:
+        """Process 0: start the real rollout side (`RolloutSide.start`), closed by `stack`; the
+        other processes only train."""
+        if self.cfg.rl.local_samplers and not self.begin.resumed:
+            # the replicas start from a checkpoint of the run (then follow the store): step `start`
+            self._save(self.begin.step, force=True)
+            self.checkpointer.wait()
 
-    def train_step(state: Any, host: dict[str, np.ndarray] | None, step: int) -> tuple[Any, dict[str, float], Any]:
-        """One step of the objective on process 0's batch `host` (None on the others: they receive
-        their rows here), in a worker thread: the event loop keeps sampling."""
-        t0 = time.perf_counter()
-        batch, moved = global_batch(host)  # (its permute runs on a one-axis mesh of its own)
-        with jax.set_mesh(mesh):
-            if ref_fn is not None:
-                batch["ref_logprobs"] = ref_fn(ref_params, batch)
-            state, metrics = step_fn(state, batch)
-            values = {**scalars(jax.device_get(metrics)), **moved}  # waits for the step
-            t1 = time.perf_counter()
-            params = _copy(state.params)
-            publish(params, step + 1)
-            # the step's parts: the batch and the update, then the new version to the weight store
-            values.update({"time/update_s": t1 - t0, "time/publish_s": time.perf_counter() - t1})
-            return state, values, params
+        async def start() -> RolloutSide:
+            return await RolloutSide.start(
+                stack,
+                self.cfg,
+                make_policies=make_policies,
+                policy_args={
+                    "params": _copy(self.state.params),
+                    "tok": self.tok,
+                    "version": self.begin.step,
+                    "mesh": self.mesh,
+                    "rules": self.rules,
+                },
+                checkpoint_dir=self.checkpointer.config.directory,
+                out_dir=self.out_dir,
+                echo=self.echo,
+                queue=self.resume_state(),
+                store=self.store,
+                store_url=self.store_url,
+                sample_group=sample_group,
+            )
 
-    def fits(taken: list[Group], g: Group) -> bool:
-        if g.rows > t.batch_size:
+        self.attach(await self.hosts.run("starting the rollout side", start))
+
+    def attach(self, rollouts: Rollouts | None) -> None:
+        """The rollout side this process drives (None on processes other than 0)."""
+        self.rollouts = rollouts
+
+    # -- one step -----------------------------------------------------------------------------------
+    def fits(self, taken: list[Group], g: Group) -> bool:
+        """Whether group `g` still fits the batch after `taken`."""
+        rows = self.cfg.train.batch_size
+        if g.rows > rows:
             raise ConfigError(
                 f"group {g.index} ({g.task.name}) has {g.rows} generations but a batch holds train.batch_size="
-                f"{t.batch_size} rows; raise train.batch_size to at least rl.group_size x (1 + agent.max_summaries)"
+                f"{rows} rows; raise train.batch_size to at least rl.group_size x (1 + agent.max_summaries)"
             )
-        return sum(x.rows for x in taken) + g.rows <= t.batch_size
+        return sum(x.rows for x in taken) + g.rows <= rows
 
-    async def sample(index: int, version: int) -> Group:
-        group = await sample_group(pool, client, cfg, index)
-        group.version = version
-        return group
-
-    async def persist(group: Group) -> None:
-        await asyncio.to_thread(store.save, group)
-
-    def resume() -> tuple[list[Group], list[int], int]:
-        out = resume_groups(store, done, next_group, start, echo)
-        if start:
-            echo(
-                f"[rl] resumed from step {start} ({checkpointer.step_dir(start)}) at group {done.below}: "
-                f"{len(out[0])} persisted group(s) to train, {len(out[1])} to sample again"
+    async def take(self, step: int) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """Process 0: step `step`'s header (the ids it trains, the ids finished untrained since the
+        last step, its groups' logged values) and its host batch."""
+        assert self.rollouts is not None
+        r = self.cfg.rl
+        groups, stale = await self.rollouts.take(step, self.fits)
+        finished = self.rollouts.finished_untrained()
+        so_far = self.ledger.untrained_so_far(finished)
+        if not groups:
+            raise RuntimeError(
+                f"step {step}: no group left to train (lost: {so_far['lost_groups']}, dropped as stale: "
+                f"{so_far['dropped_stale_groups']}); see the warnings above"
             )
-        return out
-
-    ready, again, end = work.call("loading the persisted groups", resume) or ([], [], next_group)
-    queue = RolloutQueue(
-        sample=sample,
-        persist=persist,
-        order=itertools.chain(again, itertools.count(end)),
-        ready=ready,
-        version=start,
-        groups_per_step=r.groups_per_step,
-        max_staleness=r.max_staleness,
-        unit=r.staleness_unit,
-        max_in_flight=r.max_groups_in_flight,
-        queue_size=r.queue_size,
-        budget=(t.steps - start) * r.groups_per_step,
-    )
-    queue.next_index = max(queue.next_index, end)
-    covered: list[tuple[int, list[int]]] = []  # (checkpoint step, group files it makes removable)
-    pending_files: list[int] = []  # done groups whose files wait for a checkpoint
-
-    def mark_done() -> dict[str, list[int]]:
-        """Ids the queue dropped or lost since the last call (process 0), by summary key."""
-        out: dict[str, list[int]] = {}
-        for lst, key in ((queue.dropped_stale, "dropped_stale_groups"), (queue.lost, "lost_groups")):
-            out[key] = list(lst)
-            lst.clear()
-        return out
-
-    def apply_done(marked: dict[str, list[int]]) -> list[int]:
-        """Mark dropped or lost ids done (every process: the checkpoint's state); returns them."""
-        out = []
-        for key, ids in marked.items():
-            for i in ids:
-                done.add(i)
-                summary[key].append(i)
-                out.append(i)
-        return out
-
-    async def start_rollout_side(stack: contextlib.AsyncExitStack) -> tuple[EnvClient, list[Policy]]:
-        """Process 0's rollout side: the environment client (servers started when no URLs are
-        given) and the samplers (in process, or replicas by URL or started here)."""
-        if r.env_urls:
-            urls, token = list(r.env_urls), r.env_token or os.environ.get("COMPOSER_JAX_ENV_TOKEN", "")
-        else:
-            env_servers = LocalEnvServers(r.tasks_dir, r.env_servers)
-            urls, token = stack.enter_context(env_servers)
-            echo(f"[rl] started {len(urls)} local environment server(s) on {r.tasks_dir}")
-            if r.pin_cores and r.env_cores == "samplers":  # they and their sandboxes share the replicas' cores
-                for proc in env_servers.procs:
-                    pin_threads(set(sorted(os.sched_getaffinity(0))[1 : 1 + r.local_samplers]), proc.pid)
-        client = await stack.enter_async_context(EnvClient(urls, token))
-        remote = None
-        if r.sampler_urls:
-            remote = (list(r.sampler_urls), r.sampler_token or os.environ.get("COMPOSER_JAX_SAMPLER_TOKEN", ""))
-        elif r.local_samplers:
-            cores = sorted(os.sched_getaffinity(0))
-            launcher = LocalSamplers(
-                ckpt_cfg.directory,
-                r.local_samplers,
-                weights_from=store_url,
-                poll_interval_s=r.sampler_poll_s,
-                cores=cores[1 : 1 + r.local_samplers] if r.pin_cores else None,
-                extra_args=["--version", str(start), "--slots", str(r.sampler_slots), "--max-len", str(t.seq_len)]
-                + ["--max-queued", "100000", "--prefix-cache", r.sampler_prefix_cache]
-                + (["--warm-up"] if r.sampler_warm_up else []),
-                log_dir=out_dir / "samplers",
-                # a warm-up compiles every (group, bucket) admission program before the replica
-                # answers /health: 5-6 min for 48 slots x 768 tokens on one core here, past the
-                # plain start's 300 s (a cached compilation loads in seconds)
-                start_timeout_s=1800.0 if r.sampler_warm_up else START_TIMEOUT_S,
-            )
-            remote = stack.enter_context(launcher)
-            echo(f"[rl] started {r.local_samplers} sampler replica(s): {', '.join(remote[0])}")
-        return client, make_policies(
-            cfg, _copy(state.params), tok, version=start, mesh=mesh, rules=rules, remote=remote
+        if stale:
+            self.echo(f"[rl] step {step + 1}: dropped {len(stale)} stale group(s) {[g.index for g in stale]}")
+        rollouts = [
+            rl_batch.ScoredRollout(g.index, b.total, [rl_batch.trained_part(x) for x in ro.generations])
+            for g in groups
+            for ro, b in zip(g.rollouts, g.rewards)
+        ]
+        host = rl_batch.build_batch(rollouts, self.cfg)
+        lags = [staleness(g, step, r.staleness_unit) for g in groups]
+        values = {**step_report(groups), **rl_batch.version_lag(rollouts, step)}
+        values.update(
+            {
+                "staleness/mean": float(np.mean(lags)),
+                "staleness/max": float(max(lags)),
+                **{f"staleness/groups_{d}": float(lags.count(d)) for d in range(r.max_staleness + 1)},
+                "rl/dropped_stale_groups": float(len(so_far["dropped_stale_groups"])),
+                **self.rollouts.queue_values(),
+            }
         )
+        header = {"error": "", "groups": [g.index for g in groups], "finished": finished, "values": values}
+        return header, host
 
-    async with contextlib.AsyncExitStack() as stack:
-        # the others only train
-        rollout_side = await work.run("starting the rollout side", start_rollout_side, stack)
-        if rollout_side is not None:
-            client, policies = rollout_side
-            pool = PolicyPool(policies)
-        samplers = _in_process(policies)
-        remotes = [p for p in policies if isinstance(p, RemoteTokenPolicy)]
-        if r.pin_cores:
-            pinned = pin_threads({sorted(os.sched_getaffinity(0))[0]})
-            echo(f"[rl] trainer pinned to core {sorted(os.sched_getaffinity(0))[0]} ({pinned} threads)")
+    def train(self, host: dict[str, np.ndarray] | None, version: int) -> tuple[dict[str, float], Any]:
+        """One step of the objective on process 0's batch `host` (None on the others: they receive
+        their rows here), in a worker thread; publishes the new weights as `version`. Returns the
+        step's values and the sampler's copy of the new weights."""
+        t0 = time.perf_counter()
+        batch, moved = self.hosts.batch(host, self.batch_sharding)  # (its permute has a one-axis mesh of its own)
+        with jax.set_mesh(self.mesh):
+            if self.ref_fn is not None:
+                batch["ref_logprobs"] = self.ref_fn(self.ref_params, batch)
+            self.state, metrics = self.step_fn(self.state, batch)
+            values = {**scalars(jax.device_get(metrics)), **moved}  # waits for the step
+            t1 = time.perf_counter()
+            params = _copy(self.state.params)
+            self.publish(params, version)
+            # the step's parts: the batch and the update, then the new version to the weight store
+            values.update({"time/update_s": t1 - t0, "time/publish_s": time.perf_counter() - t1})
+            return values, params
 
-        async def load_version(version: int) -> None:
-            """Every replica in rotation serves `version` before its groups are sampled."""
+    async def step(self, step: int) -> dict[str, float]:
+        """Train step `step` -> policy version step + 1: take its groups (process 0; shared with the
+        others), train, hand the version to the samplers; returns the step's logged values."""
+        t0 = time.perf_counter()
+        taken = await self.hosts.run(f"step {step}", self.take, step)
+        header = await self.hosts.share(taken[0] if taken is not None else None)
+        self.ledger.finish_untrained(header["finished"])
+        t1 = time.perf_counter()
+        values, params = await asyncio.to_thread(self.train, taken[1] if taken is not None else None, step + 1)
+        t_load = time.perf_counter()
+        if self.rollouts is not None:
+            where, trained = f"handing version {step + 1} to the samplers", len(header["groups"])
+            await self.hosts.run(where, self.rollouts.hand_over, params, step + 1, trained)
+        t2 = time.perf_counter()
+        self._waited, self._busy = self._waited + t1 - t0, self._busy + t2 - t1
+        self.ledger.finish_trained(step + 1, list(header["groups"]))
+        values.update(header["values"])
+        values.update(
+            {
+                "time/wait_s": t1 - t0,
+                "time/train_s": t2 - t1,
+                "time/load_wait_s": t2 - t_load,  # waiting for replicas to serve the version
+                "time/step_s": t2 - t0,
+            }
+        )
+        return values
 
-            async def one(p: RemoteTokenPolicy) -> None:
-                try:
-                    await p.load_version(version, store_url)
-                except SamplerUnavailable as exc:
-                    pool.remove(p, str(exc))
+    # -- the loop -----------------------------------------------------------------------------------
+    async def evaluate(self, step: int) -> None:
+        """Process 0: the held-out evaluation of the policy as of `step`."""
+        assert self.rollouts is not None
+        out = await self.evaluation.run(step, self.rollouts.sample_tasks)
+        if out is None:
+            return
+        values, line = out
+        self.summary["evals"].append({"step": step, **values})
+        self.logger.log(step, values)
+        self.echo(line)
 
-            await asyncio.gather(*(one(p) for p in remotes if p in pool.alive))
+    def _save(self, n: int, *, force: bool = False) -> bool:
+        """Checkpoint step `n` (train state, next group id, done ids) when due or forced."""
+        # (several processes: process 0's data state is the one written, by orbax's primary host)
+        next_group = self.rollouts.next_index if self.rollouts is not None else self.begin.next_group
+        data_state = {"next_group": next_group, "done": self.ledger.done.state()}
+        return self.checkpointer.save(n, self.state, data_state=data_state, config=self.run_config, force=force)
 
-        loads: set[asyncio.Future] = set()  # version loads in flight (asynchronous runs)
-        stack.push_async_callback(lambda: asyncio.gather(*loads, return_exceptions=True))
+    def checkpoint(self, n: int) -> None:
+        """After step `n`: remove the files of groups the last committed checkpoint covers, then
+        checkpoint when due (the ids done so far are then covered by it)."""
+        every, last = self.checkpointer.config.save_every, self.cfg.train.steps
+        if self.ledger.has_removable() and (n % every == 0 or n == last):
+            self.checkpointer.wait()  # the earlier save is committed: the files it covers can go
+            self.hosts.call("removing trained groups' files", self.store.remove, self.ledger.removable())
+        if self._save(n, force=n == last):
+            self.ledger.saved(n)
 
-        for s in samplers:
-            stack.push_async_callback(s.aclose)
-        for p in policies:  # policies over other processes hold connections
-            if callable(getattr(p, "aclose", None)):
-                stack.push_async_callback(p.aclose)  # type: ignore[attr-defined]
-        stack.push_async_callback(queue.aclose)
-
-        async def sampler_health() -> list[dict]:
-            """Each replica's /health at the end of the step loop (decode steps, slot occupancy)."""
-            out = []
-            for p in remotes:
-                with contextlib.suppress(SamplerUnavailable):
-                    out.append(await p.health())
-            return out
-
-        async def run_eval(step: int) -> None:
-            if not eval_tasks:
-                return
-            # asynchronous runs: the replicas serve the evaluated version first (its load may be in flight)
-            await asyncio.gather(*loads, return_exceptions=True)
-            res = await sample_tasks(pool, client, eval_tasks, r.eval_samples, cfg.agent, seed=10_000_019 + r.eval_seed)
-            overall = report(res)["overall"]
-            ev = {f"eval/{k}": v for k, v in overall.items()}
-            # per-rollout outcomes, kept on disk (a resumed run pairs with the step-0 evaluation it
-            # did not run): every evaluation uses the same rollout seeds, so a later one is compared
-            # with the start pair by pair (rl/evaluate.py::paired_difference)
-            outs = outcomes(res)
-            outcome_dir.mkdir(parents=True, exist_ok=True)
-            (outcome_dir / f"step_{step:06d}.json").write_text(json.dumps(outs) + "\n")
-            start_file = outcome_dir / f"step_{0:06d}.json"
-            line = f"[rl] step {step} held-out pass@1 {overall['pass@1']:.3f} reward {overall['reward']:.3f}"
-            if step > 0 and start_file.exists():
-                paired = paired_difference(json.loads(start_file.read_text()), outs)
-                ev.update({f"eval/paired_{k}": v for k, v in paired.items()})
-                line += f"; paired change from step 0 {format_paired(paired)}"
-            summary["evals"].append({"step": step, **ev})
-            logger.log(step, ev)
-            echo(line)
-
-        async def take(step: int) -> tuple[list[Group], dict[str, Any], dict[str, np.ndarray]]:
-            """Process 0: the step's groups, what every process needs of them (ids trained, ids
-            dropped or lost, their logged values) and their batch."""
-            groups, stale = await queue.take(step, fits)
-            marked = mark_done()
-            if not groups:
-                lost = summary["lost_groups"] + marked["lost_groups"]
-                dropped = summary["dropped_stale_groups"] + marked["dropped_stale_groups"]
-                raise RuntimeError(
-                    f"step {step}: no group left to train (lost: {lost}, dropped as stale: {dropped}); "
-                    "see the warnings above"
-                )
-            if stale:
-                echo(f"[rl] step {step + 1}: dropped {len(stale)} stale group(s) {[g.index for g in stale]}")
-            rollouts = [
-                rl_batch.ScoredRollout(g.index, b.total, [rl_batch.trained_part(x) for x in ro.generations])
-                for g in groups
-                for ro, b in zip(g.rollouts, g.rewards)
-            ]
-            host = rl_batch.build_batch(rollouts, cfg)
-            lags = [staleness(g, step, r.staleness_unit) for g in groups]
-            values = {**step_report(groups), **rl_batch.version_lag(rollouts, step)}
-            values.update(
-                {
-                    "staleness/mean": float(np.mean(lags)),
-                    "staleness/max": float(max(lags)),
-                    **{f"staleness/groups_{d}": float(lags.count(d)) for d in range(r.max_staleness + 1)},
-                    "rl/dropped_stale_groups": float(
-                        len(summary["dropped_stale_groups"]) + len(marked["dropped_stale_groups"])
-                    ),
-                }
+    def record(self, n: int, values: dict[str, float]) -> None:
+        """Step `n`'s values into the summary, the logs and the progress line."""
+        self.summary["steps"][n] = values
+        if n % self.cfg.train.log_every == 0 or n == self.cfg.train.steps:
+            self.logger.log(n, values)
+        if self.progress is not None:
+            self.progress.update(
+                n,
+                f"reward {values['reward/total']:.3f} success {values['rollout/success']:.2f} "
+                f"mismatch-kl {values.get('mismatch_kl_k1', 0.0):.1e}",
             )
-            return groups, {"error": "", "groups": [g.index for g in groups], "marked": marked, "values": values}, host
 
-        async def take_shared(step: int) -> tuple[list[Group], dict[str, Any], dict[str, np.ndarray] | None]:
-            """`take` on process 0, its header shared with the others (they get no groups and no
-            batch: the train step sends it); an error on process 0, in `take` or in its work since
-            the last share, stops every process. (Before the share every process waits for the
-            last checkpoint's commit: orbax ends an asynchronous save with a barrier that is a device
-            collective in its own thread, which must not interleave with this step's.)"""
-            taken = await work.run(f"step {step}", take, step)
-            header = await asyncio.to_thread(work.share, taken[1] if taken is not None else None)
-            if taken is not None:
-                return taken[0], header, taken[2]
-            return [], header, None
+    async def finish(self) -> None:
+        """Process 0 at the end of the run: the rollout queue stopped, the replicas' health, the
+        final evaluation."""
+        assert self.rollouts is not None
+        await self.rollouts.stop_queue()
+        self.summary["samplers"] = await self.rollouts.health()
+        await self.evaluate(self.cfg.train.steps)
 
-        async def after_step(n: int, trained: int) -> None:
-            """Process 0: the replicas to version n, the queue told of it (`trained` groups)."""
-            if r.max_staleness == 0:  # the next groups must start on version n
-                await load_version(n)
-            else:  # replicas take it between decode steps; tokens keep the version that made them
-                loads.add(asyncio.ensure_future(load_version(n)))
-                loads.difference_update([f for f in loads if f.done()])
-            queue.advance(n, trained)
-
-        async def finish() -> None:
-            """Process 0 at the end of the run: the queue closed, the replicas' health, the final
-            evaluation."""
-            await queue.aclose()
-            summary["samplers"] = await sampler_health()
-            await run_eval(t.steps)
-
-        with jax.set_mesh(mesh):
+    async def run(self, stop_after: int | None = None) -> None:
+        """Steps from the start step to train.steps (or `stop_after` of them, as a crash would),
+        with the evaluations, checkpoints and the end of the run."""
+        start, steps = self.begin.step, self.cfg.train.steps
+        with jax.set_mesh(self.mesh):
             if start == 0:
-                await work.run("the evaluation at step 0", run_eval, 0)
-            await asyncio.to_thread(work.share)  # the setup's end: the others wait for process 0's
-            if start < t.steps:
-                await asyncio.to_thread(publish, state.params, start)
-                work.call("starting the rollout queue", queue.start)
-            ran, waited, busy, t_run = 0, 0.0, 0.0, time.perf_counter()
-            for step in range(start, t.steps):
-                t0 = time.perf_counter()
-                groups, header, host = await take_shared(step)
-                pending_files += apply_done(header["marked"])
-                t1 = time.perf_counter()
-                state, values, params = await asyncio.to_thread(train_step, state, host, step)
+                await self.hosts.run("the evaluation at step 0", self.evaluate, 0)
+            await self.hosts.share()  # the setup's end: the others wait for process 0's
+            if start < steps:
+                await asyncio.to_thread(self.publish, self.state.params, start)
+                if self.rollouts is not None:
+                    self.hosts.call("starting the rollout queue", self.rollouts.start_queue)
+            t_run = time.perf_counter()
+            for ran, step in enumerate(range(start, steps), 1):
                 n = step + 1
-                for s in samplers:
-                    s.update_weights(params, n)
-                t_load = time.perf_counter()
-                await work.run(f"handing version {n} to the samplers", after_step, n, len(groups))
-                t2 = time.perf_counter()
-                waited, busy = waited + t1 - t0, busy + t2 - t1
-                trained = list(header["groups"])
-                for i in trained:
-                    done.add(i)
-                pending_files += trained
-                summary["trained_groups"][n] = trained
-                values.update(header["values"])
-                if lead:
-                    values.update(
-                        {"queue/ready": float(len(queue.ready)), "queue/in_flight": float(len(queue.in_flight))}
-                    )
-                values.update(
-                    {
-                        "time/wait_s": t1 - t0,
-                        "time/train_s": t2 - t1,
-                        "time/load_wait_s": t2 - t_load,  # waiting for replicas to serve version n
-                        "time/step_s": t2 - t0,
-                    }
-                )
-                summary["steps"][n] = values
-                if n % t.log_every == 0 or n == t.steps:
-                    logger.log(n, values)
-                if progress is not None:
-                    progress.update(
-                        n,
-                        f"reward {values['reward/total']:.3f} success {values['rollout/success']:.2f} "
-                        f"mismatch-kl {values.get('mismatch_kl_k1', 0.0):.1e}",
-                    )
-                if r.eval_every and n % r.eval_every == 0 and n != t.steps:
-                    await work.run(f"the evaluation at step {n}", run_eval, n)
-                if covered and (n % ckpt_cfg.save_every == 0 or n == t.steps):
-                    checkpointer.wait()  # the earlier save is committed: the files it covers can go
-                    gone = [i for _, ids in covered for i in ids]
-                    work.call("removing trained groups' files", store.remove, gone)
-                    covered = []
-                # (several processes: process 0's data state is the one written, by orbax's primary host)
-                data_state = {"next_group": queue.next_index, "done": done.state()}
-                if checkpointer.save(n, state, data_state=data_state, config=run_config, force=n == t.steps):
-                    covered.append((n, pending_files))
-                    pending_files = []
-                ran += 1
-                summary["wall_s"] = time.perf_counter() - t_run  # of the step loop
+                self.record(n, await self.step(step))
+                if self.evaluation.due(n):
+                    await self.hosts.run(f"the evaluation at step {n}", self.evaluate, n)
+                self.checkpoint(n)
+                self.summary["wall_s"] = time.perf_counter() - t_run  # of the step loop
                 if stop_after is not None and ran >= stop_after:
-                    summary["stopped_at"] = n
+                    self.summary["stopped_at"] = n
                     break
             else:
-                if t.steps > start:
-                    await work.run("the end of the run", finish)
-            await asyncio.to_thread(work.share)  # the others stop with an error process 0 had since
-    if progress is not None:
-        progress.close()
-    checkpointer.wait()
-    for _, ids in covered:
-        if lead:
-            store.remove(ids)
-    checkpointer.close()
-    logger.close()
-    summary.setdefault("wall_s", 0.0)
-    # the share of the trainer's loop spent waiting for groups (not training, publishing, updating)
-    summary["trainer_idle_fraction"] = waited / (waited + busy) if waited + busy > 0 else 0.0
-    summary["final_step"] = t.steps
-    summary["checkpoint_dir"] = ckpt_cfg.directory
-    return summary
+                if steps > start:
+                    await self.hosts.run("the end of the run", self.finish)
+            await self.hosts.share()  # the others stop with an error process 0 had since
+
+    def close(self) -> dict[str, Any]:
+        """Wait for the last checkpoint, remove the files it covers, close the logs; the summary."""
+        if self.progress is not None:
+            self.progress.close()
+        self.checkpointer.wait()
+        removable = self.ledger.removable()
+        if self.hosts.lead:
+            self.store.remove(removable)
+        self.checkpointer.close()
+        self.logger.close()
+        s, ledger = self.summary, self.ledger
+        s["trained_groups"] = ledger.trained
+        s.update(ledger.untrained)
+        s.setdefault("wall_s", 0.0)
+        # the share of the trainer's loop spent waiting for groups (not training, publishing, updating)
+        total = self._waited + self._busy
+        s["trainer_idle_fraction"] = self._waited / total if total > 0 else 0.0
+        s["final_step"] = self.cfg.train.steps
+        s["checkpoint_dir"] = self.checkpointer.config.directory
+        return s
