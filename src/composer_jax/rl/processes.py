@@ -351,14 +351,20 @@ class Launcher:
                 for c in self._children:
                     self._spawn(c)
             while not self._stop.is_set():
+                for c in self._children:
+                    if self._stop.is_set():
+                        break
+                    try:
+                        with self._lock:
+                            probe = self._step(c)
+                        if probe is not None:  # outside the lock: the learner's calls do not wait for it
+                            healthy = self._healthy(probe)
+                            with self._lock:
+                                if healthy and c.state == _STARTING and c.seen_url == probe:
+                                    self._ready(c, probe)
+                    except Exception:  # the supervisor must outlive any one child's trouble
+                        log.exception("%s: supervising %s failed", self.kind, c.spec.name)
                 with self._lock:
-                    for c in self._children:
-                        if self._stop.is_set():
-                            break
-                        try:
-                            self._step(c)
-                        except Exception:  # the supervisor must outlive any one child's trouble
-                            log.exception("%s: supervising %s failed", self.kind, c.spec.name)
                     if not self._started.is_set():
                         if self._start_error is not None:
                             self._started.set()
@@ -400,22 +406,23 @@ class Launcher:
                 return
         c.state = _STARTING
 
-    def _step(self, c: _Child) -> None:
+    def _step(self, c: _Child) -> str | None:
+        """Advance `c` by what happened since the last look; the URL to probe for /health, if any."""
         now = time.monotonic()
         if c.state == _STARTING:
             assert c.proc is not None
             if (rc := c.proc.poll()) is not None:
                 self._failed(c, describe_exit(rc))
-                return
+                return None
             if c.seen_url is None:
                 c.scan_ready()
-            if c.seen_url is not None and self._healthy(c.seen_url):
-                self._ready(c, c.seen_url)
-            elif now >= c.deadline:
+            if now >= c.deadline:
                 c.proc.kill()
                 c.proc.wait()
                 missed = "print its ready line" if c.seen_url is None else f"answer {c.seen_url}/health"
                 self._failed(c, f"did not {missed} within start_timeout_s={self.start_timeout_s:g} s")
+                return None
+            return c.seen_url
         elif c.state == _ALIVE:
             assert c.proc is not None
             if (rc := c.proc.poll()) is not None:
@@ -425,6 +432,7 @@ class Launcher:
             c.recent.append(now)
             log.info("%s: restarting %s on port %d (restart %d)", self.kind, c.spec.name, c.port, c.restarts)
             self._spawn(c)
+        return None
 
     @staticmethod
     def _healthy(url: str) -> bool:
