@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -118,6 +119,28 @@ def test_killed_server_is_reaped_and_restarted_on_its_url(tmp_path, caplog):
     said = caplog.text
     assert f"environment server 0 (pid {first.pid}, {urls[0]}) was killed by SIGKILL; restarting it" in said
     assert f"environment server 0 is back at {urls[0]} (pid {second.pid}, restart 1)" in said
+
+
+def test_a_server_whose_port_was_taken_moves_and_its_url_is_updated_in_place(tmp_path):
+    servers = LocalEnvServers(
+        ENV_FIXTURE_TASKS, token=TOKEN, extra_args=SANDBOX_ARGS, log_dir=tmp_path, restart=RestartPolicy(backoff_s=0.5)
+    )
+    with servers as (urls, _):
+        old = urls[0]
+        (proc,) = servers.procs
+        taker = socket.socket()
+        try:
+            taker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+            taker.bind(("127.0.0.1", int(old.rsplit(":", 1)[1])))  # before the restart (0.5 s later)
+            taker.listen(1)
+            assert _until(lambda: servers.restart_counts() == [2] and servers.alive_urls(), timeout_s=60)
+        finally:
+            taker.close()
+        assert urls[0] != old and servers.alive_urls() == urls  # the list the caller holds
+        assert httpx.get(urls[0] + "/health", timeout=5).status_code == 200
+    assert "cannot bind 127.0.0.1:" in (tmp_path / "env-server-0.log").read_text()
 
 
 def test_a_server_that_fails_at_once_is_given_up_with_the_reason(tmp_path, caplog):
