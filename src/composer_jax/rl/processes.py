@@ -170,14 +170,13 @@ def check_cores(cores: Collection[int], error: type[Exception] = LaunchError, wh
     return frozenset(given)
 
 
-_STARTING, _ALIVE, _BACKOFF, _GIVEN_UP, _FAILED, _STOPPED = (
-    "starting",
-    "alive",
-    "backoff",
-    "given up",
-    "failed",
-    "stopped",
-)
+# a child's states
+_STARTING = "starting"  # spawned, waiting for its ready line and /health
+_ALIVE = "alive"
+_BACKOFF = "backoff"  # down, restarted at `next_start`
+_GIVEN_UP = "given up"
+_FAILED = "failed"  # its first start failed (the start raises)
+_STOPPED = "stopped"
 
 
 class _Child:
@@ -253,7 +252,6 @@ class Launcher:
         self._started = threading.Event()
         self._start_error: str | None = None
         self._thread: threading.Thread | None = None
-        self._launcher_pid = os.getpid()
 
     # ------------------------------------------------------------------ the learner's API
     @property
@@ -385,7 +383,7 @@ class Launcher:
         spec = c.spec
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         cores = "-" if spec.cores is None else ",".join(str(x) for x in sorted(spec.cores))
-        cmd = [sys.executable, "-c", BOOTSTRAP, cores, str(self._launcher_pid), *spec.argv(c.port)]
+        cmd = [sys.executable, "-c", BOOTSTRAP, cores, str(os.getpid()), *spec.argv(c.port)]
         with open(spec.log_path, "ab" if c.ever_ready else "wb") as out:
             if c.ever_ready:
                 out.write(f"--- composer-jax launcher: restart {c.restarts} on port {c.port} ---\n".encode())
