@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from live_env import ENV_FIXTURE_TASKS, HAVE_BWRAP
+from live_env import ENV_FIXTURE_TASKS, HAVE_BWRAP, needs_bwrap
 
 from composer_jax.rl.envs import EnvServerError, LocalEnvServers
 from composer_jax.rl.processes import ChildSpec, Launcher, LaunchError, RestartPolicy, parse_ready_line, ready_line
@@ -98,8 +98,11 @@ def test_killed_server_is_reaped_and_restarted_on_its_url(tmp_path, caplog):
         (first,) = servers.procs
         assert os.sched_getaffinity(first.pid) == {core}  # pinned by the bootstrap
         log = (tmp_path / "env-server-0.log").read_text().splitlines()
-        assert log[0].startswith(f"composer-jax env-server listening on {urls[0]} ")  # the human line stays first
-        assert parse_ready_line(log[1]) == (urls[0], first.pid)
+        # the human-readable line stays (first on stdout; stderr shares the log), then the ready line
+        human = [i for i, line in enumerate(log) if line.startswith(f"composer-jax env-server listening on {urls[0]} ")]
+        ready = [i for i, line in enumerate(log) if parse_ready_line(line)]
+        assert len(human) == 1 and len(ready) == 1 and human[0] < ready[0]
+        assert parse_ready_line(log[ready[0]]) == (urls[0], first.pid)
         assert servers.restart_counts() == [0]
 
         os.kill(first.pid, signal.SIGKILL)
@@ -255,6 +258,37 @@ def test_no_child_outlives_a_sigkilled_launcher(tmp_path):
                     os.kill(p, signal.SIGTERM)
         if shell is not None:
             shell.join(10)
+
+
+@needs_bwrap  # bubblewrap's --die-with-parent (the unsafe backend's tools go only with a server's shutdown)
+def test_a_sigkilled_servers_sandboxed_tools_go_with_it_and_it_is_restarted(tmp_path):
+    servers = LocalEnvServers(ENV_FIXTURE_TASKS, token=TOKEN, log_dir=tmp_path, restart=FAST)
+    with servers as (urls, _):
+        (proc,) = servers.procs
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        sid = httpx.post(urls[0] + "/sessions", json={"task_id": "fix-add"}, headers=headers, timeout=30).json()
+        call = {"calls": [{"id": "c1", "name": "run_shell", "arguments": {"command": "sleep 300"}}]}
+
+        def run_shell() -> None:
+            with contextlib.suppress(httpx.HTTPError):  # the server dies under it
+                httpx.post(f"{urls[0]}/sessions/{sid['session_id']}/tools", json=call, headers=headers, timeout=60)
+
+        shell = threading.Thread(target=run_shell, daemon=True)
+        shell.start()
+        assert _until(lambda: any("sleep 300" in _cmdline(p) for p in _descendants(proc.pid))), "no tool process"
+        tools = _descendants(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)  # no shutdown runs in the server
+        try:
+            assert _until(lambda: all(_gone(p) for p in tools), timeout_s=20), [
+                (p, _cmdline(p)) for p in tools if not _gone(p)
+            ]
+        finally:
+            for p in tools:
+                if not _gone(p):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p, signal.SIGKILL)
+        assert servers.wait_alive(1, timeout_s=60) == urls
+        shell.join(10)
 
 
 def test_bad_arguments_get_clear_errors(tmp_path):
