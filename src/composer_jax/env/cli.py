@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ipaddress
+import json
 import os
 import secrets
 import socket
@@ -151,8 +152,15 @@ def env_server_main(argv: list[str]) -> int:
         http="auto",
         access_log=False,
     )
-    server = uvicorn.Server(config)
-    server.run(sockets=[sock])
+
+    class ReadyServer(uvicorn.Server):
+        # once uvicorn serves: the ready line a run's launcher waits for (rl/processes.py)
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:
+                print(json.dumps({"event": "ready", "url": url, "pid": os.getpid()}), flush=True)
+
+    ReadyServer(config).run(sockets=[sock])
     return 0
 
 

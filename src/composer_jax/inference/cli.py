@@ -323,7 +323,7 @@ def serve_main(argv: list[str] | None = None) -> int:
     )
     if host not in ("127.0.0.1", "::1", "localhost"):
         print(f"composer-jax serve: WARNING: listening on {host}, reachable from other machines", file=sys.stderr)
-    run_uvicorn(server.app, sock, args.log_level)
+    run_uvicorn(server.app, sock, args.log_level, ready_url=url)
     engine.stop()
     return 0
 
@@ -377,15 +377,23 @@ def build_server(
     return server, engine
 
 
-def run_uvicorn(app: Any, sock: socket.socket, log_level: str = "warning") -> None:
+def run_uvicorn(app: Any, sock: socket.socket, log_level: str = "warning", ready_url: str | None = None) -> None:
+    """Serve `app` on `sock`; with `ready_url`, print the ready line `{"event": "ready", "url": ...,
+    "pid": ...}` once uvicorn serves (what a run's launcher waits for: rl/processes.py)."""
     import uvicorn
+
+    class ReadyServer(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started and ready_url is not None:
+                print(json.dumps({"event": "ready", "url": ready_url, "pid": os.getpid()}), flush=True)
 
     # keep-alive well past a client's pauses between turns (uvicorn's 5 s default closes pooled
     # connections the learner is about to reuse)
     config = uvicorn.Config(
         app, log_level=log_level, access_log=False, timeout_graceful_shutdown=5, timeout_keep_alive=75
     )
-    uvicorn.Server(config).run(sockets=[sock])
+    ReadyServer(config).run(sockets=[sock])
 
 
 # ---------------------------------------------------------------------------- sample

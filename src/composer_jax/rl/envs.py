@@ -2,43 +2,34 @@
 
 With no URLs configured, a run starts its own servers (the embedded default) as child processes
 on free ports of 127.0.0.1, with a fresh token, and stops them when it ends. They are separate
-processes, as on a cluster: a server that dies costs its sessions only (the agent restarts them).
+processes, as on a cluster: a server that dies costs its sessions only (the agent restarts them),
+and `rl.processes.Launcher` restarts the server on its port. They die with the launching process
+(the bootstrap's death signal; bubblewrap's `--die-with-parent` takes their sandboxes along).
 """
 
 from __future__ import annotations
 
 import os
-import re
 import secrets
-import subprocess
-import sys
-import time
+from collections.abc import Collection
 from pathlib import Path
 
-import httpx
+from composer_jax.rl.processes import ChildSpec, Launcher, LaunchError, RestartPolicy, check_cores, log_dir_or_temp
+
+ENV_START_TIMEOUT_S = 120.0  # an env server imports no JAX: it is up in about a second
 
 
-class EnvServerError(RuntimeError):
+class EnvServerError(LaunchError):
     pass
 
 
-def stop_processes(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
-    """Terminate the running children (SIGTERM), SIGKILL those still alive after `grace_s`, wait
-    for each (no zombies), and empty the list."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    procs.clear()
+class LocalEnvServers(Launcher):
+    """`with LocalEnvServers(tasks_dir, count) as (urls, token):` - servers on 127.0.0.1.
 
-
-class LocalEnvServers:
-    """`with LocalEnvServers(tasks_dir, count) as (urls, token):` - servers on 127.0.0.1."""
+    cores: CPU cores for every server and its sandboxes (None: not pinned), out of this process's
+    affinity set. extra_args: more `env-server` arguments. log_dir: where `env-server-<i>.log` go
+    (default: a temporary directory, removed by `stop`). restart: the restart policy
+    (`rl.processes.RestartPolicy`)."""
 
     def __init__(
         self,
@@ -47,55 +38,53 @@ class LocalEnvServers:
         *,
         token: str | None = None,
         extra_args: tuple[str, ...] = (),
+        cores: Collection[int] | None = None,
+        log_dir: str | os.PathLike | None = None,
+        start_timeout_s: float = ENV_START_TIMEOUT_S,
+        restart: RestartPolicy | None = None,
     ):
-        if count < 1:
-            raise ValueError(f"count={count} local environment servers: give at least 1")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"count={count!r} local environment servers: give at least 1")
         if not Path(tasks_dir).is_dir():
             raise EnvServerError(f"tasks directory {str(tasks_dir)!r} does not exist or is not a directory")
-        self.tasks_dir, self.count, self.extra = Path(tasks_dir), count, extra_args
+        if token is not None and len(token) < 16:
+            raise EnvServerError("token must be at least 16 characters")
+        pinned = None if cores is None else check_cores(cores, EnvServerError)
+        self.tasks_dir, self.count, self.extra = Path(tasks_dir), count, tuple(extra_args)
         self.token = token or secrets.token_urlsafe(24)
-        self.procs: list[subprocess.Popen] = []
-        self.urls: list[str] = []
+        self.log_dir, self._tmp = log_dir_or_temp(log_dir, "composer-jax-env-servers-")
 
-    def _start_one(self) -> tuple[subprocess.Popen, str]:
-        env = dict(os.environ, COMPOSER_JAX_ENV_TOKEN=self.token)
-        cmd = [sys.executable, "-m", "composer_jax.cli", "env-server", "--tasks", str(self.tasks_dir)]
-        proc = subprocess.Popen(
-            [*cmd, "--host", "127.0.0.1", "--port", "0", *self.extra],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
+        def argv(port: int) -> list[str]:
+            return [
+                "env-server",
+                "--tasks",
+                str(self.tasks_dir),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                *self.extra,
+            ]
+
+        specs = [
+            ChildSpec(
+                name=f"environment server {i}",
+                argv=argv,
+                log_path=self.log_dir / f"env-server-{i}.log",
+                env={"COMPOSER_JAX_ENV_TOKEN": self.token},
+                cores=pinned,
+            )
+            for i in range(count)
+        ]
+        super().__init__(
+            specs, kind="env_servers", start_timeout_s=start_timeout_s, restart=restart, error=EnvServerError
         )
-        assert proc.stdout is not None and proc.stderr is not None
-        line = proc.stdout.readline()
-        match = re.search(r"listening on (\S+)", line)
-        if not match:
-            proc.kill()
-            raise EnvServerError(f"environment server did not start: {line!r} {proc.stderr.read()[-2000:]}")
-        url = match.group(1)
-        for _ in range(200):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    return proc, url
-            except httpx.HTTPError:
-                time.sleep(0.05)
-        proc.kill()
-        raise EnvServerError(f"environment server at {url} never answered /health")
 
-    def __enter__(self) -> tuple[list[str], str]:
-        try:
-            for _ in range(self.count):
-                proc, url = self._start_one()
-                self.procs.append(proc)
-                self.urls.append(url)
-        except BaseException:
-            self.stop()
-            raise
-        return self.urls, self.token
+    def __enter__(self) -> tuple[list[str], str]:  # type: ignore[override]
+        return self.start(), self.token
 
     def stop(self) -> None:
-        stop_processes(self.procs)
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+        super().stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
