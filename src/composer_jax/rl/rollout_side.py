@@ -37,6 +37,7 @@ from composer_jax.rl.envs import LocalEnvServers
 from composer_jax.rl.evaluate import TaskRef, rollout_seed, run_rollouts, sample_tasks
 from composer_jax.rl.launch import START_TIMEOUT_S, LocalSamplers
 from composer_jax.rl.policy import Policy, PolicyPool, SamplerUnavailable
+from composer_jax.rl.processes import Launcher
 from composer_jax.rl.queue import RolloutQueue
 from composer_jax.rl.remote_policy import RemoteTokenPolicy
 from composer_jax.rl.rewards import RolloutStats, compose_reward
@@ -107,7 +108,7 @@ class Rollouts(Protocol):
 
     def finished_untrained(self) -> dict[str, list[int]]: ...
 
-    def queue_values(self) -> dict[str, float]: ...
+    def queue_values(self) -> dict[str, float]: ...  # logged with each step
 
     async def hand_over(self, params: Any, version: int, trained: int) -> None: ...
 
@@ -133,8 +134,10 @@ class RolloutSide:
         store: GroupStore,
         store_url: str,
         sample_group: SampleGroup = sample_group,
+        launchers: Sequence[Launcher] = (),
     ):
         self.cfg, self.client, self.store, self.store_url = cfg, client, store, store_url
+        self.launchers = list(launchers)  # the local children (environment servers, replicas) it supervises
         self.pool = PolicyPool(policies)
         self.in_process: list[AsyncSampler] = []  # they take new weights by `update_weights`
         for p in policies:
@@ -178,17 +181,18 @@ class RolloutSide:
         connection they hold is closed by `stack`. `make_policies(cfg, **policy_args, remote=...)`
         makes the policies; the rest of `kwargs` go to the constructor."""
         r = cfg.rl
-        urls, token = await _env_servers(stack, cfg, echo)
+        urls, token, env_launcher = await _env_servers(stack, cfg, out_dir, echo)
+        launchers: list[Launcher] = [env_launcher] if env_launcher is not None else []
         client = await stack.enter_async_context(EnvClient(urls, token))
         remote = None
         if r.sampler_urls:
             remote = (list(r.sampler_urls), r.sampler_token or os.environ.get("COMPOSER_JAX_SAMPLER_TOKEN", ""))
         elif r.local_samplers:
-            remote = stack.enter_context(
-                _local_samplers(cfg, checkpoint_dir, kwargs["store_url"], policy_args["version"], out_dir)
-            )
+            samplers = _local_samplers(cfg, checkpoint_dir, kwargs["store_url"], policy_args["version"], out_dir)
+            remote = stack.enter_context(samplers)
+            launchers.append(samplers)
             echo(f"[rl] started {r.local_samplers} sampler replica(s): {', '.join(remote[0])}")
-        side = cls(cfg, client, make_policies(cfg, **policy_args, remote=remote), **kwargs)
+        side = cls(cfg, client, make_policies(cfg, **policy_args, remote=remote), launchers=launchers, **kwargs)
         stack.push_async_callback(side.aclose)
         if r.pin_cores:
             core = sorted(os.sched_getaffinity(0))[0]
@@ -248,7 +252,11 @@ class RolloutSide:
         return out
 
     def queue_values(self) -> dict[str, float]:
-        return {"queue/ready": float(len(self.queue.ready)), "queue/in_flight": float(len(self.queue.in_flight))}
+        """The queue's sizes and the supervised children's counts (alive, restarts, given up)."""
+        out = {"queue/ready": float(len(self.queue.ready)), "queue/in_flight": float(len(self.queue.in_flight))}
+        for launcher in self.launchers:
+            out.update(launcher.metrics())
+        return out
 
     # -- versions ---------------------------------------------------------------------------------
     async def load_version(self, version: int) -> None:
@@ -304,18 +312,19 @@ class RolloutSide:
         self.pool.policies = []
 
 
-async def _env_servers(stack: contextlib.AsyncExitStack, cfg: Config, echo: Callable[[str], None]):
-    """The environment servers' URLs and token: `rl.env_urls`, or local servers started here."""
+async def _env_servers(stack: contextlib.AsyncExitStack, cfg: Config, out_dir: Path, echo: Callable[[str], None]):
+    """The environment servers' URLs and token, and their launcher: `rl.env_urls` (no launcher), or
+    local servers started (and supervised: restarted when one dies) here."""
     r = cfg.rl
     if r.env_urls:
-        return list(r.env_urls), r.env_token or os.environ.get("COMPOSER_JAX_ENV_TOKEN", "")
-    env_servers = LocalEnvServers(r.tasks_dir, r.env_servers)
+        return list(r.env_urls), r.env_token or os.environ.get("COMPOSER_JAX_ENV_TOKEN", ""), None
+    cores = None
+    if r.pin_cores and r.env_cores == "samplers":  # they and their sandboxes share the replicas' cores
+        cores = sorted(os.sched_getaffinity(0))[1 : 1 + r.local_samplers]
+    env_servers = LocalEnvServers(r.tasks_dir, r.env_servers, cores=cores, log_dir=out_dir / "env_servers")
     urls, token = stack.enter_context(env_servers)
     echo(f"[rl] started {len(urls)} local environment server(s) on {r.tasks_dir}")
-    if r.pin_cores and r.env_cores == "samplers":  # they and their sandboxes share the replicas' cores
-        for proc in env_servers.procs:
-            pin_threads(set(sorted(os.sched_getaffinity(0))[1 : 1 + r.local_samplers]), proc.pid)
-    return urls, token
+    return urls, token, env_servers
 
 
 def _local_samplers(cfg: Config, checkpoint_dir: str, store_url: str, version: int, out_dir: Path) -> LocalSamplers:

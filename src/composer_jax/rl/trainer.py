@@ -51,7 +51,7 @@ from composer_jax.rl.queue import staleness
 from composer_jax.rl.remote_policy import RemoteTokenPolicy
 from composer_jax.rl.restore import Start, restore_or_init
 from composer_jax.rl.rewards import mean_components
-from composer_jax.rl.rollout_side import Rollouts, RolloutSide, pin_threads, rollout_stats, sample_group, task_of
+from composer_jax.rl.rollout_side import Rollouts, RolloutSide, rollout_stats, sample_group, task_of
 from composer_jax.rl.rollout_store import Group, GroupStore
 from composer_jax.sharding import MeshRules, ShardingRules, make_mesh
 from composer_jax.train.loop import run_checkpoint_config, run_tokenizer
@@ -66,7 +66,6 @@ __all__ = [
     "_store_publisher",
     "check_config",
     "make_policies",
-    "pin_threads",
     "resume_groups",
     "rollout_stats",
     "run_rl",

@@ -1,0 +1,145 @@
+"""The learner's children are supervised: its only local environment server, SIGKILLed mid-run, is
+restarted and the run completes without spending group ids on the outage; a SIGKILLed trainer
+leaves no child process behind (environment servers, their sandboxes, sampler replicas)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from live_env import HAVE_BWRAP, REPO
+
+from composer_jax.config import load_config
+from composer_jax.rl import trainer
+
+CONFIG = REPO / "tests" / "rl" / "fixtures" / "rl_pick.yaml"
+pytestmark = pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap (bwrap) is not installed; `make system-deps`")
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (by /proc's parent links)."""
+    parents: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = (Path("/proc") / d / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[0] != "Z":  # a zombie is dead (its parent has not reaped it yet)
+            parents[int(d)] = int(fields[1])
+    out, frontier = set(), {pid}
+    while frontier:
+        frontier = {c for c, p in parents.items() if p in frontier} - out
+        out |= frontier
+    return out
+
+
+def alive(pid: int) -> bool:
+    """`pid` exists and is not a zombie."""
+    try:
+        stat = (Path("/proc") / str(pid) / "stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2 :].split()[0] != "Z"
+
+
+def cmdline(pid: int) -> list[str]:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def env_server_pids() -> list[int]:
+    return sorted(p for p in descendants(os.getpid()) if "env-server" in cmdline(p))
+
+
+def test_the_only_environment_server_killed_mid_run_is_restarted_and_no_group_id_is_spent(
+    tmp_path, monkeypatch
+) -> None:
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "run"
+    cfg = load_config(CONFIG, [f"train.out_dir={out}", "train.steps=3", "rl.eval_tasks=[]", "rl.env_wait_s=120"])
+    started: set[int] = set()
+    finished: set[int] = set()
+    in_flight_at_kill: set[int] = set()
+    killed: list[int] = []
+    sample_group = trainer.sample_group
+
+    async def recorded(pool, client, cfg, index):
+        started.add(index)
+        try:
+            return await sample_group(pool, client, cfg, index)
+        finally:
+            finished.add(index)
+
+    def kill_after_first_step() -> None:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            m = out / "metrics.jsonl"
+            if m.exists() and '"step": 1' in m.read_text():
+                [pid] = env_server_pids()
+                in_flight_at_kill.update(started - finished)
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                return
+            time.sleep(0.02)
+
+    monkeypatch.setattr(trainer, "sample_group", recorded)
+    watcher = threading.Thread(target=kill_after_first_step, daemon=True)
+    watcher.start()
+    summary = trainer.run_rl(cfg, echo=lambda _: None)
+    watcher.join(5)
+    assert killed, "the watcher found no environment server to kill"
+    assert summary["final_step"] == 3
+    trained = [i for ids in summary["trained_groups"].values() for i in ids]
+    assert len(trained) == 6 and len(set(trained)) == 6  # 3 steps x 2 groups, each id once
+    # the only ids finished untrained are groups that were in flight when the server died
+    untrained = summary["lost_groups"] + summary["dropped_stale_groups"]
+    assert set(untrained) <= in_flight_at_kill, (untrained, in_flight_at_kill)
+    assert sorted(trained + untrained) == list(range(6 + len(untrained)))  # no id skipped
+    last = summary["steps"][3]
+    assert last["env_servers/restarts"] == 1.0 and last["env_servers/alive"] == 1.0
+    log = (out / "env_servers" / "env-server-0.log").read_text()
+    assert log.count('"event": "ready"') == 2  # the first start and the restart
+
+
+@pytest.mark.slow
+def test_a_sigkilled_trainer_leaves_no_child_process(tmp_path) -> None:
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "composer_jax.cli", "rl", "--config", str(CONFIG), f"train.out_dir={out}"]
+    argv += ["train.steps=50", "rl.eval_tasks=[]", "rl.local_samplers=1", "rl.sampler_slots=4"]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline and proc.poll() is None:
+            m = out / "metrics.jsonl"
+            if m.exists() and '"step": 1' in m.read_text():
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, f"the trainer exited with {proc.returncode} before its first step"
+        children = descendants(proc.pid)
+        kinds = {
+            "env-server" if "env-server" in cmdline(p) else "serve" if "serve" in cmdline(p) else "" for p in children
+        }
+        assert {"env-server", "serve"} <= kinds, [cmdline(p) for p in children]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        deadline = time.monotonic() + 30
+        left = children
+        while left and time.monotonic() < deadline:
+            left = {p for p in children if alive(p)}
+            time.sleep(0.2)
+        assert not left, [cmdline(p) for p in left]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
