@@ -136,6 +136,18 @@ class Sampler:
         prefix_cache: str = "version",
         draft_experts: int | None = None,
     ):
+        self._settings: dict[str, Any] = {
+            "slots": slots,
+            "max_len": max_len,
+            "mesh": mesh,
+            "rules": rules,
+            "detokenize": detokenize,
+            "speculative_tokens": speculative_tokens,
+            "draft_vocab": draft_vocab,
+            "decode_chunk": decode_chunk,
+            "prefix_cache": prefix_cache,
+            "draft_experts": draft_experts,
+        }
         k = speculative_tokens
         prefixes = PrefixCache(slots, prefix_cache, reuse=not k)  # raises on a bad mode
         if decode_chunk < 1:
@@ -187,6 +199,11 @@ class Sampler:
         self.prefill_s = 0.0  # seconds spent admitting requests (prefill, first token, compilations)
         self.prefill_trace_s = 0.0  # the part of prefill_s in admissions that compiled a new program
         self.warm_up_s = 0.0  # seconds `warm_up` took (not part of prefill_s)
+
+    def rebuilt(self, params: Any, version: int) -> Sampler:
+        """A fresh sampler of this one's settings holding `params` as `version` (empty slots and
+        caches, counters at zero): what a driver builds after a failed step."""
+        return Sampler(params, self.cfg, version=version, **self._settings)
 
     # -------------------------------------------------------------------------------- state
     @property
