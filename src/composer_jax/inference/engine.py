@@ -1,23 +1,28 @@
-"""The serving engine: one thread owns the Sampler and loops `step()`; other threads talk to it.
+"""The inference driver and the serving engine: one owner of a Sampler steps it; others talk to it.
 
-HTTP handlers (or any caller) `submit` requests with a listener, `cancel` them, and
-`update_weights`; all three only queue work under a lock. The engine thread, between two decode
-steps, applies cancellations, swaps weights, hands new requests to the sampler, runs one step and
-tells each listener what happened:
+`Driver` owns one Sampler and runs its cycles: between two decode steps it applies cancellations,
+swaps weights, hands new requests to the sampler, runs one step and tells each request's listener
+what happened:
 
   Event(tokens, logprobs, versions)   new tokens of a streaming request (read from
                                       `Sampler.running()` after the step)
   Event(completion=...)               the request finished (the whole Completion)
-  Event(error=..., status=...)        the request failed; it is no longer in the engine
+  Event(error=..., status=...)        the request failed; it is no longer in the driver
 
-Failures never stop the engine. A request the sampler refuses (`submit` raises ValueError) gets
+Its failure policy is the one of every front end (`Engine` here, the asyncio `AsyncSampler`):
+failures never stop the driver. A request the sampler refuses (`submit` raises ValueError) gets
 status 400. If a step raises, every request in the sampler fails with status 500 and a fresh
-sampler is built (the old one's KV cache may have been donated to the failed program) with the
-weights in place before the latest swap when the failing step was the first under new weights
-(the swap's future gets the exception when still pending).
+sampler is built (the old one's KV cache may have been donated to the failed program, so its state
+is not trusted) with the weights in place before the latest swap when the failing step was the
+first under new weights (the swap's future gets the exception when still pending). Failing only the
+requests of the failed step, not the driver, is what a server must do (the next request may well
+succeed) and what an RL run wants (a rollout that lost its completion is redone on the rebuilt
+sampler instead of the run stopping).
 
-Capacity: at most `slots + max_queued` requests are in the engine; `submit` raises EngineFull
-beyond that (the server's 429).
+`Engine`: one thread runs the driver; HTTP handlers (or any caller) `submit` requests with a
+listener, `cancel` them, and `update_weights`; all three only queue work under a lock. Capacity:
+at most `slots + max_queued` requests are in the engine; `submit` raises EngineFull beyond that
+(the server's 429).
 """
 
 from __future__ import annotations
@@ -61,7 +66,9 @@ Listener = Callable[[Event], None]
 
 
 @dataclasses.dataclass
-class _Job:
+class Job:
+    """A request in a driver, with its listener; stream: report new tokens after every step."""
+
     request: Request
     listener: Listener
     stream: bool
@@ -69,30 +76,31 @@ class _Job:
 
 
 @dataclasses.dataclass
-class _Swap:
+class Swap:
+    """New weights for the next step; the future resolves to the version they replace."""
+
     params: Any
     version: int
     future: concurrent.futures.Future
 
 
-class Engine:
-    """new_sampler(params, version) -> Sampler builds the sampler (again after a failure)."""
+class Driver:
+    """Owns the Sampler that `new_sampler(params, version)` builds (again after a failure) and runs
+    its cycles (module docstring); `left(n)` is told of every n jobs that leave it (finished,
+    failed, cancelled). Runs in one thread at a time."""
 
-    def __init__(self, new_sampler: Callable[[Any, int], Sampler], params: Any, version: int, *, max_queued: int):
-        if max_queued < 0:
-            raise ValueError(f"max_queued={max_queued} must be >= 0")
+    def __init__(
+        self,
+        new_sampler: Callable[[Any, int], Sampler],
+        params: Any,
+        version: int,
+        *,
+        left: Callable[[int], None] = lambda n: None,
+    ):
         self._new_sampler = new_sampler
         self.sampler = new_sampler(params, version)
-        self.max_queued = max_queued
-        self.capacity = self.sampler.slots + max_queued
-        self._cond = threading.Condition()
-        self._inbox: list[_Job] = []
-        self._cancels: list[str] = []
-        self._swaps: list[_Swap] = []
-        self._jobs: dict[str, _Job] = {}  # in the sampler (engine thread only)
-        self._outstanding = 0  # submitted and not yet finished, failed or cancelled
-        self._stop = False
-        self._thread: threading.Thread | None = None
+        self._left = left
+        self.jobs: dict[str, Job] = {}  # in the sampler
         self.steps = 0
         self.failures = 0
         # occupancy: requests decoded summed over steps (slot_steps / (steps x slots) is the mean
@@ -104,9 +112,150 @@ class Engine:
         self._before: tuple[Any, int] | None = None  # the weights before the latest swap
         self._verified = True  # a step has run with the current weights
         self._previous = version  # the version before the pending swaps
-        self._unverified: list[_Swap] = []
+        self._unverified: list[Swap] = []
+
+    @property
+    def busy(self) -> bool:
+        return self.sampler.busy
+
+    @property
+    def prefix_stats(self) -> PrefixStats:
+        """Admissions and prompt tokens reused from cached prefixes or prefilled, over the driver's life."""
+        return self._prefix_before + self.sampler.prefix_stats
+
+    def finish(self, job: Job, event: Event) -> None:
+        """`job` leaves the driver with `event`."""
+        self.jobs.pop(job.request.id, None)
+        self._left(1)
+        try:
+            job.listener(event)
+        except Exception:  # a listener's bug must not stop the driver
+            _log.exception("listener of %s failed", job.request.id)
+
+    def cycle(self, inbox: list[Job], cancels: Sequence[str], swaps: Sequence[Swap]) -> None:
+        """Cancellations (of jobs in the sampler or in `inbox`), weight swaps, new jobs, then one
+        step when anything is to run, its events reported."""
+        for rid in cancels:
+            job = self.jobs.pop(rid, None) or next((j for j in inbox if j.request.id == rid), None)
+            if job is None:
+                continue
+            if job in inbox:
+                inbox.remove(job)
+            self.sampler.cancel(rid)
+            self._left(1)
+        t0 = time.perf_counter()
+        for swap in swaps:
+            self._before, self._verified = (self.sampler.params, self.sampler.version), False
+            self.sampler.update_weights(swap.params, swap.version)
+            self._unverified.append(swap)
+        self.swap_s += time.perf_counter() - t0
+        for job in inbox:
+            try:
+                self.sampler.submit(job.request)
+            except ValueError as e:
+                self.finish(job, Event(job.request.id, error=str(e), status=400))
+                continue
+            self.jobs[job.request.id] = job
+        if not self.sampler.busy:
+            # nothing to run the new weights on: the swap is done (a failure of its first step
+            # later still puts the weights before it back)
+            self._resolve_swaps()
+            return
+        decoding = min(len(self.jobs), self.sampler.slots)  # waiting requests fill free slots first
+        t0 = time.perf_counter()
+        try:
+            done = self.sampler.step()
+        except Exception as e:
+            self._recover(e)
+            return
+        self.step_s += time.perf_counter() - t0
+        self.steps += 1
+        self.slot_steps += decoding
+        self._verified = True
+        self._resolve_swaps()
+        self._report(done)
+
+    def fail_all(self, message: str, status: int) -> None:
+        """Every job in the driver fails with `message`."""
+        for job in list(self.jobs.values()):
+            self.finish(job, Event(job.request.id, error=message, status=status))
+
+    def _resolve_swaps(self) -> None:
+        for swap in self._unverified:
+            if not swap.future.done():
+                swap.future.set_result(self._previous)
+        if self._unverified:
+            self._previous = self.sampler.version
+        self._unverified = []
+
+    def _report(self, done: list[Completion]) -> None:
+        finished = {c.id for c in done}
+        if any(j.stream for j in self.jobs.values()):
+            for rid, (tokens, logprobs, versions) in self.sampler.running().items():
+                job = self.jobs.get(rid)
+                if job is None or not job.stream or rid in finished or len(tokens) <= job.sent:
+                    continue
+                n, job.sent = job.sent, len(tokens)
+                try:
+                    job.listener(Event(rid, tokens[n:], logprobs[n:], versions[n:]))
+                except Exception:
+                    _log.exception("listener of %s failed", rid)
+        for c in done:
+            job = self.jobs.get(c.id)
+            if job is not None:
+                self.finish(job, Event(c.id, completion=c))
+
+    def _recover(self, exc: Exception) -> None:
+        self.failures += 1
+        _log.error("a sampler step failed; failing %d requests:\n%s", len(self.jobs), traceback.format_exc())
+        params, version = self.sampler.params, self.sampler.version
+        if not self._verified and self._before is not None:  # new weights failed their first step
+            params, version = self._before
+            self._verified = True
+            _log.error(
+                "weights of version %d failed in their first step; back to version %d", self.sampler.version, version
+            )
+            for swap in self._unverified:
+                if not swap.future.done():
+                    swap.future.set_exception(exc)
+            self._unverified = []
+            self._previous = version
+        message = (
+            f"the inference engine failed while this request ran ({type(exc).__name__}: {str(exc)[:300]}); "
+            "the request was dropped and the engine keeps serving"
+        )
+        try:  # before the requests learn of the failure, so a client that retries meets the old weights
+            prefix = self.prefix_stats
+            self.sampler = self._new_sampler(params, version)
+            self._prefix_before = prefix
+        except Exception:  # keep the old object; the next step will fail and report again
+            _log.exception("rebuilding the sampler failed")
+        self.fail_all(message, 500)
+
+
+class Engine:
+    """new_sampler(params, version) -> Sampler builds the sampler (again after a failure); a thread
+    runs its `Driver`."""
+
+    def __init__(self, new_sampler: Callable[[Any, int], Sampler], params: Any, version: int, *, max_queued: int):
+        if max_queued < 0:
+            raise ValueError(f"max_queued={max_queued} must be >= 0")
+        self._cond = threading.Condition()
+        self.driver = Driver(new_sampler, params, version, left=self._left)
+        self.max_queued = max_queued
+        self.capacity = self.sampler.slots + max_queued
+        self._inbox: list[Job] = []
+        self._cancels: list[str] = []
+        self._swaps: list[Swap] = []
+        self._outstanding = 0  # submitted and not yet finished, failed or cancelled
+        self._stop = False
+        self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ other threads
+    @property
+    def sampler(self) -> Sampler:
+        return self.driver.sampler
+
     @property
     def version(self) -> int:
         return self.sampler.version
@@ -118,8 +267,27 @@ class Engine:
     @property
     def prefix_stats(self) -> PrefixStats:
         """Admissions and prompt tokens reused from cached prefixes or prefilled, over the engine's life."""
-        a, b = self._prefix_before, self.sampler.prefix_stats
-        return PrefixStats(a.admitted + b.admitted, a.hits + b.hits, a.reused + b.reused, a.prefilled + b.prefilled)
+        return self.driver.prefix_stats
+
+    @property
+    def steps(self) -> int:
+        return self.driver.steps
+
+    @property
+    def failures(self) -> int:
+        return self.driver.failures
+
+    @property
+    def slot_steps(self) -> int:
+        return self.driver.slot_steps
+
+    @property
+    def step_s(self) -> float:
+        return self.driver.step_s
+
+    @property
+    def swap_s(self) -> float:
+        return self.driver.swap_s
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="composer-jax-engine", daemon=True)
@@ -144,7 +312,7 @@ class Engine:
                     f"(capacity {self.capacity} = {self.sampler.slots} slots + max_queued {self.max_queued})"
                 )
             self._outstanding += len(requests)
-            self._inbox.extend(_Job(r, listener, stream) for r in requests)
+            self._inbox.extend(Job(r, listener, stream) for r in requests)
             self._cond.notify()
 
     def cancel(self, request_ids: Sequence[str]) -> None:
@@ -158,7 +326,7 @@ class Engine:
         step has run with the new weights (at once when nothing is running), or gets the exception
         of that step. Whenever the first step under new weights fails, the weights before them are
         put back."""
-        swap = _Swap(params, version, concurrent.futures.Future())
+        swap = Swap(params, version, concurrent.futures.Future())
         with self._cond:
             if self._stop:
                 raise EngineStopped("the engine is stopped")
@@ -167,115 +335,21 @@ class Engine:
         return swap.future
 
     # ------------------------------------------------------------------ the engine thread
-    def _finish(self, job: _Job, event: Event) -> None:
-        self._jobs.pop(job.request.id, None)
+    def _left(self, n: int) -> None:
         with self._cond:
-            self._outstanding -= 1
-        try:
-            job.listener(event)
-        except Exception:  # a listener's bug must not stop the engine
-            _log.exception("listener of %s failed", job.request.id)
+            self._outstanding -= n
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._stop or self._inbox or self._cancels or self._swaps or self.sampler.busy):
+                while not (self._stop or self._inbox or self._cancels or self._swaps or self.driver.busy):
                     self._cond.wait()
                 if self._stop:
                     break
                 inbox, self._inbox = self._inbox, []
                 cancels, self._cancels = self._cancels, []
                 swaps, self._swaps = self._swaps, []
-            for rid in cancels:
-                job = self._jobs.pop(rid, None) or next((j for j in inbox if j.request.id == rid), None)
-                if job is None:
-                    continue
-                if job in inbox:
-                    inbox.remove(job)
-                self.sampler.cancel(rid)
-                with self._cond:
-                    self._outstanding -= 1
-            t0 = time.perf_counter()
-            for swap in swaps:
-                self._before, self._verified = (self.sampler.params, self.sampler.version), False
-                self.sampler.update_weights(swap.params, swap.version)
-                self._unverified.append(swap)
-            self.swap_s += time.perf_counter() - t0
-            for job in inbox:
-                try:
-                    self.sampler.submit(job.request)
-                except ValueError as e:
-                    self._finish(job, Event(job.request.id, error=str(e), status=400))
-                    continue
-                self._jobs[job.request.id] = job
-            if not self.sampler.busy:
-                # nothing to run the new weights on: the swap is done (a failure of its first step
-                # later still puts the weights before it back)
-                self._resolve_swaps()
-                continue
-            decoding = min(len(self._jobs), self.sampler.slots)  # waiting requests fill free slots first
-            t0 = time.perf_counter()
-            try:
-                done = self.sampler.step()
-            except Exception as e:
-                self._recover(e)
-                continue
-            self.step_s += time.perf_counter() - t0
-            self.steps += 1
-            self.slot_steps += decoding
-            self._verified = True
-            self._resolve_swaps()
-            self._report(done)
-        for job in list(self._jobs.values()) + self._inbox:
-            self._finish(job, Event(job.request.id, error="the server is shutting down", status=503))
-
-    def _resolve_swaps(self) -> None:
-        for swap in self._unverified:
-            if not swap.future.done():
-                swap.future.set_result(self._previous)
-        if self._unverified:
-            self._previous = self.sampler.version
-        self._unverified = []
-
-    def _report(self, done: list[Completion]) -> None:
-        finished = {c.id for c in done}
-        if any(j.stream for j in self._jobs.values()):
-            for rid, (tokens, logprobs, versions) in self.sampler.running().items():
-                job = self._jobs.get(rid)
-                if job is None or not job.stream or rid in finished or len(tokens) <= job.sent:
-                    continue
-                n, job.sent = job.sent, len(tokens)
-                try:
-                    job.listener(Event(rid, tokens[n:], logprobs[n:], versions[n:]))
-                except Exception:
-                    _log.exception("listener of %s failed", rid)
-        for c in done:
-            job = self._jobs.get(c.id)
-            if job is not None:
-                self._finish(job, Event(c.id, completion=c))
-
-    def _recover(self, exc: Exception) -> None:
-        self.failures += 1
-        _log.error("a sampler step failed; failing %d requests:\n%s", len(self._jobs), traceback.format_exc())
-        params, version = self.sampler.params, self.sampler.version
-        if not self._verified and self._before is not None:  # new weights failed their first step
-            params, version = self._before
-            self._verified = True
-            _log.error("weights of version %d failed in their first step; back to version %d", self.version, version)
-            for swap in self._unverified:
-                if not swap.future.done():
-                    swap.future.set_exception(exc)
-            self._unverified = []
-            self._previous = version
-        message = (
-            f"the inference engine failed while this request ran ({type(exc).__name__}: {str(exc)[:300]}); "
-            "the request was dropped and the server keeps serving"
-        )
-        try:  # before the requests learn of the failure, so a client that retries meets the old weights
-            prefix = self.prefix_stats
-            self.sampler = self._new_sampler(params, version)
-            self._prefix_before = prefix
-        except Exception:  # keep the old object; the next step will fail and report again
-            _log.exception("rebuilding the sampler failed")
-        for job in list(self._jobs.values()):
-            self._finish(job, Event(job.request.id, error=message, status=500))
+            self.driver.cycle(inbox, cancels, swaps)
+        self.driver.fail_all("the server is shutting down", 503)
+        for job in self._inbox:
+            self.driver.finish(job, Event(job.request.id, error="the server is shutting down", status=503))
