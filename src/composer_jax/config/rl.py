@@ -2,7 +2,8 @@
 
 Frozen dataclasses with no JAX import, attached to the top-level `Config` as `rl:` (defaults
 apply when a run's YAML has no `rl` section, as for pretraining). Every value is checked when
-the dataclass is built (`__post_init__`), so `dataclasses.replace` in tests is checked as well.
+the dataclass is built (`__post_init__` runs the section's `validate_*` function), so
+`dataclasses.replace` in tests is checked as well.
 
 Example (YAML):
 
@@ -84,37 +85,10 @@ class RLLossConfig:
     temperature: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.advantage not in ADVANTAGE_ESTIMATORS:
-            raise ConfigError(f"rl.loss.advantage={self.advantage!r} is not accepted; accepted: {ADVANTAGE_ESTIMATORS}")
-        if self.aggregation not in AGGREGATIONS:
-            raise ConfigError(f"rl.loss.aggregation={self.aggregation!r} is not accepted; accepted: {AGGREGATIONS}")
-        _number("rl.loss.normalizer", self.normalizer, low=0.0)
-        for side in ("low", "high"):
-            eps = getattr(self, f"clip_eps_{side}")
-            if eps is not None:
-                _number(f"rl.loss.clip_eps_{side}", eps, low=0.0, strict=True)
-        if self.clip_eps_low is not None and self.clip_eps_low >= 1.0:
-            raise ConfigError(
-                f"rl.loss.clip_eps_low={self.clip_eps_low!r}: expected a number in (0, 1) (the ratio's lower "
-                f"bound 1 - eps must stay positive), or null for no lower clip"
-            )
-        _number("rl.loss.kl_coef", self.kl_coef, low=0.0)
+        validate_rl_loss(self)
         if self.plausibility_band is not None:
-            band = tuple(self.plausibility_band)
-            if len(band) != 2:
-                raise ConfigError(
-                    f"rl.loss.plausibility_band={list(band)!r}: expected [lo, hi] with 0 <= lo < 1 < hi, or null"
-                )
-            lo, hi = band
-            _number("rl.loss.plausibility_band[0]", lo, low=0.0)
-            _number("rl.loss.plausibility_band[1]", hi)
-            if not lo < 1.0 < hi:
-                raise ConfigError(
-                    f"rl.loss.plausibility_band={[lo, hi]!r}: expected [lo, hi] with 0 <= lo < 1 < hi (a band that "
-                    f"keeps tokens on which trainer and sampler agree), or null to keep every token"
-                )
+            lo, hi = self.plausibility_band
             object.__setattr__(self, "plausibility_band", (float(lo), float(hi)))
-        _number("rl.loss.temperature", self.temperature, low=0.0, strict=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,11 +103,7 @@ class LengthPenaltyConfig:
     x: Literal["tokens", "turns", "tool_calls"] = "tokens"
 
     def __post_init__(self) -> None:
-        _number("rl.reward.length_penalty.weight", self.weight, low=0.0)
-        _number("rl.reward.length_penalty.k", self.k, low=0.0, strict=True)
-        _number("rl.reward.length_penalty.q", self.q)
-        if self.x not in LENGTH_MEASURES:
-            raise ConfigError(f"rl.reward.length_penalty.x={self.x!r} is not accepted; accepted: {LENGTH_MEASURES}")
+        validate_length_penalty(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,9 +120,7 @@ class RewardConfig:
     parallel_tool_bonus: float = 0.0
 
     def __post_init__(self) -> None:
-        for key in ("grade_weight", "broken_tool_call_penalty", "style_penalty", "parallel_tool_bonus"):
-            # signs are in the formula: a penalty is given as a size (>= 0) and subtracted
-            _number(f"rl.reward.{key}", getattr(self, key), low=0.0)
+        validate_reward(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,64 +195,123 @@ class RLConfig:
             if isinstance(value, str):
                 value = (value,)
             object.__setattr__(self, name, tuple(value))
-        for name, low in (("group_size", 2), ("groups_per_step", 1), ("env_servers", 1), ("sampler_slots", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"rl.{name}={value!r}: expected an integer >= {low}")
-        for name in (
-            "eval_every",
-            "eval_samples",
-            "eval_seeds",
-            "max_staleness",
-            "max_groups_in_flight",
-            "queue_size",
-            "local_samplers",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"rl.{name}={value!r}: expected an integer >= 0")
-        for name in ("env_urls", "sampler_urls"):
-            urls = getattr(self, name)
-            bad = [u for u in urls if not isinstance(u, str) or not u.startswith(("http://", "https://"))]
-            if bad:
-                raise ConfigError(f"rl.{name}={list(urls)!r}: {bad[0]!r} is not an http:// or https:// URL")
-        if self.sampler_urls and self.local_samplers:
+        validate_rl(self)  # built directly by code too (tests, `dataclasses.replace`): checked when built
+
+
+def validate_rl_loss(c: RLLossConfig) -> None:
+    """The rl.loss section's checks."""
+    if c.advantage not in ADVANTAGE_ESTIMATORS:
+        raise ConfigError(f"rl.loss.advantage={c.advantage!r} is not accepted; accepted: {ADVANTAGE_ESTIMATORS}")
+    if c.aggregation not in AGGREGATIONS:
+        raise ConfigError(f"rl.loss.aggregation={c.aggregation!r} is not accepted; accepted: {AGGREGATIONS}")
+    _number("rl.loss.normalizer", c.normalizer, low=0.0)
+    for side in ("low", "high"):
+        eps = getattr(c, f"clip_eps_{side}")
+        if eps is not None:
+            _number(f"rl.loss.clip_eps_{side}", eps, low=0.0, strict=True)
+    if c.clip_eps_low is not None and c.clip_eps_low >= 1.0:
+        raise ConfigError(
+            f"rl.loss.clip_eps_low={c.clip_eps_low!r}: expected a number in (0, 1) (the ratio's lower "
+            f"bound 1 - eps must stay positive), or null for no lower clip"
+        )
+    _number("rl.loss.kl_coef", c.kl_coef, low=0.0)
+    if c.plausibility_band is not None:
+        band = tuple(c.plausibility_band)
+        if len(band) != 2:
             raise ConfigError(
-                f"rl.sampler_urls={list(self.sampler_urls)!r} and rl.local_samplers={self.local_samplers}: give one "
-                "(replicas to use, or the number to start), not both"
+                f"rl.loss.plausibility_band={list(band)!r}: expected [lo, hi] with 0 <= lo < 1 < hi, or null"
             )
-        if self.sampler_urls and not self.weight_store:
+        lo, hi = band
+        _number("rl.loss.plausibility_band[0]", lo, low=0.0)
+        _number("rl.loss.plausibility_band[1]", hi)
+        if not lo < 1.0 < hi:
             raise ConfigError(
-                "rl.sampler_urls needs rl.weight_store: the URL the replicas follow for new policy versions "
-                "(the same one their `composer-jax serve --weights-from` names)"
+                f"rl.loss.plausibility_band={[lo, hi]!r}: expected [lo, hi] with 0 <= lo < 1 < hi (a band that "
+                f"keeps tokens on which trainer and sampler agree), or null to keep every token"
             )
-        if self.publish_dtype not in PUBLISH_DTYPES:
-            raise ConfigError(
-                f"rl.publish_dtype={self.publish_dtype!r} is not accepted; accepted: one of "
-                + ", ".join(repr(d) for d in PUBLISH_DTYPES)
-            )
-        if isinstance(self.sampler_poll_s, bool) or not isinstance(self.sampler_poll_s, int | float):
-            raise ConfigError(f"rl.sampler_poll_s={self.sampler_poll_s!r}: expected seconds > 0")
-        if not self.sampler_poll_s > 0:
-            raise ConfigError(f"rl.sampler_poll_s={self.sampler_poll_s!r}: expected seconds > 0")
-        if not isinstance(self.pin_cores, bool):
-            raise ConfigError(f"rl.pin_cores={self.pin_cores!r}: expected true or false")
-        if self.env_cores not in ENV_CORES:
-            raise ConfigError(
-                f"rl.env_cores={self.env_cores!r} is not accepted; accepted: " + " or ".join(repr(m) for m in ENV_CORES)
-            )
-        if self.sampler_prefix_cache not in PREFIX_CACHE_MODES:
-            raise ConfigError(
-                f"rl.sampler_prefix_cache={self.sampler_prefix_cache!r} is not accepted; accepted: one of "
-                + ", ".join(repr(m) for m in PREFIX_CACHE_MODES)
-            )
-        if self.staleness_unit not in STALENESS_UNITS:
-            raise ConfigError(
-                f"rl.staleness_unit={self.staleness_unit!r} is not accepted; accepted: one of "
-                + ", ".join(repr(u) for u in STALENESS_UNITS)
-            )
-        if not isinstance(self.weight_store, str) or (self.weight_store and "://" not in self.weight_store):
-            raise ConfigError(
-                f"rl.weight_store={self.weight_store!r}: expected a tensorstore kvstore URL "
-                "(file://DIR, gs://BUCKET/PATH, ...) or empty for none"
-            )
+    _number("rl.loss.temperature", c.temperature, low=0.0, strict=True)
+
+
+def validate_length_penalty(c: LengthPenaltyConfig) -> None:
+    """The rl.reward.length_penalty section's checks."""
+    _number("rl.reward.length_penalty.weight", c.weight, low=0.0)
+    _number("rl.reward.length_penalty.k", c.k, low=0.0, strict=True)
+    _number("rl.reward.length_penalty.q", c.q)
+    if c.x not in LENGTH_MEASURES:
+        raise ConfigError(f"rl.reward.length_penalty.x={c.x!r} is not accepted; accepted: {LENGTH_MEASURES}")
+
+
+def validate_reward(c: RewardConfig) -> None:
+    """The rl.reward section's checks (its length penalty's included)."""
+    validate_length_penalty(c.length_penalty)
+    for key in ("grade_weight", "broken_tool_call_penalty", "style_penalty", "parallel_tool_bonus"):
+        # signs are in the formula: a penalty is given as a size (>= 0) and subtracted
+        _number(f"rl.reward.{key}", getattr(c, key), low=0.0)
+
+
+def validate_rl(r: RLConfig) -> None:
+    """The rl section's own checks, its sub-sections' included (the learner's checks against `train`
+    and `agent`: `config/run.py`'s `check_rl_run`)."""
+    validate_rl_loss(r.loss)
+    validate_reward(r.reward)
+    for name, low in (("group_size", 2), ("groups_per_step", 1), ("env_servers", 1), ("sampler_slots", 1)):
+        value = getattr(r, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"rl.{name}={value!r}: expected an integer >= {low}")
+    for name in (
+        "eval_every",
+        "eval_samples",
+        "eval_seeds",
+        "max_staleness",
+        "max_groups_in_flight",
+        "queue_size",
+        "local_samplers",
+    ):
+        value = getattr(r, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"rl.{name}={value!r}: expected an integer >= 0")
+    for name in ("env_urls", "sampler_urls"):
+        urls = getattr(r, name)
+        bad = [u for u in urls if not isinstance(u, str) or not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ConfigError(f"rl.{name}={list(urls)!r}: {bad[0]!r} is not an http:// or https:// URL")
+    if r.sampler_urls and r.local_samplers:
+        raise ConfigError(
+            f"rl.sampler_urls={list(r.sampler_urls)!r} and rl.local_samplers={r.local_samplers}: give one "
+            "(replicas to use, or the number to start), not both"
+        )
+    if r.sampler_urls and not r.weight_store:
+        raise ConfigError(
+            "rl.sampler_urls needs rl.weight_store: the URL the replicas follow for new policy versions "
+            "(the same one their `composer-jax serve --weights-from` names)"
+        )
+    if r.publish_dtype not in PUBLISH_DTYPES:
+        raise ConfigError(
+            f"rl.publish_dtype={r.publish_dtype!r} is not accepted; accepted: one of "
+            + ", ".join(repr(d) for d in PUBLISH_DTYPES)
+        )
+    if isinstance(r.sampler_poll_s, bool) or not isinstance(r.sampler_poll_s, int | float):
+        raise ConfigError(f"rl.sampler_poll_s={r.sampler_poll_s!r}: expected seconds > 0")
+    if not r.sampler_poll_s > 0:
+        raise ConfigError(f"rl.sampler_poll_s={r.sampler_poll_s!r}: expected seconds > 0")
+    if not isinstance(r.pin_cores, bool):
+        raise ConfigError(f"rl.pin_cores={r.pin_cores!r}: expected true or false")
+    if r.env_cores not in ENV_CORES:
+        raise ConfigError(
+            f"rl.env_cores={r.env_cores!r} is not accepted; accepted: " + " or ".join(repr(m) for m in ENV_CORES)
+        )
+    if r.sampler_prefix_cache not in PREFIX_CACHE_MODES:
+        raise ConfigError(
+            f"rl.sampler_prefix_cache={r.sampler_prefix_cache!r} is not accepted; accepted: one of "
+            + ", ".join(repr(m) for m in PREFIX_CACHE_MODES)
+        )
+    if r.staleness_unit not in STALENESS_UNITS:
+        raise ConfigError(
+            f"rl.staleness_unit={r.staleness_unit!r} is not accepted; accepted: one of "
+            + ", ".join(repr(u) for u in STALENESS_UNITS)
+        )
+    if not isinstance(r.weight_store, str) or (r.weight_store and "://" not in r.weight_store):
+        raise ConfigError(
+            f"rl.weight_store={r.weight_store!r}: expected a tensorstore kvstore URL "
+            "(file://DIR, gs://BUCKET/PATH, ...) or empty for none"
+        )
