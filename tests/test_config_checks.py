@@ -103,3 +103,26 @@ def test_rl_run_checks_pass_and_read_the_job():
     bad = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batches=3))
     with pytest.raises(ConfigError, match=r"train.batch_size=8 must be divisible by train.micro_batches=3"):
         check_rl_run(bad, process_count=1, cores={0})
+
+
+def test_accepted_name_sets_are_written_once():
+    """Each set is the config field's Literal; the tuples other modules test against are it."""
+    import typing
+
+    from composer_jax.config import data, model, rl
+    from composer_jax.model import expert_parallel
+    from composer_jax.quant import grouped_matmul
+
+    hints = typing.get_type_hints(model.ModelConfig)
+    assert grouped_matmul.RECIPES == typing.get_args(hints["moe_precision"]) == model.MOE_PRECISIONS
+    assert grouped_matmul.BACKENDS == typing.get_args(hints["moe_quant_backend"])
+    assert ("auto", *expert_parallel.EXCHANGES) == typing.get_args(hints["moe_ep_exchange"])
+    assert model.DTYPES == typing.get_args(hints["param_dtype"]) == typing.get_args(hints["compute_dtype"])
+    assert rl.ADVANTAGE_ESTIMATORS == typing.get_args(typing.get_type_hints(rl.RLLossConfig)["advantage"])
+    assert rl.AGGREGATIONS == typing.get_args(typing.get_type_hints(rl.RLLossConfig)["aggregation"])
+    assert rl.LENGTH_MEASURES == typing.get_args(typing.get_type_hints(rl.LengthPenaltyConfig)["x"])
+    assert data.SOURCE_TYPES == typing.get_args(typing.get_type_hints(data.SourceConfig)["type"])
+    assert data.FORMATS == typing.get_args(typing.get_type_hints(data.DataConfig)["format"])
+    built = dataclasses.replace(model.ModelConfig(), moe_ep_exchange="x")
+    with pytest.raises(ConfigError, match=r"model.moe_ep_exchange='x' is not accepted; accepted: auto, padded, "):
+        model.validate_model(built)

@@ -31,15 +31,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from typing import Literal
 
 from composer_jax.errors import ConfigError
 
-# The built-in names of `rl.loss.advantage` and `rl.loss.aggregation`; `rl/loss.py` registers one
+# The built-in names of `rl.loss.advantage` and `rl.loss.aggregation`, each set written once (the
+# field's type; the tuple is derived from it); `rl/advantages.py` and `rl/loss.py` register one
 # function under each (tests/rl hold the registries and these names equal).
-ADVANTAGE_ESTIMATORS = ("drgrpo", "grpo")
-AGGREGATIONS = ("token_sum", "token_mean", "sequence_mean")
-LENGTH_MEASURES = ("tokens", "turns", "tool_calls")
+AdvantageName = Literal["drgrpo", "grpo"]
+ADVANTAGE_ESTIMATORS: tuple[str, ...] = typing.get_args(AdvantageName)
+AggregationName = Literal["token_sum", "token_mean", "sequence_mean"]
+AGGREGATIONS: tuple[str, ...] = typing.get_args(AggregationName)
+LengthMeasure = Literal["tokens", "turns", "tool_calls"]  # rl.reward.length_penalty.x (rl/rewards.py)
+LENGTH_MEASURES: tuple[str, ...] = typing.get_args(LengthMeasure)
 STALENESS_UNITS = ("token", "group")
 PUBLISH_DTYPES = ("", "bfloat16", "float32")
 # the sampler's prefix KV reuse (inference/sampler.py): never, within one weight version, across versions
@@ -61,11 +66,11 @@ class RLLossConfig:
 
     # advantage estimator: drgrpo = r - mean(group) (Dr. GRPO, as Composer 2); grpo = the same
     # divided by the group's standard deviation (DeepSeekMath)
-    advantage: Literal["drgrpo", "grpo"] = "drgrpo"
+    advantage: AdvantageName = "drgrpo"
     # how per-token terms become the loss: token_sum = sum / normalizer (Dr. GRPO: no per-sequence
     # length normalisation); token_mean = sum / policy tokens in the batch (DAPO); sequence_mean =
     # mean over sequences of each sequence's token mean (the original GRPO)
-    aggregation: Literal["token_sum", "token_mean", "sequence_mean"] = "token_sum"
+    aggregation: AggregationName = "token_sum"
     # the token_sum constant (e.g. max tokens per rollout x rollouts per batch); 0 = the batch's
     # rows x seq_len, a constant of the run
     normalizer: float = 0.0
@@ -100,7 +105,7 @@ class LengthPenaltyConfig:
     weight: float = 0.0  # 0 = no length penalty
     k: float = 0.01
     q: float = 1.0
-    x: Literal["tokens", "turns", "tool_calls"] = "tokens"
+    x: LengthMeasure = "tokens"
 
     def __post_init__(self) -> None:
         validate_length_penalty(self)
