@@ -39,6 +39,7 @@ from composer_jax.checkpoint.weight_sync import (
     WeightSyncError,
     check_new_base_fraction,
     flatten_tree,
+    next_version,
     open_store,
     publish_dtype,
     read_manifest,
@@ -56,17 +57,6 @@ def _ranges(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[list[int]]
 
 def _uint(dtype: np.dtype) -> np.dtype:
     return np.dtype(f"uint{8 * dtype.itemsize}")
-
-
-def _check_version(version: Any, latest: int | None) -> int:
-    if (
-        isinstance(version, bool)
-        or not isinstance(version, int)
-        or version < 0
-        or (latest is not None and version <= latest)
-    ):
-        raise WeightSyncError(f"version={version!r}; accepted: an int > latest version {latest} (>= 0)")
-    return version
 
 
 class ShardedWeightPublisher:
@@ -105,9 +95,7 @@ class ShardedWeightPublisher:
         leaves = _leaves(params)
         if not leaves:
             raise WeightSyncError("params has no array leaves; nothing to publish")
-        if version is None:
-            version = 0 if self.latest is None else self.latest + 1
-        version = _check_version(version, self.latest)
+        version = next_version(version, self.latest)
         pi = jax.process_index()
         vdir = version_dir(version)
         out_dtypes = []

@@ -306,6 +306,21 @@ def check_new_base_fraction(new_base_fraction: float) -> None:
         raise WeightSyncError(f"new_base_fraction={new_base_fraction!r}; accepted: a number > 0")
 
 
+def next_version(version: int | None, latest: int | None) -> int:
+    """The version a publish writes: `version`, checked to be an int above `latest` (>= 0), or by
+    default latest + 1 (0 for an empty store). Shared by both publishers."""
+    if version is None:
+        return 0 if latest is None else latest + 1
+    if (
+        isinstance(version, bool)
+        or not isinstance(version, int)
+        or version < 0
+        or (latest is not None and version <= latest)
+    ):
+        raise WeightSyncError(f"version={version!r}; accepted: an int > latest version {latest} (>= 0)")
+    return version
+
+
 def _check_level(zstd_level: int) -> None:
     if not isinstance(zstd_level, int) or not -7 <= zstd_level <= 22:
         raise WeightSyncError(f"zstd_level={zstd_level!r}; accepted: an int in [-7, 22]")
@@ -379,15 +394,7 @@ class WeightPublisher:
         """Write `params` as `version` (default: latest + 1, or 0), floating leaves cast to `dtype`
         first ("" = as is), and point `latest` at it."""
         cast = publish_dtype(dtype)
-        if version is None:
-            version = 0 if self.latest is None else self.latest + 1
-        if (
-            isinstance(version, bool)
-            or not isinstance(version, int)
-            or version < 0
-            or (self.latest is not None and version <= self.latest)
-        ):
-            raise WeightSyncError(f"version={version!r}; accepted: an int > latest version {self.latest} (>= 0)")
+        version = next_version(version, self.latest)
         leaves = _flatten(params, cast)
         if not leaves:
             raise WeightSyncError("params has no array leaves; nothing to publish")
