@@ -297,7 +297,7 @@ def build_report(
     if batch < 1 or batch % (shards * micro_batches):
         raise UsageError(
             f"batch {batch} (--batch or train.batch_size): each of the {micro_batches} micro-batch(es) "
-            f"is split over mesh axes {list(rules.mesh_axes('act_batch'))} = {shards} ways; "
+            f"is split over mesh axes {list(rules.mapped_axes('act_batch'))} = {shards} ways; "
             f"accepted: a positive multiple of {shards * micro_batches}"
         )
     cp = sizes["context"]

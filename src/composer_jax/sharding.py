@@ -89,7 +89,9 @@ class ShardingRules:
             rules[name] = axes
         return cls(rules, frozenset((overrides or {}).keys()))
 
-    def mesh_axes(self, logical: str) -> MeshAxes:
+    def mapped_axes(self, logical: str) -> MeshAxes:
+        """The mesh axes the rules map a logical axis to, whatever their sizes on a mesh (the axes
+        of size > 1 that split it on one mesh: `MeshRules.split_axes`)."""
         try:
             return tuple(self.rules[logical])
         except KeyError:
@@ -129,7 +131,7 @@ class ShardingRules:
             if name is None:
                 parts.append(None)
                 continue
-            axes = self.mesh_axes(name)
+            axes = self.mapped_axes(name)
             if mesh is not None:
                 axes = tuple(a for a in axes if mesh.shape[a] > 1)
             if shape is not None and mesh is not None:
@@ -200,9 +202,10 @@ class MeshRules:
         """Size of a mesh axis (1 if the mesh has no such axis)."""
         return int(dict(self.mesh.shape).get(axis, 1))
 
-    def mesh_axes(self, logical: str) -> MeshAxes:
-        """The mesh axes of size > 1 that a logical axis is split over."""
-        return tuple(a for a in self.rules.mesh_axes(logical) if self.size(a) > 1)
+    def split_axes(self, logical: str) -> MeshAxes:
+        """The mesh axes of size > 1 that a logical axis is split over on this mesh (the rules'
+        mapping, whatever the sizes: `ShardingRules.mapped_axes`)."""
+        return tuple(a for a in self.rules.mapped_axes(logical) if self.size(a) > 1)
 
     def spec(self, logical_axes: Sequence[str | None], shape: Sequence[int] | None = None) -> P:
         """PartitionSpec by logical axes; also the in/out specs of this project's `shard_map`s
@@ -224,7 +227,7 @@ def constrain(x: jax.Array, sharding: MeshRules | None, logical_axes: Sequence[s
 
 def batch_axes(rules: ShardingRules, mesh: Mesh | AbstractMesh) -> MeshAxes:
     """Mesh axes (of size > 1) over which the batch is split."""
-    return tuple(a for a in rules.mesh_axes("act_batch") if mesh.shape[a] > 1)
+    return tuple(a for a in rules.mapped_axes("act_batch") if mesh.shape[a] > 1)
 
 
 def axis_size(mesh: Mesh | AbstractMesh, axes: Sequence[str]) -> int:

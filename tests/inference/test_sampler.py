@@ -1,5 +1,5 @@
 """The continuous-batching sampler: its tokens, log-probabilities and recorded routing equal the
-training forward's; staggered requests, in-flight weight swaps, sampling settings, and the same
+training forward's; staggered requests, in-flight weight updates, sampling settings, and the same
 tokens on the fake 8-device mesh as on one device."""
 
 from __future__ import annotations

@@ -1,18 +1,24 @@
 """Per-shard weight publishing: every trainer process writes the shards it holds, no host gathers.
 
-`publish_sharded(url, params, version)` is called by every process of a multi-host trainer with the
-same global `jax.Array` tree. Each leaf becomes one zarr3 array of the full shape under
+A `ShardedWeightPublisher` is constructed by every process of a multi-host trainer with the same
+arguments, and `publish(params, version)` is called by every process with the same global
+`jax.Array` tree (a collective). Each leaf becomes one zarr3 array of the full shape under
 `versions/<v>/leaves/<i>/`, chunked by the leaf's shard shape, and each process writes only the
 shards it holds with `replica_id == 0` (a replicated shard is written once, by the process holding
-its first replica), so no chunk has two writers. The manifest (format 2, kind "sharded") lists, per
-leaf, every shard's index ranges and the sha256 of its bytes; the processes' shard entries are
-gathered as JSON (a few hundred bytes per shard), process 0 writes the manifest and then `latest`.
+its first replica), so no chunk has two writers. A version is a snapshot (kind "sharded") or a
+per-shard XOR delta against the version before (kind "sharded_delta"; class docstring). The
+manifest (format 2) lists, per leaf, every shard's index ranges and the sha256 of its bytes; the
+processes' shard entries are gathered as JSON (a few hundred bytes per shard), process 0 writes the
+manifest and then `latest`. `publish_sharded(url, params, version)` writes one snapshot.
+
+Like `WeightPublisher` it is a `Publisher` (checkpoint/weight_sync.py: `publish(params, version, *,
+dtype=...) -> PublishInfo`); `open_publisher(url)` gives the one a trainer of this many processes
+writes with, so the trainer calls both the same way.
 
 The store layout is the weight-sync store's (checkpoint/weight_sync.py): a `WeightSubscriber`
 reads a sharded version into the full tree (every shard checksummed), a `WeightPublisher` may
 continue the store with deltas against it, and `read_shard` reads only the index ranges a reader
-asks for (a serving shard loading its own slice). A sharded version is always a full snapshot:
-per-shard XOR deltas are not built.
+asks for (a serving shard loading its own slice).
 """
 
 from __future__ import annotations
@@ -27,10 +33,15 @@ import tensorstore as ts
 from composer_jax.checkpoint.multihost import allgather_json, barrier
 from composer_jax.checkpoint.weight_sync import (
     SHARDED_FORMAT,
+    Publisher,
+    PublishInfo,
+    WeightPublisher,
     WeightSyncError,
     check_new_base_fraction,
     flatten_tree,
+    next_version,
     open_store,
+    publish_dtype,
     read_manifest,
     version_dir,
 )
@@ -48,19 +59,9 @@ def _uint(dtype: np.dtype) -> np.dtype:
     return np.dtype(f"uint{8 * dtype.itemsize}")
 
 
-def _check_version(version: Any, latest: int | None) -> int:
-    if (
-        isinstance(version, bool)
-        or not isinstance(version, int)
-        or version < 0
-        or (latest is not None and version <= latest)
-    ):
-        raise WeightSyncError(f"version={version!r}; accepted: an int > latest version {latest} (>= 0)")
-    return version
-
-
 class ShardedWeightPublisher:
-    """Writes versions per shard from every process of a multi-host trainer (module docstring).
+    """Writes versions per shard from every process of a multi-host trainer (module docstring; a
+    `Publisher`).
 
     Every process constructs one with the same arguments and calls `publish` for every version (a
     collective). A version is a snapshot (kind "sharded") or an XOR delta against the previous
@@ -83,23 +84,25 @@ class ShardedWeightPublisher:
         self._base_stored = 0
         self._since_base = 0
 
-    def publish(self, params: Any, version: int | None = None, *, dtype: str = "", force_base: bool = False) -> dict:
+    def publish(
+        self, params: Any, version: int | None = None, *, dtype: str = "", force_base: bool = False
+    ) -> PublishInfo:
         """Write `params` (a dict tree of global jax.Arrays) as `version` (default: latest + 1, or
-        0), floating leaves cast to `dtype` first ("" = as is). Returns the manifest."""
+        0), floating leaves cast to `dtype` first ("" = as is). Returns what was written (its
+        `manifest` too; `info["kind"]` reads the manifest's fields)."""
+        cast = publish_dtype(dtype)
         store = self.store
         leaves = _leaves(params)
         if not leaves:
             raise WeightSyncError("params has no array leaves; nothing to publish")
-        if version is None:
-            version = 0 if self.latest is None else self.latest + 1
-        version = _check_version(version, self.latest)
+        version = next_version(version, self.latest)
         pi = jax.process_index()
         vdir = version_dir(version)
         out_dtypes = []
         for _, arr in leaves:
             dt = np.dtype(arr.dtype)
-            if dtype and np.issubdtype(dt, np.floating):
-                dt = np.dtype(jax.numpy.dtype(dtype))
+            if cast is not None and np.issubdtype(dt, np.floating):
+                dt = cast
             if dt.itemsize not in (1, 2, 4, 8):
                 raise WeightSyncError(f"dtype {dt} of itemsize {dt.itemsize}; accepted itemsizes: 1, 2, 4, 8")
             out_dtypes.append(dt)
@@ -179,14 +182,16 @@ class ShardedWeightPublisher:
                 }
             )
         stored_total = sum(int(lf["stored_bytes"]) for lf in leaf_meta)
+        raw_total = sum(int(lf["raw_bytes"]) for lf in leaf_meta)
+        kind = "sharded_delta" if as_delta else "sharded"
         base_version = self._base_version if as_delta and self._base_version is not None else version
         manifest = {
             "format": SHARDED_FORMAT,
             "version": version,
-            "kind": "sharded_delta" if as_delta else "sharded",
+            "kind": kind,
             "base_version": base_version,
             "parent_version": self.latest if as_delta and self.latest is not None else version,
-            "raw_bytes": sum(int(lf["raw_bytes"]) for lf in leaf_meta),
+            "raw_bytes": raw_total,
             "stored_bytes": stored_total,
             "leaves": leaf_meta,
         }
@@ -200,13 +205,33 @@ class ShardedWeightPublisher:
         else:
             self._base_version, self._base_stored, self._since_base = version, stored_total, 0
         self._prev, self.latest = bits_now, version
-        return manifest
+        return PublishInfo(version, kind, base_version, raw_total, stored_total, stored_total, manifest)
 
 
 def publish_sharded(url: str, params: Any, version: int, *, dtype: str = "", context: ts.Context | None = None) -> dict:
     """Write `params` as snapshot `version` per shard (`ShardedWeightPublisher` for a single
     version). A collective: every process calls it with the same arguments. Returns the manifest."""
-    return ShardedWeightPublisher(url, context=context).publish(params, version, dtype=dtype)
+    return ShardedWeightPublisher(url, context=context).publish(params, version, dtype=dtype).manifest
+
+
+def open_publisher(
+    url: str,
+    *,
+    process_count: int | None = None,
+    new_base_fraction: float = 0.5,
+    zstd_level: int = 3,
+    context: ts.Context | None = None,
+) -> Publisher:
+    """The publisher a trainer of `process_count` processes (default: `jax.process_count()`)
+    writes `url` with, the same call on every process: one process, a `WeightPublisher` (the whole
+    tree copied to the host and written whole); several, a `ShardedWeightPublisher` (each process
+    its own shards; `publish` is then a collective every process calls)."""
+    n = jax.process_count() if process_count is None else process_count
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise WeightSyncError(f"process_count={process_count!r}; accepted: an int >= 1 (or None: this job's)")
+    if n == 1:
+        return WeightPublisher(url, new_base_fraction=new_base_fraction, zstd_level=zstd_level, context=context)
+    return ShardedWeightPublisher(url, new_base_fraction=new_base_fraction, zstd_level=zstd_level, context=context)
 
 
 def read_shard(
@@ -268,4 +293,4 @@ def read_shard(
     return out.view(dt)
 
 
-__all__ = ["ShardedWeightPublisher", "publish_sharded", "read_shard"]
+__all__ = ["ShardedWeightPublisher", "open_publisher", "publish_sharded", "read_shard"]

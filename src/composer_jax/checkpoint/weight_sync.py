@@ -1,5 +1,10 @@
 """Weight sync through a tensorstore kvstore: base snapshots plus compressed XOR deltas.
 
+Both publishers, this module's `WeightPublisher` (one writer) and
+`checkpoint/sharded_publish.py`'s `ShardedWeightPublisher` (every process of a multi-host trainer
+its own shards), are a `Publisher`: `publish(params, version, *, dtype=...) -> PublishInfo`, so a
+trainer opens one (`sharded_publish.open_publisher`) and calls it the same way in both cases.
+
 A `WeightPublisher` writes each policy version of a parameter pytree (nested dicts of arrays) to a
 kvstore given by URL (``file://DIR`` by default, or any tensorstore kvstore URL: ``gs://``,
 ``s3://``, ``memory://``). A version is either a *base* (the raw bit patterns of every leaf) or a
@@ -36,13 +41,14 @@ which sits below `rl/`, can use it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import ml_dtypes
 import numpy as np
@@ -68,9 +74,12 @@ class WeightSyncError(ValueError):
 
 @dataclass(frozen=True)
 class PublishInfo:
-    """What `WeightPublisher.publish` wrote: the version, its kind, and raw vs stored bytes.
-    follower_bytes: what a subscriber holding the previous version reads to get this one (the delta;
-    for a base written with a delta beside it, that delta; else the base)."""
+    """What a `Publisher.publish` wrote: the version, its kind ("base" / "delta" from a
+    `WeightPublisher`, "sharded" / "sharded_delta" from a `ShardedWeightPublisher`), and raw vs
+    stored bytes. follower_bytes: what a subscriber holding the previous version reads to get this
+    one (the delta; for a base written with a delta beside it, that delta; else the base).
+    manifest: the version's manifest as written; `info[key]` is `info.manifest[key]` (the sharded
+    publisher returned the manifest itself before both returned a PublishInfo)."""
 
     version: int
     kind: str
@@ -78,6 +87,44 @@ class PublishInfo:
     raw_bytes: int
     stored_bytes: int
     follower_bytes: int = 0
+    manifest: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.manifest[key]
+
+
+class Publisher(Protocol):
+    """A writer of policy versions to a weight-sync store (`WeightPublisher`: one process writes
+    whole leaves; `ShardedWeightPublisher`: every process of a multi-host trainer writes the shards
+    it holds). `latest`: the newest version in the store (None: empty)."""
+
+    latest: int | None
+
+    def publish(
+        self, params: Any, version: int | None = None, *, dtype: str = "", force_base: bool = False
+    ) -> PublishInfo:
+        """Write `params` as `version` (default: latest + 1, or 0), floating leaves cast to `dtype`
+        first ("" = as is), and point `latest` at it. `force_base`: a snapshot, not a delta."""
+        ...
+
+
+def publish_dtype(dtype: str) -> np.dtype | None:
+    """The dtype `publish(..., dtype=)` casts floating leaves to (None for "": as is), or a
+    WeightSyncError naming the value. Floating means numpy's floating kinds; ml_dtypes' (bfloat16,
+    float8_*) are not numpy floating types and stay as they are."""
+    if dtype == "":
+        return None
+    try:
+        out = _dtype_from_name(dtype) if isinstance(dtype, str) else None
+        if out is not None:
+            ml_dtypes.finfo(out)  # a floating type (numpy's or ml_dtypes')
+    except (WeightSyncError, TypeError, ValueError):
+        out = None
+    if out is None:
+        raise WeightSyncError(
+            f"dtype={dtype!r}; accepted: '' (as is) or a floating dtype name such as 'bfloat16', 'float32'"
+        )
+    return out
 
 
 def _dtype_from_name(name: str) -> np.dtype:
@@ -115,10 +162,17 @@ def flatten_tree(
     return [(prefix, value)]
 
 
-def _host_leaf(path: str, node: Any) -> np.ndarray | None:
+def _host_leaf(path: str, node: Any, cast: np.dtype | None = None) -> np.ndarray | None:
     if not (hasattr(node, "shape") and hasattr(node, "dtype")):
         return None
-    arr = np.asarray(node, order="C")
+    if getattr(node, "is_fully_addressable", True) is False:
+        raise WeightSyncError(
+            f"leaf {path!r} is an array over several processes, which one writer cannot gather; publish it "
+            "with a ShardedWeightPublisher (checkpoint/sharded_publish.py, `open_publisher` picks it)"
+        )
+    arr = np.asarray(node, order="C")  # a jax.Array: copied to the host (this process holds all of it)
+    if cast is not None and np.issubdtype(arr.dtype, np.floating):
+        arr = np.asarray(arr.astype(cast), order="C")
     if arr.dtype.itemsize not in _UINT:
         raise WeightSyncError(
             f"leaf {path!r} has dtype {arr.dtype} of itemsize {arr.dtype.itemsize}; accepted itemsizes: 1, 2, 4, 8"
@@ -126,8 +180,8 @@ def _host_leaf(path: str, node: Any) -> np.ndarray | None:
     return arr
 
 
-def _flatten(tree: Any) -> list[tuple[str, np.ndarray]]:
-    return flatten_tree(tree, _host_leaf, "dict or array")
+def _flatten(tree: Any, cast: np.dtype | None = None) -> list[tuple[str, np.ndarray]]:
+    return flatten_tree(tree, lambda path, node: _host_leaf(path, node, cast), "dict or array")
 
 
 def _unflatten(leaves: dict[str, np.ndarray]) -> dict:
@@ -252,13 +306,30 @@ def check_new_base_fraction(new_base_fraction: float) -> None:
         raise WeightSyncError(f"new_base_fraction={new_base_fraction!r}; accepted: a number > 0")
 
 
+def next_version(version: int | None, latest: int | None) -> int:
+    """The version a publish writes: `version`, checked to be an int above `latest` (>= 0), or by
+    default latest + 1 (0 for an empty store). Shared by both publishers."""
+    if version is None:
+        return 0 if latest is None else latest + 1
+    if (
+        isinstance(version, bool)
+        or not isinstance(version, int)
+        or version < 0
+        or (latest is not None and version <= latest)
+    ):
+        raise WeightSyncError(f"version={version!r}; accepted: an int > latest version {latest} (>= 0)")
+    return version
+
+
 def _check_level(zstd_level: int) -> None:
     if not isinstance(zstd_level, int) or not -7 <= zstd_level <= 22:
         raise WeightSyncError(f"zstd_level={zstd_level!r}; accepted: an int in [-7, 22]")
 
 
 class WeightPublisher:
-    """Writes policy versions to a kvstore URL as base snapshots plus zstd-compressed XOR deltas.
+    """Writes policy versions to a kvstore URL as base snapshots plus zstd-compressed XOR deltas
+    (a `Publisher`: one process writes; its `params` are numpy arrays or jax.Arrays this process
+    holds whole, copied to the host here).
 
     `new_base_fraction`: a new base is written when the stored bytes of the deltas since the latest
     base reach this fraction of the base's stored bytes (> 0; 0 is not accepted, use
@@ -317,18 +388,14 @@ class WeightPublisher:
         self._load()
         return gone
 
-    def publish(self, params: Any, version: int | None = None, *, force_base: bool = False) -> PublishInfo:
-        """Write `params` as `version` (default: latest + 1, or 0) and point `latest` at it."""
-        if version is None:
-            version = 0 if self.latest is None else self.latest + 1
-        if (
-            isinstance(version, bool)
-            or not isinstance(version, int)
-            or version < 0
-            or (self.latest is not None and version <= self.latest)
-        ):
-            raise WeightSyncError(f"version={version!r}; accepted: an int > latest version {self.latest} (>= 0)")
-        leaves = _flatten(params)
+    def publish(
+        self, params: Any, version: int | None = None, *, dtype: str = "", force_base: bool = False
+    ) -> PublishInfo:
+        """Write `params` as `version` (default: latest + 1, or 0), floating leaves cast to `dtype`
+        first ("" = as is), and point `latest` at it."""
+        cast = publish_dtype(dtype)
+        version = next_version(version, self.latest)
+        leaves = _flatten(params, cast)
         if not leaves:
             raise WeightSyncError("params has no array leaves; nothing to publish")
         ref, base_bm = self._ref, self._base_manifest
@@ -398,7 +465,7 @@ class WeightPublisher:
         if not as_delta or self.delta_against == "previous":
             self._ref, self._ref_version = {p: b.copy() for p, b in bits_by_path.items()}, version
         follower = beside["stored_bytes"] if beside is not None else stored_total
-        return PublishInfo(version, kind, base_version, raw_total, stored_total, follower)
+        return PublishInfo(version, kind, base_version, raw_total, stored_total, follower, manifest)
 
 
 def rewind_store(store: _Store, version: int) -> list[int]:

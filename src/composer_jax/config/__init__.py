@@ -1,5 +1,8 @@
 """Configuration: frozen dataclasses loaded from YAML with `key=value` overrides, validated at load.
 
+Validation: each section's own fields by its module's `validate_<section>` function, every check
+across sections in `run.py` (`check_sections` at load, `check_rl_run` for the RL learner).
+
 Every error a user can cause names the key, the value given and what is accepted.
 
 The package is the ground floor: it imports no subsystem. `loader` is the generic machinery
@@ -10,7 +13,7 @@ its own (`model`, `mesh`, `train`, `data`, `checkpoint`, `rl`, `agent`; later `i
 
 from __future__ import annotations
 
-from composer_jax.config.agent import AgentConfig
+from composer_jax.config.agent import AgentConfig, validate_agent
 from composer_jax.config.checkpoint import CheckpointConfig, validate_checkpoint_config
 from composer_jax.config.data import DataConfig, DataConfigError, SourceConfig, validate_data_config
 from composer_jax.config.loader import (
@@ -22,10 +25,18 @@ from composer_jax.config.loader import (
     set_path,
     to_dict,
 )
-from composer_jax.config.mesh import MESH_AXES, MeshConfig, validate_mesh_for_model
+from composer_jax.config.mesh import MESH_AXES, MeshConfig, validate_mesh
 from composer_jax.config.model import ModelConfig, RopeScalingConfig, validate_model
-from composer_jax.config.rl import LengthPenaltyConfig, RewardConfig, RLConfig, RLLossConfig
-from composer_jax.config.run import Config, config_from_dict, load_config
+from composer_jax.config.rl import LengthPenaltyConfig, RewardConfig, RLConfig, RLLossConfig, validate_rl
+from composer_jax.config.run import (
+    Config,
+    check_rl_run,
+    check_sections,
+    config_from_dict,
+    load_config,
+    validate_mesh_for_model,
+    validate_sections,
+)
 from composer_jax.config.train import OptimizerConfig, TrainConfig, validate_train
 from composer_jax.errors import ConfigError
 
@@ -48,6 +59,8 @@ __all__ = [
     "SourceConfig",
     "TrainConfig",
     "build_dataclass",
+    "check_rl_run",
+    "check_sections",
     "coerce",
     "config_from_dict",
     "deep_merge",
@@ -56,9 +69,13 @@ __all__ = [
     "read_yaml",
     "set_path",
     "to_dict",
+    "validate_agent",
     "validate_checkpoint_config",
     "validate_data_config",
+    "validate_mesh",
     "validate_mesh_for_model",
     "validate_model",
+    "validate_rl",
+    "validate_sections",
     "validate_train",
 ]

@@ -46,23 +46,28 @@ class AgentConfig:
     top_k: int = 0
 
     def __post_init__(self) -> None:
-        positive = ("max_turns", "max_turn_tokens", "max_rollout_tokens", "summary_tokens", "max_tool_calls_per_turn")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ConfigError(f"agent.{name}={getattr(self, name)!r} must be >= 1")
-        for name in ("context_budget", "max_summaries", "env_retries", "max_observation_chars", "top_k"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"agent.{name}={getattr(self, name)!r} must be >= 0")
-        if self.context_budget and self.context_budget <= self.max_turn_tokens:
-            raise ConfigError(
-                f"agent.context_budget={self.context_budget} must exceed agent.max_turn_tokens="
-                f"{self.max_turn_tokens} (a turn must fit in a generation), or be 0 to disable summarisation"
-            )
-        if not self.temperature >= 0:
-            raise ConfigError(f"agent.temperature={self.temperature!r} must be >= 0 (0 = greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"agent.top_p={self.top_p!r} must be in (0, 1]")
+        validate_agent(self)  # built directly by code too (rollouts, tests): checked when built
 
     @property
     def summarise(self) -> bool:
         return self.context_budget > 0 and self.max_summaries > 0
+
+
+def validate_agent(a: AgentConfig) -> None:
+    """The agent section's checks (each names the key, the value and what is accepted)."""
+    positive = ("max_turns", "max_turn_tokens", "max_rollout_tokens", "summary_tokens", "max_tool_calls_per_turn")
+    for name in positive:
+        if getattr(a, name) < 1:
+            raise ConfigError(f"agent.{name}={getattr(a, name)!r} must be >= 1")
+    for name in ("context_budget", "max_summaries", "env_retries", "max_observation_chars", "top_k"):
+        if getattr(a, name) < 0:
+            raise ConfigError(f"agent.{name}={getattr(a, name)!r} must be >= 0")
+    if a.context_budget and a.context_budget <= a.max_turn_tokens:
+        raise ConfigError(
+            f"agent.context_budget={a.context_budget} must exceed agent.max_turn_tokens="
+            f"{a.max_turn_tokens} (a turn must fit in a generation), or be 0 to disable summarisation"
+        )
+    if not a.temperature >= 0:
+        raise ConfigError(f"agent.temperature={a.temperature!r} must be >= 0 (0 = greedy)")
+    if not 0 < a.top_p <= 1:
+        raise ConfigError(f"agent.top_p={a.top_p!r} must be in (0, 1]")

@@ -19,12 +19,18 @@ Example (YAML):
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Literal
 
 from composer_jax.errors import ConfigError
 
-SOURCE_TYPES = ("jsonl", "parquet", "arrayrecord", "directory")
-FORMATS = ("pretrain", "chat")
+# each accepted-name set written once, as the field's type; the tuples are derived from it
+SourceType = Literal["jsonl", "parquet", "arrayrecord", "directory"]
+SOURCE_TYPES: tuple[str, ...] = typing.get_args(SourceType)
+DataFormat = Literal["pretrain", "chat"]
+FORMATS: tuple[str, ...] = typing.get_args(DataFormat)
+Packing = Literal["first_fit"]
+PACKINGS: tuple[str, ...] = typing.get_args(Packing)
 
 # File types a code repository used as a corpus is made of, when `include` is not given.
 DEFAULT_CODE_EXTENSIONS = (
@@ -89,7 +95,7 @@ class SourceConfig:
       on file order, host count or seed. None = use `DataConfig.eval_fraction`.
     """
 
-    type: Literal["jsonl", "parquet", "arrayrecord", "directory"] = "jsonl"
+    type: SourceType = "jsonl"
     path: str = ""
     weight: float = 1.0
     text_key: str = "text"
@@ -132,12 +138,12 @@ class DataConfig:
     sources: tuple[SourceConfig, ...] = ()
     eval_sources: tuple[SourceConfig, ...] = ()
     tokenizer: str = "assets/tokenizer"
-    format: Literal["pretrain", "chat"] = "pretrain"
+    format: DataFormat = "pretrain"
     eval_fraction: float = 0.02
     shuffle: bool = True
     shuffle_seed: int = 0
     shuffle_window: int = 64
-    packing: Literal["first_fit"] = "first_fit"
+    packing: Packing = "first_fit"
     num_packing_bins: int = 16
     max_chunks_per_document: int = 64
     eval_batches: int = 8
@@ -157,7 +163,7 @@ def validate_data_config(cfg: DataConfig, *, require_sources: bool = True) -> No
             "data.sources is empty; give at least one source, e.g. data.sources=[{type: directory, path: src}]",
         )
     need(cfg.format in FORMATS, f"data.format={cfg.format!r} is not accepted; accepted: {FORMATS}")
-    need(cfg.packing == "first_fit", f"data.packing={cfg.packing!r} is not accepted; accepted: ('first_fit',)")
+    need(cfg.packing in PACKINGS, f"data.packing={cfg.packing!r} is not accepted; accepted: {PACKINGS}")
     need(0.0 <= cfg.eval_fraction < 1.0, f"data.eval_fraction={cfg.eval_fraction} must be in [0, 1)")
     need(cfg.shuffle_window >= 0, f"data.shuffle_window={cfg.shuffle_window} must be >= 0 (0 = off)")
     need(cfg.num_packing_bins >= 1, f"data.num_packing_bins={cfg.num_packing_bins} must be >= 1")

@@ -1,11 +1,10 @@
-"""The mesh section: device-mesh axis sizes, and the model/mesh combinations that cannot work."""
+"""The mesh section: device-mesh axis sizes (the model/mesh combinations that cannot work: `config/run.py`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 
-from composer_jax.config.model import ModelConfig
 from composer_jax.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
@@ -42,25 +41,9 @@ class MeshConfig:
         return sizes
 
 
-def validate_mesh_for_model(mesh: MeshConfig, m: ModelConfig, num_devices: int | None) -> None:
-    """Impossible model/mesh combinations: heads over tensor, experts over expert, devices."""
+def validate_mesh(mesh: MeshConfig) -> None:
+    """The mesh section's own checks (sizes against the model and the devices: `config/run.py`)."""
     for a in MESH_AXES:
         v = getattr(mesh, a)
         if v != -1 and v < 1:
             raise ConfigError(f"mesh.{a}={v} must be a positive integer or -1 (all remaining devices)")
-    sizes = mesh.shape(num_devices) if num_devices is not None else {a: getattr(mesh, a) for a in MESH_AXES}
-    tp, ep = sizes["tensor"], sizes["expert"]
-    if tp > 0 and m.num_heads % tp:
-        raise ConfigError(
-            f"model.num_heads={m.num_heads} is not divisible by mesh.tensor={tp}; "
-            f"accepted tensor sizes: {[d for d in range(1, m.num_heads + 1) if m.num_heads % d == 0]}"
-        )
-    if m.attention_type == "gqa" and tp > 0 and m.num_kv_heads % tp:
-        raise ConfigError(f"model.num_kv_heads={m.num_kv_heads} is not divisible by mesh.tensor={tp}")
-    if m.num_experts and ep > 0 and m.num_experts % ep:
-        raise ConfigError(
-            f"model.num_experts={m.num_experts} is not divisible by mesh.expert={ep}; "
-            f"accepted expert sizes: {[d for d in range(1, m.num_experts + 1) if m.num_experts % d == 0]}"
-        )
-    if not m.num_experts and ep > 1:
-        raise ConfigError(f"mesh.expert={ep} but the model is dense (model.num_experts=0); set mesh.expert=1")

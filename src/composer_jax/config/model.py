@@ -4,20 +4,29 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from typing import Literal
 
 from composer_jax.errors import ConfigError
 
+# accepted-name sets that other modules test against, each written once (the field's type; the
+# tuple derived from it): quant/grouped_matmul.py's recipes and backends, model/expert_parallel.py's
+# exchanges
 Dtype = Literal["float32", "bfloat16"]
+DTYPES: tuple[str, ...] = typing.get_args(Dtype)
+MoePrecision = Literal["bf16", "mxfp8", "nvfp4_fwd_mxfp8_bwd"]
+MOE_PRECISIONS: tuple[str, ...] = typing.get_args(MoePrecision)
+MoeQuantBackend = Literal["xla", "pallas"]
+MOE_QUANT_BACKENDS: tuple[str, ...] = typing.get_args(MoeQuantBackend)
+MoeEpExchange = Literal["auto", "padded", "ragged", "ragged_emulated"]
+MOE_EP_EXCHANGES: tuple[str, ...] = typing.get_args(MoeEpExchange)
 
 
 def as_dtype(value: str, what: str = "dtype") -> Dtype:
     """`value` as a parameter/compute dtype the model supports, or a ConfigError naming it."""
-    if value == "float32":
-        return "float32"
-    if value == "bfloat16":
-        return "bfloat16"
-    raise ConfigError(f"{what}={value!r} is not supported; accepted: float32, bfloat16")
+    if value not in DTYPES:
+        raise ConfigError(f"{what}={value!r} is not supported; accepted: {', '.join(DTYPES)}")
+    return typing.cast(Dtype, value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,19 +99,19 @@ class ModelConfig:
     # expert matmul precision (quant/grouped_matmul.py): "bf16" = no quantisation (the compute
     # dtype); "mxfp8" = MXFP8 E4M3 forward and backward; "nvfp4_fwd_mxfp8_bwd" = Composer 2's NVFP4
     # forward with a per-token second-level scale and MXFP8 backward. Not with moe_impl=dense.
-    moe_precision: Literal["bf16", "mxfp8", "nvfp4_fwd_mxfp8_bwd"] = "bf16"
+    moe_precision: MoePrecision = "bf16"
     # where the quantised expert matmuls run (with moe_precision mxfp8 or nvfp4_fwd_mxfp8_bwd; no
     # effect with bf16): "xla" = the reference (exact dequantise + float32 matmul, runs anywhere);
     # "pallas" = the Pallas kernels of pallas_kernels/ for quantisation, forward, dgrad and wgrad
     # (compiled on a GPU, interpret mode on CPU: slow, for tests)
-    moe_quant_backend: Literal["xla", "pallas"] = "xla"
+    moe_quant_backend: MoeQuantBackend = "xla"
     # expert-parallel exchange (model/expert_parallel.py): "padded" = all_to_all of worst-case
     # [ep, tokens*k] buffers (moves ep x the rows that exist; never drops; the only one XLA:CPU
     # runs); "ragged" = jax.lax.ragged_all_to_all of the real rows only, counts exchanged first (GPU
     # and TPU; XLA:CPU fails to compile it); "ragged_emulated" = the ragged path's bookkeeping, bound
     # and drops with the collective emulated by a padded all_to_all (runs on CPU; tests);
     # "auto" = ragged on GPU/TPU, padded on CPU.
-    moe_ep_exchange: Literal["auto", "padded", "ragged", "ragged_emulated"] = "auto"
+    moe_ep_exchange: MoeEpExchange = "auto"
     # ragged receive buffer per device, as a multiple of the balanced share (tokens*k rows): 0 = the
     # worst case tokens*k*min(ep, E/k), nothing can be dropped; c > 0 = ceil(c*tokens*k) rows (capped
     # at the worst case): less memory and matmul padding, and assignments past it are dropped and
@@ -202,8 +211,8 @@ def validate_model(m: ModelConfig) -> None:
         "(moe_impl=dense is the unquantised reference)",
     )
     need(
-        m.moe_ep_exchange in ("auto", "padded", "ragged", "ragged_emulated"),
-        f"model.moe_ep_exchange={m.moe_ep_exchange!r} is not accepted; accepted: auto, padded, ragged, ragged_emulated",
+        m.moe_ep_exchange in MOE_EP_EXCHANGES,
+        f"model.moe_ep_exchange={m.moe_ep_exchange!r} is not accepted; accepted: {', '.join(MOE_EP_EXCHANGES)}",
     )
     need(
         isinstance(m.moe_ep_capacity_factor, (int, float))

@@ -2,7 +2,8 @@
 
 Frozen dataclasses with no JAX import, attached to the top-level `Config` as `rl:` (defaults
 apply when a run's YAML has no `rl` section, as for pretraining). Every value is checked when
-the dataclass is built (`__post_init__`), so `dataclasses.replace` in tests is checked as well.
+the dataclass is built (`__post_init__` runs the section's `validate_*` function), so
+`dataclasses.replace` in tests is checked as well.
 
 Example (YAML):
 
@@ -30,15 +31,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from typing import Literal
 
 from composer_jax.errors import ConfigError
 
-# The built-in names of `rl.loss.advantage` and `rl.loss.aggregation`; `rl/loss.py` registers one
+# The built-in names of `rl.loss.advantage` and `rl.loss.aggregation`, each set written once (the
+# field's type; the tuple is derived from it); `rl/advantages.py` and `rl/loss.py` register one
 # function under each (tests/rl hold the registries and these names equal).
-ADVANTAGE_ESTIMATORS = ("drgrpo", "grpo")
-AGGREGATIONS = ("token_sum", "token_mean", "sequence_mean")
-LENGTH_MEASURES = ("tokens", "turns", "tool_calls")
+AdvantageName = Literal["drgrpo", "grpo"]
+ADVANTAGE_ESTIMATORS: tuple[str, ...] = typing.get_args(AdvantageName)
+AggregationName = Literal["token_sum", "token_mean", "sequence_mean"]
+AGGREGATIONS: tuple[str, ...] = typing.get_args(AggregationName)
+LengthMeasure = Literal["tokens", "turns", "tool_calls"]  # rl.reward.length_penalty.x (rl/rewards.py)
+LENGTH_MEASURES: tuple[str, ...] = typing.get_args(LengthMeasure)
 STALENESS_UNITS = ("token", "group")
 PUBLISH_DTYPES = ("", "bfloat16", "float32")
 # the sampler's prefix KV reuse (inference/sampler.py): never, within one weight version, across versions
@@ -60,11 +66,11 @@ class RLLossConfig:
 
     # advantage estimator: drgrpo = r - mean(group) (Dr. GRPO, as Composer 2); grpo = the same
     # divided by the group's standard deviation (DeepSeekMath)
-    advantage: Literal["drgrpo", "grpo"] = "drgrpo"
+    advantage: AdvantageName = "drgrpo"
     # how per-token terms become the loss: token_sum = sum / normalizer (Dr. GRPO: no per-sequence
     # length normalisation); token_mean = sum / policy tokens in the batch (DAPO); sequence_mean =
     # mean over sequences of each sequence's token mean (the original GRPO)
-    aggregation: Literal["token_sum", "token_mean", "sequence_mean"] = "token_sum"
+    aggregation: AggregationName = "token_sum"
     # the token_sum constant (e.g. max tokens per rollout x rollouts per batch); 0 = the batch's
     # rows x seq_len, a constant of the run
     normalizer: float = 0.0
@@ -84,37 +90,10 @@ class RLLossConfig:
     temperature: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.advantage not in ADVANTAGE_ESTIMATORS:
-            raise ConfigError(f"rl.loss.advantage={self.advantage!r} is not accepted; accepted: {ADVANTAGE_ESTIMATORS}")
-        if self.aggregation not in AGGREGATIONS:
-            raise ConfigError(f"rl.loss.aggregation={self.aggregation!r} is not accepted; accepted: {AGGREGATIONS}")
-        _number("rl.loss.normalizer", self.normalizer, low=0.0)
-        for side in ("low", "high"):
-            eps = getattr(self, f"clip_eps_{side}")
-            if eps is not None:
-                _number(f"rl.loss.clip_eps_{side}", eps, low=0.0, strict=True)
-        if self.clip_eps_low is not None and self.clip_eps_low >= 1.0:
-            raise ConfigError(
-                f"rl.loss.clip_eps_low={self.clip_eps_low!r}: expected a number in (0, 1) (the ratio's lower "
-                f"bound 1 - eps must stay positive), or null for no lower clip"
-            )
-        _number("rl.loss.kl_coef", self.kl_coef, low=0.0)
+        validate_rl_loss(self)
         if self.plausibility_band is not None:
-            band = tuple(self.plausibility_band)
-            if len(band) != 2:
-                raise ConfigError(
-                    f"rl.loss.plausibility_band={list(band)!r}: expected [lo, hi] with 0 <= lo < 1 < hi, or null"
-                )
-            lo, hi = band
-            _number("rl.loss.plausibility_band[0]", lo, low=0.0)
-            _number("rl.loss.plausibility_band[1]", hi)
-            if not lo < 1.0 < hi:
-                raise ConfigError(
-                    f"rl.loss.plausibility_band={[lo, hi]!r}: expected [lo, hi] with 0 <= lo < 1 < hi (a band that "
-                    f"keeps tokens on which trainer and sampler agree), or null to keep every token"
-                )
+            lo, hi = self.plausibility_band
             object.__setattr__(self, "plausibility_band", (float(lo), float(hi)))
-        _number("rl.loss.temperature", self.temperature, low=0.0, strict=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,14 +105,10 @@ class LengthPenaltyConfig:
     weight: float = 0.0  # 0 = no length penalty
     k: float = 0.01
     q: float = 1.0
-    x: Literal["tokens", "turns", "tool_calls"] = "tokens"
+    x: LengthMeasure = "tokens"
 
     def __post_init__(self) -> None:
-        _number("rl.reward.length_penalty.weight", self.weight, low=0.0)
-        _number("rl.reward.length_penalty.k", self.k, low=0.0, strict=True)
-        _number("rl.reward.length_penalty.q", self.q)
-        if self.x not in LENGTH_MEASURES:
-            raise ConfigError(f"rl.reward.length_penalty.x={self.x!r} is not accepted; accepted: {LENGTH_MEASURES}")
+        validate_length_penalty(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,9 +125,7 @@ class RewardConfig:
     parallel_tool_bonus: float = 0.0
 
     def __post_init__(self) -> None:
-        for key in ("grade_weight", "broken_tool_call_penalty", "style_penalty", "parallel_tool_bonus"):
-            # signs are in the formula: a penalty is given as a size (>= 0) and subtracted
-            _number(f"rl.reward.{key}", getattr(self, key), low=0.0)
+        validate_reward(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,66 +203,125 @@ class RLConfig:
             if isinstance(value, str):
                 value = (value,)
             object.__setattr__(self, name, tuple(value))
-        for name, low in (("group_size", 2), ("groups_per_step", 1), ("env_servers", 1), ("sampler_slots", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"rl.{name}={value!r}: expected an integer >= {low}")
-        for name in (
-            "eval_every",
-            "eval_samples",
-            "eval_seeds",
-            "max_staleness",
-            "max_groups_in_flight",
-            "queue_size",
-            "local_samplers",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"rl.{name}={value!r}: expected an integer >= 0")
-        for name in ("env_urls", "sampler_urls"):
-            urls = getattr(self, name)
-            bad = [u for u in urls if not isinstance(u, str) or not u.startswith(("http://", "https://"))]
-            if bad:
-                raise ConfigError(f"rl.{name}={list(urls)!r}: {bad[0]!r} is not an http:// or https:// URL")
-        if self.sampler_urls and self.local_samplers:
+        validate_rl(self)  # built directly by code too (tests, `dataclasses.replace`): checked when built
+
+
+def validate_rl_loss(c: RLLossConfig) -> None:
+    """The rl.loss section's checks."""
+    if c.advantage not in ADVANTAGE_ESTIMATORS:
+        raise ConfigError(f"rl.loss.advantage={c.advantage!r} is not accepted; accepted: {ADVANTAGE_ESTIMATORS}")
+    if c.aggregation not in AGGREGATIONS:
+        raise ConfigError(f"rl.loss.aggregation={c.aggregation!r} is not accepted; accepted: {AGGREGATIONS}")
+    _number("rl.loss.normalizer", c.normalizer, low=0.0)
+    for side in ("low", "high"):
+        eps = getattr(c, f"clip_eps_{side}")
+        if eps is not None:
+            _number(f"rl.loss.clip_eps_{side}", eps, low=0.0, strict=True)
+    if c.clip_eps_low is not None and c.clip_eps_low >= 1.0:
+        raise ConfigError(
+            f"rl.loss.clip_eps_low={c.clip_eps_low!r}: expected a number in (0, 1) (the ratio's lower "
+            f"bound 1 - eps must stay positive), or null for no lower clip"
+        )
+    _number("rl.loss.kl_coef", c.kl_coef, low=0.0)
+    if c.plausibility_band is not None:
+        band = tuple(c.plausibility_band)
+        if len(band) != 2:
             raise ConfigError(
-                f"rl.sampler_urls={list(self.sampler_urls)!r} and rl.local_samplers={self.local_samplers}: give one "
-                "(replicas to use, or the number to start), not both"
+                f"rl.loss.plausibility_band={list(band)!r}: expected [lo, hi] with 0 <= lo < 1 < hi, or null"
             )
-        if self.sampler_urls and not self.weight_store:
+        lo, hi = band
+        _number("rl.loss.plausibility_band[0]", lo, low=0.0)
+        _number("rl.loss.plausibility_band[1]", hi)
+        if not lo < 1.0 < hi:
             raise ConfigError(
-                "rl.sampler_urls needs rl.weight_store: the URL the replicas follow for new policy versions "
-                "(the same one their `composer-jax serve --weights-from` names)"
+                f"rl.loss.plausibility_band={[lo, hi]!r}: expected [lo, hi] with 0 <= lo < 1 < hi (a band that "
+                f"keeps tokens on which trainer and sampler agree), or null to keep every token"
             )
-        if self.publish_dtype not in PUBLISH_DTYPES:
-            raise ConfigError(
-                f"rl.publish_dtype={self.publish_dtype!r} is not accepted; accepted: one of "
-                + ", ".join(repr(d) for d in PUBLISH_DTYPES)
-            )
-        if isinstance(self.env_wait_s, bool) or not isinstance(self.env_wait_s, int | float) or not self.env_wait_s > 0:
-            raise ConfigError(f"rl.env_wait_s={self.env_wait_s!r}: expected seconds > 0")
-        if isinstance(self.sampler_poll_s, bool) or not isinstance(self.sampler_poll_s, int | float):
-            raise ConfigError(f"rl.sampler_poll_s={self.sampler_poll_s!r}: expected seconds > 0")
-        if not self.sampler_poll_s > 0:
-            raise ConfigError(f"rl.sampler_poll_s={self.sampler_poll_s!r}: expected seconds > 0")
-        if not isinstance(self.pin_cores, bool):
-            raise ConfigError(f"rl.pin_cores={self.pin_cores!r}: expected true or false")
-        if self.env_cores not in ENV_CORES:
-            raise ConfigError(
-                f"rl.env_cores={self.env_cores!r} is not accepted; accepted: " + " or ".join(repr(m) for m in ENV_CORES)
-            )
-        if self.sampler_prefix_cache not in PREFIX_CACHE_MODES:
-            raise ConfigError(
-                f"rl.sampler_prefix_cache={self.sampler_prefix_cache!r} is not accepted; accepted: one of "
-                + ", ".join(repr(m) for m in PREFIX_CACHE_MODES)
-            )
-        if self.staleness_unit not in STALENESS_UNITS:
-            raise ConfigError(
-                f"rl.staleness_unit={self.staleness_unit!r} is not accepted; accepted: one of "
-                + ", ".join(repr(u) for u in STALENESS_UNITS)
-            )
-        if not isinstance(self.weight_store, str) or (self.weight_store and "://" not in self.weight_store):
-            raise ConfigError(
-                f"rl.weight_store={self.weight_store!r}: expected a tensorstore kvstore URL "
-                "(file://DIR, gs://BUCKET/PATH, ...) or empty for none"
-            )
+    _number("rl.loss.temperature", c.temperature, low=0.0, strict=True)
+
+
+def validate_length_penalty(c: LengthPenaltyConfig) -> None:
+    """The rl.reward.length_penalty section's checks."""
+    _number("rl.reward.length_penalty.weight", c.weight, low=0.0)
+    _number("rl.reward.length_penalty.k", c.k, low=0.0, strict=True)
+    _number("rl.reward.length_penalty.q", c.q)
+    if c.x not in LENGTH_MEASURES:
+        raise ConfigError(f"rl.reward.length_penalty.x={c.x!r} is not accepted; accepted: {LENGTH_MEASURES}")
+
+
+def validate_reward(c: RewardConfig) -> None:
+    """The rl.reward section's checks (its length penalty's included)."""
+    validate_length_penalty(c.length_penalty)
+    for key in ("grade_weight", "broken_tool_call_penalty", "style_penalty", "parallel_tool_bonus"):
+        # signs are in the formula: a penalty is given as a size (>= 0) and subtracted
+        _number(f"rl.reward.{key}", getattr(c, key), low=0.0)
+
+
+def validate_rl(r: RLConfig) -> None:
+    """The rl section's own checks, its sub-sections' included (the learner's checks against `train`
+    and `agent`: `config/run.py`'s `check_rl_run`)."""
+    validate_rl_loss(r.loss)
+    validate_reward(r.reward)
+    for name, low in (("group_size", 2), ("groups_per_step", 1), ("env_servers", 1), ("sampler_slots", 1)):
+        value = getattr(r, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"rl.{name}={value!r}: expected an integer >= {low}")
+    for name in (
+        "eval_every",
+        "eval_samples",
+        "eval_seeds",
+        "max_staleness",
+        "max_groups_in_flight",
+        "queue_size",
+        "local_samplers",
+    ):
+        value = getattr(r, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"rl.{name}={value!r}: expected an integer >= 0")
+    for name in ("env_urls", "sampler_urls"):
+        urls = getattr(r, name)
+        bad = [u for u in urls if not isinstance(u, str) or not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ConfigError(f"rl.{name}={list(urls)!r}: {bad[0]!r} is not an http:// or https:// URL")
+    if r.sampler_urls and r.local_samplers:
+        raise ConfigError(
+            f"rl.sampler_urls={list(r.sampler_urls)!r} and rl.local_samplers={r.local_samplers}: give one "
+            "(replicas to use, or the number to start), not both"
+        )
+    if r.sampler_urls and not r.weight_store:
+        raise ConfigError(
+            "rl.sampler_urls needs rl.weight_store: the URL the replicas follow for new policy versions "
+            "(the same one their `composer-jax serve --weights-from` names)"
+        )
+    if r.publish_dtype not in PUBLISH_DTYPES:
+        raise ConfigError(
+            f"rl.publish_dtype={r.publish_dtype!r} is not accepted; accepted: one of "
+            + ", ".join(repr(d) for d in PUBLISH_DTYPES)
+        )
+    if isinstance(r.env_wait_s, bool) or not isinstance(r.env_wait_s, int | float) or not r.env_wait_s > 0:
+        raise ConfigError(f"rl.env_wait_s={r.env_wait_s!r}: expected seconds > 0")
+    if isinstance(r.sampler_poll_s, bool) or not isinstance(r.sampler_poll_s, int | float):
+        raise ConfigError(f"rl.sampler_poll_s={r.sampler_poll_s!r}: expected seconds > 0")
+    if not r.sampler_poll_s > 0:
+        raise ConfigError(f"rl.sampler_poll_s={r.sampler_poll_s!r}: expected seconds > 0")
+    if not isinstance(r.pin_cores, bool):
+        raise ConfigError(f"rl.pin_cores={r.pin_cores!r}: expected true or false")
+    if r.env_cores not in ENV_CORES:
+        raise ConfigError(
+            f"rl.env_cores={r.env_cores!r} is not accepted; accepted: " + " or ".join(repr(m) for m in ENV_CORES)
+        )
+    if r.sampler_prefix_cache not in PREFIX_CACHE_MODES:
+        raise ConfigError(
+            f"rl.sampler_prefix_cache={r.sampler_prefix_cache!r} is not accepted; accepted: one of "
+            + ", ".join(repr(m) for m in PREFIX_CACHE_MODES)
+        )
+    if r.staleness_unit not in STALENESS_UNITS:
+        raise ConfigError(
+            f"rl.staleness_unit={r.staleness_unit!r} is not accepted; accepted: one of "
+            + ", ".join(repr(u) for u in STALENESS_UNITS)
+        )
+    if not isinstance(r.weight_store, str) or (r.weight_store and "://" not in r.weight_store):
+        raise ConfigError(
+            f"rl.weight_store={r.weight_store!r}: expected a tensorstore kvstore URL "
+            "(file://DIR, gs://BUCKET/PATH, ...) or empty for none"
+        )

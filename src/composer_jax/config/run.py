@@ -1,20 +1,27 @@
-"""A run's whole configuration: the sections composed into `Config`, loaded and validated together."""
+"""A run's whole configuration: the sections composed into `Config`, loaded and validated together.
+
+Validation has one shape (docs/architecture.md, "Config validation"): each section module has a
+`validate_<section>` function checking that section's own fields, which `config_from_dict` runs for
+every section at load; every check that reads more than one section is here (`check_sections`,
+run at load; `check_rl_run`, run by the RL learner, which knows its process count and cores).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from composer_jax.config.agent import AgentConfig
-from composer_jax.config.checkpoint import CheckpointConfig
-from composer_jax.config.data import DataConfig
+from composer_jax.config.agent import AgentConfig, validate_agent
+from composer_jax.config.checkpoint import CheckpointConfig, validate_checkpoint_config
+from composer_jax.config.data import DataConfig, validate_data_config
 from composer_jax.config.loader import build_dataclass, parse_overrides, plain, read_yaml, set_path
-from composer_jax.config.mesh import MeshConfig, validate_mesh_for_model
+from composer_jax.config.mesh import MESH_AXES, MeshConfig, validate_mesh
 from composer_jax.config.model import ModelConfig, validate_model
-from composer_jax.config.rl import RLConfig
+from composer_jax.config.rl import RLConfig, validate_rl
 from composer_jax.config.train import TrainConfig, validate_train
+from composer_jax.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,14 +49,112 @@ def config_from_dict(
     for path, value in parse_overrides(overrides):
         set_path(tree, path, value)
     cfg = build_dataclass(Config, tree, "")
-    validate_model(cfg.model)
+    validate_sections(cfg)
     if num_devices == "auto":
         import jax  # local: the environment server imports this module's siblings without JAX
 
         num_devices = jax.device_count()
-    validate_mesh_for_model(cfg.mesh, cfg.model, num_devices)
-    validate_train(cfg.train, cfg.mesh, num_devices)
+    check_sections(cfg, num_devices)
     return cfg
+
+
+def validate_sections(cfg: Config) -> None:
+    """Every section's own checks (a section's `validate_<section>`); `data` without requiring
+    sources: only what reads documents needs them (`data/pipeline.py` checks that where it reads)."""
+    validate_model(cfg.model)
+    validate_mesh(cfg.mesh)
+    validate_train(cfg.train)
+    validate_data_config(cfg.data, require_sources=False)
+    validate_checkpoint_config(cfg.checkpoint)
+    validate_rl(cfg.rl)
+    validate_agent(cfg.agent)
+
+
+def check_sections(cfg: Config, num_devices: int | None) -> None:
+    """The checks across sections that every run needs: the mesh against the devices and the model
+    (`validate_mesh_for_model`), the sequence against the context axis. num_devices None: the
+    mesh is not resolved (e.g. `inspect` on a hypothetical cluster mesh)."""
+    validate_mesh_for_model(cfg.mesh, cfg.model, num_devices)
+    t = cfg.train
+    if num_devices is not None:
+        sizes = cfg.mesh.shape(num_devices)
+        if t.seq_len % (2 * sizes["context"]) and sizes["context"] > 1:
+            raise ConfigError(
+                f"train.seq_len={t.seq_len} must be divisible by 2 x mesh.context="
+                f"{2 * sizes['context']} (zigzag context-parallel layout)"
+            )
+
+
+def validate_mesh_for_model(mesh: MeshConfig, m: ModelConfig, num_devices: int | None) -> None:
+    """Impossible model/mesh combinations: heads over tensor, experts over expert, devices."""
+    validate_mesh(mesh)
+    sizes = mesh.shape(num_devices) if num_devices is not None else {a: getattr(mesh, a) for a in MESH_AXES}
+    tp, ep = sizes["tensor"], sizes["expert"]
+    if tp > 0 and m.num_heads % tp:
+        raise ConfigError(
+            f"model.num_heads={m.num_heads} is not divisible by mesh.tensor={tp}; "
+            f"accepted tensor sizes: {[d for d in range(1, m.num_heads + 1) if m.num_heads % d == 0]}"
+        )
+    if m.attention_type == "gqa" and tp > 0 and m.num_kv_heads % tp:
+        raise ConfigError(f"model.num_kv_heads={m.num_kv_heads} is not divisible by mesh.tensor={tp}")
+    if m.num_experts and ep > 0 and m.num_experts % ep:
+        raise ConfigError(
+            f"model.num_experts={m.num_experts} is not divisible by mesh.expert={ep}; "
+            f"accepted expert sizes: {[d for d in range(1, m.num_experts + 1) if m.num_experts % d == 0]}"
+        )
+    if not m.num_experts and ep > 1:
+        raise ConfigError(f"mesh.expert={ep} but the model is dense (model.num_experts=0); set mesh.expert=1")
+
+
+def check_rl_run(cfg: Config, *, process_count: int, cores: Collection[int]) -> None:
+    """The RL learner's checks across `rl`, `train` and `agent`, and against the job it runs in:
+    `process_count` (`jax.process_count()`) and `cores`, the cores this process may use
+    (`os.sched_getaffinity(0)`; read only with rl.pin_cores). ConfigError naming the keys."""
+    r, t, a = cfg.rl, cfg.train, cfg.agent
+    if not r.tasks:
+        raise ConfigError("rl.tasks is empty; give the task ids (or gen/FAMILY) to train on")
+    if r.group_size < 2:
+        raise ConfigError(f"rl.group_size={r.group_size}: a group needs at least 2 rollouts for an advantage")
+    if t.batch_size < r.group_size:
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} rows cannot hold one group of rl.group_size={r.group_size} rollouts"
+        )
+    if a.max_turn_tokens >= t.seq_len:
+        raise ConfigError(
+            f"agent.max_turn_tokens={a.max_turn_tokens} must be below train.seq_len={t.seq_len}, the longest "
+            "generation a batch row (and the sampler) holds"
+        )
+    if t.micro_batches > 1 and t.batch_size % t.micro_batches:
+        raise ConfigError(f"train.batch_size={t.batch_size} must be divisible by train.micro_batches={t.micro_batches}")
+    if process_count > 1:
+        if not (r.sampler_urls or r.local_samplers):
+            raise ConfigError(
+                f"a trainer of {process_count} processes samples through `composer-jax serve` replicas: give "
+                "rl.sampler_urls (replica URLs) or rl.local_samplers >= 1 (started by process 0); the in-process "
+                "sampler (rl.local_samplers=0, no rl.sampler_urls) runs inside a one-process trainer only"
+            )
+        if r.pin_cores:
+            raise ConfigError(
+                f"rl.pin_cores=true pins a one-process trainer and its replicas on one machine; this trainer has "
+                f"{process_count} processes: accepted rl.pin_cores=false"
+            )
+    if r.pin_cores:
+        if not r.local_samplers:
+            raise ConfigError(
+                "rl.pin_cores pins the trainer and the rl.local_samplers replicas to cores of their own; "
+                "with rl.local_samplers=0 there is nothing to pin apart"
+            )
+        usable = sorted(cores)
+        if len(usable) < 1 + r.local_samplers:
+            raise ConfigError(
+                f"rl.pin_cores with rl.local_samplers={r.local_samplers} needs {1 + r.local_samplers} cores "
+                f"(one for the trainer, one per replica); this process may use {len(usable)}: {usable}"
+            )
+    if r.queue_size and r.queue_size < r.groups_per_step:
+        raise ConfigError(
+            f"rl.queue_size={r.queue_size} cannot hold one step's rl.groups_per_step={r.groups_per_step} groups; "
+            "give at least that, or 0 (bounded by the staleness only)"
+        )
 
 
 def load_config(

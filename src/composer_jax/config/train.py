@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from composer_jax.config.mesh import MeshConfig
 from composer_jax.errors import ConfigError
 
 
@@ -58,7 +57,8 @@ class TrainConfig:
     tensorboard: bool = True
 
 
-def validate_train(t: TrainConfig, mesh: MeshConfig, num_devices: int | None) -> None:
+def validate_train(t: TrainConfig) -> None:
+    """The train section's own checks (seq_len against the mesh: `config/run.py`)."""
     for key in ("seq_len", "batch_size", "micro_batches", "steps", "log_every", "eval_every"):
         if getattr(t, key) < 1:
             raise ConfigError(f"train.{key}={getattr(t, key)} must be a positive integer")
@@ -68,13 +68,6 @@ def validate_train(t: TrainConfig, mesh: MeshConfig, num_devices: int | None) ->
             f"{t.micro_batches}; accepted micro_batches: "
             f"{[d for d in range(1, t.batch_size + 1) if t.batch_size % d == 0]}"
         )
-    if num_devices is not None:
-        sizes = mesh.shape(num_devices)
-        if t.seq_len % (2 * sizes["context"]) and sizes["context"] > 1:
-            raise ConfigError(
-                f"train.seq_len={t.seq_len} must be divisible by 2 x mesh.context="
-                f"{2 * sizes['context']} (zigzag context-parallel layout)"
-            )
     if t.optimizer.lr <= 0 or t.optimizer.warmup_steps < 0:
         raise ConfigError(
             f"train.optimizer.lr={t.optimizer.lr} must be > 0 and warmup_steps={t.optimizer.warmup_steps} >= 0"

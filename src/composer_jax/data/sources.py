@@ -23,7 +23,13 @@ from typing import Any, Literal
 
 import numpy as np
 
-from composer_jax.config.data import DEFAULT_CODE_EXTENSIONS, DEFAULT_EXCLUDES, DataConfigError, SourceConfig
+from composer_jax.config.data import (
+    DEFAULT_CODE_EXTENSIONS,
+    DEFAULT_EXCLUDES,
+    SOURCE_TYPES,
+    DataConfigError,
+    SourceConfig,
+)
 
 Kind = Literal["text", "messages"]
 _PRUNED_DIRS = frozenset(
@@ -288,7 +294,7 @@ def open_source(src: SourceConfig, kind: Kind):
         return DirectorySource(Path(src.path), files)
     if src.type not in _DEFAULT_FILE_PATTERN:
         raise DataConfigError(
-            f"source {src.path!r}: type={src.type!r} is not accepted; accepted: jsonl, parquet, arrayrecord, directory"
+            f"source {src.path!r}: type={src.type!r} is not accepted; accepted: {', '.join(SOURCE_TYPES)}"
         )
     paths = resolve_files(src.path, _DEFAULT_FILE_PATTERN[src.type])
     cls = {"jsonl": JsonlSource, "parquet": ParquetSource, "arrayrecord": ArrayRecordSource}[src.type]

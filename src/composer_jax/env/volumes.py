@@ -120,11 +120,6 @@ def remove_tree(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def remove_volume(path: Path) -> None:
-    """Unmount (if mounted) and delete `path` (see `remove_tree`)."""
-    remove_tree(path)
-
-
 LOCK_NAME = ".server-lock"
 
 

@@ -208,7 +208,7 @@ def flops_per_token(cfg: ModelConfig, rows: list[ParamRow], seq: int) -> dict[st
 
 def batch_shards(rules: ShardingRules, sizes: Mapping[str, int]) -> int:
     """How many ways the global batch is split (product of the act_batch mesh axes)."""
-    return math.prod(sizes[a] for a in rules.mesh_axes("act_batch"))
+    return math.prod(sizes[a] for a in rules.mapped_axes("act_batch"))
 
 
 def _layer_activation_bytes(cfg: ModelConfig, sizes: Mapping[str, int], seq: int, moe: bool) -> dict[str, float]:

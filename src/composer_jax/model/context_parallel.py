@@ -29,7 +29,7 @@ def zigzag_permutation(seq: int, context: int) -> np.ndarray:
 
 def context_axes(sharding: MeshRules | None) -> tuple[str, ...]:
     """Mesh axes (of size > 1) the sequence is split over; () without context parallelism."""
-    return () if sharding is None else sharding.mesh_axes("act_seq")
+    return () if sharding is None else sharding.split_axes("act_seq")
 
 
 def context_size(sharding: MeshRules | None) -> int:

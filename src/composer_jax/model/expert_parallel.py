@@ -51,10 +51,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from composer_jax.config.model import MOE_EP_EXCHANGES
+
 # Compute on the received rows: (rows [R, d] sorted by local expert, sizes int32[e_local]) -> [R, d]
 ExpertCompute = Callable[[jax.Array, jax.Array], jax.Array]
 
-EXCHANGES = ("padded", "ragged", "ragged_emulated")
+# the exchanges model.moe_ep_exchange names ("auto" picks one of them per platform)
+EXCHANGES = tuple(e for e in MOE_EP_EXCHANGES if e != "auto")
 
 
 def ragged_buffer_rows(assignments: int, ep: int, num_experts: int, k: int, capacity_factor: float) -> int:

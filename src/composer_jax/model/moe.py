@@ -495,7 +495,7 @@ def moe_layer(
     as_tuple = lambda part: () if part is None else ((part,) if isinstance(part, str) else tuple(part))
     b_axes, s_axes = as_tuple(tok_spec[0]), as_tuple(tok_spec[1])
     token_axes = b_axes + s_axes
-    ep_axes = sharding.mesh_axes("experts")
+    ep_axes = sharding.split_axes("experts")
     if len(ep_axes) > 1:
         raise ValueError(f"experts may be split over one mesh axis, got {ep_axes}")
     ep_axis = ep_axes[0] if ep_axes else None

@@ -229,7 +229,7 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh, rules: ShardingRules | None = 
     for spec in jax.tree.leaves(param_specs(cfg), is_leaf=_is_spec):
         dropped = {(la, ma) for la, ma, _ in rules.dropped_axes(spec.logical_axes, spec.shape, mesh)}
         for la in set(spec.logical_axes) & rules.explicit:
-            for ma in rules.mesh_axes(la):
+            for ma in rules.mapped_axes(la):
                 if mesh.shape[ma] > 1:
                     applied[(la, ma)] = applied.get((la, ma), False) or (la, ma) not in dropped
     for (la, ma), ok in sorted(applied.items()):

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from composer_jax.config.model import MOE_PRECISIONS, MOE_QUANT_BACKENDS, MoePrecision
 from composer_jax.quant import pallas_backend
 from composer_jax.quant.formats import (
     E4M3,
@@ -51,9 +52,10 @@ from composer_jax.quant.formats import (
 )
 from composer_jax.sharding import vary_like
 
-RECIPES = ("bf16", "mxfp8", "nvfp4_fwd_mxfp8_bwd")
-RecipeName = Literal["bf16", "mxfp8", "nvfp4_fwd_mxfp8_bwd"]
-BACKENDS = ("xla", "pallas")
+# the names of model.moe_precision and model.moe_quant_backend, written once in config/model.py
+RecipeName = MoePrecision
+RECIPES = MOE_PRECISIONS
+BACKENDS = MOE_QUANT_BACKENDS
 
 
 @dataclasses.dataclass(frozen=True)

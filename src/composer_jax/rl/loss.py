@@ -42,10 +42,10 @@ from composer_jax.config import Config
 from composer_jax.config.rl import RLLossConfig
 from composer_jax.model.context_parallel import context_size, zigzag_permutation
 from composer_jax.model.layers import linear
-from composer_jax.model.transformer import forward, output_head
+from composer_jax.model.transformer import output_head
 from composer_jax.sharding import MeshRules
 from composer_jax.train.objective import Objective
-from composer_jax.train.pretrain import ce_chunks, moe_exchange_sums
+from composer_jax.train.pretrain import ce_chunks, forward_microbatch, moe_exchange_sums
 
 BASE_KEYS = ("tokens", "segment_ids", "positions", "loss_mask", "advantages", "sampler_logprobs")
 # |log r| above this is clamped in the ratio and k3 metrics only (exp would overflow float32 at 88
@@ -255,17 +255,7 @@ def prepare(params: Any, batch: dict, cfg: Config, context: int) -> tuple[dict, 
 
 def _policy_forward(params: Any, mb: dict, cfg: Config, sharding: MeshRules | None, routing: jax.Array | None):
     m = cfg.model
-    out = forward(
-        params,
-        mb["tokens"],
-        m,
-        segment_ids=mb["segment_ids"],
-        positions=mb["positions"],
-        token_order=mb["order"],
-        routing=routing,
-        context_layout="zigzag" if context_size(sharding) > 1 else "contiguous",
-        sharding=sharding,
-    )
+    out = forward_microbatch(params, mb, m, sharding, routing=routing)
     chunks = ce_chunks(mb["tokens"].shape, sharding)
     logp, entropy = token_logprobs(out.hidden, output_head(params, m), mb["targets"], cfg.rl.loss.temperature, chunks)
     return out, logp, entropy

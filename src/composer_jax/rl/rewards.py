@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from composer_jax.config.rl import LengthPenaltyConfig, RewardConfig
+from composer_jax.config.rl import LENGTH_MEASURES, LengthPenaltyConfig, RewardConfig
 
 # below this |(1 - q) log(1 + k x)| the q = 1 log limit's series is used (see `length_penalty`)
 _SERIES_BELOW = 1e-5
@@ -72,8 +72,8 @@ def length_penalty(x: float | np.ndarray, k: float, q: float) -> np.ndarray:
 
 def length_measure(stats: RolloutStats, x: str) -> int:
     """The quantity the length penalty is over: tokens, turns or tool_calls."""
-    if x not in ("tokens", "turns", "tool_calls"):
-        raise ValueError(f"length penalty x={x!r} is not accepted; accepted: tokens, turns, tool_calls")
+    if x not in LENGTH_MEASURES:
+        raise ValueError(f"length penalty x={x!r} is not accepted; accepted: {', '.join(LENGTH_MEASURES)}")
     return int(getattr(stats, x))
 
 

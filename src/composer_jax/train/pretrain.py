@@ -15,9 +15,9 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from composer_jax.config import Config
+from composer_jax.config import Config, ModelConfig
 from composer_jax.model.context_parallel import context_size, zigzag_permutation
-from composer_jax.model.transformer import forward, output_head
+from composer_jax.model.transformer import ModelOutput, forward, output_head
 from composer_jax.sharding import MeshRules
 from composer_jax.train import losses
 from composer_jax.train.objective import Objective
@@ -84,20 +84,27 @@ def ce_chunks(shape: tuple[int, int], sharding: MeshRules | None, tokens_per_chu
     return max(c for c in range(1, want + 1) if s % c == 0)
 
 
-def loss_terms(params: Any, mb: dict, cfg: Config, denoms: dict, sharding: MeshRules | None):
-    """Objective for one micro-batch, normalised by whole-batch denominators, and metric sums."""
-    m, t = cfg.model, cfg.train
-    out = forward(
+def forward_microbatch(params: Any, mb: dict, m: ModelConfig, sharding: MeshRules | None, **inputs: Any) -> ModelOutput:
+    """`forward` on one prepared micro-batch (what an objective's `prepare` wrote: tokens,
+    segment_ids, positions and each token's original index `order`), in the zigzag layout when the
+    context axis splits the sequence. `inputs`: the objective's own (mtp_tokens, routing)."""
+    return forward(
         params,
         mb["tokens"],
         m,
         segment_ids=mb["segment_ids"],
         positions=mb["positions"],
         token_order=mb["order"],
-        mtp_tokens=mb.get("mtp_tokens"),
         context_layout="zigzag" if context_size(sharding) > 1 else "contiguous",
         sharding=sharding,
+        **inputs,
     )
+
+
+def loss_terms(params: Any, mb: dict, cfg: Config, denoms: dict, sharding: MeshRules | None):
+    """Objective for one micro-batch, normalised by whole-batch denominators, and metric sums."""
+    m, t = cfg.model, cfg.train
+    out = forward_microbatch(params, mb, m, sharding, mtp_tokens=mb.get("mtp_tokens"))
     if out.mtp_logits is not None and t.mtp_loss == "self_distill":
         # the main logits are needed anyway (distillation teacher): plain cross-entropy on them
         nll, z, w, correct = losses.cross_entropy(out.logits, mb["targets"], mb["weights"], t.z_loss)
