@@ -36,6 +36,7 @@ from composer_jax import resources  # noqa: E402
 from composer_jax.inspection import build_report, format_report  # noqa: E402
 from composer_jax.model.masks import segment_positions  # noqa: E402
 from composer_jax.model.params import count_params, param_specs  # noqa: E402
+from composer_jax.report import format_trend, trend  # noqa: E402
 from composer_jax.rl.evaluate import format_paired  # noqa: E402
 from composer_jax.train.state import init_train_state  # noqa: E402
 from composer_jax.train.step import batch_sharding, make_train_step  # noqa: E402
@@ -204,6 +205,8 @@ def pipeline(out_root: str, scale: float, echo=print, rl: bool = True) -> list[d
             f"{r['name']:<12} {losses[0]:8.3f} -> {losses[-1]:8.3f}   {ev[0]['eval/perplexity']:10.2f} -> "
             f"{ev[-1]['eval/perplexity']:10.2f}   {mtp[0]:8.3f} -> {mtp[1]:8.3f}   ({r['time_s']:.0f}s)"
         )
+        if len(losses) >= 3:
+            echo(f"{'':12} train loss {format_trend(trend(sorted(r['losses'].items())))}")
     if rl:
         echo(rl_line(results[-1]))
     return results
@@ -213,10 +216,16 @@ def rl_line(rl: dict) -> str:
     """The RL stage's summary line: first -> last training step, and the held-out evaluations."""
     steps = [rl["steps"][n] for n in sorted(rl["steps"])]
     first, last = rl["evals"][0], rl["evals"][-1]
+    trends = ""
+    if len(steps) >= 3:  # a noisy curve's first -> last says little: its slope and quarter means, with errors
+        for key, label in (("reward/total", "reward"), ("rollout/success", "success")):
+            points = [(n, rl["steps"][n][key]) for n in sorted(rl["steps"])]
+            trends += f"{'':13}{label} {format_trend(trend(points))}\n"
     return (
         f"rl           reward {steps[0]['reward/total']:.3f} -> {steps[-1]['reward/total']:.3f}, success "
         f"{steps[0]['rollout/success']:.2f} -> {steps[-1]['rollout/success']:.2f}   ({rl['time_s']:.0f}s)\n"
-        f"held-out     pass@1 {first['eval/pass@1']:.3f} (step {first['step']}) -> {last['eval/pass@1']:.3f} "
+        + trends
+        + f"held-out     pass@1 {first['eval/pass@1']:.3f} (step {first['step']}) -> {last['eval/pass@1']:.3f} "
         f"(step {last['step']}), best-of-{rl['eval_samples']} {first['eval/best_of_k']:.3f} -> "
         f"{last['eval/best_of_k']:.3f}, reward {first['eval/reward']:.3f} -> {last['eval/reward']:.3f}"
         + paired_line(last)
