@@ -119,6 +119,30 @@ def test_demo_clears_only_its_own_outputs(tmp_path):
         prepare_out(tmp_path / "file")
 
 
+# run by the installed interpreter: per tiny stage, (tokenizer, [(label, path, files or documents)], tasks dir)
+STAGE_PATHS = """
+import json
+from pathlib import Path
+import composer_jax as cj
+from composer_jax.demo import STAGES, RL_STAGE, bundled_overrides, stage_config
+from composer_jax.data.sources import list_directory_files
+out = {}
+for name, path in (*STAGES, RL_STAGE):
+    cfg = cj.load_config(stage_config(path), bundled_overrides(path, echo=lambda s: None), num_devices=None)
+    srcs = []
+    for s in cfg.data.sources:
+        if s.type == "directory":
+            files = list_directory_files(s.path, include=s.include, exclude=s.exclude, max_file_bytes=s.max_file_bytes)
+            assert not [f for f in files if f.startswith("_data/")], s.label
+            count = len(files)
+        else:
+            count = sum(1 for line in Path(s.path).read_text().splitlines() if line.strip())
+        srcs.append((s.label, s.path, count))
+    out[name] = (cfg.data.tokenizer, srcs, cfg.rl.tasks_dir)
+print(json.dumps(out))
+"""
+
+
 def _tree(root: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
 
@@ -171,6 +195,16 @@ def test_wheel_runs_outside_a_checkout(tmp_path):
     assert pkg == site / "composer_jax", where  # the wheel's copy, not the checkout
     tasks = Path(where[1])
     assert tasks == pkg / "_data" / "tasks" and (tasks / "lru-optimise" / "task.toml").is_file()
+    # every tiny stage's data resolves into the package: stage 1's corpus is the installed code (its
+    # _data/ left out), the tests/ source (not shipped) dropped, the rest found under _data/
+    stages = json.loads(run([str(py), "-c", STAGE_PATHS], cwd=work, env=env).stdout.splitlines()[-1])
+    for name, (tokenizer, sources, tasks_dir) in stages.items():
+        assert Path(tokenizer) == pkg / "_data" / "assets" / "tokenizer" and Path(tasks_dir) == tasks, name
+        for label, path, count in sources:
+            assert Path(path).is_relative_to(pkg) and count > 0, (name, label, path)
+    stage1 = {label: (path, count) for label, path, count in stages["stage1"][1]}
+    assert sorted(stage1) == ["directory:docs", "directory:src"]
+    assert Path(stage1["directory:src"][0]) == pkg and stage1["directory:src"][1] > 50
     before = _tree(venv)
 
     exe = str(venv / "bin" / "composer-jax")
