@@ -10,6 +10,10 @@ checkpoint; then asynchronous RL (`composer-jax rl`'s learner, configs/rl/tiny_d
 disable-debug, with the held-out evaluation (seeds 1000000.., never trained on) before and after;
 then a per-stage summary.
 
+Everything goes under --out (default runs/demo in the current directory); the configs, tokenizer,
+SFT sets and tasks are the bundled ones (composer_jax.resources: a checkout's, or an installed
+wheel's copy), so the demo runs from any directory.
+
 `--quick`: a few sharded AdamW steps on a synthetic rule (t_{i+1} = 5 t_i + 7 mod V), in a minute.
 """
 
