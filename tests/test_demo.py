@@ -30,3 +30,12 @@ def test_rl_summary_line_carries_the_paired_change():
     line = rl_line(rl)
     assert "held-out     pass@1 0.250 (step 0) -> 0.375 (step 2)" in line
     assert line.endswith("paired change +0.125 (se 0.062, z 2.00; 4 tasks, 8 pairs)")
+
+
+def test_rl_summary_shows_the_trend_of_three_steps_or_more():
+    # reward 0.1, 0.3, 0.2 at steps 1-3: slope 0.1 / 2 = 0.05; residuals -0.05, 0.1, -0.05: se sqrt(0.015 / 1 / 2)
+    steps = {n: {"reward/total": r, "rollout/success": 0.5} for n, r in ((1, 0.1), (2, 0.3), (3, 0.2))}
+    ev = {"step": 0, "eval/pass@1": 0.25, "eval/best_of_k": 0.5, "eval/reward": 0.25}
+    line = rl_line({"steps": steps, "evals": [ev, ev], "time_s": 1.0, "eval_samples": 2})
+    assert "reward slope +0.050 +- 0.087 /step (z 0.6, 3 steps); first quarter 0.100 +- nan -> last 0.200" in line
+    assert "success slope +0.000 +- 0.000 /step (3 steps)" in line

@@ -182,17 +182,111 @@ def _check_04_quantisation(ns: dict, printed: str) -> None:
     assert "per token: token 0's output moved by max |dy| = 0 " in printed
 
 
+def _check_01_pictures(ns: dict) -> None:
+    # the expert-load figure: one panel per MoE layer, its bars the load table's rows
+    load = ns["load"]
+    axes = ns["fig"].axes
+    assert len(axes) == load.shape[0]
+    for layer, ax in enumerate(axes):
+        np.testing.assert_array_equal([p.get_height() for p in ax.patches], load[layer])
+    # the parameter table: every leaf once, with the sharding the forward pass ran under
+    rows = {name: rest for name, *rest in ns["rows"]}
+    assert len(rows) == len(ns["jax"].tree.leaves(ns["params"]))
+    assert rows["moe_layers/moe/gate"] == [(2, 8, 64, 32), "float32", str(P(None, "expert", "fsdp", None))]
+
+
+def _check_04_pictures(ns: dict) -> None:
+    # the bar chart shows the table: one bar series per scheme, one bar per tensor
+    bars, errors = ns["bars"], ns["errors"]
+    assert list(bars) == [f"{fmt} ({rule})" for fmt, rule in errors]
+    for (fmt, rule), row in errors.items():
+        np.testing.assert_allclose(bars[f"{fmt} ({rule})"], row, rtol=1e-12)
+
+
+# a run directory as the trainers write it (train/observe.py's RunLogger): a pretraining stage with
+# expert counts and an RL stage with two held-out evaluations
+RUN_LOSS = [(1, 5.0), (2, 4.0), (3, 4.5), (4, 3.0)]
+RUN_COUNTS = {1: [[10, 30], [20, 20]], 4: [[15, 25], [30, 10]]}
+RUN_REWARD = [(1, 0.3), (2, 0.1), (3, 0.2), (4, 0.4), (5, 0.35), (6, 0.15), (7, 0.5), (8, 0.2)]
+
+
+def _setup_05_run_at_a_glance(tmp_path: Path, monkeypatch) -> None:
+    from composer_jax.train.observe import RunLogger
+
+    run = tmp_path / "run"
+    log = RunLogger(run / "stage1", "stage1", tensorboard=False)
+    for step, loss in RUN_LOSS:
+        log.log(step, {"loss": loss}, {"expert_counts": RUN_COUNTS[step]} if step in RUN_COUNTS else None)
+    log.log(4, {"eval/perplexity": 30.0})
+    log.close()
+    log = RunLogger(run / "rl", "rl", tensorboard=False)
+    log.log(0, {"eval/pass@1": 0.25})
+    for step, r in RUN_REWARD:
+        log.log(step, {"reward/total": r, "rollout/success": r / 2})
+    log.log(8, {"eval/pass@1": 0.375, "eval/paired_diff": 0.125, "eval/paired_se": 0.05})
+    log.close()
+    monkeypatch.setenv("COMPOSER_JAX_RUN", str(run))
+
+
+def _check_05_run_at_a_glance(ns: dict, printed: str) -> None:
+    assert "stages: stage1 (pretraining), rl (RL)" in printed
+    # loss 5, 4, 4.5, 3 at steps 1-4: mean step 2.5, mean loss 4.125, Sxx 5, Sxy -2.75 -> slope -0.55
+    t = ns["trends"]["stage1"]
+    assert abs(t.slope + 0.55) < 1e-12 and t.n == 4
+    assert "stage1       train loss slope -0.550 +- " in printed
+    # expert load max/mean at the last logged step (4): layer 0 25 / 20, layer 1 30 / 20
+    assert "stage1       step 4: max/mean per layer [1.25 1.5 ]" in printed
+    np.testing.assert_array_equal(ns["loads"]["stage1"][1], RUN_COUNTS[1])
+    # the RL trends against numpy's own least-squares fit
+    xs, ys = np.array(RUN_REWARD).T
+    for key, scale in (("reward/total", 1.0), ("rollout/success", 0.5)):
+        slope = np.polyfit(xs, ys * scale, 1)[0]
+        assert abs(ns["rl_trends"]["rl", key].slope - slope) < 1e-12
+    assert "rl held-out pass@1 paired change at step 8: +0.125 (se 0.050)" in printed
+
+
+def _check_01(ns: dict, printed: str) -> None:
+    _check_01_model_tour(ns, printed)
+    _check_01_pictures(ns)
+
+
+def _check_04(ns: dict, printed: str) -> None:
+    _check_04_quantisation(ns, printed)
+    _check_04_pictures(ns)
+
+
 CHECKS = {
-    "01_model_tour.ipynb": _check_01_model_tour,
+    "01_model_tour.ipynb": _check_01,
     "02_rl_objective.ipynb": _check_02_rl_objective,
     "03_one_rollout.ipynb": _check_03_one_rollout,
-    "04_quantisation.ipynb": _check_04_quantisation,
+    "04_quantisation.ipynb": _check_04,
+    "05_run_at_a_glance.ipynb": _check_05_run_at_a_glance,
 }
+# notebooks that read something a test must lay out first (here: a run directory)
+SETUP = {"05_run_at_a_glance.ipynb": _setup_05_run_at_a_glance}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs(path, monkeypatch):
+def test_notebook_runs(path, monkeypatch, tmp_path):
     assert path.name in CHECKS, f"{path.name} has no result checks; add them to CHECKS in {Path(__file__).name}"
     monkeypatch.chdir(path.parent)
+    if path.name in SETUP:
+        SETUP[path.name](tmp_path, monkeypatch)
     namespace, printed = _run(path)
     CHECKS[path.name](namespace, printed)
+
+
+@pytest.mark.slow
+def test_run_notebook_trains_a_stage_when_there_is_no_run(monkeypatch, tmp_path):
+    # no run directory: the notebook trains 6 steps of tiny stage 1 and shows that run
+    monkeypatch.setenv("COMPOSER_JAX_RUN", str(tmp_path / "missing"))
+    path = next(p for p in NOTEBOOKS if p.name == "05_run_at_a_glance.ipynb")
+    monkeypatch.chdir(path.parent)
+    ns, printed = _run(path)
+    assert "stages: stage1 (pretraining)" in printed and "no RL stage" in printed
+    (stage,) = ns["stages"]
+    assert [s for s, _ in stage.series["loss"]] == [1, 2, 3, 4, 5, 6]
+    assert ns["trends"]["stage1"].n == 6
+    # each logged step's expert counts: batch 8 x seq 128 tokens, top-2, per MoE layer
+    for counts in ns["loads"]["stage1"].values():
+        np.testing.assert_array_equal(counts.sum(-1), [8 * 128 * 2] * counts.shape[0])

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 from PIL import Image
 
 from composer_jax.cli import main as cli_main
-from composer_jax.report import ReportError, read_metrics, write_report
+from composer_jax.report import ReportError, format_trend, read_metrics, trend, write_report
 
 
 def _write(path: Path, records: list[dict]) -> None:
@@ -100,3 +101,39 @@ def test_bad_run_dirs(tmp_path, capsys):
     (tmp_path / "s" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\nnot json\n')
     with pytest.raises(ReportError, match=r"metrics.jsonl:2: not a metrics record"):
         write_report(tmp_path)
+
+
+def test_trend_against_hand_worked_examples():
+    # (0,1) (1,3) (2,2) (3,5): mean x 1.5, mean y 2.75, Sxx 5, Sxy 5.5 -> slope 1.1; fitted 1.1 2.2 3.3 4.4,
+    # residuals -0.1 0.8 -1.3 0.6, SSR 2.7 over 2 degrees of freedom: se sqrt(1.35 / 5) = sqrt(0.27)
+    t = trend([(0, 1.0), (1, 3.0), (2, 2.0), (3, 5.0)])
+    assert (t.n, t.quarter) == (4, 1)
+    assert abs(t.slope - 1.1) < 1e-12 and abs(t.slope_se - math.sqrt(0.27)) < 1e-12
+    assert (t.head_mean, t.tail_mean) == (1.0, 5.0) and math.isnan(t.head_se) and math.isnan(t.tail_se)
+    # eight steps 0..7, y = 1 3 2 2 4 4 6 8: Sxx 42, Sxy 36, Syy 37.5 -> slope 6/7, SSR 37.5 - 36^2/42 over 6;
+    # quarters of two: 1, 3 (mean 2, sd sqrt 2, se 1) and 6, 8 (mean 7, se 1)
+    t = trend(list(enumerate([1.0, 3.0, 2.0, 2.0, 4.0, 4.0, 6.0, 8.0])))
+    assert abs(t.slope - 6 / 7) < 1e-12
+    assert abs(t.slope_se - math.sqrt((37.5 - 36**2 / 42) / 6 / 42)) < 1e-12
+    assert t.quarter == 2 and (t.head_mean, t.head_se, t.tail_mean, t.tail_se) == (2.0, 1.0, 7.0, 1.0)
+    assert abs(t.z - (6 / 7) / t.slope_se) < 1e-12
+    assert (
+        format_trend(t)
+        == "slope +0.857 +- 0.162 /step (z 5.3, 8 steps); first quarter 2.000 +- 1.000 -> last 7.000 +- 1.000 (2 each)"
+    )
+    # a noisy curve whose last point is below its first, rising all the same
+    t = trend(list(enumerate([0.3, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.2])))
+    assert t.slope > 0 and t.tail_mean > t.head_mean
+    with pytest.raises(ValueError, match="at least 2 distinct steps"):
+        trend([(3, 1.0), (3, 2.0)])
+
+
+def test_report_prints_trends(tmp_path):
+    run = tmp_path / "run"
+    _write(run / "s1" / "metrics.jsonl", [{"step": s, "loss": y} for s, y in enumerate([1.0, 3.0, 2.0, 5.0])])
+    rl = [{"step": s, "reward/total": y, "rollout/success": y} for s, y in enumerate([1.0, 3.0, 2.0, 5.0])]
+    _write(run / "rl" / "metrics.jsonl", rl)
+    md = write_report(run).read_text()
+    hand = "slope +1.1000 +- 0.5196 /step (z 2.1, 4 steps); first quarter 1.0000 +- nan -> last 5.0000 +- nan"
+    assert f"| s1 | 1 -> 5 (steps 0-3) |  | {hand} (1 each) |" in md
+    assert "- reward: slope +1.100 +- 0.520 /step (z 2.1, 4 steps)" in md

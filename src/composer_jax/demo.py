@@ -10,12 +10,18 @@ checkpoint; then asynchronous RL (`composer-jax rl`'s learner, configs/rl/tiny_d
 disable-debug, with the held-out evaluation (seeds 1000000.., never trained on) before and after;
 then a per-stage summary.
 
+Everything goes under --out (default runs/demo in the current directory); the configs, tokenizer,
+SFT sets and tasks are the bundled ones (composer_jax.resources: a checkout's, or an installed
+wheel's copy), so the demo runs from any directory.
+
 `--quick`: a few sharded AdamW steps on a synthetic rule (t_{i+1} = 5 t_i + 7 mod V), in a minute.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import sys
 import time
@@ -30,14 +36,16 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import composer_jax as cj  # noqa: E402
+from composer_jax import resources  # noqa: E402
 from composer_jax.inspection import build_report, format_report  # noqa: E402
 from composer_jax.model.masks import segment_positions  # noqa: E402
 from composer_jax.model.params import count_params, param_specs  # noqa: E402
+from composer_jax.report import format_trend, trend  # noqa: E402
 from composer_jax.rl.evaluate import format_paired  # noqa: E402
 from composer_jax.train.state import init_train_state  # noqa: E402
 from composer_jax.train.step import batch_sharding, make_train_step  # noqa: E402
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "model" / "tiny.yaml"
+CONFIG = ("model", "tiny.yaml")  # under the bundled configs/ (resources.data_path)
 DEFAULT_OVERRIDES = ["mesh.data=2", "mesh.fsdp=2", "mesh.expert=2"]
 
 
@@ -59,13 +67,62 @@ def synthetic_batch(key: jax.Array, batch: int, seq: int, vocab: int):
     return tokens, seg
 
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = resources.CHECKOUT  # a checkout's root; the data itself is wherever resources.data_root() finds it
 STAGES = (
     ("stage1", "pretrain/tiny_stage1.yaml"),
     ("stage2", "pretrain/tiny_stage2.yaml"),
     ("stage3_sft", "pretrain/tiny_stage3_sft.yaml"),
 )
 RL_STAGE = ("rl", "rl/tiny_disable_debug.yaml")
+# what the pipeline writes under its output folder (all that a new run clears: nothing else is removed)
+OUTPUTS = (*(name for name, _ in STAGES), RL_STAGE[0], "plots", "report.md")
+
+
+def stage_config(path: str) -> Path:
+    """A stage config (e.g. "pretrain/tiny_stage1.yaml") in the bundled configs/."""
+    return resources.data_path("configs", *path.split("/"))
+
+
+def _bundled_source(src, root: Path, echo) -> dict | None:
+    """One data source of a stage config with its path (relative to the repository root, as the stage
+    configs write it) made absolute in the bundled data; None (with a note) when the bundled data lacks
+    it (an installed wheel carries no tests/)."""
+    d = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(src).items()}
+    d["name"] = src.label  # the label (logs, errors) stays what the config's relative path gave
+    path = Path(src.path)
+    if path.is_absolute():
+        return d
+    if path.parts[0] == "src":  # the project's own code: src/ in a checkout, the package when installed
+        where = resources.code_root().joinpath(*path.parts[1:])
+        if resources.is_packaged():
+            d["exclude"] = [*d["exclude"], *resources.CODE_EXCLUDE]
+    else:
+        where = root / path
+    if not where.exists():
+        echo(f"(data source {src.label}: {where} is not part of the bundled data; left out)")
+        return None
+    d["path"] = str(where)
+    return d
+
+
+def bundled_overrides(path: str, echo=print) -> list[str]:
+    """Overrides that point a stage config's relative data paths (tokenizer, corpus and SFT sources,
+    rl.tasks_dir) at the bundled data, so that the stage runs from any directory."""
+    base = cj.load_config(stage_config(path), num_devices=None)
+    root = resources.data_root()
+    out = []
+    if not Path(base.data.tokenizer).is_absolute():
+        out.append(f"data.tokenizer={json.dumps(str(root / base.data.tokenizer))}")
+    for group in ("sources", "eval_sources"):
+        given = getattr(base.data, group)
+        if given:
+            kept = [d for d in (_bundled_source(s, root, echo) for s in given) if d is not None]
+            if not kept:
+                raise resources.DataNotFoundError(f"{path}: no data.{group} entry is part of the bundled data")
+            out.append(f"data.{group}={json.dumps(kept)}")
+    if not Path(base.rl.tasks_dir).is_absolute():
+        out.append(f"rl.tasks_dir={json.dumps(str(root / base.rl.tasks_dir))}")
+    return out
 
 
 def async_overrides(cores: int) -> list[str]:
@@ -84,12 +141,13 @@ def rl_stage(out_root: str, init_from: str, scale: float, echo=print) -> dict:
     from composer_jax.rl.trainer import run_rl
 
     name, path = RL_STAGE
-    base = cj.load_config(REPO / "configs" / path, num_devices=None)
+    base = cj.load_config(stage_config(path), num_devices=None)
     cfg = cj.load_config(
-        REPO / "configs" / path,
+        stage_config(path),
         [
-            f"train.out_dir={out_root}/{name}",
-            f"train.init_from={init_from}",
+            *bundled_overrides(path, echo),
+            f"train.out_dir={json.dumps(f'{out_root}/{name}')}",
+            f"train.init_from={json.dumps(init_from)}",
             f"train.steps={max(2, int(base.train.steps * scale))}",
             # 0 (start and end only) stays 0
             f"rl.eval_every={max(1, int(base.rl.eval_every * scale)) if base.rl.eval_every else 0}",
@@ -113,21 +171,23 @@ def pipeline(out_root: str, scale: float, echo=print, rl: bool = True) -> list[d
     """Run the three tiny stages and (rl=True) the RL stage in order; returns one summary per stage."""
     from composer_jax.train.loop import run_stage
 
-    os.chdir(REPO)  # the stage configs name the corpus, tokenizer and SFT set relative to the repo
+    # the stage configs name the corpus, tokenizer and SFT set relative to the repository root:
+    # bundled_overrides makes them absolute, so the pipeline runs from any directory
+    out_root = str(Path(out_root).resolve())
     results, previous = [], None
     for name, path in STAGES:
-        overrides = [f"train.out_dir={out_root}/{name}"]
+        overrides = [*bundled_overrides(path, echo), f"train.out_dir={json.dumps(f'{out_root}/{name}')}"]
         if previous:
-            overrides.append(f"train.init_from={previous}")
-        base = cj.load_config(REPO / "configs" / path, num_devices=None)
+            overrides.append(f"train.init_from={json.dumps(str(previous))}")
+        base = cj.load_config(stage_config(path), num_devices=None)
         overrides.append(f"train.steps={max(2, int(base.train.steps * scale))}")
         overrides.append(f"train.eval_every={max(1, int(base.train.eval_every * scale))}")
-        cfg = cj.load_config(REPO / "configs" / path, overrides)
+        cfg = cj.load_config(stage_config(path), overrides)
         if previous is None:
             mesh = dict(cfg.mesh.shape(jax.device_count()))
             echo(format_report(build_report(cfg, mesh, cfg.train.batch_size, cfg.train.seq_len)))
         echo(
-            f"\n=== {name}: {cfg.data.format} on {cfg.data.sources[0].path}..., seq {cfg.train.seq_len}, "
+            f"\n=== {name}: {cfg.data.format} on {cfg.data.sources[0].label}..., seq {cfg.train.seq_len}, "
             f"mesh {cfg.mesh.shape(jax.device_count())}, {cfg.train.steps} steps ==="
         )
         t0 = time.perf_counter()
@@ -149,6 +209,8 @@ def pipeline(out_root: str, scale: float, echo=print, rl: bool = True) -> list[d
             f"{r['name']:<12} {losses[0]:8.3f} -> {losses[-1]:8.3f}   {ev[0]['eval/perplexity']:10.2f} -> "
             f"{ev[-1]['eval/perplexity']:10.2f}   {mtp[0]:8.3f} -> {mtp[1]:8.3f}   ({r['time_s']:.0f}s)"
         )
+        if len(losses) >= 3:
+            echo(f"{'':12} train loss {format_trend(trend(sorted(r['losses'].items())))}")
     if rl:
         echo(rl_line(results[-1]))
     return results
@@ -158,10 +220,16 @@ def rl_line(rl: dict) -> str:
     """The RL stage's summary line: first -> last training step, and the held-out evaluations."""
     steps = [rl["steps"][n] for n in sorted(rl["steps"])]
     first, last = rl["evals"][0], rl["evals"][-1]
+    trends = ""
+    if len(steps) >= 3:  # a noisy curve's first -> last says little: its slope and quarter means, with errors
+        for key, label in (("reward/total", "reward"), ("rollout/success", "success")):
+            points = [(n, rl["steps"][n][key]) for n in sorted(rl["steps"])]
+            trends += f"{'':13}{label} {format_trend(trend(points))}\n"
     return (
         f"rl           reward {steps[0]['reward/total']:.3f} -> {steps[-1]['reward/total']:.3f}, success "
         f"{steps[0]['rollout/success']:.2f} -> {steps[-1]['rollout/success']:.2f}   ({rl['time_s']:.0f}s)\n"
-        f"held-out     pass@1 {first['eval/pass@1']:.3f} (step {first['step']}) -> {last['eval/pass@1']:.3f} "
+        + trends
+        + f"held-out     pass@1 {first['eval/pass@1']:.3f} (step {first['step']}) -> {last['eval/pass@1']:.3f} "
         f"(step {last['step']}), best-of-{rl['eval_samples']} {first['eval/best_of_k']:.3f} -> "
         f"{last['eval/best_of_k']:.3f}, reward {first['eval/reward']:.3f} -> {last['eval/reward']:.3f}"
         + paired_line(last)
@@ -177,14 +245,39 @@ def paired_line(ev: dict) -> str:
     )
 
 
+def prepare_out(out: str | Path) -> Path:
+    """The pipeline's output folder, absolute, made if missing; a demo starts fresh (never resumes), so
+    what an earlier demo wrote there (OUTPUTS) is removed, and nothing else."""
+    import shutil
+
+    root = Path(out).resolve()
+    if root.exists() and not root.is_dir():
+        raise NotADirectoryError(f"--out {str(out)!r} is not a folder; give a folder for the demo's outputs")
+    for name in OUTPUTS:
+        p = root / name
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        elif p.exists() or p.is_symlink():
+            p.unlink()
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="composer-jax demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--quick", action="store_true", help="a few sharded steps on synthetic data only")
-    ap.add_argument("--out", default="runs/demo", help="output folder of the pipeline (relative to the repo)")
+    ap.add_argument(
+        "--out",
+        default="runs/demo",
+        help="output folder of the pipeline (default runs/demo under the current directory); everything the "
+        "demo writes goes under it, and a new run clears only what a previous one wrote there",
+    )
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every stage's steps by this")
-    ap.add_argument("--config", default=str(CONFIG))
+    ap.add_argument(
+        "--config", default=None, help="--quick's model config (default: the bundled configs/model/tiny.yaml)"
+    )
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
@@ -201,14 +294,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.scale <= 0:
             print(f"composer-jax demo: --scale {args.scale} must be > 0", file=sys.stderr)
             return 2
-        import shutil
-
-        shutil.rmtree(REPO / args.out, ignore_errors=True)  # a demo starts fresh, never resumes
-        pipeline(args.out, args.scale)
+        try:
+            out = prepare_out(args.out)
+        except OSError as e:
+            print(f"composer-jax demo: {e}", file=sys.stderr)
+            return 2
+        os.chdir(out)  # whatever a stage might write relative to the working directory lands under --out too
+        pipeline(str(out), args.scale)
         from composer_jax.report import write_report
 
         # the run directory's report: loss and perplexity per stage, the RL curves, the evaluations
-        print(f"\nreport: {write_report(REPO / args.out, title='composer-jax demo')}")
+        print(f"\nreport: {write_report(out, title='composer-jax demo')}")
         return 0
     # the library's step and optimiser: AdamW peaking at 1e-2 after 5 warmup steps, cosine to 0
     train = [
@@ -222,7 +318,10 @@ def main(argv: list[str] | None = None) -> int:
         "train.optimizer.clip_norm=0.0",
     ]
     try:
-        cfg = cj.load_config(args.config, train + (DEFAULT_OVERRIDES if not args.overrides else args.overrides))
+        cfg = cj.load_config(
+            args.config or resources.data_path("configs", *CONFIG),
+            train + (DEFAULT_OVERRIDES if not args.overrides else args.overrides),
+        )
     except cj.ConfigError as e:
         print(f"composer-jax demo: {e}", file=sys.stderr)
         return 2

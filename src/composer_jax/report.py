@@ -5,7 +5,8 @@ JSON record per logged step: `{"stage", "step", "time", name: value, ...}`; a st
 a separate record at the same step) and, for evaluations, a `report.json` written by
 `rl.evaluate.write_outputs`. This module reads them all and writes, under RUN_DIR:
 
-- `report.md`: per stage, first -> last of the main values, the RL table per step (with the
+- `report.md`: per stage, first -> last of the main values and their trends (`trend`: least-squares
+  slope with its standard error, first- and last-quarter means with theirs), the RL table per step (with the
   held-out pass@1 and its paired change from step 0: diff, standard error, z), and every
   evaluation's overall and per-category table;
 - `plots/pretraining.png`: train loss and held-out perplexity over steps, one row per stage;
@@ -108,6 +109,63 @@ def collect(run_dir: Path) -> tuple[list[Stage], list[Evaluation]]:
     return stages, evals
 
 
+@dataclass(frozen=True)
+class Trend:
+    """A noisy curve's direction with its uncertainty, instead of its first and last point.
+
+    slope: the least-squares change per step; slope_se its standard error (residual variance over
+    n - 2 degrees of freedom; nan below 3 points). head / tail: the mean of the first and the last
+    quarter of the points (`quarter` points each, at least one) with standard errors of the mean
+    (sample standard deviation / sqrt(quarter); nan for a single point)."""
+
+    n: int
+    slope: float
+    slope_se: float
+    quarter: int
+    head_mean: float
+    head_se: float
+    tail_mean: float
+    tail_se: float
+
+    @property
+    def z(self) -> float:
+        """slope / its standard error (nan when that is not defined or zero)."""
+        return self.slope / self.slope_se if self.slope_se > 0 else math.nan
+
+
+def _mean_se(ys: Sequence[float]) -> tuple[float, float]:
+    m = sum(ys) / len(ys)
+    if len(ys) < 2:
+        return m, math.nan
+    return m, math.sqrt(sum((y - m) ** 2 for y in ys) / (len(ys) - 1) / len(ys))
+
+
+def trend(points: Sequence[tuple[float, float]]) -> Trend:
+    """The `Trend` of [(step, value), ...] (in step order; at least 2 distinct steps)."""
+    if len(points) < 2 or len({x for x, _ in points}) < 2:
+        raise ValueError(f"a trend needs at least 2 distinct steps, got {list(points)!r}")
+    n = len(points)
+    xs, ys = [float(x) for x, _ in points], [float(y) for _, y in points]
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    ssr = sum((y - (my + slope * (x - mx))) ** 2 for x, y in zip(xs, ys))
+    se = math.sqrt(ssr / (n - 2) / sxx) if n > 2 else math.nan
+    q = max(1, n // 4)
+    head, tail = _mean_se(ys[:q]), _mean_se(ys[-q:])
+    return Trend(n, slope, se, q, head[0], head[1], tail[0], tail[1])
+
+
+def format_trend(t: Trend, digits: int = 3) -> str:
+    """e.g. 'slope -0.004 +- 0.006 /step (z -0.7, 10 steps); first quarter 0.21 +- 0.02 -> last 0.18 +- 0.03'."""
+    f = lambda v: "nan" if not math.isfinite(v) else f"{v:.{digits}f}"  # noqa: E731
+    z = f"z {t.z:.1f}, " if math.isfinite(t.z) else ""
+    return (
+        f"slope {t.slope:+.{digits}f} +- {f(t.slope_se)} /step ({z}{t.n} steps); first quarter "
+        f"{f(t.head_mean)} +- {f(t.head_se)} -> last {f(t.tail_mean)} +- {f(t.tail_se)} ({t.quarter} each)"
+    )
+
+
 def _fmt(v: float) -> str:
     if not math.isfinite(v):
         return str(v)
@@ -199,6 +257,27 @@ def _heldout_line(st: Stage) -> list[str]:
     return [line + ".", ""]
 
 
+TREND_NOTE = (
+    "Trends: the least-squares slope over the logged steps with its standard error, and the means of the first "
+    "and last quarter of the points with theirs (`report.trend`): a first -> last pair of a noisy curve can fall "
+    "while the curve rises."
+)
+TREND_METRICS = (("reward/total", "reward"), ("rollout/success", "success"), ("eval/pass@1", "held-out pass@1"))
+
+
+def _trend_cell(points: list[tuple[int, float]]) -> str:
+    """The trend of a curve of 3 points or more (with 2 its slope has no standard error), else ''."""
+    return format_trend(trend(points), 4) if len({x for x, _ in points}) >= 3 else ""
+
+
+def _trend_lines(st: Stage) -> list[str]:
+    """Per RL curve: its trend over the steps (TREND_NOTE)."""
+    out = [
+        f"- {lab}: {format_trend(trend(st.series[k]))}" for k, lab in TREND_METRICS if _trend_cell(st.series.get(k, []))
+    ]
+    return [*out, "", TREND_NOTE, ""] if out else []
+
+
 def _eval_table(ev: Evaluation) -> list[str]:
     rows = [("overall", ev.report["overall"])] + sorted((ev.report.get("categories") or {}).items())
     cols = [c for c in EVAL_COLUMNS if any(c in m for _, m in rows)]
@@ -218,15 +297,16 @@ def write_report(run_dir: str | Path, title: str | None = None) -> Path:
     lines = [f"# {title or 'Run report'}: `{run.name}`", ""]
     if pre and _plot([(lab, [(k, lab)]) for k, lab in PRETRAIN_PANELS], pre, plots / "pretraining.png", "pretraining"):
         lines += ["## Pretraining stages", "", "![pretraining](plots/pretraining.png)", ""]
-        lines += ["| stage | train loss | held-out perplexity |", "|---|---|---|"]
+        lines += ["| stage | train loss | held-out perplexity | train loss trend |", "|---|---|---|---|"]
         for s in pre:
             cells = [_first_last(s.series[k]) if k in s.series else "" for k, _ in PRETRAIN_PANELS]
+            cells.append(_trend_cell(s.series.get("loss", [])))
             lines.append(f"| {s.name} | " + " | ".join(cells) + " |")
-        lines.append("")
+        lines += ["", TREND_NOTE, ""]
     if rl and _plot(RL_PANELS, rl, plots / "rl.png", "reinforcement learning"):
         lines += ["## Reinforcement learning", "", "![rl](plots/rl.png)", ""]
         for s in rl:
-            lines += [f"### {s.name}", "", *_heldout_line(s), *_rl_table(s), ""]
+            lines += [f"### {s.name}", "", *_heldout_line(s), *_trend_lines(s), *_rl_table(s), ""]
     for ev in evals:
         lines += [f"## Evaluation: {ev.name}", "", *_eval_table(ev), ""]
     out = run / "report.md"
