@@ -2,7 +2,10 @@
 
 The shared reference model (`../shared/bench/moe_bench_config.json`: a 28M-parameter
 DeepSeek-V3-style MoE) is built in transformers with a fixed seed, written as safetensors, and
-loaded into composer_jax with `from_pretrained`, so both sides decode identical weights. Workload
+loaded into composer_jax with `from_pretrained`, so both sides decode identical weights.
+`--reference bench/qwen3_moe_gqa_config.json` takes a Qwen3-MoE-style model of the same size with
+grouped-query attention instead (8 query heads over 2 KV heads): any config.json whose
+`model_type` transformers and `from_pretrained` both know. Workload
 (the reference's): prompts of 32 tokens, 64 new tokens, greedy, at batch 1 and batch 16. Both
 sides run in this process on the CPU with the same thread count: `--threads N` pins the process to
 N of its cores (`os.sched_setaffinity`, before JAX or torch start), so XLA:CPU sizes its intra-op
@@ -66,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import jax
     import torch
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from composer_jax.checkpoint.hf import from_pretrained
     from composer_jax.inference.sampler import Request, Sampler
@@ -75,12 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     fields = json.loads(args.reference.read_text())
     torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM._from_config(DeepseekV3Config(**fields), dtype=torch.float32).eval()
+    hf_config = AutoConfig.for_model(fields.pop("model_type", "deepseek_v3"), **fields)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         cfg, params = from_pretrained(tmp)
     print(
-        f"reference model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters; "
+        f"reference model: {hf_config.model_type}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters; "
         f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__}; both sides on cores "
         f"{sorted(cores)} with {torch.get_num_threads()} threads (torch) / an XLA pool sized from {len(cores)} cores; "
         f"load average {os.getloadavg()[0]:.1f}; our sampler runs {args.chunk} decode steps per call (--chunk)"

@@ -13,7 +13,8 @@ import pytest
 from small_models import gqa, mla_yarn
 
 import composer_jax as cj
-from composer_jax.model.kv_cache import init_cache
+from composer_jax.model.attention import grouped_attend
+from composer_jax.model.kv_cache import cached_visibility, init_cache
 
 BASE = cj.ModelConfig(num_layers=3, num_mtp_layers=0, max_position_embeddings=64)
 CONFIGS = {
@@ -117,3 +118,35 @@ def test_cache_is_sharded_by_logical_axes():
     cache = init_cache(cfg, 4, 16, mesh)
     spec = cache.layers["moe_layers"]["k"].sharding.spec
     assert spec == jax.sharding.PartitionSpec(None, ("data", "fsdp"), None, "tensor", None)
+
+
+def _repeat_attend(q, k, v, visible, scale):
+    """The form `grouped_attend` replaced: each KV head repeated for its query group, then plain
+    multi-head attention."""
+    groups = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
+    probs = jax.nn.softmax(jnp.where(visible, scores, jnp.finfo(jnp.float32).min), axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v)
+
+
+@pytest.mark.parametrize("heads, kv_heads, new", [(8, 2, 1), (6, 3, 3), (4, 4, 2), (4, 1, 1)])
+def test_grouped_attend_equals_repeating_the_kv_heads(heads, kv_heads, new):
+    b, cap, d = 3, 24, 16
+    kq, kk, kv = jax.random.split(jax.random.key(heads * 10 + kv_heads), 3)
+    q = jax.random.normal(kq, (b, new, heads, d), jnp.float32)
+    k = jax.random.normal(kk, (b, cap, kv_heads, d), jnp.float32)
+    v = jax.random.normal(kv, (b, cap, kv_heads, d), jnp.float32)
+    lengths = jnp.asarray([0, 9, cap - new], jnp.int32)  # an empty row, a partial one, a full one
+    visible = cached_visibility(lengths, new, cap)
+    got = jax.jit(grouped_attend, static_argnums=4)(q, k, v, visible, 0.25)
+    want = jax.jit(_repeat_attend, static_argnums=4)(q, k, v, visible, 0.25)
+    assert got.shape == (b, new, heads, d)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    # query head h reads KV head h // groups: swapping two KV heads' values changes the heads of
+    # the first group only when there is more than one KV head
+    if kv_heads > 1:
+        v2 = v.at[:, :, 0].set(v[:, :, 1])
+        moved = np.asarray(grouped_attend(q, k, v2, visible, 0.25) != got).any(axis=(0, 1, 3))
+        groups = heads // kv_heads
+        assert moved[:groups].all() and not moved[groups:].any()

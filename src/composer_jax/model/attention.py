@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from einops import rearrange
 
 from composer_jax.config import ModelConfig
 from composer_jax.model import kv_cache
@@ -163,19 +164,31 @@ def mla_cached(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, cache: dict) 
     return linear(out, p["o"], contract=2), cache
 
 
+def grouped_attend(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, scale: float) -> jax.Array:
+    """Grouped-query attention without repeating keys or values: q [b, n, h, d] over k [b, T, kvh, d],
+    v [b, T, kvh, dv] under bool `visible` [b, 1, n, T] -> [b, n, h, dv].
+
+    Query head h belongs to KV head h // groups (the order `jnp.repeat` of the KV heads gives), so
+    the queries are viewed as [b, n, kv_heads, groups, d] and meet each KV head's keys in one
+    product batched over (b, kv_heads): the cache is read once per KV head instead of being copied
+    `groups` times per decode step. Scores and the softmax are float32; probabilities are cast to
+    v's dtype for the value product (as `_attend`'s dense path)."""
+    qg = rearrange(q, "b n (kv g) d -> b n kv g d", kv=k.shape[2])
+    scores = jnp.einsum("bnkgd,btkd->bkgnt", qg, k.astype(q.dtype), preferred_element_type=jnp.float32)
+    probs = _softmax_attend(scores * scale, visible[:, :, None]).astype(v.dtype)  # mask [b, 1, 1, n, T]
+    out = jnp.einsum("bkgnt,btkd->bnkgd", probs, v)
+    return rearrange(out, "b n kv g d -> b n (kv g) d")
+
+
 def gqa_cached(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, cache: dict) -> tuple[jax.Array, dict]:
-    """GQA over a KV cache {"k", "v": [b, T, kv_heads, head_dim]} (keys stored rotated and normed)."""
+    """GQA over a KV cache {"k", "v": [b, T, kv_heads, head_dim]} (keys stored rotated and normed);
+    the query heads of a group share their KV head's cache rows (`grouped_attend`)."""
     q, k, v = _gqa_project(p, x, ctx, cfg)
     start = ctx["cache_lengths"]
     cache = {"k": kv_cache.write(cache["k"], k, start), "v": kv_cache.write(cache["v"], v, start)}
-    groups = q.shape[2] // k.shape[2]
     kc, vc = cache["k"], cache["v"]
-    if groups > 1:
-        kc, vc = jnp.repeat(kc, groups, axis=2), jnp.repeat(vc, groups, axis=2)
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, kc.astype(q.dtype), preferred_element_type=jnp.float32)
     visible = kv_cache.cached_visibility(start, x.shape[1], kc.shape[1])
-    probs = _softmax_attend(scores * softmax_scale(cfg), visible).astype(vc.dtype)
-    out = jnp.einsum("bhqk,bkhd->bqhd", probs, vc)
+    out = grouped_attend(q, kc, vc, visible, softmax_scale(cfg))
     return linear(out, p["o"], contract=2), cache
 
 
