@@ -35,7 +35,8 @@ def descendants(pid: int) -> set[int]:
         fields = stat[stat.rindex(")") + 2 :].split()
         if fields[0] != "Z":  # a zombie is dead (its parent has not reaped it yet)
             parents[int(d)] = int(fields[1])
-    out, frontier = set(), {pid}
+    out: set[int] = set()
+    frontier = {pid}
     while frontier:
         frontier = {c for c, p in parents.items() if p in frontier} - out
         out |= frontier
