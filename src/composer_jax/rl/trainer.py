@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from composer_jax.checkpoint.manager import TrainCheckpointer
-from composer_jax.config import Config, ConfigError, to_dict
+from composer_jax.config import Config, ConfigError, check_rl_run, to_dict
 from composer_jax.inference.async_sampler import AsyncSampler
 from composer_jax.inference.sampler import Sampler
 from composer_jax.rl import batch as rl_batch
@@ -108,51 +108,8 @@ def _copy(tree: Any) -> Any:
 
 
 def check_config(cfg: Config) -> None:
-    r, t, a = cfg.rl, cfg.train, cfg.agent
-    if not r.tasks:
-        raise ConfigError("rl.tasks is empty; give the task ids (or gen/FAMILY) to train on")
-    if r.group_size < 2:
-        raise ConfigError(f"rl.group_size={r.group_size}: a group needs at least 2 rollouts for an advantage")
-    if t.batch_size < r.group_size:
-        raise ConfigError(
-            f"train.batch_size={t.batch_size} rows cannot hold one group of rl.group_size={r.group_size} rollouts"
-        )
-    if a.max_turn_tokens >= t.seq_len:
-        raise ConfigError(
-            f"agent.max_turn_tokens={a.max_turn_tokens} must be below train.seq_len={t.seq_len}, the longest "
-            "generation a batch row (and the sampler) holds"
-        )
-    if t.micro_batches > 1 and t.batch_size % t.micro_batches:
-        raise ConfigError(f"train.batch_size={t.batch_size} must be divisible by train.micro_batches={t.micro_batches}")
-    if jax.process_count() > 1:
-        if not (r.sampler_urls or r.local_samplers):
-            raise ConfigError(
-                f"a trainer of {jax.process_count()} processes samples through `composer-jax serve` replicas: give "
-                "rl.sampler_urls (replica URLs) or rl.local_samplers >= 1 (started by process 0); the in-process "
-                "sampler (rl.local_samplers=0, no rl.sampler_urls) runs inside a one-process trainer only"
-            )
-        if r.pin_cores:
-            raise ConfigError(
-                f"rl.pin_cores=true pins a one-process trainer and its replicas on one machine; this trainer has "
-                f"{jax.process_count()} processes: accepted rl.pin_cores=false"
-            )
-    if r.pin_cores:
-        if not r.local_samplers:
-            raise ConfigError(
-                "rl.pin_cores pins the trainer and the rl.local_samplers replicas to cores of their own; "
-                "with rl.local_samplers=0 there is nothing to pin apart"
-            )
-        cores = sorted(os.sched_getaffinity(0))
-        if len(cores) < 1 + r.local_samplers:
-            raise ConfigError(
-                f"rl.pin_cores with rl.local_samplers={r.local_samplers} needs {1 + r.local_samplers} cores "
-                f"(one for the trainer, one per replica); this process may use {len(cores)}: {cores}"
-            )
-    if r.queue_size and r.queue_size < r.groups_per_step:
-        raise ConfigError(
-            f"rl.queue_size={r.queue_size} cannot hold one step's rl.groups_per_step={r.groups_per_step} groups; "
-            "give at least that, or 0 (bounded by the staleness only)"
-        )
+    """The learner's checks of `cfg` against this job (`config.check_rl_run`: process count, cores)."""
+    check_rl_run(cfg, process_count=jax.process_count(), cores=os.sched_getaffinity(0))
 
 
 def make_policies(
