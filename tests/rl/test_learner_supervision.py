@@ -10,53 +10,18 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from live_env import HAVE_BWRAP, REPO
+from test_processes import _cmdline as cmdline
+from test_processes import _descendants as descendants
+from test_processes import _gone
 
 from composer_jax.config import load_config
 from composer_jax.rl import trainer
 
 CONFIG = REPO / "tests" / "rl" / "fixtures" / "rl_pick.yaml"
 pytestmark = pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap (bwrap) is not installed; `make system-deps`")
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below `pid` (by /proc's parent links)."""
-    parents: dict[int, int] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            stat = (Path("/proc") / d / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if fields[0] != "Z":  # a zombie is dead (its parent has not reaped it yet)
-            parents[int(d)] = int(fields[1])
-    out: set[int] = set()
-    frontier = {pid}
-    while frontier:
-        frontier = {c for c, p in parents.items() if p in frontier} - out
-        out |= frontier
-    return out
-
-
-def alive(pid: int) -> bool:
-    """`pid` exists and is not a zombie."""
-    try:
-        stat = (Path("/proc") / str(pid) / "stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2 :].split()[0] != "Z"
-
-
-def cmdline(pid: int) -> list[str]:
-    try:
-        return (Path("/proc") / str(pid) / "cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return []
 
 
 def env_server_pids() -> list[int]:
@@ -127,7 +92,7 @@ def test_a_sigkilled_trainer_leaves_no_child_process(tmp_path) -> None:
                 break
             time.sleep(0.1)
         assert proc.poll() is None, f"the trainer exited with {proc.returncode} before its first step"
-        children = descendants(proc.pid)
+        children = set(descendants(proc.pid))
         kinds = {
             "env-server" if "env-server" in cmdline(p) else "serve" if "serve" in cmdline(p) else "" for p in children
         }
@@ -137,7 +102,7 @@ def test_a_sigkilled_trainer_leaves_no_child_process(tmp_path) -> None:
         deadline = time.monotonic() + 30
         left = children
         while left and time.monotonic() < deadline:
-            left = {p for p in children if alive(p)}
+            left = {p for p in children if not _gone(p)}
             time.sleep(0.2)
         assert not left, [cmdline(p) for p in left]
     finally:
