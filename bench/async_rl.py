@@ -58,7 +58,7 @@ CONFIG = REPO / "tests" / "rl" / "fixtures" / "rl_pick.yaml"
 def overrides(out: Path, args: argparse.Namespace, staleness: int) -> list[str]:
     extra = [f"train.init_from={Path(args.init_from).resolve()}"] if args.init_from else []
     if args.slots:
-        extra.append(f"rl.sampler_slots={args.slots}")
+        extra.append(f"rl.sampler.slots={args.slots}")
     return [
         *extra,
         "mesh.fsdp=1",
@@ -79,7 +79,7 @@ def overrides(out: Path, args: argparse.Namespace, staleness: int) -> list[str]:
         "rl.pin_cores=true",
         f"rl.env_cores={args.env_cores}",
         "rl.publish_dtype=bfloat16",
-        "rl.sampler_poll_s=5.0",  # the trainer tells the replica each version; polling is the fallback
+        "rl.sampler.poll_s=5.0",  # the trainer tells the replica each version; polling is the fallback
         *args.overrides,
     ]
 
@@ -143,7 +143,7 @@ def child(args: argparse.Namespace) -> None:
         "sampler_core_busy_s": busy1[cores[1]] - busy0[cores[1]] if len(cores) > 1 and busy0 and busy1 else None,
         "trainer_core_busy_s": busy1[cores[0]] - busy0[cores[0]] if busy0 and busy1 else None,
         "load_wait_s": sum(v.get("time/load_wait_s", 0.0) for v in steps),
-        "slots": cfg.rl.sampler_slots,
+        "slots": cfg.rl.sampler.slots,
         "rollouts_per_step": cfg.rl.groups_per_step * cfg.rl.group_size,
         "tokens": sum(v["rollout/generated_tokens"] * v["rollout/groups"] * cfg.rl.group_size for v in steps),
     }
@@ -157,7 +157,7 @@ def child(args: argparse.Namespace) -> None:
 
 def decode_sweep(args: argparse.Namespace) -> None:
     """Decode-step time against the number of occupied slots, the replica's way (the run's model and
-    weights, rl.sampler_slots slots of train.seq_len, one core): a step decoding n requests costs
+    weights, rl.sampler.slots slots of train.seq_len, one core): a step decoding n requests costs
     about the same as one decoding 1 when the device is bound by reading the weights (an
     accelerator); where it grows with n, fuller slots raise no throughput. JSON on the last line."""
     os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[-1]})
@@ -177,7 +177,7 @@ def decode_sweep(args: argparse.Namespace) -> None:
         params = restore_params_only(cfg.train.init_from, abstract_params(cfg.model, mesh, rules))
     else:
         params = init_params(cfg.model, jax.random.key(cfg.train.seed), mesh, rules)
-    slots, n_steps, out = cfg.rl.sampler_slots, 24, {}
+    slots, n_steps, out = cfg.rl.sampler.slots, 24, {}
     sampler = Sampler(params, cfg.model, slots=slots, max_len=cfg.train.seq_len, mesh=mesh, rules=rules)
     prompt = list(range(10, 74))
     for n in sorted({1, max(1, slots // 4), max(1, slots // 2), slots}):
@@ -238,7 +238,7 @@ def main() -> None:
     ap.add_argument("--groups-per-step", type=int, default=2)
     ap.add_argument("--config", default=str(CONFIG), help="the RL config (default: the one-choice fixture task)")
     ap.add_argument("--init-from", default="", help="a checkpoint every run starts from (default: the seeded init)")
-    ap.add_argument("--slots", type=int, default=0, help="rl.sampler_slots of every run (default: the config's)")
+    ap.add_argument("--slots", type=int, default=0, help="rl.sampler.slots of every run (default: the config's)")
     ap.add_argument(
         "--env-cores",
         default="samplers",

@@ -23,6 +23,7 @@ from composer_jax.checkpoint.manager import TrainCheckpointer
 from composer_jax.checkpoint.weight_sync import WeightPublisher
 from composer_jax.config import load_config, to_dict
 from composer_jax.config.checkpoint import CheckpointConfig
+from composer_jax.config.sampler import SamplerConfig
 from composer_jax.data.tokenizer import load_tokenizer
 from composer_jax.inference.checkpoints import load_policy
 from composer_jax.inference.cli import build_server, serve_main
@@ -70,13 +71,11 @@ def live(tmp_path_factory):
     server, engine = build_server(
         pa,
         tok,
-        slots=2,
+        sampler=SamplerConfig(slots=2, max_queued=2, poll_s=0.05),
         max_len=MAX_LEN,
-        max_queued=2,
         api_key=KEY,
         model_name="tiny",
         weights_from=url,
-        poll_interval_s=0.05,
     )
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

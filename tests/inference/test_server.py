@@ -26,6 +26,7 @@ import uvicorn  # noqa: E402
 from composer_jax.checkpoint.manager import TrainCheckpointer  # noqa: E402
 from composer_jax.config import ConfigError, load_config, to_dict  # noqa: E402
 from composer_jax.config.checkpoint import CheckpointConfig  # noqa: E402
+from composer_jax.config.sampler import SamplerConfig  # noqa: E402
 from composer_jax.data.chat import render_chat_text  # noqa: E402
 from composer_jax.data.tokenizer import load_tokenizer  # noqa: E402
 from composer_jax.inference import openai_api as api  # noqa: E402
@@ -83,7 +84,7 @@ def served(ckpts):
     policy = load_policy(ckpts[0])
     tok = load_tokenizer(policy.tokenizer_hint)
     server, engine = build_server(
-        policy, tok, slots=2, max_len=MAX_LEN, max_queued=1, api_key=KEY, model_name="tiny-test"
+        policy, tok, sampler=SamplerConfig(slots=2, max_queued=1), max_len=MAX_LEN, api_key=KEY, model_name="tiny-test"
     )
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -528,7 +529,12 @@ def test_serve_warm_up_compiles_the_admission_programs(ckpts):
     policy = load_policy(ckpts[0])
     tok = load_tokenizer(policy.tokenizer_hint)
     _, engine = build_server(
-        policy, tok, slots=2, max_len=32, max_queued=1, api_key=KEY, model_name="tiny-test", warm_up=True
+        policy,
+        tok,
+        sampler=SamplerConfig(slots=2, max_queued=1, warm_up=True),
+        max_len=32,
+        api_key=KEY,
+        model_name="tiny-test",
     )
     try:  # groups 1, 2 x buckets 16, 32, traced before any request
         assert engine.sampler.compilations == 4 and engine.sampler.warm_up_s > 0 and engine.steps == 0

@@ -21,6 +21,7 @@ from composer_jax.checkpoint.manager import TrainCheckpointer
 from composer_jax.checkpoint.weight_sync import WeightPublisher
 from composer_jax.config import load_config, to_dict
 from composer_jax.config.checkpoint import CheckpointConfig
+from composer_jax.config.sampler import SamplerConfig
 from composer_jax.data.tokenizer import load_tokenizer
 from composer_jax.inference.checkpoints import load_policy
 from composer_jax.rl.launch import LocalSamplers, SamplerLaunchError
@@ -92,7 +93,9 @@ def _turn(url: str, key: str) -> list[int]:
 def test_one_replica_serves_follows_the_store_and_leaves_nothing(checkpoint, tmp_path):
     url = f"file://{tmp_path}/weights"
     core = min(os.sched_getaffinity(0))
-    samplers = LocalSamplers(checkpoint, 1, weights_from=url, poll_interval_s=0.1, cores=[core], log_dir=tmp_path)
+    samplers = LocalSamplers(
+        checkpoint, 1, weights_from=url, sampler=SamplerConfig(poll_s=0.1), cores=[core], log_dir=tmp_path
+    )
     with pytest.raises(RuntimeError, match="the learner's own failure"):
         with samplers as (urls, key):
             (proc,) = samplers.procs

@@ -82,7 +82,7 @@ def test_the_only_environment_server_killed_mid_run_is_restarted_and_no_group_id
 def test_a_sigkilled_trainer_leaves_no_child_process(tmp_path) -> None:
     out = tmp_path / "run"
     argv = [sys.executable, "-m", "composer_jax.cli", "rl", "--config", str(CONFIG), f"train.out_dir={out}"]
-    argv += ["train.steps=50", "rl.eval_tasks=[]", "rl.local_samplers=1", "rl.sampler_slots=4"]
+    argv += ["train.steps=50", "rl.eval_tasks=[]", "rl.local_samplers=1", "rl.sampler.slots=4"]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 900

@@ -47,7 +47,7 @@ def rl_config(sft, out_dir):
         "tasks_dir": str(TASKS),
         "group_size": 8,
         "groups_per_step": 2,
-        "sampler_slots": 16,
+        "sampler": {"slots": 16},
     }
     return config_from_dict(tree)
 

@@ -46,7 +46,7 @@ RUN = (
     "mesh.fsdp=2",
     "mesh.expert=1",
     "rl.local_samplers=1",
-    "rl.sampler_slots=8",
+    "rl.sampler.slots=8",
     "rl.eval_every=2",
     "checkpoint.save_every=1",
 )

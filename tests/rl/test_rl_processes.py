@@ -50,7 +50,7 @@ def test_two_replicas_one_killed_mid_run(tmp_path, monkeypatch) -> None:
     out = tmp_path / "run"
     cfg = load_config(
         CONFIG,
-        [f"train.out_dir={out}", "train.steps=3", "rl.eval_tasks=[]", "rl.local_samplers=2", "rl.sampler_slots=4"],
+        [f"train.out_dir={out}", "train.steps=3", "rl.eval_tasks=[]", "rl.local_samplers=2", "rl.sampler.slots=4"],
     )
     killed: list[int] = []
 

@@ -7,7 +7,7 @@ Every error a user can cause names the key, the value given and what is accepted
 
 The package is the ground floor: it imports no subsystem. `loader` is the generic machinery
 (YAML with `base:` includes, overrides, typed dataclass construction); each section is a module of
-its own (`model`, `mesh`, `train`, `data`, `checkpoint`, `rl`, `agent`; later `inference`, `quant`), and
+its own (`model`, `mesh`, `train`, `data`, `checkpoint`, `rl`, `sampler`, `agent`; later `inference`, `quant`), and
 `run` composes them into the run's `Config`. Subsystems import their section from here.
 """
 
@@ -37,6 +37,7 @@ from composer_jax.config.run import (
     validate_mesh_for_model,
     validate_sections,
 )
+from composer_jax.config.sampler import PREFIX_CACHE_MODES, SamplerConfig, validate_sampler
 from composer_jax.config.train import OptimizerConfig, TrainConfig, validate_train
 from composer_jax.errors import ConfigError
 
@@ -56,6 +57,8 @@ __all__ = [
     "RLLossConfig",
     "RewardConfig",
     "RopeScalingConfig",
+    "PREFIX_CACHE_MODES",
+    "SamplerConfig",
     "SourceConfig",
     "TrainConfig",
     "build_dataclass",
@@ -76,6 +79,7 @@ __all__ = [
     "validate_mesh_for_model",
     "validate_model",
     "validate_rl",
+    "validate_sampler",
     "validate_sections",
     "validate_train",
 ]

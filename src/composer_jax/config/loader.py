@@ -98,18 +98,37 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     return value
 
 
-def build_dataclass(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
+def _field_default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def build_dataclass(cls: type, data: Mapping[str, Any], prefix: str, base: Any = None) -> Any:
+    """cls from a mapping of its fields. A nested section given in part keeps its field's default for
+    the keys not given (which may differ from its class's defaults, e.g. `rl.sampler`); `base`, when
+    given, is that default. A key listed in cls.MOVED_KEYS gets an error naming where it went."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    moved: Mapping[str, str] = getattr(cls, "MOVED_KEYS", {})
     kwargs = {}
     for k, v in data.items():
         key = f"{prefix}.{k}" if prefix else str(k)
+        if k in moved:
+            raise ConfigError(f"{key} is now {moved[k]}: give {moved[k]}={v!r} instead")
         if k not in fields:
             close = difflib.get_close_matches(str(k), fields, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"unknown key {key!r}{hint}; accepted keys: {', '.join(sorted(fields))}")
-        kwargs[k] = coerce(v, hints[k], key)
-    return cls(**kwargs)
+        tp = hints[k]
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp) and isinstance(v, Mapping):
+            default = getattr(base, k) if base is not None else _field_default(fields[k])
+            kwargs[k] = build_dataclass(tp, v, key, default if isinstance(default, tp) else None)
+        else:
+            kwargs[k] = coerce(v, tp, key)
+    return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
 
 
 def set_path(tree: dict, path: Sequence[str], value: Any) -> None:

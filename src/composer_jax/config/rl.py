@@ -34,6 +34,7 @@ import math
 import typing
 from typing import Literal
 
+from composer_jax.config.sampler import LEARNER_SAMPLER, SamplerConfig, validate_sampler
 from composer_jax.errors import ConfigError
 
 # The built-in names of `rl.loss.advantage` and `rl.loss.aggregation`, each set written once (the
@@ -47,8 +48,6 @@ LengthMeasure = Literal["tokens", "turns", "tool_calls"]  # rl.reward.length_pen
 LENGTH_MEASURES: tuple[str, ...] = typing.get_args(LengthMeasure)
 STALENESS_UNITS = ("token", "group")
 PUBLISH_DTYPES = ("", "bfloat16", "float32")
-# the sampler's prefix KV reuse (inference/sampler.py): never, within one weight version, across versions
-PREFIX_CACHE_MODES = ("none", "version", "keep")
 ENV_CORES = ("samplers", "all")  # rl.env_cores
 
 
@@ -151,14 +150,8 @@ class RLConfig:
     # while no environment server answers /health (all dead, restarting or unreachable) no group
     # starts; the run fails with an error after env_wait_s seconds of that
     env_wait_s: float = 300.0
-    sampler_slots: int = 32  # sequences decoded together (rollouts in flight wait for a slot)
-    # the samplers' prefix KV reuse (a turn re-sends the conversation; its cached prefix is not
-    # prefilled again): "version" = prefixes computed with the current weights only (exact), "keep"
-    # = across versions too, "none" = never ("off" would read as a YAML boolean) (inference/sampler.py)
-    sampler_prefix_cache: str = "version"
-    # compile the samplers' admission programs (every power-of-two group x prompt bucket) when they
-    # start, so no rollout waits for a compilation mid-run (inference/sampler.py `Sampler.warm_up`)
-    sampler_warm_up: bool = False
+    # the samplers' settings (config/sampler.py): the in-process sampler's and every local replica's
+    sampler: SamplerConfig = dataclasses.field(default_factory=lambda: LEARNER_SAMPLER)
     # held-out evaluation every eval_every steps (0 = at the start and end only): eval_samples per
     # task; gen/ families evaluated on eval_seeds seeds from eval_seed (keep them apart from training's)
     eval_tasks: tuple[str, ...] = ()
@@ -188,7 +181,6 @@ class RLConfig:
     sampler_urls: tuple[str, ...] = ()
     sampler_token: str = ""
     local_samplers: int = 0
-    sampler_poll_s: float = 0.2  # how often a local replica looks for a new version
     # pin the trainer's threads to the first core this process may use and local replica i to the
     # (i+1)-th (as on separate accelerators); needs 1 + local_samplers cores
     pin_cores: bool = False
@@ -196,6 +188,14 @@ class RLConfig:
     # "samplers", the replicas' cores; "all", every core this process may use, the trainer's too
     # (the scheduler puts them where a core is idle)
     env_cores: str = "samplers"
+
+    # keys of earlier releases, now elsewhere: a config that gives one is told where (config/loader.py)
+    MOVED_KEYS: typing.ClassVar[dict[str, str]] = {
+        "sampler_slots": "rl.sampler.slots",
+        "sampler_prefix_cache": "rl.sampler.prefix_cache",
+        "sampler_warm_up": "rl.sampler.warm_up",
+        "sampler_poll_s": "rl.sampler.poll_s",
+    }
 
     def __post_init__(self) -> None:
         for name in ("tasks", "env_urls", "eval_tasks", "sampler_urls"):
@@ -262,7 +262,8 @@ def validate_rl(r: RLConfig) -> None:
     and `agent`: `config/run.py`'s `check_rl_run`)."""
     validate_rl_loss(r.loss)
     validate_reward(r.reward)
-    for name, low in (("group_size", 2), ("groups_per_step", 1), ("env_servers", 1), ("sampler_slots", 1)):
+    validate_sampler(r.sampler, "rl.sampler")
+    for name, low in (("group_size", 2), ("groups_per_step", 1), ("env_servers", 1)):
         value = getattr(r, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ConfigError(f"rl.{name}={value!r}: expected an integer >= {low}")
@@ -300,20 +301,11 @@ def validate_rl(r: RLConfig) -> None:
         )
     if isinstance(r.env_wait_s, bool) or not isinstance(r.env_wait_s, int | float) or not r.env_wait_s > 0:
         raise ConfigError(f"rl.env_wait_s={r.env_wait_s!r}: expected seconds > 0")
-    if isinstance(r.sampler_poll_s, bool) or not isinstance(r.sampler_poll_s, int | float):
-        raise ConfigError(f"rl.sampler_poll_s={r.sampler_poll_s!r}: expected seconds > 0")
-    if not r.sampler_poll_s > 0:
-        raise ConfigError(f"rl.sampler_poll_s={r.sampler_poll_s!r}: expected seconds > 0")
     if not isinstance(r.pin_cores, bool):
         raise ConfigError(f"rl.pin_cores={r.pin_cores!r}: expected true or false")
     if r.env_cores not in ENV_CORES:
         raise ConfigError(
             f"rl.env_cores={r.env_cores!r} is not accepted; accepted: " + " or ".join(repr(m) for m in ENV_CORES)
-        )
-    if r.sampler_prefix_cache not in PREFIX_CACHE_MODES:
-        raise ConfigError(
-            f"rl.sampler_prefix_cache={r.sampler_prefix_cache!r} is not accepted; accepted: one of "
-            + ", ".join(repr(m) for m in PREFIX_CACHE_MODES)
         )
     if r.staleness_unit not in STALENESS_UNITS:
         raise ConfigError(

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from composer_jax.config.rl import PREFIX_CACHE_MODES
+from composer_jax.config.sampler import SERVE_SAMPLER, SamplerConfig, add_sampler_flags, sampler_from_args
 from composer_jax.errors import ConfigError
 
 API_KEY_ENV = "COMPOSER_JAX_API_KEY"
@@ -171,36 +171,25 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
 
 
 def _new_sampler(
-    policy: Any,
-    tok: Any,
-    mesh: Any,
-    slots: int,
-    max_len: int,
-    prefix_cache: str = "version",
-    speculative: dict[str, Any] | None = None,
-    warm_up: bool = False,
+    policy: Any, tok: Any, mesh: Any, sampler: SamplerConfig, max_len: int, speculative: dict[str, Any] | None = None
 ):
-    """-> (params, version) -> Sampler; speculative: `speculative_options`' keyword arguments;
-    warm_up: compile the sampler's admission programs before it serves (`Sampler.warm_up`)."""
+    """-> (params, version) -> Sampler with `sampler`'s settings (`Sampler.from_config`: warmed up
+    when it says so); speculative: `speculative_options`' keyword arguments."""
     from composer_jax.inference.sampler import Sampler
 
     detok = lambda ids: tok.decode(ids, skip_special_tokens=True)
 
     def new(params: Any, version: int) -> Sampler:
-        sampler = Sampler(
+        return Sampler.from_config(
             params,
             policy.cfg,
-            slots=slots,
+            sampler,
             max_len=max_len,
             version=version,
             mesh=mesh,
             detokenize=detok,
-            prefix_cache=prefix_cache,
             **(speculative or {}),
         )
-        if warm_up:
-            sampler.warm_up()
-        return sampler
 
     return new
 
@@ -216,27 +205,10 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: a free port, printed at start)")
     p.add_argument("--api-key", default=None, help=f"bearer key (or set {API_KEY_ENV}; default: generated and printed)")
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the checkpoint's name)")
-    p.add_argument("--slots", type=_positive_int, default=8, help="sequences decoded together (default 8)")
-    p.add_argument("--max-queued", type=int, default=64, help="requests waiting for a slot before 429 (default 64)")
-    p.add_argument(
-        "--prefix-cache",
-        choices=PREFIX_CACHE_MODES,
-        default="version",
-        help="reuse a finished request's KV as the prefix of a later prompt: version (default: computed with the "
-        "current weights only, so exactly a fresh prefill), keep (across weight versions too), none",
-    )
-    p.add_argument(
-        "--warm-up",
-        action="store_true",
-        help="compile every admission program (power-of-two groups up to --slots by power-of-two prompt buckets up "
-        "to --max-len) before serving, so no request waits for a compilation (a mesh sampler compiles at first use)",
-    )
+    add_sampler_flags(p)
     p.add_argument("--version", type=int, default=0, help="policy version of the loaded weights (default 0)")
     p.add_argument(
         "--weights-from", default=None, help="weight-sync store URL to follow (file://DIR, gs://..., s3://...)"
-    )
-    p.add_argument(
-        "--poll-interval", type=float, default=1.0, help="--weights-from: seconds between store polls (default 1)"
     )
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     return p
@@ -260,12 +232,10 @@ def serve_main(argv: list[str] | None = None) -> int:
     if key is not None and len(key) < 16:
         print("composer-jax serve: the API key must be at least 16 characters", file=sys.stderr)
         return 2
-    if args.max_queued < 0:
-        print(f"composer-jax serve: --max-queued {args.max_queued} must be >= 0", file=sys.stderr)
+    if not args.poll_s > 0:
+        print(f"composer-jax serve: --poll-interval {args.poll_s} must be > 0 (seconds)", file=sys.stderr)
         return 2
-    if not args.poll_interval > 0:
-        print(f"composer-jax serve: --poll-interval {args.poll_interval} must be > 0 (seconds)", file=sys.stderr)
-        return 2
+    sampler = sampler_from_args(args)
     generated = key is None
     key = key or secrets.token_urlsafe(32)
     from composer_jax.checkpoint.hf import CheckpointError as HFCheckpointError
@@ -295,17 +265,13 @@ def serve_main(argv: list[str] | None = None) -> int:
             policy,
             tok,
             mesh=mesh,
-            slots=args.slots,
+            sampler=sampler,
             max_len=max_len,
-            max_queued=args.max_queued,
             api_key=key,
             model_name=args.model_name or default_model_name(policy),
             version=args.version,
             weights_from=args.weights_from,
-            poll_interval_s=args.poll_interval,
-            prefix_cache=args.prefix_cache,
             speculative=speculative,
-            warm_up=args.warm_up and not one_at_a_time,
         )
     except (ConfigError, ValueError) as e:
         sock.close()
@@ -316,7 +282,7 @@ def serve_main(argv: list[str] | None = None) -> int:
     print(
         f"composer-jax serve: {server.model_name} ({policy.kind} checkpoint {policy.path}"
         f"{f', step {policy.step}' if policy.step is not None else ''}) on {url}/v1 "
-        f"slots={args.slots} max_len={max_len}"
+        f"slots={sampler.slots} max_len={max_len}"
         + (f" following {args.weights_from}" if args.weights_from else "")
         + (f" api_key={key}" if generated else ""),
         flush=True,
@@ -333,32 +299,27 @@ def build_server(
     tok: Any,
     *,
     mesh: Any = None,
-    slots: int,
+    sampler: SamplerConfig = SERVE_SAMPLER,
     max_len: int,
-    max_queued: int,
     api_key: str,
     model_name: str,
     version: int = 0,
     weights_from: str | None = None,
-    poll_interval_s: float = 1.0,
-    prefix_cache: str = "version",
     speculative: dict[str, Any] | None = None,
-    warm_up: bool = False,
 ):
     """-> (OpenAIServer, started Engine) over a loaded policy; the admin endpoint loads on `mesh`.
-    weights_from: a weight-sync store URL the server follows (polled every poll_interval_s);
-    prefix_cache: the sampler's prefix KV reuse (`Sampler`'s prefix_cache); speculative: the
-    Sampler's speculative_tokens / draft_experts / draft_vocab (`speculative_options`); warm_up:
-    compile the sampler's admission programs before serving (`Sampler.warm_up`)."""
+    sampler: the sampler's settings (slots, queue bound, prefix cache, warm-up; config/sampler.py);
+    weights_from: a weight-sync store URL the server follows (polled every sampler.poll_s);
+    speculative: the Sampler's speculative_tokens / draft_experts / draft_vocab (`speculative_options`)."""
     from composer_jax.inference.checkpoints import load_policy
     from composer_jax.inference.engine import Engine
     from composer_jax.inference.server import OpenAIServer
 
     engine = Engine(
-        _new_sampler(policy, tok, mesh, slots, max_len, prefix_cache, speculative, warm_up),
+        _new_sampler(policy, tok, mesh, sampler, max_len, speculative),
         policy.params,
         version,
-        max_queued=max_queued,
+        max_queued=sampler.max_queued,
     )
     engine.start()
     try:
@@ -369,7 +330,7 @@ def build_server(
             api_key=api_key,
             load_policy=lambda path, step: load_policy(path, step=step, mesh=mesh),
             weights_from=weights_from,
-            poll_interval_s=poll_interval_s,
+            poll_interval_s=sampler.poll_s,
         )
     except BaseException:
         engine.stop()
@@ -459,7 +420,7 @@ def sample_main(argv: list[str] | None = None) -> int:
         print(f"composer-jax sample: {e}", file=sys.stderr)
         return 2
     try:
-        sampler = _new_sampler(policy, tok, mesh, min(len(gen.params), 8), max_len, speculative=speculative)(
+        sampler = _new_sampler(policy, tok, mesh, SamplerConfig(slots=min(len(gen.params), 8)), max_len, speculative)(
             policy.params, 0
         )
     except ValueError as e:  # a speculative option the model does not accept (no MTP modules, draft experts)

@@ -22,7 +22,7 @@ sampler instead of the run stopping).
 `Engine`: one thread runs the driver; HTTP handlers (or any caller) `submit` requests with a
 listener, `cancel` them, and `update_weights`; all three only queue work under a lock. Capacity:
 at most `slots + max_queued` requests are in the engine; `submit` raises EngineFull beyond that
-(the server's 429).
+(the server's 429; max_queued None: no bound).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import threading
 import time
 import traceback
@@ -237,13 +238,15 @@ class Engine:
     """new_sampler(params, version) -> Sampler builds the sampler (again after a failure); a thread
     runs its `Driver`."""
 
-    def __init__(self, new_sampler: Callable[[Any, int], Sampler], params: Any, version: int, *, max_queued: int):
-        if max_queued < 0:
-            raise ValueError(f"max_queued={max_queued} must be >= 0")
+    def __init__(
+        self, new_sampler: Callable[[Any, int], Sampler], params: Any, version: int, *, max_queued: int | None
+    ):
+        if max_queued is not None and max_queued < 0:
+            raise ValueError(f"max_queued={max_queued} must be >= 0, or None for no bound")
         self._cond = threading.Condition()
         self.driver = Driver(new_sampler, params, version, left=self._left)
         self.max_queued = max_queued
-        self.capacity = self.sampler.slots + max_queued
+        self.capacity = math.inf if max_queued is None else self.sampler.slots + max_queued
         self._inbox: list[Job] = []
         self._cancels: list[str] = []
         self._swaps: list[Swap] = []

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from composer_jax.config.rl import PREFIX_CACHE_MODES
+from composer_jax.config.sampler import PREFIX_CACHE_MODES
 
 
 @dataclasses.dataclass

@@ -54,6 +54,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from composer_jax.config import ModelConfig
+from composer_jax.config.sampler import SamplerConfig
 from composer_jax.inference.decode_programs import DecodePrograms, mesh_scope
 from composer_jax.inference.prefix_cache import PrefixCache, PrefixStats
 from composer_jax.inference.sampling import SamplingParams
@@ -290,6 +291,21 @@ class Sampler:
         buckets = sorted({bucket_of(1 << e, self.max_len) for e in range(self.max_len.bit_length() + 1)})
         return [(g, b) for g in groups for b in buckets]
 
+    @classmethod
+    def from_config(cls, params: Any, cfg: ModelConfig, sampler: SamplerConfig, *, max_len: int, **options: Any):
+        """A sampler with `sampler`'s slots and prefix cache (config/sampler.py), warmed up when it
+        says so and this sampler admits prompts in groups (a mesh or speculative sampler admits one
+        at a time and compiles at first use). options: the constructor's other keyword arguments."""
+        new = cls(params, cfg, slots=sampler.slots, max_len=max_len, prefix_cache=sampler.prefix_cache, **options)
+        if sampler.warm_up and new.admits_groups:
+            new.warm_up()
+        return new
+
+    @property
+    def admits_groups(self) -> bool:
+        """Whether prompts are admitted in power-of-two groups (programs `warm_up` can compile)."""
+        return not self.speculative_tokens and self.mesh is None
+
     def warm_up(self) -> int:
         """Compile every admission program (`prefill_shapes`) before the first request, so no
         admission waits for a compilation (with JAX's persistent compilation cache, a later start
@@ -298,7 +314,7 @@ class Sampler:
         step as before. Only on an idle sampler; returns the programs compiled."""
         if self.busy:
             raise RuntimeError("warm_up runs before any request is submitted (the sampler is busy)")
-        if self.speculative_tokens or self.mesh is not None:
+        if not self.admits_groups:
             raise ValueError(
                 "warm_up compiles the grouped admission programs of a plain sampler; this one admits one "
                 f"prompt at a time (speculative_tokens={self.speculative_tokens}, mesh="

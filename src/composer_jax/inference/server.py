@@ -220,7 +220,7 @@ class OpenAIServer:
                 "slots": e.sampler.slots,
                 "max_len": self.max_len,
                 "in_engine": e.outstanding,
-                "capacity": e.capacity,
+                "capacity": e.capacity if e.max_queued is not None else None,  # None: no bound
                 "steps": e.steps,
                 "slot_steps": e.slot_steps,
                 "step_s": e.step_s,

@@ -23,6 +23,8 @@ import secrets
 from collections.abc import Sequence
 from pathlib import Path
 
+from composer_jax.config.sampler import SERVE_SAMPLER, SamplerConfig, sampler_argv, validate_sampler
+from composer_jax.errors import ConfigError
 from composer_jax.rl.processes import (
     START_TIMEOUT_S,
     ChildSpec,
@@ -42,9 +44,11 @@ class SamplerLaunchError(LaunchError):
 class LocalSamplers(Launcher):
     """`with LocalSamplers(checkpoint, count, weights_from=URL) as (urls, key):` - replicas on 127.0.0.1.
 
-    cores: one CPU core per replica to pin it to (None: not pinned); the cores must be in this
-    process's affinity set. extra_args: more `serve` arguments (e.g. ("--slots", "16", "--max-len",
-    "4096")). start_timeout_s bounds each replica's start (JAX import, checkpoint read, and with
+    sampler: every replica's sampler settings (config/sampler.py; `serve`'s flags are written from
+    it). cores: one CPU core per replica to pin it to (None: not pinned); the cores must be in this
+    process's affinity set. extra_args: more `serve` arguments (e.g. ("--max-len", "4096")), after
+    the sampler's (a repeated flag overrides).
+    start_timeout_s bounds each replica's start (JAX import, checkpoint read, and with
     `--warm-up` the compilation of its admission programs). restart: the restart policy."""
 
     def __init__(
@@ -53,7 +57,7 @@ class LocalSamplers(Launcher):
         count: int = 1,
         *,
         weights_from: str | None = None,
-        poll_interval_s: float = 1.0,
+        sampler: SamplerConfig = SERVE_SAMPLER,
         cores: Sequence[int] | None = None,
         api_key: str | None = None,
         extra_args: Sequence[str] = (),
@@ -71,19 +75,22 @@ class LocalSamplers(Launcher):
                 raise SamplerLaunchError(
                     f"cores={list(cores)!r}: give {count} distinct cores out of this process's {sorted(allowed)}"
                 )
-        if not poll_interval_s > 0:
-            raise SamplerLaunchError(f"poll_interval_s={poll_interval_s!r}; accepted: seconds > 0")
+        try:
+            validate_sampler(sampler, "sampler")
+        except ConfigError as e:
+            raise SamplerLaunchError(str(e)) from None
         if api_key is not None and len(api_key) < 16:
             raise SamplerLaunchError("api_key must be at least 16 characters")
         self.checkpoint, self.count, self.weights_from = Path(checkpoint), count, weights_from
-        self.poll_interval_s, self.cores, self.extra = poll_interval_s, cores, tuple(extra_args)
+        self.sampler, self.cores, self.extra = sampler, cores, tuple(extra_args)
         self.api_key = api_key or secrets.token_urlsafe(32)
         self.log_dir, self._tmp = log_dir_or_temp(log_dir, "composer-jax-samplers-")
 
         def argv(port: int) -> list[str]:
             cmd = ["serve", "--checkpoint", str(self.checkpoint), "--host", "127.0.0.1", "--port", str(port)]
+            cmd += sampler_argv(self.sampler)
             if self.weights_from is not None:
-                cmd += ["--weights-from", self.weights_from, "--poll-interval", str(self.poll_interval_s)]
+                cmd += ["--weights-from", self.weights_from]
             return cmd + list(self.extra)
 
         specs = [

@@ -336,14 +336,12 @@ def _local_samplers(cfg: Config, checkpoint_dir: str, store_url: str, version: i
         checkpoint_dir,
         r.local_samplers,
         weights_from=store_url,
-        poll_interval_s=r.sampler_poll_s,
+        sampler=r.sampler,
         cores=cores[1 : 1 + r.local_samplers] if r.pin_cores else None,
-        extra_args=["--version", str(version), "--slots", str(r.sampler_slots), "--max-len", str(t.seq_len)]
-        + ["--max-queued", "100000", "--prefix-cache", r.sampler_prefix_cache]
-        + (["--warm-up"] if r.sampler_warm_up else []),
+        extra_args=["--version", str(version), "--max-len", str(t.seq_len)],
         log_dir=out_dir / "samplers",
         # a warm-up compiles every (group, bucket) admission program before the replica answers
         # /health: 5-6 min for 48 slots x 768 tokens on one core here, past the plain start's 300 s
         # (a cached compilation loads in seconds)
-        start_timeout_s=1800.0 if r.sampler_warm_up else START_TIMEOUT_S,
+        start_timeout_s=1800.0 if r.sampler.warm_up else START_TIMEOUT_S,
     )

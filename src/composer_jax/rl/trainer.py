@@ -123,18 +123,9 @@ def make_policies(
     if remote is not None:
         urls, key = remote
         return [RemoteTokenPolicy(u, key, tok, max_context=t.seq_len) for u in urls]
-    inner = Sampler(
-        params,
-        cfg.model,
-        slots=r.sampler_slots,
-        max_len=t.seq_len,
-        version=version,
-        mesh=mesh,
-        rules=rules,
-        prefix_cache=r.sampler_prefix_cache,
+    inner = Sampler.from_config(
+        params, cfg.model, r.sampler, max_len=t.seq_len, version=version, mesh=mesh, rules=rules
     )
-    if r.sampler_warm_up and mesh is None:  # a mesh sampler admits one prompt at a time: compiled at first use
-        inner.warm_up()
     return [TokenPolicy(AsyncSampler(inner), tok)]
 
 

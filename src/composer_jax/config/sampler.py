@@ -1,0 +1,171 @@
+"""The sampler section: one continuous-batching sampler's settings, wherever a sampler runs.
+
+One `SamplerConfig` feeds every surface (docs/inference.md): `composer-jax serve`'s flags
+(`inference/cli.py` `add_sampler_flags` / `sampler_from_args`, defaults read from this class), the
+learner's in-process sampler and the local replicas it starts (`rl.sampler`; the replicas' argv is
+`sampler_argv` of the same object, so a setting cannot reach one surface and not the other) and
+`Sampler.from_config`.
+
+Example (YAML, the learner's section):
+
+    rl:
+      sampler:
+        slots: 32              # sequences decoded together (requests in flight wait for a slot)
+        max_queued: null       # requests waiting for a slot before 429; null = no bound
+        prefix_cache: version  # none, version, keep
+        warm_up: false         # compile every admission program before the first request
+        poll_s: 0.2            # a replica following a weight store looks for a new version so often
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import typing
+from typing import Literal
+
+from composer_jax.errors import ConfigError
+
+# the sampler's prefix KV reuse (inference/prefix_cache.py): never, within one weight version, across
+# versions ("off" would read as a YAML boolean)
+PrefixCacheMode = Literal["none", "version", "keep"]
+PREFIX_CACHE_MODES: tuple[str, ...] = typing.get_args(PrefixCacheMode)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+    """The defaults are `composer-jax serve`'s; the learner's differ where stated (`LEARNER_SAMPLER`)."""
+
+    # sequences decoded together: the batch of every decode step and the KV cache's rows
+    slots: int = 8
+    # requests admitted beyond the slots, waiting for one; more get 429 (None: no bound)
+    max_queued: int | None = 64
+    # a finished request's KV reused as the prefix of a later prompt: "version" = computed with the
+    # current weights only (exactly a fresh prefill), "keep" = across weight versions too, "none" = never
+    prefix_cache: PrefixCacheMode = "version"
+    # compile every admission program (power-of-two groups up to `slots` by power-of-two prompt
+    # buckets up to the context) before the first request, so none waits for a compilation
+    warm_up: bool = False
+    # seconds between a replica's looks at the weight store it follows for a new version
+    poll_s: float = 1.0
+
+
+SERVE_SAMPLER = SamplerConfig()  # `composer-jax serve`'s defaults
+
+# The learner's sampler (`rl.sampler` defaults): a step's rollouts decode together (32 slots); the
+# learner bounds its own requests (rl.max_groups_in_flight, the staleness bound), so its replicas
+# must never answer 429 (no queue bound); and a new version should reach them within a fraction of
+# a step (0.2 s; the trainer also tells them each version, polling is the fallback).
+LEARNER_SAMPLER = SamplerConfig(slots=32, max_queued=None, poll_s=0.2)
+
+
+def validate_sampler(s: SamplerConfig, prefix: str) -> None:
+    """The section's checks; errors name `prefix`.KEY (e.g. rl.sampler.slots)."""
+    if isinstance(s.slots, bool) or not isinstance(s.slots, int) or s.slots < 1:
+        raise ConfigError(f"{prefix}.slots={s.slots!r}: expected an integer >= 1")
+    q = s.max_queued
+    if q is not None and (isinstance(q, bool) or not isinstance(q, int) or q < 0):
+        raise ConfigError(f"{prefix}.max_queued={q!r}: expected an integer >= 0, or null for no bound")
+    if s.prefix_cache not in PREFIX_CACHE_MODES:
+        raise ConfigError(
+            f"{prefix}.prefix_cache={s.prefix_cache!r} is not accepted; accepted: one of "
+            + ", ".join(repr(m) for m in PREFIX_CACHE_MODES)
+        )
+    if not isinstance(s.warm_up, bool):
+        raise ConfigError(f"{prefix}.warm_up={s.warm_up!r}: expected true or false")
+    p = s.poll_s
+    if isinstance(p, bool) or not isinstance(p, int | float) or not math.isfinite(p) or not p > 0:
+        raise ConfigError(f"{prefix}.poll_s={p!r}: expected seconds > 0")
+
+
+# ------------------------------------------------------------------ the command-line surface
+# `composer-jax serve`'s flag of each field; `add_sampler_flags` declares them, `sampler_argv` writes
+# them for a replica the learner starts, `sampler_from_args` reads them back.
+FLAGS = {
+    "slots": "--slots",
+    "max_queued": "--max-queued",
+    "prefix_cache": "--prefix-cache",
+    "warm_up": "--warm-up",
+    "poll_s": "--poll-interval",
+}
+
+
+def _flag_int(low: int, *, none: bool = False) -> typing.Callable[[str], int | None]:
+    def parse(text: str) -> int | None:
+        if none and text.lower() in ("none", "null"):
+            return None
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not an integer" + (" (or none, for no bound)" if none else "")
+            ) from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
+        return value
+
+    return parse
+
+
+def add_sampler_flags(p: argparse.ArgumentParser, defaults: SamplerConfig = SERVE_SAMPLER) -> None:
+    """The sampler's flags on a command's parser, their defaults and help from `defaults`."""
+    d = defaults
+    p.add_argument(
+        FLAGS["slots"],
+        dest="slots",
+        type=_flag_int(1),
+        default=d.slots,
+        help=f"sequences decoded together (default {d.slots})",
+    )
+    p.add_argument(
+        FLAGS["max_queued"],
+        dest="max_queued",
+        type=_flag_int(0, none=True),
+        default=d.max_queued,
+        help=f"requests waiting for a slot before 429; none: no bound (default {d.max_queued})",
+    )
+    p.add_argument(
+        FLAGS["prefix_cache"],
+        dest="prefix_cache",
+        choices=PREFIX_CACHE_MODES,
+        default=d.prefix_cache,
+        help="reuse a finished request's KV as the prefix of a later prompt: version (computed with the current "
+        "weights only, so exactly a fresh prefill), keep (across weight versions too), none "
+        f"(default {d.prefix_cache})",
+    )
+    p.add_argument(
+        FLAGS["warm_up"],
+        dest="warm_up",
+        action=argparse.BooleanOptionalAction,
+        default=d.warm_up,
+        help="compile every admission program (power-of-two groups up to --slots by power-of-two prompt buckets up "
+        "to --max-len) before serving, so no request waits for a compilation (a mesh sampler compiles at first use)",
+    )
+    p.add_argument(
+        FLAGS["poll_s"],
+        dest="poll_s",
+        type=float,  # > 0 checked by the command (it names the flag and exits with status 2)
+        default=d.poll_s,
+        help=f"--weights-from: seconds between weight-store polls (default {d.poll_s:g})",
+    )
+
+
+def sampler_from_args(args: argparse.Namespace) -> SamplerConfig:
+    """The SamplerConfig of parsed `add_sampler_flags` flags."""
+    return SamplerConfig(**{name: getattr(args, name) for name in FLAGS})
+
+
+def sampler_argv(s: SamplerConfig) -> list[str]:
+    """`s` as the flags `add_sampler_flags` reads (sampler_from_args(parse(sampler_argv(s))) == s)."""
+    return [
+        FLAGS["slots"],
+        str(s.slots),
+        FLAGS["max_queued"],
+        "none" if s.max_queued is None else str(s.max_queued),
+        FLAGS["prefix_cache"],
+        s.prefix_cache,
+        FLAGS["warm_up"] if s.warm_up else "--no-warm-up",
+        FLAGS["poll_s"],
+        repr(float(s.poll_s)),
+    ]
