@@ -10,6 +10,8 @@ import jax
 import pytest
 
 import composer_jax as cj
+from composer_jax.checkpoint.manager import TrainCheckpointer
+from composer_jax.config import CheckpointConfig, config_from_dict, to_dict
 from composer_jax.config.sampler import (
     FLAGS,
     LEARNER_SAMPLER,
@@ -19,10 +21,13 @@ from composer_jax.config.sampler import (
     sampler_argv,
     sampler_from_args,
 )
+from composer_jax.inference.checkpoints import load_policy
 from composer_jax.inference.cli import _serve_parser
 from composer_jax.inference.sampler import Sampler
 from composer_jax.model.params import init_params
 from composer_jax.rl.rollout_side import _local_samplers
+from composer_jax.sharding import ShardingRules, make_mesh
+from composer_jax.train.state import init_train_state
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "model" / "tiny.yaml"
 
@@ -85,3 +90,18 @@ def test_sampler_from_config_takes_slots_and_prefix_cache():
     params = init_params(cfg, jax.random.key(0))
     s = Sampler.from_config(params, cfg, SamplerConfig(slots=3, prefix_cache="none"), max_len=16, version=2)
     assert (s.slots, s.prefix_cache, s.version, s.compilations) == (3, "none", 2, 0)
+
+
+def test_a_checkpoint_saved_with_the_earlier_rl_sampler_keys_still_serves(tmp_path):
+    cfg = cj.load_config(TINY, ["mesh.fsdp=1"], num_devices=None)
+    saved = to_dict(cfg)
+    del saved["rl"]["sampler"]
+    saved["rl"].update(sampler_slots=16, sampler_prefix_cache="keep", sampler_warm_up=False, sampler_poll_s=0.2)
+    mesh = make_mesh(cfg.mesh, jax.devices()[:1])
+    state = init_train_state(cfg, mesh, ShardingRules.create(cfg.sharding_rules))
+    with TrainCheckpointer(CheckpointConfig(directory=str(tmp_path), save_every=1)) as ck:
+        ck.save(1, state, config=saved)
+    with pytest.raises(cj.ConfigError, match="rl.sampler_slots is now rl.sampler.slots"):
+        config_from_dict(saved, num_devices=None)
+    policy = load_policy(tmp_path)
+    assert policy.cfg == cfg.model and policy.step == 1

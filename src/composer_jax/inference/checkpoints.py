@@ -100,7 +100,8 @@ def load_policy(
         params = jax.device_put(params, jax.tree.map(lambda s: s.sharding, _placed(cfg, mesh, rules)))
         return Policy(cfg, params, kind, str(p), None, _tokenizer_next_to(p))
     saved, step = read_run_config(p, step)
-    cfg = config_from_dict(saved, num_devices=None).model
+    # the model section only: the rest of a run's saved config may hold keys of an earlier release
+    cfg = config_from_dict({"model": saved.get("model") or {}}, num_devices=None).model
     params = restore_params_only(p, _placed(cfg, mesh, rules), step)
     hint = _tokenizer_next_to(p) or (saved.get("data") or {}).get("tokenizer") or None
     return Policy(cfg, params, kind, str(p), step, hint)
