@@ -13,7 +13,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "composer_jax"
 MAX_FUNCTION_LINES = 100
 MAX_CLASS_LINES = 500
-PACKAGES = ["inference"]
+PACKAGES = ["inference", "rl", "config", "env", "quant", "data"]
 
 
 def oversized(path: Path, max_function: int = MAX_FUNCTION_LINES, max_class: int = MAX_CLASS_LINES) -> list[str]:

@@ -10,15 +10,16 @@ import jax
 import numpy as np
 
 from composer_jax.checkpoint.multihost import ProcessZeroWork
-from composer_jax.checkpoint.sharded_publish import ShardedWeightPublisher
-from composer_jax.checkpoint.weight_sync import WeightPublisher, WeightSubscriber, open_store, rewind_store
+from composer_jax.checkpoint.sharded_publish import open_publisher
+from composer_jax.checkpoint.weight_sync import WeightSubscriber, open_store, rewind_store
 from composer_jax.config import ConfigError
 
 
 def published_copy(params: Any, dtype: str) -> Any:
     """The host copy published to the weight store: floating leaves cast to `dtype` ("" = as is).
-    With several processes every array is gathered to every process (a collective); the trainer
-    then publishes per shard instead (`store_publisher`)."""
+    With several processes every array is gathered to every process (a collective; the trainer
+    publishes per shard instead, `store_publisher`). The single-writer reference of
+    tests/checkpoint/publish_worker.py."""
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
@@ -34,9 +35,10 @@ def store_publisher(
     store_url: str, *, resumed: bool, start: int, dtype: str, echo: Callable[[str], None]
 ) -> Callable[[Any, int], None]:
     """`publish(params, version)`, which every process of the trainer calls for every version (a
-    collective): one process gathers (`published_copy`) and writes with a `WeightPublisher`; several
-    each write their own shards (`ShardedWeightPublisher`: no host gathers the model). On a resume
-    the store is rewound to the checkpoint's version `start` first."""
+    collective), through `open_publisher`: one process copies the tree to the host and writes it
+    with a `WeightPublisher`; several each write their own shards (`ShardedWeightPublisher`: no
+    host gathers the model). On a resume the store is rewound to the checkpoint's version `start`
+    first."""
     if not store_url:
         return lambda params, version: None
     # the store's versions before this run: every process reads them (a publish is a collective,
@@ -60,18 +62,11 @@ def store_publisher(
     if stored and max(stored) > start:
         work.call("rewinding the weight store", rewind)
     work.share()
-    multi = jax.process_count() > 1
-    publisher = WeightPublisher(store_url) if jax.process_index() == 0 and not multi else None
-    per_shard = ShardedWeightPublisher(store_url) if multi else None
+    publisher = open_publisher(store_url)  # one process: whole leaves; several: each its own shards
 
     def publish(params: Any, version: int) -> None:
         if version == start and start in stored:  # the checkpoint's own weights, published before it
             return
-        if per_shard is not None:
-            per_shard.publish(params, version, dtype=dtype)
-            return
-        host = published_copy(params, dtype)
-        if publisher is not None:
-            publisher.publish(host, version)
+        publisher.publish(params, version, dtype=dtype)
 
     return publish
