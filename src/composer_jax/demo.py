@@ -263,7 +263,7 @@ def prepare_out(out: str | Path) -> Path:
     return root
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="composer-jax demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -282,30 +282,42 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. mesh.tensor=2 mesh.fsdp=1")
-    args = ap.parse_args(argv)
-    if not args.quick:
-        if args.overrides:
-            print(
-                "composer-jax demo: key=value overrides apply to --quick only; the pipeline runs the "
-                "stage configs in configs/pretrain/tiny_*.yaml",
-                file=sys.stderr,
-            )
-            return 2
-        if args.scale <= 0:
-            print(f"composer-jax demo: --scale {args.scale} must be > 0", file=sys.stderr)
-            return 2
-        try:
-            out = prepare_out(args.out)
-        except OSError as e:
-            print(f"composer-jax demo: {e}", file=sys.stderr)
-            return 2
-        os.chdir(out)  # whatever a stage might write relative to the working directory lands under --out too
-        pipeline(str(out), args.scale)
-        from composer_jax.report import write_report
+    return ap
 
-        # the run directory's report: loss and perplexity per stage, the RL curves, the evaluations
-        print(f"\nreport: {write_report(out, title='composer-jax demo')}")
-        return 0
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    return _quick(args) if args.quick else _pipeline_main(args)
+
+
+def _pipeline_main(args: argparse.Namespace) -> int:
+    """The whole pipeline (the default): the stages under --out, then the run's report."""
+    if args.overrides:
+        print(
+            "composer-jax demo: key=value overrides apply to --quick only; the pipeline runs the "
+            "stage configs in configs/pretrain/tiny_*.yaml",
+            file=sys.stderr,
+        )
+        return 2
+    if args.scale <= 0:
+        print(f"composer-jax demo: --scale {args.scale} must be > 0", file=sys.stderr)
+        return 2
+    try:
+        out = prepare_out(args.out)
+    except OSError as e:
+        print(f"composer-jax demo: {e}", file=sys.stderr)
+        return 2
+    os.chdir(out)  # whatever a stage might write relative to the working directory lands under --out too
+    pipeline(str(out), args.scale)
+    from composer_jax.report import write_report
+
+    # the run directory's report: loss and perplexity per stage, the RL curves, the evaluations
+    print(f"\nreport: {write_report(out, title='composer-jax demo')}")
+    return 0
+
+
+def _quick(args: argparse.Namespace) -> int:
+    """--quick: a few sharded steps of the library's step on synthetic data."""
     # the library's step and optimiser: AdamW peaking at 1e-2 after 5 warmup steps, cosine to 0
     train = [
         f"train.steps={args.steps}",

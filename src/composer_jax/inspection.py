@@ -268,27 +268,12 @@ def _ce_chunks(batch: int, seq: int, rules: ShardingRules, sizes: dict[str, int]
     return ce_chunks((batch, seq), MeshRules(accounting.abstract_mesh(sizes), rules))
 
 
-def build_report(
-    cfg: Config,
-    sizes: dict[str, int],
-    batch: int | None,
-    seq: int,
-    device_memory_gib: float | None = None,
-    *,
-    micro_batches: int = 1,
-    device: str | None = None,
-    min_headroom: float = DEFAULT_MIN_HEADROOM,
-    fp32_master: bool = False,
-    backend: str = "gpu",
-) -> dict[str, Any]:
-    """Everything `inspect` prints, as a JSON-serialisable dict. Raises UsageError on bad batch/seq.
-
-    `device` (a key of DEVICES) or `device_memory_gib` adds a verdict: the estimate fits when it
-    leaves at least `min_headroom` of the device's memory free. `backend` is where the step will run
-    ("cpu" for XLA:CPU, anything else an accelerator): `model.moe_impl=auto` takes the tiled
-    dispatch on CPU and ragged_dot elsewhere, and the tiled one costs more memory."""
+def _checked_shape(
+    cfg: Config, rules: ShardingRules, sizes: dict[str, int], batch: int | None, seq: int, micro_batches: int
+) -> int:
+    """The batch (default: one row per batch shard and micro-batch), checked with the sequence
+    against the mesh and the model; UsageError names the bad value and what is accepted."""
     m = cfg.model
-    rules = ShardingRules.create(cfg.sharding_rules)
     shards = accounting.batch_shards(rules, sizes)
     if micro_batches < 1:
         raise UsageError(f"--micro-batches {micro_batches}: accepted: a positive integer")
@@ -312,6 +297,31 @@ def build_report(
             f"--seq {seq} exceeds model.max_position_embeddings={m.max_position_embeddings}; "
             f"accepted: 1..{m.max_position_embeddings}"
         )
+    return batch
+
+
+def build_report(
+    cfg: Config,
+    sizes: dict[str, int],
+    batch: int | None,
+    seq: int,
+    device_memory_gib: float | None = None,
+    *,
+    micro_batches: int = 1,
+    device: str | None = None,
+    min_headroom: float = DEFAULT_MIN_HEADROOM,
+    fp32_master: bool = False,
+    backend: str = "gpu",
+) -> dict[str, Any]:
+    """Everything `inspect` prints, as a JSON-serialisable dict. Raises UsageError on bad batch/seq.
+
+    `device` (a key of DEVICES) or `device_memory_gib` adds a verdict: the estimate fits when it
+    leaves at least `min_headroom` of the device's memory free. `backend` is where the step will run
+    ("cpu" for XLA:CPU, anything else an accelerator): `model.moe_impl=auto` takes the tiled
+    dispatch on CPU and ragged_dot elsewhere, and the tiled one costs more memory."""
+    m = cfg.model
+    rules = ShardingRules.create(cfg.sharding_rules)
+    batch = _checked_shape(cfg, rules, sizes, batch, seq, micro_batches)
     if not 0 <= min_headroom < 1:
         raise UsageError(f"--min-headroom {min_headroom}: accepted: a fraction in [0, 1)")
     if device is not None and device not in DEVICES:
@@ -367,22 +377,30 @@ def build_report(
         "expert_all_to_all": expert_all_to_all(cfg, sizes, mem["activations"]["tokens_per_device"], micro_batches),
     }
     if device is not None or device_memory_gib is not None:
-        if device is not None:
-            dev = DEVICES[device]
-            capacity, label = dev.memory_bytes, f"{dev.name}, {dev.memory_gb:g} GB"
-        else:
-            assert device_memory_gib is not None
-            if device_memory_gib <= 0:
-                raise UsageError(f"--device-memory-gib {device_memory_gib} must be positive")
-            capacity, label = device_memory_gib * 2**30, f"{device_memory_gib:g} GiB"
-        headroom = capacity - mem["total"]
-        report["device"] = {"name": device, "label": label, "memory_bytes": capacity}
-        report["device_memory_gib"] = capacity / 2**30
-        report["headroom_bytes"] = headroom
-        report["headroom_fraction"] = headroom / capacity
-        report["min_headroom"] = min_headroom
-        report["fits"] = headroom >= min_headroom * capacity
+        report.update(_verdict(mem["total"], device, device_memory_gib, min_headroom))
     return accounting.as_builtin(report)
+
+
+def _verdict(total: float, device: str | None, device_memory_gib: float | None, min_headroom: float) -> dict[str, Any]:
+    """The report's device fields: the device's memory, the headroom the estimate `total` leaves
+    and whether it fits (at least `min_headroom` of the device free)."""
+    report: dict[str, Any] = {}
+    if device is not None:
+        dev = DEVICES[device]
+        capacity, label = dev.memory_bytes, f"{dev.name}, {dev.memory_gb:g} GB"
+    else:
+        assert device_memory_gib is not None
+        if device_memory_gib <= 0:
+            raise UsageError(f"--device-memory-gib {device_memory_gib} must be positive")
+        capacity, label = device_memory_gib * 2**30, f"{device_memory_gib:g} GiB"
+    headroom = capacity - total
+    report["device"] = {"name": device, "label": label, "memory_bytes": capacity}
+    report["device_memory_gib"] = capacity / 2**30
+    report["headroom_bytes"] = headroom
+    report["headroom_fraction"] = headroom / capacity
+    report["min_headroom"] = min_headroom
+    report["fits"] = headroom >= min_headroom * capacity
+    return report
 
 
 def _backend() -> str:
@@ -484,6 +502,70 @@ def _gib(x: float) -> str:
     return f"{x / 2**10:.2f} KiB"
 
 
+def _device_lines(r: dict[str, Any]) -> list[str]:
+    """The verdict of a report made for a device."""
+    mem = r["memory_per_device"]
+    d = r["device"]
+    verdict = "FITS" if r["fits"] else "DOES NOT FIT"
+    free = r["headroom_bytes"]
+    free_s = _gib(free) if free >= 0 else "-" + _gib(-free)
+    return [
+        f"  device           {_gib(d['memory_bytes']):>12}   ({d['label']})",
+        f"  headroom         {free_s:>12}"
+        f"   ({r['headroom_fraction']:.1%} of the device; at least {r['min_headroom']:.0%} required)",
+        f"  verdict: {verdict} ({_gib(mem['total'])} of {_gib(d['memory_bytes'])} per device)",
+    ]
+
+
+def _xla_lines(x: dict[str, Any]) -> list[str]:
+    """XLA's memory analysis beside the estimate."""
+    return [
+        "",
+        "XLA memory analysis of the compiled train step (this machine, per device)",
+        f"  arguments        {_gib(x['argument']):>12}   estimate state {_gib(x['estimate_state'])} "
+        f"({x['ratio_state']:.2f}x)",
+        f"  temporaries      {_gib(x['temp']):>12}   estimate working set {_gib(x['estimate_working'])} "
+        f"({x['ratio_working']:.2f}x)",
+        f"  output - alias   {_gib(x['output'] - x['alias']):>12}",
+        f"  total            {_gib(x['total']):>12}   estimate {_gib(x['estimate_total'])} ({x['ratio_total']:.2f}x)",
+    ]
+
+
+def _all_to_all_lines(x2: dict[str, Any]) -> list[str]:
+    """The expert all-to-all's bytes and times per step (expert parallelism only)."""
+    if not (x2["ep"] > 1 and x2["moe_layers"]):
+        return []
+    st = x2["strategies"]
+    links = x2["interconnects"]
+    lines = [
+        "",
+        f"expert all-to-all per device per step (EP {x2['ep']}; {x2['moe_layers']} MoE layers x "
+        f"{x2['micro_batches']} micro-batch(es) x {x2['exchanges_per_layer']} exchanges: dispatch and combine, "
+        "forward, backward" + (", remat recompute)" if x2["exchanges_per_layer"] == 6 else ")"),
+    ]
+    for name, label in (
+        ("padded", "padded (all_to_all, [ep, tokens*k] slots)"),
+        ("ragged", "ragged (real rows only)"),
+    ):
+        v = st[name]
+        times = ", ".join(f"{v['seconds'][k]:.3g} s at {links[k]['bytes_per_s'] / 1e9:g} GB/s {k}" for k in links)
+        lines.append(f"  {label:<42}{_gib(v['bytes']):>12}   ({times})")
+    ratio = st["padded"]["bytes"] / max(st["ragged"]["bytes"], 1)
+    lines += [
+        f"  padded / ragged {ratio:.2f}x; ragged rows at uniform routing ((ep-1)/ep of the assignments leave the "
+        f"device); receive buffer {st['ragged']['receive_rows']:,} rows (capacity factor "
+        f"{x2['capacity_factor']:g}; 0 = worst case) vs padded {st['padded']['receive_rows']:,}",
+        f"  expert groups span devices {x2['expert_axis_stride']} apart: "
+        + (
+            f"inside a node of {x2['gpus_per_node']} GPUs (NVLink)"
+            if x2["link"] == "nvlink"
+            else f"across nodes of {x2['gpus_per_node']} GPUs (InfiniBand sets the time)"
+        )
+        + f"; vendors' line rates (lower bounds); on GPU the step runs {x2['exchange_on_gpu']}",
+    ]
+    return lines
+
+
 def format_report(r: dict[str, Any]) -> str:
     p, f, mem = r["params"], r["flops_per_token"], r["memory_per_device"]
     act = mem["activations"]
@@ -533,59 +615,10 @@ def format_report(r: dict[str, Any]) -> str:
         f"  total            {_gib(mem['total']):>12}",
     ]
     if "fits" in r:
-        d = r["device"]
-        verdict = "FITS" if r["fits"] else "DOES NOT FIT"
-        free = r["headroom_bytes"]
-        free_s = _gib(free) if free >= 0 else "-" + _gib(-free)
-        lines += [
-            f"  device           {_gib(d['memory_bytes']):>12}   ({d['label']})",
-            f"  headroom         {free_s:>12}"
-            f"   ({r['headroom_fraction']:.1%} of the device; at least {r['min_headroom']:.0%} required)",
-            f"  verdict: {verdict} ({_gib(mem['total'])} of {_gib(d['memory_bytes'])} per device)",
-        ]
+        lines += _device_lines(r)
     if "xla" in r:
-        x = r["xla"]
-        lines += [
-            "",
-            "XLA memory analysis of the compiled train step (this machine, per device)",
-            f"  arguments        {_gib(x['argument']):>12}   estimate state {_gib(x['estimate_state'])} "
-            f"({x['ratio_state']:.2f}x)",
-            f"  temporaries      {_gib(x['temp']):>12}   estimate working set {_gib(x['estimate_working'])} "
-            f"({x['ratio_working']:.2f}x)",
-            f"  output - alias   {_gib(x['output'] - x['alias']):>12}",
-            f"  total            {_gib(x['total']):>12}   estimate {_gib(x['estimate_total'])} "
-            f"({x['ratio_total']:.2f}x)",
-        ]
-    x2 = r["expert_all_to_all"]
-    if x2["ep"] > 1 and x2["moe_layers"]:
-        st = x2["strategies"]
-        links = x2["interconnects"]
-        lines += [
-            "",
-            f"expert all-to-all per device per step (EP {x2['ep']}; {x2['moe_layers']} MoE layers x "
-            f"{x2['micro_batches']} micro-batch(es) x {x2['exchanges_per_layer']} exchanges: dispatch and combine, "
-            "forward, backward" + (", remat recompute)" if x2["exchanges_per_layer"] == 6 else ")"),
-        ]
-        for name, label in (
-            ("padded", "padded (all_to_all, [ep, tokens*k] slots)"),
-            ("ragged", "ragged (real rows only)"),
-        ):
-            v = st[name]
-            times = ", ".join(f"{v['seconds'][k]:.3g} s at {links[k]['bytes_per_s'] / 1e9:g} GB/s {k}" for k in links)
-            lines.append(f"  {label:<42}{_gib(v['bytes']):>12}   ({times})")
-        ratio = st["padded"]["bytes"] / max(st["ragged"]["bytes"], 1)
-        lines += [
-            f"  padded / ragged {ratio:.2f}x; ragged rows at uniform routing ((ep-1)/ep of the assignments leave the "
-            f"device); receive buffer {st['ragged']['receive_rows']:,} rows (capacity factor "
-            f"{x2['capacity_factor']:g}; 0 = worst case) vs padded {st['padded']['receive_rows']:,}",
-            f"  expert groups span devices {x2['expert_axis_stride']} apart: "
-            + (
-                f"inside a node of {x2['gpus_per_node']} GPUs (NVLink)"
-                if x2["link"] == "nvlink"
-                else f"across nodes of {x2['gpus_per_node']} GPUs (InfiniBand sets the time)"
-            )
-            + f"; vendors' line rates (lower bounds); on GPU the step runs {x2['exchange_on_gpu']}",
-        ]
+        lines += _xla_lines(r["xla"])
+    lines += _all_to_all_lines(r["expert_all_to_all"])
     if r["unsplit_axes"]:
         lines += ["", "not split as the rules say (the mesh axis does not divide the dimension; replicated over it):"]
         lines += [

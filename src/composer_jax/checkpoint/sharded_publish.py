@@ -90,36 +90,12 @@ class ShardedWeightPublisher:
         """Write `params` (a dict tree of global jax.Arrays) as `version` (default: latest + 1, or
         0), floating leaves cast to `dtype` first ("" = as is). Returns what was written (its
         `manifest` too; `info["kind"]` reads the manifest's fields)."""
-        cast = publish_dtype(dtype)
-        store = self.store
         leaves = _leaves(params)
         if not leaves:
             raise WeightSyncError("params has no array leaves; nothing to publish")
         version = next_version(version, self.latest)
-        pi = jax.process_index()
-        vdir = version_dir(version)
-        out_dtypes = []
-        for _, arr in leaves:
-            dt = np.dtype(arr.dtype)
-            if cast is not None and np.issubdtype(dt, np.floating):
-                dt = cast
-            if dt.itemsize not in (1, 2, 4, 8):
-                raise WeightSyncError(f"dtype {dt} of itemsize {dt.itemsize}; accepted itemsizes: 1, 2, 4, 8")
-            out_dtypes.append(dt)
-        # this process's replica-0 shards, as bits: {(path, index): bits}
-        local: list[list[tuple[tuple[slice, ...], np.ndarray]]] = []
-        bits_now: dict[tuple[str, str], np.ndarray] = {}
-        for (path, arr), dt in zip(leaves, out_dtypes):
-            mine = []
-            for shard in arr.addressable_shards:
-                if shard.replica_id != 0:
-                    continue
-                host = np.asarray(shard.data)
-                bits = np.asarray(host.astype(dt) if host.dtype != dt else host, order="C").view(_uint(dt))
-                idx = tuple(shard.index) if shard.index else ()
-                mine.append((idx, bits))
-                bits_now[(path, str(_ranges(idx, arr.shape)))] = bits
-            local.append(mine)
+        out_dtypes = _out_dtypes(leaves, publish_dtype(dtype))
+        local, bits_now = _local_bits(leaves, out_dtypes)
         prev = self._prev
         same_layout = (
             prev is not None
@@ -132,55 +108,13 @@ class ShardedWeightPublisher:
             and not force_base
             and self._since_base < self.new_base_fraction * max(self._base_stored, 1)
         )
-        specs = []
-        for i, ((_, arr), dt) in enumerate(zip(leaves, out_dtypes)):
-            chunk = list(arr.sharding.shard_shape(arr.shape))
-            specs.append(store.array_spec(f"{vdir}leaves/{i}/", _uint(dt), list(arr.shape), chunk))
-        if pi == 0:  # one creator per array; the others open it after the barrier
-            for spec in specs:
-                ts.open(spec, create=True, delete_existing=True, context=store.context).result()
-        barrier(f"composer_jax_publish_sharded_create_{version}")
-        entries: list[list[dict]] = []
-        for i, ((path, arr), spec, mine) in enumerate(zip(leaves, specs, local)):
-            target = ts.open(
-                {k: v for k, v in spec.items() if k != "metadata"}, open=True, context=store.context
-            ).result()
-            shard_shape = arr.sharding.shard_shape(arr.shape)
-            writes, keys, leaf_entries = [], [], []
-            for idx, bits in mine:
-                ranges = _ranges(idx, arr.shape)
-                stored = bits ^ prev[(path, str(ranges))] if as_delta and prev is not None else bits
-                writes.append(target[idx].write(stored) if idx else target.write(stored))
-                # one shard = one chunk: its key under the zarr3 default encoding ("c/i/j", "c" for 0-d)
-                keys.append(
-                    f"{vdir}leaves/{i}/c" + "".join(f"/{a // max(c, 1)}" for (a, _), c in zip(ranges, shard_shape))
-                )
-                leaf_entries.append(
-                    {"index": ranges, "sha256": hashlib.sha256(bits.tobytes()).hexdigest(), "process": pi}
-                )
-            for w in writes:
-                w.result()
-            for e, key in zip(
-                leaf_entries, keys
-            ):  # a chunk equal to the fill value (0: an unchanged shard's XOR) is not stored
-                r = store.kv.read(key).result()
-                e["stored_bytes"] = len(r.value) if r.state != "missing" else 0
-            entries.append(leaf_entries)
-        everyone = allgather_json(entries)
-        leaf_meta: list[dict[str, Any]] = []
-        for i, ((path, arr), dt) in enumerate(zip(leaves, out_dtypes)):
-            shards = sorted((e for proc in everyone for e in proc[i]), key=lambda e: e["index"])
-            leaf_meta.append(
-                {
-                    "path": path,
-                    "dtype": dt.name,
-                    "shape": list(arr.shape),
-                    "key": f"leaves/{i}/",
-                    "shards": shards,
-                    "raw_bytes": int(np.prod(arr.shape)) * dt.itemsize,
-                    "stored_bytes": sum(int(sh["stored_bytes"]) for sh in shards),
-                }
-            )
+        specs = self._create_arrays(leaves, out_dtypes, version)
+        vdir = version_dir(version)
+        entries = [
+            self._write_leaf(f"{vdir}leaves/{i}/", path, arr, spec, mine, prev if as_delta else None)
+            for i, ((path, arr), spec, mine) in enumerate(zip(leaves, specs, local))
+        ]
+        leaf_meta = _leaf_meta(leaves, out_dtypes, allgather_json(entries))
         stored_total = sum(int(lf["stored_bytes"]) for lf in leaf_meta)
         raw_total = sum(int(lf["raw_bytes"]) for lf in leaf_meta)
         kind = "sharded_delta" if as_delta else "sharded"
@@ -195,9 +129,9 @@ class ShardedWeightPublisher:
             "stored_bytes": stored_total,
             "leaves": leaf_meta,
         }
-        if pi == 0:
-            store.write_json(vdir + "manifest.json", manifest)
-            store.write_json("latest", {"version": version})
+        if jax.process_index() == 0:
+            self.store.write_json(vdir + "manifest.json", manifest)
+            self.store.write_json("latest", {"version": version})
         barrier(f"composer_jax_publish_sharded_done_{version}")
         # every process saw the same gathered sizes: the next decision agrees everywhere
         if as_delta:
@@ -206,6 +140,103 @@ class ShardedWeightPublisher:
             self._base_version, self._base_stored, self._since_base = version, stored_total, 0
         self._prev, self.latest = bits_now, version
         return PublishInfo(version, kind, base_version, raw_total, stored_total, stored_total, manifest)
+
+    def _create_arrays(self, leaves: list[tuple[str, jax.Array]], out_dtypes: list[np.dtype], version: int) -> list:
+        """One zarr3 array per leaf under the version (chunked by the leaf's shard shape), created by
+        process 0 (the others open them after the barrier); their specs."""
+        vdir = version_dir(version)
+        specs = []
+        for i, ((_, arr), dt) in enumerate(zip(leaves, out_dtypes)):
+            chunk = list(arr.sharding.shard_shape(arr.shape))
+            specs.append(self.store.array_spec(f"{vdir}leaves/{i}/", _uint(dt), list(arr.shape), chunk))
+        if jax.process_index() == 0:
+            for spec in specs:
+                ts.open(spec, create=True, delete_existing=True, context=self.store.context).result()
+        barrier(f"composer_jax_publish_sharded_create_{version}")
+        return specs
+
+    def _write_leaf(
+        self,
+        key: str,
+        path: str,
+        arr: jax.Array,
+        spec: dict,
+        mine: list[tuple[tuple[slice, ...], np.ndarray]],
+        prev: dict[tuple[str, str], np.ndarray] | None,
+    ) -> list[dict]:
+        """This process's shards of one leaf written (XOR-ed with `prev`'s when a delta); their
+        manifest entries: index ranges, sha256 of the bits, the process, the bytes stored."""
+        store, pi = self.store, jax.process_index()
+        target = ts.open({k: v for k, v in spec.items() if k != "metadata"}, open=True, context=store.context).result()
+        shard_shape = arr.sharding.shard_shape(arr.shape)
+        writes, keys, leaf_entries = [], [], []
+        for idx, bits in mine:
+            ranges = _ranges(idx, arr.shape)
+            stored = bits ^ prev[(path, str(ranges))] if prev is not None else bits
+            writes.append(target[idx].write(stored) if idx else target.write(stored))
+            # one shard = one chunk: its key under the zarr3 default encoding ("c/i/j", "c" for 0-d)
+            keys.append(f"{key}c" + "".join(f"/{a // max(c, 1)}" for (a, _), c in zip(ranges, shard_shape)))
+            leaf_entries.append({"index": ranges, "sha256": hashlib.sha256(bits.tobytes()).hexdigest(), "process": pi})
+        for w in writes:
+            w.result()
+        for e, chunk_key in zip(leaf_entries, keys):  # a chunk equal to the fill value (0: an unchanged
+            r = store.kv.read(chunk_key).result()  # shard's XOR) is not stored
+            e["stored_bytes"] = len(r.value) if r.state != "missing" else 0
+        return leaf_entries
+
+
+def _out_dtypes(leaves: list[tuple[str, jax.Array]], cast: np.dtype | None) -> list[np.dtype]:
+    """Each leaf's stored dtype: floating ones cast to `cast` (None: as is); itemsizes 1, 2, 4, 8."""
+    out = []
+    for _, arr in leaves:
+        dt = np.dtype(arr.dtype)
+        if cast is not None and np.issubdtype(dt, np.floating):
+            dt = cast
+        if dt.itemsize not in (1, 2, 4, 8):
+            raise WeightSyncError(f"dtype {dt} of itemsize {dt.itemsize}; accepted itemsizes: 1, 2, 4, 8")
+        out.append(dt)
+    return out
+
+
+def _local_bits(
+    leaves: list[tuple[str, jax.Array]], out_dtypes: list[np.dtype]
+) -> tuple[list[list[tuple[tuple[slice, ...], np.ndarray]]], dict[tuple[str, str], np.ndarray]]:
+    """This process's replica-0 shards as bits: per leaf [(index, bits)], and {(path, ranges): bits}."""
+    local: list[list[tuple[tuple[slice, ...], np.ndarray]]] = []
+    bits_now: dict[tuple[str, str], np.ndarray] = {}
+    for (path, arr), dt in zip(leaves, out_dtypes):
+        mine = []
+        for shard in arr.addressable_shards:
+            if shard.replica_id != 0:
+                continue
+            host = np.asarray(shard.data)
+            bits = np.asarray(host.astype(dt) if host.dtype != dt else host, order="C").view(_uint(dt))
+            idx = tuple(shard.index) if shard.index else ()
+            mine.append((idx, bits))
+            bits_now[(path, str(_ranges(idx, arr.shape)))] = bits
+        local.append(mine)
+    return local, bits_now
+
+
+def _leaf_meta(
+    leaves: list[tuple[str, jax.Array]], out_dtypes: list[np.dtype], everyone: list[list[list[dict]]]
+) -> list[dict[str, Any]]:
+    """The manifest's leaf entries from every process's shard entries (`everyone[process][leaf]`)."""
+    leaf_meta: list[dict[str, Any]] = []
+    for i, ((path, arr), dt) in enumerate(zip(leaves, out_dtypes)):
+        shards = sorted((e for proc in everyone for e in proc[i]), key=lambda e: e["index"])
+        leaf_meta.append(
+            {
+                "path": path,
+                "dtype": dt.name,
+                "shape": list(arr.shape),
+                "key": f"leaves/{i}/",
+                "shards": shards,
+                "raw_bytes": int(np.prod(arr.shape)) * dt.itemsize,
+                "stored_bytes": sum(int(sh["stored_bytes"]) for sh in shards),
+            }
+        )
+    return leaf_meta
 
 
 def publish_sharded(url: str, params: Any, version: int, *, dtype: str = "", context: ts.Context | None = None) -> dict:

@@ -152,25 +152,12 @@ def _close(checkpointer: TrainCheckpointer, logger: RunLogger, progress: Progres
     logger.close()
 
 
-def run_stage(
-    cfg: Config, *, stop_after: int | None = None, echo: Callable[[str], None] = print, mesh=None
-) -> dict[str, Any]:
-    """Train one stage. stop_after: return (without a final checkpoint, as a crash would) once this
-    many steps have run in this call. Returns a summary with the per-step losses and evaluations."""
+def _stage_data(cfg: Config, mesh, rules) -> tuple[Any, Any]:
+    """(this process's training iterator, the held-out batches): each process reads the shards of
+    the batch rows it holds; the held-out batches are stacked to the same count on every process."""
     t = cfg.train
-    mesh = mesh if mesh is not None else make_mesh(cfg.mesh)
-    rules = ShardingRules.create(cfg.sharding_rules)
-    pc, pi = jax.process_count(), jax.process_index()
-    if pi != 0:  # every process computes the same numbers: one of them prints
-        echo = lambda _line: None  # noqa: E731
-    run_tokenizer(cfg)
-    out_dir = Path(t.out_dir)
-    ckpt_cfg = run_checkpoint_config(cfg)
-    run_config = to_dict(cfg)
-    checkpointer = TrainCheckpointer(ckpt_cfg)
-    shape = (t.batch_size, t.seq_len)
-    n_shards = shard_count(cfg.data, pc)
-    shards = host_shards(*_host_rows(mesh, rules, shape), t.batch_size, n_shards)
+    n_shards = shard_count(cfg.data, jax.process_count())
+    shards = host_shards(*_host_rows(mesh, rules, (t.batch_size, t.seq_len)), t.batch_size, n_shards)
     data = make_host_iterator(
         cfg.data, seq_len=t.seq_len, global_batch=t.batch_size, seed=t.seed, shards=shards, shard_count=n_shards
     )
@@ -183,8 +170,38 @@ def run_stage(
         shard_count=n_shards,
     )
     n_eval = max(allgather_json(max(len(b) for b in per_shard_eval)))
-    eval_batches = stack_eval_batches(per_shard_eval, n_eval, cfg.data.tokenizer)
+    return data, stack_eval_batches(per_shard_eval, n_eval, cfg.data.tokenizer)
 
+
+def _record_step(n: int, host: dict, summary: dict[str, Any], stage: str, echo: Callable[[str], None]) -> None:
+    """Step n's loss in the summary; a skipped update (non-finite loss or gradient) noted and said."""
+    summary["losses"][n] = float(host["loss"])
+    if host["skipped"]:
+        summary["skipped_steps"].append(n)
+        echo(
+            f"[{stage}] step {n}: non-finite loss or gradient (loss {float(host['loss'])}, grad norm "
+            f"{float(host['grad_norm'])}); the update was skipped"
+        )
+
+
+def run_stage(
+    cfg: Config, *, stop_after: int | None = None, echo: Callable[[str], None] = print, mesh=None
+) -> dict[str, Any]:
+    """Train one stage. stop_after: return (without a final checkpoint, as a crash would) once this
+    many steps have run in this call. Returns a summary with the per-step losses and evaluations."""
+    t = cfg.train
+    mesh = mesh if mesh is not None else make_mesh(cfg.mesh)
+    rules = ShardingRules.create(cfg.sharding_rules)
+    pi = jax.process_index()
+    if pi != 0:  # every process computes the same numbers: one of them prints
+        echo = lambda _line: None  # noqa: E731
+    run_tokenizer(cfg)
+    out_dir = Path(t.out_dir)
+    ckpt_cfg = run_checkpoint_config(cfg)
+    run_config = to_dict(cfg)
+    checkpointer = TrainCheckpointer(ckpt_cfg)
+    shape = (t.batch_size, t.seq_len)
+    data, eval_batches = _stage_data(cfg, mesh, rules)
     state, start = _initial_state(cfg, mesh, rules, checkpointer, data, run_config, echo)
     step_fn = make_train_step(cfg, mesh, rules)
     eval_fn = make_eval_step(cfg, mesh, rules)
@@ -209,21 +226,14 @@ def run_stage(
     with jax.set_mesh(mesh):
         if start == 0:
             run_eval(0)
-        t_last, tokens_since = time.perf_counter(), 0.0
+        t_last = time.perf_counter()
         for step in range(start, t.steps):
             batch = _global_batch(next(data), mesh, rules, shape)
             state, metrics = step_fn(state, batch)
             ran += 1
             host = jax.device_get(metrics)
             n = step + 1
-            summary["losses"][n] = float(host["loss"])
-            tokens_since += float(host["tokens"])
-            if host["skipped"]:
-                summary["skipped_steps"].append(n)
-                echo(
-                    f"[{t.stage}] step {n}: non-finite loss or gradient (loss {float(host['loss'])}, grad norm "
-                    f"{float(host['grad_norm'])}); the update was skipped"
-                )
+            _record_step(n, host, summary, t.stage, echo)
             if n % t.log_every == 0 or n == t.steps:
                 now = time.perf_counter()
                 tok_s = t.batch_size * t.seq_len * (n - max(start, n - t.log_every)) / max(now - t_last, 1e-9)
