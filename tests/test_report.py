@@ -137,3 +137,25 @@ def test_report_prints_trends(tmp_path):
     hand = "slope +1.1000 +- 0.5196 /step (z 2.1, 4 steps); first quarter 1.0000 +- nan -> last 5.0000 +- nan"
     assert f"| s1 | 1 -> 5 (steps 0-3) |  | {hand} (1 each) |" in md
     assert "- reward: slope +1.100 +- 0.520 /step (z 2.1, 4 steps)" in md
+
+
+def test_a_mixture_stage_gets_its_sources_train_nll_table_and_panel(tmp_path):
+    run = tmp_path / "run"
+    recs = [
+        {"stage": "sft", "step": s, "time": 0.0, "loss": 1.0, "source_nll/tasks": 2.0 + s, "source_tokens/tasks": 9}
+        for s in (1, 2, 3)
+    ]
+    for r in recs[:2]:  # a source without targets in step 3 has no nll that step
+        r["source_nll/family"] = 0.5
+    _write(run / "sft" / "metrics.jsonl", recs)
+    md = write_report(run).read_text()
+    assert "| stage | source | train nll | trend |" in md
+    assert "| sft | family | 0.5 -> 0.5 (steps 1-2) |  |" in md
+    assert "| sft | tasks | 3 -> 5 (steps 1-3) | " in md and "slope +1" in md
+    with Image.open(run / "plots" / "pretraining.png") as im:
+        three_panels = im.size[0]
+    _write(run / "sft" / "metrics.jsonl", [{k: v for k, v in r.items() if "source" not in k} for r in recs])
+    md = write_report(run).read_text()
+    assert "| stage | source |" not in md
+    with Image.open(run / "plots" / "pretraining.png") as im:
+        assert im.size[0] < three_panels  # the source panel is gone with its data

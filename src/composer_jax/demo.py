@@ -211,6 +211,10 @@ def pipeline(out_root: str, scale: float, echo=print, rl: bool = True) -> list[d
         )
         if len(losses) >= 3:
             echo(f"{'':12} train loss {format_trend(trend(sorted(r['losses'].items())))}")
+        for source, by_step in (r.get("source_losses") or {}).items():  # a mixture: which source moves it
+            points = sorted(by_step.items())
+            if len(points) >= 3:
+                echo(f"{'':12} nll of {source} ({len(points)} steps) {format_trend(trend(points))}")
     if rl:
         echo(rl_line(results[-1]))
     return results

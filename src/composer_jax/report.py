@@ -9,7 +9,8 @@ a separate record at the same step) and, for evaluations, a `report.json` writte
   slope with its standard error, first- and last-quarter means with theirs), the RL table per step (with the
   held-out pass@1 and its paired change from step 0: diff, standard error, z), and every
   evaluation's overall and per-category table;
-- `plots/pretraining.png`: train loss and held-out perplexity over steps, one row per stage;
+- `plots/pretraining.png`: train loss and held-out perplexity over steps, one row per stage, and
+  for a stage trained on a mixture each source's train nll (`source_nll/NAME`, with a table);
 - `plots/rl.png`: reward (total and grade), success and best-of-K, length penalty, staleness
   (version lag, dropped stale groups), sampler/trainer mismatch KL and held-out pass@1 over RL
   steps, for every stage whose records carry RL values.
@@ -44,6 +45,7 @@ RL_PANELS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("sampler/trainer mismatch KL", (("mismatch_kl_k1", "k1"), ("mismatch_kl_k3", "k3"))),
 )
 PRETRAIN_PANELS: tuple[tuple[str, str], ...] = (("loss", "train loss"), ("eval/perplexity", "held-out perplexity"))
+SOURCE_PREFIX = "source_nll/"  # a mixture's per-source train nll (train/loop.py), one series per source
 
 
 class ReportError(ValueError):
@@ -287,6 +289,33 @@ def _eval_table(ev: Evaluation) -> list[str]:
     return lines
 
 
+def _source_keys(stages: list[Stage]) -> list[str]:
+    return sorted({k for s in stages for k in s.series if k.startswith(SOURCE_PREFIX)})
+
+
+def _pretrain_panels(stages: list[Stage]) -> list[tuple[str, list[tuple[str, str]]]]:
+    """PRETRAIN_PANELS one metric each, and with a mixture the train nll of every source in one."""
+    panels = [(lab, [(k, lab)]) for k, lab in PRETRAIN_PANELS]
+    sources = _source_keys(stages)
+    if sources:
+        panels.append(("train nll by source", [(k, k[len(SOURCE_PREFIX) :]) for k in sources]))
+    return panels
+
+
+def _source_table(stages: list[Stage]) -> list[str]:
+    """Per stage trained on a mixture, each source's train nll first -> last and its trend (the
+    steps a source had target tokens in): which source a spike of the train loss comes from."""
+    rows = [(s, k) for s in stages for k in _source_keys([s])]
+    if not rows:
+        return []
+    lines = ["| stage | source | train nll | trend |", "|---|---|---|---|"]
+    for s, k in rows:
+        lines.append(
+            f"| {s.name} | {k[len(SOURCE_PREFIX) :]} | {_first_last(s.series[k])} | {_trend_cell(s.series[k])} |"
+        )
+    return [*lines, ""]
+
+
 def write_report(run_dir: str | Path, title: str | None = None) -> Path:
     """Write RUN_DIR/report.md and RUN_DIR/plots/*.png; returns the Markdown path."""
     run = Path(run_dir)
@@ -295,14 +324,14 @@ def write_report(run_dir: str | Path, title: str | None = None) -> Path:
     pre = [s for s in stages if not s.is_rl]
     rl = [s for s in stages if s.is_rl]
     lines = [f"# {title or 'Run report'}: `{run.name}`", ""]
-    if pre and _plot([(lab, [(k, lab)]) for k, lab in PRETRAIN_PANELS], pre, plots / "pretraining.png", "pretraining"):
+    if pre and _plot(_pretrain_panels(pre), pre, plots / "pretraining.png", "pretraining"):
         lines += ["## Pretraining stages", "", "![pretraining](plots/pretraining.png)", ""]
         lines += ["| stage | train loss | held-out perplexity | train loss trend |", "|---|---|---|---|"]
         for s in pre:
             cells = [_first_last(s.series[k]) if k in s.series else "" for k, _ in PRETRAIN_PANELS]
             cells.append(_trend_cell(s.series.get("loss", [])))
             lines.append(f"| {s.name} | " + " | ".join(cells) + " |")
-        lines += ["", TREND_NOTE, ""]
+        lines += ["", TREND_NOTE, "", *_source_table(pre)]
     if rl and _plot(RL_PANELS, rl, plots / "rl.png", "reinforcement learning"):
         lines += ["## Reinforcement learning", "", "![rl](plots/rl.png)", ""]
         for s in rl:

@@ -73,7 +73,7 @@ def test_batches_have_the_contract_shapes(tmp_path, tok, tok_dir):
     it = make_train_iterator(cfg, seq_len=48, batch_size=3, seed=1)
     for _ in range(12):  # several epochs of this small corpus
         b = next(it)
-        assert set(b) == {"tokens", "segment_ids", "positions", "loss_mask"}
+        assert set(b) == {"tokens", "segment_ids", "positions", "loss_mask", "source_ids"}
         assert all(v.shape == (3, 48) for v in b.values())
         for r in range(3):
             check_row_invariants({k: v[r] for k, v in b.items()}, tok)
@@ -184,3 +184,22 @@ def test_bad_documents_fail_with_file_and_line(tmp_path, tok_dir):
         make_train_iterator(
             _cfg(tok_dir, SourceConfig(path=str(f))), seq_len=16, batch_size=1, seed=0, process_index=2, process_count=2
         )
+
+
+def test_every_token_carries_the_source_its_document_came_from(tmp_path, tok, tok_dir):
+    # the documents say which source they are; packing mixes them within rows
+    a = _jsonl_source(tmp_path, "a", numbered_docs(20, "alpha"), weight=1.0)
+    b = _jsonl_source(tmp_path, "b", numbered_docs(20, "beta"), weight=2.0)
+    rows = _rows(_cfg(tok_dir, a, b, eval_fraction=0.0), tok, 48)
+    mixed = 0
+    for r in rows:
+        seg, src = r["segment_ids"], r["source_ids"]
+        assert src.dtype == np.int32 and np.all(src[seg == 0] == 0)
+        kinds = set()
+        for s in np.unique(seg[seg > 0]):
+            ids = np.unique(src[seg == s])
+            text = tok.decode(r["tokens"][seg == s].tolist(), skip_special_tokens=True)
+            assert len(ids) == 1 and int(ids[0]) == (1 if text.lstrip().startswith("alpha") else 2), text
+            kinds.add(int(ids[0]))
+        mixed += len(kinds) > 1
+    assert mixed > 0  # some row holds documents of both sources

@@ -49,3 +49,28 @@ def test_chunks_must_divide_seq():
     h, w = jnp.zeros((1, 6, 4)), jnp.zeros((4, 5))
     with pytest.raises(ValueError, match="chunks=4"):
         losses.fused_linear_cross_entropy(h, w, jnp.zeros((1, 6), jnp.int32), jnp.ones((1, 6)), 0.0, 4)
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_the_nll_per_group_matches_numpy_and_leaves_the_rest_unchanged(chunks):
+    b, s, d, v, n_groups = 2, 8, 16, 40, 3
+    kh, kw, kt, km, kg = jax.random.split(jax.random.key(1), 5)
+    h = jax.random.normal(kh, (b, s, d))
+    w = jax.random.normal(kw, (d, v)) * 0.3
+    t = jax.random.randint(kt, (b, s), 0, v)
+    wt = (jax.random.uniform(km, (b, s)) > 0.3).astype(jnp.float32)
+    g = jax.random.randint(kg, (b, s), 0, n_groups)
+    plain = losses.fused_linear_cross_entropy(h, w, t, wt, 1e-2, chunks)
+    *same, by_group = losses.fused_linear_cross_entropy(h, w, t, wt, 1e-2, chunks, g, n_groups)
+    for a, r in zip(same, plain):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(r))  # the other values bit for bit
+    hn, wn, tn, wtn, gn = (np.asarray(x) for x in (h, w, t, wt, g))
+    ref = [_numpy_ce(hn, wn, tn, wtn * (gn == k), 0.0)[0] for k in range(n_groups)]
+    np.testing.assert_allclose(np.asarray(by_group), ref, rtol=1e-5, atol=1e-5)
+    *_, by_group_plain = losses.cross_entropy(jnp.einsum("bsd,dv->bsv", h, w), t, wt, 0.0, g, n_groups)
+    np.testing.assert_allclose(np.asarray(by_group_plain), ref, rtol=1e-5, atol=1e-5)
+    grads = [
+        jax.grad(lambda w, extra=extra: losses.fused_linear_cross_entropy(h, w, t, wt, 1e-2, chunks, *extra)[0])(w)
+        for extra in ((), (g, n_groups))
+    ]
+    np.testing.assert_array_equal(np.asarray(grads[0]), np.asarray(grads[1]))

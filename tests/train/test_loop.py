@@ -1,5 +1,6 @@
 """The stage loop: kill-and-resume continues the loss curve exactly; NaN steps are skipped."""
 
+import json
 from pathlib import Path
 
 import jax
@@ -53,6 +54,12 @@ def test_kill_and_resume_is_bit_exact(tmp_path, in_repo):
     assert first["losses"][3] == full["losses"][3]
     # the loss moved (the comparison is not between constant curves)
     assert full["losses"][6] != full["losses"][1]
+    # stage 1's mixture (src, tests, docs): each source's nll is logged under its name, and resumes exactly
+    assert set(full["source_losses"]) == {"src", "tests", "docs"}
+    assert resumed["source_losses"]["src"][5] == full["source_losses"]["src"][5]
+    logged = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    step = next(r for r in logged if "source_nll/src" in r)
+    assert {"source_tokens/src", "source_tokens/tests", "source_tokens/docs"} <= set(step)
 
 
 def test_nonfinite_step_is_skipped(tmp_path):

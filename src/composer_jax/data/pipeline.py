@@ -17,6 +17,8 @@ The batch contract with the trainer (numpy, each [per_host_batch, seq_len]):
   loss_mask    float32  1.0 where the token is a valid target: pretrain = every non-padding token
                         except the first of each segment; chat = assistant tokens (data/chat.py),
                         also 0.0 at each segment's first token.
+  source_ids   int32    1 + the index in data.sources (or data.eval_sources) of the source the
+                        token's document came from, 0 = padding (per-source losses of a mixture)
 The trainer's loss at position i predicts tokens[i+1], weighted by
 loss_mask[i+1] * (segment_ids[i+1] == segment_ids[i]).
 """
@@ -43,7 +45,8 @@ _READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=32)
 
 
 class DocumentToChunks(grain.experimental.FlatMapTransform):
-    """document -> 0..max_chunks examples {"tokens": int32[<=seq_len], "loss_mask": float32[same]}.
+    """document -> 0..max_chunks examples {"tokens": int32[<=seq_len], "loss_mask": float32[same],
+    "source_ids": int32[same] (all `source_id`)}.
 
     Split: a document is held out when content_hash_fraction(doc) < eval_fraction; split "train"
     keeps the others, "eval" the held-out ones, "all" everything (explicit eval sources).
@@ -53,9 +56,19 @@ class DocumentToChunks(grain.experimental.FlatMapTransform):
     `max_chunks` are dropped. No overlap between chunks: every token is a target at most once.
     """
 
-    def __init__(self, tok: Tokenizer, fmt: str, split: str, eval_fraction: float, seq_len: int, max_chunks: int):
+    def __init__(
+        self,
+        tok: Tokenizer,
+        fmt: str,
+        split: str,
+        eval_fraction: float,
+        seq_len: int,
+        max_chunks: int,
+        source_id: int = 1,
+    ):
         self.tok, self.fmt, self.split = tok, fmt, split
         self.eval_fraction, self.seq_len, self.max_fan_out = eval_fraction, seq_len, max_chunks
+        self.source_id = source_id
 
     def flat_map(self, document: Any) -> list[dict[str, np.ndarray]]:
         if self.split != "all":
@@ -70,8 +83,13 @@ class DocumentToChunks(grain.experimental.FlatMapTransform):
             tokens = np.asarray([self.tok.bos_id, *self.tok.encode(document), self.tok.eos_id], np.int32)
             loss_mask = np.ones(len(tokens), np.float32)
         n = min(len(tokens), self.seq_len * self.max_fan_out)
+        source = np.full(len(tokens), self.source_id, np.int32)
         return [
-            {"tokens": tokens[a : a + self.seq_len], "loss_mask": loss_mask[a : a + self.seq_len]}
+            {
+                "tokens": tokens[a : a + self.seq_len],
+                "loss_mask": loss_mask[a : a + self.seq_len],
+                "source_ids": source[a : a + self.seq_len],
+            }
             for a in range(0, n, self.seq_len)
         ]
 
@@ -109,7 +127,7 @@ def _source_stream(
         ds = ds.shuffle(seed=_seed(cfg.shuffle_seed, seed, index))
     if num_epochs != 1:
         ds = ds.repeat(num_epochs)  # None = infinite; ShuffleMapDataset re-permutes each epoch
-    transform = DocumentToChunks(tok, cfg.format, split, frac, seq_len, cfg.max_chunks_per_document)
+    transform = DocumentToChunks(tok, cfg.format, split, frac, seq_len, cfg.max_chunks_per_document, index + 1)
     return grain.experimental.FlatMapIterDataset(ds.to_iter_dataset(_READ_OPTIONS), transform)
 
 
@@ -137,6 +155,7 @@ def _finalize(pad_id: int):
             "segment_ids": seg,
             "positions": np.where(seg > 0, pos, 0).astype(np.int32),
             "loss_mask": mask,
+            "source_ids": np.where(seg > 0, row["source_ids"], 0).astype(np.int32),
         }
 
     return finalize
@@ -145,7 +164,7 @@ def _finalize(pad_id: int):
 def _pack(ds: grain.IterDataset, cfg: DataConfig, tok: Tokenizer, seq_len: int, seed: int, shuffle: bool):
     packed = grain.experimental.FirstFitPackIterDataset(
         ds,
-        length_struct={"tokens": seq_len, "loss_mask": seq_len},
+        length_struct={"tokens": seq_len, "loss_mask": seq_len, "source_ids": seq_len},
         num_packing_bins=cfg.num_packing_bins,
         seed=seed,
         shuffle_bins=shuffle,
@@ -229,8 +248,8 @@ def train_rows(
     process_count: int = 1,
     num_epochs: int | None = None,
 ) -> grain.IterDataset:
-    """The unbatched training stream: packed rows {tokens, segment_ids, positions: int32[seq_len],
-    loss_mask: float32[seq_len]}. num_epochs=None repeats forever (training); a finite count is
+    """The unbatched training stream: packed rows {tokens, segment_ids, positions, source_ids:
+    int32[seq_len], loss_mask: float32[seq_len]}. num_epochs=None repeats forever (training); a finite count is
     for tests and corpus statistics (the mixture then stops when its first source runs out)."""
     streams = [
         _source_stream(
@@ -290,6 +309,7 @@ def padding_rows(n: int, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
         "segment_ids": np.zeros((n, seq_len), np.int32),
         "positions": np.zeros((n, seq_len), np.int32),
         "loss_mask": np.zeros((n, seq_len), np.float32),
+        "source_ids": np.zeros((n, seq_len), np.int32),
     }
 
 

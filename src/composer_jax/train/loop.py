@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ import numpy as np
 
 from composer_jax.checkpoint.manager import TrainCheckpointer, restore_params_only
 from composer_jax.checkpoint.multihost import allgather_json
-from composer_jax.config import Config, ConfigError, to_dict
+from composer_jax.config import Config, ConfigError, SourceConfig, to_dict
 from composer_jax.data.shards import (
     host_eval_batches,
     host_shards,
@@ -35,6 +35,7 @@ from composer_jax.model.params import abstract_params
 from composer_jax.sharding import ShardingRules, make_mesh
 from composer_jax.train.observe import Progress, RunLogger, measure_peak_flops, scalars
 from composer_jax.train.optimizer import learning_rate_schedule
+from composer_jax.train.pretrain import pretraining_objective
 from composer_jax.train.state import abstract_train_state, init_train_state
 from composer_jax.train.step import BATCH_KEYS, batch_sharding, make_eval_step, make_train_step
 
@@ -73,9 +74,9 @@ def run_checkpoint_config(cfg: Config) -> Any:
     return dataclasses.replace(cfg.checkpoint, directory=str((Path(cfg.train.out_dir) / "checkpoints").resolve()))
 
 
-def _global_batch(local: dict, mesh, rules, shape) -> dict:
+def _global_batch(local: dict, mesh, rules, shape, keys: tuple[str, ...] = BATCH_KEYS) -> dict:
     sharding = batch_sharding(mesh, rules, shape)
-    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(local[k]), shape) for k in BATCH_KEYS}
+    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(local[k]), shape) for k in keys}
 
 
 def _host_rows(mesh, rules, shape) -> tuple[int, int]:
@@ -130,10 +131,38 @@ def _initial_state(
     return init_train_state(cfg, mesh, rules), 0
 
 
+def source_names(sources: Sequence[SourceConfig]) -> list[str]:
+    """Each data source's name in the per-source metrics (`source_nll/NAME`): its `name`, else its
+    file's stem, made unique by its position where two would read the same."""
+    names = [s.name or Path(s.path).stem or s.type for s in sources]
+    return [f"{n}.{i + 1}" if names.count(n) > 1 else n for i, n in enumerate(names)]
+
+
+def _named_sources(values: dict[str, float], names: Sequence[str]) -> dict[str, float]:
+    """`source_nll/i` and `source_tokens/i` (i = 1 + the source's index) renamed by source name; a
+    source with no target token in the step has no nll (not a 0)."""
+    out = {}
+    for k, v in values.items():
+        head, _, index = k.partition("/")
+        if head in ("source_nll", "source_tokens") and index.isdigit():
+            if head == "source_nll" and not values.get(f"source_tokens/{index}"):
+                continue
+            k = f"{head}/{names[int(index) - 1]}"
+        out[k] = v
+    return out
+
+
 def _log_step(
-    n: int, host: dict, tok_s: float, mfu: float, lr: float, logger: RunLogger, progress: Progress | None
+    n: int,
+    host: dict,
+    tok_s: float,
+    mfu: float,
+    lr: float,
+    logger: RunLogger,
+    progress: Progress | None,
+    sources: Sequence[str] = (),
 ) -> None:
-    values = scalars(host)
+    values = _named_sources(scalars(host), sources)
     values.update({"tokens_per_s": tok_s, "mfu": mfu, "lr": lr})
     logger.log(n, values, {"expert_counts": host.get("expert_counts", [])})
     if progress:
@@ -173,9 +202,15 @@ def _stage_data(cfg: Config, mesh, rules) -> tuple[Any, Any]:
     return data, stack_eval_batches(per_shard_eval, n_eval, cfg.data.tokenizer)
 
 
-def _record_step(n: int, host: dict, summary: dict[str, Any], stage: str, echo: Callable[[str], None]) -> None:
-    """Step n's loss in the summary; a skipped update (non-finite loss or gradient) noted and said."""
+def _record_step(
+    n: int, host: dict, summary: dict[str, Any], stage: str, echo: Callable[[str], None], names: Sequence[str]
+) -> None:
+    """Step n's loss in the summary (and with a mixture each source's nll, where it had targets); a
+    skipped update (non-finite loss or gradient) noted and said."""
     summary["losses"][n] = float(host["loss"])
+    for name, nll, tokens in zip(names, host.get("source_nll", ()), host.get("source_tokens", ())):
+        if tokens > 0:
+            summary.setdefault("source_losses", {}).setdefault(name, {})[n] = float(nll)
     if host["skipped"]:
         summary["skipped_steps"].append(n)
         echo(
@@ -203,7 +238,9 @@ def run_stage(
     shape = (t.batch_size, t.seq_len)
     data, eval_batches = _stage_data(cfg, mesh, rules)
     state, start = _initial_state(cfg, mesh, rules, checkpointer, data, run_config, echo)
-    step_fn = make_train_step(cfg, mesh, rules)
+    objective = pretraining_objective(len(cfg.data.sources))
+    names = source_names(cfg.data.sources)
+    step_fn = make_train_step(cfg, mesh, rules, objective=objective)
     eval_fn = make_eval_step(cfg, mesh, rules)
     logger = RunLogger(out_dir, t.stage, t.tensorboard, enabled=pi == 0)
     peak = t.peak_tflops * 1e12 if t.peak_tflops else measure_peak_flops()
@@ -228,12 +265,12 @@ def run_stage(
             run_eval(0)
         t_last = time.perf_counter()
         for step in range(start, t.steps):
-            batch = _global_batch(next(data), mesh, rules, shape)
+            batch = _global_batch(next(data), mesh, rules, shape, objective.batch_keys)
             state, metrics = step_fn(state, batch)
             ran += 1
             host = jax.device_get(metrics)
             n = step + 1
-            _record_step(n, host, summary, t.stage, echo)
+            _record_step(n, host, summary, t.stage, echo, names)
             if n % t.log_every == 0 or n == t.steps:
                 now = time.perf_counter()
                 tok_s = t.batch_size * t.seq_len * (n - max(start, n - t.log_every)) / max(now - t_last, 1e-9)
@@ -245,6 +282,7 @@ def run_stage(
                     float(lr_schedule(n - 1)),
                     logger,
                     progress,
+                    names,
                 )
                 t_last = now
             if n % t.eval_every == 0 and n != t.steps:

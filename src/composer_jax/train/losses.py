@@ -30,9 +30,17 @@ def shifted_targets(tokens: jax.Array, segment_ids: jax.Array, loss_mask: jax.Ar
     return targets, weight * same
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array, z_loss: float = 0.0):
+def cross_entropy(
+    logits: jax.Array,
+    targets: jax.Array,
+    weights: jax.Array,
+    z_loss: float = 0.0,
+    groups: jax.Array | None = None,
+    num_groups: int = 0,
+):
     """Token-level cross-entropy with PaLM's z-loss. logits float32[..., vocab]; targets int32[...];
-    weights float32[...]. Returns (nll_sum, z_sum, weight_sum, correct_sum)."""
+    weights float32[...]. Returns (nll_sum, z_sum, weight_sum, correct_sum), and with `groups`
+    (int32[...] in 0..num_groups-1) a fifth value, the nll sum per group."""
     logits = logits.astype(jnp.float32)
     log_z = jax.nn.logsumexp(logits, axis=-1)
     target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
@@ -40,11 +48,20 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array, z_l
     z = z_loss * jnp.square(log_z) * weights
     # top-1: the target holds the largest logit (exact float ties count as correct)
     correct = (target_logit >= jnp.max(logits, -1)).astype(jnp.float32) * weights
+    if groups is not None:
+        return nll.sum(), z.sum(), weights.sum(), correct.sum(), grouped_sum(nll, groups, num_groups)
     return nll.sum(), z.sum(), weights.sum(), correct.sum()
 
 
 def fused_linear_cross_entropy(
-    hidden: jax.Array, head: jax.Array, targets: jax.Array, weights: jax.Array, z_loss: float = 0.0, chunks: int = 1
+    hidden: jax.Array,
+    head: jax.Array,
+    targets: jax.Array,
+    weights: jax.Array,
+    z_loss: float = 0.0,
+    chunks: int = 1,
+    groups: jax.Array | None = None,
+    num_groups: int = 0,
 ):
     """`cross_entropy(hidden @ head, ...)` with the gradient computed chunk by chunk in the forward pass.
 
@@ -52,7 +69,8 @@ def fused_linear_cross_entropy(
     float32[batch, seq]. Returns (loss_sum, nll_sum, z_sum, weight_sum, correct_sum): loss_sum =
     nll_sum + z_sum is the differentiable objective (w.r.t. hidden and head); the other four are
     metrics with no gradient. Same numbers as `cross_entropy` on float32 logits (up to summation
-    order).
+    order). With `groups` (int32[batch, seq] in 0..num_groups-1, e.g. each token's data source) a
+    sixth value: the nll sum per group, float32[num_groups] (`grouped_sum` of the per-token nll).
 
     Why: differentiating `cross_entropy(einsum(hidden, head))` makes XLA:CPU materialise the
     float32 [tokens, vocab] logits gradient, scatter the target term into it and transpose it
@@ -65,16 +83,27 @@ def fused_linear_cross_entropy(
     b, s, d = hidden.shape
     if s % chunks:
         raise ValueError(f"chunks={chunks} must divide the sequence length {s}")
-    loss, metrics = _fused_ce(hidden, head, targets, weights.astype(jnp.float32), float(z_loss), int(chunks))
+    if groups is None:
+        groups, num_groups = jnp.zeros(targets.shape, jnp.int32), 0
+    loss, metrics = _fused_ce(
+        hidden, head, targets, weights.astype(jnp.float32), groups, float(z_loss), int(chunks), int(num_groups)
+    )
+    metrics = metrics if num_groups else metrics[:4]
     return (loss,) + tuple(jax.lax.stop_gradient(m) for m in metrics)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _fused_ce(hidden, head, targets, weights, z_loss, chunks):
-    return _fused_ce_fwd(hidden, head, targets, weights, z_loss, chunks)[0]
+def grouped_sum(values: jax.Array, groups: jax.Array, num_groups: int) -> jax.Array:
+    """float32[num_groups]: the sum of `values` over the positions of each group (ids outside
+    0..num_groups-1 are dropped)."""
+    return jax.ops.segment_sum(values.reshape(-1).astype(jnp.float32), groups.reshape(-1), num_groups)
 
 
-def _fused_ce_fwd(hidden, head, targets, weights, z_loss, chunks):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _fused_ce(hidden, head, targets, weights, groups, z_loss, chunks, num_groups):
+    return _fused_ce_fwd(hidden, head, targets, weights, groups, z_loss, chunks, num_groups)[0]
+
+
+def _fused_ce_fwd(hidden, head, targets, weights, groups, z_loss, chunks, num_groups):
     b, s, d = hidden.shape
     c = s // chunks
     split = lambda x: jnp.moveaxis(x.reshape(b, chunks, c, *x.shape[2:]), 1, 0)  # chunks along seq
@@ -85,7 +114,7 @@ def _fused_ce_fwd(hidden, head, targets, weights, z_loss, chunks):
     rows = jnp.arange(b)[:, None], jnp.arange(c)[None, :]
 
     def chunk(d_head, xs):
-        h, t, w = xs
+        h, t, w, g = xs
         logits = jnp.einsum("bsd,dv->bsv", h, head_c, preferred_element_type=jnp.float32)
         top = jnp.max(logits, axis=-1)
         log_z = top + jnp.log(jnp.sum(jnp.exp(logits - top[..., None]), axis=-1))
@@ -102,25 +131,27 @@ def _fused_ce_fwd(hidden, head, targets, weights, z_loss, chunks):
         # the target holds the largest logit (ties count as correct: the top-1 accuracy of
         # `cross_entropy` up to exact float ties), without a separate arg-max pass over the vocabulary
         correct = jnp.sum((target_logit >= top).astype(jnp.float32) * w)
-        return d_head, (nll, z, correct, d_h)
+        by_group = grouped_sum((log_z - target_logit) * w, g, num_groups)  # [0] when num_groups is 0
+        return d_head, (nll, z, correct, by_group, d_h)
 
-    d_head, (nll, z, correct, d_h) = jax.lax.scan(
-        chunk, jnp.zeros(head.shape, jnp.float32), (split(hidden), split(targets), split(weights))
+    d_head, (nll, z, correct, by_group, d_h) = jax.lax.scan(
+        chunk, jnp.zeros(head.shape, jnp.float32), (split(hidden), split(targets), split(weights), split(groups))
     )
     d_h = jnp.moveaxis(d_h, 0, 1).reshape(hidden.shape)
     nll, z = nll.sum(), z.sum()
-    out = (nll + z, (nll, z, weights.sum(), correct.sum()))
-    return out, (d_h, d_head.astype(head.dtype), targets, weights)
+    out = (nll + z, (nll, z, weights.sum(), correct.sum(), by_group.sum(0)))
+    return out, (d_h, d_head.astype(head.dtype), targets, weights, groups)
 
 
-def _fused_ce_bwd(z_loss, chunks, res, cotangents):
-    d_h, d_head, targets, weights = res
+def _fused_ce_bwd(z_loss, chunks, num_groups, res, cotangents):
+    d_h, d_head, targets, weights, groups = res
     g = cotangents[0]  # the metrics are stop-gradient'ed by the caller: their cotangents are ignored
     return (
         (g * d_h).astype(d_h.dtype),
         (g * d_head).astype(d_head.dtype),
         np.zeros(targets.shape, jax.dtypes.float0),
         jnp.zeros_like(weights),
+        np.zeros(groups.shape, jax.dtypes.float0),
     )
 
 

@@ -10,6 +10,7 @@ permutation; the model is told the original order.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
@@ -23,6 +24,7 @@ from composer_jax.train import losses
 from composer_jax.train.objective import Objective
 
 BATCH_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
+SOURCE_KEY = "source_ids"  # 1 + each token's index in data.sources (data/pipeline.py), 0 = padding
 
 
 def prepare_batch(batch: dict, num_mtp: int, context: int) -> dict:
@@ -39,6 +41,8 @@ def prepare_batch(batch: dict, num_mtp: int, context: int) -> dict:
         "weights": weights,
         "order": jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)),
     }
+    if SOURCE_KEY in batch:  # the target at i is token i + 1 of the same segment: the same source
+        out[SOURCE_KEY] = batch[SOURCE_KEY].astype(jnp.int32)
     if num_mtp:
         shift = lambda x, k: jnp.concatenate([x[:, k:], jnp.zeros((b, k), x.dtype)], axis=1)
         out["mtp_tokens"] = jnp.stack([shift(tokens, k) for k in range(1, num_mtp + 1)])
@@ -105,19 +109,27 @@ def loss_terms(params: Any, mb: dict, cfg: Config, denoms: dict, sharding: MeshR
     """Objective for one micro-batch, normalised by whole-batch denominators, and metric sums."""
     m, t = cfg.model, cfg.train
     out = forward_microbatch(params, mb, m, sharding, mtp_tokens=mb.get("mtp_tokens"))
+    # per-source sums of a mixture: group 0 is padding (no weight), group i source i
+    groups = mb.get(SOURCE_KEY)
+    by_source = {} if groups is None else {"groups": groups, "num_groups": len(cfg.data.sources) + 1}
     if out.mtp_logits is not None and t.mtp_loss == "self_distill":
         # the main logits are needed anyway (distillation teacher): plain cross-entropy on them
-        nll, z, w, correct = losses.cross_entropy(out.logits, mb["targets"], mb["weights"], t.z_loss)
+        nll, z, w, correct, *source_nll = losses.cross_entropy(
+            out.logits, mb["targets"], mb["weights"], t.z_loss, **by_source
+        )
         loss_sum = nll + z
     else:
         # fused head + cross-entropy (out.logits is then unused and dead-code-eliminated by jit);
         # the same numbers, ~3x faster on CPU (see losses.fused_linear_cross_entropy)
         chunks = ce_chunks(mb["tokens"].shape, sharding)
-        loss_sum, nll, z, w, correct = losses.fused_linear_cross_entropy(
-            out.hidden, output_head(params, m), mb["targets"], mb["weights"], t.z_loss, chunks
+        loss_sum, nll, z, w, correct, *source_nll = losses.fused_linear_cross_entropy(
+            out.hidden, output_head(params, m), mb["targets"], mb["weights"], t.z_loss, chunks, **by_source
         )
     objective = loss_sum / denoms["tokens"]
     sums = {"nll": nll, "z_loss": z, "tokens": w, "correct": correct}
+    if groups is not None:
+        sums["source_nll"] = source_nll[0][1:]
+        sums["source_tokens"] = losses.grouped_sum(mb["weights"], groups, by_source["num_groups"])[1:]
     if out.mtp_logits is not None:
         mtp_obj = 0.0
         mtp_nll, mtp_correct, mtp_kl = [], [], []
@@ -172,10 +184,23 @@ def metrics(sums: dict, denoms: dict, cfg: Config) -> dict:
         out["mtp_accuracy"] = sums["mtp_correct"] / mt
         if "mtp_kl" in sums:
             out["mtp_kl"] = sums["mtp_kl"] / mt
+    if "source_nll" in sums:  # a mixture: the nll of each source's target tokens, and their count
+        out["source_nll"] = sums["source_nll"] / jnp.maximum(sums["source_tokens"], 1.0)
+        out["source_tokens"] = sums["source_tokens"]
     return out
 
 
 PRETRAINING = Objective(name="pretraining", batch_keys=BATCH_KEYS, prepare=prepare, terms=loss_terms, metrics=metrics)
+
+
+def pretraining_objective(num_sources: int) -> Objective:
+    """The pretraining objective for a run of `num_sources` data sources: with a mixture (two or
+    more) the batch also carries each token's source (`source_ids`) and the metrics hold the nll
+    and target tokens per source (`source_nll/i`, `source_tokens/i`: i = 1 + the index in
+    data.sources), so a spike of the train loss can be told apart by source; the loss is the same."""
+    if num_sources < 2:
+        return PRETRAINING
+    return dataclasses.replace(PRETRAINING, batch_keys=BATCH_KEYS + (SOURCE_KEY,))
 
 
 def eval_sums(params: Any, prep: dict, cfg: Config, sharding: MeshRules | None) -> dict:
