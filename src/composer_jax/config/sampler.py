@@ -26,6 +26,7 @@ import typing
 from typing import Literal
 
 from composer_jax.errors import ConfigError
+from composer_jax.flags import int_at_least
 
 # the sampler's prefix KV reuse (inference/prefix_cache.py): never, within one weight version, across
 # versions ("off" would read as a YAML boolean)
@@ -91,37 +92,20 @@ FLAGS = {
 }
 
 
-def _flag_int(low: int, *, none: bool = False) -> typing.Callable[[str], int | None]:
-    def parse(text: str) -> int | None:
-        if none and text.lower() in ("none", "null"):
-            return None
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{text!r} is not an integer" + (" (or none, for no bound)" if none else "")
-            ) from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
-        return value
-
-    return parse
-
-
 def add_sampler_flags(p: argparse.ArgumentParser, defaults: SamplerConfig = SERVE_SAMPLER) -> None:
     """The sampler's flags on a command's parser, their defaults and help from `defaults`."""
     d = defaults
     p.add_argument(
         FLAGS["slots"],
         dest="slots",
-        type=_flag_int(1),
+        type=int_at_least(1),
         default=d.slots,
         help=f"sequences decoded together (default {d.slots})",
     )
     p.add_argument(
         FLAGS["max_queued"],
         dest="max_queued",
-        type=_flag_int(0, none=True),
+        type=int_at_least(0, none=True),
         default=d.max_queued,
         help=f"requests waiting for a slot before 429; none: no bound (default {d.max_queued})",
     )

@@ -15,15 +15,9 @@ import socket
 import sys
 from pathlib import Path
 
+from composer_jax.flags import int_at_least
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{value} must be > 0")
-    return value
+_positive_int = int_at_least(1)
 
 
 def _port(text: str) -> int:

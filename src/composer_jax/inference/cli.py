@@ -27,18 +27,13 @@ from typing import Any
 
 from composer_jax.config.sampler import SERVE_SAMPLER, SamplerConfig, add_sampler_flags, sampler_from_args
 from composer_jax.errors import ConfigError
+from composer_jax.flags import int_at_least
 
 API_KEY_ENV = "COMPOSER_JAX_API_KEY"
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
-    return v
+_positive_int = int_at_least(1)
+_non_negative_int = int_at_least(0)
 
 
 def _mesh_arg(text: str) -> dict[str, int]:
@@ -74,16 +69,6 @@ def _token_ids_file(text: str) -> list[int]:
         bad = "no ids" if not ids else f"negative id {min(ids)}"
         raise argparse.ArgumentTypeError(f"{text!r} holds {bad}; give at least one token id, all >= 0")
     return ids
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"{v} must be >= 0")
-    return v
 
 
 def _speculative_args(p: argparse.ArgumentParser) -> None:
