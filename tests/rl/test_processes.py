@@ -260,9 +260,6 @@ def test_no_child_outlives_a_sigkilled_launcher(tmp_path):
             shell.join(10)
 
 
-# slow: in a clean-clone run of the whole suite (-n 2) its bwrap process outlived the SIGKILLed server
-# by more than 20 s, while it passed alone; the full suite keeps it until that is understood
-@pytest.mark.slow
 @needs_bwrap  # bubblewrap's --die-with-parent (the unsafe backend's tools go only with a server's shutdown)
 def test_a_sigkilled_servers_sandboxed_tools_go_with_it_and_it_is_restarted(tmp_path):
     servers = LocalEnvServers(ENV_FIXTURE_TASKS, token=TOKEN, log_dir=tmp_path, restart=FAST)

@@ -55,6 +55,25 @@ class Limits:
         return dataclasses.replace(self, **changes)
 
 
+def parent_guard() -> list[str]:
+    """The argv prefix of every sandboxed command: SIGKILL when this process (the server) dies, and
+    no start at all if it already has. `setpriv --pdeathsig` arms the death signal (kept across the
+    exec of the non-set-uid programs that follow), then the shell checks its parent is still this
+    process. Without it a server killed while a command was between its fork and bubblewrap's own
+    `--die-with-parent` left that command running, its bwrap reparented to init (found by
+    tests/rl/test_processes.py under load)."""
+    return [
+        "setpriv",
+        "--pdeathsig",
+        "KILL",
+        "--",
+        "/bin/sh",
+        "-c",
+        f'[ "$PPID" = {os.getpid()} ] || exit 125; exec "$@"',
+        "sh",
+    ]
+
+
 @dataclasses.dataclass(frozen=True)
 class Mount:
     """A host directory visible inside the sandbox at `dest`."""
@@ -305,7 +324,7 @@ class BubblewrapLease(SandboxLease):
         # bwrap's options (host paths of the workspace, the environment) go through `--args FD`:
         # as argv they would be readable inside the sandbox in /proc/1/cmdline (bwrap is PID 1).
         sb = self.sandbox
-        argv: list[str] = []
+        argv: list[str] = parent_guard()
         if self.cgroup is not None:
             argv += self.cgroup.enter_prefix()
         argv += [
@@ -483,16 +502,20 @@ class LocalLease(SandboxLease):
             exports[name] = str(m.host)
             if cwd == m.dest or cwd.startswith(m.dest + "/"):
                 host_cwd = str(m.host) + cwd[len(m.dest) :]
-        prefix = [
-            "prlimit",
-            f"--cpu={limits.cpu_seconds}",
-            f"--as={limits.memory_mb * 2**20}",
-            f"--fsize={limits.file_size_mb * 2**20}",
-            f"--nofile={limits.open_files}",
-            "--core=0",
-            "--",
-            "env",
-        ] + [f"{k}={v}" for k, v in {**SANDBOX_ENV, **exports, **env}.items()]
+        prefix = (
+            parent_guard()
+            + [
+                "prlimit",
+                f"--cpu={limits.cpu_seconds}",
+                f"--as={limits.memory_mb * 2**20}",
+                f"--fsize={limits.file_size_mb * 2**20}",
+                f"--nofile={limits.open_files}",
+                "--core=0",
+                "--",
+                "env",
+            ]
+            + [f"{k}={v}" for k, v in {**SANDBOX_ENV, **exports, **env}.items()]
+        )
         return prefix + command, host_cwd, []
 
 
