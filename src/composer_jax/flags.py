@@ -7,8 +7,9 @@ import argparse
 from collections.abc import Callable
 
 
-def int_at_least(low: int, *, none: bool = False) -> Callable[[str], int | None]:
-    """An argparse `type` reading an integer >= `low` (with `none`, also "none" or "null": None)."""
+def int_at_least(low: int, *, none: bool = False, strict: bool = False) -> Callable[[str], int | None]:
+    """An argparse `type` reading an integer >= `low` (> `low` when `strict`; with `none`, also
+    "none" or "null": None)."""
 
     def parse(text: str) -> int | None:
         if none and text.lower() in ("none", "null"):
@@ -19,8 +20,8 @@ def int_at_least(low: int, *, none: bool = False) -> Callable[[str], int | None]
             raise argparse.ArgumentTypeError(
                 f"{text!r} is not an integer" + (" (or none, for no bound)" if none else "")
             ) from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
+        if value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"{value} must be {'>' if strict else '>='} {low}")
         return value
 
     return parse

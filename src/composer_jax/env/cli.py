@@ -17,7 +17,7 @@ from pathlib import Path
 
 from composer_jax.flags import int_at_least
 
-_positive_int = int_at_least(1)
+_positive_int = int_at_least(0, strict=True)
 
 
 def _port(text: str) -> int:
