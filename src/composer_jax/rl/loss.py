@@ -217,10 +217,10 @@ def _shift_left(x: jax.Array) -> jax.Array:
 
 def prepare_rl_batch(batch: dict, cfg: Config, context: int, *, with_ref: bool, with_routing: bool) -> dict:
     """Token-aligned batch -> prediction-aligned arrays in layout order (every array's last two
-    axes [batch, seq]; routing as int32[moe_layers, batch, seq, k], `ROUTING_AXES`, the layout
-    `forward(routing=)` takes; routing is not shifted: it describes each input token). Position i predicts token
-    i+1: its target, mask, sampler/reference log-probs and advantage are token i+1's; a target in
-    another segment (or padding) has mask 0."""
+    axes [batch, seq]; routing, which describes each input token and is not shifted, as
+    int32[moe_layers, batch, seq, k] (`ROUTING_AXES`), the layout `forward(routing=)` takes).
+    Position i predicts token i+1: its target, mask, sampler/reference log-probs and advantage are
+    token i+1's; a target in another segment (or padding) has mask 0."""
     tokens = batch["tokens"].astype(jnp.int32)
     seg = batch["segment_ids"].astype(jnp.int32)
     b, s = tokens.shape
