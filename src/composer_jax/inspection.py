@@ -432,11 +432,11 @@ def xla_memory(cfg: Config) -> dict[str, int]:
     The peak per device is argument + output - alias + temp (`total`).
     """
     import jax
-    import jax.numpy as jnp
 
+    from composer_jax.model import specs
     from composer_jax.sharding import make_mesh
     from composer_jax.train.state import abstract_train_state
-    from composer_jax.train.step import BATCH_KEYS, batch_sharding, make_train_step
+    from composer_jax.train.step import BATCH_KEYS, batch_specs, make_train_step
 
     have = jax.device_count()
     try:
@@ -448,9 +448,7 @@ def xla_memory(cfg: Config) -> dict[str, int]:
         ) from None
     rules = ShardingRules.create(cfg.sharding_rules)
     mesh = make_mesh(cfg.mesh)
-    shape = (cfg.train.batch_size, cfg.train.seq_len)
-    b_sh = batch_sharding(mesh, rules, shape)
-    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=b_sh) for k in BATCH_KEYS}
+    batch = specs.abstract(batch_specs(cfg, BATCH_KEYS), "int32", mesh, rules)
     state = abstract_train_state(cfg, mesh, rules)
     ma = make_train_step(cfg, mesh, rules).lower(state, batch).compile().memory_analysis()
     out = {

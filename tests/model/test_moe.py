@@ -148,7 +148,7 @@ def test_router_replay_uses_recorded_experts():
     p = _moe_params(cfg, jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (1, 9, cfg.hidden_size))
     forced = jnp.tile(jnp.array([3, 5], jnp.int32), (1, 9, 1))
-    y, experts, stats = moe.moe_layer(p, x, cfg, None, replay=forced)
+    y, experts, stats = moe.moe_layer(p, x, cfg, None, routing=forced)
     counts = stats["expert_counts"]
     assert (np.asarray(experts) == np.asarray(forced)).all()
     assert np.asarray(counts).tolist() == [0, 0, 0, 9, 0, 9, 0, 0]

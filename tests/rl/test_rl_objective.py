@@ -15,7 +15,7 @@ import pytest
 
 import composer_jax as cj
 from composer_jax.rl.batch import GenerationRecord, ScoredRollout, build_batch
-from composer_jax.rl.loss import reference_logprobs, rl_objective
+from composer_jax.rl.loss import ROUTING_AXES, prepare_rl_batch, reference_logprobs, rl_objective
 from composer_jax.sharding import MeshRules, ShardingRules
 from composer_jax.train.state import init_train_state
 from composer_jax.train.step import batch_gradients, make_train_step
@@ -214,3 +214,31 @@ def test_reference_logprobs_and_k1(setup):
     # the policy as its own reference: k1 = log pi - log pi_ref = 0 on every token
     own = {**batch, "ref_logprobs": np.asarray(ref_fn(params, batch))}
     assert abs(float(_value_fn()[0](params, own)[1]["kl_ref"])) < 1e-6
+
+
+def test_prepared_routing_is_the_forward_layout_in_zigzag_order():
+    """`prepare` hands the recorded routing on as [moe_layers, batch, seq, k] (what forward's layer
+    scan slices) and permutes its sequence axis with the other arrays. Seq 8 over 2 context devices
+    is 4 chunks of 2 tokens, device 0 holding chunks 0 and 3, device 1 chunks 1 and 2: positions
+    hold tokens [0, 1, 6, 7, 2, 3, 4, 5]."""
+    cfg = _cfg()
+    b, s, layers, k = 2, 8, 3, 2
+    routing = np.arange(b * s * layers * k, dtype=np.int32).reshape(b, s, layers, k)
+    tokens = np.arange(b * s, dtype=np.int32).reshape(b, s)
+    batch = {
+        "tokens": tokens,
+        "segment_ids": np.ones((b, s), np.int32),
+        "positions": np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)),
+        "loss_mask": np.ones((b, s), np.float32),
+        "advantages": np.ones((b, s), np.float32),
+        "sampler_logprobs": np.zeros((b, s), np.float32),
+        "routing": routing,
+    }
+    plain = prepare_rl_batch(batch, cfg, 1, with_ref=False, with_routing=True)
+    assert plain["routing"].shape == (layers, b, s, k)
+    np.testing.assert_array_equal(plain["routing"], routing.transpose(2, 0, 1, 3))
+    zigzag = prepare_rl_batch(batch, cfg, 2, with_ref=False, with_routing=True)
+    order = [0, 1, 6, 7, 2, 3, 4, 5]
+    np.testing.assert_array_equal(zigzag["tokens"], tokens[:, order])
+    np.testing.assert_array_equal(zigzag["routing"], routing[:, order].transpose(2, 0, 1, 3))
+    assert rl_objective(_cfg()).axes_of("routing", 4) == ROUTING_AXES == (None, "act_batch", "act_seq", None)

@@ -30,7 +30,8 @@ import numpy as np
 from jax.sharding import AbstractMesh
 
 from composer_jax.config import MESH_AXES, ModelConfig
-from composer_jax.model.params import ParamSpec, abstract_params, param_specs, path_str
+from composer_jax.model.params import ParamSpec, abstract_params, param_specs
+from composer_jax.model.specs import path_str
 from composer_jax.sharding import ShardingRules
 
 COMPONENTS = (

@@ -15,7 +15,12 @@ from composer_jax.model import kv_cache
 from composer_jax.model.context_parallel import context_axes, context_parallel_attention
 from composer_jax.model.flash import blockwise_attention
 from composer_jax.model.layers import apply_rope, linear, rms_norm, softmax_scale
-from composer_jax.model.masks import Visibility, causal_segment_mask, segment_positions  # noqa: F401  (re-exported)
+from composer_jax.model.masks import (  # noqa: F401  (causal_segment_mask, segment_positions re-exported)
+    AttentionContext,
+    Visibility,
+    causal_segment_mask,
+    segment_positions,
+)
 from composer_jax.sharding import MeshRules, constrain
 
 # DeepSeek's q_a_layernorm / kv_a_layernorm are built with the RMSNorm default eps, not the
@@ -74,12 +79,12 @@ def _gqa_core(q, k, v, vis: Visibility, cfg: ModelConfig):
     return _attend(q, k, v, vis, cfg)
 
 
-def _local_visibility(ctx: dict) -> Visibility:
-    seg, order = ctx["segment_ids"], ctx["order"]
-    return Visibility(seg, order, seg, order, causal_skip=ctx.get("layout") == "contiguous")
+def _local_visibility(ctx: AttentionContext) -> Visibility:
+    seg, order = ctx.segment_ids, ctx.order
+    return Visibility(seg, order, seg, order, causal_skip=ctx.layout == "contiguous")
 
 
-def _mla_project(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, sharding: MeshRules | None = None):
+def _mla_project(p: dict, x: jax.Array, ctx: AttentionContext, cfg: ModelConfig, sharding: MeshRules | None = None):
     """x [b, s, embed] -> (q_nope [b, s, h, nope], q_rope [b, s, h, rope] rotated, latent [b, s, kv_lora]
     normalised, k_rope [b, s, rope] rotated)."""
     nope = cfg.qk_nope_head_dim
@@ -90,12 +95,12 @@ def _mla_project(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, sharding: M
     q = constrain(q, sharding, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
     kv = linear(x, p["kv_a"])
     latent = rms_norm(kv[..., : cfg.kv_lora_rank], p["kv_a_norm"], LATENT_NORM_EPS)
-    q_rope = apply_rope(q[..., nope:], ctx["cos"], ctx["sin"], cfg.rope_interleave)
-    k_rope = apply_rope(kv[..., cfg.kv_lora_rank :][:, :, None, :], ctx["cos"], ctx["sin"], cfg.rope_interleave)
+    q_rope = apply_rope(q[..., nope:], ctx.cos, ctx.sin, cfg.rope_interleave)
+    k_rope = apply_rope(kv[..., cfg.kv_lora_rank :][:, :, None, :], ctx.cos, ctx.sin, cfg.rope_interleave)
     return q[..., :nope], q_rope, latent, k_rope[:, :, 0]
 
 
-def mla(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, sharding: MeshRules | None = None) -> jax.Array:
+def mla(p: dict, x: jax.Array, ctx: AttentionContext, cfg: ModelConfig, sharding: MeshRules | None = None) -> jax.Array:
     """Multi-head latent attention. x: [batch, seq, embed] -> [batch, seq, embed].
 
     Queries: optional low-rank path (q_a -> RMSNorm -> q_b). Keys/values: a shared latent
@@ -113,18 +118,18 @@ def mla(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, sharding: MeshRules 
     return linear(out, p["o"], contract=2)
 
 
-def _gqa_project(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig):
+def _gqa_project(p: dict, x: jax.Array, ctx: AttentionContext, cfg: ModelConfig):
     """x [b, s, embed] -> q [b, s, h, d], k, v [b, s, kv_heads, d]; q and k normed (Qwen3) and rotated."""
     q, k, v = linear(x, p["q"]), linear(x, p["k"]), linear(x, p["v"])
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    q = apply_rope(q, ctx["cos"], ctx["sin"], cfg.rope_interleave)
-    k = apply_rope(k, ctx["cos"], ctx["sin"], cfg.rope_interleave)
+    q = apply_rope(q, ctx.cos, ctx.sin, cfg.rope_interleave)
+    k = apply_rope(k, ctx.cos, ctx.sin, cfg.rope_interleave)
     return q, k, v
 
 
-def gqa(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, sharding: MeshRules | None = None) -> jax.Array:
+def gqa(p: dict, x: jax.Array, ctx: AttentionContext, cfg: ModelConfig, sharding: MeshRules | None = None) -> jax.Array:
     """Grouped-query attention with per-head q/k RMSNorm (Qwen3). x: [batch, seq, embed]."""
     q, k, v = _gqa_project(p, x, ctx, cfg)
     q = constrain(q, sharding, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
@@ -136,10 +141,16 @@ def gqa(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, sharding: MeshRules 
     return linear(out, p["o"], contract=2)
 
 
-def mla_cached(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, cache: dict) -> tuple[jax.Array, dict]:
+def _cache_lengths(ctx: AttentionContext) -> jax.Array:
+    if ctx.cache_lengths is None:
+        raise ValueError("cached attention needs AttentionContext.cache_lengths (the cached path sets it)")
+    return ctx.cache_lengths
+
+
+def mla_cached(p: dict, x: jax.Array, ctx: AttentionContext, cfg: ModelConfig, cache: dict) -> tuple[jax.Array, dict]:
     """MLA over a KV cache with the absorbed weights (DeepSeek-V2 section 2.1.2).
 
-    x: [b, n, embed] new tokens at positions ctx["cache_lengths"][b] + 0..n-1; cache: {"latent":
+    x: [b, n, embed] new tokens at positions ctx.cache_lengths[b] + 0..n-1; cache: {"latent":
     [b, T, kv_lora], "k_rope": [b, T, rope]}. W_UK (kv_b's key part) is folded into the query,
     q_lat = q_nope W_UK^T, so the scores are q_lat . c + q_rope . k_rope over the cached latents;
     W_UV is applied after the probabilities weight the latents. No per-head key or value is built:
@@ -147,7 +158,7 @@ def mla_cached(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, cache: dict) 
     Returns (out [b, n, embed], updated cache)."""
     nope = cfg.qk_nope_head_dim
     q_nope, q_rope, latent, k_rope = _mla_project(p, x, ctx, cfg)
-    start = ctx["cache_lengths"]
+    start = _cache_lengths(ctx)
     cache = {
         "latent": kv_cache.write(cache["latent"], latent, start),
         "k_rope": kv_cache.write(cache["k_rope"], k_rope, start),
@@ -180,11 +191,11 @@ def grouped_attend(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array,
     return rearrange(out, "b n kv g d -> b n (kv g) d")
 
 
-def gqa_cached(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, cache: dict) -> tuple[jax.Array, dict]:
+def gqa_cached(p: dict, x: jax.Array, ctx: AttentionContext, cfg: ModelConfig, cache: dict) -> tuple[jax.Array, dict]:
     """GQA over a KV cache {"k", "v": [b, T, kv_heads, head_dim]} (keys stored rotated and normed);
     the query heads of a group share their KV head's cache rows (`grouped_attend`)."""
     q, k, v = _gqa_project(p, x, ctx, cfg)
-    start = ctx["cache_lengths"]
+    start = _cache_lengths(ctx)
     cache = {"k": kv_cache.write(cache["k"], k, start), "v": kv_cache.write(cache["v"], v, start)}
     kc, vc = cache["k"], cache["v"]
     visible = kv_cache.cached_visibility(start, x.shape[1], kc.shape[1])
@@ -192,15 +203,18 @@ def gqa_cached(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, cache: dict) 
     return linear(out, p["o"], contract=2), cache
 
 
-def attention(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, sharding: MeshRules | None = None) -> jax.Array:
-    """ctx: cos/sin [batch, seq, rope/2], segment_ids, order [batch, seq], layout ("contiguous": order
-    increases along the sequence | "zigzag" | "any")."""
+def attention(
+    p: dict, x: jax.Array, ctx: AttentionContext, cfg: ModelConfig, sharding: MeshRules | None = None
+) -> jax.Array:
+    """Attention of x [batch, seq, embed] over itself under `ctx` (`masks.AttentionContext`)."""
     fn = mla if cfg.attention_type == "mla" else gqa
     with jax.named_scope(cfg.attention_type):
         return fn(p, x, ctx, cfg, sharding)
 
 
-def attention_cached(p: dict, x: jax.Array, ctx: dict, cfg: ModelConfig, cache: dict) -> tuple[jax.Array, dict]:
+def attention_cached(
+    p: dict, x: jax.Array, ctx: AttentionContext, cfg: ModelConfig, cache: dict
+) -> tuple[jax.Array, dict]:
     """Attention of new tokens over (and into) one layer's KV cache; see `mla_cached`/`gqa_cached`."""
     fn = mla_cached if cfg.attention_type == "mla" else gqa_cached
     with jax.named_scope(cfg.attention_type + "_cached"):

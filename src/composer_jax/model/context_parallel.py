@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from composer_jax.config import ModelConfig
-from composer_jax.model.masks import Visibility
+from composer_jax.model.masks import AttentionContext, Visibility
 from composer_jax.sharding import MeshRules
 
 
@@ -38,7 +38,13 @@ def context_size(sharding: MeshRules | None) -> int:
 
 
 def context_parallel_attention(
-    core, queries: tuple, kv_sources: tuple, head_params: tuple, ctx: dict, cfg: ModelConfig, sharding: MeshRules
+    core,
+    queries: tuple,
+    kv_sources: tuple,
+    head_params: tuple,
+    ctx: AttentionContext,
+    cfg: ModelConfig,
+    sharding: MeshRules,
 ) -> jax.Array:
     """Attention with the sequence split over the context mesh axis (explicit `shard_map`).
 
@@ -60,7 +66,7 @@ def context_parallel_attention(
     tok_spec = sharding.spec(("act_batch", "act_seq"), queries[0].shape[:2])
     kv_spec = lambda x: sharding.spec(("act_batch", "act_seq") + (None,) * (x.ndim - 2), x.shape)
     hp_spec = lambda w: sharding.spec((None, "act_heads") + (None,) * (w.ndim - 2), w.shape)
-    zigzag = ctx.get("layout") == "zigzag"
+    zigzag = ctx.layout == "zigzag"
     n_ctx = context_size(sharding)
 
     def body(queries, kv, hp, seg, order):
@@ -94,4 +100,4 @@ def context_parallel_attention(
         ),
         out_specs=q_spec,
     )
-    return fn(queries, kv_sources, head_params, ctx["segment_ids"], ctx["order"])
+    return fn(queries, kv_sources, head_params, ctx.segment_ids, ctx.order)

@@ -29,6 +29,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from composer_jax.config import ModelConfig
+from composer_jax.model import specs
+from composer_jax.model.specs import ArraySpec
 from composer_jax.sharding import ShardingRules
 
 STACKS = ("dense_layers", "moe_layers", "mtp")
@@ -41,8 +43,8 @@ class KVCache:
     MTP modules' cache) a dict of arrays with
     a leading layers axis: MLA {"latent": [L, b, T, kv_lora], "k_rope": [L, b, T, rope]}, GQA
     {"k": [L, b, T, kv_heads, head_dim], "v": [L, b, T, kv_heads, head_dim]}. lengths: int32[b]
-    valid tokens per row (T = capacity). The same container also holds the arrays' shardings
-    (`init_cache`), hence the `Any` leaves."""
+    valid tokens per row (T = capacity). The same container also holds the arrays' specs
+    (`cache_specs`) and shardings (`specs.shardings` of them), hence the `Any` leaves."""
 
     layers: dict[str, dict[str, Any]]
     lengths: Any
@@ -53,30 +55,31 @@ class KVCache:
         return int(first.shape[2])
 
 
-def cache_specs(
-    cfg: ModelConfig, batch: int, max_len: int, mtp_modules: int = 0
-) -> dict[str, dict[str, tuple[tuple[int, ...], tuple]]]:
-    """(shape, logical axes) of every cache array, per stack: the main model's layers, or with
-    mtp_modules > 0 the first `mtp_modules` MTP modules only (stack "mtp")."""
-    out: dict[str, dict[str, tuple[tuple[int, ...], tuple]]] = {}
+def _stack_specs(cfg: ModelConfig, n: int, batch: int, max_len: int) -> dict[str, ArraySpec]:
+    """One stack's cache arrays (n layers): MLA's latent and rotary key, or GQA's keys and values."""
+    if cfg.attention_type == "mla":
+        return {
+            "latent": ArraySpec((n, batch, max_len, cfg.kv_lora_rank), ("layers", "act_batch", None, "kv_lora")),
+            "k_rope": ArraySpec((n, batch, max_len, cfg.qk_rope_head_dim), ("layers", "act_batch", None, None)),
+        }
+    kv = ArraySpec(
+        (n, batch, max_len, cfg.num_kv_heads, cfg.head_dim),
+        ("layers", "act_batch", None, "act_kv_heads", "act_head_dim"),
+    )
+    return {"k": kv, "v": kv}
+
+
+def cache_specs(cfg: ModelConfig, batch: int, max_len: int, mtp_modules: int = 0) -> KVCache:
+    """The `KVCache` of `ArraySpec`s (zeros; the compute dtype unless given, lengths int32) of
+    every cache array, per stack: the main model's layers, or with mtp_modules > 0 the first
+    `mtp_modules` MTP modules only (stack "mtp")."""
     stacks = (
         (("mtp", mtp_modules),)
         if mtp_modules
         else (("dense_layers", cfg.num_dense_layers), ("moe_layers", cfg.num_moe_layers))
     )
-    for stack, n in stacks:
-        if not n:
-            continue
-        if cfg.attention_type == "mla":
-            out[stack] = {
-                "latent": ((n, batch, max_len, cfg.kv_lora_rank), ("layers", "act_batch", None, "kv_lora")),
-                "k_rope": ((n, batch, max_len, cfg.qk_rope_head_dim), ("layers", "act_batch", None, None)),
-            }
-        else:
-            kv = (n, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-            axes = ("layers", "act_batch", None, "act_kv_heads", "act_head_dim")
-            out[stack] = {"k": (kv, axes), "v": (kv, axes)}
-    return out
+    layers = {stack: _stack_specs(cfg, n, batch, max_len) for stack, n in stacks if n}
+    return KVCache(layers, ArraySpec((batch,), ("act_batch",), dtype="int32"))
 
 
 def init_cache(
@@ -102,21 +105,7 @@ def init_cache(
         raise ValueError(
             f"init_cache: max_len={max_len} exceeds model.max_position_embeddings={cfg.max_position_embeddings}"
         )
-    specs = cache_specs(cfg, batch, max_len, mtp_modules)
-    dtype = jnp.dtype(cfg.compute_dtype)
-
-    def make() -> KVCache:
-        layers = {s: {k: jnp.zeros(shape, dtype) for k, (shape, _) in d.items()} for s, d in specs.items()}
-        return KVCache(layers, jnp.zeros((batch,), jnp.int32))
-
-    if mesh is None:
-        return make()
-    rules = rules or ShardingRules.create()
-    shardings = KVCache(  # the same container holding each array's sharding
-        {s: {k: rules.sharding(mesh, axes, shape) for k, (shape, axes) in d.items()} for s, d in specs.items()},
-        rules.sharding(mesh, ("act_batch",), (batch,)),
-    )
-    return jax.jit(make, out_shardings=shardings)()
+    return specs.zeros(cache_specs(cfg, batch, max_len, mtp_modules), cfg.compute_dtype, mesh, rules)
 
 
 def write(cache_arr: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:

@@ -1,12 +1,14 @@
 """Packed-sequence masks: positions within segments, and which keys each query may see.
 
 Shared by local attention (`attention.py`, `flash.py`) and context-parallel attention
-(`context_parallel.py`), where queries and keys come from different devices' blocks.
+(`context_parallel.py`), where queries and keys come from different devices' blocks; both read
+them from the `AttentionContext` that `transformer.forward` builds once per pass.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,3 +56,30 @@ class Visibility(NamedTuple):
 
     def mask(self) -> jax.Array:
         return causal_segment_mask(self.q_seg, self.q_ord, self.k_seg, self.k_ord)
+
+
+Layout = Literal["contiguous", "zigzag", "any"]
+LAYOUTS: tuple[Layout, ...] = ("contiguous", "zigzag", "any")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionContext:
+    """What every attention layer of one forward pass reads besides its input.
+
+    cos, sin: float32[batch, seq, rope/2], the rotary tables at each token's position.
+    segment_ids: int32[batch, seq] (0 = padding; no attention across segments); order:
+    int32[batch, seq], each token's original index (causality follows it when the sequence axis
+    is permuted). layout (static): "contiguous" promises that order increases along the sequence
+    (blockwise attention skips key blocks after each query block), "zigzag" the
+    context-parallel permutation, "any" anything else.
+    cache_lengths: int32[batch], the tokens already in each row's KV cache, on the cached path
+    only (None without a cache); the new tokens then see the cache (`kv_cache.cached_visibility`)
+    and segment_ids / order are not read."""
+
+    cos: jax.Array
+    sin: jax.Array
+    segment_ids: jax.Array
+    order: jax.Array
+    layout: Layout = dataclasses.field(default="contiguous", metadata=dict(static=True))
+    cache_lengths: jax.Array | None = None

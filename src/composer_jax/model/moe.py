@@ -53,18 +53,18 @@ class Routing(NamedTuple):
 
 
 def route(
-    router_w: jax.Array, router_bias: jax.Array, x: jax.Array, cfg: ModelConfig, replay: jax.Array | None = None
+    router_w: jax.Array, router_bias: jax.Array, x: jax.Array, cfg: ModelConfig, routing: jax.Array | None = None
 ) -> Routing:
-    """x: [tokens, embed] -> Routing. `replay` (int32[tokens, k]) replaces the selection (router
-    replay): the recorded experts are used, with gate weights from the current router."""
+    """x: [tokens, embed] -> Routing. `routing` (int32[tokens, k], recorded experts) replaces the
+    selection (router replay): those experts are used, with gate weights from the current router."""
     logits = x.astype(jnp.float32) @ router_w.astype(jnp.float32)
     if cfg.score_func == "sigmoid":
         scores = jax.nn.sigmoid(logits)
     else:
         scores = jax.nn.softmax(logits, axis=-1)
     k, e = cfg.num_experts_per_tok, cfg.num_experts
-    if replay is not None:
-        experts = replay.astype(jnp.int32)
+    if routing is not None:
+        experts = routing.astype(jnp.int32)
     else:
         choice = scores + router_bias.astype(jnp.float32) if cfg.topk_method == "noaux_tc" else scores
         if cfg.topk_method != "greedy" and cfg.n_group > 1:
@@ -401,7 +401,7 @@ def _gathered_swiglu(xt: jax.Array, experts: jax.Array, gate: jax.Array, up: jax
 def _local_moe(
     p: dict,
     x: jax.Array,
-    replay: jax.Array | None,
+    routing: jax.Array | None,
     cfg: ModelConfig,
     ep_axis: str | None,
     ep: int,
@@ -420,7 +420,7 @@ def _local_moe(
     b, s, d = x.shape
     k, e = cfg.num_experts_per_tok, cfg.num_experts
     xt = x.reshape(b * s, d)
-    r = route(p["router"], p["router_bias"], xt, cfg, None if replay is None else replay.reshape(b * s, k))
+    r = route(p["router"], p["router_bias"], xt, cfg, None if routing is None else routing.reshape(b * s, k))
     ws = (p["gate"], p["up"], p["down"])
     impl = cfg.moe_impl
     # every expert on this device, the automatic implementation, no quantisation
@@ -476,10 +476,11 @@ def moe_layer(
     x: jax.Array,
     cfg: ModelConfig,
     sharding: MeshRules | None,
-    replay: jax.Array | None = None,
+    routing: jax.Array | None = None,
     decode: bool = False,
 ):
-    """x: [batch, seq, embed] -> (y [batch, seq, embed], experts int32[batch, seq, k], stats) with
+    """x: [batch, seq, embed] -> (y [batch, seq, embed], experts int32[batch, seq, k], stats); routing:
+    int32[batch, seq, k] recorded experts to replay instead of routing (None: the router picks);
     stats = {"expert_counts": float32[experts], "seq_balance": float32[] summed over sequences,
     "moe_dropped": float32[] assignments the expert-parallel buffer bound dropped (0 unless
     model.moe_ep_capacity_factor > 0 on the ragged exchange), "moe_a2a_rows": float32[] assignment
@@ -487,7 +488,7 @@ def moe_layer(
     With a mesh, runs per device inside `jax.shard_map`. decode: the forward is an inference step
     with a KV cache (`decode_swiglu` instead of the training dispatch where it applies)."""
     if sharding is None or all(n == 1 for n in dict(sharding.mesh.shape).values()):
-        return _local_moe(p, x, replay, cfg, None, 1, (), decode=decode)
+        return _local_moe(p, x, routing, cfg, None, 1, (), decode=decode)
     b, s, d = x.shape
     # the shard_map specs come from the logical axes: tokens as activations, each weight by its
     # ParamSpec axes with the model dimension whole inside the block (FSDP gathers it on entry)
@@ -519,11 +520,11 @@ def moe_layer(
         )
     p = {k: p[k] for k in specs}
 
-    def body(p, x, replay):
+    def body(p, x, routing):
         return _local_moe(
             p,
             x,
-            replay,
+            routing,
             cfg,
             ep_axis,
             ep,
@@ -538,10 +539,10 @@ def moe_layer(
     fn = jax.shard_map(
         body,
         mesh=sharding.mesh,
-        in_specs=(specs, tok_spec, None if replay is None else tok_spec),
+        in_specs=(specs, tok_spec, None if routing is None else tok_spec),
         out_specs=(tok_spec, tok_spec, {k: P() for k in STATS}),
     )
-    return fn(p, x, replay)
+    return fn(p, x, routing)
 
 
 def moe_param_count_active(cfg: ModelConfig) -> int:

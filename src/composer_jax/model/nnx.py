@@ -31,7 +31,8 @@ import jax
 from flax import nnx
 
 from composer_jax.config import ModelConfig
-from composer_jax.model.params import ParamSpec, init_params, param_specs, path_str
+from composer_jax.model.params import ParamSpec, init_params, param_specs
+from composer_jax.model.specs import path_str
 from composer_jax.model.transformer import ModelOutput, forward
 from composer_jax.sharding import MeshRules
 

@@ -26,25 +26,22 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from composer_jax.config import ModelConfig
+from composer_jax.model import specs as array_specs
+from composer_jax.model.specs import ArraySpec, path_str  # noqa: F401  (path_str re-exported)
 from composer_jax.sharding import ShardingRules
 
 
 @dataclasses.dataclass(frozen=True)
-class ParamSpec:
-    shape: tuple[int, ...]
+class ParamSpec(ArraySpec):
+    """A parameter's `ArraySpec` (normal-initialised unless told otherwise; every axis named) and
+    its role."""
+
     logical_axes: tuple[str, ...]
     init: Literal["normal", "ones", "zeros"] = "normal"
-    dtype: str | None = None  # None: the model's param_dtype
     # What the optimiser does with it: "weight" (matrices) gets weight decay; "norm" scales and the
     # "embedding" table do not; the "router_bias" (DeepSeek-V3's score-correction bias) has no
     # gradient and is moved only by the aux-loss-free rule (`moe.router_bias_update`).
     role: Literal["weight", "norm", "embedding", "router_bias"] = "weight"
-
-    def __post_init__(self):
-        assert len(self.shape) == len(self.logical_axes), (self.shape, self.logical_axes)
-
-    def stacked(self, n: int, axis: str = "layers") -> ParamSpec:
-        return dataclasses.replace(self, shape=(n, *self.shape), logical_axes=(axis, *self.logical_axes))
 
 
 def _is_spec(x: Any) -> bool:
@@ -193,13 +190,8 @@ def with_router_biases(params: dict, biases: dict[str, jax.Array]) -> dict:
     return params
 
 
-def path_str(path) -> str:
-    """A pytree key path as 'moe_layers/moe/gate' (the name used for init keys and reports)."""
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-
 def _init_one(spec: ParamSpec, key: jax.Array, cfg: ModelConfig) -> jax.Array:
-    dtype = jnp.dtype(spec.dtype or cfg.param_dtype)
+    dtype = array_specs.dtype_of(spec, cfg.param_dtype)
     if spec.init == "ones":
         return jnp.ones(spec.shape, dtype)
     if spec.init == "zeros":
@@ -212,19 +204,18 @@ def init_fn(cfg: ModelConfig) -> Callable[[jax.Array], dict]:
     specs = param_specs(cfg)
 
     def init(key: jax.Array) -> dict:
-        def one(path, spec):
-            return _init_one(spec, jax.random.fold_in(key, zlib.crc32(path_str(path).encode())), cfg)
+        def one(path: str, spec: ParamSpec) -> jax.Array:
+            return _init_one(spec, jax.random.fold_in(key, zlib.crc32(path.encode())), cfg)
 
-        return jax.tree_util.tree_map_with_path(one, specs, is_leaf=_is_spec)
+        return array_specs.spec_map(one, specs)
 
     return init
 
 
-def param_shardings(cfg: ModelConfig, mesh: Mesh, rules: ShardingRules | None = None) -> dict:
-    """NamedSharding of every parameter. A `sharding_rules` entry the user gave that can split no
-    parameter it names (its mesh axes divide none of their dimensions) is warned about: the
-    parameters stay replicated over that mesh axis, which is rarely what the rule meant."""
-    rules = rules or ShardingRules.create()
+def _warn_unsplit_rules(cfg: ModelConfig, mesh: Mesh, rules: ShardingRules) -> None:
+    """Warn about each `sharding_rules` entry the user gave that can split no parameter it names
+    (its mesh axes divide none of their dimensions): those parameters stay replicated over that
+    mesh axis, which is rarely what the rule meant."""
     applied: dict[tuple[str, str], bool] = {}
     for spec in jax.tree.leaves(param_specs(cfg), is_leaf=_is_spec):
         dropped = {(la, ma) for la, ma, _ in rules.dropped_axes(spec.logical_axes, spec.shape, mesh)}
@@ -237,9 +228,16 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh, rules: ShardingRules | None = 
             warnings.warn(
                 f"sharding_rules.{la} maps to mesh axis {ma!r} (size {mesh.shape[ma]}), which divides no "
                 f"parameter dimension named {la!r}: those parameters stay replicated over {ma!r}",
-                stacklevel=2,
+                stacklevel=3,
             )
-    return jax.tree.map(lambda s: rules.sharding(mesh, s.logical_axes, s.shape), param_specs(cfg), is_leaf=_is_spec)
+
+
+def param_shardings(cfg: ModelConfig, mesh: Mesh, rules: ShardingRules | None = None) -> dict:
+    """NamedSharding of every parameter (`specs.shardings` of `param_specs`). A `sharding_rules`
+    entry the user gave that can split no parameter it names is warned about."""
+    rules = rules or ShardingRules.create()
+    _warn_unsplit_rules(cfg, mesh, rules)
+    return array_specs.shardings(param_specs(cfg), mesh, rules)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, mesh: Mesh | None = None, rules: ShardingRules | None = None) -> dict:
@@ -253,11 +251,11 @@ def init_params(cfg: ModelConfig, key: jax.Array, mesh: Mesh | None = None, rule
 
 def abstract_params(cfg: ModelConfig, mesh: Mesh | None = None, rules: ShardingRules | None = None) -> dict:
     """ShapeDtypeStructs (with shardings when a mesh is given) of every parameter; no allocation."""
-    shapes = jax.eval_shape(init_fn(cfg), jax.random.key(0))
     if mesh is None:
-        return shapes
-    sh = param_shardings(cfg, mesh, rules)
-    return jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), shapes, sh)
+        return array_specs.abstract(param_specs(cfg), cfg.param_dtype)
+    rules = rules or ShardingRules.create()
+    _warn_unsplit_rules(cfg, mesh, rules)
+    return array_specs.abstract(param_specs(cfg), cfg.param_dtype, mesh, rules)
 
 
 def count_params(tree: Any) -> int:

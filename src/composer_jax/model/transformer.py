@@ -13,6 +13,7 @@ from composer_jax.config import ModelConfig
 from composer_jax.model.attention import attention, attention_cached, segment_positions
 from composer_jax.model.kv_cache import KVCache, stack_slice
 from composer_jax.model.layers import linear, rms_norm, rope_cos_sin, swiglu
+from composer_jax.model.masks import LAYOUTS, AttentionContext, Layout
 from composer_jax.model.moe import moe_layer
 from composer_jax.model.moe_decode import EXPERT_WEIGHTS, LayerView
 from composer_jax.sharding import MeshRules, constrain
@@ -45,9 +46,18 @@ def _remat(fn, policy: str):
 
 
 def decoder_layer(
-    lp: dict, h: jax.Array, ctx: dict, cfg: ModelConfig, sharding: MeshRules | None, replay=None, cache=None
+    lp: dict,
+    h: jax.Array,
+    ctx: AttentionContext,
+    cfg: ModelConfig,
+    sharding: MeshRules | None,
+    routing: jax.Array | None = None,
+    cache=None,
 ):
     """One pre-norm block. h: [batch, seq, embed] -> (h, experts or None, counts or None, cache).
+
+    routing: int32[batch, seq, k], this layer's recorded experts to replay (one layer of the
+    forward's `routing`), or None.
 
     cache: this layer's KV cache (`kv_cache.KVCache.layers[stack]` at one layer) or None; the new
     tokens' keys are written into it and it comes back updated (None without a cache)."""
@@ -61,7 +71,7 @@ def decoder_layer(
     x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
     if "moe" in lp:
         with jax.named_scope("moe"):
-            y, experts, counts = moe_layer(lp["moe"], x, cfg, sharding, replay, decode=cache is not None)
+            y, experts, counts = moe_layer(lp["moe"], x, cfg, sharding, routing, decode=cache is not None)
     else:
         m = lp["mlp"]
         with jax.named_scope("mlp"):
@@ -70,9 +80,18 @@ def decoder_layer(
     return h, experts, counts, cache
 
 
-def _run_stack(stack: dict, h: jax.Array, ctx: dict, cfg: ModelConfig, sharding: MeshRules | None, replay, cache=None):
+def _run_stack(
+    stack: dict,
+    h: jax.Array,
+    ctx: AttentionContext,
+    cfg: ModelConfig,
+    sharding: MeshRules | None,
+    routing: jax.Array | None,
+    cache=None,
+):
     """lax.scan over a stack of identical layers (leading `layers` axis); the stack's KV cache (if
-    any) is scanned with its layers and comes back updated. -> (h, (experts, counts) or None, cache)."""
+    any) and recorded routing (int32[layers, batch, seq, k], or None) are scanned with its layers,
+    the cache coming back updated. -> (h, (experts, counts) or None, cache)."""
     moe = "moe" in stack
     views = {}
     if moe and cache is not None and _experts_as_views(cfg, sharding):
@@ -90,7 +109,7 @@ def _run_stack(stack: dict, h: jax.Array, ctx: dict, cfg: ModelConfig, sharding:
         return h, ((experts, counts) if moe else None, c)
 
     body = _remat(body, cfg.remat)
-    xs = (stack, replay, cache, jnp.arange(n, dtype=jnp.int32))
+    xs = (stack, routing, cache, jnp.arange(n, dtype=jnp.int32))
     h, (ys, new_cache) = jax.lax.scan(body, h, xs, unroll=not cfg.scan_layers)
     return h, ys, new_cache
 
@@ -101,6 +120,21 @@ def _experts_as_views(cfg: ModelConfig, sharding: MeshRules | None) -> bool:
     branch); sharded runs slice the layer as before (the views do not cross `shard_map`)."""
     single = sharding is None or all(n == 1 for n in dict(sharding.mesh.shape).values())
     return single and cfg.moe_impl == "auto" and cfg.moe_precision == "bf16"
+
+
+def attention_context(
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    token_order: jax.Array,
+    cfg: ModelConfig,
+    layout: Layout,
+    cache_lengths: jax.Array | None = None,
+) -> AttentionContext:
+    """The `AttentionContext` of one pass: the rotary tables at `positions` (int32[batch, seq]),
+    the segments and token order, and on the cached path the rows' cache lengths."""
+    rope_dim = cfg.qk_rope_head_dim if cfg.attention_type == "mla" else cfg.head_dim
+    cos, sin = rope_cos_sin(positions, rope_dim, cfg)
+    return AttentionContext(cos, sin, segment_ids, token_order, layout, cache_lengths)
 
 
 def _embed(params: dict, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -128,7 +162,7 @@ def forward(
     mtp_routing: jax.Array | None = None,
     token_order: jax.Array | None = None,
     mtp_tokens: jax.Array | None = None,
-    context_layout: str = "contiguous",
+    context_layout: Layout = "contiguous",
     sharding: MeshRules | None = None,
     cache: KVCache | None = None,
     logits_at: jax.Array | None = None,
@@ -182,16 +216,13 @@ def forward(
         segment_ids = jnp.ones(tokens.shape, jnp.int32)
     if positions is None:
         positions = segment_positions(segment_ids)
-    rope_dim = cfg.qk_rope_head_dim if cfg.attention_type == "mla" else cfg.head_dim
-    cos, sin = rope_cos_sin(positions, rope_dim, cfg)
     if token_order is None:
         token_order = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    if context_layout not in ("contiguous", "zigzag", "any"):
-        raise ValueError(f"context_layout={context_layout!r} is not accepted; accepted: contiguous, zigzag, any")
-    ctx = {"cos": cos, "sin": sin, "segment_ids": segment_ids, "order": token_order, "layout": context_layout}
+    if context_layout not in LAYOUTS:
+        raise ValueError(f"context_layout={context_layout!r} is not accepted; accepted: {', '.join(LAYOUTS)}")
+    lengths = None if cache is None else cache.lengths
+    ctx = attention_context(positions, segment_ids, token_order, cfg, context_layout, lengths)
     new_cache: dict[str, Any] = {}
-    if cache is not None:
-        ctx["cache_lengths"] = cache.lengths
 
     h = constrain(_embed(params, tokens, cfg), sharding, ("act_batch", "act_seq", "act_embed"))
     aux: dict[str, Any] = {}
@@ -234,10 +265,10 @@ def mtp_forward(
     params: dict,
     h_main: jax.Array,
     tokens: jax.Array,
-    ctx: dict,
+    ctx: AttentionContext,
     cfg: ModelConfig,
     sharding: MeshRules | None,
-    replay=None,
+    routing: jax.Array | None = None,
     mtp_tokens=None,
 ):
     """DeepSeek-V3 multi-token prediction (sec. 2.2), sequential depths k = 1..D:
@@ -246,6 +277,7 @@ def mtp_forward(
 
     with the embedding and output head shared with the main model and h^0 its final hidden state.
     Positions past the end of the sequence see token 0 (their loss is masked by the caller).
+    routing: int32[depth, batch, seq, k] recorded experts of the MTP layers to replay, or None.
     Returns (float32[depth, batch, seq, vocab], experts or None, counts or None).
     """
     depth = cfg.num_mtp_layers
@@ -265,7 +297,7 @@ def mtp_forward(
 
     body = _remat(body, cfg.remat)
     _, (logits, experts, counts) = jax.lax.scan(
-        body, h_main, (params["mtp"], replay, mtp_tokens), length=depth, unroll=not cfg.scan_layers
+        body, h_main, (params["mtp"], routing, mtp_tokens), length=depth, unroll=not cfg.scan_layers
     )
     return logits, experts, counts
 
@@ -275,10 +307,10 @@ def mtp_block(
     mp: dict,
     h_prev: jax.Array,
     next_tokens: jax.Array,
-    ctx: dict,
+    ctx: AttentionContext,
     cfg: ModelConfig,
     sharding: MeshRules | None,
-    replay=None,
+    routing: jax.Array | None = None,
     cache=None,
 ):
     """One MTP module (DeepSeek-V3 sec. 2.2), the code both training and speculative drafting run:
@@ -292,7 +324,7 @@ def mtp_block(
     hh = rms_norm(h_prev, mp["hnorm"], cfg.rms_norm_eps)
     x = linear(jnp.concatenate([e, hh], axis=-1), mp["eh_proj"])
     x = constrain(x, sharding, ("act_batch", "act_seq", "act_embed"))
-    h, experts, counts, cache = decoder_layer(mp["layer"], x, ctx, cfg, sharding, replay, cache)
+    h, experts, counts, cache = decoder_layer(mp["layer"], x, ctx, cfg, sharding, routing, cache)
     return h, rms_norm(h, mp["norm"], cfg.rms_norm_eps), experts, counts, cache
 
 
@@ -321,9 +353,8 @@ def mtp_forward_cached(
     chex.assert_equal_shape_prefix([h_prev, next_tokens], 2)
     n = next_tokens.shape[1]
     positions = cache.lengths[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
-    rope_dim = cfg.qk_rope_head_dim if cfg.attention_type == "mla" else cfg.head_dim
-    cos, sin = rope_cos_sin(positions, rope_dim, cfg)
-    ctx = {"cos": cos, "sin": sin, "cache_lengths": cache.lengths}
+    # a cached pass reads no segment ids or token order (each row is one sequence): the defaults
+    ctx = attention_context(positions, jnp.ones_like(positions), positions, cfg, "contiguous", cache.lengths)
     mp = jax.tree.map(lambda x: x[module], params["mtp"])
     if "moe" in mp["layer"] and _experts_as_views(cfg, sharding):  # as in `_run_stack`
         moe_p = params["mtp"]["layer"]["moe"]

@@ -48,6 +48,9 @@ from composer_jax.train.objective import Objective
 from composer_jax.train.pretrain import ce_chunks, forward_microbatch, moe_exchange_sums
 
 BASE_KEYS = ("tokens", "segment_ids", "positions", "loss_mask", "advantages", "sampler_logprobs")
+# The recorded routing from `prepare` on: [moe_layers, batch, seq, k], what `forward(routing=)`
+# takes and its layer scan slices (the batch's [batch, seq, moe_layers, k] moved once, in `prepare`)
+ROUTING_AXES: tuple[str | None, ...] = (None, "act_batch", "act_seq", None)
 # |log r| above this is clamped in the ratio and k3 metrics only (exp would overflow float32 at 88
 # and one such token would make the step skip its update for a logged number)
 _METRIC_LOG_RATIO_CAP = 20.0
@@ -214,9 +217,10 @@ def _shift_left(x: jax.Array) -> jax.Array:
 
 def prepare_rl_batch(batch: dict, cfg: Config, context: int, *, with_ref: bool, with_routing: bool) -> dict:
     """Token-aligned batch -> prediction-aligned arrays in layout order (every array's last two
-    axes [batch, seq]; routing as int32[moe_layers, k, batch, seq]). Position i predicts token
-    i+1: its target, mask, sampler/reference log-probs and advantage are token i+1's; a target in
-    another segment (or padding) has mask 0."""
+    axes [batch, seq]; routing, which describes each input token and is not shifted, as
+    int32[moe_layers, batch, seq, k] (`ROUTING_AXES`), the layout `forward(routing=)` takes).
+    Position i predicts token i+1: its target, mask, sampler/reference log-probs and advantage are
+    token i+1's; a target in another segment (or padding) has mask 0."""
     tokens = batch["tokens"].astype(jnp.int32)
     seg = batch["segment_ids"].astype(jnp.int32)
     b, s = tokens.shape
@@ -235,11 +239,15 @@ def prepare_rl_batch(batch: dict, cfg: Config, context: int, *, with_ref: bool, 
     if with_ref:
         out["ref_logprobs"] = _shift_left(batch["ref_logprobs"].astype(jnp.float32))
     if with_routing:
-        out["routing"] = jnp.transpose(batch["routing"].astype(jnp.int32), (2, 3, 0, 1))
+        out["routing"] = jnp.moveaxis(batch["routing"].astype(jnp.int32), 2, 0)
     if context > 1:
         perm = jnp.asarray(zigzag_permutation(s, context))
-        out = {k: jnp.take(v, perm, axis=v.ndim - 1) for k, v in out.items()}
+        out = {k: jnp.take(v, perm, axis=_seq_axis(k, v)) for k, v in out.items()}
     return out
+
+
+def _seq_axis(key: str, x: jax.Array) -> int:
+    return ROUTING_AXES.index("act_seq") if key == "routing" else x.ndim - 1
 
 
 def prepare(params: Any, batch: dict, cfg: Config, context: int) -> tuple[dict, dict]:
@@ -263,8 +271,7 @@ def _policy_forward(params: Any, mb: dict, cfg: Config, sharding: MeshRules | No
 
 def loss_terms(params: Any, mb: dict, cfg: Config, denoms: dict, sharding: MeshRules | None):
     """One micro-batch's objective (divided by the whole-batch denominator) and metric sums."""
-    routing = jnp.transpose(mb["routing"], (0, 2, 3, 1)) if "routing" in mb else None  # [L, b, s, k]
-    out, logp, entropy = _policy_forward(params, mb, cfg, sharding, routing)
+    out, logp, entropy = _policy_forward(params, mb, cfg, sharding, mb.get("routing"))
     loss_sum, sums = policy_loss(
         logp,
         mb["sampler_logprobs"],
@@ -309,7 +316,14 @@ def rl_objective(cfg: Config) -> Objective:
     Pass it to `train.step.make_train_step(..., objective=)` / `batch_gradients`."""
     keys = BASE_KEYS + (("ref_logprobs",) if cfg.rl.loss.kl_coef > 0 else ())
     keys += ("routing",) if replays_routing(cfg) else ()
-    return Objective(name="rl", batch_keys=keys, prepare=prepare, terms=loss_terms, metrics=metrics)
+    return Objective(
+        name="rl",
+        batch_keys=keys,
+        prepare=prepare,
+        terms=loss_terms,
+        metrics=metrics,
+        prepared_axes={"routing": ROUTING_AXES},
+    )
 
 
 def reference_logprobs(
@@ -324,8 +338,7 @@ def reference_logprobs(
     context = context_size(sharding)
     with_routing = replay and "routing" in batch
     prep = prepare_rl_batch(batch, cfg, context, with_ref=False, with_routing=with_routing)
-    routing = jnp.transpose(prep["routing"], (0, 2, 3, 1)) if with_routing else None
-    _, logp, _ = _policy_forward(ref_params, prep, cfg, sharding, routing)
+    _, logp, _ = _policy_forward(ref_params, prep, cfg, sharding, prep.get("routing"))
     logp = jax.lax.stop_gradient(logp)
     if context > 1:  # back to the original order
         logp = jnp.take(logp, jnp.asarray(np.argsort(zigzag_permutation(s, context))), axis=1)

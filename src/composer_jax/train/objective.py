@@ -6,8 +6,9 @@ router-bias update and the skip of non-finite updates. An objective owns the res
 
 - `prepare(params, batch, cfg, context) -> (arrays, denominators)`: the pipeline batch turned
   into per-token model inputs, targets and weights (every array's last two axes are
-  [batch, seq], in the layout order of the context-parallel split), and the whole-batch
-  denominators of its terms.
+  [batch, seq], in the layout order of the context-parallel split, unless `prepared_axes` gives
+  its logical axes: the RL objective's recorded routing is [moe_layers, batch, seq, k], the
+  layout the model's layer scan reads), and the whole-batch denominators of its terms.
 - `terms(params, micro_batch, cfg, denominators, sharding) -> (objective, sums)`: one
   micro-batch's contribution. Each term is a sum over the micro-batch's tokens divided by a
   whole-batch denominator from `prepare` - Tunix's (sum, denominator) pair with the denominator
@@ -23,7 +24,7 @@ The pretraining objective is `train.pretrain.PRETRAINING`; the RL objective plug
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -40,10 +41,17 @@ Metrics = Callable[[dict, dict, Config], dict]
 class Objective:
     """A training objective (see the module docstring for each function's contract).
 
-    batch_keys: the keys of the pipeline batch the step receives ([batch, seq] arrays each)."""
+    batch_keys: the keys of the pipeline batch the step receives ([batch, seq] arrays each).
+    prepared_axes: the logical axes ("act_batch" and "act_seq" among them) of each prepared array
+    not laid out [..., batch, seq]; the step splits micro-batches and shards by them."""
 
     name: str
     batch_keys: tuple[str, ...]
     prepare: Prepare
     terms: Terms
     metrics: Metrics
+    prepared_axes: Mapping[str, tuple[str | None, ...]] = dataclasses.field(default_factory=dict)
+
+    def axes_of(self, key: str, ndim: int) -> tuple[str | None, ...]:
+        """The logical axes of prepared array `key` (default: [..., batch, seq])."""
+        return self.prepared_axes.get(key, (None,) * (ndim - 2) + ("act_batch", "act_seq"))

@@ -18,10 +18,12 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from composer_jax.config import Config, ModelConfig
+from composer_jax.model import specs
 from composer_jax.model.context_parallel import context_size
 from composer_jax.model.expert_parallel import exchanges_per_step
 from composer_jax.model.moe import update_router_biases
 from composer_jax.model.params import ROUTER_BIAS_PATHS, router_biases
+from composer_jax.model.specs import ArraySpec
 from composer_jax.sharding import MeshRules, ShardingRules, constrain
 from composer_jax.train import pretrain
 from composer_jax.train.objective import Objective
@@ -56,7 +58,7 @@ def prepared(
     chex.assert_equal_shape_prefix([batch[k] for k in objective.batch_keys], 2)
     prep, denoms = objective.prepare(params, batch, cfg, context_size(sharding))
     for k, v in prep.items():
-        prep[k] = constrain(v, sharding, (None,) * (v.ndim - 2) + ("act_batch", "act_seq"))
+        prep[k] = constrain(v, sharding, objective.axes_of(k, v.ndim))
     return prep, denoms
 
 
@@ -73,7 +75,10 @@ def batch_gradients(
     Every micro-batch's terms are divided by whole-batch denominators, so the sum over micro-batches
     is exactly the full-batch objective (no mean-of-means)."""
     prep, denoms = prepared(params, batch, cfg, sharding, objective)
-    micro = jax.tree.map(lambda x: _micro_split(x, cfg.train.micro_batches, x.ndim - 2), prep)
+    micro = {
+        k: _micro_split(v, cfg.train.micro_batches, objective.axes_of(k, v.ndim).index("act_batch"))
+        for k, v in prep.items()
+    }
     grad_fn = jax.value_and_grad(objective.terms, has_aux=True)
 
     def accumulate(carry, mb):
@@ -146,8 +151,21 @@ def moe_exchange_metrics(sums: dict, m: ModelConfig) -> dict:
     return {"moe_dropped": dropped, "moe_a2a_bytes_per_device": rows * row_bytes * exchanges_per_step(m.remat)}
 
 
-def batch_sharding(mesh: Mesh, rules: ShardingRules, shape: tuple[int, int]) -> NamedSharding:
-    return rules.sharding(mesh, ("act_batch", "act_seq"), shape)
+def batch_spec(shape: tuple[int, ...], dtype: str = "int32") -> ArraySpec:
+    """One input array of the step, [batch, seq, *trailing]: rows over the batch axes, the sequence
+    over the context axis, trailing axes (e.g. recorded routing's [moe_layers, k]) whole."""
+    return ArraySpec(tuple(shape), ("act_batch", "act_seq") + (None,) * (len(shape) - 2), dtype=dtype)
+
+
+def batch_specs(cfg: Config, keys: tuple[str, ...]) -> dict[str, ArraySpec]:
+    """The step's batch, one [batch_size, seq_len] spec per key (a sharding of the two leading
+    axes places any trailing ones whole)."""
+    return {k: batch_spec((cfg.train.batch_size, cfg.train.seq_len)) for k in keys}
+
+
+def batch_sharding(mesh: Mesh, rules: ShardingRules, shape: tuple[int, ...]) -> NamedSharding:
+    """The sharding of a [batch, seq, ...] input array (`batch_spec`), from the one spec machinery."""
+    return specs.shardings(batch_spec(shape), mesh, rules)
 
 
 def make_train_step(
@@ -158,11 +176,11 @@ def make_train_step(
     (`objective.batch_keys`), split over the batch and sequence axes (trailing axes whole)."""
     tx = optimizer_for(cfg)
     st_sh = state_shardings(cfg, mesh, rules)
-    b_sh = batch_sharding(mesh, rules, (cfg.train.batch_size, cfg.train.seq_len))
+    b_sh = specs.shardings(batch_specs(cfg, objective.batch_keys), mesh, rules)
     fn = functools.partial(train_step, cfg=cfg, sharding=MeshRules(mesh, rules), tx=tx, objective=objective)
     return jax.jit(
         fn,
-        in_shardings=(st_sh, {k: b_sh for k in objective.batch_keys}),
+        in_shardings=(st_sh, b_sh),
         out_shardings=(st_sh, None),
         donate_argnums=(0,) if donate else (),
     )
@@ -171,10 +189,10 @@ def make_train_step(
 def make_eval_step(cfg: Config, mesh: Mesh, rules: ShardingRules):
     """jit-compiled `eval(params, batch) -> sums` of the pretraining terms (`pretrain.eval_sums`)."""
     st_sh = state_shardings(cfg, mesh, rules)
-    b_sh = batch_sharding(mesh, rules, (cfg.train.batch_size, cfg.train.seq_len))
+    b_sh = specs.shardings(batch_specs(cfg, BATCH_KEYS), mesh, rules)
     sharding = MeshRules(mesh, rules)
 
     def fn(params, batch):
         return pretrain.eval_sums(params, prepared(params, batch, cfg, sharding)[0], cfg, sharding)
 
-    return jax.jit(fn, in_shardings=(st_sh.params, {k: b_sh for k in BATCH_KEYS}))
+    return jax.jit(fn, in_shardings=(st_sh.params, b_sh))
