@@ -35,7 +35,7 @@ def test_layout_is_static_and_cache_lengths_optional():
     seen = jax.jit(lambda c: c.cache_lengths + 1)(cached)
     assert seen.tolist() == [4, 6]
     with pytest.raises(dataclasses.FrozenInstanceError):
-        plain.layout = "any"  # type: ignore[misc]
+        plain.layout = "any"
 
 
 def test_cached_attention_needs_cache_lengths():
