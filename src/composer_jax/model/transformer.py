@@ -151,6 +151,49 @@ def _logits(params: dict, h: jax.Array, cfg: ModelConfig) -> jax.Array:
     return linear(h, w, preferred_element_type=jnp.float32)
 
 
+def _checked_inputs(
+    tokens: jax.Array,
+    cfg: ModelConfig,
+    segment_ids: jax.Array | None,
+    positions: jax.Array | None,
+    token_order: jax.Array | None,
+    routing: jax.Array | None,
+    mtp_tokens: jax.Array | None,
+    logits_at: jax.Array | None,
+    cache: KVCache | None,
+    context_layout: str,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`forward`'s inputs checked, and (segment_ids, positions, token_order) with their defaults:
+    one segment, positions within the segment (after the cached prefix with a cache), the
+    sequence's own order."""
+    # shapes and dtypes at the public boundary (checked at trace time: free under jit)
+    chex.assert_rank(tokens, 2)
+    chex.assert_type(tokens, int)
+    chex.assert_equal_shape([tokens] + [x for x in (segment_ids, positions, token_order) if x is not None])
+    if logits_at is not None:
+        chex.assert_shape(logits_at, tokens.shape[:1])
+    if routing is not None:
+        chex.assert_shape(routing, (cfg.num_moe_layers, *tokens.shape, cfg.num_experts_per_tok))
+    if mtp_tokens is not None:
+        chex.assert_shape(mtp_tokens, (cfg.num_mtp_layers, *tokens.shape))
+    if cache is not None:
+        if segment_ids is not None or positions is not None or token_order is not None:
+            raise ValueError(
+                "forward with a cache takes no segment_ids/positions/token_order: each row is one "
+                "sequence continuing at cache.lengths"
+            )
+        positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+    if segment_ids is None:
+        segment_ids = jnp.ones(tokens.shape, jnp.int32)
+    if positions is None:
+        positions = segment_positions(segment_ids)
+    if token_order is None:
+        token_order = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    if context_layout not in LAYOUTS:
+        raise ValueError(f"context_layout={context_layout!r} is not accepted; accepted: {', '.join(LAYOUTS)}")
+    return segment_ids, positions, token_order
+
+
 def forward(
     params: dict,
     tokens: jax.Array,
@@ -195,31 +238,9 @@ def forward(
     and the cache are those of every position as without it.
     """
     sharding = MeshRules.resolve(sharding)
-    # shapes and dtypes at the public boundary (checked at trace time: free under jit)
-    chex.assert_rank(tokens, 2)
-    chex.assert_type(tokens, int)
-    chex.assert_equal_shape([tokens] + [x for x in (segment_ids, positions, token_order) if x is not None])
-    if logits_at is not None:
-        chex.assert_shape(logits_at, tokens.shape[:1])
-    if routing is not None:
-        chex.assert_shape(routing, (cfg.num_moe_layers, *tokens.shape, cfg.num_experts_per_tok))
-    if mtp_tokens is not None:
-        chex.assert_shape(mtp_tokens, (cfg.num_mtp_layers, *tokens.shape))
-    if cache is not None:
-        if segment_ids is not None or positions is not None or token_order is not None:
-            raise ValueError(
-                "forward with a cache takes no segment_ids/positions/token_order: each row is one "
-                "sequence continuing at cache.lengths"
-            )
-        positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-    if segment_ids is None:
-        segment_ids = jnp.ones(tokens.shape, jnp.int32)
-    if positions is None:
-        positions = segment_positions(segment_ids)
-    if token_order is None:
-        token_order = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    if context_layout not in LAYOUTS:
-        raise ValueError(f"context_layout={context_layout!r} is not accepted; accepted: {', '.join(LAYOUTS)}")
+    segment_ids, positions, token_order = _checked_inputs(
+        tokens, cfg, segment_ids, positions, token_order, routing, mtp_tokens, logits_at, cache, context_layout
+    )
     lengths = None if cache is None else cache.lengths
     ctx = attention_context(positions, segment_ids, token_order, cfg, context_layout, lengths)
     new_cache: dict[str, Any] = {}
