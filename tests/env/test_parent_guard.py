@@ -9,17 +9,10 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
+
+from procs import cmdline, gone
 
 from composer_jax.env.sandbox import parent_guard
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
 
 
 def test_a_guarded_command_runs_under_its_parent():
@@ -52,15 +45,15 @@ def test_a_guarded_command_is_killed_when_its_parent_is():
     assert parent.stdout is not None
     pid = int(parent.stdout.readline())
     deadline = time.monotonic() + 30
-    while "sleep" not in Path(f"/proc/{pid}/cmdline").read_text() and time.monotonic() < deadline:
-        time.sleep(0.02)  # past the guard: the sleep itself runs
+    while not cmdline(pid).startswith("sleep") and time.monotonic() < deadline:
+        time.sleep(0.02)  # past the guard (whose argv names the sleep too): the sleep itself runs
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait(10)
     deadline = time.monotonic() + 10
-    while _alive(pid) and time.monotonic() < deadline:
+    while not gone(pid) and time.monotonic() < deadline:
         time.sleep(0.02)
     try:
-        assert not _alive(pid), "the command outlived its parent"
+        assert gone(pid), "the command outlived its parent"
     finally:
-        if _alive(pid):
+        if not gone(pid):
             os.kill(pid, signal.SIGKILL)

@@ -9,13 +9,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import jax
 import numpy as np
 import pytest
 from live_env import REPO
+from procs import children, gone
 
 from composer_jax.checkpoint.manager import TrainCheckpointer
 from composer_jax.checkpoint.weight_sync import WeightPublisher
@@ -53,28 +53,6 @@ def checkpoint(tmp_path_factory):
     with TrainCheckpointer(CheckpointConfig(directory=str(directory), save_every=1)) as ck:
         ck.save(1, state, config=to_dict(cfg))
     return directory
-
-
-def _gone(pid: int) -> bool:
-    """No such process, or a zombie (dead, waiting for a parent that may not reap it)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] == "Z"
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                out.append(int(d.name))
-    return out
 
 
 def _turn(url: str, key: str) -> list[int]:
@@ -115,7 +93,7 @@ def test_one_replica_serves_follows_the_store_and_leaves_nothing(checkpoint, tmp
             with pytest.raises(SamplerUnavailable, match="ConnectError"):
                 _turn(urls[0], key)
             raise RuntimeError("the learner's own failure")
-    assert samplers.procs == [] and _gone(proc.pid)
+    assert samplers.procs == [] and gone(proc.pid)
     assert "composer-jax serve:" in (tmp_path / "sampler-0.log").read_text()
 
 
@@ -157,7 +135,7 @@ def test_replicas_die_with_a_killed_launcher(checkpoint, tmp_path):
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(checkpoint), str(tmp_path)])
     try:
         for _ in range(600):
-            kids = _children(launcher.pid)
+            kids = children(launcher.pid)
             if kids:
                 break
             time.sleep(0.05)
@@ -167,7 +145,7 @@ def test_replicas_die_with_a_killed_launcher(checkpoint, tmp_path):
         launcher.kill()
         launcher.wait(10)
     for _ in range(600):
-        if all(_gone(k) for k in kids):
+        if all(gone(k) for k in kids):
             break
         time.sleep(0.05)
-    assert all(_gone(k) for k in kids)
+    assert all(gone(k) for k in kids)

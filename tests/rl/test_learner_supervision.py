@@ -13,9 +13,7 @@ import time
 
 import pytest
 from live_env import HAVE_BWRAP, REPO
-from test_processes import _cmdline as cmdline
-from test_processes import _descendants as descendants
-from test_processes import _gone
+from procs import cmdline, descendants, gone
 
 from composer_jax.config import load_config
 from composer_jax.rl import trainer
@@ -102,7 +100,7 @@ def test_a_sigkilled_trainer_leaves_no_child_process(tmp_path) -> None:
         deadline = time.monotonic() + 30
         left = children
         while left and time.monotonic() < deadline:
-            left = {p for p in children if not _gone(p)}
+            left = {p for p in children if not gone(p)}
             time.sleep(0.2)
         assert not left, [cmdline(p) for p in left]
     finally:

@@ -16,11 +16,11 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 from live_env import ENV_FIXTURE_TASKS, HAVE_BWRAP, needs_bwrap
+from procs import cmdline, descendants, gone
 
 from composer_jax.rl.envs import EnvServerError, LocalEnvServers
 from composer_jax.rl.processes import ChildSpec, Launcher, LaunchError, RestartPolicy, parse_ready_line, ready_line
@@ -29,38 +29,6 @@ TOKEN = "rl-processes-test-token-0123456789"
 # without bubblewrap the server runs its tools as plain processes, only when told to
 SANDBOX_ARGS: tuple[str, ...] = () if HAVE_BWRAP else ("--unsafe-no-sandbox",)
 FAST = RestartPolicy(backoff_s=0.05, max_backoff_s=0.2)
-
-
-def _gone(pid: int) -> bool:
-    """No such process, or a zombie (dead, waiting for a parent that may not reap it)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] == "Z"
-
-
-def _descendants(pid: int) -> list[int]:
-    parents: dict[int, int] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError):
-                continue
-    out, frontier = [], [pid]
-    while frontier:
-        kids = [p for p, pp in parents.items() if pp in frontier]
-        out += kids
-        frontier = kids
-    return out
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def _until(predicate, timeout_s: float = 30.0) -> bool:
@@ -106,7 +74,7 @@ def test_killed_server_is_reaped_and_restarted_on_its_url(tmp_path, caplog):
         assert servers.restart_counts() == [0]
 
         os.kill(first.pid, signal.SIGKILL)
-        assert _until(lambda: first.returncode is not None and _gone(first.pid)), "the dead server was not reaped"
+        assert _until(lambda: first.returncode is not None and gone(first.pid)), "the dead server was not reaped"
         assert servers.wait_alive(1, timeout_s=60) == urls  # the same URL
         (second,) = servers.procs
         assert second.pid != first.pid and os.sched_getaffinity(second.pid) == {core}
@@ -118,7 +86,7 @@ def test_killed_server_is_reaped_and_restarted_on_its_url(tmp_path, caplog):
             "env_servers/given_up": 0.0,
             "env_servers/restarts_0": 1.0,
         }
-    assert servers.procs == [] and _gone(second.pid)
+    assert servers.procs == [] and gone(second.pid)
     said = caplog.text
     assert f"environment server 0 (pid {first.pid}, {urls[0]}) was killed by SIGKILL; restarting it" in said
     assert f"environment server 0 is back at {urls[0]} (pid {second.pid}, restart 1)" in said
@@ -227,7 +195,7 @@ def test_no_child_outlives_a_sigkilled_launcher(tmp_path):
         assert launcher.stdout is not None
         started = json.loads(launcher.stdout.readline())
         urls, pids = started["urls"], started["pids"]
-        assert len(pids) == 2 and all(not _gone(p) for p in pids)
+        assert len(pids) == 2 and all(not gone(p) for p in pids)
         # a tool process inside server 0's sandbox, still running when the launcher dies
         headers = {"Authorization": f"Bearer {TOKEN}"}
         sid = httpx.post(urls[0] + "/sessions", json={"task_id": "fix-add"}, headers=headers, timeout=30).json()
@@ -241,19 +209,19 @@ def test_no_child_outlives_a_sigkilled_launcher(tmp_path):
 
         shell = threading.Thread(target=run_shell, daemon=True)
         shell.start()
-        assert _until(lambda: any("sleep 300" in _cmdline(p) for p in _descendants(pids[0]))), "no tool process"
-        tools = _descendants(pids[0])
+        assert _until(lambda: any("sleep 300" in cmdline(p) for p in descendants(pids[0]))), "no tool process"
+        tools = descendants(pids[0])
     finally:
         launcher.kill()  # SIGKILL: no teardown runs in the launcher
         launcher.wait(10)
     everything = pids + tools
     try:
-        assert _until(lambda: all(_gone(p) for p in everything), timeout_s=20), [
-            (p, _cmdline(p)) for p in everything if not _gone(p)
+        assert _until(lambda: all(gone(p) for p in everything), timeout_s=20), [
+            (p, cmdline(p)) for p in everything if not gone(p)
         ]
     finally:
         for p in everything:  # what a failed run left (the servers' SIGTERM handling takes their tools along)
-            if not _gone(p):
+            if not gone(p):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p, signal.SIGTERM)
         if shell is not None:
@@ -275,16 +243,16 @@ def test_a_sigkilled_servers_sandboxed_tools_go_with_it_and_it_is_restarted(tmp_
 
         shell = threading.Thread(target=run_shell, daemon=True)
         shell.start()
-        assert _until(lambda: any("sleep 300" in _cmdline(p) for p in _descendants(proc.pid))), "no tool process"
-        tools = _descendants(proc.pid)
+        assert _until(lambda: any("sleep 300" in cmdline(p) for p in descendants(proc.pid))), "no tool process"
+        tools = descendants(proc.pid)
         os.kill(proc.pid, signal.SIGKILL)  # no shutdown runs in the server
         try:
-            assert _until(lambda: all(_gone(p) for p in tools), timeout_s=20), [
-                (p, _cmdline(p)) for p in tools if not _gone(p)
+            assert _until(lambda: all(gone(p) for p in tools), timeout_s=20), [
+                (p, cmdline(p)) for p in tools if not gone(p)
             ]
         finally:
             for p in tools:
-                if not _gone(p):
+                if not gone(p):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(p, signal.SIGKILL)
         assert servers.wait_alive(1, timeout_s=60) == urls
