@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from einops import rearrange
+from einops import rearrange, repeat
 
 from composer_jax.config import ModelConfig
 from composer_jax.model import kv_cache
@@ -39,7 +39,7 @@ def _attend(q, k, v, vis: Visibility, cfg: ModelConfig):
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
         probs = _softmax_attend(scores * softmax_scale(cfg), vis.mask()).astype(v.dtype)
         return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
-    heads_first = lambda x: jnp.swapaxes(x, 1, 2)
+    heads_first = lambda x: rearrange(x, "b s h d -> b h s d")  # blockwise_attention's layout
     out = blockwise_attention(
         heads_first(q),
         heads_first(k),
@@ -53,7 +53,7 @@ def _attend(q, k, v, vis: Visibility, cfg: ModelConfig):
         block_k=cfg.attn_block_k,
         causal_skip=vis.causal_skip,
     )
-    return heads_first(out)
+    return rearrange(out, "b h s d -> b s h d")
 
 
 def _mla_core(q_nope, q_rope, latent, k_rope, kv_b, vis: Visibility, cfg: ModelConfig):
@@ -65,17 +65,17 @@ def _mla_core(q_nope, q_rope, latent, k_rope, kv_b, vis: Visibility, cfg: ModelC
     kvb = linear(latent, kv_b)
     k_nope, v = kvb[..., :nope], kvb[..., nope:]
     q = jnp.concatenate([q_nope, q_rope], axis=-1)
-    k_rope = jnp.broadcast_to(k_rope[:, :, None, :].astype(k_nope.dtype), k_nope.shape[:3] + k_rope.shape[-1:])
+    k_rope = repeat(k_rope.astype(k_nope.dtype), "b k r -> b k h r", h=k_nope.shape[2])
     k = jnp.concatenate([k_nope, k_rope], axis=-1)
     return _attend(q, k, v, vis, cfg)
 
 
 def _gqa_core(q, k, v, vis: Visibility, cfg: ModelConfig):
     """q: [b, q, h, d]; k, v: [b, k, kvh, d] -> [b, q, h, d]. Key/value heads are repeated for
-    their query group."""
+    their query group: query head h = (kv, g) reads KV head kv (as `grouped_attend` views them)."""
     groups = q.shape[2] // k.shape[2]
     if groups > 1:
-        k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+        k, v = (repeat(x, "b k kv d -> b k (kv g) d", g=groups) for x in (k, v))
     return _attend(q, k, v, vis, cfg)
 
 

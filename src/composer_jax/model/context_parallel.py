@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from einops import rearrange
 
 from composer_jax.config import ModelConfig
 from composer_jax.model.masks import AttentionContext, Visibility
@@ -23,8 +24,9 @@ def zigzag_permutation(seq: int, context: int) -> np.ndarray:
     early and late tokens and causal attention work is balanced."""
     if context == 1:
         return np.arange(seq)
-    chunks = np.arange(seq).reshape(2 * context, seq // (2 * context))
-    return np.concatenate([np.concatenate([chunks[d], chunks[2 * context - 1 - d]]) for d in range(context)])
+    chunks = rearrange(np.arange(seq), "(chunk t) -> chunk t", chunk=2 * context)
+    early, late = chunks[:context], chunks[context:][::-1]  # device d: chunks d and 2C-1-d
+    return rearrange(np.stack([early, late], axis=1), "device part t -> (device part t)")
 
 
 def context_axes(sharding: MeshRules | None) -> tuple[str, ...]:
@@ -77,9 +79,8 @@ def context_parallel_attention(
             return core(*queries, *kv_all, *hp, Visibility(seg, order, seg_all, order_all), cfg)
         half = seg.shape[1] // 2
         # keys of the first C chunks = the first half of every device's block
-        first = lambda x: x.reshape(x.shape[0], n_ctx, 2, half, *x.shape[2:])[:, :, 0].reshape(
-            x.shape[0], n_ctx * half, *x.shape[2:]
-        )
+        blocks = lambda x: rearrange(x, "b (device part t) ... -> b device part t ...", device=n_ctx, part=2)
+        first = lambda x: rearrange(blocks(x)[:, :, 0], "b device t ... -> b (device t) ...")
         qa = tuple(q[:, :half] for q in queries)
         qb = tuple(q[:, half:] for q in queries)
         vis_a = Visibility(seg[:, :half], order[:, :half], first(seg_all), first(order_all))

@@ -32,6 +32,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from einops import rearrange
 
 from composer_jax.sharding import vary_like
 
@@ -66,28 +67,31 @@ def _plan(sq: int, sk: int, block_q: int, block_k: int, causal_skip: bool):
     return plan
 
 
-def _chunks(x, span: int, chunk: int, axis: int, fill=0):
-    """x[..., :span, ...] along `axis`, padded with `fill` to a multiple of `chunk` -> [n, ...chunk...]
-    with the chunk index leading."""
+# by rank, keys / values [b, h, sk, d] and segment ids / orders [b, sk]: the key axis, and its split
+# into (chunk n, key within the chunk c) with the chunk index leading (the axis lax.scan walks)
+_KEY_CHUNKS = {4: (2, "b h (n c) d -> n b h c d"), 2: (1, "b (n c) -> n b c")}
+
+
+def _chunks(x, span: int, chunk: int, fill=0):
+    """x's keys [0, span), padded with `fill` to a multiple of `chunk` -> [n, ...chunk...] with the
+    chunk index leading (`_KEY_CHUNKS`)."""
+    axis, split = _KEY_CHUNKS[x.ndim]
     x = jax.lax.slice_in_dim(x, 0, span, axis=axis)
     if span % chunk:
         pad = [(0, 0)] * x.ndim
         pad[axis] = (0, chunk - span % chunk)
         x = jnp.pad(x, pad, constant_values=fill)
-        span = x.shape[axis]
-    shape = x.shape
-    x = x.reshape(shape[:axis] + (span // chunk, chunk) + shape[axis + 1 :])
-    return jnp.moveaxis(x, axis, 0)
+    return rearrange(x, split, c=chunk)
 
 
 def _key_chunks(k, v, k_seg, k_ord, span: int, chunk: int):
     """Keys [0, span) in chunks; padding keys (past the span) carry an order no query reaches."""
     big = jnp.iinfo(jnp.int32).max
     return (
-        _chunks(k, span, chunk, 2),
-        _chunks(v, span, chunk, 2),
-        _chunks(k_seg, span, chunk, 1),
-        _chunks(k_ord, span, chunk, 1, fill=big),
+        _chunks(k, span, chunk),
+        _chunks(v, span, chunk),
+        _chunks(k_seg, span, chunk),
+        _chunks(k_ord, span, chunk, fill=big),
     )
 
 
@@ -184,9 +188,7 @@ def _attention_bwd(scale, plan, res, d_out):
             dk_span, dv_span = dk_c, dv_c
         else:
             dq_i, (dk_c, dv_c) = jax.lax.scan(step, dq0, xs)
-            merge = lambda x, span=span: jnp.moveaxis(x, 0, 2).reshape(x.shape[1], x.shape[2], -1, x.shape[-1])[
-                :, :, :span
-            ]
+            merge = lambda x, span=span: rearrange(x, "n b h c d -> b h (n c) d")[:, :, :span]
             dk_span, dv_span = merge(dk_c), merge(dv_c)
         dq_blocks.append(dq_i)
         if span == k.shape[2]:
