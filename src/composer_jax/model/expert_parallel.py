@@ -50,6 +50,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from einops import rearrange, reduce
 
 from composer_jax.config.model import MOE_EP_EXCHANGES
 
@@ -97,7 +98,7 @@ def ragged_plan(counts: jax.Array, me: jax.Array, rows: int) -> ExchangePlan:
     ep, e = counts.shape
     e_local = e // ep
     counts = counts.astype(jnp.int32)
-    per_dest = counts.reshape(ep, ep, e_local).sum(-1)  # [source, destination]
+    per_dest = reduce(counts, "source (dest local) -> source dest", "sum", dest=ep)  # expert = (dest, local)
     # receiver d packs its sources in order; source s's slice starts after sources < s, clipped
     start = jnp.cumsum(per_dest, axis=0) - per_dest
     off = jnp.minimum(start, rows)
@@ -110,7 +111,8 @@ def ragged_plan(counts: jax.Array, me: jax.Array, rows: int) -> ExchangePlan:
     mine = jax.lax.dynamic_slice_in_dim(counts, me * e_local, e_local, axis=1)  # [source, e_local]
     seg_ends = off_me[:, None] + jnp.minimum(jnp.cumsum(mine, axis=1), kept_me[:, None])
     p = jnp.arange(rows, dtype=jnp.int32)
-    seg = jnp.searchsorted(seg_ends.reshape(-1), p, side="right").astype(jnp.int32)  # E = empty row
+    seg_ends = rearrange(seg_ends, "source local -> (source local)")  # the buffer's segment order
+    seg = jnp.searchsorted(seg_ends, p, side="right").astype(jnp.int32)  # E = empty row
     recv_expert = jnp.where(seg < e, seg % e_local, e_local)
     not_me = jnp.arange(ep) != me
     return ExchangePlan(
@@ -151,7 +153,8 @@ def ragged_all_to_all_emulated(
     where = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # my offset for each source
     dest = where[:, None] + i[None, :]
     dest = jnp.where(i[None, :] < recv_sizes[:, None], dest, out_rows)  # out of range: not written
-    return output.at[dest.reshape(-1)].set(got.reshape((-1,) + operand.shape[1:]), mode="drop")
+    flat = lambda x: rearrange(x, "source n ... -> (source n) ...")
+    return output.at[flat(dest)].set(flat(got), mode="drop")
 
 
 def _collective(kind: str) -> Callable[..., jax.Array]:
@@ -220,12 +223,12 @@ def padded_exchange(
     rank = jnp.arange(a, dtype=jnp.int32) - (jnp.cumsum(shard_counts) - shard_counts)[shard]
     send_x = jnp.zeros((ep, a, d), xs.dtype).at[shard, rank].set(xs)
     send_e = jnp.full((ep, a), e_local, jnp.int32).at[shard, rank].set(sorted_e % e_local)
-    recv_x = jax.lax.all_to_all(send_x, ep_axis, 0, 0).reshape(ep * a, d)
-    recv_e = jax.lax.all_to_all(send_e, ep_axis, 0, 0).reshape(ep * a)
+    by_source = lambda x: rearrange(jax.lax.all_to_all(x, ep_axis, 0, 0), "source a ... -> (source a) ...")
+    recv_x, recv_e = by_source(send_x), by_source(send_e)
     r_order = jnp.argsort(recv_e, stable=True)  # the invalid marker e_local sorts last
     r_sizes = jnp.zeros((e_local + 1,), jnp.int32).at[recv_e].add(1)[:e_local]
     r_y = compute(recv_x[r_order], r_sizes)
-    back = jnp.zeros_like(r_y).at[r_order].set(r_y).reshape(ep, a, d)
+    back = rearrange(jnp.zeros_like(r_y).at[r_order].set(r_y), "(source a) d -> source a d", source=ep)
     ret = jax.lax.all_to_all(back, ep_axis, 0, 0)
     return ret[shard, rank]
 

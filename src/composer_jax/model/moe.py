@@ -34,6 +34,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from einops import rearrange, repeat
 from jax.sharding import PartitionSpec as P
 
 from composer_jax.config import ModelConfig
@@ -68,7 +69,7 @@ def route(
     else:
         choice = scores + router_bias.astype(jnp.float32) if cfg.topk_method == "noaux_tc" else scores
         if cfg.topk_method != "greedy" and cfg.n_group > 1:
-            grouped = choice.reshape(choice.shape[0], cfg.n_group, e // cfg.n_group)
+            grouped = rearrange(choice, "t (group e) -> t group e", group=cfg.n_group)
             if cfg.topk_method == "noaux_tc":
                 group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)
             else:
@@ -77,7 +78,7 @@ def route(
             keep = (
                 jnp.zeros(group_score.shape, bool).at[jnp.arange(group_score.shape[0])[:, None], top_groups].set(True)
             )
-            choice = jnp.where(jnp.repeat(keep, e // cfg.n_group, axis=-1), choice, -jnp.inf)
+            choice = jnp.where(repeat(keep, "t group -> t (group e)", e=e // cfg.n_group), choice, -jnp.inf)
         _, experts = jax.lax.top_k(choice, k)
     weights = jnp.take_along_axis(scores, experts, axis=-1)
     if cfg.norm_topk_prob:
@@ -164,7 +165,8 @@ def _grouped_tiled(
     dest = jnp.where(valid, padded_starts[rg] + row - starts[rg], num_tiles * m)
     xp = jnp.zeros((num_tiles * m, d), x.dtype).at[dest].set(x, mode="drop")
     gate, up, down = (w[tile_group].astype(x.dtype) for w in ws)
-    y = _tiles_swiglu(xp.reshape(num_tiles, m, d), gate, up, down, precision).reshape(num_tiles * m, d)
+    y = _tiles_swiglu(rearrange(xp, "(tile m) d -> tile m d", m=m), gate, up, down, precision)
+    y = rearrange(y, "tile m d -> (tile m) d")
     return jnp.where(valid[:, None], y.at[dest].get(mode="fill", fill_value=0), 0).astype(x.dtype)
 
 
@@ -248,7 +250,7 @@ def tiled_dispatch_swiglu(
     m = _tile_size(a, g, tile)
     num_tiles = -(-a // m) + g  # static bound: each expert wastes < one tile
     rows = num_tiles * m
-    flat_e = experts.reshape(a).astype(jnp.int32)
+    flat_e = rearrange(experts, "n k -> (n k)").astype(jnp.int32)  # assignment n*k + j: token n's j-th
     sizes = jnp.zeros((g,), jnp.int32).at[flat_e].add(1)
     padded_starts, tile_group = _tile_layout(sizes, m, num_tiles)
     starts = jnp.cumsum(sizes) - sizes
@@ -257,11 +259,12 @@ def tiled_dispatch_swiglu(
     rank = jnp.arange(a, dtype=jnp.int32) - starts[sorted_e]
     dest = jnp.zeros((a,), jnp.int32).at[order].set(padded_starts[sorted_e] + rank)  # padded row of each assignment
     row_assign = jnp.full((rows,), a, jnp.int32).at[dest].set(jnp.arange(a, dtype=jnp.int32))  # a = padding
-    xp = _copy_rows(vary_like(xt, row_assign), row_assign // k, dest.reshape(n, k))  # padding rows read token n: zeros
+    xp = _copy_rows(vary_like(xt, row_assign), row_assign // k, rearrange(dest, "(n k) -> n k", k=k))  # padding: zeros
     per_tile = lambda w: _expert_weights_per_tile(vary_like(w, tile_group), tile_group).astype(xt.dtype)
-    y = _tiles_swiglu(xp.reshape(num_tiles, m, d), per_tile(gate), per_tile(up), per_tile(down), precision)
-    y = y.reshape(rows, d)
-    return _copy_rows(vary_like(y, dest), dest, row_assign[:, None]).reshape(n, k, d)
+    tiles = rearrange(xp, "(tile m) d -> tile m d", m=m)
+    y = _tiles_swiglu(tiles, per_tile(gate), per_tile(up), per_tile(down), precision)
+    y = rearrange(y, "tile m d -> (tile m) d")
+    return rearrange(_copy_rows(vary_like(y, dest), dest, row_assign[:, None]), "(n k) d -> n k d", k=k)
 
 
 def _grouped_ragged(
@@ -362,7 +365,7 @@ def _sorted_dispatch(
     n, d = xt.shape
     k, e = cfg.num_experts_per_tok, cfg.num_experts
     a = n * k
-    flat_e = experts.reshape(a)
+    flat_e = rearrange(experts, "n k -> (n k)")
     flat_tok = jnp.arange(a, dtype=jnp.int32) // k
     order = jnp.argsort(flat_e, stable=True)
     sorted_e = flat_e[order]
@@ -383,7 +386,7 @@ def _sorted_dispatch(
         else:
             rows = expert_parallel.ragged_buffer_rows(a, ep, e, k, cfg.moe_ep_capacity_factor)
             ys, dropped, sent = expert_parallel.ragged_exchange(xs, sorted_e, compute, e, ep, ep_axis, rows, exchange)
-    y = jnp.zeros((a, d), ys.dtype).at[order].set(ys).reshape(n, k, d)
+    y = rearrange(jnp.zeros((a, d), ys.dtype).at[order].set(ys), "(n k) d -> n k d", k=k)
     return y, dropped, sent
 
 
@@ -392,10 +395,11 @@ def _gathered_swiglu(xt: jax.Array, experts: jax.Array, gate: jax.Array, up: jax
     -> [t, k, d]. Reads t*k experts' weights, which is less than a grouped matmul's all-experts read
     when t*k < experts (small training blocks)."""
     dt = xt.dtype
-    e = experts.reshape(-1)
-    x = jnp.repeat(xt, experts.shape[1], axis=0)
+    k = experts.shape[1]
+    e = rearrange(experts, "t k -> (t k)")
+    x = repeat(xt, "t d -> (t k) d", k=k)
     h = jax.nn.silu(jnp.einsum("ad,adf->af", x, gate[e].astype(dt))) * jnp.einsum("ad,adf->af", x, up[e].astype(dt))
-    return jnp.einsum("af,afd->ad", h, down[e].astype(dt)).reshape(*experts.shape, xt.shape[-1])
+    return rearrange(jnp.einsum("af,afd->ad", h, down[e].astype(dt)), "(t k) d -> t k d", k=k)
 
 
 def _local_moe(
@@ -419,8 +423,9 @@ def _local_moe(
     dropless `moe_decode.decode_expert_parallel`."""
     b, s, d = x.shape
     k, e = cfg.num_experts_per_tok, cfg.num_experts
-    xt = x.reshape(b * s, d)
-    r = route(p["router"], p["router_bias"], xt, cfg, None if routing is None else routing.reshape(b * s, k))
+    tokens = lambda a: rearrange(a, "b s ... -> (b s) ...")  # the layer's tokens, row-major over the block
+    xt = tokens(x)
+    r = route(p["router"], p["router_bias"], xt, cfg, None if routing is None else tokens(routing))
     ws = (p["gate"], p["up"], p["down"])
     impl = cfg.moe_impl
     # every expert on this device, the automatic implementation, no quantisation
@@ -455,7 +460,8 @@ def _local_moe(
     if reduce_axes:  # expert / shared MLP hidden dimension split over tensor-like axes
         y = jax.lax.psum(y, reduce_axes)
     counts = expert_counts(r.experts, e)
-    balance = sequence_balance(r.scores.reshape(b, s, e), r.experts.reshape(b, s, k), e, seq_axes, seq_shards)
+    per_seq = lambda a: rearrange(a, "(b s) ... -> b s ...", b=b)
+    balance = sequence_balance(per_seq(r.scores), per_seq(r.experts), e, seq_axes, seq_shards)
     ep_stats = jnp.stack([dropped, sent]).astype(jnp.float32)
     if batch_axes or seq_axes:
         counts, ep_stats = jax.lax.psum((counts, ep_stats), batch_axes + seq_axes)
@@ -468,7 +474,7 @@ def _local_moe(
         # per device: the token shards' rows, averaged (tensor-axis replicas each send their own copy)
         "moe_a2a_rows": ep_stats[1] / token_shards,
     }
-    return y.reshape(b, s, d), r.experts.reshape(b, s, k), stats
+    return per_seq(y), per_seq(r.experts), stats
 
 
 def moe_layer(

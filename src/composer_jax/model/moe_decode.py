@@ -17,6 +17,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from einops import rearrange
 
 from composer_jax.sharding import vary_like
 
@@ -188,7 +189,7 @@ def grouped_swiglu_rows(
     t, k = experts.shape
     g = gate.shape[0]
     r = rows or grouped_rows(t, k, g)
-    local = (experts - first_expert).reshape(-1)
+    local = rearrange(experts - first_expert, "t k -> (t k)")  # assignment t*k + j: token t's j-th
     key = jnp.where((local >= 0) & (local < g), local, g).astype(jnp.int32)
     order = jnp.argsort(key, stable=True)
     counts = jnp.zeros((g,), jnp.int32).at[key].add(1, mode="drop")  # assignments outside the slice: none
@@ -197,7 +198,7 @@ def grouped_swiglu_rows(
     tiles_end = jnp.cumsum(tiles)
     pad = jnp.zeros((r,), jnp.int32)
     tok = jnp.concatenate([(order // k).astype(jnp.int32), pad])  # token of each sorted assignment
-    w = jnp.concatenate([weights.reshape(-1)[order], pad.astype(dt)])
+    w = jnp.concatenate([rearrange(weights, "t k -> (t k)")[order], pad.astype(dt)])
 
     def body(j, acc):
         e = jnp.sum(tiles_end <= j).astype(jnp.int32)  # the expert of tile j
