@@ -13,6 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from einops import rearrange
 
 
 def shifted_targets(tokens: jax.Array, segment_ids: jax.Array, loss_mask: jax.Array, shift: int):
@@ -106,7 +107,7 @@ def _fused_ce(hidden, head, targets, weights, groups, z_loss, chunks, num_groups
 def _fused_ce_fwd(hidden, head, targets, weights, groups, z_loss, chunks, num_groups):
     b, s, d = hidden.shape
     c = s // chunks
-    split = lambda x: jnp.moveaxis(x.reshape(b, chunks, c, *x.shape[2:]), 1, 0)  # chunks along seq
+    split = lambda x: rearrange(x, "b (chunk c) ... -> chunk b c ...", chunk=chunks)  # chunks along seq
     head_c = head.astype(hidden.dtype)
     # [vocab, embed] once, so the d hidden product reads its weight in row-major order (XLA:CPU
     # transposed the [embed, vocab] operand for every chunk)
@@ -137,7 +138,7 @@ def _fused_ce_fwd(hidden, head, targets, weights, groups, z_loss, chunks, num_gr
     d_head, (nll, z, correct, by_group, d_h) = jax.lax.scan(
         chunk, jnp.zeros(head.shape, jnp.float32), (split(hidden), split(targets), split(weights), split(groups))
     )
-    d_h = jnp.moveaxis(d_h, 0, 1).reshape(hidden.shape)
+    d_h = rearrange(d_h, "chunk b c d -> b (chunk c) d")
     nll, z = nll.sum(), z.sum()
     out = (nll + z, (nll, z, weights.sum(), correct.sum(), by_group.sum(0)))
     return out, (d_h, d_head.astype(head.dtype), targets, weights, groups)

@@ -15,6 +15,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import optax
+from einops import rearrange
 from jax.sharding import Mesh, NamedSharding
 
 from composer_jax.config import Config, ModelConfig
@@ -34,11 +35,10 @@ BATCH_KEYS = pretrain.BATCH_KEYS
 
 
 def _micro_split(x: jax.Array, micro: int, axis: int) -> jax.Array:
-    """Split the batch axis into `micro` interleaved micro-batches (leading axis), so each device keeps
-    its rows in every micro-batch: rows j, j+micro, j+2*micro... form micro-batch j."""
-    shape = x.shape
-    x = x.reshape(shape[:axis] + (shape[axis] // micro, micro) + shape[axis + 1 :])
-    return jnp.moveaxis(x, axis + 1, 0)
+    """Split the batch axis `axis` into `micro` interleaved micro-batches (leading axis), so each
+    device keeps its rows in every micro-batch: rows j, j+micro, j+2*micro... form micro-batch j."""
+    before, after = (" ".join(f"d{i}" for i in dims) for dims in (range(axis), range(axis + 1, x.ndim)))
+    return rearrange(x, f"{before} (row micro) {after} -> micro {before} row {after}", micro=micro)
 
 
 def prepared(
