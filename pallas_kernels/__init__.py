@@ -2,7 +2,8 @@
 
 This package is where the kernels go, outside `src/composer_jax`, so that they can be lowered for
 CUDA and run in interpret mode on a CPU-only machine and replaced independently of the model. It
-imports only JAX. Every kernel has a jnp reference twin next to it.
+imports only JAX (and einops, whose patterns name the twins' block and nibble layouts). Every
+kernel has a jnp reference twin next to it.
 
 - `mx_quant.mxfp8_quantize`: MXFP8 E4M3 quantisation, row-wise or column-wise, OCP or round-up
   scale rule (Triton-style Pallas); twin `mxfp8_quantize_ref`, equal bit for bit to

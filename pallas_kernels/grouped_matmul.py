@@ -28,6 +28,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from einops import rearrange, repeat
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
@@ -46,10 +47,11 @@ def e8m0_to_f32(code: jax.Array) -> jax.Array:
 
 def grouped_matmul_mxfp8_ref(xv, xs, wv, ws, sizes) -> jax.Array:
     """The jnp twin: dequantise both operands exactly, then a float32 ragged_dot."""
-    rows, k = xv.shape
-    x = (xv.astype(jnp.float32).reshape(rows, k // BLOCK, BLOCK) * e8m0_to_f32(xs)[..., None]).reshape(rows, k)
-    g, _, n = wv.shape
-    w = (wv.astype(jnp.float32).reshape(g, k // BLOCK, BLOCK, n) * e8m0_to_f32(ws)[:, :, None, :]).reshape(g, k, n)
+    rows = xv.shape[0]
+    x_blocks = rearrange(xv.astype(jnp.float32), "r (kb blk) -> r kb blk", blk=BLOCK)
+    x = rearrange(x_blocks * e8m0_to_f32(xs)[..., None], "r kb blk -> r (kb blk)")
+    w_blocks = rearrange(wv.astype(jnp.float32), "g (kb blk) n -> g kb blk n", blk=BLOCK)
+    w = rearrange(w_blocks * e8m0_to_f32(ws)[:, :, None, :], "g kb blk n -> g (kb blk) n")
     y = jax.lax.ragged_dot(x, w, sizes.astype(jnp.int32), preferred_element_type=jnp.float32)
     return jnp.where((jnp.arange(rows) < sizes.sum())[:, None], y, 0.0)
 
@@ -154,21 +156,25 @@ def e2m1_decode(code: jax.Array) -> jax.Array:
     return jnp.where((code & 8) != 0, -mag, mag)
 
 
-def _unpack_along(packed: jax.Array, axis: int) -> jax.Array:
-    """Bytes holding elements 2i (low nibble) and 2i+1 (high) along `axis` -> float32 E2M1 values."""
+def _unpack_along_k(packed: jax.Array) -> jax.Array:
+    """Bytes [a, K/2, ...] holding elements 2i (low nibble) and 2i+1 (high) along K -> float32 E2M1
+    values [a, K, ...]."""
     c = packed.astype(jnp.int32)
-    both = jnp.stack([e2m1_decode(c & 15), e2m1_decode(c >> 4)], axis=axis + 1)
-    shape = list(packed.shape)
-    shape[axis] *= 2
-    return both.reshape(shape)
+    both = jnp.stack([e2m1_decode(c & 15), e2m1_decode(c >> 4)], axis=2)
+    return rearrange(both, "a byte nibble ... -> a (byte nibble) ...")
+
+
+def _block_scales_along_k(s: jax.Array) -> jax.Array:
+    """E4M3 block scales [a, K/16, ...] -> float32 [a, K, ...], each repeated over its block."""
+    return repeat(s.astype(jnp.float32), "a kb ... -> a (kb blk) ...", blk=NVFP4_BLOCK)
 
 
 def grouped_matmul_nvfp4_ref(xp, xsb, xs2, wp, wsb, ws2, sizes) -> jax.Array:
     """The jnp twin of `grouped_matmul_nvfp4`: dequantise exactly ((e2m1 * s_block) * s_second),
     then a float32 ragged_dot."""
     rows = xp.shape[0]
-    x = _unpack_along(xp, 1) * jnp.repeat(xsb.astype(jnp.float32), NVFP4_BLOCK, axis=1) * xs2.reshape(rows, 1)
-    w = _unpack_along(wp, 1) * jnp.repeat(wsb.astype(jnp.float32), NVFP4_BLOCK, axis=1) * ws2.reshape(-1, 1, 1)
+    x = _unpack_along_k(xp) * _block_scales_along_k(xsb) * xs2.reshape(rows, 1)
+    w = _unpack_along_k(wp) * _block_scales_along_k(wsb) * ws2.reshape(-1, 1, 1)
     y = jax.lax.ragged_dot(x, w, sizes.astype(jnp.int32), preferred_element_type=jnp.float32)
     return jnp.where((jnp.arange(rows) < sizes.sum())[:, None], y, 0.0)
 

@@ -28,6 +28,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from einops import rearrange
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
@@ -37,9 +38,8 @@ from pallas_kernels.shapes import out_struct
 
 def _dequant_rows(v: jax.Array, s: jax.Array) -> jax.Array:
     """[..., M] elements with scales [..., M/32] along the last axis -> float32."""
-    shape = v.shape
-    blocks = v.astype(jnp.float32).reshape(shape[:-1] + (shape[-1] // BLOCK, BLOCK))
-    return (blocks * e8m0_to_f32(s)[..., None]).reshape(shape)
+    blocks = rearrange(v.astype(jnp.float32), "... (mb blk) -> ... mb blk", blk=BLOCK)
+    return rearrange(blocks * e8m0_to_f32(s)[..., None], "... mb blk -> ... (mb blk)")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from einops import rearrange
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
@@ -69,13 +70,12 @@ def _quantize_block(x: jax.Array, axis: int, rule: str) -> tuple[jax.Array, jax.
 def mxfp8_quantize_ref(x: jax.Array, axis: int = 1, rule: str = "ceil") -> tuple[jax.Array, jax.Array]:
     """The jnp reference twin: x [M, K] -> (float8_e4m3fn [M, K], uint8 scales [M, K/32] for
     axis=1 or [M/32, K] for axis=0)."""
-    m, k = x.shape
     xf = x.astype(jnp.float32)
     if axis == 1:
-        v, code = _quantize_block(xf.reshape(m, k // BLOCK, BLOCK), 2, rule)
-        return v.reshape(m, k), code
-    v, code = _quantize_block(xf.reshape(m // BLOCK, BLOCK, k), 1, rule)
-    return v.reshape(m, k), code
+        v, code = _quantize_block(rearrange(xf, "m (kb blk) -> m kb blk", blk=BLOCK), 2, rule)
+        return rearrange(v, "m kb blk -> m (kb blk)"), code
+    v, code = _quantize_block(rearrange(xf, "(mb blk) k -> mb blk k", blk=BLOCK), 1, rule)
+    return rearrange(v, "mb blk k -> (mb blk) k"), code
 
 
 def _row_kernel(x_ref, v_ref, s_ref, *, rule):

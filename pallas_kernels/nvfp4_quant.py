@@ -25,6 +25,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from einops import rearrange, repeat
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
@@ -78,9 +79,9 @@ def nvfp4_quantize_ref(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     m, k = x.shape
     xf = x.astype(jnp.float32)
     s2 = second_scale(xf)
-    blocks = xf.reshape(m * k // BLOCK, BLOCK)
-    packed, sb = _quantize_halves(blocks[:, 0::2], blocks[:, 1::2], jnp.repeat(s2[:, 0], k // BLOCK))
-    return packed.reshape(m, k // 2), sb.reshape(m, k // BLOCK), s2
+    blocks = rearrange(xf, "m (kb blk) -> (m kb) blk", blk=BLOCK)  # one row per 16-element block
+    packed, sb = _quantize_halves(blocks[:, 0::2], blocks[:, 1::2], repeat(s2, "m 1 -> (m kb)", kb=k // BLOCK))
+    return rearrange(packed, "(m kb) byte -> m (kb byte)", m=m), rearrange(sb, "(m kb) -> m kb", m=m), s2
 
 
 def _kernel(even_ref, odd_ref, s2_ref, packed_ref, sb_ref):

@@ -59,6 +59,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+from einops import rearrange, repeat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,14 +177,14 @@ def pack_fp4(codes: jax.Array) -> jax.Array:
     """uint8 4-bit codes [..., 2n] -> bytes [..., n]: element 2i in the low nibble, 2i+1 high."""
     if codes.shape[-1] % 2:
         raise ValueError(f"pack_fp4 needs an even last dimension, got {codes.shape}")
-    pairs = codes.astype(jnp.uint8).reshape(codes.shape[:-1] + (codes.shape[-1] // 2, 2))
+    pairs = rearrange(codes.astype(jnp.uint8), "... (n nibble) -> ... n nibble", nibble=2)
     return (pairs[..., 0] & 15) | ((pairs[..., 1] & 15) << 4)
 
 
 def unpack_fp4(packed: jax.Array) -> jax.Array:
     """bytes [..., n] -> uint8 4-bit codes [..., 2n] (inverse of `pack_fp4`)."""
     lo, hi = packed & 15, packed >> 4
-    return jnp.stack([lo, hi], axis=-1).reshape(packed.shape[:-1] + (packed.shape[-1] * 2,))
+    return rearrange(jnp.stack([lo, hi], axis=-1), "... n nibble -> ... (n nibble)")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -223,6 +224,14 @@ class QuantArray:
         return dequantize(self).astype(dtype)
 
 
+# the blocked layout's last axis as (block nb, element of the block blk), and back
+_SPLIT_BLOCKS = "... (nb blk) -> ... nb blk"
+_JOIN_BLOCKS = "... nb blk -> ... (nb blk)"
+# 2-D NVFP4 blocks: the rows axis too as (row block rb, row of the block blk)
+_ROW_BLOCKS = "... (rb blk) nb -> ... rb blk nb"
+_ROWS_OF_BLOCKS = "... rb nb -> ... (rb blk) nb"
+
+
 def _to_blocks(x: jax.Array, axis: int, block: int, pad_rows: int = 0) -> tuple[jax.Array, int]:
     """Move `axis` last, zero-pad it to a multiple of `block` (and the axis before it to a
     multiple of pad_rows), -> (array [..., n_padded], normalised axis)."""
@@ -256,12 +265,12 @@ def mx_quantize(
         raise ValueError("use nvfp4_quantize for NVFP4")
     shape = tuple(x.shape)
     xb, axis = _to_blocks(x.astype(jnp.float32), axis, block)
-    blocks = xb.reshape(xb.shape[:-1] + (-1, block))
+    blocks = rearrange(xb, _SPLIT_BLOCKS, blk=block)
     amax = _amax(blocks, -1)
     s = mx_scale_exponent(amax, elem, rule)
     v = round_to_format(jnp.ldexp(blocks, -s[..., None]), elem, key)
     code = jnp.where(jnp.isfinite(amax), s + E8M0_BIAS, E8M0_NAN).astype(jnp.uint8)
-    v = v.reshape(xb.shape)
+    v = rearrange(v, _JOIN_BLOCKS)
     data = pack_fp4(e2m1_to_codes(v)) if elem is E2M1 else v.astype(elem.dtype)
     return QuantArray(data, code, None, fmt, axis, shape)
 
@@ -298,20 +307,19 @@ def nvfp4_quantize(
     s2 = jnp.moveaxis(_second_scale(x, second, axis), axis % x.ndim, -1)  # [..., 1 or n]
     b = NVFP4_BLOCK
     xb, axis = _to_blocks(x, axis, b, pad_rows=b if block_2d else 0)
-    blocks = xb.reshape(xb.shape[:-1] + (-1, b))  # [..., rows, nb, 16]
+    blocks = rearrange(xb, _SPLIT_BLOCKS, blk=b)  # [..., rows, nb, 16]
     amax = _amax(blocks, -1)  # [..., rows, nb]
     if block_2d:
-        r = amax.shape[-2]
-        amax = jnp.max(amax.reshape(amax.shape[:-2] + (r // b, b, amax.shape[-1])), axis=-2)  # [..., rows/16, nb]
+        amax = rearrange(amax, _ROW_BLOCKS, blk=b).max(axis=-2)  # [..., rows/16, nb]
     if s2.shape[-1] != 1:
         raise ValueError(f"the second-level scale's axes {second} must include the quantised axis {axis}")
     if block_2d and s2.shape[-2] != 1:
         raise ValueError("2-D NVFP4 blocks need a second-level scale constant along the rows")
     sb = round_to_format(amax / (E2M1.max * s2), E4M3)  # [..., nb] or [..., rows / 16, nb]
-    sb_full = jnp.repeat(sb, b, axis=-2) if block_2d else sb  # [..., rows, nb]
+    sb_full = repeat(sb, _ROWS_OF_BLOCKS, blk=b) if block_2d else sb  # [..., rows, nb]
     scale = sb_full[..., None] * s2[..., None]  # float32 product, rounded once
     v = round_to_format(jnp.where(scale > 0, blocks / jnp.where(scale > 0, scale, 1.0), 0.0), E2M1, key)
-    v = jnp.where(jnp.isnan(scale), jnp.nan, v).reshape(xb.shape)
+    v = rearrange(jnp.where(jnp.isnan(scale), jnp.nan, v), _JOIN_BLOCKS)
     data = pack_fp4(e2m1_to_codes(jnp.nan_to_num(v)))
     return QuantArray(data, sb.astype(jnp.float8_e4m3fn), s2, "nvfp4", axis, shape, block_2d)
 
@@ -324,16 +332,16 @@ def dequantize(q: QuantArray) -> jax.Array:
         v = codes_to_e2m1(unpack_fp4(q.data))
     else:
         v = q.data.astype(jnp.float32)
-    blocks = v.reshape(v.shape[:-1] + (-1, block))
+    blocks = rearrange(v, _SPLIT_BLOCKS, blk=block)
     if q.fmt == "nvfp4":
         sb = q.scales.astype(jnp.float32)
         s2 = q.second if q.second is not None else jnp.float32(1.0)
         if q.block_2d:
-            sb = jnp.repeat(sb, NVFP4_BLOCK, axis=-2)
+            sb = repeat(sb, _ROWS_OF_BLOCKS, blk=NVFP4_BLOCK)
         out = (blocks * sb[..., None]) * s2[..., None]
     else:
         out = blocks * e8m0_decode(q.scales)[..., None]
-    return _from_blocks(out.reshape(v.shape), q.axis, q.shape)
+    return _from_blocks(rearrange(out, _JOIN_BLOCKS), q.axis, q.shape)
 
 
 def quantize(x: jax.Array, fmt: str, axis: int = -1, **kw) -> QuantArray:

@@ -39,6 +39,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+from einops import rearrange
 
 from composer_jax.config.model import MOE_PRECISIONS, MOE_QUANT_BACKENDS, MoePrecision
 from composer_jax.quant import pallas_backend
@@ -157,11 +158,15 @@ def _tile_sizes(x: jax.Array) -> jax.Array:
     return jnp.full((x.shape[0],), x.shape[1], jnp.int32)
 
 
+# the pallas backend's ragged layout of [tiles, m, *] tiles: their rows stacked, m rows per group
+_STACK_TILES = "tile m c -> (tile m) c"
+_UNSTACK_TILES = "(tile m) c -> tile m c"
+
+
 def _tile_fwd(x, w, r):
     if r.backend == "pallas":
-        t, m, k = x.shape
-        y = pallas_backend.forward(x.reshape(t * m, k), w, _tile_sizes(x), r).reshape(t, m, -1)
-        return y.astype(x.dtype), (x, w)
+        y = pallas_backend.forward(rearrange(x, _STACK_TILES), w, _tile_sizes(x), r)
+        return rearrange(y, _UNSTACK_TILES, tile=x.shape[0]).astype(x.dtype), (x, w)
     y = jnp.einsum("tmk,tkn->tmn", _fwd_act(x, 2, r), _fwd_weight(w, 1, r))
     return y.astype(x.dtype), (x, w)
 
@@ -169,10 +174,9 @@ def _tile_fwd(x, w, r):
 def _tile_bwd(r, res, dy):
     x, w = res
     if r.backend == "pallas":
-        t, m, k = x.shape
-        sizes, dyr = _tile_sizes(x), dy.reshape(t * m, -1)
-        dx = pallas_backend.dgrad(dyr, w, sizes, r).reshape(x.shape)
-        dw = pallas_backend.wgrad(x.reshape(t * m, k), dyr, sizes, r)
+        sizes, dyr = _tile_sizes(x), rearrange(dy, _STACK_TILES)
+        dx = rearrange(pallas_backend.dgrad(dyr, w, sizes, r), _UNSTACK_TILES, tile=x.shape[0])
+        dw = pallas_backend.wgrad(rearrange(x, _STACK_TILES), dyr, sizes, r)
         return dx.astype(x.dtype), dw.astype(w.dtype)
     dx = jnp.einsum("tmn,tkn->tmk", _bwd_q(dy, 2, r), _bwd_q(w, 2, r))
     dw = jnp.einsum("tmk,tmn->tkn", _bwd_q(x, 1, r), _bwd_q(dy, 1, r))

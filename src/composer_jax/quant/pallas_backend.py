@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
+from einops import rearrange, repeat
 
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels import grouped_matmul_bwd as gm_bwd
@@ -96,25 +97,24 @@ def nvfp4_rows(a: jax.Array, s2: jax.Array | None = None) -> tuple[jax.Array, ja
 def mx_weight_along_k(w: jax.Array, rule: str) -> tuple[jax.Array, jax.Array]:
     """w [G, K, N] in blocks along K -> (e4m3 [G, K', N'], uint8 [G, K'/32, N'])."""
     g = w.shape[0]
-    w = _pad(_pad(w, 1), 2)
-    _, k, n = w.shape
-    v, s = mx_along_rows(w.reshape(g * k, n), rule)  # K a multiple of 32: no block spans two experts
-    return v.reshape(g, k, n), s.reshape(g, k // ALIGN, n)
+    # the experts' K rows stacked: K is padded to a multiple of 32, so no block spans two experts
+    v, s = mx_along_rows(rearrange(_pad(_pad(w, 1), 2), "g k n -> (g k) n"), rule)
+    per_expert = lambda a: rearrange(a, "(g rows) n -> g rows n", g=g)
+    return per_expert(v), per_expert(s)
 
 
 def nvfp4_weight_along_k(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """w [G, K, N] in blocks along K, one second-level scale per expert matrix -> (packed uint8
     [G, K'/2, N'], e4m3 [G, K'/16, N'], float32 [G])."""
     g = w.shape[0]
-    s2 = nvfp4_quant.second_scale(w.reshape(g, -1))  # [G, 1]
-    wt = jnp.swapaxes(_pad(_pad(w, 1), 2), 1, 2)  # [G, N', K']
-    _, n, k = wt.shape
-    packed, sb, _ = nvfp4_rows(wt.reshape(g * n, k), jnp.repeat(s2, n, axis=0))
-    return (
-        jnp.swapaxes(packed.reshape(g, n, k // 2), 1, 2),
-        jnp.swapaxes(sb.reshape(g, n, k // 16), 1, 2),
-        s2.reshape(g),
-    )
+    s2 = nvfp4_quant.second_scale(rearrange(w, "g k n -> g (k n)"))  # [G, 1]
+    w = _pad(_pad(w, 1), 2)
+    n = w.shape[2]
+    # each expert's output columns as rows blocked along K (the kernel quantises rows), each row
+    # carrying its expert's second-level scale
+    packed, sb, _ = nvfp4_rows(rearrange(w, "g k n -> (g n) k"), repeat(s2, "g one -> (g n) one", n=n))
+    along_k = lambda a: rearrange(a, "(g n) kb -> g kb n", g=g)
+    return along_k(packed), along_k(sb), rearrange(s2, "g one -> (g one)")
 
 
 def forward(x: jax.Array, w: jax.Array, sizes: jax.Array, r: Recipe) -> jax.Array:
@@ -149,13 +149,14 @@ def dgrad(dy: jax.Array, w: jax.Array, sizes: jax.Array, r: Recipe) -> jax.Array
     g = w.shape[0]
     dyv, dys = mx_along_cols(dy, r.mx_rule)
     wp = _pad(_pad(w, 1), 2)
-    kp, np_ = wp.shape[1], wp.shape[2]
-    wv, ws = mx_along_cols(wp.reshape(g * kp, np_), r.mx_rule)
+    kp = wp.shape[1]
+    wv, ws = mx_along_cols(rearrange(wp, "g k n -> (g k) n"), r.mx_rule)
+    per_expert = lambda a: rearrange(a, "(g k) cols -> g k cols", g=g)
     dx = gm_bwd.grouped_matmul_mxfp8_dgrad(
         dyv,
         dys,
-        wv.reshape(g, kp, np_),
-        ws.reshape(g, kp, np_ // ALIGN),
+        per_expert(wv),
+        per_expert(ws),
         sizes,
         tm=rows_tile(),
         tk=_tile(kp),
