@@ -31,6 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from einops import rearrange
 from jax.sharding import Mesh
 
 from composer_jax.checkpoint import safetensors_io as st
@@ -65,8 +66,8 @@ class Layout:
         if self.kind == "T":
             return a.T
         if self.kind == "heads_in":
-            return a.reshape(self.heads, a.shape[0] // self.heads, a.shape[1]).transpose(2, 0, 1)
-        return a.reshape(a.shape[0], self.heads, a.shape[1] // self.heads).transpose(1, 2, 0)
+            return rearrange(a, "(h k) i -> i h k", h=self.heads)
+        return rearrange(a, "o (h k) -> h k o", h=self.heads)
 
     def to_hf(self, a: np.ndarray) -> np.ndarray:
         if self.kind == "copy":
@@ -74,8 +75,8 @@ class Layout:
         if self.kind == "T":
             return a.T
         if self.kind == "heads_in":
-            return a.transpose(1, 2, 0).reshape(a.shape[1] * a.shape[2], a.shape[0])
-        return a.transpose(2, 0, 1).reshape(a.shape[2], a.shape[0] * a.shape[1])
+            return rearrange(a, "i h k -> (h k) i")
+        return rearrange(a, "h k o -> o (h k)")
 
     def hf_shape(self, ours: tuple[int, ...]) -> tuple[int, ...]:
         if self.kind == "copy":
