@@ -328,7 +328,7 @@ def test_bad_requests_get_4xx_naming_the_value(served, client):
             "tools",
             "'bad name!'",
         ),
-        ("/v1/chat/completions", {"messages": user, "tool_choice": "required", "tools": TOOLS}, "tool_choice", "auto"),
+        ("/v1/chat/completions", {"messages": user, "tool_choice": "always", "tools": TOOLS}, "tool_choice", "auto"),
         ("/v1/chat/completions", {"messages": user, "n": 0}, "n", "0 is out of range"),
     ]
     for path, body, param, text in cases:
