@@ -104,12 +104,14 @@ def test_tool_choice_none_offers_and_parses_no_call():
 def test_parallel_tool_calls_false_keeps_the_first_call():
     both = _completion(_choice(_chat(tools=TOOLS), TWO_CALLS)).choices[0].message.tool_calls
     assert [t.function.name for t in both] == ["read_file", "list_dir"]
-    (first,) = _completion(_choice(_chat(tools=TOOLS, parallel_tool_calls=False), TWO_CALLS)).choices[0].message.tool_calls
+    one = _chat(tools=TOOLS, parallel_tool_calls=False)
+    (first,) = _completion(_choice(one, TWO_CALLS)).choices[0].message.tool_calls
     assert first.function.name == "read_file" and first.id == both[0].id
 
 
 def test_tool_choice_errors_name_the_value_and_the_tools():
-    with pytest.raises(api.ApiError, match=r"function 'grep' is not among the tools given: \['read_file', 'list_dir'\]"):
+    given = r"function 'grep' is not among the tools given: \['read_file', 'list_dir'\]"
+    with pytest.raises(api.ApiError, match=given):
         _chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "grep"}})
     with pytest.raises(api.ApiError, match="'required' needs tools; the request gives none") as e:
         _chat(tool_choice="required")
