@@ -58,6 +58,8 @@ _log = logging.getLogger("composer_jax.inference.server")
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 SOURCES = ("checkpoint", "weight_store")
+# a stream's chunk objects, as OpenAI names them (legacy completions stream "text_completion" objects)
+STREAM_OBJECT = {"text_completion": "text_completion", "chat.completion": "chat.completion.chunk"}
 RETRY_AFTER_S = 1  # the 429's Retry-After (whole seconds, as the header is read by clients)
 
 
@@ -295,7 +297,7 @@ class OpenAIServer:
         ids = [r.id for r in reqs]
         if gen.stream:
             return StreamingResponse(
-                self._stream(gen, rid, obj + ".chunk", ids, events),
+                self._stream(gen, rid, STREAM_OBJECT[obj], ids, events),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
