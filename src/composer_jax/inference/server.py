@@ -17,12 +17,14 @@ error reading it and the last fallback (a bad version replaced by an older one).
 Requests and responses: `openai_api.py` (extension fields: top_k, return_routing,
 return_prompt_routing, stop_token_ids, ignore_eos; token_ids, token_versions, routed_experts,
 prompt_routed_experts, malformed_tool_calls). Errors: `{"error": {"message", "type",
-"param", "code"}}` with a 4xx status for a bad request, 401 without the key, 429 when the engine
-is full, 500 when the engine failed the request (the server keeps serving).
+"param", "code"}}` with a 4xx status for a bad request, 401 without the key (OpenAI's
+invalid_request_error / invalid_api_key), 429 with `Retry-After` when the engine is full, 500 when
+the engine failed the request (the server keeps serving).
 
 Architecture: one engine thread owns the Sampler (`engine.py`); handlers submit requests and
 await their events through an asyncio queue fed with `call_soon_threadsafe`. Streaming reads each
-request's tokens after every decode step (`Sampler.running()`); a client that disconnects
+request's tokens after every decode step (`Sampler.running()`), one `ChoiceStream` per choice
+turning them into chunks (text, logprobs, tool-call deltas); a client that disconnects
 mid-stream has its requests cancelled (`Sampler.cancel`), freeing the slot.
 """
 
