@@ -50,7 +50,7 @@ from composer_jax.config.data import DataConfigError
 from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.env.protocol import ToolArgumentError, decode_arguments
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
+ROLES = ("system", "user", "assistant", "tool")
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role (o1 and later)
 
 
@@ -179,10 +179,12 @@ def _render(messages: Sequence[dict], tok: Tokenizer, *, where: str, generation_
         raise DataConfigError(f"{where}: a conversation must be a non-empty list of messages")
     for i, m in enumerate(messages):
         at = f"{where} message {i}"
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            role = m.get("role") if isinstance(m, dict) else None
-            raise DataConfigError(f"{at}: role {role!r} is not accepted; accepted: {ROLES}")
         role = _role(m)
+        if role not in ROLES:
+            given = m.get("role") if isinstance(m, dict) else None
+            raise DataConfigError(
+                f"{at}: role {given!r} is not accepted; accepted: {ROLES} (and 'developer', rendered as 'system')"
+            )
         add([im_start] + tok.encode(role) + newline, False)
         text = _content_text(m.get("content"), at)
         if role == "assistant":
