@@ -162,6 +162,7 @@ def _check_tool_call_delta(d: dict, first: bool) -> None:
     """The fields the SDK reads from a tool-call delta, strictly (pydantic ignores extra keys)."""
     assert isinstance(d["index"], int) and isinstance(d["function"]["arguments"], str)
     if first:
+        assert set(d) == {"index", "id", "type", "function"} and set(d["function"]) == {"name", "arguments"}
         assert d["type"] == "function" and d["id"].startswith("call_") and d["function"]["name"]
     else:
         assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}

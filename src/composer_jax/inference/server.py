@@ -534,7 +534,8 @@ class ChoiceStream:
         done = ev.completion
         if done is None:
             self.tokens.extend(ev.tokens)
-            return [self._delta(ev.tokens, ev.logprobs, ev.versions, final=False), *self._call_chunks(False)]
+            calls = self._call_chunks(False) if self._closes_a_call(ev.tokens) else []
+            return [self._delta(ev.tokens, ev.logprobs, ev.versions, final=False), *calls]
         n = len(self.tokens)
         self.tokens = list(done.tokens)
         last = self._delta(done.tokens[n:], done.logprobs[n:], done.versions[n:], final=True)
@@ -574,6 +575,12 @@ class ChoiceStream:
         out = api.completion_logprobs(self.tok, new, lps, offset=self.offset)
         self.offset += sum(len(p) for p in out["tokens"])
         return out
+
+    def _closes_a_call(self, new: list[int]) -> bool:
+        """Whether `new` may complete a tool call (so the turn is read again only then, not at
+        every token of a long turn)."""
+        ends = (self.tok.token_id("<|tool_call|>"), self.tok.token_id("<|im_end|>"))
+        return any(t in ends for t in new)
 
     def _call_chunks(self, final: bool) -> list[dict]:
         """Chat: the deltas of the tool calls completed since the last call sent."""
