@@ -75,8 +75,12 @@ def test_tool_choice_forces_the_opening_of_a_call():
     required = _chat(tools=TOOLS, tool_choice="required")
     assert required.forced == [CALL] and required.prompts[0] == base + [CALL] and required.tool_choice == "required"
     named = _chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "list_dir"}})
-    assert named.prompts[0] == base + named.forced and named.tool_choice == "list_dir"
+    assert named.prompts[0] == base + named.forced and named.tool_choice == "function"
     assert TOK.decode(named.forced) == '<|tool_call|>{"name": "list_dir", "arguments":'
+    # a function may be named like a mode: the name is forced all the same
+    auto = [{"type": "function", "function": {"name": "auto"}}]
+    forced_auto = _chat(tools=auto, tool_choice={"type": "function", "function": {"name": "auto"}}).forced
+    assert TOK.decode(forced_auto) == '<|tool_call|>{"name": "auto", "arguments":'
     # the opening tokenizes as the same text does inside a whole call (the template's spelling)
     whole = TOK.encode('{"name": "list_dir", "arguments": {"path": "."}}')
     assert whole[: len(named.forced) - 1] == named.forced[1:]

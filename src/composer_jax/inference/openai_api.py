@@ -150,7 +150,7 @@ class Generation:
     tools: list[dict] | None = None
     return_prompt_routing: bool = False
     forced: list[int] = dataclasses.field(default_factory=list)  # chat: the turn's opening, prefilled
-    tool_choice: str = "auto"  # chat: "none" | "auto" | "required" | the forced function's name
+    tool_choice: str = "auto"  # chat: "none" | "auto" | "required" | "function" (the one named)
     parallel_tool_calls: bool = True  # chat: False keeps only a turn's first tool call
 
 
@@ -313,7 +313,7 @@ def parse_chat(body: Any, *, tok: Tokenizer, served: str, max_len: int, vocab: i
         except ConfigError as e:
             raise ApiError(400, str(e), param="tools", code="invalid_tools") from None
         tools = body["tools"]
-    choice = tool_choice(body.get("tool_choice"), tools)
+    choice, function = tool_choice(body.get("tool_choice"), tools)
     if "messages" not in body:
         raise _bad("messages", "is required: a non-empty list of messages", "missing")
     try:
@@ -322,7 +322,7 @@ def parse_chat(body: Any, *, tok: Tokenizer, served: str, max_len: int, vocab: i
         raise ApiError(400, f"messages: {e}", param="messages", code="invalid_messages") from None
     except (AttributeError, TypeError) as e:  # e.g. a message's tool_calls that is not a list
         raise ApiError(400, f"messages: malformed ({e})", param="messages", code="invalid_messages") from None
-    forced = forced_opening(tok, choice)
+    forced = forced_opening(tok, choice, function)
     top = int_field(body, "top_logprobs", None, 0, 20)
     if top:
         raise _bad(
@@ -358,21 +358,22 @@ def parse_chat(body: Any, *, tok: Tokenizer, served: str, max_len: int, vocab: i
     )
 
 
-def tool_choice(value: Any, tools: list[dict] | None) -> str:
-    """The request's tool_choice -> "none" | "auto" | "required" | the name of the function to call.
+def tool_choice(value: Any, tools: list[dict] | None) -> tuple[str, str | None]:
+    """The request's tool_choice -> (mode: "none" | "auto" | "required" | "function", the name of
+    the function to call for "function", else None).
 
     Default: "auto" (OpenAI's default with tools; without tools nothing can be called anyway).
     "required" and a named function need tools; a name must be one of them."""
     names = [t["function"]["name"] for t in tools or ()]
     if value is None or value in ("none", "auto"):
-        return value or "auto"
-    if value == "required" or _named_function(value) is not None:
+        return value or "auto", None
+    name = _named_function(value)
+    if value == "required" or name is not None:
         if not names:
             raise _bad("tool_choice", f"{value!r:.100} needs tools; the request gives none", "invalid_value")
-        name = "required" if value == "required" else _named_function(value)
-        if name != "required" and name not in names:
+        if name is not None and name not in names:
             raise _bad("tool_choice", f"function {name!r} is not among the tools given: {names}", "invalid_value")
-        return str(name)
+        return ("required", None) if name is None else ("function", name)
     raise _bad(
         "tool_choice",
         f"{value!r:.100} is not accepted; accepted: 'none', 'auto', 'required' or "
@@ -388,7 +389,7 @@ def _named_function(value: Any) -> str | None:
     return None
 
 
-def forced_opening(tok: Tokenizer, choice: str) -> list[int]:
+def forced_opening(tok: Tokenizer, choice: str, function: str | None = None) -> list[int]:
     """The tokens that open the assistant turn when a call is forced (appended to the prompt):
     "required": `<|tool_call|>`; a named function N: `<|tool_call|>{"name": "N", "arguments":`,
     the template's own spelling cut where a BPE word ends, so the model's continuation tokenizes as
@@ -397,8 +398,8 @@ def forced_opening(tok: Tokenizer, choice: str) -> list[int]:
     if choice in ("none", "auto"):
         return []
     opening = [tok.token_id("<|tool_call|>")]
-    if choice != "required":
-        opening += tok.encode(json.dumps({"name": choice}, ensure_ascii=False)[:-1] + ', "arguments":')
+    if choice == "function":
+        opening += tok.encode(json.dumps({"name": function}, ensure_ascii=False)[:-1] + ', "arguments":')
     return opening
 
 
