@@ -301,6 +301,88 @@ def test_chat_with_tools_end_to_end(served, client):
     assert chunks[-1].choices[0].finish_reason == c.finish_reason
 
 
+# ---------------------------------------------------------------------------- OpenAI conformance
+def _sse(served, path: str, body: dict) -> list[dict]:
+    """A streamed response's chunks as JSON (raw SSE: no client in between)."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", served["url"] + path, json=body, headers=headers, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_streamed_text_offsets_continue_across_chunks(served):
+    body = {"model": "tiny-test", "prompt": "def add(a, b):", "max_tokens": 24, "temperature": 1.0, "seed": 3}
+    r = _post(served, "/v1/completions", {**body, "logprobs": 0})
+    whole = openai.types.Completion.model_validate(r.json()).choices[0]
+    raw = _sse(served, "/v1/completions", {**body, "logprobs": 0, "stream": True})
+    # the SDK's Completion allows no null finish_reason, which the API streams before the last chunk
+    assert [c["choices"][0]["finish_reason"] for c in raw] == [None] * (len(raw) - 1) + ["length"]
+    last = [{**c, "choices": [{**c["choices"][0], "finish_reason": "length"}]} for c in raw]
+    chunks = [openai.types.Completion.model_validate(c) for c in last]
+    assert all(c.object == "text_completion" and len(c.choices) == 1 for c in chunks) and len(chunks) > 2
+    offsets = sum((c.choices[0].logprobs.text_offset for c in chunks if c.choices[0].logprobs), [])
+    assert offsets == whole.logprobs.text_offset and len(offsets) == 24
+    # offsets into the whole completion: each token's text starts where the one before ended
+    pieces = whole.logprobs.tokens
+    assert offsets == [sum(len(p) for p in pieces[:i]) for i in range(len(pieces))]
+
+
+def test_forced_tool_choice_end_to_end(served):
+    tok, policy = served["tok"], served["policy"]
+    messages = [{"role": "developer", "content": "Use tools."}, {"role": "user", "content": "Show a.py"}]
+    named = {"type": "function", "function": {"name": "read_file"}}
+    body = {"model": "tiny-test", "messages": messages, "tools": TOOLS, "max_tokens": 12, "seed": 8}
+    base = api.parse_chat(
+        {**body, "messages": [{"role": "system", "content": "Use tools."}, messages[1]]},
+        tok=tok,
+        served="tiny-test",
+        max_len=MAX_LEN,
+        vocab=2048,
+    )
+    for choice in ("required", named):
+        gen = api.parse_chat({**body, "tool_choice": choice}, tok=tok, served="tiny-test", max_len=MAX_LEN, vocab=2048)
+        r = _post(served, "/v1/chat/completions", {**body, "tool_choice": choice, "logprobs": True})
+        completion = openai.types.chat.ChatCompletion.model_validate(r.json())
+        (c,) = completion.choices
+        ids = c.model_extra["token_ids"]
+        # the forced opening is prompt: counted there, and the model sampled after it
+        assert gen.prompts[0] == base.prompts[0] + gen.forced  # developer is rendered as system
+        assert completion.usage.prompt_tokens == len(gen.prompts[0]) and completion.usage.completion_tokens == len(ids)
+        want = _reference_logprobs(policy.params, policy.cfg, gen.prompts[0], ids, 1.0)
+        np.testing.assert_allclose([e.logprob for e in c.logprobs.content], want, atol=1e-5, rtol=0)
+        turn = api.turn_of(tok, gen.forced + ids, "unused")  # read after the forced opening
+        assert c.message.content is None and c.model_extra["malformed_tool_calls"] == turn.malformed
+        assert [t.function.name for t in c.message.tool_calls or []] == [t["function"]["name"] for t in turn.tool_calls]
+        assert c.finish_reason in ("stop", "length", "tool_calls")
+        assert len(turn.tool_calls) + len(turn.malformed) >= 1  # the turn holds a call, whole or not
+
+        # streamed: every chunk is a ChatCompletionChunk; the SDK's accumulation gives the same turn
+        chunks = _sse(served, "/v1/chat/completions", {**body, "tool_choice": choice, "stream": True})
+        state = openai.lib.streaming.chat.ChatCompletionStreamState(input_tools=TOOLS)
+        for chunk in chunks:
+            assert chunk["object"] == "chat.completion.chunk"
+            state.handle_chunk(openai.types.chat.ChatCompletionChunk.model_validate(chunk))
+        final = state.current_completion_snapshot.choices[0]  # (get_final_completion refuses "length")
+        assert final.finish_reason == c.finish_reason and (final.message.content or None) is None
+        assert [t.function.name for t in final.message.tool_calls or []] == [
+            t.function.name for t in c.message.tool_calls or []
+        ]
+
+
+def test_openai_sdk_stream_helper_reads_a_chat_stream(served, client):
+    kw = dict(model="tiny-test", messages=[{"role": "user", "content": "hi"}], tools=TOOLS, max_tokens=20, seed=6)
+    whole = client.chat.completions.create(**kw)
+    with client.chat.completions.stream(**kw, stream_options={"include_usage": True}) as stream:
+        for _ in stream:  # the SDK's own events, accumulated by it
+            pass
+        final = stream.current_completion_snapshot
+    (a,), (b,) = whole.choices, final.choices
+    assert (b.message.content or None) == a.message.content and b.finish_reason == a.finish_reason
+    assert final.usage.completion_tokens == whole.usage.completion_tokens == len(a.model_extra["token_ids"])
+
+
 # ---------------------------------------------------------------------------- errors, auth, limits
 def _error_of(response: httpx.Response) -> dict:
     err = response.json()["error"]
@@ -328,7 +410,7 @@ def test_bad_requests_get_4xx_naming_the_value(served, client):
             "tools",
             "'bad name!'",
         ),
-        ("/v1/chat/completions", {"messages": user, "tool_choice": "required", "tools": TOOLS}, "tool_choice", "auto"),
+        ("/v1/chat/completions", {"messages": user, "tool_choice": "always", "tools": TOOLS}, "tool_choice", "auto"),
         ("/v1/chat/completions", {"messages": user, "n": 0}, "n", "0 is out of range"),
     ]
     for path, body, param, text in cases:
@@ -369,6 +451,24 @@ def test_full_server_answers_429_and_a_dropped_stream_frees_its_slots(served, cl
         time.sleep(0.05)
     assert served["engine"].outstanding == 0
     assert client.completions.create(model="tiny-test", prompt="x", max_tokens=2).choices[0].finish_reason == "length"
+
+
+def test_429_carries_retry_after_and_401_is_openai_s(served, client):
+    r = _post(served, "/v1/completions", {"model": "tiny-test", "prompt": "x", "max_tokens": 2, "n": 4})
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    err = _error_of(r)
+    assert err["type"] == "rate_limit_error" and err["code"] == "queue_full" and "retry in 1 s" in err["message"]
+    r = _post(served, "/v1/completions", {"prompt": "x"}, key="wrong-key-0123456789")
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    assert {k: _error_of(r)[k] for k in ("type", "param", "code")} == {
+        "type": "invalid_request_error",  # what the real API answers for a wrong key
+        "param": None,
+        "code": "invalid_api_key",
+    }
+    wrong = openai.OpenAI(base_url=served["url"] + "/v1", api_key="wrong-key-0123456789", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as exc:
+        wrong.models.list()
+    assert exc.value.code == "invalid_api_key" and exc.value.type == "invalid_request_error"
 
 
 # ---------------------------------------------------------------------------- weights

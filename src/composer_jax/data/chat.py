@@ -1,7 +1,8 @@
 """Chat template ("composer-chatml-v1") and the SFT loss mask.
 
 A conversation is a list of OpenAI-style messages:
-  {"role": "system" | "user", "content": str}
+  {"role": "system" | "user", "content": str}     ("developer", OpenAI's newer name for system, is
+                                                   accepted and rendered as "system")
   {"role": "assistant", "content": str | None,
    "tool_calls": [{"id": str, "type": "function", "function": {"name": str, "arguments": str(JSON)}}]}
   {"role": "tool", "tool_call_id": str, "content": str}
@@ -50,6 +51,13 @@ from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.env.protocol import ToolArgumentError, decode_arguments
 
 ROLES = ("system", "user", "assistant", "tool")
+ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role (o1 and later)
+
+
+def _role(m: Any) -> Any:
+    """A message's role as the template renders it (aliases resolved); the raw value otherwise."""
+    role = m.get("role") if isinstance(m, dict) else None
+    return ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
 
 
 def _content_text(content: Any, where: str) -> str:
@@ -148,7 +156,7 @@ def _with_tools(messages: Sequence[dict], tools: Sequence[dict] | None, where: s
     block = tools_block(tools)
     if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict):
         first = messages[0]
-        if first.get("role") == "system":
+        if _role(first) == "system":
             text = _content_text(first.get("content"), f"{where} message 0")
             return [{**first, "content": f"{text}\n\n{block}" if text else block}, *messages[1:]]
     if not isinstance(messages, (list, tuple)):
@@ -171,9 +179,12 @@ def _render(messages: Sequence[dict], tok: Tokenizer, *, where: str, generation_
         raise DataConfigError(f"{where}: a conversation must be a non-empty list of messages")
     for i, m in enumerate(messages):
         at = f"{where} message {i}"
-        role = m.get("role") if isinstance(m, dict) else None
+        role = _role(m)
         if role not in ROLES:
-            raise DataConfigError(f"{at}: role {role!r} is not accepted; accepted: {ROLES}")
+            given = m.get("role") if isinstance(m, dict) else None
+            raise DataConfigError(
+                f"{at}: role {given!r} is not accepted; accepted: {ROLES} (and 'developer', rendered as 'system')"
+            )
         add([im_start] + tok.encode(role) + newline, False)
         text = _content_text(m.get("content"), at)
         if role == "assistant":
@@ -226,7 +237,7 @@ def render_chat_text(messages: Sequence[dict], tools: Sequence[dict] | None = No
     messages = _with_tools(messages, tools, "conversation")
     out = ["<|bos|>"]
     for i, m in enumerate(messages):
-        role, text = m["role"], _content_text(m.get("content"), f"message {i}")
+        role, text = _role(m), _content_text(m.get("content"), f"message {i}")
         if role == "assistant":
             calls = "".join("<|tool_call|>" + tool_call_json(c, f"message {i}") for c in m.get("tool_calls") or ())
             out.append(f"<|im_start|>assistant\n{text}{calls}<|im_end|>\n")

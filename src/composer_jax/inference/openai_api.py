@@ -7,7 +7,8 @@ Requests: `/v1/completions` (prompt: a string, token ids, or a list of either) a
 `/v1/chat/completions` (messages in the project's chat template, `data/chat.py`, with `tools`).
 Supported fields: model, max_tokens (chat: also max_completion_tokens), temperature, top_p, n,
 seed, stop, stream, stream_options.include_usage, logprobs (completions: 0, the sampled tokens'
-log-probabilities; chat: true with top_logprobs 0), tools and tool_choice "auto" (chat);
+log-probabilities; chat: true with top_logprobs 0), tools, tool_choice ("none", "auto",
+"required" or a named function: `tool_choice` below) and parallel_tool_calls (chat);
 extensions: top_k, return_routing, return_prompt_routing, and vLLM's stop_token_ids (extra stop
 tokens) and ignore_eos (do not stop at the default stop tokens). Fields OpenAI defines that the sampler cannot honour
 (echo, best_of, suffix, logit_bias, penalties, top alternatives in logprobs) are refused with a
@@ -21,6 +22,7 @@ Every choice carries two extension fields: `token_ids` (the generated tokens) an
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import secrets
 from collections.abc import Sequence
@@ -49,7 +51,7 @@ class ApiError(Exception):
     @property
     def type(self) -> str:
         return {
-            401: "authentication_error",
+            401: "invalid_request_error",  # what OpenAI answers for a wrong key (code invalid_api_key)
             403: "permission_error",
             404: "not_found_error",
             409: "conflict_error",
@@ -147,6 +149,9 @@ class Generation:
     return_routing: bool
     tools: list[dict] | None = None
     return_prompt_routing: bool = False
+    forced: list[int] = dataclasses.field(default_factory=list)  # chat: the turn's opening, prefilled
+    tool_choice: str = "auto"  # chat: "none" | "auto" | "required" | "function" (the one named)
+    parallel_tool_calls: bool = True  # chat: False keeps only a turn's first tool call
 
 
 def _model(body: dict, served: str) -> str:
@@ -308,22 +313,16 @@ def parse_chat(body: Any, *, tok: Tokenizer, served: str, max_len: int, vocab: i
         except ConfigError as e:
             raise ApiError(400, str(e), param="tools", code="invalid_tools") from None
         tools = body["tools"]
-    choice = body.get("tool_choice")
-    if choice not in (None, "auto") and not (choice == "none" and not tools):
-        raise _bad(
-            "tool_choice",
-            f"{choice!r:.100} is not supported; accepted: 'auto' (the model decides; forcing a call is not "
-            "supported by this sampler)",
-            "unsupported",
-        )
+    choice, function = tool_choice(body.get("tool_choice"), tools)
     if "messages" not in body:
         raise _bad("messages", "is required: a non-empty list of messages", "missing")
     try:
-        prompt = render_prompt(body["messages"], tok, tools=tools)
+        prompt = render_prompt(body["messages"], tok, tools=tools if choice != "none" else None)
     except ConfigError as e:
         raise ApiError(400, f"messages: {e}", param="messages", code="invalid_messages") from None
     except (AttributeError, TypeError) as e:  # e.g. a message's tool_calls that is not a list
         raise ApiError(400, f"messages: malformed ({e})", param="messages", code="invalid_messages") from None
+    forced = forced_opening(tok, choice, function)
     top = int_field(body, "top_logprobs", None, 0, 20)
     if top:
         raise _bad(
@@ -332,15 +331,18 @@ def parse_chat(body: Any, *, tok: Tokenizer, served: str, max_len: int, vocab: i
             "unsupported",
         )
     logprobs = _bool(body, "logprobs")
-    stop_ids = (tok.token_id("<|im_end|>"), tok.eos_id)
+    stop_ids: tuple[int, ...] = (tok.token_id("<|im_end|>"), tok.eos_id)
+    if choice == "none":  # the turn ends where a tool call would begin
+        stop_ids += (tok.token_id("<|tool_call|>"),)
+    prompt_ids = [*prompt.tolist(), *forced]
     n, params, stop, flags = _common(
-        body, prompt_lens=[len(prompt)], max_len=max_len, default_max_tokens=None, stop_ids=stop_ids, vocab=vocab
+        body, prompt_lens=[len(prompt_ids)], max_len=max_len, default_max_tokens=None, stop_ids=stop_ids, vocab=vocab
     )
     stream, include_usage, routing = _flags(flags)
     return Generation(
         "chat",
         model,
-        [prompt.tolist()],
+        [prompt_ids],
         n,
         params,
         stop,
@@ -350,7 +352,55 @@ def parse_chat(body: Any, *, tok: Tokenizer, served: str, max_len: int, vocab: i
         routing,
         tools,
         return_prompt_routing=flags["return_prompt_routing"],
+        forced=forced,
+        tool_choice=choice,
+        parallel_tool_calls=_bool(body, "parallel_tool_calls", True),
     )
+
+
+def tool_choice(value: Any, tools: list[dict] | None) -> tuple[str, str | None]:
+    """The request's tool_choice -> (mode: "none" | "auto" | "required" | "function", the name of
+    the function to call for "function", else None).
+
+    Default: "auto" (OpenAI's default with tools; without tools nothing can be called anyway).
+    "required" and a named function need tools; a name must be one of them."""
+    names = [t["function"]["name"] for t in tools or ()]
+    if value is None or value in ("none", "auto"):
+        return value or "auto", None
+    name = _named_function(value)
+    if value == "required" or name is not None:
+        if not names:
+            raise _bad("tool_choice", f"{value!r:.100} needs tools; the request gives none", "invalid_value")
+        if name is not None and name not in names:
+            raise _bad("tool_choice", f"function {name!r} is not among the tools given: {names}", "invalid_value")
+        return ("required", None) if name is None else ("function", name)
+    raise _bad(
+        "tool_choice",
+        f"{value!r:.100} is not accepted; accepted: 'none', 'auto', 'required' or "
+        '{"type": "function", "function": {"name": NAME}}',
+    )
+
+
+def _named_function(value: Any) -> str | None:
+    """{"type": "function", "function": {"name": N}} -> N; None for anything else."""
+    if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict):
+        name = value["function"].get("name")
+        return name if isinstance(name, str) else None
+    return None
+
+
+def forced_opening(tok: Tokenizer, choice: str, function: str | None = None) -> list[int]:
+    """The tokens that open the assistant turn when a call is forced (appended to the prompt):
+    "required": `<|tool_call|>`; a named function N: `<|tool_call|>{"name": "N", "arguments":`,
+    the template's own spelling cut where a BPE word ends, so the model's continuation tokenizes as
+    in training; nothing for "none" and "auto". The model then writes the arguments (and, for
+    "required", the name): the sampler has no grammar engine to force more."""
+    if choice in ("none", "auto"):
+        return []
+    opening = [tok.token_id("<|tool_call|>")]
+    if choice == "function":
+        opening += tok.encode(json.dumps({"name": function}, ensure_ascii=False)[:-1] + ', "arguments":')
+    return opening
 
 
 # ---------------------------------------------------------------------------- text and tokens
@@ -475,6 +525,47 @@ def turn_of(tok: Tokenizer, tokens: Sequence[int], call_id_prefix: str) -> Assis
     return parse_assistant(tokens, tok, call_id_prefix=call_id_prefix)
 
 
+def chat_turn(gen: Generation, tok: Tokenizer, tokens: Sequence[int], call_id_prefix: str) -> AssistantTurn:
+    """The assistant turn of a chat request's generated tokens: read after its forced opening,
+    with no tool calls under tool_choice "none" (the turn stopped where one would begin) and only
+    the first under parallel_tool_calls false."""
+    turn = turn_of(tok, [*gen.forced, *tokens], call_id_prefix)
+    if gen.tool_choice == "none":
+        turn.tool_calls, turn.malformed = [], []
+    elif not gen.parallel_tool_calls:
+        turn.tool_calls = turn.tool_calls[:1]
+    return turn
+
+
+def finished_calls(gen: Generation, tok: Tokenizer, tokens: Sequence[int], call_id_prefix: str) -> list[dict]:
+    """The tool calls of a turn still being generated that are complete: those closed by a later
+    `<|tool_call|>` or by `<|im_end|>` (only a whole call can be checked)."""
+    full = [*gen.forced, *tokens]
+    ends = (tok.token_id("<|tool_call|>"), tok.token_id("<|im_end|>"))
+    last = max((i for i, t in enumerate(full) if t in ends), default=-1)
+    if last < 0:
+        return []
+    closed = full[:last] + [tok.token_id("<|im_end|>")]
+    return chat_turn(dataclasses.replace(gen, forced=[]), tok, closed, call_id_prefix).tool_calls
+
+
+ARGUMENT_FRAGMENT = 16  # characters of arguments per streamed tool-call delta
+
+
+def tool_call_deltas(index: int, call: dict) -> list[dict]:
+    """One tool call -> its streamed deltas: the first carries index, id, type, function.name and
+    the first arguments fragment, the others index and the next fragments (OpenAI's shape)."""
+    args = call["function"]["arguments"]
+    frags = [args[i : i + ARGUMENT_FRAGMENT] for i in range(0, len(args), ARGUMENT_FRAGMENT)] or [""]
+    first = {
+        "index": index,
+        "id": call["id"],
+        "type": "function",
+        "function": {"name": call["function"]["name"], "arguments": frags[0]},
+    }
+    return [first] + [{"index": index, "function": {"arguments": f}} for f in frags[1:]]
+
+
 def completion_choice(gen: Generation, index: int, tok: Tokenizer, done: Any, call_id_prefix: str) -> dict:
     """`build_choice` for a finished `inference.sampler.Completion`."""
     return build_choice(
@@ -519,7 +610,7 @@ def build_choice(
         choice["logprobs"] = completion_logprobs(tok, tokens, logprobs) if gen.logprobs else None
         choice["finish_reason"] = finish_reason
     else:
-        turn = turn_of(tok, tokens, call_id_prefix)
+        turn = chat_turn(gen, tok, tokens, call_id_prefix)
         message = turn.message()
         if message["content"] is not None:
             message["content"] = cut_at_stop(message["content"], gen.stop)[0] or None

@@ -17,12 +17,14 @@ error reading it and the last fallback (a bad version replaced by an older one).
 Requests and responses: `openai_api.py` (extension fields: top_k, return_routing,
 return_prompt_routing, stop_token_ids, ignore_eos; token_ids, token_versions, routed_experts,
 prompt_routed_experts, malformed_tool_calls). Errors: `{"error": {"message", "type",
-"param", "code"}}` with a 4xx status for a bad request, 401 without the key, 429 when the engine
-is full, 500 when the engine failed the request (the server keeps serving).
+"param", "code"}}` with a 4xx status for a bad request, 401 without the key (OpenAI's
+invalid_request_error / invalid_api_key), 429 with `Retry-After` when the engine is full, 500 when
+the engine failed the request (the server keeps serving).
 
 Architecture: one engine thread owns the Sampler (`engine.py`); handlers submit requests and
 await their events through an asyncio queue fed with `call_soon_threadsafe`. Streaming reads each
-request's tokens after every decode step (`Sampler.running()`); a client that disconnects
+request's tokens after every decode step (`Sampler.running()`), one `ChoiceStream` per choice
+turning them into chunks (text, logprobs, tool-call deltas); a client that disconnects
 mid-stream has its requests cancelled (`Sampler.cancel`), freeing the slot.
 """
 
@@ -58,6 +60,9 @@ _log = logging.getLogger("composer_jax.inference.server")
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 SOURCES = ("checkpoint", "weight_store")
+# a stream's chunk objects, as OpenAI names them (legacy completions stream "text_completion" objects)
+STREAM_OBJECT = {"text_completion": "text_completion", "chat.completion": "chat.completion.chunk"}
+RETRY_AFTER_S = 1  # the 429's Retry-After (whole seconds, as the header is read by clients)
 
 
 def _error(e: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -285,13 +290,16 @@ class OpenAIServer:
         try:
             self.engine.submit(reqs, listener, stream=gen.stream)
         except EngineFull as e:
-            return _error(ApiError(429, f"the server is full: {e}; retry later", code="queue_full"))
+            retry = str(RETRY_AFTER_S)  # about one request's decode: slots free up at that pace
+            return _error(
+                ApiError(429, f"the server is full: {e}; retry in {retry} s", code="queue_full"), {"Retry-After": retry}
+            )
         except EngineStopped as e:
             return _error(ApiError(503, str(e), code="shutting_down"))
         ids = [r.id for r in reqs]
         if gen.stream:
             return StreamingResponse(
-                self._stream(gen, rid, obj + ".chunk", ids, events),
+                self._stream(gen, rid, STREAM_OBJECT[obj], ids, events),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
@@ -334,46 +342,17 @@ class OpenAIServer:
     ) -> AsyncIterator[str]:
         index = {r: c for c, r in enumerate(ids)}
         created = int(time.time())
-        tokens: dict[int, list[int]] = {c: [] for c in range(len(ids))}
-        sent: dict[int, str] = {c: "" for c in range(len(ids))}
+        choices = {c: ChoiceStream(self.tok, gen, c, f"call_{rid[-8:]}_{c}") for c in range(len(ids))}
         finished: set[int] = set()
 
-        def chunk(choices: list[dict], **extra: Any) -> str:
-            body = {"id": rid, "object": obj, "created": created, "model": gen.model, "choices": choices, **extra}
+        def chunk(body_choices: list[dict], **extra: Any) -> str:
+            body = {"id": rid, "object": obj, "created": created, "model": gen.model, "choices": body_choices, **extra}
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-        # decoded text of tokens[:n] per choice, kept at a point where it ends on a whole character,
-        # so each chunk decodes only the tokens after it (not the whole completion again)
-        decoded: dict[int, tuple[int, str]] = {c: (0, "") for c in tokens}
-
-        def text_of(c: int, final: bool) -> str:
-            toks = tokens[c] if gen.kind == "completion" else api.chat_content_tokens(self.tok, tokens[c])
-            n, head = decoded[c]
-            text = head + self.tok.decode(toks[n:], skip_special_tokens=True)
-            if len(toks) - n >= 32 and not text.endswith("\ufffd"):
-                decoded[c] = (len(toks), text)
-            return api.cut_at_stop(text, gen.stop)[0] if final else api.streamable(text, gen.stop)
-
-        def delta(c: int, new: list[int], lps: list[float], versions: list[int], final: bool) -> dict:
-            text = text_of(c, final)
-            piece = text[len(sent[c]) :] if text.startswith(sent[c]) else ""
-            sent[c] += piece
-            choice: dict[str, Any] = {"index": c}
-            if gen.kind == "completion":
-                choice["text"] = piece
-                choice["logprobs"] = api.completion_logprobs(self.tok, new, lps) if gen.logprobs else None
-            else:
-                choice["delta"] = {"content": piece} if piece else {}
-                choice["logprobs"] = api.chat_logprobs(self.tok, new, lps) if gen.logprobs else None
-            choice["finish_reason"] = None
-            choice["token_ids"] = [int(t) for t in new]
-            choice["token_versions"] = [int(v) for v in versions]
-            return choice
 
         try:
             if gen.kind == "chat":
                 first = [
-                    {"index": c, "delta": {"role": "assistant", "content": ""}, "finish_reason": None} for c in tokens
+                    {"index": c, "delta": {"role": "assistant", "content": ""}, "finish_reason": None} for c in choices
                 ]
                 yield chunk(first)
             while len(finished) < len(ids):
@@ -382,31 +361,13 @@ class OpenAIServer:
                     yield f"data: {json.dumps(ApiError(ev.status, ev.error, code='engine_error').body())}\n\n"
                     break
                 c = index[ev.request_id]
-                done = ev.completion
-                if done is None:
-                    tokens[c].extend(ev.tokens)
-                    yield chunk([delta(c, ev.tokens, ev.logprobs, ev.versions, final=False)])
-                    continue
-                n = len(tokens[c])
-                tokens[c] = list(done.tokens)
-                choice = delta(c, done.tokens[n:], done.logprobs[n:], done.versions[n:], final=True)
-                reason = done.finish_reason
-                if gen.kind == "chat":
-                    turn = api.turn_of(self.tok, done.tokens, f"call_{rid[-8:]}_{c}")
-                    if turn.tool_calls:
-                        choice["delta"]["tool_calls"] = [{"index": i, **call} for i, call in enumerate(turn.tool_calls)]
-                        reason = "tool_calls" if reason == "stop" else reason
-                    choice["malformed_tool_calls"] = turn.malformed
-                choice["finish_reason"] = reason
-                if gen.return_routing:
-                    choice["routed_experts"] = api.routing_field(done.routing, len(done.prompt))
-                if gen.return_prompt_routing:
-                    choice["prompt_routed_experts"] = api.prompt_routing_field(done.routing, len(done.prompt))
-                finished.add(c)
-                yield chunk([choice])
+                if ev.completion is not None:
+                    finished.add(c)
+                for body_choice in choices[c].on_event(ev):
+                    yield chunk([body_choice])
             else:
                 if gen.include_usage:
-                    completion = sum(len(t) for t in tokens.values())
+                    completion = sum(len(ch.tokens) for ch in choices.values())
                     yield chunk([], usage=api.usage(sum(len(p) for p in gen.prompts), completion))
             yield "data: [DONE]\n\n"
         finally:  # the client went away (or the stream ended): free the slots still generating
@@ -549,3 +510,114 @@ class OpenAIServer:
                 409, f"checkpoint {policy.path!r}: parameter tree differs from the served one", code="model_mismatch"
             )
         return jax.tree.map(lambda new, old: new.astype(old.dtype), policy.params, served.params)
+
+
+class ChoiceStream:
+    """One choice of a streamed response: its tokens so far and what was sent of them.
+
+    Text is decoded incrementally (from a point where the decoded text ends on a whole character)
+    and held back while it may still become a stop string; completion `text_offset`s count on from
+    the characters of the tokens already sent; chat tool calls are sent as OpenAI deltas once each
+    call is complete (`api.finished_calls`)."""
+
+    def __init__(self, tok: Tokenizer, gen: Generation, index: int, call_id_prefix: str):
+        self.tok, self.gen, self.index, self.call_id_prefix = tok, gen, index, call_id_prefix
+        self.tokens: list[int] = []
+        self.sent = ""  # the text sent so far
+        self.decoded: tuple[int, str] = (0, "")  # (n, decoded text of the first n content tokens)
+        self.offset = 0  # completions: characters of the tokens whose logprobs were sent
+        self.calls_sent = 0  # chat: tool calls sent
+
+    def on_event(self, ev: Event) -> list[dict]:
+        """An engine event -> the choices of the chunks to send (the last one finishes the choice
+        when the event carries the completion)."""
+        done = ev.completion
+        if done is None:
+            self.tokens.extend(ev.tokens)
+            calls = self._call_chunks(False) if self._closes_a_call(ev.tokens) else []
+            return [self._delta(ev.tokens, ev.logprobs, ev.versions, final=False), *calls]
+        n = len(self.tokens)
+        self.tokens = list(done.tokens)
+        last = self._delta(done.tokens[n:], done.logprobs[n:], done.versions[n:], final=True)
+        out = []
+        calls = self._call_chunks(True)
+        if calls:  # content first, then the calls, then the finish (as OpenAI orders them)
+            out = [last, *calls]
+            last = self._empty()
+        return [*out, self._finish(last, done)]
+
+    def _text(self, final: bool) -> str:
+        gen = self.gen
+        toks = self.tokens if gen.kind == "completion" else api.chat_content_tokens(self.tok, gen.forced + self.tokens)
+        n, head = self.decoded
+        text = head + self.tok.decode(toks[n:], skip_special_tokens=True)
+        if len(toks) - n >= 32 and not text.endswith("\ufffd"):
+            self.decoded = (len(toks), text)
+        return api.cut_at_stop(text, gen.stop)[0] if final else api.streamable(text, gen.stop)
+
+    def _delta(self, new: list[int], lps: list[float], versions: list[int], final: bool) -> dict:
+        text = self._text(final)
+        piece = text[len(self.sent) :] if text.startswith(self.sent) else ""
+        self.sent += piece
+        choice: dict[str, Any] = {"index": self.index}
+        if self.gen.kind == "completion":
+            choice["text"] = piece
+            choice["logprobs"] = self._completion_logprobs(new, lps) if self.gen.logprobs else None
+        else:
+            choice["delta"] = {"content": piece} if piece else {}
+            choice["logprobs"] = api.chat_logprobs(self.tok, new, lps) if self.gen.logprobs else None
+        choice["finish_reason"] = None
+        choice["token_ids"] = [int(t) for t in new]
+        choice["token_versions"] = [int(v) for v in versions]
+        return choice
+
+    def _completion_logprobs(self, new: list[int], lps: list[float]) -> dict:
+        out = api.completion_logprobs(self.tok, new, lps, offset=self.offset)
+        self.offset += sum(len(p) for p in out["tokens"])
+        return out
+
+    def _closes_a_call(self, new: list[int]) -> bool:
+        """Whether `new` may complete a tool call (so the turn is read again only then, not at
+        every token of a long turn)."""
+        ends = (self.tok.token_id("<|tool_call|>"), self.tok.token_id("<|im_end|>"))
+        return any(t in ends for t in new)
+
+    def _call_chunks(self, final: bool) -> list[dict]:
+        """Chat: the deltas of the tool calls completed since the last call sent."""
+        if self.gen.kind != "chat" or self.gen.tool_choice == "none":
+            return []
+        if final:
+            calls = api.chat_turn(self.gen, self.tok, self.tokens, self.call_id_prefix).tool_calls
+        else:
+            calls = api.finished_calls(self.gen, self.tok, self.tokens, self.call_id_prefix)
+        out = []
+        for i in range(self.calls_sent, len(calls)):
+            for d in api.tool_call_deltas(i, calls[i]):
+                out.append({**self._empty(), "delta": {"tool_calls": [d]}})
+        self.calls_sent = max(self.calls_sent, len(calls))
+        return out
+
+    def _empty(self) -> dict:
+        delta_key = "text" if self.gen.kind == "completion" else "delta"
+        return {
+            "index": self.index,
+            delta_key: "" if delta_key == "text" else {},
+            "logprobs": None,
+            "finish_reason": None,
+            "token_ids": [],
+            "token_versions": [],
+        }
+
+    def _finish(self, choice: dict, done: Any) -> dict:
+        reason = done.finish_reason
+        if self.gen.kind == "chat":
+            turn = api.chat_turn(self.gen, self.tok, done.tokens, self.call_id_prefix)
+            if turn.tool_calls and reason == "stop":
+                reason = "tool_calls"
+            choice["malformed_tool_calls"] = turn.malformed
+        choice["finish_reason"] = reason
+        if self.gen.return_routing:
+            choice["routed_experts"] = api.routing_field(done.routing, len(done.prompt))
+        if self.gen.return_prompt_routing:
+            choice["prompt_routed_experts"] = api.prompt_routing_field(done.routing, len(done.prompt))
+        return choice

@@ -14,9 +14,8 @@ import dataclasses
 import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
-import httpx
 import numpy as np
 
 from composer_jax.data.chat import AssistantTurn, parse_assistant, render_continuation, render_prompt
@@ -24,6 +23,9 @@ from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.env.protocol import TOOL_SCHEMAS
 from composer_jax.inference.async_sampler import AsyncSampler
 from composer_jax.inference.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    import openai
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -128,7 +130,13 @@ class TokenPolicy(TokenContext):
 
 
 class OpenAIPolicy:
-    """Any OpenAI-compatible /v1/chat/completions endpoint (for evaluation: no token records)."""
+    """Any OpenAI-compatible /v1/chat/completions endpoint (for evaluation: no token records).
+
+    Through the `openai` SDK's AsyncOpenAI, which retries connection errors, 408, 409, 429 and 5xx
+    answers up to `max_retries` times with exponential backoff, waiting what a `Retry-After`
+    header says when there is one (up to two minutes), so an evaluation against a hosted endpoint
+    survives rate limits. `timeout_s` bounds each attempt. An answer still failing after the
+    retries raises RuntimeError with the endpoint, status and body."""
 
     def __init__(
         self,
@@ -139,11 +147,16 @@ class OpenAIPolicy:
         max_context: int = 32768,
         tools: Sequence[dict] = TOOL_SCHEMAS,
         timeout_s: float = 600.0,
-        http: httpx.AsyncClient | None = None,
+        max_retries: int = 5,
+        client: openai.AsyncOpenAI | None = None,
     ):
+        import openai  # the `eval` extra: only endpoint evaluations need it
+
         self.base_url, self.model, self.max_context, self.tools = base_url.rstrip("/"), model, max_context, list(tools)
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = http or httpx.AsyncClient(timeout=timeout_s, headers=headers)
+        # the SDK needs a key; endpoints without one ignore the placeholder
+        self.client = client or openai.AsyncOpenAI(
+            base_url=self.base_url, api_key=api_key or "EMPTY", timeout=timeout_s, max_retries=max_retries
+        )
 
     def begin(self, messages: list[dict]) -> Generation:
         return Generation(list(messages))
@@ -152,46 +165,58 @@ class OpenAIPolicy:
         gen.messages.extend(messages)
 
     async def turn(self, gen: Generation, req: TurnRequest) -> AssistantTurn:
-        body: dict[str, Any] = {
-            "model": self.model,
-            "messages": gen.messages,
-            "tools": self.tools,
-            "max_tokens": req.max_tokens,
-            "temperature": req.temperature,
-            "top_p": req.top_p,
-            "seed": req.seed,
-        }
-        resp = await self.http.post(f"{self.base_url}/chat/completions", json=body)
-        if resp.status_code >= 400:
-            raise RuntimeError(f"policy endpoint {self.base_url}: HTTP {resp.status_code}: {resp.text[:500]}")
-        data = resp.json()
+        data = await self._complete(gen.messages, req)
         choice = data["choices"][0]
         msg = choice.get("message") or {}
-        calls, malformed = [], []
-        for i, call in enumerate(msg.get("tool_calls") or []):
-            fn = call.get("function") if isinstance(call, dict) else None
-            if isinstance(fn, dict) and isinstance(fn.get("name"), str):
-                args = fn.get("arguments", "{}")
-                calls.append(
-                    {
-                        "id": call.get("id") or f"call_{len(gen.messages)}_{i}",
-                        "type": "function",
-                        "function": {
-                            "name": fn["name"],
-                            "arguments": args if isinstance(args, str) else json.dumps(args),
-                        },
-                    }
-                )
-            else:
-                malformed.append(f"tool call {i}: not an OpenAI function call: {call!r:.200}")
+        calls, malformed = _endpoint_tool_calls(msg.get("tool_calls") or [], f"call_{len(gen.messages)}")
         usage = data.get("usage") or {}
         gen.generated += int(usage.get("completion_tokens") or 0)
         turn = AssistantTurn(msg.get("content") or "", calls, malformed, choice.get("finish_reason") != "length")
         gen.messages.append(turn.message())
         return turn
 
+    async def _complete(self, messages: list[dict], req: TurnRequest) -> dict:
+        """One chat completion (retried by the SDK) -> the response as JSON."""
+        import openai
+
+        try:
+            resp = await self.client.chat.completions.create(
+                model=self.model,
+                messages=cast(Any, messages),
+                tools=cast(Any, self.tools),
+                max_tokens=req.max_tokens,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                seed=req.seed,
+            )
+        except openai.APIStatusError as e:
+            raise RuntimeError(
+                f"policy endpoint {self.base_url}: HTTP {e.status_code}: {e.response.text[:500]}"
+            ) from None
+        return resp.to_dict()
+
     async def aclose(self) -> None:
-        await self.http.aclose()
+        await self.client.close()
+
+
+def _endpoint_tool_calls(raw: list[Any], id_prefix: str) -> tuple[list[dict], list[str]]:
+    """An endpoint's message.tool_calls -> (OpenAI function calls, why each other entry was dropped);
+    calls without an id get f"{id_prefix}_{i}"."""
+    calls, malformed = [], []
+    for i, call in enumerate(raw):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            args = fn.get("arguments", "{}")
+            calls.append(
+                {
+                    "id": call.get("id") or f"{id_prefix}_{i}",
+                    "type": "function",
+                    "function": {"name": fn["name"], "arguments": args if isinstance(args, str) else json.dumps(args)},
+                }
+            )
+        else:
+            malformed.append(f"tool call {i}: not an OpenAI function call: {call!r:.200}")
+    return calls, malformed
 
 
 class PolicyPool:
