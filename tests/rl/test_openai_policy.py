@@ -8,6 +8,7 @@ import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import pytest
 
@@ -53,7 +54,8 @@ class _Endpoint:
     recording each attempt's time, headers and body."""
 
     def __init__(self, script: list[tuple[int, dict[str, str]]]):
-        self.script, self.attempts = list(script), []
+        self.script = list(script)
+        self.attempts: list[Any] = []
         endpoint = self
 
         class Handler(BaseHTTPRequestHandler):
