@@ -118,6 +118,8 @@ def _perfect_drafter(cfg: cj.ModelConfig, key) -> dict:
     return params
 
 
+# slow: 53 s; the distribution and greedy tests below keep speculation in the default suite
+@pytest.mark.slow
 def test_acceptance_statistics_of_a_drafter_that_is_always_right():
     params = _perfect_drafter(MLA, jax.random.key(3))
     k = 3

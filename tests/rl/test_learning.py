@@ -56,6 +56,8 @@ def success_curve(summary) -> list[float]:
     return [summary["steps"][n]["rollout/success"] for n in sorted(summary["steps"])]
 
 
+# slow: 92 s + 69 s of fixture on 2 cores, the suite's heaviest; `make test-all` runs it
+@pytest.mark.slow
 def test_rl_raises_success_from_chance_and_flipped_sign_does_not(start, tmp_path, monkeypatch):
     tok, sft, mesh, params = start
     learnt = success_curve(run_rl(rl_config(sft, tmp_path / "up"), mesh=mesh, init_params=params, echo=lambda _: None))

@@ -14,6 +14,9 @@ CONFIG = str(REPO / "tests" / "rl" / "fixtures" / "rl_pick.yaml")
 pytestmark = pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap (bwrap) is not installed; `make system-deps`")
 
 
+# slow: 61 s; the resumed lineage is also tested by tests/rl/test_rollout_queue.py (resume_groups), the
+# learner's resume end to end by tests/rl/test_async_resume.py (slow too)
+@pytest.mark.slow
 def test_rl_cli_stops_resumes_and_eval_reads_its_checkpoint(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     out = tmp_path / "run"

@@ -45,6 +45,9 @@ def _replicas(out: Path) -> list[int]:
     return sorted(pids)
 
 
+# slow: 39 s; a killed child restarted is also tested by tests/rl/test_processes.py and
+# tests/rl/test_learner_supervision.py
+@pytest.mark.slow
 def test_two_replicas_one_killed_mid_run(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(REPO)
     out = tmp_path / "run"
