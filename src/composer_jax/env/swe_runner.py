@@ -1,0 +1,144 @@
+"""The verifier of a mined or imported task, copied into the task as ``tests/run_tests.py``.
+
+Standard library only and self-contained: it runs inside the sandbox with the task's Python
+(``python3 /tests/run_tests.py``, cwd /app). It overlays the test patch's files from
+``/tests/files/`` onto /app (and deletes the test files the patch deletes), runs pytest on the
+test files that hold the FAIL_TO_PASS and PASS_TO_PASS tests (``-rA``, JUnit XML in the xunit1
+family so every case names its file), prints the run between SWE-bench's log markers, and writes:
+
+- ``junit.xml`` (pytest's) and ``test_output.txt`` (the log) under /logs/verifier;
+- ``report.json``: ``{"FAIL_TO_PASS": {"success": [...], "failure": [...]}, "PASS_TO_PASS": ...,
+  "FAIL_TO_FAIL": ..., "PASS_TO_FAIL": ...}`` in the shape of the ``swebench`` package's
+  ``get_eval_tests_report``, outcomes read from the JUnit XML (a test absent from it failed);
+- ``reward.txt``: 1 iff every FAIL_TO_PASS and PASS_TO_PASS test passed (SWE-bench's resolved).
+
+It is also the miner's runner (``--outcomes FILE`` writes every test's outcome and skips the
+report), so a task is graded by the same code that found its tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+START, END = ">>>>> Start Test Output", ">>>>> End Test Output"
+PASSED, FAILED, SKIPPED, XFAIL = "passed", "failed", "skipped", "xfail"
+
+
+def node_id(case: ET.Element) -> str | None:
+    """A pytest node id (``tests/test_x.py::TestC::test_a[p]``) from an xunit1 testcase."""
+    file, classname, name = case.get("file"), case.get("classname") or "", case.get("name")
+    if not file or name is None:
+        return None
+    file = file.replace(os.sep, "/")
+    module = file[:-3].replace("/", ".") if file.endswith(".py") else file
+    classes = classname[len(module) :].lstrip(".") if classname.startswith(module) else ""
+    return "::".join([file, *(classes.split(".") if classes else []), name])
+
+
+def outcome_of(case: ET.Element) -> tuple[str, str]:
+    for child in case:
+        if child.tag in ("failure", "error"):
+            return FAILED, (child.get("message") or child.text or "")[:1000]
+        if child.tag == "skipped":  # pytest writes an expected failure as <skipped type="pytest.xfail">
+            kind = XFAIL if child.get("type") == "pytest.xfail" else SKIPPED
+            return kind, (child.get("message") or "")[:200]
+    return PASSED, ""
+
+
+def read_junit(path: Path) -> dict[str, dict]:
+    """{node id: {"outcome", "message"}}; a case reported twice (call and teardown) fails if either did."""
+    out: dict[str, dict] = {}
+    if not path.is_file():
+        return out
+    try:
+        root = ET.parse(path).getroot()
+    except ET.ParseError:
+        return out
+    for case in root.iter("testcase"):
+        nid = node_id(case)
+        if nid is None:
+            continue
+        outcome, message = outcome_of(case)
+        if nid not in out or outcome == FAILED:
+            out[nid] = {"outcome": outcome, "message": message}
+    return out
+
+
+def overlay(files: Path, app: Path, deleted: list[str]) -> None:
+    for rel in deleted:
+        target = app / rel
+        if target.is_file() or target.is_symlink():
+            target.unlink()
+    if files.is_dir():
+        shutil.copytree(files, app, dirs_exist_ok=True, symlinks=True)
+
+
+def run_pytest(app: Path, targets: list[str], junit: Path, log: Path, timeout: float | None, seed: str | None) -> int:
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", **({"PYTHONHASHSEED": seed} if seed else {}))
+    roots = [str(app / "src"), str(app)] if (app / "src").is_dir() else [str(app)]
+    env["PYTHONPATH"] = os.pathsep.join(roots + [p for p in [env.get("PYTHONPATH")] if p])
+    argv = [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", "-o", "junit_family=xunit1"]
+    argv += [f"--junitxml={junit}", "--rootdir", str(app), *targets]
+    with log.open("w") as f:
+        f.write(START + "\n")
+        f.flush()
+        try:
+            code = subprocess.run(argv, cwd=app, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            code = -1
+            f.write("\n>>>>> Tests Timed Out\n")
+        f.write(f"\n{END}\n")
+    sys.stdout.write(log.read_text(errors="replace")[-20000:])
+    return code
+
+
+def report(results: dict[str, dict], fail_to_pass: list[str], pass_to_pass: list[str]) -> dict:
+    """SWE-bench's rule: a FAIL_TO_PASS test succeeds when it passed (or failed as expected); a
+    PASS_TO_PASS test also when it was skipped (a skip is no regression); an absent test failed."""
+
+    def split(tests: list[str], ok: tuple[str, ...]) -> dict:
+        good = [t for t in tests if results.get(t, {}).get("outcome") in ok]
+        return {"success": good, "failure": [t for t in tests if t not in good]}
+
+    return {
+        "FAIL_TO_PASS": split(fail_to_pass, (PASSED, XFAIL)),
+        "PASS_TO_PASS": split(pass_to_pass, (PASSED, XFAIL, SKIPPED)),
+        "FAIL_TO_FAIL": {"success": [], "failure": []},
+        "PASS_TO_FAIL": {"success": [], "failure": []},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--app", type=Path, default=Path("/app"))
+    p.add_argument("--tests", type=Path, default=Path("/tests"))
+    p.add_argument("--logs", type=Path, default=Path("/logs/verifier"))
+    p.add_argument("--outcomes", type=Path, help="write every test's outcome here (the miner's runs)")
+    p.add_argument("--timeout", type=float, default=None)
+    p.add_argument("--hash-seed", help="PYTHONHASHSEED for the run (the miner varies it to expose order-dependent tests)")
+    args = p.parse_args(argv)
+    config = json.loads((args.tests / "config.json").read_text())
+    args.logs.mkdir(parents=True, exist_ok=True)
+    overlay(args.tests / "files", args.app, config.get("deleted", []))
+    junit = args.logs / "junit.xml"
+    run_pytest(args.app, config["test_files"], junit, args.logs / "test_output.txt", args.timeout, args.hash_seed)
+    results = read_junit(junit)
+    if args.outcomes is not None:
+        args.outcomes.write_text(json.dumps(results, indent=1, sort_keys=True))
+        return 0
+    rep = report(results, config["fail_to_pass"], config["pass_to_pass"])
+    (args.logs / "report.json").write_text(json.dumps(rep, indent=1))
+    resolved = not rep["FAIL_TO_PASS"]["failure"] and not rep["PASS_TO_PASS"]["failure"]
+    (args.logs / "reward.txt").write_text("1\n" if resolved else "0\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
