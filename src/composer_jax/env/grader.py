@@ -27,6 +27,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from composer_jax.env import snapshot, volumes
+from composer_jax.env.pyenv import BuiltEnv
 from composer_jax.env.sandbox import ExecResult, Limits, Mount, SandboxLease
 from composer_jax.env.tasks import Task
 
@@ -47,6 +48,7 @@ class GradeResult:
     duration_s: float
     reward_details: dict = dataclasses.field(default_factory=dict)
     interpreter: dict = dataclasses.field(default_factory=dict)  # {python, version}: the sandbox's python3
+    environment: dict = dataclasses.field(default_factory=dict)  # the task's built env ({key, python, ...}) or {}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -181,8 +183,20 @@ def _new_job(task: Task, lease: SandboxLease, scratch_root: Path) -> Job:
     return job
 
 
+def env_run_args(env: BuiltEnv | None) -> tuple[list[Mount], dict[str, str]]:
+    """The mounts and variables that put a task's built environment first on PATH ([] and {} for none)."""
+    return ([env.mount()], env.env_vars()) if env is not None else ([], {})
+
+
 async def prepare_job(
-    task: Task, lease: SandboxLease, source: Path, scratch_root: Path, limits: Limits, *, diff: bool
+    task: Task,
+    lease: SandboxLease,
+    source: Path,
+    scratch_root: Path,
+    limits: Limits,
+    *,
+    diff: bool,
+    env: BuiltEnv | None = None,
 ) -> Job:
     """A fresh job whose app volume holds a copy of `source`, made inside the sandbox as the
     session's uid (`snapshot`); with `diff`, also the diff from the task's initial workspace.
@@ -212,7 +226,8 @@ async def prepare_job(
             cpu_seconds=int(SNAPSHOT_TIMEOUT_S),
             output_bytes=MAX_DIFF_BYTES + 65536,
         )
-        result = await lease.run(argv, mounts=mounts, cwd="/app", limits=snap_limits)
+        env_mounts, env_vars = env_run_args(env)  # so `interpreter` and python_modules are the env's
+        result = await lease.run(argv, mounts=mounts + env_mounts, cwd="/app", limits=snap_limits, env=env_vars)
         job.diff = result.stdout
         facts = _last_json_line(result.stderr)
         job.interpreter = {k: facts[k] for k in ("python", "version") if k in facts}
@@ -247,8 +262,11 @@ def release_job(app: Path) -> None:
     volumes.remove_tree(app.parent)
 
 
-async def grade(task: Task, lease: SandboxLease, workspace: Path, scratch_root: Path, limits: Limits) -> GradeResult:
-    """Run the task's verifier on a fresh copy of `workspace` (see module docstring).
+async def grade(
+    task: Task, lease: SandboxLease, workspace: Path, scratch_root: Path, limits: Limits, env: BuiltEnv | None = None
+) -> GradeResult:
+    """Run the task's verifier on a fresh copy of `workspace` (see module docstring), with the
+    task's built Python environment `env` (pyenv.py) first on PATH when it has one.
 
     The copy and the diff run inside the sandbox as the session's uid; reward files are read by
     descriptor off the event loop; the job's volumes are released on every path."""
@@ -257,7 +275,8 @@ async def grade(task: Task, lease: SandboxLease, workspace: Path, scratch_root: 
         wall_seconds=task.config.verifier_timeout_sec,
         cpu_seconds=max(limits.cpu_seconds, int(task.config.verifier_timeout_sec) + 1),
     )
-    job = await prepare_job(task, lease, workspace, scratch_root, limits, diff=True)
+    job = await prepare_job(task, lease, workspace, scratch_root, limits, diff=True, env=env)
+    environment = env.describe() if env is not None else {}
     try:
         if job.error is not None:
             return GradeResult(
@@ -270,10 +289,14 @@ async def grade(task: Task, lease: SandboxLease, workspace: Path, scratch_root: 
                 output_tail="",
                 duration_s=round(time.monotonic() - start, 4),
                 interpreter=job.interpreter,
+                environment=environment,
             )
+        env_mounts, env_vars = env_run_args(env)
         mounts = [Mount(job.app, "/app", True), Mount(job.logs, "/logs/verifier", True)]
-        mounts.append(Mount(task.tests_dir, "/tests", False))
-        result = await lease.run(["bash", "/tests/test.sh"], mounts=mounts, cwd="/app", limits=verifier_limits)
+        mounts += [Mount(task.tests_dir, "/tests", False), *env_mounts]
+        result = await lease.run(
+            ["bash", "/tests/test.sh"], mounts=mounts, cwd="/app", limits=verifier_limits, env=env_vars
+        )
         reward, details, error = await asyncio.to_thread(read_reward, job.logs)
         if result.timed_out:
             error = f"verifier timed out after {task.config.verifier_timeout_sec}s" + (
@@ -294,11 +317,12 @@ async def grade(task: Task, lease: SandboxLease, workspace: Path, scratch_root: 
         duration_s=result.duration_s,
         reward_details=details,
         interpreter=job.interpreter,
+        environment=environment,
     )
 
 
 async def oracle_workspace(
-    task: Task, lease: SandboxLease, scratch_root: Path, limits: Limits
+    task: Task, lease: SandboxLease, scratch_root: Path, limits: Limits, env: BuiltEnv | None = None
 ) -> tuple[Path, ExecResult]:
     """Run solution/solve.sh on a fresh copy of the initial workspace; returns (solved dir, result).
 
@@ -307,7 +331,7 @@ async def oracle_workspace(
     source = task.app_dir if task.app_dir.is_dir() else empty
     empty.mkdir(parents=True, mode=0o755, exist_ok=True)
     try:
-        job = await prepare_job(task, lease, source, scratch_root, limits, diff=False)
+        job = await prepare_job(task, lease, source, scratch_root, limits, diff=False, env=env)
     finally:
         empty.rmdir()
     try:
@@ -315,8 +339,11 @@ async def oracle_workspace(
             raise RuntimeError(f"task {task.task_id!r}: {job.error}")
         solve_limits = limits.with_(wall_seconds=task.config.agent_timeout_sec)
         mounts = [Mount(job.app, "/app", True), Mount(job.logs, "/logs/verifier", True)]
-        mounts.append(Mount(task.solution_dir, "/solution", False))
-        result = await lease.run(["bash", "/solution/solve.sh"], mounts=mounts, cwd="/app", limits=solve_limits)
+        env_mounts, env_vars = env_run_args(env)
+        mounts += [Mount(task.solution_dir, "/solution", False), *env_mounts]
+        result = await lease.run(
+            ["bash", "/solution/solve.sh"], mounts=mounts, cwd="/app", limits=solve_limits, env=env_vars
+        )
         await asyncio.to_thread(volumes.remove_tree, job.logs)
     except BaseException:
         await asyncio.to_thread(release_job, job.app)

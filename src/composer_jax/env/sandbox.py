@@ -118,7 +118,13 @@ class SandboxLease(abc.ABC):
 
     @abc.abstractmethod
     def _argv(
-        self, command: list[str], mounts: list[Mount], cwd: str, limits: Limits, env: dict[str, str]
+        self,
+        command: list[str],
+        mounts: list[Mount],
+        cwd: str,
+        limits: Limits,
+        env: dict[str, str],
+        network: bool = False,
     ) -> tuple[list[str], str | None, list[str]]:
         """The host argv that runs `command` in the sandbox, the host cwd to start it in, and
         arguments handed over through a file descriptor (`ARGS_FD` in argv stands for its number)
@@ -150,11 +156,15 @@ class SandboxLease(abc.ABC):
         cwd: str = "/app",
         limits: Limits,
         env: dict[str, str] | None = None,
+        network: bool = False,
     ) -> ExecResult:
-        """Run `command` inside the sandbox, bounded by `limits`; never raises on command failure."""
+        """Run `command` inside the sandbox, bounded by `limits`; never raises on command failure.
+
+        `network` shares the host's network (only for building a task's Python environment from a
+        package index, `pyenv.py`; sessions, verifiers and solutions never get it)."""
         if self.closed:
             raise RuntimeError("sandbox lease is closed")
-        argv, host_cwd, hidden = self._argv(command, mounts, cwd, limits, env or {})
+        argv, host_cwd, hidden = self._argv(command, mounts, cwd, limits, env or {}, network)
         start = time.monotonic()
         args_fd = None
         if hidden:
@@ -319,7 +329,13 @@ class BubblewrapLease(SandboxLease):
         self.cgroup = sandbox.cgroups.create(session_id, sandbox.session_limits) if sandbox.cgroups else None
 
     def _argv(
-        self, command: list[str], mounts: list[Mount], cwd: str, limits: Limits, env: dict[str, str]
+        self,
+        command: list[str],
+        mounts: list[Mount],
+        cwd: str,
+        limits: Limits,
+        env: dict[str, str],
+        network: bool = False,
     ) -> tuple[list[str], str | None, list[str]]:
         # bwrap's options (host paths of the workspace, the environment) go through `--args FD`:
         # as argv they would be readable inside the sandbox in /proc/1/cmdline (bwrap is PID 1).
@@ -339,6 +355,8 @@ class BubblewrapLease(SandboxLease):
         ]
         argv += [sb.bwrap, "--args", ARGS_FD]
         opts = sb.base_args()[1:]  # without the bwrap binary itself
+        if network:
+            opts.remove("--unshare-net")
         # /tmp first, then what must be visible under it (a virtualenv living in /tmp), then mounts.
         opts += ["--perms", "1777", "--size", str(limits.tmp_mb * 2**20), "--tmpfs", "/tmp"]
         for p in sb.tmp_ro_paths:
@@ -493,7 +511,13 @@ class LocalLease(SandboxLease):
         return str(mount.host)  # no mount namespace: commands see host paths
 
     def _argv(
-        self, command: list[str], mounts: list[Mount], cwd: str, limits: Limits, env: dict[str, str]
+        self,
+        command: list[str],
+        mounts: list[Mount],
+        cwd: str,
+        limits: Limits,
+        env: dict[str, str],
+        network: bool = False,
     ) -> tuple[list[str], str | None, list[str]]:
         host_cwd = None
         exports = {}

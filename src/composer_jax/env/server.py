@@ -143,6 +143,9 @@ class GradeResponse(BaseModel):
     duration_s: float
     reward_details: dict[str, Any]
     interpreter: dict[str, Any] = Field(default_factory=dict, description="the sandbox's python3: {python, version}")
+    environment: dict[str, Any] = Field(
+        default_factory=dict, description="the task's built Python environment {key, python, requirements}, or {}"
+    )
 
 
 _ERRORS: dict[int | str, dict[str, Any]] = {

@@ -24,6 +24,7 @@ from composer_jax.env.errors import (  # noqa: F401 - re-exported
     TaskNotRunnable,
 )
 from composer_jax.env.metrics import Metrics
+from composer_jax.env.pyenv import BuiltEnv, EnvBuildError, EnvCache
 from composer_jax.env.sandbox import ExecResult, Limits, Mount, Sandbox, SandboxLease
 from composer_jax.env.tasks import MAX_SEED, Task, TaskError, TaskStore, check_seed
 from composer_jax.env.workspace import Workspace
@@ -66,11 +67,17 @@ class Session:
         self.step_count = 0
         self.done = False
         self.attached = False
+        self.env: BuiltEnv | None = None  # the task's built Python environment (pyenv.py)
 
     async def run_shell(self, command: str, timeout_s: float) -> ExecResult:
         limits = self.limits.with_(wall_seconds=min(float(timeout_s), self.limits.wall_seconds))
+        env_mounts, env_vars = grader.env_run_args(self.env)
         return await self.lease.run(
-            ["bash", "-c", command], mounts=[Mount(self.workspace.root, "/app", True)], cwd="/app", limits=limits
+            ["bash", "-c", command],
+            mounts=[Mount(self.workspace.root, "/app", True), *env_mounts],
+            cwd="/app",
+            limits=limits,
+            env=env_vars,
         )
 
     def state(self) -> dict:
@@ -103,8 +110,10 @@ class SessionManager:
         max_ttl_s: float = 86400.0,
         limits: Limits | None = None,
         metrics: Metrics | None = None,
+        env_cache: EnvCache | None = None,
     ):
         self.store, self.sandbox = store, sandbox
+        self.env_cache = env_cache  # built task environments; looked up, never built, per session
         self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="composer-jax-env-"))
         self._own_work_dir = work_dir is None
         if work_dir is None:
@@ -156,6 +165,7 @@ class SessionManager:
         task = await asyncio.to_thread(self.store.get, task_id, seed)  # may generate a task
         if not task.runnable:
             raise TaskNotRunnable(f"task {task_id!r} cannot run in the local sandbox: {task.not_runnable_reason}")
+        env = self._task_env(task)
         if len(self._sessions) + self._reserved >= self.max_sessions:
             self.metrics.inc("cj_env_sessions_rejected_total")
             raise CapacityError(
@@ -173,6 +183,7 @@ class SessionManager:
             await asyncio.to_thread(self._materialise, task, root, lease)
             session = Session(session_id, task, seed, root, lease, self.limits, float(ttl))
             session.episode_id = episode_id or session_id
+            session.env = env
             self._sessions[session_id] = session
         except BaseException:
             await lease.close()
@@ -184,6 +195,18 @@ class SessionManager:
         self.metrics.set("cj_env_sessions_active", len(self._sessions))
         self.metrics.observe("cj_env_session_create_seconds", time.monotonic() - start)
         return session
+
+    def _task_env(self, task: Task) -> BuiltEnv | None:
+        """The task's built Python environment (None when it declares none); TaskNotRunnable when
+        it was not built (the server builds them at start-up) or its build failed."""
+        if task.config.environment is None:
+            return None
+        if self.env_cache is None:
+            raise TaskNotRunnable(f"task {task.task_id!r} declares a Python environment and this server has no env cache")
+        try:
+            return self.env_cache.lookup(task)
+        except EnvBuildError as exc:
+            raise TaskNotRunnable(f"task {task.task_id!r}: {exc}") from None
 
     @staticmethod
     def _materialise(task: Task, root: Path, lease: SandboxLease) -> None:
@@ -281,7 +304,9 @@ class SessionManager:
                 raise SessionNotFound(session_id)
             # Nothing of the session may run while its workspace is copied.
             await session.lease.kill_processes()
-            result = await grader.grade(session.task, session.lease, session.workspace.root, session.root, self.limits)
+            result = await grader.grade(
+                session.task, session.lease, session.workspace.root, session.root, self.limits, session.env
+            )
         except RuntimeError:
             if session.closed:  # closed mid-grade: the lease refused to run, or the copy vanished
                 raise SessionNotFound(session_id) from None

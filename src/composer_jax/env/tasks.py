@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from composer_jax.env.errors import TaskError, UnknownTaskError
+from composer_jax.env.pyenv import EnvSpec, parse_environment
 
 TASK_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 GENERATED_PREFIX = "gen/"
@@ -52,6 +53,8 @@ class TaskConfig:
     raw: dict[str, Any]
     # [verifier] python_modules: what the tests import; a grade checks the sandbox's python3 has them.
     test_modules: tuple[str, ...] = ()
+    # [environment] python / requirements / requirements_file / install_app (pyenv.py); None: none.
+    environment: EnvSpec | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,8 +110,9 @@ def _megabytes(env: dict, key_mb: str, key_legacy: str, where: str, default: int
     return default
 
 
-def parse_task_config(data: dict[str, Any], where: str) -> TaskConfig:
-    """Validate a parsed task.toml. Unknown keys are allowed (Harbor ignores them too)."""
+def parse_task_config(data: dict[str, Any], where: str, root: Path | None = None) -> TaskConfig:
+    """Validate a parsed task.toml. Unknown keys are allowed (Harbor ignores them too). `root`,
+    the task directory, is where `[environment] requirements_file` is read from."""
     version = data.get("version", data.get("schema_version", "1.0"))
     if not isinstance(version, str):
         raise TaskError(f'{where}: version = {version!r} must be a string such as "1.0"')
@@ -152,6 +156,7 @@ def parse_task_config(data: dict[str, Any], where: str) -> TaskConfig:
         allow_internet=allow_internet,
         raw=data,
         test_modules=tuple(modules),
+        environment=parse_environment(env, root if root is not None else Path("."), where),
     )
 
 
@@ -186,7 +191,7 @@ def load_task(root: Path, task_id: str | None = None) -> Task:
         data = tomllib.loads(toml_path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise TaskError(f"task {task_id!r}: task.toml is not valid TOML: {exc}") from None
-    config = parse_task_config(data, f"task {task_id!r} task.toml")
+    config = parse_task_config(data, f"task {task_id!r} task.toml", root)
     instruction_path = root / "instruction.md"
     if not instruction_path.is_file():
         raise TaskError(f"task {task_id!r}: missing instruction.md")

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from composer_jax.env import grader
+from composer_jax.env.pyenv import EnvBuildError, EnvCache
 from composer_jax.env.sandbox import Limits, Sandbox
 from composer_jax.env.tasks import Task, TaskError, TaskStore
 
@@ -31,20 +32,30 @@ class TaskReport:
     duration_s: float = 0.0
 
 
-async def validate_task(task: Task, sandbox: Sandbox, scratch: Path, limits: Limits) -> TaskReport:
+async def validate_task(
+    task: Task, sandbox: Sandbox, scratch: Path, limits: Limits, env_cache: EnvCache | None = None
+) -> TaskReport:
     start = time.monotonic()
     if not task.runnable:
         return TaskReport(task.task_id, "skipped", f"not locally runnable: {task.not_runnable_reason}")
     if not (task.solution_dir / "solve.sh").is_file():
         return TaskReport(task.task_id, "fail", "missing solution/solve.sh (the oracle)")
+    env = None
+    if task.config.environment is not None:
+        if env_cache is None:
+            return TaskReport(task.task_id, "fail", "the task declares a Python environment and no env cache was given")
+        try:
+            env = await env_cache.for_task(task)  # built once per distinct environment
+        except EnvBuildError as exc:
+            return TaskReport(task.task_id, "fail", f"{exc.reason}: {exc.log_tail[-600:].strip()}")
     lease = sandbox.lease(f"validate-{task.task_id.replace('/', '_')}-{time.monotonic_ns()}")
     problems = []
     try:
-        untouched = await grader.grade(task, lease, task.app_dir, scratch, limits)
+        untouched = await grader.grade(task, lease, task.app_dir, scratch, limits, env)
         if untouched.reward != 0 or untouched.error:
             if untouched.reward != 0:
                 problems.append(f"untouched workspace scored {untouched.reward:g}, expected 0")
-        solved, solve_result = await grader.oracle_workspace(task, lease, scratch, limits)
+        solved, solve_result = await grader.oracle_workspace(task, lease, scratch, limits, env)
         try:
             if solve_result.exit_code != 0:
                 problems.append(
@@ -52,7 +63,7 @@ async def validate_task(task: Task, sandbox: Sandbox, scratch: Path, limits: Lim
                     f"{' (timed out)' if solve_result.timed_out else ''}: "
                     f"{(solve_result.stderr or solve_result.stdout)[-300:].strip()}"
                 )
-            oracle = await grader.grade(task, lease, solved, scratch, limits)
+            oracle = await grader.grade(task, lease, solved, scratch, limits, env)
         finally:
             grader.release_job(solved)
         if oracle.reward != 1:
@@ -82,6 +93,7 @@ async def validate_all(
     seeds: Sequence[int] = (0,),
     limits: Limits | None = None,
     progress=None,
+    env_cache: EnvCache | None = None,
 ) -> list[TaskReport]:
     """Validate every task of `store` (and generated `families` x `seeds`), `jobs` at a time."""
     limits = limits or Limits(wall_seconds=600)
@@ -96,7 +108,7 @@ async def validate_all(
             label = task_id if seed is None else f"{task_id}@{seed}"
             try:
                 task = await asyncio.to_thread(store.get, task_id, seed)
-                report = await validate_task(task, sandbox, scratch, limits)
+                report = await validate_task(task, sandbox, scratch, limits, env_cache)
             except TaskError as exc:
                 report = TaskReport(label, "invalid", str(exc))
             except Exception as exc:  # noqa: BLE001 - a broken generator must not stop the others
