@@ -40,6 +40,48 @@ def _make_sandbox(unsafe: bool, wall: float | None = None):
         return None
 
 
+def add_env_cache_flags(p: argparse.ArgumentParser) -> None:
+    """--env-cache, --wheelhouse, --index-url: where tasks' Python environments (pyenv.py) are built from and kept."""
+    p.add_argument(
+        "--env-cache",
+        type=Path,
+        default=None,
+        help="directory of built task Python environments (default ~/.cache/composer_jax/envs)",
+    )
+    p.add_argument("--wheelhouse", type=Path, help="build environments offline from this directory of wheels/sdists")
+    p.add_argument("--index-url", help="build environments from this package index (the build gets network)")
+
+
+def make_env_cache(args: argparse.Namespace, sandbox, prog: str):
+    """The EnvCache the flags describe, or None after printing why not (a bad --wheelhouse)."""
+    from composer_jax.env.pyenv import EnvCache, default_cache_dir
+
+    if args.wheelhouse is not None and args.index_url is not None:
+        print(f"{prog}: give --wheelhouse or --index-url, not both", file=sys.stderr)
+        return None
+    try:
+        return EnvCache(args.env_cache or default_cache_dir(), sandbox, wheelhouse=args.wheelhouse, index_url=args.index_url)
+    except (ValueError, OSError) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return None
+
+
+def build_envs(cache, tasks, out=sys.stderr) -> int:
+    """Build every task's environment, one line per task (key, seconds or the error); returns failures."""
+    from composer_jax.env.pyenv import EnvBuildError, build_all
+
+    def progress(task_id, result, seconds):
+        if isinstance(result, EnvBuildError):
+            print(f"env {task_id}: FAILED {result.reason}\n{result.log_tail[-1500:]}", file=out, flush=True)
+        else:
+            built = cache.build_seconds.get(result.key)
+            how = f"built in {built:.1f}s" if built is not None else "cached"
+            print(f"env {task_id}: {result.key[:16]} python {result.python_version} {how}", file=out, flush=True)
+
+    results = asyncio.run(build_all(cache, tasks, progress))
+    return sum(1 for r in results.values() if isinstance(r, EnvBuildError))
+
+
 def server_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="composer-jax env-server",
@@ -61,6 +103,7 @@ def server_parser() -> argparse.ArgumentParser:
         help="allow running without bubblewrap: commands run as plain host processes (NO isolation)",
     )
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    add_env_cache_flags(p)
     return p
 
 
@@ -96,6 +139,12 @@ def env_server_main(argv: list[str]) -> int:
         return 2
     for name, err in store.errors.items():
         print(f"warning: skipping task directory {name}: {err}", file=sys.stderr)
+    env_cache = make_env_cache(args, sandbox, "composer-jax env-server")
+    if env_cache is None:
+        return 2
+    # Every task's Python environment is built now, never inside a session's step; a task whose
+    # build fails is served, and its sessions are refused with the build's error.
+    build_envs(env_cache, store.tasks())
     try:
         manager = SessionManager(
             store,
@@ -104,6 +153,7 @@ def env_server_main(argv: list[str]) -> int:
             max_sessions=args.max_sessions,
             default_ttl_s=args.session_ttl,
             limits=Limits(wall_seconds=args.shell_timeout),
+            env_cache=env_cache,
         )
     except (RuntimeError, OSError) as exc:  # e.g. --work-dir held by another live server
         print(f"composer-jax env-server: {exc}", file=sys.stderr)
@@ -171,7 +221,41 @@ def validate_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds for generated families")
     p.add_argument("--strict", action="store_true", help="count tasks that cannot run locally as failures")
     p.add_argument("--unsafe-no-sandbox", action="store_true", help="run without bubblewrap (NO isolation)")
+    add_env_cache_flags(p)
     return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="composer-jax env build",
+        description="Pre-build the Python environment of every task that declares one ([environment] python, "
+        "requirements, install_app) into the env cache; prints one line per task (key, build time).",
+    )
+    p.add_argument("dir", type=Path, help="directory of Harbor-layout tasks")
+    add_env_cache_flags(p)
+    return p
+
+
+def build_main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if not args.dir.is_dir():
+        print(f"composer-jax env build: {args.dir} is not a directory", file=sys.stderr)
+        return 2
+    sandbox = _make_sandbox(False, 600)
+    if sandbox is None:
+        return 2
+    import tempfile
+
+    from composer_jax.env.tasks import TaskStore
+
+    cache = make_env_cache(args, sandbox, "composer-jax env build")
+    if cache is None:
+        return 2
+    store = TaskStore(args.dir, Path(tempfile.mkdtemp(prefix="composer-jax-build-cache-")))
+    for name, err in store.errors.items():
+        print(f"warning: skipping task directory {name}: {err}", file=sys.stderr)
+    failures = build_envs(cache, store.tasks(), out=sys.stdout)
+    return 1 if failures else 0
 
 
 def generate_parser() -> argparse.ArgumentParser:
@@ -217,13 +301,18 @@ def env_main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(
             "usage: composer-jax env validate DIR [--jobs N] [--families [F ...]] [--seeds S ...] [--strict]\n"
-            "       composer-jax env generate FAMILY [--seeds N|A:B] --out DIR"
+            "       composer-jax env generate FAMILY [--seeds N|A:B] --out DIR\n"
+            "       composer-jax env build DIR [--env-cache DIR] [--wheelhouse DIR | --index-url URL]"
         )
         return 0 if argv else 2
     if argv[0] == "generate":
         return generate_main(argv[1:])
+    if argv[0] == "build":
+        return build_main(argv[1:])
     if argv[0] != "validate":
-        print(f"composer-jax env: unknown subcommand {argv[0]!r}; accepted: validate, generate", file=sys.stderr)
+        print(
+            f"composer-jax env: unknown subcommand {argv[0]!r}; accepted: validate, generate, build", file=sys.stderr
+        )
         return 2
     args = validate_parser().parse_args(argv[1:])
     if not args.dir.is_dir():
@@ -247,8 +336,19 @@ def env_main(argv: list[str]) -> int:
     def progress(r):
         print(f"  {r.status:<7} {r.task_id} {r.detail}", file=sys.stderr, flush=True)
 
+    env_cache = make_env_cache(args, sandbox, "composer-jax env validate")
+    if env_cache is None:
+        return 2
     reports = asyncio.run(
-        validate_all(store, sandbox, jobs=args.jobs, families=families, seeds=args.seeds, progress=progress)
+        validate_all(
+            store,
+            sandbox,
+            jobs=args.jobs,
+            families=families,
+            seeds=args.seeds,
+            progress=progress,
+            env_cache=env_cache,
+        )
     )
     print(format_report(reports))
     bad = {"fail", "invalid"} | ({"skipped"} if args.strict else set())

@@ -422,6 +422,8 @@ def _seal(entry: Path, build_uid: int, meta: dict) -> None:
             path = os.path.join(dirpath, name)
             st = os.lstat(path)
             if stat.S_ISLNK(st.st_mode):
+                if as_root:
+                    os.chown(path, 0, 0, follow_symlinks=False)  # the link itself, never its target
                 continue
             foreign = as_root and st.st_uid != build_uid
             if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)) or (stat.S_ISREG(st.st_mode) and foreign):
@@ -430,7 +432,7 @@ def _seal(entry: Path, build_uid: int, meta: dict) -> None:
             if stat.S_ISDIR(st.st_mode) and foreign:
                 shutil.rmtree(path)
                 continue
-            mode = (stat.S_IMODE(st.st_mode) & 0o755) | (0o555 if stat.S_ISDIR(st.st_mode) else 0o444)
+            mode = (stat.S_IMODE(st.st_mode) & 0o555) | (0o555 if stat.S_ISDIR(st.st_mode) else 0o444)
             os.chmod(path, mode, follow_symlinks=False)
             if as_root:
                 os.chown(path, 0, 0, follow_symlinks=False)

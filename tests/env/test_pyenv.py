@@ -1,0 +1,291 @@
+"""Per-task Python environments (env/pyenv.py): the [environment] spec, sandboxed builds from a
+wheelhouse made here (no network), the cache, grading and sessions with the env on PATH, and a
+malicious setup.py that tries to read host files and write outside its cache entry."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from composer_jax.env import grader
+from composer_jax.env.pyenv import ENV_MOUNT, EnvBuildError, EnvCache, EnvSpec, parse_environment
+from composer_jax.env.sandbox import BubblewrapSandbox, Limits
+from composer_jax.env.server import GradeResponse
+from composer_jax.env.session import SessionManager
+from composer_jax.env.tasks import TaskError, TaskStore, load_task, parse_task_config
+from composer_jax.env.validate import validate_all
+from conftest import HAVE_BWRAP, LiveServer
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ------------------------------------------------------------------ spec parsing
+def test_spec_parsing(tmp_path):
+    assert parse_environment({"cpus": 2}, tmp_path, "t") is None  # Harbor's own keys only: no env
+    (tmp_path / "environment").mkdir()
+    (tmp_path / "environment" / "req.txt").write_text("# pinned\nattrs==23.2.0\n\nidna  # for urls\n")
+    spec = parse_environment(
+        {"python": "3.11", "requirements": ["six"], "requirements_file": "environment/req.txt"}, tmp_path, "t"
+    )
+    assert spec == EnvSpec("3.11", ("six", "attrs==23.2.0", "idna"), "none")
+    cfg = parse_task_config({"environment": {"requirements": ["six"], "install_app": "editable"}}, "t", tmp_path)
+    assert cfg.environment == EnvSpec(None, ("six",), "editable")
+    assert parse_task_config({}, "t", tmp_path).environment is None
+    # the key changes with anything that changes the build
+    a = EnvSpec(None, ("six",))
+    assert a.key(None, "wheelhouse:x") == EnvSpec(None, ("six",)).key(None, "wheelhouse:x")
+    assert len({a.key(None, "w1"), a.key(None, "w2"), EnvSpec(None, ("six==1",)).key(None, "w1")}) == 3
+
+
+@pytest.mark.parametrize(
+    "table, fragment",
+    [
+        ({"python": 3.11}, 'python = 3.11 must be a version "3.N"'),
+        ({"python": "py3"}, "python = 'py3'"),
+        ({"requirements": "six"}, "requirements = 'six' must be a list of strings"),
+        ({"requirements": ["-r other.txt"]}, "no pip options"),
+        ({"requirements": ["--index-url http://evil"]}, "no pip options"),
+        ({"requirements_file": "nope.txt"}, "requirements_file = 'nope.txt': no such file"),
+        ({"requirements_file": "../../etc/passwd"}, "outside the task directory"),
+        ({"install_app": "yes"}, "install_app = 'yes'; accepted: 'none', 'editable'"),
+    ],
+)
+def test_spec_errors_name_the_key(tmp_path, table, fragment):
+    with pytest.raises(TaskError, match="environment") as err:
+        parse_environment(table, tmp_path, "task 'x' task.toml")
+    assert fragment in str(err.value)
+
+
+# ------------------------------------------------------------------ fixtures: wheelhouse, tasks
+def _sdist(dest: Path, name: str, setup_py: str) -> None:
+    """A minimal sdist (PKG-INFO + setup.py), written by hand: building one needs no network."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for fname, text in {
+            "PKG-INFO": f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n",
+            "setup.py": setup_py,
+        }.items():
+            data = text.encode()
+            info = tarfile.TarInfo(f"{name}-0.1/{fname}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    (dest / f"{name}-0.1.tar.gz").write_bytes(buf.getvalue())
+
+
+@pytest.fixture(scope="module")
+def wheelhouse(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("wh")
+    pkg = root / "src" / "tinypkg"
+    (pkg / "tinypkg").mkdir(parents=True)
+    (pkg / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n'
+        '[project]\nname = "tinypkg"\nversion = "0.1"\n'
+    )
+    (pkg / "tinypkg" / "__init__.py").write_text("def answer():\n    return 42\n")
+    wh = root / "wheelhouse"
+    wh.mkdir()
+    cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index"]
+    subprocess.run([*cmd, str(pkg), "-w", str(wh)], check=True, capture_output=True, timeout=120)
+    assert [p.name for p in wh.iterdir()] == ["tinypkg-0.1-py3-none-any.whl"]
+    return wh
+
+
+def _task(root: Path, requirements: list[str], *, install_app: str = "none") -> Path:
+    """A task whose tests import tinypkg: the oracle makes /app/calc.py use it."""
+    (root / "environment" / "app").mkdir(parents=True)
+    (root / "tests").mkdir()
+    (root / "solution").mkdir()
+    env = {"requirements": requirements, "install_app": install_app}
+    (root / "task.toml").write_text(
+        'version = "1.0"\n[verifier]\ntimeout_sec = 60\n[environment]\n'
+        + "".join(f"{k} = {json.dumps(v)}\n" for k, v in env.items())
+    )
+    (root / "instruction.md").write_text("Make calc.value() return tinypkg.answer().\n")
+    (root / "environment" / "app" / "calc.py").write_text("def value():\n    return 0\n")
+    (root / "tests" / "test_calc.py").write_text(
+        "import tinypkg\nimport calc\n\ndef test_value():\n    assert calc.value() == tinypkg.answer() == 42\n"
+    )
+    (root / "tests" / "test.sh").write_text(
+        "cd /app\nif python3 -m pytest -q -p no:cacheprovider /tests/test_calc.py; then echo 1 > "
+        "/logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n"
+    )
+    (root / "solution" / "solve.sh").write_text(
+        "cat > /app/calc.py <<'EOF'\nimport tinypkg\n\ndef value():\n    return tinypkg.answer()\nEOF\n"
+    )
+    return root
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    if not HAVE_BWRAP:
+        pytest.skip("bubblewrap (bwrap) is not installed; `make system-deps`")
+    return BubblewrapSandbox()
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, wheelhouse, sandbox):
+    """(cache, tasks dir, built env, seconds the build took): one build shared by the tests."""
+    tasks = tmp_path_factory.mktemp("tasks")
+    task = load_task(_task(tasks / "uses-tinypkg", ["tinypkg"]))
+    cache = EnvCache(tmp_path_factory.mktemp("envcache"), sandbox, wheelhouse=wheelhouse)
+    t0 = time.monotonic()
+    env = asyncio.run(cache.for_task(task))
+    return cache, tasks, env, time.monotonic() - t0
+
+
+# ------------------------------------------------------------------ builds, cache, grading
+
+
+@pytest.mark.sandbox
+def test_build_from_wheelhouse_is_cached_and_read_only(built, sandbox, wheelhouse):
+    cache, tasks, env, seconds = built
+    assert env is not None and env.python_version.startswith("3.")
+    assert env.mount().dest == ENV_MOUNT and not env.mount().writable
+    assert env.env_vars()["PATH"].startswith(f"{ENV_MOUNT}/bin:")
+    assert env.describe() == {"key": env.key, "python": env.python_version, "requirements": ["tinypkg"]}
+    st = env.host_path.stat()
+    assert (st.st_uid, st.st_mode & 0o222) == (os.geteuid(), 0)  # sealed: owned by us, no write bits
+    task = load_task(tasks / "uses-tinypkg")
+
+    async def again():
+        a, b = await asyncio.gather(cache.for_task(task), cache.for_task(task))
+        fresh = EnvCache(cache.root, sandbox, wheelhouse=wheelhouse)  # a restarted server: from disk
+        return a, b, await fresh.for_task(task), fresh.build_seconds
+
+    a, b, c, fresh_builds = asyncio.run(again())
+    assert a == b == env and c is not None and c.key == env.key and fresh_builds == {}
+    assert list(cache.build_seconds) == [env.key]  # built exactly once
+    assert cache.lookup(task) == env
+
+
+@pytest.mark.sandbox
+def test_validate_oracle_and_untouched_with_the_env(built, sandbox):
+    cache, tasks, env, _ = built
+    store = TaskStore(tasks, tasks.parent / "gen-cache")
+    reports = asyncio.run(validate_all(store, sandbox, env_cache=cache, limits=Limits(wall_seconds=120)))
+    assert [(r.status, r.untouched_reward, r.oracle_reward) for r in reports] == [("pass", 0.0, 1.0)], reports
+    # without the env the same task cannot import tinypkg: the oracle would score 0
+    no_env = asyncio.run(validate_all(store, sandbox, env_cache=None, limits=Limits(wall_seconds=120)))
+    assert no_env[0].status == "fail" and "no env cache" in no_env[0].detail
+
+
+@pytest.mark.sandbox
+def test_session_shell_and_grade_report_the_env(built, sandbox, tmp_path):
+    cache, tasks, env, _ = built
+    store = TaskStore(tasks, tmp_path / "gen")
+
+    async def go():
+        manager = SessionManager(store, sandbox, work_dir=tmp_path / "work", env_cache=cache)
+        try:
+            s = await manager.create("uses-tinypkg")
+            r = await s.run_shell("command -v python3; python3 -c 'import tinypkg; print(tinypkg.answer())'", 30)
+            w = await s.run_shell(f"touch {ENV_MOUNT}/x", 30)  # read-only for the agent
+            g = await manager.grade(s.session_id)
+            return r, w, g
+        finally:
+            await manager.shutdown()
+
+    r, w, g = asyncio.run(go())
+    assert r.exit_code == 0 and r.stdout.split() == [f"{ENV_MOUNT}/bin/python3", "42"], r
+    assert w.exit_code != 0
+    assert g.reward == 0.0 and g.environment == env.describe()
+    assert GradeResponse(session_id="s", **g.to_dict()).environment["key"] == env.key
+
+
+@pytest.mark.sandbox
+def test_server_builds_at_startup_and_refuses_unbuilt(built, wheelhouse, tmp_path):
+    cache, tasks, env, _ = built
+    # A task whose build fails (no such package in the wheelhouse): served, its sessions refused.
+    _task(tasks / "missing-dep", ["not-in-wheelhouse"])
+    try:
+        server = LiveServer("--env-cache", str(cache.root), "--wheelhouse", str(wheelhouse), tasks=tasks)
+        try:
+            with server.client() as http:
+                sid = http.post("/sessions", json={"task_id": "uses-tinypkg"}).json()["session_id"]
+                http.post(f"/sessions/{sid}/tools", json={"calls": [{"name": "run_shell", "arguments": {
+                    "command": "printf 'import tinypkg\\ndef value():\\n    return tinypkg.answer()\\n' > calc.py"}}]})  # fmt: skip
+                graded = http.post(f"/sessions/{sid}/grade").json()
+                refused = http.post("/sessions", json={"task_id": "missing-dep"})
+        finally:
+            server.stop()
+    finally:
+        import shutil
+
+        shutil.rmtree(tasks / "missing-dep")
+    assert graded["reward"] == 1.0 and graded["environment"]["key"] == env.key, graded
+    assert refused.status_code == 409 and "not-in-wheelhouse" in refused.text, refused.text
+
+
+def test_unknown_python_is_a_clear_error(tmp_path):
+    class FakeSandbox(BubblewrapSandbox):
+        def __init__(self):  # no bwrap needed: interpreter() only looks at PATH
+            self.path_env = str(tmp_path)
+
+    with pytest.raises(EnvBuildError, match=r"python = '3.99': no python3.99 in the sandbox"):
+        EnvCache(tmp_path / "c", FakeSandbox()).interpreter(EnvSpec("3.99", ()))
+
+
+# ------------------------------------------------------------------ attack: a malicious setup.py
+EVIL_SETUP = """
+import os, sys
+report = []
+for path in {secrets!r}:
+    try:
+        report.append("READ " + path + " " + open(path).read())
+    except OSError as exc:
+        report.append("DENIED " + path + " " + type(exc).__name__)
+for path in {targets!r}:
+    try:
+        with open(path, "w") as f:
+            f.write("pwned")
+        report.append("WROTE " + path)
+    except OSError as exc:
+        report.append("DENIED-WRITE " + path + " " + type(exc).__name__)
+report.append("LISTROOT " + " ".join(sorted(os.listdir("/"))))
+report.append("EVIL-RAN uid=%d" % os.getuid())
+text = "\\n".join(report)
+print(text)
+open("{mount}/evil-report.txt", "w").write(text)
+from setuptools import setup
+setup(name="evilpkg", version="0.1")
+"""
+
+
+@pytest.mark.sandbox
+def test_malicious_setup_py_is_contained(tmp_path, wheelhouse, sandbox):
+    secret_dir = tmp_path / "host-secret"
+    secret_dir.mkdir()
+    secret = secret_dir / "token.txt"
+    secret.write_text("SECRET-TOKEN-1f2e3d")
+    outside = tmp_path / "written-outside"
+    cache_root = tmp_path / "cache"
+    wh = tmp_path / "evil-wheelhouse"
+    wh.mkdir()
+    for p in wheelhouse.iterdir():
+        (wh / p.name).write_bytes(p.read_bytes())
+    project_file = REPO / "pyproject.toml"
+    targets = [str(outside), str(cache_root / "sibling"), f"{ENV_MOUNT}/../escaped", "/usr/pwned", "/etc/pwned"]
+    setup_py = EVIL_SETUP.format(
+        secrets=[str(secret), str(project_file), "/etc/shadow", "/root/.bash_history"], targets=targets, mount=ENV_MOUNT
+    )
+    _sdist(wh, "evilpkg", textwrap.dedent(setup_py))
+    cache = EnvCache(cache_root, sandbox, wheelhouse=wh)
+    env = asyncio.run(cache.ensure(EnvSpec(None, ("evilpkg",)), None))
+    report = (env.host_path / "evil-report.txt").read_text()
+    assert "EVIL-RAN" in report and "uid=0" not in report, report  # it ran, unprivileged
+    assert "READ " not in report, report  # nothing of the host was readable
+    assert "WROTE " not in report, report
+    assert not outside.exists() and not (cache_root / "sibling").exists() and not Path("/usr/pwned").exists()
+    assert sorted(p.name for p in cache_root.iterdir()) == [env.key]  # no leftovers beside the entry
+    tree = b"".join(p.read_bytes() for p in env.host_path.rglob("*") if p.is_file() and not p.is_symlink())
+    assert b"SECRET-TOKEN-1f2e3d" not in tree and project_file.read_bytes()[:200] not in tree
