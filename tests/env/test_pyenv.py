@@ -252,6 +252,7 @@ for path in {targets!r}:
     except OSError as exc:
         report.append("DENIED-WRITE " + path + " " + type(exc).__name__)
 report.append("LISTROOT " + " ".join(sorted(os.listdir("/"))))
+report.append("NETDEVS " + " ".join(l.split(":")[0].strip() for l in open("/proc/net/dev").readlines()[2:]))
 report.append("EVIL-RAN uid=%d" % os.getuid())
 text = "\\n".join(report)
 print(text)
@@ -285,7 +286,32 @@ def test_malicious_setup_py_is_contained(tmp_path, wheelhouse, sandbox):
     assert "EVIL-RAN" in report and "uid=0" not in report, report  # it ran, unprivileged
     assert "READ " not in report, report  # nothing of the host was readable
     assert "WROTE " not in report, report
+    assert "\nNETDEVS lo\n" in report, report  # a wheelhouse build has no network (loopback only)
     assert not outside.exists() and not (cache_root / "sibling").exists() and not Path("/usr/pwned").exists()
     assert sorted(p.name for p in cache_root.iterdir()) == [env.key]  # no leftovers beside the entry
     tree = b"".join(p.read_bytes() for p in env.host_path.rglob("*") if p.is_file() and not p.is_symlink())
     assert b"SECRET-TOKEN-1f2e3d" not in tree and project_file.read_bytes()[:200] not in tree
+
+
+@pytest.mark.sandbox
+def test_network_only_for_index_builds(sandbox):
+    lease = sandbox.lease("argv-probe")
+    try:
+        args = {"mounts": [], "cwd": "/", "limits": Limits(), "env": {}}
+        _, _, plain = lease._argv(["true"], **args)
+        _, _, networked = lease._argv(["true"], **args, network=True)
+    finally:
+        asyncio.run(lease.close())
+    assert "--unshare-net" in plain and "--unshare-net" not in networked
+
+
+def test_dockerfile_matches_the_spec():
+    from composer_jax.env.taskwrite import default_dockerfile
+
+    plain = default_dockerfile()
+    assert plain.startswith("FROM python:3.11-slim\n") and "pip install --no-cache-dir pytest==" in plain
+    text = default_dockerfile(EnvSpec("3.12", ("attrs==23.2.0", "numpy>=1.26"), "editable"))
+    lines = text.splitlines()
+    assert lines[0] == "FROM python:3.12-slim"
+    assert "RUN pip install --no-cache-dir attrs==23.2.0 'numpy>=1.26'" in lines
+    assert lines.index("COPY app/ /app/") < lines.index("RUN pip install --no-cache-dir -e /app")

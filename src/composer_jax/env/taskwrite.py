@@ -14,11 +14,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shlex
 import shutil
 import tempfile
 from pathlib import Path
 
 from composer_jax.env import gitrepo, swe_runner
+from composer_jax.env.pyenv import EnvSpec
 
 CATEGORIES = ("bug fix", "feature", "refactor", "tests")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
@@ -122,16 +124,25 @@ def task_toml(t: RepoTask) -> str:
     )
 
 
-def default_dockerfile() -> str:
+def default_dockerfile(spec: EnvSpec | None = None) -> str:
+    """A Dockerfile equivalent to what the local sandbox runs: the spec's Python (else 3.11), pytest,
+    the spec's requirements, and the app installed editable at /app when the spec says so, so
+    Harbor's own runners build the same environment the server's env cache builds (pyenv.py)."""
     import pytest
 
-    return (
-        "FROM python:3.11-slim\n"
-        "RUN apt-get update && apt-get install -y --no-install-recommends git && rm -rf /var/lib/apt/lists/*\n"
-        "WORKDIR /app\n"
-        f"RUN pip install --no-cache-dir pytest=={pytest.__version__}\n"
-        "COPY app/ /app/\n"
-    )
+    python = spec.python if spec is not None and spec.python else "3.11"
+    lines = [
+        f"FROM python:{python}-slim",
+        "RUN apt-get update && apt-get install -y --no-install-recommends git && rm -rf /var/lib/apt/lists/*",
+        "WORKDIR /app",
+        f"RUN pip install --no-cache-dir pytest=={pytest.__version__}",
+    ]
+    if spec is not None and spec.requirements:
+        lines.append("RUN pip install --no-cache-dir " + " ".join(shlex.quote(r) for r in spec.requirements))
+    lines.append("COPY app/ /app/")
+    if spec is not None and spec.install_app == "editable":
+        lines.append("RUN pip install --no-cache-dir -e /app")
+    return "\n".join(lines) + "\n"
 
 
 def split_test_patch(base_tree: Path, test_patch: bytes) -> tuple[dict[str, Path], list[str], Path]:
