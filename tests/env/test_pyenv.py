@@ -16,15 +16,14 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import HAVE_BWRAP, LiveServer
 
-from composer_jax.env import grader
 from composer_jax.env.pyenv import ENV_MOUNT, EnvBuildError, EnvCache, EnvSpec, parse_environment
 from composer_jax.env.sandbox import BubblewrapSandbox, Limits
 from composer_jax.env.server import GradeResponse
 from composer_jax.env.session import SessionManager
 from composer_jax.env.tasks import TaskError, TaskStore, load_task, parse_task_config
 from composer_jax.env.validate import validate_all
-from conftest import HAVE_BWRAP, LiveServer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -212,8 +211,9 @@ def test_server_builds_at_startup_and_refuses_unbuilt(built, wheelhouse, tmp_pat
         try:
             with server.client() as http:
                 sid = http.post("/sessions", json={"task_id": "uses-tinypkg"}).json()["session_id"]
-                http.post(f"/sessions/{sid}/tools", json={"calls": [{"name": "run_shell", "arguments": {
-                    "command": "printf 'import tinypkg\\ndef value():\\n    return tinypkg.answer()\\n' > calc.py"}}]})  # fmt: skip
+                solve = "printf 'import tinypkg\\ndef value():\\n    return tinypkg.answer()\\n' > calc.py"
+                call = {"name": "run_shell", "arguments": {"command": solve}}
+                http.post(f"/sessions/{sid}/tools", json={"calls": [call]})
                 graded = http.post(f"/sessions/{sid}/grade").json()
                 refused = http.post("/sessions", json={"task_id": "missing-dep"})
         finally:

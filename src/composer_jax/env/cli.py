@@ -60,7 +60,9 @@ def make_env_cache(args: argparse.Namespace, sandbox, prog: str):
         print(f"{prog}: give --wheelhouse or --index-url, not both", file=sys.stderr)
         return None
     try:
-        return EnvCache(args.env_cache or default_cache_dir(), sandbox, wheelhouse=args.wheelhouse, index_url=args.index_url)
+        return EnvCache(
+            args.env_cache or default_cache_dir(), sandbox, wheelhouse=args.wheelhouse, index_url=args.index_url
+        )
     except (ValueError, OSError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return None
@@ -310,9 +312,7 @@ def env_main(argv: list[str]) -> int:
     if argv[0] == "build":
         return build_main(argv[1:])
     if argv[0] != "validate":
-        print(
-            f"composer-jax env: unknown subcommand {argv[0]!r}; accepted: validate, generate, build", file=sys.stderr
-        )
+        print(f"composer-jax env: unknown subcommand {argv[0]!r}; accepted: validate, generate, build", file=sys.stderr)
         return 2
     args = validate_parser().parse_args(argv[1:])
     if not args.dir.is_dir():

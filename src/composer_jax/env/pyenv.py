@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from composer_jax.env import volumes
 from composer_jax.env.errors import TaskError
-from composer_jax.env.sandbox import Limits, Mount, Sandbox, SandboxLease
+from composer_jax.env.sandbox import Limits, Mount, Sandbox
 
 if TYPE_CHECKING:
     from composer_jax.env.tasks import Task
@@ -167,8 +167,7 @@ def parse_environment(table: dict, task_root: Path, where: str) -> EnvSpec | Non
     install_app = table.get("install_app", "none")
     if install_app not in INSTALL_APP:
         raise TaskError(
-            f"{where}: [environment] install_app = {install_app!r}; accepted: "
-            f"{', '.join(repr(x) for x in INSTALL_APP)}"
+            f"{where}: [environment] install_app = {install_app!r}; accepted: {', '.join(repr(x) for x in INSTALL_APP)}"
         )
     return EnvSpec(python, tuple(requirements), install_app)
 
@@ -356,8 +355,8 @@ class EnvCache:
                 network = bool(spec.requirements) or spec.install_app == "editable"
                 source = ["--index-url", self.index_url] if self.index_url else []
             prefix = lease.path_in_sandbox(mounts[0])
-            argv = ["bash", "-c", _BUILD_SCRIPT, "build", py, prefix, "pth" if same_python else "",
-                    _server_site_packages(), "editable" if spec.install_app == "editable" else "", *source]  # fmt: skip
+            flags = ["pth" if same_python else "", _server_site_packages(), spec.install_app.replace("none", "")]
+            argv = ["bash", "-c", _BUILD_SCRIPT, "build", py, prefix, *flags, *source]
             result = await lease.run(argv, mounts=mounts, cwd="/", limits=BUILD_LIMITS, network=network)
             log = (result.stdout + result.stderr)[-6000:]
             if result.timed_out or result.exit_code != 0:
@@ -371,8 +370,8 @@ class EnvCache:
         finally:
             await lease.close()
         try:
-            await asyncio.to_thread(_seal, entry, lease.uid, {"key": key, "python": facts.get("python", ""),
-                                                              "requirements": list(spec.requirements)})  # fmt: skip
+            meta = {"key": key, "python": facts.get("python", ""), "requirements": list(spec.requirements)}
+            await asyncio.to_thread(_seal, entry, lease.uid, meta)
             final = self.root / key
             try:
                 os.rename(entry, final)

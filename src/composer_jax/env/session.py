@@ -202,7 +202,7 @@ class SessionManager:
         if task.config.environment is None:
             return None
         if self.env_cache is None:
-            raise TaskNotRunnable(f"task {task.task_id!r} declares a Python environment and this server has no env cache")
+            raise TaskNotRunnable(f"task {task.task_id!r} declares a Python environment; this server has no env cache")
         try:
             return self.env_cache.lookup(task)
         except EnvBuildError as exc:
