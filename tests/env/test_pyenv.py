@@ -315,3 +315,56 @@ def test_dockerfile_matches_the_spec():
     assert lines[0] == "FROM python:3.12-slim"
     assert "RUN pip install --no-cache-dir attrs==23.2.0 'numpy>=1.26'" in lines
     assert lines.index("COPY app/ /app/") < lines.index("RUN pip install --no-cache-dir -e /app")
+
+
+@pytest.mark.sandbox
+def test_editable_app_points_at_the_session_workspace(tmp_path, wheelhouse, sandbox):
+    root = _task(tmp_path / "tasks" / "editable-app", [], install_app="editable")
+    app = root / "environment" / "app"
+    (app / "applib").mkdir()
+    (app / "applib" / "__init__.py").write_text("def f():\n    return 'original'\n")
+    (app / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n'
+        '[project]\nname = "applib"\nversion = "0.1"\n[tool.setuptools]\npackages = ["applib"]\n'
+    )
+    store = TaskStore(tmp_path / "tasks", tmp_path / "gen")
+    cache = EnvCache(tmp_path / "cache", sandbox, wheelhouse=wheelhouse)
+    probe = "cd /tmp && python3 -c 'import applib; print(applib.f())'"
+
+    async def go():
+        await cache.for_task(store.get("editable-app"))
+        manager = SessionManager(store, sandbox, work_dir=tmp_path / "work", env_cache=cache)
+        try:
+            s = await manager.create("editable-app")
+            before = await s.run_shell(probe, 30)
+            await s.run_shell("sed -i s/original/edited/ /app/applib/__init__.py", 30)
+            return before, await s.run_shell(probe, 30)
+        finally:
+            await manager.shutdown()
+
+    before, after = asyncio.run(go())
+    assert before.stdout.strip() == "original", before
+    assert after.stdout.strip() == "edited", after  # the install points at /app, the workspace
+    assert not any(p.name.endswith(".egg-info") for p in app.iterdir())  # the build used a copy
+
+
+def test_cli_env_flags_errors(tmp_path, capsys):
+    from composer_jax.env.cli import env_main
+
+    (tmp_path / "tasks").mkdir()
+    assert env_main(["build", str(tmp_path / "tasks"), "--wheelhouse", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert "--wheelhouse" in err and "not a directory" in err, err
+    args = ["build", str(tmp_path / "tasks"), "--wheelhouse", str(tmp_path), "--index-url", "http://x"]
+    assert env_main(args) == 2
+    assert "not both" in capsys.readouterr().err
+
+
+@pytest.mark.sandbox
+def test_env_build_cli_reports_each_env(built, wheelhouse, capsys):
+    from composer_jax.env.cli import env_main
+
+    cache, tasks, env, _ = built
+    assert env_main(["build", str(tasks), "--env-cache", str(cache.root), "--wheelhouse", str(wheelhouse)]) == 0
+    out = capsys.readouterr().out
+    assert f"env uses-tinypkg: {env.key[:16]} python {env.python_version} cached" in out, out

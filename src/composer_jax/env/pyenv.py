@@ -230,7 +230,6 @@ class EnvCache:
         self.index_url = index_url
         if self.wheelhouse is not None and not self.wheelhouse.is_dir():
             raise ValueError(f"--wheelhouse {wheelhouse}: not a directory")
-        self.root.mkdir(parents=True, exist_ok=True)
         self._built: dict[str, BuiltEnv] = {}
         self._failed: dict[str, EnvBuildError] = {}
         self._inflight: dict[str, asyncio.Future[BuiltEnv]] = {}
@@ -332,6 +331,7 @@ class EnvCache:
         py = self.interpreter(spec)
         same_python = spec.python in (None, _server_python())
         lease = self.sandbox.lease(f"envbuild-{key[:12]}-{secrets.token_hex(4)}")
+        self.root.mkdir(parents=True, exist_ok=True)  # here, not at start-up: most servers build nothing
         work = Path(tempfile.mkdtemp(prefix=f".build-{key[:12]}-", dir=self.root))
         try:
             entry, inputs, app = work / "env", work / "inputs", work / "app"
