@@ -252,6 +252,16 @@ for path in {targets!r}:
     except OSError as exc:
         report.append("DENIED-WRITE " + path + " " + type(exc).__name__)
 report.append("LISTROOT " + " ".join(sorted(os.listdir("/"))))
+for name, target in {plants!r}:
+    try:
+        os.symlink(target, "{mount}/" + name)
+    except OSError as exc:
+        report.append("NO-SYMLINK " + name + " " + type(exc).__name__)
+try:
+    os.link({victim!r}, "{mount}/hardlink")
+    report.append("LINKED")
+except OSError as exc:
+    report.append("NO-HARDLINK " + type(exc).__name__)
 report.append("NETDEVS " + " ".join(l.split(":")[0].strip() for l in open("/proc/net/dev").readlines()[2:]))
 report.append("EVIL-RAN uid=%d" % os.getuid())
 text = "\\n".join(report)
@@ -276,9 +286,20 @@ def test_malicious_setup_py_is_contained(tmp_path, wheelhouse, sandbox):
         (wh / p.name).write_bytes(p.read_bytes())
     project_file = REPO / "pyproject.toml"
     targets = [str(outside), str(cache_root / "sibling"), f"{ENV_MOUNT}/../escaped", "/usr/pwned", "/etc/pwned"]
+    # Symlinks to host files planted where the sealing step writes and chmods, and a hard link to a
+    # file the sandbox shows: sealing must change neither file.
+    victim = tmp_path / "victim.txt"
+    victim.write_text("untouched")
+    victim.chmod(0o644)
+    plants = [(".composer-jax-env.json", str(victim)), ("bin-victim", str(victim))]
     setup_py = EVIL_SETUP.format(
-        secrets=[str(secret), str(project_file), "/etc/shadow", "/root/.bash_history"], targets=targets, mount=ENV_MOUNT
+        secrets=[str(secret), str(project_file), "/etc/shadow", "/root/.bash_history"],
+        targets=targets,
+        mount=ENV_MOUNT,
+        plants=plants,
+        victim="/etc/hostname",
     )
+    hostname_stat = os.stat("/etc/hostname")
     _sdist(wh, "evilpkg", textwrap.dedent(setup_py))
     cache = EnvCache(cache_root, sandbox, wheelhouse=wh)
     env = asyncio.run(cache.ensure(EnvSpec(None, ("evilpkg",)), None))
@@ -289,6 +310,10 @@ def test_malicious_setup_py_is_contained(tmp_path, wheelhouse, sandbox):
     assert "\nNETDEVS lo\n" in report, report  # a wheelhouse build has no network (loopback only)
     assert not outside.exists() and not (cache_root / "sibling").exists() and not Path("/usr/pwned").exists()
     assert sorted(p.name for p in cache_root.iterdir()) == [env.key]  # no leftovers beside the entry
+    assert victim.read_text() == "untouched" and victim.stat().st_mode & 0o777 == 0o644
+    assert os.stat("/etc/hostname") == hostname_stat
+    assert json.loads((env.host_path / ".composer-jax-env.json").read_text())["key"] == env.key
+    assert not (env.host_path / ".composer-jax-env.json").is_symlink()
     tree = b"".join(p.read_bytes() for p in env.host_path.rglob("*") if p.is_file() and not p.is_symlink())
     assert b"SECRET-TOKEN-1f2e3d" not in tree and project_file.read_bytes()[:200] not in tree
 

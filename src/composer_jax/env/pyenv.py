@@ -435,8 +435,16 @@ def _seal(entry: Path, build_uid: int, meta: dict) -> None:
             os.chmod(path, mode, follow_symlinks=False)
             if as_root:
                 os.chown(path, 0, 0, follow_symlinks=False)
-    (entry / META_FILE).write_text(json.dumps(meta))
-    os.chmod(entry / META_FILE, 0o444)
+    # The build may have planted its own META_FILE (a symlink to a host file, say): remove it and
+    # create ours afresh, never following a link.
+    planted = entry / META_FILE
+    if planted.is_dir() and not planted.is_symlink():
+        shutil.rmtree(planted)
+    elif os.path.lexists(planted):
+        os.unlink(planted)
+    fd = os.open(planted, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o444)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(meta))
     os.chmod(entry, 0o555)
     if as_root:
         os.chown(entry, 0, 0)
