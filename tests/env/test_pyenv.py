@@ -198,6 +198,7 @@ def test_session_shell_and_grade_report_the_env(built, sandbox, tmp_path):
     assert r.exit_code == 0 and r.stdout.split() == [f"{ENV_MOUNT}/bin/python3", "42"], r
     assert w.exit_code != 0
     assert g.reward == 0.0 and g.environment == env.describe()
+    assert g.interpreter["python"].startswith(f"{ENV_MOUNT}/"), g.interpreter  # the env's python3 ran
     assert GradeResponse(session_id="s", **g.to_dict()).environment["key"] == env.key
 
 
@@ -302,7 +303,12 @@ def test_malicious_setup_py_is_contained(tmp_path, wheelhouse, sandbox):
     hostname_stat = os.stat("/etc/hostname")
     _sdist(wh, "evilpkg", textwrap.dedent(setup_py))
     cache = EnvCache(cache_root, sandbox, wheelhouse=wh)
-    env = asyncio.run(cache.ensure(EnvSpec(None, ("evilpkg",)), None))
+
+    async def twice():  # two callers at once: one build
+        return await asyncio.gather(*(cache.ensure(EnvSpec(None, ("evilpkg",)), None) for _ in range(2)))
+
+    env, same = asyncio.run(twice())
+    assert env == same and list(cache.build_seconds) == [env.key]
     report = (env.host_path / "evil-report.txt").read_text()
     assert "EVIL-RAN" in report and "uid=0" not in report, report  # it ran, unprivileged
     assert "READ " not in report, report  # nothing of the host was readable
@@ -393,3 +399,22 @@ def test_env_build_cli_reports_each_env(built, wheelhouse, capsys):
     assert env_main(["build", str(tasks), "--env-cache", str(cache.root), "--wheelhouse", str(wheelhouse)]) == 0
     out = capsys.readouterr().out
     assert f"env uses-tinypkg: {env.key[:16]} python {env.python_version} cached" in out, out
+
+
+@pytest.mark.sandbox
+def test_failed_build_is_remembered_with_its_log(tmp_path, wheelhouse, sandbox):
+    cache = EnvCache(tmp_path / "cache", sandbox, wheelhouse=wheelhouse)
+    spec = EnvSpec(None, ("not-in-wheelhouse==1.0",))
+
+    async def go():
+        errors = []
+        for _ in range(2):
+            with pytest.raises(EnvBuildError) as err:
+                await cache.ensure(spec, None)
+            errors.append(err.value)
+        return errors
+
+    first, second = asyncio.run(go())
+    assert first is second  # not rebuilt
+    assert "failed (exit 1)" in first.reason and "not-in-wheelhouse" in first.log_tail
+    assert cache.build_seconds == {} and [p.name for p in (tmp_path / "cache").iterdir()] == []

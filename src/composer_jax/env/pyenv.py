@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from composer_jax.env import volumes
 from composer_jax.env.errors import TaskError
-from composer_jax.env.sandbox import Limits, Mount, Sandbox
+from composer_jax.env.sandbox import Limits, Mount, Sandbox, SandboxLease
 
 if TYPE_CHECKING:
     from composer_jax.env.tasks import Task
@@ -329,47 +329,15 @@ class EnvCache:
             # A venv hard-codes its path: it is built at ENV_MOUNT, which only a mount namespace gives.
             raise EnvBuildError("per-task Python environments need the bubblewrap sandbox (not --unsafe-no-sandbox)")
         py = self.interpreter(spec)
-        same_python = spec.python in (None, _server_python())
-        lease = self.sandbox.lease(f"envbuild-{key[:12]}-{secrets.token_hex(4)}")
         self.root.mkdir(parents=True, exist_ok=True)  # here, not at start-up: most servers build nothing
         work = Path(tempfile.mkdtemp(prefix=f".build-{key[:12]}-", dir=self.root))
         try:
-            entry, inputs, app = work / "env", work / "inputs", work / "app"
-            for d in (entry, inputs, app):
-                d.mkdir(mode=0o755)
-            _chown(entry, lease.uid, lease.gid)
-            (inputs / "requirements.txt").write_text("".join(r + "\n" for r in spec.requirements))
-            mounts = [Mount(entry, ENV_MOUNT, True), Mount(inputs, "/envreq", False)]
-            if spec.install_app == "editable":
-                if app_dir is None or not app_dir.is_dir():
-                    raise EnvBuildError("install_app = 'editable' but the task has no environment/app/")
-                _chown(app, lease.uid, lease.gid)
-                await asyncio.to_thread(volumes.copy_tree, app_dir, app, lease.uid, lease.gid)
-                mounts.append(Mount(app, "/app", True))
-            source: list[str] = []
-            network = False
-            if self.wheelhouse is not None:
-                mounts.append(Mount(self.wheelhouse, "/wheelhouse", False))
-                source = ["--no-index", "--find-links", lease.path_in_sandbox(mounts[-1])]
-            else:
-                network = bool(spec.requirements) or spec.install_app == "editable"
-                source = ["--index-url", self.index_url] if self.index_url else []
-            prefix = lease.path_in_sandbox(mounts[0])
-            flags = ["pth" if same_python else "", _server_site_packages(), spec.install_app.replace("none", "")]
-            argv = ["bash", "-c", _BUILD_SCRIPT, "build", py, prefix, *flags, *source]
-            result = await lease.run(argv, mounts=mounts, cwd="/", limits=BUILD_LIMITS, network=network)
-            log = (result.stdout + result.stderr)[-6000:]
-            if result.timed_out or result.exit_code != 0:
-                why = "timed out" if result.timed_out else f"exit {result.exit_code}"
-                hint = " (no pytest: under another Python than the server's, list pytest in requirements)"
-                raise EnvBuildError(
-                    f"building the environment {key[:12]} failed ({why})" + (hint if "pytest" in log[-400:] else ""),
-                    log,
-                )
-            facts = _last_json(result.stdout)
-        finally:
-            await lease.close()
-        try:
+            entry = work / "env"
+            lease = self.sandbox.lease(f"envbuild-{key[:12]}-{secrets.token_hex(4)}")
+            try:
+                facts = await self._run_build(lease, work, key, spec, app_dir, py)
+            finally:
+                await lease.close()  # every process of the build is dead before its tree is walked
             meta = {"key": key, "python": facts.get("python", ""), "requirements": list(spec.requirements)}
             await asyncio.to_thread(_seal, entry, lease.uid, meta)
             final = self.root / key
@@ -379,9 +347,45 @@ class EnvCache:
                 if not (final / META_FILE).is_file():  # another server's build landed first: use it
                     raise
         finally:
-            await asyncio.to_thread(volumes.remove_tree, work)
+            await asyncio.to_thread(volumes.remove_tree, work)  # inputs, the app copy, a failed entry
         self.build_seconds[key] = round(time.monotonic() - start, 2)
         return self._built_env(key, final, facts.get("python", ""), spec)
+
+    async def _run_build(
+        self, lease: SandboxLease, work: Path, key: str, spec: EnvSpec, app_dir: Path | None, py: str
+    ) -> dict:
+        """Run the build in the sandbox (see the module docstring); its facts, or EnvBuildError."""
+        entry, inputs, app = work / "env", work / "inputs", work / "app"
+        for d in (entry, inputs, app):
+            d.mkdir(mode=0o755)
+        _chown(entry, lease.uid, lease.gid)
+        (inputs / "requirements.txt").write_text("".join(r + "\n" for r in spec.requirements))
+        mounts = [Mount(entry, ENV_MOUNT, True), Mount(inputs, "/envreq", False)]
+        if spec.install_app == "editable":
+            if app_dir is None or not app_dir.is_dir():
+                raise EnvBuildError("install_app = 'editable' but the task has no environment/app/")
+            _chown(app, lease.uid, lease.gid)
+            await asyncio.to_thread(volumes.copy_tree, app_dir, app, lease.uid, lease.gid)
+            mounts.append(Mount(app, "/app", True))
+        network = False
+        if self.wheelhouse is not None:
+            mounts.append(Mount(self.wheelhouse, "/wheelhouse", False))
+            source = ["--no-index", "--find-links", "/wheelhouse"]
+        else:
+            network = bool(spec.requirements) or spec.install_app == "editable"
+            source = ["--index-url", self.index_url] if self.index_url else []
+        same_python = spec.python in (None, _server_python())
+        flags = ["pth" if same_python else "", _server_site_packages(), spec.install_app.replace("none", "")]
+        argv = ["bash", "-c", _BUILD_SCRIPT, "build", py, ENV_MOUNT, *flags, *source]
+        result = await lease.run(argv, mounts=mounts, cwd="/", limits=BUILD_LIMITS, network=network)
+        log = (result.stdout + result.stderr)[-6000:]
+        if result.timed_out or result.exit_code != 0:
+            why = "timed out" if result.timed_out else f"exit {result.exit_code}"
+            hint = " (no pytest: under another Python than the server's, list pytest in requirements)"
+            raise EnvBuildError(
+                f"building the environment {key[:12]} failed ({why})" + (hint if "pytest" in log[-400:] else ""), log
+            )
+        return _last_json(result.stdout)
 
 
 def _path_dirs(sandbox: Sandbox) -> list[str]:
