@@ -8,6 +8,7 @@ import asyncio
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -205,24 +206,21 @@ def test_session_shell_and_grade_report_the_env(built, sandbox, tmp_path):
 @pytest.mark.sandbox
 def test_server_builds_at_startup_and_refuses_unbuilt(built, wheelhouse, tmp_path):
     cache, tasks, env, _ = built
+    served = tmp_path / "tasks"
+    shutil.copytree(tasks / "uses-tinypkg", served / "uses-tinypkg")  # same key: built by the fixture
     # A task whose build fails (no such package in the wheelhouse): served, its sessions refused.
-    _task(tasks / "missing-dep", ["not-in-wheelhouse"])
+    _task(served / "missing-dep", ["not-in-wheelhouse"])
+    server = LiveServer("--env-cache", str(cache.root), "--wheelhouse", str(wheelhouse), tasks=served)
     try:
-        server = LiveServer("--env-cache", str(cache.root), "--wheelhouse", str(wheelhouse), tasks=tasks)
-        try:
-            with server.client() as http:
-                sid = http.post("/sessions", json={"task_id": "uses-tinypkg"}).json()["session_id"]
-                solve = "printf 'import tinypkg\\ndef value():\\n    return tinypkg.answer()\\n' > calc.py"
-                call = {"name": "run_shell", "arguments": {"command": solve}}
-                http.post(f"/sessions/{sid}/tools", json={"calls": [call]})
-                graded = http.post(f"/sessions/{sid}/grade").json()
-                refused = http.post("/sessions", json={"task_id": "missing-dep"})
-        finally:
-            server.stop()
+        with server.client() as http:
+            sid = http.post("/sessions", json={"task_id": "uses-tinypkg"}).json()["session_id"]
+            solve = "printf 'import tinypkg\\ndef value():\\n    return tinypkg.answer()\\n' > calc.py"
+            call = {"name": "run_shell", "arguments": {"command": solve}}
+            http.post(f"/sessions/{sid}/tools", json={"calls": [call]})
+            graded = http.post(f"/sessions/{sid}/grade").json()
+            refused = http.post("/sessions", json={"task_id": "missing-dep"})
     finally:
-        import shutil
-
-        shutil.rmtree(tasks / "missing-dep")
+        server.stop()
     assert graded["reward"] == 1.0 and graded["environment"]["key"] == env.key, graded
     assert refused.status_code == 409 and "not-in-wheelhouse" in refused.text, refused.text
 
@@ -418,3 +416,26 @@ def test_failed_build_is_remembered_with_its_log(tmp_path, wheelhouse, sandbox):
     assert first is second  # not rebuilt
     assert "failed (exit 1)" in first.reason and "not-in-wheelhouse" in first.log_tail
     assert cache.build_seconds == {} and [p.name for p in (tmp_path / "cache").iterdir()] == []
+
+
+def test_session_of_an_unbuilt_env_is_refused_not_built(tmp_path):
+    from composer_jax.env.errors import TaskNotRunnable
+    from composer_jax.env.sandbox import LocalProcessSandbox
+
+    _task(tmp_path / "tasks" / "uses-tinypkg", ["tinypkg"])
+    store = TaskStore(tmp_path / "tasks", tmp_path / "gen")
+    cache = EnvCache(tmp_path / "cache", LocalProcessSandbox())
+
+    async def go(env_cache):
+        manager = SessionManager(store, LocalProcessSandbox(), work_dir=tmp_path / "work", env_cache=env_cache)
+        try:
+            with pytest.raises(TaskNotRunnable) as err:
+                await manager.create("uses-tinypkg")
+            return str(err.value)
+        finally:
+            await manager.shutdown()
+
+    assert "is not built" in asyncio.run(go(cache)) and not (tmp_path / "cache").exists()  # never builds
+    assert "no env cache" in asyncio.run(go(None))
+    with pytest.raises(EnvBuildError, match="need the bubblewrap sandbox"):
+        asyncio.run(cache.ensure(EnvSpec(None, ("tinypkg",)), None))

@@ -156,8 +156,14 @@ def parse_task_config(data: dict[str, Any], where: str, root: Path | None = None
         allow_internet=allow_internet,
         raw=data,
         test_modules=tuple(modules),
-        environment=parse_environment(env, root if root is not None else Path("."), where),
+        environment=_environment(env, root, where),
     )
+
+
+def _environment(env: dict, root: Path | None, where: str) -> EnvSpec | None:
+    if root is None and "requirements_file" in env:
+        raise TaskError(f"{where}: [environment] requirements_file needs the task directory (use load_task)")
+    return parse_environment(env, root or Path("."), where)
 
 
 def _not_runnable_reason(root: Path, config: TaskConfig) -> str | None:
