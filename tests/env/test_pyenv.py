@@ -387,6 +387,8 @@ def test_cli_env_flags_errors(tmp_path, capsys):
     args = ["build", str(tmp_path / "tasks"), "--wheelhouse", str(tmp_path), "--index-url", "http://x"]
     assert env_main(args) == 2
     assert "not both" in capsys.readouterr().err
+    assert env_main(["build", str(tmp_path / "tasks"), "--index-url", "file:///etc"]) == 2
+    assert "expected an http:// or https:// URL" in capsys.readouterr().err
 
 
 @pytest.mark.sandbox

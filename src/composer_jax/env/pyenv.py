@@ -186,7 +186,7 @@ class BuiltEnv:
     host_path: Path
     python_version: str
     requirements: tuple[str, ...]
-    prefix: str = ENV_MOUNT  # where commands see it (the host path under the unsafe local backend)
+    prefix: str = ENV_MOUNT  # where commands see it (the mount; a venv only works at its build path)
     base_path: str = "/usr/local/bin:/usr/bin:/bin"  # the sandbox's own PATH, after the env's bin
 
     def mount(self) -> Mount:
@@ -230,12 +230,22 @@ class EnvCache:
         self.index_url = index_url
         if self.wheelhouse is not None and not self.wheelhouse.is_dir():
             raise ValueError(f"--wheelhouse {wheelhouse}: not a directory")
+        if index_url is not None and not re.match(r"^https?://[^\s/]+", index_url):
+            raise ValueError(f"--index-url {index_url!r}: expected an http:// or https:// URL")
         self._built: dict[str, BuiltEnv] = {}
         self._failed: dict[str, EnvBuildError] = {}
         self._inflight: dict[str, asyncio.Future[BuiltEnv]] = {}
+        self._source_id: str | None = None
         self.build_seconds: dict[str, float] = {}  # key -> seconds its build took (hits: absent)
 
     def source_id(self) -> str:
+        """Where packages come from, as part of every key: computed once, on first use (a session's
+        lookup must not list a large wheelhouse each time)."""
+        if self._source_id is None:
+            self._source_id = self._compute_source_id()
+        return self._source_id
+
+    def _compute_source_id(self) -> str:
         if self.wheelhouse is not None:
             names = sorted(f"{p.name}:{p.stat().st_size}" for p in self.wheelhouse.iterdir() if p.is_file())
             return "wheelhouse:" + hashlib.sha256("\n".join(names).encode()).hexdigest()
