@@ -2,7 +2,9 @@
 
 A task is a directory ``TASK_ID/``::
 
-    task.toml            Harbor configuration (version, [metadata], [verifier], [agent], [environment])
+    task.toml            Harbor configuration (version, [metadata], [verifier], [agent], [environment]);
+                         [environment] python/requirements/requirements_file/install_app declare
+                         the task's own Python environment (pyenv.py), built once into the env cache
     instruction.md       what the agent is asked to do
     environment/app/     the initial workspace, copied per session and mounted at /app
     environment/Dockerfile  optional, for Harbor compatibility (the local sandbox does not build it)
