@@ -377,6 +377,8 @@ def test_editable_app_points_at_the_session_workspace(tmp_path, wheelhouse, sand
     assert not any(p.name.endswith(".egg-info") for p in app.iterdir())  # the build used a copy
 
 
+@pytest.mark.sandbox
+@pytest.mark.skipif(not HAVE_BWRAP, reason="`env build` needs bubblewrap before it reads its flags")
 def test_cli_env_flags_errors(tmp_path, capsys):
     from composer_jax.env.cli import env_main
 
