@@ -443,3 +443,15 @@ def test_session_of_an_unbuilt_env_is_refused_not_built(tmp_path):
     assert "no env cache" in asyncio.run(go(None))
     with pytest.raises(EnvBuildError, match="need the bubblewrap sandbox"):
         asyncio.run(cache.ensure(EnvSpec(None, ("tinypkg",)), None))
+
+
+def test_stale_build_dirs_are_swept(tmp_path):
+    from composer_jax.env.pyenv import sweep_stale_builds
+
+    old, new, entry = tmp_path / ".build-old", tmp_path / ".build-new", tmp_path / ("a" * 64)
+    for d in (old, new, entry):
+        (d / "env").mkdir(parents=True)
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    os.utime(entry, (time.time() - 7200, time.time() - 7200))
+    assert sweep_stale_builds(tmp_path, max_age_s=3600) == [".build-old"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".build-new", "a" * 64]

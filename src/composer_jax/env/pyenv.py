@@ -340,6 +340,7 @@ class EnvCache:
             raise EnvBuildError("per-task Python environments need the bubblewrap sandbox (not --unsafe-no-sandbox)")
         py = self.interpreter(spec)
         self.root.mkdir(parents=True, exist_ok=True)  # here, not at start-up: most servers build nothing
+        await asyncio.to_thread(sweep_stale_builds, self.root)
         work = Path(tempfile.mkdtemp(prefix=f".build-{key[:12]}-", dir=self.root))
         try:
             entry = work / "env"
@@ -396,6 +397,22 @@ class EnvCache:
                 f"building the environment {key[:12]} failed ({why})" + (hint if "pytest" in log[-400:] else ""), log
             )
         return _last_json(result.stdout)
+
+
+def sweep_stale_builds(root: Path, max_age_s: float = 2 * BUILD_LIMITS.wall_seconds) -> list[str]:
+    """Remove `.build-*` directories older than any live build can be (a server killed mid-build
+    left them; a build in progress, here or in another server, is younger than its wall limit)."""
+    removed = []
+    now = time.time()
+    for p in root.glob(".build-*"):
+        try:
+            old = now - p.lstat().st_mtime > max_age_s
+        except OSError:
+            continue
+        if old:
+            volumes.remove_tree(p)
+            removed.append(p.name)
+    return removed
 
 
 def _path_dirs(sandbox: Sandbox) -> list[str]:
