@@ -10,7 +10,7 @@ family so every case names its file), prints the run between SWE-bench's log mar
 - ``report.json``: ``{"FAIL_TO_PASS": {"success": [...], "failure": [...]}, "PASS_TO_PASS": ...,
   "FAIL_TO_FAIL": ..., "PASS_TO_FAIL": ...}`` in the shape of the ``swebench`` package's
   ``get_eval_tests_report``, outcomes read from the JUnit XML (a test absent from it failed);
-- ``reward.txt``: 1 iff every FAIL_TO_PASS and PASS_TO_PASS test passed (SWE-bench's resolved).
+- ``reward.txt``: 1 iff no FAIL_TO_PASS or PASS_TO_PASS test failed (SWE-bench's resolved).
 
 It is also the miner's runner (``--outcomes FILE`` writes every test's outcome and skips the
 report), so a task is graded by the same code that found its tests.
@@ -100,16 +100,19 @@ def run_pytest(app: Path, targets: list[str], junit: Path, log: Path, timeout: f
 
 
 def report(results: dict[str, dict], fail_to_pass: list[str], pass_to_pass: list[str]) -> dict:
-    """SWE-bench's rule: a FAIL_TO_PASS test succeeds when it passed (or failed as expected); a
-    PASS_TO_PASS test also when it was skipped (a skip is no regression); an absent test failed."""
+    """SWE-bench's rule (``get_eval_tests_report``): a test succeeds when it passed or failed as
+    expected, fails when it failed, errored or is absent; a skipped test is in neither list."""
 
-    def split(tests: list[str], ok: tuple[str, ...]) -> dict:
-        good = [t for t in tests if results.get(t, {}).get("outcome") in ok]
-        return {"success": good, "failure": [t for t in tests if t not in good]}
+    def split(tests: list[str]) -> dict:
+        seen = {t: results.get(t, {}).get("outcome") for t in tests}
+        return {
+            "success": [t for t in tests if seen[t] in (PASSED, XFAIL)],
+            "failure": [t for t in tests if seen[t] not in (PASSED, XFAIL, SKIPPED)],
+        }
 
     return {
-        "FAIL_TO_PASS": split(fail_to_pass, (PASSED, XFAIL)),
-        "PASS_TO_PASS": split(pass_to_pass, (PASSED, XFAIL, SKIPPED)),
+        "FAIL_TO_PASS": split(fail_to_pass),
+        "PASS_TO_PASS": split(pass_to_pass),
         "FAIL_TO_FAIL": {"success": [], "failure": []},
         "PASS_TO_FAIL": {"success": [], "failure": []},
     }
