@@ -14,26 +14,26 @@ import sys
 import textwrap
 from pathlib import Path
 
-OPS_V1 = '''\
+OPS_V1 = """\
 def add(a, b):
     return a + b
 
 
 def div(a, b):
     return a // b
-'''
+"""
 
 OPS_V2 = OPS_V1.replace("a // b", "a / b")
 
-TEST_OPS_V1 = '''\
+TEST_OPS_V1 = """\
 from calc.ops import add
 
 
 def test_add():
     assert add(2, 3) == 5
-'''
+"""
 
-TEST_OPS_V2 = '''\
+TEST_OPS_V2 = """\
 from calc.ops import add, div
 
 
@@ -43,15 +43,15 @@ def test_add():
 
 def test_div():
     assert div(1, 2) == 0.5, "div must be true division"
-'''
+"""
 
-MUL = '''
+MUL = """
 
 def mul(a, b):
     return a * b
-'''
+"""
 
-TEST_MUL = '''\
+TEST_MUL = """\
 from calc.ops import mul
 
 
@@ -61,23 +61,23 @@ def test_mul():
 
 def test_mul_zero():
     assert mul(0, 9) == 0
-'''
+"""
 
-CLAMP_V1 = '''
+CLAMP_V1 = """
 
 def clamp(x, lo, hi):
     return max(lo, x)
-'''
+"""
 
-CLAMP_V2 = '''
+CLAMP_V2 = """
 
 def clamp(x, lo, hi):
     if lo > hi:
         raise ValueError(f"empty range {lo}..{hi}")
     return min(hi, max(lo, x))
-'''
+"""
 
-TEST_CLAMP_V1 = '''\
+TEST_CLAMP_V1 = """\
 import pytest
 
 from calc.ops import clamp
@@ -85,9 +85,9 @@ from calc.ops import clamp
 
 def test_clamp_low():
     assert clamp(-1, 0, 5) == 0
-'''
+"""
 
-TEST_CLAMP_V2 = '''\
+TEST_CLAMP_V2 = """\
 import pytest
 
 from calc.ops import clamp
@@ -106,7 +106,7 @@ class TestRange:
     def test_empty_range(self):
         with pytest.raises(ValueError):
             clamp(1, 5, 0)
-'''
+"""
 
 PICK = '''
 
@@ -115,56 +115,59 @@ def pick(names):
     return next(iter(set(names)))
 '''
 
-TEST_PICK = '''\
+TEST_PICK = """\
 from calc.ops import pick
 
 
 def test_pick_first():
     # depends on str hashing: passes under some PYTHONHASHSEEDs only
     assert pick(["apple", "banana", "cherry", "damson"]) == "banana"
-'''
+"""
 
-STATS = '''\
+STATS = """\
 def mean(xs):
     xs = list(xs)
     return sum(xs) / len(xs)
-'''
+"""
 
-TEST_STATS_V1 = '''\
+TEST_STATS_V1 = """\
 from calc.stats import mean
 
 
 def test_mean():
     assert mean([1, 2, 3]) == 2
-'''
+"""
 
-TEST_STATS_V2 = TEST_STATS_V1 + '''
+TEST_STATS_V2 = (
+    TEST_STATS_V1
+    + """
 
 def test_mean_of_generator():
     assert mean(x for x in (2, 4)) == 3
-'''
+"""
+)
 
-FMT = '''\
+FMT = """\
 import tinyfmt
 
 
 def show(x):
     return tinyfmt.fmt(x)
-'''
+"""
 
-TEST_FMT = '''\
+TEST_FMT = """\
 from calc.fmt import show
 
 
 def test_show():
     assert show(3) == "<3>"
-'''
+"""
 
-PYPROJECT_V1 = '''\
+PYPROJECT_V1 = """\
 [project]
 name = "calc"
 version = "0.1.0"
-'''
+"""
 
 PYPROJECT_V2 = PYPROJECT_V1 + 'dependencies = ["tinyfmt"]\n'
 
@@ -184,7 +187,11 @@ EXPECTED: dict[str, tuple] = {
             "tests/test_clamp.py::TestRange::test_empty_range",
             "tests/test_clamp.py::test_clamp_high[7-5]",
         ],
-        ["tests/test_clamp.py::test_clamp_high[3-3]", "tests/test_clamp.py::test_clamp_high[5-5]", "tests/test_clamp.py::test_clamp_low"],
+        [
+            "tests/test_clamp.py::test_clamp_high[3-3]",
+            "tests/test_clamp.py::test_clamp_high[5-5]",
+            "tests/test_clamp.py::test_clamp_low",
+        ],
     ),
     "Add pick": ("rejected", "flaky"),
     "More tests for add": ("rejected", "no source change"),
@@ -318,7 +325,19 @@ def tinyfmt_wheelhouse(dest: Path) -> Path:
     )
     dest.mkdir(parents=True, exist_ok=True)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(dest), str(src)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-w",
+            str(dest),
+            str(src),
+        ],
         check=True,
         capture_output=True,
     )

@@ -229,7 +229,10 @@ def env_main(argv: list[str]) -> int:
 
         return env_subcommand(argv)
     if argv[0] != "validate":
-        print(f"composer-jax env: unknown subcommand {argv[0]!r}; accepted: validate, generate, mine, import-swebench", file=sys.stderr)
+        print(
+            f"composer-jax env: unknown subcommand {argv[0]!r}; accepted: validate, generate, mine, import-swebench",
+            file=sys.stderr,
+        )
         return 2
     args = validate_parser().parse_args(argv[1:])
     if not args.dir.is_dir():

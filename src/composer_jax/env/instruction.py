@@ -36,9 +36,9 @@ Writer = Callable[[dict], str]
 def category_of(commit: Commit, changes: list[FileChange], before: dict, fail_to_pass: list[str]) -> str:
     """bug fix | feature | refactor | tests: the message's words first, then the change's shape.
 
-    By shape: a change that is mostly tests (test lines >= 3x source lines) is "tests"; one whose
-    FAIL_TO_PASS tests all did not exist before (new tests of new behaviour) is "feature"; the
-    rest are bug fixes (existing tests that failed)."""
+    By shape: a change whose FAIL_TO_PASS tests all did not exist before (new tests of new
+    behaviour) is "feature"; one that is mostly tests (test lines >= 3x source lines) is "tests";
+    the rest are bug fixes (existing tests that failed)."""
     message = f"{commit.subject}\n{commit.body}"
     if _TESTS.search(commit.subject):
         return "tests"
@@ -50,10 +50,10 @@ def category_of(commit: Commit, changes: list[FileChange], before: dict, fail_to
         return "feature"
     test_lines = sum(c.added + c.deleted for c in changes if is_test_path(c.path))
     source_lines = sum(c.added + c.deleted for c in changes if not is_test_path(c.path))
-    if test_lines >= 3 * max(1, source_lines):
-        return "tests"
     if fail_to_pass and all(t not in before for t in fail_to_pass):
         return "feature"
+    if test_lines >= 3 * max(1, source_lines):
+        return "tests"
     return "bug fix"
 
 

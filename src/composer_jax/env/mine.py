@@ -139,7 +139,9 @@ async def run_side(task: Task, lease: SandboxLease, source: Path, scratch: Path,
         await asyncio.to_thread(grader.release_job, job.app)
     if raw is None:
         tail = (result.stderr or result.stdout)[-400:].strip()
-        raise Rejected("environment did not build", f"the test runner wrote no outcomes (exit {result.exit_code}): {tail}")
+        raise Rejected(
+            "environment did not build", f"the test runner wrote no outcomes (exit {result.exit_code}): {tail}"
+        )
     return json.loads(raw)
 
 

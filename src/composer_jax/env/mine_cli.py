@@ -52,7 +52,10 @@ def mine_main(argv: list[str]) -> int:
     args = mine_parser().parse_args(argv)
     prog = "composer-jax env mine"
     if not (args.repo / ".git").exists():
-        print(f"{prog}: {args.repo} is not a git checkout (no .git); give a local clone of the repository", file=sys.stderr)
+        print(
+            f"{prog}: {args.repo} is not a git checkout (no .git); give a local clone of the repository",
+            file=sys.stderr,
+        )
         return 2
     if args.timeout <= 0:
         print(f"{prog}: --timeout {args.timeout:g} must be > 0 seconds", file=sys.stderr)

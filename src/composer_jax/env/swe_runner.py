@@ -90,7 +90,9 @@ def run_pytest(app: Path, targets: list[str], junit: Path, log: Path, timeout: f
         f.write(START + "\n")
         f.flush()
         try:
-            code = subprocess.run(argv, cwd=app, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            code = subprocess.run(
+                argv, cwd=app, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout
+            ).returncode
         except subprocess.TimeoutExpired:
             code = -1
             f.write("\n>>>>> Tests Timed Out\n")
@@ -125,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logs", type=Path, default=Path("/logs/verifier"))
     p.add_argument("--outcomes", type=Path, help="write every test's outcome here (the miner's runs)")
     p.add_argument("--timeout", type=float, default=None)
-    p.add_argument("--hash-seed", help="PYTHONHASHSEED for the run (the miner varies it to expose order-dependent tests)")
+    p.add_argument(
+        "--hash-seed", help="PYTHONHASHSEED for the run (the miner varies it to expose order-dependent tests)"
+    )
     args = p.parse_args(argv)
     config = json.loads((args.tests / "config.json").read_text())
     args.logs.mkdir(parents=True, exist_ok=True)
