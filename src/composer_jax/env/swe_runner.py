@@ -10,7 +10,7 @@ family so every case names its file), prints the run between SWE-bench's log mar
 - ``report.json``: ``{"FAIL_TO_PASS": {"success": [...], "failure": [...]}, "PASS_TO_PASS": ...,
   "FAIL_TO_FAIL": ..., "PASS_TO_FAIL": ...}`` in the shape of the ``swebench`` package's
   ``get_eval_tests_report``, outcomes read from the JUnit XML (a test absent from it failed);
-- ``reward.txt``: 1 iff no FAIL_TO_PASS or PASS_TO_PASS test failed (SWE-bench's resolved).
+- ``reward.txt``: 1 iff every FAIL_TO_PASS and PASS_TO_PASS test succeeded (SWE-bench's resolved).
 
 It is also the miner's runner (``--outcomes FILE`` writes every test's outcome and skips the
 report), so a task is graded by the same code that found its tests.
@@ -102,15 +102,13 @@ def run_pytest(app: Path, targets: list[str], junit: Path, log: Path, timeout: f
 
 
 def report(results: dict[str, dict], fail_to_pass: list[str], pass_to_pass: list[str]) -> dict:
-    """SWE-bench's rule (``get_eval_tests_report``): a test succeeds when it passed or failed as
-    expected, fails when it failed, errored or is absent; a skipped test is in neither list."""
+    """SWE-bench's rule (``get_eval_tests_report`` over ``parse_log_pytest``'s status map): a test
+    succeeds when it passed or failed as expected; anything else fails, a skip included (pytest's
+    ``-rA`` names a skip by file and line, not by node id, so the official grading never sees it)."""
 
     def split(tests: list[str]) -> dict:
-        seen = {t: results.get(t, {}).get("outcome") for t in tests}
-        return {
-            "success": [t for t in tests if seen[t] in (PASSED, XFAIL)],
-            "failure": [t for t in tests if seen[t] not in (PASSED, XFAIL, SKIPPED)],
-        }
+        good = [t for t in tests if results.get(t, {}).get("outcome") in (PASSED, XFAIL)]
+        return {"success": good, "failure": [t for t in tests if t not in good]}
 
     return {
         "FAIL_TO_PASS": split(fail_to_pass),
