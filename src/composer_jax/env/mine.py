@@ -123,8 +123,14 @@ def sample(ids: list[str], limit: int = MAX_PASS_TO_PASS) -> list[str]:
     return [ids[int(i * step)] for i in range(limit)]
 
 
-async def run_side(task: Task, lease: SandboxLease, source: Path, scratch: Path, limits: Limits, seed: int) -> dict:
-    """One run of the task's verifier over a copy of `source`: {node id: {"outcome", "message"}}."""
+async def run_side(
+    task: Task, lease: SandboxLease, source: Path, scratch: Path, limits: Limits, seed: int, *, solved: bool
+) -> dict:
+    """One run of the task's verifier over a copy of `source`: {node id: {"outcome", "message"}}.
+
+    On the solved side (`solved`), a run where no test ran because the test modules do not import
+    is the environment's fault: `Rejected` ("environment did not build"). Before the solution
+    that is expected (a new test imports what the solution adds): its tests are absent."""
     job = await grader.prepare_job(task, lease, source, scratch, limits, diff=False)
     try:
         if job.error is not None:
@@ -142,7 +148,12 @@ async def run_side(task: Task, lease: SandboxLease, source: Path, scratch: Path,
         raise Rejected(
             "environment did not build", f"the test runner wrote no outcomes (exit {result.exit_code}): {tail}"
         )
-    return json.loads(raw)
+    data = json.loads(raw)
+    if solved and not data["tests"] and data["collection_errors"]:
+        path, message = next(iter(data["collection_errors"].items()))
+        last = message.strip().splitlines()[-1] if message.strip() else ""
+        raise Rejected("environment did not build", f"{path} does not import here: {last[:200]}")
+    return data["tests"]
 
 
 class Miner:
@@ -263,8 +274,8 @@ class Miner:
         after: list[dict] = []
         try:
             for i in range(self.opts.runs):
-                before.append(await run_side(task, lease, base, self.scratch, self.limits, seed=i + 1))
-                after.append(await run_side(task, lease, solved, self.scratch, self.limits, seed=i + 1))
+                before.append(await run_side(task, lease, base, self.scratch, self.limits, seed=i + 1, solved=False))
+                after.append(await run_side(task, lease, solved, self.scratch, self.limits, seed=i + 1, solved=True))
                 f2p, p2p, flaky = decide(before, after)
                 # Nothing can still become FAIL_TO_PASS: every test after passed or is decided.
                 if not f2p and not flaky and all(r["outcome"] == "passed" for r in after[-1].values()):

@@ -12,8 +12,8 @@ family so every case names its file), prints the run between SWE-bench's log mar
   ``get_eval_tests_report``, outcomes read from the JUnit XML (a test absent from it failed);
 - ``reward.txt``: 1 iff every FAIL_TO_PASS and PASS_TO_PASS test succeeded (SWE-bench's resolved).
 
-It is also the miner's runner (``--outcomes FILE`` writes every test's outcome and skips the
-report), so a task is graded by the same code that found its tests.
+It is also the miner's runner (``--outcomes FILE`` writes every test's outcome and the modules
+that failed to import, and skips the report), so a task is graded by the same code that found its tests.
 """
 
 from __future__ import annotations
@@ -52,8 +52,11 @@ def outcome_of(case: ET.Element) -> tuple[str, str]:
     return PASSED, ""
 
 
-def read_junit(path: Path) -> dict[str, dict]:
-    """{node id: {"outcome", "message"}}; a case reported twice (call and teardown) fails if either did."""
+def read_junit(path: Path, collection_errors: dict[str, str] | None = None) -> dict[str, dict]:
+    """{node id: {"outcome", "message"}}; a case reported twice (call and teardown) fails if either did.
+
+    A module that failed to import is no test (pytest reports it as a case named after the module,
+    with message "collection failure"): it goes to `collection_errors` {file: message} instead."""
     out: dict[str, dict] = {}
     if not path.is_file():
         return out
@@ -64,6 +67,11 @@ def read_junit(path: Path) -> dict[str, dict]:
     for case in root.iter("testcase"):
         nid = node_id(case)
         if nid is None:
+            continue
+        error = case.find("error")
+        if error is not None and error.get("message") == "collection failure" and not case.get("classname"):
+            if collection_errors is not None:
+                collection_errors[case.get("file") or nid] = (error.text or "")[-1000:]
             continue
         outcome, message = outcome_of(case)
         if nid not in out or outcome == FAILED:
@@ -134,9 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     overlay(args.tests / "files", args.app, config.get("deleted", []))
     junit = args.logs / "junit.xml"
     run_pytest(args.app, config["test_files"], junit, args.logs / "test_output.txt", args.timeout, args.hash_seed)
-    results = read_junit(junit)
+    errors: dict[str, str] = {}
+    results = read_junit(junit, errors)
     if args.outcomes is not None:
-        args.outcomes.write_text(json.dumps(results, indent=1, sort_keys=True))
+        args.outcomes.write_text(json.dumps({"tests": results, "collection_errors": errors}, indent=1, sort_keys=True))
         return 0
     rep = report(results, config["fail_to_pass"], config["pass_to_pass"])
     (args.logs / "report.json").write_text(json.dumps(rep, indent=1))
