@@ -82,8 +82,9 @@ def _first_line(message: str) -> str:
     return ""
 
 
-def test_source(files: Path, node_id: str) -> str | None:
-    """The source of the test function `node_id` names, from the test files under `files`."""
+def test_source(files: Path, node_id: str, *, imports_wanted: bool = True) -> str | None:
+    """The source of the test function `node_id` names, from the test files under `files`
+    (after its module's imports, with `imports_wanted`)."""
     path, *names = node_id.split("::")
     try:
         tree = ast.parse((files / path).read_text())
@@ -100,6 +101,7 @@ def test_source(files: Path, node_id: str) -> str | None:
         return None
     text = (files / path).read_text()
     imports = [ast.get_source_segment(text, n) or "" for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    imports = imports if imports_wanted else []
     code = "\n".join([*imports, *([""] if imports else []), *(ast.get_source_segment(text, node) or "").splitlines()])
     return "\n".join(code.splitlines()[:MAX_SOURCE_LINES])
 
@@ -108,12 +110,15 @@ def facts(commit: Commit, fail_to_pass: list[str], before: dict, repo: str, file
     """What a statement may be written from: the message, how the FAIL_TO_PASS tests fail, and for
     tests that do not exist yet their source (the behaviour expected, as a reproduction)."""
     failing = []
+    shown: set[str] = set()  # test files whose imports were shown already
     for name in fail_to_pass[:MAX_TESTS_SHOWN]:
         seen = before.get(name)
         entry = {"test": name}
         if seen is None:
             entry["now"] = "does not exist or cannot be collected yet"
-            code = test_source(files, name) if files is not None else None
+            path = name.split("::")[0]
+            code = test_source(files, name, imports_wanted=path not in shown) if files is not None else None
+            shown.add(path)
             if code:
                 entry["expected"] = code
         else:
