@@ -62,7 +62,7 @@ def main() -> int:
     p.add_argument("--bundled", default="cron-day-or-weekday", help="the bundled task (under tasks/) to grade")
     args = p.parse_args()
 
-    from composer_jax.env.mine import Miner, MineOptions, summary
+    from composer_jax.env.mine import MineOptions, Miner, summary
     from composer_jax.env.sandbox import default_sandbox
 
     work = Path(tempfile.mkdtemp(prefix="bench-env-mine-"))
@@ -80,7 +80,8 @@ def main() -> int:
     s = summary(miner.name, outcomes)
     early = {"root commit", "no test change", "no source change", "docs/config only", "too large", "no test module"}
     candidates = sum(1 for o in outcomes if o.status == "written" or o.reason not in early)
-    print(f"{s['repo']}: {len(outcomes)} commits, {candidates} candidates run in the sandbox, {s['written']} tasks written")
+    sandboxed = f"{candidates} run in the sandbox"
+    print(f"{s['repo']}: {len(outcomes)} commits, {sandboxed}, {s['written']} tasks written")
     print(f"  wall {wall:.1f} s at --jobs {args.jobs}: {60 * s['written'] / wall:.1f} tasks/min")
     print(f"  rejected: {s['rejected']}")
     written = sorted(p for p in (work / "out").iterdir() if p.is_dir())

@@ -27,8 +27,8 @@ from composer_jax.env import gitrepo, grader, validate
 from composer_jax.env.gitrepo import Commit, FileChange, GitError
 from composer_jax.env.instruction import category_of, write_instruction
 from composer_jax.env.sandbox import Limits, Mount, Sandbox, SandboxLease
-from composer_jax.env.taskwrite import RepoTask, harness_safe, write_task
 from composer_jax.env.tasks import Task, TaskError, load_task
+from composer_jax.env.taskwrite import RepoTask, harness_safe, write_task
 
 REASONS = (
     "root commit",

@@ -47,7 +47,7 @@ def mine_main(argv: list[str]) -> int:
     from composer_jax.env import gitrepo
     from composer_jax.env.cli import _make_sandbox
     from composer_jax.env.instruction import openai_writer
-    from composer_jax.env.mine import Miner, MineOptions, format_summary, summary
+    from composer_jax.env.mine import MineOptions, Miner, format_summary, summary
 
     args = mine_parser().parse_args(argv)
     prog = "composer-jax env mine"

@@ -34,8 +34,8 @@ from composer_jax.env import gitrepo, validate
 from composer_jax.env.gitrepo import Commit, GitError
 from composer_jax.env.instruction import category_of
 from composer_jax.env.sandbox import Limits, Sandbox
-from composer_jax.env.taskwrite import RepoTask, harness_safe, patched_paths, write_task
 from composer_jax.env.tasks import TaskError, load_task
+from composer_jax.env.taskwrite import RepoTask, harness_safe, patched_paths, write_task
 
 REQUIRED = ("instance_id", "repo", "base_commit", "patch", "test_patch", "FAIL_TO_PASS", "PASS_TO_PASS")
 REASONS = (
