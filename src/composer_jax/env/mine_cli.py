@@ -87,17 +87,30 @@ def mine_main(argv: list[str]) -> int:
         writer=writer,
     )
 
+    done: list = []
+    miner = Miner(args.repo, args.out, sandbox, opts)
+
+    def write_report(outcomes: list, complete: bool) -> dict:
+        s = summary(miner.name, outcomes)
+        report = {**s, "complete": complete, "commits": [o.__dict__ for o in outcomes]}
+        (args.out / "mine_report.json").write_text(json.dumps(report, indent=1) + "\n")
+        return s
+
     def progress(o) -> None:
         what = o.task_id if o.status == "written" else f"{o.reason}: {o.detail[:120]}"
         print(f"  {o.sha[:10]} {o.status:<8} {what} ({o.seconds:g}s)", file=sys.stderr, flush=True)
+        done.append(o)
+        write_report(done, complete=False)  # an interrupted run keeps what it decided
 
+    miner.progress = progress
     print(f"{prog}: {len(commits)} first-parent commits in {args.repo}", file=sys.stderr)
-    miner = Miner(args.repo, args.out, sandbox, opts, progress)
-    outcomes = asyncio.run(miner.run(commits))
-    s = summary(miner.name, outcomes)
-    report = {**s, "commits": [o.__dict__ for o in outcomes]}
-    (args.out / "mine_report.json").write_text(json.dumps(report, indent=1) + "\n")
-    print(format_summary(s))
+    try:
+        outcomes = asyncio.run(miner.run(commits))
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; {len(done)} commits decided, kept in {args.out / 'mine_report.json'}")
+        print(format_summary(write_report(done, complete=False)))
+        return 130
+    print(format_summary(write_report(outcomes, complete=True)))
     return 0
 
 
