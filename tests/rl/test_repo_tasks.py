@@ -24,7 +24,7 @@ from composer_jax.data.sft import task_conversation
 from composer_jax.data.tokenizer import load_tokenizer
 from composer_jax.env import snapshot
 from composer_jax.env.client import EnvClient
-from composer_jax.rl.agent import turn_seed
+from composer_jax.rl.agent import Rollout, RolloutFailed, turn_seed
 from composer_jax.rl.envs import LocalEnvServers
 from composer_jax.rl.evaluate import (
     DIFF_TRUNCATED,
@@ -35,6 +35,7 @@ from composer_jax.rl.evaluate import (
     report,
     sample_tasks,
     submittable_patch,
+    submitted,
     write_outputs,
 )
 from composer_jax.rl.rollout_side import sample_group, task_of
@@ -107,6 +108,28 @@ def test_submittable_patch_leaves_out_cut_diffs_and_unappliable_files():
     assert submittable_patch(text, max_bytes=10)[0] == ""
     assert TaskRef("gen/off-by-one", 3).submission_id == "gen_off-by-one_3"
     assert TaskRef("x", instance_id="django__django-1").submission_id == "django__django-1"
+
+
+def test_an_environment_failure_passes_the_submission_to_the_next_sample(tmp_path):
+    def done(reward: float, diff: str) -> Rollout:
+        return Rollout("t", 0, [], "answer", {"reward": reward, "diff": diff})
+
+    patch = "diff --git a/x b/x\n--- a/x\n+++ b/x\n@@ -1 +1 @@\n-a\n+b\n"
+    rs: list[Rollout | RolloutFailed] = [RolloutFailed("down"), done(0.0, ""), done(1.0, patch)]
+    assert submitted(rs) == 1 and submitted([RolloutFailed("down")]) is None
+    task = TaskRef("t", repo="o/r")
+    rep = report({task: rs})
+    assert rep["tasks"]["t"]["resolved"] == 0.0 and rep["tasks"]["t"]["best_of_k"] == 1.0  # sample 1 scored, not 2
+    paths = write_outputs({task: rs, TaskRef("dead"): [RolloutFailed("down")]}, tmp_path, "m")
+    preds = [json.loads(x) for x in paths["predictions"].read_text().splitlines()]
+    assert [p["model_patch"] for p in preds] == ["", ""]
+    assert json.loads(paths["oracle"].read_text().splitlines()[0])["model_patch"] == patch
+    notes = json.loads(paths["report"].read_text())["predictions"]["instances"]
+    assert notes["t"]["sample"] == 1 and notes["dead"] == {
+        "task": "dead",
+        "sample": None,
+        "left_out": "the environment failed on every sample",
+    }
 
 
 @needs_tools

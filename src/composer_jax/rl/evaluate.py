@@ -3,10 +3,11 @@
 Success is a reward of 1 (every test passes). Per task: pass@1 (the mean success of its samples)
 and best-of-K (some sample of K succeeded), mean reward, generated tokens, turns and tool calls;
 the same averaged over tasks per task category, per repository and overall. `resolved` is the
-leaderboard's figure: the success of each task's sample 0, the sample its prediction submits.
+leaderboard's figure: the success of the sample each task's prediction submits (`submitted`).
 Trajectories are written as JSONL (one line per sample: the OpenAI messages of every generation
 and the counts). predictions.jsonl is a SWE-bench submission (`instance_id`, `model_name_or_path`,
-`model_patch`): per task the grade diff of sample 0, chosen without looking at any test result;
+`model_patch`): per task the grade diff of sample 0 (or of the first sample after it whose
+environment did not fail), chosen without looking at any test result;
 predictions.oracle.jsonl holds the best-of-K pick (the first sample that passed) and is named so
 that nobody submits it. A patch must apply with `git apply`: a diff the grader cut at its budget
 is left out whole (never submitted cut), and a file the diff cannot carry (a symlink, a file over
@@ -137,14 +138,22 @@ def _mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
+def submitted(rollouts: Sequence[Rollout | RolloutFailed]) -> int | None:
+    """The index of the sample a task's prediction submits: sample 0, or the first after it whose
+    environment did not fail (an infrastructure failure, not the model's); the tests' results are
+    never looked at. None when the environment failed on every sample."""
+    return next((i for i, r in enumerate(rollouts) if isinstance(r, Rollout)), None)
+
+
 def task_metrics(rollouts: Sequence[Rollout | RolloutFailed]) -> dict[str, float]:
     done = [r for r in rollouts if isinstance(r, Rollout)]
     success = [float(r.env_reward >= SUCCESS) for r in done]
-    first = rollouts[0] if rollouts else None
+    pick = submitted(rollouts)
+    chosen = rollouts[pick] if pick is not None else None
     return {
         "samples": float(len(rollouts)),
         "env_failures": float(len(rollouts) - len(done)),
-        "resolved": float(isinstance(first, Rollout) and first.env_reward >= SUCCESS),
+        "resolved": float(isinstance(chosen, Rollout) and chosen.env_reward >= SUCCESS),
         "pass@1": _mean(success),
         "best_of_k": float(any(success)),
         "reward": _mean([r.env_reward for r in done]),
@@ -297,21 +306,23 @@ def write_outputs(
     notes: dict[str, dict[str, Any]] = {}
     with paths["predictions"].open("w") as f, paths["oracle"].open("w") as g:
         for task, rs in results.items():
-            first = rs[0] if rs else None
+            index = submitted(rs)
+            first = rs[index] if index is not None else None
             oracle = next((r for r in rs if isinstance(r, Rollout) and r.env_reward >= SUCCESS), first)
             for out_file, pick in ((f, first), (g, oracle)):
                 patch, note = (
                     submittable_patch(pick.grade.get("diff", ""))
                     if isinstance(pick, Rollout)
-                    else ("", {"left_out": "the environment failed on this sample"})
+                    else ("", {"left_out": "the environment failed on every sample"})
                 )
                 record = {"instance_id": task.submission_id, "model_name_or_path": model_name, "model_patch": patch}
                 out_file.write(json.dumps(record) + "\n")
                 if out_file is f:
-                    notes[task.submission_id] = {"task": task.name, "sample": 0, **note}
+                    notes[task.submission_id] = {"task": task.name, "sample": index, **note}
     rep["predictions"] = {
         "file": paths["predictions"].name,
-        "selection": "sample 0 of each task (chosen before any test ran)",
+        "selection": "sample 0 of each task, or the first after it whose environment did not fail "
+        "(never by test results)",
         "oracle_file": paths["oracle"].name,
         "oracle_selection": "the first sample that passed, else sample 0 (uses the grades: not a submission)",
         "instances": notes,
