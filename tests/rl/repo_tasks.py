@@ -46,6 +46,7 @@ def repo_task(
     repo: str = "acme/calc",
     category: str = "bug fix",
     instance_id: str | None = None,
+    extra_fix: dict[str, bytes] | None = None,
 ) -> Path:
     """Write the task under out_root/name and return its directory."""
     src = tmp / f"src-{name}"
@@ -59,6 +60,8 @@ def repo_task(
     test_patch = _git(src, "diff", "--cached", "--binary")
     _git(src, "reset", "-q", "--hard")
     _write(src, FIX)
+    for rel, data in (extra_fix or {}).items():
+        (src / rel).write_bytes(data)
     _git(src, "add", "-A")
     solution_patch = _git(src, "diff", "--cached", "--binary")
     _git(src, "reset", "-q", "--hard")

@@ -20,7 +20,7 @@ from scripted import ScriptedPolicy, call
 
 from composer_jax.config import load_config
 from composer_jax.config.agent import AgentConfig
-from composer_jax.data.sft import task_conversation
+from composer_jax.data.sft import make_sft, task_conversation
 from composer_jax.data.tokenizer import load_tokenizer
 from composer_jax.env import snapshot
 from composer_jax.env.client import EnvClient
@@ -185,6 +185,18 @@ def test_eval_groups_by_repository_and_submits_sample_zero(task_root, tmp_path):
         "sample 0" in saved["predictions"]["selection"]
         and saved["predictions"]["oracle_file"] == "predictions.oracle.jsonl"
     )
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_make_sft_skips_a_solution_it_cannot_write_and_names_it(task_root, tmp_path):
+    root = tmp_path / "tasks"
+    root.mkdir()
+    shutil.copytree(task_root / "acme-calc-1", root / "acme-calc-1")
+    repo_task(tmp_path, root, name="acme-calc-2", extra_fix={"pkg/logo.png": b"\x89PNG\r\n\x00\x01"})
+    skipped: list[str] = []
+    assert make_sft(root, tmp_path / "sft.jsonl", skipped=skipped) == 1
+    assert [json.loads(x)["task"] for x in (tmp_path / "sft.jsonl").read_text().splitlines()] == ["acme-calc-1"]
+    assert len(skipped) == 1 and "'acme-calc-2'" in skipped[0] and "'pkg/logo.png'" in skipped[0]
 
 
 @needs_tools
