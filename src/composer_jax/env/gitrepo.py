@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import tempfile
+from datetime import UTC
 from pathlib import Path
 
 _TEST_DIR = re.compile(r"(^|/)(tests?|testing)/")
@@ -83,14 +84,15 @@ def first_parent_commits(repo: Path, rev_range: str, since: str | None, until: s
         if not record:
             continue
         sha, parents, date, subject, body = record.split("\x00", 4)
-        commits.append(Commit(sha, (parents.split() or [None])[0], utc(date), subject, body.strip()))
+        first = parents.split()[0] if parents.split() else None
+        commits.append(Commit(sha, first, utc(date), subject, body.strip()))
     return commits
 
 
 def utc(date: str) -> str:
-    from datetime import datetime, timezone
+    from datetime import datetime
 
-    return datetime.fromisoformat(date).astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.fromisoformat(date).astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def changed_files(repo: Path, parent: str, commit: str) -> list[FileChange]:
