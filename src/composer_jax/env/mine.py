@@ -128,8 +128,8 @@ async def run_side(
 ) -> dict:
     """One run of the task's verifier over a copy of `source`: {node id: {"outcome", "message"}}.
 
-    On the solved side (`solved`), a run where no test ran because the test modules do not import
-    is the environment's fault: `Rejected` ("environment did not build"). Before the solution
+    On the solved side (`solved`), a run where no test ran (the test modules do not import, or
+    pytest refused to start: an old conftest hook, an option it lacks) is the environment's fault: `Rejected` ("environment did not build"). Before the solution
     that is expected (a new test imports what the solution adds): its tests are absent."""
     job = await grader.prepare_job(task, lease, source, scratch, limits, diff=False)
     try:
@@ -149,10 +149,14 @@ async def run_side(
             "environment did not build", f"the test runner wrote no outcomes (exit {result.exit_code}): {tail}"
         )
     data = json.loads(raw)
-    if solved and not data["tests"] and data["collection_errors"]:
-        path, message = next(iter(data["collection_errors"].items()))
-        last = message.strip().splitlines()[-1] if message.strip() else ""
-        raise Rejected("environment did not build", f"{path} does not import here: {last[:200]}")
+    if solved and not data["tests"]:
+        if data["collection_errors"]:
+            path, message = next(iter(data["collection_errors"].items()))
+            last = message.strip().splitlines()[-1] if message.strip() else ""
+            raise Rejected("environment did not build", f"{path} does not import here: {last[:200]}")
+        # no test and no module error: pytest itself stopped (a plugin or conftest it refuses, a bad option)
+        tail = " | ".join(line for line in result.stdout.strip().splitlines()[-4:] if line.strip())
+        raise Rejected("environment did not build", f"pytest ran no test after the change: {tail[-300:]}")
     return data["tests"]
 
 
