@@ -304,6 +304,8 @@ def env_main(argv: list[str]) -> int:
         print(
             "usage: composer-jax env validate DIR [--jobs N] [--families [F ...]] [--seeds S ...] [--strict]\n"
             "       composer-jax env generate FAMILY [--seeds N|A:B] --out DIR\n"
+            "       composer-jax env mine REPO --out DIR [--rev-range R] [--since D] [--until D] [--max-tasks N] ...\n"
+            "       composer-jax env import-swebench INSTANCES.jsonl --repos DIR --out DIR\n"
             "       composer-jax env build DIR [--env-cache DIR] [--wheelhouse DIR | --index-url URL]"
         )
         return 0 if argv else 2
@@ -311,8 +313,16 @@ def env_main(argv: list[str]) -> int:
         return generate_main(argv[1:])
     if argv[0] == "build":
         return build_main(argv[1:])
+    if argv[0] in ("mine", "import-swebench"):
+        from composer_jax.env.mine_cli import env_subcommand
+
+        return env_subcommand(argv)
     if argv[0] != "validate":
-        print(f"composer-jax env: unknown subcommand {argv[0]!r}; accepted: validate, generate, build", file=sys.stderr)
+        print(
+            f"composer-jax env: unknown subcommand {argv[0]!r}; accepted: validate, generate, build, mine, "
+            "import-swebench",
+            file=sys.stderr,
+        )
         return 2
     args = validate_parser().parse_args(argv[1:])
     if not args.dir.is_dir():
