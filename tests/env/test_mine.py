@@ -99,9 +99,10 @@ def test_statement_never_holds_a_line_of_the_solution(tmp_path):
     assert seen[0]["model"] == "m" and "assert 0 == 0.5" in seen[0]["messages"][1]["content"]
 
 
-def _mine(repo: Path, out: Path, runs: int) -> dict[str, mine.Outcome]:
+def _mine(repo: Path, out: Path, runs: int, env_cache=None) -> dict[str, mine.Outcome]:
     sandbox = default_sandbox()
-    miner = mine.Miner(repo, out, sandbox, mine.MineOptions(runs=runs, timeout_s=60.0, jobs=2))
+    opts = mine.MineOptions(runs=runs, timeout_s=60.0, jobs=2, env_cache=env_cache)
+    miner = mine.Miner(repo, out, sandbox, opts)
     outcomes = asyncio.run(miner.run())
     subjects = {o.sha: s for s, o in zip(_subjects(repo), outcomes, strict=True)}
     return {subjects[o.sha]: o for o in outcomes}
@@ -168,16 +169,38 @@ def test_mine_two_commits(tmp_path):
 @sandboxed
 def test_mine_whole_history_and_validate(tmp_path):
     """Every commit of the calc history: exactly the expected tasks and rejections; `env validate` passes."""
+    from composer_jax.env.pyenv import EnvCache
+
     repo = tmp_path / "calc"
-    minerepo.build(repo, with_package=False)
-    expected = {k: v for k, v in minerepo.EXPECTED.items() if k != "Show values with tinyfmt"}
-    outcomes = _mine(repo, tmp_path / "out", runs=3)
-    _check(outcomes, tmp_path / "out", expected)
+    minerepo.build(repo)
+    wheels = minerepo.tinyfmt_wheelhouse(tmp_path / "wheelhouse")
+    cache = EnvCache(tmp_path / "envs", default_sandbox(), wheelhouse=wheels)
+    outcomes = _mine(repo, tmp_path / "out", runs=3, env_cache=cache)
+    _check(outcomes, tmp_path / "out", minerepo.EXPECTED)
+    fmt = tmp_path / "out" / str(outcomes["Show values with tinyfmt"].task_id)
+    assert tomllib.loads((fmt / "task.toml").read_text())["environment"]["requirements"] == ["tinyfmt"]
+    assert "RUN pip install --no-cache-dir tinyfmt" in (fmt / "environment" / "Dockerfile").read_text()
+    # without a wheelhouse, the same commit's environment cannot be built: rejected with that reason
+    alone = tmp_path / "alone"
+    minerepo.git(tmp_path, "clone", "-q", str(repo), str(alone))
+    last = mine.Miner(alone, tmp_path / "out2", default_sandbox(), mine.MineOptions(rev_range="HEAD~1..HEAD"))
+    (outcome,) = asyncio.run(last.run())
+    assert (outcome.status, outcome.reason) == ("rejected", "environment did not build"), outcome
+    assert "tinyfmt" in outcome.detail
+    validate = [
+        "env",
+        "validate",
+        str(tmp_path / "out"),
+        "--wheelhouse",
+        str(wheels),
+        "--env-cache",
+        str(tmp_path / "envs"),
+    ]
     proc = subprocess.run(
-        [sys.executable, "-m", "composer_jax.cli", "env", "validate", str(tmp_path / "out")],
+        [sys.executable, "-m", "composer_jax.cli", *validate],
         capture_output=True,
         text=True,
         env=env_with_src(),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("pass") >= 5
+    assert proc.stdout.count("pass") >= 6

@@ -30,7 +30,7 @@ def _port(text: str) -> int:
     return value
 
 
-def _make_sandbox(unsafe: bool, wall: float | None = None):
+def make_sandbox(unsafe: bool, wall: float | None = None):
     from composer_jax.env.sandbox import Limits, default_sandbox
 
     try:
@@ -123,7 +123,7 @@ def env_server_main(argv: list[str]) -> int:
         print("composer-jax env-server: the token must be at least 16 characters", file=sys.stderr)
         return 2
     token = token or secrets.token_urlsafe(32)
-    sandbox = _make_sandbox(args.unsafe_no_sandbox, args.shell_timeout)
+    sandbox = make_sandbox(args.unsafe_no_sandbox, args.shell_timeout)
     if sandbox is None:
         return 2
     import uvicorn
@@ -243,7 +243,7 @@ def build_main(argv: list[str]) -> int:
     if not args.dir.is_dir():
         print(f"composer-jax env build: {args.dir} is not a directory", file=sys.stderr)
         return 2
-    sandbox = _make_sandbox(False, 600)
+    sandbox = make_sandbox(False, 600)
     if sandbox is None:
         return 2
     import tempfile
@@ -328,7 +328,7 @@ def env_main(argv: list[str]) -> int:
     if not args.dir.is_dir():
         print(f"composer-jax env validate: {args.dir} is not a directory", file=sys.stderr)
         return 2
-    sandbox = _make_sandbox(args.unsafe_no_sandbox, 600)
+    sandbox = make_sandbox(args.unsafe_no_sandbox, 600)
     if sandbox is None:
         return 2
     import tempfile

@@ -54,7 +54,7 @@ class GradeResult:
         return dataclasses.asdict(self)
 
 
-def _read_regular(logs: Path, name: str, limit: int) -> bytes | None:
+def read_regular(logs: Path, name: str, limit: int) -> bytes | None:
     """Up to `limit` bytes of the regular file `logs/name`, opened by descriptor without following
     symlinks or blocking on FIFOs; None when absent. ValueError when it is not a regular file."""
     dfd = os.open(logs, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
@@ -83,8 +83,8 @@ def read_reward(logs: Path) -> tuple[float | None, dict, str | None]:
     (a number, or an object whose values are all finite numbers: its "reward", or its only value;
     the other values are returned as details), else reward.txt (one finite number)."""
     try:
-        js = _read_regular(logs, "reward.json", 100_000)
-        txt = _read_regular(logs, "reward.txt", 1000) if js is None else None
+        js = read_regular(logs, "reward.json", 100_000)
+        txt = read_regular(logs, "reward.txt", 1000) if js is None else None
     except ValueError as exc:
         return None, {}, str(exc)
     if js is not None:
@@ -115,7 +115,7 @@ def read_reward(logs: Path) -> tuple[float | None, dict, str | None]:
 def parse_junit(path: Path) -> list[dict]:
     """Per-test outcomes from a JUnit XML file (pytest --junitxml); [] when absent or unreadable."""
     try:
-        data = _read_regular(path.parent, path.name, 8 * 2**20 + 1)
+        data = read_regular(path.parent, path.name, 8 * 2**20 + 1)
     except (ValueError, OSError):
         return []
     if data is None or len(data) > 8 * 2**20:

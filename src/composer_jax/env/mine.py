@@ -26,6 +26,7 @@ from pathlib import Path
 from composer_jax.env import gitrepo, grader, validate
 from composer_jax.env.gitrepo import Commit, FileChange, GitError
 from composer_jax.env.instruction import category_of, write_instruction
+from composer_jax.env.pyenv import BuiltEnv, EnvBuildError, EnvCache
 from composer_jax.env.sandbox import Limits, Mount, Sandbox, SandboxLease
 from composer_jax.env.tasks import Task, TaskError, load_task
 from composer_jax.env.taskwrite import RepoTask, harness_safe, write_task
@@ -58,6 +59,8 @@ class MineOptions:
     runs: int = 3
     timeout_s: float = 300.0
     writer: Callable[[dict], str] | None = None  # the OpenAI-compatible issue writer, if any
+    # where tasks' declared environments are built (pyenv.py); None: only tasks that declare none
+    env_cache: EnvCache | None = None
 
 
 @dataclasses.dataclass
@@ -124,23 +127,33 @@ def sample(ids: list[str], limit: int = MAX_PASS_TO_PASS) -> list[str]:
 
 
 async def run_side(
-    task: Task, lease: SandboxLease, source: Path, scratch: Path, limits: Limits, seed: int, *, solved: bool
+    task: Task,
+    lease: SandboxLease,
+    source: Path,
+    scratch: Path,
+    limits: Limits,
+    seed: int,
+    *,
+    solved: bool,
+    env: BuiltEnv | None = None,
 ) -> dict:
     """One run of the task's verifier over a copy of `source`: {node id: {"outcome", "message"}}.
 
     On the solved side (`solved`), a run where no test ran (the test modules do not import, or
-    pytest refused to start: an old conftest hook, an option it lacks) is the environment's fault: `Rejected` ("environment did not build"). Before the solution
-    that is expected (a new test imports what the solution adds): its tests are absent."""
-    job = await grader.prepare_job(task, lease, source, scratch, limits, diff=False)
+    pytest refused to start: an old conftest hook, an option it lacks) is the environment's
+    fault: `Rejected` ("environment did not build"). Before the solution that is expected (a new
+    test imports what the solution adds): its tests are absent."""
+    job = await grader.prepare_job(task, lease, source, scratch, limits, diff=False, env=env)
+    env_mounts, env_vars = grader.env_run_args(env)
     try:
         if job.error is not None:
             raise Rejected("environment did not build", job.error)
         mounts = [Mount(job.app, "/app", True), Mount(job.logs, "/logs/verifier", True)]
-        mounts.append(Mount(task.tests_dir, "/tests", False))
+        mounts += [Mount(task.tests_dir, "/tests", False), *env_mounts]
         argv = ["python3", "/tests/run_tests.py", "--outcomes", "/logs/verifier/outcomes.json"]
         argv += ["--hash-seed", str(seed), "--timeout", f"{limits.wall_seconds - 5:g}"]
-        result = await lease.run(argv, mounts=mounts, cwd="/app", limits=limits)
-        raw = await asyncio.to_thread(grader._read_regular, job.logs, "outcomes.json", 64 * 2**20)
+        result = await lease.run(argv, mounts=mounts, cwd="/app", limits=limits, env=env_vars)
+        raw = await asyncio.to_thread(grader.read_regular, job.logs, "outcomes.json", 64 * 2**20)
     finally:
         await asyncio.to_thread(grader.release_job, job.app)
     if raw is None:
@@ -263,6 +276,7 @@ class Miner:
             changed_files=len(changes),
             changed_lines=sum(c.added + c.deleted for c in changes),
             verifier_timeout_s=self.opts.timeout_s,
+            environment=environment_of(gitrepo.declared_requirements(self.repo, commit.sha)),
         )
         write_task(draft, base, work / "draft")
         return draft, base, solved
@@ -273,13 +287,18 @@ class Miner:
             task = load_task(base.parent / "draft" / draft.task_id)
         except TaskError as exc:
             raise Rejected("environment did not build", str(exc)) from None
+        env = await self._environment(task)
         lease = self.sandbox.lease(f"mine-{draft.task_id}-{time.monotonic_ns()}")
         before: list[dict] = []
         after: list[dict] = []
         try:
             for i in range(self.opts.runs):
-                before.append(await run_side(task, lease, base, self.scratch, self.limits, seed=i + 1, solved=False))
-                after.append(await run_side(task, lease, solved, self.scratch, self.limits, seed=i + 1, solved=True))
+                before.append(
+                    await run_side(task, lease, base, self.scratch, self.limits, seed=i + 1, solved=False, env=env)
+                )
+                after.append(
+                    await run_side(task, lease, solved, self.scratch, self.limits, seed=i + 1, solved=True, env=env)
+                )
                 f2p, p2p, flaky = decide(before, after)
                 # Nothing can still become FAIL_TO_PASS: every test after passed or is decided.
                 if not f2p and not flaky and all(r["outcome"] == "passed" for r in after[-1].values()):
@@ -291,13 +310,30 @@ class Miner:
             raise Rejected("flaky" if flaky else "no FAIL_TO_PASS", detail)
         return f2p, p2p, before[0]
 
+    async def _environment(self, task: Task) -> BuiltEnv | None:
+        """The task's declared environment, built once per distinct spec (`Rejected` when it cannot be)."""
+        if task.config.environment is None:
+            return None
+        wanted = ", ".join(task.config.environment.requirements)
+        if self.opts.env_cache is None:
+            raise Rejected("environment did not build", f"the project needs {wanted}; give --wheelhouse or --index-url")
+        try:
+            return await self.opts.env_cache.for_task(task)
+        except EnvBuildError as exc:
+            raise Rejected("environment did not build", f"{wanted}: {exc.reason} {exc.log_tail[-300:]}") from None
+
     async def _validate(self, root: Path) -> str:
         try:
             task = await asyncio.to_thread(load_task, root)
         except TaskError as exc:
             return str(exc)
-        report = await validate.validate_task(task, self.sandbox, self.scratch, self.limits)
+        report = await validate.validate_task(task, self.sandbox, self.scratch, self.limits, self.opts.env_cache)
         return "" if report.status == "pass" else report.detail or report.status
+
+
+def environment_of(requirements: list[str]) -> dict:
+    """The [environment] keys of a task whose project declares `requirements` ({} for none)."""
+    return {"requirements": requirements} if requirements else {}
 
 
 def summary(name: str, outcomes: list[Outcome]) -> dict:

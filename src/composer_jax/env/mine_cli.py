@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from composer_jax.env.cli import add_env_cache_flags
 from composer_jax.flags import int_at_least
 
 _positive = int_at_least(1)
@@ -38,6 +39,7 @@ def mine_parser() -> argparse.ArgumentParser:
     p.add_argument("--writer-model", help="the model name for --writer-url")
     p.add_argument("--writer-api-key-env", default="OPENAI_API_KEY", help="environment variable holding its key")
     p.add_argument("--unsafe-no-sandbox", action="store_true", help="run without bubblewrap (NO isolation)")
+    add_env_cache_flags(p)
     return p
 
 
@@ -45,7 +47,7 @@ def mine_main(argv: list[str]) -> int:
     import os
 
     from composer_jax.env import gitrepo
-    from composer_jax.env.cli import _make_sandbox
+    from composer_jax.env.cli import make_env_cache, make_sandbox
     from composer_jax.env.instruction import openai_writer
     from composer_jax.env.mine import MineOptions, Miner, format_summary, summary
 
@@ -71,10 +73,14 @@ def mine_main(argv: list[str]) -> int:
     except gitrepo.GitError as exc:
         print(f"{prog}: cannot list commits of {args.repo} (--rev-range {args.rev_range!r}): {exc}", file=sys.stderr)
         return 2
-    sandbox = _make_sandbox(args.unsafe_no_sandbox, args.timeout)
+    sandbox = make_sandbox(args.unsafe_no_sandbox, args.timeout)
     if sandbox is None:
         return 2
+    env_cache = None if args.unsafe_no_sandbox else make_env_cache(args, sandbox, prog)
+    if env_cache is None and not args.unsafe_no_sandbox:
+        return 2
     opts = MineOptions(
+        env_cache=env_cache,
         rev_range=args.rev_range,
         since=args.since,
         until=args.until,

@@ -216,7 +216,7 @@ def import_parser() -> argparse.ArgumentParser:
 
 
 def import_main(argv: list[str]) -> int:
-    from composer_jax.env.cli import _make_sandbox
+    from composer_jax.env.cli import make_sandbox
 
     args = import_parser().parse_args(argv)
     prog = "composer-jax env import-swebench"
@@ -233,7 +233,7 @@ def import_main(argv: list[str]) -> int:
         return 2
     sandbox = None
     if not args.no_validate:
-        sandbox = _make_sandbox(args.unsafe_no_sandbox, 600)
+        sandbox = make_sandbox(args.unsafe_no_sandbox, 600)
         if sandbox is None:
             return 2
 

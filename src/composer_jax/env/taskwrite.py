@@ -181,7 +181,12 @@ def write_task(t: RepoTask, base_tree: Path, out_root: Path) -> Path:
         shutil.rmtree(root)
     (root / "environment").mkdir(parents=True)
     shutil.copytree(base_tree, root / "environment" / "app", symlinks=True)
-    (root / "environment" / "Dockerfile").write_text(t.dockerfile or default_dockerfile())
+    spec = EnvSpec(
+        python=t.environment.get("python"),
+        requirements=tuple(t.environment.get("requirements", ())),
+        install_app=t.environment.get("install_app", "none"),
+    )
+    (root / "environment" / "Dockerfile").write_text(t.dockerfile or default_dockerfile(spec))
     (root / "instruction.md").write_text(t.instruction.rstrip() + "\n")
     (root / "task.toml").write_text(task_toml(t))
     solution = root / "solution"
