@@ -204,3 +204,23 @@ def test_mine_whole_history_and_validate(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("pass") >= 6
+
+
+def test_cli_errors_name_the_bad_value(tmp_path, capsys):
+    from composer_jax.env.mine_cli import mine_main
+    from composer_jax.env.swebench_import import import_main
+
+    assert mine_main([str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    assert "is not a git checkout" in capsys.readouterr().err
+    repo = tmp_path / "r"
+    repo.mkdir()
+    minerepo.git(repo, "init", "-q")
+    assert mine_main([str(repo), "--out", str(tmp_path / "o"), "--writer-url", "http://x/v1"]) == 2
+    assert "--writer-url and --writer-model go together" in capsys.readouterr().err
+    assert mine_main([str(repo), "--out", str(tmp_path / "o"), "--rev-range", "nosuchref"]) == 2
+    assert "--rev-range 'nosuchref'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        mine_main([str(repo), "--out", str(tmp_path / "o"), "--jobs", "0"])
+    assert "--jobs" in capsys.readouterr().err
+    assert import_main([str(tmp_path / "none.jsonl"), "--repos", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    assert "is not a file of instance records" in capsys.readouterr().err
