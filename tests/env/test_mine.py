@@ -224,3 +224,13 @@ def test_cli_errors_name_the_bad_value(tmp_path, capsys):
     assert "--jobs" in capsys.readouterr().err
     assert import_main([str(tmp_path / "none.jsonl"), "--repos", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     assert "is not a file of instance records" in capsys.readouterr().err
+
+
+def test_a_merge_commit_is_named_by_its_pull_request_title():
+    merge = Commit(
+        "c" * 40, "p" * 40, "2024-01-01T00:00:00Z", "Merge pull request #686 from lonnen/x", "add partial_product"
+    )
+    assert instruction.title_and_body(merge) == ("add partial_product", "")
+    assert instruction.category_of(merge, [], {"t::a": {"outcome": "failed"}}, ["t::a"]) == "feature"
+    plain = Commit("c" * 40, "p" * 40, "2024-01-01T00:00:00Z", "Merge branch 'stats'", "")
+    assert instruction.title_and_body(plain) == ("Merge branch 'stats'", "")

@@ -30,7 +30,19 @@ _REFACTOR = re.compile(r"\b(refactor(s|ed|ing)?|clean ?up|rename[sd]?|simplif(y|
 _FEATURE = re.compile(r"\b(add(s|ed)?|support(s|ed)?|implement(s|ed)?|introduce[sd]?|new|allow(s|ed)?)\b", re.I)
 _TESTS = re.compile(r"^(tests?|testing)\b[:(]?|\b(add|more|improve)\w* tests?\b", re.I)
 
+_MERGE = re.compile(r"^Merge (pull request|branch|remote-tracking branch|tag) ")
+
 Writer = Callable[[dict], str]
+
+
+def title_and_body(commit: Commit) -> tuple[str, str]:
+    """What the change says it is: a merge commit's subject names only the merge ("Merge pull
+    request #686 from ..."), so its body's first line (the PR title GitHub writes there) is the
+    title and the rest the body."""
+    if _MERGE.match(commit.subject) and commit.body.strip():
+        first, _, rest = commit.body.strip().partition("\n")
+        return first.strip(), rest.strip()
+    return commit.subject, commit.body
 
 
 def category_of(commit: Commit, changes: list[FileChange], before: dict, fail_to_pass: list[str]) -> str:
@@ -39,14 +51,15 @@ def category_of(commit: Commit, changes: list[FileChange], before: dict, fail_to
     By shape: a change whose FAIL_TO_PASS tests all did not exist before (new tests of new
     behaviour) is "feature"; one that is mostly tests (test lines >= 3x source lines) is "tests";
     the rest are bug fixes (existing tests that failed)."""
-    message = f"{commit.subject}\n{commit.body}"
-    if _TESTS.search(commit.subject):
+    title, body = title_and_body(commit)
+    message = f"{title}\n{body}"
+    if _TESTS.search(title):
         return "tests"
     if _FIX.search(message):
         return "bug fix"
     if _REFACTOR.search(message):
         return "refactor"
-    if _FEATURE.search(commit.subject):
+    if _FEATURE.search(title):
         return "feature"
     test_lines = sum(c.added + c.deleted for c in changes if is_test_path(c.path))
     source_lines = sum(c.added + c.deleted for c in changes if not is_test_path(c.path))
@@ -124,10 +137,11 @@ def facts(commit: Commit, fail_to_pass: list[str], before: dict, repo: str, file
         else:
             entry["now"] = _first_line(seen.get("message", "")) or "fails"
         failing.append(entry)
+    title, body = title_and_body(commit)
     return {
         "repo": repo,
-        "subject": commit.subject,
-        "body": commit.body,
+        "subject": title,
+        "body": body,
         "failing_tests": failing,
         "more_tests": max(0, len(fail_to_pass) - MAX_TESTS_SHOWN),
     }
