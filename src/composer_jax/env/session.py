@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from composer_jax.env import grader, tools, volumes
+from composer_jax.env import grader, protocol, tools, volumes
 from composer_jax.env.errors import (  # noqa: F401 - re-exported
     CapacityError,
     SessionBusy,
@@ -26,6 +26,7 @@ from composer_jax.env.errors import (  # noqa: F401 - re-exported
 from composer_jax.env.metrics import Metrics
 from composer_jax.env.sandbox import ExecResult, Limits, Mount, Sandbox, SandboxLease
 from composer_jax.env.tasks import MAX_SEED, Task, TaskError, TaskStore, check_seed
+from composer_jax.env.web_search import Backend, WebTools
 from composer_jax.env.workspace import Workspace
 
 
@@ -41,8 +42,13 @@ class Session:
         lease: SandboxLease,
         limits: Limits,
         ttl_s: float,
+        web: Backend | None = None,
     ):
         self.session_id, self.task, self.seed = session_id, task, seed
+        # The tools this session offers: the base six, and the web tools when its task (or the
+        # server's --web-search-offer all) allows them; others are unknown tools here.
+        self.web = web
+        self.tool_names = protocol.BASE_TOOL_NAMES + (protocol.WEB_TOOL_NAMES if web is not None else ())
         self.root, self.lease, self.limits, self.ttl_s = root, lease, limits, ttl_s
         self.workspace = Workspace(root / "app", lease.uid, lease.gid)
         self.created_at = self.last_used = time.time()
@@ -103,8 +109,10 @@ class SessionManager:
         max_ttl_s: float = 86400.0,
         limits: Limits | None = None,
         metrics: Metrics | None = None,
+        web_tools: WebTools | None = None,
     ):
         self.store, self.sandbox = store, sandbox
+        self.web_tools = web_tools  # None: no session is offered web_search/read_page
         self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="composer-jax-env-"))
         self._own_work_dir = work_dir is None
         if work_dir is None:
@@ -156,6 +164,7 @@ class SessionManager:
         task = await asyncio.to_thread(self.store.get, task_id, seed)  # may generate a task
         if not task.runnable:
             raise TaskNotRunnable(f"task {task_id!r} cannot run in the local sandbox: {task.not_runnable_reason}")
+        web = self.web_for(task)
         if len(self._sessions) + self._reserved >= self.max_sessions:
             self.metrics.inc("cj_env_sessions_rejected_total")
             raise CapacityError(
@@ -171,7 +180,7 @@ class SessionManager:
         try:
             root.mkdir(mode=0o700)
             await asyncio.to_thread(self._materialise, task, root, lease)
-            session = Session(session_id, task, seed, root, lease, self.limits, float(ttl))
+            session = Session(session_id, task, seed, root, lease, self.limits, float(ttl), web)
             session.episode_id = episode_id or session_id
             self._sessions[session_id] = session
         except BaseException:
@@ -244,8 +253,24 @@ class SessionManager:
         await asyncio.gather(*(self.close(sid, reason) for sid in list(self._sessions)), return_exceptions=True)
 
     # ---------------------------------------------------------------- actions
+    def offered_tools(self) -> tuple[str, ...]:
+        """Every tool some session of this server may be offered (listings made without a session)."""
+        return protocol.BASE_TOOL_NAMES + (protocol.WEB_TOOL_NAMES if self.web_tools is not None else ())
+
+    def web_for(self, task: Task) -> Backend | None:
+        """The web backend a session of `task` gets, or None when it is not offered the web tools."""
+        if self.web_tools is None:
+            return None
+        try:
+            return self.web_tools.backend if self.web_tools.offered(task.config.raw, task.task_id) else None
+        except ValueError as exc:  # [agent] web_search is not a boolean
+            raise TaskError(str(exc)) from None
+
     async def call_tools(self, session_id: str, calls: list[tuple[str, dict]]) -> list[dict]:
         session = self.get(session_id)
+        for name, _ in calls:  # the transports check this first (an error they report); a backstop
+            if name not in session.tool_names:
+                protocol.validate_call(name, {}, session.tool_names)
         if session.grading:
             raise SessionBusy(
                 f"session {session_id!r} is being graded; tool calls are refused until "
