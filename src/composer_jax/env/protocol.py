@@ -38,17 +38,16 @@ MAX_TOOL_OUTPUT = 256 * 1024
 MAX_LIST_ENTRIES = 1000
 MAX_GREP_LINE_CHARS = 500
 
-# How the system prompt names each tool, in the order it names them.
+# How the system prompt names each tool, in the order it names them. Terse: the stage-3 SFT rows
+# (assets/sft/disable_debug.jsonl) must fit train.seq_len 640 with it (tests/rl/test_main_run_config.py).
 _PROMPT_PHRASES = {
     "list_dir": "list_dir(path, depth)",
     "read_file": "read_file(path, start_line, end_line)",
     "grep": "grep(pattern, path, glob)",
-    "semantic_search": "semantic_search(query, path)",
+    "semantic_search": "semantic_search(query)",
     "web_search": "web_search(query) (documentation search)",
     "read_page": "read_page(url)",
-    "edit_file": (
-        "edit_file(path, new_string, old_string) (search/replace, or the whole file when old_string is omitted)"
-    ),
+    "edit_file": "edit_file(path, new_string, old_string) (search/replace, or write the file without old_string)",
     "run_shell": "run_shell(command)",
 }
 
