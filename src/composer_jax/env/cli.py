@@ -91,10 +91,8 @@ def server_parser() -> argparse.ArgumentParser:
 def _make_web_tools(args: argparse.Namespace):
     """The server's web tools from its flags: WebTools, None (`--web-search off`), or False after
     printing what is wrong. The offline index is built (or loaded from its cache) in a background
-    thread, so the server starts at once and the first web_search waits only for what is left."""
-    import threading
-
-    from composer_jax.env.web_search import OfflineBackend, make_web_tools
+    thread when the first session is offered the tools (`Backend.prepare`)."""
+    from composer_jax.env.web_search import make_web_tools
 
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "composer-jax" / "doc-index"
     try:
@@ -109,8 +107,6 @@ def _make_web_tools(args: argparse.Namespace):
     except ValueError as exc:
         print(f"composer-jax env-server: {exc}", file=sys.stderr)
         return False
-    if web is not None and isinstance(web.backend, OfflineBackend):
-        threading.Thread(target=web.backend.index.ensure, name="doc-index", daemon=True).start()
     return web
 
 

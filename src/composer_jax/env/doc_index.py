@@ -142,11 +142,14 @@ def _distribution_sources(dist: metadata.Distribution) -> Iterator[tuple[str, Pa
             yield module, Path(str(dist.locate_file(f)))
 
 
-def select_distributions(names: Iterable[str] | None = None) -> list[metadata.Distribution]:
-    """The installed distributions to index: all of them, or those named (case and -/_ ignored).
-    A name that is not installed raises ValueError naming it and what is installed."""
+def select_distributions(
+    names: Iterable[str] | None = None, path: list[str] | None = None
+) -> list[metadata.Distribution]:
+    """The installed distributions to index: all of them, or those named (case and -/_ ignored),
+    from `path` (default sys.path). A name not installed raises ValueError naming it and what is."""
     by_name: dict[str, metadata.Distribution] = {}
-    for dist in metadata.distributions():
+    found = metadata.distributions() if path is None else metadata.distributions(path=path)
+    for dist in found:
         name = dist.metadata["Name"]
         if name:
             by_name.setdefault(_norm(name), dist)
@@ -181,10 +184,17 @@ def _page_docs(root: Path) -> Iterator[Doc]:
 
 
 class DocIndex:
-    """The offline index over `packages` (installed distribution names; None = all) and `docs_dir`."""
+    """The offline index over `packages` (installed distribution names; None = all) and `docs_dir`;
+    `search_path` is where distributions are looked for (default sys.path)."""
 
-    def __init__(self, packages: list[str] | None = None, docs_dir: Path | None = None, cache_dir: Path | None = None):
-        self.dists = select_distributions(packages)
+    def __init__(
+        self,
+        packages: list[str] | None = None,
+        docs_dir: Path | None = None,
+        cache_dir: Path | None = None,
+        search_path: list[str] | None = None,
+    ):
+        self.dists = select_distributions(packages, search_path)
         self.docs_dir = docs_dir
         if docs_dir is not None and not docs_dir.is_dir():
             raise ValueError(f"--docs-dir {docs_dir} is not a directory")

@@ -17,6 +17,8 @@ _BLOCK = {
     "ol", "dl", "dt", "dd", "tr", "table", "pre", "blockquote", "h1", "h2", "h3", "h4", "h5", "h6",
     "form", "figure", "figcaption", "details", "summary",
 }  # fmt: skip
+_LINE = {"br", "li", "tr", "dt", "dd"}  # these end a line; other blocks end a paragraph
+_BR, _PARA = "\x00", "\x01"  # break markers, resolved once the whole page is read
 _VOID = {"br", "hr", "img", "input", "meta", "link", "area", "base", "col", "embed", "source", "track", "wbr"}
 
 
@@ -37,7 +39,7 @@ class _TextParser(HTMLParser):
         if tag == "pre":
             self._pre += 1
         if tag in _BLOCK:
-            self.parts.append("\n")
+            self.parts.append(_BR if tag in _LINE else _PARA)
         if tag in ("h1", "h2", "h3", "h4", "h5", "h6") and not self._skip:
             self.parts.append("#" * int(tag[1]) + " ")
         elif tag == "li" and not self._skip:
@@ -51,13 +53,20 @@ class _TextParser(HTMLParser):
         if tag == "pre" and self._pre:
             self._pre -= 1
         if tag in _BLOCK:
-            self.parts.append("\n")
+            self.parts.append(_BR if tag in _LINE else _PARA)
 
     def handle_data(self, data: str) -> None:
         if self._in_title:
             self.title_parts.append(data)
         elif not self._skip:
-            self.parts.append(data if self._pre else re.sub(r"\s+", " ", data))
+            if self._pre:
+                self.parts.append(data)
+                return
+            text = re.sub(r"\s+", " ", data)
+            if not self.parts or self.parts[-1][-1:] in (_BR, _PARA):
+                text = text.lstrip()  # a line's leading space is markup's, not the text's
+            if text:
+                self.parts.append(text)
 
 
 def html_to_text(html: str) -> tuple[str, str]:
@@ -65,7 +74,11 @@ def html_to_text(html: str) -> tuple[str, str]:
     parser = _TextParser()
     parser.feed(html)
     parser.close()
-    lines = [line.rstrip() for line in "".join(parser.parts).splitlines()]
-    text = re.sub(r"\n{3,}", "\n\n", "\n".join(line[1:] if line.startswith(" ") else line for line in lines)).strip()
+    joined = re.sub(
+        r"[ \t]*[\x00\x01](?:\s*[\x00\x01])*\n?",
+        lambda m: "\n\n" if _PARA in m.group(0) else "\n",
+        "".join(parser.parts),
+    )
+    text = "\n".join(line.rstrip() for line in joined.splitlines()).strip("\n")
     title = re.sub(r"\s+", " ", "".join(parser.title_parts)).strip()
     return title, text

@@ -262,9 +262,12 @@ class SessionManager:
         if self.web_tools is None:
             return None
         try:
-            return self.web_tools.backend if self.web_tools.offered(task.config.raw, task.task_id) else None
+            offered = self.web_tools.offered(task.config.raw, task.task_id)
         except ValueError as exc:  # [agent] web_search is not a boolean
             raise TaskError(str(exc)) from None
+        if offered:
+            self.web_tools.backend.prepare()
+        return self.web_tools.backend if offered else None
 
     async def call_tools(self, session_id: str, calls: list[tuple[str, dict]]) -> list[dict]:
         session = self.get(session_id)

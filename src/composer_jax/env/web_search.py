@@ -22,6 +22,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import socket
+import threading
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -42,6 +43,9 @@ OFFER_MODES = ("tasks", "all")
 
 class Backend(Protocol):
     name: str
+
+    def prepare(self) -> None:
+        """Called when a session is offered the tools: start any slow setup in the background."""
 
     def search(self, query: str, k: int) -> list[dict]: ...
 
@@ -73,6 +77,21 @@ class OfflineBackend:
 
     def __init__(self, index: DocIndex):
         self.index = index
+        self._started = False
+
+    def prepare(self) -> None:
+        # Build or load the index in a thread at the first session offered the tools, so a server
+        # whose tasks never use them never pays for it, and the first web_search waits only for
+        # what is left (DocIndex.ensure is idempotent and locked).
+        if not self._started:
+            self._started = True
+            threading.Thread(target=self._warm, name="doc-index", daemon=True).start()
+
+    def _warm(self) -> None:
+        try:
+            self.index.ensure()
+        except Exception:  # noqa: BLE001 - the first web_search builds again and reports the error
+            pass
 
     def search(self, query: str, k: int) -> list[dict]:
         return [
@@ -145,6 +164,9 @@ class SearxngBackend:
             raise ValueError(f"--web-search searxng:URL needs an http(s) URL, got {base_url!r}")
         self.base_url, self.allow_private, self.timeout_s = base_url.rstrip("/"), allow_private, timeout_s
         self._opener = urllib.request.build_opener(_CheckedRedirects(allow_private))
+
+    def prepare(self) -> None:
+        pass
 
     def _get(self, url: str) -> tuple[bytes, str]:
         req = urllib.request.Request(url, headers={"User-Agent": "composer-jax-env", "Accept": "*/*"})
