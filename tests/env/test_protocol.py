@@ -93,7 +93,10 @@ def test_system_prompt_lists_exactly_the_session_tools(names):
 
 
 def test_a_tool_the_session_does_not_offer_is_unknown():
-    with pytest.raises(protocol.UnknownToolError, match="accepted tools in this session: read_file, edit_file"):
+    with pytest.raises(
+        protocol.UnknownToolError,
+        match="tool 'web_search' is not offered in this session; accepted tools: read_file, edit_file",
+    ):
         protocol.parse_call("web_search", {"query": "q"}, "calls[0]", offered=protocol.BASE_TOOL_NAMES)
     assert protocol.parse_call("web_search", {"query": "q"}, offered=protocol.TOOL_NAMES) == (
         "web_search",

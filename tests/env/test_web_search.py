@@ -261,7 +261,9 @@ def _rpc(client, method, **params):
 
 
 def test_a_session_is_offered_only_the_tools_its_task_allows(web_app):
-    assert [t["function"]["name"] for t in web_app.get("/tools").json()] == TOOL_NAMES  # the server's
+    # without a session: what every session gets (the web tools only with --web-search-offer all)
+    assert [t["function"]["name"] for t in web_app.get("/tools").json()] == list(BASE_TOOL_NAMES)
+    assert [t["name"] for t in _rpc(web_app, "tools/list")["result"]["tools"]] == list(BASE_TOOL_NAMES)
     plain = web_app.post("/sessions", json={"task_id": "fix-add"}).json()
     assert [t["function"]["name"] for t in plain["tools"]] == list(BASE_TOOL_NAMES)
     r = web_app.post(
@@ -272,7 +274,10 @@ def test_a_session_is_offered_only_the_tools_its_task_allows(web_app):
     listed = _rpc(web_app, "tools/list", session_id=plain["session_id"])["result"]["tools"]
     assert [t["name"] for t in listed] == list(BASE_TOOL_NAMES)
     called = _rpc(web_app, "tools/call", name="read_page", arguments={"url": "x"}, session_id=plain["session_id"])
-    assert called["result"]["is_error"] and "unknown tool 'read_page'" in called["result"]["data"]["error"]
+    assert (
+        called["result"]["is_error"]
+        and "tool 'read_page' is not offered in this session" in called["result"]["data"]["error"]
+    )
 
     web = web_app.post("/sessions", json={"task_id": "web-add"}).json()
     assert [t["function"]["name"] for t in web["tools"]] == TOOL_NAMES
@@ -301,4 +306,11 @@ def test_a_session_is_offered_only_the_tools_its_task_allows(web_app):
 def test_offer_all_gives_every_session_the_tools(tmp_path):
     web = WebTools(OfflineBackend(DocIndex(["fakegeo"], search_path=[str(fake_site(tmp_path))])), "all")
     assert web.offered({}) and not WebTools(web.backend, "tasks").offered({})
+    from composer_jax.env.sandbox import LocalProcessSandbox
+    from composer_jax.env.session import SessionManager
+    from composer_jax.env.tasks import TaskStore
+
+    store = TaskStore(FIXTURE_TASKS, tmp_path / "cache")
+    manager = SessionManager(store, LocalProcessSandbox(), work_dir=tmp_path / "w", web_tools=web)
+    assert manager.offered_tools() == tuple(TOOL_NAMES) and manager.web_for(store.get("fix-add", 0)) is web.backend
     assert doc_index.stem("approximately") == doc_index.stem("approx") == "approx"

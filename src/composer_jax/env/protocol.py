@@ -204,6 +204,11 @@ TOOL_NAMES = [s["function"]["name"] for s in TOOL_SCHEMAS]
 WEB_TOOL_NAMES = ("web_search", "read_page")  # offered per session (env/web_search.py says which)
 BASE_TOOL_NAMES = tuple(n for n in TOOL_NAMES if n not in WEB_TOOL_NAMES)  # every session's
 SYSTEM_PROMPT = system_prompt(BASE_TOOL_NAMES)
+
+
+def session_tool_names(web: bool) -> tuple[str, ...]:
+    """A session's tools in TOOL_NAMES order: the base six, plus the web tools when `web`."""
+    return tuple(TOOL_NAMES) if web else BASE_TOOL_NAMES
 _SCHEMA_BY_NAME = {s["function"]["name"]: s["function"]["parameters"] for s in TOOL_SCHEMAS}
 _TYPES: dict[str, type | tuple[type, ...]] = {"string": str, "integer": int, "number": (int, float), "boolean": bool}
 
@@ -227,12 +232,12 @@ def validate_call(name: Any, arguments: Any, offered: Collection[str] | None = N
 
     `offered`: the tools of the session (default every tool); a tool outside it is unknown."""
     if name not in _SCHEMA_BY_NAME or offered is not None and name not in offered:
-        accepted = TOOL_NAMES if offered is None else [n for n in TOOL_NAMES if n in offered]
-        raise UnknownToolError(
-            f"unknown tool {name!r}; accepted tools{'' if offered is None else ' in this session'}: "
-            f"{', '.join(accepted)}",
-            tool=name,
-        )
+        accepted = ", ".join(TOOL_NAMES if offered is None else [n for n in TOOL_NAMES if n in offered])
+        if name in _SCHEMA_BY_NAME:
+            raise UnknownToolError(
+                f"tool {name!r} is not offered in this session; accepted tools: {accepted}", tool=name
+            )
+        raise UnknownToolError(f"unknown tool {name!r}; accepted tools: {accepted}", tool=name)
     if not isinstance(arguments, dict):
         raise ToolArgumentError(f"{name}: arguments must be a JSON object, got {type(arguments).__name__}", tool=name)
     schema = _SCHEMA_BY_NAME[name]

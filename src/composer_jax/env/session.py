@@ -48,7 +48,7 @@ class Session:
         # The tools this session offers: the base six, and the web tools when its task (or the
         # server's --web-search-offer all) allows them; others are unknown tools here.
         self.web = web
-        self.tool_names = protocol.BASE_TOOL_NAMES + (protocol.WEB_TOOL_NAMES if web is not None else ())
+        self.tool_names = protocol.session_tool_names(web is not None)
         self.root, self.lease, self.limits, self.ttl_s = root, lease, limits, ttl_s
         self.workspace = Workspace(root / "app", lease.uid, lease.gid)
         self.created_at = self.last_used = time.time()
@@ -254,8 +254,11 @@ class SessionManager:
 
     # ---------------------------------------------------------------- actions
     def offered_tools(self) -> tuple[str, ...]:
-        """Every tool some session of this server may be offered (listings made without a session)."""
-        return protocol.BASE_TOOL_NAMES + (protocol.WEB_TOOL_NAMES if self.web_tools is not None else ())
+        """The tools every session of this server is offered (listings made without a session:
+        GET /tools, tools/list); the web tools only with `--web-search-offer all`. A session's own
+        list is in its create/reset response and in tools/list with its session_id."""
+        every = self.web_tools is not None and self.web_tools.offer == "all"
+        return protocol.session_tool_names(every)
 
     def web_for(self, task: Task) -> Backend | None:
         """The web backend a session of `task` gets, or None when it is not offered the web tools."""
