@@ -314,3 +314,13 @@ def test_offer_all_gives_every_session_the_tools(tmp_path):
     manager = SessionManager(store, LocalProcessSandbox(), work_dir=tmp_path / "w", web_tools=web)
     assert manager.offered_tools() == tuple(TOOL_NAMES) and manager.web_for(store.get("fix-add", 0)) is web.backend
     assert doc_index.stem("approximately") == doc_index.stem("approx") == "approx"
+
+
+def test_websocket_steps_check_the_session_tools():
+    from composer_jax.env import openenv_protocol as op
+
+    action = {"tool_calls": [{"name": "web_search", "arguments": {"query": "q"}}, {"name": "list_dir"}]}
+    [(_, _, refused), (_, _, ok)] = op.split_calls(action, BASE_TOOL_NAMES)
+    assert "tool 'web_search' is not offered in this session" in refused and ok == ("list_dir", {})
+    assert op.split_calls(action, TOOL_NAMES)[0][2] == ("web_search", {"query": "q"})
+    assert [t["name"] for t in op.mcp_tools(names=BASE_TOOL_NAMES)] == list(BASE_TOOL_NAMES)

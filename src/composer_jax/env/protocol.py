@@ -209,6 +209,8 @@ SYSTEM_PROMPT = system_prompt(BASE_TOOL_NAMES)
 def session_tool_names(web: bool) -> tuple[str, ...]:
     """A session's tools in TOOL_NAMES order: the base six, plus the web tools when `web`."""
     return tuple(TOOL_NAMES) if web else BASE_TOOL_NAMES
+
+
 _SCHEMA_BY_NAME = {s["function"]["name"]: s["function"]["parameters"] for s in TOOL_SCHEMAS}
 _TYPES: dict[str, type | tuple[type, ...]] = {"string": str, "integer": int, "number": (int, float), "boolean": bool}
 
