@@ -5,6 +5,7 @@ private hosts, and a session offered only the tools its task allows (HTTP and MC
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import threading
@@ -313,6 +314,15 @@ def test_offer_all_gives_every_session_the_tools(tmp_path):
     store = TaskStore(FIXTURE_TASKS, tmp_path / "cache")
     manager = SessionManager(store, LocalProcessSandbox(), work_dir=tmp_path / "w", web_tools=web)
     assert manager.offered_tools() == tuple(TOOL_NAMES) and manager.web_for(store.get("fix-add", 0)) is web.backend
+    # with no web backend, a task's bad [agent] web_search is still an error naming it
+    from composer_jax.env.tasks import TaskError
+
+    off = SessionManager(store, LocalProcessSandbox(), work_dir=tmp_path / "w2")
+    bad = store.get("fix-add", 0)
+    bad = dataclasses.replace(bad, config=dataclasses.replace(bad.config, raw={"agent": {"web_search": 1}}))
+    assert off.offered_tools() == BASE_TOOL_NAMES and off.web_for(store.get("fix-add", 0)) is None
+    with pytest.raises(TaskError, match=r"fix-add: \[agent\] web_search = 1 must be true or false"):
+        off.web_for(bad)
     assert doc_index.stem("approximately") == doc_index.stem("approx") == "approx"
 
 

@@ -26,7 +26,7 @@ from composer_jax.env.errors import (  # noqa: F401 - re-exported
 from composer_jax.env.metrics import Metrics
 from composer_jax.env.sandbox import ExecResult, Limits, Mount, Sandbox, SandboxLease
 from composer_jax.env.tasks import MAX_SEED, Task, TaskError, TaskStore, check_seed
-from composer_jax.env.web_search import Backend, WebTools
+from composer_jax.env.web_search import Backend, WebTools, task_wants_web
 from composer_jax.env.workspace import Workspace
 
 
@@ -261,16 +261,16 @@ class SessionManager:
         return protocol.session_tool_names(every)
 
     def web_for(self, task: Task) -> Backend | None:
-        """The web backend a session of `task` gets, or None when it is not offered the web tools."""
-        if self.web_tools is None:
-            return None
+        """The web backend a session of `task` gets, or None when it is not offered the web tools.
+        Its task.toml's `[agent] web_search` is checked whatever the server's configuration."""
         try:
-            offered = self.web_tools.offered(task.config.raw, task.task_id)
+            wanted = task_wants_web(task.config.raw, task.task_id)
         except ValueError as exc:  # [agent] web_search is not a boolean
             raise TaskError(str(exc)) from None
-        if offered:
-            self.web_tools.backend.prepare()
-        return self.web_tools.backend if offered else None
+        if self.web_tools is None or not (wanted or self.web_tools.offer == "all"):
+            return None
+        self.web_tools.backend.prepare()
+        return self.web_tools.backend
 
     async def call_tools(self, session_id: str, calls: list[tuple[str, dict]]) -> list[dict]:
         session = self.get(session_id)
