@@ -77,7 +77,7 @@ async def handle(manager: SessionManager, request: Any, socket_session: str | No
 
 
 async def _dispatch(manager: SessionManager, method: str, params: dict, socket_session: str | None) -> Any:
-    if method == "tools/list":  # a session's own tools; without one, every tool this server may offer
+    if method == "tools/list":  # a session's own tools; without one, those every session gets
         session_id = params.get("session_id") or socket_session
         names = _session(manager, session_id).tool_names if session_id is not None else manager.offered_tools()
         return {"tools": op.mcp_tools("inputSchema", names)}
