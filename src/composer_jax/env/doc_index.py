@@ -4,7 +4,8 @@ The default backend of the `web_search` tool (`env/web_search.py`), so the tool 
 network. Documents:
 
 * one per module, class and public function or method of every installed distribution indexed
-  (`--docs-packages`; default all of the server's environment), read from the *source* with `ast`:
+  (`--docs-packages`; default all of the server's environment; their `tests`/`test` packages left
+  out), read from the *source* with `ast`:
   the qualified name, the signature and the docstring. Packages are never imported (importing runs
   their code, and some import JAX or start threads); a file that does not parse is skipped. Its
   URL is `pydoc://MODULE.QUALNAME`, which the page reader resolves to the definition's source.
@@ -42,7 +43,7 @@ from pathlib import Path
 from composer_jax.env.html_text import html_to_text
 from composer_jax.env.semantic_search import tokenize
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2
 K1, B = 1.2, 0.75
 NAME_WEIGHT = 3
 MAX_DOC_TEXT = 4000  # characters of a docstring or page kept for snippets and ranking
@@ -126,7 +127,9 @@ def _module_name(rel: str) -> str | None:
     if parts[-1] == "__init__":
         parts = parts[:-1]
     if not parts or not all(p.isidentifier() for p in parts):
-        return None  # tests/, scripts with dashes, *.dist-info: not importable modules
+        return None  # scripts with dashes, *.dist-info: not importable modules
+    if any(p in ("tests", "test") for p in parts):
+        return None  # a package's own test suite: many definitions, no API to look up
     return ".".join(parts)
 
 
