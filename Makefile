@@ -12,11 +12,13 @@ PYTHON312 ?= python3.12
 # OpenEnv 0.3 (requirements-openenv03.lock) installs the same `openenv` package as the current line
 # in requirements-env.lock, so it goes to its own directory, with the venv's dependencies;
 # tests/env/test_openenv_clients.py runs its clients from there in a subprocess.
-$(STAMP): requirements.lock requirements-env.lock requirements-openenv03.lock pyproject.toml
+$(STAMP): requirements.lock requirements-env.lock requirements-openenv03.lock requirements-swebench.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.lock -r requirements-env.lock
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --upgrade --target $(VENV)/openenv-0.3 \
 	  -r requirements-openenv03.lock
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps --upgrade --target $(VENV)/swebench \
+	  -r requirements-swebench.lock
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 

@@ -158,5 +158,6 @@ def test_workspace_diff(tmp_path):
     (b / "x.py").write_text("1\n3\n")
     (b / "new.txt").write_text("n\n")
     assert grader.workspace_diff(a, b) == (
-        "--- /dev/null\n+++ b/new.txt\n@@ -0,0 +1 @@\n+n\n--- a/x.py\n+++ b/x.py\n@@ -1,2 +1,2 @@\n 1\n-2\n+3\n"
-    )
+        "diff --git a/new.txt b/new.txt\nnew file mode 100644\n--- /dev/null\n+++ b/new.txt\n@@ -0,0 +1 @@\n+n\n"
+        "diff --git a/x.py b/x.py\n--- a/x.py\n+++ b/x.py\n@@ -1,2 +1,2 @@\n 1\n-2\n+3\n"
+    )  # a git-style patch (tests/env/test_snapshot_patch.py applies them with git)

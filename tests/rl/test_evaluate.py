@@ -87,8 +87,9 @@ def test_eval_metrics_and_files(tmp_path):
     assert lines[0]["generations"][0][0]["role"] == "system"
     preds = {p["instance_id"]: p for p in map(json.loads, paths["predictions"].read_text().splitlines())}
     assert set(preds) == {"fix-add", "write-hello"} and preds["fix-add"]["model_name_or_path"] == "scripted"
-    assert (
-        "-    return a - b" in preds["fix-add"]["model_patch"]
-        and "+    return a + b" in preds["fix-add"]["model_patch"]
-    )
+    # the submission is sample 0's diff whatever it scored; the oracle file holds the first that passed
+    oracle = {p["instance_id"]: p for p in map(json.loads, paths["oracle"].read_text().splitlines())}
+    fix = "-    return a - b\n+    return a + b\n"
+    assert (fix in preds["fix-add"]["model_patch"]) == wins[0][0]
+    assert fix in oracle["fix-add"]["model_patch"]
     assert json.loads(paths["report"].read_text())["overall"]["pass@1"] == rep["overall"]["pass@1"]

@@ -43,6 +43,10 @@ def in_repo(monkeypatch):
     monkeypatch.chdir(REPO)  # data paths in the stage configs are relative to the repository
 
 
+# Slow (82 s on 2 cores: three runs of the stage). The default suite keeps resumption exact piecewise:
+# the data pipeline's state (tests/data/test_pipeline.py::test_exact_resume_from_json_state), the
+# checkpoint round trip (tests/checkpoint/) and the RL learner's resume (tests/rl/test_async_resume.py).
+@pytest.mark.slow
 def test_kill_and_resume_is_bit_exact(tmp_path, in_repo):
     full = run_stage(_cfg(tmp_path, "full"), echo=lambda s: None)
     first = run_stage(_cfg(tmp_path, "killed"), stop_after=3, echo=lambda s: None)  # last checkpoint: step 2
@@ -66,7 +70,7 @@ def test_nonfinite_step_is_skipped(tmp_path):
     from composer_jax.train.state import init_train_state
     from composer_jax.train.step import make_train_step
 
-    cfg = _cfg(tmp_path, "nan")  # the resume test's program: a compilation-cache hit
+    cfg = _cfg(tmp_path, "nan")
     mesh = cj.make_mesh(cfg.mesh)
     rules = cj.ShardingRules.create()
     state = init_train_state(cfg, mesh, rules)

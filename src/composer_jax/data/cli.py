@@ -60,7 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "make-sft":
             from composer_jax.data.sft import make_sft
 
-            n = make_sft(args.tasks, args.out, timeout_s=args.timeout)
+            skipped: list[str] = []
+            n = make_sft(args.tasks, args.out, timeout_s=args.timeout, skipped=skipped)
+            for reason in skipped:
+                print(f"composer-jax data: skipped {reason}", file=sys.stderr)
             print(f"wrote {n} conversations to {args.out}")
         else:
             _peek(args)

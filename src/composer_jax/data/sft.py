@@ -20,6 +20,12 @@ tree before and after, and write one conversation in the tool protocol of the en
 Tool results are the JSON the environment server returns for that call (built by the same protocol
 functions the server uses), so the model sees at SFT time what it will see in RL. Nothing here is
 invented except the short assistant prose.
+
+A mined or imported task (`env/taskwrite.py`) has a solve.sh that runs `git apply
+/solution/solution.patch` in /app; that is solved the same way: the patch is applied to the copy
+(git's repository discovery stopped at the copy, so a checkout around the temporary directory is
+never touched) and each file it changes becomes an edit_file call. The tool protocol edits UTF-8
+text only, so a task whose solution changes a binary file is skipped (`make_sft` names it).
 """
 
 from __future__ import annotations
@@ -71,7 +77,14 @@ def run_solution(task_dir: Path, *, timeout_s: float = 60.0) -> tuple[dict[str, 
         roots = {"app": str(work), "solution": str(sol)}
         script = _ROOT_RE.sub(lambda m: roots[m.group(1)], solve.read_text())
         (Path(tmp) / "solve.sh").write_text(script)
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": tmp, "LC_ALL": "C.UTF-8"}
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": tmp,
+            "LC_ALL": "C.UTF-8",
+            # `git apply` in the copy: no repository above it is found (a git checkout around $TMPDIR
+            # would make git apply the paths relative to that checkout's root)
+            "GIT_CEILING_DIRECTORIES": tmp,
+        }
         try:
             proc = subprocess.run(
                 ["bash", str(Path(tmp) / "solve.sh")],
@@ -88,6 +101,21 @@ def run_solution(task_dir: Path, *, timeout_s: float = 60.0) -> tuple[dict[str, 
                 f"task {task_dir.name!r}: solution/solve.sh exited {proc.returncode}: {proc.stderr.strip()[-500:]}"
             )
         return before, _snapshot(work)
+
+
+class UnrepresentableSolution(DataConfigError):
+    """The reference solution changes something the tool protocol cannot write (a binary file)."""
+
+
+def _text(task: str, rel: str, data: bytes) -> str:
+    try:
+        if b"\x00" not in data:
+            return data.decode("utf-8")
+    except UnicodeDecodeError:
+        pass
+    raise UnrepresentableSolution(
+        f"task {task!r}: the solution changes {rel!r}, which is not UTF-8 text; edit_file writes text only"
+    )
 
 
 def _call(call_id: str, name: str, **arguments) -> dict:
@@ -125,6 +153,10 @@ def task_conversation(task_dir: str | Path, *, timeout_s: float = 60.0) -> dict:
     changed = sorted(p for p in after if p in before and after[p] != before[p])
     added = sorted(p for p in after if p not in before)
     deleted = sorted(p for p in before if p not in after)
+    for p in changed + added:
+        _text(task_dir.name, p, after[p])
+        if p in before:
+            _text(task_dir.name, p, before[p])
     msgs: list[dict] = [
         {"role": "system", "content": protocol.SYSTEM_PROMPT},
         # exactly what the server hands the agent (the file's text, trailing newline included): the
@@ -246,9 +278,19 @@ def iter_task_dirs(tasks_dir: str | Path) -> Iterator[Path]:
     yield from found
 
 
-def make_sft(tasks_dir: str | Path, out_file: str | Path, *, timeout_s: float = 60.0) -> int:
-    """Write one JSON line {"task", "messages"} per task to out_file; returns the count."""
-    convs = [task_conversation(t, timeout_s=timeout_s) for t in iter_task_dirs(tasks_dir)]
+def make_sft(
+    tasks_dir: str | Path, out_file: str | Path, *, timeout_s: float = 60.0, skipped: list[str] | None = None
+) -> int:
+    """Write one JSON line {"task", "messages"} per task to out_file; returns the count. A task whose
+    solution the tool protocol cannot write (UnrepresentableSolution) is left out, its reason
+    appended to `skipped`."""
+    convs = []
+    for t in iter_task_dirs(tasks_dir):
+        try:
+            convs.append(task_conversation(t, timeout_s=timeout_s))
+        except UnrepresentableSolution as e:
+            if skipped is not None:
+                skipped.append(str(e))
     write_jsonl(convs, out_file)
     return len(convs)
 

@@ -267,13 +267,22 @@ def env_main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(
             "usage: composer-jax env validate DIR [--jobs N] [--families [F ...]] [--seeds S ...] [--strict]\n"
-            "       composer-jax env generate FAMILY [--seeds N|A:B] --out DIR"
+            "       composer-jax env generate FAMILY [--seeds N|A:B] --out DIR\n"
+            "       composer-jax env mine REPO --out DIR [--rev-range R] [--since D] [--until D] [--max-tasks N] ...\n"
+            "       composer-jax env import-swebench INSTANCES.jsonl --repos DIR --out DIR"
         )
         return 0 if argv else 2
     if argv[0] == "generate":
         return generate_main(argv[1:])
+    if argv[0] in ("mine", "import-swebench"):
+        from composer_jax.env.mine_cli import env_subcommand
+
+        return env_subcommand(argv)
     if argv[0] != "validate":
-        print(f"composer-jax env: unknown subcommand {argv[0]!r}; accepted: validate, generate", file=sys.stderr)
+        print(
+            f"composer-jax env: unknown subcommand {argv[0]!r}; accepted: validate, generate, mine, import-swebench",
+            file=sys.stderr,
+        )
         return 2
     args = validate_parser().parse_args(argv[1:])
     if not args.dir.is_dir():

@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import tempfile
+from datetime import UTC
 from pathlib import Path
 
 _TEST_DIR = re.compile(r"(^|/)(tests?|testing)/")
@@ -83,14 +84,15 @@ def first_parent_commits(repo: Path, rev_range: str, since: str | None, until: s
         if not record:
             continue
         sha, parents, date, subject, body = record.split("\x00", 4)
-        commits.append(Commit(sha, (parents.split() or [None])[0], utc(date), subject, body.strip()))
+        first = parents.split()[0] if parents.split() else None
+        commits.append(Commit(sha, first, utc(date), subject, body.strip()))
     return commits
 
 
 def utc(date: str) -> str:
-    from datetime import datetime, timezone
+    from datetime import datetime
 
-    return datetime.fromisoformat(date).astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.fromisoformat(date).astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def changed_files(repo: Path, parent: str, commit: str) -> list[FileChange]:
@@ -145,3 +147,43 @@ def remote_name(repo: Path) -> str:
     url = git(repo, "config", "--get", "remote.origin.url", check=False).decode().strip()
     match = re.search(r"[:/]([^/:]+)/([^/]+?)(?:\.git)?/?$", url)
     return f"{match.group(1)}/{match.group(2)}" if match else Path(repo).resolve().name
+
+
+TEST_EXTRAS = ("test", "tests", "testing")
+REQUIREMENTS_FILES = ("requirements.txt", "requirements-test.txt", "requirements/test.txt", "test-requirements.txt")
+_PROVIDED = re.compile(r"^\s*pytest\s*($|[<>=!~;\[])", re.I)  # the verifier's runner, always there
+
+
+def show(repo: Path, rev: str, path: str) -> str | None:
+    """The text of `path` at `rev`, or None when it is not there."""
+    out = git(repo, "show", f"{rev}:{path}", check=False)
+    return out.decode("utf-8", "replace") if out else None
+
+
+def declared_requirements(repo: Path, rev: str) -> list[str]:
+    """What the project at `rev` says it needs to run its tests: pyproject.toml's
+    [project] dependencies and its test extras, else the first requirements file found; pytest
+    itself left out (the verifier brings it). Local paths, editable and option lines are dropped."""
+    import tomllib
+
+    lines: list[str] = []
+    text = show(repo, rev, "pyproject.toml")
+    if text:
+        try:
+            project = tomllib.loads(text).get("project", {})
+        except tomllib.TOMLDecodeError:
+            project = {}
+        deps = project.get("dependencies", [])
+        extras = project.get("optional-dependencies", {})
+        lines += [d for d in deps if isinstance(d, str)] if isinstance(deps, list) else []
+        for name in TEST_EXTRAS:
+            extra = extras.get(name, []) if isinstance(extras, dict) else []
+            lines += [d for d in extra if isinstance(d, str)] if isinstance(extra, list) else []
+    if not lines:
+        for path in REQUIREMENTS_FILES:
+            text = show(repo, rev, path)
+            if text:
+                lines = [line.split("#", 1)[0].strip() for line in text.splitlines()]
+                break
+    keep = [line for line in lines if line and not line.startswith(("-", ".", "/", "file:")) and "://" not in line]
+    return sorted({line for line in keep if not _PROVIDED.match(line)})

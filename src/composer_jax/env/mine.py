@@ -27,8 +27,8 @@ from composer_jax.env import gitrepo, grader, validate
 from composer_jax.env.gitrepo import Commit, FileChange, GitError
 from composer_jax.env.instruction import category_of, write_instruction
 from composer_jax.env.sandbox import Limits, Mount, Sandbox, SandboxLease
-from composer_jax.env.taskwrite import RepoTask, harness_safe, write_task
 from composer_jax.env.tasks import Task, TaskError, load_task
+from composer_jax.env.taskwrite import RepoTask, harness_safe, write_task
 
 REASONS = (
     "root commit",
@@ -83,6 +83,8 @@ def select(commit: Commit, changes: list[FileChange], opts: MineOptions) -> tupl
     """(test paths, source paths) of a candidate; `Rejected` saying why a commit is none."""
     tests = [c.path for c in changes if gitrepo.is_test_path(c.path)]
     source = [c.path for c in changes if not gitrepo.is_test_path(c.path)]
+    if source and not tests and all(gitrepo.is_docs_or_config(p) for p in source):
+        raise Rejected("docs/config only", ", ".join(source[:5]))
     if not tests:
         raise Rejected("no test change")
     if not source:
@@ -107,7 +109,7 @@ def decide(before: list[dict], after: list[dict]) -> tuple[list[str], list[str],
         b, a = outcomes(before, name), outcomes(after, name)
         if len(b) > 1 or len(a) > 1:
             flaky.append(name)
-        elif a == {"passed"} and b <= {"failed", "absent"}:
+        elif a == {"passed"} and b <= {"failed", "absent"}:  # an error is "failed" (swe_runner)
             f2p.append(name)
         elif a == {"passed"} and b == {"passed"}:
             p2p.append(name)
@@ -121,8 +123,14 @@ def sample(ids: list[str], limit: int = MAX_PASS_TO_PASS) -> list[str]:
     return [ids[int(i * step)] for i in range(limit)]
 
 
-async def run_side(task: Task, lease: SandboxLease, source: Path, scratch: Path, limits: Limits, seed: int) -> dict:
-    """One run of the task's verifier over a copy of `source`: {node id: {"outcome", "message"}}."""
+async def run_side(
+    task: Task, lease: SandboxLease, source: Path, scratch: Path, limits: Limits, seed: int, *, solved: bool
+) -> dict:
+    """One run of the task's verifier over a copy of `source`: {node id: {"outcome", "message"}}.
+
+    On the solved side (`solved`), a run where no test ran (the test modules do not import, or
+    pytest refused to start: an old conftest hook, an option it lacks) is the environment's fault: `Rejected` ("environment did not build"). Before the solution
+    that is expected (a new test imports what the solution adds): its tests are absent."""
     job = await grader.prepare_job(task, lease, source, scratch, limits, diff=False)
     try:
         if job.error is not None:
@@ -137,8 +145,19 @@ async def run_side(task: Task, lease: SandboxLease, source: Path, scratch: Path,
         await asyncio.to_thread(grader.release_job, job.app)
     if raw is None:
         tail = (result.stderr or result.stdout)[-400:].strip()
-        raise Rejected("environment did not build", f"the test runner wrote no outcomes (exit {result.exit_code}): {tail}")
-    return json.loads(raw)
+        raise Rejected(
+            "environment did not build", f"the test runner wrote no outcomes (exit {result.exit_code}): {tail}"
+        )
+    data = json.loads(raw)
+    if solved and not data["tests"]:
+        if data["collection_errors"]:
+            path, message = next(iter(data["collection_errors"].items()))
+            last = message.strip().splitlines()[-1] if message.strip() else ""
+            raise Rejected("environment did not build", f"{path} does not import here: {last[:200]}")
+        # no test and no module error: pytest itself stopped (a plugin or conftest it refuses, a bad option)
+        tail = " | ".join(line for line in result.stdout.strip().splitlines()[-4:] if line.strip())
+        raise Rejected("environment did not build", f"pytest ran no test after the change: {tail[-300:]}")
+    return data["tests"]
 
 
 class Miner:
@@ -152,8 +171,9 @@ class Miner:
         self.limits = Limits(wall_seconds=opts.timeout_s, cpu_seconds=int(opts.timeout_s) + 1, memory_mb=4096)
         self.written = 0
 
-    async def run(self) -> list[Outcome]:
-        commits = gitrepo.first_parent_commits(self.repo, self.opts.rev_range, self.opts.since, self.opts.until)
+    async def run(self, commits: list[Commit] | None = None) -> list[Outcome]:
+        if commits is None:
+            commits = gitrepo.first_parent_commits(self.repo, self.opts.rev_range, self.opts.since, self.opts.until)
         sem = asyncio.Semaphore(max(1, self.opts.jobs))
         self.out.mkdir(parents=True, exist_ok=True)
 
@@ -198,7 +218,8 @@ class Miner:
             category=category_of(commit, changes, before, f2p),
             extra_metadata={"pass_to_pass_total": len(p2p)} if len(p2p) > MAX_PASS_TO_PASS else {},
         )
-        task.instruction = write_instruction(commit, task, before, self.opts.writer)
+        files = work / "draft" / draft.task_id / "tests" / "files"
+        task.instruction = write_instruction(commit, task, before, self.opts.writer, files)
         final = await asyncio.to_thread(write_task, task, base, self.out)
         problem = await self._validate(final)
         if problem:
@@ -257,15 +278,17 @@ class Miner:
         after: list[dict] = []
         try:
             for i in range(self.opts.runs):
-                before.append(await run_side(task, lease, base, self.scratch, self.limits, seed=i + 1))
-                after.append(await run_side(task, lease, solved, self.scratch, self.limits, seed=i + 1))
+                before.append(await run_side(task, lease, base, self.scratch, self.limits, seed=i + 1, solved=False))
+                after.append(await run_side(task, lease, solved, self.scratch, self.limits, seed=i + 1, solved=True))
                 f2p, p2p, flaky = decide(before, after)
-                if not f2p:
-                    reason = "flaky" if flaky and i > 0 else "no FAIL_TO_PASS"
-                    detail = f"flaky: {', '.join(flaky[:5])}" if flaky else f"{len(after[0])} tests ran"
-                    raise Rejected(reason, detail)
+                # Nothing can still become FAIL_TO_PASS: every test after passed or is decided.
+                if not f2p and not flaky and all(r["outcome"] == "passed" for r in after[-1].values()):
+                    break
         finally:
             await lease.close()
+        if not f2p:
+            detail = f"flaky: {', '.join(flaky[:5])}" if flaky else f"{len(after[-1])} tests ran after the change"
+            raise Rejected("flaky" if flaky else "no FAIL_TO_PASS", detail)
         return f2p, p2p, before[0]
 
     async def _validate(self, root: Path) -> str:

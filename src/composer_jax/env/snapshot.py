@@ -12,20 +12,24 @@ consistent picture of what the agent could see, never of what a symlink pointed 
     python3 -I -c SOURCE SRC DEST ORIG MAX_DIFF_BYTES [MODULE ...]
 
 copies SRC into the existing directory DEST (symlinks as symlinks, special files skipped), then
-writes the unified diff from ORIG (the task's initial workspace; "" for none) to DEST on stdout,
-streamed file by file and capped at MAX_DIFF_BYTES, and one JSON line of facts on stderr:
+writes the git-style diff (`diff`: a patch `git apply` applies) from ORIG (the task's initial
+workspace; "" for none) to DEST on stdout, streamed file by file and capped at MAX_DIFF_BYTES,
+and one JSON line of facts on stderr:
 `{"python", "version", "copied", "skipped", "entries_truncated", "missing"}` (`missing`: the
 MODULEs, the task's declared test dependencies, that this python3 cannot import).
 """
 
 from __future__ import annotations
 
+import base64
 import difflib
+import hashlib
 import importlib.util
 import json
 import os
 import stat
 import sys
+import zlib
 
 MAX_FILE_BYTES = 2 * 2**20  # larger files are diffed as "large" (not read)
 MAX_ENTRIES = 200_000  # files listed per tree for the diff
@@ -155,7 +159,73 @@ def read_entry(root_fd: int, rel: str, kind: str) -> bytes | None:
         os.close(fd)
 
 
+TRUNCATED = "... diff truncated ...\n"  # the last line of a diff cut at its byte budget (not a patch line)
+_B85_CHUNK = 52  # bytes of compressed data per line of a git binary patch
+
+
+def _blob_id(data: bytes | None) -> str:
+    """git's object id of a blob (40 zeros for an absent file): a binary patch's index line."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() if data is not None else "0" * 40
+
+
+def _binary_patch(rel: str, a: bytes | None, b: bytes | None) -> list[str]:
+    """A git binary patch (forward "literal" hunk only, which `git apply` accepts) replacing a by b."""
+    body = zlib.compress(b or b"")
+    lines = [f"index {_blob_id(a)}..{_blob_id(b)}\n", "GIT binary patch\n", f"literal {len(b or b'')}\n"]
+    for i in range(0, len(body), _B85_CHUNK):
+        chunk = body[i : i + _B85_CHUNK]
+        n = len(chunk)
+        head = chr(ord("A") + n - 1) if n <= 26 else chr(ord("a") + n - 27)
+        lines.append(head + base64.b85encode(chunk, pad=True).decode("ascii") + "\n")
+    return lines + ["\n"]
+
+
+def _text_lines(data: bytes) -> list[str]:
+    """UTF-8 text split at \\n only (as git and patch do: str.splitlines would also split at \\r,
+    form feeds and Unicode separators, and the hunks would not apply)."""
+    parts = data.decode("utf-8").split("\n")
+    lines = [x + "\n" for x in parts[:-1]]
+    return lines + [parts[-1]] if parts[-1] else lines
+
+
+def _is_text(data: bytes | None) -> bool:
+    if data is None:
+        return True
+    if b"\x00" in data:
+        return False
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def file_patch(rel: str, a: bytes | None, b: bytes | None, kinds: tuple[str | None, str | None]) -> list[str]:
+    """One file's section of a git-style diff that `git apply` applies: a `diff --git` header (new /
+    deleted file mode), then unified hunks for UTF-8 text or a git binary patch for other contents.
+    Symlinks and files over MAX_FILE_BYTES (not read) get git's "Binary files ... differ" line,
+    which names them but does not apply (whoever submits the diff leaves such a section out)."""
+    head = [f"diff --git a/{rel} b/{rel}\n"]
+    if a is None:
+        head.append("new file mode 100644\n")
+    elif b is None:
+        head.append("deleted file mode 100644\n")
+    if "symlink" in kinds or a == b"\x00large" or b == b"\x00large":
+        return head + [f"Binary files a/{rel} and b/{rel} differ\n"]
+    if not (_is_text(a) and _is_text(b)):
+        return head + _binary_patch(rel, a, b)
+    old, new = _text_lines(a or b""), _text_lines(b or b"")
+    if not old and not new:  # an empty file created or deleted: the header says it all
+        return head + [f"index {_blob_id(a)[:7]}..{_blob_id(b)[:7]}\n"]
+    hunks = difflib.unified_diff(
+        old, new, "/dev/null" if a is None else f"a/{rel}", "/dev/null" if b is None else f"b/{rel}"
+    )
+    return head + [x if x.endswith("\n") else x + "\n\\ No newline at end of file\n" for x in hunks]
+
+
 def diff(orig_fd: int | None, new_fd: int, max_bytes: int, write) -> None:
+    """The diff from the tree `orig_fd` (None: empty) to `new_fd`, file by file (`file_patch`), to
+    `write`; past `max_bytes` it stops with the TRUNCATED line (the diff is then not a patch)."""
     old = list_tree(orig_fd) if orig_fd is not None else {}
     new = list_tree(new_fd)
     size = 0
@@ -164,22 +234,10 @@ def diff(orig_fd: int | None, new_fd: int, max_bytes: int, write) -> None:
         b = read_entry(new_fd, rel, new[rel]) if rel in new else None
         if a == b:
             continue
-        if (a and b"\x00" in a[:8192]) or (b and b"\x00" in b[:8192]):
-            chunk = [f"Binary files a/{rel} and b/{rel} differ\n"]
-        else:
-            chunk = list(
-                difflib.unified_diff(
-                    (a or b"").decode("utf-8", "replace").splitlines(keepends=True),
-                    (b or b"").decode("utf-8", "replace").splitlines(keepends=True),
-                    "/dev/null" if a is None else f"a/{rel}",
-                    "/dev/null" if b is None else f"b/{rel}",
-                )
-            )
-        for line in chunk:
-            line = line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
+        for line in file_patch(rel, a, b, (old.get(rel), new.get(rel))):
             size += len(line.encode("utf-8", "replace"))
             if size > max_bytes:
-                write("... diff truncated ...\n")
+                write(TRUNCATED)
                 return
             write(line)
 

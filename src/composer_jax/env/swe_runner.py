@@ -10,10 +10,10 @@ family so every case names its file), prints the run between SWE-bench's log mar
 - ``report.json``: ``{"FAIL_TO_PASS": {"success": [...], "failure": [...]}, "PASS_TO_PASS": ...,
   "FAIL_TO_FAIL": ..., "PASS_TO_FAIL": ...}`` in the shape of the ``swebench`` package's
   ``get_eval_tests_report``, outcomes read from the JUnit XML (a test absent from it failed);
-- ``reward.txt``: 1 iff every FAIL_TO_PASS and PASS_TO_PASS test passed (SWE-bench's resolved).
+- ``reward.txt``: 1 iff every FAIL_TO_PASS and PASS_TO_PASS test succeeded (SWE-bench's resolved).
 
-It is also the miner's runner (``--outcomes FILE`` writes every test's outcome and skips the
-report), so a task is graded by the same code that found its tests.
+It is also the miner's runner (``--outcomes FILE`` writes every test's outcome and the modules
+that failed to import, and skips the report), so a task is graded by the same code that found its tests.
 """
 
 from __future__ import annotations
@@ -52,8 +52,11 @@ def outcome_of(case: ET.Element) -> tuple[str, str]:
     return PASSED, ""
 
 
-def read_junit(path: Path) -> dict[str, dict]:
-    """{node id: {"outcome", "message"}}; a case reported twice (call and teardown) fails if either did."""
+def read_junit(path: Path, collection_errors: dict[str, str] | None = None) -> dict[str, dict]:
+    """{node id: {"outcome", "message"}}; a case reported twice (call and teardown) fails if either did.
+
+    A module that failed to import is no test (pytest reports it as a case named after the module,
+    with message "collection failure"): it goes to `collection_errors` {file: message} instead."""
     out: dict[str, dict] = {}
     if not path.is_file():
         return out
@@ -64,6 +67,11 @@ def read_junit(path: Path) -> dict[str, dict]:
     for case in root.iter("testcase"):
         nid = node_id(case)
         if nid is None:
+            continue
+        error = case.find("error")
+        if error is not None and error.get("message") == "collection failure" and not case.get("classname"):
+            if collection_errors is not None:
+                collection_errors[case.get("file") or nid] = (error.text or "")[-1000:]
             continue
         outcome, message = outcome_of(case)
         if nid not in out or outcome == FAILED:
@@ -90,7 +98,9 @@ def run_pytest(app: Path, targets: list[str], junit: Path, log: Path, timeout: f
         f.write(START + "\n")
         f.flush()
         try:
-            code = subprocess.run(argv, cwd=app, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            code = subprocess.run(
+                argv, cwd=app, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout
+            ).returncode
         except subprocess.TimeoutExpired:
             code = -1
             f.write("\n>>>>> Tests Timed Out\n")
@@ -100,16 +110,17 @@ def run_pytest(app: Path, targets: list[str], junit: Path, log: Path, timeout: f
 
 
 def report(results: dict[str, dict], fail_to_pass: list[str], pass_to_pass: list[str]) -> dict:
-    """SWE-bench's rule: a FAIL_TO_PASS test succeeds when it passed (or failed as expected); a
-    PASS_TO_PASS test also when it was skipped (a skip is no regression); an absent test failed."""
+    """SWE-bench's rule (``get_eval_tests_report`` over ``parse_log_pytest``'s status map): a test
+    succeeds when it passed or failed as expected; anything else fails, a skip included (pytest's
+    ``-rA`` names a skip by file and line, not by node id, so the official grading never sees it)."""
 
-    def split(tests: list[str], ok: tuple[str, ...]) -> dict:
-        good = [t for t in tests if results.get(t, {}).get("outcome") in ok]
+    def split(tests: list[str]) -> dict:
+        good = [t for t in tests if results.get(t, {}).get("outcome") in (PASSED, XFAIL)]
         return {"success": good, "failure": [t for t in tests if t not in good]}
 
     return {
-        "FAIL_TO_PASS": split(fail_to_pass, (PASSED, XFAIL)),
-        "PASS_TO_PASS": split(pass_to_pass, (PASSED, XFAIL, SKIPPED)),
+        "FAIL_TO_PASS": split(fail_to_pass),
+        "PASS_TO_PASS": split(pass_to_pass),
         "FAIL_TO_FAIL": {"success": [], "failure": []},
         "PASS_TO_FAIL": {"success": [], "failure": []},
     }
@@ -122,16 +133,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logs", type=Path, default=Path("/logs/verifier"))
     p.add_argument("--outcomes", type=Path, help="write every test's outcome here (the miner's runs)")
     p.add_argument("--timeout", type=float, default=None)
-    p.add_argument("--hash-seed", help="PYTHONHASHSEED for the run (the miner varies it to expose order-dependent tests)")
+    p.add_argument(
+        "--hash-seed", help="PYTHONHASHSEED for the run (the miner varies it to expose order-dependent tests)"
+    )
     args = p.parse_args(argv)
     config = json.loads((args.tests / "config.json").read_text())
     args.logs.mkdir(parents=True, exist_ok=True)
     overlay(args.tests / "files", args.app, config.get("deleted", []))
     junit = args.logs / "junit.xml"
     run_pytest(args.app, config["test_files"], junit, args.logs / "test_output.txt", args.timeout, args.hash_seed)
-    results = read_junit(junit)
+    errors: dict[str, str] = {}
+    results = read_junit(junit, errors)
     if args.outcomes is not None:
-        args.outcomes.write_text(json.dumps(results, indent=1, sort_keys=True))
+        args.outcomes.write_text(json.dumps({"tests": results, "collection_errors": errors}, indent=1, sort_keys=True))
         return 0
     rep = report(results, config["fail_to_pass"], config["pass_to_pass"])
     (args.logs / "report.json").write_text(json.dumps(rep, indent=1))

@@ -83,7 +83,12 @@ def _eval_parser() -> argparse.ArgumentParser:
     ap.add_argument("--family-seeds", type=int, default=8, help="seeds per family (from --seed-base)")
     ap.add_argument("--seed-base", type=int, default=1_000_000, help="first family seed (held out from training's)")
     ap.add_argument("--samples", type=int, default=4, help="rollouts per task (K of best-of-K)")
-    ap.add_argument("--out", required=True, help="output directory: report.json, trajectories.jsonl, predictions.jsonl")
+    ap.add_argument(
+        "--out",
+        required=True,
+        help="output directory: report.json, trajectories.jsonl, predictions.jsonl (sample 0: a submission), "
+        "predictions.oracle.jsonl (best-of-K: not one)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--concurrency", type=int, default=16, help="rollouts in flight")
     ap.add_argument("--env-url", action="append", default=[], help="environment server URL (repeatable)")
@@ -114,7 +119,7 @@ def _agent_config(overrides: list[str]) -> Any:
 
 async def _evaluate(args: argparse.Namespace, policy: Any, urls: list[str], token: str, agent: Any) -> dict:
     from composer_jax.env.client import EnvClient
-    from composer_jax.rl.evaluate import TaskRef, report, sample_tasks, write_outputs
+    from composer_jax.rl.evaluate import TaskRef, format_table, report, sample_tasks, write_outputs
 
     async with EnvClient(urls, token) as client:
         listed = await client.list_tasks()
@@ -128,14 +133,16 @@ async def _evaluate(args: argparse.Namespace, policy: Any, urls: list[str], toke
         bad = [f for f in args.family if f not in listed.get("families", [])]
         if bad:
             raise ValueError(f"famil(ies) {bad} unknown; accepted: {listed.get('families', [])}")
-        tasks = [TaskRef(n, None, str((known[n].get("metadata") or {}).get("category", ""))) for n in names]
+        tasks = [TaskRef.from_listing(known[n]) for n in names]
         tasks += [TaskRef(f, args.seed_base + i, f) for f in args.family for i in range(args.family_seeds)]
         results = await sample_tasks(
             policy, client, tasks, args.samples, agent, seed=args.seed, concurrency=args.concurrency
         )
     name = args.model or (Path(args.checkpoint).name if args.checkpoint else "endpoint")
     paths = write_outputs(results, args.out, name)
-    return {"overall": report(results)["overall"], "files": {k: str(v) for k, v in paths.items()}}
+    rep = report(results)
+    print(format_table(rep), file=sys.stderr)  # stdout stays one JSON document
+    return {"overall": rep["overall"], "files": {k: str(v) for k, v in paths.items()}}
 
 
 def eval_main(argv: list[str] | None = None) -> int:

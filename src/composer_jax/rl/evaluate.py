@@ -2,10 +2,17 @@
 
 Success is a reward of 1 (every test passes). Per task: pass@1 (the mean success of its samples)
 and best-of-K (some sample of K succeeded), mean reward, generated tokens, turns and tool calls;
-the same averaged over tasks per task category and overall. Trajectories are written as JSONL
-(one line per sample: the OpenAI messages of every generation and the counts), and a
-SWE-bench-style predictions file (`instance_id`, `model_name_or_path`, `model_patch`) holds one
-patch per task: the diff of its first successful sample, else of its first sample.
+the same averaged over tasks per task category, per repository and overall. `resolved` is the
+leaderboard's figure: the success of the sample each task's prediction submits (`submitted`).
+Trajectories are written as JSONL (one line per sample: the OpenAI messages of every generation
+and the counts). predictions.jsonl is a SWE-bench submission (`instance_id`, `model_name_or_path`,
+`model_patch`): per task the grade diff of sample 0 (or of the first sample after it whose
+environment did not fail), chosen without looking at any test result;
+predictions.oracle.jsonl holds the best-of-K pick (the first sample that passed) and is named so
+that nobody submits it. A patch must apply with `git apply`: a diff the grader cut at its budget
+is left out whole (never submitted cut), and a file the diff cannot carry (a symlink, a file over
+the snapshot's size limit) is left out of the patch; both are recorded in report.json
+("predictions").
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import re
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +33,11 @@ from composer_jax.rl.agent import Rollout, RolloutFailed, run_rollout
 from composer_jax.rl.policy import Policy, PolicyPool
 
 SUCCESS = 1.0 - 1e-9
+# env/snapshot.py's TRUNCATED: the line a grade diff cut at its byte budget ends with (no line of a
+# patch looks like it: patch lines start with ' ', '+', '-', '@', '\\' or a git header word)
+DIFF_TRUNCATED = "... diff truncated ...\n"
+UNGROUPED_REPO, UNGROUPED_CATEGORY = "bundled", "-"
+_UNSAFE_ID = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,10 +47,30 @@ class TaskRef:
     task_id: str
     env_seed: int | None = None
     category: str = ""
+    repo: str = ""  # task.toml [metadata] repo ("owner/name") of a mined or imported task
+    instance_id: str = ""  # [metadata] instance_id: the dataset's own id of an imported task
+
+    @classmethod
+    def from_listing(cls, entry: dict) -> TaskRef:
+        """A task as the environment server lists it (GET /tasks: task_id and its [metadata])."""
+        meta = entry.get("metadata") or {}
+        return cls(
+            entry["task_id"],
+            None,
+            str(meta.get("category", "")),
+            str(meta.get("repo", "")),
+            str(meta.get("instance_id", "")),
+        )
 
     @property
     def name(self) -> str:
         return self.task_id if self.env_seed is None else f"{self.task_id}#{self.env_seed}"
+
+    @property
+    def submission_id(self) -> str:
+        """The prediction's instance_id: the dataset's own, else the name made harness-safe
+        ([A-Za-z0-9_.-]; a family seed "gen/x#3" -> "gen_x_3")."""
+        return self.instance_id or _UNSAFE_ID.sub("_", self.name).strip("._") or "task"
 
 
 def rollout_seed(seed: int, j: int) -> int:
@@ -105,12 +138,22 @@ def _mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
+def submitted(rollouts: Sequence[Rollout | RolloutFailed]) -> int | None:
+    """The index of the sample a task's prediction submits: sample 0, or the first after it whose
+    environment did not fail (an infrastructure failure, not the model's); the tests' results are
+    never looked at. None when the environment failed on every sample."""
+    return next((i for i, r in enumerate(rollouts) if isinstance(r, Rollout)), None)
+
+
 def task_metrics(rollouts: Sequence[Rollout | RolloutFailed]) -> dict[str, float]:
     done = [r for r in rollouts if isinstance(r, Rollout)]
     success = [float(r.env_reward >= SUCCESS) for r in done]
+    pick = submitted(rollouts)
+    chosen = rollouts[pick] if pick is not None else None
     return {
         "samples": float(len(rollouts)),
         "env_failures": float(len(rollouts) - len(done)),
+        "resolved": float(isinstance(chosen, Rollout) and chosen.env_reward >= SUCCESS),
         "pass@1": _mean(success),
         "best_of_k": float(any(success)),
         "reward": _mean([r.env_reward for r in done]),
@@ -123,11 +166,14 @@ def task_metrics(rollouts: Sequence[Rollout | RolloutFailed]) -> dict[str, float
 
 def report(results: dict[TaskRef, list[Rollout | RolloutFailed]]) -> dict[str, Any]:
     """{"tasks": {name: metrics}, "categories": {category: metrics averaged over its tasks},
-    "overall": metrics averaged over tasks}."""
+    "repositories": {repo: the same}, "overall": metrics averaged over tasks}. Tasks without a
+    [metadata] category or repo (the bundled suite) group under "-" and "bundled"."""
     per_task = {t.name: task_metrics(rs) for t, rs in results.items()}
     by_cat: dict[str, list[dict[str, float]]] = defaultdict(list)
+    by_repo: dict[str, list[dict[str, float]]] = defaultdict(list)
     for t in results:
-        by_cat[t.category or "uncategorised"].append(per_task[t.name])
+        by_cat[t.category or UNGROUPED_CATEGORY].append(per_task[t.name])
+        by_repo[t.repo or UNGROUPED_REPO].append(per_task[t.name])
 
     def average(ms: list[dict[str, float]]) -> dict[str, float]:
         keys = ms[0].keys() if ms else ()
@@ -138,8 +184,48 @@ def report(results: dict[TaskRef, list[Rollout | RolloutFailed]]) -> dict[str, A
     return {
         "tasks": per_task,
         "categories": {c: average(ms) for c, ms in sorted(by_cat.items())},
+        "repositories": {r: average(ms) for r, ms in sorted(by_repo.items())},
         "overall": average(list(per_task.values())),
     }
+
+
+def format_table(rep: dict[str, Any]) -> str:
+    """report()'s groups as a fixed-width table: resolved (sample 0), pass@1, best-of-K, tasks."""
+    rows = [("", "group", "resolved", "pass@1", "best_of_k", "tasks")]
+    for section, key in (("repositories", "repository"), ("categories", "category")):
+        for name, m in rep.get(section, {}).items():
+            rows.append(
+                (key, name, f"{m['resolved']:.3f}", f"{m['pass@1']:.3f}", f"{m['best_of_k']:.3f}", f"{m['tasks']:.0f}")
+            )
+    o = rep["overall"]
+    rows.append(
+        ("overall", "", f"{o['resolved']:.3f}", f"{o['pass@1']:.3f}", f"{o['best_of_k']:.3f}", f"{o['tasks']:.0f}")
+    )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def submittable_patch(diff: str, max_bytes: int | None = None) -> tuple[str, dict[str, Any]]:
+    """(model_patch, note) from a grade diff: "" with note {"left_out": "over the size limit"} when
+    the grader cut it (DIFF_TRUNCATED) or it is over `max_bytes`, never a cut patch; otherwise the
+    diff without the sections `git apply` cannot apply ("Binary files a/X and b/X differ": a
+    symlink or an unread large file), their paths in note["files_left_out"]."""
+    size = len(diff.encode("utf-8"))
+    if diff.endswith(DIFF_TRUNCATED) or (max_bytes is not None and size > max_bytes):
+        return "", {"left_out": "over the size limit", "bytes": size}
+    sections = re.split(r"(?m)^(?=diff --git )", diff)
+    kept, dropped = [], []
+    for sec in sections:
+        head = re.search(r"(?m)^Binary files a/(.+) and b/.+ differ$", sec)
+        if head and "GIT binary patch" not in sec:
+            dropped.append(head.group(1))
+        else:
+            kept.append(sec)
+    patch = "".join(kept)
+    note: dict[str, Any] = {"bytes": len(patch.encode("utf-8"))}
+    if dropped:
+        note["files_left_out"] = dropped
+    return patch, note
 
 
 Outcomes = dict[str, list[float | None]]  # task name -> success (1.0 / 0.0) per sample; None: the environment failed
@@ -198,25 +284,50 @@ def format_paired(paired: dict[str, float]) -> str:
 def write_outputs(
     results: dict[TaskRef, list[Rollout | RolloutFailed]], out_dir: str | Path, model_name: str
 ) -> dict[str, Path]:
-    """trajectories.jsonl, predictions.jsonl (SWE-bench style) and report.json under `out_dir`."""
+    """trajectories.jsonl, predictions.jsonl (SWE-bench submission: sample 0), predictions.oracle.jsonl
+    (best-of-K, not a submission) and report.json (with "predictions": what each patch is and what
+    was left out of it) under `out_dir`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {k: out / f"{k}.{'json' if k == 'report' else 'jsonl'}" for k in ("trajectories", "predictions", "report")}
+    names = {
+        "trajectories": "trajectories.jsonl",
+        "predictions": "predictions.jsonl",
+        "oracle": "predictions.oracle.jsonl",
+        "report": "report.json",
+    }
+    paths = {k: out / v for k, v in names.items()}
     with paths["trajectories"].open("w") as f:
         for task, rs in results.items():
             for i, r in enumerate(rs):
                 rec: dict[str, Any] = {"instance_id": task.name, "sample": i}
                 rec.update(r.trajectory() if isinstance(r, Rollout) else {"task_id": task.task_id, "error": str(r)})
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-    with paths["predictions"].open("w") as f:
+    rep = report(results)
+    notes: dict[str, dict[str, Any]] = {}
+    with paths["predictions"].open("w") as f, paths["oracle"].open("w") as g:
         for task, rs in results.items():
-            done = [r for r in rs if isinstance(r, Rollout)]
-            best = next((r for r in done if r.env_reward >= SUCCESS), done[0] if done else None)
-            patch = best.grade.get("diff", "") if best is not None else ""
-            f.write(
-                json.dumps({"instance_id": task.name, "model_name_or_path": model_name, "model_patch": patch}) + "\n"
-            )
-    paths["report"].write_text(json.dumps(report(results), indent=2, sort_keys=True) + "\n")
+            index = submitted(rs)
+            first = rs[index] if index is not None else None
+            oracle = next((r for r in rs if isinstance(r, Rollout) and r.env_reward >= SUCCESS), first)
+            for out_file, pick in ((f, first), (g, oracle)):
+                patch, note = (
+                    submittable_patch(pick.grade.get("diff", ""))
+                    if isinstance(pick, Rollout)
+                    else ("", {"left_out": "the environment failed on every sample"})
+                )
+                record = {"instance_id": task.submission_id, "model_name_or_path": model_name, "model_patch": patch}
+                out_file.write(json.dumps(record) + "\n")
+                if out_file is f:
+                    notes[task.submission_id] = {"task": task.name, "sample": index, **note}
+    rep["predictions"] = {
+        "file": paths["predictions"].name,
+        "selection": "sample 0 of each task, or the first after it whose environment did not fail "
+        "(never by test results)",
+        "oracle_file": paths["oracle"].name,
+        "oracle_selection": "the first sample that passed, else sample 0 (uses the grades: not a submission)",
+        "instances": notes,
+    }
+    paths["report"].write_text(json.dumps(rep, indent=2, sort_keys=True) + "\n")
     return paths
 
 
