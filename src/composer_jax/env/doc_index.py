@@ -78,7 +78,7 @@ class Doc:
 class _Postings:
     docs: list[Doc] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)
-    postings: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    postings: dict[str, list] = field(default_factory=dict)  # term -> [(doc, tf), ...] (lists once loaded)
 
     def add(self, doc: Doc, name: str) -> None:
         counts = Counter(terms(doc.text + " " + doc.title))
@@ -204,7 +204,7 @@ class DocIndex:
         self.cache_dir = cache_dir
         self._lock = threading.Lock()
         self._index: _Postings | None = None
-        self._avgdl = 1.0
+        self._norm: list[float] = []
         self.build_s: float | None = None
         self.from_cache = False
 
@@ -252,7 +252,9 @@ class DocIndex:
                 idx = self._build()
                 if path is not None:
                     _save(path, idx)
-            self._avgdl = (sum(idx.lengths) / len(idx.lengths)) if idx.lengths else 1.0
+            avgdl = (sum(idx.lengths) / len(idx.lengths)) if idx.lengths else 1.0
+            # BM25's length normalisation per document, once: a query touches every posting of its terms
+            self._norm = [K1 * (1 - B + B * n / avgdl) for n in idx.lengths]
             self._index = idx
             self.build_s = time.monotonic() - start
 
@@ -266,16 +268,16 @@ class DocIndex:
         self.ensure()
         idx = self._index
         assert idx is not None
-        n = len(idx.docs)
+        n, norms = len(idx.docs), self._norm
         scores: dict[int, float] = {}
+        get = scores.get
         for t in set(terms(query)):
             plist = idx.postings.get(t)
             if not plist:
                 continue
-            idf = math.log(1 + (n - len(plist) + 0.5) / (len(plist) + 0.5))
+            idf = math.log(1 + (n - len(plist) + 0.5) / (len(plist) + 0.5)) * (K1 + 1)
             for i, tf in plist:
-                norm = K1 * (1 - B + B * idx.lengths[i] / self._avgdl)
-                scores[i] = scores.get(i, 0.0) + idf * tf * (K1 + 1) / (tf + norm)
+                scores[i] = get(i, 0.0) + idf * tf / (tf + norms[i])
         best = sorted(scores.items(), key=lambda x: (-x[1], idx.docs[x[0]].url))[:k]
         return [(s, idx.docs[i]) for i, s in best]
 
@@ -302,8 +304,9 @@ def _load(path: Path) -> _Postings | None:
     try:
         with gzip.open(path, "rt", encoding="utf-8") as f:
             body = json.load(f)
-        docs = [Doc(t, u, x, s, (int(a), int(b)), p) for t, u, x, s, (a, b), p in body["docs"]]
-        postings = {t: [(int(i), int(tf)) for i, tf in pl] for t, pl in body["postings"].items()}
-        return _Postings(docs, [int(n) for n in body["lengths"]], postings)
+        docs = [Doc(t, u, x, s, (a, b), p) for t, u, x, s, (a, b), p in body["docs"]]
+        # the postings stay as JSON decoded them ([doc, tf] lists): converting ~10^7 pairs to tuples
+        # took as long as reading the file
+        return _Postings(docs, body["lengths"], body["postings"])
     except (OSError, ValueError, KeyError, TypeError, EOFError):
         return None  # a damaged or foreign cache file: rebuild
