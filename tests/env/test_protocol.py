@@ -30,6 +30,8 @@ SAMPLES = {
     "list_dir": {"path": "/app", "depth": 2},
     "grep": {"pattern": r"def \w+", "path": "/app", "glob": "*.py", "case_insensitive": True, "max_matches": 10},
     "semantic_search": {"query": "where is addition done", "top_k": 3},
+    "web_search": {"query": "compare floats approximately", "top_k": 3},
+    "read_page": {"url": "pydoc://pytest.approx", "offset": 0},
     "run_shell": {"command": "echo hi", "timeout_s": 2.5},
 }
 
@@ -45,8 +47,10 @@ def test_protocol_imports_without_jax_or_server_dependencies():
     assert proc.returncode == 0, proc.stderr
 
 
-def test_schemas_of_the_six_tools_accept_sample_arguments():
-    assert protocol.TOOL_NAMES == ["read_file", "edit_file", "list_dir", "grep", "semantic_search", "run_shell"]
+def test_schemas_of_the_tools_accept_sample_arguments():
+    base = ["read_file", "edit_file", "list_dir", "grep", "semantic_search", "run_shell"]
+    assert list(protocol.BASE_TOOL_NAMES) == base and protocol.WEB_TOOL_NAMES == ("web_search", "read_page")
+    assert protocol.TOOL_NAMES == base[:5] + ["web_search", "read_page", "run_shell"]
     assert tools.TOOL_SCHEMAS is protocol.TOOL_SCHEMAS  # the server serves the protocol's schemas
     for schema in protocol.TOOL_SCHEMAS:
         name, params = schema["function"]["name"], schema["function"]["parameters"]
@@ -64,6 +68,40 @@ def test_schemas_of_the_six_tools_accept_sample_arguments():
 def test_system_prompt_names_only_real_tools():
     named = set(re.findall(r"(\w+)\(", protocol.SYSTEM_PROMPT))
     assert named and named <= set(protocol.TOOL_NAMES)
+
+
+@pytest.mark.parametrize("names", [protocol.BASE_TOOL_NAMES, protocol.TOOL_NAMES, ("read_file",)])
+def test_system_prompt_lists_exactly_the_session_tools(names):
+    # every tool a session offers, semantic_search included, and none it does not
+    assert re.findall(r"(\w+)\(", protocol.system_prompt(names)) == [
+        n
+        for n in (
+            "list_dir",
+            "read_file",
+            "grep",
+            "semantic_search",
+            "web_search",
+            "read_page",
+            "edit_file",
+            "run_shell",
+        )
+        if n in names
+    ]
+    assert protocol.SYSTEM_PROMPT == protocol.system_prompt(protocol.BASE_TOOL_NAMES)
+    with pytest.raises(ValueError, match="no such tools: \\['nope'\\]"):
+        protocol.system_prompt(["nope"])
+
+
+def test_a_tool_the_session_does_not_offer_is_unknown():
+    with pytest.raises(
+        protocol.UnknownToolError,
+        match="tool 'web_search' is not offered in this session; accepted tools: read_file, edit_file",
+    ):
+        protocol.parse_call("web_search", {"query": "q"}, "calls[0]", offered=protocol.BASE_TOOL_NAMES)
+    assert protocol.parse_call("web_search", {"query": "q"}, offered=protocol.TOOL_NAMES) == (
+        "web_search",
+        {"query": "q"},
+    )
 
 
 @pytest.mark.parametrize(

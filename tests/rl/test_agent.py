@@ -16,6 +16,7 @@ from scripted import ScriptedPolicy, call
 from composer_jax.config.agent import AgentConfig
 from composer_jax.data.tokenizer import load_tokenizer
 from composer_jax.env.client import EnvClient
+from composer_jax.env.protocol import SYSTEM_PROMPT
 from composer_jax.errors import ConfigError
 from composer_jax.rl.agent import RolloutFailed, run_rollout, turn_seed
 from composer_jax.rl.envs import LocalEnvServers
@@ -73,6 +74,12 @@ def test_rollout_fixes_the_task_with_parallel_and_bad_calls(servers, tok):
         "tool",
         "assistant",
     ]
+    # the system prompt names exactly the session's tools (no web tools: the task does not ask for them)
+    assert (
+        msgs[0]["content"] == SYSTEM_PROMPT
+        and "semantic_search(" in SYSTEM_PROMPT
+        and "web_search" not in SYSTEM_PROMPT
+    )
     read = json.loads(msgs[3]["content"])
     assert read["path"] == "/app/calc.py" and "return a - b" in read["content"]
     assert msgs[3]["tool_call_id"] == msgs[2]["tool_calls"][0]["id"]

@@ -104,9 +104,55 @@ def server_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="allow running without bubblewrap: commands run as plain host processes (NO isolation)",
     )
+    p.add_argument(
+        "--web-search",
+        default="offline",
+        metavar="offline|searxng:URL|off",
+        help="web_search/read_page backend: the offline documentation index (default), a SearXNG API, or off",
+    )
+    p.add_argument(
+        "--web-search-offer",
+        default="tasks",
+        choices=["tasks", "all"],
+        help="which sessions get the web tools: tasks whose task.toml sets [agent] web_search = true (default), or all",
+    )
+    p.add_argument("--docs-dir", type=Path, help="also index these pages (.html .md .rst .txt) offline")
+    p.add_argument(
+        "--docs-packages",
+        nargs="+",
+        metavar="DIST",
+        help="installed distributions the offline index covers (default: all in the server's environment)",
+    )
+    p.add_argument(
+        "--web-fetch-private",
+        action="store_true",
+        help="let read_page fetch private, loopback and link-local hosts (refused by default)",
+    )
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     add_env_cache_flags(p)
     return p
+
+
+def _make_web_tools(args: argparse.Namespace):
+    """The server's web tools from its flags: WebTools, None (`--web-search off`), or False after
+    printing what is wrong. The offline index is built (or loaded from its cache) in a background
+    thread when the first session is offered the tools (`Backend.prepare`)."""
+    from composer_jax.env.web_search import make_web_tools
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "composer-jax" / "doc-index"
+    try:
+        web = make_web_tools(
+            args.web_search,
+            offer=args.web_search_offer,
+            docs_dir=args.docs_dir,
+            packages=args.docs_packages,
+            cache_dir=cache,
+            fetch_private=args.web_fetch_private,
+        )
+    except ValueError as exc:
+        print(f"composer-jax env-server: {exc}", file=sys.stderr)
+        return False
+    return web
 
 
 def env_server_main(argv: list[str]) -> int:
@@ -133,6 +179,9 @@ def env_server_main(argv: list[str]) -> int:
     from composer_jax.env.session import SessionManager
     from composer_jax.env.tasks import TaskError, TaskStore
 
+    web_tools = _make_web_tools(args)
+    if web_tools is False:
+        return 2
     work_dir = args.work_dir
     try:
         store = TaskStore(args.tasks, (work_dir or Path(os.environ.get("TMPDIR", "/tmp"))) / "composer-jax-task-cache")
@@ -156,6 +205,7 @@ def env_server_main(argv: list[str]) -> int:
             default_ttl_s=args.session_ttl,
             limits=Limits(wall_seconds=args.shell_timeout),
             env_cache=env_cache,
+            web_tools=web_tools or None,
         )
     except (RuntimeError, OSError) as exc:  # e.g. --work-dir held by another live server
         print(f"composer-jax env-server: {exc}", file=sys.stderr)

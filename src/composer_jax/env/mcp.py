@@ -52,7 +52,7 @@ async def call_one(manager: SessionManager, session: Session, name: Any, argumen
         return None, (op.EXECUTION_ERROR, op.EPISODE_DONE)
     session.step_count += 1
     try:
-        call = protocol.parse_call(name, arguments if arguments is not None else {})
+        call = protocol.parse_call(name, arguments if arguments is not None else {}, offered=session.tool_names)
     except protocol.ToolArgumentError as exc:
         return None, op.bad_call_error(exc)
     [outcome] = await manager.call_tools(session.session_id, [call])
@@ -77,8 +77,10 @@ async def handle(manager: SessionManager, request: Any, socket_session: str | No
 
 
 async def _dispatch(manager: SessionManager, method: str, params: dict, socket_session: str | None) -> Any:
-    if method == "tools/list":
-        return {"tools": op.mcp_tools("inputSchema")}
+    if method == "tools/list":  # a session's own tools; without one, those every session gets
+        session_id = params.get("session_id") or socket_session
+        names = _session(manager, session_id).tool_names if session_id is not None else manager.offered_tools()
+        return {"tools": op.mcp_tools("inputSchema", names)}
     if method == "tools/call":
         name = params.get("name")
         if not isinstance(name, str) or not name:

@@ -19,6 +19,7 @@ observation the agent sees, never a protocol error: an RL loop must not die on a
 from __future__ import annotations
 
 import json
+from collections.abc import Collection, Iterable
 from typing import Any
 
 from composer_jax.env import protocol
@@ -39,7 +40,8 @@ METADATA = {
     "name": "composer_jax-env",
     "description": (
         "Sandboxed coding workspaces (Harbor-format tasks) with six tools: read_file, edit_file, "
-        "list_dir, grep, semantic_search, run_shell. Submit to run the task's hidden tests: reward 0-1."
+        "list_dir, grep, semantic_search, run_shell (plus web_search and read_page where the server and "
+        "task offer them). Submit to run the task's hidden tests: reward 0-1."
     ),
     "version": "1.0",
     "author": "composer_jax",
@@ -49,16 +51,17 @@ METADATA = {
 
 
 # ---------------------------------------------------------------------------- tools in MCP shape
-def mcp_tools(schema_key: str = "input_schema") -> list[dict]:
-    """The six tools as MCP tool specs: `input_schema` in OpenEnv's observations (its `Tool` model),
-    `inputSchema` (MCP's spelling) in JSON-RPC `tools/list` results; both clients read either."""
+def mcp_tools(schema_key: str = "input_schema", names: Iterable[str] | None = None) -> list[dict]:
+    """The tools `names` (default all) as MCP tool specs: `input_schema` in OpenEnv's observations
+    (its `Tool` model), `inputSchema` (MCP's spelling) in JSON-RPC `tools/list` results; both
+    clients read either."""
     return [
         {
             "name": s["function"]["name"],
             "description": s["function"]["description"],
             schema_key: s["function"]["parameters"],
         }
-        for s in protocol.TOOL_SCHEMAS
+        for s in protocol.tool_schemas(names)
     ]
 
 
@@ -93,10 +96,10 @@ def bad_call_error(exc: protocol.ToolArgumentError) -> tuple[str, str]:
 
 
 # ---------------------------------------------------------------------------- actions
-def split_calls(action: Any) -> list[tuple[Any, Any, tuple[str, dict] | str]]:
+def split_calls(action: Any, offered: Collection[str] | None = None) -> list[tuple[Any, Any, tuple[str, dict] | str]]:
     """A step's {"tool_calls"} or {"name", "arguments"} action -> [(id, name, parsed)] in call order,
     `parsed` the checked (name, arguments) or the error message for that call. An action of no
-    known shape gives one entry with NOT_AN_ACTION."""
+    known shape gives one entry with NOT_AN_ACTION. `offered`: the session's tools (others are unknown)."""
     if not isinstance(action, dict) or "tool_calls" not in action and "name" not in action:
         return [(None, None, NOT_AN_ACTION)]
     raw = action["tool_calls"] if "tool_calls" in action else [action]
@@ -112,7 +115,8 @@ def split_calls(action: Any) -> list[tuple[Any, Any, tuple[str, dict] | str]]:
             continue
         call_id = call.get("id") if isinstance(call.get("id"), str) else None
         try:
-            out.append((call_id, call["name"], protocol.parse_call(call["name"], call.get("arguments", {}))))
+            parsed = protocol.parse_call(call["name"], call.get("arguments", {}), offered=offered)
+            out.append((call_id, call["name"], parsed))
         except protocol.ToolArgumentError as exc:
             out.append((call_id, call["name"], str(exc)))
     return out
@@ -129,7 +133,7 @@ def reset_observation(session: Any) -> dict:
         "seed": session.seed,
         "instruction": session.task.instruction,
     }
-    return {**facts, "tools": mcp_tools(), "metadata": facts}
+    return {**facts, "tools": mcp_tools(names=session.tool_names), "metadata": facts}
 
 
 def state(session: Any) -> dict:

@@ -64,6 +64,15 @@ class _Connection:
         self.session_id: str | None = None
         self.owned = True
 
+    def _tool_names(self) -> tuple[str, ...]:
+        """This socket's session's tools; with no session, every tool the server may offer."""
+        if self.session_id is not None:
+            try:
+                return self.session().tool_names
+            except SessionNotFound:
+                pass
+        return self.manager.offered_tools()
+
     def session(self) -> Session:
         assert self.session_id is not None
         try:
@@ -99,7 +108,7 @@ class _Connection:
     async def step(self, action: Any) -> dict:
         kind = action.get("type") if isinstance(action, dict) else None
         if kind == "list_tools":  # discovery needs no session (as in OpenEnv)
-            return _observation({"tools": op.mcp_tools(), "metadata": {}})
+            return _observation({"tools": op.mcp_tools(names=self._tool_names()), "metadata": {}})
         if self.session_id is None:
             return _error('no session: send {"type": "reset"} first', "SESSION_ERROR")
         try:
@@ -128,7 +137,7 @@ class _Connection:
         """Every call's result in call order: the well-formed ones run (in parallel), the others
         are results with ok false and the reason."""
         assert self.session_id is not None
-        calls = op.split_calls(action)
+        calls = op.split_calls(action, self.session().tool_names)
         good = [parsed for _, _, parsed in calls if isinstance(parsed, tuple)]
         outcomes = iter(await self.manager.call_tools(self.session_id, good) if good else [])
         results = []

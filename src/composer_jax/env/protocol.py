@@ -5,7 +5,7 @@ One definition, shared by everything that speaks to or about the tools, so they 
 * the environment server: `env/tools.py` implements each tool and builds its result with the
   functions here (list_dir with `list_dir_entries`, the walk itself); `env/server.py` (HTTP),
   `env/openenv_protocol.py` (WebSocket steps) and `env/mcp.py` (MCP) check calls with `parse_call`;
-* SFT data generation (`data/sft.py`): its conversations use `SYSTEM_PROMPT`, `assistant_tool_call`
+* SFT data generation (`data/sft.py`): its conversations use `SYSTEM_PROMPT` (the six base tools), `assistant_tool_call`
   and `tool_message`, and build each tool result with the same functions the server uses (its
   list_dir walks the task's initial workspace with `list_dir_entries`), so the model sees at SFT
   time exactly what it sees in RL;
@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
 APP = "/app"
@@ -38,12 +38,32 @@ MAX_TOOL_OUTPUT = 256 * 1024
 MAX_LIST_ENTRIES = 1000
 MAX_GREP_LINE_CHARS = 500
 
-SYSTEM_PROMPT = (
-    "You are a coding agent working in a repository at /app. Use the tools to inspect and change it: "
-    "list_dir(path, depth), read_file(path, start_line, end_line), grep(pattern, path, glob), "
-    "edit_file(path, new_string, old_string) (search/replace, or the whole file when old_string is "
-    "omitted) and run_shell(command). Make the change the user asks for, then summarise what you did."
-)
+# How the system prompt names each tool, in the order it names them. Terse: the stage-3 SFT rows
+# (assets/sft/disable_debug.jsonl) must fit train.seq_len 640 with it (tests/rl/test_main_run_config.py).
+_PROMPT_PHRASES = {
+    "list_dir": "list_dir(path, depth)",
+    "read_file": "read_file(path, start_line, end_line)",
+    "grep": "grep(pattern, path, glob)",
+    "semantic_search": "semantic_search(query)",
+    "web_search": "web_search(query) (documentation search)",
+    "read_page": "read_page(url)",
+    "edit_file": "edit_file(path, new_string, old_string) (search/replace, or write the file without old_string)",
+    "run_shell": "run_shell(command)",
+}
+
+
+def system_prompt(tool_names: Iterable[str]) -> str:
+    """The agent's system prompt naming exactly `tool_names` (a session's tools)."""
+    offered = set(tool_names)
+    unknown = sorted(offered - set(_PROMPT_PHRASES))
+    if unknown:
+        raise ValueError(f"no such tools: {unknown}; accepted: {sorted(_PROMPT_PHRASES)}")
+    phrases = [p for name, p in _PROMPT_PHRASES.items() if name in offered]
+    listed = phrases[0] if len(phrases) == 1 else ", ".join(phrases[:-1]) + " and " + phrases[-1]
+    return (
+        "You are a coding agent working in a repository at /app. Use the tools to inspect and change it: "
+        f"{listed}. Make the change the user asks for, then summarise what you did."
+    )
 
 
 class ToolError(Exception):
@@ -146,6 +166,25 @@ TOOL_SCHEMAS: list[dict] = [
         ["query"],
     ),
     _fn(
+        "web_search",
+        "Search documentation (offline: the installed packages' docs; or the web where the server has a "
+        "search backend) with a natural-language query; returns ranked results with title, url and snippet.",
+        {
+            "query": {"type": "string"},
+            "top_k": {"type": "integer", "minimum": 1, "maximum": 20, "description": "default 5"},
+        },
+        ["query"],
+    ),
+    _fn(
+        "read_page",
+        "Read a page that web_search returned (its url), as text; long pages come in parts from offset.",
+        {
+            "url": {"type": "string"},
+            "offset": {"type": "integer", "minimum": 0, "description": "first character (default 0)"},
+        },
+        ["url"],
+    ),
+    _fn(
         "run_shell",
         "Run a bash command in the sandbox with cwd /app (no network). Returns exit code, "
         "stdout and stderr (each capped); the command is killed after timeout_s.",
@@ -162,15 +201,45 @@ TOOL_SCHEMAS: list[dict] = [
     ),
 ]
 TOOL_NAMES = [s["function"]["name"] for s in TOOL_SCHEMAS]
+WEB_TOOL_NAMES = ("web_search", "read_page")  # offered per session (env/web_search.py says which)
+BASE_TOOL_NAMES = tuple(n for n in TOOL_NAMES if n not in WEB_TOOL_NAMES)  # every session's
+SYSTEM_PROMPT = system_prompt(BASE_TOOL_NAMES)
+
+
+def session_tool_names(web: bool) -> tuple[str, ...]:
+    """A session's tools in TOOL_NAMES order: the base six, plus the web tools when `web`."""
+    return tuple(TOOL_NAMES) if web else BASE_TOOL_NAMES
+
+
 _SCHEMA_BY_NAME = {s["function"]["name"]: s["function"]["parameters"] for s in TOOL_SCHEMAS}
 _TYPES: dict[str, type | tuple[type, ...]] = {"string": str, "integer": int, "number": (int, float), "boolean": bool}
 
 
+def tool_schemas(names: Iterable[str] | None = None) -> list[dict]:
+    """The schemas of `names` (default: every tool), in TOOL_SCHEMAS order."""
+    if names is None:
+        return TOOL_SCHEMAS
+    wanted = set(names)
+    return [s for s in TOOL_SCHEMAS if s["function"]["name"] in wanted]
+
+
+def schema_names(schemas: Iterable[dict]) -> list[str]:
+    """The tool names of OpenAI-shaped schemas (e.g. a session's `tools`)."""
+    return [s["function"]["name"] for s in schemas]
+
+
 # ---------------------------------------------------------------------------- checking calls
-def validate_call(name: Any, arguments: Any) -> dict:
-    """Check a call against its schema; returns the arguments or raises ToolArgumentError."""
-    if name not in _SCHEMA_BY_NAME:
-        raise UnknownToolError(f"unknown tool {name!r}; accepted tools: {', '.join(TOOL_NAMES)}", tool=name)
+def validate_call(name: Any, arguments: Any, offered: Collection[str] | None = None) -> dict:
+    """Check a call against its schema; returns the arguments or raises ToolArgumentError.
+
+    `offered`: the tools of the session (default every tool); a tool outside it is unknown."""
+    if name not in _SCHEMA_BY_NAME or offered is not None and name not in offered:
+        accepted = ", ".join(TOOL_NAMES if offered is None else [n for n in TOOL_NAMES if n in offered])
+        if name in _SCHEMA_BY_NAME:
+            raise UnknownToolError(
+                f"tool {name!r} is not offered in this session; accepted tools: {accepted}", tool=name
+            )
+        raise UnknownToolError(f"unknown tool {name!r}; accepted tools: {accepted}", tool=name)
     if not isinstance(arguments, dict):
         raise ToolArgumentError(f"{name}: arguments must be a JSON object, got {type(arguments).__name__}", tool=name)
     schema = _SCHEMA_BY_NAME[name]
@@ -227,14 +296,14 @@ def unwrap_call(call: Any) -> Any:
     return call
 
 
-def parse_call(name: Any, arguments: Any, where: str = "") -> tuple[str, dict]:
+def parse_call(name: Any, arguments: Any, where: str = "", offered: Collection[str] | None = None) -> tuple[str, dict]:
     """One call as received (arguments an object or a JSON string) -> (name, checked arguments).
 
     Raises ToolArgumentError (UnknownToolError for an unknown name) whose message starts with
-    `where` (e.g. "calls[2]") when given."""
+    `where` (e.g. "calls[2]") when given. `offered`: as validate_call."""
     args = decode_arguments(arguments, f"{where} ({name})" if where else str(name), tool=name)
     try:
-        return name, validate_call(name, args)
+        return name, validate_call(name, args, offered)
     except ToolArgumentError as exc:
         if not where:
             raise
@@ -385,6 +454,12 @@ def search_hit(path: str, start_line: int, end_line: int, score: float, text: st
 
 def semantic_search_result(ranking: str, chunks_searched: int, results: list[dict]) -> dict:
     return {"ranking": ranking, "chunks_searched": chunks_searched, "results": results}
+
+
+def web_search_result(backend: str, query: str, results: list[dict]) -> dict:
+    """web_search: `results` best first, each {title, url, snippet} (the offline backend adds
+    `source`, the package, and `score`)."""
+    return {"backend": backend, "query": query, "results": results}
 
 
 def run_shell_result(

@@ -7,7 +7,7 @@ also served under /t/TOKEN/, for OpenEnv clients and tools that cannot send head
     POST   /mcp                           MCP JSON-RPC (tools/list, tools/call, sessions; see mcp.py)
     GET    /metrics                       Prometheus text format
     GET    /tasks                         task ids, local runnability, generated families
-    GET    /tools                         tool schemas (OpenAI function-calling format)
+    GET    /tools                         tool schemas (OpenAI function-calling format) this server offers
     POST   /sessions                      {task_id, seed?, ttl_s?} -> session id, instruction, tools
     GET    /sessions/{id}                 session state
     POST   /sessions/{id}/tools           {calls: [{id?, name, arguments}]} -> results, run in parallel
@@ -168,9 +168,10 @@ _ERROR_STATUS: dict[type[Exception], tuple[int, str, dict[str, str] | None]] = {
 }
 
 
-def parse_calls(calls: list[ToolCall]) -> list[tuple[str, dict]]:
-    """Validate every call before any runs; ToolArgumentError (a 400) names the first bad one."""
-    return [protocol.parse_call(call.name, call.arguments, f"calls[{i}]") for i, call in enumerate(calls)]
+def parse_calls(calls: list[ToolCall], offered: tuple[str, ...] | None = None) -> list[tuple[str, dict]]:
+    """Validate every call before any runs; ToolArgumentError (a 400) names the first bad one.
+    `offered`: the session's tools; a call to another is an unknown tool."""
+    return [protocol.parse_call(call.name, call.arguments, f"calls[{i}]", offered) for i, call in enumerate(calls)]
 
 
 def _tool_calls_response(session_id: str, calls: list[ToolCall], results: list[dict]) -> Response:
@@ -397,7 +398,7 @@ def _add_server_routes(app: FastAPI, manager: SessionManager, auth: list) -> Non
 
     @app.get("/tools", summary="Tool schemas (OpenAI function-calling format)", dependencies=auth)
     async def list_tools() -> list[dict[str, Any]]:
-        return protocol.TOOL_SCHEMAS
+        return protocol.tool_schemas(manager.offered_tools())  # a session's own: POST /sessions
 
 
 def _add_openenv_routes(app: FastAPI, manager: SessionManager, auth: list) -> None:
@@ -453,7 +454,7 @@ def _add_session_routes(app: FastAPI, manager: SessionManager, auth: list) -> No
             task_id=s.task.task_id,
             seed=s.seed,
             instruction=s.task.instruction,
-            tools=protocol.TOOL_SCHEMAS,
+            tools=protocol.tool_schemas(s.tool_names),
             expires_at=s.last_used + s.ttl_s,
         )
 
@@ -468,8 +469,8 @@ def _add_session_routes(app: FastAPI, manager: SessionManager, auth: list) -> No
         dependencies=auth,
     )
     async def call_tools(body: ToolCallsRequest, session_id: str = _SESSION_ID) -> Response:
-        manager.get(session_id)  # an unknown session is a 404 even when the calls are bad too
-        calls = parse_calls(body.calls)
+        session = manager.get(session_id)  # an unknown session is a 404 even when the calls are bad too
+        calls = parse_calls(body.calls, session.tool_names)
         results = await manager.call_tools(session_id, calls)
         return _tool_calls_response(session_id, body.calls, results)
 

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from composer_jax.env import grader, tools, volumes
+from composer_jax.env import grader, protocol, tools, volumes
 from composer_jax.env.errors import (  # noqa: F401 - re-exported
     CapacityError,
     SessionBusy,
@@ -27,6 +27,7 @@ from composer_jax.env.metrics import Metrics
 from composer_jax.env.pyenv import BuiltEnv, EnvBuildError, EnvCache
 from composer_jax.env.sandbox import ExecResult, Limits, Mount, Sandbox, SandboxLease
 from composer_jax.env.tasks import MAX_SEED, Task, TaskError, TaskStore, check_seed
+from composer_jax.env.web_search import Backend, WebTools, task_wants_web
 from composer_jax.env.workspace import Workspace
 
 
@@ -42,8 +43,13 @@ class Session:
         lease: SandboxLease,
         limits: Limits,
         ttl_s: float,
+        web: Backend | None = None,
     ):
         self.session_id, self.task, self.seed = session_id, task, seed
+        # The tools this session offers: the base six, and the web tools when its task (or the
+        # server's --web-search-offer all) allows them; others are unknown tools here.
+        self.web = web
+        self.tool_names = protocol.session_tool_names(web is not None)
         self.root, self.lease, self.limits, self.ttl_s = root, lease, limits, ttl_s
         self.workspace = Workspace(root / "app", lease.uid, lease.gid)
         self.created_at = self.last_used = time.time()
@@ -111,9 +117,11 @@ class SessionManager:
         limits: Limits | None = None,
         metrics: Metrics | None = None,
         env_cache: EnvCache | None = None,
+        web_tools: WebTools | None = None,
     ):
         self.store, self.sandbox = store, sandbox
         self.env_cache = env_cache  # built task environments; looked up, never built, per session
+        self.web_tools = web_tools  # None: no session is offered web_search/read_page
         self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="composer-jax-env-"))
         self._own_work_dir = work_dir is None
         if work_dir is None:
@@ -166,6 +174,7 @@ class SessionManager:
         if not task.runnable:
             raise TaskNotRunnable(f"task {task_id!r} cannot run in the local sandbox: {task.not_runnable_reason}")
         env = self._task_env(task)
+        web = self.web_for(task)
         if len(self._sessions) + self._reserved >= self.max_sessions:
             self.metrics.inc("cj_env_sessions_rejected_total")
             raise CapacityError(
@@ -181,7 +190,7 @@ class SessionManager:
         try:
             root.mkdir(mode=0o700)
             await asyncio.to_thread(self._materialise, task, root, lease)
-            session = Session(session_id, task, seed, root, lease, self.limits, float(ttl))
+            session = Session(session_id, task, seed, root, lease, self.limits, float(ttl), web)
             session.episode_id = episode_id or session_id
             session.env = env
             self._sessions[session_id] = session
@@ -267,8 +276,30 @@ class SessionManager:
         await asyncio.gather(*(self.close(sid, reason) for sid in list(self._sessions)), return_exceptions=True)
 
     # ---------------------------------------------------------------- actions
+    def offered_tools(self) -> tuple[str, ...]:
+        """The tools every session of this server is offered (listings made without a session:
+        GET /tools, tools/list); the web tools only with `--web-search-offer all`. A session's own
+        list is in its create/reset response and in tools/list with its session_id."""
+        every = self.web_tools is not None and self.web_tools.offer == "all"
+        return protocol.session_tool_names(every)
+
+    def web_for(self, task: Task) -> Backend | None:
+        """The web backend a session of `task` gets, or None when it is not offered the web tools.
+        Its task.toml's `[agent] web_search` is checked whatever the server's configuration."""
+        try:
+            wanted = task_wants_web(task.config.raw, task.task_id)
+        except ValueError as exc:  # [agent] web_search is not a boolean
+            raise TaskError(str(exc)) from None
+        if self.web_tools is None or not (wanted or self.web_tools.offer == "all"):
+            return None
+        self.web_tools.backend.prepare()
+        return self.web_tools.backend
+
     async def call_tools(self, session_id: str, calls: list[tuple[str, dict]]) -> list[dict]:
         session = self.get(session_id)
+        for name, _ in calls:  # the transports check this first (an error they report); a backstop
+            if name not in session.tool_names:
+                protocol.validate_call(name, {}, session.tool_names)
         if session.grading:
             raise SessionBusy(
                 f"session {session_id!r} is being graded; tool calls are refused until "

@@ -1,6 +1,7 @@
 """The agent's tools: their implementations against a session's workspace and sandbox.
 
-Tools: read_file, edit_file, list_dir, grep, semantic_search, run_shell. Their names, schemas,
+Tools: read_file, edit_file, list_dir, grep, semantic_search, run_shell, and, in sessions offered
+them, web_search and read_page (their backend: `env/web_search.py`). Their names, schemas,
 argument checks and result shapes are the tool protocol (`env/protocol.py`, shared with SFT data
 generation and the RL loop; re-exported here); this module does the I/O. File tools run in the
 server against the confined `Workspace`; run_shell runs in the session's sandbox. A tool failure
@@ -32,6 +33,7 @@ from composer_jax.env.protocol import (  # noqa: F401 - re-exported: the server'
     validate_call,
 )
 from composer_jax.env.sandbox import ExecResult
+from composer_jax.env.web_search import Backend
 from composer_jax.env.workspace import Workspace
 
 GREP_REGEX_TIMEOUT_S = 2.0
@@ -39,6 +41,7 @@ GREP_REGEX_TIMEOUT_S = 2.0
 
 class ToolContext(Protocol):
     workspace: Workspace
+    web: Backend | None  # the web tools' backend, None when the session is not offered them
 
     async def run_shell(self, command: str, timeout_s: float) -> ExecResult: ...
 
@@ -128,6 +131,17 @@ def semantic_search(ws: Workspace, query: str, path: str = "/app", top_k: int = 
     return _semantic.search(query, files[:5000], top_k)
 
 
+def web_search(web: Backend, query: str, top_k: int = 5) -> dict:
+    return protocol.web_search_result(web.name, query, web.search(query, top_k))
+
+
+def read_page(web: Backend, url: str, offset: int = 0) -> dict:
+    return web.read(url, offset)
+
+
+_WEB_TOOLS: dict[str, Callable[..., dict]] = {"web_search": web_search, "read_page": read_page}
+
+
 async def run_shell(ctx: ToolContext, command: str, timeout_s: float = 30.0) -> dict:
     r = await ctx.run_shell(command, timeout_s)
     return protocol.run_shell_result(r.exit_code, r.stdout, r.stderr, r.timed_out, r.truncated, r.duration_s)
@@ -148,6 +162,11 @@ async def call_tool(ctx: ToolContext, name: str, arguments: dict) -> dict:
     try:
         if name == "run_shell":
             result = await run_shell(ctx, **arguments)
+        elif name in _WEB_TOOLS:
+            if ctx.web is None:  # the server checks the session's tools first; this is a backstop
+                raise ToolError(f"{name} is not offered in this session")
+            # blocking: the index build or load (first call), or the network
+            result = await asyncio.to_thread(_WEB_TOOLS[name], ctx.web, **arguments)
         else:
             # File tools do blocking I/O: run them in threads so calls in one request overlap.
             result = await asyncio.to_thread(_SYNC_TOOLS[name], ctx.workspace, **arguments)

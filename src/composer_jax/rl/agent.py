@@ -1,6 +1,6 @@
 """The agent loop: one rollout of a policy against an environment server session.
 
-A rollout is a conversation: the system prompt (the environment protocol's tools), the task, then
+A rollout is a conversation: the system prompt (naming the session's tools), the task, then
 assistant turns. Every tool call of a turn is checked against the protocol's schemas here; the
 valid ones run on the server in parallel (one request), and every call, valid or not, gets a tool
 message back: a model's bad call (not JSON, unknown tool, wrong arguments, past the per-turn cap)
@@ -28,7 +28,7 @@ from typing import Any
 from composer_jax.config.agent import AgentConfig
 from composer_jax.data.chat import AssistantTurn
 from composer_jax.env.client import EnvClient, EnvClientError, RemoteSession, RequestRejected
-from composer_jax.env.protocol import SYSTEM_PROMPT, ToolArgumentError, parse_call, tool_message
+from composer_jax.env.protocol import ToolArgumentError, parse_call, schema_names, system_prompt, tool_message
 from composer_jax.rl.policy import Generation, Policy, TurnRequest
 
 # context tokens kept free past the budget for the summary request message (its template tokens and
@@ -122,6 +122,9 @@ class _Episode:
         self.counts = _Counts()
         self.generations: list[Generation] = []
         self.policy_s = self.env_s = 0.0  # seconds awaiting the policy's turns / the tool runs
+        # the tools this session offers (the server's create response): the system prompt names
+        # exactly these, and a call to another is an unknown tool the model is told about
+        self.tool_names = schema_names(session.tools)
 
     async def _turn(self, gen: Generation, request: TurnRequest) -> AssistantTurn:
         t0 = time.perf_counter()
@@ -140,7 +143,7 @@ class _Episode:
         if summary is not None:
             task += "\n\nYou already worked on this task; your summary of that work:\n" + summary
         return [
-            {"role": "system", "content": self.cfg.system_prompt or SYSTEM_PROMPT},
+            {"role": "system", "content": self.cfg.system_prompt or system_prompt(self.tool_names)},
             {"role": "user", "content": task},
         ]
 
@@ -190,7 +193,7 @@ class _Episode:
                 )
                 continue
             try:
-                name, args = parse_call(fn["name"], fn["arguments"])
+                name, args = parse_call(fn["name"], fn["arguments"], offered=self.tool_names)
             except ToolArgumentError as exc:
                 answers[i] = tool_message(call["id"], error=str(exc))
                 continue

@@ -20,7 +20,7 @@ import numpy as np
 
 from composer_jax.data.chat import AssistantTurn, parse_assistant, render_continuation, render_prompt
 from composer_jax.data.tokenizer import Tokenizer
-from composer_jax.env.protocol import TOOL_SCHEMAS
+from composer_jax.env.protocol import BASE_TOOL_NAMES, tool_schemas
 from composer_jax.inference.async_sampler import AsyncSampler
 from composer_jax.inference.sampling import SamplingParams
 
@@ -145,7 +145,7 @@ class OpenAIPolicy:
         *,
         api_key: str = "",
         max_context: int = 32768,
-        tools: Sequence[dict] = TOOL_SCHEMAS,
+        tools: Sequence[dict] = tuple(tool_schemas(BASE_TOOL_NAMES)),  # every session's; not the web tools
         timeout_s: float = 600.0,
         max_retries: int = 5,
         client: openai.AsyncOpenAI | None = None,
