@@ -155,20 +155,49 @@ def _make_web_tools(args: argparse.Namespace):
     return web
 
 
-def env_server_main(argv: list[str]) -> int:
-    """`composer-jax env-server`: returns the exit code."""
-    args = server_parser().parse_args(argv)
+def _server_token(args: argparse.Namespace) -> str | None:
+    """The bearer token (--token, $COMPOSER_JAX_ENV_TOKEN, --token-file, else a fresh one); None
+    after printing why when it is unusable."""
     token = args.token or os.environ.get("COMPOSER_JAX_ENV_TOKEN")
     if args.token_file:
         try:
             token = args.token_file.read_text().strip()
         except OSError as exc:
             print(f"composer-jax env-server: --token-file {args.token_file}: {exc.strerror}", file=sys.stderr)
-            return 2
+            return None
     if token is not None and len(token) < 16:
         print("composer-jax env-server: the token must be at least 16 characters", file=sys.stderr)
+        return None
+    return token or secrets.token_urlsafe(32)
+
+
+def _listen(host: str, port: int) -> tuple[socket.socket, int] | None:
+    """A listening socket on host:port and its family; None after printing why it cannot bind."""
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    except ValueError:
+        family = socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Accepted connections inherit TCP_NODELAY from the listening socket. Without it, Nagle's
+    # algorithm plus the client's delayed ACK adds ~40 ms to every keep-alive request.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        print(f"composer-jax env-server: cannot bind {host}:{port}: {exc.strerror}", file=sys.stderr)
+        sock.close()
+        return None
+    sock.listen(1024)
+    return sock, family
+
+
+def env_server_main(argv: list[str]) -> int:
+    """`composer-jax env-server`: returns the exit code."""
+    args = server_parser().parse_args(argv)
+    token = _server_token(args)
+    if token is None:
         return 2
-    token = token or secrets.token_urlsafe(32)
     sandbox = make_sandbox(args.unsafe_no_sandbox, args.shell_timeout)
     if sandbox is None:
         return 2
@@ -211,21 +240,10 @@ def env_server_main(argv: list[str]) -> int:
         print(f"composer-jax env-server: {exc}", file=sys.stderr)
         return 2
     app = create_app(manager, token, max_body_bytes=args.max_body_bytes)
-    try:
-        family = socket.AF_INET6 if ipaddress.ip_address(args.host).version == 6 else socket.AF_INET
-    except ValueError:
-        family = socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    # Accepted connections inherit TCP_NODELAY from the listening socket. Without it, Nagle's
-    # algorithm plus the client's delayed ACK adds ~40 ms to every keep-alive request.
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    try:
-        sock.bind((args.host, args.port))
-    except OSError as exc:
-        print(f"composer-jax env-server: cannot bind {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)
+    bound = _listen(args.host, args.port)
+    if bound is None:
         return 2
-    sock.listen(1024)
+    sock, family = bound
     host, port = sock.getsockname()[:2]
     if not sandbox.isolated:
         print("WARNING: --unsafe-no-sandbox: commands run as plain host processes with NO isolation", file=sys.stderr)
