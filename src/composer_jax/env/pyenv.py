@@ -17,8 +17,9 @@ A build runs untrusted code (setup.py, a build backend), so it runs in the same 
 agent, as a fresh lease's unprivileged uid: the entry's temporary directory is the only writable
 mount (at `ENV_MOUNT`: a venv hard-codes its path), the wheelhouse is mounted read-only at
 /wheelhouse, the requirements at /envreq, a copy of the app at /app (editable installs point
-there, which is where sessions see their workspace). No network unless the build installs from
-an index (`index_url`). Then the entry is made read-only, owned by root, and renamed into place.
+there, which is where sessions see their workspace). From a wheelhouse the build has no network;
+without one it installs from `index_url`, else pip's configured index, and only that build gets
+the network. Then the entry is made read-only, owned by root, and renamed into place.
 
 pytest: when the spec's Python is the server's own, the venv gets a `.pth` line that puts the
 server environment's site-packages *after* its own, so the verifier's `python3 -m pytest` works
