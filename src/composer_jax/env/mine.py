@@ -234,7 +234,7 @@ class Miner:
         files = work / "draft" / draft.task_id / "tests" / "files"
         task.instruction = write_instruction(commit, task, before, self.opts.writer, files)
         final = await asyncio.to_thread(write_task, task, base, self.out)
-        problem = await self._validate(final)
+        problem = await validate.check_written(final, self.sandbox, self.scratch, self.limits, self.opts.env_cache)
         if problem:
             await asyncio.to_thread(shutil.rmtree, final, True)
             raise Rejected("oracle failed", problem)
@@ -321,14 +321,6 @@ class Miner:
             return await self.opts.env_cache.for_task(task)
         except EnvBuildError as exc:
             raise Rejected("environment did not build", f"{wanted}: {exc.reason} {exc.log_tail[-300:]}") from None
-
-    async def _validate(self, root: Path) -> str:
-        try:
-            task = await asyncio.to_thread(load_task, root)
-        except TaskError as exc:
-            return str(exc)
-        report = await validate.validate_task(task, self.sandbox, self.scratch, self.limits, self.opts.env_cache)
-        return "" if report.status == "pass" else report.detail or report.status
 
 
 def environment_of(requirements: list[str]) -> dict:

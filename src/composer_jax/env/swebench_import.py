@@ -34,7 +34,6 @@ from composer_jax.env import gitrepo, validate
 from composer_jax.env.gitrepo import Commit, GitError
 from composer_jax.env.instruction import category_of
 from composer_jax.env.sandbox import Limits, Sandbox
-from composer_jax.env.tasks import TaskError, load_task
 from composer_jax.env.taskwrite import RepoTask, harness_safe, patched_paths, write_task
 
 REQUIRED = ("instance_id", "repo", "base_commit", "patch", "test_patch", "FAIL_TO_PASS", "PASS_TO_PASS")
@@ -167,7 +166,7 @@ async def import_all(
                 task, base = await asyncio.to_thread(to_task, record, repos, work)
                 root = await asyncio.to_thread(write_task, task, base, out)
                 if sandbox is not None:
-                    problem = await _validate(root, sandbox, scratch, limits)
+                    problem = await validate.check_written(root, sandbox, scratch, limits)
                     if problem:
                         await asyncio.to_thread(shutil.rmtree, root, True)
                         raise InstanceError("oracle failed", problem)
@@ -182,15 +181,6 @@ async def import_all(
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return results
-
-
-async def _validate(root: Path, sandbox: Sandbox, scratch: Path, limits: Limits) -> str:
-    try:
-        task = await asyncio.to_thread(load_task, root)
-    except TaskError as exc:
-        return str(exc)
-    report = await validate.validate_task(task, sandbox, scratch, limits)
-    return "" if report.status == "pass" else report.detail or report.status
 
 
 def summary(results: list[dict]) -> dict:

@@ -19,7 +19,7 @@ from pathlib import Path
 from composer_jax.env import grader
 from composer_jax.env.pyenv import EnvBuildError, EnvCache
 from composer_jax.env.sandbox import Limits, Sandbox
-from composer_jax.env.tasks import Task, TaskError, TaskStore
+from composer_jax.env.tasks import Task, TaskError, TaskStore, load_task
 
 
 @dataclasses.dataclass
@@ -132,3 +132,16 @@ def format_report(reports: list[TaskReport]) -> str:
     counts = {s: sum(r.status == s for r in reports) for s in ("pass", "fail", "invalid", "skipped")}
     lines.append(", ".join(f"{n} {s}" for s, n in counts.items()) + f" (of {len(reports)})")
     return "\n".join(lines)
+
+
+async def check_written(
+    root: Path, sandbox: Sandbox, scratch: Path, limits: Limits, env_cache: EnvCache | None = None
+) -> str:
+    """Why the task just written at `root` does not validate ("" when it does): the gate
+    `env mine` and `env import-swebench` put every task through before keeping it."""
+    try:
+        task = await asyncio.to_thread(load_task, root)
+    except TaskError as exc:
+        return str(exc)
+    report = await validate_task(task, sandbox, scratch, limits, env_cache)
+    return "" if report.status == "pass" else report.detail or report.status
