@@ -4,7 +4,9 @@ Endpoints (all but /health need `Authorization: Bearer TOKEN`, or the path form:
 also served under /t/TOKEN/, for OpenEnv clients and tools that cannot send headers):
     GET    /health                        liveness, capacity, sandbox backend
     GET    /metadata, /schema             OpenEnv's environment description and JSON schemas
-    POST   /mcp                           MCP JSON-RPC (tools/list, tools/call, sessions; see mcp.py)
+    POST   /mcp                           MCP JSON-RPC: MCP's streamable HTTP (initialize, Mcp-Session-Id)
+                                          and OpenEnv's sessionless calls (see mcp.py, mcp_http.py)
+    DELETE /mcp                           end an MCP session (GET /mcp: 405, no server stream)
     GET    /metrics                       Prometheus text format
     GET    /tasks                         task ids, local runnability, generated families
     GET    /tools                         tool schemas (OpenAI function-calling format) this server offers
@@ -19,7 +21,6 @@ Errors are JSON `{"error": {"code", "message"}}` with a 4xx status naming the ba
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
@@ -42,7 +43,7 @@ try:
 except ImportError:  # pragma: no cover - orjson is in requirements-env.lock
     _HAVE_ORJSON = False
 
-from composer_jax.env import mcp, protocol
+from composer_jax.env import mcp, mcp_http, protocol
 from composer_jax.env import openenv_protocol as op
 from composer_jax.env.errors import (
     CapacityError,
@@ -412,17 +413,23 @@ def _add_openenv_routes(app: FastAPI, manager: SessionManager, auth: list) -> No
     async def schema() -> dict[str, Any]:
         return op.SCHEMAS
 
+    sessions = mcp.McpSessions(manager)  # Mcp-Session-Id -> environment session (mcp.py)
+
     @app.post(
         "/mcp",
-        summary="MCP JSON-RPC 2.0: tools/list, tools/call, openenv/session/create, openenv/session/close",
+        summary="MCP JSON-RPC 2.0 (streamable HTTP; OpenEnv's tools/list, tools/call, openenv/session/*)",
         dependencies=auth,
     )
-    async def mcp_rpc(request: Request) -> dict[str, Any]:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return mcp.response(None, error=mcp.RpcError(mcp.PARSE_ERROR, f"request body is not JSON: {exc}"))
-        return await mcp.handle(manager, body)
+    async def mcp_post(request: Request) -> Response:
+        return await mcp_http.post(request, manager, sessions)
+
+    @app.delete("/mcp", summary="End an MCP session (Mcp-Session-Id)", status_code=204, dependencies=auth)
+    async def mcp_delete(request: Request) -> Response:
+        return await mcp_http.delete(request, sessions)
+
+    @app.get("/mcp", summary="MCP's server-to-client stream: not offered (405)", dependencies=auth)
+    async def mcp_get() -> Response:
+        return mcp_http.get()
 
 
 def _add_schema_routes(app: FastAPI, auth: list) -> None:

@@ -144,6 +144,10 @@ class SessionManager:
     def __len__(self) -> int:
         return len(self._sessions)
 
+    def __contains__(self, session_id: object) -> bool:
+        """Whether `session_id` is open; unlike `get`, not a use (its TTL is not renewed)."""
+        return session_id in self._sessions
+
     def resolve_task(self, task_id: str | None, seed: int | None) -> tuple[str, int]:
         """(task id, seed) a session is created with. Without a task id (OpenEnv's bare reset) the
         task is picked by the seed, drawn at random when not given either; with one, seed defaults to 0."""
