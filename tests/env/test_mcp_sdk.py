@@ -52,6 +52,12 @@ class StubWeb:
     def prepare(self) -> None:
         pass
 
+    def search(self, query: str, k: int) -> list[dict]:
+        raise AssertionError("not called")
+
+    def read(self, url: str, offset: int = 0) -> dict:
+        raise AssertionError("not called")
+
 
 @pytest.fixture
 def app(tmp_path):
@@ -62,7 +68,7 @@ def app(tmp_path):
     shutil.copytree(FIXTURE_TASKS / "fix-add", tasks / "web-add")
     toml = tasks / "web-add" / "task.toml"
     toml.write_text(toml.read_text().replace("[agent]\n", "[agent]\nweb_search = true\n"))
-    web = WebTools(StubWeb(), "tasks")  # type: ignore[arg-type] - search/read are never called
+    web = WebTools(StubWeb(), "tasks")
     manager = SessionManager(
         TaskStore(tasks, tmp_path / "cache"), LocalProcessSandbox(), work_dir=tmp_path / "w", web_tools=web
     )
@@ -130,7 +136,8 @@ def test_answers_validate_against_the_sdk_types(app):
         assert isinstance(read.content[0], types.TextContent)
         assert json.loads(read.content[0].text) == read.structuredContent
         bad = types.CallToolResult.model_validate(result_of(post(rpc("tools/call", {"name": "format_disk"}))))
-        assert bad.isError and "unknown tool 'format_disk'" in bad.structuredContent["error"]  # type: ignore[index]
+        assert bad.isError and bad.structuredContent is not None
+        assert "unknown tool 'format_disk'" in bad.structuredContent["error"]
         assert error_of(post(rpc("resources/list"))).code == types.METHOD_NOT_FOUND
         assert error_of(post(rpc("tools/call", {}))).code == types.INVALID_PARAMS
         assert error_of(post(rpc("initialize", INIT_PARAMS))).code == types.INVALID_REQUEST  # already initialized
@@ -253,7 +260,8 @@ def test_sdk_client_attaches_and_sees_a_closed_session_as_terminated(server):
         async with httpx.AsyncClient(timeout=60) as client:
             async with streamable_http_client(url, http_client=client) as (r, w, _):
                 async with ClientSession(r, w) as s:
-                    assert (await s.initialize()).meta["session_id"] == sid
+                    meta = (await s.initialize()).meta
+                    assert meta is not None and meta["session_id"] == sid
                     listing = await s.call_tool("list_dir", {})
                     if close_first:
                         assert http.delete(f"/sessions/{sid}").status_code == 200

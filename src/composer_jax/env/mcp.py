@@ -291,6 +291,7 @@ async def _dispatch(manager: SessionManager, method: str, params: dict, session_
         session = await _create(manager, params)
         return {k: v for k, v in op.reset_observation(session).items() if k not in ("tools", "metadata")}
     if method == "openenv/session/close" and not standard:
+        session_id = params.get("session_id")  # never the socket's own: that one closes with the socket
         if not isinstance(session_id, str):
             raise RpcError(INVALID_PARAMS, f"openenv/session/close needs params.session_id, got {session_id!r:.80}")
         try:
