@@ -200,9 +200,13 @@ async def _listed_tools(app, task_id: str) -> list[str]:
 
 
 def test_a_session_lists_only_its_own_tools(app):
-    """tools/list is the session's offer: web_search only where the task asks for it."""
+    """tools/list is the session's offer: web_search only where the task asks for it; a task that
+    does not exist is initialize's error, which the SDK raises."""
     assert asyncio.run(_listed_tools(app, "fix-add")) == list(BASE_TOOL_NAMES)
     assert asyncio.run(_listed_tools(app, "web-add")) == TOOL_NAMES and "web_search" in TOOL_NAMES
+    with pytest.raises(ExceptionGroup) as raised:  # out of the transport's task group
+        asyncio.run(_listed_tools(app, "no-such-task"))
+    assert raised.group_contains(McpError, match="unknown task_id 'no-such-task'")
 
 
 @pytest.mark.sandbox  # the `server` fixture skips without bubblewrap
