@@ -75,6 +75,30 @@ class EnvMetrics:
             "cj_env_http_requests", "HTTP requests, by status code class.", ["code"], registry=r
         )
         self._state: _StateCollector | None = None
+        # labelled children by label values: `labels()` takes a lock and checks its arguments on
+        # every call (~3x an increment); tool names and status classes are few, so each is looked
+        # up once (a race only looks the same child up twice)
+        self._tool_series: dict[tuple[str, bool], tuple[Any, Any]] = {}
+        self._http_series: dict[int, Any] = {}
+
+    def tool_call(self, tool: str, ok: bool, seconds: float) -> None:
+        """One tool call: counted by tool and outcome, timed by tool."""
+        series = self._tool_series.get((tool, ok))
+        if series is None:
+            series = self._tool_series[(tool, ok)] = (
+                self.tool_calls.labels(tool=tool, outcome="ok" if ok else "error"),
+                self.tool_call_seconds.labels(tool=tool),
+            )
+        series[0].inc()
+        series[1].observe(seconds)
+
+    def http_response(self, status: int) -> None:
+        """One HTTP response, counted by its status class (2xx, 4xx, ...)."""
+        klass = status // 100
+        child = self._http_series.get(klass)
+        if child is None:
+            child = self._http_series[klass] = self.http_requests.labels(code=f"{klass}xx")
+        child.inc()
 
     def watch(
         self,

@@ -254,7 +254,7 @@ class BodySizeLimit:
             if message["type"] == "http.response.start":
                 started = True
                 if metrics is not None:
-                    metrics.http_requests.labels(code=f"{message['status'] // 100}xx").inc()
+                    metrics.http_response(message["status"])
             await inner_send(message)
 
         headers = dict(scope.get("headers") or [])

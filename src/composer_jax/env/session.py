@@ -318,8 +318,7 @@ class SessionManager:
             session.last_used = time.time()
         session.tool_calls += len(calls)
         for (name, _), res in zip(calls, results):
-            self.metrics.tool_calls.labels(tool=name, outcome="ok" if res["ok"] else "error").inc()
-            self.metrics.tool_call_seconds.labels(tool=name).observe(res["duration_s"])
+            self.metrics.tool_call(name, bool(res["ok"]), res["duration_s"])
         return results
 
     async def grade(self, session_id: str) -> grader.GradeResult:

@@ -81,6 +81,19 @@ class ObserveRequests:
 
     def __init__(self, app: Any, metrics: ServeMetrics):
         self.app, self.metrics = app, metrics
+        # (path, status) -> (counter, histogram) children: `labels()` takes a lock and checks its
+        # arguments on every call; endpoints and statuses are few (unknown paths share "other")
+        self._series: dict[tuple[str, int], tuple[Any, Any]] = {}
+
+    def _observe(self, path: str, status: int, seconds: float) -> None:
+        series = self._series.get((path, status))
+        if series is None:
+            m, endpoint = self.metrics, self.metrics.endpoint(path)
+            series = (m.requests.labels(endpoint, str(status)), m.request_seconds.labels(endpoint))
+            if endpoint != OTHER:  # unknown paths are not cached one by one (a scan would grow it)
+                self._series[(path, status)] = series
+        series[0].inc()
+        series[1].observe(seconds)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -99,11 +112,8 @@ class ObserveRequests:
         try:
             await self.app(scope, receive, send_)
         finally:
-            m = self.metrics
-            endpoint = m.endpoint(scope.get("path", ""))
             # no response started: an exception is on its way out, answered with a 500 by Starlette
-            m.requests.labels(endpoint, str(status if status is not None else 500)).inc()
-            m.request_seconds.labels(endpoint).observe(time.perf_counter() - t0)
+            self._observe(scope.get("path", ""), 500 if status is None else status, time.perf_counter() - t0)
 
 
 class _EngineCollector(Collector):
