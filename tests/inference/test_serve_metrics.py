@@ -31,7 +31,7 @@ def _sampler(params, version):
     return Sampler(params, CFG, slots=2, max_len=16, version=version)
 
 
-def test_driver_times_first_tokens_and_keeps_totals_across_a_rebuild():
+def test_driver_times_first_tokens_and_keeps_totals_across_a_rebuild() -> None:
     params = cj.init_params(CFG, jax.random.key(0))
     driver = Driver(_sampler, params, 0)
     told: list[tuple[int, float]] = []  # (steps run when told, seconds)
@@ -63,7 +63,7 @@ def test_driver_times_first_tokens_and_keeps_totals_across_a_rebuild():
     assert driver.tokens_generated == 10 and len(told) == 4
 
 
-def test_collector_reads_the_engine_at_scrape_time(monkeypatch):
+def test_collector_reads_the_engine_at_scrape_time(monkeypatch) -> None:
     params = cj.init_params(CFG, jax.random.key(0))
     engine = Engine(_sampler, params, 3, max_queued=4)
     m = ServeMetrics(engine, model_name="tiny", max_len=16, endpoints=["/v1/completions"])
