@@ -91,8 +91,8 @@ class Swap:
 class Driver:
     """Owns the Sampler that `new_sampler(params, version)` builds (again after a failure) and runs
     its cycles (module docstring); `left(n)` is told of every n jobs that leave it (finished,
-    failed, cancelled); `first_token(seconds)`, when set (also later, by a server: jobs submitted from
-    then on count), of every job's time from submission to the end of the step that produced its
+    failed, cancelled); `first_token(seconds)`, when set (before any job is submitted: a server sets
+    it as it starts), of every job's time from submission to the end of the step that produced its
     first token (its prefill). Runs in one thread at a time."""
 
     def __init__(
