@@ -1,12 +1,15 @@
 """What `serve`'s /metrics reads from the engine, below the HTTP layer: the driver's time to first
 token (once per request, after the step that prefilled it; a request cancelled while waiting never
 counts), its generated-token and weight-swap totals (kept across a sampler rebuilt after a failed
-step), and the scrape-time collector over an engine (read back with prometheus_client's parser).
+step), the scrape-time collector over an engine (read back with prometheus_client's parser), and the
+request wrapper's counts of an unhandled error (a 500) and of unknown paths ("other").
 The live server's scrape test is in test_server.py (its served fixture)."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+from typing import Any
 
 import jax
 import numpy as np
@@ -92,3 +95,38 @@ def test_collector_reads_the_engine_at_scrape_time(monkeypatch) -> None:
     assert idle("cj_serve_slots_in_use") == 0 and idle("cj_serve_requests_waiting") == 0
     assert idle("cj_serve_generation_tokens_total") == 12 and idle("cj_serve_prompt_tokens_total") == 15
     assert idle("cj_serve_engine_steps_total") == engine.steps > 0
+
+
+def test_request_wrapper_counts_unhandled_errors_and_unknown_paths() -> None:
+    from types import SimpleNamespace
+
+    import pytest
+
+    from composer_jax.inference.metrics import ObserveRequests
+
+    stand_in: Any = SimpleNamespace(sampler=SimpleNamespace(slots=1), tokens_generated=0)
+    m = ServeMetrics(stand_in, model_name="m", max_len=8, endpoints=["/v1/completions"])
+
+    async def app(scope, receive, send):
+        if scope["path"] == "/v1/completions":
+            raise RuntimeError("a bug")  # Starlette's outermost layer answers it with a 500
+        await send({"type": "http.response.start", "status": 404, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def send(message):
+        pass
+
+    wrapped = ObserveRequests(app, m)
+
+    async def go():
+        with pytest.raises(RuntimeError):
+            await wrapped({"type": "http", "path": "/v1/completions"}, None, send)
+        for i in range(3):
+            await wrapped({"type": "http", "path": f"/scan/{i}"}, None, send)
+
+    asyncio.run(go())
+    registry = m.registry
+    assert registry.get_sample_value("cj_serve_requests_total", {"endpoint": "/v1/completions", "status": "500"}) == 1
+    assert registry.get_sample_value("cj_serve_requests_total", {"endpoint": "other", "status": "404"}) == 3
+    assert registry.get_sample_value("cj_serve_request_seconds_count", {"endpoint": "other"}) == 3
+    assert len(wrapped._series) == 1  # unknown paths are not remembered one by one
