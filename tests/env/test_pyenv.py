@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import HAVE_BWRAP, LiveServer
+from metrics_scrape import parse
 
 from composer_jax.env.pyenv import ENV_MOUNT, EnvBuildError, EnvCache, EnvSpec, parse_environment
 from composer_jax.env.sandbox import BubblewrapSandbox, Limits
@@ -160,11 +161,13 @@ def test_build_from_wheelhouse_is_cached_and_read_only(built, sandbox, wheelhous
     async def again():
         a, b = await asyncio.gather(cache.for_task(task), cache.for_task(task))
         fresh = EnvCache(cache.root, sandbox, wheelhouse=wheelhouse)  # a restarted server: from disk
-        return a, b, await fresh.for_task(task), fresh.build_seconds
+        return a, b, await fresh.for_task(task), fresh
 
-    a, b, c, fresh_builds = asyncio.run(again())
-    assert a == b == env and c is not None and c.key == env.key and fresh_builds == {}
+    a, b, c, fresh = asyncio.run(again())
+    assert a == b == env and c is not None and c.key == env.key and fresh.build_seconds == {}
     assert list(cache.build_seconds) == [env.key]  # built exactly once
+    assert cache.builds == {"ok": 1} and fresh.builds == {}  # /metrics' cj_env_environment_builds_total
+    assert cache.counts() == fresh.counts() == {"built": 1, "failed": 0}  # and cj_env_environments
     assert cache.lookup(task) == env
 
 
@@ -191,11 +194,14 @@ def test_session_shell_and_grade_report_the_env(built, sandbox, tmp_path):
             r = await s.run_shell("command -v python3; python3 -c 'import tinypkg; print(tinypkg.answer())'", 30)
             w = await s.run_shell(f"touch {ENV_MOUNT}/x", 30)  # read-only for the agent
             g = await manager.grade(s.session_id)
-            return r, w, g
+            return r, w, g, parse(manager.metrics.render().decode())
         finally:
             await manager.shutdown()
 
-    r, w, g = asyncio.run(go())
+    r, w, g, metrics = asyncio.run(go())
+    assert metrics.types["cj_env_environments"] == "gauge"
+    assert metrics("cj_env_environments", state="built") == 1 and metrics("cj_env_environments", state="failed") == 0
+    assert metrics("cj_env_environment_builds_total", outcome="ok") == cache.builds["ok"] == 1
     assert r.exit_code == 0 and r.stdout.split() == [f"{ENV_MOUNT}/bin/python3", "42"], r
     assert w.exit_code != 0
     assert g.reward == 0.0 and g.environment == env.describe()
@@ -418,6 +424,7 @@ def test_failed_build_is_remembered_with_its_log(tmp_path, wheelhouse, sandbox):
 
     first, second = asyncio.run(go())
     assert first is second  # not rebuilt
+    assert cache.builds == {"failed": 1} and cache.counts() == {"built": 0, "failed": 1}
     assert "failed (exit 1)" in first.reason and "not-in-wheelhouse" in first.log_tail
     assert cache.build_seconds == {} and [p.name for p in (tmp_path / "cache").iterdir()] == []
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
 import pytest
 from conftest import FIXTURE_TASKS, LiveServer, call, env_with_src, requires_bwrap
+from metrics_scrape import scrape
 
 pytestmark = requires_bwrap
 
@@ -80,9 +82,9 @@ def test_whole_session_over_http(http):
 
     assert http.delete(f"/sessions/{sid}").json()["closed"] is True
     assert http.get(f"/sessions/{sid}").status_code == 404
-    metrics = http.get("/metrics").text
-    assert 'cj_env_tool_calls_total{outcome="ok",tool="run_shell"}' in metrics
-    assert "cj_env_grades_total" in metrics
+    metrics = scrape(http)
+    assert metrics("cj_env_tool_calls_total", outcome="ok", tool="run_shell") >= 2
+    assert metrics("cj_env_grades_total") >= 2
 
 
 def test_reward_json_and_grading_does_not_touch_workspace(http):
@@ -168,9 +170,81 @@ def test_capacity_429_and_ttl():
                 time.sleep(0.5)
             assert http.get("/health").json()["sessions"] == 0
             assert http.get(f"/sessions/{ids[0]}").status_code == 404
-            assert 'cj_env_sessions_closed_total{reason="ttl"} 2' in http.get("/metrics").text
+            assert scrape(http)("cj_env_sessions_closed_total", reason="ttl") == 2
     finally:
         server.stop()
+
+
+def test_metrics_scrape(server, http):
+    """/metrics read with prometheus_client's own parser: families, types, label sets, and counts
+    that moved by exactly what was done between two scrapes (the session, its tool calls, the
+    sandboxed commands, one killed at its timeout, one running during a scrape, a grade, a 401)."""
+    before = scrape(http)
+    sid = http.post("/sessions", json={"task_id": "fix-add"}).json()["session_id"]
+    assert call(http, sid, "run_shell", command="echo hi")["result"]["stdout"] == "hi\n"
+    assert call(http, sid, "run_shell", command="sleep 5", timeout_s=0.3)["result"]["timed_out"] is True
+    assert call(http, sid, "read_file", path="calc.py")["ok"]
+    assert not call(http, sid, "read_file", path="missing.py")["ok"]
+    slow = threading.Thread(target=call, args=(http, sid, "run_shell"), kwargs={"command": "sleep 1.5"})
+    slow.start()
+    deadline, running, polls = time.monotonic() + 10, 0.0, 0
+    while running < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        running, polls = scrape(http)("cj_env_sandboxes_running"), polls + 1
+    slow.join(30)
+    assert running == 1  # the sleep, seen by a scrape while it ran
+    assert httpx.get(server.url + "/metrics").status_code == 401  # the token is needed, as before
+    after = scrape(http)
+
+    assert {
+        "cj_env_sessions_active": "gauge",
+        "cj_env_sessions_created": "counter",
+        "cj_env_sessions_closed": "counter",
+        "cj_env_sessions_rejected": "counter",
+        "cj_env_tool_calls": "counter",
+        "cj_env_tool_call_seconds": "histogram",
+        "cj_env_grades": "counter",
+        "cj_env_grade_seconds": "histogram",
+        "cj_env_session_create_seconds": "histogram",
+        "cj_env_http_requests": "counter",
+        "cj_env_sandboxes_running": "gauge",
+        "cj_env_sandboxes_created": "counter",
+        "cj_env_sandboxes_failed": "counter",
+        "cj_env_sandboxes_killed": "counter",
+        "cj_env_environments": "gauge",
+        "cj_env_environment_builds": "counter",
+    }.items() <= after.types.items()
+    assert after.labels["cj_env_tool_calls_total"] == {("outcome", "tool")}
+    assert after.labels["cj_env_tool_call_seconds_bucket"] == {("le", "tool")}
+    assert after.labels["cj_env_http_requests_total"] == {("code",)}
+    assert after.delta(before, "cj_env_sessions_created_total") == 1
+    assert after.delta(before, "cj_env_sessions_active") == 1
+    assert after.delta(before, "cj_env_session_create_seconds_count") == 1
+    assert after.delta(before, "cj_env_tool_calls_total", tool="run_shell", outcome="ok") == 3
+    assert after.delta(before, "cj_env_tool_calls_total", tool="read_file", outcome="ok") == 1
+    assert after.delta(before, "cj_env_tool_calls_total", tool="read_file", outcome="error") == 1
+    assert after.delta(before, "cj_env_tool_call_seconds_count", tool="run_shell") == 3
+    assert after("cj_env_tool_call_seconds_bucket", tool="run_shell", le="+Inf") == after(
+        "cj_env_tool_call_seconds_count", tool="run_shell"
+    )
+    assert after.delta(before, "cj_env_tool_call_seconds_sum", tool="run_shell") >= 0.3 + 1.5
+    assert after.delta(before, "cj_env_sandboxes_created_total") == 3  # one sandbox per run_shell
+    assert after.delta(before, "cj_env_sandboxes_killed_total", reason="timeout") == 1
+    assert after("cj_env_sandboxes_running") == 0
+    # 2xx: the session, five tool calls, the first scrape and the polls (a scrape counts once answered)
+    assert after.delta(before, "cj_env_http_requests_total", code="2xx") == 1 + 5 + 1 + polls
+    assert after.delta(before, "cj_env_http_requests_total", code="4xx") == 1
+
+    graded = http.post(f"/sessions/{sid}/grade").json()
+    assert http.delete(f"/sessions/{sid}").json()["closed"] is True
+    done = scrape(http)
+    assert graded["reward"] == 0.0
+    assert done.delta(after, "cj_env_grades_total") == 1
+    assert done.delta(after, "cj_env_grade_seconds_count") == 1
+    assert done.delta(after, "cj_env_grade_seconds_sum") == pytest.approx(graded["duration_s"], abs=1e-6)
+    assert done.delta(after, "cj_env_sandboxes_created_total") >= 1  # the verifier ran in one
+    assert done.delta(after, "cj_env_sessions_closed_total", reason="client") == 1
+    assert done("cj_env_sessions_active") == before("cj_env_sessions_active")
 
 
 def test_server_refuses_to_start_without_sandbox(tmp_path):

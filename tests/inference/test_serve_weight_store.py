@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import pytest
 import uvicorn
+from metrics_scrape import scrape
 
 from composer_jax.checkpoint.manager import TrainCheckpointer
 from composer_jax.checkpoint.weight_sync import WeightPublisher
@@ -160,6 +161,9 @@ def test_server_follows_the_store_and_a_request_spans_a_swap(live):
     r = _post(live, "/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 0})
     assert r.json()["choices"][0]["token_versions"] == [2] * 6
     assert r.json()["choices"][0]["token_ids"] == _greedy_reference(live["a"].params, live["a"].cfg, prompt, 6)
+    # /metrics: the published numbers, one update per version the poller swapped in
+    metrics = scrape(httpx.Client(base_url=live["base"], headers={"Authorization": f"Bearer {KEY}"}))
+    assert metrics("cj_serve_weight_version") == 2 and metrics("cj_serve_weight_updates_total") == 2
 
 
 def test_admin_load_weights_from_a_store(live, tmp_path):

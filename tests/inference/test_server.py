@@ -22,6 +22,7 @@ import pytest
 openai = pytest.importorskip("openai")
 
 import uvicorn  # noqa: E402
+from metrics_scrape import scrape  # noqa: E402
 
 from composer_jax.checkpoint.manager import TrainCheckpointer  # noqa: E402
 from composer_jax.config import ConfigError, load_config, to_dict  # noqa: E402
@@ -469,6 +470,97 @@ def test_429_carries_retry_after_and_401_is_openai_s(served, client):
     with pytest.raises(openai.AuthenticationError) as exc:
         wrong.models.list()
     assert exc.value.code == "invalid_api_key" and exc.value.type == "invalid_request_error"
+
+
+# ---------------------------------------------------------------------------- metrics
+def test_metrics_scrape(served, client):
+    """GET /metrics read with prometheus_client's own parser: families, types and label sets, and
+    counts that moved by exactly what was served between two scrapes (token counters equal the
+    responses' usage; requests by endpoint and status, 401 and 404 included; one first-token time
+    per choice), the slot and queue gauges under load, the weight version and updates."""
+    engine = served["engine"]
+    http = httpx.Client(base_url=served["url"], headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+    before = scrape(http)
+    plain = client.completions.create(model="tiny-test", prompt="def add(a, b):", max_tokens=7, temperature=0)
+    chat = client.chat.completions.create(
+        model="tiny-test", messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0
+    )
+    chunks = list(
+        client.completions.create(
+            model="tiny-test", prompt="def f():", max_tokens=6, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    streamed = chunks[-1].usage
+    assert streamed is not None
+    assert httpx.get(served["url"] + "/metrics").status_code == 401  # the key is needed, as everywhere
+    assert http.get("/v1/nothing").status_code == 404
+    after = scrape(http)
+
+    usages = [plain.usage, chat.usage, streamed]
+    assert all(u is not None for u in usages)
+    generated = after.delta(before, "cj_serve_generation_tokens_total")
+    assert generated == sum(u.completion_tokens for u in usages if u is not None)
+    assert after.delta(before, "cj_serve_prompt_tokens_total") == sum(u.prompt_tokens for u in usages if u)
+    requests = {
+        ("/v1/completions", "200"): 2,
+        ("/v1/chat/completions", "200"): 1,
+        ("/metrics", "200"): 1,  # the first scrape, counted once answered
+        ("/metrics", "401"): 1,
+        ("other", "404"): 1,
+    }
+    for (endpoint, status), n in requests.items():
+        assert after.delta(before, "cj_serve_requests_total", endpoint=endpoint, status=status) == n
+    assert after.delta(before, "cj_serve_request_seconds_count", endpoint="/v1/completions") == 2
+    assert after.delta(before, "cj_serve_time_to_first_token_seconds_count") == 3  # one per choice
+    ttft = after.delta(before, "cj_serve_time_to_first_token_seconds_sum")
+    latency = sum(
+        after.delta(before, "cj_serve_request_seconds_sum", endpoint=e)
+        for e in ("/v1/completions", "/v1/chat/completions")
+    )
+    assert 0 < ttft < latency
+    assert {
+        "cj_serve_requests": "counter",
+        "cj_serve_request_seconds": "histogram",
+        "cj_serve_time_to_first_token_seconds": "histogram",
+        "cj_serve_generation_tokens": "counter",
+        "cj_serve_prompt_tokens": "counter",
+        "cj_serve_prompt_tokens_reused": "counter",
+        "cj_serve_slots": "gauge",
+        "cj_serve_slots_in_use": "gauge",
+        "cj_serve_requests_waiting": "gauge",
+        "cj_serve_weight_version": "gauge",
+        "cj_serve_weight_updates": "counter",
+        "cj_serve_recent_generation_tokens_per_second": "gauge",
+        "cj_serve_model_info": "gauge",  # an Info, which the text format writes as a gauge of 1
+    }.items() <= after.types.items()
+    assert after.labels["cj_serve_requests_total"] == {("endpoint", "status")}
+    assert after.labels["cj_serve_request_seconds_bucket"] == {("endpoint", "le")}
+    assert after("cj_serve_model_info", model="tiny-test", max_len=str(MAX_LEN), slots="2") == 1
+    assert after("cj_serve_slots") == 2 and after("cj_serve_slots_in_use") == 0
+    assert after("cj_serve_requests_waiting") == 0 and after("cj_serve_recent_generation_tokens_per_second") >= 0
+
+    # under load: 2 slots busy, 1 request queued (capacity 2 + max_queued 1)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_LEN - 8)
+    engine.submit([Request([1, 2, 3], params, id=f"load-{i}") for i in range(3)], lambda ev: None)
+    try:
+        deadline, busy = time.monotonic() + 60, scrape(http)
+        while busy("cj_serve_slots_in_use") < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+            busy = scrape(http)
+        assert busy("cj_serve_slots_in_use") == 2 and busy("cj_serve_requests_waiting") == 1
+    finally:
+        engine.cancel([f"load-{i}" for i in range(3)])
+    for _ in range(200):
+        if engine.outstanding == 0:
+            break
+        time.sleep(0.05)
+    version, swaps = engine.version, scrape(http)
+    assert swaps("cj_serve_weight_version") == version
+    assert engine.update_weights(engine.sampler.params, version + 1).result(60) == version
+    swapped = scrape(http)
+    assert swapped.delta(swaps, "cj_serve_weight_updates_total") == 1
+    assert swapped("cj_serve_weight_version") == version + 1
+    assert swapped("cj_serve_slots_in_use") == 0 and swapped("cj_serve_requests_waiting") == 0
 
 
 # ---------------------------------------------------------------------------- weights

@@ -238,6 +238,11 @@ class EnvCache:
         self._inflight: dict[str, asyncio.Future[BuiltEnv]] = {}
         self._source_id: str | None = None
         self.build_seconds: dict[str, float] = {}  # key -> seconds its build took (hits: absent)
+        self.builds: dict[str, int] = {}  # builds this object ran, by outcome (ok, failed): /metrics
+
+    def counts(self) -> dict[str, int]:
+        """Environments known here, by state: built (in memory: built or found on disk) and failed."""
+        return {"built": len(self._built), "failed": len(self._failed)}
 
     def source_id(self) -> str:
         """Where packages come from, as part of every key: computed once, on first use (a session's
@@ -293,6 +298,7 @@ class EnvCache:
             built = await self._build(key, spec, app_dir)
         except EnvBuildError as exc:
             self._failed[key] = exc
+            self.builds["failed"] = self.builds.get("failed", 0) + 1
             fut.set_exception(exc)
             fut.exception()  # retrieved: there may be no other waiter
             raise
@@ -303,6 +309,7 @@ class EnvCache:
         finally:
             del self._inflight[key]
         self._built[key] = built
+        self.builds["ok"] = self.builds.get("ok", 0) + 1
         fut.set_result(built)
         return built
 

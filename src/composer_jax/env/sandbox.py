@@ -22,6 +22,7 @@ import abc
 import asyncio
 import dataclasses
 import fcntl
+import functools
 import os
 import secrets
 import shutil
@@ -108,11 +109,28 @@ ARGS_FD = "\0args-fd"
 _HARD_OUTPUT_FACTOR = 64
 
 
+@dataclasses.dataclass
+class SandboxStats:
+    """A backend's sandboxed commands, counted by its leases (the server's /metrics reads them):
+    `started` commands, `running` now, `failed[reason]` whose sandbox did not come up (spawn: the
+    launcher could not be executed; setup: bubblewrap refused to build the sandbox), `killed[reason]`
+    by a limit (timeout: the wall clock; output: output past `_HARD_OUTPUT_FACTOR` x the cap)."""
+
+    started: int = 0
+    running: int = 0
+    failed: dict[str, int] = dataclasses.field(default_factory=dict)
+    killed: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def count(self, table: dict[str, int], reason: str) -> None:
+        table[reason] = table.get(reason, 0) + 1
+
+
 class SandboxLease(abc.ABC):
     """One session's identity in a sandbox backend; every command it runs is tracked."""
 
-    def __init__(self, uid: int, gid: int):
+    def __init__(self, uid: int, gid: int, stats: SandboxStats | None = None):
         self.uid, self.gid = uid, gid
+        self.stats = stats if stats is not None else SandboxStats()  # the backend's, shared by its leases
         self._procs: set[asyncio.subprocess.Process] = set()
         self.closed = False
 
@@ -133,6 +151,10 @@ class SandboxLease(abc.ABC):
     def path_in_sandbox(self, mount: Mount) -> str:
         """Where a command run by this lease sees `mount`."""
         return mount.dest
+
+    def setup_failed(self, result: ExecResult) -> bool:
+        """Whether `result` is the backend's own refusal to build the sandbox (not the command's)."""
+        return False
 
     async def kill_processes(self) -> None:
         """Kill every process of this session now (the lease stays usable)."""
@@ -172,6 +194,8 @@ class SandboxLease(abc.ABC):
             os.write(args_fd, b"".join(os.fsencode(a) + b"\0" for a in hidden))
             os.lseek(args_fd, 0, os.SEEK_SET)
             argv = [str(args_fd) if a == ARGS_FD else a for a in argv]
+        stats = self.stats
+        stats.started += 1
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv,
@@ -182,6 +206,9 @@ class SandboxLease(abc.ABC):
                 start_new_session=True,
                 pass_fds=() if args_fd is None else (args_fd,),
             )
+        except OSError:
+            stats.count(stats.failed, "spawn")
+            raise
         finally:
             if args_fd is not None:
                 os.close(args_fd)
@@ -213,6 +240,7 @@ class SandboxLease(abc.ABC):
         waiter = asyncio.ensure_future(proc.wait())
         overflow_wait = asyncio.ensure_future(overflow.wait())
         timed_out = False
+        stats.running += 1
         try:
             done, _ = await asyncio.wait(
                 {waiter, overflow_wait}, timeout=limits.wall_seconds, return_when=asyncio.FIRST_COMPLETED
@@ -230,7 +258,8 @@ class SandboxLease(abc.ABC):
             if proc.returncode is None:
                 self._kill(proc)
             self._procs.discard(proc)
-        return ExecResult(
+            stats.running -= 1
+        result = ExecResult(
             exit_code=None if timed_out else proc.returncode,
             stdout=kept["out"].decode("utf-8", "replace"),
             stderr=kept["err"].decode("utf-8", "replace"),
@@ -238,6 +267,16 @@ class SandboxLease(abc.ABC):
             truncated=truncated[0] or overflow.is_set(),
             duration_s=round(time.monotonic() - start, 4),
         )
+        self._count_end(result, overflow.is_set())
+        return result
+
+    def _count_end(self, result: ExecResult, overflow: bool) -> None:
+        """A finished command in `stats`: killed by a limit, or refused by the backend's setup."""
+        stats = self.stats
+        if result.timed_out or overflow:
+            stats.count(stats.killed, "timeout" if result.timed_out else "output")
+        elif self.setup_failed(result):
+            stats.count(stats.failed, "setup")
 
     @staticmethod
     def _kill(proc: asyncio.subprocess.Process) -> None:
@@ -256,10 +295,16 @@ class SandboxLease(abc.ABC):
 
 
 class Sandbox(abc.ABC):
-    """A sandbox backend: hands out per-session leases."""
+    """A sandbox backend: hands out per-session leases, which count their commands in `stats`."""
 
     name: str = "abstract"
     isolated: bool = False
+
+    @functools.cached_property
+    def stats(self) -> SandboxStats:
+        """The commands of every lease of this backend (made at first use: a subclass need not call
+        an `__init__` of this class)."""
+        return SandboxStats()
 
     @abc.abstractmethod
     def lease(self, session_id: str) -> SandboxLease:
@@ -324,7 +369,7 @@ def _kill_uid(uid: int) -> None:
 
 class BubblewrapLease(SandboxLease):
     def __init__(self, sandbox: BubblewrapSandbox, session_id: str, uid: int):
-        super().__init__(uid, uid)
+        super().__init__(uid, uid, sandbox.stats)
         self.sandbox = sandbox
         self.cgroup = sandbox.cgroups.create(session_id, sandbox.session_limits) if sandbox.cgroups else None
 
@@ -394,6 +439,10 @@ class BubblewrapLease(SandboxLease):
             opts += ["--unshare-user", "--disable-userns", "--uid", "1000", "--gid", "1000"]
             argv += ["--"]
         return argv + command, None, opts
+
+    def setup_failed(self, result: ExecResult) -> bool:
+        # bwrap reports its own errors as "bwrap: ..." on stderr and exits 1 (its die()).
+        return result.exit_code == 1 and result.stderr.startswith("bwrap: ")
 
     async def kill_processes(self) -> None:
         await super().kill_processes()
@@ -550,7 +599,7 @@ class LocalProcessSandbox(Sandbox):
     isolated = False
 
     def lease(self, session_id: str) -> SandboxLease:
-        return LocalLease(os.geteuid(), os.getegid())
+        return LocalLease(os.geteuid(), os.getegid(), self.stats)
 
 
 def default_sandbox(unsafe_no_sandbox: bool = False, limits: Limits | None = None) -> Sandbox:

@@ -7,7 +7,7 @@ also served under /t/TOKEN/, for OpenEnv clients and tools that cannot send head
     POST   /mcp                           MCP JSON-RPC: MCP's streamable HTTP (initialize, Mcp-Session-Id)
                                           and OpenEnv's sessionless calls (see mcp.py, mcp_http.py)
     DELETE /mcp                           end an MCP session (GET /mcp: 405, no server stream)
-    GET    /metrics                       Prometheus text format
+    GET    /metrics                       Prometheus text format (prometheus_client; metrics.py)
     GET    /tasks                         task ids, local runnability, generated families
     GET    /tools                         tool schemas (OpenAI function-calling format) this server offers
     POST   /sessions                      {task_id, seed?, ttl_s?} -> session id, instruction, tools
@@ -53,6 +53,7 @@ from composer_jax.env.errors import (
     TaskNotRunnable,
     UnknownTaskError,
 )
+from composer_jax.env.metrics import CONTENT_TYPE, EnvMetrics
 from composer_jax.env.openenv_ws import serve_openenv_websocket
 from composer_jax.env.session import SessionManager
 from composer_jax.env.tasks import MAX_SEED
@@ -229,7 +230,7 @@ class BodySizeLimit:
     read here, at most `max_bytes` of them, before the app sees them); counts every response by
     status class, including the 500 it sends for an unhandled exception."""
 
-    def __init__(self, app, max_bytes: int, metrics=None):
+    def __init__(self, app, max_bytes: int, metrics: EnvMetrics | None = None):
         self.app, self.max_bytes, self.metrics = app, max_bytes, metrics
 
     def _too_large(self) -> JSONResponse:
@@ -254,7 +255,7 @@ class BodySizeLimit:
             if message["type"] == "http.response.start":
                 started = True
                 if metrics is not None:
-                    metrics.inc("cj_env_http_requests_total", code=f"{message['status'] // 100}xx")
+                    metrics.http_response(message["status"])
             await inner_send(message)
 
         headers = dict(scope.get("headers") or [])
@@ -377,8 +378,8 @@ def _add_server_routes(app: FastAPI, manager: SessionManager, auth: list) -> Non
         }
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse, dependencies=auth)
-    async def get_metrics() -> str:
-        return manager.metrics.render()
+    async def get_metrics() -> Response:
+        return Response(manager.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/tasks", summary="Tasks this server can run", dependencies=auth)
     async def list_tasks() -> dict[str, Any]:

@@ -23,7 +23,7 @@ from composer_jax.env.errors import (  # noqa: F401 - re-exported
     SessionNotFound,
     TaskNotRunnable,
 )
-from composer_jax.env.metrics import Metrics
+from composer_jax.env.metrics import EnvMetrics
 from composer_jax.env.pyenv import BuiltEnv, EnvBuildError, EnvCache
 from composer_jax.env.sandbox import ExecResult, Limits, Mount, Sandbox, SandboxLease
 from composer_jax.env.tasks import MAX_SEED, Task, TaskError, TaskStore, check_seed
@@ -115,7 +115,7 @@ class SessionManager:
         default_ttl_s: float = 1800.0,
         max_ttl_s: float = 86400.0,
         limits: Limits | None = None,
-        metrics: Metrics | None = None,
+        metrics: EnvMetrics | None = None,
         env_cache: EnvCache | None = None,
         web_tools: WebTools | None = None,
     ):
@@ -135,7 +135,9 @@ class SessionManager:
         self.sessions_dir.mkdir()
         self.max_sessions, self.default_ttl_s, self.max_ttl_s = max_sessions, default_ttl_s, max_ttl_s
         self.limits = limits or Limits()
-        self.metrics = metrics or Metrics()
+        self.metrics = metrics or EnvMetrics()
+        # open sessions, the backend's sandboxed commands and the built environments: read at scrape time
+        self.metrics.watch(lambda: len(self._sessions), sandbox.stats, lambda: self.env_cache)
         self._sessions: dict[str, Session] = {}
         self._reserved = 0
         self._reaper: asyncio.Task | None = None
@@ -180,7 +182,7 @@ class SessionManager:
         env = self._task_env(task)
         web = self.web_for(task)
         if len(self._sessions) + self._reserved >= self.max_sessions:
-            self.metrics.inc("cj_env_sessions_rejected_total")
+            self.metrics.sessions_rejected.inc()
             raise CapacityError(
                 f"server is at its limit of {self.max_sessions} concurrent sessions; "
                 "close a session or retry later / on another server"
@@ -204,9 +206,8 @@ class SessionManager:
             raise
         finally:
             self._reserved -= 1
-        self.metrics.inc("cj_env_sessions_created_total")
-        self.metrics.set("cj_env_sessions_active", len(self._sessions))
-        self.metrics.observe("cj_env_session_create_seconds", time.monotonic() - start)
+        self.metrics.sessions_created.inc()
+        self.metrics.session_create_seconds.observe(time.monotonic() - start)
         return session
 
     def _task_env(self, task: Task) -> BuiltEnv | None:
@@ -251,8 +252,7 @@ class SessionManager:
                 pass
         finally:
             await asyncio.to_thread(self._remove_root, session.root)
-        self.metrics.inc("cj_env_sessions_closed_total", reason=reason)
-        self.metrics.set("cj_env_sessions_active", len(self._sessions))
+        self.metrics.sessions_closed.labels(reason=reason).inc()
         return {"session_id": session_id, "closed": True, "reason": reason}
 
     async def reset(
@@ -322,8 +322,7 @@ class SessionManager:
             session.last_used = time.time()
         session.tool_calls += len(calls)
         for (name, _), res in zip(calls, results):
-            self.metrics.inc("cj_env_tool_calls_total", tool=name, outcome="ok" if res["ok"] else "error")
-            self.metrics.observe("cj_env_tool_call_seconds", res["duration_s"], tool=name)
+            self.metrics.tool_call(name, bool(res["ok"]), res["duration_s"])
         return results
 
     async def grade(self, session_id: str) -> grader.GradeResult:
@@ -355,8 +354,8 @@ class SessionManager:
             raise SessionNotFound(session_id)
         session.grades += 1
         session.last_reward = result.reward
-        self.metrics.inc("cj_env_grades_total")
-        self.metrics.observe("cj_env_grade_seconds", result.duration_s)
+        self.metrics.grades.inc()
+        self.metrics.grade_seconds.observe(result.duration_s)
         return result
 
     # ---------------------------------------------------------------- TTL

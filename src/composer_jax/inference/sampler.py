@@ -237,6 +237,21 @@ class Sampler:
     def busy(self) -> bool:
         return self.table.busy
 
+    @property
+    def slots_in_use(self) -> int:
+        """Slots holding a request now."""
+        return self.table.in_use()
+
+    @property
+    def waiting(self) -> int:
+        """Requests submitted and not yet in a slot."""
+        return len(self.table.waiting)
+
+    @property
+    def tokens_generated(self) -> int:
+        """Tokens this sampler generated (every emitted token, cancelled requests' included)."""
+        return self.table.generated
+
     # -------------------------------------------------------------------------------- API
     def submit(self, request: Request | Sequence[int], params: SamplingParams | None = None) -> str:
         """Queue a request; it joins a free slot at the next `step`. Returns its id."""

@@ -2,6 +2,7 @@
 
 Endpoints (all but /health need `Authorization: Bearer KEY`):
     GET  /health                 liveness, policy version, load (no key needed)
+    GET  /metrics                Prometheus metrics (prometheus_client; metrics.py)
     GET  /v1/models              the served model
     POST /v1/completions         prompt string / token ids (or a list of them); stream, logprobs
     POST /v1/chat/completions    messages (+ tools) in the chat template; tool_calls; stream, logprobs
@@ -52,6 +53,7 @@ from composer_jax.errors import ConfigError
 from composer_jax.inference import openai_api as api
 from composer_jax.inference.checkpoints import Policy, config_differences
 from composer_jax.inference.engine import Engine, EngineFull, EngineStopped, Event
+from composer_jax.inference.metrics import CONTENT_TYPE, ObserveRequests, ServeMetrics
 from composer_jax.inference.openai_api import ApiError, Generation
 from composer_jax.inference.sampler import Request
 from composer_jax.inference.store_weights import StoreVersion, StoreWeights
@@ -138,13 +140,19 @@ class OpenAIServer:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/admin/load_weights", self.load_weights, methods=["POST"]),
+            Route("/metrics", self.get_metrics, methods=["GET"]),
         ]
+        self.metrics = ServeMetrics(
+            engine, model_name=model_name, max_len=self.max_len, endpoints=[r.path for r in routes]
+        )
+        engine.driver.first_token = self.metrics.first_token_seconds.observe
         self.app = Starlette(
             routes=routes,
             exception_handlers={Exception: self._unexpected, 404: self._not_found, 405: self._not_found},
             lifespan=self._lifespan,
         )
         self.app.add_middleware(_Auth, key=api_key)
+        self.app.add_middleware(ObserveRequests, metrics=self.metrics)  # outermost: 401s count too
 
     # ------------------------------------------------------------------ following the store
     @contextlib.asynccontextmanager
@@ -198,7 +206,10 @@ class OpenAIServer:
 
     async def _not_found(self, request: HttpRequest, exc: Exception) -> JSONResponse:
         status = getattr(exc, "status_code", 404)
-        paths = "GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /admin/load_weights"
+        paths = (
+            "GET /health, GET /metrics, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, "
+            "POST /admin/load_weights"
+        )
         what = "no such endpoint" if status == 404 else "method not allowed"
         return _error(ApiError(status, f"{request.method} {request.url.path}: {what}; endpoints: {paths}"))
 
@@ -243,6 +254,9 @@ class OpenAIServer:
                 "store_fallback": self.store_fallback,
             }
         )
+
+    async def get_metrics(self, request: HttpRequest) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     async def models(self, request: HttpRequest) -> JSONResponse:
         return JSONResponse(

@@ -71,6 +71,7 @@ class SlotTable:
         self.last = np.zeros(slots, np.int32)  # each slot's last token: the next decode step's input
         self._ids = itertools.count()
         self._settings: tuple[jax.Array, ...] | None = None  # on the device; rebuilt when slots change
+        self.generated = 0  # tokens recorded over the table's life (serve's /metrics reads it)
 
     @property
     def busy(self) -> bool:
@@ -78,6 +79,10 @@ class SlotTable:
 
     def new_id(self) -> str:
         return f"req-{next(self._ids)}"
+
+    def in_use(self) -> int:
+        """Slots holding a request."""
+        return sum(s is not None for s in self.held)
 
     def active(self) -> np.ndarray:
         """bool[slots]: the occupied slots."""
@@ -119,6 +124,7 @@ class SlotTable:
         slot.logprobs.append(logprob)
         slot.versions.append(version)
         self.last[i] = token
+        self.generated += 1
         p = slot.request.params
         reason = None
         if token in p.stop_token_ids:
