@@ -6,6 +6,7 @@ model picks for tokens that are trained on; the reference log-probabilities and 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -214,6 +215,16 @@ def test_reference_logprobs_and_k1(setup):
     # the policy as its own reference: k1 = log pi - log pi_ref = 0 on every token
     own = {**batch, "ref_logprobs": np.asarray(ref_fn(params, batch))}
     assert abs(float(_value_fn()[0](params, own)[1]["kl_ref"])) < 1e-6
+
+
+def test_reference_logprobs_run_by_micro_batches_equal_one_forward(setup):
+    # train.micro_batches=4: the reference forward takes rows j, j + 4, ... at a time (the step's split)
+    cfg, _, ref_params, batch, _, _ = setup
+    micro = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batches=4))
+    plain = {k: v for k, v in batch.items() if k != "ref_logprobs"}
+    got = np.asarray(jax.jit(lambda p, b: reference_logprobs(p, b, micro))(ref_params, plain))
+    np.testing.assert_allclose(got, batch["ref_logprobs"], atol=1e-5)
+    assert not np.array_equal(got[0], got[1])  # the rows went back to their places
 
 
 def test_prepared_routing_is_the_forward_layout_in_zigzag_order():
