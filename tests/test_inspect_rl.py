@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from composer_jax.config import check_rl_run, load_config
 from composer_jax.inspection import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,3 +121,11 @@ def test_bad_replica_flags_are_named(capsys):
     assert "--gpu-memory-utilization 1.5: accepted: a fraction in (0, 1]" in capsys.readouterr().err
     assert main([str(TINY_RL), "--serve-precision", "int3"]) == 2
     assert "int3" in capsys.readouterr().err
+
+
+def test_k2_rl_config_passes_the_learners_own_checks():
+    # what `composer-jax rl` checks before it starts: 32 trainer processes (one per node), replicas by URL
+    cfg = load_config(K2_RL, num_devices=None)
+    check_rl_run(cfg, process_count=32, cores=[])
+    assert cfg.rl.loss.advantage == "drgrpo" and cfg.rl.loss.aggregation == "token_sum"
+    assert cfg.rl.group_size * cfg.rl.groups_per_step * (1 + cfg.agent.max_summaries) == cfg.train.batch_size

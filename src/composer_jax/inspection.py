@@ -366,7 +366,7 @@ def build_report(
         self_distill=self_distill,
         tiled_moe=m.moe_impl == "tiled" or (m.moe_impl == "auto" and backend == "cpu"),
     )
-    report = {
+    report: dict[str, Any] = {
         "model": m.name,
         "mesh": sizes,
         "devices": math.prod(sizes.values()),
