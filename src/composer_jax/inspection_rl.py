@@ -61,7 +61,6 @@ def _batch_bytes_per_token(cfg: Config) -> float:
 
 def rl_trainer_memory(
     cfg: Config,
-    rows: list[accounting.ParamRow],
     rules: ShardingRules,
     sizes: Mapping[str, int],
     mem: Mapping[str, Any],
@@ -192,7 +191,7 @@ def rl_report(
     and at the other precisions of `SERVE_PRECISIONS` the weights are commonly served in."""
     mem = report["memory_per_device"]
     trainer = rl_trainer_memory(
-        cfg, rows, rules, sizes, mem, report["batch"], report["seq"], report["micro_batches"], head_chunks
+        cfg, rules, sizes, mem, report["batch"], report["seq"], report["micro_batches"], head_chunks
     )
     out: dict[str, Any] = {
         "trainer": trainer,

@@ -141,7 +141,11 @@ def test_sharded_equals_unsharded_with_expert_and_context_parallelism(setup):
         v, g, s, _ = jax.jit(lambda p, b: batch_gradients(p, b, cfg, MeshRules(mesh, rules), obj))(sharded, batch)
         # the reference forward under the same mesh undoes the zigzag layout
         ref_sharded = jax.jit(lambda p, b: reference_logprobs(p, b, cfg, MeshRules(mesh, rules)))(sharded, batch)
+        # and by micro-batches of the sharded rows (2 x 4 rows, one per batch shard)
+        micro = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batches=2))
+        ref_micro = jax.jit(lambda p, b: reference_logprobs(p, b, micro, MeshRules(mesh, rules)))(sharded, batch)
     np.testing.assert_allclose(np.asarray(ref_sharded), np.asarray(ref_fn(params, batch)), atol=2e-5)
+    np.testing.assert_allclose(np.asarray(ref_micro), np.asarray(ref_fn(params, batch)), atol=2e-5)
     np.testing.assert_allclose(float(v), float(value), rtol=2e-6)
     for k in ("pg_loss", "kl_loss", "kept_tokens", "clipped_tokens", "entropy", "mismatch_kl_k3", "expert_counts"):
         np.testing.assert_allclose(np.asarray(s[k]), np.asarray(sums[k]), rtol=2e-5, atol=1e-6, err_msg=k)
