@@ -47,7 +47,7 @@ Quantising: s_block = E4M3(amax(block) / (6 s_second)) (the float32 quotient, th
 nearest even E4M3, saturating at 448); e2m1 = round_to_E2M1(x / (s_block * s_second)) (float32
 product, then division, both rounded once). A block whose amax is not zero but whose s_block would
 round to E4M3 zero (amax(block) / (6 s_second) <= 2^-10) gets the smallest nonzero scale 2^-9
-instead, so that its elements of at least 2^-11 s_second, which that scale keeps, are kept; only an
+instead, so that its elements above 2^-11 s_second, which that scale keeps, are kept; only an
 all-zero block has a zero scale (its elements are 0). A non-finite amax gives a NaN s_second, so
 the tensor (or row) decodes to NaN. Dequantising is (e2m1 * s_block) * s_second in float32 (the
 first product is exact). Optional 16 x 16 two-dimensional blocks (`block_2d`) for weights, so a
@@ -57,9 +57,10 @@ Where this departs from torchao 0.18's `nvfp4_quantize` (`torchao.prototype.mx_f
   - E4M3 subnormal block scales: s_block is the nearest E4M3 value, subnormals (2^-9 .. 7 * 2^-9)
     included, clamped below at 2^-9 only for a nonzero block; torchao clamps every block scale to
     at least E4M3's smallest normal 2^-6, so a small block's elements get a coarser scale there.
-  - A block (row, tensor) holding Inf or NaN: s_second is NaN and every element of it decodes to
-    NaN (as MX's NaN scale, OCP MX v1.0 section 5.2); torchao's scale from an Inf amax is Inf,
-    whose block scales clamp to 2^-6 and whose elements divide by Inf (0, or NaN for the Inf).
+  - Inf or NaN in the amax of a second-level scale (the tensor, or the row with second="token"):
+    s_second is NaN and every element under it decodes to NaN (as MX's NaN scale, OCP MX v1.0
+    section 5.2); torchao's scale from an Inf amax is Inf, its block scales clamp to 2^-6 and its
+    finite elements divide by an Inf scale to 0 (the Inf itself to NaN).
   - torchao divides twice, (amax / 6) / s_second; here amax / (6 s_second): both are one float32
     rounding step from the exact quotient, so s_block can differ by one E4M3 step only where that
     quotient lies within about 2 float32 ulps of an E4M3 rounding midpoint.
