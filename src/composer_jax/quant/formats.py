@@ -61,9 +61,14 @@ Where this departs from torchao 0.18's `nvfp4_quantize` (`torchao.prototype.mx_f
     s_second is NaN and every element under it decodes to NaN (as MX's NaN scale, OCP MX v1.0
     section 5.2); torchao's scale from an Inf amax is Inf, its block scales clamp to 2^-6 and its
     finite elements divide by an Inf scale to 0 (the Inf itself to NaN).
-  - torchao divides twice, (amax / 6) / s_second; here amax / (6 s_second): both are one float32
-    rounding step from the exact quotient, so s_block can differ by one E4M3 step only where that
-    quotient lies within about 2 float32 ulps of an E4M3 rounding midpoint.
+  - The block scale and the elements are float32 divisions by a value broadcast over the block
+    (6 s_second; s_block * s_second), which XLA computes as a multiplication by the divisor's
+    rounded reciprocal (1 ulp off the quotient for ~25% of operands); torch divides exactly, and
+    torchao takes the block scale as (amax / 6) / s_second. Either can move a rounded E4M3 scale
+    or E2M1 element by one step only where the exact quotient lies within an ulp or two of a
+    rounding midpoint: bench/nvfp4_torchao.py finds 1 block scale of 51,200 (and the 13 of its
+    block's 16 values) differing from torchao on 200 random tensors, every second-level scale and
+    every other value equal.
   - float32 subnormals: XLA:CPU flushes them to zero (inputs and results), torch on CPU does not.
     So an input element below 2^-126 counts as 0, a product s_block * s_second below 2^-126
     flushes to 0 and its block decodes to 0, and s_second, whose exact value lies below 2^-126
