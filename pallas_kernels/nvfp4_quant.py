@@ -3,8 +3,13 @@
 x [M, K] (float32 or bfloat16, K a multiple of 16) -> (packed E2M1 codes uint8 [M, K/2], E4M3
 block scales float8_e4m3fn [M, K/16], per-token float32 second-level scales [M, 1]):
 
-  s_second = amax(row) / (448 * 6)   (1 for an all-zero row, NaN for a row holding NaN or Inf)
-  s_block  = E4M3(min(amax(block) / (6 * s_second), 448))    round to nearest even
+  s_second = amax(row) / (448 * 6)   correctly rounded (in integers: XLA folds a float division by a
+                                     constant into a multiplication by the rounded reciprocal), at
+                                     least 2^-126 (XLA:CPU flushes float32 subnormals to zero); 1 for
+                                     an all-zero row, NaN for a row holding NaN or Inf
+  s_block  = E4M3(clip(amax(block) / (6 * s_second), 2^-9, 448))    round to nearest even; the
+                                     lower clip (E4M3's smallest subnormal) only for a nonzero block,
+                                     so a block whose scale would round to 0 keeps what 2^-9 keeps
   e2m1     = E2M1(x / (s_block * s_second))                 round to nearest even, saturating at 6
                                                                (0 where s_block * s_second is 0)
 
@@ -34,13 +39,31 @@ from pallas_kernels.shapes import out_struct
 BLOCK = 16
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
+E4M3_SMALLEST = 2.0**-9  # the least nonzero block scale
+F32_TINY = 2.0**-126  # float32's smallest normal
 
 
 def second_scale(x: jax.Array) -> jax.Array:
     """float32 [M, 1] per-token second-level scale (NaN counted as Inf in the amax)."""
     xf = x.astype(jnp.float32)
     amax = jnp.max(jnp.where(xf == xf, jnp.abs(xf), jnp.inf), axis=1, keepdims=True)
-    s = amax / (E4M3_MAX * E2M1_MAX)
+    return second_scale_of_amax(amax)
+
+
+def second_scale_of_amax(amax: jax.Array) -> jax.Array:
+    """float32 amax / 2688 correctly rounded, clamped below at 2^-126 (1 for amax 0, NaN for Inf
+    or NaN): the integer quotient of amax's 24-bit significand times 2^5 by 21 (2688 = 21 * 2^7),
+    one more bit dropped where it has 25, rounded up where the remainder is over one half (never
+    exactly one half). The same computation as `composer_jax.quant.formats.nvfp4_second_scale`."""
+    bits = jax.lax.bitcast_convert_type(amax.astype(jnp.float32), jnp.int32)
+    e = (bits >> 23) & 0xFF
+    n = ((bits & 0x7FFFFF) | 0x800000) << 5
+    q, r = jax.lax.div(n, jnp.int32(21)), jax.lax.rem(n, jnp.int32(21))
+    wide = q >= 2**24
+    num, den = jnp.where(wide, (q & 1) * 21 + r, r), jnp.where(wide, 42, 21)
+    q = jnp.where(wide, q >> 1, q) + (2 * num > den).astype(jnp.int32)
+    s = jnp.ldexp(q.astype(jnp.float32), e - 162 + wide)
+    s = jnp.where((e == 0) | ~(s >= F32_TINY), F32_TINY, s)
     return jnp.where(amax < jnp.inf, jnp.where(amax > 0, s, 1.0), jnp.nan)
 
 
@@ -66,7 +89,9 @@ def _quantize_halves(even, odd, s2):
     -> (packed uint8 [rows, 8], E4M3 block scale [rows])."""
     mag = lambda a: jnp.max(jnp.where(a == a, jnp.abs(a), jnp.inf), axis=1)
     amax = jnp.maximum(mag(even), mag(odd))
-    sb = jnp.minimum(amax / (E2M1_MAX * s2), E4M3_MAX).astype(jnp.float8_e4m3fn)
+    t = amax / (E2M1_MAX * s2)
+    t = jnp.where((amax > 0) & (t < E4M3_SMALLEST), E4M3_SMALLEST, t)
+    sb = jnp.minimum(t, E4M3_MAX).astype(jnp.float8_e4m3fn)
     scale = (sb.astype(jnp.float32) * s2)[:, None]
     pos = scale > 0  # False for 0 and NaN
     div = lambda a: jnp.where(pos, a / jnp.where(pos, scale, 1.0), 0.0)

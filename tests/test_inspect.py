@@ -297,7 +297,7 @@ def _named_hardware(path: Path) -> str:
 
 
 # every config under configs/ that names the hardware it is sized for (train.device): the real-size
-# pretraining stages now; RL trainer / sampler configs will join this list when they exist
+# pretraining stages and the RL run (configs/rl/kimi_k2_h200.yaml; tests/test_inspect_rl.py has its RL figures)
 REAL_SIZE = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if _named_hardware(p))
 
 

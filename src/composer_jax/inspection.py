@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from composer_jax import inspection_rl
 from composer_jax.config import MESH_AXES, Config, ConfigError, config_from_dict, deep_merge, read_yaml, to_dict
 from composer_jax.model import accounting
 from composer_jax.sharding import MeshRules, ShardingRules
@@ -232,14 +233,30 @@ def _parser() -> argparse.ArgumentParser:
         help="also compile the real train step on this machine's devices (the mesh must match them) and "
         "print XLA's per-device memory analysis next to the estimate",
     )
+    p.add_argument(
+        "--serve-precision",
+        choices=inspection_rl.SERVE_PRECISIONS,
+        help="an RL config's vLLM replica: the weights' serving precision (default: rl.publish_dtype, else "
+        "model.param_dtype; fp8 = vLLM --quantization fp8, block-scaled as the DeepSeek / Kimi hub checkpoints)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        metavar="U",
+        default=inspection_rl.DEFAULT_GPU_MEMORY_UTILIZATION,
+        help="an RL config's vLLM replica: share of each GPU's memory vLLM may use "
+        f"(its --gpu-memory-utilization; default {inspection_rl.DEFAULT_GPU_MEMORY_UTILIZATION})",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text report")
     return p
 
 
 def _load(args: argparse.Namespace) -> tuple[Config, bool]:
-    """The config, and whether it is a training config (its YAML, with bases, has a `train:` section)."""
+    """The config, and whether it is a training config (its YAML, with bases, has a `train:` section).
+    Sets args.rl when the YAML has an `rl:` section (an RL run: the trainer step and replica are sized)."""
     data = read_yaml(Path(args.config).resolve())
     is_training = "train" in data
+    args.rl = "rl" in data
     if args.mesh:
         mesh_data = read_yaml(Path(args.mesh).resolve())
         extra = sorted(set(mesh_data) - {"mesh"})
@@ -312,13 +329,15 @@ def build_report(
     min_headroom: float = DEFAULT_MIN_HEADROOM,
     fp32_master: bool = False,
     backend: str = "gpu",
+    rl: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Everything `inspect` prints, as a JSON-serialisable dict. Raises UsageError on bad batch/seq.
 
     `device` (a key of DEVICES) or `device_memory_gib` adds a verdict: the estimate fits when it
     leaves at least `min_headroom` of the device's memory free. `backend` is where the step will run
     ("cpu" for XLA:CPU, anything else an accelerator): `model.moe_impl=auto` takes the tiled
-    dispatch on CPU and ragged_dot elsewhere, and the tiled one costs more memory."""
+    dispatch on CPU and ragged_dot elsewhere, and the tiled one costs more memory. `rl` (an RL
+    config: serve_precision, utilization) adds the RL trainer step and vLLM replica (inspection_rl.py)."""
     m = cfg.model
     rules = ShardingRules.create(cfg.sharding_rules)
     batch = _checked_shape(cfg, rules, sizes, batch, seq, micro_batches)
@@ -347,7 +366,7 @@ def build_report(
         self_distill=self_distill,
         tiled_moe=m.moe_impl == "tiled" or (m.moe_impl == "auto" and backend == "cpu"),
     )
-    report = {
+    report: dict[str, Any] = {
         "model": m.name,
         "mesh": sizes,
         "devices": math.prod(sizes.values()),
@@ -378,6 +397,11 @@ def build_report(
     }
     if device is not None or device_memory_gib is not None:
         report.update(_verdict(mem["total"], device, device_memory_gib, min_headroom))
+    if rl is not None:
+        capacity = report["device"]["memory_bytes"] if "device" in report else None
+        report["rl"] = inspection_rl.rl_report(
+            cfg, report, rows, rules, sizes, head_chunks, device_bytes=capacity, min_headroom=min_headroom, **rl
+        )
     return accounting.as_builtin(report)
 
 
@@ -617,6 +641,8 @@ def format_report(r: dict[str, Any]) -> str:
     if "xla" in r:
         lines += _xla_lines(r["xla"])
     lines += _all_to_all_lines(r["expert_all_to_all"])
+    if "rl" in r:
+        lines += inspection_rl.format_rl(r["rl"], _gib)
     if r["unsplit_axes"]:
         lines += ["", "not split as the rules say (the mesh axis does not divide the dimension; replicated over it):"]
         lines += [
@@ -663,6 +689,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             min_headroom=args.min_headroom,
             fp32_master=args.fp32_master,
             backend=_backend() if args.xla else "gpu",
+            rl=_rl_args(cfg, args) if args.rl else None,
         )
         if args.xla:
             report["xla"] = xla_comparison(_with_shape(cfg, report), report["memory_per_device"])
@@ -676,7 +703,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(accounting.as_builtin(report), indent=1))
     else:
         print(format_report(report))
-    return 1 if report.get("fits") is False else 0
+    return 1 if report.get("fits") is False or report.get("rl", {}).get("trainer_fits") is False else 0
+
+
+def _rl_args(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
+    """The replica's settings from the flags: the serving precision (default: the published dtype)
+    and vLLM's memory utilisation, checked."""
+    u = args.gpu_memory_utilization
+    if not 0 < u <= 1:
+        raise UsageError(f"--gpu-memory-utilization {u}: accepted: a fraction in (0, 1]")
+    precision = args.serve_precision or cfg.rl.publish_dtype or cfg.model.param_dtype
+    if precision not in inspection_rl.SERVE_PRECISIONS:
+        raise UsageError(
+            f"serving precision {precision!r} (from rl.publish_dtype / model.param_dtype) is not accepted; "
+            f"give --serve-precision, one of {', '.join(inspection_rl.SERVE_PRECISIONS)}"
+        )
+    return {"serve_precision": precision, "utilization": u}
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ model picks for tokens that are trained on; the reference log-probabilities and 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -140,7 +141,11 @@ def test_sharded_equals_unsharded_with_expert_and_context_parallelism(setup):
         v, g, s, _ = jax.jit(lambda p, b: batch_gradients(p, b, cfg, MeshRules(mesh, rules), obj))(sharded, batch)
         # the reference forward under the same mesh undoes the zigzag layout
         ref_sharded = jax.jit(lambda p, b: reference_logprobs(p, b, cfg, MeshRules(mesh, rules)))(sharded, batch)
+        # and by micro-batches of the sharded rows (2 x 4 rows, one per batch shard)
+        micro = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batches=2))
+        ref_micro = jax.jit(lambda p, b: reference_logprobs(p, b, micro, MeshRules(mesh, rules)))(sharded, batch)
     np.testing.assert_allclose(np.asarray(ref_sharded), np.asarray(ref_fn(params, batch)), atol=2e-5)
+    np.testing.assert_allclose(np.asarray(ref_micro), np.asarray(ref_fn(params, batch)), atol=2e-5)
     np.testing.assert_allclose(float(v), float(value), rtol=2e-6)
     for k in ("pg_loss", "kl_loss", "kept_tokens", "clipped_tokens", "entropy", "mismatch_kl_k3", "expert_counts"):
         np.testing.assert_allclose(np.asarray(s[k]), np.asarray(sums[k]), rtol=2e-5, atol=1e-6, err_msg=k)
@@ -214,6 +219,16 @@ def test_reference_logprobs_and_k1(setup):
     # the policy as its own reference: k1 = log pi - log pi_ref = 0 on every token
     own = {**batch, "ref_logprobs": np.asarray(ref_fn(params, batch))}
     assert abs(float(_value_fn()[0](params, own)[1]["kl_ref"])) < 1e-6
+
+
+def test_reference_logprobs_run_by_micro_batches_equal_one_forward(setup):
+    # train.micro_batches=4: the reference forward takes rows j, j + 4, ... at a time (the step's split)
+    cfg, _, ref_params, batch, _, _ = setup
+    micro = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batches=4))
+    plain = {k: v for k, v in batch.items() if k != "ref_logprobs"}
+    got = np.asarray(jax.jit(lambda p, b: reference_logprobs(p, b, micro))(ref_params, plain))
+    np.testing.assert_allclose(got, batch["ref_logprobs"], atol=1e-5)
+    assert not np.array_equal(got[0], got[1])  # the rows went back to their places
 
 
 def test_prepared_routing_is_the_forward_layout_in_zigzag_order():

@@ -430,6 +430,54 @@ def activation_bytes(
     }
 
 
+def forward_bytes_per_token(cfg: ModelConfig, sizes: Mapping[str, int], seq: int) -> float:
+    """A forward-only pass's live bytes per local token (no backward pass keeps anything): the
+    residual stream into and out of a layer and the largest layer's working set
+    (`_layer_activation_bytes`, linear and attention-score parts)."""
+    layers = [_layer_activation_bytes(cfg, sizes, seq, moe=False)] if cfg.num_dense_layers else []
+    if cfg.num_moe_layers:
+        layers.append(_layer_activation_bytes(cfg, sizes, seq, moe=bool(cfg.num_experts)))
+    worst = max((a["linear"] + a["scores"] for a in layers), default=0.0)
+    return 2 * cfg.hidden_size * _BYTES[cfg.compute_dtype] + worst
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: str) -> int:
+    """Bytes one token adds to a decoder's KV cache in `dtype`: MLA caches the compressed latent and
+    the shared rotary key (kv_lora_rank + qk_rope_head_dim values per layer, what the project's
+    sampler and vLLM's MLA keep); GQA a key and a value per KV head and layer."""
+    if cfg.attention_type == "mla":
+        per_layer = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    else:
+        per_layer = 2 * cfg.num_kv_heads * cfg.head_dim
+    return cfg.num_layers * per_layer * _BYTES[dtype]
+
+
+# FP8 serving (vLLM --quantization fp8, the DeepSeek-V3 / Kimi K2 hub checkpoints): the matmul weights
+# of attention, dense MLPs and experts in float8_e4m3fn with one float32 scale per 128 x 128 block;
+# the embedding, output head, norms and router stay bfloat16.
+FP8_BLOCK = 128
+_FP8_COMPONENTS = ("attention", "dense_mlp", "routed_experts", "shared_experts", "mtp")
+
+
+def serving_weight_bytes(rows: list[ParamRow], precision: str) -> float:
+    """Bytes of these parameter arrays served at `precision`: "bfloat16" / "float32" for every array,
+    or "fp8" (`FP8_BLOCK` above: 1 byte per matmul weight plus 4 per 128 x 128 block, 2 bytes for
+    the rest). Norms and biases (`matmul` False) stay bfloat16 under fp8 as well."""
+    if precision in ("bfloat16", "float32"):
+        return float(sum(r.size for r in rows) * _BYTES[precision])
+    if precision != "fp8":
+        raise ValueError(f"serving precision {precision!r} is not accepted; accepted: bfloat16, float32, fp8")
+    total = 0.0
+    for r in rows:
+        if r.component in _FP8_COMPONENTS and r.matmul and len(r.shape) >= 2:
+            lead = math.prod(r.shape[:-2])
+            blocks = lead * math.ceil(r.shape[-2] / FP8_BLOCK) * math.ceil(r.shape[-1] / FP8_BLOCK)
+            total += r.size + 4 * blocks
+        else:
+            total += 2 * r.size
+    return total
+
+
 def as_builtin(x: Any) -> Any:
     """numpy scalars -> Python numbers, recursively (for JSON)."""
     if isinstance(x, dict):

@@ -35,12 +35,46 @@ tensor, s_second = amax(tensor) / (448 * 6), so that s_block = amax(block) / (6 
 to nearest E4M3, stays <= 448. Composer 2 uses one s_second per token (row) instead: the
 per-tensor scale makes a token's quantisation depend on every other token of the batch (later ones
 included, a causal leak). Here `second="tensor"`, `"token"` (amax over the quantised axis only) or
-an explicit tuple of axes over which s_second's amax is taken. Quantising: e2m1 = round_to_E2M1(x /
-(s_block * s_second)) (float32 product, then division, both rounded once); a zero block scale (a
-zero block, or one whose amax underflows E4M3) gives zero elements; a non-finite amax gives a NaN
-s_second, so the tensor (or row) decodes to NaN. Dequantising is (e2m1 * s_block) * s_second in
-float32 (the first product is exact). Optional 16 x 16 two-dimensional blocks (`block_2d`) for
-weights, so a matrix and its transpose quantise to the same values.
+an explicit tuple of axes over which s_second's amax is taken.
+
+s_second is the correctly rounded float32 quotient amax / 2688 (`nvfp4_second_scale`). A plain
+`amax / 2688.0` is not: XLA rewrites a division by a constant, or by any broadcast scalar, into a
+multiplication by the rounded reciprocal, 1 ulp off for about a quarter of all amax values. The
+quotient is computed in integers instead (2688 = 21 * 2^7: amax's 24-bit significand times 2^5
+divided by 21, the remainder deciding the rounding), which no compiler rewrites.
+
+Quantising: s_block = E4M3(amax(block) / (6 s_second)) (the float32 quotient, then rounded to
+nearest even E4M3, saturating at 448); e2m1 = round_to_E2M1(x / (s_block * s_second)) (float32
+product, then division, both rounded once). A block whose amax is not zero but whose s_block would
+round to E4M3 zero (amax(block) / (6 s_second) <= 2^-10) gets the smallest nonzero scale 2^-9
+instead, so that its elements above 2^-11 s_second, which that scale keeps, are kept; only an
+all-zero block has a zero scale (its elements are 0). A non-finite amax gives a NaN s_second, so
+the tensor (or row) decodes to NaN. Dequantising is (e2m1 * s_block) * s_second in float32 (the
+first product is exact). Optional 16 x 16 two-dimensional blocks (`block_2d`) for weights, so a
+matrix and its transpose quantise to the same values.
+
+Where this departs from torchao 0.18's `nvfp4_quantize` (`torchao.prototype.mx_formats`), by choice:
+  - E4M3 subnormal block scales: s_block is the nearest E4M3 value, subnormals (2^-9 .. 7 * 2^-9)
+    included, clamped below at 2^-9 only for a nonzero block; torchao clamps every block scale to
+    at least E4M3's smallest normal 2^-6, so a small block's elements get a coarser scale there.
+  - Inf or NaN in the amax of a second-level scale (the tensor, or the row with second="token"):
+    s_second is NaN and every element under it decodes to NaN (as MX's NaN scale, OCP MX v1.0
+    section 5.2); torchao's scale from an Inf amax is Inf, its block scales clamp to 2^-6 and its
+    finite elements divide by an Inf scale to 0 (the Inf itself to NaN).
+  - The block scale and the elements are float32 divisions by a value broadcast over the block
+    (6 s_second; s_block * s_second), which XLA computes as a multiplication by the divisor's
+    rounded reciprocal (1 ulp off the quotient for ~25% of operands); torch divides exactly, and
+    torchao takes the block scale as (amax / 6) / s_second. Either can move a rounded E4M3 scale
+    or E2M1 element by one step only where the exact quotient lies within an ulp or two of a
+    rounding midpoint: bench/nvfp4_torchao.py finds 1 block scale of 51,200 (and the 13 of its
+    block's 16 values) differing from torchao on 200 random tensors, every second-level scale and
+    every other value equal.
+  - float32 subnormals: XLA:CPU flushes them to zero (inputs and results), torch on CPU does not.
+    So an input element below 2^-126 counts as 0, a product s_block * s_second below 2^-126
+    flushes to 0 and its block decodes to 0, and s_second, whose exact value lies below 2^-126
+    where amax < 2688 * 2^-126 (about 3.2e-35), is clamped to 2^-126 instead of flushing to 0
+    (which would zero the row): with it every block scale amax(block) / (6 * 2^-126) is below
+    448, so the row stays representable.
 
 FP4 packing: two E2M1 codes per byte along the (padded) quantised axis, element 2i in the low
 nibble and 2i+1 in the high nibble; a code is sign << 3 | index of |x| in (0, .5, 1, 1.5, 2, 3, 4, 6).
@@ -275,18 +309,56 @@ def mx_quantize(
     return QuantArray(data, code, None, fmt, axis, shape)
 
 
+# s_second's divisor 448 * 6 = 2688 = NVFP4_DIVISOR_ODD * 2^NVFP4_DIVISOR_SHIFT
+NVFP4_DIVISOR_ODD = 21
+NVFP4_DIVISOR_SHIFT = 7
+F32_TINY = 2.0**-126  # float32's smallest normal
+E4M3_SMALLEST = 2.0**-9  # E4M3's smallest subnormal: the least nonzero block scale
+
+
+def nvfp4_second_scale(amax: jax.Array) -> jax.Array:
+    """float32 amax / (448 * 6), correctly rounded (to nearest, ties to even) for amax >= 2^-126;
+    2^-126 where the quotient would be below it (see the module docstring); 1 where amax == 0;
+    NaN where amax is not finite.
+
+    Integer arithmetic, so that no compiler can turn the division into a multiplication by a rounded
+    reciprocal: amax = m 2^(e - 150) with the 24-bit significand m, and amax / (21 * 2^7) = n / 21 *
+    2^(e - 162) with n = 32 m < 2^29. n / 21 = q + r / 21 has 24 or 25 integer bits; with 25 the last
+    is dropped into the remainder (then over 42). The dropped fraction rounds q up when above one half;
+    it is never exactly one half (that needs r = 0 and an odd q, but then n = 21 q would be odd)."""
+    amax = amax.astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(amax, jnp.int32)
+    e = (bits >> 23) & 0xFF
+    n = ((bits & 0x7FFFFF) | 0x800000) << 5
+    d = NVFP4_DIVISOR_ODD
+    q, r = jax.lax.div(n, jnp.int32(d)), jax.lax.rem(n, jnp.int32(d))
+    wide = q >= 2**24
+    num = jnp.where(wide, (q & 1) * d + r, r)  # the dropped fraction is num / den
+    den = jnp.where(wide, 2 * d, d)
+    q = jnp.where(wide, q >> 1, q)
+    up = (2 * num > den).astype(jnp.int32)
+    s = jnp.ldexp((q + up).astype(jnp.float32), e - 150 - 5 - NVFP4_DIVISOR_SHIFT + wide)
+    s = jnp.where((e == 0) | ~(s >= F32_TINY), F32_TINY, s)  # subnormal amax or quotient: clamped
+    return jnp.where(jnp.isfinite(amax), jnp.where(amax > 0, s, 1.0), jnp.nan)
+
+
 def _second_scale(x: jax.Array, second, axis: int) -> jax.Array:
-    """float32 s_second = amax / (448 * 6) over the chosen axes (keepdims); 1 where amax == 0,
-    NaN where it is not finite."""
+    """float32 s_second = amax / (448 * 6) over the chosen axes (keepdims), `nvfp4_second_scale`."""
     if second == "tensor":
         axes = tuple(range(x.ndim))
     elif second == "token":
         axes = (axis % x.ndim,)
     else:
         axes = tuple(a % x.ndim for a in second)
-    amax = _amax(x, axes, keepdims=True)
-    s = amax / (E4M3.max * E2M1.max)
-    return jnp.where(jnp.isfinite(amax), jnp.where(amax > 0, s, 1.0), jnp.nan)
+    return nvfp4_second_scale(_amax(x, axes, keepdims=True))
+
+
+def nvfp4_block_scale(amax: jax.Array, s2: jax.Array) -> jax.Array:
+    """float32 E4M3 block scales: amax / (6 s_second) rounded to nearest even E4M3 (saturating at
+    448), at least 2^-9 for a nonzero block (0 for an all-zero one, NaN where s_second is NaN)."""
+    t = amax / (E2M1.max * s2)
+    t = jnp.where((amax > 0) & (t < E4M3_SMALLEST), E4M3_SMALLEST, t)
+    return round_to_format(t, E4M3)
 
 
 @functools.partial(jax.jit, static_argnames=("axis", "second", "block_2d"))
@@ -315,7 +387,7 @@ def nvfp4_quantize(
         raise ValueError(f"the second-level scale's axes {second} must include the quantised axis {axis}")
     if block_2d and s2.shape[-2] != 1:
         raise ValueError("2-D NVFP4 blocks need a second-level scale constant along the rows")
-    sb = round_to_format(amax / (E2M1.max * s2), E4M3)  # [..., nb] or [..., rows / 16, nb]
+    sb = nvfp4_block_scale(amax, s2)  # [..., nb] or [..., rows / 16, nb]
     sb_full = repeat(sb, _ROWS_OF_BLOCKS, blk=b) if block_2d else sb  # [..., rows, nb]
     scale = sb_full[..., None] * s2[..., None]  # float32 product, rounded once
     v = round_to_format(jnp.where(scale > 0, blocks / jnp.where(scale > 0, scale, 1.0), 0.0), E2M1, key)

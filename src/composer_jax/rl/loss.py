@@ -37,6 +37,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from einops import rearrange
 
 from composer_jax.config import Config
 from composer_jax.config.rl import RLLossConfig
@@ -333,7 +334,22 @@ def reference_logprobs(
     token-aligned like `sampler_logprobs` (index i is token i's; 0 where no prediction reaches it:
     the first token of each segment and padding). The batch as the objective takes it, without
     ref_logprobs. replay: route with the batch's recorded experts (default: the reference model
-    routes itself). Pure; jit it with the step's shardings (see tests/rl)."""
+    routes itself). Pure; jit it with the step's shardings (see tests/rl).
+
+    Run train.micro_batches shares of the rows at a time (rows j, j + micro, ... as the train step
+    splits them, so each device keeps its own rows), one after another: the forward's working set is
+    a micro-batch's, as in the step, not the whole batch's (at Kimi K2 size the difference between
+    fitting an H200 and not, `composer-jax inspect` on configs/rl/kimi_k2_h200.yaml)."""
+    micro = cfg.train.micro_batches
+    if micro <= 1 or batch["tokens"].shape[0] % micro:
+        return _reference_rows(ref_params, batch, cfg, sharding, replay)
+    split = {k: rearrange(jnp.asarray(v), "(row micro) ... -> micro row ...", micro=micro) for k, v in batch.items()}
+    out = jax.lax.map(lambda mb: _reference_rows(ref_params, mb, cfg, sharding, replay), split)
+    return rearrange(out, "micro row seq -> (row micro) seq")
+
+
+def _reference_rows(ref_params: Any, batch: dict, cfg: Config, sharding: MeshRules | None, replay: bool) -> jax.Array:
+    """`reference_logprobs` of these rows in one forward."""
     s = batch["tokens"].shape[1]
     context = context_size(sharding)
     with_routing = replay and "routing" in batch

@@ -1,0 +1,269 @@
+"""`composer-jax inspect` on an RL config (one with an `rl:` section): the RL trainer step's memory
+per device with a fit verdict, and the GPUs one vLLM replica of the policy needs.
+
+The trainer (rl/trainer.py) runs three phases a step, each with the train state resident (the
+policy's parameters and AdamW moments) and, when rl.loss.kl_coef > 0, the frozen reference copy
+of the parameters (sharded like them):
+
+  reference  the reference policy's log-probs of the batch (`rl.loss.reference_logprobs`, forward
+             only, one train.micro_batches share of the rows at a time): the step's batch, one
+             gathered layer of the reference weights, a micro-batch's forward working set (two
+             residual-stream copies and the largest layer's working set per token) and the
+             log-probs' head chunk (logits and exponentials);
+  step       the policy's log-probs and gradients (`make_train_step` with the RL objective): what
+             `accounting.memory_per_device` counts for pretraining at the same micro-batches and
+             sequence length (gradients, FSDP buffers, activations with the chunked log-prob head),
+             plus the batch and its prediction-aligned copy (`prepare`), the reference log-probs
+             and, with router replay, the recorded experts int32[moe_layers, k] per token;
+  publish    the copy of the new parameters handed to the samplers (`_copy` in the trainer).
+
+The peak is the largest phase; the verdict is against train.device as for pretraining.
+
+A vLLM replica (`replica`): weights at the serving precision W = D + E (E the routed experts, D the
+rest), the KV cache of C sequences (rl.sampler.slots, what one replica decodes together) of L tokens
+(train.seq_len, a generation's prompt plus completion), K = C L x `accounting.kv_bytes_per_token`
+(MLA caches the latent kv_lora_rank + qk_rope_head_dim values per layer), and per GPU u x M usable
+(M the device's memory, u vLLM's --gpu-memory-utilization, default 0.9). Two layouts of N GPUs:
+  tensor parallel:            W / N + K <= u M  (MLA's latent is one per token, not per head: every
+                              tensor-parallel rank holds the whole cache; a GQA cache splits over up
+                              to its KV heads);
+  data-parallel attention +   D + E / N + K / N <= u M  (attention, embedding and dense weights on
+  expert parallel:            every GPU; experts and sequences split N ways), N >= (E + K) / (u M - D).
+N is the smallest power of two that fits (dividing the heads, resp. the experts); the activation
+workspace and CUDA graphs come out of the same u M in vLLM, so the counts are lower bounds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from composer_jax.config import Config
+from composer_jax.model import accounting
+from composer_jax.sharding import ShardingRules
+
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's --gpu-memory-utilization default
+SERVE_PRECISIONS = ("bfloat16", "float32", "fp8")
+MAX_REPLICA_GPUS = 1024
+_INT32 = 4
+_F32 = 4
+
+
+def _batch_bytes_per_token(cfg: Config) -> float:
+    """The RL batch's bytes per token: BASE_KEYS (six int32 / float32 arrays), ref_logprobs and the
+    recorded routing when used; twice, for `prepare`'s prediction-aligned copy."""
+    m, lc = cfg.model, cfg.rl.loss
+    n = 6 + (1 if lc.kl_coef > 0 else 0)
+    routing = m.num_moe_layers * m.num_experts_per_tok * _INT32 if lc.router_replay and m.num_moe_layers else 0
+    return 2 * (n * 4 + routing)
+
+
+def rl_trainer_memory(
+    cfg: Config,
+    rules: ShardingRules,
+    sizes: Mapping[str, int],
+    mem: Mapping[str, Any],
+    batch: int,
+    seq: int,
+    micro_batches: int,
+    head_chunks: int | None,
+) -> dict[str, Any]:
+    """Per-device bytes of the RL trainer's three phases (module docstring), `mem` being
+    `accounting.memory_per_device` of the same model, mesh, batch, seq and micro-batches."""
+    m, lc = cfg.model, cfg.rl.loss
+    shards = accounting.batch_shards(rules, sizes)
+    tokens = batch / shards * seq / sizes["context"]  # the whole step's tokens per device
+    mb_tokens = tokens / micro_batches
+    state = mem["params"] + mem["optimizer"]
+    reference = mem["params"] if lc.kl_coef > 0 else 0.0
+    batch_bytes = tokens * _batch_bytes_per_token(cfg)
+    ref_logprobs = tokens * _F32 if lc.kl_coef > 0 else 0.0
+    row = m.vocab_size / sizes["tensor"] * _F32
+    chunks = head_chunks or 1
+    ref_forward = 0.0
+    if lc.kl_coef > 0:
+        gathered_layer = mem["fsdp_buffers"] / 2  # one layer and the head, without their gradients
+        ref_forward = (
+            gathered_layer
+            + mb_tokens * accounting.forward_bytes_per_token(m, sizes, seq)
+            + 2 * mb_tokens / chunks * row
+        )
+    phases = {
+        "reference": state + reference + batch_bytes + ref_forward + ref_logprobs,
+        "step": mem["total"] + reference + batch_bytes + ref_logprobs,
+        "publish": state + reference + mem["params"],
+    }
+    peak = max(phases, key=lambda k: phases[k])
+    return {
+        "tokens_per_device": tokens,
+        "micro_batch_tokens_per_device": mb_tokens,
+        "policy_step": mem["total"],
+        "reference_params": reference,
+        "reference_forward": ref_forward,
+        "reference_logprobs": ref_logprobs,
+        "batch": batch_bytes,
+        "publish_copy": mem["params"],
+        "phases": phases,
+        "peak_phase": peak,
+        "total": phases[peak],
+    }
+
+
+def _replica_layout(
+    weights: float, dense: float, experts: float, kv: float, usable: float, cfg: Config
+) -> dict[str, Any]:
+    """Smallest power-of-two N for each layout (module docstring); None where none up to
+    MAX_REPLICA_GPUS fits."""
+    m = cfg.model
+    kv_splits_tp = 1 if m.attention_type == "mla" else m.num_kv_heads
+    out: dict[str, Any] = {}
+    n = 1
+    tp = ep = None
+    while n <= MAX_REPLICA_GPUS:
+        if tp is None and m.num_heads % n == 0 and weights / n + kv / min(n, kv_splits_tp) <= usable:
+            tp = n
+        if ep is None and m.num_experts and m.num_experts % n == 0 and dense + (experts + kv) / n <= usable:
+            ep = n
+        n *= 2
+    out["tensor_parallel"] = tp
+    if tp is None:
+        out["tensor_parallel_note"] = (
+            f"every rank holds the whole {_gb(kv)} latent cache"
+            if m.attention_type == "mla" and kv >= usable
+            else f"no power of two dividing the {m.num_heads} heads fits"
+        )
+    out["dp_attention_expert_parallel"] = ep
+    out["ep_bound"] = (experts + kv) / (usable - dense) if m.num_experts and usable > dense else math.inf
+    choices = [g for g in (tp, ep) if g is not None]
+    out["gpus"] = min(choices) if choices else None
+    return out
+
+
+def replica(
+    cfg: Config,
+    rows: list[accounting.ParamRow],
+    device_bytes: float,
+    *,
+    precision: str,
+    utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+) -> dict[str, Any]:
+    """One vLLM replica of the policy at `precision` (module docstring): weights, KV cache and the
+    GPUs of each layout on devices of `device_bytes`."""
+    m = cfg.model
+    main = [r for r in rows if r.component != "mtp"]  # vLLM loads MTP only for speculative decoding
+    experts = accounting.serving_weight_bytes([r for r in main if r.component == "routed_experts"], precision)
+    dense = accounting.serving_weight_bytes([r for r in main if r.component != "routed_experts"], precision)
+    per_token = accounting.kv_bytes_per_token(m, m.compute_dtype)
+    sequences, length = cfg.rl.sampler.slots, cfg.train.seq_len
+    kv = per_token * sequences * length
+    usable = utilization * device_bytes
+    return {
+        "precision": precision,
+        "weights": dense + experts,
+        "routed_experts": experts,
+        "dense": dense,
+        "kv_dtype": m.compute_dtype,
+        "kv_bytes_per_token": per_token,
+        "sequences": sequences,
+        "seq_len": length,
+        "kv_cache": kv,
+        "utilization": utilization,
+        "usable_per_gpu": usable,
+        **_replica_layout(dense + experts, dense, experts, kv, usable, cfg),
+    }
+
+
+def rl_report(
+    cfg: Config,
+    report: Mapping[str, Any],
+    rows: list[accounting.ParamRow],
+    rules: ShardingRules,
+    sizes: Mapping[str, int],
+    head_chunks: int | None,
+    *,
+    device_bytes: float | None,
+    serve_precision: str,
+    utilization: float,
+    min_headroom: float,
+) -> dict[str, Any]:
+    """The report's `rl` part: the trainer's phases and verdict, the replicas at `serve_precision`
+    and at the other precisions of `SERVE_PRECISIONS` the weights are commonly served in."""
+    mem = report["memory_per_device"]
+    trainer = rl_trainer_memory(
+        cfg, rules, sizes, mem, report["batch"], report["seq"], report["micro_batches"], head_chunks
+    )
+    out: dict[str, Any] = {
+        "trainer": trainer,
+        "group_size": cfg.rl.group_size,
+        "groups_per_step": cfg.rl.groups_per_step,
+        "max_staleness": cfg.rl.max_staleness,
+        "kl_coef": cfg.rl.loss.kl_coef,
+        "router_replay": cfg.rl.loss.router_replay,
+        "sampler_urls": len(cfg.rl.sampler_urls),
+        "env_urls": len(cfg.rl.env_urls),
+    }
+    if device_bytes is not None:
+        free = device_bytes - trainer["total"]
+        out["trainer_fits"] = free >= min_headroom * device_bytes
+        out["trainer_headroom_fraction"] = free / device_bytes
+        precisions = [serve_precision] + [p for p in ("bfloat16", "fp8") if p != serve_precision]
+        out["replicas"] = [replica(cfg, rows, device_bytes, precision=p, utilization=utilization) for p in precisions]
+    return out
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:,.1f} GB" if x >= 1e8 else f"{x / 2**20:.2f} MiB"
+
+
+def _gpus(n: int | None) -> str:
+    if n is None:
+        return f"none up to {MAX_REPLICA_GPUS} GPUs"
+    nodes = -(-n // 8)
+    return f"{n} GPU{'s' if n > 1 else ''} ({nodes} node{'s' if nodes > 1 else ''} of 8)"
+
+
+def format_rl(r: Mapping[str, Any], gib) -> list[str]:
+    """The text report's RL lines (`gib` formats bytes as the rest of the report does)."""
+    t = r["trainer"]
+    ph = t["phases"]
+    lines = [
+        "",
+        f"RL trainer step per device (groups {r['groups_per_step']} x {r['group_size']} rollouts, max staleness "
+        f"{r['max_staleness']}, k1 KL coef {r['kl_coef']:g}, router replay {'on' if r['router_replay'] else 'off'}; "
+        f"{t['tokens_per_device']:,.0f} tokens per device a step, {t['micro_batch_tokens_per_device']:,.0f} per "
+        "micro-batch)",
+        f"  policy step      {gib(t['policy_step']):>12}   (log-probs and gradients: the memory per device above)",
+        f"  reference copy   {gib(t['reference_params']):>12}   "
+        + ("(rl.loss.kl_coef > 0: frozen, sharded as the policy)" if r["kl_coef"] > 0 else "(none: rl.loss.kl_coef 0)"),
+        f"  reference fwd    {gib(t['reference_forward']):>12}   (forward only, one micro-batch at a time)",
+        f"  batch            {gib(t['batch'] + t['reference_logprobs']):>12}   (rollout arrays, routing, "
+        "reference log-probs, prepared copy)",
+        f"  phases: reference {gib(ph['reference'])}, step {gib(ph['step'])}, publish {gib(ph['publish'])}; "
+        f"peak {gib(t['total'])} ({t['peak_phase']})",
+    ]
+    if "trainer_fits" in r:
+        lines.append(
+            f"  RL trainer verdict: {'FITS' if r['trainer_fits'] else 'DOES NOT FIT'} "
+            f"({r['trainer_headroom_fraction']:.1%} of the device free)"
+        )
+    for i, rep in enumerate(r.get("replicas", [])):
+        if i == 0:
+            lines += [
+                "",
+                f"vLLM replica of the policy ({r['sampler_urls']} in rl.sampler_urls): "
+                f"{rep['sequences']} sequences (rl.sampler.slots) x {rep['seq_len']:,} tokens (train.seq_len), "
+                f"{rep['utilization']:g} x device memory usable = {_gb(rep['usable_per_gpu'])} per GPU",
+                f"  KV cache {rep['kv_dtype']} {rep['kv_bytes_per_token']:,.0f} B/token -> {_gb(rep['kv_cache'])}",
+            ]
+        tag = "serving precision" if i == 0 else "alternative"
+        tp, ep = rep["tensor_parallel"], rep["dp_attention_expert_parallel"]
+        lines += [
+            f"  {rep['precision']} ({tag}): weights {_gb(rep['weights'])} = routed experts "
+            f"{_gb(rep['routed_experts'])} + the rest {_gb(rep['dense'])}",
+            f"    tensor parallel: {_gpus(tp) if tp else 'does not fit (' + rep['tensor_parallel_note'] + ')'}; "
+            f"DP attention + EP: {_gpus(ep)} (N >= {rep['ep_bound']:.1f})",
+        ]
+        if i == 0:
+            lines.append(f"  replica size at {rep['precision']}: {_gpus(rep['gpus'])}")
+    return lines

@@ -1,0 +1,131 @@
+"""`composer-jax inspect` on RL configs: the Kimi K2 run's trainer step and vLLM replica against
+hand calculations from the model's shapes (eval_shape only: nothing is allocated)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from composer_jax.config import check_rl_run, load_config
+from composer_jax.inspection import main
+
+ROOT = Path(__file__).resolve().parents[1]
+K2_RL = ROOT / "configs" / "rl" / "kimi_k2_h200.yaml"
+TINY_RL = ROOT / "configs" / "rl" / "tiny_families.yaml"
+
+# Kimi K2 (configs/model/kimi_k2.yaml): hidden 7168, vocab 163840, 61 layers (1 dense + 60 MoE),
+# 64 heads, MLA q_lora 1536 / kv_lora 512 / nope 128 / rope 64 / v 128, 384 experts of width 2048
+# + 1 shared, dense width 18432
+D, V, L, H, QL, KVL, NOPE, ROPE, VH, E, F, FD = 7168, 163840, 61, 64, 1536, 512, 128, 64, 128, 384, 2048, 18432
+ATTN = D * QL + QL + QL * H * (NOPE + ROPE) + D * (KVL + ROPE) + KVL + KVL * H * (NOPE + VH) + H * VH * D
+ROUTED = 60 * E * 3 * D * F
+K2_PARAMS = 2 * V * D + D + L * (ATTN + 2 * D) + 3 * D * FD + 60 * (E * 3 * D * F + 3 * D * F + D * E + E)
+
+
+def _json(capsys, *argv: str) -> tuple[int, dict]:
+    rc = main([*argv, "--json"])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+@pytest.fixture(scope="module")
+def k2():
+    """The K2 RL config's report (one eval_shape of the 1T model)."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main([str(K2_RL), "--json"])
+    return rc, json.loads(out.getvalue())
+
+
+def test_k2_parameters_and_serving_weights_by_hand(k2):
+    _, r = k2
+    assert r["params"]["total"] == K2_PARAMS == 1_026_408_232_448  # "1.04T" in Moonshot's rounding
+    bf16, fp8 = r["rl"]["replicas"]
+    assert bf16["precision"] == "bfloat16" and bf16["weights"] == 2 * K2_PARAMS
+    # fp8: each routed expert matrix [7168, 2048] in 1 byte per weight + a float32 per 128 x 128
+    # block (56 x 16 blocks)
+    assert fp8["routed_experts"] == ROUTED + 4 * 60 * E * 3 * (D // 128) * (F // 128)
+    # the rest: attention, shared and dense MLP matrices at 1 byte + block scales; embedding, head,
+    # norms and router at 2 bytes
+    assert 14.0e9 < fp8["dense"] < 14.5e9
+
+
+def test_k2_replica_gpus_by_hand(k2):
+    _, r = k2
+    for rep in r["rl"]["replicas"]:
+        # MLA caches 512 + 64 latent values per token and layer, bfloat16: 61 x 576 x 2 bytes
+        assert rep["kv_bytes_per_token"] == L * (KVL + ROPE) * 2 == 70_272
+        kv = 64 * 32768 * 70_272  # rl.sampler.slots x train.seq_len
+        assert rep["kv_cache"] == kv
+        usable = 0.9 * 141e9
+        # tensor parallel: every rank holds the whole latent cache, which exceeds a GPU's share
+        assert kv > usable and rep["tensor_parallel"] is None
+        # DP attention + EP: N >= (experts + KV) / (u M - the rest), then the next power of two
+        bound = (rep["routed_experts"] + kv) / (usable - rep["dense"])
+        assert rep["ep_bound"] == pytest.approx(bound)
+        assert rep["gpus"] == 2 ** math.ceil(math.log2(bound))
+    bf16, fp8 = r["rl"]["replicas"]
+    assert fp8["ep_bound"] == pytest.approx(10.317, abs=1e-3) and fp8["gpus"] == 16  # two nodes of 8
+    assert bf16["ep_bound"] == pytest.approx(21.04, abs=1e-2) and bf16["gpus"] == 32
+
+
+def test_k2_trainer_step_by_hand_and_its_verdict(k2):
+    rc, r = k2
+    t, mem = r["rl"]["trainer"], r["memory_per_device"]
+    # 1024 rows x 32768 tokens over 16 batch shards (fsdp 2 x expert 8) and 16 context devices
+    assert t["tokens_per_device"] == 1024 * 32768 / 16 / 16 == 131_072
+    assert t["micro_batch_tokens_per_device"] == 131_072 / 64
+    # the batch: 6 arrays + reference log-probs (4 bytes each) and the routing int32[60 layers, top 8],
+    # twice (prepare's prediction-aligned copy)
+    assert t["batch"] == 131_072 * 2 * (7 * 4 + 60 * 8 * 4)
+    assert t["reference_params"] == mem["params"] == t["publish_copy"]  # kl_coef 0.001: a frozen copy
+    ph = t["phases"]
+    assert ph["step"] == mem["total"] + t["reference_params"] + t["batch"] + t["reference_logprobs"]
+    assert ph["publish"] == mem["params"] * 3 + mem["optimizer"]
+    assert t["total"] == max(ph.values()) == ph["step"]
+    assert r["rl"]["trainer_fits"] and rc == 0
+    assert r["rl"]["trainer_headroom_fraction"] >= 0.10
+
+
+def test_k2_text_report_prints_the_verdict_and_the_replica_size(capsys):
+    assert main([str(K2_RL), "--serve-precision", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "RL trainer verdict: FITS" in out
+    assert "replica size at fp8: 16 GPUs (2 nodes of 8)" in out
+    assert "KV cache bfloat16 70,272 B/token -> 147.4 GB" in out
+    assert "every rank holds the whole 147.4 GB latent cache" in out
+
+
+def test_no_kl_no_reference_and_a_trainer_that_does_not_fit(capsys):
+    rc, r = _json(capsys, str(K2_RL), "rl.loss.kl_coef=0")
+    t = r["rl"]["trainer"]
+    assert rc == 0 and t["reference_params"] == 0 and t["reference_forward"] == 0
+    # one micro-batch: the whole step's 131K tokens per device in one forward and backward
+    rc, r = _json(capsys, str(K2_RL), "train.micro_batches=1")
+    assert rc == 1 and not r["rl"]["trainer_fits"]
+
+
+def test_tiny_rl_config_serves_on_one_gpu_by_tensor_parallel(capsys):
+    rc, r = _json(capsys, str(TINY_RL), "--device", "h200")
+    rep = r["rl"]["replicas"][0]
+    assert rc == 0 and rep["precision"] == "float32" and rep["tensor_parallel"] == 1 and rep["gpus"] == 1
+
+
+def test_bad_replica_flags_are_named(capsys):
+    assert main([str(TINY_RL), "--gpu-memory-utilization", "1.5"]) == 2
+    assert "--gpu-memory-utilization 1.5: accepted: a fraction in (0, 1]" in capsys.readouterr().err
+    assert main([str(TINY_RL), "--serve-precision", "int3"]) == 2
+    assert "int3" in capsys.readouterr().err
+
+
+def test_k2_rl_config_passes_the_learners_own_checks():
+    # what `composer-jax rl` checks before it starts: 32 trainer processes (one per node), replicas by URL
+    cfg = load_config(K2_RL, num_devices=None)
+    check_rl_run(cfg, process_count=32, cores=[])
+    assert cfg.rl.loss.advantage == "drgrpo" and cfg.rl.loss.aggregation == "token_sum"
+    assert cfg.rl.group_size * cfg.rl.groups_per_step * (1 + cfg.agent.max_summaries) == cfg.train.batch_size
