@@ -31,6 +31,11 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
         "eval_main",
         "the agent on tasks without training: pass@1, best-of-K, trajectories",
     ),
+    "vllm-replica": (
+        "composer_jax.rl.vllm_replica",
+        "main",
+        "one vLLM server (its own virtualenv) as a supervised sampler replica of a run",
+    ),
     "report": ("composer_jax.report", "main", "a run directory's Markdown report with PNG plots (loss, reward, eval)"),
     "data": ("composer_jax.data.cli", "main", "data tools: make-sft from Harbor tasks, peek at packed batches"),
 }

@@ -35,6 +35,7 @@ import typing
 from typing import Literal
 
 from composer_jax.config.sampler import LEARNER_SAMPLER, SamplerConfig, validate_sampler
+from composer_jax.config.vllm import VLLMConfig
 from composer_jax.errors import ConfigError
 
 # The built-in names of `rl.loss.advantage` and `rl.loss.aggregation`, each set written once (the
@@ -49,6 +50,7 @@ LENGTH_MEASURES: tuple[str, ...] = typing.get_args(LengthMeasure)
 STALENESS_UNITS = ("token", "group")
 PUBLISH_DTYPES = ("", "bfloat16", "float32")
 ENV_CORES = ("samplers", "all")  # rl.env_cores
+SAMPLER_ENGINES = ("serve", "vllm")  # rl.sampler_engine
 
 
 def _number(key: str, value: object, *, low: float | None = None, strict: bool = False) -> None:
@@ -181,6 +183,10 @@ class RLConfig:
     sampler_urls: tuple[str, ...] = ()
     sampler_token: str = ""
     local_samplers: int = 0
+    # what the replicas are: "serve" (composer-jax serve) or "vllm" (vLLM through its token-in/token-out
+    # generate endpoint; config/vllm.py, rl/vllm_policy.py); vllm: its settings
+    sampler_engine: str = "serve"
+    vllm: VLLMConfig = dataclasses.field(default_factory=VLLMConfig)
     # pin the trainer's threads to the first core this process may use and local replica i to the
     # (i+1)-th (as on separate accelerators); needs 1 + local_samplers cores
     pin_cores: bool = False
@@ -289,7 +295,14 @@ def validate_rl(r: RLConfig) -> None:
             f"rl.sampler_urls={list(r.sampler_urls)!r} and rl.local_samplers={r.local_samplers}: give one "
             "(replicas to use, or the number to start), not both"
         )
-    if r.sampler_urls and not r.weight_store:
+    if r.sampler_engine not in SAMPLER_ENGINES:
+        raise ConfigError(
+            f"rl.sampler_engine={r.sampler_engine!r} is not accepted; accepted: "
+            + " or ".join(map(repr, SAMPLER_ENGINES))
+        )
+    if r.sampler_engine == "vllm":
+        _check_vllm_replicas(r)
+    elif r.sampler_urls and not r.weight_store:
         raise ConfigError(
             "rl.sampler_urls needs rl.weight_store: the URL the replicas follow for new policy versions "
             "(the same one their `composer-jax serve --weights-from` names)"
@@ -316,4 +329,24 @@ def validate_rl(r: RLConfig) -> None:
         raise ConfigError(
             f"rl.weight_store={r.weight_store!r}: expected a tensorstore kvstore URL "
             "(file://DIR, gs://BUCKET/PATH, ...) or empty for none"
+        )
+
+
+def _check_vllm_replicas(r: RLConfig) -> None:
+    """vLLM replicas: where they come from must fit how they get new versions."""
+    how = r.vllm.weight_update
+    if not r.sampler_urls and not r.local_samplers:
+        raise ConfigError(
+            "rl.sampler_engine='vllm' needs replicas: rl.local_samplers=N (started by the run, new versions by "
+            "restart) or rl.sampler_urls (running replicas, new versions over NCCL: rl.vllm.weight_update=nccl)"
+        )
+    if how == "restart" and r.sampler_urls:
+        raise ConfigError(
+            f"rl.vllm.weight_update='restart' with rl.sampler_urls={list(r.sampler_urls)!r}: the run can restart "
+            "only replicas it started (rl.local_samplers); replicas by URL take versions with weight_update=nccl"
+        )
+    if how == "nccl" and not r.vllm.nccl_host and r.sampler_urls:
+        raise ConfigError(
+            "rl.vllm.weight_update='nccl' needs rl.vllm.nccl_host: the address of this trainer the replicas "
+            "join the NCCL group at"
         )

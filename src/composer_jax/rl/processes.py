@@ -193,6 +193,8 @@ class _Child:
         self.next_start = 0.0
         self.ever_ready = False
         self.restarts = 0
+        self.ready_count = 0  # starts that came up (the first one included)
+        self.replacing = False  # a planned restart (`Launcher.replace`): neither counted nor backed off
         self.recent: collections.deque[float] = collections.deque()  # restart times within the window
         self.reason: str | None = None  # why it was given up on
 
@@ -308,6 +310,41 @@ class Launcher:
         }
         out.update({f"{self.kind}/restarts_{i}": float(n) for i, n in enumerate(counts)})
         return out
+
+    def replace(self, index: int, timeout_s: float, why: str = "asked for") -> str:
+        """Stop child `index` and start it again on its port (its `argv(port)` is called anew, so a
+        spec whose argv reads the launcher's state starts on what changed); waits (at most
+        `timeout_s`) until it is up and returns its URL. A planned restart: not counted in
+        `restart_counts` nor against the restart policy. Raises the launcher's error when it does not
+        come back (it is then supervised as any child that went down)."""
+        if not 0 <= index < len(self._children) or self._thread is None:
+            raise self.error(
+                f"replace({index!r}): give a child index from 0 to {len(self._children) - 1} of a started launcher"
+            )
+        c = self._children[index]
+        with self._lock:
+            if c.state == _GIVEN_UP:
+                raise self.error(f"{c.spec.name} was given up on: {c.reason}")
+            before, proc = c.ready_count, c.proc
+            c.proc, c.state, c.next_start, c.replacing = None, _BACKOFF, float("inf"), True
+        log.info("%s: stopping %s to start it again (%s)", self.kind, c.spec.name, why)
+        if proc is not None:
+            stop_processes([proc], self.grace_s)
+        with self._lock:
+            c.next_start = time.monotonic()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not self._stop.is_set():
+            with self._lock:
+                if c.ready_count > before and c.state == _ALIVE and c.url:
+                    return c.url
+                if c.state in (_GIVEN_UP, _STOPPED):
+                    break
+            time.sleep(min(0.05, self.poll_s))
+        with self._lock:
+            state = c.reason or c.state
+        raise self.error(
+            f"{c.spec.name} did not come back within {timeout_s:g} s ({why}): {state}; its log: {c.spec.log_path}"
+        )
 
     # ------------------------------------------------------------------ start and stop
     def start(self) -> list[str]:
@@ -426,9 +463,13 @@ class Launcher:
             if (rc := c.proc.poll()) is not None:
                 self._restart_later(c, f"(pid {c.proc.pid}, {c.url}) {describe_exit(rc)}")
         elif c.state == _BACKOFF and now >= c.next_start:
-            c.restarts += 1
-            c.recent.append(now)
-            log.info("%s: restarting %s on port %d (restart %d)", self.kind, c.spec.name, c.port, c.restarts)
+            if c.replacing:
+                c.replacing = False
+                log.info("%s: starting %s again on port %d (asked for)", self.kind, c.spec.name, c.port)
+            else:
+                c.restarts += 1
+                c.recent.append(now)
+                log.info("%s: restarting %s on port %d (restart %d)", self.kind, c.spec.name, c.port, c.restarts)
             self._spawn(c)
         return None
 
@@ -450,6 +491,7 @@ class Launcher:
                 "%s: %s is back at %s (pid %d, restart %d)", self.kind, c.spec.name, url, c.proc.pid, c.restarts
             )
         c.url, c.state, c.ever_ready = url, _ALIVE, True
+        c.ready_count += 1
         c.port = urlsplit(url).port or 0
 
     def _failed(self, c: _Child, why: str) -> None:

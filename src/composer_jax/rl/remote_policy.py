@@ -30,7 +30,7 @@ from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.rl.policy import Generation, SamplerUnavailable, TokenContext, TurnRequest
 
 
-def _api_root(base_url: str) -> str:
+def api_root(base_url: str) -> str:
     if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
         raise ValueError(f"base_url {base_url!r} is not accepted; accepted: http(s)://HOST:PORT (optionally /v1)")
     root = base_url.rstrip("/")
@@ -61,7 +61,7 @@ class RemoteTokenPolicy(TokenContext):  # begin/extend: the token policy's (same
             raise ValueError(f"max_context={max_context!r}; accepted: an int >= 2")
         if full_retries < 0 or full_wait_s < 0:
             raise ValueError(f"full_retries={full_retries}, full_wait_s={full_wait_s}; accepted: both >= 0")
-        self.base_url = _api_root(base_url)
+        self.base_url = api_root(base_url)
         self.tok, self.max_context, self.model = tok, max_context, model
         self.full_retries, self.full_wait_s = full_retries, full_wait_s
         self._stop = tok.token_id("<|im_end|>")

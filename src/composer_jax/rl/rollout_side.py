@@ -42,6 +42,7 @@ from composer_jax.rl.queue import RolloutQueue
 from composer_jax.rl.remote_policy import RemoteTokenPolicy
 from composer_jax.rl.rewards import RolloutStats, compose_reward
 from composer_jax.rl.rollout_store import Group, GroupStore
+from composer_jax.rl.vllm_policy import VLLMTokenPolicy
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +146,8 @@ class RolloutSide:
             if isinstance(s, AsyncSampler) and s not in self.in_process:
                 self.in_process.append(s)
         self.remotes = [p for p in policies if isinstance(p, RemoteTokenPolicy)]
+        self.vllm = [p for p in policies if isinstance(p, VLLMTokenPolicy)]
+        self.exports: Any = None  # vLLM replicas by restart: each version's checkpoint (rl/vllm_launch.py)
         self._sample_group = sample_group
         self._loads: set[asyncio.Future] = set()  # version loads in flight (asynchronous runs)
         r = cfg.rl
@@ -185,6 +188,16 @@ class RolloutSide:
         launchers: list[Launcher] = [env_launcher] if env_launcher is not None else []
         client = await stack.enter_async_context(EnvClient(urls, token))
         remote = None
+        if r.sampler_engine == "vllm":
+            from composer_jax.rl.vllm_start import start_vllm  # vLLM replicas: only runs that use them
+
+            policies, exports, vllm_launcher = await start_vllm(stack, cfg, policy_args, out_dir, echo)
+            if vllm_launcher is not None:
+                launchers.append(vllm_launcher)
+            side = cls(cfg, client, policies, launchers=launchers, **kwargs)
+            side.exports = exports
+            stack.push_async_callback(side.aclose)
+            return side
         if r.sampler_urls:
             remote = (list(r.sampler_urls), r.sampler_token or os.environ.get("COMPOSER_JAX_SAMPLER_TOKEN", ""))
         elif r.local_samplers:
@@ -269,12 +282,33 @@ class RolloutSide:
                 self.pool.remove(p, str(exc))
 
         await asyncio.gather(*(one(p) for p in self.remotes if p in self.pool.alive))
+        if self.vllm:
+            await self.load_vllm(version)
+
+    async def load_vllm(self, version: int) -> None:
+        """The vLLM replicas serve `version`: one after another when asynchronous (the others keep
+        sampling meanwhile), together when synchronous (no group samples until all do)."""
+
+        async def one(p: VLLMTokenPolicy) -> None:
+            try:
+                await p.load_version(version)
+            except SamplerUnavailable as exc:
+                self.pool.remove(p, str(exc))
+
+        alive = [p for p in self.vllm if p in self.pool.alive]
+        if self.cfg.rl.max_staleness == 0:
+            await asyncio.gather(*(one(p) for p in alive))
+        else:
+            for p in alive:
+                await one(p)
 
     async def hand_over(self, params: Any, version: int, trained: int) -> None:
         """Version `version` (= `params`) to the samplers, then the queue told of it (the step before
         it trained `trained` groups)."""
         for s in self.in_process:
             s.update_weights(params, version)
+        if self.exports is not None:  # vLLM replicas restart on the version's checkpoint
+            await asyncio.to_thread(self.exports.export, params, version)
         if self.cfg.rl.max_staleness == 0:  # the next groups must start on this version
             await self.load_version(version)
         else:  # replicas take it between decode steps; tokens keep the version that made them
@@ -293,7 +327,7 @@ class RolloutSide:
     async def health(self) -> list[dict]:
         """Each replica's /health (decode steps, slot occupancy)."""
         out = []
-        for p in self.remotes:
+        for p in [*self.remotes, *self.vllm]:
             with contextlib.suppress(SamplerUnavailable):
                 out.append(await p.health())
         return out
@@ -308,7 +342,7 @@ class RolloutSide:
         for p in self.pool.policies:  # policies over other processes hold connections
             if callable(getattr(p, "aclose", None)):
                 await p.aclose()  # type: ignore[attr-defined]
-        self.in_process, self.remotes = [], []
+        self.in_process, self.remotes, self.vllm = [], [], []
         self.pool.policies = []
 
 

@@ -53,6 +53,7 @@ from composer_jax.rl.restore import Start, restore_or_init
 from composer_jax.rl.rewards import mean_components
 from composer_jax.rl.rollout_side import Rollouts, RolloutSide, rollout_stats, sample_group, task_of
 from composer_jax.rl.rollout_store import Group, GroupStore
+from composer_jax.rl.vllm_start import with_vllm_settings
 from composer_jax.sharding import MeshRules, ShardingRules, make_mesh
 from composer_jax.train.loop import run_checkpoint_config, run_tokenizer
 from composer_jax.train.observe import Progress, RunLogger, scalars
@@ -144,6 +145,7 @@ def run_rl(
     Returns a summary: per-step values (`summary["steps"][n]`), the group ids each step trained
     (`summary["trained_groups"][n]`), the dropped ones and the evaluations."""
     check_config(cfg)
+    cfg = with_vllm_settings(cfg, echo)
     return asyncio.run(_run(cfg, mesh, init_params, echo, stop_after))
 
 
@@ -197,7 +199,9 @@ class Learner:
             sharding = MeshRules(self.mesh, self.rules)
             self.ref_params = _copy(self.state.params)
             self.ref_fn = jax.jit(lambda p, b: reference_logprobs(p, b, cfg, sharding))
-        self.store_url = r.weight_store or (f"file://{self.out_dir.resolve()}/weight_store" if r.local_samplers else "")
+        self.store_url = r.weight_store or (
+            f"file://{self.out_dir.resolve()}/weight_store" if r.local_samplers and r.sampler_engine == "serve" else ""
+        )
         self.publish = _store_publisher(
             self.store_url, resumed=begin.resumed, start=begin.step, dtype=r.publish_dtype, echo=self.echo
         )
@@ -232,7 +236,7 @@ class Learner:
     async def start_rollout_side(self, stack: contextlib.AsyncExitStack) -> None:
         """Process 0: start the real rollout side (`RolloutSide.start`), closed by `stack`; the
         other processes only train."""
-        if self.cfg.rl.local_samplers and not self.begin.resumed:
+        if self.cfg.rl.local_samplers and self.cfg.rl.sampler_engine == "serve" and not self.begin.resumed:
             # the replicas start from a checkpoint of the run (then follow the store): step `start`
             self._save(self.begin.step, force=True)
             self.checkpointer.wait()
