@@ -33,6 +33,7 @@ from composer_jax.train.state import init_train_state
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.hf
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = ROOT / "assets" / "tokenizer"

@@ -124,7 +124,12 @@ def model_card(cfg: ModelConfig, hf_cfg: dict[str, Any], info: RunInfo, notes: t
         "```",
         "",
         "```",
-        f"vllm serve DIR{vllm_args}" + ("" if hf_cfg.get("kv_lora_rank") in (None, 512) else "   # MLA needs 512 + 64: export with --pad-mla-for-vllm"),
+        f"vllm serve DIR{vllm_args}"
+        + (
+            ""
+            if hf_cfg.get("kv_lora_rank") in (None, 512)
+            else "   # MLA needs 512 + 64: export with --pad-mla-for-vllm"
+        ),
         "```",
         "",
         "Text prompts get `<|bos|>` from the tokenizer's post-processor, as composer_jax's own sampler prepends it.",

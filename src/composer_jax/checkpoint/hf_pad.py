@@ -60,7 +60,9 @@ def _refuse(cfg: ModelConfig, why: str) -> ConfigError:
 def plan_padding(cfg: ModelConfig, latent: int = VLLM_MLA_LATENT, rope: int = VLLM_MLA_ROPE) -> MlaPadding:
     """The padded config and index maps, or a ConfigError saying why no exact padding exists."""
     if cfg.attention_type != "mla":
-        raise ConfigError(f"--pad-mla-for-vllm applies to MLA models; this one has attention_type={cfg.attention_type!r}")
+        raise ConfigError(
+            f"--pad-mla-for-vllm applies to MLA models; this one has attention_type={cfg.attention_type!r}"
+        )
     r, d, nope = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
     if latent % r:
         raise _refuse(

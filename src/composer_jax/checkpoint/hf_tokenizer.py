@@ -13,9 +13,10 @@ tokenize, chat and stop exactly as the project does.
   `<|eos|>`, default sampling (temperature 1, no top-k/top-p cut, as the project's serve).
 
 A tokenizer without the project's chat tokens (a converted DeepSeek/Kimi one has no
-`<|im_start|>`) keeps its own `chat_template` when its tokenizer_config.json has one, else the export
-writes none: `apply_chat_template` then fails with transformers' "no chat template" error rather
-than rendering tokens the vocabulary lacks.
+`<|im_start|>`) keeps its own `chat_template` when its tokenizer_config.json has one; else the
+export's template raises an error naming the missing tokens (transformers' apply_chat_template
+raises it, vLLM answers chat requests with it) instead of leaving no template, which vLLM answers
+with a generic 400 on every chat request, or rendering tokens the vocabulary lacks.
 
 Differences left: the project encodes special-token strings inside message text as plain bytes;
 transformers parses them unless `apply_chat_template(..., sanitize_control_tokens=True)`. Tool-call
@@ -73,7 +74,8 @@ CHAT_TEMPLATE = r"""{%- macro text(c) -%}
 {%- for m in messages -%}
 {%- set role = 'system' if m.role == 'developer' else m.role -%}
 {%- if role not in ['system', 'user', 'assistant', 'tool'] -%}
-{{- raise_exception('role ' ~ (m.role | tojson) ~ ' is not accepted; accepted: system, user, assistant, tool, developer') -}}
+{{- raise_exception('role ' ~ (m.role | tojson) ~ ' is not accepted; accepted: system, user, assistant, tool, '
+  ~ 'developer') -}}
 {%- endif -%}
 {%- set body = text(m.content) if m.content is defined and m.content is not none else '' -%}
 {%- if loop.first and ns.block -%}
@@ -97,6 +99,16 @@ CHAT_TEMPLATE = r"""{%- macro text(c) -%}
 """
 
 
+def no_chat_template(missing: list[str]) -> str:
+    """A template that only raises: chat needs tokens this vocabulary lacks."""
+    why = (
+        f"this model's tokenizer has no {', '.join(missing)}: the composer_jax chat format cannot be "
+        "rendered with it and the tokenizer brings no chat template of its own; use completions "
+        "(text prompts), or export with a tokenizer that has the chat tokens (composer-jax tokenizer train)"
+    )
+    return "{{ raise_exception(" + json.dumps(why) + ") }}"
+
+
 def has_chat_tokens(tok: Tokenizer) -> bool:
     return all(t in tok.special for t in CHAT_TOKENS)
 
@@ -109,7 +121,11 @@ def hf_tokenizer_json(tok: Tokenizer) -> str:
     out = HFTokenizer.from_str(tok.hf.to_str())
     out.encode_special_tokens = False
     bos = tok.hf.id_to_token(tok.bos_id)
-    add_bos = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B:1", special_tokens=[(bos, tok.bos_id)])
+    add_bos = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B:1", special_tokens=[(bos, tok.bos_id)]
+    )
+    if out.encode("a", add_special_tokens=True).ids[:1] == [tok.bos_id]:
+        return out.to_str()  # its own post-processor prepends BOS already (a converted HF tokenizer)
     old = out.post_processor
     out.post_processor = add_bos if old is None else processors.Sequence([old, add_bos])
     return out.to_str()
@@ -151,9 +167,10 @@ def tokenizer_config(tok: Tokenizer, max_len: int, source: Path | None = None) -
             config["chat_template"] = own
             note = f"the tokenizer has no {missing}: its own chat_template is kept (not the project's chat format)"
         else:
+            config["chat_template"] = no_chat_template(missing)
             note = (
                 f"the tokenizer has no {missing}, which the project's chat format needs, and no chat_template "
-                "of its own: no chat template written (completions only)"
+                "of its own: the chat template only raises an error saying so (completions work)"
             )
     return config, note
 
