@@ -163,6 +163,16 @@ def export_hf(
                 f"qk_rope_head_dim {old.qk_rope_head_dim} -> {cfg.qk_rope_head_dim}, qk_nope_head_dim "
                 f"{old.qk_nope_head_dim} -> {cfg.qk_nope_head_dim} (composer_jax/checkpoint/hf_pad.py)"
             )
+    if cfg.attention_type == "mla" and cfg.rms_norm_eps != 1e-6:
+        notes.append(
+            f"vLLM's DeepSeek builds the latent RMSNorms with rms_norm_eps={cfg.rms_norm_eps}; composer_jax "
+            "and transformers use 1e-6 there, so vLLM's logits differ slightly"
+        )
+    if cfg.num_mtp_layers:
+        notes.append(
+            f"{cfg.num_mtp_layers} MTP module(s) at model.layers.{cfg.num_layers}+ (DeepSeek's layout): "
+            "transformers lists their tensors as unexpected and ignores them (as for DeepSeek-V3's own release)"
+        )
     rope = export_rope(cfg)
     if rope is not None and rope.note:
         notes.append(rope.note)
@@ -179,5 +189,5 @@ def export_hf(
         notes += [note] if note else []
     (out / "README.md").write_text(model_card(cfg, hf_cfg, source, tuple(notes), chat))
     for n in notes:
-        log.warning("export %s: %s", out, n)
+        log.info("export %s: %s", out, n)
     return Exported(out, cfg, tuple(notes))
