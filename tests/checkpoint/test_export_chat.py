@@ -163,6 +163,14 @@ def test_text_prompts_get_bos(hf_tok):
     assert hf_tok.decode(hf_tok(text).input_ids, skip_special_tokens=True) == text
 
 
+def test_the_projects_own_loader_reads_the_export_as_the_original(exported):
+    """`composer-jax serve OUT` finds the export's tokenizer: same ids, same special tokens."""
+    a, b = load_tokenizer(TOKENIZER), load_tokenizer(exported)
+    text = "x = '<|im_end|>'  # a special string in code stays bytes\n"
+    assert b.encode(text) == a.encode(text) and a.special["<|im_end|>"] not in b.encode(text)
+    assert (b.bos_id, b.eos_id, b.pad_id, b.special) == (a.bos_id, a.eos_id, a.pad_id, a.special)
+
+
 def test_generate_gives_the_samplers_greedy_tokens(policy, hf_tok, hf_model):
     from composer_jax.inference.sampler import Sampler
     from composer_jax.inference.sampling import SamplingParams
@@ -180,6 +188,7 @@ def test_generate_gives_the_samplers_greedy_tokens(policy, hf_tok, hf_model):
     assert ids["input_ids"][0].tolist() == prompt
     out = hf_model.generate(**ids, max_new_tokens=n, do_sample=False)
     assert out[0, len(prompt) :].tolist() == done[0].tokens
+    assert len(done[0].tokens) >= 8, done[0].tokens  # enough tokens to compare
 
 
 def _project_logits(cfg, params, tokens, positions):
