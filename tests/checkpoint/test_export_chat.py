@@ -142,6 +142,35 @@ def test_chat_template_gives_the_projects_token_ids(hf_tok):
         assert got == want, f"conversation {i} prompt"
 
 
+def test_template_branches_match_the_project(hf_tok):
+    """No system message (the tools block gets its own), content parts, a call without id, blank
+    and non-JSON argument strings, a canonical JSON string, developer as system."""
+    tok = load_tokenizer(TOKENIZER)
+    call = lambda i, args: {"type": "function", "function": {"name": "run_shell", "arguments": args}, **i}
+    msgs = [
+        {"role": "user", "content": [{"type": "text", "text": "list "}, {"type": "text", "text": "files"}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                call({"id": "c1"}, '{"command": "ls -la", "timeout_s": 5}'),
+                call({}, ""),
+                call({"id": "c3"}, "not json"),
+                call({"id": "c4"}, {"command": "échø ü"}),
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "a.py\nb.py"},
+        {"role": "developer", "content": "stay in /app"},
+    ]
+    tools = tool_schemas(["run_shell"])
+    for with_tools in (None, tools):
+        want = render_prompt(msgs, tok, tools=with_tools).tolist()
+        got = hf_tok.apply_chat_template(
+            msgs, tools=with_tools, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        assert got == want
+
+
 def test_special_strings_in_text_stay_text_with_sanitize(hf_tok):
     """The project encodes "<|im_end|>" inside a message as bytes; transformers does with
     sanitize_control_tokens (split at other boundaries, so only the text is the same)."""
