@@ -263,3 +263,45 @@ def test_bad_run_directories_are_refused(run, tmp_path, capsys):
     assert "no checkpoint for step 7" in capsys.readouterr().err and "saved steps: [1, 2]"
     assert convert_main(["--from-hf", str(run), "--step", "1", "--to-hf", str(tmp_path / "o")]) == 2
     assert "--step applies to --from-run only" in capsys.readouterr().err
+
+
+# Slow (a real two-step training run, then its export; ~1-2 min on 2 cores). The default suite keeps
+# the property on a saved train state of the same layout (the `run` fixture above).
+@pytest.mark.slow
+def test_a_trained_run_exports_and_generates_the_samplers_tokens(tmp_path, monkeypatch):
+    from composer_jax.inference.sampler import Sampler
+    from composer_jax.inference.sampling import SamplingParams
+    from composer_jax.train.loop import run_stage
+
+    monkeypatch.chdir(ROOT)  # the stage's data paths are relative to the repository
+    cfg = load_config(
+        ROOT / "configs/pretrain/tiny_stage1.yaml",
+        [
+            "model.num_layers=2",
+            "train.seq_len=64",
+            "train.steps=2",
+            "train.eval_every=100",
+            "train.tensorboard=false",
+            f"train.out_dir={tmp_path / 'stage'}",
+            "checkpoint.save_every=1",
+            "train.peak_tflops=1.0",
+        ],
+        num_devices=8,
+    )
+    run_stage(cfg, echo=lambda s: None)
+    out = tmp_path / "hf"
+    assert convert_main(["--from-run", str(tmp_path / "stage"), "--to-hf", str(out)]) == 0
+    assert "checkpoint step 2 of 2" in (out / "README.md").read_text()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tok = load_tokenizer(TOKENIZER)
+    msgs = _conversations()[1]
+    assert hf_tok.apply_chat_template(msgs, tokenize=True, return_dict=False) == render_chat(msgs, tok)[0].tolist()
+    from composer_jax.checkpoint.convert import load_run
+
+    mcfg, params, _, _ = load_run(tmp_path / "stage", None)
+    prompt = hf_tok("def add(a, b):").input_ids
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=(tok.eos_id,))
+    done = Sampler(params, mcfg, slots=1, max_len=64).run([prompt], greedy)
+    got = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=tok.eos_id)
+    assert got[0, len(prompt) :].tolist() == done[0].tokens
