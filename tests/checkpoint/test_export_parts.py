@@ -65,6 +65,7 @@ def test_padded_rotary_frequencies_are_the_models_at_every_eighth_pair(yarn):
     ("change", "match"),
     [
         ({"kv_lora_rank": 48}, "the latent must repeat whole"),
+        ({"kv_lora_rank": 1024}, "padding only grows dimensions"),
         ({"qk_rope_head_dim": 6}, "64 is not a multiple of 6"),
         ({"rope_scaling": dataclasses.replace(DEMO_YARN, truncate=False)}, "truncate=False"),
         ({"attention_type": "gqa", "num_kv_heads": 2, "head_dim": 16}, "applies to MLA models"),

@@ -64,6 +64,8 @@ def plan_padding(cfg: ModelConfig, latent: int = VLLM_MLA_LATENT, rope: int = VL
             f"--pad-mla-for-vllm applies to MLA models; this one has attention_type={cfg.attention_type!r}"
         )
     r, d, nope = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
+    if r > latent or d > rope:
+        raise _refuse(cfg, f"padding only grows dimensions, and vLLM's MLA kernel takes {latent} + {rope}")
     if latent % r:
         raise _refuse(
             cfg,
