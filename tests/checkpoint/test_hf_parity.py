@@ -5,6 +5,7 @@ Reference: transformers' own DeepseekV3 / DeepseekV2 / Qwen3Moe implementations 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import shutil
@@ -17,6 +18,7 @@ from hf_cases import CASES, VOCAB, build_model  # tests/checkpoint/hf_cases.py
 
 import composer_jax as cj
 from composer_jax.checkpoint import hf as hf_ckpt
+from composer_jax.checkpoint.hf_rope import same_frequencies
 from composer_jax.config import MeshConfig
 from composer_jax.model.params import param_shardings
 from composer_jax.sharding import MeshRules, ShardingRules
@@ -99,7 +101,11 @@ def test_round_trip_through_transformers(case, hf_checkpoint, loaded, tokens, tm
     for k, v in again.state_dict().items():
         np.testing.assert_array_equal(v.numpy(), orig[k].numpy(), err_msg=k)
     cfg2, _ = cj.from_pretrained(tmp_path)
-    assert cfg2 == cfg
+    # YaRN fields may be rewritten so vLLM's table covers max_position_embeddings (hf_rope.py):
+    # the same frequencies, checked by the project's own computation
+    dim = cfg.qk_rope_head_dim if cfg.attention_type == "mla" else cfg.head_dim
+    assert same_frequencies(dim, cfg.rope_theta, cfg.rope_scaling, dim, cfg2.rope_scaling)
+    assert dataclasses.replace(cfg2, rope_scaling=cfg.rope_scaling) == cfg
 
 
 def test_router_bias_changes_selection(hf_checkpoint, tokens):

@@ -333,8 +333,7 @@ def family_for(cfg: ModelConfig) -> str:
     return "deepseek_v2"
 
 
-def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
-    rs = cfg.rope_scaling
+def _rope_parameters(cfg: ModelConfig, rs: RopeScalingConfig) -> dict[str, Any]:
     if rs.type != "yarn":
         return {"rope_type": "default", "rope_theta": cfg.rope_theta}
     out = {
@@ -352,8 +351,15 @@ def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def hf_config_from_model(cfg: ModelConfig, dtype: str | None = None) -> dict[str, Any]:
-    """ModelConfig -> config.json contents that transformers loads into an equivalent model."""
+    """ModelConfig -> config.json contents that transformers loads into an equivalent model.
+
+    YaRN fields come from `hf_rope.export_rope`: the same frequencies with a vLLM table covering
+    max_position_embeddings (or max_position_embeddings capped where no fields cover it)."""
+    from composer_jax.checkpoint.hf_rope import export_rope  # local: numpy + model layers
+
     family = family_for(cfg)
+    rope = export_rope(cfg)
+    assert rope is not None  # at the model's own rotary dimension the trained fields always qualify
     out: dict[str, Any] = {
         "architectures": [ARCHITECTURES[family]],
         "model_type": family,
@@ -365,12 +371,12 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str | None = None) -> dict[str
         "num_attention_heads": cfg.num_heads,
         "num_experts_per_tok": cfg.num_experts_per_tok,
         "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_position_embeddings,
+        "max_position_embeddings": rope.max_position_embeddings,
         "initializer_range": cfg.initializer_range,
         "rms_norm_eps": cfg.rms_norm_eps,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "attention_bias": False,
-        "rope_parameters": _rope_parameters(cfg),
+        "rope_parameters": _rope_parameters(cfg, rope.scaling),
         "norm_topk_prob": cfg.norm_topk_prob,
         "dtype": dtype or cfg.param_dtype,
         "use_cache": True,

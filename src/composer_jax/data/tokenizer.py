@@ -87,8 +87,9 @@ def _tokenizer_file(path: str | Path) -> Path:
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """Load `tokenizer.json` (a file, or a directory containing it) and find the special token ids.
 
-    Ids come from tokenizer_config.json next to it when present ("special_tokens": {name: id}),
-    else from the vocabulary by name; BOS/EOS fall back to the common "<s>"/"</s>" and
+    Ids come from tokenizer_config.json next to it when present ("special_tokens": {name: id};
+    HF's "bos_token"/"eos_token"/"pad_token" name them in converted tokenizers such as
+    DeepSeek's), else from the vocabulary by name; BOS/EOS fall back to the common "<s>"/"</s>" and
     "<|endoftext|>" names of other tokenizers, PAD to EOS.
     """
     from tokenizers import Tokenizer as HFTokenizer
@@ -101,8 +102,15 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     hf.encode_special_tokens = True  # special-token strings in document text are plain bytes
     special = {t: hf.token_to_id(t) for t in SPECIAL_TOKENS if hf.token_to_id(t) is not None}
     cfg_file = file.parent / "tokenizer_config.json"
+    named: dict[str, tuple[str, ...]] = {}  # HF's bos_token / eos_token / pad_token ({"content": ...} too)
     if cfg_file.is_file():
-        special.update({k: int(v) for k, v in json.loads(cfg_file.read_text()).get("special_tokens", {}).items()})
+        saved = json.loads(cfg_file.read_text())
+        special.update({k: int(v) for k, v in saved.get("special_tokens", {}).items()})
+        for key in ("bos_token", "eos_token", "pad_token"):
+            v = saved.get(key)
+            v = v.get("content") if isinstance(v, dict) else v
+            if isinstance(v, str) and hf.token_to_id(v) is not None:
+                named[key] = (v,)
 
     def find(names: Iterable[str]) -> int | None:
         for n in names:
@@ -111,14 +119,14 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
                 return int(i)
         return None
 
-    bos = find(("<|bos|>", "<s>", "<|begin_of_text|>", "<|endoftext|>"))
-    eos = find(("<|eos|>", "</s>", "<|end_of_text|>", "<|endoftext|>"))
+    bos = find((*named.get("bos_token", ()), "<|bos|>", "<s>", "<|begin_of_text|>", "<|endoftext|>"))
+    eos = find((*named.get("eos_token", ()), "<|eos|>", "</s>", "<|end_of_text|>", "<|endoftext|>"))
     if bos is None or eos is None:
         raise DataConfigError(
             f"tokenizer {str(file)!r} has no BOS/EOS token; accepted names: <|bos|>/<|eos|>, "
             "<s>/</s>, <|endoftext|> (or list them in tokenizer_config.json special_tokens)"
         )
-    pad = find(("<|pad|>", "<pad>"))
+    pad = find((*named.get("pad_token", ()), "<|pad|>", "<pad>"))
     return Tokenizer(hf=hf, pad_id=eos if pad is None else pad, bos_id=bos, eos_id=eos, special=special)
 
 
