@@ -11,8 +11,10 @@ PYTHON312 ?= python3.12
 
 # OpenEnv 0.3 (requirements-openenv03.lock) installs the same `openenv` package as the current line
 # in requirements-env.lock, so it goes to its own directory, with the venv's dependencies;
-# tests/env/test_openenv_clients.py runs its clients from there in a subprocess.
-$(STAMP): requirements.lock requirements-env.lock requirements-openenv03.lock requirements-swebench.lock pyproject.toml
+# tests/env/test_openenv_clients.py runs its clients from there in a subprocess. vLLM (requirements-vllm.lock:
+# its own pins of torch, transformers, mcp, fastapi) gets a virtualenv of its own, .venv/vllm, which the
+# vLLM sampler (rl.sampler_engine: vllm) runs from; its lock is complete, so it installs with --no-deps.
+$(STAMP): requirements.lock requirements-env.lock requirements-openenv03.lock requirements-swebench.lock requirements-vllm.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.lock -r requirements-env.lock
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --upgrade --target $(VENV)/openenv-0.3 \
@@ -20,6 +22,9 @@ $(STAMP): requirements.lock requirements-env.lock requirements-openenv03.lock re
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --upgrade --target $(VENV)/swebench \
 	  -r requirements-swebench.lock
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	@test -x $(VENV)/vllm/bin/python || $(PYTHON) -m venv $(VENV)/vllm
+	@$(VENV)/vllm/bin/pip install -q --disable-pip-version-check --no-deps -r requirements-vllm.lock \
+	  || echo "warning: could not install vLLM into $(VENV)/vllm; the vLLM sampler's tests will be skipped"
 	touch $(STAMP)
 
 venv: $(STAMP)

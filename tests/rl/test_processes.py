@@ -92,6 +92,20 @@ def test_killed_server_is_reaped_and_restarted_on_its_url(tmp_path, caplog):
     assert f"environment server 0 is back at {urls[0]} (pid {second.pid}, restart 1)" in said
 
 
+def test_replace_starts_a_child_again_on_its_url_without_counting_a_restart(tmp_path):
+    """`Launcher.replace`: the learner's planned restart (a vLLM replica on a new version)."""
+    servers = LocalEnvServers(ENV_FIXTURE_TASKS, token=TOKEN, extra_args=SANDBOX_ARGS, log_dir=tmp_path, restart=FAST)
+    with servers as (urls, _token):
+        (first,) = servers.procs
+        assert servers.replace(0, timeout_s=60, why="a test") == urls[0]
+        (second,) = servers.procs
+        assert second.pid != first.pid and gone(first.pid)
+        assert httpx.get(urls[0] + "/health", timeout=5).status_code == 200
+        assert servers.restart_counts() == [0] and servers.metrics()["env_servers/restarts"] == 0.0
+        with pytest.raises(EnvServerError, match="give a child index from 0 to 0"):
+            servers.replace(1, timeout_s=1)
+
+
 def test_a_server_whose_port_was_taken_moves_and_its_url_is_updated_in_place(tmp_path):
     servers = LocalEnvServers(
         ENV_FIXTURE_TASKS, token=TOKEN, extra_args=SANDBOX_ARGS, log_dir=tmp_path, restart=RestartPolicy(backoff_s=0.5)

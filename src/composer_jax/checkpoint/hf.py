@@ -589,3 +589,17 @@ def save_pretrained(
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / st.INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     return out
+
+
+def hf_tensors(
+    params: dict, cfg: ModelConfig, *, dtype: str | None = None
+) -> list[tuple[str, str, tuple[int, ...], Any]]:
+    """The tensors `save_pretrained` writes, in its order, without a file: [(HF name, dtype name, HF
+    shape, make)], `make()` -> the host array (gathered when called, one parameter at a time).
+    For senders that stream a checkpoint (vLLM's weight-transfer routes, rl/vllm_nccl.py)."""
+    out_dtype = np.dtype(jnp.dtype(dtype or cfg.param_dtype))
+    out = []
+    for path, name, dt, shape, produce in _hf_entries(params, cfg, family_for(cfg), out_dtype):
+        make = functools.partial(lambda p, f, d: np.asarray(f(_to_host(_get(params, p)))).astype(d), path, produce, dt)
+        out.append((name, "bfloat16" if dt == np.dtype(jnp.bfloat16) else dt.name, tuple(shape), make))
+    return out

@@ -195,6 +195,7 @@ class _Child:
         self.restarts = 0
         self.ready_count = 0  # starts that came up (the first one included)
         self.replacing = False  # a planned restart (`Launcher.replace`): neither counted nor backed off
+        self.planned = False  # this start is a planned restart's
         self.recent: collections.deque[float] = collections.deque()  # restart times within the window
         self.reason: str | None = None  # why it was given up on
 
@@ -464,7 +465,7 @@ class Launcher:
                 self._restart_later(c, f"(pid {c.proc.pid}, {c.url}) {describe_exit(rc)}")
         elif c.state == _BACKOFF and now >= c.next_start:
             if c.replacing:
-                c.replacing = False
+                c.replacing, c.planned = False, True
                 log.info("%s: starting %s again on port %d (asked for)", self.kind, c.spec.name, c.port)
             else:
                 c.restarts += 1
@@ -486,10 +487,13 @@ class Launcher:
             log.warning("%s: %s moved from %s to %s", self.kind, c.spec.name, c.url, url)
             if c.url in self.urls:
                 self.urls[self.urls.index(c.url)] = url
-        if c.ever_ready:
+        if c.planned:
+            log.info("%s: %s serves again at %s (pid %d, asked for)", self.kind, c.spec.name, url, c.proc.pid)
+        elif c.ever_ready:
             log.warning(
                 "%s: %s is back at %s (pid %d, restart %d)", self.kind, c.spec.name, url, c.proc.pid, c.restarts
             )
+        c.planned = False
         c.url, c.state, c.ever_ready = url, _ALIVE, True
         c.ready_count += 1
         c.port = urlsplit(url).port or 0

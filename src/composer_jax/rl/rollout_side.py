@@ -194,7 +194,7 @@ class RolloutSide:
             policies, exports, vllm_launcher = await start_vllm(stack, cfg, policy_args, out_dir, echo)
             if vllm_launcher is not None:
                 launchers.append(vllm_launcher)
-            side = cls(cfg, client, policies, launchers=launchers, **kwargs)
+            side = cls(cfg, client, list[Policy](policies), launchers=launchers, **kwargs)
             side.exports = exports
             stack.push_async_callback(side.aclose)
             return side
@@ -307,7 +307,7 @@ class RolloutSide:
         it trained `trained` groups)."""
         for s in self.in_process:
             s.update_weights(params, version)
-        if self.exports is not None:  # vLLM replicas restart on the version's checkpoint
+        if self.exports is not None:  # vLLM replicas: the version's checkpoint, or the NCCL push's weights
             await asyncio.to_thread(self.exports.export, params, version)
         if self.cfg.rl.max_staleness == 0:  # the next groups must start on this version
             await self.load_version(version)
@@ -327,15 +327,19 @@ class RolloutSide:
     async def health(self) -> list[dict]:
         """Each replica's /health (decode steps, slot occupancy)."""
         out = []
-        for p in [*self.remotes, *self.vllm]:
+        checks = [p.health for p in self.remotes] + [p.health for p in self.vllm]
+        for health in checks:
             with contextlib.suppress(SamplerUnavailable):
-                out.append(await p.health())
+                out.append(await health())
         return out
 
     async def aclose(self) -> None:
-        """The queue cancelled, version loads awaited, the samplers and their connections closed
-        (idempotent)."""
+        """The queue cancelled, version loads awaited (a vLLM replica's restart, which nothing will
+        sample from any more, cancelled), the samplers and their connections closed (idempotent)."""
         await self.queue.aclose()
+        if self.vllm:
+            for f in self._loads:
+                f.cancel()
         await asyncio.gather(*self._loads, return_exceptions=True)
         for s in self.in_process:
             await s.aclose()

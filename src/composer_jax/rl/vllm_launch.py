@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from composer_jax.checkpoint.hf import save_pretrained
+from composer_jax.checkpoint.hf_pad import pad_mla, plan_padding
 from composer_jax.config.model import ModelConfig
 from composer_jax.config.vllm import VLLMConfig
 from composer_jax.errors import ConfigError
@@ -75,13 +76,19 @@ def check_python(python: str) -> str:
     return python
 
 
-def check_model(m: ModelConfig, cpu: bool) -> None:
-    """The model's MLA widths against what vLLM's CPU MLA kernel takes."""
-    if cpu and m.attention_type == "mla" and m.kv_lora_rank + m.qk_rope_head_dim != CPU_MLA_WIDTH:
+def needs_padding(m: ModelConfig, cpu: bool) -> bool:
+    """Whether the model's MLA must be padded (exactly: checkpoint/hf_pad.py) to the 512 + 64 widths
+    vLLM's CPU MLA kernel takes; a ConfigError saying why when it cannot be."""
+    if not (cpu and m.attention_type == "mla" and (m.kv_lora_rank, m.qk_rope_head_dim) != (512, 64)):
+        return False
+    try:
+        plan_padding(m)
+    except ConfigError as e:
         raise ConfigError(
             f"model.kv_lora_rank + model.qk_rope_head_dim = {m.kv_lora_rank} + {m.qk_rope_head_dim}: vLLM's CPU MLA "
-            f"kernel takes {CPU_MLA_WIDTH} (512 + 64, DeepSeek-V3's and Kimi K2's) only; use a model of those widths"
-        )
+            f"kernel takes {CPU_MLA_WIDTH} (512 + 64) only, and this model cannot be padded to it exactly: {e}"
+        ) from None
+    return True
 
 
 def vllm_args(v: VLLMConfig, model_dir: str | os.PathLike, max_model_len: int, *, cpu: bool) -> list[str]:
@@ -113,10 +120,11 @@ def vllm_args(v: VLLMConfig, model_dir: str | os.PathLike, max_model_len: int, *
 
 
 class CheckpointExports:
-    """Policy versions as Hugging Face checkpoints for vLLM: `root/v<N>`, the newest `keep` kept."""
+    """Policy versions as Hugging Face checkpoints for vLLM: `root/v<N>`, the newest `keep` kept;
+    pad: MLA padded exactly to 512 + 64 (`needs_padding`)."""
 
-    def __init__(self, root: str | os.PathLike, model: ModelConfig, dtype: str, keep: int = 2):
-        self.root, self.model, self.dtype, self.keep = Path(root), model, dtype, keep
+    def __init__(self, root: str | os.PathLike, model: ModelConfig, dtype: str, *, pad: bool = False, keep: int = 2):
+        self.root, self.model, self.dtype, self.keep, self.pad = Path(root), model, dtype, keep, pad
         self.root.mkdir(parents=True, exist_ok=True)
 
     def path(self, version: int) -> Path:
@@ -128,7 +136,8 @@ class CheckpointExports:
         if not (out / "config.json").exists():
             tmp = self.root / f".v{int(version)}.partial"
             shutil.rmtree(tmp, ignore_errors=True)
-            save_pretrained(params, self.model, tmp, dtype=self.dtype)
+            cfg, params = pad_mla(self.model, params) if self.pad else (self.model, params)
+            save_pretrained(params, cfg, tmp, dtype=self.dtype)
             tmp.rename(out)
         old = sorted((p for p in self.root.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
         for p in old[: -self.keep]:

@@ -22,9 +22,9 @@ from composer_jax.rl.vllm_launch import (
     CheckpointExports,
     LocalVLLM,
     RestartPush,
-    check_model,
     check_python,
     is_cpu_build,
+    needs_padding,
 )
 from composer_jax.rl.vllm_policy import VLLMTokenPolicy
 
@@ -50,29 +50,32 @@ async def start_vllm(
     policy_args: dict[str, Any],
     out_dir: Path,
     echo: Callable[[str], None],
-) -> tuple[list[VLLMTokenPolicy], CheckpointExports | None, LocalVLLM | None]:
-    """The run's vLLM policies, the exports their restarts read and the launcher of local replicas."""
+) -> tuple[list[VLLMTokenPolicy], Any, LocalVLLM | None]:
+    """The run's vLLM policies, what each new version is handed to first (`export(params, version)`:
+    the checkpoints restarts read, or the NCCL push's next weights) and the launcher of local replicas."""
     r, v, t = cfg.rl, cfg.rl.vllm, cfg.train
     tok, version, params = policy_args["tok"], int(policy_args["version"]), policy_args["params"]
     token = r.sampler_token or os.environ.get("COMPOSER_JAX_SAMPLER_TOKEN", "")
     if r.sampler_urls:  # running replicas (GPU fleets): versions over NCCL
         from composer_jax.rl.vllm_nccl import NCCLPush
 
-        push = NCCLPush(cfg, host=v.nccl_host)
+        nccl = NCCLPush(cfg, host=v.nccl_host)
         policies = [
-            VLLMTokenPolicy(u, tok, max_context=t.seq_len, weights=push, routed_experts=v.routed_experts, api_key=token)
+            VLLMTokenPolicy(u, tok, max_context=t.seq_len, weights=nccl, routed_experts=v.routed_experts, api_key=token)
             for u in r.sampler_urls
         ]
         for i, p in enumerate(policies):
             p.index = i
             stack.push_async_callback(p.aclose)
-        await push.connect(policies, params, version)
+        await nccl.connect(policies, params, version)
         echo(f"[rl] {len(policies)} vLLM replica(s) by URL, versions over NCCL: {', '.join(r.sampler_urls)}")
-        return policies, None, None
+        return policies, nccl, None
     python = check_python(v.python)
     cpu = is_cpu_build(python)
-    check_model(cfg.model, cpu)
-    exports = CheckpointExports(out_dir / "vllm_weights", cfg.model, v.dtype)
+    pad = needs_padding(cfg.model, cpu)
+    if pad:
+        echo("[rl] MLA padded exactly to 512 + 64 in the checkpoints for vLLM (its CPU MLA kernel's widths)")
+    exports = CheckpointExports(out_dir / "vllm_weights", cfg.model, v.dtype, pad=pad)
     model_dir = exports.export(params, version)
     cores = sorted(os.sched_getaffinity(0))[1 : 1 + r.local_samplers] if r.pin_cores else None
     launcher = LocalVLLM(
