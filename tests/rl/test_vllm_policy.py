@@ -18,6 +18,7 @@ from composer_jax.config import ConfigError, load_config
 from composer_jax.config.vllm import VLLMConfig
 from composer_jax.rl.policy import SamplerUnavailable, TurnRequest
 from composer_jax.rl.vllm_launch import needs_padding, vllm_args
+from composer_jax.rl.vllm_nccl import finish_body, init_body, update_body
 from composer_jax.rl.vllm_policy import decode_routed_experts, generate_body, token_versions
 from composer_jax.rl.vllm_start import with_vllm_settings
 
@@ -35,6 +36,12 @@ sp = r.sampling_params
 print(json.dumps({"token_ids": r.token_ids, "max_tokens": sp.max_tokens, "temperature": sp.temperature,
     "top_p": sp.top_p, "top_k": sp.top_k, "seed": sp.seed, "logprobs": sp.logprobs, "stop": sp.stop_token_ids,
     "ignore_eos": sp.ignore_eos, "detokenize": sp.detokenize, "mode": r.output_mode}))
+from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
+from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
+init = NCCLWeightTransferInitInfo(**json.loads(sys.argv[2])["init_info"])
+update = NCCLWeightTransferUpdateInfo(**json.loads(sys.argv[3])["update_info"])
+print(json.dumps({"uid": init.nccl_unique_id_bytes.hex(), "offset": init.rank_offset, "world": init.world_size,
+    "packed": init.packed, "names": update.names, "dtypes": update.dtype_names, "shapes": update.shapes}))
 """
 
 
@@ -44,13 +51,22 @@ def _vllm_python() -> Path:
     return VLLM_PYTHON
 
 
-def test_generate_body_is_what_vllm_reads():
+def test_request_bodies_are_what_vllm_reads():
+    """The generate request and the NCCL weight-transfer bodies, parsed by vLLM's own classes."""
     body = generate_body([5, 6, 7], TurnRequest(max_tokens=24, seed=11, temperature=0.7, top_p=0.9, top_k=0), 3)
-    out = subprocess.run(
-        [str(_vllm_python()), "-c", _PARSE, json.dumps(body)], capture_output=True, text=True, timeout=300
-    )
+    uid = bytes(range(128))
+    init = init_body(uid, rank_offset=9, world_size=17)
+    specs = [("model.embed_tokens.weight", "bfloat16", (8, 4), None), ("lm_head.weight", "float32", (8, 4), None)]
+    bodies = [json.dumps(b) for b in (body, init, update_body(specs))]
+    out = subprocess.run([str(_vllm_python()), "-c", _PARSE, *bodies], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    read = json.loads(out.stdout.strip().splitlines()[-1])
+    *_, line, nccl = out.stdout.strip().splitlines()
+    got = json.loads(nccl)
+    assert got["uid"] == uid.hex() and (got["offset"], got["world"], got["packed"]) == (9, 17, False)
+    assert got["names"] == [s[0] for s in specs] and got["dtypes"] == ["bfloat16", "float32"]
+    assert got["shapes"] == [[8, 4], [8, 4]]
+    assert finish_body(4) == {"weight_version": "4"}
+    read = json.loads(line)
     assert read["token_ids"] == [5, 6, 7] and read["max_tokens"] == 24 and read["seed"] == 11
     assert read["temperature"] == pytest.approx(0.7) and read["top_p"] == pytest.approx(0.9)
     assert read["top_k"] in (-1, 0)  # vLLM's "every token" (it normalises -1)
