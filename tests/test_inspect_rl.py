@@ -45,8 +45,8 @@ def k2():
 def test_k2_parameters_and_serving_weights_by_hand(k2):
     _, r = k2
     assert r["params"]["total"] == K2_PARAMS == 1_026_408_232_448  # "1.04T" in Moonshot's rounding
-    bf16, fp8 = r["rl"]["replicas"]
-    assert bf16["precision"] == "bfloat16" and bf16["weights"] == 2 * K2_PARAMS
+    fp8, bf16 = r["rl"]["replicas"]  # the config's own precision first (rl.vllm.quantization: fp8)
+    assert fp8["precision"] == "fp8" and bf16["precision"] == "bfloat16" and bf16["weights"] == 2 * K2_PARAMS
     # fp8: each routed expert matrix [7168, 2048] in 1 byte per weight + a float32 per 128 x 128
     # block (56 x 16 blocks)
     assert fp8["routed_experts"] == ROUTED + 4 * 60 * E * 3 * (D // 128) * (F // 128)
@@ -69,7 +69,7 @@ def test_k2_replica_gpus_by_hand(k2):
         bound = (rep["routed_experts"] + kv) / (usable - rep["dense"])
         assert rep["ep_bound"] == pytest.approx(bound)
         assert rep["gpus"] == 2 ** math.ceil(math.log2(bound))
-    bf16, fp8 = r["rl"]["replicas"]
+    fp8, bf16 = r["rl"]["replicas"]
     assert fp8["ep_bound"] == pytest.approx(10.317, abs=1e-3) and fp8["gpus"] == 16  # two nodes of 8
     assert bf16["ep_bound"] == pytest.approx(21.04, abs=1e-2) and bf16["gpus"] == 32
 
@@ -93,7 +93,7 @@ def test_k2_trainer_step_by_hand_and_its_verdict(k2):
 
 
 def test_k2_text_report_prints_the_verdict_and_the_replica_size(capsys):
-    assert main([str(K2_RL), "--serve-precision", "fp8"]) == 0
+    assert main([str(K2_RL)]) == 0  # rl.vllm.quantization: fp8 is the headline's precision
     out = capsys.readouterr().out
     assert "RL trainer verdict: FITS" in out
     assert "replica size at fp8: 16 GPUs (2 nodes of 8)" in out

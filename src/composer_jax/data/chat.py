@@ -216,6 +216,26 @@ def render_chat(
     return _render(_with_tools(messages, tools, where), tok, where=where, generation_prompt=False)
 
 
+CHAT_FORMAT_TOKENS = ("<|im_start|>", "<|im_end|>", "<|tool_call|>", "<|tool_result|>")
+
+
+def missing_chat_tokens(tok: Tokenizer) -> list[str]:
+    """The chat format's special tokens `tok` lacks (a converted DeepSeek / Kimi tokenizer lacks all)."""
+    return [t for t in CHAT_FORMAT_TOKENS if t not in tok.special]
+
+
+def chat_unavailable(tok: Tokenizer) -> str | None:
+    """Why chat cannot be rendered with `tok` (None when it can): for servers to say once, at start."""
+    missing = missing_chat_tokens(tok)
+    if not missing:
+        return None
+    return (
+        f"this model's tokenizer has no {', '.join(missing)}: the project's chat format (composer-chatml-v1) "
+        "needs them, so chat completions are not available; use /v1/completions with a text or token-id "
+        "prompt (or a tokenizer trained with `composer-jax tokenizer train`)"
+    )
+
+
 def render_prompt(messages: Sequence[dict], tok: Tokenizer, *, tools: Sequence[dict] | None = None) -> np.ndarray:
     """Conversation so far + `<|im_start|>assistant\\n`: the prompt for sampling the next turn,
     which ends at `<|im_end|>`. tools: as for `render_chat`. tokens: int32[n]."""

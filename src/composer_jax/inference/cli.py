@@ -274,6 +274,10 @@ def serve_main(argv: list[str] | None = None) -> int:
     )
     if host not in ("127.0.0.1", "::1", "localhost"):
         print(f"composer-jax serve: WARNING: listening on {host}, reachable from other machines", file=sys.stderr)
+    from composer_jax.data.chat import chat_unavailable
+
+    if (why := chat_unavailable(tok)) is not None:
+        print(f"composer-jax serve: NOTE: {why}", file=sys.stderr)
     run_uvicorn(server.app, sock, args.log_level, ready_url=url)
     engine.stop()
     return 0

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from composer_jax.data.chat import AssistantTurn, check_tools, parse_assistant, render_prompt
+from composer_jax.data.chat import AssistantTurn, chat_unavailable, check_tools, parse_assistant, render_prompt
 from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.errors import ConfigError
 from composer_jax.inference.sampling import SamplingParams
@@ -305,6 +305,8 @@ def parse_chat(body: Any, *, tok: Tokenizer, served: str, max_len: int, vocab: i
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
     model = _model(body, served)
+    if (why := chat_unavailable(tok)) is not None:
+        raise ApiError(400, why, code="chat_unavailable")
     _refuse_unsupported(body)
     tools = None
     if body.get("tools") is not None:

@@ -110,6 +110,8 @@ def vllm_args(v: VLLMConfig, model_dir: str | os.PathLike, max_model_len: int, *
     backend = "CPU_MLA" if v.attention_backend == "auto" and cpu else v.attention_backend
     if backend != "auto":
         args += ["--attention-backend", backend]
+    if v.quantization:
+        args += ["--quantization", v.quantization]
     if v.enforce_eager:
         args.append("--enforce-eager")
     if v.routed_experts:
