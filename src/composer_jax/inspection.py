@@ -237,7 +237,8 @@ def _parser() -> argparse.ArgumentParser:
         "--serve-precision",
         choices=inspection_rl.SERVE_PRECISIONS,
         help="an RL config's vLLM replica: the weights' serving precision (default: rl.vllm.quantization or "
-        "rl.vllm.dtype with rl.sampler_engine vllm, else rl.publish_dtype, else model.param_dtype; fp8 = vLLM --quantization fp8, block-scaled as the DeepSeek / Kimi hub checkpoints)",
+        "rl.vllm.dtype with rl.sampler_engine vllm, else rl.publish_dtype, else model.param_dtype; fp8 = vLLM "
+        "--quantization fp8, block-scaled as the DeepSeek / Kimi hub checkpoints)",
     )
     p.add_argument(
         "--gpu-memory-utilization",
