@@ -67,7 +67,10 @@ class StandInRollouts:
 def child_pids() -> set[int]:
     out: set[int] = set()
     for task in Path("/proc/self/task").iterdir():
-        out |= {int(p) for p in (task / "children").read_text().split()}
+        try:
+            out |= {int(p) for p in (task / "children").read_text().split()}
+        except FileNotFoundError:  # a thread that ended since the listing (none of its children remain)
+            continue
     return out
 
 
