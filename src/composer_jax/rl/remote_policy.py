@@ -37,6 +37,23 @@ def api_root(base_url: str) -> str:
     return root[: -len("/v1")] if root.endswith("/v1") else root
 
 
+def answer_json(resp: httpx.Response, where: str) -> dict:
+    """A sampler replica's final answer as a JSON object: SamplerUnavailable for one that cannot
+    serve (429 after retries, 5xx, not a JSON object), ValueError for a request it refused (4xx)."""
+    text = resp.text[:500]
+    if resp.status_code in (429, 500, 502, 503, 504):
+        raise SamplerUnavailable(f"{where}: HTTP {resp.status_code}: {text}")
+    if resp.status_code >= 400:
+        raise ValueError(f"{where} refused the request: HTTP {resp.status_code}: {text}")
+    try:
+        data = resp.json()
+    except ValueError as e:
+        raise SamplerUnavailable(f"{where}: the answer is not JSON: {text}") from e
+    if not isinstance(data, dict):
+        raise SamplerUnavailable(f"{where}: the answer is not a JSON object: {text}")
+    return data
+
+
 class RemoteTokenPolicy(TokenContext):  # begin/extend: the token policy's (same template, records)
     """The token policy over a serve replica's `/v1/completions` (module docstring).
 
@@ -122,18 +139,7 @@ class RemoteTokenPolicy(TokenContext):  # begin/extend: the token policy's (same
                 await asyncio.sleep(self.full_wait_s)
                 continue
             break
-        text = resp.text[:500]
-        if resp.status_code in (429, 500, 502, 503, 504):
-            raise SamplerUnavailable(f"{where}: HTTP {resp.status_code}: {text}")
-        if resp.status_code >= 400:
-            raise ValueError(f"{where} refused the request: HTTP {resp.status_code}: {text}")
-        try:
-            data = resp.json()
-        except ValueError as e:
-            raise SamplerUnavailable(f"{where}: the answer is not JSON: {text}") from e
-        if not isinstance(data, dict):
-            raise SamplerUnavailable(f"{where}: the answer is not a JSON object: {text}")
-        return data
+        return answer_json(resp, where)
 
     def _parse(self, data: dict, prompt_len: int) -> tuple[list[int], list[float], list[int], np.ndarray | None]:
         """-> (tokens, logprobs, versions, routing int32[prompt + generated - 1, layers, k] or None)."""

@@ -39,7 +39,7 @@ import numpy as np
 from composer_jax.data.chat import AssistantTurn, parse_assistant
 from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.rl.policy import Generation, SamplerUnavailable, TokenContext, TurnRequest
-from composer_jax.rl.remote_policy import api_root
+from composer_jax.rl.remote_policy import answer_json, api_root
 
 GENERATE_PATH = "/inference/v1/generate"
 
@@ -174,18 +174,7 @@ class VLLMTokenPolicy(TokenContext):  # begin/extend: the token policy's (same t
             if resp.status_code >= 500 and (self._loads != loads or not self._serving.is_set()):
                 continue  # aborted by a weight update
             break
-        text = resp.text[:500]
-        if resp.status_code in (429, 500, 502, 503, 504):
-            raise SamplerUnavailable(f"{where}: HTTP {resp.status_code}: {text}")
-        if resp.status_code >= 400:
-            raise ValueError(f"{where} refused the request: HTTP {resp.status_code}: {text}")
-        try:
-            data = resp.json()
-        except ValueError as e:
-            raise SamplerUnavailable(f"{where}: the answer is not JSON: {text}") from e
-        if not isinstance(data, dict):
-            raise SamplerUnavailable(f"{where}: the answer is not a JSON object: {text}")
-        return data
+        return answer_json(resp, where)
 
     def _parse(self, data: dict, prompt_len: int) -> tuple[list[int], list[float], list[int], np.ndarray | None]:
         """-> (tokens, logprobs, versions, routing int32[prompt + generated - 1, layers, k] or None)."""
