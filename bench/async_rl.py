@@ -1,6 +1,6 @@
 """Asynchronous vs synchronous RL with trainer and sampler in separate processes, each on its own core.
 
-The learner (`composer-jax rl`, src/composer_jax/rl/trainer.py) runs once per `rl.max_staleness`
+The learner (`composer-jax rl`, src/composer_jax/rl/learner.py) runs once per `rl.max_staleness`
 value (default 0, the synchronous learner, then 2), each time as a fresh child process of this
 script with the same workload and the same starting weights (the config's seeded initialisation,
 which the run saves as its step-0 checkpoint for the replica): the one-choice fixture task
@@ -104,7 +104,7 @@ def core_busy_s() -> dict[int, float]:
 def child(args: argparse.Namespace) -> None:
     """One learner run (this process is the trainer); its summary as JSON on the last line."""
     from composer_jax.config import load_config
-    from composer_jax.rl.trainer import run_rl
+    from composer_jax.rl.learner import run_rl
 
     os.chdir(REPO)
     out = Path(args.out)
@@ -200,11 +200,11 @@ def store_figures(config: str, out: Path, cfg_overrides: list[str], steps: int) 
     import numpy as np
 
     from composer_jax.checkpoint.manager import restore_params_only
-    from composer_jax.checkpoint.weight_sync import WeightSubscriber
     from composer_jax.config import load_config
     from composer_jax.model.params import abstract_params
     from composer_jax.sharding import ShardingRules, make_mesh
     from composer_jax.train.loop import run_checkpoint_config
+    from composer_jax.weightsync.store import WeightSubscriber
 
     sub = WeightSubscriber(f"file://{out}/weight_store")
     _, first = sub.read(0)

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from composer_jax.checkpoint.hf import from_pretrained
+    from composer_jax.hf.weights import from_pretrained
     from composer_jax.inference.sampler import Request, Sampler
     from composer_jax.inference.sampling import SamplingParams
 
@@ -173,9 +173,9 @@ class VLLMSide:
 
         import httpx
 
-        from composer_jax.checkpoint.hf import save_pretrained
-        from composer_jax.checkpoint.hf_pad import pad_mla
-        from composer_jax.rl.vllm_replica import VLLM_MODULE, free_port
+        from composer_jax.hf.mla_pad import pad_mla
+        from composer_jax.hf.weights import save_pretrained
+        from composer_jax.rl.samplers.vllm_child import VLLM_MODULE, free_port
 
         python = Path(__file__).resolve().parents[1] / ".venv" / "vllm" / "bin" / "python"
         if not python.exists():

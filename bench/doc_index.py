@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from composer_jax.env.doc_index import DocIndex
+from composer_jax.env.tools.doc_index import DocIndex
 
 QUERIES = [
     "compare floating point numbers approximately",

@@ -27,9 +27,9 @@ sys.path.insert(0, str(ROOT / "tests" / "env"))
 
 
 async def grade_times(task_root: Path, repeats: int) -> list[float]:
-    from composer_jax.env import grader
-    from composer_jax.env.sandbox import Limits, default_sandbox
-    from composer_jax.env.tasks import load_task
+    from composer_jax.env.sandbox.runner import Limits, default_sandbox
+    from composer_jax.env.tasks import grader
+    from composer_jax.env.tasks.store import load_task
 
     task = load_task(task_root)
     sandbox = default_sandbox()
@@ -62,8 +62,8 @@ def main() -> int:
     p.add_argument("--bundled", default="cron-day-or-weekday", help="the bundled task (under tasks/) to grade")
     args = p.parse_args()
 
-    from composer_jax.env.mine import MineOptions, Miner, summary
-    from composer_jax.env.sandbox import default_sandbox
+    from composer_jax.env.mining.miner import MineOptions, Miner, summary
+    from composer_jax.env.sandbox.runner import default_sandbox
 
     work = Path(tempfile.mkdtemp(prefix="bench-env-mine-"))
     repo = args.repo

@@ -45,7 +45,7 @@ def main() -> None:
     import torch
     import transformers
 
-    from composer_jax.checkpoint.convert import main as convert
+    from composer_jax.hf.convert import main as convert
 
     root = Path(tempfile.mkdtemp(prefix="export_pad_"))
     _save_run(root)

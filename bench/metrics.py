@@ -15,8 +15,8 @@ import json
 import time
 from types import SimpleNamespace
 
-from composer_jax.env.metrics import EnvMetrics
-from composer_jax.env.sandbox import SandboxStats
+from composer_jax.env.sandbox.runner import SandboxStats
+from composer_jax.env.server.metrics import EnvMetrics
 from composer_jax.inference.metrics import ObserveRequests, ServeMetrics
 from composer_jax.inference.prefix_cache import PrefixStats
 

@@ -46,7 +46,7 @@ def child(args) -> None:
     )
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from composer_jax.checkpoint.multihost import scatter_arrays
+    from composer_jax.multihost import scatter_arrays
 
     mesh = jax.make_mesh((args.processes * args.devices,), ("data",))
     sharding = NamedSharding(mesh, PartitionSpec("data", None))

@@ -1,4 +1,4 @@
-"""The rollout queue (src/composer_jax/rl/queue.py): synchronous vs asynchronous learner, one process.
+"""The rollout queue (src/composer_jax/rl/rollout/queue.py): synchronous vs asynchronous learner, one process.
 
 Runs the RL learner on the one-choice fixture task (tests/rl/fixtures/rl_pick.yaml: the tiny MoE,
 random init, a local environment server) for the same number of steps (so the same number of
@@ -34,7 +34,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from composer_jax.config import load_config
-    from composer_jax.rl.trainer import run_rl
+    from composer_jax.rl.learner import run_rl
 
     os.chdir(REPO)
     rows = []

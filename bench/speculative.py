@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from composer_jax.checkpoint.hf_config import model_config_from_hf
+    from composer_jax.hf.config import model_config_from_hf
     from composer_jax.inference.sampler import Request, Sampler
     from composer_jax.inference.sampling import SamplingParams
     from composer_jax.inference.speculative import SpecStats

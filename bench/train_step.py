@@ -149,8 +149,8 @@ def torch_step_fn(model, opt, tokens_np: np.ndarray, device: str = "cpu"):
 
 
 def build_ours(hf_dir: str, overrides: list[str], moe_impl: str = "tiled"):
-    from composer_jax.checkpoint.hf import from_pretrained
     from composer_jax.config import MeshConfig, config_from_dict, to_dict
+    from composer_jax.hf.weights import from_pretrained
     from composer_jax.sharding import ShardingRules, make_mesh
     from composer_jax.train.state import init_train_state
     from composer_jax.train.step import make_train_step

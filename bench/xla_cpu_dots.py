@@ -105,7 +105,7 @@ def child(args: argparse.Namespace) -> int:
     import jax
     import jax.numpy as jnp
 
-    from composer_jax.checkpoint.hf_config import model_config_from_hf
+    from composer_jax.hf.config import model_config_from_hf
     from composer_jax.model import moe_decode as moe
     from composer_jax.model.kv_cache import init_cache
     from composer_jax.model.params import init_params

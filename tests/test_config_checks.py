@@ -111,11 +111,11 @@ def test_accepted_name_sets_are_written_once():
 
     from composer_jax.config import data, model, rl
     from composer_jax.model import expert_parallel
-    from composer_jax.quant import grouped_matmul
+    from composer_jax.quant import recipe
 
     hints = typing.get_type_hints(model.ModelConfig)
-    assert grouped_matmul.RECIPES == typing.get_args(hints["moe_precision"]) == model.MOE_PRECISIONS
-    assert grouped_matmul.BACKENDS == typing.get_args(hints["moe_quant_backend"])
+    assert recipe.RECIPES == typing.get_args(hints["moe_precision"]) == model.MOE_PRECISIONS
+    assert recipe.BACKENDS == typing.get_args(hints["moe_quant_backend"])
     assert ("auto", *expert_parallel.EXCHANGES) == typing.get_args(hints["moe_ep_exchange"])
     assert model.DTYPES == typing.get_args(hints["param_dtype"]) == typing.get_args(hints["compute_dtype"])
     assert rl.ADVANTAGE_ESTIMATORS == typing.get_args(typing.get_type_hints(rl.RLLossConfig)["advantage"])

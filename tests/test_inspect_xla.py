@@ -44,7 +44,7 @@ def _bench_reference() -> Config:
     32000), FSDP 4 x EP 2, batch 8 x seq 128."""
     sys.path.insert(0, str(ROOT))
     from bench.train_step import EMBEDDED
-    from composer_jax.checkpoint.hf_config import model_config_from_hf
+    from composer_jax.hf.config import model_config_from_hf
 
     model = to_dict(model_config_from_hf(EMBEDDED)[0])
     mesh = {"data": 1, "fsdp": 4, "expert": 2, "context": 1, "tensor": 1}

@@ -1,5 +1,7 @@
 """The import graph keeps docs/architecture.md's layering: no module imports a higher layer, the
-environment server imports nothing of the rest, and no module imports another module's `_private` name.
+environment server imports nothing of the rest but its public surface is `composer_jax.env.api`, no
+module imports another module's `_private` name, and no import circle exists anywhere (inside a
+package too, function-local and TYPE_CHECKING imports counted).
 
 The graph is read from the source (every `import` statement, function-local ones included), so a
 lazy import that reaches upwards is caught like a top-level one.
@@ -20,22 +22,30 @@ SRC = ROOT / "src"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("errors", ("composer_jax.errors", "composer_jax.flags")),
     ("config", ("composer_jax.config",)),
-    ("sharding", ("composer_jax.sharding",)),
+    ("sharding", ("composer_jax.sharding", "composer_jax.multihost")),
     ("quant", ("composer_jax.quant",)),
     ("model", ("composer_jax.model",)),
+    ("formats", ("composer_jax.formats",)),
     ("data", ("composer_jax.data",)),
     ("checkpoint", ("composer_jax.checkpoint",)),
+    ("hf", ("composer_jax.hf",)),
+    ("weightsync", ("composer_jax.weightsync",)),
     ("train", ("composer_jax.train",)),
     ("inference", ("composer_jax.inference",)),
+    ("runtime", ("composer_jax.runtime",)),
     ("rl", ("composer_jax.rl",)),
     ("app", ("composer_jax.cli", "composer_jax.demo", "composer_jax.inspection", "composer_jax")),
 ]
 # The environment server is a separate service (no JAX): it imports nothing of the others but the
 # ground floor's standard-library-only modules (the shared error types, the command-line value
-# types), and only `data`, `rl` and the app may import it - its protocol and client.
+# types), and only `formats`, `data`, `rl` and the app may import it - its public package, `env.api`
+# (every module in that package is public; nothing outside it is).
 ENV = "composer_jax.env"
-ENV_PUBLIC = ("composer_jax.env.protocol", "composer_jax.env.client", "composer_jax.env.errors")
-ENV_USERS = ("data", "rl", "app")
+ENV_API = "composer_jax.env.api"
+ENV_PUBLIC = tuple(
+    f"{ENV_API}.{p.stem}" for p in sorted((SRC / Path(*ENV_API.split("."))).glob("*.py")) if p.stem != "__init__"
+)
+ENV_USERS = ("formats", "data", "rl", "app")
 
 
 def _module_name(path: Path) -> str:
@@ -93,6 +103,73 @@ def _graph() -> list[tuple[str, str, str | None, str]]:
 EDGES = _graph()
 
 
+def test_env_surface_is_its_api_package():
+    assert set(ENV_PUBLIC) == {f"{ENV_API}.protocol", f"{ENV_API}.client", f"{ENV_API}.errors"}
+
+
+def circles(edges) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    graph: dict[str, set[str]] = {}
+    for src, dst, _, _ in edges:
+        if dst != src and not _within(src, dst):  # a module importing its own package's __init__ is no circle
+            graph.setdefault(src, set()).add(dst)
+            graph.setdefault(dst, set())
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    out: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def test_no_import_circles():
+    found = circles(EDGES)
+    assert not found, "import circles (a definition in the wrong module):\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_circle_rule_catches_a_circle_inside_a_package(monkeypatch):
+    edges = [
+        ("composer_jax.env.tasks.store", "composer_jax.env.sandbox.pyenv", None, "a.py:1"),
+        ("composer_jax.env.sandbox.pyenv", "composer_jax.env.tasks.store", None, "b.py:9"),  # function-local
+        ("composer_jax.model.moe", "composer_jax.config", None, "c.py:1"),
+    ]
+    monkeypatch.setattr(sys.modules[__name__], "EDGES", edges)
+    with pytest.raises(AssertionError, match="composer_jax.env.sandbox.pyenv <-> composer_jax.env.tasks.store"):
+        test_no_import_circles()
+
+
 def test_graph_is_read():
     # a few edges that exist today: the reader sees top-level, lazy and package-relative imports
     pairs = {(a, b) for a, b, _, _ in EDGES}
@@ -131,8 +208,8 @@ def test_no_private_names_across_modules():
     "src, dst, expect",
     [
         ("composer_jax.model.moe", "composer_jax.train.step", "higher layer"),
-        ("composer_jax.env.server", "composer_jax.config", "imports nothing else"),
-        ("composer_jax.train.loop", "composer_jax.env.server", "env protocol/client"),
+        ("composer_jax.env.server.app", "composer_jax.config", "imports nothing else"),
+        ("composer_jax.train.loop", "composer_jax.env.server.app", "env protocol/client"),
     ],
 )
 def test_rule_catches_violations(src, dst, expect, monkeypatch):

@@ -34,8 +34,8 @@ _EXPORTS = {
     "param_specs": "composer_jax.model.params",
     "forward": "composer_jax.model.transformer",
     "ModelOutput": "composer_jax.model.transformer",
-    "from_pretrained": "composer_jax.checkpoint.hf",
-    "save_pretrained": "composer_jax.checkpoint.hf",
+    "from_pretrained": "composer_jax.hf.weights",
+    "save_pretrained": "composer_jax.hf.weights",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -138,7 +138,7 @@ def async_overrides(cores: int) -> list[str]:
 def rl_stage(out_root: str, init_from: str, scale: float, echo=print) -> dict:
     """The RL stage from the SFT checkpoint; its summary holds the per-step values and the
     held-out evaluations (rl/evaluate.py: pass@1, best-of-K, reward) before and after."""
-    from composer_jax.rl.trainer import run_rl
+    from composer_jax.rl.learner import run_rl
 
     name, path = RL_STAGE
     base = cj.load_config(stage_config(path), num_devices=None)

@@ -83,7 +83,7 @@ def _quick(pid: int, port: int, url: str) -> None:
     import jax
     from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-    from composer_jax.checkpoint.sharded_publish import ShardedWeightPublisher
+    from composer_jax.weightsync.sharded import ShardedWeightPublisher
 
     mesh = jax.make_mesh((2, 2), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
     sharding = NamedSharding(mesh, PartitionSpec("data", "fsdp"))
@@ -98,9 +98,9 @@ def _main(pid: int, port: int, gather_url: str, sharded_url: str, hf_dir: str, t
     import jax
     from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-    from composer_jax.checkpoint.sharded_publish import ShardedWeightPublisher
-    from composer_jax.checkpoint.weight_sync import WeightPublisher
-    from composer_jax.rl.trainer import _published, _store_publisher
+    from composer_jax.rl.learner import _published, _store_publisher
+    from composer_jax.weightsync.sharded import ShardedWeightPublisher
+    from composer_jax.weightsync.store import WeightPublisher
 
     mesh = jax.make_mesh((2, 2), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
 
@@ -133,7 +133,7 @@ def _main(pid: int, port: int, gather_url: str, sharded_url: str, hf_dir: str, t
     publish(to_global(publish_tree(1), LAYOUT), 1)  # the checkpoint's own version: skipped
     publish(to_global(publish_tree(3), LAYOUT), 2)
 
-    from composer_jax.checkpoint.hf import save_pretrained
+    from composer_jax.hf.weights import save_pretrained
     from composer_jax.model.params import init_params
     from composer_jax.sharding import ShardingRules, make_mesh
 

@@ -35,7 +35,7 @@ def main() -> None:
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=n, process_id=pid)
     from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-    from composer_jax.checkpoint.multihost import scatter_arrays
+    from composer_jax.multihost import scatter_arrays
 
     mesh = jax.make_mesh(sizes, tuple(axes), axis_types=(AxisType.Auto,) * len(axes))
     sharding = NamedSharding(mesh, PartitionSpec(tuple(a for a in axes if a != "t"), None))

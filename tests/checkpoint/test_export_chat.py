@@ -20,13 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from composer_jax.checkpoint.convert import main as convert_main
 from composer_jax.checkpoint.manager import TrainCheckpointer
 from composer_jax.config import load_config, to_dict
 from composer_jax.config.checkpoint import CheckpointConfig
-from composer_jax.data.chat import render_chat, render_prompt
-from composer_jax.data.tokenizer import load_tokenizer
-from composer_jax.env.protocol import tool_schemas
+from composer_jax.env.api.protocol import tool_schemas
+from composer_jax.formats.chatml import render_chat, render_prompt
+from composer_jax.formats.tokenizer import load_tokenizer
+from composer_jax.hf.convert import main as convert_main
 from composer_jax.model.transformer import forward
 from composer_jax.sharding import ShardingRules, make_mesh
 from composer_jax.train.state import init_train_state
@@ -82,7 +82,7 @@ def hf_model(exported):
 
 @pytest.fixture(scope="module")
 def policy(run):
-    from composer_jax.checkpoint.convert import load_run
+    from composer_jax.hf.convert import load_run
 
     cfg, params, step, _ = load_run(run, 1)
     assert step == 1
@@ -297,7 +297,7 @@ def test_a_trained_run_exports_and_generates_the_samplers_tokens(tmp_path, monke
     tok = load_tokenizer(TOKENIZER)
     msgs = _conversations()[1]
     assert hf_tok.apply_chat_template(msgs, tokenize=True, return_dict=False) == render_chat(msgs, tok)[0].tolist()
-    from composer_jax.checkpoint.convert import load_run
+    from composer_jax.hf.convert import load_run
 
     mcfg, params, _, _ = load_run(tmp_path / "stage", None)
     prompt = hf_tok("def add(a, b):").input_ids

@@ -11,11 +11,11 @@ import jax
 import numpy as np
 import pytest
 
-from composer_jax.checkpoint.hf_pad import plan_padding
-from composer_jax.checkpoint.hf_rope import export_rope, same_frequencies
-from composer_jax.checkpoint.hf_tokenizer import hf_tokenizer_json, tokenizer_config, write_tokenizer_files
 from composer_jax.config import ConfigError, ModelConfig, RopeScalingConfig
-from composer_jax.data.tokenizer import load_tokenizer
+from composer_jax.formats.tokenizer import load_tokenizer
+from composer_jax.hf.mla_pad import plan_padding
+from composer_jax.hf.rope import export_rope, same_frequencies
+from composer_jax.hf.tokenizer_files import hf_tokenizer_json, tokenizer_config, write_tokenizer_files
 
 DEMO_YARN = RopeScalingConfig(
     type="yarn", factor=2.0, original_max_position_embeddings=256, mscale=1.0, mscale_all_dim=1.0
@@ -80,8 +80,8 @@ def test_padding_that_cannot_be_exact_is_refused(change, match):
 def test_half_split_rotary_is_padded_into_the_interleaved_layout(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from composer_jax.checkpoint.hf import save_pretrained
-    from composer_jax.checkpoint.hf_pad import pad_mla
+    from composer_jax.hf.mla_pad import pad_mla
+    from composer_jax.hf.weights import save_pretrained
     from composer_jax.model.params import abstract_params
 
     cfg = dataclasses.replace(_yarn(), rope_interleave=False, q_lora_rank=0)
@@ -151,7 +151,7 @@ def test_tokenizer_without_chat_tokens_or_template_gets_a_clear_chat_error(tmp_p
 def test_serve_says_chat_is_unavailable_for_a_tokenizer_without_chat_tokens(tmp_path):
     """`serve` with a converted DeepSeek-like tokenizer: one clear reason (said at start, and as the
     chat endpoint's `chat_unavailable` error), not a template error per message; completions work."""
-    from composer_jax.data.chat import chat_unavailable
+    from composer_jax.formats.chatml import chat_unavailable
     from composer_jax.inference.openai_api import ApiError, parse_chat, parse_completion
 
     tok, _src = _deepseek_like(tmp_path, None)

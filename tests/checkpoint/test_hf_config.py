@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from composer_jax.checkpoint.hf_config import hf_config_from_model, model_config_from_hf
 from composer_jax.config import RopeScalingConfig
+from composer_jax.hf.config import hf_config_from_model, model_config_from_hf
 
 # DeepSeek-V3's hub config.json (remote-code spelling: rope_scaling + top-level rope_theta)
 DEEPSEEK_V3 = {

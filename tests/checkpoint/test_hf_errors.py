@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import composer_jax as cj
-from composer_jax.checkpoint.hf import CheckpointError
-from composer_jax.checkpoint.hf_config import model_config_from_hf
 from composer_jax.config import ConfigError
+from composer_jax.hf.config import model_config_from_hf
+from composer_jax.hf.weights import CheckpointError
 
 torch = pytest.importorskip("torch")
 from safetensors.torch import load_file, save_file  # noqa: E402
@@ -171,7 +171,7 @@ def test_save_checks_param_shapes(tmp_path):
 
 def test_convert_cli_round_trips(hf_checkpoint, tmp_path, capsys):
     """hf -> hf, hf -> orbax -> hf, and --print-config through `composer-jax convert`."""
-    from composer_jax.checkpoint.convert import main
+    from composer_jax.hf.convert import main
 
     built = hf_checkpoint("v2_group")
     assert main(["--from-hf", str(built.path), "--print-config"]) == 0

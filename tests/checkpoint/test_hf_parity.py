@@ -17,9 +17,9 @@ import pytest
 from hf_cases import CASES, VOCAB, build_model  # tests/checkpoint/hf_cases.py
 
 import composer_jax as cj
-from composer_jax.checkpoint import hf as hf_ckpt
-from composer_jax.checkpoint.hf_rope import same_frequencies
 from composer_jax.config import MeshConfig
+from composer_jax.hf import weights as hf_ckpt
+from composer_jax.hf.rope import same_frequencies
 from composer_jax.model.params import param_shardings
 from composer_jax.sharding import MeshRules, ShardingRules
 

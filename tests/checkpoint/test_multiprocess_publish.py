@@ -15,8 +15,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from composer_jax.checkpoint.sharded_publish import read_shard
-from composer_jax.checkpoint.weight_sync import WeightPublisher, WeightSubscriber, WeightSyncError, tree_sha256
+from composer_jax.weightsync.sharded import read_shard
+from composer_jax.weightsync.store import WeightPublisher, WeightSubscriber, WeightSyncError, tree_sha256
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -164,7 +164,7 @@ def test_a_corrupted_shard_is_detected(stores, tmp_path):
 def test_two_process_hf_export_equals_the_single_process_one(stores, tmp_path):
     import jax
 
-    from composer_jax.checkpoint.hf import save_pretrained
+    from composer_jax.hf.weights import save_pretrained
     from composer_jax.model.params import init_params
 
     cfg = export_model_config(4)  # the model section only: no mesh is built here

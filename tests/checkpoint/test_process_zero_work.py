@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from composer_jax.checkpoint.multihost import ProcessZeroFailed, ProcessZeroWork, check_header, failure_header
+from composer_jax.multihost import ProcessZeroFailed, ProcessZeroWork, check_header, failure_header
 
 
 class Meeting:

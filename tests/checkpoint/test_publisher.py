@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from composer_jax.checkpoint.sharded_publish import ShardedWeightPublisher, open_publisher
-from composer_jax.checkpoint.weight_sync import (
+from composer_jax.weightsync.sharded import ShardedWeightPublisher, open_publisher
+from composer_jax.weightsync.store import (
     Publisher,
     PublishInfo,
     WeightPublisher,

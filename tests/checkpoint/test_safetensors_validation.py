@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from composer_jax.checkpoint.safetensors_io import SafetensorsDir, SafetensorsError
+from composer_jax.hf.safetensors_io import SafetensorsDir, SafetensorsError
 
 safetensors = pytest.importorskip("safetensors")
 from safetensors import SafetensorError, deserialize, safe_open  # noqa: E402

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from composer_jax.checkpoint.sharded_publish import ShardedWeightPublisher, publish_sharded, read_shard
-from composer_jax.checkpoint.weight_sync import WeightPublisher, WeightSubscriber, WeightSyncError
+from composer_jax.weightsync.sharded import ShardedWeightPublisher, publish_sharded, read_shard
+from composer_jax.weightsync.store import WeightPublisher, WeightSubscriber, WeightSyncError
 
 
 def _tree(seed: int) -> dict:

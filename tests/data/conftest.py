@@ -11,6 +11,6 @@ def tok_dir() -> str:
 
 @pytest.fixture(scope="session")
 def tok(tok_dir):
-    from composer_jax.data.tokenizer import load_tokenizer
+    from composer_jax.formats.tokenizer import load_tokenizer
 
     return load_tokenizer(tok_dir)

@@ -7,10 +7,16 @@ import pytest
 from datahelpers import FIXTURES
 
 from composer_jax.config.data import DataConfig, DataConfigError, SourceConfig
-from composer_jax.data.chat import parse_assistant, render_chat, render_chat_text, render_continuation, render_prompt
 from composer_jax.data.cli import main as data_main
 from composer_jax.data.pipeline import make_train_iterator
 from composer_jax.data.sft import make_sft
+from composer_jax.formats.chatml import (
+    parse_assistant,
+    render_chat,
+    render_chat_text,
+    render_continuation,
+    render_prompt,
+)
 
 CONV = [
     {"role": "system", "content": "S"},

@@ -6,7 +6,8 @@ import pytest
 from datahelpers import REPO
 
 from composer_jax.config.data import DataConfigError
-from composer_jax.data.tokenizer import SPECIAL_TOKENS, load_tokenizer, main, save_tokenizer, train_tokenizer
+from composer_jax.data.tokenizer_cli import main
+from composer_jax.formats.tokenizer import SPECIAL_TOKENS, load_tokenizer, save_tokenizer, train_tokenizer
 
 CODE = [
     'def add(a, b):\n    """Sum."""\n    return a + b\n',

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from composer_jax.data.sft import task_conversation
-from composer_jax.env.task_families import generate_task
+from composer_jax.env.tasks.families import generate_task
 
 
 def sandboxed(test):

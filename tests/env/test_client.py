@@ -8,7 +8,7 @@ import socket
 import pytest
 from conftest import LiveServer, requires_bwrap
 
-from composer_jax.env.client import EnvClient, RequestRejected, ServerUnavailable, SessionLost
+from composer_jax.env.api.client import EnvClient, RequestRejected, ServerUnavailable, SessionLost
 
 pytestmark = requires_bwrap
 

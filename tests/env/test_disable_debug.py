@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from composer_jax.env.task_families import generate_task
-from composer_jax.env.task_families.disable_debug import INSTRUCTIONS, OTHERS
+from composer_jax.env.tasks.families import generate_task
+from composer_jax.env.tasks.families.disable_debug import INSTRUCTIONS, OTHERS
 
 sys.path.insert(0, str(Path(__file__).parent))
 import harbor_oracle  # noqa: E402

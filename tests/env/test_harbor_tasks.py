@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from harbor_rules import findings
 
-from composer_jax.env.task_families import FAMILIES, generate_task
-from composer_jax.env.task_families.base import DOCKERFILE, PYTEST_REQUIREMENT, TEST_SH, task_toml
+from composer_jax.env.tasks.families import FAMILIES, generate_task
+from composer_jax.env.tasks.families.base import DOCKERFILE, PYTEST_REQUIREMENT, TEST_SH, task_toml
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = sorted(p for p in (ROOT / "tasks").iterdir() if (p / "task.toml").is_file())

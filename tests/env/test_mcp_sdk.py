@@ -18,13 +18,13 @@ from mcp import ClientSession, types
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import McpError
 
-from composer_jax.env import mcp as env_mcp
-from composer_jax.env.protocol import BASE_TOOL_NAMES, TOOL_NAMES
-from composer_jax.env.sandbox import LocalProcessSandbox
-from composer_jax.env.server import create_app
-from composer_jax.env.session import SessionManager
-from composer_jax.env.tasks import TaskStore
-from composer_jax.env.web_search import WebTools
+from composer_jax.env.api.protocol import BASE_TOOL_NAMES, TOOL_NAMES
+from composer_jax.env.sandbox.runner import LocalProcessSandbox
+from composer_jax.env.server import mcp as env_mcp
+from composer_jax.env.server.app import create_app
+from composer_jax.env.server.session import SessionManager
+from composer_jax.env.tasks.store import TaskStore
+from composer_jax.env.tools.web_search import WebTools
 
 TOKEN = "t" * 32
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}

@@ -10,8 +10,8 @@ import pytest
 from conftest import HAVE_BWRAP
 from metrics_scrape import parse
 
-from composer_jax.env.metrics import EnvMetrics
-from composer_jax.env.sandbox import BubblewrapSandbox, Limits, LocalProcessSandbox, Mount, SandboxStats
+from composer_jax.env.sandbox.runner import BubblewrapSandbox, Limits, LocalProcessSandbox, Mount, SandboxStats
+from composer_jax.env.server.metrics import EnvMetrics
 
 
 def test_local_backend_counts_spawn_failures_kills_and_running(tmp_path):

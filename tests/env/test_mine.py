@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from composer_jax.env import instruction, mine
-from composer_jax.env.gitrepo import Commit, FileChange
-from composer_jax.env.sandbox import default_sandbox
+from composer_jax.env.mining import miner as mine
+from composer_jax.env.mining import statement as instruction
+from composer_jax.env.mining.gitrepo import Commit, FileChange
+from composer_jax.env.sandbox.runner import default_sandbox
 
 sys.path.insert(0, str(Path(__file__).parent))
 import minerepo  # noqa: E402
@@ -169,7 +170,7 @@ def test_mine_two_commits(tmp_path):
 @sandboxed
 def test_mine_whole_history_and_validate(tmp_path):
     """Every commit of the calc history: exactly the expected tasks and rejections; `env validate` passes."""
-    from composer_jax.env.pyenv import EnvCache
+    from composer_jax.env.sandbox.pyenv import EnvCache
 
     repo = tmp_path / "calc"
     minerepo.build(repo)
@@ -207,8 +208,8 @@ def test_mine_whole_history_and_validate(tmp_path):
 
 
 def test_cli_errors_name_the_bad_value(tmp_path, capsys):
-    from composer_jax.env.mine_cli import mine_main
-    from composer_jax.env.swebench_import import import_main
+    from composer_jax.env.mining.cli import mine_main
+    from composer_jax.env.mining.swebench_import import import_main
 
     assert mine_main([str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     assert "is not a git checkout" in capsys.readouterr().err

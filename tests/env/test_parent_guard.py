@@ -12,7 +12,7 @@ import time
 
 from procs import cmdline, gone
 
-from composer_jax.env.sandbox import parent_guard
+from composer_jax.env.sandbox.runner import parent_guard
 
 
 def test_a_guarded_command_runs_under_its_parent():
@@ -35,7 +35,7 @@ def test_a_guarded_command_is_killed_when_its_parent_is():
     script = textwrap.dedent(
         """
         import subprocess, sys, time
-        from composer_jax.env.sandbox import parent_guard
+        from composer_jax.env.sandbox.runner import parent_guard
         child = subprocess.Popen([*parent_guard(), "sleep", "60"])
         print(child.pid, flush=True)
         time.sleep(60)

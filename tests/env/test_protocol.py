@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from composer_jax.env import protocol, tools
-from composer_jax.env.protocol import ToolArgumentError, UnknownToolError
-from composer_jax.env.sandbox import ExecResult
-from composer_jax.env.workspace import Workspace
+from composer_jax.env.api import protocol
+from composer_jax.env.api.protocol import ToolArgumentError, UnknownToolError
+from composer_jax.env.sandbox.runner import ExecResult
+from composer_jax.env.sandbox.workspace import Workspace
+from composer_jax.env.tools import agent_tools as tools
 
 # (not imported from conftest: tests/data has a conftest module of the same name)
 TESTS = Path(__file__).resolve().parents[1]
@@ -38,7 +39,7 @@ SAMPLES = {
 
 def test_protocol_imports_without_jax_or_server_dependencies():
     code = (
-        "import sys; import composer_jax.env.protocol; "
+        "import sys; import composer_jax.env.api.protocol; "
         "heavy = [m for m in ('jax', 'fastapi', 'pydantic', 'regex', 'numpy') if m in sys.modules]; "
         "assert not heavy, heavy"
     )

@@ -20,12 +20,13 @@ import pytest
 from conftest import HAVE_BWRAP, LiveServer
 from metrics_scrape import parse
 
-from composer_jax.env.pyenv import ENV_MOUNT, EnvBuildError, EnvCache, EnvSpec, parse_environment
-from composer_jax.env.sandbox import BubblewrapSandbox, Limits
-from composer_jax.env.server import GradeResponse
-from composer_jax.env.session import SessionManager
-from composer_jax.env.tasks import TaskError, TaskStore, load_task, parse_task_config
-from composer_jax.env.validate import validate_all
+from composer_jax.env.sandbox.pyenv import ENV_MOUNT, EnvBuildError, EnvCache, spec_key
+from composer_jax.env.sandbox.runner import BubblewrapSandbox, Limits
+from composer_jax.env.server.app import GradeResponse
+from composer_jax.env.server.session import SessionManager
+from composer_jax.env.tasks.envspec import EnvSpec, parse_environment
+from composer_jax.env.tasks.store import TaskError, TaskStore, load_task, parse_task_config
+from composer_jax.env.tasks.validate import validate_all
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,8 +45,10 @@ def test_spec_parsing(tmp_path):
     assert parse_task_config({}, "t", tmp_path).environment is None
     # the key changes with anything that changes the build
     a = EnvSpec(None, ("six",))
-    assert a.key(None, "wheelhouse:x") == EnvSpec(None, ("six",)).key(None, "wheelhouse:x")
-    assert len({a.key(None, "w1"), a.key(None, "w2"), EnvSpec(None, ("six==1",)).key(None, "w1")}) == 3
+    assert spec_key(a, None, "wheelhouse:x") == spec_key(EnvSpec(None, ("six",)), None, "wheelhouse:x")
+    assert (
+        len({spec_key(a, None, "w1"), spec_key(a, None, "w2"), spec_key(EnvSpec(None, ("six==1",)), None, "w1")}) == 3
+    )
 
 
 @pytest.mark.parametrize(
@@ -341,7 +344,7 @@ def test_network_only_for_index_builds(sandbox):
 
 
 def test_dockerfile_matches_the_spec():
-    from composer_jax.env.taskwrite import default_dockerfile
+    from composer_jax.env.mining.taskwrite import default_dockerfile
 
     plain = default_dockerfile()
     assert plain.startswith("FROM python:3.11-slim\n") and "pip install --no-cache-dir pytest==" in plain
@@ -430,8 +433,8 @@ def test_failed_build_is_remembered_with_its_log(tmp_path, wheelhouse, sandbox):
 
 
 def test_session_of_an_unbuilt_env_is_refused_not_built(tmp_path):
-    from composer_jax.env.errors import TaskNotRunnable
-    from composer_jax.env.sandbox import LocalProcessSandbox
+    from composer_jax.env.api.errors import TaskNotRunnable
+    from composer_jax.env.sandbox.runner import LocalProcessSandbox
 
     _task(tmp_path / "tasks" / "uses-tinypkg", ["tinypkg"])
     store = TaskStore(tmp_path / "tasks", tmp_path / "gen")
@@ -453,7 +456,7 @@ def test_session_of_an_unbuilt_env_is_refused_not_built(tmp_path):
 
 
 def test_stale_build_dirs_are_swept(tmp_path):
-    from composer_jax.env.pyenv import sweep_stale_builds
+    from composer_jax.env.sandbox.pyenv import sweep_stale_builds
 
     old, new, entry = tmp_path / ".build-old", tmp_path / ".build-new", tmp_path / ("a" * 64)
     for d in (old, new, entry):

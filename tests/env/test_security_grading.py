@@ -338,10 +338,10 @@ def test_unhandled_error_is_a_counted_500(tmp_path, monkeypatch):
     """An error inside a grade is a JSON 500, counted in cj_env_http_requests_total (defect 4)."""
     from fastapi.testclient import TestClient
 
-    from composer_jax.env.sandbox import LocalProcessSandbox
-    from composer_jax.env.server import create_app
-    from composer_jax.env.session import SessionManager
-    from composer_jax.env.tasks import TaskStore
+    from composer_jax.env.sandbox.runner import LocalProcessSandbox
+    from composer_jax.env.server.app import create_app
+    from composer_jax.env.server.session import SessionManager
+    from composer_jax.env.tasks.store import TaskStore
 
     manager = SessionManager(
         TaskStore(FIXTURE_TASKS, tmp_path / "cache"), LocalProcessSandbox(), work_dir=tmp_path / "w"

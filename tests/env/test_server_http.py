@@ -262,7 +262,7 @@ def test_server_refuses_to_start_without_sandbox(tmp_path):
 
 def test_importing_server_does_not_import_jax():
     code = (
-        "import sys, composer_jax.env.server, composer_jax.env.client, composer_jax.env.cli; "
+        "import sys, composer_jax.env.server.app, composer_jax.env.api.client, composer_jax.env.cli; "
         "print('jax' in sys.modules)"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env_with_src(), timeout=60)

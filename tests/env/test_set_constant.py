@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from composer_jax.env.task_families import generate_task
-from composer_jax.env.task_families.set_constant import NAMES, VALUES
+from composer_jax.env.tasks.families import generate_task
+from composer_jax.env.tasks.families.set_constant import NAMES, VALUES
 
 sys.path.insert(0, str(Path(__file__).parent))
 import harbor_oracle  # noqa: E402

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from composer_jax.env import snapshot
+from composer_jax.env.sandbox import snapshot
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from composer_jax.env import swe_runner, swebench_import
-from composer_jax.env.taskwrite import write_task
+from composer_jax.env.mining import swe_runner, swebench_import
+from composer_jax.env.mining.taskwrite import write_task
 
 sys.path.insert(0, str(Path(__file__).parent))
 import minerepo  # noqa: E402

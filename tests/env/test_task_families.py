@@ -11,7 +11,7 @@ import tomllib
 
 import pytest
 
-from composer_jax.env.task_families import FAMILIES, Family, generate_task
+from composer_jax.env.tasks.families import FAMILIES, Family, generate_task
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import harbor_oracle  # noqa: E402
@@ -38,7 +38,7 @@ def test_registry_shape():
 def test_generator_is_stdlib_only():
     """Every module of the package imports only the standard library and its own siblings (the
     environment server runs without JAX, and env/ depends on nothing else of composer_jax)."""
-    import composer_jax.env.task_families as mod
+    import composer_jax.env.tasks.families as mod
 
     modules = sorted(pathlib.Path(mod.__file__).parent.glob("*.py"))
     assert len(modules) >= 7, [m.name for m in modules]  # __init__, base and one per family

@@ -7,8 +7,10 @@ import os
 
 import pytest
 
-from composer_jax.env import grader, semantic_search, tools
-from composer_jax.env.workspace import PathEscapeError, ToolError, Workspace
+from composer_jax.env.sandbox.workspace import PathEscapeError, ToolError, Workspace
+from composer_jax.env.tasks import grader
+from composer_jax.env.tools import agent_tools as tools
+from composer_jax.env.tools import semantic_search
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import types
 import pytest
 from conftest import FIXTURE_TASKS, env_with_src
 
-from composer_jax.env.tasks import TaskError, TaskStore, load_task, parse_task_config
+from composer_jax.env.tasks.store import TaskError, TaskStore, load_task, parse_task_config
 
 
 def run_cli(*args):
@@ -103,9 +103,9 @@ def test_store_resolves_generated_families(tmp_path, monkeypatch):
         (dest / "instruction.md").write_text(f"{family} seed {seed}\n")
         return dest
 
-    fake = types.ModuleType("composer_jax.env.task_families")
+    fake = types.ModuleType("composer_jax.env.tasks.families")
     fake.FAMILIES, fake.generate_task = {"hello": None}, generate_task
-    monkeypatch.setitem(sys.modules, "composer_jax.env.task_families", fake)
+    monkeypatch.setitem(sys.modules, "composer_jax.env.tasks.families", fake)
     store = TaskStore(FIXTURE_TASKS, tmp_path)
     assert store.get("gen/hello", 7).instruction == "hello seed 7\n"
     assert store.get("gen/hello").instruction == "hello seed 0\n"

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from conftest import FIXTURE_TASKS
 
-from composer_jax.env import doc_index
+from composer_jax.env.api.protocol import BASE_TOOL_NAMES, TOOL_NAMES, ToolError
 from composer_jax.env.cli import _make_web_tools, server_parser
-from composer_jax.env.doc_index import DocIndex
-from composer_jax.env.html_text import html_to_text
-from composer_jax.env.protocol import BASE_TOOL_NAMES, TOOL_NAMES, ToolError
-from composer_jax.env.web_search import (
+from composer_jax.env.tools import doc_index
+from composer_jax.env.tools.doc_index import DocIndex
+from composer_jax.env.tools.html_text import html_to_text
+from composer_jax.env.tools.web_search import (
     MAX_PAGE_CHARS,
     OfflineBackend,
     SearxngBackend,
@@ -236,10 +236,10 @@ def test_flags_and_task_key_are_checked(tmp_path, capsys):
 def web_app(tmp_path):
     from fastapi.testclient import TestClient
 
-    from composer_jax.env.sandbox import LocalProcessSandbox
-    from composer_jax.env.server import create_app
-    from composer_jax.env.session import SessionManager
-    from composer_jax.env.tasks import TaskStore
+    from composer_jax.env.sandbox.runner import LocalProcessSandbox
+    from composer_jax.env.server.app import create_app
+    from composer_jax.env.server.session import SessionManager
+    from composer_jax.env.tasks.store import TaskStore
 
     tasks = tmp_path / "tasks"
     shutil.copytree(FIXTURE_TASKS / "fix-add", tasks / "fix-add")
@@ -307,15 +307,15 @@ def test_a_session_is_offered_only_the_tools_its_task_allows(web_app):
 def test_offer_all_gives_every_session_the_tools(tmp_path):
     web = WebTools(OfflineBackend(DocIndex(["fakegeo"], search_path=[str(fake_site(tmp_path))])), "all")
     assert web.offered({}) and not WebTools(web.backend, "tasks").offered({})
-    from composer_jax.env.sandbox import LocalProcessSandbox
-    from composer_jax.env.session import SessionManager
-    from composer_jax.env.tasks import TaskStore
+    from composer_jax.env.sandbox.runner import LocalProcessSandbox
+    from composer_jax.env.server.session import SessionManager
+    from composer_jax.env.tasks.store import TaskStore
 
     store = TaskStore(FIXTURE_TASKS, tmp_path / "cache")
     manager = SessionManager(store, LocalProcessSandbox(), work_dir=tmp_path / "w", web_tools=web)
     assert manager.offered_tools() == tuple(TOOL_NAMES) and manager.web_for(store.get("fix-add", 0)) is web.backend
     # with no web backend, a task's bad [agent] web_search is still an error naming it
-    from composer_jax.env.tasks import TaskError
+    from composer_jax.env.tasks.store import TaskError
 
     off = SessionManager(store, LocalProcessSandbox(), work_dir=tmp_path / "w2")
     bad = store.get("fix-add", 0)
@@ -327,7 +327,7 @@ def test_offer_all_gives_every_session_the_tools(tmp_path):
 
 
 def test_websocket_steps_check_the_session_tools():
-    from composer_jax.env import openenv_protocol as op
+    from composer_jax.env.server import openenv_protocol as op
 
     action = {"tool_calls": [{"name": "web_search", "arguments": {"query": "q"}}, {"name": "list_dir"}]}
     [(_, _, refused), (_, _, ok)] = op.split_calls(action, BASE_TOOL_NAMES)

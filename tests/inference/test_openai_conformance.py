@@ -14,8 +14,8 @@ openai = pytest.importorskip("openai")
 from openai.lib.streaming.chat import ChatCompletionStreamState  # noqa: E402
 from openai.types.chat import ChatCompletion, ChatCompletionChunk  # noqa: E402
 
-from composer_jax.data.chat import render_chat_text, render_prompt  # noqa: E402
-from composer_jax.data.tokenizer import load_tokenizer  # noqa: E402
+from composer_jax.formats.chatml import render_chat_text, render_prompt  # noqa: E402
+from composer_jax.formats.tokenizer import load_tokenizer  # noqa: E402
 from composer_jax.inference import openai_api as api  # noqa: E402
 from composer_jax.inference.engine import Event  # noqa: E402
 from composer_jax.inference.server import ChoiceStream  # noqa: E402

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from composer_jax.data.tokenizer import load_tokenizer
+from composer_jax.formats.tokenizer import load_tokenizer
 from composer_jax.inference import openai_api as api
 
 TOK = load_tokenizer(Path(__file__).resolve().parents[2] / "assets" / "tokenizer")

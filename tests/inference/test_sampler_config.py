@@ -25,7 +25,7 @@ from composer_jax.inference.checkpoints import load_policy
 from composer_jax.inference.cli import _serve_parser
 from composer_jax.inference.sampler import Sampler
 from composer_jax.model.params import init_params
-from composer_jax.rl.rollout_side import _local_samplers
+from composer_jax.rl.rollout.side import _local_samplers
 from composer_jax.sharding import ShardingRules, make_mesh
 from composer_jax.train.state import init_train_state
 

@@ -21,17 +21,17 @@ import uvicorn
 from metrics_scrape import scrape
 
 from composer_jax.checkpoint.manager import TrainCheckpointer
-from composer_jax.checkpoint.weight_sync import WeightPublisher
 from composer_jax.config import load_config, to_dict
 from composer_jax.config.checkpoint import CheckpointConfig
 from composer_jax.config.sampler import SamplerConfig
-from composer_jax.data.tokenizer import load_tokenizer
+from composer_jax.formats.tokenizer import load_tokenizer
 from composer_jax.inference.checkpoints import load_policy
 from composer_jax.inference.cli import build_server, serve_main
 from composer_jax.inference.sampler import Request, Sampler
 from composer_jax.inference.sampling import SamplingParams
 from composer_jax.sharding import ShardingRules, make_mesh
 from composer_jax.train.state import init_train_state
+from composer_jax.weightsync.store import WeightPublisher
 
 KEY = "store-test-key-0123456789"
 MAX_LEN = 256

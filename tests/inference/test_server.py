@@ -28,8 +28,8 @@ from composer_jax.checkpoint.manager import TrainCheckpointer  # noqa: E402
 from composer_jax.config import ConfigError, load_config, to_dict  # noqa: E402
 from composer_jax.config.checkpoint import CheckpointConfig  # noqa: E402
 from composer_jax.config.sampler import SamplerConfig  # noqa: E402
-from composer_jax.data.chat import render_chat_text  # noqa: E402
-from composer_jax.data.tokenizer import load_tokenizer  # noqa: E402
+from composer_jax.formats.chatml import render_chat_text  # noqa: E402
+from composer_jax.formats.tokenizer import load_tokenizer  # noqa: E402
 from composer_jax.inference import openai_api as api  # noqa: E402
 from composer_jax.inference.checkpoints import load_policy  # noqa: E402
 from composer_jax.inference.cli import build_server, sample_main  # noqa: E402
@@ -621,7 +621,7 @@ def test_admin_load_weights(served, client, ckpts):
 def test_admin_refuses_another_architecture(served, tmp_path):
     import dataclasses
 
-    from composer_jax.checkpoint.hf import save_pretrained
+    from composer_jax.hf.weights import save_pretrained
     from composer_jax.model.params import init_params
 
     cfg = dataclasses.replace(served["policy"].cfg, num_layers=3)
@@ -676,8 +676,8 @@ def test_sample_cli(ckpts, served, capsys):
 
 # ---------------------------------------------------------------------------- checkpoint kinds
 def test_hf_and_converted_directories_load_the_same_weights(ckpts, served, tmp_path, capsys):
-    from composer_jax.checkpoint.convert import main as convert_main
-    from composer_jax.checkpoint.hf import save_pretrained
+    from composer_jax.hf.convert import main as convert_main
+    from composer_jax.hf.weights import save_pretrained
     from composer_jax.inference.checkpoints import checkpoint_kind
 
     policy = served["policy"]

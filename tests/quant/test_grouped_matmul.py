@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from composer_jax.quant import grouped_matmul as G
+from composer_jax.quant import recipe as R
 from composer_jax.quant.formats import fake_quantize
 
 # Relative Frobenius-norm error of a quantised product against float32, with Gaussian operands
@@ -40,7 +41,7 @@ def _value_and_grads(f, x, w, dy):
 def test_ragged_gradients_agree_with_float32_within_the_stated_bound(name):
     x, w, sizes, dy = _data()
     ref = jax.jit(lambda x, w: _value_and_grads(lambda a, b: jax.lax.ragged_dot(a, b, sizes), x, w, dy))(x, w)
-    r = G.recipe(name)
+    r = R.recipe(name)
     got = jax.jit(lambda x, w: _value_and_grads(lambda a, b: G.ragged_matmul(a, b, sizes, r), x, w, dy))(x, w)
     fwd_bound = BOUND["nvfp4" if name.startswith("nvfp4") else "mxfp8"]
     valid = np.arange(ROWS) < sum(SIZES)
@@ -59,7 +60,7 @@ def test_the_products_are_the_ones_the_recipe_defines():
     """Forward NVFP4 (per-token activations, per-expert weights) along k; dgrad MXFP8 along n;
     wgrad MXFP8 along the rows of each group - checked against products written out per group."""
     x, w, sizes, dy = _data(1)
-    r = G.recipe("nvfp4_fwd_mxfp8_bwd")
+    r = R.recipe("nvfp4_fwd_mxfp8_bwd")
     y, dx, dw = jax.jit(lambda x, w: _value_and_grads(lambda a, b: G.ragged_matmul(a, b, sizes, r), x, w, dy))(x, w)
     xq = np.asarray(fake_quantize(x, "nvfp4", 1, second="token"))
     wq = np.asarray(fake_quantize(w, "nvfp4", 1, second=(1, 2)))
@@ -85,7 +86,7 @@ def test_tiled_and_ragged_layouts_give_the_same_values_and_gradients(name):
     """One 128-row tile per group, zero-padded: MX blocks in a tile equal blocks restarting at
     group boundaries in the ragged layout, so the two agree to float32 summation order."""
     x, w, sizes, dy = _data(2)
-    r = G.recipe(name)
+    r = R.recipe(name)
     m = 128
     xt = jnp.zeros((len(SIZES), m, K))
     dyt = jnp.zeros((len(SIZES), m, N))
@@ -109,7 +110,7 @@ def test_per_token_nvfp4_output_ignores_the_other_tokens_and_per_tensor_does_not
     other = x.at[1:].multiply(40.0)  # every other token changes, by a lot
     for layout in ("ragged", "tiled"):
         for second, independent in (("token", True), ("tensor", False)):
-            r = G.recipe("nvfp4_fwd_mxfp8_bwd", nvfp4_second=second)
+            r = R.recipe("nvfp4_fwd_mxfp8_bwd", nvfp4_second=second)
             if layout == "ragged":
                 f = jax.jit(lambda a, r=r: G.ragged_matmul(a, w, sizes, r)[0])
             else:
@@ -119,7 +120,7 @@ def test_per_token_nvfp4_output_ignores_the_other_tokens_and_per_tensor_does_not
 
 
 def test_recipe_names():
-    assert G.recipe("nvfp4_fwd_mxfp8_bwd") == G.Recipe("nvfp4", "mxfp8", "token", "ceil")
+    assert R.recipe("nvfp4_fwd_mxfp8_bwd") == R.Recipe("nvfp4", "mxfp8", "token", "ceil")
     with pytest.raises(ValueError, match="accepted: bf16, mxfp8, nvfp4_fwd_mxfp8_bwd"):
-        G.recipe("fp8")
-    assert G.recipe("mxfp8", backend="pallas").backend == "pallas"  # tests/quant/test_pallas_backend.py
+        R.recipe("fp8")
+    assert R.recipe("mxfp8", backend="pallas").backend == "pallas"  # tests/quant/test_pallas_backend.py

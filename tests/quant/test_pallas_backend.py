@@ -21,6 +21,7 @@ from composer_jax.model import moe
 from composer_jax.quant import formats as F
 from composer_jax.quant import grouped_matmul as G
 from composer_jax.quant import pallas_backend as P
+from composer_jax.quant import recipe as R
 from composer_jax.sharding import MeshRules
 from pallas_kernels import grouped_matmul_bwd as B
 
@@ -88,7 +89,7 @@ def test_ragged_matmul_forward_and_gradients_equal_the_xla_backend(name):
     sizes = jnp.asarray(SIZES, jnp.int32)
     out = {}
     for backend in ("xla", "pallas"):
-        r = G.recipe(name, backend=backend)
+        r = R.recipe(name, backend=backend)
         y, vjp = jax.vjp(lambda x_, w_, r=r: G.ragged_matmul(x_, w_, sizes, r), x, w)
         out[backend] = (y, *vjp(dy))
     for what, a, b in zip(("y", "dx", "dw"), out["pallas"], out["xla"]):
@@ -104,7 +105,7 @@ def test_tile_matmul_forward_and_gradients_equal_the_xla_backend():
     xt, wt, dyt = x[:64].reshape(4, 16, K), w[:4], dy[:64].reshape(4, 16, N)  # tiles of 16 rows
     out = {}
     for backend in ("xla", "pallas"):
-        r = G.recipe("nvfp4_fwd_mxfp8_bwd", backend=backend)
+        r = R.recipe("nvfp4_fwd_mxfp8_bwd", backend=backend)
         y, vjp = jax.vjp(lambda x_, w_, r=r: G.tile_matmul(x_, w_, r), xt, wt)
         out[backend] = (y, *vjp(dyt))
     for what, a, b in zip(("y", "dx", "dw"), out["pallas"], out["xla"]):
@@ -143,13 +144,13 @@ def test_moe_layer_on_the_pallas_backend_equals_the_xla_backend(impl):
 def test_backend_is_chosen_in_the_config_and_bad_values_are_named():
     assert cj.ModelConfig().moe_quant_backend == "xla"
     cfg = cj.load_config(TINY, ["model.moe_precision=mxfp8", "model.moe_quant_backend=pallas"], num_devices=None)
-    assert moe.moe_recipe(cfg.model) == G.recipe("mxfp8", backend="pallas")
+    assert moe.moe_recipe(cfg.model) == R.recipe("mxfp8", backend="pallas")
     with pytest.raises(ConfigError, match="cuda"):
         cj.load_config(TINY, ["model.moe_quant_backend=cuda"], num_devices=None)
     with pytest.raises(ValueError, match="'tpu'.*xla, pallas"):
-        G.recipe("mxfp8", backend="tpu")
+        R.recipe("mxfp8", backend="tpu")
     with pytest.raises(ValueError, match="pallas.*'bf16'"):
-        G.recipe("bf16", backend="pallas")
+        R.recipe("bf16", backend="pallas")
 
 
 def test_moe_layer_forward_and_backward_on_the_pallas_backend_lower_for_cuda(monkeypatch):

@@ -13,6 +13,7 @@ from jax import export
 
 from composer_jax.quant import formats as F
 from composer_jax.quant import grouped_matmul as G
+from composer_jax.quant import recipe as R
 from pallas_kernels import grouped_matmul as GM
 from pallas_kernels import mx_quant as MQ
 from pallas_kernels import nvfp4_quant as NV
@@ -50,7 +51,7 @@ def test_interpret_matches_the_twin_and_the_library(case):
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * scale)
     valid = np.arange(ROWS) < sum(SIZES[case])
     assert np.all(got[~valid] == 0)
-    lib = np.asarray(G.ragged_matmul(x, w, sizes, G.recipe("mxfp8")))
+    lib = np.asarray(G.ragged_matmul(x, w, sizes, R.recipe("mxfp8")))
     np.testing.assert_allclose(ref, lib, rtol=1e-5, atol=1e-5 * scale)
 
 
@@ -70,7 +71,7 @@ def test_nvfp4_interpret_matches_the_twin_and_the_library(case):
     scale = max(float(np.abs(ref).max()), 1.0)
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * scale)
     assert np.all(got[np.arange(ROWS) >= sum(SIZES[case])] == 0)
-    lib = np.asarray(G.ragged_matmul(x, w, sizes, G.recipe("nvfp4_fwd_mxfp8_bwd")))
+    lib = np.asarray(G.ragged_matmul(x, w, sizes, R.recipe("nvfp4_fwd_mxfp8_bwd")))
     np.testing.assert_allclose(ref, lib, rtol=1e-5, atol=1e-5 * scale)
 
 

@@ -15,8 +15,8 @@ import numpy as np
 
 import composer_jax as cj
 from composer_jax.config import Config, config_from_dict
-from composer_jax.data.chat import render_chat
-from composer_jax.env.protocol import edit_file_write_result
+from composer_jax.env.api.protocol import edit_file_write_result
+from composer_jax.formats.chatml import render_chat
 from composer_jax.sharding import ShardingRules, make_mesh
 from composer_jax.train.state import init_train_state
 from composer_jax.train.step import make_train_step

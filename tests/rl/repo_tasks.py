@@ -9,7 +9,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from composer_jax.env.taskwrite import RepoTask, write_task
+from composer_jax.env.mining.taskwrite import RepoTask, write_task
 
 BASE = {
     "pkg/__init__.py": "",

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-from composer_jax.data.chat import parse_assistant
-from composer_jax.rl.policy import Generation, TurnRequest
+from composer_jax.formats.chatml import parse_assistant
+from composer_jax.rl.samplers.policy import Generation, TurnRequest
 
 
 def call(name: str, **args) -> str:

@@ -14,12 +14,12 @@ from live_env import ENV_FIXTURE_TASKS, HAVE_BWRAP, REPO, needs_bwrap
 from scripted import ScriptedPolicy, call
 
 from composer_jax.config.agent import AgentConfig
-from composer_jax.data.tokenizer import load_tokenizer
-from composer_jax.env.client import EnvClient
-from composer_jax.env.protocol import SYSTEM_PROMPT
+from composer_jax.env.api.client import EnvClient
+from composer_jax.env.api.protocol import SYSTEM_PROMPT
 from composer_jax.errors import ConfigError
-from composer_jax.rl.agent import RolloutFailed, run_rollout, turn_seed
-from composer_jax.rl.envs import LocalEnvServers
+from composer_jax.formats.tokenizer import load_tokenizer
+from composer_jax.rl.rollout.agent import RolloutFailed, run_rollout, turn_seed
+from composer_jax.rl.rollout.env_servers import LocalEnvServers
 
 TOKEN = "rl-agent-test-token-0123456789"
 

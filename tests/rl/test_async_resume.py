@@ -15,13 +15,13 @@ import pytest
 from live_env import HAVE_BWRAP, REPO
 
 from composer_jax.checkpoint.manager import restore_params_only
-from composer_jax.checkpoint.weight_sync import WeightSubscriber, tree_sha256
 from composer_jax.config import load_config
 from composer_jax.model.params import abstract_params
-from composer_jax.rl import trainer
-from composer_jax.rl.policy import SamplerUnavailable
-from composer_jax.rl.rollout_store import GroupStore
+from composer_jax.rl import learner as trainer
+from composer_jax.rl.rollout.group_store import GroupStore
+from composer_jax.rl.samplers.policy import SamplerUnavailable
 from composer_jax.sharding import ShardingRules, make_mesh
+from composer_jax.weightsync.store import WeightSubscriber, tree_sha256
 
 # two learner runs of 3 and 2 steps: about a minute on 2 idle cores, so slow (the resume logic's
 # parts have fast tests: tests/rl/test_rollout_queue.py and test_weight_sync.py)

@@ -11,12 +11,12 @@ from live_env import ENV_FIXTURE_TASKS, HAVE_BWRAP, REPO
 from scripted import ScriptedPolicy, call
 
 from composer_jax.config.agent import AgentConfig
-from composer_jax.data.tokenizer import load_tokenizer
-from composer_jax.env.client import EnvClient
-from composer_jax.rl.agent import turn_seed
-from composer_jax.rl.envs import LocalEnvServers
+from composer_jax.env.api.client import EnvClient
+from composer_jax.formats.tokenizer import load_tokenizer
 from composer_jax.rl.evaluate import TaskRef, report, sample_tasks, write_outputs
-from composer_jax.rl.policy import PolicyPool, SamplerUnavailable
+from composer_jax.rl.rollout.agent import turn_seed
+from composer_jax.rl.rollout.env_servers import LocalEnvServers
+from composer_jax.rl.samplers.policy import PolicyPool, SamplerUnavailable
 
 FIX = call("edit_file", path="calc.py", old_string="return a - b", new_string="return a + b")
 HELLO = call("edit_file", path="hello.txt", new_string="hello, world\n")

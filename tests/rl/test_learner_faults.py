@@ -7,9 +7,9 @@ import pytest
 from live_env import HAVE_BWRAP, REPO
 
 from composer_jax.config import load_config
-from composer_jax.env import client as env_client
-from composer_jax.rl.envs import LocalEnvServers
-from composer_jax.rl.trainer import run_rl
+from composer_jax.env.api import client as env_client
+from composer_jax.rl.learner import run_rl
+from composer_jax.rl.rollout.env_servers import LocalEnvServers
 
 TOKEN = "rl-learner-fault-token-0123456789"
 pytestmark = pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap (bwrap) is not installed; `make system-deps`")

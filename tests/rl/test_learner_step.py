@@ -18,8 +18,8 @@ from live_env import REPO
 from test_rollout_queue import make_group
 
 from composer_jax.config import load_config
-from composer_jax.rl.rollout_store import Group
-from composer_jax.rl.trainer import Learner
+from composer_jax.rl.learner import Learner
+from composer_jax.rl.rollout.group_store import Group
 
 
 class StandInRollouts:

@@ -16,7 +16,7 @@ from live_env import HAVE_BWRAP, REPO
 from procs import cmdline, descendants, gone
 
 from composer_jax.config import load_config
-from composer_jax.rl import trainer
+from composer_jax.rl import learner as trainer
 
 CONFIG = REPO / "tests" / "rl" / "fixtures" / "rl_pick.yaml"
 pytestmark = pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap (bwrap) is not installed; `make system-deps`")

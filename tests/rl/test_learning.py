@@ -14,9 +14,9 @@ from learnable import SYSTEM, TASKS, sft_params, tiny_config
 from live_env import HAVE_BWRAP, REPO
 
 from composer_jax.config import config_from_dict, to_dict
-from composer_jax.data.tokenizer import load_tokenizer
-from composer_jax.rl import batch as rl_batch
-from composer_jax.rl.trainer import run_rl
+from composer_jax.formats.tokenizer import load_tokenizer
+from composer_jax.rl.algo import batch as rl_batch
+from composer_jax.rl.learner import run_rl
 from composer_jax.sharding import make_mesh
 
 pytestmark = pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap (bwrap) is not installed; `make system-deps`")

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from composer_jax.config import load_config
-from composer_jax.data.chat import render_chat
 from composer_jax.data.cli import main as data_main
-from composer_jax.data.tokenizer import load_tokenizer
 from composer_jax.env.cli import env_main
-from composer_jax.env.task_families import FAMILIES
-from composer_jax.rl.trainer import check_config
+from composer_jax.env.tasks.families import FAMILIES
+from composer_jax.formats.chatml import render_chat
+from composer_jax.formats.tokenizer import load_tokenizer
+from composer_jax.rl.learner import check_config
 
 REPO = Path(__file__).resolve().parents[2]
 RL_CONFIG = REPO / "configs" / "rl" / "tiny_disable_debug.yaml"

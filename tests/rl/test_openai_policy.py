@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("openai")
 
-from composer_jax.rl.policy import OpenAIPolicy, TurnRequest  # noqa: E402
+from composer_jax.rl.samplers.policy import OpenAIPolicy, TurnRequest  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}]
 ANSWER = {

@@ -22,8 +22,15 @@ import pytest
 from live_env import ENV_FIXTURE_TASKS, HAVE_BWRAP, needs_bwrap
 from procs import cmdline, descendants, gone
 
-from composer_jax.rl.envs import EnvServerError, LocalEnvServers
-from composer_jax.rl.processes import ChildSpec, Launcher, LaunchError, RestartPolicy, parse_ready_line, ready_line
+from composer_jax.rl.rollout.env_servers import EnvServerError, LocalEnvServers
+from composer_jax.runtime.supervisor import (
+    ChildSpec,
+    Launcher,
+    LaunchError,
+    RestartPolicy,
+    parse_ready_line,
+    ready_line,
+)
 
 TOKEN = "rl-processes-test-token-0123456789"
 # without bubblewrap the server runs its tools as plain processes, only when told to
@@ -56,7 +63,7 @@ def test_ready_line_is_parsed():
 
 
 def test_killed_server_is_reaped_and_restarted_on_its_url(tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="composer_jax.rl.processes")
+    caplog.set_level(logging.INFO, logger="composer_jax.runtime.supervisor")
     core = min(os.sched_getaffinity(0))
     servers = LocalEnvServers(
         ENV_FIXTURE_TASKS, token=TOKEN, extra_args=SANDBOX_ARGS, cores=[core], log_dir=tmp_path, restart=FAST
@@ -188,7 +195,7 @@ def test_children_outlive_the_thread_that_started_them(tmp_path):
 
 LAUNCHER = """
 import json, sys, time
-from composer_jax.rl.envs import LocalEnvServers
+from composer_jax.rl.rollout.env_servers import LocalEnvServers
 servers = LocalEnvServers(sys.argv[1], 2, token=sys.argv[2], extra_args=tuple(sys.argv[3:]))
 with servers as (urls, _):
     print(json.dumps({"urls": urls, "pids": [p.pid for p in servers.procs]}), flush=True)

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from composer_jax.checkpoint.weight_sync import WeightSubscriber
 from composer_jax.config import ConfigError
-from composer_jax.rl.publish import published_copy, store_publisher
+from composer_jax.weightsync.publisher import published_copy, store_publisher
+from composer_jax.weightsync.store import WeightSubscriber
 
 
 def _params(seed: int) -> dict:

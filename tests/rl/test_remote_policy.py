@@ -17,13 +17,13 @@ import uvicorn
 from live_env import REPO
 
 import composer_jax as cj
-from composer_jax.data.tokenizer import load_tokenizer
+from composer_jax.formats.tokenizer import load_tokenizer
 from composer_jax.inference.async_sampler import AsyncSampler
 from composer_jax.inference.engine import Engine
 from composer_jax.inference.sampler import Sampler
 from composer_jax.inference.server import OpenAIServer
-from composer_jax.rl.policy import SamplerUnavailable, TokenPolicy, TurnRequest
-from composer_jax.rl.remote_policy import RemoteTokenPolicy
+from composer_jax.rl.samplers.policy import SamplerUnavailable, TokenPolicy, TurnRequest
+from composer_jax.rl.samplers.serve import RemoteTokenPolicy
 
 TOK = load_tokenizer(REPO / "assets" / "tokenizer")
 CFG = cj.ModelConfig(num_layers=2, num_mtp_layers=0, vocab_size=TOK.vocab_size, max_position_embeddings=256)

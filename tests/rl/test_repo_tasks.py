@@ -21,11 +21,9 @@ from scripted import ScriptedPolicy, call
 from composer_jax.config import load_config
 from composer_jax.config.agent import AgentConfig
 from composer_jax.data.sft import make_sft, task_conversation
-from composer_jax.data.tokenizer import load_tokenizer
-from composer_jax.env import snapshot
-from composer_jax.env.client import EnvClient
-from composer_jax.rl.agent import Rollout, RolloutFailed, turn_seed
-from composer_jax.rl.envs import LocalEnvServers
+from composer_jax.env.api.client import EnvClient
+from composer_jax.env.sandbox import snapshot
+from composer_jax.formats.tokenizer import load_tokenizer
 from composer_jax.rl.evaluate import (
     DIFF_TRUNCATED,
     HeldOutEvaluation,
@@ -38,7 +36,9 @@ from composer_jax.rl.evaluate import (
     submitted,
     write_outputs,
 )
-from composer_jax.rl.rollout_side import sample_group, task_of
+from composer_jax.rl.rollout.agent import Rollout, RolloutFailed, turn_seed
+from composer_jax.rl.rollout.env_servers import LocalEnvServers
+from composer_jax.rl.rollout.side import sample_group, task_of
 
 needs_tools = pytest.mark.skipif(
     not HAVE_BWRAP or shutil.which("git") is None, reason="needs bubblewrap (`make system-deps`) and git"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from composer_jax.config import Config, ModelConfig, RLConfig, RLLossConfig, TrainConfig
-from composer_jax.rl.batch import GenerationRecord, ScoredRollout, build_batch, version_lag
+from composer_jax.rl.algo.batch import GenerationRecord, ScoredRollout, build_batch, version_lag
 
 # 2 MoE layers (3 layers, the first dense), top-2 of 8 experts
 MODEL = ModelConfig(num_layers=3, first_k_dense=1, num_experts=8, num_experts_per_tok=2)

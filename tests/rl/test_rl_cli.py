@@ -67,8 +67,8 @@ def test_cli_errors_name_the_bad_value(tmp_path, capsys, monkeypatch):
 def test_shipped_rl_config_loads_and_names_real_families(monkeypatch):
     """configs/rl/tiny_families.yaml is valid for the learner and names families the server has."""
     from composer_jax.config import load_config
-    from composer_jax.env.task_families import FAMILIES
-    from composer_jax.rl.trainer import check_config
+    from composer_jax.env.tasks.families import FAMILIES
+    from composer_jax.rl.learner import check_config
 
     monkeypatch.chdir(REPO)
     cfg = load_config("configs/rl/tiny_families.yaml")

@@ -78,7 +78,7 @@ def test_bad_values_name_key_value_and_accepted(override, message):
 
 
 def test_learner_refuses_a_queue_smaller_than_a_step():
-    from composer_jax.rl.trainer import check_config
+    from composer_jax.rl.learner import check_config
 
     over = ["rl.tasks=[t]", "rl.group_size=4", "train.batch_size=8", "train.seq_len=64", "agent.max_turn_tokens=16"]
     check_config(cj.load_config(TINY, [*over, "rl.groups_per_step=2", "rl.queue_size=2"], num_devices=None))
@@ -89,8 +89,8 @@ def test_learner_refuses_a_queue_smaller_than_a_step():
 def test_a_fresh_run_refuses_a_weight_store_holding_another_runs_versions(tmp_path, monkeypatch):
     import numpy as np
 
-    from composer_jax.checkpoint.weight_sync import WeightPublisher
-    from composer_jax.rl.trainer import run_rl
+    from composer_jax.rl.learner import run_rl
+    from composer_jax.weightsync.store import WeightPublisher
 
     repo = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(repo)

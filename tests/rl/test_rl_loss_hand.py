@@ -15,8 +15,8 @@ import pytest
 from composer_jax.config.rl import ADVANTAGE_ESTIMATORS as ADV_NAMES
 from composer_jax.config.rl import AGGREGATIONS as AGG_NAMES
 from composer_jax.config.rl import RLLossConfig
-from composer_jax.rl.advantages import ADVANTAGE_ESTIMATORS, advantages
-from composer_jax.rl.loss import AGGREGATIONS, policy_loss
+from composer_jax.rl.algo.advantages import ADVANTAGE_ESTIMATORS, advantages
+from composer_jax.rl.algo.loss import AGGREGATIONS, policy_loss
 
 LN2 = math.log(2.0)
 

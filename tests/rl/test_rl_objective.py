@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import composer_jax as cj
-from composer_jax.rl.batch import GenerationRecord, ScoredRollout, build_batch
-from composer_jax.rl.loss import ROUTING_AXES, prepare_rl_batch, reference_logprobs, rl_objective
+from composer_jax.rl.algo.batch import GenerationRecord, ScoredRollout, build_batch
+from composer_jax.rl.algo.loss import ROUTING_AXES, prepare_rl_batch, reference_logprobs, rl_objective
 from composer_jax.sharding import MeshRules, ShardingRules
 from composer_jax.train.state import init_train_state
 from composer_jax.train.step import batch_gradients, make_train_step

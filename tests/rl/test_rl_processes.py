@@ -18,12 +18,12 @@ import pytest
 from live_env import HAVE_BWRAP, REPO
 
 from composer_jax.checkpoint.manager import restore_params_only
-from composer_jax.checkpoint.weight_sync import WeightSubscriber
 from composer_jax.config import ConfigError, load_config
 from composer_jax.model.params import abstract_params
-from composer_jax.rl.trainer import check_config, run_rl
+from composer_jax.rl.learner import check_config, run_rl
 from composer_jax.sharding import ShardingRules, make_mesh
 from composer_jax.train.loop import run_checkpoint_config
+from composer_jax.weightsync.store import WeightSubscriber
 
 CONFIG = REPO / "tests" / "rl" / "fixtures" / "rl_pick.yaml"
 pytestmark = pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap (bwrap) is not installed; `make system-deps`")

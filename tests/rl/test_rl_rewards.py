@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from composer_jax.config import LengthPenaltyConfig, RewardConfig
-from composer_jax.rl.rewards import RolloutStats, compose_reward, length_penalty, mean_components
+from composer_jax.rl.algo.rewards import RolloutStats, compose_reward, length_penalty, mean_components
 
 
 @pytest.mark.parametrize(

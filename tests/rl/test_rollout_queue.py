@@ -12,13 +12,13 @@ from typing import Any, cast
 import numpy as np
 import pytest
 
-from composer_jax.rl.agent import Rollout
+from composer_jax.rl.algo.rewards import RewardBreakdown
 from composer_jax.rl.evaluate import TaskRef
-from composer_jax.rl.policy import Generation, SamplerUnavailable
-from composer_jax.rl.queue import DoneIds, PolicyPool, RolloutQueue, staleness
-from composer_jax.rl.rewards import RewardBreakdown
-from composer_jax.rl.rollout_store import Group, GroupStore, RolloutStoreError
-from composer_jax.rl.trainer import resume_groups
+from composer_jax.rl.learner import resume_groups
+from composer_jax.rl.rollout.agent import Rollout
+from composer_jax.rl.rollout.group_store import Group, GroupStore, RolloutStoreError
+from composer_jax.rl.rollout.queue import DoneIds, PolicyPool, RolloutQueue, staleness
+from composer_jax.rl.samplers.policy import Generation, SamplerUnavailable
 
 
 def make_group(index: int, versions: list[list[int]], routing: bool = False) -> Group:

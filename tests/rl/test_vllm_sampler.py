@@ -27,14 +27,14 @@ import pytest
 from live_env import HAVE_BWRAP, REPO
 
 import composer_jax as cj
-from composer_jax.checkpoint.hf_export import RunInfo, export_hf
 from composer_jax.config import load_config
-from composer_jax.data.chat import render_prompt
-from composer_jax.data.tokenizer import load_tokenizer
+from composer_jax.formats.chatml import render_prompt
+from composer_jax.formats.tokenizer import load_tokenizer
+from composer_jax.hf.export import RunInfo, export_hf
 from composer_jax.inference.sampler import Request, Sampler
 from composer_jax.inference.sampling import SamplingParams
-from composer_jax.rl.trainer import run_rl
-from composer_jax.rl.vllm_replica import VLLM_MODULE, free_port
+from composer_jax.rl.learner import run_rl
+from composer_jax.rl.samplers.vllm_child import VLLM_MODULE, free_port
 
 CONFIG = REPO / "tests" / "rl" / "fixtures" / "rl_vllm.yaml"
 VLLM_PYTHON = REPO / ".venv" / "vllm" / "bin" / "python"

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
-from composer_jax.checkpoint import weight_sync
-from composer_jax.checkpoint.weight_sync import WeightPublisher, WeightSubscriber, WeightSyncError, tree_sha256
+from composer_jax.weightsync import store as weight_sync
+from composer_jax.weightsync.store import WeightPublisher, WeightSubscriber, WeightSyncError, tree_sha256
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 

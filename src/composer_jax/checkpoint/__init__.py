@@ -1,2 +1,3 @@
-"""Checkpoints: orbax save/restore of the train state (`manager`), Hugging Face safetensors
-import/export (`hf`), and the `composer-jax convert` CLI (`convert`)."""
+"""Checkpoints of the training state: orbax save and exact resume (`manager`), and the checks run
+before a restore (`validate`). Hugging Face interop is `composer_jax.hf`; weight transfer to samplers
+is `composer_jax.weightsync`."""

@@ -25,11 +25,11 @@ def __getattr__(name: str):
 
         return getattr(pipeline, name)
     if name == "load_tokenizer":
-        from composer_jax.data.tokenizer import load_tokenizer
+        from composer_jax.formats.tokenizer import load_tokenizer
 
         return load_tokenizer
     if name == "render_chat":
-        from composer_jax.data.chat import render_chat
+        from composer_jax.formats.chatml import render_chat
 
         return render_chat
     raise AttributeError(f"module 'composer_jax.data' has no attribute {name!r}")

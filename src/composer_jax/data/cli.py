@@ -20,7 +20,7 @@ def _peek(args: argparse.Namespace) -> None:
 
     from composer_jax.config import DataConfig, build_dataclass, read_yaml
     from composer_jax.data.pipeline import make_train_iterator
-    from composer_jax.data.tokenizer import load_tokenizer
+    from composer_jax.formats.tokenizer import load_tokenizer
 
     raw = read_yaml(Path(args.config).resolve())
     cfg = build_dataclass(DataConfig, raw.get("data", raw), "data")

@@ -36,7 +36,7 @@ import numpy as np
 
 from composer_jax.config.data import DataConfig, DataConfigError, SourceConfig, validate_data_config
 from composer_jax.data.sources import content_hash_fraction, open_source
-from composer_jax.data.tokenizer import Tokenizer, load_tokenizer
+from composer_jax.formats.tokenizer import Tokenizer, load_tokenizer
 
 STATE_VERSION = 1
 # Source reads are I/O; a couple of threads hide file latency without competing with the
@@ -76,7 +76,7 @@ class DocumentToChunks(grain.experimental.FlatMapTransform):
             if held_out != (self.split == "eval"):
                 return []
         if self.fmt == "chat":
-            from composer_jax.data.chat import render_chat
+            from composer_jax.formats.chatml import render_chat
 
             tokens, loss_mask = render_chat(document, self.tok)
         else:

@@ -7,7 +7,7 @@ A task directory holds instruction.md, environment/app/ (the initial repository)
 solution/solve.sh (+ files it copies). For each task we run solve.sh offline on a temporary copy of
 the repository (its `/app` and `/solution` paths rewritten to the copies, under a timeout), diff the
 tree before and after, and write one conversation in the tool protocol of the environment server
-(composer_jax/env/protocol.py):
+(composer_jax/env/api/protocol.py):
 
   system     the agent's role and tools
   user       instruction.md
@@ -41,8 +41,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from composer_jax.config.data import DataConfigError
-from composer_jax.env import protocol
-from composer_jax.env.protocol import SYSTEM_PROMPT  # noqa: F401 - re-exported (its old home)
+from composer_jax.env.api import protocol
+from composer_jax.env.api.protocol import SYSTEM_PROMPT  # noqa: F401 - re-exported (its old home)
 
 # `/app` or `/solution` as a path root (not part of a longer word or path)
 _ROOT_RE = re.compile(r"(?<![\w./-])/(app|solution)(?=/|\b|$)")

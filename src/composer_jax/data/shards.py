@@ -24,7 +24,7 @@ from composer_jax.data.pipeline import (
     make_train_iterator,
     padding_rows,
 )
-from composer_jax.data.tokenizer import load_tokenizer
+from composer_jax.formats.tokenizer import load_tokenizer
 
 SHARDED_STATE_VERSION = 1
 

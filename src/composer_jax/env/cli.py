@@ -15,6 +15,7 @@ import socket
 import sys
 from pathlib import Path
 
+from composer_jax.env.sandbox.factory import add_env_cache_flags, build_envs, make_env_cache, make_sandbox
 from composer_jax.flags import int_at_least
 
 _positive_int = int_at_least(0, strict=True)
@@ -28,60 +29,6 @@ def _port(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"port {value} is outside 0-65535 (0 picks a free port)")
     return value
-
-
-def make_sandbox(unsafe: bool, wall: float | None = None):
-    from composer_jax.env.sandbox import Limits, default_sandbox
-
-    try:
-        return default_sandbox(unsafe_no_sandbox=unsafe, limits=Limits(wall_seconds=wall or 30.0))
-    except RuntimeError as exc:
-        print(f"composer-jax: {exc}", file=sys.stderr)
-        return None
-
-
-def add_env_cache_flags(p: argparse.ArgumentParser) -> None:
-    """--env-cache, --wheelhouse, --index-url: where tasks' Python environments (pyenv.py) are built from and kept."""
-    p.add_argument(
-        "--env-cache",
-        type=Path,
-        default=None,
-        help="directory of built task Python environments (default ~/.cache/composer_jax/envs)",
-    )
-    p.add_argument("--wheelhouse", type=Path, help="build environments offline from this directory of wheels/sdists")
-    p.add_argument("--index-url", help="build environments from this package index (the build gets network)")
-
-
-def make_env_cache(args: argparse.Namespace, sandbox, prog: str):
-    """The EnvCache the flags describe, or None after printing why not (a bad --wheelhouse)."""
-    from composer_jax.env.pyenv import EnvCache, default_cache_dir
-
-    if args.wheelhouse is not None and args.index_url is not None:
-        print(f"{prog}: give --wheelhouse or --index-url, not both", file=sys.stderr)
-        return None
-    try:
-        return EnvCache(
-            args.env_cache or default_cache_dir(), sandbox, wheelhouse=args.wheelhouse, index_url=args.index_url
-        )
-    except (ValueError, OSError) as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
-        return None
-
-
-def build_envs(cache, tasks, out=sys.stderr) -> int:
-    """Build every task's environment, one line per task (key, seconds or the error); returns failures."""
-    from composer_jax.env.pyenv import EnvBuildError, build_all
-
-    def progress(task_id, result, seconds):
-        if isinstance(result, EnvBuildError):
-            print(f"env {task_id}: FAILED {result.reason}\n{result.log_tail[-1500:]}", file=out, flush=True)
-        else:
-            built = cache.build_seconds.get(result.key)
-            how = f"built in {built:.1f}s" if built is not None else "cached"
-            print(f"env {task_id}: {result.key[:16]} python {result.python_version} {how}", file=out, flush=True)
-
-    results = asyncio.run(build_all(cache, tasks, progress))
-    return sum(1 for r in results.values() if isinstance(r, EnvBuildError))
 
 
 def server_parser() -> argparse.ArgumentParser:
@@ -137,7 +84,7 @@ def _make_web_tools(args: argparse.Namespace):
     """The server's web tools from its flags: WebTools, None (`--web-search off`), or False after
     printing what is wrong. The offline index is built (or loaded from its cache) in a background
     thread when the first session is offered the tools (`Backend.prepare`)."""
-    from composer_jax.env.web_search import make_web_tools
+    from composer_jax.env.tools.web_search import make_web_tools
 
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "composer-jax" / "doc-index"
     try:
@@ -203,10 +150,10 @@ def env_server_main(argv: list[str]) -> int:
         return 2
     import uvicorn
 
-    from composer_jax.env.sandbox import Limits
-    from composer_jax.env.server import create_app
-    from composer_jax.env.session import SessionManager
-    from composer_jax.env.tasks import TaskError, TaskStore
+    from composer_jax.env.sandbox.runner import Limits
+    from composer_jax.env.server.app import create_app
+    from composer_jax.env.server.session import SessionManager
+    from composer_jax.env.tasks.store import TaskError, TaskStore
 
     web_tools = _make_web_tools(args)
     if web_tools is False:
@@ -316,7 +263,7 @@ def build_main(argv: list[str]) -> int:
         return 2
     import tempfile
 
-    from composer_jax.env.tasks import TaskStore
+    from composer_jax.env.tasks.store import TaskStore
 
     cache = make_env_cache(args, sandbox, "composer-jax env build")
     if cache is None:
@@ -341,7 +288,7 @@ def generate_parser() -> argparse.ArgumentParser:
 
 
 def generate_main(argv: list[str]) -> int:
-    from composer_jax.env.task_families import FAMILIES, generate_task
+    from composer_jax.env.tasks.families import FAMILIES, generate_task
 
     args = generate_parser().parse_args(argv)
     try:
@@ -382,7 +329,7 @@ def env_main(argv: list[str]) -> int:
     if argv[0] == "build":
         return build_main(argv[1:])
     if argv[0] in ("mine", "import-swebench"):
-        from composer_jax.env.mine_cli import env_subcommand
+        from composer_jax.env.mining.cli import env_subcommand
 
         return env_subcommand(argv)
     if argv[0] != "validate":
@@ -401,8 +348,8 @@ def env_main(argv: list[str]) -> int:
         return 2
     import tempfile
 
-    from composer_jax.env.tasks import TaskStore
-    from composer_jax.env.validate import format_report, validate_all
+    from composer_jax.env.tasks.store import TaskStore
+    from composer_jax.env.tasks.validate import format_report, validate_all
 
     store = TaskStore(args.dir, Path(tempfile.mkdtemp(prefix="composer-jax-validate-cache-")))
     families = [] if args.families is None else (args.families or store.families())

@@ -23,10 +23,10 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from composer_jax.checkpoint.convert import load_orbax
-from composer_jax.checkpoint.hf import from_pretrained
 from composer_jax.checkpoint.manager import read_run_config, restore_params_only
 from composer_jax.config import ConfigError, ModelConfig, config_from_dict, to_dict
+from composer_jax.hf.convert import load_orbax
+from composer_jax.hf.weights import from_pretrained
 from composer_jax.model.params import abstract_params
 from composer_jax.sharding import ShardingRules
 

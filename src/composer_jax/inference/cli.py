@@ -121,7 +121,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     """-> (policy, tokenizer, mesh, max_len); raises ConfigError / CheckpointError with the cause."""
     from composer_jax.config import MeshConfig
-    from composer_jax.data.tokenizer import load_tokenizer
+    from composer_jax.formats.tokenizer import load_tokenizer
     from composer_jax.inference.checkpoints import load_policy
     from composer_jax.sharding import make_mesh
 
@@ -223,8 +223,8 @@ def serve_main(argv: list[str] | None = None) -> int:
     sampler = sampler_from_args(args)
     generated = key is None
     key = key or secrets.token_urlsafe(32)
-    from composer_jax.checkpoint.hf import CheckpointError as HFCheckpointError
     from composer_jax.checkpoint.validate import CheckpointError
+    from composer_jax.hf.weights import CheckpointError as HFCheckpointError
 
     try:
         policy, tok, mesh, max_len = _load(args)
@@ -274,7 +274,7 @@ def serve_main(argv: list[str] | None = None) -> int:
     )
     if host not in ("127.0.0.1", "::1", "localhost"):
         print(f"composer-jax serve: WARNING: listening on {host}, reachable from other machines", file=sys.stderr)
-    from composer_jax.data.chat import chat_unavailable
+    from composer_jax.formats.chatml import chat_unavailable
 
     if (why := chat_unavailable(tok)) is not None:
         print(f"composer-jax serve: NOTE: {why}", file=sys.stderr)
@@ -375,8 +375,8 @@ def sample_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     speculative = speculative_options(parser, args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    from composer_jax.checkpoint.hf import CheckpointError as HFCheckpointError
     from composer_jax.checkpoint.validate import CheckpointError
+    from composer_jax.hf.weights import CheckpointError as HFCheckpointError
     from composer_jax.inference import openai_api as api
     from composer_jax.inference.sampler import Request
 

@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from composer_jax.data.chat import AssistantTurn, chat_unavailable, check_tools, parse_assistant, render_prompt
-from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.errors import ConfigError
+from composer_jax.formats.chatml import AssistantTurn, chat_unavailable, check_tools, parse_assistant, render_prompt
+from composer_jax.formats.tokenizer import Tokenizer
 from composer_jax.inference.sampling import SamplingParams
 
 MAX_N = 16

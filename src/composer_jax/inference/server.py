@@ -47,16 +47,16 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from composer_jax.checkpoint.weight_sync import WeightSyncError
-from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.errors import ConfigError
+from composer_jax.formats.tokenizer import Tokenizer
 from composer_jax.inference import openai_api as api
 from composer_jax.inference.checkpoints import Policy, config_differences
 from composer_jax.inference.engine import Engine, EngineFull, EngineStopped, Event
 from composer_jax.inference.metrics import CONTENT_TYPE, ObserveRequests, ServeMetrics
 from composer_jax.inference.openai_api import ApiError, Generation
 from composer_jax.inference.sampler import Request
-from composer_jax.inference.store_weights import StoreVersion, StoreWeights
+from composer_jax.weightsync.store import WeightSyncError
+from composer_jax.weightsync.subscriber import StoreVersion, StoreWeights
 
 _log = logging.getLogger("composer_jax.inference.server")
 

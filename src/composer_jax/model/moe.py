@@ -41,7 +41,8 @@ from composer_jax.config import ModelConfig
 from composer_jax.model import expert_parallel
 from composer_jax.model.moe_decode import decode_expert_parallel, decode_strategy, decode_swiglu, whole
 from composer_jax.model.params import moe_specs, router_biases, with_router_biases
-from composer_jax.quant.grouped_matmul import Recipe, as_recipe, ragged_matmul, recipe, tile_matmul
+from composer_jax.quant.grouped_matmul import ragged_matmul, tile_matmul
+from composer_jax.quant.recipe import Recipe, as_recipe, recipe
 from composer_jax.sharding import MeshRules, vary_like
 
 STATS = ("expert_counts", "seq_balance", "moe_dropped", "moe_a2a_rows")

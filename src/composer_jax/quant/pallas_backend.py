@@ -28,7 +28,7 @@ from pallas_kernels import grouped_matmul_bwd as gm_bwd
 from pallas_kernels import mx_quant, nvfp4_quant
 
 if TYPE_CHECKING:
-    from composer_jax.quant.grouped_matmul import Recipe
+    from composer_jax.quant.recipe import Recipe
 
 ALIGN = 32  # every padded axis: MX block, two NVFP4 blocks, the smallest tile
 

@@ -42,10 +42,10 @@ def rl_main(argv: list[str] | None = None) -> int:
     from composer_jax.train.cli import init_jax
 
     init_jax(args)
-    from composer_jax.checkpoint.multihost import ProcessZeroFailed
     from composer_jax.config import ConfigError, load_config
-    from composer_jax.rl.envs import EnvServerError
-    from composer_jax.rl.trainer import run_rl
+    from composer_jax.multihost import ProcessZeroFailed
+    from composer_jax.rl.learner import run_rl
+    from composer_jax.rl.rollout.env_servers import EnvServerError
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -118,7 +118,7 @@ def _agent_config(overrides: list[str]) -> Any:
 
 
 async def _evaluate(args: argparse.Namespace, policy: Any, urls: list[str], token: str, agent: Any) -> dict:
-    from composer_jax.env.client import EnvClient
+    from composer_jax.env.api.client import EnvClient
     from composer_jax.rl.evaluate import TaskRef, format_table, report, sample_tasks, write_outputs
 
     async with EnvClient(urls, token) as client:
@@ -149,7 +149,7 @@ def eval_main(argv: list[str] | None = None) -> int:
     args = _eval_parser().parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from composer_jax.config import ConfigError
-    from composer_jax.rl.envs import EnvServerError, LocalEnvServers
+    from composer_jax.rl.rollout.env_servers import EnvServerError, LocalEnvServers
 
     try:
         agent = _agent_config(args.agent)
@@ -181,17 +181,17 @@ def _policy(args: argparse.Namespace) -> tuple[Any, Any]:
     from composer_jax.config import ConfigError
 
     if args.endpoint:
-        from composer_jax.rl.policy import OpenAIPolicy
+        from composer_jax.rl.samplers.policy import OpenAIPolicy
 
         if not args.model:
             raise ConfigError("--endpoint needs --model, the model name the endpoint serves (see its /v1/models)")
         p = OpenAIPolicy(args.endpoint, args.model, api_key=args.api_key, max_context=args.max_len)
         return p, p.aclose
-    from composer_jax.data.tokenizer import load_tokenizer
+    from composer_jax.formats.tokenizer import load_tokenizer
     from composer_jax.inference.async_sampler import AsyncSampler
     from composer_jax.inference.checkpoints import load_policy
     from composer_jax.inference.sampler import Sampler
-    from composer_jax.rl.policy import TokenPolicy
+    from composer_jax.rl.samplers.policy import TokenPolicy
 
     loaded = load_policy(args.checkpoint, step=args.step)
     where = args.tokenizer or loaded.tokenizer_hint

@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from composer_jax.config.agent import AgentConfig
-from composer_jax.env.client import EnvClient
-from composer_jax.rl.agent import Rollout, RolloutFailed, run_rollout
-from composer_jax.rl.policy import Policy, PolicyPool
+from composer_jax.env.api.client import EnvClient
+from composer_jax.rl.rollout.agent import Rollout, RolloutFailed, run_rollout
+from composer_jax.rl.samplers.policy import Policy, PolicyPool
 
 SUCCESS = 1.0 - 1e-9
 # env/snapshot.py's TRUNCATED: the line a grade diff cut at its byte budget ends with (no line of a

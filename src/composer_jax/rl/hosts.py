@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from composer_jax.checkpoint.multihost import ProcessZeroWork, scatter_arrays
+from composer_jax.multihost import ProcessZeroWork, scatter_arrays
 
 
 class Hosts:

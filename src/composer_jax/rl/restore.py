@@ -10,7 +10,7 @@ from typing import Any
 from composer_jax.checkpoint.manager import TrainCheckpointer, restore_params_only
 from composer_jax.config import Config
 from composer_jax.model.params import abstract_params
-from composer_jax.rl.queue import DoneIds
+from composer_jax.rl.rollout.queue import DoneIds
 from composer_jax.train.loop import STAGE_CHANGEABLE
 from composer_jax.train.state import abstract_train_state, init_train_state
 

@@ -19,7 +19,6 @@ import jax
 import numpy as np
 
 from composer_jax.checkpoint.manager import TrainCheckpointer, restore_params_only
-from composer_jax.checkpoint.multihost import allgather_json
 from composer_jax.config import Config, ConfigError, SourceConfig, to_dict
 from composer_jax.data.shards import (
     host_eval_batches,
@@ -29,9 +28,10 @@ from composer_jax.data.shards import (
     shard_count,
     stack_eval_batches,
 )
-from composer_jax.data.tokenizer import load_tokenizer
+from composer_jax.formats.tokenizer import load_tokenizer
 from composer_jax.model.accounting import flops_per_token, param_rows
 from composer_jax.model.params import abstract_params
+from composer_jax.multihost import allgather_json
 from composer_jax.sharding import ShardingRules, make_mesh
 from composer_jax.train.observe import Progress, RunLogger, measure_peak_flops, scalars
 from composer_jax.train.optimizer import learning_rate_schedule

@@ -1,0 +1,128 @@
+"""`composer-jax env mine REPO --out DIR` and `composer-jax env import-swebench INSTANCES --repos DIR --out DIR`.
+
+Both print one line per commit or instance as it is decided, then a summary table (seen, written,
+rejected by reason), and keep the same figures in OUT/mine_report.json / OUT/import_report.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from composer_jax.env.sandbox.factory import add_env_cache_flags
+from composer_jax.flags import int_at_least
+
+_positive = int_at_least(1)
+
+
+def mine_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="composer-jax env mine",
+        description="Mine a git repository's first-parent history into validated Harbor tasks "
+        "(FAIL_TO_PASS / PASS_TO_PASS found by running the tests before and after each commit, in the sandbox).",
+    )
+    p.add_argument("repo", type=Path, help="a local git checkout of a Python project tested with pytest")
+    p.add_argument("--out", type=Path, required=True, help="directory the tasks are written under")
+    p.add_argument("--rev-range", default="HEAD", help="commits to examine, as `git log` takes them (default HEAD)")
+    p.add_argument("--since", help="only commits after this date (git's --since: 2024-01-01, '2 years ago')")
+    p.add_argument("--until", help="only commits before this date")
+    p.add_argument("--max-tasks", type=_positive, help="stop after writing this many tasks")
+    p.add_argument("--jobs", type=_positive, default=2, help="commits mined in parallel (default 2)")
+    p.add_argument("--max-files", type=_positive, default=15, help="largest change in files (default 15)")
+    p.add_argument("--max-changed-lines", type=_positive, default=1000, help="largest change in lines (default 1000)")
+    p.add_argument("--runs", type=_positive, default=3, help="runs of each side, to find flaky tests (default 3)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds for one test run (default 300)")
+    p.add_argument("--writer-url", help="an OpenAI-compatible base URL (…/v1) that writes the problem statements")
+    p.add_argument("--writer-model", help="the model name for --writer-url")
+    p.add_argument("--writer-api-key-env", default="OPENAI_API_KEY", help="environment variable holding its key")
+    p.add_argument("--unsafe-no-sandbox", action="store_true", help="run without bubblewrap (NO isolation)")
+    add_env_cache_flags(p)
+    return p
+
+
+def mine_main(argv: list[str]) -> int:
+    import os
+
+    from composer_jax.env.mining import gitrepo
+    from composer_jax.env.mining.miner import MineOptions, Miner, format_summary, summary
+    from composer_jax.env.mining.statement import openai_writer
+    from composer_jax.env.sandbox.factory import make_env_cache, make_sandbox
+
+    args = mine_parser().parse_args(argv)
+    prog = "composer-jax env mine"
+    if not (args.repo / ".git").exists():
+        print(
+            f"{prog}: {args.repo} is not a git checkout (no .git); give a local clone of the repository",
+            file=sys.stderr,
+        )
+        return 2
+    if args.timeout <= 0:
+        print(f"{prog}: --timeout {args.timeout:g} must be > 0 seconds", file=sys.stderr)
+        return 2
+    if bool(args.writer_url) != bool(args.writer_model):
+        print(f"{prog}: --writer-url and --writer-model go together (got only one)", file=sys.stderr)
+        return 2
+    writer = None
+    if args.writer_url:
+        writer = openai_writer(args.writer_url, args.writer_model, os.environ.get(args.writer_api_key_env))
+    try:
+        commits = gitrepo.first_parent_commits(args.repo, args.rev_range, args.since, args.until)
+    except gitrepo.GitError as exc:
+        print(f"{prog}: cannot list commits of {args.repo} (--rev-range {args.rev_range!r}): {exc}", file=sys.stderr)
+        return 2
+    sandbox = make_sandbox(args.unsafe_no_sandbox, args.timeout)
+    if sandbox is None:
+        return 2
+    env_cache = None if args.unsafe_no_sandbox else make_env_cache(args, sandbox, prog)
+    if env_cache is None and not args.unsafe_no_sandbox:
+        return 2
+    opts = MineOptions(
+        env_cache=env_cache,
+        rev_range=args.rev_range,
+        since=args.since,
+        until=args.until,
+        max_tasks=args.max_tasks,
+        jobs=args.jobs,
+        max_files=args.max_files,
+        max_changed_lines=args.max_changed_lines,
+        runs=args.runs,
+        timeout_s=args.timeout,
+        writer=writer,
+    )
+
+    done: list = []
+    miner = Miner(args.repo, args.out, sandbox, opts)
+
+    def write_report(outcomes: list, complete: bool) -> dict:
+        s = summary(miner.name, outcomes)
+        report = {**s, "complete": complete, "commits": [o.__dict__ for o in outcomes]}
+        (args.out / "mine_report.json").write_text(json.dumps(report, indent=1) + "\n")
+        return s
+
+    def progress(o) -> None:
+        what = o.task_id if o.status == "written" else f"{o.reason}: {o.detail[:120]}"
+        print(f"  {o.sha[:10]} {o.status:<8} {what} ({o.seconds:g}s)", file=sys.stderr, flush=True)
+        done.append(o)
+        write_report(done, complete=False)  # an interrupted run keeps what it decided
+
+    miner.progress = progress
+    print(f"{prog}: {len(commits)} first-parent commits in {args.repo}", file=sys.stderr)
+    try:
+        outcomes = asyncio.run(miner.run(commits))
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; {len(done)} commits decided, kept in {args.out / 'mine_report.json'}")
+        print(format_summary(write_report(done, complete=False)))
+        return 130
+    print(format_summary(write_report(outcomes, complete=True)))
+    return 0
+
+
+def env_subcommand(argv: list[str]) -> int:
+    if argv[0] == "mine":
+        return mine_main(argv[1:])
+    from composer_jax.env.mining.swebench_import import import_main
+
+    return import_main(argv[1:])

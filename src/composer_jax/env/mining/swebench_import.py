@@ -1,0 +1,242 @@
+"""`composer-jax env import-swebench INSTANCES.jsonl --repos DIR --out TASKS`: SWE-bench-format records as tasks.
+
+Records as SWE-bench, SWE-Gym and SWE-rebench ship them: instance_id, repo ("owner/name"),
+base_commit, patch (the gold solution), test_patch, problem_statement, FAIL_TO_PASS,
+PASS_TO_PASS (lists, or JSON strings of lists), and optionally version, environment_setup_commit,
+created_at. The repository comes from a local clone under DIR (DIR/owner__name, DIR/owner/name or
+DIR/name). Each becomes the same task layout as a mined one (`taskwrite`), graded by SWE-bench's
+rule: resolved iff every FAIL_TO_PASS and PASS_TO_PASS test passes, per-test report in the shape of
+`swebench.harness.grading.get_eval_tests_report` (tests/env/test_swebench_import.py checks it
+against that package on the same logs).
+
+Scope: Python repositories tested with pytest. The harness's per-repository install specs
+(MAP_REPO_VERSION_TO_SPECS: conda environments, pre-install commands, Django's and SymPy's own
+test runners, `tox`/`bin/test` invocations) are out of scope; tests run with pytest in the
+environment the task declares.
+
+An instance whose repository or base commit is missing, whose patch or test patch does not apply,
+or whose environment does not build is reported, not written; so is one whose gold patch does not
+validate (oracle 1, untouched 0) here, unless `--no-validate`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+from composer_jax.env.mining import gitrepo
+from composer_jax.env.mining.gitrepo import Commit, GitError
+from composer_jax.env.mining.statement import category_of
+from composer_jax.env.mining.taskwrite import RepoTask, harness_safe, patched_paths, write_task
+from composer_jax.env.sandbox.runner import Limits, Sandbox
+from composer_jax.env.tasks import validate
+
+REQUIRED = ("instance_id", "repo", "base_commit", "patch", "test_patch", "FAIL_TO_PASS", "PASS_TO_PASS")
+REASONS = (
+    "invalid record",
+    "repository missing",
+    "base commit missing",
+    "patch does not apply",
+    "environment did not build",
+    "oracle failed",
+)
+
+
+class InstanceError(Exception):
+    def __init__(self, reason: str, detail: str):
+        assert reason in REASONS, reason
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
+
+
+def test_list(record: dict, field: str) -> list[str]:
+    """A FAIL_TO_PASS / PASS_TO_PASS field: a list of strings, or a JSON string of one."""
+    value = record.get(field)
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise InstanceError("invalid record", f"{field} is a string but not JSON: {value[:80]!r}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise InstanceError(
+            "invalid record", f"{field} must be a list of test ids or a JSON string of one, got {value!r:.80}"
+        )
+    return value
+
+
+def load_instances(path: Path) -> list[tuple[int, dict | None, str]]:
+    """[(line number, record or None, why not)] of a JSON-lines file (a .json list is read too)."""
+    text = path.read_text()
+    if path.suffix == ".json":
+        data = json.loads(text)
+        return [(i + 1, r, "") if isinstance(r, dict) else (i + 1, None, "not an object") for i, r in enumerate(data)]
+    out: list[tuple[int, dict | None, str]] = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as exc:
+            out.append((n, None, f"not JSON: {exc}"))
+            continue
+        out.append((n, record, "") if isinstance(record, dict) else (n, None, "not a JSON object"))
+    return out
+
+
+def find_clone(repos: Path, name: str) -> Path | None:
+    owner, _, short = name.partition("/")
+    for candidate in (repos / f"{owner}__{short}", repos / owner / short, repos / short, repos / name):
+        if (candidate / ".git").exists() or (candidate / "HEAD").is_file():
+            return candidate
+    return None
+
+
+def to_task(record: dict, repos: Path, work: Path) -> tuple[RepoTask, Path]:
+    """The RepoTask of one record and the base tree it was checked against (under `work`)."""
+    missing = [k for k in REQUIRED if k not in record]
+    if missing:
+        raise InstanceError("invalid record", f"missing {', '.join(missing)}; a record needs {', '.join(REQUIRED)}")
+    f2p, p2p = test_list(record, "FAIL_TO_PASS"), test_list(record, "PASS_TO_PASS")
+    iid, name = str(record["instance_id"]), str(record["repo"])
+    clone = find_clone(repos, name)
+    if clone is None:
+        raise InstanceError(
+            "repository missing", f"no clone of {name} under {repos} ({name.replace('/', '__')}/, {name}/)"
+        )
+    base = work / "base"
+    try:
+        gitrepo.write_tree(clone, str(record["base_commit"]), base)
+    except GitError as exc:
+        raise InstanceError("base commit missing", f"{record['base_commit']} in {clone}: {exc}") from None
+    patch, test_patch = str(record["patch"]).encode(), str(record["test_patch"]).encode()
+    for label, p in (("patch", patch), ("test_patch", test_patch)):
+        try:
+            gitrepo.apply(base, p, check_only=True)
+        except GitError as exc:
+            raise InstanceError("patch does not apply", f"{label}: {exc}") from None
+    test_files = [p for p in patched_paths(test_patch) if p.endswith(".py")]
+    statement = str(record.get("problem_statement") or "").strip() or f"Resolve {iid}."
+    subject = statement.splitlines()[0]
+    commit = Commit(str(record["base_commit"]), None, "", subject, statement)
+    extra = {k: record[k] for k in ("version", "environment_setup_commit") if isinstance(record.get(k), str)}
+    task = RepoTask(
+        task_id=harness_safe(iid),
+        instance_id=iid,
+        repo=name,
+        base_commit=str(record["base_commit"]),
+        commit_date=str(record.get("created_at") or ""),
+        category=category_of(commit, [], {}, []),
+        instruction=statement,
+        test_patch=test_patch,
+        solution_patch=patch,
+        test_files=test_files,
+        fail_to_pass=f2p,
+        pass_to_pass=p2p,
+        source="swebench",
+        changed_files=len(patched_paths(patch)),
+        changed_lines=sum(
+            1
+            for line in patch.decode("utf-8", "replace").splitlines()
+            if line[:1] in "+-" and not line.startswith(("+++", "---"))
+        ),
+        extra_metadata=extra,
+    )
+    return task, base
+
+
+async def import_all(
+    records: list[tuple[int, dict | None, str]], repos: Path, out: Path, sandbox: Sandbox | None, progress=None
+) -> list[dict]:
+    """One result per record: {"line", "instance_id", "status": written|rejected, "reason", "detail", "task_id"}."""
+    scratch = Path(tempfile.mkdtemp(prefix="composer-jax-import-"))
+    limits = Limits(wall_seconds=600, cpu_seconds=601, memory_mb=4096)
+    results = []
+    try:
+        for n, record, why in records:
+            result: dict = {"line": n, "instance_id": (record or {}).get("instance_id"), "status": "rejected"}
+            work = scratch / f"line-{n}"
+            try:
+                if record is None:
+                    raise InstanceError("invalid record", why)
+                task, base = await asyncio.to_thread(to_task, record, repos, work)
+                root = await asyncio.to_thread(write_task, task, base, out)
+                if sandbox is not None:
+                    problem = await validate.check_written(root, sandbox, scratch, limits)
+                    if problem:
+                        await asyncio.to_thread(shutil.rmtree, root, True)
+                        raise InstanceError("oracle failed", problem)
+                result.update(status="written", task_id=task.task_id)
+            except InstanceError as exc:
+                result.update(reason=exc.reason, detail=exc.detail[:500])
+            finally:
+                await asyncio.to_thread(shutil.rmtree, work, True)
+            results.append(result)
+            if progress:
+                progress(result)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return results
+
+
+def summary(results: list[dict]) -> dict:
+    reasons = Counter(r.get("reason") for r in results if r["status"] == "rejected")
+    return {
+        "instances": len(results),
+        "written": sum(r["status"] == "written" for r in results),
+        "rejected": {r: reasons[r] for r in REASONS if reasons[r]},
+    }
+
+
+def import_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="composer-jax env import-swebench",
+        description="Turn SWE-bench-format instance records into Harbor tasks graded by SWE-bench's rule.",
+    )
+    p.add_argument("instances", type=Path, help="a JSON-lines file of instance records (or a .json list)")
+    p.add_argument("--repos", type=Path, required=True, help="directory of local clones (owner__name/ or owner/name/)")
+    p.add_argument("--out", type=Path, required=True, help="directory the tasks are written under")
+    p.add_argument("--no-validate", action="store_true", help="write without checking oracle 1 / untouched 0")
+    p.add_argument("--unsafe-no-sandbox", action="store_true", help="run without bubblewrap (NO isolation)")
+    return p
+
+
+def import_main(argv: list[str]) -> int:
+    from composer_jax.env.sandbox.factory import make_sandbox
+
+    args = import_parser().parse_args(argv)
+    prog = "composer-jax env import-swebench"
+    if not args.instances.is_file():
+        print(f"{prog}: {args.instances} is not a file of instance records", file=sys.stderr)
+        return 2
+    if not args.repos.is_dir():
+        print(f"{prog}: --repos {args.repos} is not a directory of clones", file=sys.stderr)
+        return 2
+    try:
+        records = load_instances(args.instances)
+    except (ValueError, UnicodeDecodeError) as exc:
+        print(f"{prog}: {args.instances} is not JSON lines: {exc}", file=sys.stderr)
+        return 2
+    sandbox = None
+    if not args.no_validate:
+        sandbox = make_sandbox(args.unsafe_no_sandbox, 600)
+        if sandbox is None:
+            return 2
+
+    def progress(r: dict) -> None:
+        what = r.get("task_id") if r["status"] == "written" else f"{r['reason']}: {r['detail'][:160]}"
+        print(f"  line {r['line']:>4} {r['instance_id']} {r['status']} {what}", file=sys.stderr, flush=True)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = asyncio.run(import_all(records, args.repos, args.out, sandbox, progress))
+    s = summary(results)
+    (args.out / "import_report.json").write_text(json.dumps({**s, "instances_detail": results}, indent=1) + "\n")
+    print(f"{s['instances']} instances, {s['written']} tasks written")
+    for reason, count in s["rejected"].items():
+        print(f"  rejected  {count:>5}  {reason}")
+    return 0 if s["written"] else 1

@@ -1,0 +1,63 @@
+"""Sandboxes and environment caches as the command lines configure them (`env-server`, `env validate`,
+`env build`, `env mine`, `env import-swebench` share these flags and factories)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+
+def make_sandbox(unsafe: bool, wall: float | None = None):
+    from composer_jax.env.sandbox.runner import Limits, default_sandbox
+
+    try:
+        return default_sandbox(unsafe_no_sandbox=unsafe, limits=Limits(wall_seconds=wall or 30.0))
+    except RuntimeError as exc:
+        print(f"composer-jax: {exc}", file=sys.stderr)
+        return None
+
+
+def add_env_cache_flags(p: argparse.ArgumentParser) -> None:
+    """--env-cache, --wheelhouse, --index-url: where tasks' Python environments (pyenv.py) are built from and kept."""
+    p.add_argument(
+        "--env-cache",
+        type=Path,
+        default=None,
+        help="directory of built task Python environments (default ~/.cache/composer_jax/envs)",
+    )
+    p.add_argument("--wheelhouse", type=Path, help="build environments offline from this directory of wheels/sdists")
+    p.add_argument("--index-url", help="build environments from this package index (the build gets network)")
+
+
+def make_env_cache(args: argparse.Namespace, sandbox, prog: str):
+    """The EnvCache the flags describe, or None after printing why not (a bad --wheelhouse)."""
+    from composer_jax.env.sandbox.pyenv import EnvCache, default_cache_dir
+
+    if args.wheelhouse is not None and args.index_url is not None:
+        print(f"{prog}: give --wheelhouse or --index-url, not both", file=sys.stderr)
+        return None
+    try:
+        return EnvCache(
+            args.env_cache or default_cache_dir(), sandbox, wheelhouse=args.wheelhouse, index_url=args.index_url
+        )
+    except (ValueError, OSError) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return None
+
+
+def build_envs(cache, tasks, out=sys.stderr) -> int:
+    """Build every task's environment, one line per task (key, seconds or the error); returns failures."""
+    from composer_jax.env.sandbox.pyenv import EnvBuildError, build_all
+
+    def progress(task_id, result, seconds):
+        if isinstance(result, EnvBuildError):
+            print(f"env {task_id}: FAILED {result.reason}\n{result.log_tail[-1500:]}", file=out, flush=True)
+        else:
+            built = cache.build_seconds.get(result.key)
+            how = f"built in {built:.1f}s" if built is not None else "cached"
+            print(f"env {task_id}: {result.key[:16]} python {result.python_version} {how}", file=out, flush=True)
+
+    results = asyncio.run(build_all(cache, tasks, progress))
+    return sum(1 for r in results.values() if isinstance(r, EnvBuildError))

@@ -1,0 +1,459 @@
+"""Per-task Python environments: sandboxed builds of a task's `[environment]` spec
+(`env/tasks/envspec.py`), and a shared cache.
+
+A task may declare the Python it runs under::
+
+    [environment]
+    python = "3.11"                      # optional; default: the sandbox's python3
+    requirements = ["attrs==23.2.0"]     # pip requirement lines, and/or
+    requirements_file = "environment/requirements.txt"
+    install_app = "editable"             # or "none" (default): pip install -e of environment/app
+
+Each distinct spec is built once into `EnvCache.root/<key>` (`EnvSpec.key`: a sha256 over what
+affects the build) and mounted read-only at `ENV_MOUNT` in every sandbox of the task, first on
+PATH. Builds never happen in an agent's step: the server, `env validate` and `env build` build
+every task's environment up front; a session of a task whose build failed gets the build's error.
+
+A build runs untrusted code (setup.py, a build backend), so it runs in the same sandbox as the
+agent, as a fresh lease's unprivileged uid: the entry's temporary directory is the only writable
+mount (at `ENV_MOUNT`: a venv hard-codes its path), the wheelhouse is mounted read-only at
+/wheelhouse, the requirements at /envreq, a copy of the app at /app (editable installs point
+there, which is where sessions see their workspace). From a wheelhouse the build has no network;
+without one it installs from `index_url`, else pip's configured index, and only that build gets
+the network. Then the entry is made read-only, owned by root, and renamed into place.
+
+pytest: when the spec's Python is the server's own, the venv gets a `.pth` line that puts the
+server environment's site-packages *after* its own, so the verifier's `python3 -m pytest` works
+and the task's requirements win over anything there; pip and setuptools come from there too
+(builds use `--no-build-isolation`, so an offline build needs no build backend in the
+wheelhouse). Under another Python, pytest must be among the requirements (the build checks it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import stat
+import sys
+import sysconfig
+import tempfile
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from composer_jax.env.sandbox import volumes
+from composer_jax.env.sandbox.runner import Limits, Mount, Sandbox, SandboxLease
+from composer_jax.env.tasks.envspec import EnvSpec
+
+if TYPE_CHECKING:
+    from composer_jax.env.tasks.store import Task
+
+ENV_MOUNT = "/opt/taskenv"
+RECIPE_VERSION = "1"  # bump when the build recipe changes: every key changes with it
+META_FILE = ".composer-jax-env.json"
+BUILD_LIMITS = Limits(
+    wall_seconds=900.0,
+    cpu_seconds=900,
+    memory_mb=4096,
+    processes=256,
+    file_size_mb=1024,
+    open_files=1024,
+    tmp_mb=1024,
+    output_bytes=256 * 1024,
+)
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "composer_jax" / "envs"
+
+
+def spec_key(spec: EnvSpec, app_dir: Path | None, source_id: str) -> str:
+    """sha256 over everything that affects the build: the recipe, the spec, where packages come
+    from (`source_id`), the server environment the venv sits over, and the app when editable."""
+    h = hashlib.sha256()
+    parts = [RECIPE_VERSION, spec.python or "", "\n".join(spec.requirements), spec.install_app, source_id]
+    parts.append(_server_site_packages() if spec.python in (None, _server_python()) else "")
+    for p in parts:
+        h.update(p.encode() + b"\0")
+    if spec.install_app == "editable" and app_dir is not None:
+        h.update(tree_digest(app_dir).encode())
+    return h.hexdigest()
+
+
+def tree_digest(root: Path) -> str:
+    """sha256 over the relative paths, modes and contents of a (trusted) tree; symlinks by target."""
+    h = hashlib.sha256()
+    if not root.is_dir():
+        return h.hexdigest()
+    for dirpath, dirs, files in os.walk(root):
+        dirs.sort()
+        for name in sorted(files + [d for d in dirs if os.path.islink(os.path.join(dirpath, d))]):
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            h.update(os.path.relpath(path, root).encode() + b"\0" + str(stat.S_IMODE(st.st_mode)).encode())
+            if stat.S_ISLNK(st.st_mode):
+                h.update(b"L" + os.readlink(path).encode())
+            elif stat.S_ISREG(st.st_mode):
+                with open(path, "rb") as f:
+                    h.update(hashlib.file_digest(f, "sha256").digest())
+    return h.hexdigest()
+
+
+def _server_python() -> str:
+    return f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def _server_site_packages() -> str:
+    return os.path.realpath(sysconfig.get_paths()["purelib"])
+
+
+class EnvBuildError(Exception):
+    """A build that failed; `log_tail` is the end of its output."""
+
+    def __init__(self, reason: str, log_tail: str = ""):
+        super().__init__(reason + (f"\n--- build log (tail) ---\n{log_tail}" if log_tail else ""))
+        self.reason, self.log_tail = reason, log_tail
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltEnv:
+    key: str
+    host_path: Path
+    python_version: str
+    requirements: tuple[str, ...]
+    prefix: str = ENV_MOUNT  # where commands see it (the mount; a venv only works at its build path)
+    base_path: str = "/usr/local/bin:/usr/bin:/bin"  # the sandbox's own PATH, after the env's bin
+
+    def mount(self) -> Mount:
+        return Mount(self.host_path, ENV_MOUNT, writable=False)
+
+    def env_vars(self) -> dict[str, str]:
+        return {"PATH": f"{self.prefix}/bin:{self.base_path}", "VIRTUAL_ENV": self.prefix}
+
+    def describe(self) -> dict:
+        return {"key": self.key, "python": self.python_version, "requirements": list(self.requirements)}
+
+
+# The build, run inside the sandbox: $1 interpreter, $2 env prefix, $3 "pth" or "", $4 server
+# site-packages, $5 "editable" or "", then pip's source options. Output: log, last line JSON.
+_BUILD_SCRIPT = r"""
+set -eu
+py="$1"; prefix="$2"; pth="$3"; site="$4"; editable="$5"; shift 5
+if [ -n "$pth" ]; then "$py" -m venv --without-pip "$prefix"; else "$py" -m venv "$prefix"; fi
+envpy="$prefix/bin/python"
+if [ -n "$pth" ]; then
+  purelib=$("$envpy" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  printf '%s\n' "$site" > "$purelib/_composer_jax_server_env.pth"
+fi
+args=""
+[ -s /envreq/requirements.txt ] && args="-r /envreq/requirements.txt"
+[ -n "$editable" ] && args="$args -e /app"
+if [ -n "$args" ]; then
+  "$envpy" -m pip install --no-cache-dir --disable-pip-version-check --no-input --no-build-isolation "$@" $args
+fi
+"$envpy" -c 'import json, sys, pytest; print(json.dumps({"python": "%d.%d.%d" % sys.version_info[:3]}))'
+"""
+
+
+class EnvCache:
+    """Built environments under `root`, one directory per key; builds run in `sandbox`."""
+
+    def __init__(self, root: Path, sandbox: Sandbox, *, wheelhouse: Path | None = None, index_url: str | None = None):
+        self.root = Path(root)
+        self.sandbox = sandbox
+        self.wheelhouse = Path(wheelhouse).resolve() if wheelhouse is not None else None
+        self.index_url = index_url
+        if self.wheelhouse is not None and not self.wheelhouse.is_dir():
+            raise ValueError(f"--wheelhouse {wheelhouse}: not a directory")
+        if index_url is not None and not re.match(r"^https?://[^\s/]+", index_url):
+            raise ValueError(f"--index-url {index_url!r}: expected an http:// or https:// URL")
+        self._built: dict[str, BuiltEnv] = {}
+        self._failed: dict[str, EnvBuildError] = {}
+        self._inflight: dict[str, asyncio.Future[BuiltEnv]] = {}
+        self._source_id: str | None = None
+        self.build_seconds: dict[str, float] = {}  # key -> seconds its build took (hits: absent)
+        self.builds: dict[str, int] = {}  # builds this object ran, by outcome (ok, failed): /metrics
+
+    def counts(self) -> dict[str, int]:
+        """Environments known here, by state: built (in memory: built or found on disk) and failed."""
+        return {"built": len(self._built), "failed": len(self._failed)}
+
+    def source_id(self) -> str:
+        """Where packages come from, as part of every key: computed once, on first use (a session's
+        lookup must not list a large wheelhouse each time)."""
+        if self._source_id is None:
+            self._source_id = self._compute_source_id()
+        return self._source_id
+
+    def _compute_source_id(self) -> str:
+        if self.wheelhouse is not None:
+            names = sorted(f"{p.name}:{p.stat().st_size}" for p in self.wheelhouse.iterdir() if p.is_file())
+            return "wheelhouse:" + hashlib.sha256("\n".join(names).encode()).hexdigest()
+        return f"index:{self.index_url or 'pip-default'}"
+
+    def key_of(self, spec: EnvSpec, app_dir: Path | None) -> str:
+        return spec_key(spec, app_dir, self.source_id())
+
+    def lookup(self, task: Task) -> BuiltEnv | None:
+        """The task's built environment without building (None when it declares none); raises the
+        build's EnvBuildError, or EnvBuildError when it was never built (sessions never build)."""
+        spec = task.config.environment
+        if spec is None:
+            return None
+        key = self.key_of(spec, task.app_dir)
+        if key in self._failed:
+            raise self._failed[key]
+        found = self._built.get(key) or self._from_disk(key, spec)
+        if found is None:
+            raise EnvBuildError(
+                f"task {task.task_id!r}: its Python environment ({key[:12]}) is not built; the server builds every "
+                "task's environment at start-up (`composer-jax env build TASKS` pre-builds), never inside a step"
+            )
+        return found
+
+    async def for_task(self, task: Task) -> BuiltEnv | None:
+        spec = task.config.environment
+        return None if spec is None else await self.ensure(spec, task.app_dir)
+
+    async def ensure(self, spec: EnvSpec, app_dir: Path | None) -> BuiltEnv:
+        """The built environment of `spec`: from memory or disk, else built once (concurrent callers
+        wait for the same build; a failure is remembered and raised again without rebuilding)."""
+        key = self.key_of(spec, app_dir)
+        if key in self._failed:
+            raise self._failed[key]
+        found = self._built.get(key) or self._from_disk(key, spec)
+        if found is not None:
+            return found
+        if key in self._inflight:
+            return await asyncio.shield(self._inflight[key])
+        fut: asyncio.Future[BuiltEnv] = asyncio.get_running_loop().create_future()
+        self._inflight[key] = fut
+        try:
+            built = await self._build(key, spec, app_dir)
+        except EnvBuildError as exc:
+            self._failed[key] = exc
+            self.builds["failed"] = self.builds.get("failed", 0) + 1
+            fut.set_exception(exc)
+            fut.exception()  # retrieved: there may be no other waiter
+            raise
+        except BaseException as exc:
+            fut.set_exception(EnvBuildError(f"building the environment {key[:12]} was interrupted: {exc!r}"))
+            fut.exception()
+            raise
+        finally:
+            del self._inflight[key]
+        self._built[key] = built
+        self.builds["ok"] = self.builds.get("ok", 0) + 1
+        fut.set_result(built)
+        return built
+
+    def _from_disk(self, key: str, spec: EnvSpec) -> BuiltEnv | None:
+        path = self.root / key
+        try:
+            meta = json.loads((path / META_FILE).read_text())
+        except (OSError, ValueError):
+            return None
+        built = self._built_env(key, path, str(meta.get("python", "")), spec)
+        self._built[key] = built
+        return built
+
+    def _built_env(self, key: str, path: Path, python: str, spec: EnvSpec) -> BuiltEnv:
+        base = getattr(self.sandbox, "path_env", os.environ.get("PATH", "/usr/bin:/bin"))
+        return BuiltEnv(key, path, python, spec.requirements, base_path=base)
+
+    def interpreter(self, spec: EnvSpec) -> str:
+        """The interpreter a build of `spec` uses, as a path the sandbox shows; EnvBuildError if none."""
+        if spec.python in (None, _server_python()):
+            # The server's own interpreter (a venv's base: the sandbox shows the Python prefix).
+            return os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+        found = _visible_python(self.sandbox, spec.python)
+        if found is None:
+            have = sorted({m.group(0) for d in _path_dirs(self.sandbox) for m in _versions_in(d)})
+            raise EnvBuildError(
+                f"python = {spec.python!r}: no python{spec.python} in the sandbox (it shows the host's /usr and the "
+                f"server's Python); available: {', '.join(have) or 'none'}"
+            )
+        return found
+
+    async def _build(self, key: str, spec: EnvSpec, app_dir: Path | None) -> BuiltEnv:
+        start = time.monotonic()
+        if not self.sandbox.isolated:
+            # A venv hard-codes its path: it is built at ENV_MOUNT, which only a mount namespace gives.
+            raise EnvBuildError("per-task Python environments need the bubblewrap sandbox (not --unsafe-no-sandbox)")
+        py = self.interpreter(spec)
+        self.root.mkdir(parents=True, exist_ok=True)  # here, not at start-up: most servers build nothing
+        await asyncio.to_thread(sweep_stale_builds, self.root)
+        work = Path(tempfile.mkdtemp(prefix=f".build-{key[:12]}-", dir=self.root))
+        try:
+            entry = work / "env"
+            lease = self.sandbox.lease(f"envbuild-{key[:12]}-{secrets.token_hex(4)}")
+            try:
+                facts = await self._run_build(lease, work, key, spec, app_dir, py)
+            finally:
+                await lease.close()  # every process of the build is dead before its tree is walked
+            meta = {"key": key, "python": facts.get("python", ""), "requirements": list(spec.requirements)}
+            await asyncio.to_thread(_seal, entry, lease.uid, meta)
+            final = self.root / key
+            try:
+                os.rename(entry, final)
+            except OSError:
+                if not (final / META_FILE).is_file():  # another server's build landed first: use it
+                    raise
+        finally:
+            await asyncio.to_thread(volumes.remove_tree, work)  # inputs, the app copy, a failed entry
+        self.build_seconds[key] = round(time.monotonic() - start, 2)
+        return self._built_env(key, final, facts.get("python", ""), spec)
+
+    async def _run_build(
+        self, lease: SandboxLease, work: Path, key: str, spec: EnvSpec, app_dir: Path | None, py: str
+    ) -> dict:
+        """Run the build in the sandbox (see the module docstring); its facts, or EnvBuildError."""
+        entry, inputs, app = work / "env", work / "inputs", work / "app"
+        for d in (entry, inputs, app):
+            d.mkdir(mode=0o755)
+        _chown(entry, lease.uid, lease.gid)
+        (inputs / "requirements.txt").write_text("".join(r + "\n" for r in spec.requirements))
+        mounts = [Mount(entry, ENV_MOUNT, True), Mount(inputs, "/envreq", False)]
+        if spec.install_app == "editable":
+            if app_dir is None or not app_dir.is_dir():
+                raise EnvBuildError("install_app = 'editable' but the task has no environment/app/")
+            _chown(app, lease.uid, lease.gid)
+            await asyncio.to_thread(volumes.copy_tree, app_dir, app, lease.uid, lease.gid)
+            mounts.append(Mount(app, "/app", True))
+        network = False
+        if self.wheelhouse is not None:
+            mounts.append(Mount(self.wheelhouse, "/wheelhouse", False))
+            source = ["--no-index", "--find-links", "/wheelhouse"]
+        else:
+            network = bool(spec.requirements) or spec.install_app == "editable"
+            source = ["--index-url", self.index_url] if self.index_url else []
+        same_python = spec.python in (None, _server_python())
+        flags = ["pth" if same_python else "", _server_site_packages(), spec.install_app.replace("none", "")]
+        argv = ["bash", "-c", _BUILD_SCRIPT, "build", py, ENV_MOUNT, *flags, *source]
+        result = await lease.run(argv, mounts=mounts, cwd="/", limits=BUILD_LIMITS, network=network)
+        log = (result.stdout + result.stderr)[-6000:]
+        if result.timed_out or result.exit_code != 0:
+            why = "timed out" if result.timed_out else f"exit {result.exit_code}"
+            hint = " (no pytest: under another Python than the server's, list pytest in requirements)"
+            raise EnvBuildError(
+                f"building the environment {key[:12]} failed ({why})" + (hint if "pytest" in log[-400:] else ""), log
+            )
+        return _last_json(result.stdout)
+
+
+def sweep_stale_builds(root: Path, max_age_s: float = 2 * BUILD_LIMITS.wall_seconds) -> list[str]:
+    """Remove `.build-*` directories older than any live build can be (a server killed mid-build
+    left them; a build in progress, here or in another server, is younger than its wall limit)."""
+    removed = []
+    now = time.time()
+    for p in root.glob(".build-*"):
+        try:
+            old = now - p.lstat().st_mtime > max_age_s
+        except OSError:
+            continue
+        if old:
+            volumes.remove_tree(p)
+            removed.append(p.name)
+    return removed
+
+
+def _path_dirs(sandbox: Sandbox) -> list[str]:
+    return getattr(sandbox, "path_env", os.environ.get("PATH", "")).split(":")
+
+
+def _versions_in(d: str) -> Iterable[re.Match[str]]:
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return []
+    return [m for n in names if (m := re.fullmatch(r"python3\.\d+", n))]
+
+
+def _visible_python(sandbox: Sandbox, version: str) -> str | None:
+    for d in _path_dirs(sandbox):
+        p = os.path.join(d, f"python{version}")
+        if os.access(p, os.X_OK):
+            return p
+    return None
+
+
+def _chown(path: Path, uid: int, gid: int) -> None:
+    if os.geteuid() == 0:
+        os.chown(path, uid, gid)
+
+
+def _seal(entry: Path, build_uid: int, meta: dict) -> None:
+    """Make a finished build read-only and root's. The build's processes are dead (its lease is
+    closed), so nothing changes the tree while it is walked. Entries are examined by lstat and
+    never followed: symlinks are left as they are, and anything not a plain directory or a
+    regular file of the build's own (a FIFO, a device, a hard link to a file of someone else,
+    which could be a host file) is removed rather than touched."""
+    as_root = os.geteuid() == 0
+    for dirpath, dirs, files in os.walk(entry, topdown=False):
+        for name in files + dirs:
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode):
+                if as_root:
+                    os.chown(path, 0, 0, follow_symlinks=False)  # the link itself, never its target
+                continue
+            foreign = as_root and st.st_uid != build_uid
+            if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)) or (stat.S_ISREG(st.st_mode) and foreign):
+                os.unlink(path)
+                continue
+            if stat.S_ISDIR(st.st_mode) and foreign:
+                shutil.rmtree(path)
+                continue
+            mode = (stat.S_IMODE(st.st_mode) & 0o555) | (0o555 if stat.S_ISDIR(st.st_mode) else 0o444)
+            os.chmod(path, mode, follow_symlinks=False)
+            if as_root:
+                os.chown(path, 0, 0, follow_symlinks=False)
+    # The build may have planted its own META_FILE (a symlink to a host file, say): remove it and
+    # create ours afresh, never following a link.
+    planted = entry / META_FILE
+    if planted.is_dir() and not planted.is_symlink():
+        shutil.rmtree(planted)
+    elif os.path.lexists(planted):
+        os.unlink(planted)
+    fd = os.open(planted, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o444)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(meta))
+    os.chmod(entry, 0o555)
+    if as_root:
+        os.chown(entry, 0, 0)
+
+
+def _last_json(text: str) -> dict:
+    for line in reversed(text.strip().splitlines()):
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            return value
+    return {}
+
+
+async def build_all(cache: EnvCache, tasks: Iterable[Task], progress=None) -> dict[str, BuiltEnv | EnvBuildError]:
+    """Build every task's environment (each distinct key once); {task_id: env or its error}."""
+    out: dict[str, BuiltEnv | EnvBuildError] = {}
+    for task in tasks:
+        if task.config.environment is None:
+            continue
+        t0 = time.monotonic()
+        try:
+            env = await cache.ensure(task.config.environment, task.app_dir)
+            out[task.task_id] = env
+        except EnvBuildError as exc:
+            out[task.task_id] = exc
+        if progress is not None:
+            progress(task.task_id, out[task.task_id], time.monotonic() - t0)
+    return out

@@ -1,0 +1,615 @@
+"""Sandboxes that run a session's shell commands and tests.
+
+`Sandbox` is the backend interface (a container or microVM backend for clusters implements the
+same two methods); `SandboxLease` is one session's identity inside it. Backends:
+
+* `BubblewrapSandbox` (default): every command runs in a fresh bubblewrap sandbox with
+  no network (new net namespace), its own PID/IPC/UTS namespaces, an empty tmpfs root with the
+  system directories (`/usr`, `/etc`, the Python prefix and venv) bound read-only, the session's
+  workspace bound read-write at `/app`, a size-limited tmpfs `/tmp`, and the command running as a
+  per-session unprivileged uid with no capabilities and `no_new_privs`. Resource limits are
+  rlimits (CPU time, address space, processes, file size, open files) plus, where the host lets
+  us, a per-session cgroup (memory, pids). The wall clock is enforced here, and all of a
+  session's processes are killed when the lease closes.
+* `LocalProcessSandbox`: runs commands as plain host processes with rlimits only. It isolates
+  nothing and exists for development on machines without bubblewrap; the server refuses to use it
+  unless `--unsafe-no-sandbox` is given.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import dataclasses
+import fcntl
+import functools
+import os
+import secrets
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+from composer_jax.env.sandbox.cgroups import CgroupLimiter
+
+# Per-session uids come from this range so that RLIMIT_NPROC (counted per real uid) and
+# kill-by-uid are per session. 200000+ is above the usual subordinate-uid ranges of real users.
+UID_BASE = 200_000
+UID_COUNT = 60_000
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Resource limits for one command (wall_seconds, output_bytes) and one session (the rest)."""
+
+    wall_seconds: float = 30.0
+    cpu_seconds: int = 60
+    memory_mb: int = 2048  # address space per process (RLIMIT_AS) and cgroup memory per session
+    processes: int = 128  # RLIMIT_NPROC for the session uid, and cgroup pids.max
+    file_size_mb: int = 256  # RLIMIT_FSIZE
+    open_files: int = 512
+    tmp_mb: int = 256  # the /tmp tmpfs
+    output_bytes: int = 64 * 1024  # returned per stream; more is counted and dropped
+
+    def with_(self, **changes) -> Limits:
+        return dataclasses.replace(self, **changes)
+
+
+def parent_guard() -> list[str]:
+    """The argv prefix of every sandboxed command: SIGKILL when this process (the server) dies, and
+    no start at all if it already has. `setpriv --pdeathsig` arms the death signal (kept across the
+    exec of the non-set-uid programs that follow), then the shell checks its parent is still this
+    process. Without it a server killed while a command was between its fork and bubblewrap's own
+    `--die-with-parent` left that command running, its bwrap reparented to init (found by
+    tests/rl/test_processes.py under load)."""
+    return [
+        "setpriv",
+        "--pdeathsig",
+        "KILL",
+        "--",
+        "/bin/sh",
+        "-c",
+        f'[ "$PPID" = {os.getpid()} ] || exit 125; exec "$@"',
+        "sh",
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Mount:
+    """A host directory visible inside the sandbox at `dest`."""
+
+    host: Path
+    dest: str
+    writable: bool = False
+
+
+@dataclasses.dataclass
+class ExecResult:
+    exit_code: int | None  # None when killed by the wall-clock timeout
+    stdout: str
+    stderr: str
+    timed_out: bool
+    truncated: bool  # output beyond Limits.output_bytes was dropped
+    duration_s: float
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# Set in every sandbox. Tasks use the standard library and plain pytest; the host venv's other
+# pytest plugins (hypothesis, schemathesis, ...) would add ~1.3 s of start-up to every test run.
+SANDBOX_ENV = {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+
+# Placeholder in a lease's argv for the descriptor that carries its hidden arguments.
+ARGS_FD = "\0args-fd"
+
+# Reading stops (and the command is killed) after this many times the returned cap: `yes` must
+# not keep a server thread busy for the whole wall-clock budget.
+_HARD_OUTPUT_FACTOR = 64
+
+
+@dataclasses.dataclass
+class SandboxStats:
+    """A backend's sandboxed commands, counted by its leases (the server's /metrics reads them):
+    `started` commands, `running` now, `failed[reason]` whose sandbox did not come up (spawn: the
+    launcher could not be executed; setup: bubblewrap refused to build the sandbox), `killed[reason]`
+    by a limit (timeout: the wall clock; output: output past `_HARD_OUTPUT_FACTOR` x the cap)."""
+
+    started: int = 0
+    running: int = 0
+    failed: dict[str, int] = dataclasses.field(default_factory=dict)
+    killed: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def count(self, table: dict[str, int], reason: str) -> None:
+        table[reason] = table.get(reason, 0) + 1
+
+
+class SandboxLease(abc.ABC):
+    """One session's identity in a sandbox backend; every command it runs is tracked."""
+
+    def __init__(self, uid: int, gid: int, stats: SandboxStats | None = None):
+        self.uid, self.gid = uid, gid
+        self.stats = stats if stats is not None else SandboxStats()  # the backend's, shared by its leases
+        self._procs: set[asyncio.subprocess.Process] = set()
+        self.closed = False
+
+    @abc.abstractmethod
+    def _argv(
+        self,
+        command: list[str],
+        mounts: list[Mount],
+        cwd: str,
+        limits: Limits,
+        env: dict[str, str],
+        network: bool = False,
+    ) -> tuple[list[str], str | None, list[str]]:
+        """The host argv that runs `command` in the sandbox, the host cwd to start it in, and
+        arguments handed over through a file descriptor (`ARGS_FD` in argv stands for its number)
+        so that they do not show in the sandbox's /proc/1/cmdline."""
+
+    def path_in_sandbox(self, mount: Mount) -> str:
+        """Where a command run by this lease sees `mount`."""
+        return mount.dest
+
+    def setup_failed(self, result: ExecResult) -> bool:
+        """Whether `result` is the backend's own refusal to build the sandbox (not the command's)."""
+        return False
+
+    async def kill_processes(self) -> None:
+        """Kill every process of this session now (the lease stays usable)."""
+        await self._kill_tracked()
+
+    async def _kill_tracked(self) -> None:
+        """Kill the processes this lease started and wait (5 s each at most) for them to end."""
+        for proc in list(self._procs):
+            self._kill(proc)
+        for proc in list(self._procs):
+            try:
+                await asyncio.wait_for(proc.wait(), 5)
+            except TimeoutError:
+                pass
+
+    async def run(
+        self,
+        command: list[str],
+        *,
+        mounts: list[Mount],
+        cwd: str = "/app",
+        limits: Limits,
+        env: dict[str, str] | None = None,
+        network: bool = False,
+    ) -> ExecResult:
+        """Run `command` inside the sandbox, bounded by `limits`; never raises on command failure.
+
+        `network` shares the host's network (only for building a task's Python environment from a
+        package index, `pyenv.py`; sessions, verifiers and solutions never get it)."""
+        if self.closed:
+            raise RuntimeError("sandbox lease is closed")
+        argv, host_cwd, hidden = self._argv(command, mounts, cwd, limits, env or {}, network)
+        start = time.monotonic()
+        args_fd = None
+        if hidden:
+            args_fd = os.memfd_create("sandbox-args")
+            os.write(args_fd, b"".join(os.fsencode(a) + b"\0" for a in hidden))
+            os.lseek(args_fd, 0, os.SEEK_SET)
+            argv = [str(args_fd) if a == ARGS_FD else a for a in argv]
+        stats = self.stats
+        stats.started += 1
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                cwd=host_cwd,
+                start_new_session=True,
+                pass_fds=() if args_fd is None else (args_fd,),
+            )
+        except OSError:
+            stats.count(stats.failed, "spawn")
+            raise
+        finally:
+            if args_fd is not None:
+                os.close(args_fd)
+        self._procs.add(proc)
+        cap, hard = limits.output_bytes, limits.output_bytes * _HARD_OUTPUT_FACTOR
+        kept = {"out": bytearray(), "err": bytearray()}
+        truncated = [False]
+        seen = [0]
+        overflow = asyncio.Event()
+
+        async def drain(stream: asyncio.StreamReader, buf: bytearray) -> None:
+            while chunk := await stream.read(65536):
+                seen[0] += len(chunk)
+                room = cap - len(buf)
+                if room > 0:
+                    buf += chunk[:room]
+                if len(chunk) > max(room, 0):
+                    truncated[0] = True
+                if seen[0] > hard:
+                    # Keep reading (and discarding) until EOF: asyncio's Process.wait() only
+                    # returns once the pipes are drained and closed.
+                    overflow.set()
+
+        assert proc.stdout is not None and proc.stderr is not None  # both are PIPEs
+        readers = [
+            asyncio.ensure_future(drain(proc.stdout, kept["out"])),
+            asyncio.ensure_future(drain(proc.stderr, kept["err"])),
+        ]
+        waiter = asyncio.ensure_future(proc.wait())
+        overflow_wait = asyncio.ensure_future(overflow.wait())
+        timed_out = False
+        stats.running += 1
+        try:
+            done, _ = await asyncio.wait(
+                {waiter, overflow_wait}, timeout=limits.wall_seconds, return_when=asyncio.FIRST_COMPLETED
+            )
+            if waiter not in done:
+                timed_out = not overflow.is_set()
+                self._kill(proc)
+            # A background child that escaped the process group could keep the pipes open (only
+            # possible without a PID namespace): do not wait for end-of-file for long.
+            _, pending = await asyncio.wait(readers + [waiter], timeout=5.0)
+            for task in pending:
+                task.cancel()
+        finally:
+            overflow_wait.cancel()
+            if proc.returncode is None:
+                self._kill(proc)
+            self._procs.discard(proc)
+            stats.running -= 1
+        result = ExecResult(
+            exit_code=None if timed_out else proc.returncode,
+            stdout=kept["out"].decode("utf-8", "replace"),
+            stderr=kept["err"].decode("utf-8", "replace"),
+            timed_out=timed_out,
+            truncated=truncated[0] or overflow.is_set(),
+            duration_s=round(time.monotonic() - start, 4),
+        )
+        self._count_end(result, overflow.is_set())
+        return result
+
+    def _count_end(self, result: ExecResult, overflow: bool) -> None:
+        """A finished command in `stats`: killed by a limit, or refused by the backend's setup."""
+        stats = self.stats
+        if result.timed_out or overflow:
+            stats.count(stats.killed, "timeout" if result.timed_out else "output")
+        elif self.setup_failed(result):
+            stats.count(stats.failed, "setup")
+
+    @staticmethod
+    def _kill(proc: asyncio.subprocess.Process) -> None:
+        # The command is a process-group leader (start_new_session); bubblewrap's PID namespace
+        # takes everything inside down with it when its init dies.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    async def close(self) -> None:
+        """Kill every process this lease started (and anything they left behind)."""
+        self.closed = True
+        await self._kill_tracked()
+        self._procs.clear()
+
+
+class Sandbox(abc.ABC):
+    """A sandbox backend: hands out per-session leases, which count their commands in `stats`."""
+
+    name: str = "abstract"
+    isolated: bool = False
+
+    @functools.cached_property
+    def stats(self) -> SandboxStats:
+        """The commands of every lease of this backend (made at first use: a subclass need not call
+        an `__init__` of this class)."""
+        return SandboxStats()
+
+    @abc.abstractmethod
+    def lease(self, session_id: str) -> SandboxLease:
+        """A new identity for one session (released with `await lease.close()`)."""
+
+    def describe(self) -> dict:
+        return {"backend": self.name, "isolated": self.isolated}
+
+
+class _UidPool:
+    """Session uids, unique across every server process on the host.
+
+    Two servers on one machine must never hand out the same uid: RLIMIT_NPROC would be shared and
+    closing a session kills every process of its uid. Each uid in use is held by an flock on a file
+    in LOCK_DIR, which the kernel releases if the server dies.
+    """
+
+    LOCK_DIR = Path("/tmp/composer-jax-env-uids")
+
+    def __init__(self) -> None:
+        self._next = secrets.randbelow(UID_COUNT)
+        self._held: dict[int, int] = {}  # uid -> lock file descriptor
+        self.LOCK_DIR.mkdir(mode=0o700, exist_ok=True)
+
+    def take(self) -> int:
+        for _ in range(UID_COUNT):
+            uid = UID_BASE + self._next
+            self._next = (self._next + 1) % UID_COUNT
+            if uid in self._held:
+                continue
+            fd = os.open(self.LOCK_DIR / str(uid), os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            self._held[uid] = fd
+            return uid
+        raise RuntimeError("no free sandbox uid")
+
+    def give(self, uid: int) -> None:
+        fd = self._held.pop(uid, None)
+        if fd is not None:
+            os.close(fd)  # closing releases the flock
+
+
+def _kill_uid(uid: int) -> None:
+    """SIGKILL every process whose real uid is `uid` (a session's uid is used by nothing else)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status", "rb") as f:
+                for line in f:
+                    if line.startswith(b"Uid:"):
+                        if int(line.split()[1]) == uid:
+                            os.kill(int(entry), signal.SIGKILL)
+                        break
+        except (OSError, ValueError):
+            continue
+
+
+class BubblewrapLease(SandboxLease):
+    def __init__(self, sandbox: BubblewrapSandbox, session_id: str, uid: int):
+        super().__init__(uid, uid, sandbox.stats)
+        self.sandbox = sandbox
+        self.cgroup = sandbox.cgroups.create(session_id, sandbox.session_limits) if sandbox.cgroups else None
+
+    def _argv(
+        self,
+        command: list[str],
+        mounts: list[Mount],
+        cwd: str,
+        limits: Limits,
+        env: dict[str, str],
+        network: bool = False,
+    ) -> tuple[list[str], str | None, list[str]]:
+        # bwrap's options (host paths of the workspace, the environment) go through `--args FD`:
+        # as argv they would be readable inside the sandbox in /proc/1/cmdline (bwrap is PID 1).
+        sb = self.sandbox
+        argv: list[str] = parent_guard()
+        if self.cgroup is not None:
+            argv += self.cgroup.enter_prefix()
+        argv += [
+            "prlimit",
+            f"--cpu={limits.cpu_seconds}",
+            f"--as={limits.memory_mb * 2**20}",
+            f"--nproc={limits.processes}",
+            f"--fsize={limits.file_size_mb * 2**20}",
+            f"--nofile={limits.open_files}",
+            "--core=0",
+            "--",
+        ]
+        argv += [sb.bwrap, "--args", ARGS_FD]
+        opts = sb.base_args()[1:]  # without the bwrap binary itself
+        if network:
+            opts.remove("--unshare-net")
+        # /tmp first, then what must be visible under it (a virtualenv living in /tmp), then mounts.
+        opts += ["--perms", "1777", "--size", str(limits.tmp_mb * 2**20), "--tmpfs", "/tmp"]
+        for p in sb.tmp_ro_paths:
+            opts += sb.parent_dirs(p, skip=("/tmp",)) + ["--ro-bind", p, p]
+        for m in mounts:
+            opts += sb.parent_dirs(m.dest)
+            opts += ["--bind" if m.writable else "--ro-bind", str(m.host), m.dest]
+        opts += ["--chdir", cwd]
+        full_env = {
+            "PATH": sb.path_env,
+            "HOME": "/tmp",
+            "LANG": "C.UTF-8",
+            "TERM": "dumb",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "USER": "agent",
+            **SANDBOX_ENV,
+            **env,
+        }
+        for key, value in full_env.items():
+            opts += ["--setenv", key, value]
+        if sb.privileged:
+            # bwrap keeps root's capabilities for its own setup; setpriv then drops to the
+            # session uid with an empty bounding set, so nothing inside can regain privilege.
+            argv += [
+                "--",
+                "setpriv",
+                f"--reuid={self.uid}",
+                f"--regid={self.gid}",
+                "--clear-groups",
+                "--inh-caps=-all",
+                "--bounding-set=-all",
+                "--no-new-privs",
+            ]
+        else:
+            opts += ["--unshare-user", "--disable-userns", "--uid", "1000", "--gid", "1000"]
+            argv += ["--"]
+        return argv + command, None, opts
+
+    def setup_failed(self, result: ExecResult) -> bool:
+        # bwrap reports its own errors as "bwrap: ..." on stderr and exits 1 (its die()).
+        return result.exit_code == 1 and result.stderr.startswith("bwrap: ")
+
+    async def kill_processes(self) -> None:
+        await super().kill_processes()
+        # Every process of the session is in its cgroup (nothing inside can leave it: no /sys);
+        # without one, scan /proc for the session's uid.
+        if self.cgroup is not None:
+            await asyncio.to_thread(self.cgroup.kill)
+        elif self.sandbox.privileged:
+            await asyncio.to_thread(_kill_uid, self.uid)
+
+    async def close(self) -> None:
+        await super().close()
+        # /proc scans and cgroup teardown block: keep them off the event loop.
+        if self.sandbox.privileged:
+            await asyncio.to_thread(_kill_uid, self.uid)
+        if self.cgroup is not None:
+            await asyncio.to_thread(self.cgroup.kill_and_remove)
+        self.sandbox.uids.give(self.uid)
+
+
+class BubblewrapSandbox(Sandbox):
+    """The default backend: one bubblewrap sandbox per command (see the module docstring)."""
+
+    name = "bubblewrap"
+    isolated = True
+
+    def __init__(self, session_limits: Limits | None = None, bwrap: str | None = None, use_cgroups: bool = True):
+        found = bwrap or shutil.which("bwrap")
+        if not found:
+            raise RuntimeError(
+                "bubblewrap (bwrap) is not installed; install it (apt-get install "
+                "bubblewrap, or `make system-deps`) or pass --unsafe-no-sandbox"
+            )
+        self.bwrap: str = found
+        self.privileged = os.geteuid() == 0
+        self.session_limits = session_limits or Limits()
+        self.cgroups = CgroupLimiter.detect() if (use_cgroups and self.privileged) else None
+        self.uids = _UidPool()
+        paths = self._system_paths()
+        # A private tmpfs is mounted on /tmp after the base binds: what lives under the host's
+        # /tmp (a virtualenv there) is bound again on top of it (`tmp_ro_paths`).
+        self.tmp_ro_paths = [p for p in paths if p == "/tmp" or p.startswith("/tmp/")]
+        self._ro_paths = [p for p in paths if p not in self.tmp_ro_paths]
+        venv_bin = [str(Path(sys.prefix) / "bin")] if sys.prefix != sys.base_prefix else []
+        self.path_env = ":".join(
+            venv_bin + [str(Path(sys.base_prefix) / "bin"), "/usr/local/bin", "/usr/bin", "/bin", "/usr/sbin", "/sbin"]
+        )
+        self._base = self._build_base_args()
+
+    @staticmethod
+    def _system_paths() -> list[str]:
+        # The Python prefix (and venv) give tasks `python3` with pytest importable at the same
+        # paths as on the host, so shebangs and venv symlinks resolve.
+        paths = ["/usr", "/etc"]
+        for p in (sys.base_prefix, sys.prefix):
+            p = os.path.realpath(p)
+            if not any(p == q or p.startswith(q + "/") for q in paths):
+                paths.append(p)
+        return paths
+
+    @staticmethod
+    def parent_dirs(dest: str, skip: tuple[str, ...] = ()) -> list[str]:
+        """bwrap creates missing parents with mode 0700 when run as root; make them traversable."""
+        args, parts = [], Path(dest).parts[1:-1]
+        for i in range(len(parts)):
+            d = "/" + "/".join(parts[: i + 1])
+            if d not in skip:
+                args += ["--perms", "0755", "--dir", d]
+        return args
+
+    def _build_base_args(self) -> list[str]:
+        args = [
+            self.bwrap,
+            "--unshare-pid",
+            "--unshare-net",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--unshare-cgroup-try",
+            "--die-with-parent",
+            "--new-session",
+            "--hostname",
+            "sandbox",
+            "--tmpfs",
+            "/",
+        ]
+        for p in self._ro_paths:
+            args += self.parent_dirs(p) + ["--ro-bind", p, p]
+        for name in ("bin", "lib", "lib64", "sbin", "lib32"):
+            if os.path.islink(f"/{name}"):
+                args += ["--symlink", os.readlink(f"/{name}"), f"/{name}"]
+            elif os.path.isdir(f"/{name}"):
+                args += ["--ro-bind", f"/{name}", f"/{name}"]
+        return args + ["--dev", "/dev", "--proc", "/proc"]
+
+    def base_args(self) -> list[str]:
+        return list(self._base)
+
+    def lease(self, session_id: str) -> SandboxLease:
+        return BubblewrapLease(self, session_id, self.uids.take())
+
+    def describe(self) -> dict:
+        return {
+            "backend": self.name,
+            "isolated": True,
+            "privileged_setup": self.privileged,
+            "cgroups": self.cgroups.kind if self.cgroups else None,
+        }
+
+
+class LocalLease(SandboxLease):
+    """UNSAFE: host processes with rlimits only. Paths such as /app do not exist here; the
+    workspace is the cwd and mounts are exported as environment variables (APP_DIR, TESTS_DIR...)."""
+
+    def path_in_sandbox(self, mount: Mount) -> str:
+        return str(mount.host)  # no mount namespace: commands see host paths
+
+    def _argv(
+        self,
+        command: list[str],
+        mounts: list[Mount],
+        cwd: str,
+        limits: Limits,
+        env: dict[str, str],
+        network: bool = False,
+    ) -> tuple[list[str], str | None, list[str]]:
+        host_cwd = None
+        exports = {}
+        for m in mounts:
+            name = m.dest.strip("/").replace("/", "_").upper() + "_DIR"
+            exports[name] = str(m.host)
+            if cwd == m.dest or cwd.startswith(m.dest + "/"):
+                host_cwd = str(m.host) + cwd[len(m.dest) :]
+        prefix = (
+            parent_guard()
+            + [
+                "prlimit",
+                f"--cpu={limits.cpu_seconds}",
+                f"--as={limits.memory_mb * 2**20}",
+                f"--fsize={limits.file_size_mb * 2**20}",
+                f"--nofile={limits.open_files}",
+                "--core=0",
+                "--",
+                "env",
+            ]
+            + [f"{k}={v}" for k, v in {**SANDBOX_ENV, **exports, **env}.items()]
+        )
+        return prefix + command, host_cwd, []
+
+
+class LocalProcessSandbox(Sandbox):
+    """UNSAFE development backend (`--unsafe-no-sandbox`): no isolation at all."""
+
+    name = "local-process-UNSAFE"
+    isolated = False
+
+    def lease(self, session_id: str) -> SandboxLease:
+        return LocalLease(os.geteuid(), os.getegid(), self.stats)
+
+
+def default_sandbox(unsafe_no_sandbox: bool = False, limits: Limits | None = None) -> Sandbox:
+    """Bubblewrap when installed; the unsafe backend only when explicitly asked for."""
+    if shutil.which("bwrap"):
+        return BubblewrapSandbox(limits)
+    if unsafe_no_sandbox:
+        return LocalProcessSandbox()
+    raise RuntimeError(
+        "bubblewrap (bwrap) is not installed, so sessions cannot be sandboxed. Install it "
+        "(`apt-get install bubblewrap` or `make system-deps`), or pass --unsafe-no-sandbox to run "
+        "commands as plain host processes (no isolation; development only)"
+    )

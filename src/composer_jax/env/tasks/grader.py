@@ -1,0 +1,351 @@
+"""Grading a workspace with the task's verifier, and the oracle run used by `env validate`.
+
+Grading (Harbor's verifier contract, run locally): the session's current workspace is copied to a
+fresh directory, which is mounted at /app (read-write); the task's tests/ at /tests (read-only);
+a fresh empty directory at /logs/verifier (read-write). `bash /tests/test.sh` runs with cwd /app.
+The reward is read as Harbor reads it: /logs/verifier/reward.json first (numbers only), else reward.txt;
+per-test results come from /logs/verifier/junit.xml when the tests wrote one. The agent's
+workspace itself is never touched by grading, so a session can be graded many times.
+
+Nothing here walks agent-controlled paths as root: the copy and the diff run inside the session's
+sandbox as its uid (`snapshot.py`, by descriptors, with a time and output budget), and the reward
+files are read by descriptor (`O_NOFOLLOW | O_NONBLOCK`, regular files only) off the event loop.
+The grade response says which `python3` the sandbox has (`interpreter`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import stat
+import time
+import uuid
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from composer_jax.env.sandbox import snapshot, volumes
+from composer_jax.env.sandbox.pyenv import BuiltEnv
+from composer_jax.env.sandbox.runner import ExecResult, Limits, Mount, SandboxLease
+from composer_jax.env.tasks.store import Task
+
+MAX_DIFF_BYTES = 256 * 1024
+SNAPSHOT_TIMEOUT_S = 120.0  # wall clock (and CPU seconds) for copying and diffing a workspace
+_SNAPSHOT_SOURCE = Path(snapshot.__file__).read_text()
+
+
+@dataclasses.dataclass
+class GradeResult:
+    reward: float
+    tests: list[dict]  # [{"name", "outcome": passed|failed|error|skipped, "message"}]
+    diff: str  # unified diff from the task's initial workspace to the graded one
+    error: str | None  # why the reward is 0 without the tests deciding it, if so
+    exit_code: int | None
+    timed_out: bool
+    output_tail: str  # the verifier's last stdout/stderr, for debugging tasks
+    duration_s: float
+    reward_details: dict = dataclasses.field(default_factory=dict)
+    interpreter: dict = dataclasses.field(default_factory=dict)  # {python, version}: the sandbox's python3
+    environment: dict = dataclasses.field(default_factory=dict)  # the task's built env ({key, python, ...}) or {}
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def read_regular(logs: Path, name: str, limit: int) -> bytes | None:
+    """Up to `limit` bytes of the regular file `logs/name`, opened by descriptor without following
+    symlinks or blocking on FIFOs; None when absent. ValueError when it is not a regular file."""
+    dfd = os.open(logs, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise ValueError(f"{name} is not a regular file") from exc
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ValueError(f"{name} is not a regular file")
+            return f.read(limit)
+    finally:
+        os.close(dfd)
+
+
+def _numeric(value: object) -> bool:
+    # Harbor's test: an int or float (so JSON true/false pass, as in Harbor), and finite.
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def read_reward(logs: Path) -> tuple[float | None, dict, str | None]:
+    """(reward, other rewards, error) from `logs`, as Harbor reads them: reward.json when it exists
+    (a number, or an object whose values are all finite numbers: its "reward", or its only value;
+    the other values are returned as details), else reward.txt (one finite number)."""
+    try:
+        js = read_regular(logs, "reward.json", 100_000)
+        txt = read_regular(logs, "reward.txt", 1000) if js is None else None
+    except ValueError as exc:
+        return None, {}, str(exc)
+    if js is not None:
+        try:
+            data = json.loads(js.decode("utf-8", "replace"))
+        except ValueError as exc:
+            return None, {}, f"reward.json is not JSON: {exc}"
+        if not isinstance(data, dict):
+            data = {"reward": data}
+        bad = {k: v for k, v in data.items() if not _numeric(v)}
+        if bad or not data:
+            shown = ", ".join(f"{k}={v!r:.40}" for k, v in list(bad.items())[:5]) or "an empty object"
+            return None, {}, f"reward.json values must all be finite numbers (Harbor's rule); got {shown}"
+        if "reward" not in data and len(data) > 1:
+            return None, {}, f'reward.json has several values ({", ".join(sorted(data))}) and no "reward"'
+        key = "reward" if "reward" in data else next(iter(data))
+        return float(data[key]), {k: v for k, v in data.items() if k != key}, None
+    if txt is not None:
+        raw = txt.decode("utf-8", "replace").strip()
+        try:
+            reward = float(raw)
+        except ValueError:
+            return None, {}, f"reward.txt holds {raw[:80]!r}, not a number"
+        return (reward, {}, None) if math.isfinite(reward) else (None, {}, f"reward.txt holds {raw!r}")
+    return None, {}, "the verifier wrote neither /logs/verifier/reward.json nor reward.txt"
+
+
+def parse_junit(path: Path) -> list[dict]:
+    """Per-test outcomes from a JUnit XML file (pytest --junitxml); [] when absent or unreadable."""
+    try:
+        data = read_regular(path.parent, path.name, 8 * 2**20 + 1)
+    except (ValueError, OSError):
+        return []
+    if data is None or len(data) > 8 * 2**20:
+        return []
+    try:
+        root = ET.fromstring(data)
+    except ET.ParseError:
+        return []
+    tests = []
+    for case in root.iter("testcase"):
+        name = "::".join(x for x in (case.get("classname"), case.get("name")) if x)
+        outcome, message = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[child.tag]
+                message = (child.get("message") or child.text or "")[:2000]
+                break
+        tests.append({"name": name, "outcome": outcome, "message": message})
+    return tests
+
+
+def workspace_diff(before: Path | None, after: Path) -> str:
+    """Unified diff (a/ = `before`, b/ = `after`), capped at MAX_DIFF_BYTES, walked by descriptors.
+
+    Only for trusted trees in the server process; grading diffs inside the sandbox (`snapshot`)."""
+    out: list[str] = []
+    ofd = os.open(before, os.O_RDONLY | os.O_DIRECTORY) if before is not None and before.is_dir() else None
+    nfd = os.open(after, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        snapshot.diff(ofd, nfd, MAX_DIFF_BYTES, out.append)
+    finally:
+        os.close(nfd)
+        if ofd is not None:
+            os.close(ofd)
+    return "".join(out)
+
+
+@dataclasses.dataclass
+class Job:
+    """A grading or oracle copy: `dir` holds the `app` and `logs` volumes; free it with `release_job`."""
+
+    dir: Path
+    diff: str = ""
+    error: str | None = None
+    interpreter: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def app(self) -> Path:
+        return self.dir / "app"
+
+    @property
+    def logs(self) -> Path:
+        return self.dir / "logs"
+
+
+def _new_job(task: Task, lease: SandboxLease, scratch_root: Path) -> Job:
+    job = Job(scratch_root / f"job-{uuid.uuid4().hex[:12]}")
+    job.dir.mkdir(parents=True, mode=0o700)
+    try:
+        volumes.create_volume(job.app, task.config.storage_mb, lease.uid, lease.gid)
+        volumes.create_volume(job.logs, 64, lease.uid, lease.gid)
+    except BaseException:
+        volumes.remove_tree(job.dir)
+        raise
+    return job
+
+
+def env_run_args(env: BuiltEnv | None) -> tuple[list[Mount], dict[str, str]]:
+    """The mounts and variables that put a task's built environment first on PATH ([] and {} for none)."""
+    return ([env.mount()], env.env_vars()) if env is not None else ([], {})
+
+
+async def prepare_job(
+    task: Task,
+    lease: SandboxLease,
+    source: Path,
+    scratch_root: Path,
+    limits: Limits,
+    *,
+    diff: bool,
+    env: BuiltEnv | None = None,
+) -> Job:
+    """A fresh job whose app volume holds a copy of `source`, made inside the sandbox as the
+    session's uid (`snapshot`); with `diff`, also the diff from the task's initial workspace.
+
+    A copy that fails or runs out of its budget sets `job.error` (the job is still returned);
+    the caller always frees the job with `release_job`, which this does itself on an exception."""
+    job = await asyncio.to_thread(_new_job, task, lease, scratch_root)
+    try:
+        mounts = [Mount(source, "/src", False), Mount(job.app, "/app", True)]
+        orig = ""
+        if diff and task.app_dir.is_dir():
+            mounts.append(Mount(task.app_dir, "/orig", False))
+            orig = lease.path_in_sandbox(mounts[-1])
+        argv = [
+            "python3",
+            "-I",
+            "-c",
+            _SNAPSHOT_SOURCE,
+            lease.path_in_sandbox(mounts[0]),
+            lease.path_in_sandbox(mounts[1]),
+            orig,
+            str(MAX_DIFF_BYTES if diff else 0),
+            *(task.config.test_modules if diff else ()),
+        ]
+        snap_limits = limits.with_(
+            wall_seconds=SNAPSHOT_TIMEOUT_S,
+            cpu_seconds=int(SNAPSHOT_TIMEOUT_S),
+            output_bytes=MAX_DIFF_BYTES + 65536,
+        )
+        env_mounts, env_vars = env_run_args(env)  # so `interpreter` and python_modules are the env's
+        result = await lease.run(argv, mounts=mounts + env_mounts, cwd="/app", limits=snap_limits, env=env_vars)
+        job.diff = result.stdout
+        facts = _last_json_line(result.stderr)
+        job.interpreter = {k: facts[k] for k in ("python", "version") if k in facts}
+        if result.timed_out:
+            job.error = f"copying the workspace took over {SNAPSHOT_TIMEOUT_S:g}s; the tests did not run"
+        elif result.exit_code != 0 or not facts:
+            job.error = f"copying the workspace failed (exit {result.exit_code}): {result.stderr[-500:].strip()}"
+        elif facts.get("missing"):
+            job.error = (
+                f"the sandbox's python3 ({facts.get('python')} {facts.get('version')}) cannot import "
+                f"{', '.join(facts['missing'])}, which task.toml [verifier] python_modules declares; "
+                "the tests did not run (install them in the server's Python environment)"
+            )
+        return job
+    except BaseException:
+        await asyncio.to_thread(release_job, job.app)
+        raise
+
+
+def _last_json_line(text: str) -> dict:
+    for line in reversed(text.strip().splitlines()):
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        return value if isinstance(value, dict) else {}
+    return {}
+
+
+def release_job(app: Path) -> None:
+    """Unmount and delete a job (given its app directory); safe to call twice."""
+    volumes.remove_tree(app.parent)
+
+
+async def grade(
+    task: Task, lease: SandboxLease, workspace: Path, scratch_root: Path, limits: Limits, env: BuiltEnv | None = None
+) -> GradeResult:
+    """Run the task's verifier on a fresh copy of `workspace` (see module docstring), with the
+    task's built Python environment `env` (pyenv.py) first on PATH when it has one.
+
+    The copy and the diff run inside the sandbox as the session's uid; reward files are read by
+    descriptor off the event loop; the job's volumes are released on every path."""
+    start = time.monotonic()
+    verifier_limits = limits.with_(
+        wall_seconds=task.config.verifier_timeout_sec,
+        cpu_seconds=max(limits.cpu_seconds, int(task.config.verifier_timeout_sec) + 1),
+    )
+    job = await prepare_job(task, lease, workspace, scratch_root, limits, diff=True, env=env)
+    environment = env.describe() if env is not None else {}
+    try:
+        if job.error is not None:
+            return GradeResult(
+                reward=0.0,
+                tests=[],
+                diff=job.diff,
+                error=job.error,
+                exit_code=None,
+                timed_out=False,
+                output_tail="",
+                duration_s=round(time.monotonic() - start, 4),
+                interpreter=job.interpreter,
+                environment=environment,
+            )
+        env_mounts, env_vars = env_run_args(env)
+        mounts = [Mount(job.app, "/app", True), Mount(job.logs, "/logs/verifier", True)]
+        mounts += [Mount(task.tests_dir, "/tests", False), *env_mounts]
+        result = await lease.run(
+            ["bash", "/tests/test.sh"], mounts=mounts, cwd="/app", limits=verifier_limits, env=env_vars
+        )
+        reward, details, error = await asyncio.to_thread(read_reward, job.logs)
+        if result.timed_out:
+            error = f"verifier timed out after {task.config.verifier_timeout_sec}s" + (
+                f"; {error}" if error and reward is None else ""
+            )
+        tests = await asyncio.to_thread(parse_junit, job.logs / "junit.xml")
+    finally:
+        await asyncio.to_thread(release_job, job.app)
+    tail = result.stdout[-4000:] + ("\n--- stderr ---\n" + result.stderr[-4000:] if result.stderr else "")
+    return GradeResult(
+        reward=reward if reward is not None else 0.0,
+        tests=tests,
+        diff=job.diff,
+        error=error if reward is None or result.timed_out else None,
+        exit_code=result.exit_code,
+        timed_out=result.timed_out,
+        output_tail=tail,
+        duration_s=result.duration_s,
+        reward_details=details,
+        interpreter=job.interpreter,
+        environment=environment,
+    )
+
+
+async def oracle_workspace(
+    task: Task, lease: SandboxLease, scratch_root: Path, limits: Limits, env: BuiltEnv | None = None
+) -> tuple[Path, ExecResult]:
+    """Run solution/solve.sh on a fresh copy of the initial workspace; returns (solved dir, result).
+
+    The caller grades the returned directory and then frees it with `release_job`."""
+    empty = scratch_root / f"empty-{uuid.uuid4().hex[:12]}"
+    source = task.app_dir if task.app_dir.is_dir() else empty
+    empty.mkdir(parents=True, mode=0o755, exist_ok=True)
+    try:
+        job = await prepare_job(task, lease, source, scratch_root, limits, diff=False, env=env)
+    finally:
+        empty.rmdir()
+    try:
+        if job.error is not None:
+            raise RuntimeError(f"task {task.task_id!r}: {job.error}")
+        solve_limits = limits.with_(wall_seconds=task.config.agent_timeout_sec)
+        mounts = [Mount(job.app, "/app", True), Mount(job.logs, "/logs/verifier", True)]
+        env_mounts, env_vars = env_run_args(env)
+        mounts += [Mount(task.solution_dir, "/solution", False), *env_mounts]
+        result = await lease.run(
+            ["bash", "/solution/solve.sh"], mounts=mounts, cwd="/app", limits=solve_limits, env=env_vars
+        )
+        await asyncio.to_thread(volumes.remove_tree, job.logs)
+    except BaseException:
+        await asyncio.to_thread(release_job, job.app)
+        raise
+    return job.app, result

@@ -1,0 +1,184 @@
+"""Tokenizer: a Hugging Face `tokenizers` byte-level BPE (`tokenizer.json`) plus our special tokens.
+
+`load_tokenizer(path)` accepts a `tokenizer.json` file or a directory holding one (a checkpoint
+directory, `assets/tokenizer/`). `composer-jax tokenizer train` trains a small byte-level BPE on
+code and writes `tokenizer.json` and `tokenizer_config.json` (special tokens, their ids and the
+chat template name, see data/chat.py).
+
+Special tokens (ids 0..6 in tokenizers we train, in this order):
+  <|pad|>          padding in packed rows (never a target)
+  <|bos|>          first token of every document / conversation
+  <|eos|>          last token of every document / conversation
+  <|im_start|>     opens a chat turn: `<|im_start|>role\\n`
+  <|im_end|>       closes a chat turn; the model's stop token in assistant turns
+  <|tool_call|>    inside an assistant turn, followed by one JSON object {"id","name","arguments"}
+  <|tool_result|>  starts the content of a tool turn: `<|tool_result|>{tool_call_id}\\n{content}`
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from composer_jax.config.data import DataConfigError
+
+SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>", "<|tool_call|>", "<|tool_result|>")
+CHAT_TEMPLATE_NAME = "composer-chatml-v1"
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    """A loaded `tokenizers.Tokenizer` with the ids of our special tokens.
+
+    `encode` never adds special tokens itself: the pipeline places BOS/EOS explicitly, and special
+    token strings inside a document's text are encoded as ordinary bytes (so a source file that
+    mentions "<|im_end|>" cannot forge a turn boundary).
+    """
+
+    hf: Any  # tokenizers.Tokenizer (imported lazily: the config layer must not need it)
+    pad_id: int
+    bos_id: int
+    eos_id: int
+    special: dict  # special token string -> id (those present)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """text -> token ids (no special tokens added; special-token strings are not matched)."""
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self.hf.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        return self.hf.decode(list(map(int, ids)), skip_special_tokens=skip_special_tokens)
+
+    def token_id(self, token: str) -> int:
+        """Id of a special token such as "<|im_start|>"; error names the tokens this tokenizer has."""
+        if token not in self.special:
+            raise DataConfigError(
+                f"tokenizer has no special token {token!r}; it has {sorted(self.special)}. "
+                "Chat formatting needs the tokens listed in composer_jax.formats.tokenizer."
+                "SPECIAL_TOKENS (train one with `composer-jax tokenizer train`)"
+            )
+        return self.special[token]
+
+
+def _tokenizer_file(path: str | Path) -> Path:
+    p = Path(path)
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    if not p.is_file():
+        raise DataConfigError(
+            f"tokenizer {str(path)!r}: no tokenizer.json there (resolved against the "
+            f"current directory {Path.cwd()}); give a tokenizer.json file or a directory "
+            "holding one, e.g. assets/tokenizer"
+        )
+    return p
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Load `tokenizer.json` (a file, or a directory containing it) and find the special token ids.
+
+    Ids come from tokenizer_config.json next to it when present ("special_tokens": {name: id};
+    HF's "bos_token"/"eos_token"/"pad_token" name them in converted tokenizers such as
+    DeepSeek's), else from the vocabulary by name; BOS/EOS fall back to the common "<s>"/"</s>" and
+    "<|endoftext|>" names of other tokenizers, PAD to EOS.
+    """
+    from tokenizers import Tokenizer as HFTokenizer
+
+    file = _tokenizer_file(path)
+    try:
+        hf = HFTokenizer.from_file(str(file))
+    except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
+        raise DataConfigError(f"tokenizer {str(file)!r} could not be read: {e}") from None
+    hf.encode_special_tokens = True  # special-token strings in document text are plain bytes
+    special = {t: hf.token_to_id(t) for t in SPECIAL_TOKENS if hf.token_to_id(t) is not None}
+    cfg_file = file.parent / "tokenizer_config.json"
+    named: dict[str, tuple[str, ...]] = {}  # HF's bos_token / eos_token / pad_token ({"content": ...} too)
+    if cfg_file.is_file():
+        saved = json.loads(cfg_file.read_text())
+        special.update({k: int(v) for k, v in saved.get("special_tokens", {}).items()})
+        for key in ("bos_token", "eos_token", "pad_token"):
+            v = saved.get(key)
+            v = v.get("content") if isinstance(v, dict) else v
+            if isinstance(v, str) and hf.token_to_id(v) is not None:
+                named[key] = (v,)
+
+    def find(names: Iterable[str]) -> int | None:
+        for n in names:
+            i = special.get(n, hf.token_to_id(n))
+            if i is not None:
+                return int(i)
+        return None
+
+    bos = find((*named.get("bos_token", ()), "<|bos|>", "<s>", "<|begin_of_text|>", "<|endoftext|>"))
+    eos = find((*named.get("eos_token", ()), "<|eos|>", "</s>", "<|end_of_text|>", "<|endoftext|>"))
+    if bos is None or eos is None:
+        raise DataConfigError(
+            f"tokenizer {str(file)!r} has no BOS/EOS token; accepted names: <|bos|>/<|eos|>, "
+            "<s>/</s>, <|endoftext|> (or list them in tokenizer_config.json special_tokens)"
+        )
+    pad = find((*named.get("pad_token", ()), "<|pad|>", "<pad>"))
+    return Tokenizer(hf=hf, pad_id=eos if pad is None else pad, bos_id=bos, eos_id=eos, special=special)
+
+
+# --------------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------------
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, *, min_frequency: int = 2) -> Tokenizer:
+    """Train a byte-level BPE (GPT-2 style pre-tokenisation, no prefix space) with SPECIAL_TOKENS
+    at ids 0..6. The 256 byte symbols are always in the vocabulary, so any text round-trips."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise DataConfigError(
+            f"--vocab-size {vocab_size} is too small: a byte-level BPE needs at least "
+            f"{256 + len(SPECIAL_TOKENS)} (256 bytes + {len(SPECIAL_TOKENS)} special tokens)"
+        )
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    hf.train_from_iterator(texts, trainer=trainer)
+    hf.encode_special_tokens = True
+    ids: dict[str, int] = {}
+    for t in SPECIAL_TOKENS:
+        token_id = hf.token_to_id(t)
+        if token_id is None:  # the trainer adds every special token; a tokenizers change would show here
+            raise RuntimeError(f"the trained tokenizer has no id for special token {t!r}")
+        ids[t] = token_id
+    return Tokenizer(hf=hf, pad_id=ids["<|pad|>"], bos_id=ids["<|bos|>"], eos_id=ids["<|eos|>"], special=ids)
+
+
+def save_tokenizer(tok: Tokenizer, out_dir: str | Path) -> Path:
+    """Write tokenizer.json and tokenizer_config.json (special ids + chat template name) to out_dir."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.hf.save(str(out / "tokenizer.json"), pretty=False)
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|bos|>",
+        "eos_token": "<|eos|>",
+        "pad_token": "<|pad|>",
+        "special_tokens": dict(sorted(tok.special.items(), key=lambda kv: kv[1])),
+        "chat_template_name": CHAT_TEMPLATE_NAME,
+        "chat_template_doc": "see composer_jax/formats/chatml.py and docs/data.md",
+        "vocab_size": tok.vocab_size,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
+    return out

@@ -1,0 +1,97 @@
+"""Environment servers for a run: the given URLs, or local `composer-jax env-server` processes.
+
+With no URLs configured, a run starts its own servers (the embedded default) as child processes
+on free ports of 127.0.0.1, with a fresh token, and stops them when it ends. They are separate
+processes, as on a cluster: a server that dies costs its sessions only (the agent restarts them),
+and `rl.processes.Launcher` restarts the server on its port. They die with the launching process
+(the bootstrap's death signal; bubblewrap's `--die-with-parent` takes their sandboxes along).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Collection
+from pathlib import Path
+
+from composer_jax.runtime.supervisor import (
+    ChildSpec,
+    Launcher,
+    LaunchError,
+    RestartPolicy,
+    check_cores,
+    log_dir_or_temp,
+)
+
+ENV_START_TIMEOUT_S = 120.0  # an env server imports no JAX: it is up in about a second
+
+
+class EnvServerError(LaunchError):
+    pass
+
+
+class LocalEnvServers(Launcher):
+    """`with LocalEnvServers(tasks_dir, count) as (urls, token):` - servers on 127.0.0.1.
+
+    cores: CPU cores for every server and its sandboxes (None: not pinned), out of this process's
+    affinity set. extra_args: more `env-server` arguments. log_dir: where `env-server-<i>.log` go
+    (default: a temporary directory, removed by `stop`). restart: the restart policy
+    (`rl.processes.RestartPolicy`)."""
+
+    def __init__(
+        self,
+        tasks_dir: str | os.PathLike,
+        count: int = 1,
+        *,
+        token: str | None = None,
+        extra_args: tuple[str, ...] = (),
+        cores: Collection[int] | None = None,
+        log_dir: str | os.PathLike | None = None,
+        start_timeout_s: float = ENV_START_TIMEOUT_S,
+        restart: RestartPolicy | None = None,
+    ):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"count={count!r} local environment servers: give at least 1")
+        if not Path(tasks_dir).is_dir():
+            raise EnvServerError(f"tasks directory {str(tasks_dir)!r} does not exist or is not a directory")
+        if token is not None and len(token) < 16:
+            raise EnvServerError("token must be at least 16 characters")
+        pinned = None if cores is None else check_cores(cores, EnvServerError)
+        self.tasks_dir, self.count, self.extra = Path(tasks_dir), count, tuple(extra_args)
+        self.token = token or secrets.token_urlsafe(24)
+        self.log_dir, self._tmp = log_dir_or_temp(log_dir, "composer-jax-env-servers-")
+
+        def argv(port: int) -> list[str]:
+            return [
+                "env-server",
+                "--tasks",
+                str(self.tasks_dir),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                *self.extra,
+            ]
+
+        specs = [
+            ChildSpec(
+                name=f"environment server {i}",
+                argv=argv,
+                log_path=self.log_dir / f"env-server-{i}.log",
+                env={"COMPOSER_JAX_ENV_TOKEN": self.token},
+                cores=pinned,
+            )
+            for i in range(count)
+        ]
+        super().__init__(
+            specs, kind="env_servers", start_timeout_s=start_timeout_s, restart=restart, error=EnvServerError
+        )
+
+    def __enter__(self) -> tuple[list[str], str]:  # type: ignore[override]
+        return self.start(), self.token
+
+    def stop(self) -> None:
+        super().stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None

@@ -1,0 +1,385 @@
+"""The learner's rollout side (process 0 of a trainer): the environment client, the samplers, the
+rollout queue, and version hand-over.
+
+`RolloutSide.start` connects to the environment servers (`rl.env_urls`, or `rl.env_servers` local
+ones it starts) and the samplers (the in-process continuous-batching sampler, `rl.sampler_urls`
+replicas, or `rl.local_samplers` replicas it starts, optionally each pinned to its own core with the
+trainer on another), and builds the rollout queue (`rl/queue.py`) over the task stream: group
+`index` is `rl.group_size` rollouts of `task_of(cfg, index)`. The learner asks it for each step's
+groups (`take`), which ids finished untrained (`finished_untrained`), and hands it each new policy
+version (`hand_over`): in-process samplers take the weights between two decode steps, replicas
+load the version from the weight store (before its groups start when synchronous, between decode
+steps when not). `Rollouts` is the interface the learner uses, so a step can run against an
+in-process stand-in (tests/rl/test_learner_step.py).
+
+No group starts while no environment server answers /health (a dead local server is being
+restarted, or remote ones are unreachable): its id waits instead of being spent on rollouts that
+cannot run; after `rl.env_wait_s` seconds of that the run fails with an error naming the servers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from composer_jax.config import Config
+from composer_jax.env.api.client import EnvClient
+from composer_jax.inference.async_sampler import AsyncSampler
+from composer_jax.rl.algo.rewards import RolloutStats, compose_reward
+from composer_jax.rl.evaluate import TaskRef, rollout_seed, run_rollouts, sample_tasks
+from composer_jax.rl.rollout.agent import Rollout, RolloutFailed
+from composer_jax.rl.rollout.env_servers import LocalEnvServers
+from composer_jax.rl.rollout.group_store import Group, GroupStore
+from composer_jax.rl.rollout.queue import RolloutQueue
+from composer_jax.rl.samplers.policy import Policy, PolicyPool, SamplerUnavailable
+from composer_jax.rl.samplers.serve import RemoteTokenPolicy
+from composer_jax.rl.samplers.serve_replicas import START_TIMEOUT_S, LocalSamplers
+from composer_jax.rl.samplers.vllm import VLLMTokenPolicy
+from composer_jax.runtime.supervisor import Launcher
+
+log = logging.getLogger(__name__)
+
+Fits = Callable[[list[Group], Group], bool]
+SampleGroup = Callable[[PolicyPool, EnvClient, Config, int], Awaitable[Group]]
+
+
+def task_of(cfg: Config, index: int) -> TaskRef:
+    """The task of group `index`: rl.tasks in turn; `gen/FAMILY` seeded with rl.task_seed + index."""
+    name = cfg.rl.tasks[index % len(cfg.rl.tasks)]
+    return TaskRef(name, cfg.rl.task_seed + index if name.startswith("gen/") else None)
+
+
+def rollout_stats(r: Rollout) -> RolloutStats:
+    return RolloutStats(
+        grade=r.env_reward,
+        tokens=r.generated_tokens,
+        turns=r.turns,
+        tool_calls=r.tool_calls,
+        broken_tool_calls=r.broken_tool_calls,
+        parallel_tool_turns=min(r.parallel_tool_turns, r.turns),
+    )
+
+
+async def sample_group(policies: PolicyPool | Policy, client: EnvClient, cfg: Config, index: int) -> Group:
+    """`rl.group_size` rollouts of group `index`'s task, concurrently, spread over `policies` (a
+    rollout whose sampler becomes unavailable is redone on another); rollout i draws on seed
+    `rollout_seed(train.seed, index * group_size + i)`."""
+    task, g = task_of(cfg, index), cfg.rl.group_size
+    jobs = [(task, rollout_seed(cfg.train.seed, index * g + i)) for i in range(g)]
+    done: list[Rollout] = []
+    failed = 0
+    for res in await run_rollouts(policies, client, jobs, cfg.agent):
+        if isinstance(res, RolloutFailed):
+            log.warning("group %d (%s): %s", index, task.name, res)
+            failed += 1
+        else:
+            done.append(res)
+    return Group(index, task, done, [compose_reward(rollout_stats(r), cfg.rl.reward) for r in done], failed)
+
+
+def pin_threads(cores: set[int], pid: int | str = "self") -> int:
+    """Pin every thread of process `pid` (JAX's pools included: `sched_setaffinity` on a pid moves
+    one thread only) to `cores`; returns the number of threads pinned. Children started later
+    inherit the mask."""
+    n = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), cores)
+            n += 1
+    return n
+
+
+class Rollouts(Protocol):
+    """What the learner needs of its rollout side (`RolloutSide`, or a stand-in in a test)."""
+
+    next_index: int  # one past the highest group id started or loaded (the checkpoint's next_group)
+
+    def start_queue(self) -> None: ...
+
+    async def stop_queue(self) -> None: ...
+
+    async def take(self, step: int, fits: Fits) -> tuple[list[Group], list[Group]]: ...
+
+    def finished_untrained(self) -> dict[str, list[int]]: ...
+
+    def queue_values(self) -> dict[str, float]: ...  # logged with each step
+
+    async def hand_over(self, params: Any, version: int, trained: int) -> None: ...
+
+    async def sample_tasks(
+        self, tasks: Sequence[TaskRef], samples: int, seed: int
+    ) -> dict[TaskRef, list[Rollout | RolloutFailed]]: ...
+
+    async def health(self) -> list[dict]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class RolloutSide:
+    """Process 0's rollout side (module docstring). Build it with `start`."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        client: EnvClient,
+        policies: list[Policy],
+        *,
+        queue: dict[str, Any],
+        store: GroupStore,
+        store_url: str,
+        sample_group: SampleGroup = sample_group,
+        launchers: Sequence[Launcher] = (),
+    ):
+        self.cfg, self.client, self.store, self.store_url = cfg, client, store, store_url
+        self.launchers = list(launchers)  # the local children (environment servers, replicas) it supervises
+        self.pool = PolicyPool(policies)
+        self.in_process: list[AsyncSampler] = []  # they take new weights by `update_weights`
+        for p in policies:
+            s = getattr(p, "sampler", None)
+            if isinstance(s, AsyncSampler) and s not in self.in_process:
+                self.in_process.append(s)
+        self.remotes = [p for p in policies if isinstance(p, RemoteTokenPolicy)]
+        self.vllm = [p for p in policies if isinstance(p, VLLMTokenPolicy)]
+        self.exports: Any = None  # vLLM replicas by restart: each version's checkpoint (rl/vllm_launch.py)
+        self._sample_group = sample_group
+        self._loads: set[asyncio.Future] = set()  # version loads in flight (asynchronous runs)
+        r = cfg.rl
+        ready, again, end, version, budget = (queue[k] for k in ("ready", "again", "end", "version", "budget"))
+        self.queue = RolloutQueue(
+            sample=self._sample,
+            persist=self._persist,
+            order=itertools.chain(again, itertools.count(end)),
+            ready=ready,
+            version=version,
+            groups_per_step=r.groups_per_step,
+            max_staleness=r.max_staleness,
+            unit=r.staleness_unit,
+            max_in_flight=r.max_groups_in_flight,
+            queue_size=r.queue_size,
+            budget=budget,
+        )
+        self.queue.next_index = max(self.queue.next_index, end)
+
+    @classmethod
+    async def start(
+        cls,
+        stack: contextlib.AsyncExitStack,
+        cfg: Config,
+        *,
+        make_policies: Callable[..., list[Policy]],
+        policy_args: dict[str, Any],
+        checkpoint_dir: str,
+        out_dir: Path,
+        echo: Callable[[str], None],
+        **kwargs: Any,
+    ) -> RolloutSide:
+        """Connect (or start) the environment servers and the samplers; every process and
+        connection they hold is closed by `stack`. `make_policies(cfg, **policy_args, remote=...)`
+        makes the policies; the rest of `kwargs` go to the constructor."""
+        r = cfg.rl
+        urls, token, env_launcher = await _env_servers(stack, cfg, out_dir, echo)
+        launchers: list[Launcher] = [env_launcher] if env_launcher is not None else []
+        client = await stack.enter_async_context(EnvClient(urls, token))
+        remote = None
+        if r.sampler_engine == "vllm":
+            from composer_jax.rl.samplers.vllm_setup import start_vllm  # vLLM replicas: only runs that use them
+
+            policies, exports, vllm_launcher = await start_vllm(stack, cfg, policy_args, out_dir, echo)
+            if vllm_launcher is not None:
+                launchers.append(vllm_launcher)
+            side = cls(cfg, client, list[Policy](policies), launchers=launchers, **kwargs)
+            side.exports = exports
+            stack.push_async_callback(side.aclose)
+            return side
+        if r.sampler_urls:
+            remote = (list(r.sampler_urls), r.sampler_token or os.environ.get("COMPOSER_JAX_SAMPLER_TOKEN", ""))
+        elif r.local_samplers:
+            samplers = _local_samplers(cfg, checkpoint_dir, kwargs["store_url"], policy_args["version"], out_dir)
+            remote = stack.enter_context(samplers)
+            launchers.append(samplers)
+            echo(f"[rl] started {r.local_samplers} sampler replica(s): {', '.join(remote[0])}")
+        side = cls(cfg, client, make_policies(cfg, **policy_args, remote=remote), launchers=launchers, **kwargs)
+        stack.push_async_callback(side.aclose)
+        if r.pin_cores:
+            core = sorted(os.sched_getaffinity(0))[0]
+            echo(f"[rl] trainer pinned to core {core} ({pin_threads({core})} threads)")
+        return side
+
+    @property
+    def next_index(self) -> int:
+        return self.queue.next_index
+
+    # -- sampling ---------------------------------------------------------------------------------
+    async def _sample(self, index: int, version: int) -> Group:
+        await self.wait_for_env()
+        group = await self._sample_group(self.pool, self.client, self.cfg, index)
+        group.version = version
+        return group
+
+    async def _persist(self, group: Group) -> None:
+        await asyncio.to_thread(self.store.save, group)
+
+    async def wait_for_env(self, poll_s: float = 0.5) -> None:
+        """Return once some environment server answers /health; raise after `rl.env_wait_s` s."""
+        deadline = time.monotonic() + self.cfg.rl.env_wait_s
+        said = False
+        while True:
+            health = await self.client.health()
+            if any("error" not in h for h in health):
+                if said:
+                    log.warning("an environment server answers again; groups start again")
+                return
+            if not said:
+                log.warning("no environment server answers /health (%s); no group starts meanwhile", health)
+                said = True
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"no environment server answered /health for rl.env_wait_s={self.cfg.rl.env_wait_s:g} s: "
+                    + "; ".join(f"{h['url']}: {h.get('error')}" for h in health)
+                )
+            await asyncio.sleep(poll_s)
+
+    def start_queue(self) -> None:
+        self.queue.start()
+
+    async def stop_queue(self) -> None:
+        """No group starts any more; those in flight are cancelled."""
+        await self.queue.aclose()
+
+    async def take(self, step: int, fits: Fits) -> tuple[list[Group], list[Group]]:
+        return await self.queue.take(step, fits)
+
+    def finished_untrained(self) -> dict[str, list[int]]:
+        """Ids the queue dropped as stale or lost since the last call, by summary key."""
+        out: dict[str, list[int]] = {}
+        for lst, key in ((self.queue.dropped_stale, "dropped_stale_groups"), (self.queue.lost, "lost_groups")):
+            out[key] = list(lst)
+            lst.clear()
+        return out
+
+    def queue_values(self) -> dict[str, float]:
+        """The queue's sizes and the supervised children's counts (alive, restarts, given up)."""
+        out = {"queue/ready": float(len(self.queue.ready)), "queue/in_flight": float(len(self.queue.in_flight))}
+        for launcher in self.launchers:
+            out.update(launcher.metrics())
+        return out
+
+    # -- versions ---------------------------------------------------------------------------------
+    async def load_version(self, version: int) -> None:
+        """Every replica in rotation serves `version` before its groups are sampled."""
+
+        async def one(p: RemoteTokenPolicy) -> None:
+            try:
+                await p.load_version(version, self.store_url)
+            except SamplerUnavailable as exc:
+                self.pool.remove(p, str(exc))
+
+        await asyncio.gather(*(one(p) for p in self.remotes if p in self.pool.alive))
+        if self.vllm:
+            await self.load_vllm(version)
+
+    async def load_vllm(self, version: int) -> None:
+        """The vLLM replicas serve `version`: one after another when asynchronous (the others keep
+        sampling meanwhile), together when synchronous (no group samples until all do)."""
+
+        async def one(p: VLLMTokenPolicy) -> None:
+            try:
+                await p.load_version(version)
+            except SamplerUnavailable as exc:
+                self.pool.remove(p, str(exc))
+
+        alive = [p for p in self.vllm if p in self.pool.alive]
+        if self.cfg.rl.max_staleness == 0:
+            await asyncio.gather(*(one(p) for p in alive))
+        else:
+            for p in alive:
+                await one(p)
+
+    async def hand_over(self, params: Any, version: int, trained: int) -> None:
+        """Version `version` (= `params`) to the samplers, then the queue told of it (the step before
+        it trained `trained` groups)."""
+        for s in self.in_process:
+            s.update_weights(params, version)
+        if self.exports is not None:  # vLLM replicas: the version's checkpoint, or the NCCL push's weights
+            await asyncio.to_thread(self.exports.export, params, version)
+        if self.cfg.rl.max_staleness == 0:  # the next groups must start on this version
+            await self.load_version(version)
+        else:  # replicas take it between decode steps; tokens keep the version that made them
+            self._loads.add(asyncio.ensure_future(self.load_version(version)))
+            self._loads.difference_update([f for f in self._loads if f.done()])
+        self.queue.advance(version, trained)
+
+    async def sample_tasks(
+        self, tasks: Sequence[TaskRef], samples: int, seed: int
+    ) -> dict[TaskRef, list[Rollout | RolloutFailed]]:
+        """An evaluation's rollouts (`evaluate.sample_tasks`) on the current version (asynchronous
+        runs: the replicas serve it first; its load may be in flight)."""
+        await asyncio.gather(*self._loads, return_exceptions=True)
+        return await sample_tasks(self.pool, self.client, tasks, samples, self.cfg.agent, seed=seed)
+
+    async def health(self) -> list[dict]:
+        """Each replica's /health (decode steps, slot occupancy)."""
+        out = []
+        checks = [p.health for p in self.remotes] + [p.health for p in self.vllm]
+        for health in checks:
+            with contextlib.suppress(SamplerUnavailable):
+                out.append(await health())
+        return out
+
+    async def aclose(self) -> None:
+        """The queue cancelled, version loads awaited (a vLLM replica's restart, which nothing will
+        sample from any more, cancelled), the samplers and their connections closed (idempotent)."""
+        await self.queue.aclose()
+        if self.vllm:
+            for f in self._loads:
+                f.cancel()
+        await asyncio.gather(*self._loads, return_exceptions=True)
+        for s in self.in_process:
+            await s.aclose()
+        for p in self.pool.policies:  # policies over other processes hold connections
+            if callable(getattr(p, "aclose", None)):
+                await p.aclose()  # type: ignore[attr-defined]
+        self.in_process, self.remotes, self.vllm = [], [], []
+        self.pool.policies = []
+
+
+async def _env_servers(stack: contextlib.AsyncExitStack, cfg: Config, out_dir: Path, echo: Callable[[str], None]):
+    """The environment servers' URLs and token, and their launcher: `rl.env_urls` (no launcher), or
+    local servers started (and supervised: restarted when one dies) here."""
+    r = cfg.rl
+    if r.env_urls:
+        return list(r.env_urls), r.env_token or os.environ.get("COMPOSER_JAX_ENV_TOKEN", ""), None
+    cores = None
+    if r.pin_cores and r.env_cores == "samplers":  # they and their sandboxes share the replicas' cores
+        cores = sorted(os.sched_getaffinity(0))[1 : 1 + r.local_samplers]
+    env_servers = LocalEnvServers(r.tasks_dir, r.env_servers, cores=cores, log_dir=out_dir / "env_servers")
+    urls, token = stack.enter_context(env_servers)
+    echo(f"[rl] started {len(urls)} local environment server(s) on {r.tasks_dir}")
+    return urls, token, env_servers
+
+
+def _local_samplers(cfg: Config, checkpoint_dir: str, store_url: str, version: int, out_dir: Path) -> LocalSamplers:
+    """`rl.local_samplers` serve replicas over the run's checkpoint of step `version`, following the
+    weight store."""
+    r, t = cfg.rl, cfg.train
+    cores = sorted(os.sched_getaffinity(0))
+    return LocalSamplers(
+        checkpoint_dir,
+        r.local_samplers,
+        weights_from=store_url,
+        sampler=r.sampler,
+        cores=cores[1 : 1 + r.local_samplers] if r.pin_cores else None,
+        extra_args=["--version", str(version), "--max-len", str(t.seq_len)],
+        log_dir=out_dir / "samplers",
+        # a warm-up compiles every (group, bucket) admission program before the replica answers
+        # /health: 5-6 min for 48 slots x 768 tokens on one core here, past the plain start's 300 s
+        # (a cached compilation loads in seconds)
+        start_timeout_s=1800.0 if r.sampler.warm_up else START_TIMEOUT_S,
+    )

@@ -1,0 +1,254 @@
+"""The policy an agent talks to: the in-process sampler (token level) or an OpenAI-compatible endpoint.
+
+Both keep one *generation* (a context that grows turn by turn) and answer the agent loop's three
+questions: start a generation from messages, sample the next assistant turn, append what the
+environment said. The token policy keeps the model's own tokens verbatim (the trainer trains on
+exactly what was sampled: re-tokenising the text could split it differently) with, per generated
+token, its sampler log-probability, policy version and the experts it was routed to. The endpoint
+policy works on messages and records no tokens: its rollouts are for evaluation, not training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+
+import numpy as np
+
+from composer_jax.env.api.protocol import BASE_TOOL_NAMES, tool_schemas
+from composer_jax.formats.chatml import AssistantTurn, parse_assistant, render_continuation, render_prompt
+from composer_jax.formats.tokenizer import Tokenizer
+from composer_jax.inference.async_sampler import AsyncSampler
+from composer_jax.inference.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    import openai
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclasses.dataclass
+class Generation:
+    """One context of a rollout. messages: the OpenAI messages so far (for trajectories).
+
+    Token policy only (empty for the endpoint policy): tokens int32[n] of the whole context;
+    loss_mask[n] 1.0 where the policy generated the token; logprobs[n] and versions[n] the sampler's
+    log-probability and policy version of generated tokens (0.0 / -1 elsewhere); routing
+    int32[n, moe_layers, k] the experts of every position from the latest forward over it; positions
+    no forward has seen yet (the last generated token, observations after the last turn) repeat the
+    row before them: they only affect their own outputs, which train nothing. None for dense models."""
+
+    messages: list[dict]
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    loss_mask: list[float] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    routing: np.ndarray | None = None
+    generated: int = 0  # tokens the policy generated in this context
+
+    def context_len(self) -> int:
+        return len(self.tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnRequest:
+    max_tokens: int
+    seed: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+class SamplerUnavailable(RuntimeError):
+    """The policy's sampler cannot serve (a dead or unreachable sampler process, a closed engine).
+    The rollout in flight is not scored: the caller redoes it on another sampler."""
+
+
+class Policy(Protocol):
+    max_context: int  # the most tokens one generation may hold (prompt + generated)
+
+    def begin(self, messages: list[dict]) -> Generation: ...
+
+    async def turn(self, gen: Generation, req: TurnRequest) -> AssistantTurn: ...
+
+    def extend(self, gen: Generation, messages: list[dict]) -> None: ...
+
+
+class TokenContext:
+    """The context-only operations of a token-level policy (the chat template's tokens, with the
+    records of tokens no sampler generated); `tok` is set by the subclass."""
+
+    tok: Tokenizer
+
+    def begin(self, messages: list[dict]) -> Generation:
+        ids = render_prompt(messages, self.tok).tolist()
+        return Generation(list(messages), ids, [0.0] * len(ids), [0.0] * len(ids), [-1] * len(ids))
+
+    def extend(self, gen: Generation, messages: list[dict]) -> None:
+        ids = render_continuation(messages, self.tok).tolist()
+        gen.messages.extend(messages)
+        gen.tokens += ids
+        gen.loss_mask += [0.0] * len(ids)
+        gen.logprobs += [0.0] * len(ids)
+        gen.versions += [-1] * len(ids)
+        if gen.routing is not None:  # no forward has routed these yet: the next turn's prefill will
+            gen.routing = np.concatenate([gen.routing, np.repeat(gen.routing[-1:], len(ids), axis=0)], axis=0)
+
+
+class TokenPolicy(TokenContext):
+    """The in-process sampler, through the project's chat template."""
+
+    def __init__(self, sampler: AsyncSampler, tok: Tokenizer):
+        self.sampler, self.tok = sampler, tok
+        self.max_context = sampler.sampler.max_len
+        self._stop = (tok.token_id("<|im_end|>"),)
+
+    async def turn(self, gen: Generation, req: TurnRequest) -> AssistantTurn:
+        params = SamplingParams(
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            max_tokens=req.max_tokens,
+            seed=req.seed,
+            stop_token_ids=self._stop,
+        )
+        done = await self.sampler.generate(gen.tokens, params)
+        gen.tokens += done.tokens
+        gen.loss_mask += [1.0] * len(done.tokens)
+        gen.logprobs += done.logprobs
+        gen.versions += done.versions
+        gen.generated += len(done.tokens)
+        if done.routing is not None:  # covers every position but the last generated token
+            gen.routing = np.concatenate([done.routing, done.routing[-1:]], axis=0)
+        turn = parse_assistant(done.tokens, self.tok, call_id_prefix=f"call_{len(gen.messages)}")
+        gen.messages.append(turn.message())
+        return turn
+
+
+class OpenAIPolicy:
+    """Any OpenAI-compatible /v1/chat/completions endpoint (for evaluation: no token records).
+
+    Through the `openai` SDK's AsyncOpenAI, which retries connection errors, 408, 409, 429 and 5xx
+    answers up to `max_retries` times with exponential backoff, waiting what a `Retry-After`
+    header says when there is one (up to two minutes), so an evaluation against a hosted endpoint
+    survives rate limits. `timeout_s` bounds each attempt. An answer still failing after the
+    retries raises RuntimeError with the endpoint, status and body."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        *,
+        api_key: str = "",
+        max_context: int = 32768,
+        tools: Sequence[dict] = tuple(tool_schemas(BASE_TOOL_NAMES)),  # every session's; not the web tools
+        timeout_s: float = 600.0,
+        max_retries: int = 5,
+        client: openai.AsyncOpenAI | None = None,
+    ):
+        import openai  # the `eval` extra: only endpoint evaluations need it
+
+        self.base_url, self.model, self.max_context, self.tools = base_url.rstrip("/"), model, max_context, list(tools)
+        # the SDK needs a key; endpoints without one ignore the placeholder
+        self.client = client or openai.AsyncOpenAI(
+            base_url=self.base_url, api_key=api_key or "EMPTY", timeout=timeout_s, max_retries=max_retries
+        )
+
+    def begin(self, messages: list[dict]) -> Generation:
+        return Generation(list(messages))
+
+    def extend(self, gen: Generation, messages: list[dict]) -> None:
+        gen.messages.extend(messages)
+
+    async def turn(self, gen: Generation, req: TurnRequest) -> AssistantTurn:
+        data = await self._complete(gen.messages, req)
+        choice = data["choices"][0]
+        msg = choice.get("message") or {}
+        calls, malformed = _endpoint_tool_calls(msg.get("tool_calls") or [], f"call_{len(gen.messages)}")
+        usage = data.get("usage") or {}
+        gen.generated += int(usage.get("completion_tokens") or 0)
+        turn = AssistantTurn(msg.get("content") or "", calls, malformed, choice.get("finish_reason") != "length")
+        gen.messages.append(turn.message())
+        return turn
+
+    async def _complete(self, messages: list[dict], req: TurnRequest) -> dict:
+        """One chat completion (retried by the SDK) -> the response as JSON."""
+        import openai
+
+        try:
+            resp = await self.client.chat.completions.create(
+                model=self.model,
+                messages=cast(Any, messages),
+                tools=cast(Any, self.tools),
+                max_tokens=req.max_tokens,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                seed=req.seed,
+            )
+        except openai.APIStatusError as e:
+            raise RuntimeError(
+                f"policy endpoint {self.base_url}: HTTP {e.status_code}: {e.response.text[:500]}"
+            ) from None
+        return resp.to_dict()
+
+    async def aclose(self) -> None:
+        await self.client.close()
+
+
+def _endpoint_tool_calls(raw: list[Any], id_prefix: str) -> tuple[list[dict], list[str]]:
+    """An endpoint's message.tool_calls -> (OpenAI function calls, why each other entry was dropped);
+    calls without an id get f"{id_prefix}_{i}"."""
+    calls, malformed = [], []
+    for i, call in enumerate(raw):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            args = fn.get("arguments", "{}")
+            calls.append(
+                {
+                    "id": call.get("id") or f"{id_prefix}_{i}",
+                    "type": "function",
+                    "function": {"name": fn["name"], "arguments": args if isinstance(args, str) else json.dumps(args)},
+                }
+            )
+        else:
+            malformed.append(f"tool call {i}: not an OpenAI function call: {call!r:.200}")
+    return calls, malformed
+
+
+class PolicyPool:
+    """The policies rollouts run on, in turn; those that raised `SamplerUnavailable` are left out."""
+
+    def __init__(self, policies: Sequence[Policy]):
+        if not policies:
+            raise ValueError("no policies to sample with; give at least one sampler")
+        self.policies = list(policies)
+        self.alive = list(policies)
+        self.lost: list[tuple[Policy, str]] = []
+        self._turn = 0
+
+    def pick(self) -> Policy:
+        if not self.alive:
+            reasons = "; ".join(why for _, why in self.lost)
+            raise RuntimeError(f"every sampler is unavailable ({len(self.lost)} lost: {reasons})")
+        p = self.alive[self._turn % len(self.alive)]
+        self._turn += 1
+        return p
+
+    def remove(self, policy: Policy, why: str) -> None:
+        if policy in self.alive:
+            self.alive.remove(policy)
+            self.lost.append((policy, why))
+            log.warning("sampler %r taken out of rotation: %s (%d left)", policy, why, len(self.alive))
+
+    async def run(self, fn: Callable[[Policy], Awaitable[T]]) -> T:
+        """`fn(policy)` on the next policy; redone on another while policies raise SamplerUnavailable."""
+        while True:
+            policy = self.pick()
+            try:
+                return await fn(policy)
+            except SamplerUnavailable as exc:
+                self.remove(policy, str(exc) or type(exc).__name__)

