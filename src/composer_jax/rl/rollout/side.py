@@ -9,9 +9,9 @@ the rollout queue (rl/rollout/queue.py) over the task stream from the run's `Res
 `index` is `rl.group_size` rollouts of `task_of(cfg, index)`. The learner asks it for each step's
 groups (`take`), which ids finished untrained (`finished_untrained`), and hands it each new policy
 version (`hand_over`): the backend is given the weights (`publish`), then its samplers serve the
-version (`load`: before its groups start when synchronous, between decode steps when not). It
-never asks which backend it has. `Rollouts` is the interface the learner uses, so a step can run against an
-in-process stand-in (tests/rl/test_learner_step.py).
+version (`load`: before its groups start when synchronous, between decode steps when not). It never
+asks which backend it has. `Rollouts` is the interface the learner uses, so a step can run against
+an in-process stand-in (tests/rl/test_learner_step.py).
 
 No group starts while no environment server answers /health (a dead local server is being
 restarted, or remote ones are unreachable): its id waits instead of being spent on rollouts that
