@@ -173,19 +173,37 @@ class RolloutSide:
         **kwargs: Any,
     ) -> RolloutSide:
         """Connect (or start) the environment servers and the samplers; every process and
-        connection they hold is closed by `stack`. `make_samplers(cfg, **policy_args)` makes the
-        in-process samplers (runs without replicas); the rest of `kwargs` go to the constructor."""
+        connection they hold is closed by `stack`. The samplers are `rl.sampler_engine`'s replicas
+        when `rl.sampler_urls` or `rl.local_samplers` name some, else in-process ones that
+        `make_samplers(cfg, **policy_args)` makes; the rest of `kwargs` go to the constructor."""
         urls, token, env_launcher = await _env_servers(stack, cfg, out_dir, echo)
         launchers: list[Launcher] = [env_launcher] if env_launcher is not None else []
         client = await stack.enter_async_context(EnvClient(urls, token))
-        samplers, launcher = await _samplers(
-            stack, cfg, make_samplers, policy_args, checkpoint_dir, store_url, out_dir, echo
-        )
+        r = cfg.rl
+        samplers: SamplerBackend
+        launcher: Launcher | None = None
+        if r.sampler_engine == "vllm":
+            from composer_jax.rl.samplers.vllm_launch import start_vllm  # vLLM replicas: only runs that use them
+
+            samplers, launcher = await start_vllm(stack, cfg, policy_args, out_dir, echo)
+        elif r.sampler_urls or r.local_samplers:
+            samplers, launcher = start_serve(
+                stack,
+                cfg,
+                policy_args["tok"],
+                version=policy_args["version"],
+                checkpoint_dir=checkpoint_dir,
+                store_url=store_url,
+                out_dir=out_dir,
+                echo=echo,
+            )
+        else:
+            samplers = make_samplers(cfg, **policy_args)
         if launcher is not None:
             launchers.append(launcher)
         side = cls(cfg, client, samplers, launchers=launchers, **kwargs)
         stack.push_async_callback(side.aclose)
-        if cfg.rl.pin_cores and cfg.rl.sampler_engine == "serve":  # (vLLM's replicas are pinned by their launcher)
+        if r.pin_cores and r.sampler_engine == "serve":  # (vLLM's replicas are pinned by their launcher)
             core = sorted(os.sched_getaffinity(0))[0]
             echo(f"[rl] trainer pinned to core {core} ({pin_threads({core})} threads)")
         return side
@@ -298,34 +316,3 @@ async def _env_servers(stack: contextlib.AsyncExitStack, cfg: Config, out_dir: P
     urls, token = stack.enter_context(env_servers)
     echo(f"[rl] started {len(urls)} local environment server(s) on {r.tasks_dir}")
     return urls, token, env_servers
-
-
-async def _samplers(
-    stack: contextlib.AsyncExitStack,
-    cfg: Config,
-    make_samplers: Callable[..., SamplerBackend],
-    policy_args: dict[str, Any],
-    checkpoint_dir: str,
-    store_url: str,
-    out_dir: Path,
-    echo: Callable[[str], None],
-) -> tuple[SamplerBackend, Launcher | None]:
-    """The run's sampler backend (`rl.sampler_engine`; replicas when `rl.sampler_urls` or
-    `rl.local_samplers` name some, else in-process) and the launcher of replicas started here."""
-    r = cfg.rl
-    if r.sampler_engine == "vllm":
-        from composer_jax.rl.samplers.vllm_launch import start_vllm  # vLLM replicas: only runs that use them
-
-        return await start_vllm(stack, cfg, policy_args, out_dir, echo)
-    if r.sampler_urls or r.local_samplers:
-        return start_serve(
-            stack,
-            cfg,
-            policy_args["tok"],
-            version=policy_args["version"],
-            checkpoint_dir=checkpoint_dir,
-            store_url=store_url,
-            out_dir=out_dir,
-            echo=echo,
-        )
-    return make_samplers(cfg, **policy_args), None
