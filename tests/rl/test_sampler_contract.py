@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -30,15 +27,12 @@ import httpx
 import jax
 import numpy as np
 import pytest
-import uvicorn
-from live_env import REPO
+from test_remote_policy import CFG, KEY, MAX_LEN, TOK
+from test_remote_policy import _serve as serve_in_thread
 
 import composer_jax as cj
-from composer_jax.formats.tokenizer import load_tokenizer
 from composer_jax.inference.async_sampler import AsyncSampler
-from composer_jax.inference.engine import Engine
 from composer_jax.inference.sampler import Sampler
-from composer_jax.inference.server import OpenAIServer
 from composer_jax.rl.samplers.base import SamplerBackend
 from composer_jax.rl.samplers.in_process import InProcessSamplers, TokenPolicy
 from composer_jax.rl.samplers.policy import PolicyPool, SamplerUnavailable, TurnRequest
@@ -46,10 +40,6 @@ from composer_jax.rl.samplers.serve import ServeReplicas
 from composer_jax.rl.samplers.vllm import GENERATE_PATH, VLLMReplicas, VLLMTokenPolicy
 from composer_jax.weightsync.store import WeightPublisher
 
-TOK = load_tokenizer(REPO / "assets" / "tokenizer")
-CFG = cj.ModelConfig(num_layers=2, num_mtp_layers=0, vocab_size=TOK.vocab_size, max_position_embeddings=256)
-KEY = "sampler-contract-key-0123456789"
-MAX_LEN = 192
 FIRST, NEXT = 3, 4  # the version the samplers start on, the one published
 MESSAGES = [{"role": "system", "content": "S"}, {"role": "user", "content": "fix calc.py"}]
 TOOL = [{"role": "tool", "tool_call_id": "c1", "content": '{"path": "/app/calc.py"}'}]
@@ -76,25 +66,8 @@ async def in_process(weights, tmp_path) -> AsyncIterator[Row]:
 
 @asynccontextmanager
 async def serve(weights, tmp_path) -> AsyncIterator[Row]:
-    """A live serve replica on 127.0.0.1 (as tests/rl/test_remote_policy.py), versions from a store."""
-    # on one device, committed: the form a version read from the store takes (no new compilation)
-    first = jax.device_put(weights[0], jax.devices()[0])
-    engine = Engine(lambda p, v: Sampler(p, CFG, slots=2, max_len=MAX_LEN, version=v), first, FIRST, max_queued=4)
-    engine.start()
-    http = uvicorn.Server(
-        uvicorn.Config(OpenAIServer(engine, TOK, model_name="tiny", api_key=KEY).app, log_level="warning")
-    )
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    for _ in range(200):
-        try:
-            httpx.get(url + "/health", timeout=1.0)
-            break
-        except httpx.TransportError:
-            time.sleep(0.05)
+    """A live serve replica on 127.0.0.1 (tests/rl/test_remote_policy.py's), versions from a store."""
+    url, engine, http, thread = serve_in_thread(weights[0], FIRST)
     store = f"file://{tmp_path}/weights"
     publisher = WeightPublisher(store)
     try:
