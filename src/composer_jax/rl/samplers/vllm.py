@@ -1,7 +1,7 @@
 """The vLLM backend: samplers that are vLLM replicas (`rl.sampler_engine: vllm`; started by the run,
 rl/samplers/vllm_launch.py, or given by URL and fed over NCCL, vllm_nccl.py).
 
-`VLLMTokenPolicy` is `rl.policy.TokenPolicy` over vLLM's token-in/token-out endpoint
+`VLLMTokenPolicy` is the in-process `TokenPolicy` over vLLM's token-in/token-out endpoint
 `POST /inference/v1/generate` (vLLM >= 0.32, `--enable-scale-out`): the same chat template and the
 same `Generation` records as the in-process sampler and `composer-jax serve` replicas. Each turn
 sends the whole context as `token_ids` with `sampling_params` (temperature, top_p, top_k, seed,
