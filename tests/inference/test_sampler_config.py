@@ -25,7 +25,7 @@ from composer_jax.inference.checkpoints import load_policy
 from composer_jax.inference.cli import _serve_parser
 from composer_jax.inference.sampler import Sampler
 from composer_jax.model.params import init_params
-from composer_jax.rl.rollout.side import _local_samplers
+from composer_jax.rl.samplers.serve_launch import local_samplers
 from composer_jax.sharding import ShardingRules, make_mesh
 from composer_jax.train.state import init_train_state
 
@@ -77,7 +77,7 @@ def test_a_partial_rl_sampler_section_keeps_the_learners_other_defaults():
 def test_the_learners_replicas_get_exactly_its_sampler_section(tmp_path):
     overrides = ["rl.sampler.slots=5", "rl.sampler.prefix_cache=keep", "rl.sampler.warm_up=true", "rl.local_samplers=1"]
     cfg = cj.load_config(TINY, overrides, num_devices=None)
-    samplers = _local_samplers(cfg, str(tmp_path), "file:///store", 3, tmp_path)
+    samplers = local_samplers(cfg, str(tmp_path), "file:///store", 3, tmp_path)
     argv = samplers._children[0].spec.argv(4321)
     assert argv[0] == "serve"
     args = _serve_parser().parse_args(argv[1:])

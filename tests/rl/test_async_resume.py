@@ -78,12 +78,14 @@ def test_async_run_survives_a_dead_sampler_and_a_restart_training_each_group_onc
         f"rl.weight_store={store_url}",
     ]
     dying: list[DiesAfter] = []
-    make_policies, sample_group = trainer.make_policies, trainer.sample_group
+    in_process_samplers, sample_group = trainer.in_process_samplers, trainer.sample_group
 
     def two_samplers(*a, **k):
-        [policy] = make_policies(*a, **k)
+        samplers = in_process_samplers(*a, **k)
+        [policy] = samplers.policies
         dying.append(DiesAfter(policy, 3))
-        return [dying[-1], policy]
+        samplers.policies = [dying[-1], policy]
+        return samplers
 
     sizes: dict[int, int] = {}
 
@@ -92,7 +94,7 @@ def test_async_run_survives_a_dead_sampler_and_a_restart_training_each_group_onc
         sizes[group.index] = len(group.rollouts)
         return group
 
-    monkeypatch.setattr(trainer, "make_policies", two_samplers)
+    monkeypatch.setattr(trainer, "in_process_samplers", two_samplers)
     monkeypatch.setattr(trainer, "sample_group", recorded)
     cfg = load_config("tests/rl/fixtures/rl_pick.yaml", [*base, "rl.max_staleness=2"])
     first = trainer.run_rl(cfg, echo=lambda _: None, stop_after=3)
@@ -117,7 +119,7 @@ def test_async_run_survives_a_dead_sampler_and_a_restart_training_each_group_onc
     sub = WeightSubscriber(store_url)
     assert sub.versions() == [0, 1, 2, 3]
 
-    monkeypatch.setattr(trainer, "make_policies", make_policies)
+    monkeypatch.setattr(trainer, "in_process_samplers", in_process_samplers)
     cfg = load_config("tests/rl/fixtures/rl_pick.yaml", [*base, "rl.max_staleness=0", "rl.staleness_unit=group"])
     said: list[str] = []
     second = trainer.run_rl(cfg, echo=said.append)

@@ -25,7 +25,7 @@ from composer_jax.formats.tokenizer import load_tokenizer
 from composer_jax.inference.checkpoints import load_policy
 from composer_jax.rl.samplers.policy import SamplerUnavailable, TurnRequest
 from composer_jax.rl.samplers.serve import RemoteTokenPolicy
-from composer_jax.rl.samplers.serve_replicas import LocalSamplers, SamplerLaunchError
+from composer_jax.rl.samplers.serve_launch import LocalSamplers, SamplerLaunchError
 from composer_jax.sharding import ShardingRules, make_mesh
 from composer_jax.train.state import init_train_state
 from composer_jax.weightsync.store import WeightPublisher
@@ -124,7 +124,7 @@ def test_slow_start_names_the_timeout_and_is_cleaned_up(checkpoint, tmp_path):
 
 LAUNCHER = """
 import sys, time
-from composer_jax.rl.samplers.serve_replicas import LocalSamplers
+from composer_jax.rl.samplers.serve_launch import LocalSamplers
 with LocalSamplers(sys.argv[1], 1, log_dir=sys.argv[2]):
     time.sleep(600)
 """

@@ -17,7 +17,8 @@ from composer_jax.formats.chatml import parse_assistant, render_prompt
 from composer_jax.formats.tokenizer import load_tokenizer
 from composer_jax.inference.async_sampler import AsyncSampler
 from composer_jax.inference.sampler import Sampler
-from composer_jax.rl.samplers.policy import TokenPolicy, TurnRequest
+from composer_jax.rl.samplers.in_process import TokenPolicy
+from composer_jax.rl.samplers.policy import TurnRequest
 
 TOK = load_tokenizer(REPO / "assets" / "tokenizer")
 CFG = cj.ModelConfig(num_layers=2, num_mtp_layers=0, vocab_size=TOK.vocab_size, max_position_embeddings=256)

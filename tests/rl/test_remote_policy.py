@@ -22,7 +22,8 @@ from composer_jax.inference.async_sampler import AsyncSampler
 from composer_jax.inference.engine import Engine
 from composer_jax.inference.sampler import Sampler
 from composer_jax.inference.server import OpenAIServer
-from composer_jax.rl.samplers.policy import SamplerUnavailable, TokenPolicy, TurnRequest
+from composer_jax.rl.samplers.in_process import TokenPolicy
+from composer_jax.rl.samplers.policy import SamplerUnavailable, TurnRequest
 from composer_jax.rl.samplers.serve import RemoteTokenPolicy
 
 TOK = load_tokenizer(REPO / "assets" / "tokenizer")

@@ -18,9 +18,8 @@ from composer_jax.config import ConfigError, load_config
 from composer_jax.config.vllm import VLLMConfig
 from composer_jax.rl.samplers.policy import SamplerUnavailable, TurnRequest
 from composer_jax.rl.samplers.vllm import decode_routed_experts, generate_body, token_versions
-from composer_jax.rl.samplers.vllm_nccl import finish_body, init_body, update_body
-from composer_jax.rl.samplers.vllm_replicas import needs_padding, vllm_args
-from composer_jax.rl.samplers.vllm_setup import with_vllm_settings
+from composer_jax.rl.samplers.vllm_launch import needs_padding, vllm_args, with_vllm_settings
+from composer_jax.weightsync.nccl import finish_body, init_body, update_body
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO / ".venv" / "vllm" / "bin" / "python"

@@ -176,7 +176,7 @@ class RLConfig:
     # the dtype of the published copy: "" = as trained; "bfloat16" = a bf16 copy (smaller deltas:
     # entries change only when an update crosses a bf16 rounding step; samplers then run in bf16)
     publish_dtype: str = ""
-    # samplers in other processes (rl/remote_policy.py): the URLs of `composer-jax serve` replicas
+    # samplers in other processes (rl/samplers/serve.py): the URLs of `composer-jax serve` replicas
     # following rl.weight_store (bearer key from sampler_token or COMPOSER_JAX_SAMPLER_TOKEN), or
     # local_samplers replicas started by the run itself as child processes (rl/launch.py; the
     # weight store defaults to OUT_DIR/weight_store). Neither: the in-process sampler.

@@ -4,7 +4,7 @@ The learner drives each replica through vLLM's token-in/token-out `POST /inferen
 (rl/vllm_policy.py) and gives it each new policy version one of two ways (`weight_update`):
 
 * `restart` - the version is exported as a Hugging Face checkpoint and the replica restarted on it
-  (rl/vllm_launch.py). The only correct weight change on vLLM's CPU backend (its
+  (rl/samplers/vllm_launch.py). The only correct weight change on vLLM's CPU backend (its
   `reload_weights` repacks MoE weights and then serves wrong tokens); only for replicas the run
   starts itself (`rl.local_samplers`).
 * `nccl` - vLLM's weight-transfer routes (`/init_weight_transfer_engine`, `/start_weight_update`,

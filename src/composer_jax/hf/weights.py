@@ -596,7 +596,7 @@ def hf_tensors(
 ) -> list[tuple[str, str, tuple[int, ...], Any]]:
     """The tensors `save_pretrained` writes, in its order, without a file: [(HF name, dtype name, HF
     shape, make)], `make()` -> the host array (gathered when called, one parameter at a time).
-    For senders that stream a checkpoint (vLLM's weight-transfer routes, rl/vllm_nccl.py)."""
+    For senders that stream a checkpoint (vLLM's weight-transfer routes, weightsync/nccl.py)."""
     out_dtype = np.dtype(jnp.dtype(dtype or cfg.param_dtype))
     out = []
     for path, name, dt, shape, produce in _hf_entries(params, cfg, family_for(cfg), out_dtype):

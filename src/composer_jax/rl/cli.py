@@ -191,7 +191,7 @@ def _policy(args: argparse.Namespace) -> tuple[Any, Any]:
     from composer_jax.inference.async_sampler import AsyncSampler
     from composer_jax.inference.checkpoints import load_policy
     from composer_jax.inference.sampler import Sampler
-    from composer_jax.rl.samplers.policy import TokenPolicy
+    from composer_jax.rl.samplers.in_process import TokenPolicy
 
     loaded = load_policy(args.checkpoint, step=args.step)
     where = args.tokenizer or loaded.tokenizer_hint

@@ -1,20 +1,21 @@
 """The learner: sample groups of rollouts, train steps on them, update the samplers.
 
-Groups: `rl.group_size` rollouts of one task (`rl.tasks` in turn; a generated family `gen/NAME`
-gets a new seed per group), concurrent through the samplers (`make_policies`: the in-process
-continuous-batching sampler, or `composer-jax serve` replicas in other processes - given by URL in
+Groups: `rl.group_size` rollouts of one task (`rl.tasks` in turn; a generated family `gen/NAME` gets
+a new seed per group), concurrent through the samplers (one backend, rl/samplers/: the in-process
+continuous-batching sampler, `composer-jax serve` replicas in other processes - given by URL in
 `rl.sampler_urls`, or `rl.local_samplers` of them started by the run, optionally each pinned to its
-own core with the trainer on another) and the environment servers; rewards composed from the grade and the
-auxiliary terms. The rollout queue (`rl/queue.py`) keeps groups sampling while the trainer steps,
-within `rl.max_staleness` policy versions; each finished group is persisted
-(`rl/rollout_store.py`) before it is queued. A step takes up to `rl.groups_per_step` whole groups
-that fit one batch (`train.batch_size` rows of `train.seq_len`; the rest wait), builds the batch
-(`rl/batch.py`: one row per generation), steps the RL objective (`rl/loss.py`) with the pretraining
-step's code in a worker thread, then hands the new weights to the samplers between two decode
-steps (`update_weights`, policy version = step) and publishes them to `rl.weight_store`; replicas in
-other processes are told to load that version from the store (`RemoteTokenPolicy.load_version`,
-answered once a decode step ran with it), so a version's groups start on its weights there too.
-`rl.max_staleness: 0` is the synchronous learner: each step's groups are sampled by its weights.
+own core with the trainer on another - or vLLM replicas) and the environment servers; rewards
+composed from the grade and the auxiliary terms. The rollout queue (`rl/queue.py`) keeps groups
+sampling while the trainer steps, within `rl.max_staleness` policy versions; each finished group is
+persisted (`rl/rollout_store.py`) before it is queued. A step takes up to `rl.groups_per_step` whole
+groups that fit one batch (`train.batch_size` rows of `train.seq_len`; the rest wait), builds the
+batch (`rl/batch.py`: one row per generation), steps the RL objective (`rl/loss.py`) with the
+pretraining step's code in a worker thread, then hands the new weights to the samplers between two
+decode steps (`update_weights`, policy version = step) and publishes them to `rl.weight_store`;
+replicas in other processes are told to load that version from the store
+(`RemoteTokenPolicy.load_version`, answered once a decode step ran with it), so a version's groups
+start on its weights there too. `rl.max_staleness: 0` is the synchronous learner: each step's groups
+are sampled by its weights.
 
 Checkpoints hold the group ids done (trained or dropped); a resumed run trains the persisted
 groups not done first, samples again those that were in flight (same id: same task and seeds),
@@ -37,8 +38,6 @@ import numpy as np
 
 from composer_jax.checkpoint.manager import TrainCheckpointer
 from composer_jax.config import Config, ConfigError, check_rl_run, to_dict
-from composer_jax.inference.async_sampler import AsyncSampler
-from composer_jax.inference.sampler import Sampler
 from composer_jax.rl.algo import batch as rl_batch
 from composer_jax.rl.algo.loss import reference_logprobs, rl_objective
 from composer_jax.rl.algo.rewards import mean_components
@@ -46,12 +45,11 @@ from composer_jax.rl.evaluate import SUCCESS, HeldOutEvaluation, held_out_tasks
 from composer_jax.rl.hosts import Hosts
 from composer_jax.rl.restore import Start, restore_or_init
 from composer_jax.rl.rollout.group_store import Group, GroupStore
-from composer_jax.rl.rollout.ledger import GroupLedger, resume_groups
+from composer_jax.rl.rollout.ledger import GroupLedger, GroupsState, ResumePoint, resume_groups
 from composer_jax.rl.rollout.queue import staleness
 from composer_jax.rl.rollout.side import Rollouts, RolloutSide, rollout_stats, sample_group, task_of
-from composer_jax.rl.samplers.policy import Policy, TokenPolicy
-from composer_jax.rl.samplers.serve import RemoteTokenPolicy
-from composer_jax.rl.samplers.vllm_setup import with_vllm_settings
+from composer_jax.rl.samplers.in_process import in_process_samplers
+from composer_jax.rl.samplers.vllm_launch import with_vllm_settings
 from composer_jax.sharding import MeshRules, ShardingRules, make_mesh
 from composer_jax.train.loop import run_checkpoint_config, run_tokenizer
 from composer_jax.train.observe import Progress, RunLogger, scalars
@@ -66,7 +64,6 @@ __all__ = [
     "_published",
     "_store_publisher",
     "check_config",
-    "make_policies",
     "resume_groups",
     "rollout_stats",
     "run_rl",
@@ -111,23 +108,6 @@ def _copy(tree: Any) -> Any:
 def check_config(cfg: Config) -> None:
     """The learner's checks of `cfg` against this job (`config.check_rl_run`: process count, cores)."""
     check_rl_run(cfg, process_count=jax.process_count(), cores=os.sched_getaffinity(0))
-
-
-def make_policies(
-    cfg: Config, params: Any, tok, *, version: int, mesh, rules, remote: tuple[list[str], str] | None = None
-) -> list[Policy]:
-    """The samplers rollouts are spread over: with `remote` (replica URLs, bearer key) one
-    `RemoteTokenPolicy` per replica (they follow `rl.weight_store`); else the in-process
-    continuous-batching sampler (a `TokenPolicy` on an `AsyncSampler`) holding `params` as policy
-    `version`."""
-    r, t = cfg.rl, cfg.train
-    if remote is not None:
-        urls, key = remote
-        return [RemoteTokenPolicy(u, key, tok, max_context=t.seq_len) for u in urls]
-    inner = Sampler.from_config(
-        params, cfg.model, r.sampler, max_len=t.seq_len, version=version, mesh=mesh, rules=rules
-    )
-    return [TokenPolicy(AsyncSampler(inner), tok)]
 
 
 def run_rl(
@@ -220,9 +200,9 @@ class Learner:
         self._waited = self._busy = 0.0  # the step loop's time waiting for groups / training
 
     # -- the rollout side ---------------------------------------------------------------------------
-    def resume_state(self) -> dict[str, Any]:
-        """Process 0: the persisted groups to train first, the ids to sample again, one past the
-        highest id used, the version and the group budget: what the rollout queue starts from."""
+    def resume_point(self) -> ResumePoint:
+        """Process 0: where the rollout queue starts (the persisted groups to train first, the ids
+        to sample again, one past the highest id used, the version and the group budget)."""
         b, t = self.begin, self.cfg.train
         ready, again, end = resume_groups(self.store, self.ledger.done, b.next_group, b.step, self.echo)
         if b.step:
@@ -231,7 +211,7 @@ class Learner:
                 f"{self.ledger.done.below}: {len(ready)} persisted group(s) to train, {len(again)} to sample again"
             )
         budget = (t.steps - b.step) * self.cfg.rl.groups_per_step
-        return {"ready": ready, "again": again, "end": end, "version": b.step, "budget": budget}
+        return ResumePoint(tuple(ready), tuple(again), end, b.step, budget)
 
     async def start_rollout_side(self, stack: contextlib.AsyncExitStack) -> None:
         """Process 0: start the real rollout side (`RolloutSide.start`), closed by `stack`; the
@@ -245,7 +225,7 @@ class Learner:
             return await RolloutSide.start(
                 stack,
                 self.cfg,
-                make_policies=make_policies,
+                make_samplers=in_process_samplers,
                 policy_args={
                     "params": _copy(self.state.params),
                     "tok": self.tok,
@@ -256,9 +236,9 @@ class Learner:
                 checkpoint_dir=self.checkpointer.config.directory,
                 out_dir=self.out_dir,
                 echo=self.echo,
-                queue=self.resume_state(),
-                store=self.store,
                 store_url=self.store_url,
+                resume=self.resume_point(),
+                store=self.store,
                 sample_group=sample_group,
             )
 
@@ -375,7 +355,7 @@ class Learner:
         """Checkpoint step `n` (train state, next group id, done ids) when due or forced."""
         # (several processes: process 0's data state is the one written, by orbax's primary host)
         next_group = self.rollouts.next_index if self.rollouts is not None else self.begin.next_group
-        data_state = {"next_group": next_group, "done": self.ledger.done.state()}
+        data_state = GroupsState(next_group, self.ledger.done).data_state()
         return self.checkpointer.save(n, self.state, data_state=data_state, config=self.run_config, force=force)
 
     def checkpoint(self, n: int) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 from composer_jax.checkpoint.manager import TrainCheckpointer, restore_params_only
 from composer_jax.config import Config
 from composer_jax.model.params import abstract_params
+from composer_jax.rl.rollout.ledger import GroupsState
 from composer_jax.rl.rollout.queue import DoneIds
 from composer_jax.train.loop import STAGE_CHANGEABLE
 from composer_jax.train.state import abstract_train_state, init_train_state
@@ -42,11 +43,8 @@ def restore_or_init(
     parameters, else a freshly initialised model."""
     if checkpointer.latest_step() is not None:
         restored = checkpointer.restore(abstract_train_state(cfg, mesh, rules), config=run_config)
-        data_state = restored.data_state or {}
-        next_group = int(data_state.get("next_group", 0))
-        # runs saved before the queue: every group below next_group was trained
-        done = DoneIds.from_state(data_state["done"]) if "done" in data_state else DoneIds(next_group)
-        return Start(restored.train_state, restored.step, next_group, done, resumed=True)
+        groups = GroupsState.from_data_state(restored.data_state)
+        return Start(restored.train_state, restored.step, groups.next_group, groups.done, resumed=True)
     if init_params is not None:
         return Start(init_train_state(cfg, mesh, rules, init_params))
     if cfg.train.init_from:

@@ -9,13 +9,49 @@ finds on disk every group the lost steps trained and trains it again on resume.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 from composer_jax.rl.rollout.group_store import Group, GroupStore, RolloutStoreError
 from composer_jax.rl.rollout.queue import DoneIds
 
 # the summary keys of the ids finished without training, in the order they are reported
 UNTRAINED = ("dropped_stale_groups", "lost_groups")
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumePoint:
+    """Where a run's rollout queue starts: the persisted groups to train first (`ready`), the ids
+    to sample again (`again`: in flight when the last run stopped), one past the highest id used
+    (`end`: the stream goes on from there), the policy version (the checkpoint's step) and the most
+    groups the remaining steps train (`budget`)."""
+
+    ready: tuple[Group, ...]
+    again: tuple[int, ...]
+    end: int
+    version: int
+    budget: int
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupsState:
+    """The group part of a checkpoint's data state: the next group id of the task stream and the
+    ids done. `data_state()` is what is saved (`{"next_group": N, "done": {"below": B, "extra":
+    [...]}}`); `from_data_state` reads it back."""
+
+    next_group: int
+    done: DoneIds
+
+    def data_state(self) -> dict[str, Any]:
+        return {"next_group": int(self.next_group), "done": self.done.state()}
+
+    @classmethod
+    def from_data_state(cls, data_state: dict[str, Any] | None) -> GroupsState:
+        d = data_state or {}
+        next_group = int(d.get("next_group", 0))
+        # runs saved before the queue: every group below next_group was trained
+        return cls(next_group, DoneIds.from_state(d["done"]) if "done" in d else DoneIds(next_group))
 
 
 def resume_groups(

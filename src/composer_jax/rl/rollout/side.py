@@ -2,15 +2,16 @@
 rollout queue, and version hand-over.
 
 `RolloutSide.start` connects to the environment servers (`rl.env_urls`, or `rl.env_servers` local
-ones it starts) and the samplers (the in-process continuous-batching sampler, `rl.sampler_urls`
-replicas, or `rl.local_samplers` replicas it starts, optionally each pinned to its own core with the
-trainer on another), and builds the rollout queue (`rl/queue.py`) over the task stream: group
+ones it starts) and the samplers - one `SamplerBackend` (rl/samplers/base.py): the in-process
+continuous-batching sampler, `serve` replicas (`rl.sampler_urls`, or `rl.local_samplers` it starts,
+optionally each pinned to its own core with the trainer on another) or vLLM replicas - and builds
+the rollout queue (rl/rollout/queue.py) over the task stream from the run's `ResumePoint`: group
 `index` is `rl.group_size` rollouts of `task_of(cfg, index)`. The learner asks it for each step's
 groups (`take`), which ids finished untrained (`finished_untrained`), and hands it each new policy
-version (`hand_over`): in-process samplers take the weights between two decode steps, replicas
-load the version from the weight store (before its groups start when synchronous, between decode
-steps when not). `Rollouts` is the interface the learner uses, so a step can run against an
-in-process stand-in (tests/rl/test_learner_step.py).
+version (`hand_over`): the backend is given the weights (`publish`), then its samplers serve the
+version (`load`: before its groups start when synchronous, between decode steps when not). It never
+asks which backend it has. `Rollouts` is the interface the learner uses, so a step can run against
+an in-process stand-in (tests/rl/test_learner_step.py).
 
 No group starts while no environment server answers /health (a dead local server is being
 restarted, or remote ones are unreachable): its id waits instead of being spent on rollouts that
@@ -31,17 +32,16 @@ from typing import Any, Protocol
 
 from composer_jax.config import Config
 from composer_jax.env.api.client import EnvClient
-from composer_jax.inference.async_sampler import AsyncSampler
 from composer_jax.rl.algo.rewards import RolloutStats, compose_reward
 from composer_jax.rl.evaluate import TaskRef, rollout_seed, run_rollouts, sample_tasks
 from composer_jax.rl.rollout.agent import Rollout, RolloutFailed
 from composer_jax.rl.rollout.env_servers import LocalEnvServers
 from composer_jax.rl.rollout.group_store import Group, GroupStore
+from composer_jax.rl.rollout.ledger import ResumePoint
 from composer_jax.rl.rollout.queue import RolloutQueue
-from composer_jax.rl.samplers.policy import Policy, PolicyPool, SamplerUnavailable
-from composer_jax.rl.samplers.serve import RemoteTokenPolicy
-from composer_jax.rl.samplers.serve_replicas import START_TIMEOUT_S, LocalSamplers
-from composer_jax.rl.samplers.vllm import VLLMTokenPolicy
+from composer_jax.rl.samplers.base import SamplerBackend
+from composer_jax.rl.samplers.policy import Policy, PolicyPool
+from composer_jax.rl.samplers.serve_launch import start_serve
 from composer_jax.runtime.supervisor import Launcher
 
 log = logging.getLogger(__name__)
@@ -123,49 +123,40 @@ class Rollouts(Protocol):
 
 
 class RolloutSide:
-    """Process 0's rollout side (module docstring). Build it with `start`."""
+    """Process 0's rollout side (module docstring). Build it with `start`; `samplers` is the run's
+    sampler backend, `resume` where its queue starts."""
 
     def __init__(
         self,
         cfg: Config,
         client: EnvClient,
-        policies: list[Policy],
+        samplers: SamplerBackend,
         *,
-        queue: dict[str, Any],
+        resume: ResumePoint,
         store: GroupStore,
-        store_url: str,
         sample_group: SampleGroup = sample_group,
         launchers: Sequence[Launcher] = (),
     ):
-        self.cfg, self.client, self.store, self.store_url = cfg, client, store, store_url
+        self.cfg, self.client, self.store, self.samplers = cfg, client, store, samplers
         self.launchers = list(launchers)  # the local children (environment servers, replicas) it supervises
-        self.pool = PolicyPool(policies)
-        self.in_process: list[AsyncSampler] = []  # they take new weights by `update_weights`
-        for p in policies:
-            s = getattr(p, "sampler", None)
-            if isinstance(s, AsyncSampler) and s not in self.in_process:
-                self.in_process.append(s)
-        self.remotes = [p for p in policies if isinstance(p, RemoteTokenPolicy)]
-        self.vllm = [p for p in policies if isinstance(p, VLLMTokenPolicy)]
-        self.exports: Any = None  # vLLM replicas by restart: each version's checkpoint (rl/vllm_launch.py)
+        self.pool = PolicyPool(samplers.policies)
         self._sample_group = sample_group
         self._loads: set[asyncio.Future] = set()  # version loads in flight (asynchronous runs)
         r = cfg.rl
-        ready, again, end, version, budget = (queue[k] for k in ("ready", "again", "end", "version", "budget"))
         self.queue = RolloutQueue(
             sample=self._sample,
             persist=self._persist,
-            order=itertools.chain(again, itertools.count(end)),
-            ready=ready,
-            version=version,
+            order=itertools.chain(resume.again, itertools.count(resume.end)),
+            ready=resume.ready,
+            version=resume.version,
             groups_per_step=r.groups_per_step,
             max_staleness=r.max_staleness,
             unit=r.staleness_unit,
             max_in_flight=r.max_groups_in_flight,
             queue_size=r.queue_size,
-            budget=budget,
+            budget=resume.budget,
         )
-        self.queue.next_index = max(self.queue.next_index, end)
+        self.queue.next_index = max(self.queue.next_index, resume.end)
 
     @classmethod
     async def start(
@@ -173,41 +164,46 @@ class RolloutSide:
         stack: contextlib.AsyncExitStack,
         cfg: Config,
         *,
-        make_policies: Callable[..., list[Policy]],
+        make_samplers: Callable[..., SamplerBackend],
         policy_args: dict[str, Any],
         checkpoint_dir: str,
+        store_url: str,
         out_dir: Path,
         echo: Callable[[str], None],
         **kwargs: Any,
     ) -> RolloutSide:
         """Connect (or start) the environment servers and the samplers; every process and
-        connection they hold is closed by `stack`. `make_policies(cfg, **policy_args, remote=...)`
-        makes the policies; the rest of `kwargs` go to the constructor."""
-        r = cfg.rl
+        connection they hold is closed by `stack`. The samplers are `rl.sampler_engine`'s replicas
+        when `rl.sampler_urls` or `rl.local_samplers` name some, else in-process ones that
+        `make_samplers(cfg, **policy_args)` makes; the rest of `kwargs` go to the constructor."""
         urls, token, env_launcher = await _env_servers(stack, cfg, out_dir, echo)
         launchers: list[Launcher] = [env_launcher] if env_launcher is not None else []
         client = await stack.enter_async_context(EnvClient(urls, token))
-        remote = None
+        r = cfg.rl
+        samplers: SamplerBackend
+        launcher: Launcher | None = None
         if r.sampler_engine == "vllm":
-            from composer_jax.rl.samplers.vllm_setup import start_vllm  # vLLM replicas: only runs that use them
+            from composer_jax.rl.samplers.vllm_launch import start_vllm  # vLLM replicas: only runs that use them
 
-            policies, exports, vllm_launcher = await start_vllm(stack, cfg, policy_args, out_dir, echo)
-            if vllm_launcher is not None:
-                launchers.append(vllm_launcher)
-            side = cls(cfg, client, list[Policy](policies), launchers=launchers, **kwargs)
-            side.exports = exports
-            stack.push_async_callback(side.aclose)
-            return side
-        if r.sampler_urls:
-            remote = (list(r.sampler_urls), r.sampler_token or os.environ.get("COMPOSER_JAX_SAMPLER_TOKEN", ""))
-        elif r.local_samplers:
-            samplers = _local_samplers(cfg, checkpoint_dir, kwargs["store_url"], policy_args["version"], out_dir)
-            remote = stack.enter_context(samplers)
-            launchers.append(samplers)
-            echo(f"[rl] started {r.local_samplers} sampler replica(s): {', '.join(remote[0])}")
-        side = cls(cfg, client, make_policies(cfg, **policy_args, remote=remote), launchers=launchers, **kwargs)
+            samplers, launcher = await start_vllm(stack, cfg, policy_args, out_dir, echo)
+        elif r.sampler_urls or r.local_samplers:
+            samplers, launcher = start_serve(
+                stack,
+                cfg,
+                policy_args["tok"],
+                version=policy_args["version"],
+                checkpoint_dir=checkpoint_dir,
+                store_url=store_url,
+                out_dir=out_dir,
+                echo=echo,
+            )
+        else:
+            samplers = make_samplers(cfg, **policy_args)
+        if launcher is not None:
+            launchers.append(launcher)
+        side = cls(cfg, client, samplers, launchers=launchers, **kwargs)
         stack.push_async_callback(side.aclose)
-        if r.pin_cores:
+        if r.pin_cores and r.sampler_engine == "serve":  # (vLLM's replicas are pinned by their launcher)
             core = sorted(os.sched_getaffinity(0))[0]
             echo(f"[rl] trainer pinned to core {core} ({pin_threads({core})} threads)")
         return side
@@ -272,47 +268,14 @@ class RolloutSide:
         return out
 
     # -- versions ---------------------------------------------------------------------------------
-    async def load_version(self, version: int) -> None:
-        """Every replica in rotation serves `version` before its groups are sampled."""
-
-        async def one(p: RemoteTokenPolicy) -> None:
-            try:
-                await p.load_version(version, self.store_url)
-            except SamplerUnavailable as exc:
-                self.pool.remove(p, str(exc))
-
-        await asyncio.gather(*(one(p) for p in self.remotes if p in self.pool.alive))
-        if self.vllm:
-            await self.load_vllm(version)
-
-    async def load_vllm(self, version: int) -> None:
-        """The vLLM replicas serve `version`: one after another when asynchronous (the others keep
-        sampling meanwhile), together when synchronous (no group samples until all do)."""
-
-        async def one(p: VLLMTokenPolicy) -> None:
-            try:
-                await p.load_version(version)
-            except SamplerUnavailable as exc:
-                self.pool.remove(p, str(exc))
-
-        alive = [p for p in self.vllm if p in self.pool.alive]
-        if self.cfg.rl.max_staleness == 0:
-            await asyncio.gather(*(one(p) for p in alive))
-        else:
-            for p in alive:
-                await one(p)
-
     async def hand_over(self, params: Any, version: int, trained: int) -> None:
         """Version `version` (= `params`) to the samplers, then the queue told of it (the step before
         it trained `trained` groups)."""
-        for s in self.in_process:
-            s.update_weights(params, version)
-        if self.exports is not None:  # vLLM replicas: the version's checkpoint, or the NCCL push's weights
-            await asyncio.to_thread(self.exports.export, params, version)
+        await self.samplers.publish(params, version)
         if self.cfg.rl.max_staleness == 0:  # the next groups must start on this version
-            await self.load_version(version)
+            await self.samplers.load(version, self.pool)
         else:  # replicas take it between decode steps; tokens keep the version that made them
-            self._loads.add(asyncio.ensure_future(self.load_version(version)))
+            self._loads.add(asyncio.ensure_future(self.samplers.load(version, self.pool)))
             self._loads.difference_update([f for f in self._loads if f.done()])
         self.queue.advance(version, trained)
 
@@ -325,28 +288,18 @@ class RolloutSide:
         return await sample_tasks(self.pool, self.client, tasks, samples, self.cfg.agent, seed=seed)
 
     async def health(self) -> list[dict]:
-        """Each replica's /health (decode steps, slot occupancy)."""
-        out = []
-        checks = [p.health for p in self.remotes] + [p.health for p in self.vllm]
-        for health in checks:
-            with contextlib.suppress(SamplerUnavailable):
-                out.append(await health())
-        return out
+        """Each sampler's health (decode steps, slot occupancy)."""
+        return await self.samplers.health()
 
     async def aclose(self) -> None:
-        """The queue cancelled, version loads awaited (a vLLM replica's restart, which nothing will
-        sample from any more, cancelled), the samplers and their connections closed (idempotent)."""
+        """The queue cancelled, version loads awaited (or cancelled, where the backend says so), the
+        samplers and their connections closed (idempotent)."""
         await self.queue.aclose()
-        if self.vllm:
+        if self.samplers.cancel_loads_at_close:
             for f in self._loads:
                 f.cancel()
         await asyncio.gather(*self._loads, return_exceptions=True)
-        for s in self.in_process:
-            await s.aclose()
-        for p in self.pool.policies:  # policies over other processes hold connections
-            if callable(getattr(p, "aclose", None)):
-                await p.aclose()  # type: ignore[attr-defined]
-        self.in_process, self.remotes, self.vllm = [], [], []
+        await self.samplers.aclose()
         self.pool.policies = []
 
 
@@ -363,23 +316,3 @@ async def _env_servers(stack: contextlib.AsyncExitStack, cfg: Config, out_dir: P
     urls, token = stack.enter_context(env_servers)
     echo(f"[rl] started {len(urls)} local environment server(s) on {r.tasks_dir}")
     return urls, token, env_servers
-
-
-def _local_samplers(cfg: Config, checkpoint_dir: str, store_url: str, version: int, out_dir: Path) -> LocalSamplers:
-    """`rl.local_samplers` serve replicas over the run's checkpoint of step `version`, following the
-    weight store."""
-    r, t = cfg.rl, cfg.train
-    cores = sorted(os.sched_getaffinity(0))
-    return LocalSamplers(
-        checkpoint_dir,
-        r.local_samplers,
-        weights_from=store_url,
-        sampler=r.sampler,
-        cores=cores[1 : 1 + r.local_samplers] if r.pin_cores else None,
-        extra_args=["--version", str(version), "--max-len", str(t.seq_len)],
-        log_dir=out_dir / "samplers",
-        # a warm-up compiles every (group, bucket) admission program before the replica answers
-        # /health: 5-6 min for 48 slots x 768 tokens on one core here, past the plain start's 300 s
-        # (a cached compilation loads in seconds)
-        start_timeout_s=1800.0 if r.sampler.warm_up else START_TIMEOUT_S,
-    )

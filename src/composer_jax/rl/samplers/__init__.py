@@ -1,2 +1,7 @@
-"""Where rollouts are sampled: the policy types the agent loop talks to, and the sampler backends
-(in-process, `composer-jax serve` replicas, vLLM replicas) with their launch and weight loading."""
+"""Where rollouts are sampled. `base.SamplerBackend` is the one interface the rollout side uses
+(publish a version, load it, health, close; its policies' turns), with one implementation per
+backend: `in_process` (the continuous-batching sampler in the trainer's process), `serve`
+(`composer-jax serve` replicas; started by `serve_launch`) and `vllm` (vLLM replicas; started by
+`vllm_launch`, whose child process is `vllm_child`, or fed over NCCL by `vllm_nccl`). `policy` holds
+the agent-facing policy types (`Generation`, `TurnRequest`, `PolicyPool`, the OpenAI endpoint policy
+for evaluation)."""

@@ -1,8 +1,9 @@
-"""The policy an agent talks to: the in-process sampler (token level) or an OpenAI-compatible endpoint.
+"""The policy an agent talks to: a token-level sampler (rl/samplers/base.py's `TokenSampler`: the
+in-process sampler, a serve or a vLLM replica) or an OpenAI-compatible endpoint.
 
 Both keep one *generation* (a context that grows turn by turn) and answer the agent loop's three
 questions: start a generation from messages, sample the next assistant turn, append what the
-environment said. The token policy keeps the model's own tokens verbatim (the trainer trains on
+environment said. A token policy keeps the model's own tokens verbatim (the trainer trains on
 exactly what was sampled: re-tokenising the text could split it differently) with, per generated
 token, its sampler log-probability, policy version and the experts it was routed to. The endpoint
 policy works on messages and records no tokens: its rollouts are for evaluation, not training.
@@ -19,10 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 import numpy as np
 
 from composer_jax.env.api.protocol import BASE_TOOL_NAMES, tool_schemas
-from composer_jax.formats.chatml import AssistantTurn, parse_assistant, render_continuation, render_prompt
-from composer_jax.formats.tokenizer import Tokenizer
-from composer_jax.inference.async_sampler import AsyncSampler
-from composer_jax.inference.sampling import SamplingParams
+from composer_jax.formats.chatml import AssistantTurn
 
 if TYPE_CHECKING:
     import openai
@@ -76,57 +74,6 @@ class Policy(Protocol):
     async def turn(self, gen: Generation, req: TurnRequest) -> AssistantTurn: ...
 
     def extend(self, gen: Generation, messages: list[dict]) -> None: ...
-
-
-class TokenContext:
-    """The context-only operations of a token-level policy (the chat template's tokens, with the
-    records of tokens no sampler generated); `tok` is set by the subclass."""
-
-    tok: Tokenizer
-
-    def begin(self, messages: list[dict]) -> Generation:
-        ids = render_prompt(messages, self.tok).tolist()
-        return Generation(list(messages), ids, [0.0] * len(ids), [0.0] * len(ids), [-1] * len(ids))
-
-    def extend(self, gen: Generation, messages: list[dict]) -> None:
-        ids = render_continuation(messages, self.tok).tolist()
-        gen.messages.extend(messages)
-        gen.tokens += ids
-        gen.loss_mask += [0.0] * len(ids)
-        gen.logprobs += [0.0] * len(ids)
-        gen.versions += [-1] * len(ids)
-        if gen.routing is not None:  # no forward has routed these yet: the next turn's prefill will
-            gen.routing = np.concatenate([gen.routing, np.repeat(gen.routing[-1:], len(ids), axis=0)], axis=0)
-
-
-class TokenPolicy(TokenContext):
-    """The in-process sampler, through the project's chat template."""
-
-    def __init__(self, sampler: AsyncSampler, tok: Tokenizer):
-        self.sampler, self.tok = sampler, tok
-        self.max_context = sampler.sampler.max_len
-        self._stop = (tok.token_id("<|im_end|>"),)
-
-    async def turn(self, gen: Generation, req: TurnRequest) -> AssistantTurn:
-        params = SamplingParams(
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            max_tokens=req.max_tokens,
-            seed=req.seed,
-            stop_token_ids=self._stop,
-        )
-        done = await self.sampler.generate(gen.tokens, params)
-        gen.tokens += done.tokens
-        gen.loss_mask += [1.0] * len(done.tokens)
-        gen.logprobs += done.logprobs
-        gen.versions += done.versions
-        gen.generated += len(done.tokens)
-        if done.routing is not None:  # covers every position but the last generated token
-            gen.routing = np.concatenate([done.routing, done.routing[-1:]], axis=0)
-        turn = parse_assistant(done.tokens, self.tok, call_id_prefix=f"call_{len(gen.messages)}")
-        gen.messages.append(turn.message())
-        return turn
 
 
 class OpenAIPolicy:

@@ -1,6 +1,7 @@
-"""A token-level policy whose sampler is a serve replica in another process or on another host.
+"""The `serve` replica backend: samplers that are `composer-jax serve` replicas in other processes or
+on other hosts (started by the run: rl/samplers/serve_launch.py, or given by URL).
 
-`RemoteTokenPolicy` is `rl.policy.TokenPolicy` with the sampler behind HTTP: the same chat template,
+`RemoteTokenPolicy` is the in-process `TokenPolicy` with the sampler behind HTTP: the same chat template,
 the same `Generation` records (the model's own tokens verbatim, loss mask, sampler log-probabilities,
 per-token policy versions, routed experts of every position), so the learner trains on rollouts from
 a fleet of `composer-jax serve` replicas exactly as on the in-process sampler. Each turn is one
@@ -15,6 +16,9 @@ malformed answer, or this policy closed - raises `SamplerUnavailable`: the rollo
 scored and the learner redoes it on another sampler. A request the replica refuses (400: e.g. the
 context is longer than the replica's) raises ValueError, as `TokenPolicy` does for the in-process
 sampler.
+
+`ServeReplicas` is the backend: the learner publishes each version to its weight store
+(`rl.weight_store`), and every replica is told to load it from there (`/admin/load_weights`).
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ from typing import Any
 import httpx
 import numpy as np
 
-from composer_jax.formats.chatml import AssistantTurn, parse_assistant
 from composer_jax.formats.tokenizer import Tokenizer
-from composer_jax.rl.samplers.policy import Generation, SamplerUnavailable, TokenContext, TurnRequest
+from composer_jax.rl.samplers.base import ReplicaBackend, Sampled, TokenSampler
+from composer_jax.rl.samplers.policy import PolicyPool, SamplerUnavailable, TurnRequest
 
 
 def api_root(base_url: str) -> str:
@@ -54,7 +58,7 @@ def answer_json(resp: httpx.Response, where: str) -> dict:
     return data
 
 
-class RemoteTokenPolicy(TokenContext):  # begin/extend: the token policy's (same template, records)
+class RemoteTokenPolicy(TokenSampler):
     """The token policy over a serve replica's `/v1/completions` (module docstring).
 
     base_url: the replica (`http://host:port` or `.../v1`); api_key: its bearer key; max_context:
@@ -86,9 +90,9 @@ class RemoteTokenPolicy(TokenContext):  # begin/extend: the token policy's (same
         self.http = http or httpx.AsyncClient(timeout=timeout_s, headers=headers)
         self.closed = False
 
-    async def turn(self, gen: Generation, req: TurnRequest) -> AssistantTurn:
+    async def sample(self, tokens: list[int], req: TurnRequest) -> Sampled:
         body: dict[str, Any] = {
-            "prompt": list(map(int, gen.tokens)),
+            "prompt": list(map(int, tokens)),
             "max_tokens": req.max_tokens,
             "temperature": req.temperature,
             "top_p": req.top_p,
@@ -102,17 +106,7 @@ class RemoteTokenPolicy(TokenContext):  # begin/extend: the token policy's (same
         }
         if self.model is not None:
             body["model"] = self.model
-        tokens, logprobs, versions, routing = self._parse(await self._post(body), len(gen.tokens))
-        gen.tokens += tokens
-        gen.loss_mask += [1.0] * len(tokens)
-        gen.logprobs += logprobs
-        gen.versions += versions
-        gen.generated += len(tokens)
-        if routing is not None:  # covers every position but the last generated token
-            gen.routing = np.concatenate([routing, routing[-1:]], axis=0)
-        turn = parse_assistant(tokens, self.tok, call_id_prefix=f"call_{len(gen.messages)}")
-        gen.messages.append(turn.message())
-        return turn
+        return self._parse(await self._post(body), len(tokens))
 
     async def _post(self, body: dict) -> dict:
         where = f"sampler {self.base_url}"
@@ -141,8 +135,8 @@ class RemoteTokenPolicy(TokenContext):  # begin/extend: the token policy's (same
             break
         return answer_json(resp, where)
 
-    def _parse(self, data: dict, prompt_len: int) -> tuple[list[int], list[float], list[int], np.ndarray | None]:
-        """-> (tokens, logprobs, versions, routing int32[prompt + generated - 1, layers, k] or None)."""
+    def _parse(self, data: dict, prompt_len: int) -> Sampled:
+        """The answer's tokens, logprobs, versions and routing int32[prompt + generated - 1, layers, k]."""
         try:
             choice = data["choices"][0]
             tokens = [int(t) for t in choice["token_ids"]]
@@ -160,14 +154,14 @@ class RemoteTokenPolicy(TokenContext):  # begin/extend: the token policy's (same
                 f"{len(versions)} token_versions; expected equal, non-zero counts"
             )
         if routed is None and prompt_routed is None:
-            return tokens, logprobs, versions, None
+            return Sampled(tokens, logprobs, versions)
         rows = np.asarray((prompt_routed or []) + (routed or []), np.int32)
         if rows.ndim != 3 or rows.shape[0] != prompt_len + len(tokens) - 1:
             raise SamplerUnavailable(
                 f"sampler {self.base_url}: routed experts of shape {list(rows.shape)}; expected "
                 f"[{prompt_len + len(tokens) - 1}, moe_layers, k] (prompt + generated - 1 positions)"
             )
-        return tokens, logprobs, versions, rows
+        return Sampled(tokens, logprobs, versions, rows)
 
     async def load_version(self, version: int, store_url: str | None = None) -> int:
         """Have the replica serve `version` of its weight-sync store (`store_url`, default the one it
@@ -206,3 +200,28 @@ class RemoteTokenPolicy(TokenContext):  # begin/extend: the token policy's (same
     async def aclose(self) -> None:
         self.closed = True
         await self.http.aclose()
+
+
+class ServeReplicas(ReplicaBackend):
+    """The serve replica backend (module docstring): one `RemoteTokenPolicy` per replica, loading
+    versions from the weight store at `store_url` (None: the store each replica follows)."""
+
+    replicas: list[RemoteTokenPolicy]
+
+    def __init__(self, policies: list[RemoteTokenPolicy], store_url: str | None = None):
+        self.replicas, self.store_url = list(policies), store_url or None
+        self.policies = list(self.replicas)
+
+    @classmethod
+    def connect(
+        cls, urls: list[str], api_key: str, tok: Tokenizer, *, max_context: int, store_url: str | None = None
+    ) -> ServeReplicas:
+        return cls([RemoteTokenPolicy(u, api_key, tok, max_context=max_context) for u in urls], store_url)
+
+    async def publish(self, params: Any, version: int) -> None:
+        del params, version  # the replicas read the version from the weight store the learner wrote
+
+    async def load(self, version: int, pool: PolicyPool) -> None:
+        """Every replica in rotation serves `version`, all loading at once (each keeps decoding)."""
+        alive = [p for p in self.replicas if p in pool.alive]
+        await asyncio.gather(*(self.load_or_remove(pool, p, p.load_version(version, self.store_url)) for p in alive))

@@ -1,6 +1,7 @@
-"""A token-level policy whose sampler is a vLLM replica (`rl.sampler_engine: vllm`).
+"""The vLLM backend: samplers that are vLLM replicas (`rl.sampler_engine: vllm`; started by the run,
+rl/samplers/vllm_launch.py, or given by URL and fed over NCCL, vllm_nccl.py).
 
-`VLLMTokenPolicy` is `rl.policy.TokenPolicy` over vLLM's token-in/token-out endpoint
+`VLLMTokenPolicy` is the in-process `TokenPolicy` over vLLM's token-in/token-out endpoint
 `POST /inference/v1/generate` (vLLM >= 0.32, `--enable-scale-out`): the same chat template and the
 same `Generation` records as the in-process sampler and `composer-jax serve` replicas. Each turn
 sends the whole context as `token_ids` with `sampling_params` (temperature, top_p, top_k, seed,
@@ -24,6 +25,10 @@ weight-transfer routes). While a version is being loaded the policy's requests w
 by a restart is asked again on the new weights (it had produced nothing: a turn is one request).
 Failures map as for `RemoteTokenPolicy`: `SamplerUnavailable` (redo the rollout elsewhere) for a
 replica that cannot serve, ValueError for a request it refuses (400).
+
+`VLLMReplicas` is the backend: each version goes to the push first (`export`), then the replicas
+load it: one after another when the run is asynchronous (the others keep sampling meanwhile),
+together when synchronous (no group samples until all do).
 """
 
 from __future__ import annotations
@@ -36,16 +41,20 @@ from typing import Any, Protocol
 import httpx
 import numpy as np
 
-from composer_jax.formats.chatml import AssistantTurn, parse_assistant
 from composer_jax.formats.tokenizer import Tokenizer
-from composer_jax.rl.samplers.policy import Generation, SamplerUnavailable, TokenContext, TurnRequest
+from composer_jax.rl.samplers.base import ReplicaBackend, Sampled, TokenSampler
+from composer_jax.rl.samplers.policy import PolicyPool, SamplerUnavailable, TurnRequest
 from composer_jax.rl.samplers.serve import answer_json, api_root
 
 GENERATE_PATH = "/inference/v1/generate"
 
 
 class WeightPush(Protocol):
-    """How a replica gets policy version `version` (rl/vllm_launch.py)."""
+    """How replicas get policy versions: `export` takes each version's weights first (the checkpoint
+    a restart reads, rl/samplers/vllm_launch.py; the next NCCL broadcast's, vllm_nccl.py), then
+    `load` has one replica serve it."""
+
+    def export(self, params: Any, version: int) -> Any: ...
 
     async def load(self, policy: VLLMTokenPolicy, version: int) -> None: ...
 
@@ -103,7 +112,7 @@ def decode_routed_experts(text: str) -> np.ndarray:
     return np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False).astype(np.int32)
 
 
-class VLLMTokenPolicy(TokenContext):  # begin/extend: the token policy's (same template, records)
+class VLLMTokenPolicy(TokenSampler):
     """The token policy over one vLLM replica (module docstring). base_url: `http://host:port`;
     weights: how it gets new versions; routed_experts: the replica returns them (router replay)."""
 
@@ -138,19 +147,9 @@ class VLLMTokenPolicy(TokenContext):  # begin/extend: the token policy's (same t
     def __repr__(self) -> str:
         return f"VLLMTokenPolicy({self.base_url})"
 
-    async def turn(self, gen: Generation, req: TurnRequest) -> AssistantTurn:
-        data = await self._post(generate_body(gen.tokens, req, self._stop, self.model))
-        tokens, logprobs, versions, routing = self._parse(data, len(gen.tokens))
-        gen.tokens += tokens
-        gen.loss_mask += [1.0] * len(tokens)
-        gen.logprobs += logprobs
-        gen.versions += versions
-        gen.generated += len(tokens)
-        if routing is not None:  # covers every position but the last generated token
-            gen.routing = np.concatenate([routing, routing[-1:]], axis=0)
-        turn = parse_assistant(tokens, self.tok, call_id_prefix=f"call_{len(gen.messages)}")
-        gen.messages.append(turn.message())
-        return turn
+    async def sample(self, tokens: list[int], req: TurnRequest) -> Sampled:
+        data = await self._post(generate_body(tokens, req, self._stop, self.model))
+        return self._parse(data, len(tokens))
 
     async def _post(self, body: dict) -> dict:
         where = f"vLLM sampler {self.base_url}"
@@ -176,8 +175,8 @@ class VLLMTokenPolicy(TokenContext):  # begin/extend: the token policy's (same t
             break
         return answer_json(resp, where)
 
-    def _parse(self, data: dict, prompt_len: int) -> tuple[list[int], list[float], list[int], np.ndarray | None]:
-        """-> (tokens, logprobs, versions, routing int32[prompt + generated - 1, layers, k] or None)."""
+    def _parse(self, data: dict, prompt_len: int) -> Sampled:
+        """The answer's tokens, logprobs, versions and routing int32[prompt + generated - 1, layers, k]."""
         where = f"vLLM sampler {self.base_url}"
         try:
             choice = data["choices"][0]
@@ -198,7 +197,7 @@ class VLLMTokenPolicy(TokenContext):  # begin/extend: the token policy's (same t
         versions = token_versions(choice.get("weight_versions"), len(tokens), where)
         raw = choice.get("routed_experts")
         if not self.routed_experts:
-            return tokens, logprobs, versions, None
+            return Sampled(tokens, logprobs, versions)
         if not isinstance(raw, str):
             raise SamplerUnavailable(
                 f"{where}: no routed_experts in the answer; start vLLM with --enable-return-routed-experts "
@@ -210,7 +209,7 @@ class VLLMTokenPolicy(TokenContext):  # begin/extend: the token policy's (same t
                 f"{where}: routed experts of shape {list(rows.shape)}; expected "
                 f"[{prompt_len + len(tokens) - 1}, moe_layers, k] (prompt + generated - 1 positions)"
             )
-        return tokens, logprobs, versions, rows
+        return Sampled(tokens, logprobs, versions, rows)
 
     async def load_version(self, version: int, store_url: str | None = None) -> int:
         """Serve policy `version` from now on (through `weights`); requests wait meanwhile."""
@@ -246,3 +245,27 @@ class VLLMTokenPolicy(TokenContext):  # begin/extend: the token policy's (same t
         self.closed = True
         self._serving.set()
         await self.http.aclose()
+
+
+class VLLMReplicas(ReplicaBackend):
+    """The vLLM backend (module docstring): `policies`, one per replica, all fed by `push`;
+    together: load versions on every replica at once (a synchronous run)."""
+
+    cancel_loads_at_close = True  # a restart nothing will sample from any more
+
+    replicas: list[VLLMTokenPolicy]
+
+    def __init__(self, policies: list[VLLMTokenPolicy], push: WeightPush, *, together: bool):
+        self.replicas, self.push, self.together = list(policies), push, together
+        self.policies = list(self.replicas)
+
+    async def publish(self, params: Any, version: int) -> None:
+        await asyncio.to_thread(self.push.export, params, version)
+
+    async def load(self, version: int, pool: PolicyPool) -> None:
+        alive = [p for p in self.replicas if p in pool.alive]
+        if self.together:
+            await asyncio.gather(*(self.load_or_remove(pool, p, p.load_version(version)) for p in alive))
+        else:
+            for p in alive:
+                await self.load_or_remove(pool, p, p.load_version(version))

@@ -1,4 +1,4 @@
-"""`composer-jax vllm-replica`: one vLLM server as a child of the learner's launcher (rl/processes.py).
+"""`composer-jax vllm-replica`: one vLLM server as a child of the learner's launcher (runtime/supervisor.py).
 
     composer-jax vllm-replica --python .venv/vllm/bin/python --port 0 --version 3 -- --model DIR ...
 

@@ -1,13 +1,14 @@
-"""Sampler replicas for a run: K `composer-jax serve` child processes on one machine.
+"""The serve backend's start: `rl.sampler_urls` replicas by URL, or K `composer-jax serve` child
+processes on one machine (`rl.local_samplers`), as the run's `ServeReplicas` (`start_serve`).
 
-`LocalSamplers` is the sampler-side twin of `rl.envs.LocalEnvServers`, both configurations of
-`rl.processes.Launcher`: it starts `count` replicas of `composer-jax serve` over one checkpoint, each
-a separate process (as samplers on separate accelerators would be), optionally pinned to its own CPU
-core (by the launcher's bootstrap, before the child imports anything), on free ports of 127.0.0.1,
-sharing one generated API key, each following the run's weight-sync store (`--weights-from`), and
-waits until every replica has printed its ready line and answers /health. The learner talks to
-them through `rl.remote_policy.RemoteTokenPolicy(url, key, ...)`. A replica that dies is restarted
-on its port (`rl.processes.RestartPolicy`).
+`LocalSamplers` is the sampler-side twin of `rl.rollout.env_servers.LocalEnvServers`, both
+configurations of `runtime.supervisor.Launcher`: it starts `count` replicas of `composer-jax serve`
+over one checkpoint, each a separate process (as samplers on separate accelerators would be),
+optionally pinned to its own CPU core (by the launcher's bootstrap, before the child imports
+anything), on free ports of 127.0.0.1, sharing one generated API key, each following the run's
+weight-sync store (`--weights-from`), and waits until every replica has printed its ready line and
+answers /health. The learner talks to them through `rl.samplers.serve.RemoteTokenPolicy(url, key,
+...)`. A replica that dies is restarted on its port (`runtime.supervisor.RestartPolicy`).
 
 Teardown leaves no process behind: `stop()` (also on an exception inside the `with` block or while
 starting) terminates every replica, waits, and kills what is left; each child also asks the kernel
@@ -18,13 +19,17 @@ launcher orphans its replicas. Each replica's output goes to `log_dir/sampler-<i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from composer_jax.config import Config
 from composer_jax.config.sampler import SERVE_SAMPLER, SamplerConfig, sampler_argv, validate_sampler
 from composer_jax.errors import ConfigError
+from composer_jax.formats.tokenizer import Tokenizer
+from composer_jax.rl.samplers.serve import ServeReplicas
 from composer_jax.runtime.supervisor import (
     START_TIMEOUT_S,
     ChildSpec,
@@ -33,8 +38,6 @@ from composer_jax.runtime.supervisor import (
     RestartPolicy,
     log_dir_or_temp,
 )
-
-__all__ = ["START_TIMEOUT_S", "LocalSamplers", "SamplerLaunchError"]
 
 
 class SamplerLaunchError(LaunchError):
@@ -116,3 +119,47 @@ class LocalSamplers(Launcher):
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+
+def local_samplers(cfg: Config, checkpoint_dir: str, store_url: str, version: int, out_dir: Path) -> LocalSamplers:
+    """`rl.local_samplers` serve replicas over the run's checkpoint of step `version`, following the
+    weight store."""
+    r, t = cfg.rl, cfg.train
+    cores = sorted(os.sched_getaffinity(0))
+    return LocalSamplers(
+        checkpoint_dir,
+        r.local_samplers,
+        weights_from=store_url,
+        sampler=r.sampler,
+        cores=cores[1 : 1 + r.local_samplers] if r.pin_cores else None,
+        extra_args=["--version", str(version), "--max-len", str(t.seq_len)],
+        log_dir=out_dir / "samplers",
+        # a warm-up compiles every (group, bucket) admission program before the replica answers
+        # /health: 5-6 min for 48 slots x 768 tokens on one core here, past the plain start's 300 s
+        # (a cached compilation loads in seconds)
+        start_timeout_s=1800.0 if r.sampler.warm_up else START_TIMEOUT_S,
+    )
+
+
+def start_serve(
+    stack: contextlib.ExitStack | contextlib.AsyncExitStack,
+    cfg: Config,
+    tok: Tokenizer,
+    *,
+    version: int,
+    checkpoint_dir: str,
+    store_url: str,
+    out_dir: Path,
+    echo: Callable[[str], None],
+) -> tuple[ServeReplicas, LocalSamplers | None]:
+    """The run's serve replicas: `rl.sampler_urls` (no launcher), or `rl.local_samplers` started here
+    over the run's checkpoint of step `version` (stopped by `stack`), with their launcher."""
+    r = cfg.rl
+    launcher = None
+    if r.sampler_urls:
+        urls, key = list(r.sampler_urls), r.sampler_token or os.environ.get("COMPOSER_JAX_SAMPLER_TOKEN", "")
+    else:
+        launcher = local_samplers(cfg, checkpoint_dir, store_url, version, out_dir)
+        urls, key = stack.enter_context(launcher)
+        echo(f"[rl] started {r.local_samplers} sampler replica(s): {', '.join(urls)}")
+    return ServeReplicas.connect(urls, key, tok, max_context=cfg.train.seq_len, store_url=store_url), launcher

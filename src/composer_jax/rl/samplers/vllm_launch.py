@@ -1,8 +1,15 @@
-"""vLLM replicas a run starts itself (`rl.sampler_engine: vllm`, `rl.local_samplers: N`), and the
-restart that gives them each new policy version.
+"""The vLLM backend's start: replicas a run starts itself (`rl.sampler_engine: vllm`,
+`rl.local_samplers: N`) with the restart that gives them each new policy version, or running ones
+by URL fed over NCCL; and what a vLLM run changes in its config.
 
-* `LocalVLLM` is a `rl.processes.Launcher` configuration, like `rl.launch.LocalSamplers`: each
-  child is `composer-jax vllm-replica` (rl/vllm_replica.py), which starts vLLM in its own
+* `start_vllm` starts `rl.local_samplers` replicas on the run's first version, exported as a
+  Hugging Face checkpoint, or connects to `rl.sampler_urls` replicas that take versions over NCCL
+  (rl/samplers/vllm_nccl.py); either way the run's `VLLMReplicas` backend.
+* `with_vllm_settings` is applied to the run's config before the learner is built: without routed
+  experts from the replicas (`rl.vllm.routed_experts: false`, the CPU build's case: vLLM records them
+  with a Triton kernel), router replay is turned off for the run and the run says so.
+* `LocalVLLM` is a `runtime.supervisor.Launcher` configuration, like `serve_launch.LocalSamplers`:
+  each child is `composer-jax vllm-replica` (rl/samplers/vllm_child.py), which starts vLLM in its own
   virtualenv (`rl.vllm.python`), labels its weights with the policy version and prints the ready
   line; supervision, restarts of a replica that died, teardown and logs are the launcher's.
 * `CheckpointExports` writes a version as a Hugging Face checkpoint for vLLM
@@ -24,20 +31,23 @@ the dtype, `--max-model-len` = train.seq_len, the KV cache's bytes, and on vLLM'
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import os
 import shutil
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from composer_jax.config import Config
 from composer_jax.config.model import ModelConfig
 from composer_jax.config.vllm import VLLMConfig
 from composer_jax.errors import ConfigError
 from composer_jax.hf.mla_pad import pad_mla, plan_padding
 from composer_jax.hf.weights import save_pretrained
-from composer_jax.rl.samplers.vllm import VLLMTokenPolicy
+from composer_jax.rl.samplers.vllm import VLLMReplicas, VLLMTokenPolicy
 from composer_jax.runtime.supervisor import ChildSpec, Launcher, LaunchError, RestartPolicy, log_dir_or_temp
 
 # vLLM's MLA kernels take kv_lora_rank + qk_rope_head_dim of these sizes only; the CPU one 576
@@ -222,6 +232,10 @@ class RestartPush:
         self.launcher, self.exports = launcher, exports
         self.restarts = 0
 
+    def export(self, params: Any, version: int) -> Path:
+        """Version `version` written as the checkpoint the restarts read."""
+        return self.exports.export(params, version)
+
     async def load(self, policy: VLLMTokenPolicy, version: int) -> None:
         model_dir = self.exports.path(version)
         if not (model_dir / "config.json").exists():
@@ -231,3 +245,76 @@ class RestartPush:
         url = await asyncio.to_thread(self.launcher.replace, policy.index, timeout, f"policy version {version}")
         policy.base_url = url.rstrip("/")
         self.restarts += 1
+
+
+def with_vllm_settings(cfg: Config, echo: Callable[[str], None]) -> Config:
+    """`cfg` as a run with vLLM samplers trains it (module docstring); unchanged for other engines."""
+    r = cfg.rl
+    if r.sampler_engine != "vllm" or r.vllm.routed_experts:
+        return cfg
+    if r.loss.router_replay and cfg.model.num_moe_layers > 0:
+        echo(
+            "[rl] router replay off: the vLLM replicas return no routed experts (rl.vllm.routed_experts=false; "
+            "vLLM's CPU build cannot record them); the training forward routes by itself"
+        )
+        loss = dataclasses.replace(r.loss, router_replay=False)
+        return dataclasses.replace(cfg, rl=dataclasses.replace(r, loss=loss))
+    return cfg
+
+
+async def start_vllm(
+    stack: contextlib.AsyncExitStack,
+    cfg: Config,
+    policy_args: dict[str, Any],
+    out_dir: Path,
+    echo: Callable[[str], None],
+) -> tuple[VLLMReplicas, LocalVLLM | None]:
+    """The run's vLLM backend and the launcher of its local replicas (None for replicas by URL)."""
+    r, v, t = cfg.rl, cfg.rl.vllm, cfg.train
+    tok, version, params = policy_args["tok"], int(policy_args["version"]), policy_args["params"]
+    token = r.sampler_token or os.environ.get("COMPOSER_JAX_SAMPLER_TOKEN", "")
+    if r.sampler_urls:  # running replicas (GPU fleets): versions over NCCL
+        from composer_jax.rl.samplers.vllm_nccl import NCCLPush
+
+        nccl = NCCLPush(cfg, host=v.nccl_host)
+        policies = [
+            VLLMTokenPolicy(u, tok, max_context=t.seq_len, weights=nccl, routed_experts=v.routed_experts, api_key=token)
+            for u in r.sampler_urls
+        ]
+        for i, p in enumerate(policies):
+            p.index = i
+            stack.push_async_callback(p.aclose)
+        await nccl.connect(policies, params, version)
+        echo(f"[rl] {len(policies)} vLLM replica(s) by URL, versions over NCCL: {', '.join(r.sampler_urls)}")
+        return VLLMReplicas(policies, nccl, together=r.max_staleness == 0), None
+    python = check_python(v.python)
+    cpu = is_cpu_build(python)
+    pad = needs_padding(cfg.model, cpu)
+    if pad:
+        echo("[rl] MLA padded exactly to 512 + 64 in the checkpoints for vLLM (its CPU MLA kernel's widths)")
+    exports = CheckpointExports(out_dir / "vllm_weights", cfg.model, v.dtype, pad=pad)
+    model_dir = exports.export(params, version)
+    cores = sorted(os.sched_getaffinity(0))[1 : 1 + r.local_samplers] if r.pin_cores else None
+    launcher = LocalVLLM(
+        v,
+        r.local_samplers,
+        model_dir=model_dir,
+        version=version,
+        max_model_len=t.seq_len,
+        cpu=cpu,
+        cores=cores,
+        log_dir=out_dir / "samplers",
+    )
+    urls = stack.enter_context(launcher)
+    push = RestartPush(launcher, exports)
+    policies = [
+        VLLMTokenPolicy(u, tok, max_context=t.seq_len, weights=push, routed_experts=v.routed_experts, index=i)
+        for i, u in enumerate(urls)
+    ]
+    for p in policies:
+        p.version = version
+    echo(
+        f"[rl] started {len(urls)} vLLM replica(s) ({'CPU build' if cpu else 'GPU build'}, {python}): "
+        f"{', '.join(urls)}; new versions by restart"
+    )
+    return VLLMReplicas(policies, push, together=r.max_staleness == 0), launcher
