@@ -9,21 +9,21 @@ PYTHON312 ?= python3.12
 
 .PHONY: venv demo test test-all lint system-deps harbor clean
 
-# OpenEnv 0.3 (requirements-openenv03.lock) installs the same `openenv` package as the current line
-# in requirements-env.lock, so it goes to its own directory, with the venv's dependencies;
-# tests/env/test_openenv_clients.py runs its clients from there in a subprocess. vLLM (requirements-vllm.lock:
+# OpenEnv 0.3 (locks/openenv03.lock) installs the same `openenv` package as the current line
+# in locks/env.lock, so it goes to its own directory, with the venv's dependencies;
+# tests/env/test_openenv_clients.py runs its clients from there in a subprocess. vLLM (locks/vllm.lock:
 # its own pins of torch, transformers, mcp, fastapi) gets a virtualenv of its own, .venv/vllm, which the
 # vLLM sampler (rl.sampler_engine: vllm) runs from; its lock is complete, so it installs with --no-deps.
-$(STAMP): requirements.lock requirements-env.lock requirements-openenv03.lock requirements-swebench.lock requirements-vllm.lock pyproject.toml
+$(STAMP): locks/base.lock locks/env.lock locks/openenv03.lock locks/swebench.lock locks/vllm.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -r requirements.lock -r requirements-env.lock
+	$(PY) -m pip install -q --disable-pip-version-check -r locks/base.lock -r locks/env.lock
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --upgrade --target $(VENV)/openenv-0.3 \
-	  -r requirements-openenv03.lock
+	  -r locks/openenv03.lock
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --upgrade --target $(VENV)/swebench \
-	  -r requirements-swebench.lock
+	  -r locks/swebench.lock
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	@test -x $(VENV)/vllm/bin/python || $(PYTHON) -m venv $(VENV)/vllm
-	@$(VENV)/vllm/bin/pip install -q --disable-pip-version-check --no-deps -r requirements-vllm.lock \
+	@$(VENV)/vllm/bin/pip install -q --disable-pip-version-check --no-deps -r locks/vllm.lock \
 	  || echo "warning: could not install vLLM into $(VENV)/vllm; the vLLM sampler's tests will be skipped"
 	touch $(STAMP)
 
@@ -42,10 +42,10 @@ system-deps:
 	  else echo "warning: bazel not found; Bazel build tests will be skipped"; fi; }
 
 # Harbor's linter (tests/env/test_harbor_tasks.py) needs Python 3.12: its own venv when one is found.
-$(HARBOR_VENV)/.installed: requirements-harbor.lock
+$(HARBOR_VENV)/.installed: locks/harbor.lock
 	@if $(PYTHON312) -c "" >/dev/null 2>&1; then \
 	  $(PYTHON312) -m venv $(HARBOR_VENV) && \
-	  $(HARBOR_VENV)/bin/pip install -q --disable-pip-version-check -r requirements-harbor.lock && \
+	  $(HARBOR_VENV)/bin/pip install -q --disable-pip-version-check -r locks/harbor.lock && \
 	  touch $@ || echo "warning: could not install Harbor; its linter test will be skipped"; \
 	else echo "warning: no working $(PYTHON312) (set PYTHON312=...); Harbor's linter test will be skipped"; fi
 

@@ -28,7 +28,8 @@ log-softmax (log-probabilities) and whether every row's arg-max (the greedy toke
 `--`), separated by ';'. A child that crashes or rejects a flag is reported with its last error line
 and the table goes on. `--rounds N` runs the sets round-robin N times and keeps each piece's lowest
 min and median (load changes then hit every set alike). Findings (jaxlib 0.10.2: no set beats the
-default, which already sends every dot to YNNPACK) are in docs/inference.md, "XLA:CPU flags".
+default, which already sends every dot to YNNPACK) are in docs/results/xla_cpu_flags.md (docs/inference.md,
+"XLA:CPU flags", says what it times).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from composer_jax.cli import main as cli_main
-from composer_jax.report import ReportError, format_trend, read_metrics, trend, write_report
+from composer_jax.report import GRID_COLUMNS, ReportError, format_trend, grid, read_metrics, trend, write_report
 
 
 def _write(path: Path, records: list[dict]) -> None:
@@ -134,9 +134,37 @@ def test_report_prints_trends(tmp_path):
     rl = [{"step": s, "reward/total": y, "rollout/success": y} for s, y in enumerate([1.0, 3.0, 2.0, 5.0])]
     _write(run / "rl" / "metrics.jsonl", rl)
     md = write_report(run).read_text()
-    hand = "slope +1.1000 +- 0.5196 /step (z 2.1, 4 steps); first quarter 1.0000 +- nan -> last 5.0000 +- nan"
+    # quarters of one point have no spread: their means print alone, not "+- nan"
+    hand = "slope +1.1000 +- 0.5196 /step (z 2.1, 4 steps); first quarter 1.0000 -> last 5.0000"
     assert f"| s1 | 1 -> 5 (steps 0-3) |  | {hand} (1 each) |" in md
-    assert "- reward: slope +1.100 +- 0.520 /step (z 2.1, 4 steps)" in md
+    assert "- reward: slope +1.100 +- 0.520 /step (z 2.1, 4 steps); first quarter 1.000 -> last 5.000 (1 each)" in md
+    assert "nan" not in md
+
+
+def test_one_point_quarters_and_a_two_point_slope_print_no_spread():
+    t = trend([(0, 1.0), (1, 3.0)])
+    assert math.isnan(t.slope_se) and math.isnan(t.head_se)
+    assert format_trend(t) == "slope +2.000 /step (2 steps); first quarter 1.000 -> last 3.000 (1 each)"
+
+
+def test_figure_grid_wraps_panels_onto_rows():
+    assert GRID_COLUMNS == 3
+    assert grid([6]) == (2, 3, [0])  # the RL figure: six panels as 2 x 3
+    assert grid([2, 3, 2]) == (3, 3, [0, 1, 2])  # a stage a row
+    assert grid([6, 2]) == (3, 3, [0, 2])  # a stage starts on a row of its own
+    assert grid([2, 2]) == (2, 2, [0, 1])  # no wider than the widest stage
+    assert grid([7], max_cols=2) == (4, 2, [0])
+
+
+def test_rl_figure_is_a_readable_grid(tmp_path):
+    # all six RL panels with data: 2 rows x 3 columns of 420 x 300 pixels, not one 2520 x 300 strip
+    run = tmp_path / "run"
+    keys = ("reward/total", "rollout/success", "reward/length_penalty", "version_lag_mean")
+    keys += ("rl/dropped_stale_groups", "mismatch_kl_k1")
+    _write(run / "rl" / "metrics.jsonl", [{"step": s, **{k: 0.1 * s for k in keys}} for s in (1, 2, 3)])
+    write_report(run)
+    with Image.open(run / "plots" / "rl.png") as im:
+        assert im.size == (1260, 600)
 
 
 def test_a_mixture_stage_gets_its_sources_train_nll_table_and_panel(tmp_path):

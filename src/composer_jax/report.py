@@ -11,6 +11,7 @@ a separate record at the same step) and, for evaluations, a `report.json` writte
   evaluation's overall and per-category table;
 - `plots/pretraining.png`: train loss and held-out perplexity over steps, one row per stage, and
   for a stage trained on a mixture each source's train nll (`source_nll/NAME`, with a table);
+  each figure is a grid (`grid`: at most GRID_COLUMNS panels a row, a stage's panels wrapping);
 - `plots/rl.png`: reward (total and grade), success and best-of-K, length penalty, staleness
   (version lag, dropped stale groups), sampler/trainer mismatch KL and held-out pass@1 over RL
   steps, for every stage whose records carry RL values.
@@ -158,13 +159,21 @@ def trend(points: Sequence[tuple[float, float]]) -> Trend:
     return Trend(n, slope, se, q, head[0], head[1], tail[0], tail[1])
 
 
+def _with_se(v: float, se: float, digits: int, sign: str = "") -> str:
+    """`v` to `digits` decimals, then '+- se' when its standard error is defined (not for one point)."""
+    text = f"{v:{sign}.{digits}f}"
+    return f"{text} +- {se:.{digits}f}" if math.isfinite(se) else text
+
+
 def format_trend(t: Trend, digits: int = 3) -> str:
-    """e.g. 'slope -0.004 +- 0.006 /step (z -0.7, 10 steps); first quarter 0.21 +- 0.02 -> last 0.18 +- 0.03'."""
-    f = lambda v: "nan" if not math.isfinite(v) else f"{v:.{digits}f}"  # noqa: E731
+    """e.g. 'slope -0.004 +- 0.006 /step (z -0.7, 10 steps); first quarter 0.21 +- 0.02 -> last 0.18 +- 0.03'.
+
+    A value without a standard error (a quarter of one point, a slope through two) prints alone."""
     z = f"z {t.z:.1f}, " if math.isfinite(t.z) else ""
     return (
-        f"slope {t.slope:+.{digits}f} +- {f(t.slope_se)} /step ({z}{t.n} steps); first quarter "
-        f"{f(t.head_mean)} +- {f(t.head_se)} -> last {f(t.tail_mean)} +- {f(t.tail_se)} ({t.quarter} each)"
+        f"slope {_with_se(t.slope, t.slope_se, digits, '+')} /step ({z}{t.n} steps); first quarter "
+        f"{_with_se(t.head_mean, t.head_se, digits)} -> last {_with_se(t.tail_mean, t.tail_se, digits)} "
+        f"({t.quarter} each)"
     )
 
 
@@ -178,8 +187,24 @@ def _first_last(s: list[tuple[int, float]]) -> str:
     return f"{_fmt(s[0][1])} -> {_fmt(s[-1][1])} (steps {s[0][0]}-{s[-1][0]})"
 
 
+GRID_COLUMNS = 3  # panels per figure row: a stage's panels wrap onto as many rows as they need
+
+
+def grid(panel_counts: Sequence[int], max_cols: int = GRID_COLUMNS) -> tuple[int, int, list[int]]:
+    """The figure grid for stages with these panel counts: (rows, cols, each stage's first row).
+
+    Columns are the widest stage's panel count up to `max_cols`; each stage starts on a row of its
+    own and wraps its panels onto ceil(count / cols) rows, so six panels read as 2 x 3, not 1 x 6."""
+    cols = min(max_cols, max(panel_counts))
+    firsts, row = [], 0
+    for n in panel_counts:
+        firsts.append(row)
+        row += -(-n // cols)
+    return row, cols, firsts
+
+
 def _plot(panels: Sequence[tuple[str, Sequence[tuple[str, str]]]], stages: list[Stage], out: Path, title: str) -> bool:
-    """One row per stage, one column per panel with data; False when nothing to plot."""
+    """Each stage's panels with data on rows of `grid`'s columns; False when nothing to plot."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -190,30 +215,37 @@ def _plot(panels: Sequence[tuple[str, Sequence[tuple[str, str]]]], stages: list[
     rows = [(st, ps) for st, ps in rows if ps]
     if not rows:
         return False
-    cols = max(len(ps) for _, ps in rows)
-    fig, axes = plt.subplots(len(rows), cols, figsize=(4.2 * cols, 3.0 * len(rows)), squeeze=False)
-    for r, (st, ps) in enumerate(rows):
+    n_rows, cols, firsts = grid([len(ps) for _, ps in rows])
+    fig, axes = plt.subplots(n_rows, cols, figsize=(4.2 * cols, 3.0 * n_rows), squeeze=False)
+    used = set()
+    for (st, ps), first in zip(rows, firsts, strict=True):
+        for i, (t, ms) in enumerate(ps):
+            r, c = first + i // cols, i % cols
+            used.add((r, c))
+            _draw_panel(axes[r][c], st, t, ms)
+    for r in range(n_rows):
         for c in range(cols):
-            ax = axes[r][c]
-            if c >= len(ps):
-                ax.axis("off")
-                continue
-            t, ms = ps[c]
-            for k, lab in ms:
-                xs, ys = zip(*st.series[k], strict=True)
-                ax.plot(xs, ys, marker="o" if len(xs) < 40 else None, markersize=3, label=lab)
-            ax.set_title(f"{st.name}: {t}", fontsize=9)
-            ax.set_xlabel("step", fontsize=8)
-            ax.tick_params(labelsize=7)
-            ax.grid(alpha=0.3)
-            if len(ms) > 1:
-                ax.legend(fontsize=7)
+            if (r, c) not in used:
+                axes[r][c].axis("off")
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return True
+
+
+def _draw_panel(ax: Any, st: Stage, title: str, metrics: Sequence[tuple[str, str]]) -> None:
+    """One panel: each metric of `st` over its steps, titled with the stage."""
+    for k, lab in metrics:
+        xs, ys = zip(*st.series[k], strict=True)
+        ax.plot(xs, ys, marker="o" if len(xs) < 40 else None, markersize=3, label=lab)
+    ax.set_title(f"{st.name}: {title}", fontsize=9)
+    ax.set_xlabel("step", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.grid(alpha=0.3)
+    if len(metrics) > 1:
+        ax.legend(fontsize=7)
 
 
 RL_TABLE = (

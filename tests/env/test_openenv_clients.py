@@ -1,7 +1,7 @@
 """Full episodes driven by OpenEnv's own client classes, and `openenv validate --url`.
 
-Both client lines are exercised: the current `openenv` (0.10, pinned in requirements-env.lock and
-installed in the venv) and OpenEnv 0.3's `openenv-core` (requirements-openenv03.lock). The two
+Both client lines are exercised: the current `openenv` (0.10, pinned in locks/env.lock and
+installed in the venv) and OpenEnv 0.3's `openenv-core` (locks/openenv03.lock). The two
 install the same `openenv` package, so `make venv` puts 0.3 in its own directory
 (`.venv/openenv-0.3`, found through `sys.prefix`) and each line runs `openenv_episode.py` in its
 own interpreter. Expected values are worked by hand from the fixture task `fix-add`

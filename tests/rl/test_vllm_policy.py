@@ -46,7 +46,7 @@ print(json.dumps({"uid": init.nccl_unique_id_bytes.hex(), "offset": init.rank_of
 
 def _vllm_python() -> Path:
     if not VLLM_PYTHON.exists():
-        pytest.skip("vLLM's virtualenv (.venv/vllm) is missing: `make venv` builds it from requirements-vllm.lock")
+        pytest.skip("vLLM's virtualenv (.venv/vllm) is missing: `make venv` builds it from locks/vllm.lock")
     return VLLM_PYTHON
 
 

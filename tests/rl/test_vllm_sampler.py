@@ -48,7 +48,7 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
         not VLLM_PYTHON.exists(),
-        reason="vLLM's virtualenv (.venv/vllm) is missing: `make venv` builds it from requirements-vllm.lock "
+        reason="vLLM's virtualenv (.venv/vllm) is missing: `make venv` builds it from locks/vllm.lock "
         "(it said why if vLLM could not install)",
     ),
 ]

@@ -40,7 +40,7 @@ try:
     import orjson  # ~10x faster than json for tool results (file contents); optional
 
     _HAVE_ORJSON = True
-except ImportError:  # pragma: no cover - orjson is in requirements-env.lock
+except ImportError:  # pragma: no cover - orjson is in locks/env.lock
     _HAVE_ORJSON = False
 
 from composer_jax.env.api import protocol

@@ -30,7 +30,7 @@ try:
     import orjson
 
     _HAVE_ORJSON = True
-except ImportError:  # pragma: no cover - orjson is in requirements-env.lock
+except ImportError:  # pragma: no cover - orjson is in locks/env.lock
     _HAVE_ORJSON = False
 
 SESSION_HEADER = "mcp-session-id"

@@ -74,7 +74,7 @@ def check_python(python: str) -> str:
     if not os.access(python, os.X_OK):
         raise VLLMLaunchError(
             f"rl.vllm.python={python!r} is not an executable; vLLM's own virtualenv is built by `make venv` "
-            "(.venv/vllm, from requirements-vllm.lock), or point rl.vllm.python at one"
+            "(.venv/vllm, from locks/vllm.lock), or point rl.vllm.python at one"
         )
     try:
         ok = subprocess.run([python, "-c", "import vllm"], capture_output=True, timeout=300)

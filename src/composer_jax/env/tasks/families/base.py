@@ -47,7 +47,7 @@ class Family:
 
 # Harbor builds this image for the agent and, with `[verifier] environment_mode = "separate"`, a
 # fresh one for the verifier. pytest is pinned (Harbor's linter: unpinned-python-dependency) to the
-# version requirements.lock pins, which the local sandbox runs the tests with.
+# version locks/base.lock pins, which the local sandbox runs the tests with.
 PYTEST_REQUIREMENT = "pytest==9.2.0"
 DOCKERFILE = f"""\
 FROM python:3.11-slim
