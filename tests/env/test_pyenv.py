@@ -22,7 +22,7 @@ from metrics_scrape import parse
 
 from composer_jax.cli import main as cli_main
 from composer_jax.env.sandbox.pyenv import ENV_MOUNT, EnvBuildError, EnvCache, spec_key
-from composer_jax.env.sandbox.runner import BubblewrapSandbox, Limits
+from composer_jax.env.sandbox.runner import BubblewrapSandbox, Limits, SandboxCommand
 from composer_jax.env.server.app import GradeResponse
 from composer_jax.env.server.session import SessionManager
 from composer_jax.env.tasks.envspec import EnvSpec, parse_environment
@@ -337,8 +337,8 @@ def test_network_only_for_index_builds(sandbox):
     lease = sandbox.lease("argv-probe")
     try:
         args = {"mounts": [], "cwd": "/", "limits": Limits(), "env": {}}
-        _, _, plain = lease._argv(["true"], **args)
-        _, _, networked = lease._argv(["true"], **args, network=True)
+        _, _, plain = lease._argv(SandboxCommand(["true"], **args))
+        _, _, networked = lease._argv(SandboxCommand(["true"], **args, network=True))
     finally:
         asyncio.run(lease.close())
     assert "--unshare-net" in plain and "--unshare-net" not in networked

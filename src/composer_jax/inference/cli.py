@@ -206,21 +206,36 @@ def default_model_name(policy: Any) -> str:
     return name if name and name != "model" else base or "composer-jax"
 
 
-def serve_main(argv: list[str] | None = None) -> int:
+def _api_key(args: argparse.Namespace) -> tuple[str, bool]:
+    """The bearer key (--api-key, else $COMPOSER_JAX_API_KEY, else a fresh one) and whether it was generated."""
     import secrets
 
+    key = args.api_key or os.environ.get(API_KEY_ENV)
+    if key is not None and len(key) < 16:
+        raise UsageError("the API key must be at least 16 characters")
+    return key or secrets.token_urlsafe(32), key is None
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, for uvicorn to listen on."""
+    try:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        raise UsageError(f"cannot bind {host}:{port}: {e.strerror}") from e
+    return sock
+
+
+def serve_main(argv: list[str] | None = None) -> int:
     parser = _serve_parser()
     args = parser.parse_args(argv)
     speculative = speculative_options(parser, args)
     logging.basicConfig(level=args.log_level.upper())
-    key = args.api_key or os.environ.get(API_KEY_ENV)
-    if key is not None and len(key) < 16:
-        raise UsageError("the API key must be at least 16 characters")
+    key, generated = _api_key(args)
     if not args.poll_s > 0:
         raise UsageError(f"--poll-interval {args.poll_s} must be > 0 (seconds)")
     sampler = sampler_from_args(args)
-    generated = key is None
-    key = key or secrets.token_urlsafe(32)
     from composer_jax.checkpoint.validate import CheckpointError
     from composer_jax.hf.weights import CheckpointError as HFCheckpointError
 
@@ -228,12 +243,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         policy, tok, mesh, max_len = _load(args)
     except (ConfigError, CheckpointError, HFCheckpointError, ValueError) as e:
         raise UsageError(str(e)) from e
-    try:
-        sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((args.host, args.port))
-    except OSError as e:
-        raise UsageError(f"cannot bind {args.host}:{args.port}: {e.strerror}") from e
+    sock = _bind(args.host, args.port)
     one_at_a_time = mesh is not None or args.speculative_tokens > 0
     if args.warm_up and one_at_a_time:
         print(
