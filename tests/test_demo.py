@@ -2,6 +2,7 @@
 
 import re
 
+from composer_jax.cli import main as cli_main
 from composer_jax.demo import main, rl_line
 
 
@@ -14,7 +15,7 @@ def test_demo_runs_and_learns(capsys):
 
 
 def test_demo_bad_override_is_clear(capsys):
-    assert main(["--quick", "mesh.expert=3"]) == 2
+    assert cli_main(["demo", "--quick", "mesh.expert=3"]) == 2
     err = capsys.readouterr().err
     assert "mesh" in err and "8 devices" in err
 

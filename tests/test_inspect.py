@@ -8,6 +8,7 @@ from pathlib import Path
 import jax
 import pytest
 
+from composer_jax.cli import main as cli_main
 from composer_jax.config import load_config, read_yaml
 from composer_jax.inspection import build_report, main
 from composer_jax.model.params import abstract_params
@@ -247,23 +248,23 @@ def test_cli_text(capsys):
     ],
 )
 def test_cli_bad_arguments_exit_2_with_a_clear_message(capsys, args, needle):
-    assert main([str(MODELS / "tiny.yaml"), *args]) == 2
+    assert cli_main(["inspect", str(MODELS / "tiny.yaml"), *args]) == 2
     err = capsys.readouterr().err
     assert needle in err and err.startswith("composer-jax inspect: error:")
 
 
 def test_cli_mesh_file_must_hold_only_a_mesh_section(capsys):
-    assert main([str(MODELS / "tiny.yaml"), "--mesh", str(MODELS / "tiny.yaml")]) == 2
+    assert cli_main(["inspect", str(MODELS / "tiny.yaml"), "--mesh", str(MODELS / "tiny.yaml")]) == 2
     assert "must hold only a `mesh:` section" in capsys.readouterr().err
 
 
 def test_cli_without_config_names_what_is_missing(capsys):
-    assert main([]) == 2
+    assert cli_main(["inspect"]) == 2
     assert "missing CONFIG" in capsys.readouterr().err
 
 
 def test_cli_directory_instead_of_a_config_file(capsys):
-    assert main([str(MODELS)]) == 2
+    assert cli_main(["inspect", str(MODELS)]) == 2
     err = capsys.readouterr().err
     assert str(MODELS) in err and "is not a file" in err and "Traceback" not in err
 
@@ -383,7 +384,7 @@ def test_verdict_headroom_by_hand(capsys):
 
 def test_cli_xla_needs_the_mesh_to_fit_this_machine(capsys):
     # the test session has 8 CPU devices; a 16-device mesh cannot be compiled here
-    assert main([str(PRETRAIN / "tiny_stage1.yaml"), "mesh.data=4", "train.batch_size=16", "--xla"]) == 2
+    assert cli_main(["inspect", str(PRETRAIN / "tiny_stage1.yaml"), "mesh.data=4", "train.batch_size=16", "--xla"]) == 2
     err = capsys.readouterr().err
     assert "--xla compiles the step on this machine's 8 cpu device(s)" in err and "= 16" in err
 

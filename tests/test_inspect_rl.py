@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from composer_jax.cli import main as cli_main
 from composer_jax.config import check_rl_run, load_config
 from composer_jax.inspection import main
 
@@ -117,9 +118,9 @@ def test_tiny_rl_config_serves_on_one_gpu_by_tensor_parallel(capsys):
 
 
 def test_bad_replica_flags_are_named(capsys):
-    assert main([str(TINY_RL), "--gpu-memory-utilization", "1.5"]) == 2
+    assert cli_main(["inspect", str(TINY_RL), "--gpu-memory-utilization", "1.5"]) == 2
     assert "--gpu-memory-utilization 1.5: accepted: a fraction in (0, 1]" in capsys.readouterr().err
-    assert main([str(TINY_RL), "--serve-precision", "int3"]) == 2
+    assert cli_main(["inspect", str(TINY_RL), "--serve-precision", "int3"]) == 2
     assert "int3" in capsys.readouterr().err
 
 

@@ -1,13 +1,16 @@
 """`composer-jax` command-line entry point: one subcommand per job.
 
 Each subcommand lives in the module that owns the job and is imported only when it runs, so that
-`composer-jax env-server` never imports JAX.
+`composer-jax env-server` never imports JAX. A subcommand signals a fault in what it was given by
+raising `UsageError`; this is the one place that turns it into a message and exit code 2.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+
+from composer_jax.errors import UsageError
 
 # subcommand -> (module, function taking argv list and returning an exit code, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
@@ -58,7 +61,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"composer-jax: unknown command {name!r}; accepted: {', '.join(SUBCOMMANDS)}", file=sys.stderr)
         return 2
     module, func, _ = SUBCOMMANDS[name]
-    return int(getattr(importlib.import_module(module), func)(rest) or 0)
+    try:
+        return int(getattr(importlib.import_module(module), func)(rest) or 0)
+    except UsageError as e:
+        print(f"composer-jax {name}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

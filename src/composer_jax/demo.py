@@ -37,6 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import composer_jax as cj  # noqa: E402
 from composer_jax import resources  # noqa: E402
+from composer_jax.errors import UsageError  # noqa: E402
 from composer_jax.inspection import build_report, format_report  # noqa: E402
 from composer_jax.model.masks import segment_positions  # noqa: E402
 from composer_jax.model.params import count_params, param_specs  # noqa: E402
@@ -297,20 +298,16 @@ def main(argv: list[str] | None = None) -> int:
 def _pipeline_main(args: argparse.Namespace) -> int:
     """The whole pipeline (the default): the stages under --out, then the run's report."""
     if args.overrides:
-        print(
-            "composer-jax demo: key=value overrides apply to --quick only; the pipeline runs the "
-            "stage configs in configs/pretrain/tiny_*.yaml",
-            file=sys.stderr,
+        raise UsageError(
+            "key=value overrides apply to --quick only; the pipeline runs the stage configs in "
+            "configs/pretrain/tiny_*.yaml"
         )
-        return 2
     if args.scale <= 0:
-        print(f"composer-jax demo: --scale {args.scale} must be > 0", file=sys.stderr)
-        return 2
+        raise UsageError(f"--scale {args.scale} must be > 0")
     try:
         out = prepare_out(args.out)
     except OSError as e:
-        print(f"composer-jax demo: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from e
     os.chdir(out)  # whatever a stage might write relative to the working directory lands under --out too
     pipeline(str(out), args.scale)
     from composer_jax.report import write_report
@@ -339,8 +336,7 @@ def _quick(args: argparse.Namespace) -> int:
             train + (DEFAULT_OVERRIDES if not args.overrides else args.overrides),
         )
     except cj.ConfigError as e:
-        print(f"composer-jax demo: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from e
     m = cfg.model
     mesh = cj.make_mesh(cfg.mesh)
     rules = cj.ShardingRules.create(cfg.sharding_rules)
@@ -384,7 +380,3 @@ def _quick(args: argparse.Namespace) -> int:
     )
     print(f"parameters: {count_params(param_specs(m)):,} (incl. MTP); final next-token nll {float(metrics['nll']):.4f}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -35,6 +35,7 @@ from typing import Any
 
 from composer_jax import inspection_rl
 from composer_jax.config import MESH_AXES, Config, ConfigError, config_from_dict, deep_merge, read_yaml, to_dict
+from composer_jax.errors import UsageError
 from composer_jax.model import accounting
 from composer_jax.sharding import MeshRules, ShardingRules
 
@@ -163,12 +164,8 @@ def expert_all_to_all(cfg: Config, sizes: dict[str, int], tokens_per_device: flo
     return out
 
 
-class UsageError(ValueError):
-    """A command-line argument is missing, malformed or out of range."""
-
-
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse would print and sys.exit(2) itself; let main decide
+    def error(self, message: str):  # argparse would print and sys.exit(2) itself; composer-jax's dispatcher does
         raise UsageError(message)
 
 
@@ -696,9 +693,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             report["xla"] = xla_comparison(_with_shape(cfg, report), report["memory_per_device"])
     except SystemExit as e:  # --help
         return int(e.code or 0)
-    except (UsageError, ConfigError) as e:
-        print(f"composer-jax inspect: error: {e}", file=sys.stderr)
-        return 2
+    except ConfigError as e:
+        raise UsageError(str(e)) from e
     if args.json:
         report["config"] = to_dict(cfg)
         print(json.dumps(accounting.as_builtin(report), indent=1))
@@ -722,7 +718,3 @@ def _rl_args(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
             f"give --serve-precision, one of {', '.join(inspection_rl.SERVE_PRECISIONS)}"
         )
     return {"serve_precision": precision, "utilization": u}
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -24,12 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from composer_jax.errors import UsageError
 
 Series = dict[str, list[tuple[int, float]]]  # metric -> [(step, value)] in step order
 
@@ -383,11 +384,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = write_report(args.run_dir, args.title)
     except ReportError as e:
-        print(f"composer-jax report: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from e
     print(f"wrote {out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from composer_jax.checkpoint.manager import TrainCheckpointer
+from composer_jax.cli import main as cli_main
 from composer_jax.config import load_config, to_dict
 from composer_jax.config.checkpoint import CheckpointConfig
 from composer_jax.env.api.protocol import tool_schemas
@@ -261,7 +262,7 @@ def test_bad_run_directories_are_refused(run, tmp_path, capsys):
     assert "no checkpoints in" in err and "accepted:" in err
     assert convert_main(["--from-run", str(run), "--step", "7", "--to-hf", str(tmp_path / "o")]) == 1
     assert "no checkpoint for step 7" in capsys.readouterr().err and "saved steps: [1, 2]"
-    assert convert_main(["--from-hf", str(run), "--step", "1", "--to-hf", str(tmp_path / "o")]) == 2
+    assert cli_main(["convert", "--from-hf", str(run), "--step", "1", "--to-hf", str(tmp_path / "o")]) == 2
     assert "--step applies to --from-run only" in capsys.readouterr().err
 
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from datahelpers import FIXTURES
 
+from composer_jax.cli import main as cli_main
 from composer_jax.config.data import DataConfig, DataConfigError, SourceConfig
-from composer_jax.data.cli import main as data_main
 from composer_jax.data.pipeline import make_train_iterator
 from composer_jax.data.sft import make_sft
 from composer_jax.formats.chatml import (
@@ -124,7 +124,10 @@ def test_make_sft_on_fixture_tasks(tmp_path, tok):
 
 
 def test_make_sft_cli_reports_failing_solution(tmp_path, capsys):
-    assert data_main(["make-sft", "--tasks", str(FIXTURES / "broken_tasks"), "--out", str(tmp_path / "o.jsonl")]) == 2
+    assert (
+        cli_main(["data", "make-sft", "--tasks", str(FIXTURES / "broken_tasks"), "--out", str(tmp_path / "o.jsonl")])
+        == 2
+    )
     assert "task 'broken': solution/solve.sh exited 3: failing" in capsys.readouterr().err
 
 

@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 
+from composer_jax.cli import main as cli_main
 from composer_jax.config import ConfigError, build_dataclass, coerce, to_dict
 from composer_jax.config.data import DataConfig, DataConfigError, SourceConfig, validate_data_config
 
@@ -69,5 +70,5 @@ def test_data_peek_cli_reads_a_yaml_data_section(tmp_path, tok_dir, capsys):
     out = capsys.readouterr().out
     assert "--- row 0:" in out and "def hello()" in out
     (tmp_path / "bad.yaml").write_text("data:\n  sources: [{type: csv, path: x}]\n")
-    assert main(["peek", "--config", str(tmp_path / "bad.yaml")]) == 2
+    assert cli_main(["data", "peek", "--config", str(tmp_path / "bad.yaml")]) == 2
     assert "type='csv' is not accepted" in capsys.readouterr().err

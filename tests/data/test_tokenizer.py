@@ -5,6 +5,7 @@ import json
 import pytest
 from datahelpers import REPO
 
+from composer_jax.cli import main as cli_main
 from composer_jax.config.data import DataConfigError
 from composer_jax.data.tokenizer_cli import main
 from composer_jax.formats.tokenizer import SPECIAL_TOKENS, load_tokenizer, save_tokenizer, train_tokenizer
@@ -70,5 +71,5 @@ def test_cli_train(tmp_path, capsys):
     assert main(["train", "--corpus", str(corpus), "--vocab-size", "280", "--out", str(tmp_path / "out")]) == 0
     assert "trained vocab 280 on 3 files" in capsys.readouterr().out
     assert load_tokenizer(tmp_path / "out").vocab_size == 280
-    assert main(["train", "--corpus", str(tmp_path / "nope"), "--out", str(tmp_path / "o2")]) == 2
+    assert cli_main(["tokenizer", "train", "--corpus", str(tmp_path / "nope"), "--out", str(tmp_path / "o2")]) == 2
     assert "does not exist" in capsys.readouterr().err

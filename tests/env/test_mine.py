@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from composer_jax.cli import main as cli_main
 from composer_jax.env.mining import miner as mine
 from composer_jax.env.mining import statement as instruction
 from composer_jax.env.mining.gitrepo import Commit, FileChange
@@ -209,21 +210,33 @@ def test_mine_whole_history_and_validate(tmp_path):
 
 def test_cli_errors_name_the_bad_value(tmp_path, capsys):
     from composer_jax.env.mining.cli import mine_main
-    from composer_jax.env.mining.swebench_import import import_main
 
-    assert mine_main([str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    assert cli_main(["env", "mine", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     assert "is not a git checkout" in capsys.readouterr().err
     repo = tmp_path / "r"
     repo.mkdir()
     minerepo.git(repo, "init", "-q")
-    assert mine_main([str(repo), "--out", str(tmp_path / "o"), "--writer-url", "http://x/v1"]) == 2
+    assert cli_main(["env", "mine", str(repo), "--out", str(tmp_path / "o"), "--writer-url", "http://x/v1"]) == 2
     assert "--writer-url and --writer-model go together" in capsys.readouterr().err
-    assert mine_main([str(repo), "--out", str(tmp_path / "o"), "--rev-range", "nosuchref"]) == 2
+    assert cli_main(["env", "mine", str(repo), "--out", str(tmp_path / "o"), "--rev-range", "nosuchref"]) == 2
     assert "--rev-range 'nosuchref'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         mine_main([str(repo), "--out", str(tmp_path / "o"), "--jobs", "0"])
     assert "--jobs" in capsys.readouterr().err
-    assert import_main([str(tmp_path / "none.jsonl"), "--repos", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    assert (
+        cli_main(
+            [
+                "env",
+                "import-swebench",
+                str(tmp_path / "none.jsonl"),
+                "--repos",
+                str(tmp_path),
+                "--out",
+                str(tmp_path / "o"),
+            ]
+        )
+        == 2
+    )
     assert "is not a file of instance records" in capsys.readouterr().err
 
 

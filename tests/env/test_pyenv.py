@@ -20,8 +20,9 @@ import pytest
 from conftest import HAVE_BWRAP, LiveServer
 from metrics_scrape import parse
 
+from composer_jax.cli import main as cli_main
 from composer_jax.env.sandbox.pyenv import ENV_MOUNT, EnvBuildError, EnvCache, spec_key
-from composer_jax.env.sandbox.runner import BubblewrapSandbox, Limits
+from composer_jax.env.sandbox.runner import BubblewrapSandbox, Limits, SandboxCommand
 from composer_jax.env.server.app import GradeResponse
 from composer_jax.env.server.session import SessionManager
 from composer_jax.env.tasks.envspec import EnvSpec, parse_environment
@@ -336,8 +337,8 @@ def test_network_only_for_index_builds(sandbox):
     lease = sandbox.lease("argv-probe")
     try:
         args = {"mounts": [], "cwd": "/", "limits": Limits(), "env": {}}
-        _, _, plain = lease._argv(["true"], **args)
-        _, _, networked = lease._argv(["true"], **args, network=True)
+        _, _, plain = lease._argv(SandboxCommand(["true"], **args))
+        _, _, networked = lease._argv(SandboxCommand(["true"], **args, network=True))
     finally:
         asyncio.run(lease.close())
     assert "--unshare-net" in plain and "--unshare-net" not in networked
@@ -389,16 +390,15 @@ def test_editable_app_points_at_the_session_workspace(tmp_path, wheelhouse, sand
 @pytest.mark.sandbox
 @pytest.mark.skipif(not HAVE_BWRAP, reason="`env build` needs bubblewrap before it reads its flags")
 def test_cli_env_flags_errors(tmp_path, capsys):
-    from composer_jax.env.cli import env_main
 
     (tmp_path / "tasks").mkdir()
-    assert env_main(["build", str(tmp_path / "tasks"), "--wheelhouse", str(tmp_path / "nope")]) == 2
+    assert cli_main(["env", "build", str(tmp_path / "tasks"), "--wheelhouse", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err
     assert "--wheelhouse" in err and "not a directory" in err, err
     args = ["build", str(tmp_path / "tasks"), "--wheelhouse", str(tmp_path), "--index-url", "http://x"]
-    assert env_main(args) == 2
+    assert cli_main(["env", *args]) == 2
     assert "not both" in capsys.readouterr().err
-    assert env_main(["build", str(tmp_path / "tasks"), "--index-url", "file:///etc"]) == 2
+    assert cli_main(["env", "build", str(tmp_path / "tasks"), "--index-url", "file:///etc"]) == 2
     assert "expected an http:// or https:// URL" in capsys.readouterr().err
 
 

@@ -30,6 +30,7 @@ from composer_jax.env.tools.web_search import (
     make_web_tools,
     task_wants_web,
 )
+from composer_jax.errors import UsageError
 
 GEO = '''"""Geometry on the sphere."""
 raise RuntimeError("the index imported this module")
@@ -216,14 +217,15 @@ def test_private_hosts_are_refused_unless_allowed(stub_url):
         _CheckedRedirects(False).redirect_request(None, None, 302, "Found", {}, "http://169.254.169.254/latest")
 
 
-def test_flags_and_task_key_are_checked(tmp_path, capsys):
+def test_flags_and_task_key_are_checked(tmp_path):
     assert make_web_tools("off") is None
     with pytest.raises(ValueError, match="--web-search 'bing'; accepted: offline, searxng:URL, off"):
         make_web_tools("bing")
     with pytest.raises(ValueError, match="needs an http"):
         make_web_tools("searxng:ftp://x")
     args = server_parser().parse_args(["--tasks", str(tmp_path), "--docs-packages", "no-such-dist-cj"])
-    assert _make_web_tools(args) is False and "no-such-dist-cj" in capsys.readouterr().err
+    with pytest.raises(UsageError, match="no-such-dist-cj"):
+        _make_web_tools(args)
     args = argparse.Namespace(**{**vars(args), "docs_packages": ["pytest"], "web_search": "offline"})
     assert isinstance(_make_web_tools(args).backend, OfflineBackend)
     assert task_wants_web({"agent": {"web_search": True}}) and not task_wants_web({})

@@ -21,12 +21,13 @@ import uvicorn
 from metrics_scrape import scrape
 
 from composer_jax.checkpoint.manager import TrainCheckpointer
+from composer_jax.cli import main as cli_main
 from composer_jax.config import load_config, to_dict
 from composer_jax.config.checkpoint import CheckpointConfig
 from composer_jax.config.sampler import SamplerConfig
 from composer_jax.formats.tokenizer import load_tokenizer
 from composer_jax.inference.checkpoints import load_policy
-from composer_jax.inference.cli import build_server, serve_main
+from composer_jax.inference.cli import build_server
 from composer_jax.inference.sampler import Request, Sampler
 from composer_jax.inference.sampling import SamplingParams
 from composer_jax.sharding import ShardingRules, make_mesh
@@ -205,7 +206,7 @@ def test_admin_load_weights_from_a_store(live, tmp_path):
 
 def test_serve_cli_refuses_bad_store_settings(live, capsys):
     ckpt = str(live["a"].path)
-    assert serve_main(["--checkpoint", ckpt, "--weights-from", "file:///x", "--poll-interval", "0"]) == 2
+    assert cli_main(["serve", "--checkpoint", ckpt, "--weights-from", "file:///x", "--poll-interval", "0"]) == 2
     assert "--poll-interval 0.0 must be > 0" in capsys.readouterr().err
-    assert serve_main(["--checkpoint", ckpt, "--weights-from", "nowhere", "--port", "0"]) == 2
+    assert cli_main(["serve", "--checkpoint", ckpt, "--weights-from", "nowhere", "--port", "0"]) == 2
     assert "weights_from: weight-sync url 'nowhere' is not a kvstore URL" in capsys.readouterr().err

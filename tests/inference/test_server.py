@@ -25,6 +25,7 @@ import uvicorn  # noqa: E402
 from metrics_scrape import scrape  # noqa: E402
 
 from composer_jax.checkpoint.manager import TrainCheckpointer  # noqa: E402
+from composer_jax.cli import main as cli_main  # noqa: E402
 from composer_jax.config import ConfigError, load_config, to_dict  # noqa: E402
 from composer_jax.config.checkpoint import CheckpointConfig  # noqa: E402
 from composer_jax.config.sampler import SamplerConfig  # noqa: E402
@@ -664,12 +665,12 @@ def test_sample_cli(ckpts, served, capsys):
     assert capsys.readouterr().out.rstrip("\n") == choice["text"]
     assert sample_main([*args, "--prompt", "hi", "--chat", "--logprobs"]) == 0
     assert len(capsys.readouterr().out.splitlines()) >= 5
-    assert sample_main([*args, "--prompt", "word " * 80]) == 2
+    assert cli_main(["sample", *args, "--prompt", "word " * 80]) == 2
     assert "server's context is 64 tokens" in capsys.readouterr().err
-    assert sample_main([*args, "--prompt", "x", "--speculative-tokens", "1", "--draft-experts", "5"]) == 2
+    assert cli_main(["sample", *args, "--prompt", "x", "--speculative-tokens", "1", "--draft-experts", "5"]) == 2
     assert "draft experts=5 must be in 0..model.num_experts_per_tok=2" in capsys.readouterr().err
     long = ["--checkpoint", str(ckpts[0]), "--max-len", "510", "--prompt", "x", "--speculative-tokens", "2"]
-    assert sample_main(long) == 2
+    assert cli_main(["sample", *long]) == 2
     err = capsys.readouterr().err
     assert "max_position_embeddings=512 less 2 x --speculative-tokens 2; accepted: at most 508" in err
 
@@ -703,13 +704,13 @@ def test_hf_and_converted_directories_load_the_same_weights(ckpts, served, tmp_p
 def test_serve_cli_refuses_bad_settings(ckpts, tmp_path, capsys):
     from composer_jax.inference.cli import serve_main
 
-    assert serve_main(["--checkpoint", str(ckpts[0]), "--api-key", "short"]) == 2
+    assert cli_main(["serve", "--checkpoint", str(ckpts[0]), "--api-key", "short"]) == 2
     assert "at least 16 characters" in capsys.readouterr().err
-    assert serve_main(["--checkpoint", str(tmp_path), "--api-key", KEY]) == 2
+    assert cli_main(["serve", "--checkpoint", str(tmp_path), "--api-key", KEY]) == 2
     assert "not a checkpoint directory" in capsys.readouterr().err
-    assert serve_main(["--checkpoint", str(ckpts[0]), "--api-key", KEY, "--max-len", "9999"]) == 2
+    assert cli_main(["serve", "--checkpoint", str(ckpts[0]), "--api-key", KEY, "--max-len", "9999"]) == 2
     assert "exceeds the model's max_position_embeddings=512" in capsys.readouterr().err
-    assert serve_main(["--checkpoint", str(ckpts[0]), "--api-key", KEY, "--step", "7"]) == 2
+    assert cli_main(["serve", "--checkpoint", str(ckpts[0]), "--api-key", KEY, "--step", "7"]) == 2
     assert "saved steps: [1]" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         serve_main(["--checkpoint", str(ckpts[0]), "--api-key", KEY, "--prefix-cache", "on"])

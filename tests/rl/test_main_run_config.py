@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from composer_jax.cli import main as cli_main
 from composer_jax.config import load_config
 from composer_jax.data.cli import main as data_main
 from composer_jax.env.cli import env_main
@@ -85,8 +86,8 @@ def test_env_generate_seed_specs(tmp_path, capsys):
     assert env_main(["generate", "set-constant", "--seeds", "3", "--out", str(tmp_path)]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"set-constant-{i}" for i in range(3)]
     for bad in ("x", "5:5", "-1:3", "3:1"):
-        assert env_main(["generate", "set-constant", f"--seeds={bad}", "--out", str(tmp_path)]) == 2
+        assert cli_main(["env", "generate", "set-constant", f"--seeds={bad}", "--out", str(tmp_path)]) == 2
         assert f"--seeds {bad!r}: expected N" in capsys.readouterr().err
-    assert env_main(["generate", "nope", "--out", str(tmp_path)]) == 2
+    assert cli_main(["env", "generate", "nope", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "unknown family 'nope'; accepted:" in err and "set-constant" in err

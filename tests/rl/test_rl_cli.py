@@ -8,6 +8,7 @@ import json
 import pytest
 from live_env import HAVE_BWRAP, REPO
 
+from composer_jax.cli import main as cli_main
 from composer_jax.rl.cli import eval_main, rl_main
 
 CONFIG = str(REPO / "tests" / "rl" / "fixtures" / "rl_pick.yaml")
@@ -55,12 +56,12 @@ def test_rl_cli_stops_resumes_and_eval_reads_its_checkpoint(tmp_path, capsys, mo
 
 def test_cli_errors_name_the_bad_value(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(REPO)
-    assert rl_main(["--config", CONFIG, "rl.group_size=1", f"train.out_dir={tmp_path}"]) == 2
+    assert cli_main(["rl", "--config", CONFIG, "rl.group_size=1", f"train.out_dir={tmp_path}"]) == 2
     assert "rl.group_size=1: expected an integer >= 2" in capsys.readouterr().err
     args = ["--tasks", "tests/rl/fixtures/tasks", "--endpoint", "http://127.0.0.1:9/v1", "--out", str(tmp_path)]
-    assert eval_main([*args, "--model", "m", "turns=3"]) == 2
+    assert cli_main(["eval", *args, "--model", "m", "turns=3"]) == 2
     assert "eval takes agent.KEY=VALUE overrides only; got 'turns'" in capsys.readouterr().err
-    assert eval_main([*args, "--model", "m", "--task", "nope"]) == 2
+    assert cli_main(["eval", *args, "--model", "m", "--task", "nope"]) == 2
     assert "task(s) ['nope'] are not runnable" in capsys.readouterr().err
 
 

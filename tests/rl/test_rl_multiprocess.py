@@ -191,7 +191,7 @@ def test_a_setup_error_on_process_0_stops_both(tmp_path, monkeypatch) -> None:
     instead of waiting for process 0 in the first step's collectives."""
     monkeypatch.chdir(REPO)
     outs = two_processes(tmp_path / "setup", ["rl.tasks_dir=no/such/tasks"], returncodes=[2, 1])
-    assert "composer-jax rl: tasks directory 'no/such/tasks' does not exist" in outs[0]
+    assert "composer-jax rl: error: tasks directory 'no/such/tasks' does not exist" in outs[0]
     assert (
         "composer-jax rl: starting the rollout side: process 0 stopped the run: EnvServerError: "
         "tasks directory 'no/such/tasks' does not exist"

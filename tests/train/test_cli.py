@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from composer_jax.train.cli import pretrain_main, sft_main
+from composer_jax.cli import main as cli_main
 
 REPO = Path(__file__).resolve().parents[2]
 STAGE1 = str(REPO / "configs/pretrain/tiny_stage1.yaml")
@@ -21,11 +21,11 @@ STAGE1 = str(REPO / "configs/pretrain/tiny_stage1.yaml")
 )
 def test_pretrain_bad_input(argv, fragment, capsys, monkeypatch):
     monkeypatch.chdir(REPO)
-    assert pretrain_main(argv) == 2
+    assert cli_main(["pretrain", *argv]) == 2
     assert fragment in capsys.readouterr().err
 
 
 def test_sft_needs_chat_format(capsys, monkeypatch):
     monkeypatch.chdir(REPO)
-    assert sft_main(["--config", STAGE1]) == 2
+    assert cli_main(["sft", "--config", STAGE1]) == 2
     assert "data.format='chat'" in capsys.readouterr().err

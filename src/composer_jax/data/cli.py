@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from composer_jax.config import ConfigError, DataConfigError
+from composer_jax.errors import UsageError
 
 
 def _peek(args: argparse.Namespace) -> None:
@@ -68,6 +69,5 @@ def main(argv: list[str] | None = None) -> int:
         else:
             _peek(args)
     except (ConfigError, DataConfigError, OSError) as e:
-        print(f"composer-jax data: error: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from e
     return 0

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from composer_jax.config.data import DEFAULT_CODE_EXTENSIONS, DataConfigError
 from composer_jax.data.sources import list_directory_files
+from composer_jax.errors import UsageError
 from composer_jax.formats.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 
 
@@ -74,6 +74,5 @@ def main(argv: list[str] | None = None) -> int:
             ids = tok.encode(args.text)
             print(json.dumps({"ids": ids, "pieces": [tok.decode([i]) for i in ids]}, ensure_ascii=False))
     except (DataConfigError, OSError) as e:
-        print(f"composer-jax tokenizer: error: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from e
     return 0

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from composer_jax.env.sandbox.factory import add_env_cache_flags, build_envs, make_env_cache, make_sandbox
+from composer_jax.errors import UsageError
 from composer_jax.flags import int_at_least
 
 _positive_int = int_at_least(0, strict=True)
@@ -81,14 +82,14 @@ def server_parser() -> argparse.ArgumentParser:
 
 
 def _make_web_tools(args: argparse.Namespace):
-    """The server's web tools from its flags: WebTools, None (`--web-search off`), or False after
-    printing what is wrong. The offline index is built (or loaded from its cache) in a background
-    thread when the first session is offered the tools (`Backend.prepare`)."""
+    """The server's web tools from its flags: WebTools, or None (`--web-search off`). The offline
+    index is built (or loaded from its cache) in a background thread when the first session is
+    offered the tools (`Backend.prepare`)."""
     from composer_jax.env.tools.web_search import make_web_tools
 
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "composer-jax" / "doc-index"
     try:
-        web = make_web_tools(
+        return make_web_tools(
             args.web_search,
             offer=args.web_search_offer,
             docs_dir=args.docs_dir,
@@ -97,29 +98,61 @@ def _make_web_tools(args: argparse.Namespace):
             fetch_private=args.web_fetch_private,
         )
     except ValueError as exc:
-        print(f"composer-jax env-server: {exc}", file=sys.stderr)
-        return False
-    return web
+        raise UsageError(str(exc)) from exc
 
 
-def _server_token(args: argparse.Namespace) -> str | None:
-    """The bearer token (--token, $COMPOSER_JAX_ENV_TOKEN, --token-file, else a fresh one); None
-    after printing why when it is unusable."""
+def _server_token(args: argparse.Namespace) -> str:
+    """The bearer token (--token, $COMPOSER_JAX_ENV_TOKEN, --token-file, else a fresh one)."""
     token = args.token or os.environ.get("COMPOSER_JAX_ENV_TOKEN")
     if args.token_file:
         try:
             token = args.token_file.read_text().strip()
         except OSError as exc:
-            print(f"composer-jax env-server: --token-file {args.token_file}: {exc.strerror}", file=sys.stderr)
-            return None
+            raise UsageError(f"--token-file {args.token_file}: {exc.strerror}") from exc
     if token is not None and len(token) < 16:
-        print("composer-jax env-server: the token must be at least 16 characters", file=sys.stderr)
-        return None
+        raise UsageError("the token must be at least 16 characters")
     return token or secrets.token_urlsafe(32)
 
 
-def _listen(host: str, port: int) -> tuple[socket.socket, int] | None:
-    """A listening socket on host:port and its family; None after printing why it cannot bind."""
+def _task_store(tasks: Path, work_dir: Path | None):
+    """The served tasks, warning on stderr about each task directory that cannot be read."""
+    from composer_jax.env.tasks.store import TaskError, TaskStore
+
+    try:
+        store = TaskStore(tasks, (work_dir or Path(os.environ.get("TMPDIR", "/tmp"))) / "composer-jax-task-cache")
+    except TaskError as exc:
+        raise UsageError(str(exc)) from exc
+    _warn_skipped(store)
+    return store
+
+
+def _warn_skipped(store) -> None:
+    for name, err in store.errors.items():
+        print(f"warning: skipping task directory {name}: {err}", file=sys.stderr)
+
+
+def _session_manager(args: argparse.Namespace, store, sandbox, env_cache, web_tools):
+    """The sessions' owner, as the flags size it."""
+    from composer_jax.env.sandbox.runner import Limits
+    from composer_jax.env.server.session import SessionManager
+
+    try:
+        return SessionManager(
+            store,
+            sandbox,
+            work_dir=args.work_dir,
+            max_sessions=args.max_sessions,
+            default_ttl_s=args.session_ttl,
+            limits=Limits(wall_seconds=args.shell_timeout),
+            env_cache=env_cache,
+            web_tools=web_tools,
+        )
+    except (RuntimeError, OSError) as exc:  # e.g. --work-dir held by another live server
+        raise UsageError(str(exc)) from exc
+
+
+def _listen(host: str, port: int) -> tuple[socket.socket, str]:
+    """A listening socket on host:port and the server's URL on it."""
     try:
         family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
     except ValueError:
@@ -132,78 +165,25 @@ def _listen(host: str, port: int) -> tuple[socket.socket, int] | None:
     try:
         sock.bind((host, port))
     except OSError as exc:
-        print(f"composer-jax env-server: cannot bind {host}:{port}: {exc.strerror}", file=sys.stderr)
         sock.close()
-        return None
+        raise UsageError(f"cannot bind {host}:{port}: {exc.strerror}") from exc
     sock.listen(1024)
-    return sock, family
+    bound_host, bound_port = sock.getsockname()[:2]
+    return sock, f"http://{bound_host if family == socket.AF_INET else f'[{bound_host}]'}:{bound_port}"
 
 
-def env_server_main(argv: list[str]) -> int:
-    """`composer-jax env-server`: returns the exit code."""
-    args = server_parser().parse_args(argv)
-    token = _server_token(args)
-    if token is None:
-        return 2
-    sandbox = make_sandbox(args.unsafe_no_sandbox, args.shell_timeout)
-    if sandbox is None:
-        return 2
+def _serve(manager, token: str, sock: socket.socket, url: str, args: argparse.Namespace) -> None:
+    """Serve the sessions' HTTP app with uvicorn on the bound socket until stopped, printing the
+    ready line once it serves."""
     import uvicorn
 
-    from composer_jax.env.sandbox.runner import Limits
     from composer_jax.env.server.app import create_app
-    from composer_jax.env.server.session import SessionManager
-    from composer_jax.env.tasks.store import TaskError, TaskStore
 
-    web_tools = _make_web_tools(args)
-    if web_tools is False:
-        return 2
-    work_dir = args.work_dir
-    try:
-        store = TaskStore(args.tasks, (work_dir or Path(os.environ.get("TMPDIR", "/tmp"))) / "composer-jax-task-cache")
-    except TaskError as exc:
-        print(f"composer-jax env-server: {exc}", file=sys.stderr)
-        return 2
-    for name, err in store.errors.items():
-        print(f"warning: skipping task directory {name}: {err}", file=sys.stderr)
-    env_cache = make_env_cache(args, sandbox, "composer-jax env-server")
-    if env_cache is None:
-        return 2
-    # Every task's Python environment is built now, never inside a session's step; a task whose
-    # build fails is served, and its sessions are refused with the build's error.
-    build_envs(env_cache, store.tasks())
-    try:
-        manager = SessionManager(
-            store,
-            sandbox,
-            work_dir=work_dir,
-            max_sessions=args.max_sessions,
-            default_ttl_s=args.session_ttl,
-            limits=Limits(wall_seconds=args.shell_timeout),
-            env_cache=env_cache,
-            web_tools=web_tools or None,
-        )
-    except (RuntimeError, OSError) as exc:  # e.g. --work-dir held by another live server
-        print(f"composer-jax env-server: {exc}", file=sys.stderr)
-        return 2
-    app = create_app(manager, token, max_body_bytes=args.max_body_bytes)
-    bound = _listen(args.host, args.port)
-    if bound is None:
-        return 2
-    sock, family = bound
-    host, port = sock.getsockname()[:2]
-    if not sandbox.isolated:
-        print("WARNING: --unsafe-no-sandbox: commands run as plain host processes with NO isolation", file=sys.stderr)
-    url = f"http://{host if family == socket.AF_INET else f'[{host}]'}:{port}"
-    print(
-        f"composer-jax env-server listening on {url} tasks={len(store.ids())} sandbox={sandbox.name} token={token}",
-        flush=True,
-    )
     # httptools (when installed; else h11) parses requests several times faster than h11. The
     # stdlib event loop, not uvloop: libuv spawns with fork() where CPython uses vfork(), and with
     # uvloop run_shell (one bwrap per call) ran at ~75 instead of ~105 calls/s on 2 cores.
     config = uvicorn.Config(
-        app,
+        create_app(manager, token, max_body_bytes=args.max_body_bytes),
         log_level=args.log_level,
         ws_max_size=args.max_body_bytes,
         timeout_graceful_shutdown=5,
@@ -222,6 +202,28 @@ def env_server_main(argv: list[str]) -> int:
                 print(json.dumps({"event": "ready", "url": url, "pid": os.getpid()}), flush=True)
 
     ReadyServer(config).run(sockets=[sock])
+
+
+def env_server_main(argv: list[str]) -> int:
+    """`composer-jax env-server`: serves until stopped, then returns 0."""
+    args = server_parser().parse_args(argv)
+    token = _server_token(args)
+    sandbox = make_sandbox(args.unsafe_no_sandbox, args.shell_timeout)
+    web_tools = _make_web_tools(args)
+    store = _task_store(args.tasks, args.work_dir)
+    env_cache = make_env_cache(args, sandbox)
+    # Every task's Python environment is built now, never inside a session's step; a task whose
+    # build fails is served, and its sessions are refused with the build's error.
+    build_envs(env_cache, store.tasks())
+    manager = _session_manager(args, store, sandbox, env_cache, web_tools)
+    sock, url = _listen(args.host, args.port)
+    if not sandbox.isolated:
+        print("WARNING: --unsafe-no-sandbox: commands run as plain host processes with NO isolation", file=sys.stderr)
+    print(
+        f"composer-jax env-server listening on {url} tasks={len(store.ids())} sandbox={sandbox.name} token={token}",
+        flush=True,
+    )
+    _serve(manager, token, sock, url, args)
     return 0
 
 
@@ -253,24 +255,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _require_dir(path: Path) -> None:
+    if not path.is_dir():
+        raise UsageError(f"{path} is not a directory")
+
+
 def build_main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
-    if not args.dir.is_dir():
-        print(f"composer-jax env build: {args.dir} is not a directory", file=sys.stderr)
-        return 2
-    sandbox = make_sandbox(False, 600)
-    if sandbox is None:
-        return 2
     import tempfile
 
     from composer_jax.env.tasks.store import TaskStore
 
-    cache = make_env_cache(args, sandbox, "composer-jax env build")
-    if cache is None:
-        return 2
+    args = build_parser().parse_args(argv)
+    _require_dir(args.dir)
+    cache = make_env_cache(args, make_sandbox(False, 600))
     store = TaskStore(args.dir, Path(tempfile.mkdtemp(prefix="composer-jax-build-cache-")))
-    for name, err in store.errors.items():
-        print(f"warning: skipping task directory {name}: {err}", file=sys.stderr)
+    _warn_skipped(store)
     failures = build_envs(cache, store.tasks(), out=sys.stdout)
     return 1 if failures else 0
 
@@ -296,74 +295,35 @@ def generate_main(argv: list[str]) -> int:
     except ValueError:
         lo, hi = -1, -1
     if lo < 0 or hi <= lo:
-        print(
-            f"composer-jax env generate: --seeds {args.seeds!r}: expected N (seeds 0..N-1) or A:B with 0 <= A < B",
-            file=sys.stderr,
-        )
-        return 2
+        raise UsageError(f"--seeds {args.seeds!r}: expected N (seeds 0..N-1) or A:B with 0 <= A < B")
     if args.family not in FAMILIES:
-        print(
-            f"composer-jax env generate: unknown family {args.family!r}; accepted: {', '.join(sorted(FAMILIES))}",
-            file=sys.stderr,
-        )
-        return 2
+        raise UsageError(f"unknown family {args.family!r}; accepted: {', '.join(sorted(FAMILIES))}")
     for seed in range(lo, hi):
         generate_task(args.family, seed, args.out)
     print(f"wrote {hi - lo} {args.family} tasks (seeds {lo}..{hi - 1}) under {args.out}")
     return 0
 
 
-def env_main(argv: list[str]) -> int:
-    """`composer-jax env SUBCOMMAND`: `validate` or `generate`."""
-    if not argv or argv[0] in ("-h", "--help"):
-        print(
-            "usage: composer-jax env validate DIR [--jobs N] [--families [F ...]] [--seeds S ...] [--strict]\n"
-            "       composer-jax env generate FAMILY [--seeds N|A:B] --out DIR\n"
-            "       composer-jax env mine REPO --out DIR [--rev-range R] [--since D] [--until D] [--max-tasks N] ...\n"
-            "       composer-jax env import-swebench INSTANCES.jsonl --repos DIR --out DIR\n"
-            "       composer-jax env build DIR [--env-cache DIR] [--wheelhouse DIR | --index-url URL]"
-        )
-        return 0 if argv else 2
-    if argv[0] == "generate":
-        return generate_main(argv[1:])
-    if argv[0] == "build":
-        return build_main(argv[1:])
-    if argv[0] in ("mine", "import-swebench"):
-        from composer_jax.env.mining.cli import env_subcommand
-
-        return env_subcommand(argv)
-    if argv[0] != "validate":
-        print(
-            f"composer-jax env: unknown subcommand {argv[0]!r}; accepted: validate, generate, build, mine, "
-            "import-swebench",
-            file=sys.stderr,
-        )
-        return 2
-    args = validate_parser().parse_args(argv[1:])
-    if not args.dir.is_dir():
-        print(f"composer-jax env validate: {args.dir} is not a directory", file=sys.stderr)
-        return 2
-    sandbox = make_sandbox(args.unsafe_no_sandbox, 600)
-    if sandbox is None:
-        return 2
+def validate_main(argv: list[str]) -> int:
+    """`composer-jax env validate`: 0 when every task passes, else 1."""
     import tempfile
 
     from composer_jax.env.tasks.store import TaskStore
     from composer_jax.env.tasks.validate import format_report, validate_all
 
+    args = validate_parser().parse_args(argv)
+    _require_dir(args.dir)
+    sandbox = make_sandbox(args.unsafe_no_sandbox, 600)
     store = TaskStore(args.dir, Path(tempfile.mkdtemp(prefix="composer-jax-validate-cache-")))
     families = [] if args.families is None else (args.families or store.families())
     unknown = sorted(set(families) - set(store.families()))
     if unknown:
-        print(f"composer-jax env validate: unknown families {unknown}; accepted: {store.families()}", file=sys.stderr)
-        return 2
+        raise UsageError(f"unknown families {unknown}; accepted: {store.families()}")
 
     def progress(r):
         print(f"  {r.status:<7} {r.task_id} {r.detail}", file=sys.stderr, flush=True)
 
-    env_cache = make_env_cache(args, sandbox, "composer-jax env validate")
-    if env_cache is None:
-        return 2
+    env_cache = make_env_cache(args, sandbox)
     reports = asyncio.run(
         validate_all(
             store,
@@ -381,3 +341,27 @@ def env_main(argv: list[str]) -> int:
         print(f"composer-jax env validate: no tasks found in {args.dir}", file=sys.stderr)
         return 1
     return 1 if any(r.status in bad for r in reports) else 0
+
+
+_ENV_USAGE = (
+    "usage: composer-jax env validate DIR [--jobs N] [--families [F ...]] [--seeds S ...] [--strict]\n"
+    "       composer-jax env generate FAMILY [--seeds N|A:B] --out DIR\n"
+    "       composer-jax env mine REPO --out DIR [--rev-range R] [--since D] [--until D] [--max-tasks N] ...\n"
+    "       composer-jax env import-swebench INSTANCES.jsonl --repos DIR --out DIR\n"
+    "       composer-jax env build DIR [--env-cache DIR] [--wheelhouse DIR | --index-url URL]"
+)
+
+
+def env_main(argv: list[str]) -> int:
+    """`composer-jax env SUBCOMMAND`: validate, generate, build, mine or import-swebench."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_ENV_USAGE)
+        return 0 if argv else 2
+    if argv[0] in ("mine", "import-swebench"):
+        from composer_jax.env.mining.cli import env_subcommand
+
+        return env_subcommand(argv)
+    subcommands = {"validate": validate_main, "generate": generate_main, "build": build_main}
+    if argv[0] not in subcommands:
+        raise UsageError(f"unknown subcommand {argv[0]!r}; accepted: validate, generate, build, mine, import-swebench")
+    return subcommands[argv[0]](argv[1:])

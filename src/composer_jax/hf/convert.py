@@ -28,6 +28,8 @@ from pathlib import Path
 
 import yaml
 
+from composer_jax.errors import UsageError
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -208,14 +210,14 @@ def _print_hf_config(args) -> int:
     return 0
 
 
-def _check_flags(args) -> str | None:
+def _check_flags(args) -> None:
+    """UsageError for a flag given without the one it applies to."""
     if args.print_config and not args.from_hf:
-        return "--print-config needs --from-hf"
+        raise UsageError("--print-config needs --from-hf")
     if args.step is not None and not args.from_run:
-        return "--step applies to --from-run only"
+        raise UsageError("--step applies to --from-run only")
     if (args.pad_mla_for_vllm or args.tokenizer) and not args.to_hf:
-        return "--pad-mla-for-vllm and --tokenizer apply to --to-hf only"
-    return None
+        raise UsageError("--pad-mla-for-vllm and --tokenizer apply to --to-hf only")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,10 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     from composer_jax.hf.export import export_hf
     from composer_jax.hf.weights import CheckpointError
 
-    bad = _check_flags(args)
-    if bad:
-        print(f"composer-jax convert: {bad}", file=sys.stderr)
-        return 2
+    _check_flags(args)
     try:
         if args.print_config:
             return _print_hf_config(args)
@@ -260,7 +259,3 @@ def main(argv: list[str] | None = None) -> int:
         f"{cfg.num_mtp_layers} MTP, {cfg.param_dtype})"
     )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from composer_jax.config.sampler import SERVE_SAMPLER, SamplerConfig, add_sampler_flags, sampler_from_args
-from composer_jax.errors import ConfigError
+from composer_jax.errors import ConfigError, UsageError
 from composer_jax.flags import int_at_least
 
 API_KEY_ENV = "COMPOSER_JAX_API_KEY"
@@ -206,38 +206,44 @@ def default_model_name(policy: Any) -> str:
     return name if name and name != "model" else base or "composer-jax"
 
 
-def serve_main(argv: list[str] | None = None) -> int:
+def _api_key(args: argparse.Namespace) -> tuple[str, bool]:
+    """The bearer key (--api-key, else $COMPOSER_JAX_API_KEY, else a fresh one) and whether it was generated."""
     import secrets
 
+    key = args.api_key or os.environ.get(API_KEY_ENV)
+    if key is not None and len(key) < 16:
+        raise UsageError("the API key must be at least 16 characters")
+    return key or secrets.token_urlsafe(32), key is None
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, for uvicorn to listen on."""
+    try:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        raise UsageError(f"cannot bind {host}:{port}: {e.strerror}") from e
+    return sock
+
+
+def serve_main(argv: list[str] | None = None) -> int:
     parser = _serve_parser()
     args = parser.parse_args(argv)
     speculative = speculative_options(parser, args)
     logging.basicConfig(level=args.log_level.upper())
-    key = args.api_key or os.environ.get(API_KEY_ENV)
-    if key is not None and len(key) < 16:
-        print("composer-jax serve: the API key must be at least 16 characters", file=sys.stderr)
-        return 2
+    key, generated = _api_key(args)
     if not args.poll_s > 0:
-        print(f"composer-jax serve: --poll-interval {args.poll_s} must be > 0 (seconds)", file=sys.stderr)
-        return 2
+        raise UsageError(f"--poll-interval {args.poll_s} must be > 0 (seconds)")
     sampler = sampler_from_args(args)
-    generated = key is None
-    key = key or secrets.token_urlsafe(32)
     from composer_jax.checkpoint.validate import CheckpointError
     from composer_jax.hf.weights import CheckpointError as HFCheckpointError
 
     try:
         policy, tok, mesh, max_len = _load(args)
     except (ConfigError, CheckpointError, HFCheckpointError, ValueError) as e:
-        print(f"composer-jax serve: {e}", file=sys.stderr)
-        return 2
-    try:
-        sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((args.host, args.port))
-    except OSError as e:
-        print(f"composer-jax serve: cannot bind {args.host}:{args.port}: {e.strerror}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from e
+    sock = _bind(args.host, args.port)
     one_at_a_time = mesh is not None or args.speculative_tokens > 0
     if args.warm_up and one_at_a_time:
         print(
@@ -260,8 +266,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         )
     except (ConfigError, ValueError) as e:
         sock.close()
-        print(f"composer-jax serve: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from e
     host, port = sock.getsockname()[:2]
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
     print(
@@ -403,18 +408,15 @@ def sample_main(argv: list[str] | None = None) -> int:
             body.update(prompt=prompt, logprobs=0)
             gen = api.parse_completion(body, tok=tok, served="local", max_len=max_len, vocab=policy.cfg.vocab_size)
     except api.ApiError as e:
-        print(f"composer-jax sample: {e.message}", file=sys.stderr)
-        return 2
+        raise UsageError(e.message) from e
     except (ConfigError, CheckpointError, HFCheckpointError, ValueError, OSError) as e:
-        print(f"composer-jax sample: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from e
     try:
         sampler = _new_sampler(policy, tok, mesh, SamplerConfig(slots=min(len(gen.params), 8)), max_len, speculative)(
             policy.params, 0
         )
     except ValueError as e:  # a speculative option the model does not accept (no MTP modules, draft experts)
-        print(f"composer-jax sample: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from e
     reqs = [Request(gen.prompts[c // gen.n], p, id=str(c)) for c, p in enumerate(gen.params)]
     done = sampler.run(reqs)
     choices = [api.completion_choice(gen, c, tok, d, f"call_{c}") for c, d in enumerate(done)]

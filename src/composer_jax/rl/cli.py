@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from composer_jax.errors import UsageError
+
 
 def _rl_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
@@ -51,8 +53,7 @@ def rl_main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         summary = run_rl(cfg, stop_after=args.stop_after)
     except (ConfigError, EnvServerError, ValueError, FileNotFoundError) as e:
-        print(f"composer-jax rl: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from e
     except ProcessZeroFailed as e:  # a process of a multi-host trainer: process 0's error (it prints the details)
         print(f"composer-jax rl: {e}", file=sys.stderr)
         return 1
@@ -163,8 +164,7 @@ def eval_main(argv: list[str] | None = None) -> int:
                 urls, token = stack.enter_context(LocalEnvServers(args.tasks))
             out = asyncio.run(_run_and_close(_evaluate(args, policy, urls, token, agent), closer))
     except (ConfigError, EnvServerError, ValueError, FileNotFoundError) as e:
-        print(f"composer-jax eval: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from e
     print(json.dumps(out, indent=2))
     return 0
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
+
+from composer_jax.errors import UsageError
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
@@ -50,9 +51,8 @@ def init_jax(args) -> None:
     cpu_only = not any(d for d in ("cuda", "rocm", "tpu") if os.environ.get("JAX_PLATFORMS", "").find(d) >= 0)
     if args.coordinator:
         if args.num_processes is None or args.process_id < 0:
-            raise SystemExit(
-                "composer-jax: --coordinator needs --num-processes and --process-id "
-                "(or JAX_NUM_PROCESSES / JAX_PROCESS_ID)"
+            raise UsageError(
+                "--coordinator needs --num-processes and --process-id (or JAX_NUM_PROCESSES / JAX_PROCESS_ID)"
             )
         if cpu_only:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -83,8 +83,7 @@ def _main(argv: list[str] | None, prog: str, fmt: str) -> int:
             raise ConfigError("data.sources is empty; a training stage needs at least one source")
         summary = run_stage(cfg, stop_after=args.stop_after)
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from e
     final = summary["evals"][-1] if summary["evals"] else {}
     print(
         json.dumps(

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from composer_jax.env.sandbox.factory import add_env_cache_flags
+from composer_jax.errors import UsageError
 from composer_jax.flags import int_at_least
 
 _positive = int_at_least(1)
@@ -52,33 +53,21 @@ def mine_main(argv: list[str]) -> int:
     from composer_jax.env.sandbox.factory import make_env_cache, make_sandbox
 
     args = mine_parser().parse_args(argv)
-    prog = "composer-jax env mine"
     if not (args.repo / ".git").exists():
-        print(
-            f"{prog}: {args.repo} is not a git checkout (no .git); give a local clone of the repository",
-            file=sys.stderr,
-        )
-        return 2
+        raise UsageError(f"{args.repo} is not a git checkout (no .git); give a local clone of the repository")
     if args.timeout <= 0:
-        print(f"{prog}: --timeout {args.timeout:g} must be > 0 seconds", file=sys.stderr)
-        return 2
+        raise UsageError(f"--timeout {args.timeout:g} must be > 0 seconds")
     if bool(args.writer_url) != bool(args.writer_model):
-        print(f"{prog}: --writer-url and --writer-model go together (got only one)", file=sys.stderr)
-        return 2
+        raise UsageError("--writer-url and --writer-model go together (got only one)")
     writer = None
     if args.writer_url:
         writer = openai_writer(args.writer_url, args.writer_model, os.environ.get(args.writer_api_key_env))
     try:
         commits = gitrepo.first_parent_commits(args.repo, args.rev_range, args.since, args.until)
     except gitrepo.GitError as exc:
-        print(f"{prog}: cannot list commits of {args.repo} (--rev-range {args.rev_range!r}): {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(f"cannot list commits of {args.repo} (--rev-range {args.rev_range!r}): {exc}") from exc
     sandbox = make_sandbox(args.unsafe_no_sandbox, args.timeout)
-    if sandbox is None:
-        return 2
-    env_cache = None if args.unsafe_no_sandbox else make_env_cache(args, sandbox, prog)
-    if env_cache is None and not args.unsafe_no_sandbox:
-        return 2
+    env_cache = None if args.unsafe_no_sandbox else make_env_cache(args, sandbox)
     opts = MineOptions(
         env_cache=env_cache,
         rev_range=args.rev_range,
@@ -109,6 +98,7 @@ def mine_main(argv: list[str]) -> int:
         write_report(done, complete=False)  # an interrupted run keeps what it decided
 
     miner.progress = progress
+    prog = "composer-jax env mine"
     print(f"{prog}: {len(commits)} first-parent commits in {args.repo}", file=sys.stderr)
     try:
         outcomes = asyncio.run(miner.run(commits))

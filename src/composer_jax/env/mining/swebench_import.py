@@ -36,6 +36,7 @@ from composer_jax.env.mining.statement import category_of
 from composer_jax.env.mining.taskwrite import RepoTask, harness_safe, patched_paths, write_task
 from composer_jax.env.sandbox.runner import Limits, Sandbox
 from composer_jax.env.tasks import validate
+from composer_jax.errors import UsageError
 
 REQUIRED = ("instance_id", "repo", "base_commit", "patch", "test_patch", "FAIL_TO_PASS", "PASS_TO_PASS")
 REASONS = (
@@ -210,23 +211,15 @@ def import_main(argv: list[str]) -> int:
     from composer_jax.env.sandbox.factory import make_sandbox
 
     args = import_parser().parse_args(argv)
-    prog = "composer-jax env import-swebench"
     if not args.instances.is_file():
-        print(f"{prog}: {args.instances} is not a file of instance records", file=sys.stderr)
-        return 2
+        raise UsageError(f"{args.instances} is not a file of instance records")
     if not args.repos.is_dir():
-        print(f"{prog}: --repos {args.repos} is not a directory of clones", file=sys.stderr)
-        return 2
+        raise UsageError(f"--repos {args.repos} is not a directory of clones")
     try:
         records = load_instances(args.instances)
     except (ValueError, UnicodeDecodeError) as exc:
-        print(f"{prog}: {args.instances} is not JSON lines: {exc}", file=sys.stderr)
-        return 2
-    sandbox = None
-    if not args.no_validate:
-        sandbox = make_sandbox(args.unsafe_no_sandbox, 600)
-        if sandbox is None:
-            return 2
+        raise UsageError(f"{args.instances} is not JSON lines: {exc}") from exc
+    sandbox = None if args.no_validate else make_sandbox(args.unsafe_no_sandbox, 600)
 
     def progress(r: dict) -> None:
         what = r.get("task_id") if r["status"] == "written" else f"{r['reason']}: {r['detail'][:160]}"

@@ -8,15 +8,18 @@ import asyncio
 import sys
 from pathlib import Path
 
+from composer_jax.errors import UsageError
+
 
 def make_sandbox(unsafe: bool, wall: float | None = None):
+    """The sandbox the flags ask for; UsageError when there is none (no bubblewrap and no
+    --unsafe-no-sandbox)."""
     from composer_jax.env.sandbox.runner import Limits, default_sandbox
 
     try:
         return default_sandbox(unsafe_no_sandbox=unsafe, limits=Limits(wall_seconds=wall or 30.0))
     except RuntimeError as exc:
-        print(f"composer-jax: {exc}", file=sys.stderr)
-        return None
+        raise UsageError(str(exc)) from exc
 
 
 def add_env_cache_flags(p: argparse.ArgumentParser) -> None:
@@ -31,20 +34,18 @@ def add_env_cache_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--index-url", help="build environments from this package index (the build gets network)")
 
 
-def make_env_cache(args: argparse.Namespace, sandbox, prog: str):
-    """The EnvCache the flags describe, or None after printing why not (a bad --wheelhouse)."""
+def make_env_cache(args: argparse.Namespace, sandbox):
+    """The EnvCache the flags describe; UsageError when they cannot be used (a bad --wheelhouse)."""
     from composer_jax.env.sandbox.pyenv import EnvCache, default_cache_dir
 
     if args.wheelhouse is not None and args.index_url is not None:
-        print(f"{prog}: give --wheelhouse or --index-url, not both", file=sys.stderr)
-        return None
+        raise UsageError("give --wheelhouse or --index-url, not both")
     try:
         return EnvCache(
             args.env_cache or default_cache_dir(), sandbox, wheelhouse=args.wheelhouse, index_url=args.index_url
         )
     except (ValueError, OSError) as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
-        return None
+        raise UsageError(str(exc)) from exc
 
 
 def build_envs(cache, tasks, out=sys.stderr) -> int:

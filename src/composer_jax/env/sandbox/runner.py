@@ -55,6 +55,21 @@ class Limits:
     def with_(self, **changes) -> Limits:
         return dataclasses.replace(self, **changes)
 
+    def prlimit(self, *, nproc: bool) -> list[str]:
+        """The `prlimit ... --` argv prefix that puts these rlimits on one command. `nproc` adds
+        RLIMIT_NPROC, which counts every process of the real uid: the bubblewrap backend's uid is
+        the session's own, the unsafe local backend's is the host user's (left without it)."""
+        return [
+            "prlimit",
+            f"--cpu={self.cpu_seconds}",
+            f"--as={self.memory_mb * 2**20}",
+            *([f"--nproc={self.processes}"] if nproc else []),
+            f"--fsize={self.file_size_mb * 2**20}",
+            f"--nofile={self.open_files}",
+            "--core=0",
+            "--",
+        ]
+
 
 def parent_guard() -> list[str]:
     """The argv prefix of every sandboxed command: SIGKILL when this process (the server) dies, and
@@ -82,6 +97,19 @@ class Mount:
     host: Path
     dest: str
     writable: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxCommand:
+    """What a lease runs: `argv` inside the sandbox with `mounts`, from `cwd`, under `limits`, with
+    `env` added to the sandbox's environment; `network` shares the host's network."""
+
+    argv: list[str]
+    mounts: list[Mount]
+    cwd: str
+    limits: Limits
+    env: dict[str, str]
+    network: bool = False
 
 
 @dataclasses.dataclass
@@ -125,6 +153,39 @@ class SandboxStats:
         table[reason] = table.get(reason, 0) + 1
 
 
+class _OutputDrain:
+    """A command's stdout and stderr read to end-of-file: the first `cap` bytes of each kept,
+    the rest counted and dropped (`truncated`). Past `hard` bytes in all it sets `overflow` (the
+    lease then kills the command) and keeps reading and discarding: asyncio's Process.wait() only
+    returns once the pipes are drained and closed."""
+
+    def __init__(self, cap: int, hard: int):
+        self.cap, self.hard = cap, hard
+        self.stdout, self.stderr = bytearray(), bytearray()
+        self.seen = 0
+        self.truncated = False
+        self.overflow = asyncio.Event()
+
+    def start(self, proc: asyncio.subprocess.Process) -> list[asyncio.Future]:
+        """One reading task per pipe of `proc`."""
+        assert proc.stdout is not None and proc.stderr is not None  # both are PIPEs
+        return [
+            asyncio.ensure_future(self._drain(proc.stdout, self.stdout)),
+            asyncio.ensure_future(self._drain(proc.stderr, self.stderr)),
+        ]
+
+    async def _drain(self, stream: asyncio.StreamReader, kept: bytearray) -> None:
+        while chunk := await stream.read(65536):
+            self.seen += len(chunk)
+            room = self.cap - len(kept)
+            if room > 0:
+                kept += chunk[:room]
+            if len(chunk) > max(room, 0):
+                self.truncated = True
+            if self.seen > self.hard:
+                self.overflow.set()
+
+
 class SandboxLease(abc.ABC):
     """One session's identity in a sandbox backend; every command it runs is tracked."""
 
@@ -135,16 +196,8 @@ class SandboxLease(abc.ABC):
         self.closed = False
 
     @abc.abstractmethod
-    def _argv(
-        self,
-        command: list[str],
-        mounts: list[Mount],
-        cwd: str,
-        limits: Limits,
-        env: dict[str, str],
-        network: bool = False,
-    ) -> tuple[list[str], str | None, list[str]]:
-        """The host argv that runs `command` in the sandbox, the host cwd to start it in, and
+    def _argv(self, cmd: SandboxCommand) -> tuple[list[str], str | None, list[str]]:
+        """The host argv that runs `cmd` in the sandbox, the host cwd to start it in, and
         arguments handed over through a file descriptor (`ARGS_FD` in argv stands for its number)
         so that they do not show in the sandbox's /proc/1/cmdline."""
 
@@ -186,16 +239,32 @@ class SandboxLease(abc.ABC):
         package index, `pyenv.py`; sessions, verifiers and solutions never get it)."""
         if self.closed:
             raise RuntimeError("sandbox lease is closed")
-        argv, host_cwd, hidden = self._argv(command, mounts, cwd, limits, env or {}, network)
+        argv, host_cwd, hidden = self._argv(SandboxCommand(command, mounts, cwd, limits, env or {}, network))
         start = time.monotonic()
+        proc = await self._spawn(argv, host_cwd, hidden)
+        output = _OutputDrain(limits.output_bytes, limits.output_bytes * _HARD_OUTPUT_FACTOR)
+        timed_out = await self._wait(proc, output, limits.wall_seconds)
+        result = ExecResult(
+            exit_code=None if timed_out else proc.returncode,
+            stdout=output.stdout.decode("utf-8", "replace"),
+            stderr=output.stderr.decode("utf-8", "replace"),
+            timed_out=timed_out,
+            truncated=output.truncated or output.overflow.is_set(),
+            duration_s=round(time.monotonic() - start, 4),
+        )
+        self._count_end(result, output.overflow.is_set())
+        return result
+
+    async def _spawn(self, argv: list[str], host_cwd: str | None, hidden: list[str]) -> asyncio.subprocess.Process:
+        """Start `argv` as a new process group with piped output, tracked by this lease; `hidden`
+        arguments go through a memfd whose number replaces `ARGS_FD` in argv."""
         args_fd = None
         if hidden:
             args_fd = os.memfd_create("sandbox-args")
             os.write(args_fd, b"".join(os.fsencode(a) + b"\0" for a in hidden))
             os.lseek(args_fd, 0, os.SEEK_SET)
             argv = [str(args_fd) if a == ARGS_FD else a for a in argv]
-        stats = self.stats
-        stats.started += 1
+        self.stats.started += 1
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv,
@@ -207,46 +276,28 @@ class SandboxLease(abc.ABC):
                 pass_fds=() if args_fd is None else (args_fd,),
             )
         except OSError:
-            stats.count(stats.failed, "spawn")
+            self.stats.count(self.stats.failed, "spawn")
             raise
         finally:
             if args_fd is not None:
                 os.close(args_fd)
         self._procs.add(proc)
-        cap, hard = limits.output_bytes, limits.output_bytes * _HARD_OUTPUT_FACTOR
-        kept = {"out": bytearray(), "err": bytearray()}
-        truncated = [False]
-        seen = [0]
-        overflow = asyncio.Event()
+        return proc
 
-        async def drain(stream: asyncio.StreamReader, buf: bytearray) -> None:
-            while chunk := await stream.read(65536):
-                seen[0] += len(chunk)
-                room = cap - len(buf)
-                if room > 0:
-                    buf += chunk[:room]
-                if len(chunk) > max(room, 0):
-                    truncated[0] = True
-                if seen[0] > hard:
-                    # Keep reading (and discarding) until EOF: asyncio's Process.wait() only
-                    # returns once the pipes are drained and closed.
-                    overflow.set()
-
-        assert proc.stdout is not None and proc.stderr is not None  # both are PIPEs
-        readers = [
-            asyncio.ensure_future(drain(proc.stdout, kept["out"])),
-            asyncio.ensure_future(drain(proc.stderr, kept["err"])),
-        ]
+    async def _wait(self, proc: asyncio.subprocess.Process, output: _OutputDrain, wall_seconds: float) -> bool:
+        """Drain `proc`'s output until it exits, killing it at the wall clock or on output
+        overflow; whether the wall clock killed it. The process is gone and untracked after."""
+        readers = output.start(proc)
         waiter = asyncio.ensure_future(proc.wait())
-        overflow_wait = asyncio.ensure_future(overflow.wait())
+        overflow_wait = asyncio.ensure_future(output.overflow.wait())
         timed_out = False
-        stats.running += 1
+        self.stats.running += 1
         try:
             done, _ = await asyncio.wait(
-                {waiter, overflow_wait}, timeout=limits.wall_seconds, return_when=asyncio.FIRST_COMPLETED
+                {waiter, overflow_wait}, timeout=wall_seconds, return_when=asyncio.FIRST_COMPLETED
             )
             if waiter not in done:
-                timed_out = not overflow.is_set()
+                timed_out = not output.overflow.is_set()
                 self._kill(proc)
             # A background child that escaped the process group could keep the pipes open (only
             # possible without a PID namespace): do not wait for end-of-file for long.
@@ -258,17 +309,8 @@ class SandboxLease(abc.ABC):
             if proc.returncode is None:
                 self._kill(proc)
             self._procs.discard(proc)
-            stats.running -= 1
-        result = ExecResult(
-            exit_code=None if timed_out else proc.returncode,
-            stdout=kept["out"].decode("utf-8", "replace"),
-            stderr=kept["err"].decode("utf-8", "replace"),
-            timed_out=timed_out,
-            truncated=truncated[0] or overflow.is_set(),
-            duration_s=round(time.monotonic() - start, 4),
-        )
-        self._count_end(result, overflow.is_set())
-        return result
+            self.stats.running -= 1
+        return timed_out
 
     def _count_end(self, result: ExecResult, overflow: bool) -> None:
         """A finished command in `stats`: killed by a limit, or refused by the backend's setup."""
@@ -373,43 +415,26 @@ class BubblewrapLease(SandboxLease):
         self.sandbox = sandbox
         self.cgroup = sandbox.cgroups.create(session_id, sandbox.session_limits) if sandbox.cgroups else None
 
-    def _argv(
-        self,
-        command: list[str],
-        mounts: list[Mount],
-        cwd: str,
-        limits: Limits,
-        env: dict[str, str],
-        network: bool = False,
-    ) -> tuple[list[str], str | None, list[str]]:
+    def _argv(self, cmd: SandboxCommand) -> tuple[list[str], str | None, list[str]]:
         # bwrap's options (host paths of the workspace, the environment) go through `--args FD`:
         # as argv they would be readable inside the sandbox in /proc/1/cmdline (bwrap is PID 1).
         sb = self.sandbox
         argv: list[str] = parent_guard()
         if self.cgroup is not None:
             argv += self.cgroup.enter_prefix()
-        argv += [
-            "prlimit",
-            f"--cpu={limits.cpu_seconds}",
-            f"--as={limits.memory_mb * 2**20}",
-            f"--nproc={limits.processes}",
-            f"--fsize={limits.file_size_mb * 2**20}",
-            f"--nofile={limits.open_files}",
-            "--core=0",
-            "--",
-        ]
+        argv += cmd.limits.prlimit(nproc=True)
         argv += [sb.bwrap, "--args", ARGS_FD]
         opts = sb.base_args()[1:]  # without the bwrap binary itself
-        if network:
+        if cmd.network:
             opts.remove("--unshare-net")
         # /tmp first, then what must be visible under it (a virtualenv living in /tmp), then mounts.
-        opts += ["--perms", "1777", "--size", str(limits.tmp_mb * 2**20), "--tmpfs", "/tmp"]
+        opts += ["--perms", "1777", "--size", str(cmd.limits.tmp_mb * 2**20), "--tmpfs", "/tmp"]
         for p in sb.tmp_ro_paths:
             opts += sb.parent_dirs(p, skip=("/tmp",)) + ["--ro-bind", p, p]
-        for m in mounts:
+        for m in cmd.mounts:
             opts += sb.parent_dirs(m.dest)
             opts += ["--bind" if m.writable else "--ro-bind", str(m.host), m.dest]
-        opts += ["--chdir", cwd]
+        opts += ["--chdir", cmd.cwd]
         full_env = {
             "PATH": sb.path_env,
             "HOME": "/tmp",
@@ -418,7 +443,7 @@ class BubblewrapLease(SandboxLease):
             "PYTHONDONTWRITEBYTECODE": "1",
             "USER": "agent",
             **SANDBOX_ENV,
-            **env,
+            **cmd.env,
         }
         for key, value in full_env.items():
             opts += ["--setenv", key, value]
@@ -438,7 +463,7 @@ class BubblewrapLease(SandboxLease):
         else:
             opts += ["--unshare-user", "--disable-userns", "--uid", "1000", "--gid", "1000"]
             argv += ["--"]
-        return argv + command, None, opts
+        return argv + cmd.argv, None, opts
 
     def setup_failed(self, result: ExecResult) -> bool:
         # bwrap reports its own errors as "bwrap: ..." on stderr and exits 1 (its die()).
@@ -559,37 +584,16 @@ class LocalLease(SandboxLease):
     def path_in_sandbox(self, mount: Mount) -> str:
         return str(mount.host)  # no mount namespace: commands see host paths
 
-    def _argv(
-        self,
-        command: list[str],
-        mounts: list[Mount],
-        cwd: str,
-        limits: Limits,
-        env: dict[str, str],
-        network: bool = False,
-    ) -> tuple[list[str], str | None, list[str]]:
+    def _argv(self, cmd: SandboxCommand) -> tuple[list[str], str | None, list[str]]:
         host_cwd = None
         exports = {}
-        for m in mounts:
+        for m in cmd.mounts:
             name = m.dest.strip("/").replace("/", "_").upper() + "_DIR"
             exports[name] = str(m.host)
-            if cwd == m.dest or cwd.startswith(m.dest + "/"):
-                host_cwd = str(m.host) + cwd[len(m.dest) :]
-        prefix = (
-            parent_guard()
-            + [
-                "prlimit",
-                f"--cpu={limits.cpu_seconds}",
-                f"--as={limits.memory_mb * 2**20}",
-                f"--fsize={limits.file_size_mb * 2**20}",
-                f"--nofile={limits.open_files}",
-                "--core=0",
-                "--",
-                "env",
-            ]
-            + [f"{k}={v}" for k, v in {**SANDBOX_ENV, **exports, **env}.items()]
-        )
-        return prefix + command, host_cwd, []
+            if cmd.cwd == m.dest or cmd.cwd.startswith(m.dest + "/"):
+                host_cwd = str(m.host) + cmd.cwd[len(m.dest) :]
+        exported = [f"{k}={v}" for k, v in {**SANDBOX_ENV, **exports, **cmd.env}.items()]
+        return parent_guard() + cmd.limits.prlimit(nproc=False) + ["env", *exported] + cmd.argv, host_cwd, []
 
 
 class LocalProcessSandbox(Sandbox):

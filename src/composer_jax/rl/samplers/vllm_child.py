@@ -30,6 +30,7 @@ import time
 
 import httpx
 
+from composer_jax.errors import UsageError
 from composer_jax.runtime.supervisor import ready_line
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
@@ -63,12 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     rest = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
     if not os.access(args.python, os.X_OK):
-        print(
-            f"vllm-replica: --python {args.python!r} is not an executable; vLLM's virtualenv is built by "
-            "`make venv` (.venv/vllm), or give rl.vllm.python",
-            file=sys.stderr,
+        raise UsageError(
+            f"--python {args.python!r} is not an executable; vLLM's virtualenv is built by "
+            "`make venv` (.venv/vllm), or give rl.vllm.python"
         )
-        return 2
     port = args.port or free_port(args.host)
     url = f"http://{args.host}:{port}"
     cmd = [args.python, "-m", VLLM_MODULE, *rest, "--host", args.host, "--port", str(port)]
@@ -110,7 +109,3 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     print(ready_line(url), flush=True)
     return proc.wait()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,117 @@
+"""A command-line fault has one path: the subcommand raises `UsageError` where it finds it, and the
+`composer-jax` dispatcher alone prints `composer-jax COMMAND: error: MESSAGE` and exits 2. No
+subcommand module prints an error and returns 2 (or None/False as a sentinel) itself.
+
+The second half reads the source (AST), like tests/test_layers.py, so a new subcommand that slips
+back into print-and-return-2 fails here whether or not a test drives its error path.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from composer_jax import cli
+from composer_jax.errors import UsageError
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "composer_jax"
+
+
+def _faulty_main(argv: list[str]) -> int:
+    raise UsageError(f"--size {argv[0]!r} is not a size; accepted: a positive integer")
+
+
+def test_a_usage_error_from_any_subcommand_becomes_exit_2_with_its_message(monkeypatch, capsys):
+    monkeypatch.setitem(cli.SUBCOMMANDS, "faulty", (__name__, "_faulty_main", "raises UsageError"))
+    assert cli.main(["faulty", "x"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == "composer-jax faulty: error: --size 'x' is not a size; accepted: a positive integer\n"
+    assert captured.out == ""
+
+
+def _broken_main(argv: list[str]) -> int:
+    raise RuntimeError("a bug, not a bad flag")
+
+
+def test_other_exceptions_are_not_turned_into_usage_errors(monkeypatch):
+    monkeypatch.setitem(cli.SUBCOMMANDS, "broken", (__name__, "_broken_main", "raises RuntimeError"))
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli.main(["broken"])
+
+
+def test_a_real_subcommand_fault_goes_through_the_dispatcher(tmp_path, capsys):
+    assert cli.main(["env", "build", str(tmp_path / "missing")]) == 2
+    assert capsys.readouterr().err == f"composer-jax env: error: {tmp_path / 'missing'} is not a directory\n"
+
+
+def _module_path(module: str) -> Path:
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin is not None, module
+    return Path(spec.origin)
+
+
+def _cli_modules() -> list[Path]:
+    """Every subcommand's module, and every module that builds a `composer-jax ...` argument parser
+    (the `env` subcommands' own modules among them)."""
+    paths = {_module_path(module) for module, _, _ in cli.SUBCOMMANDS.values()}
+    paths |= {p for p in SRC.rglob("*.py") if 'prog="composer-jax' in p.read_text()}
+    return sorted(paths)
+
+
+def _is_stderr_print(node: ast.stmt) -> bool:
+    return (
+        isinstance(node, ast.Expr)
+        and isinstance(node.value, ast.Call)
+        and isinstance(node.value.func, ast.Name)
+        and node.value.func.id == "print"
+        and any(k.arg == "file" and ast.unparse(k.value) == "sys.stderr" for k in node.value.keywords)
+    )
+
+
+def _sentinel_return(node: ast.stmt) -> bool:
+    """`return`, `return None`, `return False` or `return 2`: what a print-and-bail block ends with."""
+    return isinstance(node, ast.Return) and (
+        node.value is None or (isinstance(node.value, ast.Constant) and node.value.value in (None, False, 2))
+    )
+
+
+def _blocks(tree: ast.AST):
+    for node in ast.walk(tree):
+        for field in ("body", "orelse", "finalbody"):
+            block = getattr(node, field, None)
+            if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
+                yield block
+
+
+def test_cli_modules_are_found():
+    names = {p.relative_to(SRC).as_posix() for p in _cli_modules()}
+    assert {"env/cli.py", "env/mining/cli.py", "env/mining/swebench_import.py", "inference/cli.py"} <= names
+
+
+def test_no_subcommand_module_returns_exit_code_2_itself():
+    found = [
+        f"{p.relative_to(SRC)}:{node.lineno}"
+        for p in _cli_modules()
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.Return) and isinstance(node.value, ast.Constant) and node.value.value == 2
+    ]
+    assert not found, f"raise UsageError instead of returning 2 (composer_jax/cli.py turns it into exit 2): {found}"
+
+
+def test_no_module_prints_an_error_and_returns_a_sentinel():
+    """Anywhere in src/ but the dispatcher: print(..., file=sys.stderr) directly followed by a
+    return of 2, None or False is a fault reported by sentinel; raise UsageError instead."""
+    found = []
+    for p in sorted(SRC.rglob("*.py")):
+        if p == SRC / "cli.py":
+            continue
+        for block in _blocks(ast.parse(p.read_text())):
+            found += [
+                f"{p.relative_to(SRC)}:{b.lineno}"
+                for a, b in zip(block, block[1:])
+                if _is_stderr_print(a) and _sentinel_return(b)
+            ]
+    assert not found, found
