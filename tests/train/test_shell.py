@@ -153,3 +153,12 @@ def test_run_to_end_refuses_a_coroutine_that_waits() -> None:
 
 async def _waits() -> None:
     await asyncio.sleep(0)
+
+
+def test_run_to_end_runs_inside_a_running_event_loop(tmp_path) -> None:
+    # a notebook's kernel has a loop running, where asyncio.run refuses to start: run_stage's driver does not
+    async def notebook_cell() -> dict:
+        return _run(tmp_path)[0]
+
+    summary = asyncio.run(notebook_cell())
+    assert [e["step"] for e in summary["evals"]] == [0, 2, 4, 6, 7] and summary["final_step"] == 7
