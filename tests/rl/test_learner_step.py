@@ -101,7 +101,7 @@ def test_one_learner_step_against_an_in_process_rollout_side(tmp_path, monkeypat
     )
     assert any(jax.tree.leaves(moved)), "the step left every weight unchanged"
 
-    learner.checkpoint(1)
+    learner.checkpoint(1, force=True)
     summary = learner.close()
     assert summary["trained_groups"] == {1: [0, 1]} and summary["lost_groups"] == []
     assert learner.checkpointer.all_steps() == [1]

@@ -239,8 +239,6 @@ def test_rl_trains_and_evaluates_held_out_on_a_directory_of_them(task_root, tmp_
         held_out_tasks(cfg.rl.eval_tasks, cfg.rl.eval_seeds, cfg.rl.eval_seed),
         samples=2,
         seed=cfg.rl.eval_seed,
-        every=1,
-        final_step=1,
         outcome_dir=tmp_path / "outcomes",
     )
 

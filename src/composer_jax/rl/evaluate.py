@@ -342,8 +342,8 @@ def held_out_tasks(names: Sequence[str], seeds: int, first_seed: int) -> list[Ta
 
 
 class HeldOutEvaluation:
-    """A run's held-out evaluations: the same tasks and rollout seeds every time, at step 0, every
-    `every` steps and at the end (`due`); each one's per-rollout outcomes kept on disk under
+    """A run's held-out evaluations: the same tasks and rollout seeds every time (when: the trainer
+    shell's cadence, `train/shell.py`); each one's per-rollout outcomes kept on disk under
     `outcome_dir/step_NNNNNN.json` (a resumed run pairs with the step-0 evaluation it did not run),
     and a later one compared with step 0 pair by pair (`paired_difference`).
 
@@ -358,16 +358,10 @@ class HeldOutEvaluation:
         *,
         samples: int,
         seed: int,
-        every: int,
-        final_step: int,
         outcome_dir: str | Path,
     ):
         self.tasks, self.samples, self.seed = list(tasks), samples, self.SEED + seed
-        self.every, self.final_step, self.outcome_dir = every, final_step, Path(outcome_dir)
-
-    def due(self, step: int) -> bool:
-        """An evaluation after step `step` inside the run (the start's and the end's are run apart)."""
-        return bool(self.tasks) and bool(self.every) and step % self.every == 0 and step != self.final_step
+        self.outcome_dir = Path(outcome_dir)
 
     async def run(self, step: int, sample: Any) -> tuple[dict[str, float], str] | None:
         """Evaluate the policy as of `step`: its logged values (eval/...) and a console line; None

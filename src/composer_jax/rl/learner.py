@@ -16,6 +16,8 @@ replicas in other processes are told to load that version from the store
 (`RemoteTokenPolicy.load_version`, answered once a decode step ran with it), so a version's groups
 start on its weights there too. `rl.max_staleness: 0` is the synchronous learner: each step's groups
 are sampled by its weights.
+The loop (step count, logs, evaluation and checkpoint cadence, `stop_after`, the summary) is the
+trainer shell's (`train/shell.py`); the `Learner` supplies its parts.
 
 Checkpoints hold the group ids done (trained or dropped); a resumed run trains the persisted
 groups not done first, samples again those that were in flight (same id: same task and seeds),
@@ -52,7 +54,8 @@ from composer_jax.rl.samplers.in_process import in_process_samplers
 from composer_jax.rl.samplers.vllm_launch import with_vllm_settings
 from composer_jax.sharding import MeshRules, ShardingRules, make_mesh
 from composer_jax.train.loop import run_checkpoint_config, run_tokenizer
-from composer_jax.train.observe import Progress, RunLogger, scalars
+from composer_jax.train.observe import scalars
+from composer_jax.train.shell import Cadence, Evaluation, Parts, StepLog, TrainerShell
 from composer_jax.train.state import TrainState
 from composer_jax.train.step import batch_sharding, make_train_step
 from composer_jax.weightsync.publisher import published_copy as _published
@@ -185,18 +188,23 @@ class Learner:
         self.publish = _store_publisher(
             self.store_url, resumed=begin.resumed, start=begin.step, dtype=r.publish_dtype, echo=self.echo
         )
-        self.logger = RunLogger(self.out_dir, "rl", t.tensorboard, enabled=self.hosts.lead)
-        self.progress = Progress(t.steps, begin.step) if self.hosts.lead else None
+        self.shell = TrainerShell(
+            "rl",
+            Cadence(t.steps, begin.step, t.log_every, r.eval_every),
+            self.checkpointer,
+            out_dir=self.out_dir,
+            tensorboard=t.tensorboard,
+            lead=self.hosts.lead,
+            echo=self.echo,
+        )
         self.evaluation = HeldOutEvaluation(
             held_out_tasks(r.eval_tasks, r.eval_seeds, r.eval_seed),
             samples=r.eval_samples,
             seed=r.eval_seed,
-            every=r.eval_every,
-            final_step=t.steps,
             outcome_dir=self.out_dir / "eval_outcomes",
         )
         self.rollouts: Rollouts | None = None
-        self.summary: dict[str, Any] = {"steps": {}, "evals": [], "start_step": begin.step}
+        self.summary: dict[str, Any] = {"steps": {}}  # the learner's own keys beside the shell's
         self._waited = self._busy = 0.0  # the step loop's time waiting for groups / training
 
     # -- the rollout side ---------------------------------------------------------------------------
@@ -339,17 +347,15 @@ class Learner:
         )
         return values
 
-    # -- the loop -----------------------------------------------------------------------------------
-    async def evaluate(self, step: int) -> None:
-        """Process 0: the held-out evaluation of the policy as of `step`."""
-        assert self.rollouts is not None
-        out = await self.evaluation.run(step, self.rollouts.sample_tasks)
-        if out is None:
-            return
-        values, line = out
-        self.summary["evals"].append({"step": step, **values})
-        self.logger.log(step, values)
-        self.echo(line)
+    # -- the trainer shell's parts ------------------------------------------------------------------
+    async def evaluate(self, n: int) -> Evaluation:
+        """The held-out evaluation of the policy as of step `n` (process 0; None on the others)."""
+
+        async def held_out() -> Evaluation:
+            assert self.rollouts is not None
+            return await self.evaluation.run(n, self.rollouts.sample_tasks)
+
+        return await self.hosts.run(f"the evaluation at step {n}", held_out)
 
     def _save(self, n: int, *, force: bool = False) -> bool:
         """Checkpoint step `n` (train state, next group id, done ids) when due or forced."""
@@ -358,81 +364,64 @@ class Learner:
         data_state = GroupsState(next_group, self.ledger.done).data_state()
         return self.checkpointer.save(n, self.state, data_state=data_state, config=self.run_config, force=force)
 
-    def checkpoint(self, n: int) -> None:
-        """After step `n`: remove the files of groups the last committed checkpoint covers, then
-        checkpoint when due (the ids done so far are then covered by it)."""
-        every, last = self.checkpointer.config.save_every, self.cfg.train.steps
-        if self.ledger.has_removable() and (n % every == 0 or n == last):
+    def checkpoint(self, n: int, force: bool) -> None:
+        """Checkpoint step `n` (the shell calls it when due): first remove the files of groups the
+        last committed checkpoint covers (the ids done so far are then covered by this one)."""
+        if self.ledger.has_removable():
             self.checkpointer.wait()  # the earlier save is committed: the files it covers can go
             self.hosts.call("removing trained groups' files", self.store.remove, self.ledger.removable())
-        if self._save(n, force=n == last):
+        if self._save(n, force=force):
             self.ledger.saved(n)
 
-    def record(self, n: int, values: dict[str, float]) -> None:
-        """Step `n`'s values into the summary, the logs and the progress line."""
-        self.summary["steps"][n] = values
-        if n % self.cfg.train.log_every == 0 or n == self.cfg.train.steps:
-            self.logger.log(n, values)
-        if self.progress is not None:
-            self.progress.update(
-                n,
-                f"reward {values['reward/total']:.3f} success {values['rollout/success']:.2f} "
-                f"mismatch-kl {values.get('mismatch_kl_k1', 0.0):.1e}",
-            )
+    async def shell_step(self, step: int) -> StepLog:
+        """`step(step)` with its values in the summary, and the progress line."""
+        values = await self.step(step)
+        self.summary["steps"][step + 1] = values
+        line = (
+            f"reward {values['reward/total']:.3f} success {values['rollout/success']:.2f} "
+            f"mismatch-kl {values.get('mismatch_kl_k1', 0.0):.1e}"
+        )
+        return StepLog(values, line)
 
-    async def finish(self) -> None:
-        """Process 0 at the end of the run: the rollout queue stopped, the replicas' health, the
-        final evaluation."""
-        assert self.rollouts is not None
-        await self.rollouts.stop_queue()
-        self.summary["samplers"] = await self.rollouts.health()
-        await self.evaluate(self.cfg.train.steps)
+    async def before_steps(self) -> None:
+        """After the step-0 evaluation: the setup's end (the others wait for process 0's), the
+        start version published, the rollout queue started."""
+        await self.hosts.share()
+        if self.begin.step < self.cfg.train.steps:
+            await asyncio.to_thread(self.publish, self.state.params, self.begin.step)
+            if self.rollouts is not None:
+                self.hosts.call("starting the rollout queue", self.rollouts.start_queue)
+
+    async def after_steps(self) -> None:
+        """Process 0 after the last step, before the final evaluation: the rollout queue stopped,
+        the replicas' health."""
+
+        async def finish() -> None:
+            assert self.rollouts is not None
+            await self.rollouts.stop_queue()
+            self.summary["samplers"] = await self.rollouts.health()
+
+        await self.hosts.run("the end of the run", finish)
 
     async def run(self, stop_after: int | None = None) -> None:
-        """Steps from the start step to train.steps (or `stop_after` of them, as a crash would),
-        with the evaluations, checkpoints and the end of the run."""
-        start, steps = self.begin.step, self.cfg.train.steps
+        """The trainer shell's loop over these parts: steps from the start step to train.steps (or
+        `stop_after` of them, as a crash would), with the evaluations, checkpoints and the end of
+        the run."""
+        parts = Parts(self.shell_step, self.evaluate, self.checkpoint, self.before_steps, self.after_steps)
         with jax.set_mesh(self.mesh):
-            if start == 0:
-                await self.hosts.run("the evaluation at step 0", self.evaluate, 0)
-            await self.hosts.share()  # the setup's end: the others wait for process 0's
-            if start < steps:
-                await asyncio.to_thread(self.publish, self.state.params, start)
-                if self.rollouts is not None:
-                    self.hosts.call("starting the rollout queue", self.rollouts.start_queue)
-            t_run = time.perf_counter()
-            for ran, step in enumerate(range(start, steps), 1):
-                n = step + 1
-                self.record(n, await self.step(step))
-                if self.evaluation.due(n):
-                    await self.hosts.run(f"the evaluation at step {n}", self.evaluate, n)
-                self.checkpoint(n)
-                self.summary["wall_s"] = time.perf_counter() - t_run  # of the step loop
-                if stop_after is not None and ran >= stop_after:
-                    self.summary["stopped_at"] = n
-                    break
-            else:
-                if steps > start:
-                    await self.hosts.run("the end of the run", self.finish)
+            await self.shell.run(parts, stop_after)
             await self.hosts.share()  # the others stop with an error process 0 had since
 
     def close(self) -> dict[str, Any]:
         """Wait for the last checkpoint, remove the files it covers, close the logs; the summary."""
-        if self.progress is not None:
-            self.progress.close()
         self.checkpointer.wait()
         removable = self.ledger.removable()
         if self.hosts.lead:
             self.store.remove(removable)
-        self.checkpointer.close()
-        self.logger.close()
-        s, ledger = self.summary, self.ledger
+        s, ledger = {**self.shell.close(), **self.summary}, self.ledger
         s["trained_groups"] = ledger.trained
         s.update(ledger.untrained)
-        s.setdefault("wall_s", 0.0)
         # the share of the trainer's loop spent waiting for groups (not training, publishing, updating)
         total = self._waited + self._busy
         s["trainer_idle_fraction"] = self._waited / total if total > 0 else 0.0
-        s["final_step"] = self.cfg.train.steps
-        s["checkpoint_dir"] = self.checkpointer.config.directory
         return s

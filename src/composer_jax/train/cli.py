@@ -89,7 +89,7 @@ def _main(argv: list[str] | None, prog: str, fmt: str) -> int:
         json.dumps(
             {
                 "stage": cfg.train.stage,
-                "steps": summary.get("final_step", summary.get("stopped_at")),
+                "steps": summary.get("stopped_at", summary["final_step"]),
                 "final_loss": summary["losses"].get(max(summary["losses"] or [0]), None),
                 "eval": final,
             },

@@ -1,4 +1,7 @@
-"""The training loop of one stage: data -> sharded step -> logs, held-out perplexity, checkpoints.
+"""One pretraining or SFT stage: data -> sharded step -> logs, held-out perplexity, checkpoints.
+
+The stage supplies the trainer shell (`train/shell.py`, the loop every trainer runs) its parts:
+the next batch and the step, the held-out evaluation, a checkpoint with the data position.
 
 `run_stage(cfg)` resumes from the stage's latest good checkpoint when there is one (bit-exact: the
 data iterator state is saved with every checkpoint), otherwise starts from `train.init_from` (the
@@ -33,9 +36,10 @@ from composer_jax.model.accounting import flops_per_token, param_rows
 from composer_jax.model.params import abstract_params
 from composer_jax.multihost import allgather_json
 from composer_jax.sharding import ShardingRules, make_mesh
-from composer_jax.train.observe import Progress, RunLogger, measure_peak_flops, scalars
+from composer_jax.train.observe import measure_peak_flops, scalars
 from composer_jax.train.optimizer import learning_rate_schedule
 from composer_jax.train.pretrain import pretraining_objective
+from composer_jax.train.shell import Cadence, Evaluation, Parts, StepLog, TrainerShell, run_to_end
 from composer_jax.train.state import abstract_train_state, init_train_state
 from composer_jax.train.step import BATCH_KEYS, batch_sharding, make_eval_step, make_train_step
 
@@ -152,35 +156,6 @@ def _named_sources(values: dict[str, float], names: Sequence[str]) -> dict[str, 
     return out
 
 
-def _log_step(
-    n: int,
-    host: dict,
-    tok_s: float,
-    mfu: float,
-    lr: float,
-    logger: RunLogger,
-    progress: Progress | None,
-    sources: Sequence[str] = (),
-) -> None:
-    values = _named_sources(scalars(host), sources)
-    values.update({"tokens_per_s": tok_s, "mfu": mfu, "lr": lr})
-    logger.log(n, values, {"expert_counts": host.get("expert_counts", [])})
-    if progress:
-        progress.update(
-            n,
-            f"loss {values['loss']:.4f} nll {values['nll']:.4f} "
-            f"gnorm {values['grad_norm']:.2f} {tok_s:,.0f} tok/s MFU {values['mfu']:.1%}",
-        )
-
-
-def _close(checkpointer: TrainCheckpointer, logger: RunLogger, progress: Progress | None) -> None:
-    if progress:
-        progress.close()
-    checkpointer.wait()
-    checkpointer.close()
-    logger.close()
-
-
 def _stage_data(cfg: Config, mesh, rules) -> tuple[Any, Any]:
     """(this process's training iterator, the held-out batches): each process reads the shards of
     the batch rows it holds; the held-out batches are stacked to the same count on every process."""
@@ -219,92 +194,100 @@ def _record_step(
         )
 
 
+class _StageParts:
+    """A pretraining or SFT stage's side of the trainer shell: its data, step and held-out
+    evaluation, its checkpoints (with the data position), and its own summary keys: `losses`
+    (per step), `source_losses` (per source and step, with a mixture), `skipped_steps`."""
+
+    def __init__(self, cfg: Config, mesh, rules, state: Any, data, eval_batches: list[dict], cadence: Cadence):
+        t = cfg.train
+        self.cfg, self.mesh, self.rules, self.state, self.data = cfg, mesh, rules, state, data
+        self.eval_batches, self.cadence, self.shape = eval_batches, cadence, (t.batch_size, t.seq_len)
+        self.objective = pretraining_objective(len(cfg.data.sources))
+        self.names = source_names(cfg.data.sources)
+        self.step_fn = make_train_step(cfg, mesh, rules, objective=self.objective)
+        self.eval_fn = make_eval_step(cfg, mesh, rules)
+        self.peak = t.peak_tflops * 1e12 if t.peak_tflops else measure_peak_flops()
+        self.lr_schedule = learning_rate_schedule(t.optimizer, t.steps)
+        self.flops_per_token = flops_per_token(cfg.model, param_rows(cfg.model), t.seq_len)["total"]
+        self.summary: dict[str, Any] = {"losses": {}, "skipped_steps": []}
+        self.t_last = time.perf_counter()  # the last logged step's end: tokens/s over the steps since
+
+    def parts(self, checkpointer: TrainCheckpointer, run_config: dict, echo: Callable[[str], None]) -> Parts:
+        async def step(i: int) -> StepLog:
+            return self.step(i, echo)
+
+        async def evaluate(n: int) -> Evaluation:
+            return self.evaluate(n)
+
+        async def before_steps() -> None:
+            self.t_last = time.perf_counter()
+
+        return Parts(step, evaluate, lambda n, force: self.save(n, force, checkpointer, run_config), before_steps)
+
+    def step(self, i: int, echo: Callable[[str], None]) -> StepLog:
+        """Train step i on the next batch; step i + 1's values on the logged steps."""
+        batch = _global_batch(next(self.data), self.mesh, self.rules, self.shape, self.objective.batch_keys)
+        self.state, metrics = self.step_fn(self.state, batch)
+        host = jax.device_get(metrics)
+        n = i + 1
+        _record_step(n, host, self.summary, self.cfg.train.stage, echo, self.names)
+        if not self.cadence.logs(n):
+            return StepLog({})
+        now, t = time.perf_counter(), self.cfg.train
+        tok_s = t.batch_size * t.seq_len * (n - max(self.cadence.start, n - t.log_every)) / max(now - self.t_last, 1e-9)
+        self.t_last = now
+        values = _named_sources(scalars(host), self.names)
+        values.update(
+            {
+                "tokens_per_s": tok_s,
+                "mfu": tok_s * self.flops_per_token / (self.peak * jax.device_count()),
+                "lr": float(self.lr_schedule(n - 1)),
+            }
+        )
+        line = (
+            f"loss {values['loss']:.4f} nll {values['nll']:.4f} "
+            f"gnorm {values['grad_norm']:.2f} {tok_s:,.0f} tok/s MFU {values['mfu']:.1%}"
+        )
+        return StepLog(values, line, {"expert_counts": host.get("expert_counts", [])})
+
+    def evaluate(self, n: int) -> Evaluation:
+        """Held-out perplexity (and MTP accuracies) as of step n, and its console line."""
+        ev = evaluate(self.eval_fn, self.state.params, self.eval_batches, self.mesh, self.rules, self.shape)
+        line = f"[{self.cfg.train.stage}] step {n} held-out perplexity {ev['eval/perplexity']:.3f}" + "".join(
+            f" mtp{k.split('/')[-1]}-acc {v:.3f}" for k, v in ev.items() if "mtp_accuracy" in k
+        )
+        return ev, line
+
+    def save(self, n: int, force: bool, checkpointer: TrainCheckpointer, run_config: dict) -> None:
+        """Checkpoint step n with every process's data position (each holds its own shards')."""
+        data_state = merge_states(allgather_json(self.data.get_state()))
+        metrics = {"loss": self.summary["losses"][n]}
+        checkpointer.save(n, self.state, data_state=data_state, config=run_config, metrics=metrics, force=force)
+
+
 def run_stage(
     cfg: Config, *, stop_after: int | None = None, echo: Callable[[str], None] = print, mesh=None
 ) -> dict[str, Any]:
     """Train one stage. stop_after: return (without a final checkpoint, as a crash would) once this
-    many steps have run in this call. Returns a summary with the per-step losses and evaluations."""
+    many steps have run in this call. Returns the trainer shell's summary with the per-step losses
+    (`losses`, `source_losses`, `skipped_steps`) and the evaluations."""
     t = cfg.train
     mesh = mesh if mesh is not None else make_mesh(cfg.mesh)
     rules = ShardingRules.create(cfg.sharding_rules)
-    pi = jax.process_index()
-    if pi != 0:  # every process computes the same numbers: one of them prints
+    lead = jax.process_index() == 0
+    if not lead:  # every process computes the same numbers: one of them prints
         echo = lambda _line: None  # noqa: E731
     run_tokenizer(cfg)
-    out_dir = Path(t.out_dir)
-    ckpt_cfg = run_checkpoint_config(cfg)
     run_config = to_dict(cfg)
-    checkpointer = TrainCheckpointer(ckpt_cfg)
-    shape = (t.batch_size, t.seq_len)
+    checkpointer = TrainCheckpointer(run_checkpoint_config(cfg))
     data, eval_batches = _stage_data(cfg, mesh, rules)
     state, start = _initial_state(cfg, mesh, rules, checkpointer, data, run_config, echo)
-    objective = pretraining_objective(len(cfg.data.sources))
-    names = source_names(cfg.data.sources)
-    step_fn = make_train_step(cfg, mesh, rules, objective=objective)
-    eval_fn = make_eval_step(cfg, mesh, rules)
-    logger = RunLogger(out_dir, t.stage, t.tensorboard, enabled=pi == 0)
-    peak = t.peak_tflops * 1e12 if t.peak_tflops else measure_peak_flops()
-    lr_schedule = learning_rate_schedule(t.optimizer, t.steps)
-    fpt = flops_per_token(cfg.model, param_rows(cfg.model), t.seq_len)["total"]
-    summary: dict[str, Any] = {"losses": {}, "evals": [], "skipped_steps": [], "start_step": start}
-    progress = Progress(t.steps, start) if pi == 0 else None
-    ran = 0
-    data_state: dict | None = None
-
-    def run_eval(step: int) -> None:
-        ev = evaluate(eval_fn, state.params, eval_batches, mesh, rules, shape)
-        summary["evals"].append({"step": step, **ev})
-        logger.log(step, ev)
-        echo(
-            f"[{t.stage}] step {step} held-out perplexity {ev['eval/perplexity']:.3f}"
-            + "".join(f" mtp{k.split('/')[-1]}-acc {v:.3f}" for k, v in ev.items() if "mtp_accuracy" in k)
-        )
-
+    cadence = Cadence(t.steps, start, t.log_every, t.eval_every)
+    stage = _StageParts(cfg, mesh, rules, state, data, eval_batches, cadence)
+    shell = TrainerShell(
+        t.stage, cadence, checkpointer, out_dir=t.out_dir, tensorboard=t.tensorboard, lead=lead, echo=echo
+    )
     with jax.set_mesh(mesh):
-        if start == 0:
-            run_eval(0)
-        t_last = time.perf_counter()
-        for step in range(start, t.steps):
-            batch = _global_batch(next(data), mesh, rules, shape, objective.batch_keys)
-            state, metrics = step_fn(state, batch)
-            ran += 1
-            host = jax.device_get(metrics)
-            n = step + 1
-            _record_step(n, host, summary, t.stage, echo, names)
-            if n % t.log_every == 0 or n == t.steps:
-                now = time.perf_counter()
-                tok_s = t.batch_size * t.seq_len * (n - max(start, n - t.log_every)) / max(now - t_last, 1e-9)
-                _log_step(
-                    n,
-                    host,
-                    tok_s,
-                    tok_s * fpt / (peak * jax.device_count()),
-                    float(lr_schedule(n - 1)),
-                    logger,
-                    progress,
-                    names,
-                )
-                t_last = now
-            if n % t.eval_every == 0 and n != t.steps:
-                run_eval(n)
-            if checkpointer.due(n, force=n == t.steps):
-                # each process holds its own shards' positions: the checkpoint gets all of them
-                data_state = merge_states(allgather_json(data.get_state()))
-            checkpointer.save(
-                n,
-                state,
-                data_state=data_state,
-                config=run_config,
-                metrics={"loss": float(host["loss"])},
-                force=n == t.steps,
-            )
-            if stop_after is not None and ran >= stop_after:
-                _close(checkpointer, logger, None)
-                summary["stopped_at"] = n
-                return summary
-        if t.steps > start or start == 0:
-            run_eval(t.steps)
-    _close(checkpointer, logger, progress)
-    summary["final_step"] = t.steps
-    summary["checkpoint_dir"] = ckpt_cfg.directory
-    return summary
+        run_to_end(shell.run(stage.parts(checkpointer, run_config, echo), stop_after))
+    return {**shell.close(), **stage.summary}
