@@ -157,7 +157,7 @@ def cost_model(params, cfg, d_main: dict[int, float], d_mtp: dict[tuple[int, int
     """-> (main(w): the main model over w tokens, mtp(w, n): MTP module 1's block over w tokens
     with n routed experts per token, head(w, cols): the output head's `cols` columns on w tokens).
     d_main[w] / d_mtp[w, n]: mean distinct experts a w-token window reads per MoE layer."""
-    from composer_jax.model import moe_decode as moe
+    from composer_jax.model.moe import decode as moe
 
     e, v = cfg.hidden_size, cfg.vocab_size
     f = lambda tree: 2 * _nbytes(tree) / 4  # FLOPs of a matrix-vector product per token (float32 weights)

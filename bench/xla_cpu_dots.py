@@ -10,7 +10,7 @@ after a warm-up, with random weights of the shared reference model's shapes
 
 - `head r`: the output head's product [r, hidden] x [hidden, vocab] (float32), r in `--rows`
   (1: a plain batch-1 step; 4: a speculative verify window of k = 3; 16: a batch-16 step);
-- `moe t`: one routed-expert SwiGLU layer (`moe_decode.decode_swiglu` with the scheme the decode path picks
+- `moe t`: one routed-expert SwiGLU layer (`moe.decode.decode_swiglu` with the scheme the decode path picks
   for t tokens) over `--layers` chained layers with their own weights (so they stream from memory),
   reported per layer;
 - `step b`: one jitted forward of the whole model over a KV cache holding `--context` tokens, one new
@@ -106,8 +106,8 @@ def child(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     from composer_jax.hf.config import model_config_from_hf
-    from composer_jax.model import moe_decode as moe
     from composer_jax.model.kv_cache import init_cache
+    from composer_jax.model.moe import decode as moe
     from composer_jax.model.params import init_params
     from composer_jax.model.transformer import forward
 

@@ -226,7 +226,7 @@ def test_sharded_speculative_sampler_gives_the_single_device_tokens():
 @pytest.mark.slow  # 1-3 min on 2 cores; the sharded sampler without speculation is tested in the default suite
 def test_expert_parallel_speculation_never_drops_so_greedy_tokens_are_the_single_device_ones():
     """On an expert-parallel mesh whose capacity factor makes the training forward drop
-    assignments, inference steps take the dropless exchange (`moe_decode.decode_expert_parallel`): the
+    assignments, inference steps take the dropless exchange (`moe.decode.decode_expert_parallel`): the
     speculative sampler's greedy tokens, log-probabilities and routing equal the single-device
     sampler's without speculation."""
     cfg = dataclasses.replace(MLA, moe_ep_exchange="ragged_emulated", moe_ep_capacity_factor=0.5)

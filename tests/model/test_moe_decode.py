@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import composer_jax as cj
-from composer_jax.model import moe_decode as moe
 from composer_jax.model.kv_cache import init_cache
+from composer_jax.model.moe import decode as moe
 from composer_jax.model.params import init_params
 
 E, D, F, K = 8, 16, 12, 2

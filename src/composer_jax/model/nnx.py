@@ -38,7 +38,7 @@ from composer_jax.sharding import MeshRules
 
 
 class RouterBias(nnx.Variable):
-    """DeepSeek-V3's router score-correction bias: moved by `moe.update_router_biases` from the
+    """DeepSeek-V3's router score-correction bias: moved by `moe.router.update_router_biases` from the
     expert counts, never by gradients (`params.gradient_free_mask`)."""
 
 

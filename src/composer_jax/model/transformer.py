@@ -14,8 +14,8 @@ from composer_jax.model.attention import attention, attention_cached, segment_po
 from composer_jax.model.kv_cache import KVCache, stack_slice
 from composer_jax.model.layers import linear, rms_norm, rope_cos_sin, swiglu
 from composer_jax.model.masks import LAYOUTS, AttentionContext, Layout
-from composer_jax.model.moe import moe_layer
-from composer_jax.model.moe_decode import EXPERT_WEIGHTS, LayerView
+from composer_jax.model.moe.decode import EXPERT_WEIGHTS, LayerView
+from composer_jax.model.moe.layer import moe_layer
 from composer_jax.sharding import MeshRules, constrain
 
 
@@ -96,7 +96,7 @@ def _run_stack(
     views = {}
     if moe and cache is not None and _experts_as_views(cfg, sharding):
         # an inference step: the routed experts' weights stay stacked, and each layer reads the
-        # experts it uses from the stack (`moe_decode.LayerView`) instead of a sliced copy of the layer's
+        # experts it uses from the stack (`moe.decode.LayerView`) instead of a sliced copy of the layer's
         views = {k: stack["moe"][k] for k in EXPERT_WEIGHTS}
         stack = {**stack, "moe": {k: v for k, v in stack["moe"].items() if k not in views}}
     n = jax.tree.leaves(stack)[0].shape[0]
@@ -115,9 +115,9 @@ def _run_stack(
 
 
 def _experts_as_views(cfg: ModelConfig, sharding: MeshRules | None) -> bool:
-    """Whether an inference step's MoE layers take their routed experts as `moe_decode.LayerView`s: on
-    one device (or a mesh of size 1) with the plain decode path (`moe._local_moe`'s `decode_swiglu`
-    branch); sharded runs slice the layer as before (the views do not cross `shard_map`)."""
+    """Whether an inference step's MoE layers take their routed experts as `moe.decode.LayerView`s: on
+    one device (or a mesh of size 1) with the plain decode path (`moe.dispatch.Dispatch.DECODE`);
+    sharded runs slice the layer as before (the views do not cross `shard_map`)."""
     single = sharding is None or all(n == 1 for n in dict(sharding.mesh.shape).values())
     return single and cfg.moe_impl == "auto" and cfg.moe_precision == "bf16"
 
