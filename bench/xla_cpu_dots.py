@@ -109,7 +109,7 @@ def child(args: argparse.Namespace) -> int:
     from composer_jax.model.kv_cache import init_cache
     from composer_jax.model.moe import decode as moe
     from composer_jax.model.params import init_params
-    from composer_jax.model.transformer import forward
+    from composer_jax.model.transformer import forward_cached
 
     cfg, _ = model_config_from_hf(json.loads(args.reference.read_text()))
     rng = np.random.default_rng(0)
@@ -145,7 +145,7 @@ def child(args: argparse.Namespace) -> int:
         outs[f"moe {t} ({scheme})"] = np.asarray(out)
 
     params = init_params(cfg, jax.random.key(0))
-    fwd = jax.jit(lambda p, t, c: forward(p, t, cfg, cache=c).logits)
+    fwd = jax.jit(lambda p, t, c: forward_cached(p, t, cfg, c).logits)
     pieces = [(f"step {b}", b, 1) for b in [int(x) for x in args.batches.split(",")]] + [("verify 4", 1, 4)]
     for name, b, w in pieces:
         cache = init_cache(cfg, b, args.context + 8)

@@ -124,7 +124,7 @@ class ComposerTransformer(nnx.Module):
 
     def __call__(self, tokens: jax.Array, **kwargs: Any) -> ModelOutput:
         """`forward(self.params(), tokens, cfg, sharding=..., **kwargs)`; kwargs as `forward`'s
-        (segment_ids, positions, routing, cache, ...)."""
+        (segment_ids, positions, routing, ...)."""
         if "sharding" in kwargs:
             raise ValueError("ComposerTransformer runs under its own sharding; pass sharding= to the constructor")
         return forward(self.params(), tokens, self.cfg, sharding=self.sharding, **kwargs)
