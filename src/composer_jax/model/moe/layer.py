@@ -13,6 +13,7 @@ Inference steps take `decode.py`'s kernels instead where they apply.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -91,7 +92,7 @@ def _sorted_dispatch(
 
 
 def _routed_experts(
-    choice: Dispatch, xt: jax.Array, r: Routing, ws: tuple, cfg: ModelConfig, axes: BlockAxes
+    choice: Dispatch, xt: jax.Array, r: Routing, ws: tuple[Any, Any, Any], cfg: ModelConfig, axes: BlockAxes
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The routed experts of the block's tokens xt [t, d] by the chosen dispatch, combined with the
     gate weights -> (y [t, d], dropped int32[], sent int32[] as `_sorted_dispatch` counts them; a
@@ -102,21 +103,23 @@ def _routed_experts(
         # inference (a forward with a KV cache): every expert's weights read at most once per step
         strategy = decode_strategy(xt.shape[0], k, e)
         return decode_swiglu(xt, r.experts, r.weights, *ws, strategy, cfg.moe_tile_size), zero, zero
-    ws = tuple(whole(w) for w in ws)
+    gate, up, down = whole_ws = tuple(whole(w) for w in ws)
     if choice is Dispatch.DECODE_EXPERT_PARALLEL:
         assert axes.ep_axis is not None
         gathered = axes.ep_axis in axes.batch_axes + axes.seq_axes
-        y = decode_expert_parallel(xt, r.experts, r.weights, ws, cfg.moe_tile_size, axes.ep_axis, gathered)
+        y = decode_expert_parallel(xt, r.experts, r.weights, whole_ws, cfg.moe_tile_size, axes.ep_axis, gathered)
         return y, zero, jnp.full((), (axes.ep - 1) * xt.shape[0] if gathered else 0, jnp.int32)
     dropped = sent = zero
     if choice is Dispatch.GATHERED:
         # a few tokens: fewer assignments than experts, so gathering each assignment's expert
         # weights reads only the experts in use (a grouped matmul reads all of them); exact
-        y_assign = gathered_swiglu(xt, r.experts, *ws)
+        y_assign = gathered_swiglu(xt, r.experts, gate, up, down)
     elif choice is Dispatch.TILED_FROM_TOKENS:
-        y_assign = tiled_dispatch_swiglu(xt, r.experts, *ws, tile=cfg.moe_tile_size, precision=moe_recipe(cfg))
+        y_assign = tiled_dispatch_swiglu(
+            xt, r.experts, gate, up, down, tile=cfg.moe_tile_size, precision=moe_recipe(cfg)
+        )
     else:
-        y_assign, dropped, sent = _sorted_dispatch(xt, r.experts, ws, cfg, axes.ep, axes.ep_axis)
+        y_assign, dropped, sent = _sorted_dispatch(xt, r.experts, whole_ws, cfg, axes.ep, axes.ep_axis)
     return jnp.einsum("tkd,tk->td", y_assign, r.weights.astype(y_assign.dtype)), dropped, sent
 
 
