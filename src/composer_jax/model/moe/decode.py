@@ -1,4 +1,4 @@
-"""The MoE layer's routed experts in inference steps (a `forward` with a KV cache).
+"""The MoE layer's routed experts in inference steps (`forward_cached`: prefill, decode, verify).
 
 `decode_swiglu` computes a step's routed SwiGLU with every expert's weights read at most once and
 in place: an expert loop that skips the experts no token chose, the real assignments in tiles of a

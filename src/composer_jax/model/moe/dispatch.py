@@ -50,7 +50,7 @@ def choose_dispatch(
 ) -> Dispatch:
     """The dispatch of one MoE layer's block. impl: `model.moe_impl`; precision:
     `model.moe_precision`; ep: devices the experts are split over; decode: an inference step (a
-    forward with a KV cache); assignments: the block's tokens x k; experts: `model.num_experts`;
+    `forward_cached`); assignments: the block's tokens x k; experts: `model.num_experts`;
     accelerator: `on_accelerator()`. The specialised paths apply only to "auto" without
     quantisation; quantised and explicitly named implementations take the training dispatch."""
     plain_local = ep == 1 and impl == "auto" and precision == "bf16"

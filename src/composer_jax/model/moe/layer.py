@@ -100,7 +100,7 @@ def _routed_experts(
     zero = jnp.zeros((), jnp.int32)
     k, e = cfg.num_experts_per_tok, cfg.num_experts
     if choice is Dispatch.DECODE:
-        # inference (a forward with a KV cache): every expert's weights read at most once per step
+        # inference (`forward_cached`): every expert's weights read at most once per step
         strategy = decode_strategy(xt.shape[0], k, e)
         return decode_swiglu(xt, r.experts, r.weights, *ws, strategy, cfg.moe_tile_size), zero, zero
     gate, up, down = whole_ws = tuple(whole(w) for w in ws)
