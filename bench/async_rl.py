@@ -165,7 +165,7 @@ def decode_sweep(args: argparse.Namespace) -> None:
 
     from composer_jax.checkpoint.manager import restore_params_only
     from composer_jax.config import load_config
-    from composer_jax.inference.sampler import Request, Sampler
+    from composer_jax.inference.sampler import Request, Sampler, SamplerSettings
     from composer_jax.inference.sampling import SamplingParams
     from composer_jax.model.params import abstract_params, init_params
     from composer_jax.sharding import ShardingRules, make_mesh
@@ -178,7 +178,9 @@ def decode_sweep(args: argparse.Namespace) -> None:
     else:
         params = init_params(cfg.model, jax.random.key(cfg.train.seed), mesh, rules)
     slots, n_steps, out = cfg.rl.sampler.slots, 24, {}
-    sampler = Sampler(params, cfg.model, slots=slots, max_len=cfg.train.seq_len, mesh=mesh, rules=rules)
+    sampler = Sampler(
+        params, cfg.model, SamplerSettings(slots=slots, max_len=cfg.train.seq_len, mesh=mesh, rules=rules)
+    )
     prompt = list(range(10, 74))
     for n in sorted({1, max(1, slots // 4), max(1, slots // 2), slots}):
         for i in range(n):

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from composer_jax.hf.weights import from_pretrained
-    from composer_jax.inference.sampler import Request, Sampler
+    from composer_jax.inference.sampler import Request, Sampler, SamplerSettings
     from composer_jax.inference.sampling import SamplingParams
 
     torch.set_num_threads(args.threads)
@@ -103,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     vllm_rows: list[tuple[int, float, float]] = []
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = np.random.default_rng(batch).integers(0, cfg.vocab_size, (batch, args.prompt))
-        sampler = Sampler(params, cfg, slots=batch, max_len=args.prompt + args.new, decode_chunk=args.chunk)
+        sampler = Sampler(
+            params, cfg, SamplerSettings(slots=batch, max_len=args.prompt + args.new, decode_chunk=args.chunk)
+        )
 
         def ours(sampler: Sampler = sampler, prompts: np.ndarray = prompts) -> np.ndarray:
             done = sampler.run([Request(list(map(int, p)), greedy) for p in prompts])

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from composer_jax.config import ModelConfig
-from composer_jax.model import moe
+from composer_jax.model.moe import layer
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels import grouped_matmul_bwd as gmb
 from pallas_kernels import mx_quant, nvfp4_quant
@@ -263,7 +263,7 @@ def _layer_step(base: ModelConfig, precision: str, backend: str, c: jax.Array) -
     cfg = dataclasses.replace(base, **overrides)
 
     def loss(p, x):
-        y = moe.moe_layer(p, x, cfg, None)[0]
+        y = layer.moe_layer(p, x, cfg, None)[0]
         return jnp.sum(y.astype(jnp.float32) * c), y
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))

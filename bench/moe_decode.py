@@ -1,5 +1,5 @@
 """Routed-expert SwiGLU of one inference step (decode, speculative verify, short prefill), per layer,
-for each way of computing it: the schemes `model.moe_decode.decode_swiglu` chooses from, next to the
+for each way of computing it: the schemes `model.moe.decode.decode_swiglu` chooses from, next to the
 per-assignment gather the decode path used before.
 
 Shapes: the shared reference model's MoE layer (hidden 256, 16 experts of width 256, top-4),
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from composer_jax.model import moe_decode as moe
+from composer_jax.model.moe import decode as moe
 
 E, D, F, K = 16, 256, 256, 4
 

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from composer_jax.config import ModelConfig
-from composer_jax.model import moe
 from composer_jax.model.layers import swiglu
+from composer_jax.model.moe import layer
 
 REFERENCE = Path(__file__).resolve().parents[1] / ".." / "shared" / "bench" / "moe_bench_config.json"
 EMBEDDED = {
@@ -96,7 +96,7 @@ def main() -> None:
     dense_p = {"gate": n(keys[8], (d, fd)), "up": n(keys[9], (d, fd)), "down": n(keys[1], (fd, d))[:, :d]}
 
     def moe_loss(p, x, impl):
-        y, _, _ = moe.moe_layer(p, x, dataclasses.replace(cfg, moe_impl=impl), None)
+        y, _, _ = layer.moe_layer(p, x, dataclasses.replace(cfg, moe_impl=impl), None)
         return jnp.sum(y * y)
 
     def dense_loss(p, x):

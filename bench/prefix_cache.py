@@ -82,13 +82,15 @@ def main() -> None:
     import jax
 
     from composer_jax.config import load_config
-    from composer_jax.inference.sampler import Sampler
+    from composer_jax.inference.sampler import Sampler, SamplerSettings
     from composer_jax.model.params import init_params
 
     cfg = load_config(args.config, ["mesh.fsdp=1"], num_devices=None).model
     params = init_params(cfg, jax.random.key(0))
     modes = ("none", "version")
-    samplers = {m: Sampler(params, cfg, slots=args.slots, max_len=args.max_len, prefix_cache=m) for m in modes}
+    samplers = {
+        m: Sampler(params, cfg, SamplerSettings(slots=args.slots, max_len=args.max_len, prefix_cache=m)) for m in modes
+    }
     compiled = {}
     untimed = {}
     for m in modes:

@@ -30,7 +30,7 @@ Every row's speed-up is printed against two baselines: the plain sampler steppin
 call (decode_chunk=1, "k=0") and the plain sampler with 16 decode steps per compiled call
 (decode_chunk=16, "k=0 c16", the engine's best plain mode). Speculative rows run with one verify
 step per call ("c1") and with `--chunk` verify steps per call ("c16": the accept and stop
-bookkeeping on device, `Sampler(speculative_tokens=k, decode_chunk=16)`). Timed runs alternate
+bookkeeping on device, `SamplerSettings(speculative_tokens=k, decode_chunk=16)`). Timed runs alternate
 over the settings; each row reports wall and CPU time (CPU time is less disturbed by other jobs).
 """
 
@@ -157,7 +157,7 @@ def cost_model(params, cfg, d_main: dict[int, float], d_mtp: dict[tuple[int, int
     """-> (main(w): the main model over w tokens, mtp(w, n): MTP module 1's block over w tokens
     with n routed experts per token, head(w, cols): the output head's `cols` columns on w tokens).
     d_main[w] / d_mtp[w, n]: mean distinct experts a w-token window reads per MoE layer."""
-    from composer_jax.model import moe_decode as moe
+    from composer_jax.model.moe import decode as moe
 
     e, v = cfg.hidden_size, cfg.vocab_size
     f = lambda tree: 2 * _nbytes(tree) / 4  # FLOPs of a matrix-vector product per token (float32 weights)
@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         "--draft-experts",
         default="",
         help="also run the drafts with these routed experts per token in the MTP block "
-        "(Sampler(draft_experts=n); 0 = its shared expert only), e.g. 2,1,0; empty: the model's own only",
+        "(SamplerSettings(draft_experts=n); 0 = its shared expert only), e.g. 2,1,0; empty: the model's own only",
     )
     ap.add_argument("--reference", type=Path, default=REFERENCE, help="the reference model's config.json")
     ap.add_argument(
@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
 
     from composer_jax.hf.config import model_config_from_hf
-    from composer_jax.inference.sampler import Request, Sampler
+    from composer_jax.inference.sampler import Request, Sampler, SamplerSettings
     from composer_jax.inference.sampling import SamplingParams
     from composer_jax.inference.speculative import SpecStats
 
@@ -437,17 +437,16 @@ def main(argv: list[str] | None = None) -> int:
     # every setting is compiled and warmed up first, then the timed runs go round-robin over the
     # settings, so a change in the machine's load hits all of them alike (medians over repeats)
     runs: dict[tuple[float, int, int, int, int | None], tuple] = {}
+    one_slot = SamplerSettings(slots=1, max_len=max_len)
     for k, vocab, chunk, n in settings:
-        sampler = Sampler(
-            params,
-            cfg,
-            slots=1,
-            max_len=max_len,
+        variant = dataclasses.replace(
+            one_slot,
             speculative_tokens=k,
             draft_vocab=frequent if vocab else None,
             decode_chunk=chunk,
             draft_experts=n,
         )
+        sampler = Sampler(params, cfg, variant)
         for temperature in temperatures:
             reqs = [
                 Request(p, SamplingParams(temperature=temperature, max_tokens=args.new, seed=i))
@@ -485,9 +484,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # what one step costs: a verify of k + 1 tokens against a 1-token decode (main model only)
     from composer_jax.model.kv_cache import init_cache
-    from composer_jax.model.transformer import forward
+    from composer_jax.model.transformer import forward_cached
 
-    fwd = jax.jit(lambda p, t, c: forward(p, t, cfg, cache=c).logits)
+    fwd = jax.jit(lambda p, t, c: forward_cached(p, t, cfg, c).logits)
     cache = init_cache(cfg, 1, max_len + 8)
     cache = dataclasses.replace(cache, lengths=jnp.full((1,), args.prompt, jnp.int32))
     cost = {}

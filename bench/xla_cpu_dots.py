@@ -10,7 +10,7 @@ after a warm-up, with random weights of the shared reference model's shapes
 
 - `head r`: the output head's product [r, hidden] x [hidden, vocab] (float32), r in `--rows`
   (1: a plain batch-1 step; 4: a speculative verify window of k = 3; 16: a batch-16 step);
-- `moe t`: one routed-expert SwiGLU layer (`moe_decode.decode_swiglu` with the scheme the decode path picks
+- `moe t`: one routed-expert SwiGLU layer (`moe.decode.decode_swiglu` with the scheme the decode path picks
   for t tokens) over `--layers` chained layers with their own weights (so they stream from memory),
   reported per layer;
 - `step b`: one jitted forward of the whole model over a KV cache holding `--context` tokens, one new
@@ -107,10 +107,10 @@ def child(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     from composer_jax.hf.config import model_config_from_hf
-    from composer_jax.model import moe_decode as moe
     from composer_jax.model.kv_cache import init_cache
+    from composer_jax.model.moe import decode as moe
     from composer_jax.model.params import init_params
-    from composer_jax.model.transformer import forward
+    from composer_jax.model.transformer import forward_cached
 
     cfg, _ = model_config_from_hf(json.loads(args.reference.read_text()))
     rng = np.random.default_rng(0)
@@ -146,7 +146,7 @@ def child(args: argparse.Namespace) -> int:
         outs[f"moe {t} ({scheme})"] = np.asarray(out)
 
     params = init_params(cfg, jax.random.key(0))
-    fwd = jax.jit(lambda p, t, c: forward(p, t, cfg, cache=c).logits)
+    fwd = jax.jit(lambda p, t, c: forward_cached(p, t, cfg, c).logits)
     pieces = [(f"step {b}", b, 1) for b in [int(x) for x in args.batches.split(",")]] + [("verify 4", 1, 4)]
     for name, b, w in pieces:
         cache = init_cache(cfg, b, args.context + 8)

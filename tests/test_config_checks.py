@@ -110,7 +110,7 @@ def test_accepted_name_sets_are_written_once():
     import typing
 
     from composer_jax.config import data, model, rl
-    from composer_jax.model import expert_parallel
+    from composer_jax.model.moe import expert_parallel
     from composer_jax.quant import recipe
 
     hints = typing.get_type_hints(model.ModelConfig)

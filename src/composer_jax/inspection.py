@@ -108,14 +108,13 @@ GPUS_PER_NODE = 8  # HGX / DGX H100, H200, B200: the NVLink domain of the meshes
 
 def expert_all_to_all(cfg: Config, sizes: dict[str, int], tokens_per_device: float, micro_batches: int) -> dict:
     """All-to-all bytes per device per training step of the expert-parallel exchange, for both
-    strategies (`model/expert_parallel.py`): the hidden-vector rows (`exchange_traffic` per layer
+    strategies (`model/moe/expert_parallel.py`): the hidden-vector rows (`exchange_traffic` per layer
     and exchange x `exchanges_per_step` x MoE layers (MTP included) x micro-batches) and the int32
     metadata (padded: expert ids with the dispatch; ragged: the counts all_gather; once per forward
     pass), with the time at each `INTERCONNECTS` line rate and the link the mesh's expert axis uses
     (make_mesh's plain device order: an expert group whose devices lie within one node of
     GPUS_PER_NODE uses NVLink, otherwise InfiniBand)."""
-    from composer_jax.model import expert_parallel as xp
-    from composer_jax.model.moe import ep_exchange
+    from composer_jax.model.moe import expert_parallel as xp
 
     m = cfg.model
     ep = sizes["expert"]
@@ -145,7 +144,7 @@ def expert_all_to_all(cfg: Config, sizes: dict[str, int], tokens_per_device: flo
         "link": link,
         "gpus_per_node": GPUS_PER_NODE,
         "capacity_factor": m.moe_ep_capacity_factor,
-        "exchange_on_gpu": "ragged" if m.moe_ep_exchange == "auto" else ep_exchange(m),
+        "exchange_on_gpu": "ragged" if m.moe_ep_exchange == "auto" else xp.ep_exchange(m),
         "interconnects": {k: dataclasses.asdict(v) for k, v in INTERCONNECTS.items()},
         "strategies": {},
     }

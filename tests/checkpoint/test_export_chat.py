@@ -202,7 +202,7 @@ def test_the_projects_own_loader_reads_the_export_as_the_original(exported):
 
 
 def test_generate_gives_the_samplers_greedy_tokens(policy, hf_tok, hf_model):
-    from composer_jax.inference.sampler import Sampler
+    from composer_jax.inference.sampler import Sampler, SamplerSettings
     from composer_jax.inference.sampling import SamplingParams
 
     cfg, params = policy
@@ -211,7 +211,7 @@ def test_generate_gives_the_samplers_greedy_tokens(policy, hf_tok, hf_model):
     prompt = render_prompt(msgs, tok, tools=tool_schemas()).tolist()
     stops = (tok.special["<|im_end|>"], tok.eos_id)
     n = 24
-    done = Sampler(params, cfg, slots=1, max_len=len(prompt) + n + 8).run(
+    done = Sampler(params, cfg, SamplerSettings(slots=1, max_len=len(prompt) + n + 8)).run(
         [prompt], SamplingParams(temperature=0.0, max_tokens=n, stop_token_ids=stops)
     )
     ids = hf_tok.apply_chat_template(msgs, tools=tool_schemas(), add_generation_prompt=True, return_tensors="pt")
@@ -270,7 +270,7 @@ def test_bad_run_directories_are_refused(run, tmp_path, capsys):
 # the property on a saved train state of the same layout (the `run` fixture above).
 @pytest.mark.slow
 def test_a_trained_run_exports_and_generates_the_samplers_tokens(tmp_path, monkeypatch):
-    from composer_jax.inference.sampler import Sampler
+    from composer_jax.inference.sampler import Sampler, SamplerSettings
     from composer_jax.inference.sampling import SamplingParams
     from composer_jax.train.loop import run_stage
 
@@ -303,6 +303,6 @@ def test_a_trained_run_exports_and_generates_the_samplers_tokens(tmp_path, monke
     mcfg, params, _, _ = load_run(tmp_path / "stage", None)
     prompt = hf_tok("def add(a, b):").input_ids
     greedy = SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=(tok.eos_id,))
-    done = Sampler(params, mcfg, slots=1, max_len=64).run([prompt], greedy)
+    done = Sampler(params, mcfg, SamplerSettings(slots=1, max_len=64)).run([prompt], greedy)
     got = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=tok.eos_id)
     assert got[0, len(prompt) :].tolist() == done[0].tokens

@@ -13,7 +13,7 @@ import pytest
 
 import composer_jax as cj
 from composer_jax.inference.async_sampler import AsyncSampler
-from composer_jax.inference.sampler import Request, Sampler
+from composer_jax.inference.sampler import Request, Sampler, SamplerSettings
 from composer_jax.inference.sampling import SamplingParams
 
 CFG = cj.ModelConfig(num_layers=1, first_k_dense=0, num_mtp_layers=0, max_position_embeddings=32)
@@ -27,10 +27,10 @@ def _prompt(seed: int, n: int) -> list[int]:
 def test_completions_refusals_and_a_failed_step_that_the_driver_survives():
     params = cj.init_params(CFG, jax.random.key(0))
     prompts = [_prompt(1, 5), _prompt(2, 7)]
-    ref = Sampler(params, CFG, slots=2, max_len=16).run([Request(p, GREEDY) for p in prompts])
+    ref = Sampler(params, CFG, SamplerSettings(slots=2, max_len=16)).run([Request(p, GREEDY) for p in prompts])
 
     async def main():
-        s = AsyncSampler(Sampler(params, CFG, slots=2, max_len=16, version=4))
+        s = AsyncSampler(Sampler(params, CFG, SamplerSettings(slots=2, max_len=16), version=4))
         try:
             got = await asyncio.gather(*(s.generate(p, GREEDY) for p in prompts))
             for a, b in zip(got, ref, strict=True):

@@ -14,7 +14,7 @@ import pytest
 from small_models import gqa, mla_yarn
 
 import composer_jax as cj
-from composer_jax.inference.sampler import Completion, Request, Sampler
+from composer_jax.inference.sampler import Completion, Request, Sampler, SamplerSettings
 from composer_jax.inference.sampling import SamplingParams
 
 BASE = cj.ModelConfig(num_layers=2, num_mtp_layers=0, max_position_embeddings=64)
@@ -55,7 +55,10 @@ def test_a_second_turn_reuses_the_first_and_equals_a_fresh_prefill(name):
     cfg = CONFIGS[name]
     params = cj.init_params(cfg, jax.random.key(1))
     first = Request(_prompt(1, 9), _greedy(5))
-    on, off = Sampler(params, cfg, slots=2, max_len=48), Sampler(params, cfg, slots=2, max_len=48, prefix_cache="none")
+    on, off = (
+        Sampler(params, cfg, SamplerSettings(slots=2, max_len=48)),
+        Sampler(params, cfg, SamplerSettings(slots=2, max_len=48, prefix_cache="none")),
+    )
     (a,) = on.run([first])
     (a_ref,) = off.run([Request(first.prompt, first.params)])
     _same(a, a_ref)
@@ -87,8 +90,8 @@ def test_a_second_turn_reuses_the_first_and_equals_a_fresh_prefill(name):
 
 def test_misses_partial_matches_and_the_end_of_the_cache(params):
     on, off = (
-        Sampler(params, BASE, slots=2, max_len=48),
-        Sampler(params, BASE, slots=2, max_len=48, prefix_cache="none"),
+        Sampler(params, BASE, SamplerSettings(slots=2, max_len=48)),
+        Sampler(params, BASE, SamplerSettings(slots=2, max_len=48, prefix_cache="none")),
     )
     a_prompt = _prompt(10, 10)
     b_prompt = _prompt(11, 7)
@@ -122,8 +125,8 @@ def test_staggered_continuation_with_a_group_of_different_prefixes(params):
     # together: two reuse their slots' prefixes in one group prefill, the rest wait and miss
     first = [Request(_prompt(20 + i, n), _greedy(m)) for i, (n, m) in enumerate([(7, 4), (12, 6), (5, 3)])]
     on, off = (
-        Sampler(params, BASE, slots=2, max_len=48),
-        Sampler(params, BASE, slots=2, max_len=48, prefix_cache="none"),
+        Sampler(params, BASE, SamplerSettings(slots=2, max_len=48)),
+        Sampler(params, BASE, SamplerSettings(slots=2, max_len=48, prefix_cache="none")),
     )
     done = on.run(first)
     for g, r in zip(done, off.run([Request(q.prompt, q.params) for q in first]), strict=True):
@@ -153,15 +156,17 @@ def test_a_weight_swap_drops_the_cached_prefixes_unless_kept(params):
     first = Request(_prompt(40, 9), _greedy(3))
     follow = lambda c: c.prompt + c.tokens + _prompt(41, 2)
     version, keep = (
-        Sampler(params, BASE, slots=1, max_len=32),
-        Sampler(params, BASE, slots=1, max_len=32, prefix_cache="keep"),
+        Sampler(params, BASE, SamplerSettings(slots=1, max_len=32)),
+        Sampler(params, BASE, SamplerSettings(slots=1, max_len=32, prefix_cache="keep")),
     )
     (a,) = version.run([first])
     (k,) = keep.run([Request(first.prompt, first.params)])
     version.update_weights(other, 1)
     keep.update_weights(other, 1)
     (b,) = version.run([Request(follow(a), _greedy(3))])
-    (b_ref,) = Sampler(other, BASE, slots=1, max_len=32, prefix_cache="none").run([Request(follow(a), _greedy(3))])
+    (b_ref,) = Sampler(other, BASE, SamplerSettings(slots=1, max_len=32, prefix_cache="none")).run(
+        [Request(follow(a), _greedy(3))]
+    )
     _same(b, b_ref)  # the whole prompt under the new weights, as a fresh prefill
     assert version.prefix_stats.reused == 0
     keep.run([Request(follow(k), _greedy(3))])
@@ -179,7 +184,7 @@ def test_a_weight_swap_drops_the_cached_prefixes_unless_kept(params):
 
 
 def test_cancelled_requests_leave_a_reusable_prefix_and_bad_modes_are_refused(params):
-    sampler = Sampler(params, BASE, slots=1, max_len=32)
+    sampler = Sampler(params, BASE, SamplerSettings(slots=1, max_len=32))
     prompt = _prompt(50, 6)
     sampler.submit(Request(prompt, _greedy(8), id="x"))
     sampler.step()
@@ -188,23 +193,23 @@ def test_cancelled_requests_leave_a_reusable_prefix_and_bad_modes_are_refused(pa
     generated = list(tokens)
     assert sampler.cancel("x")
     (c,) = sampler.run([Request(prompt + generated + [1, 2], _greedy(2))])
-    (ref,) = Sampler(params, BASE, slots=1, max_len=32, prefix_cache="none").run(
+    (ref,) = Sampler(params, BASE, SamplerSettings(slots=1, max_len=32, prefix_cache="none")).run(
         [Request(prompt + generated + [1, 2], _greedy(2))]
     )
     _same(c, ref)
     assert sampler.prefix_stats.reused == 6 + 2  # the prompt and the 2 tokens fed back
     with pytest.raises(ValueError, match=r"prefix_cache='on' is not accepted; accepted: none, version, keep"):
-        Sampler(params, BASE, slots=1, max_len=32, prefix_cache="on")
+        Sampler(params, BASE, SamplerSettings(slots=1, max_len=32, prefix_cache="on"))
 
 
 def test_a_sharded_sampler_reuses_like_the_single_device_one(params):
     mesh = cj.make_mesh(cj.MeshConfig(data=2, fsdp=2, tensor=2))
     sharded = cj.init_params(BASE, jax.random.key(0), mesh)
     first = Request(_prompt(60, 7), _greedy(4))
-    got_sampler = Sampler(sharded, BASE, slots=2, max_len=32, mesh=mesh)
+    got_sampler = Sampler(sharded, BASE, SamplerSettings(slots=2, max_len=32, mesh=mesh))
     (a,) = got_sampler.run([first])
     (b,) = got_sampler.run([Request(a.prompt + a.tokens + _prompt(61, 3), _greedy(3))])
-    ref = Sampler(params, BASE, slots=2, max_len=32, prefix_cache="none")
+    ref = Sampler(params, BASE, SamplerSettings(slots=2, max_len=32, prefix_cache="none"))
     for got, want in zip([a, b], _run_turns(ref, [[first], [Request(b.prompt, _greedy(3))]]), strict=True):
         assert got.tokens == want.tokens
         np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
@@ -215,8 +220,8 @@ def test_a_sharded_sampler_reuses_like_the_single_device_one(params):
 def test_decode_chunks_leave_the_same_reusable_prefix(params):
     # several decode steps per call: a slot that stops inside a chunk (max_tokens or a stop id) goes
     # idle on device; its cached prefix is still the prompt and its tokens but the last
-    chunked = Sampler(params, BASE, slots=2, max_len=48, decode_chunk=3)
-    ref = Sampler(params, BASE, slots=2, max_len=48, prefix_cache="none")
+    chunked = Sampler(params, BASE, SamplerSettings(slots=2, max_len=48, decode_chunk=3))
+    ref = Sampler(params, BASE, SamplerSettings(slots=2, max_len=48, prefix_cache="none"))
     (probe,) = ref.run([Request(_prompt(70, 8), _greedy(7))])
     stop = SamplingParams(temperature=0.0, max_tokens=7, stop_token_ids=[probe.tokens[4]])
     first = [Request(_prompt(70, 8), stop), Request(_prompt(71, 6), _greedy(5))]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import composer_jax as cj
-from composer_jax.inference.sampler import Request, Sampler
+from composer_jax.inference.sampler import Request, Sampler, SamplerSettings
 from composer_jax.inference.sampling import SamplingParams, processed_logprobs
 
 CFG = cj.ModelConfig(num_layers=2, num_mtp_layers=0, max_position_embeddings=64)
@@ -42,7 +42,7 @@ def _training_view(params, completion):
 
 def test_staggered_greedy_requests_equal_the_training_forward(params):
     # 5 requests of different prompt and output lengths through 2 slots: they join as others leave
-    sampler = Sampler(params, CFG, slots=2, max_len=48)
+    sampler = Sampler(params, CFG, SamplerSettings(slots=2, max_len=48))
     reqs = [
         Request(_prompt(i, n), dataclasses.replace(GREEDY, max_tokens=m))
         for i, (n, m) in enumerate([(5, 6), (11, 3), (3, 8), (17, 4), (8, 5)])
@@ -64,7 +64,7 @@ def test_staggered_greedy_requests_equal_the_training_forward(params):
 def test_a_group_prefill_with_a_padding_row_leaves_the_other_slots_alone(params):
     # slot 0 runs; three prompts then join together: a group of 4 rows, one of them padding, whose
     # writes must land nowhere (not in slot 3, the last real row)
-    sampler = Sampler(params, CFG, slots=4, max_len=40)
+    sampler = Sampler(params, CFG, SamplerSettings(slots=4, max_len=40))
     sampler.submit(Request(_prompt(20, 9), dataclasses.replace(GREEDY, max_tokens=8), id="first"))
     sampler.step()
     for i, n in enumerate([4, 13, 6]):
@@ -93,11 +93,11 @@ def test_decode_chunks_give_the_one_step_samplers_tokens(params):
             for i, (n, m) in enumerate([(5, 9), (11, 3), (3, 8), (17, 6), (8, 5)])
         ]
 
-    free = Sampler(params, CFG, slots=2, max_len=48).run(reqs([()] * 5))
+    free = Sampler(params, CFG, SamplerSettings(slots=2, max_len=48)).run(reqs([()] * 5))
     far = tuple(t for t in range(100, 120) if t not in free[2].tokens)[:8]
     stops = [(free[0].tokens[2],), (), far + (free[2].tokens[4],), (), ()]
-    one = Sampler(params, CFG, slots=2, max_len=48).run(reqs(stops))
-    chunked = Sampler(params, CFG, slots=2, max_len=48, decode_chunk=4)
+    one = Sampler(params, CFG, SamplerSettings(slots=2, max_len=48)).run(reqs(stops))
+    chunked = Sampler(params, CFG, SamplerSettings(slots=2, max_len=48, decode_chunk=4))
     many = chunked.run(reqs(stops))
     assert [len(c.tokens) for c in one][0] <= 3 and len(one[2].tokens) <= 5
     assert one[0].finish_reason == one[2].finish_reason == "stop"
@@ -110,11 +110,11 @@ def test_decode_chunks_give_the_one_step_samplers_tokens(params):
     np.testing.assert_allclose(many[4].logprobs, chosen, atol=1e-5, rtol=0)
     np.testing.assert_array_equal(many[4].routing, routing)
     with pytest.raises(ValueError, match="decode_chunk=0"):
-        Sampler(params, CFG, slots=1, max_len=16, decode_chunk=0)
+        Sampler(params, CFG, SamplerSettings(slots=1, max_len=16, decode_chunk=0))
 
 
 def test_recorded_routing_replayed_in_training_gives_the_sampler_logprobs(params):
-    sampler = Sampler(params, CFG, slots=1, max_len=32)
+    sampler = Sampler(params, CFG, SamplerSettings(slots=1, max_len=32))
     (c,) = sampler.run([Request(_prompt(7, 6), SamplingParams(temperature=1.0, max_tokens=5, seed=3))])
     seq = jnp.asarray([c.prompt + c.tokens[:-1]], jnp.int32)
     assert c.routing is not None
@@ -126,7 +126,7 @@ def test_recorded_routing_replayed_in_training_gives_the_sampler_logprobs(params
 
 def test_weight_swap_mid_generation(params):
     other = jax.tree.map(lambda x: x * 1.5, params)
-    sampler = Sampler(params, CFG, slots=2, max_len=40)
+    sampler = Sampler(params, CFG, SamplerSettings(slots=2, max_len=40))
     sampler.submit(Request(_prompt(1, 5), dataclasses.replace(GREEDY, max_tokens=10), id="a"))
     sampler.submit(Request(_prompt(2, 9), dataclasses.replace(GREEDY, max_tokens=4), id="b"))
     done = {c.id: c for c in sampler.step() + sampler.step() + sampler.step()}  # 4 tokens each so far
@@ -138,7 +138,7 @@ def test_weight_swap_mid_generation(params):
     assert a.versions == [0] * 4 + [1] * 6 and b.versions == [0] * 4
     # after the swap, a's tokens are the new weights' greedy choice over the kept cache: its 5th
     # token differs from what the old weights give (checked, not assumed: the swap took effect)
-    (old_only,) = Sampler(params, CFG, slots=1, max_len=40).run(
+    (old_only,) = Sampler(params, CFG, SamplerSettings(slots=1, max_len=40)).run(
         [Request(_prompt(1, 5), dataclasses.replace(GREEDY, max_tokens=10))]
     )
     assert old_only.tokens[:4] == a.tokens[:4] and old_only.tokens != a.tokens
@@ -146,8 +146,8 @@ def test_weight_swap_mid_generation(params):
 
 def test_same_seed_same_tokens_whatever_the_batch(params):
     p = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=8, seed=11)
-    (alone,) = Sampler(params, CFG, slots=1, max_len=32).run([Request(_prompt(3, 4), p)])
-    crowd = Sampler(params, CFG, slots=3, max_len=32).run(
+    (alone,) = Sampler(params, CFG, SamplerSettings(slots=1, max_len=32)).run([Request(_prompt(3, 4), p)])
+    crowd = Sampler(params, CFG, SamplerSettings(slots=3, max_len=32)).run(
         [
             Request(_prompt(9, 7), dataclasses.replace(p, seed=1)),
             Request(_prompt(3, 4), p),
@@ -178,7 +178,7 @@ def test_sampled_token_frequencies_follow_the_distribution(params):
     prompt = _prompt(5, 4)
     logits = cj.forward(params, jnp.asarray([prompt], jnp.int32), CFG).logits[0, -1]
     probs = np.asarray(jax.nn.softmax(logits / 0.5))
-    sampler = Sampler(params, CFG, slots=8, max_len=16)
+    sampler = Sampler(params, CFG, SamplerSettings(slots=8, max_len=16))
     done = sampler.run([Request(prompt, SamplingParams(temperature=0.5, max_tokens=1, seed=s)) for s in range(400)])
     counts = np.bincount([c.tokens[0] for c in done], minlength=CFG.vocab_size)
     for t in np.argsort(-probs)[:3]:
@@ -187,7 +187,7 @@ def test_sampled_token_frequencies_follow_the_distribution(params):
 
 
 def test_bad_requests_are_refused_with_the_reason(params):
-    sampler = Sampler(params, CFG, slots=1, max_len=16)
+    sampler = Sampler(params, CFG, SamplerSettings(slots=1, max_len=16))
     with pytest.raises(ValueError, match=r"prompt 10 \+ max_tokens 8 = 18 tokens exceeds the sampler's max_len=16"):
         sampler.submit(Request(_prompt(0, 10), dataclasses.replace(GREEDY, max_tokens=8)))
     with pytest.raises(ValueError, match="outside the vocabulary"):
@@ -200,8 +200,10 @@ def test_sharded_sampler_gives_the_single_device_tokens(params):
     mesh = cj.make_mesh(cj.MeshConfig(data=2, fsdp=2, tensor=2))
     sharded = cj.init_params(CFG, jax.random.key(0), mesh)
     reqs = [Request(_prompt(i, n), dataclasses.replace(GREEDY, max_tokens=4)) for i, n in enumerate([3, 6, 9, 4, 5])]
-    ref = Sampler(params, CFG, slots=4, max_len=24).run(reqs)
-    got = Sampler(sharded, CFG, slots=4, max_len=24, mesh=mesh).run([Request(r.prompt, r.params) for r in reqs])
+    ref = Sampler(params, CFG, SamplerSettings(slots=4, max_len=24)).run(reqs)
+    got = Sampler(sharded, CFG, SamplerSettings(slots=4, max_len=24, mesh=mesh)).run(
+        [Request(r.prompt, r.params) for r in reqs]
+    )
     for a, b in zip(got, ref):
         assert a.tokens == b.tokens
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)

@@ -4,6 +4,7 @@ learner's `rl.sampler` section and the replicas it starts, and `Sampler.from_con
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -23,7 +24,7 @@ from composer_jax.config.sampler import (
 )
 from composer_jax.inference.checkpoints import load_policy
 from composer_jax.inference.cli import _serve_parser
-from composer_jax.inference.sampler import Sampler
+from composer_jax.inference.sampler import Sampler, SamplerSettings
 from composer_jax.model.params import init_params
 from composer_jax.rl.samplers.serve_launch import local_samplers
 from composer_jax.sharding import ShardingRules, make_mesh
@@ -89,7 +90,25 @@ def test_sampler_from_config_takes_slots_and_prefix_cache():
     cfg = cj.load_config(TINY, [], num_devices=None).model
     params = init_params(cfg, jax.random.key(0))
     s = Sampler.from_config(params, cfg, SamplerConfig(slots=3, prefix_cache="none"), max_len=16, version=2)
-    assert (s.slots, s.prefix_cache, s.version, s.compilations) == (3, "none", 2, 0)
+    assert (s.slots, s.settings.prefix_cache, s.version, s.compilations) == (3, "none", 2, 0)
+    # a rebuilt sampler (after a failed step) has the same settings object, fresh state
+    again = s.rebuilt(params, 5)
+    assert (again.settings, again.version, again.busy) == (s.settings, 5, False)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"decode_chunk": 0}, "decode_chunk=0 must be >= 1"),
+        ({"speculative_tokens": -1}, "speculative_tokens=-1 must be >= 0"),
+        ({"draft_experts": 1}, "draft_experts=1 needs speculative_tokens >= 1"),
+    ],
+)
+def test_sampler_settings_refuse_what_no_model_can_run(change, message):
+    base = SamplerSettings(slots=2, max_len=16)
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(base, **change)
+    assert dataclasses.replace(base, decode_chunk=4).decode_chunk == 4 and base.decode_chunk == 1
 
 
 def test_a_checkpoint_saved_with_the_earlier_rl_sampler_keys_still_serves(tmp_path):

@@ -19,7 +19,7 @@ import composer_jax as cj
 from composer_jax.inference import metrics as serve_metrics
 from composer_jax.inference.engine import Driver, Engine, Event, Job, Swap
 from composer_jax.inference.metrics import ServeMetrics
-from composer_jax.inference.sampler import Request, Sampler
+from composer_jax.inference.sampler import Request, Sampler, SamplerSettings
 from composer_jax.inference.sampling import SamplingParams
 
 CFG = cj.ModelConfig(num_layers=1, first_k_dense=0, num_mtp_layers=0, max_position_embeddings=32)
@@ -31,7 +31,7 @@ def _job(rid: str, max_tokens: int, listener, stream: bool = False) -> Job:
 
 
 def _sampler(params, version):
-    return Sampler(params, CFG, slots=2, max_len=16, version=version)
+    return Sampler(params, CFG, SamplerSettings(slots=2, max_len=16), version=version)
 
 
 def test_driver_times_first_tokens_and_keeps_totals_across_a_rebuild() -> None:

@@ -28,7 +28,7 @@ from composer_jax.config.sampler import SamplerConfig
 from composer_jax.formats.tokenizer import load_tokenizer
 from composer_jax.inference.checkpoints import load_policy
 from composer_jax.inference.cli import build_server
-from composer_jax.inference.sampler import Request, Sampler
+from composer_jax.inference.sampler import Request, Sampler, SamplerSettings
 from composer_jax.inference.sampling import SamplingParams
 from composer_jax.sharding import ShardingRules, make_mesh
 from composer_jax.train.state import init_train_state
@@ -121,7 +121,7 @@ def _wait_version(live, version: int) -> dict:
 
 
 def _greedy_reference(params, cfg, prompt: list[int], n: int) -> list[int]:
-    s = Sampler(params, cfg, slots=1, max_len=MAX_LEN)
+    s = Sampler(params, cfg, SamplerSettings(slots=1, max_len=MAX_LEN))
     return s.run([Request(prompt, SamplingParams(temperature=0.0, max_tokens=n))])[0].tokens
 
 

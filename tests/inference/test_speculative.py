@@ -16,7 +16,7 @@ from scipy import stats
 from small_models import gqa
 
 import composer_jax as cj
-from composer_jax.inference.sampler import Request, Sampler
+from composer_jax.inference.sampler import Request, Sampler, SamplerSettings
 from composer_jax.inference.sampling import SamplingParams, draw, processed_logprobs, token_uniforms
 from composer_jax.inference.speculative import SpecStats, draft_model, verify_drafts
 from composer_jax.model.kv_cache import init_cache
@@ -67,8 +67,8 @@ def _chi2(observed: np.ndarray, expected_p: np.ndarray) -> tuple[float, int]:
 @pytest.mark.parametrize("cfg", [MLA, GQA], ids=["mla", "gqa"])
 def test_greedy_equals_the_sampler_without_speculation(cfg):
     params = cj.init_params(cfg, jax.random.key(0))
-    ref = Sampler(params, cfg, slots=2, max_len=40).run(_staggered())
-    spec = Sampler(params, cfg, slots=2, max_len=40, speculative_tokens=K)
+    ref = Sampler(params, cfg, SamplerSettings(slots=2, max_len=40)).run(_staggered())
+    spec = Sampler(params, cfg, SamplerSettings(slots=2, max_len=40, speculative_tokens=K))
     got = spec.run(_staggered())
     for a, b in zip(got, ref):
         assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
@@ -89,8 +89,8 @@ def test_greedy_with_cheaper_drafts_equals_the_sampler_without_speculation(draft
     reqs = lambda: [
         Request(_prompt(i, n), dataclasses.replace(GREEDY, max_tokens=m)) for i, (n, m) in enumerate([(5, 9), (9, 6)])
     ]
-    ref = Sampler(params, cfg, slots=2, max_len=24).run(reqs())
-    spec = Sampler(params, cfg, slots=2, max_len=24, speculative_tokens=K, draft_experts=draft_experts)
+    ref = Sampler(params, cfg, SamplerSettings(slots=2, max_len=24)).run(reqs())
+    spec = Sampler(params, cfg, SamplerSettings(slots=2, max_len=24, speculative_tokens=K, draft_experts=draft_experts))
     for a, b in zip(spec.run(reqs()), ref):
         assert a.tokens == b.tokens
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
@@ -123,8 +123,8 @@ def _perfect_drafter(cfg: cj.ModelConfig, key) -> dict:
 def test_acceptance_statistics_of_a_drafter_that_is_always_right():
     params = _perfect_drafter(MLA, jax.random.key(3))
     k = 3
-    spec = Sampler(params, MLA, slots=2, max_len=40, speculative_tokens=k)
-    greedy_ref = Sampler(params, MLA, slots=2, max_len=40).run(_staggered())
+    spec = Sampler(params, MLA, SamplerSettings(slots=2, max_len=40, speculative_tokens=k))
+    greedy_ref = Sampler(params, MLA, SamplerSettings(slots=2, max_len=40)).run(_staggered())
     got = spec.run(_staggered())
     assert [c.tokens for c in got] == [c.tokens for c in greedy_ref]
     st = spec.spec_stats
@@ -137,9 +137,9 @@ def test_acceptance_statistics_of_a_drafter_that_is_always_right():
     sampled = [
         Request(r.prompt, dataclasses.replace(r.params, temperature=0.8, seed=i)) for i, r in enumerate(_staggered())
     ]
-    spec2 = Sampler(params, MLA, slots=2, max_len=40, speculative_tokens=k)
+    spec2 = Sampler(params, MLA, SamplerSettings(slots=2, max_len=40, speculative_tokens=k))
     got = spec2.run(sampled)
-    ref = Sampler(params, MLA, slots=2, max_len=40).run(sampled)
+    ref = Sampler(params, MLA, SamplerSettings(slots=2, max_len=40)).run(sampled)
     assert [c.tokens for c in got] == [c.tokens for c in ref]
     np.testing.assert_allclose(
         np.concatenate([c.logprobs for c in got]), np.concatenate([c.logprobs for c in ref]), atol=1e-5
@@ -153,7 +153,7 @@ def test_acceptance_statistics_of_a_drafter_that_is_always_right():
     while not {int(nxt[t]) for t in used} <= used:
         used |= {int(nxt[t]) for t in used}
     assert len(used) < MLA.vocab_size // 4  # a real restriction
-    spec3 = Sampler(params, MLA, slots=2, max_len=40, speculative_tokens=k, draft_vocab=sorted(used))
+    spec3 = Sampler(params, MLA, SamplerSettings(slots=2, max_len=40, speculative_tokens=k, draft_vocab=sorted(used)))
     got = spec3.run(_staggered())
     assert [c.tokens for c in got] == [c.tokens for c in greedy_ref]
     assert spec3.spec_stats.acceptance_rate == [1.0] * k
@@ -171,7 +171,7 @@ def test_weight_swap_and_early_stop_with_speculation():
     params = cj.init_params(MLA, jax.random.key(0))
     other = jax.tree.map(lambda x: x * 1.5, params)
     p = dataclasses.replace(GREEDY, max_tokens=10)
-    spec = Sampler(params, MLA, slots=2, max_len=40, speculative_tokens=K)
+    spec = Sampler(params, MLA, SamplerSettings(slots=2, max_len=40, speculative_tokens=K))
     spec.submit(Request(_prompt(1, 5), p, id="a"))
     spec.step()
     spec.step()
@@ -182,7 +182,7 @@ def test_weight_swap_and_early_stop_with_speculation():
     (a,) = _finish(spec)
     assert len(a.tokens) == 10 and a.versions == [0] * before + [1] * (10 - before)
     # the same swap point without speculation: the same tokens (the cache of earlier tokens stays)
-    ref = Sampler(params, MLA, slots=2, max_len=40)
+    ref = Sampler(params, MLA, SamplerSettings(slots=2, max_len=40))
     ref.submit(Request(_prompt(1, 5), p, id="a"))
     while (s := ref._slot[0]) is None or len(s.tokens) < before:
         ref.step()
@@ -191,10 +191,10 @@ def test_weight_swap_and_early_stop_with_speculation():
     assert a.tokens == b.tokens
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
     # a stop token inside a step's accepted run ends the request there, as without speculation
-    (base,) = Sampler(params, MLA, slots=1, max_len=40).run([Request(_prompt(1, 5), p)])
+    (base,) = Sampler(params, MLA, SamplerSettings(slots=1, max_len=40)).run([Request(_prompt(1, 5), p)])
     stop = base.tokens[4]
     with_stop = Request(_prompt(1, 5), dataclasses.replace(p, stop_token_ids=(stop,)))
-    (c,) = Sampler(params, MLA, slots=2, max_len=40, speculative_tokens=K).run([with_stop])
+    (c,) = Sampler(params, MLA, SamplerSettings(slots=2, max_len=40, speculative_tokens=K)).run([with_stop])
     assert c.tokens == base.tokens[: base.tokens.index(stop) + 1] and c.finish_reason == "stop"
 
 
@@ -214,8 +214,8 @@ def test_sharded_speculative_sampler_gives_the_single_device_tokens():
         Request(_prompt(i, n), SamplingParams(temperature=t, max_tokens=6, seed=i))
         for i, (n, t) in enumerate([(3, 0.0), (6, 1.0), (9, 0.0), (4, 0.7), (5, 1.0)])
     ]
-    ref = Sampler(params, MLA, slots=4, max_len=24, speculative_tokens=K).run(reqs)
-    got = Sampler(sharded, MLA, slots=4, max_len=24, mesh=mesh, speculative_tokens=K).run(
+    ref = Sampler(params, MLA, SamplerSettings(slots=4, max_len=24, speculative_tokens=K)).run(reqs)
+    got = Sampler(sharded, MLA, SamplerSettings(slots=4, max_len=24, mesh=mesh, speculative_tokens=K)).run(
         [Request(r.prompt, r.params) for r in reqs]
     )
     for a, b in zip(got, ref):
@@ -226,7 +226,7 @@ def test_sharded_speculative_sampler_gives_the_single_device_tokens():
 @pytest.mark.slow  # 1-3 min on 2 cores; the sharded sampler without speculation is tested in the default suite
 def test_expert_parallel_speculation_never_drops_so_greedy_tokens_are_the_single_device_ones():
     """On an expert-parallel mesh whose capacity factor makes the training forward drop
-    assignments, inference steps take the dropless exchange (`moe_decode.decode_expert_parallel`): the
+    assignments, inference steps take the dropless exchange (`moe.decode.decode_expert_parallel`): the
     speculative sampler's greedy tokens, log-probabilities and routing equal the single-device
     sampler's without speculation."""
     cfg = dataclasses.replace(MLA, moe_ep_exchange="ragged_emulated", moe_ep_capacity_factor=0.5)
@@ -238,8 +238,8 @@ def test_expert_parallel_speculation_never_drops_so_greedy_tokens_are_the_single
     assert float(np.sum(dropped)) > 0, "the capacity factor should make the training forward drop"
     params = cj.init_params(MLA, jax.random.key(0))
     reqs = lambda: [Request(_prompt(i, n), GREEDY) for i, n in enumerate([3, 6, 9, 4, 5, 7, 2, 8, 5])]
-    ref = Sampler(params, MLA, slots=8, max_len=24).run(reqs())
-    got = Sampler(sharded, cfg, slots=8, max_len=24, mesh=mesh, speculative_tokens=K).run(reqs())
+    ref = Sampler(params, MLA, SamplerSettings(slots=8, max_len=24)).run(reqs())
+    got = Sampler(sharded, cfg, SamplerSettings(slots=8, max_len=24, mesh=mesh, speculative_tokens=K)).run(reqs())
     for a, b in zip(got, ref):
         assert a.tokens == b.tokens
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
@@ -249,25 +249,22 @@ def test_expert_parallel_speculation_never_drops_so_greedy_tokens_are_the_single
 def test_refused_without_mtp_modules():
     cfg = dataclasses.replace(MLA, num_mtp_layers=0)
     with pytest.raises(ValueError, match="model.num_mtp_layers=0"):
-        Sampler(cj.init_params(cfg, jax.random.key(0)), cfg, slots=1, max_len=16, speculative_tokens=2)
+        Sampler(cj.init_params(cfg, jax.random.key(0)), cfg, SamplerSettings(slots=1, max_len=16, speculative_tokens=2))
 
 
 def test_draft_experts_bad_values_are_refused():
     params = cj.init_params(MLA, jax.random.key(0))  # 2 experts per token, 1 shared expert
     for bad in (-1, 3):
         with pytest.raises(ValueError, match=rf"draft experts={bad} must be in 0\.\.model\.num_experts_per_tok=2"):
-            Sampler(params, MLA, slots=1, max_len=16, speculative_tokens=2, draft_experts=bad)
+            Sampler(params, MLA, SamplerSettings(slots=1, max_len=16, speculative_tokens=2, draft_experts=bad))
     with pytest.raises(ValueError, match="draft_experts=1 needs speculative_tokens >= 1"):
-        Sampler(params, MLA, slots=1, max_len=16, draft_experts=1)
+        Sampler(params, MLA, SamplerSettings(slots=1, max_len=16, draft_experts=1))
     no_shared = dataclasses.replace(MLA, num_shared_experts=0)
     with pytest.raises(ValueError, match="0, shared expert only, needs model.num_shared_experts >= 1"):
         Sampler(
             cj.init_params(no_shared, jax.random.key(0)),
             no_shared,
-            slots=1,
-            max_len=16,
-            speculative_tokens=1,
-            draft_experts=0,
+            SamplerSettings(slots=1, max_len=16, speculative_tokens=1, draft_experts=0),
         )
 
 
@@ -400,7 +397,9 @@ def test_sampled_tokens_follow_the_model_distribution(draft_experts):
     prompt = _prompt(2, 4, cfg.vocab_size)
     sp = SamplingParams(temperature=0.9, top_k=6, max_tokens=3)
     n = 1500
-    sampler = Sampler(params, cfg, slots=16, max_len=16, speculative_tokens=K, draft_experts=draft_experts)
+    sampler = Sampler(
+        params, cfg, SamplerSettings(slots=16, max_len=16, speculative_tokens=K, draft_experts=draft_experts)
+    )
     done = sampler.run([Request(prompt, dataclasses.replace(sp, seed=s)) for s in range(n)])
     toks = np.asarray([c.tokens for c in done])
 
@@ -456,8 +455,8 @@ def test_chunked_verify_steps_on_a_dense_model():
         Request(_prompt(60 + i, n), SamplingParams(temperature=t, max_tokens=m, seed=i, stop_token_ids=stops[i]))
         for i, (n, m, t) in enumerate([(5, 9, 0.0), (9, 4, 1.0), (3, 12, 1.0), (7, 8, 0.0)])
     ]
-    one = Sampler(params, cfg, slots=2, max_len=32, speculative_tokens=1)
-    chunked = Sampler(params, cfg, slots=2, max_len=32, speculative_tokens=1, decode_chunk=3)
+    one = Sampler(params, cfg, SamplerSettings(slots=2, max_len=32, speculative_tokens=1))
+    chunked = Sampler(params, cfg, SamplerSettings(slots=2, max_len=32, speculative_tokens=1, decode_chunk=3))
     free = one.run(reqs([()] * 4))
     one.spec_stats = SpecStats.zeros(1)
     stops = [(), (), (free[2].tokens[5],), ()]
@@ -496,7 +495,7 @@ def test_chunked_verify_steps_equal_one_step_per_call():
         ]
 
     make = lambda chunk: Sampler(
-        params, MLA, slots=2, max_len=40, speculative_tokens=K, decode_chunk=chunk, detokenize=text
+        params, MLA, SamplerSettings(slots=2, max_len=40, speculative_tokens=K, decode_chunk=chunk, detokenize=text)
     )
     one, chunked = make(1), make(4)
     free = one.run(reqs([()] * 6, [()] * 6))
@@ -531,7 +530,7 @@ def test_chunked_verify_steps_equal_one_step_per_call():
     chunked.update_weights(other, version=1)
     (a,) = _finish(chunked)
     assert a.versions == [0] * before + [1] * (24 - before)
-    ref = Sampler(params, MLA, slots=2, max_len=40)
+    ref = Sampler(params, MLA, SamplerSettings(slots=2, max_len=40))
     ref.submit(Request(_prompt(1, 5), p, id="a"))
     while (s := ref._slot[0]) is None or len(s.tokens) < before:
         ref.step()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import composer_jax as cj
-from composer_jax.inference.sampler import Request, Sampler
+from composer_jax.inference.sampler import Request, Sampler, SamplerSettings
 from composer_jax.inference.sampling import SamplingParams
 
 BASE = cj.ModelConfig(num_layers=2, num_mtp_layers=0, max_position_embeddings=64)
@@ -29,14 +29,16 @@ def params():
 def test_prefill_shapes_by_hand(params):
     # groups: powers of two up to the slots, the last capped at them; buckets: 16 (MIN_BUCKET), 32,
     # then max_len (64 would run past it)
-    s = Sampler(params, BASE, slots=6, max_len=48)
+    s = Sampler(params, BASE, SamplerSettings(slots=6, max_len=48))
     assert s.prefill_shapes() == [(g, b) for g in (1, 2, 4, 6) for b in (16, 32, 48)]
-    assert Sampler(params, BASE, slots=8, max_len=16).prefill_shapes() == [(g, 16) for g in (1, 2, 4, 8)]
-    assert Sampler(params, BASE, slots=1, max_len=10).prefill_shapes() == [(1, 10)]
+    assert Sampler(params, BASE, SamplerSettings(slots=8, max_len=16)).prefill_shapes() == [
+        (g, 16) for g in (1, 2, 4, 8)
+    ]
+    assert Sampler(params, BASE, SamplerSettings(slots=1, max_len=10)).prefill_shapes() == [(1, 10)]
 
 
 def test_warm_up_compiles_every_admission_program_and_changes_nothing(params):
-    warm, cold = (Sampler(params, BASE, slots=4, max_len=48) for _ in range(2))
+    warm, cold = (Sampler(params, BASE, SamplerSettings(slots=4, max_len=48)) for _ in range(2))
     first = [_req(1, 9, 5), _req(2, 5, 3)]  # one group of 2 in bucket 16: (2, 16) and the decode step
     a, b = warm.run(first), cold.run([Request(r.prompt, r.params) for r in first])
     assert [c.tokens for c in a] == [c.tokens for c in b] and warm.compilations == cold.compilations == 2
@@ -79,12 +81,14 @@ def test_warm_up_compiles_every_admission_program_and_changes_nothing(params):
 
 
 def test_warm_up_is_refused_where_it_cannot_run(params):
-    busy = Sampler(params, BASE, slots=2, max_len=32)
+    busy = Sampler(params, BASE, SamplerSettings(slots=2, max_len=32))
     busy.submit(_req(1, 4, 2))
     with pytest.raises(RuntimeError, match="before any request"):
         busy.warm_up()
     mesh = cj.make_mesh(cj.MeshConfig(data=2, fsdp=2, tensor=2))
-    sharded = Sampler(cj.init_params(BASE, jax.random.key(0), mesh), BASE, slots=2, max_len=32, mesh=mesh)
+    sharded = Sampler(
+        cj.init_params(BASE, jax.random.key(0), mesh), BASE, SamplerSettings(slots=2, max_len=32, mesh=mesh)
+    )
     assert sharded.prefill_shapes() == [(1, 16), (1, 32)]
     with pytest.raises(ValueError, match="one prompt at a time"):
         sharded.warm_up()
@@ -95,7 +99,7 @@ def test_an_admission_is_prefilled_in_parts_by_bucket(params):
     long prompt does not pad three short ones to its length. Rows are independent, so each gets what
     it gets prefilled alone."""
     reqs = [_req(10, 40, 4), _req(11, 5, 4), _req(12, 6, 4), _req(13, 7, 4)]
-    together = Sampler(params, BASE, slots=4, max_len=48)
+    together = Sampler(params, BASE, SamplerSettings(slots=4, max_len=48))
     for r in reqs:
         together.submit(Request(r.prompt, r.params))
     got = together.step()
@@ -104,7 +108,7 @@ def test_an_admission_is_prefilled_in_parts_by_bucket(params):
     assert together.compilations == 3 and got == []
     while together.busy:
         got += together.step()
-    alone, by_prompt = Sampler(params, BASE, slots=4, max_len=48), {tuple(c.prompt): c for c in got}
+    alone, by_prompt = Sampler(params, BASE, SamplerSettings(slots=4, max_len=48)), {tuple(c.prompt): c for c in got}
     for r in reqs:
         c = by_prompt[tuple(r.prompt)]
         (ref,) = alone.run([Request(r.prompt, r.params)])

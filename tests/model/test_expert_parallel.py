@@ -16,8 +16,8 @@ from test_moe import _cfg, _moe_params, _numpy_moe
 
 import composer_jax as cj
 from composer_jax.config import ConfigError, validate_model
-from composer_jax.model import expert_parallel as xp
-from composer_jax.model import moe
+from composer_jax.model.moe import expert_parallel as xp
+from composer_jax.model.moe import layer, router
 from composer_jax.sharding import MeshRules, ShardingRules
 
 EP, FSDP = 4, 2  # 8 experts, 2 per device; two groups of 4 devices exchange independently
@@ -119,7 +119,7 @@ def _routing(kind, seq=6):
 
 def _run(cfg, p, x, sh, replay):
     def loss(p, x):
-        y, _, stats = moe.moe_layer(p, x, cfg, sh, replay)
+        y, _, stats = layer.moe_layer(p, x, cfg, sh, replay)
         return jnp.sum(jnp.sin(y)), (y, stats)
 
     (_, (y, stats)), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(p, x)
@@ -141,13 +141,13 @@ def test_ragged_equals_padded_forward_and_gradients(routing):
     a = 6 * 2  # assignments per device
     assert float(s_ref["moe_a2a_rows"]) == (EP - 1) * a
     # ragged: the rows routed off-device (one_device: devices 1..3 send everything, device 0 nothing)
-    r = np.asarray(moe.route(p["router"], p["router_bias"], x.reshape(-1, 16), cfg).experts).reshape(8, 6, 2)
+    r = np.asarray(router.route(p["router"], p["router_bias"], x.reshape(-1, 16), cfg).experts).reshape(8, 6, 2)
     experts = r if replay is None else np.asarray(replay)
     off = sum(int((experts[row] // 2 != row % EP).sum()) for row in range(8)) / 8
     assert float(s["moe_a2a_rows"]) == off
     # the padded reference against numpy too (the layer's own reference, independent of both paths)
     w = np.asarray(
-        moe.route(
+        router.route(
             p["router"], p["router_bias"], x.reshape(-1, 16), cfg, None if replay is None else replay.reshape(-1, 2)
         ).weights
     )
@@ -180,7 +180,7 @@ def test_overflow_is_dropped_and_counted(routing, capacity):
     cfg, p, x, sh = _setup("ragged_emulated", capacity)
     replay = _routing(routing)
     y, stats, _ = _run(cfg, p, x, sh, replay)
-    r = moe.route(
+    r = router.route(
         p["router"], p["router_bias"], x.reshape(-1, 16), cfg, None if replay is None else replay.reshape(-1, 2)
     )
     experts = np.asarray(r.experts).reshape(8, 6, 2)

@@ -59,7 +59,7 @@ def test_ragged_expert_parallel_layer_lowers_for_cuda_with_the_ragged_op():
     of float rows, and the expert matmuls as ragged dots over those 48 rows."""
     from test_moe import _cfg, _moe_params
 
-    from composer_jax.model import moe
+    from composer_jax.model.moe import layer
     from composer_jax.sharding import MeshRules, ShardingRules
 
     cfg = _cfg(moe_impl="ragged", moe_ep_exchange="ragged", moe_ep_capacity_factor=2.0)
@@ -69,7 +69,7 @@ def test_ragged_expert_parallel_layer_lowers_for_cuda_with_the_ragged_op():
     sharding = MeshRules(mesh, ShardingRules.create())
 
     def loss(p, x):
-        return jnp.sum(jnp.sin(moe.moe_layer(p, x, cfg, sharding)[0]))
+        return jnp.sum(jnp.sin(layer.moe_layer(p, x, cfg, sharding)[0]))
 
     lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).trace(p, x).lower(lowering_platforms=("cuda",))
     hlo = lowered.compiler_ir("hlo").as_hlo_text()

@@ -15,6 +15,7 @@ from small_models import gqa, mla_yarn
 import composer_jax as cj
 from composer_jax.model.attention import grouped_attend
 from composer_jax.model.kv_cache import cached_visibility, init_cache
+from composer_jax.model.transformer import forward_cached
 
 BASE = cj.ModelConfig(num_layers=3, num_mtp_layers=0, max_position_embeddings=64)
 CONFIGS = {
@@ -37,7 +38,7 @@ def _full_forward_check(params, cfg, seq, prompt_len):
 
 
 def _greedy_cached(params, cfg, prompt, steps, chunks=1):
-    fwd = jax.jit(lambda p, t, c: cj.forward(p, t, cfg, cache=c))
+    fwd = jax.jit(lambda p, t, c: forward_cached(p, t, cfg, c))
     cache = init_cache(cfg, prompt.shape[0], 32)
     bounds = np.linspace(0, prompt.shape[1], chunks + 1).astype(int)
     for a, b in zip(bounds[:-1], bounds[1:]):  # prefill, possibly in chunks
@@ -85,9 +86,12 @@ def test_logits_at_one_position_per_row_equal_the_full_heads_there(cached):
     params = cj.init_params(cfg, jax.random.key(2))
     tokens = jax.random.randint(jax.random.key(4), (3, 11), 0, cfg.vocab_size, jnp.int32)
     at = jnp.asarray([10, 0, 6], jnp.int32)
-    kw = {"cache": init_cache(cfg, 3, 32)} if cached else {}
-    full = cj.forward(params, tokens, cfg, **kw)
-    one = cj.forward(params, tokens, cfg, logits_at=at, **kw)
+    if cached:
+        run = lambda **kw: forward_cached(params, tokens, cfg, init_cache(cfg, 3, 32), **kw)
+    else:
+        run = lambda **kw: cj.forward(params, tokens, cfg, **kw)
+    full = run()
+    one = run(logits_at=at)
     assert one.logits.shape == (3, 1, cfg.vocab_size)
     want = np.asarray(full.logits)[np.arange(3), np.asarray(at)]
     np.testing.assert_allclose(np.asarray(one.logits[:, 0]), want, atol=1e-5, rtol=1e-5)

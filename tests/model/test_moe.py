@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from composer_jax.config import ModelConfig
-from composer_jax.model import moe
+from composer_jax.model.moe import layer, router
 
 
 def _cfg(**kw):
@@ -38,7 +38,7 @@ def test_grouped_routing_hand_worked():
     # gate weights use the unbiased scores: .9, .8 -> normalised .529.., .470.. -> x 2.5
     logits = np.log(scores / (1 - scores))
     x = np.ones((1, 8), np.float32)  # x @ diag(logits) = logits
-    r = moe.route(jnp.asarray(np.diag(logits[0])), jnp.asarray(bias), jnp.asarray(x), _cfg())
+    r = router.route(jnp.asarray(np.diag(logits[0])), jnp.asarray(bias), jnp.asarray(x), _cfg())
     assert sorted(np.asarray(r.experts)[0].tolist()) == [0, 6]
     w = dict(zip(np.asarray(r.experts)[0].tolist(), np.asarray(r.weights)[0].tolist()))
     np.testing.assert_allclose([w[0], w[6]], [0.9 / 1.7 * 2.5, 0.8 / 1.7 * 2.5], rtol=1e-5)
@@ -48,8 +48,8 @@ def test_bias_changes_selection_not_weights():
     cfg = _cfg(n_group=1, topk_group=1, num_experts_per_tok=1, norm_topk_prob=False, routed_scaling_factor=1.0)
     logits = jnp.array([[2.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
     eye = jnp.eye(8)
-    r0 = moe.route(eye, jnp.zeros(8), logits, cfg)
-    r1 = moe.route(eye, jnp.array([0, 0.5, 0, 0, 0, 0, 0, 0.0]), logits, cfg)
+    r0 = router.route(eye, jnp.zeros(8), logits, cfg)
+    r1 = router.route(eye, jnp.array([0, 0.5, 0, 0, 0, 0, 0, 0.0]), logits, cfg)
     assert int(r0.experts[0, 0]) == 0 and int(r1.experts[0, 0]) == 1
     np.testing.assert_allclose(float(r1.weights[0, 0]), 1 / (1 + np.exp(-1.0)), rtol=1e-6)
 
@@ -65,7 +65,7 @@ def test_group_limited_softmax_v2_rule():
         topk_group=1,
     )
     logits = jnp.array([[0.0, 3.0, 0.1, 0.2, 2.9, 2.8, 2.7, 0.0]])
-    r = moe.route(jnp.eye(8), jnp.zeros(8), logits, cfg)
+    r = router.route(jnp.eye(8), jnp.zeros(8), logits, cfg)
     # group 0 = e0..3 (max 3.0), group 1 = e4..7 (max 2.9): group 0 wins although e4,e5 beat e3,e2
     assert sorted(np.asarray(r.experts[0]).tolist()) == [1, 3]
     p = np.exp(logits[0]) / np.exp(logits[0]).sum()
@@ -104,7 +104,7 @@ def _moe_params(cfg, key):
 
 def _numpy_reference(p, x, cfg):
     """The numpy MoE over x's tokens, routed by the library's router: [tokens, embed]."""
-    r = moe.route(p["router"], p["router_bias"], x.reshape(-1, cfg.hidden_size), cfg)
+    r = router.route(p["router"], p["router_bias"], x.reshape(-1, cfg.hidden_size), cfg)
     flat = np.asarray(x).reshape(-1, cfg.hidden_size)
     return _numpy_moe(jax.tree.map(np.asarray, p), flat, cfg, np.asarray(r.experts), np.asarray(r.weights))
 
@@ -115,7 +115,7 @@ def test_dispatch_matches_numpy(impl, tile):
     cfg = _cfg(moe_impl=impl, moe_tile_size=tile)
     p = _moe_params(cfg, jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (2, 37, cfg.hidden_size))
-    y, experts, stats = moe.moe_layer(p, x, cfg, None)
+    y, experts, stats = layer.moe_layer(p, x, cfg, None)
     counts = stats["expert_counts"]
     ref = _numpy_reference(p, x, cfg)
     np.testing.assert_allclose(np.asarray(y).reshape(-1, cfg.hidden_size), ref, atol=1e-5)
@@ -133,7 +133,7 @@ def test_tiled_gradient_matches_dense(tile):
     x = jax.random.normal(jax.random.key(1), (2, 21, cfg.hidden_size))
 
     def loss(p, x, impl):
-        y, _, _ = moe.moe_layer(p, x, dataclasses.replace(cfg, moe_impl=impl), None)
+        y, _, _ = layer.moe_layer(p, x, dataclasses.replace(cfg, moe_impl=impl), None)
         return jnp.sum(jnp.sin(y))
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)  # op by op took ~40 s
@@ -148,7 +148,7 @@ def test_router_replay_uses_recorded_experts():
     p = _moe_params(cfg, jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (1, 9, cfg.hidden_size))
     forced = jnp.tile(jnp.array([3, 5], jnp.int32), (1, 9, 1))
-    y, experts, stats = moe.moe_layer(p, x, cfg, None, routing=forced)
+    y, experts, stats = layer.moe_layer(p, x, cfg, None, routing=forced)
     counts = stats["expert_counts"]
     assert (np.asarray(experts) == np.asarray(forced)).all()
     assert np.asarray(counts).tolist() == [0, 0, 0, 9, 0, 9, 0, 0]
@@ -165,7 +165,7 @@ def test_router_bias_update_rule():
     # DeepSeek-V3: overloaded experts' bias falls by u, underloaded rises by u, mean-loaded stays.
     bias = jnp.zeros((2, 4))
     counts = jnp.array([[10.0, 2.0, 4.0, 0.0], [4.0, 4.0, 4.0, 4.0]])  # mean 4 in both layers
-    out = moe.router_bias_update(bias, counts, 0.01)
+    out = router.router_bias_update(bias, counts, 0.01)
     np.testing.assert_allclose(np.asarray(out), [[-0.01, 0.01, 0.0, 0.01], [0, 0, 0, 0]])
 
 
@@ -176,11 +176,11 @@ def test_sequence_balance_hand_worked():
     # loss = 2 * .4 + 2 * .4 = 1.6
     scores = jnp.array([[[0.7, 0.1, 0.1, 0.1], [0.1, 0.1, 0.7, 0.1]]])
     experts = jnp.array([[[0], [2]]])
-    np.testing.assert_allclose(float(moe.sequence_balance(scores, experts, 4)), 1.6, rtol=1e-6)
+    np.testing.assert_allclose(float(router.sequence_balance(scores, experts, 4)), 1.6, rtol=1e-6)
     # perfectly balanced choices with uniform scores give exactly 1 per sequence
     uni = jnp.full((3, 4, 4), 0.25)
     np.testing.assert_allclose(
-        float(moe.sequence_balance(uni, jnp.array([[[0], [1], [2], [3]]] * 3), 4)), 3.0, rtol=1e-6
+        float(router.sequence_balance(uni, jnp.array([[[0], [1], [2], [3]]] * 3), 4)), 3.0, rtol=1e-6
     )
 
 
@@ -212,10 +212,10 @@ def test_decode_path_gathers_only_the_experts_in_use():
     cfg = _cfg(moe_impl="auto")
     p = _moe_params(cfg, jax.random.key(0))
     x = jax.random.normal(jax.random.key(2), (3, 1, cfg.hidden_size))
-    y, experts, _ = moe.moe_layer(p, x, cfg, None)
+    y, experts, _ = layer.moe_layer(p, x, cfg, None)
     ref = _numpy_reference(p, x, cfg)
     np.testing.assert_allclose(np.asarray(y).reshape(-1, cfg.hidden_size), ref, atol=1e-5)
-    loss = lambda p, x, impl: jnp.sum(moe.moe_layer(p, x, dataclasses.replace(cfg, moe_impl=impl), None)[0] ** 2)
+    loss = lambda p, x, impl: jnp.sum(layer.moe_layer(p, x, dataclasses.replace(cfg, moe_impl=impl), None)[0] ** 2)
     grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)  # op by op took ~20 s
     g_auto = grad(p, x, "auto")
     g_dense = grad(p, x, "dense")

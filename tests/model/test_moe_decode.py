@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 import composer_jax as cj
-from composer_jax.model import moe_decode as moe
 from composer_jax.model.kv_cache import init_cache
+from composer_jax.model.moe import decode as moe
 from composer_jax.model.params import init_params
+from composer_jax.model.transformer import forward_cached
 
 E, D, F, K = 8, 16, 12, 2
 
@@ -124,12 +125,12 @@ def test_strategy_by_step_size():
 
 @pytest.mark.parametrize("seq", [1, 3, 40])
 def test_cached_forward_equals_the_training_forward(seq):
-    """The MoE layer inside `forward` with a cache (decode_swiglu) against the training forward
+    """The MoE layer inside `forward_cached` (decode_swiglu) against the training forward
     (the tiled / gathered dispatch) on the same tokens: same routing, logits within 1e-5."""
     cfg = dataclasses.replace(cj.ModelConfig(num_layers=2, max_position_embeddings=64), moe_tile_size=8)
     params = init_params(cfg, jax.random.key(0))
     tokens = jnp.asarray(np.random.default_rng(seq).integers(0, cfg.vocab_size, (2, seq)), jnp.int32)
     train = cj.forward(params, tokens, cfg)
-    cached = cj.forward(params, tokens, cfg, cache=init_cache(cfg, 2, 64))
+    cached = forward_cached(params, tokens, cfg, init_cache(cfg, 2, 64))
     np.testing.assert_array_equal(np.asarray(cached.routing), np.asarray(train.routing))
     np.testing.assert_allclose(np.asarray(cached.logits), np.asarray(train.logits), rtol=1e-5, atol=1e-5)

@@ -15,7 +15,7 @@ import pytest
 
 import composer_jax as cj
 from composer_jax.config import ConfigError
-from composer_jax.model import moe
+from composer_jax.model.moe import layer
 from composer_jax.sharding import MeshRules
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "model" / "tiny.yaml"
@@ -52,7 +52,7 @@ def _layer_and_grads(p, x, cfg, sharding=None):
     c = jax.random.normal(jax.random.key(9), x.shape)  # a fixed cotangent for y
 
     def loss(p, x):
-        y, _, _ = moe.moe_layer(p, x, cfg, sharding)
+        y, _, _ = layer.moe_layer(p, x, cfg, sharding)
         return jnp.sum(y * c), y
 
     (_, y), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(p, x)

@@ -17,7 +17,7 @@ import pytest
 
 import composer_jax as cj
 from composer_jax.config import ConfigError
-from composer_jax.model import moe
+from composer_jax.model.moe import grouped, layer
 from composer_jax.quant import formats as F
 from composer_jax.quant import grouped_matmul as G
 from composer_jax.quant import pallas_backend as P
@@ -131,7 +131,7 @@ def test_moe_layer_on_the_pallas_backend_equals_the_xla_backend(impl):
         cfg = _cfg(moe_impl=impl, moe_tile_size=16, moe_precision="nvfp4_fwd_mxfp8_bwd", moe_quant_backend=backend)
 
         def loss(p, x, cfg=cfg):
-            y = moe.moe_layer(p, x, cfg, None)[0]
+            y = layer.moe_layer(p, x, cfg, None)[0]
             return jnp.sum(y * c), y
 
         (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(p, x)
@@ -144,7 +144,7 @@ def test_moe_layer_on_the_pallas_backend_equals_the_xla_backend(impl):
 def test_backend_is_chosen_in_the_config_and_bad_values_are_named():
     assert cj.ModelConfig().moe_quant_backend == "xla"
     cfg = cj.load_config(TINY, ["model.moe_precision=mxfp8", "model.moe_quant_backend=pallas"], num_devices=None)
-    assert moe.moe_recipe(cfg.model) == R.recipe("mxfp8", backend="pallas")
+    assert grouped.moe_recipe(cfg.model) == R.recipe("mxfp8", backend="pallas")
     with pytest.raises(ConfigError, match="cuda"):
         cj.load_config(TINY, ["model.moe_quant_backend=cuda"], num_devices=None)
     with pytest.raises(ValueError, match="'tpu'.*xla, pallas"):
@@ -164,7 +164,7 @@ def test_moe_layer_forward_and_backward_on_the_pallas_backend_lower_for_cuda(mon
     shapes.update(shared_gate=(d, f), shared_up=(d, f), shared_down=(f, d))
     p = {name: jax.ShapeDtypeStruct(s, jnp.float32) for name, s in shapes.items()}
     x = jax.ShapeDtypeStruct((2, 32, d), jnp.float32)
-    grad = jax.jit(jax.grad(lambda p, x: jnp.sum(moe.moe_layer(p, x, cfg, None)[0]), argnums=(0, 1)))
+    grad = jax.jit(jax.grad(lambda p, x: jnp.sum(layer.moe_layer(p, x, cfg, None)[0]), argnums=(0, 1)))
     text = grad.trace(p, x).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") >= 6
     kernels = set(re.findall(r'name = "(_[a-z0-9_]*kernel)"', text))
@@ -182,7 +182,7 @@ def test_expert_parallel_layer_lowers_for_cuda_and_the_interpreter_refuses_a_mes
     p = {name: 0.3 * jax.random.normal(k, s) for k, (name, s) in zip(keys, shapes.items())}
     x = jax.random.normal(jax.random.key(1), (8, 4, 32))
     sharding = MeshRules(cj.make_mesh(cj.MeshConfig(data=2, fsdp=2, expert=2, context=1, tensor=1)))
-    grad = jax.jit(jax.grad(lambda p, x: jnp.sum(moe.moe_layer(p, x, cfg, sharding)[0]), argnums=(0, 1)))
+    grad = jax.jit(jax.grad(lambda p, x: jnp.sum(layer.moe_layer(p, x, cfg, sharding)[0]), argnums=(0, 1)))
     with pytest.raises(NotImplementedError, match="moe_quant_backend='xla' with a mesh"):
         grad(p, x)
     monkeypatch.setattr(P, "interpret_mode", lambda: False)

@@ -16,7 +16,7 @@ import composer_jax as cj
 from composer_jax.formats.chatml import parse_assistant, render_prompt
 from composer_jax.formats.tokenizer import load_tokenizer
 from composer_jax.inference.async_sampler import AsyncSampler
-from composer_jax.inference.sampler import Sampler
+from composer_jax.inference.sampler import Sampler, SamplerSettings
 from composer_jax.rl.samplers.in_process import TokenPolicy
 from composer_jax.rl.samplers.policy import TurnRequest
 
@@ -34,7 +34,7 @@ def test_token_policy_records_what_training_replays(params):
     tool = [{"role": "tool", "tool_call_id": "c1", "content": '{"path": "/app/calc.py"}'}]
 
     async def go():
-        policy = TokenPolicy(AsyncSampler(Sampler(params, CFG, slots=2, max_len=192)), TOK)
+        policy = TokenPolicy(AsyncSampler(Sampler(params, CFG, SamplerSettings(slots=2, max_len=192))), TOK)
         gen = policy.begin(messages)
         first = await policy.turn(gen, TurnRequest(max_tokens=12, seed=5))
         n1 = gen.context_len()

@@ -20,7 +20,7 @@ import composer_jax as cj
 from composer_jax.formats.tokenizer import load_tokenizer
 from composer_jax.inference.async_sampler import AsyncSampler
 from composer_jax.inference.engine import Engine
-from composer_jax.inference.sampler import Sampler
+from composer_jax.inference.sampler import Sampler, SamplerSettings
 from composer_jax.inference.server import OpenAIServer
 from composer_jax.rl.samplers.in_process import TokenPolicy
 from composer_jax.rl.samplers.policy import SamplerUnavailable, TurnRequest
@@ -40,7 +40,12 @@ def params():
 
 
 def _serve(params, version: int = 3):
-    engine = Engine(lambda p, v: Sampler(p, CFG, slots=2, max_len=MAX_LEN, version=v), params, version, max_queued=4)
+    engine = Engine(
+        lambda p, v: Sampler(p, CFG, SamplerSettings(slots=2, max_len=MAX_LEN), version=v),
+        params,
+        version,
+        max_queued=4,
+    )
     engine.start()
     server = OpenAIServer(engine, TOK, model_name="tiny", api_key=KEY)
     sock = socket.socket()
@@ -78,7 +83,9 @@ def test_remote_policy_records_what_the_in_process_policy_records(params):
     try:
 
         async def go():
-            local = TokenPolicy(AsyncSampler(Sampler(params, CFG, slots=2, max_len=MAX_LEN, version=3)), TOK)
+            local = TokenPolicy(
+                AsyncSampler(Sampler(params, CFG, SamplerSettings(slots=2, max_len=MAX_LEN), version=3)), TOK
+            )
             remote = RemoteTokenPolicy(url + "/v1", KEY, TOK, max_context=MAX_LEN)
             want = await _rollout(local, requests)
             got = await _rollout(remote, requests)

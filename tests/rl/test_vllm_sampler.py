@@ -31,7 +31,7 @@ from composer_jax.config import load_config
 from composer_jax.formats.chatml import render_prompt
 from composer_jax.formats.tokenizer import load_tokenizer
 from composer_jax.hf.export import RunInfo, export_hf
-from composer_jax.inference.sampler import Request, Sampler
+from composer_jax.inference.sampler import Request, Sampler, SamplerSettings
 from composer_jax.inference.sampling import SamplingParams
 from composer_jax.rl.learner import run_rl
 from composer_jax.rl.samplers.vllm_child import VLLM_MODULE, free_port
@@ -86,7 +86,7 @@ def test_vllm_serves_the_export_and_agrees_with_the_project(tmp_path):
         rng = np.random.default_rng(0)
         prompts = [[tok.bos_id, *map(int, rng.integers(3, m.vocab_size, n))] for n in (5, 17, 40)]
         n_new = 48
-        ours = Sampler(params, m, slots=4, max_len=512).run(
+        ours = Sampler(params, m, SamplerSettings(slots=4, max_len=512)).run(
             [Request(p, SamplingParams(temperature=0.0, max_tokens=n_new)) for p in prompts]
         )
         with httpx.Client(timeout=600) as http:
@@ -116,7 +116,7 @@ def test_vllm_serves_the_export_and_agrees_with_the_project(tmp_path):
             data = chat.json()
         ids = render_prompt(messages, tok).tolist()
         assert data["prompt_token_ids"] == ids, "vLLM rendered the export's chat template differently"
-        (mine,) = Sampler(params, m, slots=1, max_len=512).run(
+        (mine,) = Sampler(params, m, SamplerSettings(slots=1, max_len=512)).run(
             [Request(ids, SamplingParams(temperature=0, max_tokens=32))]
         )
         assert data["choices"][0]["token_ids"] == mine.tokens

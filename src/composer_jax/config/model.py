@@ -10,7 +10,7 @@ from typing import Literal
 from composer_jax.errors import ConfigError
 
 # accepted-name sets that other modules test against, each written once (the field's type; the
-# tuple derived from it): quant/grouped_matmul.py's recipes and backends, model/expert_parallel.py's
+# tuple derived from it): quant/grouped_matmul.py's recipes and backends, model/moe/expert_parallel.py's
 # exchanges
 Dtype = Literal["float32", "bfloat16"]
 DTYPES: tuple[str, ...] = typing.get_args(Dtype)
@@ -105,7 +105,7 @@ class ModelConfig:
     # "pallas" = the Pallas kernels of pallas_kernels/ for quantisation, forward, dgrad and wgrad
     # (compiled on a GPU, interpret mode on CPU: slow, for tests)
     moe_quant_backend: MoeQuantBackend = "xla"
-    # expert-parallel exchange (model/expert_parallel.py): "padded" = all_to_all of worst-case
+    # expert-parallel exchange (model/moe/expert_parallel.py): "padded" = all_to_all of worst-case
     # [ep, tokens*k] buffers (moves ep x the rows that exist; never drops; the only one XLA:CPU
     # runs); "ragged" = jax.lax.ragged_all_to_all of the real rows only, counts exchanged first (GPU
     # and TPU; XLA:CPU fails to compile it); "ragged_emulated" = the ragged path's bookkeeping, bound

@@ -96,7 +96,7 @@ def _speculative_args(p: argparse.ArgumentParser) -> None:
 
 
 def speculative_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:
-    """The Sampler's speculative keyword arguments from parsed --speculative-tokens / --draft-experts /
+    """The speculative `SamplerSettings` fields from parsed --speculative-tokens / --draft-experts /
     --draft-vocab; exits through p.error (status 2) when a draft option is given without drafting.
     Ranges that depend on the model (draft experts, vocabulary size) are checked by the Sampler."""
     k = args.speculative_tokens

@@ -18,7 +18,7 @@ from composer_jax.config import ModelConfig
 from composer_jax.inference.compiled import CountedJit
 from composer_jax.inference.sampling import sample
 from composer_jax.model.kv_cache import KVCache
-from composer_jax.model.transformer import forward
+from composer_jax.model.transformer import forward_cached
 from composer_jax.sharding import MeshRules
 
 
@@ -53,7 +53,7 @@ def prefill_row(
 ) -> tuple[KVCache, jax.Array, jax.Array, jax.Array | None, jax.Array]:
     """The prefill of `DecodePrograms.prefill` from position 0, also returning the prompt's final
     hidden states [1, bucket, E] (what the speculative prefill drafts from)."""
-    out = forward(params, tokens, cfg, cache=cache_row(cache, slot), sharding=sharding, logits_at=(n - 1)[None])
+    out = forward_cached(params, tokens, cfg, cache_row(cache, slot), sharding=sharding, logits_at=(n - 1)[None])
     assert out.cache is not None
     cache = put_cache_row(cache, out.cache, slot, n)
     logits = out.logits[0]  # [1, V]: after the prompt's last token
@@ -82,7 +82,7 @@ class DecodePrograms:
         (the row's first `start` positions: a reused prefix); -> (cache, first token, its log-prob,
         routing of the prefilled tokens [moe_layers, bucket, k] or None)."""
         row = cache_row(cache, slot, start)
-        out = forward(params, tokens, self.cfg, cache=row, sharding=self.sharding, logits_at=(n - 1)[None])
+        out = forward_cached(params, tokens, self.cfg, row, sharding=self.sharding, logits_at=(n - 1)[None])
         assert out.cache is not None
         cache = put_cache_row(cache, out.cache, slot, start + n)
         logits = out.logits[0]  # [1, V]: after the prompt's last token
@@ -101,7 +101,7 @@ class DecodePrograms:
             },
             start,
         )
-        out = forward(params, tokens, self.cfg, cache=rows, sharding=self.sharding, logits_at=n - 1)
+        out = forward_cached(params, tokens, self.cfg, rows, sharding=self.sharding, logits_at=n - 1)
         assert out.cache is not None
         layers = {
             s: {k: v.at[:, slots].set(out.cache.layers[s][k], mode="drop") for k, v in d.items()}
@@ -115,7 +115,7 @@ class DecodePrograms:
     def _decode_fn(self, params, cache: KVCache, tokens, active, temperature, top_k, top_p, seeds):
         """One token for every slot: tokens int32[S] (each slot's last token) -> (cache, next
         tokens, their log-probs, routing of the input tokens [moe_layers, S, k] or None)."""
-        out = forward(params, tokens[:, None], self.cfg, cache=cache, sharding=self.sharding)
+        out = forward_cached(params, tokens[:, None], self.cfg, cache, sharding=self.sharding)
         assert out.cache is not None
         # idle slots stay where they are (their writes land past their length and are never seen)
         lengths = jnp.where(active, out.cache.lengths, cache.lengths)

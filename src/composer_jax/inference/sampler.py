@@ -45,6 +45,7 @@ program is a `CountedJit` (`inference/compiled.py`): `compilations` counts what 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -64,7 +65,16 @@ from composer_jax.inference.speculative import SpecStats
 from composer_jax.model.kv_cache import init_cache
 from composer_jax.sharding import MeshRules, ShardingRules
 
-__all__ = ["MIN_BUCKET", "STOP_IDS_ON_DEVICE", "Completion", "PrefixStats", "Request", "Sampler", "bucket_of"]
+__all__ = [
+    "MIN_BUCKET",
+    "STOP_IDS_ON_DEVICE",
+    "Completion",
+    "PrefixStats",
+    "Request",
+    "Sampler",
+    "SamplerSettings",
+    "bucket_of",
+]
 
 MIN_BUCKET = 16
 
@@ -98,88 +108,86 @@ def admission_parts(admit: list[Admission], slots: int, max_len: int) -> list[li
     return [p for _, p in parts]
 
 
-class Sampler:
-    """Continuous-batching sampler over `slots` sequences of at most `max_len` tokens each.
+@dataclasses.dataclass(frozen=True)
+class SamplerSettings:
+    """How a `Sampler` is built (everything but the weights, their version and the model config);
+    a variant is `dataclasses.replace(settings, ...)`, and `Sampler.rebuilt` reuses them whole.
 
-    params: the model's parameters (placed on `mesh` if given); version: the policy version they
-    are. detokenize: ids -> text, needed only for stop strings. speculative_tokens: k > 0 drafts k
-    tokens per step with MTP module 1 and verifies them in one pass (needs model.num_mtp_layers >=
-    1 and the MTP parameters; the KV caches then hold max_len + 2k positions: a verify window and
-    the chained drafts reach up to 2k - 1 past the last confirmed token). draft_vocab: token ids
-    the drafts are restricted to (a cheaper draft head, FR-Spec; `inference/speculative.py`);
-    None = the whole vocabulary. draft_experts: routed experts per token in the MTP module's MoE
-    block while drafting (0 = its shared expert only; None = the model's num_experts_per_tok), a
-    cheaper draft (`speculative.draft_model`). None of these changes the output distribution.
-    decode_chunk: decode steps (with speculation: verify steps) per compiled call: `step` then runs
-    up to that many steps in one on-device loop, which ends early once every slot has reached its
-    max_tokens or one of its first STOP_IDS_ON_DEVICE stop token ids; the host then records the
-    tokens (stop strings and any further stop ids are checked there, and a request's tokens after
-    its stop are dropped). Requests join, leave, are cancelled and see new weights between calls, so
-    a larger chunk trades the granularity of continuous batching and streaming for fewer host round
-    trips; the tokens are the same. prefix_cache: "version" (default) reuses a free slot's cached
-    prefix computed with the current weights, "keep" one computed with any earlier weights too,
-    "none" never (module docstring); speculative samplers ignore it (no reuse)."""
+    slots: sequences decoded together; max_len: tokens of one sequence (prompt and output).
+    mesh / rules: the device mesh the parameters are placed on and its sharding rules (None: one
+    device). detokenize: ids -> text, needed only for stop strings. speculative_tokens: k > 0
+    drafts k tokens per step with MTP module 1 and verifies them in one pass (needs
+    model.num_mtp_layers >= 1 and the MTP parameters; the KV caches then hold max_len + 2k
+    positions: a verify window and the chained drafts reach up to 2k - 1 past the last confirmed
+    token). draft_vocab: token ids the drafts are restricted to (a cheaper draft head, FR-Spec;
+    `inference/speculative.py`); None = the whole vocabulary. draft_experts: routed experts per
+    token in the MTP module's MoE block while drafting (0 = its shared expert only; None = the
+    model's num_experts_per_tok), a cheaper draft (`speculative.draft_model`). None of these
+    changes the output distribution. decode_chunk: decode steps (with speculation: verify steps)
+    per compiled call: `step` then runs up to that many steps in one on-device loop, which ends
+    early once every slot has reached its max_tokens or one of its first STOP_IDS_ON_DEVICE stop
+    token ids; the host then records the tokens (stop strings and any further stop ids are checked
+    there, and a request's tokens after its stop are dropped). Requests join, leave, are cancelled
+    and see new weights between calls, so a larger chunk trades the granularity of continuous
+    batching and streaming for fewer host round trips; the tokens are the same. prefix_cache:
+    "version" (default) reuses a free slot's cached prefix computed with the current weights,
+    "keep" one computed with any earlier weights too, "none" never (module docstring); speculative
+    samplers ignore it (no reuse)."""
 
-    def __init__(
-        self,
-        params: Any,
-        cfg: ModelConfig,
-        *,
-        slots: int,
-        max_len: int,
-        version: int = 0,
-        mesh: Mesh | None = None,
-        rules: ShardingRules | None = None,
-        detokenize: Callable[[list[int]], str] | None = None,
-        speculative_tokens: int = 0,
-        draft_vocab: Sequence[int] | None = None,
-        decode_chunk: int = 1,
-        prefix_cache: str = "version",
-        draft_experts: int | None = None,
-    ):
-        self._settings: dict[str, Any] = {
-            "slots": slots,
-            "max_len": max_len,
-            "mesh": mesh,
-            "rules": rules,
-            "detokenize": detokenize,
-            "speculative_tokens": speculative_tokens,
-            "draft_vocab": draft_vocab,
-            "decode_chunk": decode_chunk,
-            "prefix_cache": prefix_cache,
-            "draft_experts": draft_experts,
-        }
-        k = speculative_tokens
-        prefixes = PrefixCache(slots, prefix_cache, reuse=not k)  # raises on a bad mode
-        if decode_chunk < 1:
-            raise ValueError(f"decode_chunk={decode_chunk} must be >= 1 (decode steps per compiled call)")
+    slots: int
+    max_len: int
+    mesh: Mesh | None = None
+    rules: ShardingRules | None = None
+    detokenize: Callable[[list[int]], str] | None = None
+    speculative_tokens: int = 0
+    draft_vocab: Sequence[int] | None = None
+    decode_chunk: int = 1
+    prefix_cache: str = "version"
+    draft_experts: int | None = None
+
+    def __post_init__(self) -> None:
+        k = self.speculative_tokens
+        if self.decode_chunk < 1:
+            raise ValueError(f"decode_chunk={self.decode_chunk} must be >= 1 (decode steps per compiled call)")
         if k < 0:
             raise ValueError(f"speculative_tokens={k} must be >= 0 (0 = no speculative decoding)")
+        if self.draft_experts is not None and not k:
+            raise ValueError(
+                f"draft_experts={self.draft_experts} needs speculative_tokens >= 1 (it sets the drafts' cost)"
+            )
+
+    def check(self, params: Any, cfg: ModelConfig) -> None:
+        """Refuse settings the model cannot run, naming what would be accepted."""
+        k = self.speculative_tokens
         if k and (cfg.num_mtp_layers < 1 or "mtp" not in params):
             raise ValueError(
                 f"speculative_tokens={k} drafts with the MTP modules, but the model has none "
                 f"(model.num_mtp_layers={cfg.num_mtp_layers}); use speculative_tokens=0"
             )
-        if max_len + 2 * k > cfg.max_position_embeddings:
+        if self.max_len + 2 * k > cfg.max_position_embeddings:
             raise ValueError(
-                f"max_len={max_len} + 2 x speculative_tokens={k} exceeds model.max_position_embeddings="
+                f"max_len={self.max_len} + 2 x speculative_tokens={k} exceeds model.max_position_embeddings="
                 f"{cfg.max_position_embeddings}; lower max_len to at most {cfg.max_position_embeddings - 2 * k}"
             )
-        self.cfg, self.slots, self.max_len = cfg, slots, max_len
+
+
+class Sampler:
+    """Continuous-batching sampler over `settings.slots` sequences of at most `settings.max_len`
+    tokens each (`SamplerSettings`). params: the model's parameters (placed on `settings.mesh` if
+    given); version: the policy version they are."""
+
+    def __init__(self, params: Any, cfg: ModelConfig, settings: SamplerSettings, *, version: int = 0):
+        k = settings.speculative_tokens
+        self.prefixes = PrefixCache(settings.slots, settings.prefix_cache, reuse=not k)  # raises on a bad mode
+        settings.check(params, cfg)
+        self.settings = settings
+        self.cfg, self.slots, self.max_len, self.mesh = cfg, settings.slots, settings.max_len, settings.mesh
         self.params, self.version = params, version
-        self.mesh = mesh
-        self.sharding = MeshRules(mesh, rules or ShardingRules.create()) if mesh is not None else None
-        self.detokenize = detokenize
-        self.speculative_tokens = k
-        self.decode_chunk = decode_chunk
-        self.draft_vocab = checked_draft_vocab(draft_vocab, cfg.vocab_size)
-        self.draft_experts = draft_experts
-        if draft_experts is not None and not k:
-            raise ValueError(f"draft_experts={draft_experts} needs speculative_tokens >= 1 (it sets the drafts' cost)")
-        self.prefix_cache = prefix_cache
-        self.prefixes = prefixes
-        self.table = SlotTable(slots, prefixes, detokenize)
-        self.programs = DecodePrograms(cfg, slots, decode_chunk, self.sharding)
+        rules = settings.rules
+        self.sharding = MeshRules(self.mesh, rules or ShardingRules.create()) if self.mesh is not None else None
+        self.draft_vocab = checked_draft_vocab(settings.draft_vocab, cfg.vocab_size)
+        self.table = SlotTable(self.slots, self.prefixes, settings.detokenize)
+        self.programs = DecodePrograms(cfg, self.slots, settings.decode_chunk, self.sharding)
         self.spec: SpeculativeDecoder | None = None
         self._spec_stats = SpecStats.zeros(0)
         if k:
@@ -187,16 +195,16 @@ class Sampler:
                 params,
                 cfg,
                 k=k,
-                slots=slots,
-                cache_len=max_len + 2 * k,
-                decode_chunk=decode_chunk,
-                mesh=mesh,
+                slots=self.slots,
+                cache_len=self.max_len + 2 * k,
+                decode_chunk=settings.decode_chunk,
+                mesh=self.mesh,
                 rules=rules,
                 sharding=self.sharding,
                 draft_vocab=self.draft_vocab,
-                draft_experts=draft_experts,
+                draft_experts=settings.draft_experts,
             )
-        self.cache = init_cache(cfg, slots, max_len + 2 * k, mesh, rules)
+        self.cache = init_cache(cfg, self.slots, self.max_len + 2 * k, self.mesh, rules)
         self.prefill_s = 0.0  # seconds spent admitting requests (prefill, first token, compilations)
         self.prefill_trace_s = 0.0  # the part of prefill_s in admissions that compiled a new program
         self.warm_up_s = 0.0  # seconds `warm_up` took (not part of prefill_s)
@@ -204,7 +212,7 @@ class Sampler:
     def rebuilt(self, params: Any, version: int) -> Sampler:
         """A fresh sampler of this one's settings holding `params` as `version` (empty slots and
         caches, counters at zero): what a driver builds after a failed step."""
-        return Sampler(params, self.cfg, version=version, **self._settings)
+        return Sampler(params, self.cfg, self.settings, version=version)
 
     # -------------------------------------------------------------------------------- state
     @property
@@ -272,7 +280,7 @@ class Sampler:
             raise ValueError(
                 f"request {request.id}: token ids {bad[:5]} outside the vocabulary 0..{self.cfg.vocab_size - 1}"
             )
-        if request.params.stop_strings and self.detokenize is None:
+        if request.params.stop_strings and self.settings.detokenize is None:
             raise ValueError(f"request {request.id}: stop_strings need a sampler built with detokenize=")
         self.table.waiting.append(request)
         return request.id
@@ -300,18 +308,21 @@ class Sampler:
         rows, groups = 1, []
         while True:
             groups.append(min(rows, self.slots))
-            if rows >= self.slots or self.speculative_tokens or self.mesh is not None:
+            if rows >= self.slots or self.settings.speculative_tokens or self.mesh is not None:
                 break
             rows *= 2
         buckets = sorted({bucket_of(1 << e, self.max_len) for e in range(self.max_len.bit_length() + 1)})
         return [(g, b) for g in groups for b in buckets]
 
     @classmethod
-    def from_config(cls, params: Any, cfg: ModelConfig, sampler: SamplerConfig, *, max_len: int, **options: Any):
+    def from_config(
+        cls, params: Any, cfg: ModelConfig, sampler: SamplerConfig, *, max_len: int, version: int = 0, **options: Any
+    ) -> Sampler:
         """A sampler with `sampler`'s slots and prefix cache (config/sampler.py), warmed up when it
         says so and this sampler admits prompts in groups (a mesh or speculative sampler admits one
-        at a time and compiles at first use). options: the constructor's other keyword arguments."""
-        new = cls(params, cfg, slots=sampler.slots, max_len=max_len, prefix_cache=sampler.prefix_cache, **options)
+        at a time and compiles at first use). options: the other `SamplerSettings` fields."""
+        settings = SamplerSettings(sampler.slots, max_len, prefix_cache=sampler.prefix_cache, **options)
+        new = cls(params, cfg, settings, version=version)
         if sampler.warm_up and new.admits_groups:
             new.warm_up()
         return new
@@ -319,7 +330,7 @@ class Sampler:
     @property
     def admits_groups(self) -> bool:
         """Whether prompts are admitted in power-of-two groups (programs `warm_up` can compile)."""
-        return not self.speculative_tokens and self.mesh is None
+        return not self.settings.speculative_tokens and self.mesh is None
 
     def warm_up(self) -> int:
         """Compile every admission program (`prefill_shapes`) before the first request, so no
@@ -332,7 +343,7 @@ class Sampler:
         if not self.admits_groups:
             raise ValueError(
                 "warm_up compiles the grouped admission programs of a plain sampler; this one admits one "
-                f"prompt at a time (speculative_tokens={self.speculative_tokens}, mesh="
+                f"prompt at a time (speculative_tokens={self.settings.speculative_tokens}, mesh="
                 f"{'set' if self.mesh is not None else 'None'}): its programs compile at first use"
             )
         t0, before = time.perf_counter(), self.compilations
@@ -362,10 +373,10 @@ class Sampler:
         if not active.any():
             return done
         if self.spec is not None:
-            spec_step = self.spec.chunk_step if self.decode_chunk > 1 else self.spec.step
+            spec_step = self.spec.chunk_step if self.settings.decode_chunk > 1 else self.spec.step
             self.cache, more = spec_step(self.params, self.cache, self.table, self.version)
             return done + more
-        if self.decode_chunk > 1:
+        if self.settings.decode_chunk > 1:
             return done + self._chunk_step(active)
         return done + self._decode_step(active)
 
@@ -387,7 +398,7 @@ class Sampler:
         done: list[Completion] = []
         t0, compiled = time.perf_counter(), self.compilations
         admit = self.table.place()
-        if self.speculative_tokens or self.mesh is not None:
+        if self.settings.speculative_tokens or self.mesh is not None:
             for i, request, reuse in admit:
                 done += self._admit(i, request, reuse)
         else:

@@ -241,7 +241,7 @@ class OpenAIServer:
                 "slot_steps": e.slot_steps,
                 "step_s": e.step_s,
                 "swap_s": e.swap_s,
-                "prefix_cache": e.sampler.prefix_cache,
+                "prefix_cache": e.sampler.settings.prefix_cache,
                 "prefix": e.prefix_stats.as_dict(),
                 "prefill_s": e.sampler.prefill_s,
                 "prefill_trace_s": e.sampler.prefill_trace_s,

@@ -26,7 +26,7 @@ from composer_jax.inference.sampling import processed_logprobs
 from composer_jax.inference.slots import Completion, SlotTable
 from composer_jax.inference.speculative import SpecStats, draft, draft_head_columns, draft_model, verify_drafts
 from composer_jax.model.kv_cache import KVCache, init_cache
-from composer_jax.model.transformer import forward
+from composer_jax.model.transformer import forward_cached
 from composer_jax.sharding import MeshRules, ShardingRules
 
 
@@ -206,7 +206,7 @@ class SpeculativeDecoder:
         # idle slots restart at 0 (their writes are never read): no window runs past the capacity
         lengths = jnp.where(active, cache.lengths, 0)
         window = jnp.concatenate([last[:, None], drafts], axis=1)
-        out = forward(params, window, self.cfg, cache=KVCache(cache.layers, lengths), sharding=self.sharding)
+        out = forward_cached(params, window, self.cfg, KVCache(cache.layers, lengths), sharding=self.sharding)
         assert out.cache is not None
         each = lambda x: jnp.repeat(x, k + 1)
         p_lp = processed_logprobs(

@@ -220,8 +220,9 @@ def _layer_activation_bytes(cfg: ModelConfig, sizes: Mapping[str, int], seq: int
     the attention state: with `attention_impl="dense"` the float32 scores, softmax and probabilities
     over all `seq` keys; with "blockwise" only the log-sum-exp and the joined key (the block's
     scores are transient, `attention_block_bytes`). With expert parallelism the dispatch uses
-    worst-case buffers of ep x (tokens x k) rows (moe.py `_local_moe`), so routed-expert terms scale
-    with ep. Divided by the tensor axis where the model splits heads / MLP width.
+    worst-case buffers of ep x (tokens x k) rows (`model/moe/expert_parallel.py`'s padded
+    exchange), so routed-expert terms scale with ep. Divided by the tensor axis where the model
+    splits heads / MLP width.
     """
     c = _BYTES[cfg.compute_dtype]
     tp = sizes["tensor"]
@@ -349,7 +350,7 @@ def memory_per_device(
 
 
 def moe_tile_weight_bytes(cfg: ModelConfig, sizes: Mapping[str, int], tokens: float) -> float:
-    """Bytes of one MoE layer's per-tile expert weights on the tiled dispatch (moe.py
+    """Bytes of one MoE layer's per-tile expert weights on the tiled dispatch (moe/grouped.py
     `_grouped_tiled` / `tiled_dispatch_swiglu`): one [embed, f] x 3 copy per tile, with
     rows = (ep x) tokens x k assignments padded per expert to the tile size."""
     ep = sizes["expert"]

@@ -11,8 +11,8 @@ hold a new request while others continue): `lengths[b]` tokens of row b are vali
 pass with the cache appends the new tokens of each row at its own offset.
 
     cache = init_cache(cfg, batch=8, max_len=4096)                  # zeros, lengths 0
-    out = forward(params, prompt_tokens, cfg, cache=cache)          # prefill (any number of tokens)
-    out = forward(params, next_tokens[:, None], cfg, cache=out.cache)  # decode one token per row
+    out = forward_cached(params, prompt_tokens, cfg, cache)            # prefill (any number of tokens)
+    out = forward_cached(params, next_tokens[:, None], cfg, out.cache)  # decode one token per row
 
 The MTP modules have a cache of their own (`init_cache(..., mtp_modules=1)`: one stack "mtp", no
 main-model layers), driven by `transformer.mtp_forward_cached` for speculative decoding: MTP

@@ -38,7 +38,7 @@ from composer_jax.sharding import MeshRules
 
 
 class RouterBias(nnx.Variable):
-    """DeepSeek-V3's router score-correction bias: moved by `moe.update_router_biases` from the
+    """DeepSeek-V3's router score-correction bias: moved by `moe.router.update_router_biases` from the
     expert counts, never by gradients (`params.gradient_free_mask`)."""
 
 
@@ -124,7 +124,7 @@ class ComposerTransformer(nnx.Module):
 
     def __call__(self, tokens: jax.Array, **kwargs: Any) -> ModelOutput:
         """`forward(self.params(), tokens, cfg, sharding=..., **kwargs)`; kwargs as `forward`'s
-        (segment_ids, positions, routing, cache, ...)."""
+        (segment_ids, positions, routing, ...)."""
         if "sharding" in kwargs:
             raise ValueError("ComposerTransformer runs under its own sharding; pass sharding= to the constructor")
         return forward(self.params(), tokens, self.cfg, sharding=self.sharding, **kwargs)

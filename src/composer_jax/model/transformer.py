@@ -1,9 +1,12 @@
-"""forward(params, tokens, cfg) -> ModelOutput: the whole model as one pure function."""
+"""The whole model as pure functions: one trunk (embedding, layer stacks, final norm) with two
+entries, `forward(params, tokens, cfg)` over whole sequences (training and scoring, with the MTP
+heads) and `forward_cached(params, tokens, cfg, cache)` over each row's next tokens with a KV
+cache (prefill and decode), as jax-llm-examples separates prefill from decode."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import chex
 import jax
@@ -14,8 +17,8 @@ from composer_jax.model.attention import attention, attention_cached, segment_po
 from composer_jax.model.kv_cache import KVCache, stack_slice
 from composer_jax.model.layers import linear, rms_norm, rope_cos_sin, swiglu
 from composer_jax.model.masks import LAYOUTS, AttentionContext, Layout
-from composer_jax.model.moe import moe_layer
-from composer_jax.model.moe_decode import EXPERT_WEIGHTS, LayerView
+from composer_jax.model.moe.decode import EXPERT_WEIGHTS, LayerView
+from composer_jax.model.moe.layer import moe_layer
 from composer_jax.sharding import MeshRules, constrain
 
 
@@ -34,7 +37,7 @@ class ModelOutput:
     mtp_routing: jax.Array | None
     hidden: jax.Array
     aux: dict[str, Any]
-    cache: KVCache | None = None  # the updated KV cache when `forward` was given one
+    cache: KVCache | None = None  # the updated KV cache of `forward_cached`
 
 
 def _remat(fn, policy: str):
@@ -96,7 +99,7 @@ def _run_stack(
     views = {}
     if moe and cache is not None and _experts_as_views(cfg, sharding):
         # an inference step: the routed experts' weights stay stacked, and each layer reads the
-        # experts it uses from the stack (`moe_decode.LayerView`) instead of a sliced copy of the layer's
+        # experts it uses from the stack (`moe.decode.LayerView`) instead of a sliced copy of the layer's
         views = {k: stack["moe"][k] for k in EXPERT_WEIGHTS}
         stack = {**stack, "moe": {k: v for k, v in stack["moe"].items() if k not in views}}
     n = jax.tree.leaves(stack)[0].shape[0]
@@ -115,9 +118,9 @@ def _run_stack(
 
 
 def _experts_as_views(cfg: ModelConfig, sharding: MeshRules | None) -> bool:
-    """Whether an inference step's MoE layers take their routed experts as `moe_decode.LayerView`s: on
-    one device (or a mesh of size 1) with the plain decode path (`moe._local_moe`'s `decode_swiglu`
-    branch); sharded runs slice the layer as before (the views do not cross `shard_map`)."""
+    """Whether an inference step's MoE layers take their routed experts as `moe.decode.LayerView`s: on
+    one device (or a mesh of size 1) with the plain decode path (`moe.dispatch.Dispatch.DECODE`);
+    sharded runs slice the layer as before (the views do not cross `shard_map`)."""
     single = sharding is None or all(n == 1 for n in dict(sharding.mesh.shape).values())
     return single and cfg.moe_impl == "auto" and cfg.moe_precision == "bf16"
 
@@ -151,100 +154,64 @@ def _logits(params: dict, h: jax.Array, cfg: ModelConfig) -> jax.Array:
     return linear(h, w, preferred_element_type=jnp.float32)
 
 
-def _checked_inputs(
+def _checked_tokens(tokens: jax.Array, cfg: ModelConfig, logits_at: jax.Array | None, routing: jax.Array | None):
+    """Shapes and dtypes at the public boundary (checked at trace time: free under jit)."""
+    chex.assert_rank(tokens, 2)
+    chex.assert_type(tokens, int)
+    if logits_at is not None:
+        chex.assert_shape(logits_at, tokens.shape[:1])
+    if routing is not None:
+        chex.assert_shape(routing, (cfg.num_moe_layers, *tokens.shape, cfg.num_experts_per_tok))
+
+
+def _training_context(
     tokens: jax.Array,
     cfg: ModelConfig,
     segment_ids: jax.Array | None,
     positions: jax.Array | None,
     token_order: jax.Array | None,
-    routing: jax.Array | None,
-    mtp_tokens: jax.Array | None,
-    logits_at: jax.Array | None,
-    cache: KVCache | None,
-    context_layout: str,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`forward`'s inputs checked, and (segment_ids, positions, token_order) with their defaults:
-    one segment, positions within the segment (after the cached prefix with a cache), the
-    sequence's own order."""
-    # shapes and dtypes at the public boundary (checked at trace time: free under jit)
-    chex.assert_rank(tokens, 2)
-    chex.assert_type(tokens, int)
+    context_layout: Layout,
+) -> AttentionContext:
+    """The training pass's `AttentionContext`, its inputs checked and defaulted: one segment,
+    positions within the segment, the sequence's own order."""
     chex.assert_equal_shape([tokens] + [x for x in (segment_ids, positions, token_order) if x is not None])
-    if logits_at is not None:
-        chex.assert_shape(logits_at, tokens.shape[:1])
-    if routing is not None:
-        chex.assert_shape(routing, (cfg.num_moe_layers, *tokens.shape, cfg.num_experts_per_tok))
-    if mtp_tokens is not None:
-        chex.assert_shape(mtp_tokens, (cfg.num_mtp_layers, *tokens.shape))
-    if cache is not None:
-        if segment_ids is not None or positions is not None or token_order is not None:
-            raise ValueError(
-                "forward with a cache takes no segment_ids/positions/token_order: each row is one "
-                "sequence continuing at cache.lengths"
-            )
-        positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+    if context_layout not in LAYOUTS:
+        raise ValueError(f"context_layout={context_layout!r} is not accepted; accepted: {', '.join(LAYOUTS)}")
     if segment_ids is None:
         segment_ids = jnp.ones(tokens.shape, jnp.int32)
     if positions is None:
         positions = segment_positions(segment_ids)
     if token_order is None:
         token_order = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    if context_layout not in LAYOUTS:
-        raise ValueError(f"context_layout={context_layout!r} is not accepted; accepted: {', '.join(LAYOUTS)}")
-    return segment_ids, positions, token_order
+    return attention_context(positions, segment_ids, token_order, cfg, context_layout)
 
 
-def forward(
+def cached_context(cfg: ModelConfig, cache: KVCache, n: int) -> AttentionContext:
+    """A cached pass's `AttentionContext` for n new tokens per row: positions cache.lengths[b] +
+    0..n-1; no segment ids or token order are read (each row is one sequence): the defaults."""
+    positions = cache.lengths[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
+    return attention_context(positions, jnp.ones_like(positions), positions, cfg, "contiguous", cache.lengths)
+
+
+class _Trunk(NamedTuple):
+    hidden: jax.Array  # float32[batch, seq, embed], after the final norm
+    routing: jax.Array | None  # int32[moe_layers, batch, seq, k]
+    aux: dict[str, Any]
+    cache: dict[str, Any]  # the stacks' updated caches (None entries without a cache)
+
+
+def _trunk(
     params: dict,
     tokens: jax.Array,
+    ctx: AttentionContext,
     cfg: ModelConfig,
-    *,
-    segment_ids: jax.Array | None = None,
-    positions: jax.Array | None = None,
-    routing: jax.Array | None = None,
-    mtp_routing: jax.Array | None = None,
-    token_order: jax.Array | None = None,
-    mtp_tokens: jax.Array | None = None,
-    context_layout: Layout = "contiguous",
-    sharding: MeshRules | None = None,
-    cache: KVCache | None = None,
-    logits_at: jax.Array | None = None,
-) -> ModelOutput:
-    """Run the model.
-
-    tokens: int32[batch, seq]. segment_ids: int32[batch, seq] for packed sequences (0 = padding; no
-    attention across segments); positions: int32[batch, seq] (default: position within segment).
-    routing: int32[moe_layers, batch, seq, k] recorded experts to replay instead of routing.
-    token_order: int32[batch, seq] original index of each token when the sequence axis has been
-    permuted (zigzag context parallelism); causality follows it. mtp_tokens: int32[depth, batch,
-    seq] the token k ahead of each position for MTP depth k (default: shift `tokens`, valid only
-    when the sequence is not permuted). context_layout: "contiguous" (the default) promises that
-    token_order increases along the sequence (as the default does), which lets blockwise attention
-    skip key blocks after each query block; "zigzag" when the sequence was permuted by
-    `model.context_parallel.zigzag_permutation` (context-parallel attention then skips the keys the first
-    local chunk cannot see); "any" for any other order.
-    sharding: the mesh and its rules; by default the mesh set with `jax.set_mesh` (if any) with the
-    default rules (`MeshRules.resolve`). Without a mesh everything runs as on one device.
-    cache: a `KVCache` (`model.kv_cache.init_cache`): the tokens are each row's next ones, at
-    positions cache.lengths[b] + 0..seq-1 (YaRN/RoPE continue from the cached prefix); they attend
-    to the row's cached tokens and themselves, and their keys are appended. The updated cache is
-    `ModelOutput.cache`. Prefill is a call with the prompt, decoding a call per step; a long
-    prompt may be prefilled in chunks. segment_ids, positions and token_order must be None then;
-    the MTP heads are not run (speculative decoding drives them itself).
-    logits_at: int32[batch], one position per row: the output head runs there only and `logits` is
-    [batch, 1, vocab] (a prefill needs the distribution after the prompt's last token only; XLA:CPU
-    already narrows a gather of the full head to those rows, measured no faster, so this states it
-    for every backend and keeps [batch, seq, vocab] from being materialised); hidden states, routing
-    and the cache are those of every position as without it.
-    """
-    sharding = MeshRules.resolve(sharding)
-    segment_ids, positions, token_order = _checked_inputs(
-        tokens, cfg, segment_ids, positions, token_order, routing, mtp_tokens, logits_at, cache, context_layout
-    )
-    lengths = None if cache is None else cache.lengths
-    ctx = attention_context(positions, segment_ids, token_order, cfg, context_layout, lengths)
+    sharding: MeshRules | None,
+    routing: jax.Array | None,
+    cache: KVCache | None,
+) -> _Trunk:
+    """Embedding, the dense and MoE layer stacks and the final norm: what the training and the
+    cached entries share."""
     new_cache: dict[str, Any] = {}
-
     h = constrain(_embed(params, tokens, cfg), sharding, ("act_batch", "act_seq", "act_embed"))
     aux: dict[str, Any] = {}
     if "dense_layers" in params:
@@ -262,24 +229,102 @@ def forward(
         aux["seq_balance"] = stats["seq_balance"]
         # float32[moe_layers]: assignments the expert-parallel bound dropped, rows each device sent
         aux["moe_dropped"], aux["moe_a2a_rows"] = stats["moe_dropped"], stats["moe_a2a_rows"]
-    h_final = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+    return _Trunk(rms_norm(h, params["final_norm"], cfg.rms_norm_eps), experts, aux, new_cache)
+
+
+def _head(
+    params: dict, h_final: jax.Array, cfg: ModelConfig, sharding: MeshRules | None, logits_at: jax.Array | None
+) -> jax.Array:
+    """The output head on every position, or on one per row (`logits_at`) -> float32 logits."""
     with jax.named_scope("output_head"):
         at = h_final if logits_at is None else jnp.take_along_axis(h_final, logits_at[:, None, None], axis=1)
-        logits = constrain(_logits(params, at, cfg), sharding, ("act_batch", "act_seq", "act_vocab"))
+        return constrain(_logits(params, at, cfg), sharding, ("act_batch", "act_seq", "act_vocab"))
 
+
+def forward(
+    params: dict,
+    tokens: jax.Array,
+    cfg: ModelConfig,
+    *,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    routing: jax.Array | None = None,
+    mtp_routing: jax.Array | None = None,
+    token_order: jax.Array | None = None,
+    mtp_tokens: jax.Array | None = None,
+    context_layout: Layout = "contiguous",
+    sharding: MeshRules | None = None,
+    logits_at: jax.Array | None = None,
+) -> ModelOutput:
+    """Run the model over whole sequences (training, scoring; no KV cache: `forward_cached`).
+
+    tokens: int32[batch, seq]. segment_ids: int32[batch, seq] for packed sequences (0 = padding; no
+    attention across segments); positions: int32[batch, seq] (default: position within segment).
+    routing: int32[moe_layers, batch, seq, k] recorded experts to replay instead of routing;
+    mtp_routing likewise for the MTP layers.
+    token_order: int32[batch, seq] original index of each token when the sequence axis has been
+    permuted (zigzag context parallelism); causality follows it. mtp_tokens: int32[depth, batch,
+    seq] the token k ahead of each position for MTP depth k (default: shift `tokens`, valid only
+    when the sequence is not permuted). context_layout: "contiguous" (the default) promises that
+    token_order increases along the sequence (as the default does), which lets blockwise attention
+    skip key blocks after each query block; "zigzag" when the sequence was permuted by
+    `model.context_parallel.zigzag_permutation` (context-parallel attention then skips the keys the first
+    local chunk cannot see); "any" for any other order.
+    sharding: the mesh and its rules; by default the mesh set with `jax.set_mesh` (if any) with the
+    default rules (`MeshRules.resolve`). Without a mesh everything runs as on one device.
+    logits_at: int32[batch], one position per row: the output head runs there only and `logits` is
+    [batch, 1, vocab] (a prefill needs the distribution after the prompt's last token only; XLA:CPU
+    already narrows a gather of the full head to those rows, measured no faster, so this states it
+    for every backend and keeps [batch, seq, vocab] from being materialised); hidden states and
+    routing are those of every position as without it.
+    """
+    sharding = MeshRules.resolve(sharding)
+    _checked_tokens(tokens, cfg, logits_at, routing)
+    if mtp_tokens is not None:
+        chex.assert_shape(mtp_tokens, (cfg.num_mtp_layers, *tokens.shape))
+    ctx = _training_context(tokens, cfg, segment_ids, positions, token_order, context_layout)
+    trunk = _trunk(params, tokens, ctx, cfg, sharding, routing, None)
+    logits = _head(params, trunk.hidden, cfg, sharding, logits_at)
+    aux = dict(trunk.aux)
     mtp_logits = mtp_experts = None
-    out_cache = None
-    if cache is not None:
-        out_cache = KVCache({k: v for k, v in new_cache.items() if v is not None}, cache.lengths + tokens.shape[1])
-    elif cfg.num_mtp_layers and "mtp" in params:
+    if cfg.num_mtp_layers and "mtp" in params:
         with jax.named_scope("mtp"):
             mtp_logits, mtp_experts, mtp_stats = mtp_forward(
-                params, h_final, tokens, ctx, cfg, sharding, mtp_routing, mtp_tokens
+                params, trunk.hidden, tokens, ctx, cfg, sharding, mtp_routing, mtp_tokens
             )
         if mtp_stats is not None:
             aux["mtp_expert_counts"] = mtp_stats["expert_counts"]
             aux["mtp_moe_dropped"], aux["mtp_moe_a2a_rows"] = mtp_stats["moe_dropped"], mtp_stats["moe_a2a_rows"]
-    return ModelOutput(logits, mtp_logits, experts, mtp_experts, h_final, aux, out_cache)
+    return ModelOutput(logits, mtp_logits, trunk.routing, mtp_experts, trunk.hidden, aux)
+
+
+def forward_cached(
+    params: dict,
+    tokens: jax.Array,
+    cfg: ModelConfig,
+    cache: KVCache,
+    *,
+    sharding: MeshRules | None = None,
+    logits_at: jax.Array | None = None,
+) -> ModelOutput:
+    """Run the model over each row's next tokens with a KV cache: a prefill is a call with the
+    prompt (a long one may be prefilled in chunks), decoding a call per step.
+
+    tokens: int32[batch, n], each row's next n tokens, at positions cache.lengths[b] + 0..n-1
+    (YaRN/RoPE continue from the cached prefix); they attend to the row's cached tokens and
+    themselves, and their keys are appended. cache: a `KVCache` (`model.kv_cache.init_cache`); the
+    updated cache (lengths advanced by n) is `ModelOutput.cache`. The MTP heads are not run
+    (speculative decoding drives them itself: `mtp_forward_cached`). sharding and logits_at as in
+    `forward`; hidden states, routing and the cache are those of every position.
+    """
+    sharding = MeshRules.resolve(sharding)
+    _checked_tokens(tokens, cfg, logits_at, None)
+    ctx = cached_context(cfg, cache, tokens.shape[1])
+    trunk = _trunk(params, tokens, ctx, cfg, sharding, None, cache)
+    logits = _head(params, trunk.hidden, cfg, sharding, logits_at)
+    layers = {k: v for k, v in trunk.cache.items() if v is not None}
+    new_cache = KVCache(layers, cache.lengths + tokens.shape[1])
+    return ModelOutput(logits, None, trunk.routing, None, trunk.hidden, trunk.aux, new_cache)
 
 
 def mtp_forward(
@@ -373,9 +418,7 @@ def mtp_forward_cached(
     chex.assert_rank(next_tokens, 2)
     chex.assert_equal_shape_prefix([h_prev, next_tokens], 2)
     n = next_tokens.shape[1]
-    positions = cache.lengths[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
-    # a cached pass reads no segment ids or token order (each row is one sequence): the defaults
-    ctx = attention_context(positions, jnp.ones_like(positions), positions, cfg, "contiguous", cache.lengths)
+    ctx = cached_context(cfg, cache, n)
     mp = jax.tree.map(lambda x: x[module], params["mtp"])
     if "moe" in mp["layer"] and _experts_as_views(cfg, sharding):  # as in `_run_stack`
         moe_p = params["mtp"]["layer"]["moe"]

@@ -1,6 +1,6 @@
 """Quantised grouped matmuls for the MoE experts: NVFP4 (or MXFP8) forward, MXFP8 backward.
 
-Two shapes of grouped matmul, the two the MoE dispatch paths use (`model/moe.py`):
+Two shapes of grouped matmul, the two the MoE dispatch paths use (`model/moe/grouped.py`):
   - `tile_matmul(x [T, m, k], w [T, k, n])`: one matrix per tile (the tiled CPU path and the
     gather-only tiled dispatch; every tile's rows belong to one expert, its weights gathered);
   - `ragged_matmul(x [rows, k], w [G, k, n], sizes [G])`: rows sorted by group, group sizes known

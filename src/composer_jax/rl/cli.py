@@ -190,7 +190,7 @@ def _policy(args: argparse.Namespace) -> tuple[Any, Any]:
     from composer_jax.formats.tokenizer import load_tokenizer
     from composer_jax.inference.async_sampler import AsyncSampler
     from composer_jax.inference.checkpoints import load_policy
-    from composer_jax.inference.sampler import Sampler
+    from composer_jax.inference.sampler import Sampler, SamplerSettings
     from composer_jax.rl.samplers.in_process import TokenPolicy
 
     loaded = load_policy(args.checkpoint, step=args.step)
@@ -199,5 +199,5 @@ def _policy(args: argparse.Namespace) -> tuple[Any, Any]:
         raise ConfigError(f"no tokenizer found for {args.checkpoint!r}; pass --tokenizer PATH")
     tok = load_tokenizer(where)
     max_len = min(args.max_len, loaded.cfg.max_position_embeddings)
-    sampler = AsyncSampler(Sampler(loaded.params, loaded.cfg, slots=args.slots, max_len=max_len))
+    sampler = AsyncSampler(Sampler(loaded.params, loaded.cfg, SamplerSettings(slots=args.slots, max_len=max_len)))
     return TokenPolicy(sampler, tok), sampler.aclose

@@ -21,8 +21,8 @@ from jax.sharding import Mesh, NamedSharding
 from composer_jax.config import Config, ModelConfig
 from composer_jax.model import specs
 from composer_jax.model.context_parallel import context_size
-from composer_jax.model.expert_parallel import exchanges_per_step
-from composer_jax.model.moe import update_router_biases
+from composer_jax.model.moe.expert_parallel import exchanges_per_step
+from composer_jax.model.moe.router import update_router_biases
 from composer_jax.model.params import ROUTER_BIAS_PATHS, router_biases
 from composer_jax.model.specs import ArraySpec
 from composer_jax.sharding import MeshRules, ShardingRules, constrain

@@ -52,13 +52,23 @@ import jax
 import jax.numpy as jnp
 from einops import rearrange, reduce
 
+from composer_jax.config import ModelConfig
 from composer_jax.config.model import MOE_EP_EXCHANGES
+from composer_jax.model.moe.dispatch import on_accelerator
 
 # Compute on the received rows: (rows [R, d] sorted by local expert, sizes int32[e_local]) -> [R, d]
 ExpertCompute = Callable[[jax.Array, jax.Array], jax.Array]
 
 # the exchanges model.moe_ep_exchange names ("auto" picks one of them per platform)
 EXCHANGES = tuple(e for e in MOE_EP_EXCHANGES if e != "auto")
+
+
+def ep_exchange(cfg: ModelConfig) -> str:
+    """The expert-parallel exchange `cfg.moe_ep_exchange` names, "auto" resolved for this backend:
+    the ragged all-to-all on GPU/TPU, the padded one on XLA:CPU (which has no ragged-all-to-all)."""
+    if cfg.moe_ep_exchange != "auto":
+        return cfg.moe_ep_exchange
+    return "ragged" if on_accelerator() else "padded"
 
 
 def ragged_buffer_rows(assignments: int, ep: int, num_experts: int, k: int, capacity_factor: float) -> int:

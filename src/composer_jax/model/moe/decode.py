@@ -1,4 +1,4 @@
-"""The MoE layer's routed experts in inference steps (a `forward` with a KV cache).
+"""The MoE layer's routed experts in inference steps (`forward_cached`: prefill, decode, verify).
 
 `decode_swiglu` computes a step's routed SwiGLU with every expert's weights read at most once and
 in place: an expert loop that skips the experts no token chose, the real assignments in tiles of a
@@ -7,8 +7,8 @@ path's tiled dispatch for long prefills; `decode_strategy` picks the scheme by t
 (`bench/moe_decode.py` measures them). `LayerView` lets a layer scan hand over one layer of the
 stacked expert weights without copying it. On an expert-parallel mesh `decode_expert_parallel`
 replaces the training exchange by a dropless all-gather / reduce-scatter over the expert axis.
-`model/moe.py` routes the tokens and calls these; this module imports nothing of it at import time
-(the "tiled" scheme reaches the training dispatch through a function-local import).
+`layer.py` routes the tokens and calls these (`dispatch.choose_dispatch` says when); the "tiled"
+scheme is the training path's `grouped.tiled_dispatch_swiglu`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from einops import rearrange
 
+from composer_jax.model.moe.grouped import tiled_dispatch_swiglu
 from composer_jax.sharding import vary_like
 
 # decode-mode choice of `decode_swiglu` (bench/moe_decode.py measures the candidates): the expert
@@ -132,8 +133,6 @@ def decode_swiglu(
     if strategy in ("tiled", "dense"):
         gate, up, down = whole(gate), whole(up), whole(down)
     if strategy == "tiled":
-        from composer_jax.model.moe import tiled_dispatch_swiglu  # moe.py imports this module
-
         y = tiled_dispatch_swiglu(xt, experts, gate, up, down, tile=tile)
         return jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
     if strategy == "grouped":
