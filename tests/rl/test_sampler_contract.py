@@ -32,7 +32,7 @@ from test_remote_policy import _serve as serve_in_thread
 
 import composer_jax as cj
 from composer_jax.inference.async_sampler import AsyncSampler
-from composer_jax.inference.sampler import Sampler
+from composer_jax.inference.sampler import Sampler, SamplerSettings
 from composer_jax.rl.samplers.base import SamplerBackend
 from composer_jax.rl.samplers.in_process import InProcessSamplers, TokenPolicy
 from composer_jax.rl.samplers.policy import PolicyPool, SamplerUnavailable, TurnRequest
@@ -56,7 +56,7 @@ def weights():
 
 
 def _sampler(params) -> Sampler:
-    return Sampler(params, CFG, slots=2, max_len=MAX_LEN, version=FIRST)
+    return Sampler(params, CFG, SamplerSettings(slots=2, max_len=MAX_LEN), version=FIRST)
 
 
 @asynccontextmanager
