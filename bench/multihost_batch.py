@@ -2,7 +2,7 @@
 (`checkpoint.multihost.scatter_arrays`), against the whole batch that every process received before.
 
 Starts `--processes` real JAX processes on this machine (CPU, gloo, `--devices` each), builds an RL
-batch of `--rows` x `--seq` (the six int32/float32 arrays of `rl/batch.py` plus routing of
+batch of `--rows` x `--seq` (the six int32/float32 arrays of `rl/algo/batch.py` plus routing of
 `--moe-layers` x `--k`) on process 0, scatters it over a mesh whose batch axis spans every device
 (the rules' `act_batch`), checks every shard on every process against the same numpy arrays and
 prints, per process, the bytes it received (from the blocks sent) and the whole batch's bytes.

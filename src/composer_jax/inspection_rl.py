@@ -1,7 +1,7 @@
 """`composer-jax inspect` on an RL config (one with an `rl:` section): the RL trainer step's memory
 per device with a fit verdict, and the GPUs one vLLM replica of the policy needs.
 
-The trainer (rl/trainer.py) runs three phases a step, each with the train state resident (the
+The trainer (rl/learner.py) runs three phases a step, each with the train state resident (the
 policy's parameters and AdamW moments) and, when rl.loss.kl_coef > 0, the frozen reference copy
 of the parameters (sharded like them):
 

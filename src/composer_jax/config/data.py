@@ -121,7 +121,7 @@ class DataConfig:
     tokenizer: a `tokenizer.json` file or a directory holding one (e.g. a checkpoint directory or
       assets/tokenizer); special tokens are read from tokenizer_config.json next to it if present.
     format: "pretrain" (documents are text: BOS + text + EOS) or "chat" (documents are OpenAI-style
-      message lists rendered with the chat template in data/chat.py; loss on assistant turns only).
+      message lists rendered with the chat template in formats/chatml.py; loss on assistant turns only).
     shuffle: shuffle documents (a full per-epoch permutation of each source's document indices,
       re-drawn every epoch) and packed rows (a window of `shuffle_window` rows).
     shuffle_seed: data seed; combined with the run's seed given to `make_train_iterator`.

@@ -39,13 +39,13 @@ from composer_jax.config.vllm import VLLMConfig
 from composer_jax.errors import ConfigError
 
 # The built-in names of `rl.loss.advantage` and `rl.loss.aggregation`, each set written once (the
-# field's type; the tuple is derived from it); `rl/advantages.py` and `rl/loss.py` register one
+# field's type; the tuple is derived from it); `rl/algo/advantages.py` and `rl/algo/loss.py` register one
 # function under each (tests/rl hold the registries and these names equal).
 AdvantageName = Literal["drgrpo", "grpo"]
 ADVANTAGE_ESTIMATORS: tuple[str, ...] = typing.get_args(AdvantageName)
 AggregationName = Literal["token_sum", "token_mean", "sequence_mean"]
 AGGREGATIONS: tuple[str, ...] = typing.get_args(AggregationName)
-LengthMeasure = Literal["tokens", "turns", "tool_calls"]  # rl.reward.length_penalty.x (rl/rewards.py)
+LengthMeasure = Literal["tokens", "turns", "tool_calls"]  # rl.reward.length_penalty.x (rl/algo/rewards.py)
 LENGTH_MEASURES: tuple[str, ...] = typing.get_args(LengthMeasure)
 STALENESS_UNITS = ("token", "group")
 PUBLISH_DTYPES = ("", "bfloat16", "float32")
@@ -63,7 +63,7 @@ def _number(key: str, value: object, *, low: float | None = None, strict: bool =
 
 @dataclasses.dataclass(frozen=True)
 class RLLossConfig:
-    """The policy-gradient objective (`rl/loss.py`; formulas in docs/rl.md)."""
+    """The policy-gradient objective (`rl/algo/loss.py`; formulas in docs/rl.md)."""
 
     # advantage estimator: drgrpo = r - mean(group) (Dr. GRPO, as Composer 2); grpo = the same
     # divided by the group's standard deviation (DeepSeekMath)
@@ -114,7 +114,7 @@ class LengthPenaltyConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
-    """The reward of one rollout (`rl/rewards.py`): the environment's grade times `grade_weight`,
+    """The reward of one rollout (`rl/algo/rewards.py`): the environment's grade times `grade_weight`,
     minus the length penalty, minus `broken_tool_call_penalty` per malformed or incomplete tool
     call, minus `style_penalty` per lint finding on the files the rollout changed, plus
     `parallel_tool_bonus` times the fraction of turns that issued several tool calls at once."""
@@ -132,7 +132,7 @@ class RewardConfig:
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
     """Reinforcement learning (YAML section `rl`): the objective, the reward, and the learner's
-    sampling (`rl/trainer.py`). The optimiser, steps, batch rows (`train.batch_size`, one row per
+    sampling (`rl/learner.py`). The optimiser, steps, batch rows (`train.batch_size`, one row per
     generation) and row length (`train.seq_len`, also the sampler's context) come from `train`;
     the agent's budgets from `agent`."""
 
@@ -161,7 +161,7 @@ class RLConfig:
     eval_samples: int = 4
     eval_seeds: int = 8
     eval_seed: int = 1_000_000
-    # the rollout queue (rl/queue.py): groups are trained at most max_staleness policy versions
+    # the rollout queue (rl/rollout/queue.py): groups are trained at most max_staleness policy versions
     # after the version that sampled them (0 = the synchronous learner), counted per token (the
     # oldest policy token) or per group (the version the group started at); older groups are
     # dropped whole. max_groups_in_flight bounds the groups being sampled at once and queue_size
@@ -171,20 +171,20 @@ class RLConfig:
     max_groups_in_flight: int = 0
     queue_size: int = 0
     # a tensorstore kvstore URL (file://DIR, gs://...) each new policy version is published to for
-    # samplers in other processes (checkpoint/weight_sync.py); empty = none
+    # samplers in other processes (weightsync/store.py); empty = none
     weight_store: str = ""
     # the dtype of the published copy: "" = as trained; "bfloat16" = a bf16 copy (smaller deltas:
     # entries change only when an update crosses a bf16 rounding step; samplers then run in bf16)
     publish_dtype: str = ""
     # samplers in other processes (rl/samplers/serve.py): the URLs of `composer-jax serve` replicas
     # following rl.weight_store (bearer key from sampler_token or COMPOSER_JAX_SAMPLER_TOKEN), or
-    # local_samplers replicas started by the run itself as child processes (rl/launch.py; the
+    # local_samplers replicas started by the run itself as child processes (rl/samplers/serve_launch.py; the
     # weight store defaults to OUT_DIR/weight_store). Neither: the in-process sampler.
     sampler_urls: tuple[str, ...] = ()
     sampler_token: str = ""
     local_samplers: int = 0
     # what the replicas are: "serve" (composer-jax serve) or "vllm" (vLLM through its token-in/token-out
-    # generate endpoint; config/vllm.py, rl/vllm_policy.py); vllm: its settings
+    # generate endpoint; config/vllm.py, rl/samplers/vllm.py); vllm: its settings
     sampler_engine: str = "serve"
     vllm: VLLMConfig = dataclasses.field(default_factory=VLLMConfig)
     # pin the trainer's threads to the first core this process may use and local replica i to the

@@ -1,7 +1,7 @@
 """The `rl.vllm` section: vLLM replicas as the learner's rollout sampler (`rl.sampler_engine: vllm`).
 
 The learner drives each replica through vLLM's token-in/token-out `POST /inference/v1/generate`
-(rl/vllm_policy.py) and gives it each new policy version one of two ways (`weight_update`):
+(rl/samplers/vllm.py) and gives it each new policy version one of two ways (`weight_update`):
 
 * `restart` - the version is exported as a Hugging Face checkpoint and the replica restarted on it
   (rl/samplers/vllm_launch.py). The only correct weight change on vLLM's CPU backend (its

@@ -15,7 +15,7 @@ The batch contract with the trainer (numpy, each [per_host_batch, seq_len]):
   segment_ids  int32    1, 2, ... per document chunk in the row, 0 = padding
   positions    int32    position within its segment (0 at a segment's first token and at padding)
   loss_mask    float32  1.0 where the token is a valid target: pretrain = every non-padding token
-                        except the first of each segment; chat = assistant tokens (data/chat.py),
+                        except the first of each segment; chat = assistant tokens (formats/chatml.py),
                         also 0.0 at each segment's first token.
   source_ids   int32    1 + the index in data.sources (or data.eval_sources) of the source the
                         token's document came from, 0 = padding (per-source losses of a mixture)

@@ -21,7 +21,7 @@ Tool results are the JSON the environment server returns for that call (built by
 functions the server uses), so the model sees at SFT time what it will see in RL. Nothing here is
 invented except the short assistant prose.
 
-A mined or imported task (`env/taskwrite.py`) has a solve.sh that runs `git apply
+A mined or imported task (`env/mining/taskwrite.py`) has a solve.sh that runs `git apply
 /solution/solution.patch` in /app; that is solved the same way: the patch is applied to the copy
 (git's repository discovery stopped at the copy, so a checkout around the temporary directory is
 never touched) and each file it changes becomes an edit_file call. The tool protocol edits UTF-8
@@ -147,7 +147,7 @@ def _single_hunk(old: str, new: str) -> tuple[str, str] | None:
 
 
 def task_conversation(task_dir: str | Path, *, timeout_s: float = 60.0) -> dict:
-    """One task -> {"task": name, "messages": [...]} (OpenAI message format, see data/chat.py)."""
+    """One task -> {"task": name, "messages": [...]} (OpenAI message format, see formats/chatml.py)."""
     task_dir = Path(task_dir)
     before, after = run_solution(task_dir, timeout_s=timeout_s)
     changed = sorted(p for p in after if p in before and after[p] != before[p])

@@ -45,7 +45,7 @@ class DataFormatError(DataConfigError):
 def resolve_files(path: str, file_pattern: str) -> list[Path]:
     """A file, a directory (its `file_pattern` files, sorted) or a glob -> sorted list of files.
 
-    Relative paths resolve against the current working directory (see data/config.py)."""
+    Relative paths resolve against the current working directory (see config/data.py)."""
     p = Path(path)
     if any(c in path for c in "*?["):
         files = sorted(Path(f) for f in glob.glob(path, recursive=True) if Path(f).is_file())

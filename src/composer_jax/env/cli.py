@@ -195,7 +195,7 @@ def _serve(manager, token: str, sock: socket.socket, url: str, args: argparse.Na
     )
 
     class ReadyServer(uvicorn.Server):
-        # once uvicorn serves: the ready line a run's launcher waits for (rl/processes.py)
+        # once uvicorn serves: the ready line a run's launcher waits for (runtime/supervisor.py)
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets=sockets)
             if self.started:

@@ -3,7 +3,7 @@
 `load_tokenizer(path)` accepts a `tokenizer.json` file or a directory holding one (a checkpoint
 directory, `assets/tokenizer/`). `composer-jax tokenizer train` trains a small byte-level BPE on
 code and writes `tokenizer.json` and `tokenizer_config.json` (special tokens, their ids and the
-chat template name, see data/chat.py).
+chat template name, see formats/chatml.py).
 
 Special tokens (ids 0..6 in tokenizers we train, in this order):
   <|pad|>          padding in packed rows (never a target)

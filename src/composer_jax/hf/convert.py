@@ -12,8 +12,8 @@ model config is the run config saved with the step. --to-hf writes, beside confi
 safetensors, tokenizer.json (with the BOS the project prepends), tokenizer_config.json (special
 tokens and the chat template), generation_config.json and a model card README.md, from
 --tokenizer, else a tokenizer.json next to the source, else the run's data.tokenizer
-(checkpoint/hf_export.py). --pad-mla-for-vllm pads MLA's latent and rotary dimensions to 512 + 64,
-exactly (checkpoint/hf_pad.py), for vLLM's MLA kernels.
+(hf/export.py). --pad-mla-for-vllm pads MLA's latent and rotary dimensions to 512 + 64,
+exactly (hf/mla_pad.py), for vLLM's MLA kernels.
 
 --from-hf then --to-hf rewrites a checkpoint in the hub per-expert layout: FP8 block-quantised weights
 are dequantised, fused in-memory expert tensors split, MTP modules kept. The whole model passes

@@ -88,7 +88,7 @@ def model_card(cfg: ModelConfig, hf_cfg: dict[str, Any], info: RunInfo, notes: t
     chat_lines = (
         [
             "The tokenizer's `chat_template` renders composer_jax's chat format (`composer-chatml-v1`, "
-            "`data/chat.py`) token for token, tools included: pass tool-call `arguments` as objects (vLLM "
+            "`formats/chatml.py`) token for token, tools included: pass tool-call `arguments` as objects (vLLM "
             "parses the OpenAI strings itself). Assistant turns end with `<|im_end|>`; tool calls are "
             '`<|tool_call|>{"id": ..., "name": ..., "arguments": {...}}` inside the turn.'
         ]

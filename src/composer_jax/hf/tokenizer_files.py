@@ -6,7 +6,7 @@ tokenize, chat and stop exactly as the project does.
   a post-processor that prepends `<|bos|>`, as the project does for every text prompt
   (`openai_api`: `[bos] + encode(prompt)`; documents in training start with it too).
 - tokenizer_config.json: bos/eos/pad and the special tokens, and `chat_template`: a Jinja
-  template rendering the project's chat format (data/chat.py, "composer-chatml-v1") token for
+  template rendering the project's chat format (formats/chatml.py, "composer-chatml-v1") token for
   token, tools included; the ids the project's own `load_tokenizer` reads are kept
   (`special_tokens`).
 - generation_config.json: bos/pad ids, eos ids `<|im_end|>` (an assistant turn's stop) and
@@ -36,7 +36,7 @@ from composer_jax.formats.tokenizer import CHAT_TEMPLATE_NAME, Tokenizer
 CHAT_TOKENS = ("<|im_start|>", "<|im_end|>", "<|tool_call|>", "<|tool_result|>")
 
 # transformers renders with trim_blocks and lstrip_blocks; every tag here trims itself anyway.
-# Mirrors data/chat.py: `_with_tools`, `_render`, `tool_call_json` and `tools_block`.
+# Mirrors formats/chatml.py: `_with_tools`, `_render`, `tool_call_json` and `tools_block`.
 CHAT_TEMPLATE = r"""{%- macro text(c) -%}
 {%- if c is string -%}{{ c }}
 {%- elif c is iterable and c is not mapping -%}

@@ -7,7 +7,7 @@ Three kinds of directory are read (`checkpoint_kind` tells them apart):
           config is the run config saved with the step; only the parameters are read (not the
           optimiser moments).
   orbax   a directory written by `composer-jax convert --to-orbax` (params/ + model.yaml).
-  hf      a Hugging Face directory (config.json + *.safetensors), read by `checkpoint/hf.py`.
+  hf      a Hugging Face directory (config.json + *.safetensors), read by `hf/weights.py`.
 
 `tokenizer_hint` is where the checkpoint says its tokenizer is: the directory itself (or its run
 root) when it holds a tokenizer.json, else the training run's `data.tokenizer`.

@@ -4,7 +4,7 @@ Pure functions over dicts (no HTTP, no engine), so the server's reading of a req
 response for given generated tokens are tested without a server.
 
 Requests: `/v1/completions` (prompt: a string, token ids, or a list of either) and
-`/v1/chat/completions` (messages in the project's chat template, `data/chat.py`, with `tools`).
+`/v1/chat/completions` (messages in the project's chat template, `formats/chatml.py`, with `tools`).
 Supported fields: model, max_tokens (chat: also max_completion_tokens), temperature, top_p, n,
 seed, stop, stream, stream_options.include_usage, logprobs (completions: 0, the sampled tokens'
 log-probabilities; chat: true with top_logprobs 0), tools, tool_choice ("none", "auto",

@@ -33,7 +33,7 @@ from composer_jax.rl.rollout.agent import Rollout, RolloutFailed, run_rollout
 from composer_jax.rl.samplers.policy import Policy, PolicyPool
 
 SUCCESS = 1.0 - 1e-9
-# env/snapshot.py's TRUNCATED: the line a grade diff cut at its byte budget ends with (no line of a
+# env/sandbox/snapshot.py's TRUNCATED: the line a grade diff cut at its byte budget ends with (no line of a
 # patch looks like it: patch lines start with ' ', '+', '-', '@', '\\' or a git header word)
 DIFF_TRUNCATED = "... diff truncated ...\n"
 UNGROUPED_REPO, UNGROUPED_CATEGORY = "bundled", "-"

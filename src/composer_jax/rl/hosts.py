@@ -10,7 +10,7 @@ each a collective every process enters in the same order, are all here or named 
 2. `batch` (process 0's host batch as arrays on the mesh: each process receives only its rows,
    `checkpoint.multihost.scatter_arrays`);
 3. the train step itself (a jitted program over the global mesh), the reference log-probs;
-4. the weight publish (`rl/publish.py`: every process writes its shards of each version);
+4. the weight publish (`weightsync/publisher.py`: every process writes its shards of each version);
 5. the checkpoint save and its commit (orbax; `before_share` waits for the commit so its barrier,
    a collective in orbax's own thread, never interleaves with a share).
 

@@ -5,11 +5,11 @@ a new seed per group), concurrent through the samplers (one backend, rl/samplers
 continuous-batching sampler, `composer-jax serve` replicas in other processes - given by URL in
 `rl.sampler_urls`, or `rl.local_samplers` of them started by the run, optionally each pinned to its
 own core with the trainer on another - or vLLM replicas) and the environment servers; rewards
-composed from the grade and the auxiliary terms. The rollout queue (`rl/queue.py`) keeps groups
+composed from the grade and the auxiliary terms. The rollout queue (`rl/rollout/queue.py`) keeps groups
 sampling while the trainer steps, within `rl.max_staleness` policy versions; each finished group is
-persisted (`rl/rollout_store.py`) before it is queued. A step takes up to `rl.groups_per_step` whole
+persisted (`rl/rollout/group_store.py`) before it is queued. A step takes up to `rl.groups_per_step` whole
 groups that fit one batch (`train.batch_size` rows of `train.seq_len`; the rest wait), builds the
-batch (`rl/batch.py`: one row per generation), steps the RL objective (`rl/loss.py`) with the
+batch (`rl/algo/batch.py`: one row per generation), steps the RL objective (`rl/algo/loss.py`) with the
 pretraining step's code in a worker thread, then hands the new weights to the samplers between two
 decode steps (`update_weights`, policy version = step) and publishes them to `rl.weight_store`;
 replicas in other processes are told to load that version from the store

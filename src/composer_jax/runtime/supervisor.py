@@ -26,7 +26,8 @@
   dies without `stop()` (SIGKILL included) by no more than its own SIGTERM handling.
 
 The learner's API: `alive_urls()`, `wait_alive(count, timeout_s)`, `restart_counts()`, `metrics()`.
-`rl/envs.py` (`LocalEnvServers`) and `rl/launch.py` (`LocalSamplers`) are its two configurations.
+`rl/rollout/env_servers.py` (`LocalEnvServers`) and `rl/samplers/serve_launch.py` (`LocalSamplers`) are two
+of its configurations.
 """
 
 from __future__ import annotations

@@ -11,11 +11,11 @@ manifest (format 2) lists, per leaf, every shard's index ranges and the sha256 o
 processes' shard entries are gathered as JSON (a few hundred bytes per shard), process 0 writes the
 manifest and then `latest`. `publish_sharded(url, params, version)` writes one snapshot.
 
-Like `WeightPublisher` it is a `Publisher` (checkpoint/weight_sync.py: `publish(params, version, *,
+Like `WeightPublisher` it is a `Publisher` (weightsync/store.py: `publish(params, version, *,
 dtype=...) -> PublishInfo`); `open_publisher(url)` gives the one a trainer of this many processes
 writes with, so the trainer calls both the same way.
 
-The store layout is the weight-sync store's (checkpoint/weight_sync.py): a `WeightSubscriber`
+The store layout is the weight-sync store's (weightsync/store.py): a `WeightSubscriber`
 reads a sharded version into the full tree (every shard checksummed), a `WeightPublisher` may
 continue the store with deltas against it, and `read_shard` reads only the index ranges a reader
 asks for (a serving shard loading its own slice).

@@ -1,7 +1,7 @@
 """Weight sync through a tensorstore kvstore: base snapshots plus compressed XOR deltas.
 
 Both publishers, this module's `WeightPublisher` (one writer) and
-`checkpoint/sharded_publish.py`'s `ShardedWeightPublisher` (every process of a multi-host trainer
+`weightsync/sharded.py`'s `ShardedWeightPublisher` (every process of a multi-host trainer
 its own shards), are a `Publisher`: `publish(params, version, *, dtype=...) -> PublishInfo`, so a
 trainer opens one (`sharded_publish.open_publisher`) and calls it the same way in both cases.
 
@@ -63,7 +63,7 @@ _UINT: dict[int, np.dtype[Any]] = {
 _VERSION_RE = re.compile(r"^versions/(\d{8})/manifest\.json$")
 _CHUNK_BYTES = 16 << 20
 # manifest formats: 1 = one writer, whole leaves (base / delta); 2 = adds kind "sharded" (every
-# trainer process writes its own shards: checkpoint/sharded_publish.py)
+# trainer process writes its own shards: weightsync/sharded.py)
 SHARDED_FORMAT = 2
 _FORMATS = (1, SHARDED_FORMAT)
 
@@ -168,7 +168,7 @@ def _host_leaf(path: str, node: Any, cast: np.dtype | None = None) -> np.ndarray
     if getattr(node, "is_fully_addressable", True) is False:
         raise WeightSyncError(
             f"leaf {path!r} is an array over several processes, which one writer cannot gather; publish it "
-            "with a ShardedWeightPublisher (checkpoint/sharded_publish.py, `open_publisher` picks it)"
+            "with a ShardedWeightPublisher (weightsync/sharded.py, `open_publisher` picks it)"
         )
     arr = np.asarray(node, order="C")  # a jax.Array: copied to the host (this process holds all of it)
     if cast is not None and np.issubdtype(arr.dtype, np.floating):

@@ -2,9 +2,9 @@
 
 One definition, shared by everything that speaks to or about the tools, so they cannot drift:
 
-* the environment server: `env/tools.py` implements each tool and builds its result with the
-  functions here (list_dir with `list_dir_entries`, the walk itself); `env/server.py` (HTTP),
-  `env/openenv_protocol.py` (WebSocket steps) and `env/mcp.py` (MCP) check calls with `parse_call`;
+* the environment server: `env/tools/agent_tools.py` implements each tool and builds its result with the
+  functions here (list_dir with `list_dir_entries`, the walk itself); `env/server/app.py` (HTTP),
+  `env/server/openenv_protocol.py` (WebSocket steps) and `env/server/mcp.py` (MCP) check calls with `parse_call`;
 * SFT data generation (`data/sft.py`): its conversations use `SYSTEM_PROMPT` (the six base tools), `assistant_tool_call`
   and `tool_message`, and build each tool result with the same functions the server uses (its
   list_dir walks the task's initial workspace with `list_dir_entries`), so the model sees at SFT
@@ -201,7 +201,7 @@ TOOL_SCHEMAS: list[dict] = [
     ),
 ]
 TOOL_NAMES = [s["function"]["name"] for s in TOOL_SCHEMAS]
-WEB_TOOL_NAMES = ("web_search", "read_page")  # offered per session (env/web_search.py says which)
+WEB_TOOL_NAMES = ("web_search", "read_page")  # offered per session (env/tools/web_search.py says which)
 BASE_TOOL_NAMES = tuple(n for n in TOOL_NAMES if n not in WEB_TOOL_NAMES)  # every session's
 SYSTEM_PROMPT = system_prompt(BASE_TOOL_NAMES)
 
@@ -311,7 +311,7 @@ def parse_call(name: Any, arguments: Any, where: str = "", offered: Collection[s
 
 
 # ---------------------------------------------------------------------------- results
-# Each tool's result dict is built here, by the server's implementation (env/tools.py) and by SFT
+# Each tool's result dict is built here, by the server's implementation (env/tools/agent_tools.py) and by SFT
 # generation alike; docs/env_protocol.md lists the shapes.
 def read_file_result(path: str, text: str, start_line: int = 1, end_line: int | None = None) -> dict:
     """read_file of `text` (the file at display path `path`): lines start_line..end_line, at most
@@ -483,7 +483,7 @@ def call_outcome(result: dict | None = None, *, error: str | None = None) -> dic
 
 
 # ---------------------------------------------------------------------------- conversation messages
-# OpenAI message format (data/chat.py renders it): an assistant turn's `tool_calls`, then one
+# OpenAI message format (formats/chatml.py renders it): an assistant turn's `tool_calls`, then one
 # `tool` message per call carrying what the server returned.
 def assistant_tool_call(call_id: str, name: str, arguments: dict) -> dict:
     """One entry of an assistant message's `tool_calls`; the call is checked against its schema."""

@@ -1,8 +1,8 @@
 """The agent's tools: their implementations against a session's workspace and sandbox.
 
 Tools: read_file, edit_file, list_dir, grep, semantic_search, run_shell, and, in sessions offered
-them, web_search and read_page (their backend: `env/web_search.py`). Their names, schemas,
-argument checks and result shapes are the tool protocol (`env/protocol.py`, shared with SFT data
+them, web_search and read_page (their backend: `env/tools/web_search.py`). Their names, schemas,
+argument checks and result shapes are the tool protocol (`env/api/protocol.py`, shared with SFT data
 generation and the RL loop; re-exported here); this module does the I/O. File tools run in the
 server against the confined `Workspace`; run_shell runs in the session's sandbox. A tool failure
 the agent caused (missing file, ambiguous edit, bad regex) is a *result* with `ok: false` and an

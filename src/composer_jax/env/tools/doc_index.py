@@ -1,6 +1,6 @@
 """An offline documentation index: BM25 over the installed packages' docstrings and a directory of pages.
 
-The default backend of the `web_search` tool (`env/web_search.py`), so the tool works with no
+The default backend of the `web_search` tool (`env/tools/web_search.py`), so the tool works with no
 network. Documents:
 
 * one per module, class and public function or method of every installed distribution indexed
@@ -9,10 +9,10 @@ network. Documents:
   the qualified name, the signature and the docstring. Packages are never imported (importing runs
   their code, and some import JAX or start threads); a file that does not parse is skipped. Its
   URL is `pydoc://MODULE.QUALNAME`, which the page reader resolves to the definition's source.
-* one per page of `--docs-dir DIR` (.html, .htm, .md, .rst, .txt; HTML through `env/html_text.py`),
+* one per page of `--docs-dir DIR` (.html, .htm, .md, .rst, .txt; HTML through `env/tools/html_text.py`),
   URL `docs://RELATIVE/PATH`.
 
-Ranking is BM25 (k1 = 1.2, b = 0.75, as `env/semantic_search.py`) over identifier-aware tokens
+Ranking is BM25 (k1 = 1.2, b = 0.75, as `env/tools/semantic_search.py`) over identifier-aware tokens
 (`semantic_search.tokenize`) reduced by a crude stemmer (suffixes off, then the first 6 letters),
 so "approximately" meets `approx` and "comparing" meets "compare". A definition's own name counts
 NAME_WEIGHT times: a query naming what it wants ranks the definition above text that mentions it.

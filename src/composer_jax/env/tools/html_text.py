@@ -1,6 +1,6 @@
 """Readable text out of an HTML page, with the standard library's `html.parser` only.
 
-Used by the page reader (`env/web_search.py`: fetched pages, and `--docs-dir` pages of the offline
+Used by the page reader (`env/tools/web_search.py`: fetched pages, and `--docs-dir` pages of the offline
 documentation index). Script, style and other non-content elements are dropped; block elements
 (paragraphs, headings, list items, table rows, `<br>`) end a line, so the text keeps the page's
 paragraphs; runs of blank lines and spaces are collapsed. Not a renderer: no CSS, no layout.

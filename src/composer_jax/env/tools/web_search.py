@@ -3,11 +3,11 @@
 A backend answers `search(query, k)` -> [{title, url, snippet}] and `read(url, offset)` -> a page's
 text, at most MAX_PAGE_CHARS characters from `offset`. Two:
 
-* `OfflineBackend` (the default): the documentation index of `env/doc_index.py` (the installed
+* `OfflineBackend` (the default): the documentation index of `env/tools/doc_index.py` (the installed
   packages' docstrings, plus `--docs-dir` pages); needs no network. Its URLs are `pydoc://NAME`
   (read gives the definition's signature, docstring and source) and `docs://PATH`.
 * `SearxngBackend`: a SearXNG-compatible search API (`GET {url}/search?q=...&format=json`), and a
-  page reader that fetches http(s) pages and extracts their text (`env/html_text.py`). A host
+  page reader that fetches http(s) pages and extracts their text (`env/tools/html_text.py`). A host
   whose addresses include a private, loopback, link-local or otherwise non-global one is refused
   (every address the name resolves to is checked, and again at each redirect) unless the server
   was started with `--web-fetch-private`: a session must not reach the server's own network.

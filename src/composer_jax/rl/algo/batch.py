@@ -1,4 +1,4 @@
-"""Completed rollouts -> the padded numpy batch the RL objective (`rl/loss.py`) consumes.
+"""Completed rollouts -> the padded numpy batch the RL objective (`rl/algo/loss.py`) consumes.
 
 A rollout (`ScoredRollout`) is one or more generations (a self-summarisation chain: each generation is the model's
 context from the task, or the task plus a summary, to its last token); each generation becomes

@@ -26,7 +26,7 @@ Batch (every array [batch, seq, ...], values aligned with `tokens`: index i desc
     float32 (log mu of token i, as the sampler recorded it), ref_logprobs float32 (log pi_ref of
     token i; `reference_logprobs`; only when rl.loss.kl_coef > 0), routing int32[batch, seq,
     moe_layers, k] (the sampler's experts of token i; only with rl.loss.router_replay on a MoE
-    model). `rl/batch.py` builds it from rollouts.
+    model). `rl/algo/batch.py` builds it from rollouts.
 """
 
 from __future__ import annotations

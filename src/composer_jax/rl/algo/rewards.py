@@ -3,7 +3,7 @@ behaviour rewards of Composer 2 (report section 4), each weighted by `rl.reward`
 separately so that every component is logged.
 
 Host-side numpy: rewards are per rollout, computed by the learner after the environment grades
-the rollout; the loss (`rl/loss.py`) only sees the resulting advantages.
+the rollout; the loss (`rl/algo/loss.py`) only sees the resulting advantages.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 a done group's persisted file may go.
 
 A group id is used once along a run's checkpointed lineage. The ids done are part of every
-checkpoint (`DoneIds` in the data state); a group's file (`rl/rollout_store.py`) is removed only
+checkpoint (`DoneIds` in the data state); a group's file (`rl/rollout/group_store.py`) is removed only
 once a committed checkpoint records its id as done, so a trainer killed between two checkpoints
 finds on disk every group the lost steps trained and trains it again on resume.
 """

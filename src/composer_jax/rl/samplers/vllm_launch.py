@@ -87,7 +87,7 @@ def check_python(python: str) -> str:
 
 
 def needs_padding(m: ModelConfig, cpu: bool) -> bool:
-    """Whether the model's MLA must be padded (exactly: checkpoint/hf_pad.py) to the 512 + 64 widths
+    """Whether the model's MLA must be padded (exactly: hf/mla_pad.py) to the 512 + 64 widths
     vLLM's CPU MLA kernel takes; a ConfigError saying why when it cannot be."""
     if not (cpu and m.attention_type == "mla" and (m.kv_lora_rank, m.qk_rope_head_dim) != (512, 64)):
         return False
