@@ -733,3 +733,27 @@ def test_serve_warm_up_compiles_the_admission_programs(ckpts):
         assert engine.sampler.compilations == 4 and engine.sampler.warm_up_s > 0 and engine.steps == 0
     finally:
         engine.stop()
+
+
+def test_a_failed_swap_answers_by_what_failed():
+    """Both weight-loading routes (checkpoint and weight store) answer a swap that did not happen
+    the same way: 503 once the engine stopped, 500 naming what failed, a route's own ApiError as is."""
+    from composer_jax.inference.engine import EngineStopped
+    from composer_jax.inference.openai_api import ApiError
+    from composer_jax.inference.server import _swap_errors
+
+    def answer(exc: Exception) -> ApiError:
+        with pytest.raises(ApiError) as got:
+            with _swap_errors("version 5 of 'file://s' failed in its first decode step", 4):
+                raise exc
+        return got.value
+
+    e = answer(RuntimeError("boom"))
+    assert (e.status, e.code) == (500, "engine_error")
+    assert e.message == (
+        "version 5 of 'file://s' failed in its first decode step (RuntimeError: boom); version 4 is back in place"
+    )
+    e = answer(EngineStopped("the engine was stopped"))
+    assert (e.status, e.code, e.message) == (503, "shutting_down", "the engine was stopped")
+    own = ApiError(400, "weight store 'x': bad", code="bad_weight_store")
+    assert answer(own) is own

@@ -37,7 +37,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import jax
@@ -69,6 +69,25 @@ RETRY_AFTER_S = 1  # the 429's Retry-After (whole seconds, as the header is read
 
 def _error(e: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+@contextlib.contextmanager
+def _swap_errors(failed: str, current: int) -> Iterator[None]:
+    """The answers of a weight swap that did not happen: 503 when the engine stopped, 500 naming what
+    `failed` when its first decode step raised (the engine put version `current` back); an `ApiError`
+    raised inside passes as it is."""
+    try:
+        yield
+    except ApiError:
+        raise
+    except EngineStopped as e:
+        raise ApiError(503, str(e), code="shutting_down") from None
+    except Exception as e:
+        raise ApiError(
+            500,
+            f"{failed} ({type(e).__name__}: {str(e)[:300]}); version {current} is back in place",
+            code="engine_error",
+        ) from None
 
 
 class _Auth(BaseHTTPMiddleware):
@@ -424,17 +443,8 @@ class OpenAIServer:
                     ) from None
                 params = self._matching(policy)
                 load_s = time.perf_counter() - t0
-                try:
+                with _swap_errors(f"the weights of {path!r} failed in their first decode step", current):
                     previous = await asyncio.wrap_future(self.engine.update_weights(params, version))
-                except EngineStopped as e:
-                    raise ApiError(503, str(e), code="shutting_down") from None
-                except Exception as e:
-                    raise ApiError(
-                        500,
-                        f"the weights of {path!r} failed in their first decode step ({type(e).__name__}: "
-                        f"{str(e)[:300]}); version {current} is back in place",
-                        code="engine_error",
-                    ) from None
         except ApiError as e:
             return _error(e)
         return JSONResponse(
@@ -472,19 +482,11 @@ class OpenAIServer:
                     code="not_newer",
                 )
             t0 = time.perf_counter()
-            try:
-                got, previous = await self._swap_from_store(url, version)
-            except WeightSyncError as e:
-                raise ApiError(400, f"weight store {url!r}: {e}", param="url", code="bad_weight_store") from None
-            except EngineStopped as e:
-                raise ApiError(503, str(e), code="shutting_down") from None
-            except Exception as e:
-                raise ApiError(
-                    500,
-                    f"version {version} of {url!r} failed in its first decode step ({type(e).__name__}: "
-                    f"{str(e)[:300]}); version {current} is back in place",
-                    code="engine_error",
-                ) from None
+            with _swap_errors(f"version {version} of {url!r} failed in its first decode step", current):
+                try:
+                    got, previous = await self._swap_from_store(url, version)
+                except WeightSyncError as e:
+                    raise ApiError(400, f"weight store {url!r}: {e}", param="url", code="bad_weight_store") from None
         if previous is None:
             raise ApiError(
                 409,
