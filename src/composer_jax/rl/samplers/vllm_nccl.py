@@ -20,7 +20,7 @@ the library `jax[cuda]` installs, `nvidia-nccl-cu12`, or COMPOSER_JAX_NCCL_LIB):
   `POST /resume`. One update serves every replica of the group: the first `load` of a version does
   it, later ones for the same version return at once.
 
-The request bodies are checked against vLLM's own classes (tests/rl/test_vllm_policy.py); the
+The request bodies are checked against vLLM's own classes (tests/rl/samplers/test_vllm_policy.py); the
 broadcasts need GPUs and run when a device is lent (docs/scaling.md).
 """
 
