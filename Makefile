@@ -11,7 +11,7 @@ PYTHON312 ?= python3.12
 
 # OpenEnv 0.3 (locks/openenv03.lock) installs the same `openenv` package as the current line
 # in locks/env.lock, so it goes to its own directory, with the venv's dependencies;
-# tests/env/test_openenv_clients.py runs its clients from there in a subprocess. vLLM (locks/vllm.lock:
+# tests/env/server/test_openenv_clients.py runs its clients from there in a subprocess. vLLM (locks/vllm.lock:
 # its own pins of torch, transformers, mcp, fastapi) gets a virtualenv of its own, .venv/vllm, which the
 # vLLM sampler (rl.sampler_engine: vllm) runs from; its lock is complete, so it installs with --no-deps.
 $(STAMP): locks/base.lock locks/env.lock locks/openenv03.lock locks/swebench.lock locks/vllm.lock pyproject.toml
@@ -41,7 +41,7 @@ system-deps:
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bazel-bootstrap) >/dev/null 2>&1 || echo "warning: could not install bazel-bootstrap"; \
 	  else echo "warning: bazel not found; Bazel build tests will be skipped"; fi; }
 
-# Harbor's linter (tests/env/test_harbor_tasks.py) needs Python 3.12: its own venv when one is found.
+# Harbor's linter (tests/env/tasks/test_harbor_tasks.py) needs Python 3.12: its own venv when one is found.
 $(HARBOR_VENV)/.installed: locks/harbor.lock
 	@if $(PYTHON312) -c "" >/dev/null 2>&1; then \
 	  $(PYTHON312) -m venv $(HARBOR_VENV) && \

@@ -8,7 +8,7 @@ one bundled task's (`tasks/`), `--repeats` times each, and prints the median gra
 
     PYTHONPATH=src .venv/bin/python bench/env_mine.py [--repo PATH] [--jobs 2] [--repeats 5]
 
-Without `--repo`, it mines the history `tests/env/minerepo.py` builds (11 first-parent commits,
+Without `--repo`, it mines the history `tests/support/minerepo.py` builds (11 first-parent commits,
 5 tasks); with `--repo`, a local clone (`--rev-range` / `--since` narrow it).
 """
 
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "env"))
+sys.path.insert(0, str(ROOT / "tests"))  # the test helpers: `support.minerepo`
 
 
 async def grade_times(task_root: Path, repeats: int) -> list[float]:
@@ -54,7 +54,9 @@ async def grade_times(task_root: Path, repeats: int) -> list[float]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--repo", type=Path, help="a local git clone (default: the history tests/env/minerepo.py builds)")
+    p.add_argument(
+        "--repo", type=Path, help="a local git clone (default: the history tests/support/minerepo.py builds)"
+    )
     p.add_argument("--rev-range", default="HEAD")
     p.add_argument("--since")
     p.add_argument("--jobs", type=int, default=2)
@@ -68,7 +70,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-env-mine-"))
     repo = args.repo
     if repo is None:
-        import minerepo
+        from support import minerepo
 
         repo = work / "calc"
         minerepo.build(repo, with_package=False)

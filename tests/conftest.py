@@ -1,6 +1,10 @@
-"""Test session setup: a fake 8-device CPU mesh, set before JAX initialises its backend."""
+"""Test session setup: a fake 8-device CPU mesh, set before JAX initialises its backend; the shipped
+tokenizer as a fixture (the data and formats tests)."""
 
 import os
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # XLA's SPMD partitioner performance warnings
 _flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -27,3 +31,15 @@ try:  # the environment-server tests run without JAX
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 except ImportError:
     pass
+
+
+@pytest.fixture(scope="session")
+def tok_dir() -> str:
+    return str(Path(__file__).resolve().parents[1] / "assets" / "tokenizer")
+
+
+@pytest.fixture(scope="session")
+def tok(tok_dir):
+    from composer_jax.formats.tokenizer import load_tokenizer
+
+    return load_tokenizer(tok_dir)

@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from datahelpers import numbered_docs, segments, write_jsonl
+from support.datahelpers import numbered_docs, segments, write_jsonl
 
 from composer_jax.config.data import DataConfig, DataConfigError, SourceConfig
 from composer_jax.data.pipeline import make_eval_batches, make_train_iterator, train_rows

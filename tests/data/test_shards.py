@@ -3,7 +3,7 @@ every host merges into one that resumes any host layout over the same shards."""
 
 import numpy as np
 import pytest
-from datahelpers import numbered_docs, write_jsonl
+from support.datahelpers import numbered_docs, write_jsonl
 
 from composer_jax.config.data import DataConfig, DataConfigError, SourceConfig
 from composer_jax.data.pipeline import make_train_iterator

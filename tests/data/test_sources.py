@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from datahelpers import write_jsonl
+from support.datahelpers import write_jsonl
 
 from composer_jax.config.data import DataConfigError, SourceConfig
 from composer_jax.data.sources import DataFormatError, content_hash_fraction, list_directory_files, open_source

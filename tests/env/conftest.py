@@ -1,67 +1,10 @@
-"""Shared fixtures for the environment-server tests: fixture tasks, a live server subprocess."""
+"""Shared fixtures for the environment-server tests: a live server subprocess (support/live_server.py)
+per module, an HTTP client to it, a fresh session."""
 
 from __future__ import annotations
 
-import os
-import re
-import shutil
-import subprocess
-import sys
-import time
-from pathlib import Path
-
-import httpx
 import pytest
-
-FIXTURE_TASKS = Path(__file__).parent / "fixtures" / "tasks"
-SRC = Path(__file__).resolve().parents[2] / "src"
-HAVE_BWRAP = shutil.which("bwrap") is not None
-
-requires_bwrap = [
-    pytest.mark.sandbox,
-    pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap (bwrap) is not installed; `make system-deps`"),
-]
-
-
-def env_with_src() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(SRC) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
-class LiveServer:
-    def __init__(self, *extra: str, tasks: Path = FIXTURE_TASKS, python: str = sys.executable):
-        self.proc = subprocess.Popen(
-            [python, "-m", "composer_jax.cli", "env-server", "--tasks", str(tasks), "--port", "0", *extra],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env_with_src(),
-        )
-        assert self.proc.stdout is not None and self.proc.stderr is not None  # both are PIPEs
-        line = self.proc.stdout.readline()
-        match = re.search(r"listening on (\S+) .*token=(\S+)", line)
-        if not match:
-            self.proc.kill()
-            raise RuntimeError(f"server did not start: {line!r} {self.proc.stderr.read()[-2000:]}")
-        self.url, self.token = match.group(1), match.group(2)
-        self.headers = {"Authorization": f"Bearer {self.token}"}
-        for _ in range(100):
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.05)
-
-    def client(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers=self.headers, timeout=60)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+from support.live_server import HAVE_BWRAP, LiveServer
 
 
 @pytest.fixture(scope="module")
@@ -87,13 +30,6 @@ def session(http):
     sid = r.json()["session_id"]
     yield sid
     http.delete(f"/sessions/{sid}")
-
-
-def call(http, sid, name, **arguments):
-    """One tool call; returns its result entry."""
-    r = http.post(f"/sessions/{sid}/tools", json={"calls": [{"name": name, "arguments": arguments}]})
-    assert r.status_code == 200, r.text
-    return r.json()["results"][0]
 
 
 # The fixture tasks' own tests run inside the sandbox, never on the host.

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import FIXTURE_TASKS, LiveServer, call, requires_bwrap
-from metrics_scrape import parse, scrape
+from support.live_server import FIXTURE_TASKS, LiveServer, call, requires_bwrap
+from support.metrics_scrape import parse, scrape
 
 pytestmark = requires_bwrap
 

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import LiveServer, requires_bwrap
+from support.live_server import LiveServer, requires_bwrap
 
 from composer_jax.data.sft import task_conversation
 

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from small_models import gqa, mla_yarn
+from support.small_models import gqa, mla_yarn
 
 import composer_jax as cj
 from composer_jax.inference.sampler import Completion, Request, Sampler, SamplerSettings

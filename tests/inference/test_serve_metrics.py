@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from metrics_scrape import parse
+from support.metrics_scrape import parse
 
 import composer_jax as cj
 from composer_jax.inference import metrics as serve_metrics

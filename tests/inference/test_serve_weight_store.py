@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 import uvicorn
-from metrics_scrape import scrape
+from support.metrics_scrape import scrape
 
 from composer_jax.checkpoint.manager import TrainCheckpointer
 from composer_jax.cli import main as cli_main

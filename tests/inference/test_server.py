@@ -22,7 +22,7 @@ import pytest
 openai = pytest.importorskip("openai")
 
 import uvicorn  # noqa: E402
-from metrics_scrape import scrape  # noqa: E402
+from support.metrics_scrape import scrape  # noqa: E402
 
 from composer_jax.checkpoint.manager import TrainCheckpointer  # noqa: E402
 from composer_jax.cli import main as cli_main  # noqa: E402

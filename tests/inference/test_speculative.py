@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from scipy import stats
-from small_models import gqa
+from support.small_models import gqa
 
 import composer_jax as cj
 from composer_jax.inference.sampler import Request, Sampler, SamplerSettings

@@ -9,7 +9,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import pytest
-from small_models import gqa
+from support.small_models import gqa
 
 import composer_jax as cj
 from composer_jax.model.attention import attention_cached

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from small_models import gqa, mla_yarn
+from support.small_models import gqa, mla_yarn
 
 import composer_jax as cj
 from composer_jax.model.attention import grouped_attend

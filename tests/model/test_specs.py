@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
-from small_models import gqa
+from support.small_models import gqa
 
 import composer_jax as cj
 from composer_jax.config import Config, TrainConfig

@@ -7,8 +7,8 @@ import asyncio
 import json
 
 import pytest
-from live_env import ENV_FIXTURE_TASKS, HAVE_BWRAP, REPO
-from scripted import ScriptedPolicy, call
+from support.live_env import ENV_FIXTURE_TASKS, HAVE_BWRAP, REPO
+from support.scripted import ScriptedPolicy, call
 
 from composer_jax.config.agent import AgentConfig
 from composer_jax.env.api.client import EnvClient

@@ -4,7 +4,7 @@ are redone on the other server, scored and trained on; none is lost or scored 0.
 from __future__ import annotations
 
 import pytest
-from live_env import HAVE_BWRAP, REPO
+from support.live_env import HAVE_BWRAP, REPO
 
 from composer_jax.config import load_config
 from composer_jax.env.api import client as env_client

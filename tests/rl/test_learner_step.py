@@ -1,6 +1,6 @@
 """One learner step with an in-process stand-in for the rollout side: no child process, no server.
 
-The stand-in hands the learner fixed groups (tests/rl/test_rollout_queue.py's `make_group`) and
+The stand-in hands the learner fixed groups (tests/support/rl_groups.py's `make_group`) and
 records what the learner tells it; the step must build their batch, train the tiny model on it
 (the weights move), hand version 1 to the samplers with the count of groups trained, and record
 the trained ids in the ledger, the checkpoint's done ids and the summary."""
@@ -14,8 +14,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from live_env import REPO
-from test_rollout_queue import make_group
+from support.live_env import REPO
+from support.rl_groups import make_group
 
 from composer_jax.config import load_config
 from composer_jax.rl.learner import Learner

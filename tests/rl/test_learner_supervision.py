@@ -12,8 +12,8 @@ import threading
 import time
 
 import pytest
-from live_env import HAVE_BWRAP, REPO
-from procs import cmdline, descendants, gone
+from support.live_env import HAVE_BWRAP, REPO
+from support.procs import cmdline, descendants, gone
 
 from composer_jax.config import load_config
 from composer_jax.rl import learner as trainer

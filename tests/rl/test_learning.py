@@ -10,8 +10,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from learnable import SYSTEM, TASKS, sft_params, tiny_config
-from live_env import HAVE_BWRAP, REPO
+from support.learnable import SYSTEM, TASKS, sft_params, tiny_config
+from support.live_env import HAVE_BWRAP, REPO
 
 from composer_jax.config import config_from_dict, to_dict
 from composer_jax.formats.tokenizer import load_tokenizer

@@ -1,4 +1,4 @@
-"""Mined / imported tasks (`env.taskwrite` layout, tests/rl/repo_tasks.py) in the evaluation, SFT
+"""Mined / imported tasks (`env.taskwrite` layout, tests/support/repo_tasks.py) in the evaluation, SFT
 and RL: resolved rate per repository and category, predictions.jsonl from sample 0 (the oracle
 pick apart) whose patches `git apply` accepts, make-sft's conversation replayed on the server to a
 reward of 1, and the RL task list and held-out evaluation over a directory of them."""
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from live_env import HAVE_BWRAP, REPO
-from repo_tasks import repo_task
-from scripted import ScriptedPolicy, call
+from support.live_env import HAVE_BWRAP, REPO
+from support.repo_tasks import repo_task
+from support.scripted import ScriptedPolicy, call
 
 from composer_jax.config import load_config
 from composer_jax.config.agent import AgentConfig

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from live_env import HAVE_BWRAP, REPO
+from support.live_env import HAVE_BWRAP, REPO
 
 from composer_jax.cli import main as cli_main
 from composer_jax.rl.cli import eval_main, rl_main
@@ -15,7 +15,7 @@ CONFIG = str(REPO / "tests" / "rl" / "fixtures" / "rl_pick.yaml")
 pytestmark = pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap (bwrap) is not installed; `make system-deps`")
 
 
-# slow: 61 s; the resumed lineage is also tested by tests/rl/test_rollout_queue.py (resume_groups), the
+# slow: 61 s; the resumed lineage is also tested by tests/rl/rollout/test_rollout_queue.py (resume_groups), the
 # learner's resume end to end by tests/rl/test_async_resume.py (slow too)
 @pytest.mark.slow
 def test_rl_cli_stops_resumes_and_eval_reads_its_checkpoint(tmp_path, capsys, monkeypatch):

@@ -19,17 +19,15 @@ from pathlib import Path
 
 import jax
 import pytest
-from learnable import sft_params
-from live_env import HAVE_BWRAP, REPO
+from support.learnable import sft_params
+from support.live_env import HAVE_BWRAP, REPO
+from support.multiprocess_launch import free_port, run_processes
 
 from composer_jax.checkpoint.manager import TrainCheckpointer
 from composer_jax.config import CheckpointConfig, load_config, to_dict
 from composer_jax.sharding import ShardingRules, make_mesh
 from composer_jax.train.loop import run_tokenizer
 from composer_jax.train.state import init_train_state
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from multiprocess_launch import free_port, run_processes  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
@@ -56,7 +54,7 @@ CONFIG = "tests/rl/fixtures/rl_pick.yaml"
 
 
 def starting_checkpoint(directory: Path) -> Path:
-    """The fixture's tiny model fine-tuned a little on the task's two answers (tests/rl/learnable.py),
+    """The fixture's tiny model fine-tuned a little on the task's two answers (tests/support/learnable.py),
     so that rollouts differ in outcome and length and the RL loss is not zero; saved for init_from."""
     cfg = load_config(CONFIG, ["train.optimizer.lr=0.02", "train.optimizer.warmup_steps=5", "mesh.fsdp=-1"])
     mesh = make_mesh(cfg.mesh, jax.devices()[:1])  # a tiny model: one device is fastest

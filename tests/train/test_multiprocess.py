@@ -15,9 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from multiprocess_launch import REPO, free_port, run_processes  # noqa: E402
+from support.multiprocess_launch import REPO, free_port, run_processes
 
 FOUR_DEVICES = ("mesh.data=2", "mesh.fsdp=2", "mesh.expert=1", "data.shards=2", "train.batch_size=4")
 

@@ -11,7 +11,7 @@ the library `jax[cuda]` installs, `nvidia-nccl-cu12`, or COMPOSER_JAX_NCCL_LIB):
 of `hf.weights.hf_tensors` in order. Which replicas are sent what, and when, is the policy side's
 (rl/samplers/vllm_nccl.py). Failures raise `NCCLError`.
 
-The request bodies are checked against vLLM's own classes (tests/rl/test_vllm_policy.py); the
+The request bodies are checked against vLLM's own classes (tests/rl/samplers/test_vllm_policy.py); the
 broadcasts need GPUs and run when a device is lent (docs/scaling.md).
 """
 

@@ -19,7 +19,7 @@ def published_copy(params: Any, dtype: str) -> Any:
     """The host copy published to the weight store: floating leaves cast to `dtype` ("" = as is).
     With several processes every array is gathered to every process (a collective; the trainer
     publishes per shard instead, `store_publisher`). The single-writer reference of
-    tests/checkpoint/publish_worker.py."""
+    tests/support/publish_worker.py."""
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 

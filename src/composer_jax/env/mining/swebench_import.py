@@ -6,7 +6,7 @@ PASS_TO_PASS (lists, or JSON strings of lists), and optionally version, environm
 created_at. The repository comes from a local clone under DIR (DIR/owner__name, DIR/owner/name or
 DIR/name). Each becomes the same task layout as a mined one (`taskwrite`), graded by SWE-bench's
 rule: resolved iff every FAIL_TO_PASS and PASS_TO_PASS test passes, per-test report in the shape of
-`swebench.harness.grading.get_eval_tests_report` (tests/env/test_swebench_import.py checks it
+`swebench.harness.grading.get_eval_tests_report` (tests/env/mining/test_swebench_import.py checks it
 against that package on the same logs).
 
 Scope: Python repositories tested with pytest. The harness's per-repository install specs

@@ -77,7 +77,7 @@ def parent_guard() -> list[str]:
     exec of the non-set-uid programs that follow), then the shell checks its parent is still this
     process. Without it a server killed while a command was between its fork and bubblewrap's own
     `--die-with-parent` left that command running, its bwrap reparented to init (found by
-    tests/rl/test_processes.py under load)."""
+    tests/runtime/test_supervisor.py under load)."""
     return [
         "setpriv",
         "--pdeathsig",

@@ -40,7 +40,7 @@ own (a task and memory streams per session, ids it mints) and validates every me
 standard methods, so OpenEnv's sessionless `session_id`-in-params calls and `openenv/session/*`
 would need a second endpoint in front of it; this server's sessions, TTLs, capacity and bearer
 auth are `SessionManager`'s and FastAPI's. The protocol surface a tool server needs is the
-handful of methods above; the SDK's own client and pydantic types test it (tests/env/test_mcp_sdk.py).
+handful of methods above; the SDK's own client and pydantic types test it (tests/env/server/test_mcp_sdk.py).
 """
 
 from __future__ import annotations
