@@ -12,7 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from test_moe import _cfg, _moe_params, _numpy_moe
+from support.moe_cases import moe_cfg as _cfg
+from support.moe_cases import moe_params as _moe_params
+from support.moe_cases import numpy_moe as _numpy_moe
 
 import composer_jax as cj
 from composer_jax.config import ConfigError, validate_model

@@ -57,7 +57,8 @@ def test_ragged_expert_parallel_layer_lowers_for_cuda_with_the_ragged_op():
     transposes in the backward pass) over the bounded receive buffer (capacity 2.0 x 24
     assignments = 48 rows per device, where the padded path receives EP x 24 = 96), no all-to-all
     of float rows, and the expert matmuls as ragged dots over those 48 rows."""
-    from test_moe import _cfg, _moe_params
+    from support.moe_cases import moe_cfg as _cfg
+    from support.moe_cases import moe_params as _moe_params
 
     from composer_jax.model.moe import layer
     from composer_jax.sharding import MeshRules, ShardingRules

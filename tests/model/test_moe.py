@@ -6,27 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support.moe_cases import moe_cfg as _cfg
+from support.moe_cases import moe_params as _moe_params
+from support.moe_cases import numpy_moe as _numpy_moe
 
-from composer_jax.config import ModelConfig
 from composer_jax.model.moe import layer, router
-
-
-def _cfg(**kw):
-    base = dict(
-        hidden_size=16,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=8,
-        num_shared_experts=1,
-        n_group=4,
-        topk_group=2,
-        topk_method="noaux_tc",
-        score_func="sigmoid",
-        norm_topk_prob=True,
-        routed_scaling_factor=2.5,
-    )
-    base.update(kw)
-    return ModelConfig(**base)
 
 
 def test_grouped_routing_hand_worked():
@@ -70,36 +54,6 @@ def test_group_limited_softmax_v2_rule():
     assert sorted(np.asarray(r.experts[0]).tolist()) == [1, 3]
     p = np.exp(logits[0]) / np.exp(logits[0]).sum()
     np.testing.assert_allclose(sorted(np.asarray(r.weights[0]).tolist()), sorted([p[1], p[3]]), rtol=1e-5)
-
-
-def _numpy_moe(p, x, cfg, experts, weights):
-    """Per-token loop reference for the routed + shared expert output."""
-    y = np.zeros_like(x)
-    silu = lambda v: v / (1 + np.exp(-v))
-    for t in range(x.shape[0]):
-        for j in range(experts.shape[1]):
-            e = experts[t, j]
-            h = silu(x[t] @ p["gate"][e]) * (x[t] @ p["up"][e])
-            y[t] += weights[t, j] * (h @ p["down"][e])
-        h = silu(x[t] @ p["shared_gate"]) * (x[t] @ p["shared_up"])
-        y[t] += h @ p["shared_down"]
-    return y
-
-
-def _moe_params(cfg, key):
-    ks = jax.random.split(key, 8)
-    d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-    n = lambda k, s: 0.3 * jax.random.normal(k, s)
-    return {
-        "router": n(ks[0], (d, e)),
-        "router_bias": 0.1 * jax.random.normal(ks[1], (e,)),
-        "gate": n(ks[2], (e, d, f)),
-        "up": n(ks[3], (e, d, f)),
-        "down": n(ks[4], (e, f, d)),
-        "shared_gate": n(ks[5], (d, f)),
-        "shared_up": n(ks[6], (d, f)),
-        "shared_down": n(ks[7], (f, d)),
-    }
 
 
 def _numpy_reference(p, x, cfg):

@@ -5,31 +5,21 @@ and seeded; a stopped server or a closed engine raises SamplerUnavailable."""
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
-import time
 
 import httpx
 import jax
 import numpy as np
 import pytest
-import uvicorn
-from support.live_env import REPO
+from support.serve_thread import CFG, KEY, MAX_LEN, TOK
+from support.serve_thread import serve_in_thread as _serve
 
 import composer_jax as cj
-from composer_jax.formats.tokenizer import load_tokenizer
 from composer_jax.inference.async_sampler import AsyncSampler
-from composer_jax.inference.engine import Engine
 from composer_jax.inference.sampler import Sampler, SamplerSettings
-from composer_jax.inference.server import OpenAIServer
 from composer_jax.rl.samplers.in_process import TokenPolicy
 from composer_jax.rl.samplers.policy import SamplerUnavailable, TurnRequest
 from composer_jax.rl.samplers.serve import RemoteTokenPolicy
 
-TOK = load_tokenizer(REPO / "assets" / "tokenizer")
-CFG = cj.ModelConfig(num_layers=2, num_mtp_layers=0, vocab_size=TOK.vocab_size, max_position_embeddings=256)
-KEY = "remote-policy-key-0123456789"
-MAX_LEN = 192
 MESSAGES = [{"role": "system", "content": "S"}, {"role": "user", "content": "fix calc.py"}]
 TOOL = [{"role": "tool", "tool_call_id": "c1", "content": '{"path": "/app/calc.py"}'}]
 
@@ -37,30 +27,6 @@ TOOL = [{"role": "tool", "tool_call_id": "c1", "content": '{"path": "/app/calc.p
 @pytest.fixture(scope="module")
 def params():
     return cj.init_params(CFG, jax.random.key(1))
-
-
-def _serve(params, version: int = 3):
-    engine = Engine(
-        lambda p, v: Sampler(p, CFG, SamplerSettings(slots=2, max_len=MAX_LEN), version=v),
-        params,
-        version,
-        max_queued=4,
-    )
-    engine.start()
-    server = OpenAIServer(engine, TOK, model_name="tiny", api_key=KEY)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    http = uvicorn.Server(uvicorn.Config(server.app, log_level="warning", access_log=False))
-    thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    for _ in range(200):
-        try:
-            httpx.get(url + "/health", timeout=1.0)
-            break
-        except httpx.TransportError:
-            time.sleep(0.05)
-    return url, engine, http, thread
 
 
 async def _rollout(policy, requests: list[TurnRequest]):

@@ -27,8 +27,7 @@ import httpx
 import jax
 import numpy as np
 import pytest
-from test_remote_policy import CFG, KEY, MAX_LEN, TOK
-from test_remote_policy import _serve as serve_in_thread
+from support.serve_thread import CFG, KEY, MAX_LEN, TOK, serve_in_thread
 
 import composer_jax as cj
 from composer_jax.inference.async_sampler import AsyncSampler
