@@ -38,5 +38,5 @@ def test_rl_summary_shows_the_trend_of_three_steps_or_more():
     steps = {n: {"reward/total": r, "rollout/success": 0.5} for n, r in ((1, 0.1), (2, 0.3), (3, 0.2))}
     ev = {"step": 0, "eval/pass@1": 0.25, "eval/best_of_k": 0.5, "eval/reward": 0.25}
     line = rl_line({"steps": steps, "evals": [ev, ev], "time_s": 1.0, "eval_samples": 2})
-    assert "reward slope +0.050 +- 0.087 /step (z 0.6, 3 steps); first quarter 0.100 +- nan -> last 0.200" in line
+    assert "reward slope +0.050 +- 0.087 /step (z 0.6, 3 steps); first quarter 0.100 -> last 0.200 (1 each)" in line
     assert "success slope +0.000 +- 0.000 /step (3 steps)" in line
