@@ -39,8 +39,16 @@ def server_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tasks", type=Path, required=True, help="directory of Harbor-layout tasks")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1, loopback only)")
+    p.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a name clients reach the server by, besides its bound address (and localhost on loopback); "
+        "/mcp refuses a Host or Origin naming any other (DNS rebinding); repeatable",
+    )
     p.add_argument("--port", type=_port, default=0, help="port (default 0: a free port, printed at start)")
-    p.add_argument("--token", help="bearer token (default: generated and printed); or set COMPOSER_JAX_ENV_TOKEN")
+    p.add_argument("--token", help="bearer token (default: generated and printed once); or COMPOSER_JAX_ENV_TOKEN")
     p.add_argument("--token-file", type=Path, help="read the bearer token from this file")
     p.add_argument("--max-sessions", type=_positive_int, default=256, help="concurrent sessions (then 429)")
     p.add_argument("--session-ttl", type=float, default=1800.0, help="idle seconds before a session is closed")
@@ -101,8 +109,10 @@ def _make_web_tools(args: argparse.Namespace):
         raise UsageError(str(exc)) from exc
 
 
-def _server_token(args: argparse.Namespace) -> str:
-    """The bearer token (--token, $COMPOSER_JAX_ENV_TOKEN, --token-file, else a fresh one)."""
+def _server_token(args: argparse.Namespace) -> tuple[str, bool]:
+    """The bearer token (--token, $COMPOSER_JAX_ENV_TOKEN, --token-file, else a fresh one) and whether
+    it was generated here. Only a generated token is ever printed: one given to the server is the
+    caller's secret, and the startup line lands in logs (runtime/supervisor.py keeps a child's stdout)."""
     token = args.token or os.environ.get("COMPOSER_JAX_ENV_TOKEN")
     if args.token_file:
         try:
@@ -111,7 +121,7 @@ def _server_token(args: argparse.Namespace) -> str:
             raise UsageError(f"--token-file {args.token_file}: {exc.strerror}") from exc
     if token is not None and len(token) < 16:
         raise UsageError("the token must be at least 16 characters")
-    return token or secrets.token_urlsafe(32)
+    return (token, False) if token else (secrets.token_urlsafe(32), True)
 
 
 def _task_store(tasks: Path, work_dir: Path | None):
@@ -178,12 +188,16 @@ def _serve(manager, token: str, sock: socket.socket, url: str, args: argparse.Na
     import uvicorn
 
     from composer_jax.env.server.app import create_app
+    from composer_jax.env.server.mcp_http import HostPolicy
+
+    # the names /mcp answers to: the bound address, --host when it is a name, each --allowed-host
+    hosts = HostPolicy.for_bind(sock.getsockname()[0], [args.host, *args.allowed_host])
 
     # httptools (when installed; else h11) parses requests several times faster than h11. The
     # stdlib event loop, not uvloop: libuv spawns with fork() where CPython uses vfork(), and with
     # uvloop run_shell (one bwrap per call) ran at ~75 instead of ~105 calls/s on 2 cores.
     config = uvicorn.Config(
-        create_app(manager, token, max_body_bytes=args.max_body_bytes),
+        create_app(manager, token, max_body_bytes=args.max_body_bytes, hosts=hosts),
         log_level=args.log_level,
         ws_max_size=args.max_body_bytes,
         timeout_graceful_shutdown=5,
@@ -207,7 +221,7 @@ def _serve(manager, token: str, sock: socket.socket, url: str, args: argparse.Na
 def env_server_main(argv: list[str]) -> int:
     """`composer-jax env-server`: serves until stopped, then returns 0."""
     args = server_parser().parse_args(argv)
-    token = _server_token(args)
+    token, generated = _server_token(args)
     sandbox = make_sandbox(args.unsafe_no_sandbox, args.shell_timeout)
     web_tools = _make_web_tools(args)
     store = _task_store(args.tasks, args.work_dir)
@@ -219,10 +233,9 @@ def env_server_main(argv: list[str]) -> int:
     sock, url = _listen(args.host, args.port)
     if not sandbox.isolated:
         print("WARNING: --unsafe-no-sandbox: commands run as plain host processes with NO isolation", file=sys.stderr)
-    print(
-        f"composer-jax env-server listening on {url} tasks={len(store.ids())} sandbox={sandbox.name} token={token}",
-        flush=True,
-    )
+    shown = f" token={token}" if generated else ""  # a given token is never echoed
+    tasks = len(store.ids())
+    print(f"composer-jax env-server listening on {url} tasks={tasks} sandbox={sandbox.name}{shown}", flush=True)
     _serve(manager, token, sock, url, args)
     return 0
 

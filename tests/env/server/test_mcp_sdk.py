@@ -22,6 +22,7 @@ from composer_jax.env.api.protocol import BASE_TOOL_NAMES, TOOL_NAMES
 from composer_jax.env.sandbox.runner import LocalProcessSandbox
 from composer_jax.env.server import mcp as env_mcp
 from composer_jax.env.server.app import create_app
+from composer_jax.env.server.mcp_http import LOOPBACK_HOSTS, HostPolicy
 from composer_jax.env.server.session import SessionManager
 from composer_jax.env.tasks.store import TaskStore
 from composer_jax.env.tools.web_search import WebTools
@@ -72,7 +73,7 @@ def app(tmp_path):
     manager = SessionManager(
         TaskStore(tasks, tmp_path / "cache"), LocalProcessSandbox(), work_dir=tmp_path / "w", web_tools=web
     )
-    return create_app(manager, TOKEN)
+    return create_app(manager, TOKEN, hosts=HostPolicy.for_bind("127.0.0.1", ["testserver"]))  # TestClient's Host
 
 
 def rpc(method: str, params: dict | None = None, request_id: int | None = 1) -> dict:
@@ -180,6 +181,56 @@ def test_answers_validate_against_the_sdk_types(app):
         assert [t["name"] for t in result_of(c.post("/mcp", json=rpc("tools/list")))["tools"]] == list(BASE_TOOL_NAMES)
 
 
+def test_host_and_origin_must_name_this_server(app):
+    """The DNS-rebinding defence: a page on evil.example rebound to 127.0.0.1 sends `Host:
+    evil.example:PORT` and the matching Origin, which agree with each other, so only a Host that
+    must be one of the server's names refuses it. Allowed: the server's names with no Origin (the
+    SDK's client and OpenEnv's send none) or with the server's own origin."""
+    with TestClient(app, headers=HEADERS) as c:
+
+        def status(host: str, origin: str | None = None) -> int:
+            headers = {"Host": host} | ({"Origin": origin} if origin is not None else {})
+            return c.post("/mcp", json=rpc("ping"), headers=headers).status_code
+
+        refused = c.post("/mcp", json=rpc("ping"), headers={"Host": "evil.example:8000"})
+        assert refused.status_code == 403
+        assert "'evil.example:8000' is not one of this server's names (127.0.0.1, ::1, localhost, testserver)" in (
+            error_of(refused).message
+        )
+        for host, origin in [
+            ("evil.example:8000", "http://evil.example:8000"),  # rebinding: Host and Origin agree
+            ("localhost.evil.example", None),
+            ("10.0.0.1:8000", None),  # bound to loopback: another address is not this server's
+            ("testserver", "http://evil.example"),  # a foreign page's request
+            ("localhost:8000", "http://localhost:3000"),  # another local port's page
+            ("localhost:8000", "null"),  # a sandboxed frame or a file:// page
+            ("", None),
+            ("localhost:port", None),
+        ]:
+            assert status(host, origin) == 403, (host, origin)
+        for host, origin in [
+            ("testserver", None),
+            ("127.0.0.1:8000", None),
+            ("[::1]:8000", "http://[::1]:8000"),
+            ("LOCALHOST.:8000", "http://localhost:8000"),
+            ("testserver", "http://testserver"),
+            ("testserver:80", "http://testserver"),
+        ]:
+            assert status(host, origin) == 200, (host, origin)
+
+
+def test_host_policy_follows_the_bound_address():
+    loopback = LOOPBACK_HOSTS  # create_app's default: a loopback server's names
+    assert loopback == HostPolicy.for_bind("127.0.0.1") and loopback.allows("::1") and not loopback.allows("testserver")
+    named = HostPolicy.for_bind("10.0.0.5", ["Env.Internal."])
+    assert named.allows("10.0.0.5") and named.allows("env.internal") and not named.allows("localhost")
+    assert not named.allows("10.0.0.6") and named.accepted() == "10.0.0.5, env.internal"
+    wildcard = HostPolicy.for_bind("0.0.0.0")  # any IP literal reaches it, and none can be rebound
+    assert wildcard.allows("10.1.2.3") and wildcard.allows("fe80::1") and wildcard.allows("localhost")
+    assert not wildcard.allows("evil.example") and wildcard.accepted().endswith("or any IP address of this machine")
+    assert HostPolicy.for_bind("::").any_address and HostPolicy.for_bind("::1").allows("127.0.0.1")
+
+
 def test_call_result_is_a_call_tool_result():
     ok = types.CallToolResult.model_validate(env_mcp.call_result({"ok": True, "result": {"entries": []}}))
     assert (ok.isError, ok.structuredContent, ok.content[0].type) == (False, {"entries": []}, "text")
@@ -249,6 +300,11 @@ def test_sdk_client_runs_an_episode_on_a_live_server(server):
     assert out["grade"].reward == 1.0 and [t["outcome"] for t in out["grade"].tests] == ["passed"] * 3
     # the client's DELETE on leaving closed the session initialize had opened
     assert httpx.get(f"{server.url}/sessions/{init.meta['session_id']}", headers=server.headers).status_code == 404
+    # the live server, bound to 127.0.0.1, answers its loopback names and refuses a rebound one
+    port = server.url.rsplit(":", 1)[1]
+    for host, expected in (("localhost:" + port, 200), ("evil.example:" + port, 403)):
+        r = httpx.post(server.url + "/mcp", json=rpc("ping"), headers={**server.headers, "Host": host})
+        assert r.status_code == expected, (host, r.text)
 
 
 @pytest.mark.sandbox  # the `server` fixture skips without bubblewrap

@@ -267,3 +267,49 @@ def test_importing_server_does_not_import_jax():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env_with_src(), timeout=60)
     assert r.stdout.strip() == "False", r.stderr
+
+
+@pytest.mark.parametrize("given", ["--token", "--token-file", "COMPOSER_JAX_ENV_TOKEN", None])
+def test_token_is_printed_only_when_generated(tmp_path, given):
+    """A token given to the server (flag, file or environment) is the caller's secret and appears
+    nowhere in its output, at debug logging, through a run that uses it (header and path form);
+    a generated one is printed once, on the startup line. The flag case also names the server
+    `env.internal` (--allowed-host), which /mcp then answers to."""
+    secret = "given-" + "s3cr3t" * 5
+    env, args = env_with_src(), ["--allowed-host", "env.internal"]
+    env.pop("COMPOSER_JAX_ENV_TOKEN", None)
+    if given == "--token":
+        args += ["--token", secret]
+    elif given == "--token-file":
+        (tmp_path / "token").write_text(secret + "\n")
+        args += ["--token-file", str(tmp_path / "token")]
+    elif given is not None:
+        env[given] = secret
+    command = [sys.executable, "-m", "composer_jax.cli", "env-server", "--tasks", str(FIXTURE_TASKS)]
+    proc = subprocess.Popen(
+        [*command, "--port", "0", "--log-level", "debug", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert proc.stdout is not None
+        listening, ready = proc.stdout.readline(), proc.stdout.readline()
+        url = json.loads(ready)["url"]
+        token = secret if given else listening.split(" token=", 1)[1].strip()
+        assert httpx.get(url + "/tasks", headers={"Authorization": f"Bearer {token}"}).status_code == 200
+        assert httpx.get(f"{url}/t/{token}/metadata").status_code == 200
+        assert httpx.get(url + "/tasks", headers={"Authorization": "Bearer wrong-" + token}).status_code == 401
+        ping = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
+        for host, expected in (("env.internal", 200), ("evil.example", 403)):
+            headers = {"Authorization": f"Bearer {token}", "Host": f"{host}:{url.rsplit(':', 1)[1]}"}
+            assert httpx.post(url + "/mcp", json=ping, headers=headers).status_code == expected, host
+    finally:
+        proc.terminate()
+        out, err = proc.communicate(timeout=30)
+    printed = listening + ready + out + err
+    if given:
+        assert secret not in printed and "token=" not in listening, printed
+    else:
+        assert printed.count(token) == 1 and listening.rstrip().endswith(f"token={token}")

@@ -1,6 +1,7 @@
 """web_search and read_page: the offline documentation index (a fake package, and the installed
 pytest), the SearXNG backend against a real local HTTP server speaking its JSON, the refusal of
-private hosts, and a session offered only the tools its task allows (HTTP and MCP)."""
+private hosts (a rebinding name and a redirect included, with a stub resolver: no network), and a
+session offered only the tools its task allows (HTTP and MCP)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import argparse
 import dataclasses
 import json
 import shutil
+import socket
+import ssl
+import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -25,7 +29,7 @@ from composer_jax.env.tools.web_search import (
     OfflineBackend,
     SearxngBackend,
     WebTools,
-    _CheckedRedirects,
+    _PinnedHTTPSConnection,
     check_host,
     make_web_tools,
     task_wants_web,
@@ -142,9 +146,18 @@ def test_installed_pytest_is_found_by_a_natural_language_query():
 
 
 class _Stub(BaseHTTPRequestHandler):
-    """SearXNG's /search?format=json answer, and two pages."""
+    """SearXNG's /search?format=json answer, two pages, and a redirect to the cloud metadata address."""
+
+    hosts: list[str] = []  # the Host header of every request, in order
 
     def do_GET(self):  # noqa: N802 - http.server's name
+        _Stub.hosts.append(self.headers.get("Host", ""))
+        if self.path == "/to-metadata":
+            self.send_response(302)
+            self.send_header("Location", "http://169.254.169.254/latest/meta-data/")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         if self.path.startswith("/search?"):
             assert "format=json" in self.path and "q=numpy+broadcasting" in self.path, self.path
             body = json.dumps(
@@ -209,12 +222,107 @@ def test_private_hosts_are_refused_unless_allowed(stub_url):
     for host in ("localhost", "10.1.2.3", "169.254.169.254", "::1", "192.168.0.1"):
         with pytest.raises(ToolError, match="--web-fetch-private"):
             check_host(host, allow_private=False)
-    check_host("10.1.2.3", allow_private=True)
+    assert check_host("10.1.2.3", allow_private=True) == ["10.1.2.3"]
     with pytest.raises(ToolError, match="fetches http:// and https:// URLs"):
         backend.read("file:///etc/passwd")
-    # a redirect into the private network is checked like the first URL
-    with pytest.raises(ToolError, match="169.254.169.254"):
-        _CheckedRedirects(False).redirect_request(None, None, 302, "Found", {}, "http://169.254.169.254/latest")
+    with pytest.raises(ToolError, match="fetches http:// and https:// URLs"):
+        backend.read("http://example.org:http/")
+
+
+PUBLIC = "93.184.216.34"  # what the stub resolver answers for a name first (a public address)
+
+
+@pytest.fixture
+def net(monkeypatch):
+    """The network, stubbed: `answers[name]` is the list of address lists a name resolves to, one per
+    lookup (a rebinding name answers a public address, then a private one); every connection is
+    recorded by the address it was made to and then reaches `net.port` on 127.0.0.1 (the local stub
+    server standing in for the public host)."""
+    real_getaddrinfo = socket.getaddrinfo
+    state = argparse.Namespace(answers={}, lookups=[], connects=[], port=0)
+
+    def getaddrinfo(host, port, *args, **kwargs):
+        if host not in state.answers:
+            return real_getaddrinfo(host, port, *args, **kwargs)
+        state.lookups.append(host)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, port or 0)) for a in state.answers[host].pop(0)]
+
+    def create_connection(address, timeout=None, *args, **kwargs):
+        state.connects.append(address)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        sock.connect(("127.0.0.1", state.port))  # an IP literal: no lookup
+        return sock
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(socket, "create_connection", create_connection)
+    return state
+
+
+def test_read_page_connects_to_the_address_it_checked(stub_url, net):
+    """DNS rebinding: a name that answers a public address to the check and a private one to a
+    second lookup. read_page resolves once and connects to the checked address, with the URL's
+    name in Host; a redirect into the private network is refused as a first URL is."""
+    net.port = port = int(stub_url.rsplit(":", 1)[1])
+    net.answers["docs.example"] = [[PUBLIC], ["127.0.0.1"]]
+    backend = SearxngBackend("http://search.invalid")
+    page = backend.read(f"http://docs.example:{port}/page")
+    assert page["title"] == "Stub" and page["content"].startswith("Hello page")
+    assert net.lookups == ["docs.example"] and net.connects == [(PUBLIC, port)]
+    assert _Stub.hosts[-1] == f"docs.example:{port}"
+    # the second answer, had it been asked for, is a private address: refused before any connection
+    with pytest.raises(ToolError, match="refused: 'docs.example' resolves to 127.0.0.1"):
+        backend.read(f"http://docs.example:{port}/page")
+    assert net.connects == [(PUBLIC, port)]
+
+    net.answers["docs.example"] = [[PUBLIC]]
+    with pytest.raises(ToolError, match="refused: '169.254.169.254' resolves to 169.254.169.254"):
+        backend.read(f"http://docs.example:{port}/to-metadata")
+    assert net.connects == [(PUBLIC, port)] * 2  # the first hop only
+    # a name with a public and a private address is refused whichever comes first
+    net.answers["mixed.example"] = [[PUBLIC, "10.0.0.7"]]
+    with pytest.raises(ToolError, match="resolves to 10.0.0.7"):
+        backend.read(f"http://mixed.example:{port}/page")
+
+
+@pytest.fixture
+def tls_stub(tmp_path):
+    """A local HTTPS server (the stub's pages) whose self-signed certificate names docs.example."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=docs.example"]
+        + ["-addext", "subjectAltName=DNS:docs.example", "-keyout", str(key), "-out", str(cert)],
+        check=True,
+        capture_output=True,
+    )
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Stub)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1], cert
+    server.shutdown()
+    server.server_close()
+
+
+def test_https_is_verified_against_the_url_name(tls_stub, net, monkeypatch):
+    """Connected to the checked address, TLS still sends the URL's name (SNI) and checks the
+    certificate against it: a certificate for docs.example is accepted for docs.example only."""
+    net.port, cert = tls_stub
+    monkeypatch.setattr(_PinnedHTTPSConnection, "tls", ssl.create_default_context(cafile=str(cert)))
+    net.answers.update({"docs.example": [[PUBLIC]], "other.example": [[PUBLIC]]})
+    backend = SearxngBackend("http://search.invalid")
+    assert backend.read(f"https://docs.example:{net.port}/page")["title"] == "Stub"
+    assert net.connects == [(PUBLIC, net.port)] and _Stub.hosts[-1] == f"docs.example:{net.port}"
+    with pytest.raises(ToolError, match="certificate verify failed: Hostname mismatch"):
+        backend.read(f"https://other.example:{net.port}/page")
+    monkeypatch.setattr(_PinnedHTTPSConnection, "tls", ssl.create_default_context())  # the system's CAs
+    net.answers["docs.example"] = [[PUBLIC]]
+    with pytest.raises(ToolError, match="certificate verify failed"):
+        backend.read(f"https://docs.example:{net.port}/page")
 
 
 def test_flags_and_task_key_are_checked(tmp_path):
@@ -240,6 +348,7 @@ def web_app(tmp_path):
 
     from composer_jax.env.sandbox.runner import LocalProcessSandbox
     from composer_jax.env.server.app import create_app
+    from composer_jax.env.server.mcp_http import HostPolicy
     from composer_jax.env.server.session import SessionManager
     from composer_jax.env.tasks.store import TaskStore
 
@@ -255,7 +364,8 @@ def web_app(tmp_path):
         TaskStore(tasks, tmp_path / "cache"), LocalProcessSandbox(), work_dir=tmp_path / "w", web_tools=web
     )
     headers = {"Authorization": "Bearer " + "t" * 32}
-    with TestClient(create_app(manager, "t" * 32), headers=headers) as client:
+    hosts = HostPolicy.for_bind("127.0.0.1", ["testserver"])  # TestClient's Host
+    with TestClient(create_app(manager, "t" * 32, hosts=hosts), headers=headers) as client:
         yield client
 
 

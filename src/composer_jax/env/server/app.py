@@ -404,8 +404,9 @@ def _add_server_routes(app: FastAPI, manager: SessionManager, auth: list) -> Non
         return protocol.tool_schemas(manager.offered_tools())  # a session's own: POST /sessions
 
 
-def _add_openenv_routes(app: FastAPI, manager: SessionManager, auth: list) -> None:
-    """/metadata, /schema and POST /mcp: what OpenEnv's servers serve besides /ws and /health."""
+def _add_openenv_routes(app: FastAPI, manager: SessionManager, auth: list, hosts: mcp_http.HostPolicy) -> None:
+    """/metadata, /schema and POST /mcp: what OpenEnv's servers serve besides /ws and /health; /mcp
+    answers requests addressed to one of `hosts`."""
 
     @app.get("/metadata", summary="Environment metadata (OpenEnv)", dependencies=auth)
     async def metadata() -> dict[str, Any]:
@@ -423,11 +424,11 @@ def _add_openenv_routes(app: FastAPI, manager: SessionManager, auth: list) -> No
         dependencies=auth,
     )
     async def mcp_post(request: Request) -> Response:
-        return await mcp_http.post(request, manager, sessions)
+        return await mcp_http.post(request, manager, sessions, hosts)
 
     @app.delete("/mcp", summary="End an MCP session (Mcp-Session-Id)", status_code=204, dependencies=auth)
     async def mcp_delete(request: Request) -> Response:
-        return await mcp_http.delete(request, sessions)
+        return await mcp_http.delete(request, sessions, hosts)
 
     @app.get("/mcp", summary="MCP's server-to-client stream: not offered (405)", dependencies=auth)
     async def mcp_get() -> Response:
@@ -505,9 +506,15 @@ def _add_websocket_routes(app: FastAPI, manager: SessionManager, token: str) -> 
 
 
 def create_app(
-    manager: SessionManager, token: str, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, reaper_interval_s: float = 5.0
+    manager: SessionManager,
+    token: str,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    reaper_interval_s: float = 5.0,
+    hosts: mcp_http.HostPolicy = mcp_http.LOOPBACK_HOSTS,
 ) -> FastAPI:
-    """The ASGI app serving `manager`'s sessions, authenticated with `token`."""
+    """The ASGI app serving `manager`'s sessions, authenticated with `token`; /mcp answers requests
+    whose Host (and Origin) is one of `hosts` (default: a loopback server's names)."""
 
     @asynccontextmanager
     async def lifespan(app):
@@ -532,7 +539,7 @@ def create_app(
     _add_error_handlers(app)
     auth = [Depends(_bearer_auth(token))]
     _add_server_routes(app, manager, auth)
-    _add_openenv_routes(app, manager, auth)
+    _add_openenv_routes(app, manager, auth, hosts)
     _add_schema_routes(app, auth)
     _add_session_routes(app, manager, auth)
     _add_websocket_routes(app, manager, token)

@@ -10,14 +10,18 @@
 
 A POST without `Mcp-Session-Id` that is not `initialize` is OpenEnv's sessionless surface (mcp.py),
 so OpenEnv's clients keep working. `MCP-Protocol-Version` is checked when sent (400 if this server
-does not speak it); an `Origin` other than the server's own host is refused (403: a browser page must
-not drive a local server through DNS rebinding). The bearer token is checked by `server.py` first,
-as on every route. Transport errors carry a JSON-RPC error body.
+does not speak it). Every request's `Host`, and its `Origin` when sent, must name this server
+(`HostPolicy`; 403 otherwise): the DNS-rebinding defence the MCP specification asks of a local
+server. The bearer token is checked by `app.py` first, as on every route. Transport errors carry a
+JSON-RPC error body.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
+from collections.abc import Iterable
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from fastapi import Request
@@ -70,11 +74,97 @@ def _error(status: int, message: str, request_id=None, code: int = mcp.INVALID_R
     return reply(mcp.response(request_id, error=mcp.RpcError(code, message)), status, headers=headers or None)
 
 
-def _refused(request: Request) -> Response | None:
-    """403 for a foreign Origin, 400 for a protocol version this server does not speak."""
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+_DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
+
+
+def _canonical(name: str) -> str:
+    """A host name compared as written (lower case, no trailing dot); an IP literal in its one form."""
+    name = name.lower().rstrip(".")
+    try:
+        return str(ipaddress.ip_address(name))
+    except ValueError:
+        return name
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _host_and_port(netloc: str, scheme: str) -> tuple[str, int] | None:
+    """("name", port) of a Host header or an Origin's netloc, the scheme's port when none is written;
+    None when it is not one."""
+    try:
+        parts = urlsplit("//" + netloc)
+        port = parts.port if parts.port is not None else _DEFAULT_PORTS.get(scheme)
+    except ValueError:  # a port that is not a number, an unbalanced [
+        return None
+    if not parts.hostname or port is None or parts.username is not None:
+        return None
+    return _canonical(parts.hostname), port
+
+
+@dataclass(frozen=True)
+class HostPolicy:
+    """The names a request to /mcp may address this server by, in its `Host` and its `Origin`.
+
+    A browser page on evil.example whose name the attacker then rebinds to 127.0.0.1 reaches a local
+    server with `Host: evil.example:PORT` and a matching `Origin`, so comparing Origin with Host alone
+    admits it (DNS rebinding); a Host that must be one of the server's own names refuses it. An IP
+    literal cannot be rebound, so a server bound to a wildcard address (0.0.0.0, ::) accepts any.
+    The defaults are a loopback server's: localhost, 127.0.0.1 and ::1."""
+
+    names: frozenset[str] = LOOPBACK_NAMES
+    any_address: bool = False
+
+    @classmethod
+    def for_bind(cls, bound: str, names: Iterable[str] = ()) -> HostPolicy:
+        """The policy of a server listening on `bound` (an IP address) that clients also reach as
+        `names` (`--host` when it is a name, and each `--allowed-host`)."""
+        address = ipaddress.ip_address(bound.split("%")[0])
+        allowed = {str(address), *(_canonical(n) for n in names)}
+        if address.is_loopback or address.is_unspecified:
+            allowed |= LOOPBACK_NAMES
+        return cls(frozenset(allowed), address.is_unspecified)
+
+    def allows(self, name: str) -> bool:
+        name = _canonical(name)
+        return name in self.names or (self.any_address and _is_ip(name))
+
+    def accepted(self) -> str:
+        """The accepted names, for an error message."""
+        return ", ".join(sorted(self.names)) + (", or any IP address of this machine" if self.any_address else "")
+
+
+LOOPBACK_HOSTS = HostPolicy()  # a server bound to 127.0.0.1: create_app's default
+
+
+def _foreign(request: Request, hosts: HostPolicy) -> str | None:
+    """Why the request's Host or Origin does not name this server (None when both do)."""
+    host = request.headers.get("host", "")
+    own = _host_and_port(host, request.url.scheme)
+    if own is None or not hosts.allows(own[0]):
+        return (
+            f"Host {host!r:.120} is not one of this server's names ({hosts.accepted()}); "
+            "a server reached by another name is started with --allowed-host NAME"
+        )
     origin = request.headers.get("origin")
-    if origin is not None and urlsplit(origin).netloc.lower() != request.headers.get("host", "").lower():
-        return _error(403, f"Origin {origin!r:.120} is not this server's; /mcp answers requests from its own host")
+    if origin is None:  # not a browser: the SDK's clients and OpenEnv's send none
+        return None
+    parts = urlsplit(origin)
+    if _host_and_port(parts.netloc, parts.scheme) != own:
+        return f"Origin {origin!r:.120} is not this server's; /mcp answers pages of its own origin only"
+    return None
+
+
+def _refused(request: Request, hosts: HostPolicy) -> Response | None:
+    """403 for a foreign Host or Origin, 400 for a protocol version this server does not speak."""
+    if (why := _foreign(request, hosts)) is not None:
+        return _error(403, why)
     version = request.headers.get(VERSION_HEADER)
     if version is not None and version not in mcp.PROTOCOL_VERSIONS:
         accepted = ", ".join(mcp.PROTOCOL_VERSIONS)
@@ -82,8 +172,8 @@ def _refused(request: Request) -> Response | None:
     return None
 
 
-async def post(request: Request, manager: SessionManager, sessions: mcp.McpSessions) -> Response:
-    if (refused := _refused(request)) is not None:
+async def post(request: Request, manager: SessionManager, sessions: mcp.McpSessions, hosts: HostPolicy) -> Response:
+    if (refused := _refused(request, hosts)) is not None:
         return refused
     fmt = response_format(request.headers.get("accept"))
     if fmt is None:
@@ -120,8 +210,8 @@ async def post(request: Request, manager: SessionManager, sessions: mcp.McpSessi
     return reply(await mcp.handle(manager, message, entry.env_id, standard=True), fmt=fmt)
 
 
-async def delete(request: Request, sessions: mcp.McpSessions) -> Response:
-    if (refused := _refused(request)) is not None:
+async def delete(request: Request, sessions: mcp.McpSessions, hosts: HostPolicy) -> Response:
+    if (refused := _refused(request, hosts)) is not None:
         return refused
     mcp_id = request.headers.get(SESSION_HEADER)
     if mcp_id is None:

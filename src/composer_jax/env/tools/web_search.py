@@ -10,7 +10,11 @@ text, at most MAX_PAGE_CHARS characters from `offset`. Two:
   page reader that fetches http(s) pages and extracts their text (`env/tools/html_text.py`). A host
   whose addresses include a private, loopback, link-local or otherwise non-global one is refused
   (every address the name resolves to is checked, and again at each redirect) unless the server
-  was started with `--web-fetch-private`: a session must not reach the server's own network.
+  was started with `--web-fetch-private`: a session must not reach the server's own network. The
+  name is resolved once per hop and the connection goes to an address that was checked (`Host`,
+  TLS SNI and the certificate's name stay the URL's): resolving again to connect would let a name
+  that answers a public address to the check and a private one to the connection (DNS
+  rebinding) through. Environment proxies are not used, for the same reason.
 
 `WebTools` is the server's configuration (`--web-search`, `--web-search-offer`): the backend, and
 whether every session is offered the tools or only tasks whose task.toml sets
@@ -19,13 +23,13 @@ whether every session is offered the tools or only tasks whose task.toml sets
 
 from __future__ import annotations
 
+import http.client
 import ipaddress
 import json
 import socket
+import ssl
 import threading
-import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -38,6 +42,8 @@ MAX_PAGE_CHARS = 20_000
 MAX_FETCH_BYTES = 4 * 2**20
 MAX_SNIPPET_CHARS = 300
 FETCH_TIMEOUT_S = 15.0
+MAX_REDIRECTS = 5
+REDIRECT_CODES = (301, 302, 303, 307, 308)
 OFFER_MODES = ("tasks", "all")
 
 
@@ -121,38 +127,90 @@ class OfflineBackend:
 
 
 # ---------------------------------------------------------------------------- the network backend
-def check_host(host: str, allow_private: bool) -> None:
-    """Refuse a host that resolves to any non-global address (unless `allow_private`)."""
-    if allow_private:
-        return
+def check_host(host: str, allow_private: bool) -> list[str]:
+    """The addresses `host` resolves to, resolved once: the only ones a fetch may connect to.
+    Refuses a host with any non-global address (unless `allow_private`)."""
     try:
-        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
     except (socket.gaierror, UnicodeError) as exc:
         raise ToolError(f"cannot resolve host {host!r}: {exc}") from None
-    for info in infos:
-        addr = ipaddress.ip_address(str(info[4][0]).split("%")[0])
+    addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
+    for text in [] if allow_private else addresses:
+        addr = ipaddress.ip_address(text.split("%")[0])
         if not addr.is_global or addr.is_multicast:
             raise ToolError(
                 f"refused: {host!r} resolves to {addr}, a private, loopback, link-local or reserved address; "
                 "the server fetches only public hosts unless started with --web-fetch-private"
             )
+    return addresses
 
 
-def check_url(url: str, allow_private: bool) -> urllib.parse.SplitResult:
+def check_url(url: str, allow_private: bool) -> tuple[urllib.parse.SplitResult, list[str]]:
+    """An http(s) URL's parts and its host's checked addresses (`check_host`)."""
     parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    try:
+        valid = parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port or 0) >= 0
+    except ValueError:  # a port that is not a number, or past 65535
+        valid = False
+    if not valid or not parts.hostname:
         raise ToolError(f"read_page fetches http:// and https:// URLs; got {url!r:.200}")
-    check_host(parts.hostname, allow_private)
-    return parts
+    return parts, check_host(parts.hostname, allow_private)
 
 
-class _CheckedRedirects(urllib.request.HTTPRedirectHandler):
-    def __init__(self, allow_private: bool):
-        self.allow_private = allow_private
+class _PinnedHTTPConnection(http.client.HTTPConnection):
+    """An HTTP connection to `host` (its Host header) made to one of `addresses`, never resolved again."""
 
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        check_url(newurl, self.allow_private)  # a public page must not redirect into the private network
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
+    def __init__(self, host: str, port: int | None, addresses: list[str], timeout: float):
+        super().__init__(host, port, timeout=timeout)
+        self.addresses = addresses
+
+    def connect(self) -> None:
+        error: OSError = OSError(f"no address to connect to for {self.host}")
+        for address in self.addresses:
+            try:
+                self.sock = socket.create_connection((address, self.port), self.timeout)
+                return
+            except OSError as exc:
+                error = exc
+        raise error
+
+
+class _PinnedHTTPSConnection(_PinnedHTTPConnection):
+    """TLS over a pinned connection: SNI and the certificate check are for the URL's host name."""
+
+    default_port = 443
+    tls = ssl.create_default_context()
+
+    def connect(self) -> None:
+        super().connect()
+        self.sock = self.tls.wrap_socket(self.sock, server_hostname=self.host)
+
+
+def fetch(url: str, allow_private: bool, timeout_s: float, *, check_first: bool = True) -> tuple[bytes, str]:
+    """GET `url` following redirects: (body, at most MAX_FETCH_BYTES + 1 bytes; Content-Type). Each
+    hop's host is checked (`check_url`), the first one's only when `check_first`, and connected to at
+    an address that check returned."""
+    for _ in range(MAX_REDIRECTS + 1):
+        parts, addresses = check_url(url, allow_private or not check_first)
+        check_first = True
+        kind = _PinnedHTTPSConnection if parts.scheme == "https" else _PinnedHTTPConnection
+        conn = kind(parts.hostname or "", parts.port, addresses, timeout_s)
+        target = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
+        try:
+            conn.request("GET", target, headers={"User-Agent": "composer-jax-env", "Accept": "*/*"})
+            resp = conn.getresponse()
+            location = resp.getheader("Location")
+            if resp.status in REDIRECT_CODES and location:
+                url = urllib.parse.urljoin(url, location)
+                continue
+            if resp.status >= 400:
+                raise ToolError(f"{url}: HTTP {resp.status} {resp.reason}")
+            return resp.read(MAX_FETCH_BYTES + 1), resp.getheader("Content-Type", "")
+        except (OSError, http.client.HTTPException) as exc:
+            raise ToolError(f"{url}: {exc}") from None
+        finally:
+            conn.close()
+    raise ToolError(f"{url}: more than {MAX_REDIRECTS} redirects")
 
 
 class SearxngBackend:
@@ -163,7 +221,6 @@ class SearxngBackend:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"--web-search searxng:URL needs an http(s) URL, got {base_url!r}")
         self.base_url, self.allow_private, self.timeout_s = base_url.rstrip("/"), allow_private, timeout_s
-        self._opener = urllib.request.build_opener(_CheckedRedirects(allow_private))
 
     def prepare(self) -> None:
         pass
@@ -179,8 +236,9 @@ class SearxngBackend:
             raise ToolError(f"{url}: {getattr(exc, 'reason', exc)}") from None
 
     def search(self, query: str, k: int) -> list[dict]:
-        # the search API is the operator's own service: it may be private (no host check)
-        body, _ = self._get(f"{self.base_url}/search?" + urllib.parse.urlencode({"q": query, "format": "json"}))
+        # the search API is the operator's own service: it may be private (no host check; its redirects are)
+        url = f"{self.base_url}/search?" + urllib.parse.urlencode({"q": query, "format": "json"})
+        body, _ = fetch(url, self.allow_private, self.timeout_s, check_first=False)
         try:
             results = json.loads(body)["results"]
         except (ValueError, KeyError, TypeError):
@@ -195,8 +253,7 @@ class SearxngBackend:
         return out
 
     def read(self, url: str, offset: int = 0) -> dict:
-        check_url(url, self.allow_private)
-        body, ctype = self._get(url)
+        body, ctype = fetch(url, self.allow_private, self.timeout_s)
         truncated = len(body) > MAX_FETCH_BYTES
         charset = "utf-8"
         if "charset=" in ctype:
