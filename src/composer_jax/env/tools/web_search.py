@@ -225,16 +225,6 @@ class SearxngBackend:
     def prepare(self) -> None:
         pass
 
-    def _get(self, url: str) -> tuple[bytes, str]:
-        req = urllib.request.Request(url, headers={"User-Agent": "composer-jax-env", "Accept": "*/*"})
-        try:
-            with self._opener.open(req, timeout=self.timeout_s) as resp:
-                return resp.read(MAX_FETCH_BYTES + 1), resp.headers.get("Content-Type", "")
-        except urllib.error.HTTPError as exc:
-            raise ToolError(f"{url}: HTTP {exc.code} {exc.reason}") from None
-        except (urllib.error.URLError, OSError) as exc:
-            raise ToolError(f"{url}: {getattr(exc, 'reason', exc)}") from None
-
     def search(self, query: str, k: int) -> list[dict]:
         # the search API is the operator's own service: it may be private (no host check; its redirects are)
         url = f"{self.base_url}/search?" + urllib.parse.urlencode({"q": query, "format": "json"})
