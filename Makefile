@@ -3,6 +3,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+VLLM_VENV := $(VENV)/vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+# locks/vllm.lock pins torch==2.13.0+cpu: PyPI serves no "+cpu" local versions, PyTorch's CPU wheel index does
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
 HARBOR_VENV := .venv-harbor
 PYTHON312 ?= python3.12
@@ -11,10 +15,8 @@ PYTHON312 ?= python3.12
 
 # OpenEnv 0.3 (locks/openenv03.lock) installs the same `openenv` package as the current line
 # in locks/env.lock, so it goes to its own directory, with the venv's dependencies;
-# tests/env/server/test_openenv_clients.py runs its clients from there in a subprocess. vLLM (locks/vllm.lock:
-# its own pins of torch, transformers, mcp, fastapi) gets a virtualenv of its own, .venv/vllm, which the
-# vLLM sampler (rl.sampler_engine: vllm) runs from; its lock is complete, so it installs with --no-deps.
-$(STAMP): locks/base.lock locks/env.lock locks/openenv03.lock locks/swebench.lock locks/vllm.lock pyproject.toml
+# tests/env/server/test_openenv_clients.py runs its clients from there in a subprocess.
+$(STAMP): locks/base.lock locks/env.lock locks/openenv03.lock locks/swebench.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r locks/base.lock -r locks/env.lock
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --upgrade --target $(VENV)/openenv-0.3 \
@@ -22,12 +24,20 @@ $(STAMP): locks/base.lock locks/env.lock locks/openenv03.lock locks/swebench.loc
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --upgrade --target $(VENV)/swebench \
 	  -r locks/swebench.lock
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
-	@test -x $(VENV)/vllm/bin/python || $(PYTHON) -m venv $(VENV)/vllm
-	@$(VENV)/vllm/bin/pip install -q --disable-pip-version-check --no-deps -r locks/vllm.lock \
-	  || echo "warning: could not install vLLM into $(VENV)/vllm; the vLLM sampler's tests will be skipped"
 	touch $(STAMP)
 
-venv: $(STAMP)
+# vLLM (locks/vllm.lock: its own pins of torch, transformers, mcp, fastapi) gets a virtualenv of its own,
+# .venv/vllm, which the vLLM sampler (rl.sampler_engine: vllm) runs from; its lock is complete, so it
+# installs with --no-deps, its CPU torch from PyTorch's index (TORCH_CPU_INDEX, added to pip's own). vLLM
+# is optional: a failed install warns and `make` goes on, unstamped, so the next `make venv` tries again.
+$(VLLM_STAMP): locks/vllm.lock
+	@if { test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV); } && \
+	  $(VLLM_VENV)/bin/pip install -q --disable-pip-version-check --no-deps \
+	    --extra-index-url $(TORCH_CPU_INDEX) -r locks/vllm.lock; then \
+	  touch $@; \
+	else echo "warning: could not install vLLM into $(VLLM_VENV) (\`make venv\` tries again); the vLLM sampler's tests will be skipped"; fi
+
+venv: $(STAMP) $(VLLM_STAMP)
 
 # bubblewrap is the environment server's sandbox, bazel-bootstrap is Bazel 4 for the BUILD file
 # (tests/test_bazel.py); Debian packages, installed when we can.

@@ -1,5 +1,6 @@
 """Test session setup: a fake 8-device CPU mesh, set before JAX initialises its backend; the shipped
-tokenizer as a fixture (the data and formats tests)."""
+tokenizer as a fixture (the data and formats tests); the bubblewrap check of the sandbox tests
+(support/bwrap.py)."""
 
 import os
 from pathlib import Path
@@ -43,3 +44,12 @@ def tok(tok_dir):
     from composer_jax.formats.tokenizer import load_tokenizer
 
     return load_tokenizer(tok_dir)
+
+
+@pytest.fixture(scope="session")
+def bwrap_required() -> None:
+    """Skip, or fail where `make system-deps` would install it, a test that needs bubblewrap when it is
+    missing (support/bwrap.py's `needs_bwrap`); session-scoped, so it runs before the servers start."""
+    from support.bwrap import require_bwrap
+
+    require_bwrap()

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from support.bwrap import require_bwrap
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
 
@@ -109,7 +110,7 @@ def _check_02_rl_objective(ns: dict, printed: str) -> None:
 def _check_03_one_rollout(ns: dict, printed: str) -> None:
     if not ns["sandbox"]:
         assert "bubblewrap sandbox available: False" in printed
-        pytest.skip("bubblewrap (bwrap) is not installed: the notebook's rollouts did not run")
+        require_bwrap("bubblewrap (bwrap) is not installed: the notebook's rollouts did not run")
     # the random model: one turn of max_turn_tokens=24 without its stop token (finish "length"),
     # every generated token recorded with a log-probability, version 0 and top-2 experts
     r = ns["random_rollout"]

@@ -4,13 +4,13 @@ per module, an HTTP client to it, a fresh session."""
 from __future__ import annotations
 
 import pytest
-from support.live_server import HAVE_BWRAP, LiveServer
+from support.bwrap import require_bwrap
+from support.live_server import LiveServer
 
 
 @pytest.fixture(scope="module")
 def server():
-    if not HAVE_BWRAP:
-        pytest.skip("bubblewrap (bwrap) is not installed; `make system-deps`")
+    require_bwrap()
     s = LiveServer()
     yield s
     s.stop()

@@ -12,7 +12,8 @@ import json
 
 import jax
 import pytest
-from support.live_env import HAVE_BWRAP, REPO
+from support.bwrap import needs_bwrap
+from support.live_env import REPO
 
 from composer_jax.checkpoint.manager import restore_params_only
 from composer_jax.config import load_config
@@ -26,7 +27,7 @@ from composer_jax.weightsync.store import WeightSubscriber, tree_sha256
 # two learner runs of 3 and 2 steps: about a minute on 2 idle cores, so slow (the resume logic's
 # parts have fast tests: tests/rl/rollout/test_rollout_queue.py and test_weight_sync.py)
 pytestmark = [
-    pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap (bwrap) is not installed; `make system-deps`"),
+    needs_bwrap,
     pytest.mark.slow,
 ]
 

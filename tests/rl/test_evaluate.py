@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 
-import pytest
-from support.live_env import ENV_FIXTURE_TASKS, HAVE_BWRAP, REPO
+from support.bwrap import needs_bwrap
+from support.live_env import ENV_FIXTURE_TASKS, REPO
 from support.scripted import ScriptedPolicy, call
 
 from composer_jax.config.agent import AgentConfig
@@ -48,7 +48,7 @@ class DiesAfter(Decides):
         return await super().turn(gen, req)
 
 
-@pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap (bwrap) is not installed; `make system-deps`")
+@needs_bwrap
 def test_eval_metrics_and_files(tmp_path):
     tok = load_tokenizer(REPO / "assets" / "tokenizer")
     tasks = [TaskRef("fix-add", category="debugging"), TaskRef("write-hello", category="files")]

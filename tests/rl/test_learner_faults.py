@@ -3,8 +3,8 @@ are redone on the other server, scored and trained on; none is lost or scored 0.
 
 from __future__ import annotations
 
-import pytest
-from support.live_env import HAVE_BWRAP, REPO
+from support.bwrap import needs_bwrap
+from support.live_env import REPO
 
 from composer_jax.config import load_config
 from composer_jax.env.api import client as env_client
@@ -12,7 +12,7 @@ from composer_jax.rl.learner import run_rl
 from composer_jax.rl.rollout.env_servers import LocalEnvServers
 
 TOKEN = "rl-learner-fault-token-0123456789"
-pytestmark = pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap (bwrap) is not installed; `make system-deps`")
+pytestmark = needs_bwrap
 
 
 def test_step_completes_when_a_server_dies_mid_rollout(tmp_path, monkeypatch) -> None:

@@ -15,7 +15,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from support.live_env import HAVE_BWRAP, REPO
+from support.bwrap import needs_bwrap
+from support.live_env import REPO
 
 from composer_jax.checkpoint.manager import restore_params_only
 from composer_jax.config import ConfigError, load_config
@@ -26,7 +27,7 @@ from composer_jax.train.loop import run_checkpoint_config
 from composer_jax.weightsync.store import WeightSubscriber
 
 CONFIG = REPO / "tests" / "rl" / "fixtures" / "rl_pick.yaml"
-pytestmark = pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap (bwrap) is not installed; `make system-deps`")
+pytestmark = needs_bwrap
 
 
 def _replicas(out: Path) -> list[int]:

@@ -12,14 +12,15 @@ import threading
 import time
 
 import pytest
-from support.live_env import HAVE_BWRAP, REPO
+from support.bwrap import needs_bwrap
+from support.live_env import REPO
 from support.procs import cmdline, descendants, gone
 
 from composer_jax.config import load_config
 from composer_jax.rl import learner as trainer
 
 CONFIG = REPO / "tests" / "rl" / "fixtures" / "rl_pick.yaml"
-pytestmark = pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap (bwrap) is not installed; `make system-deps`")
+pytestmark = needs_bwrap
 
 
 def env_server_pids() -> list[int]:

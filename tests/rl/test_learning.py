@@ -10,8 +10,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from support.bwrap import needs_bwrap
 from support.learnable import SYSTEM, TASKS, sft_params, tiny_config
-from support.live_env import HAVE_BWRAP, REPO
+from support.live_env import REPO
 
 from composer_jax.config import config_from_dict, to_dict
 from composer_jax.formats.tokenizer import load_tokenizer
@@ -19,7 +20,7 @@ from composer_jax.rl.algo import batch as rl_batch
 from composer_jax.rl.learner import run_rl
 from composer_jax.sharding import make_mesh
 
-pytestmark = pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap (bwrap) is not installed; `make system-deps`")
+pytestmark = needs_bwrap
 
 STEPS = 16
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support.live_env import HAVE_BWRAP, REPO
+from support.bwrap import needs_bwrap
+from support.live_env import REPO
 from support.repo_tasks import repo_task
 from support.scripted import ScriptedPolicy, call
 
@@ -40,9 +41,12 @@ from composer_jax.rl.rollout.agent import Rollout, RolloutFailed, turn_seed
 from composer_jax.rl.rollout.env_servers import LocalEnvServers
 from composer_jax.rl.rollout.side import sample_group, task_of
 
-needs_tools = pytest.mark.skipif(
-    not HAVE_BWRAP or shutil.which("git") is None, reason="needs bubblewrap (`make system-deps`) and git"
-)
+
+def needs_tools(test):
+    """Marks a test that needs bubblewrap (support/bwrap.py) and git."""
+    return needs_bwrap(pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")(test))
+
+
 FIX = call("edit_file", path="pkg/calc.py", old_string="return a - b", new_string="return a + b")
 
 

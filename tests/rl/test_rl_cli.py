@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from support.live_env import HAVE_BWRAP, REPO
+from support.bwrap import needs_bwrap
+from support.live_env import REPO
 
 from composer_jax.cli import main as cli_main
 from composer_jax.rl.cli import eval_main, rl_main
 
 CONFIG = str(REPO / "tests" / "rl" / "fixtures" / "rl_pick.yaml")
-pytestmark = pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap (bwrap) is not installed; `make system-deps`")
+pytestmark = needs_bwrap
 
 
 # slow: 61 s; the resumed lineage is also tested by tests/rl/rollout/test_rollout_queue.py (resume_groups), the

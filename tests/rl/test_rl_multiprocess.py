@@ -19,8 +19,9 @@ from pathlib import Path
 
 import jax
 import pytest
+from support.bwrap import needs_bwrap
 from support.learnable import sft_params
-from support.live_env import HAVE_BWRAP, REPO
+from support.live_env import REPO
 from support.multiprocess_launch import free_port, run_processes
 
 from composer_jax.checkpoint.manager import TrainCheckpointer
@@ -31,7 +32,7 @@ from composer_jax.train.state import init_train_state
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap (bwrap) is not installed; `make system-deps`"),
+    needs_bwrap,
 ]
 
 STEPS = 3

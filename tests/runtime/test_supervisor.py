@@ -19,7 +19,8 @@ import time
 
 import httpx
 import pytest
-from support.live_env import ENV_FIXTURE_TASKS, HAVE_BWRAP, needs_bwrap
+from support.bwrap import HAVE_BWRAP, needs_bwrap
+from support.live_env import ENV_FIXTURE_TASKS
 from support.procs import cmdline, descendants, gone
 
 from composer_jax.rl.rollout.env_servers import EnvServerError, LocalEnvServers

@@ -4,17 +4,16 @@ the live environment server of tests/env/conftest.py."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
 from composer_jax.data.sft import task_conversation
 from composer_jax.env.tasks.families import generate_task
+from support.bwrap import needs_bwrap
 
 
 def sandboxed(test):
-    skip = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
-    return pytest.mark.sandbox(skip(test))
+    return pytest.mark.sandbox(needs_bwrap(test))
 
 
 def replay_sft_conversation(http, family: str, seed: int, tmp_path) -> list[dict]:

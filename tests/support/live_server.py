@@ -1,12 +1,11 @@
 """A live `composer-jax env-server` subprocess for the environment-server tests, and what they share
-about it: the fixture tasks, the bubblewrap check, a child environment with the sources on its path,
-one tool call over HTTP. The pytest fixtures built on it are in tests/env/conftest.py."""
+about it: the fixture tasks, the marks of a sandbox test (support/bwrap.py), a child environment
+with the sources on its path, one tool call over HTTP. The pytest fixtures built on it are in tests/env/conftest.py."""
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -15,14 +14,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from support.bwrap import needs_bwrap
+
 FIXTURE_TASKS = Path(__file__).resolve().parents[1] / "env" / "fixtures" / "tasks"
 SRC = Path(__file__).resolve().parents[2] / "src"
-HAVE_BWRAP = shutil.which("bwrap") is not None
-
-requires_bwrap = [
-    pytest.mark.sandbox,
-    pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap (bwrap) is not installed; `make system-deps`"),
-]
+# a sandbox test: skipped or failed without bubblewrap (support/bwrap.py)
+requires_bwrap = [pytest.mark.sandbox, needs_bwrap]
 
 
 def env_with_src() -> dict:

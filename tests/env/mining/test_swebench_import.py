@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 from support import minerepo
-from support.live_server import env_with_src, requires_bwrap
+from support.bwrap import needs_bwrap
+from support.live_server import env_with_src
 
 from composer_jax.env.mining import swe_runner, swebench_import
 from composer_jax.env.mining.taskwrite import write_task
@@ -188,9 +189,8 @@ def test_record_errors_name_the_field(calc, tmp_path):
 
 
 @pytest.mark.sandbox
-@pytest.mark.skipif(not shutil.which("bwrap"), reason="bubblewrap (bwrap) is not installed; `make system-deps`")
+@needs_bwrap
 def test_import_writes_valid_tasks_and_reports_the_rest(calc, tmp_path):
-    assert requires_bwrap  # the same marks, spelled out for a module-scoped fixture
     repo, shas = calc
     fix = shas["Fix div: true division"]
     clamp = shas["Fix clamp's upper bound and empty ranges"]

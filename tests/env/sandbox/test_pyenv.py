@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
-from support.live_server import HAVE_BWRAP, LiveServer
+from support.bwrap import needs_bwrap, require_bwrap
+from support.live_server import LiveServer
 from support.metrics_scrape import parse
 
 from composer_jax.cli import main as cli_main
@@ -132,8 +133,7 @@ def _task(root: Path, requirements: list[str], *, install_app: str = "none") -> 
 
 @pytest.fixture(scope="module")
 def sandbox():
-    if not HAVE_BWRAP:
-        pytest.skip("bubblewrap (bwrap) is not installed; `make system-deps`")
+    require_bwrap()
     return BubblewrapSandbox()
 
 
@@ -388,7 +388,7 @@ def test_editable_app_points_at_the_session_workspace(tmp_path, wheelhouse, sand
 
 
 @pytest.mark.sandbox
-@pytest.mark.skipif(not HAVE_BWRAP, reason="`env build` needs bubblewrap before it reads its flags")
+@needs_bwrap  # `env build` needs bubblewrap before it reads its flags
 def test_cli_env_flags_errors(tmp_path, capsys):
 
     (tmp_path / "tasks").mkdir()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from support.live_server import HAVE_BWRAP
+from support.bwrap import needs_bwrap
 from support.metrics_scrape import parse
 
 from composer_jax.env.sandbox.runner import BubblewrapSandbox, Limits, LocalProcessSandbox, Mount, SandboxStats
@@ -40,7 +40,7 @@ def test_local_backend_counts_spawn_failures_kills_and_running(tmp_path):
 
 
 @pytest.mark.sandbox
-@pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap (bwrap) is not installed; `make system-deps`")
+@needs_bwrap
 def test_bubblewrap_setup_failure_is_the_sandbox_s(tmp_path):
     sandbox = BubblewrapSandbox(use_cgroups=False)
     lease = sandbox.lease("s")

@@ -5,18 +5,14 @@ from __future__ import annotations
 import ast
 import hashlib
 import pathlib
-import shutil
 import sys
 import tomllib
 
 import pytest
 from support import harbor_oracle
+from support.bwrap import needs_bwrap
 
 from composer_jax.env.tasks.families import FAMILIES, Family, generate_task
-
-needs_bwrap = pytest.mark.skipif(
-    shutil.which("bwrap") is None, reason="bubblewrap (bwrap) not installed; cannot sandbox task runs"
-)
 
 
 def tree_digest(root: pathlib.Path) -> dict[str, str]:

@@ -5,19 +5,15 @@ from __future__ import annotations
 import concurrent.futures
 import pathlib
 import re
-import shutil
 import tomllib
 
 import pytest
 from support import harbor_oracle
+from support.bwrap import needs_bwrap
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 TASKS = sorted(p for p in (ROOT / "tasks").iterdir() if p.is_dir()) if (ROOT / "tasks").is_dir() else []
 KINDS_REQUIRED = {"debugging", "feature", "refactor", "tests", "docs", "devops", "optimization", "migration"}
-
-needs_bwrap = pytest.mark.skipif(
-    shutil.which("bwrap") is None, reason="bubblewrap (bwrap) not installed; cannot sandbox task runs"
-)
 
 
 def test_suite_size_and_spread():

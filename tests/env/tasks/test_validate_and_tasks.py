@@ -8,6 +8,7 @@ import sys
 import types
 
 import pytest
+from support.bwrap import needs_bwrap
 from support.live_server import FIXTURE_TASKS, env_with_src
 
 from composer_jax.env.tasks.store import TaskError, TaskStore, load_task, parse_task_config
@@ -24,7 +25,7 @@ def run_cli(*args):
 
 
 @pytest.mark.sandbox
-@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
+@needs_bwrap
 def test_validate_fixture_suite_passes():
     r = run_cli("env", "validate", str(FIXTURE_TASKS), "--jobs", "2")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -33,7 +34,7 @@ def test_validate_fixture_suite_passes():
 
 
 @pytest.mark.sandbox
-@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
+@needs_bwrap
 def test_validate_catches_bad_tasks(tmp_path):
     shutil.copytree(FIXTURE_TASKS / "fix-add", tmp_path / "wrong-oracle")
     (tmp_path / "wrong-oracle" / "solution" / "solve.sh").write_text("#!/bin/bash\ntrue\n")

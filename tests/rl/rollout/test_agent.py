@@ -10,7 +10,8 @@ import asyncio
 import json
 
 import pytest
-from support.live_env import ENV_FIXTURE_TASKS, HAVE_BWRAP, REPO, needs_bwrap
+from support.bwrap import needs_bwrap, require_bwrap
+from support.live_env import ENV_FIXTURE_TASKS, REPO
 from support.scripted import ScriptedPolicy, call
 
 from composer_jax.config.agent import AgentConfig
@@ -31,8 +32,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def servers():
-    if not HAVE_BWRAP:
-        pytest.skip("bubblewrap (bwrap) is not installed; `make system-deps`")
+    require_bwrap()
     with LocalEnvServers(ENV_FIXTURE_TASKS, 2, token=TOKEN) as (urls, _):
         yield urls
 

@@ -6,7 +6,8 @@ The vLLM row answers over HTTP from a recorded-shape stand-in of vLLM's routes (
 generate`, `/update_weight_version`, `/health`, `/weight_info`) through `httpx.MockTransport`: a real
 vLLM server takes minutes to start on CPU (tests/rl/test_vllm_sampler.py, slow), and vLLM's own
 classes check the request bodies in tests/rl/test_vllm_policy.py. The stand-in checks what the
-policy sends and labels its tokens with the version it was last told, as vLLM does.
+policy sends, answers only to the replica's API key (401 without it, as a launched replica does,
+`GET /health` aside) and labels its tokens with the version it was last told, as vLLM does.
 
 The contract: every policy keeps the `Generation` records (prompt tokens unmasked with version -1,
 generated tokens masked in with their log-probabilities and the version that sampled them, routed
@@ -43,6 +44,7 @@ FIRST, NEXT = 3, 4  # the version the samplers start on, the one published
 MESSAGES = [{"role": "system", "content": "S"}, {"role": "user", "content": "fix calc.py"}]
 TOOL = [{"role": "tool", "tool_call_id": "c1", "content": '{"path": "/app/calc.py"}'}]
 REQ = TurnRequest(max_tokens=6, seed=5)
+REPLICA_KEY = "replica-key-7"  # the vLLM row's API key
 
 # a backend under test, and how the learner's weight store is written before `publish` (the
 # learner publishes every version there first; only the serve replicas read it)
@@ -82,14 +84,19 @@ async def serve(weights, tmp_path) -> AsyncIterator[Row]:
 
 class FakeVLLM:
     """vLLM's routes as the policy uses them (module docstring): each generate answers 3 tokens, the
-    last `<|im_end|>`, labelled with the weights' version."""
+    last `<|im_end|>`, labelled with the weights' version; every route but `GET /health` wants the key."""
 
     def __init__(self) -> None:
         self.version = str(FIRST)
         self.stop = TOK.token_id("<|im_end|>")
+        self.keyed: list[str] = []  # the routes asked with the key
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
+        if request.headers.get("authorization") == f"Bearer {REPLICA_KEY}":
+            self.keyed.append(path)
+        elif path != "/health":
+            return httpx.Response(401, json={"error": "Unauthorized"})
         if path == GENERATE_PATH:
             body = json.loads(request.content)
             sp = body["sampling_params"]
@@ -127,10 +134,14 @@ class LabelPush:
 
 @asynccontextmanager
 async def vllm(weights, tmp_path) -> AsyncIterator[Row]:
-    http = httpx.AsyncClient(transport=httpx.MockTransport(FakeVLLM()))
-    policy = VLLMTokenPolicy("http://replica:8000", TOK, max_context=MAX_LEN, weights=(push := LabelPush()), http=http)
+    http = httpx.AsyncClient(transport=httpx.MockTransport(fake := FakeVLLM()))
+    push = LabelPush()
+    policy = VLLMTokenPolicy(
+        "http://replica:8000", TOK, max_context=MAX_LEN, weights=push, api_key=REPLICA_KEY, http=http
+    )
     policy.version = FIRST
     yield VLLMReplicas([policy], push, together=True), lambda params, v: None
+    assert {GENERATE_PATH, "/update_weight_version", "/weight_info"} <= set(fake.keyed)
 
 
 BACKENDS = {"in_process": in_process, "serve": serve, "vllm": vllm}

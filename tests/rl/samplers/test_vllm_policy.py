@@ -1,24 +1,39 @@
 """The vLLM sampler's pieces that need no running engine: the generate request as vLLM's own
 protocol classes parse it (vLLM's virtualenv is the oracle), `weight_versions` spans to per-token
-versions, routed experts decoding, the replica's arguments, the config's errors, and the run's
-router-replay setting. The engine itself: tests/rl/samplers/test_vllm_sampler.py (slow)."""
+versions, routed experts decoding, the replica's arguments, its API key (in the environment, sent by
+every request, refused without: vLLM's own app is built with the key check when .venv/vllm exists),
+the config's errors, and the run's router-replay setting. The engine itself:
+tests/rl/samplers/test_vllm_sampler.py (slow)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
+import os
 import subprocess
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
 from composer_jax.config import ConfigError, load_config
 from composer_jax.config.vllm import VLLMConfig
+from composer_jax.errors import UsageError
 from composer_jax.rl.samplers.policy import SamplerUnavailable, TurnRequest
-from composer_jax.rl.samplers.vllm import decode_routed_experts, generate_body, token_versions
-from composer_jax.rl.samplers.vllm_launch import needs_padding, vllm_args, with_vllm_settings
+from composer_jax.rl.samplers.vllm import (
+    GENERATE_PATH,
+    VLLMTokenPolicy,
+    decode_routed_experts,
+    generate_body,
+    token_versions,
+)
+from composer_jax.rl.samplers.vllm_child import AUTH_MIDDLEWARE, KEY_ENV, SITE_DIR, vllm_command, vllm_env
+from composer_jax.rl.samplers.vllm_launch import LocalVLLM, needs_padding, vllm_args, with_vllm_settings
+from composer_jax.rl.samplers.vllm_nccl import NCCLPush
+from composer_jax.rl.samplers.vllm_site.replica_auth import ReplicaAuth
 from composer_jax.weightsync.nccl import finish_body, init_body, update_body
 
 REPO = Path(__file__).resolve().parents[3]
@@ -50,22 +65,46 @@ def _vllm_python() -> Path:
     return VLLM_PYTHON
 
 
-def test_request_bodies_are_what_vllm_reads():
+# the dev-mode weight routes vLLM's own key check leaves open, and two it guards
+WEIGHT_ROUTES = [
+    "/update_weights",
+    "/pause",
+    "/init_weight_transfer_engine",
+    "/update_weight_version",
+    "/collective_rpc",
+]
+GUARDED = [*WEIGHT_ROUTES, GENERATE_PATH, "/v1/models"]
+
+
+# what the vLLM side reads: one generate request and the NCCL weight-transfer bodies
+UID = bytes(range(128))
+SPECS = [("model.embed_tokens.weight", "bfloat16", (8, 4), None), ("lm_head.weight", "float32", (8, 4), None)]
+BODIES = [
+    generate_body([5, 6, 7], TurnRequest(max_tokens=24, seed=11, temperature=0.7, top_p=0.9, top_k=0), 3),
+    init_body(UID, rank_offset=9, world_size=17),
+    update_body(SPECS),
+]
+
+
+@pytest.fixture(scope="module")
+def vllm_side() -> list[dict]:
+    """vLLM's interpreter, started once for the module (importing vLLM takes ~15 s): the bodies as
+    its classes read them (`_PARSE`), then its app's answers (`_APP`); the last three JSON lines."""
+    env = {**vllm_env({**os.environ, KEY_ENV: "k-9"}), "ROUTES": json.dumps(GUARDED)}
+    env["GUARD_ARGS"] = json.dumps(["--middleware", AUTH_MIDDLEWARE])
+    argv = [str(_vllm_python()), "-c", _PARSE + _APP, *(json.dumps(b) for b in BODIES)]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [json.loads(line) for line in out.stdout.strip().splitlines()[-3:]]
+
+
+def test_request_bodies_are_what_vllm_reads(vllm_side):
     """The generate request and the NCCL weight-transfer bodies, parsed by vLLM's own classes."""
-    body = generate_body([5, 6, 7], TurnRequest(max_tokens=24, seed=11, temperature=0.7, top_p=0.9, top_k=0), 3)
-    uid = bytes(range(128))
-    init = init_body(uid, rank_offset=9, world_size=17)
-    specs = [("model.embed_tokens.weight", "bfloat16", (8, 4), None), ("lm_head.weight", "float32", (8, 4), None)]
-    bodies = [json.dumps(b) for b in (body, init, update_body(specs))]
-    out = subprocess.run([str(_vllm_python()), "-c", _PARSE, *bodies], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    *_, line, nccl = out.stdout.strip().splitlines()
-    got = json.loads(nccl)
-    assert got["uid"] == uid.hex() and (got["offset"], got["world"], got["packed"]) == (9, 17, False)
-    assert got["names"] == [s[0] for s in specs] and got["dtypes"] == ["bfloat16", "float32"]
+    read, got, _ = vllm_side
+    assert got["uid"] == UID.hex() and (got["offset"], got["world"], got["packed"]) == (9, 17, False)
+    assert got["names"] == [s[0] for s in SPECS] and got["dtypes"] == ["bfloat16", "float32"]
     assert got["shapes"] == [[8, 4], [8, 4]]
     assert finish_body(4) == {"weight_version": "4"}
-    read = json.loads(line)
     assert read["token_ids"] == [5, 6, 7] and read["max_tokens"] == 24 and read["seed"] == 11
     assert read["temperature"] == pytest.approx(0.7) and read["top_p"] == pytest.approx(0.9)
     assert read["top_k"] in (-1, 0)  # vLLM's "every token" (it normalises -1)
@@ -103,6 +142,121 @@ def test_replica_arguments():
     gpu = vllm_args(VLLMConfig(routed_experts=True, weight_update="nccl", nccl_host="h"), "/m", 8, cpu=False)
     assert "--attention-backend" not in gpu and "--enable-return-routed-experts" in gpu
     assert json.loads(gpu[gpu.index("--weight-transfer-config") + 1]) == {"backend": "nccl"}
+
+
+def test_replica_key_travels_in_the_environment_not_on_the_command_line(tmp_path):
+    launcher = LocalVLLM(VLLMConfig(), 2, model_dir=tmp_path, version=3, max_model_len=64, cpu=True, log_dir=tmp_path)
+    other = LocalVLLM(VLLMConfig(), 1, model_dir=tmp_path, version=3, max_model_len=64, cpu=True, log_dir=tmp_path)
+    key = launcher.api_key
+    assert len(key) >= 32 and key != other.api_key  # generated per launcher: per run
+    assert launcher.replica_env == {KEY_ENV: key} and not any(key in a for a in launcher.replica_argv(8000))
+    env = vllm_env({"PATH": "/bin", "PYTHONPATH": "/src", KEY_ENV: key})
+    assert env[KEY_ENV] == key and env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(SITE_DIR), "/src"]  # replica_auth importable by vLLM
+    assert (SITE_DIR / (AUTH_MIDDLEWARE.split(".")[0] + ".py")).is_file()
+    cmd = vllm_command("/v/python", ["--model", "/m"], "127.0.0.1", 8000)
+    assert cmd[cmd.index("--middleware") + 1] == AUTH_MIDDLEWARE and not any(key in a for a in cmd)
+    assert cmd[-4:] == ["--host", "127.0.0.1", "--port", "8000"]
+    with pytest.raises(UsageError, match=KEY_ENV):
+        vllm_env({"PATH": "/bin"})
+
+
+def _ok_app():
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    return app
+
+
+def test_replica_auth_refuses_every_route_but_health_without_the_key(monkeypatch):
+    async def status(app, method: str, path: str, auth: str | None = None) -> int:
+        headers = {"Authorization": auth} if auth else {}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as http:
+            return (await http.request(method, path, headers=headers)).status_code
+
+    async def go() -> None:
+        app = ReplicaAuth(_ok_app(), key="s3cret")
+        assert await status(app, "GET", "/health") == 200  # the supervisor's probe
+        assert await status(app, "POST", "/health") == 401
+        for path in GUARDED:
+            assert await status(app, "POST", path) == 401, path
+            for wrong in ("Bearer wrong", "Basic s3cret", "s3cret", "Bearer "):
+                assert await status(app, "POST", path, wrong) == 401, (path, wrong)
+            assert await status(app, "POST", path, "Bearer s3cret") == 200, path
+            assert await status(app, "POST", path, "bearer s3cret") == 200, path
+        monkeypatch.setenv(KEY_ENV, "from-env")
+        env_app = ReplicaAuth(_ok_app())
+        assert await status(env_app, "POST", "/pause", "Bearer from-env") == 200
+        assert await status(env_app, "POST", "/pause", "Bearer s3cret") == 401
+
+    asyncio.run(go())
+    monkeypatch.delenv(KEY_ENV)
+    with pytest.raises(RuntimeError, match=KEY_ENV):  # never open by mistake
+        ReplicaAuth(_ok_app())
+
+
+def test_policy_and_weight_push_requests_carry_the_key(tok):
+    seen: list[tuple[str, str | None]] = []
+
+    def replica(request: httpx.Request) -> httpx.Response:
+        seen.append((request.url.path, request.headers.get("authorization")))
+        if request.url.path == "/weight_info":
+            return httpx.Response(200, json={"weight_version": "3"})
+        return httpx.Response(200, json={})
+
+    async def go(api_key: str) -> None:
+        http = httpx.AsyncClient(transport=httpx.MockTransport(replica))
+        policy = VLLMTokenPolicy("http://r:1", tok, max_context=64, api_key=api_key, http=http)
+        with pytest.raises(SamplerUnavailable):  # the stand-in answers no tokens
+            await policy.sample([1, 2], TurnRequest(max_tokens=2, seed=1))
+        await policy.health()
+        push = NCCLPush(load_config(CONFIG), host="127.0.0.1")
+        await push._post(policy.http, policy.base_url + "/update_weights", {"update_info": {}})
+        await push._post(policy.http, policy.base_url + "/pause", mode="keep")
+        await policy.aclose()
+
+    asyncio.run(go("k-1"))
+    assert [p for p, _ in seen] == [GENERATE_PATH, "/health", "/weight_info", "/update_weights", "/pause"]
+    assert {a for _, a in seen} == {"Bearer k-1"}
+    seen.clear()
+    asyncio.run(go(""))  # replicas by URL without rl.sampler_token: no header at all
+    assert {a for _, a in seen} == {None}
+
+
+# run by vLLM's interpreter after _PARSE: vLLM's own app, built as `vllm-replica` starts it (dev mode,
+# the key in the environment) without and with replica_auth as middleware (GUARD_ARGS), asked without
+# starting an engine; prints each answer's status without the key and with it
+_APP = """
+import os
+import warnings
+warnings.simplefilter("ignore")
+from starlette.testclient import TestClient
+from vllm.entrypoints.launchers.app import build_app
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+keyed = {"Authorization": "Bearer " + os.environ["VLLM_API_KEY"]}
+out = {}
+for name, argv in (("plain", []), ("guarded", json.loads(os.environ["GUARD_ARGS"]))):
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+    client = TestClient(build_app(args, ("generate",)), raise_server_exceptions=False)
+    out[name] = {p: [client.post(p, json={}, headers=h).status_code for h in ({}, keyed)]
+                 for p in json.loads(os.environ["ROUTES"])}
+    out[name]["/health"] = [client.get("/health").status_code]
+print(json.dumps(out))
+"""
+
+
+def test_vllm_app_refuses_weight_routes_without_the_key(vllm_side):
+    """vLLM's own app: its key check alone leaves the weight routes open; with the replica's
+    middleware every route but /health wants the key."""
+    got = vllm_side[-1]
+    for path in WEIGHT_ROUTES:  # the route is there (not 404) and vLLM's VLLM_API_KEY check lets it through
+        assert got["plain"][path][0] not in (401, 404), (path, got["plain"][path])
+    for path in GUARDED:
+        refused, keyed = got["guarded"][path]
+        assert refused == 401 and keyed != 401, (path, got["guarded"][path])  # with the key: vLLM's handler
+    assert got["guarded"]["/health"][0] != 401
 
 
 def test_config_errors_name_the_value():

@@ -24,7 +24,8 @@ import httpx
 import jax
 import numpy as np
 import pytest
-from support.live_env import HAVE_BWRAP, REPO
+from support.bwrap import needs_bwrap
+from support.live_env import REPO
 
 import composer_jax as cj
 from composer_jax.config import load_config
@@ -125,7 +126,7 @@ def test_vllm_serves_the_export_and_agrees_with_the_project(tmp_path):
         proc.wait(60)
 
 
-@pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap (bwrap) is not installed; `make system-deps`")
+@needs_bwrap
 def test_rl_with_vllm_as_the_sampler(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     out = tmp_path / "run"

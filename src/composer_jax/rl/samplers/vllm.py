@@ -114,7 +114,8 @@ def decode_routed_experts(text: str) -> np.ndarray:
 
 class VLLMTokenPolicy(TokenSampler):
     """The token policy over one vLLM replica (module docstring). base_url: `http://host:port`;
-    weights: how it gets new versions; routed_experts: the replica returns them (router replay)."""
+    weights: how it gets new versions; routed_experts: the replica returns them (router replay);
+    api_key: the replica's, sent as `Authorization: Bearer` with every request of `http`."""
 
     def __init__(
         self,
@@ -135,8 +136,9 @@ class VLLMTokenPolicy(TokenSampler):
         self.base_url, self.tok, self.max_context, self.model = api_root(base_url), tok, max_context, model
         self.weights, self.routed_experts, self.index = weights, routed_experts, index
         self._stop = tok.token_id("<|im_end|>")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = http or httpx.AsyncClient(timeout=timeout_s, headers=headers)
+        self.http = http or httpx.AsyncClient(timeout=timeout_s)
+        if api_key:  # on the client, so every route's request carries it (the weight pushes' too)
+            self.http.headers["Authorization"] = f"Bearer {api_key}"
         self.closed = False
         self.version: int | None = None  # the version it serves, once a load finished
         self._serving = asyncio.Event()  # cleared while a version is being loaded

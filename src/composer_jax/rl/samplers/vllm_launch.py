@@ -11,7 +11,10 @@ by URL fed over NCCL; and what a vLLM run changes in its config.
 * `LocalVLLM` is a `runtime.supervisor.Launcher` configuration, like `serve_launch.LocalSamplers`:
   each child is `composer-jax vllm-replica` (rl/samplers/vllm_child.py), which starts vLLM in its own
   virtualenv (`rl.vllm.python`), labels its weights with the policy version and prints the ready
-  line; supervision, restarts of a replica that died, teardown and logs are the launcher's.
+  line; supervision, restarts of a replica that died, teardown and logs are the launcher's. The
+  replicas answer only to an API key the launcher generates (`api_key`, one per launcher: per run),
+  handed to them in the environment and sent by the run's policies: no other local process can
+  reach their weight routes (vllm_child.py says how the key guards them).
 * `CheckpointExports` writes a version as a Hugging Face checkpoint for vLLM
   (`OUT_DIR/vllm_weights/v<N>`, `save_pretrained` at `rl.vllm.dtype`), keeping the newest two.
 * `RestartPush` is the `WeightPush` of these replicas: the replica is stopped and started again on
@@ -35,6 +38,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import secrets
 import shutil
 import subprocess
 from collections.abc import Callable, Sequence
@@ -48,6 +52,7 @@ from composer_jax.errors import ConfigError
 from composer_jax.hf.mla_pad import pad_mla, plan_padding
 from composer_jax.hf.weights import save_pretrained
 from composer_jax.rl.samplers.vllm import VLLMReplicas, VLLMTokenPolicy
+from composer_jax.rl.samplers.vllm_child import KEY_ENV
 from composer_jax.runtime.supervisor import ChildSpec, Launcher, LaunchError, RestartPolicy, log_dir_or_temp
 
 # vLLM's MLA kernels take kv_lora_rank + qk_rope_head_dim of these sizes only; the CPU one 576
@@ -160,8 +165,9 @@ class CheckpointExports:
 
 class LocalVLLM(Launcher):
     """`with LocalVLLM(vcfg, count, model_dir=D, version=V, max_model_len=L) as urls:` - vLLM replicas
-    on 127.0.0.1, every one serving the checkpoint in `model_dir` labelled policy version `version`.
-    `set_weights` changes what a (re)started replica serves; `replace(i, ...)` restarts replica i."""
+    on 127.0.0.1, every one serving the checkpoint in `model_dir` labelled policy version `version`
+    to requests with `api_key` (generated here) only. `set_weights` changes what a (re)started
+    replica serves; `replace(i, ...)` restarts replica i."""
 
     def __init__(
         self,
@@ -181,28 +187,15 @@ class LocalVLLM(Launcher):
         self.vcfg, self.count, self.max_model_len, self.cpu = vcfg, count, int(max_model_len), cpu
         self.model_dir, self.version = Path(model_dir), int(version)
         self.log_dir, self._tmp = log_dir_or_temp(log_dir, "composer-jax-vllm-")
-
-        def argv(port: int) -> list[str]:
-            return [
-                "vllm-replica",
-                "--python",
-                self.vcfg.python,
-                "--port",
-                str(port),
-                "--version",
-                str(self.version),
-                "--start-timeout",
-                repr(float(self.vcfg.start_timeout_s)),
-                "--",
-                *vllm_args(self.vcfg, self.model_dir, self.max_model_len, cpu=self.cpu),
-            ]
-
+        self.api_key = secrets.token_urlsafe(32)
+        # what each replica's environment adds to this process's: the key, one thread when pinned
+        self.replica_env = {KEY_ENV: self.api_key, **({"OMP_NUM_THREADS": "1"} if cores is not None else {})}
         specs = [
             ChildSpec(
                 name=f"vLLM replica {i}",
-                argv=argv,
+                argv=self.replica_argv,
                 log_path=self.log_dir / f"vllm-{i}.log",
-                env={"OMP_NUM_THREADS": "1"} if cores is not None else {},
+                env=self.replica_env,
                 cores=None if cores is None else frozenset([cores[i]]),
             )
             for i in range(count)
@@ -214,6 +207,22 @@ class LocalVLLM(Launcher):
             restart=restart,
             error=VLLMLaunchError,
         )
+
+    def replica_argv(self, port: int) -> list[str]:
+        """`composer-jax vllm-replica`'s arguments for a replica on `port` (the key is in its environment)."""
+        return [
+            "vllm-replica",
+            "--python",
+            self.vcfg.python,
+            "--port",
+            str(port),
+            "--version",
+            str(self.version),
+            "--start-timeout",
+            repr(float(self.vcfg.start_timeout_s)),
+            "--",
+            *vllm_args(self.vcfg, self.model_dir, self.max_model_len, cpu=self.cpu),
+        ]
 
     def set_weights(self, model_dir: str | os.PathLike, version: int) -> None:
         self.model_dir, self.version = Path(model_dir), int(version)
@@ -308,7 +317,15 @@ async def start_vllm(
     urls = stack.enter_context(launcher)
     push = RestartPush(launcher, exports)
     policies = [
-        VLLMTokenPolicy(u, tok, max_context=t.seq_len, weights=push, routed_experts=v.routed_experts, index=i)
+        VLLMTokenPolicy(
+            u,
+            tok,
+            max_context=t.seq_len,
+            weights=push,
+            routed_experts=v.routed_experts,
+            api_key=launcher.api_key,
+            index=i,
+        )
         for i, u in enumerate(urls)
     ]
     for p in policies:

@@ -1,0 +1,58 @@
+"""The Makefile's vLLM install (`make venv`): vLLM's virtualenv has a stamp of its own, touched only
+when its install succeeded, so a failed install warns, lets `make` go on (vLLM is optional) and is
+tried again by the next `make venv`; its CPU torch (`torch==2.13.0+cpu`, which PyPI does not serve)
+comes from PyTorch's CPU wheel index, passed to pip as an extra index. Run against a stand-in
+virtualenv whose `pip` records its arguments and fails or succeeds as told."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+
+
+def _make(venv: Path, *extra: str) -> subprocess.CompletedProcess:
+    stamp = venv / ".installed"
+    args = ["make", "--no-print-directory", "-C", str(ROOT), f"VLLM_VENV={venv}", *extra, str(stamp)]
+    return subprocess.run(args, capture_output=True, text=True, timeout=60)
+
+
+def _stand_in(venv: Path, pip_rc: int) -> Path:
+    """A virtualenv whose python runs and whose pip writes its arguments to `pip.args`, then exits `pip_rc`."""
+    (venv / "bin").mkdir(parents=True, exist_ok=True)
+    (venv / "bin" / "python").write_text("#!/bin/sh\nexit 0\n")
+    (venv / "bin" / "pip").write_text(f'#!/bin/sh\necho "$@" > "{venv}/pip.args"\nexit {pip_rc}\n')
+    for exe in ("python", "pip"):
+        (venv / "bin" / exe).chmod(0o755)
+    return venv
+
+
+def test_a_failed_vllm_install_warns_is_not_stamped_and_is_retried(tmp_path):
+    venv = _stand_in(tmp_path / "vllm", pip_rc=1)
+    for _ in range(2):  # unstamped: the second `make` tries again
+        (venv / "pip.args").unlink(missing_ok=True)
+        out = _make(venv)
+        assert out.returncode == 0, out.stderr  # vLLM is optional: the main job goes on
+        assert "warning: could not install vLLM" in out.stdout and (venv / "pip.args").exists()
+        assert not (venv / ".installed").exists()
+    no_venv = _make(tmp_path / "none", "PYTHON=false")  # the virtualenv itself cannot be made
+    assert no_venv.returncode == 0 and "warning: could not install vLLM" in no_venv.stdout
+    assert not (tmp_path / "none" / ".installed").exists()
+
+
+def test_a_vllm_install_is_stamped_once_it_succeeds_with_torchs_cpu_index(tmp_path):
+    venv = _stand_in(tmp_path / "vllm", pip_rc=0)
+    out = _make(venv)
+    assert out.returncode == 0 and "warning" not in out.stdout, out.stdout + out.stderr
+    assert (venv / ".installed").exists()
+    args = (venv / "pip.args").read_text().split()
+    assert args[args.index("--extra-index-url") + 1] == "https://download.pytorch.org/whl/cpu"
+    assert args[args.index("-r") + 1] == "locks/vllm.lock" and "--no-deps" in args
+    (venv / "pip.args").unlink()
+    assert _make(venv).returncode == 0 and not (venv / "pip.args").exists()  # stamped: not installed again
+    assert "torch==2.13.0+cpu" in (ROOT / "locks" / "vllm.lock").read_text().split()  # why the index is there
