@@ -28,12 +28,16 @@ $(STAMP): locks/base.lock locks/env.lock locks/openenv03.lock locks/swebench.loc
 
 # vLLM (locks/vllm.lock: its own pins of torch, transformers, mcp, fastapi) gets a virtualenv of its own,
 # .venv/vllm, which the vLLM sampler (rl.sampler_engine: vllm) runs from; its lock is complete, so it
-# installs with --no-deps, its CPU torch from PyTorch's index (TORCH_CPU_INDEX, added to pip's own). vLLM
-# is optional: a failed install warns and `make` goes on, unstamped, so the next `make venv` tries again.
+# installs with --no-deps. Its CPU torch (torch==2.13.0+cpu) is not on PyPI: it comes from PyTorch's CPU
+# index (TORCH_CPU_INDEX). The install tries pip's configured indexes first (a mirror or wheel folder that
+# carries the build resolves it without reaching out; an unreachable extra index would cost pip's retries
+# on every one of the lock's packages), then again with PyTorch's index added. vLLM is optional: a failed
+# install warns and `make` goes on, unstamped, so the next `make venv` tries again.
+VLLM_PIP = $(VLLM_VENV)/bin/pip install -q --disable-pip-version-check --no-deps
 $(VLLM_STAMP): locks/vllm.lock
 	@if { test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV); } && \
-	  $(VLLM_VENV)/bin/pip install -q --disable-pip-version-check --no-deps \
-	    --extra-index-url $(TORCH_CPU_INDEX) -r locks/vllm.lock; then \
+	  { $(VLLM_PIP) -r locks/vllm.lock >/dev/null 2>&1 || \
+	    $(VLLM_PIP) --extra-index-url $(TORCH_CPU_INDEX) -r locks/vllm.lock; }; then \
 	  touch $@; \
 	else echo "warning: could not install vLLM into $(VLLM_VENV) (\`make venv\` tries again); the vLLM sampler's tests will be skipped"; fi
 

@@ -1,8 +1,9 @@
 """The Makefile's vLLM install (`make venv`): vLLM's virtualenv has a stamp of its own, touched only
 when its install succeeded, so a failed install warns, lets `make` go on (vLLM is optional) and is
 tried again by the next `make venv`; its CPU torch (`torch==2.13.0+cpu`, which PyPI does not serve)
-comes from PyTorch's CPU wheel index, passed to pip as an extra index. Run against a stand-in
-virtualenv whose `pip` records its arguments and fails or succeeds as told."""
+comes from PyTorch's CPU wheel index, added to pip's own indexes only when they cannot resolve it
+(an unreachable extra index costs retries on every package). Run against a stand-in virtualenv whose
+`pip` records each call's arguments and fails or succeeds as told, call by call."""
 
 from __future__ import annotations
 
@@ -22,18 +23,23 @@ def _make(venv: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, timeout=60)
 
 
-def _stand_in(venv: Path, pip_rc: int) -> Path:
-    """A virtualenv whose python runs and whose pip writes its arguments to `pip.args`, then exits `pip_rc`."""
+def _stand_in(venv: Path, *pip_rcs: int) -> Path:
+    """A virtualenv whose python runs and whose pip appends its arguments to `pip.args` (a line a call),
+    then exits with the next of `pip_rcs` (the last one from then on)."""
     (venv / "bin").mkdir(parents=True, exist_ok=True)
     (venv / "bin" / "python").write_text("#!/bin/sh\nexit 0\n")
-    (venv / "bin" / "pip").write_text(f'#!/bin/sh\necho "$@" > "{venv}/pip.args"\nexit {pip_rc}\n')
+    rcs = " ".join(map(str, pip_rcs))
+    (venv / "bin" / "pip").write_text(
+        f'#!/bin/sh\necho "$@" >> "{venv}/pip.args"\nn=$(wc -l < "{venv}/pip.args")\n'
+        f'set -- {rcs}\nwhile [ "$n" -gt 1 ] && [ $# -gt 1 ]; do shift; n=$((n - 1)); done\nexit $1\n'
+    )
     for exe in ("python", "pip"):
         (venv / "bin" / exe).chmod(0o755)
     return venv
 
 
 def test_a_failed_vllm_install_warns_is_not_stamped_and_is_retried(tmp_path):
-    venv = _stand_in(tmp_path / "vllm", pip_rc=1)
+    venv = _stand_in(tmp_path / "vllm", 1)
     for _ in range(2):  # unstamped: the second `make` tries again
         (venv / "pip.args").unlink(missing_ok=True)
         out = _make(venv)
@@ -46,13 +52,21 @@ def test_a_failed_vllm_install_warns_is_not_stamped_and_is_retried(tmp_path):
 
 
 def test_a_vllm_install_is_stamped_once_it_succeeds_with_torchs_cpu_index(tmp_path):
-    venv = _stand_in(tmp_path / "vllm", pip_rc=0)
+    venv = _stand_in(tmp_path / "vllm", 1, 0)  # pip's own indexes lack the +cpu torch: PyTorch's index then
     out = _make(venv)
     assert out.returncode == 0 and "warning" not in out.stdout, out.stdout + out.stderr
     assert (venv / ".installed").exists()
-    args = (venv / "pip.args").read_text().split()
-    assert args[args.index("--extra-index-url") + 1] == "https://download.pytorch.org/whl/cpu"
-    assert args[args.index("-r") + 1] == "locks/vllm.lock" and "--no-deps" in args
+    first, second = ((venv / "pip.args").read_text().splitlines()[i].split() for i in (0, 1))
+    assert "--extra-index-url" not in first and first[first.index("-r") + 1] == "locks/vllm.lock"
+    assert second[second.index("--extra-index-url") + 1] == "https://download.pytorch.org/whl/cpu"
+    assert second[second.index("-r") + 1] == "locks/vllm.lock" and "--no-deps" in second
     (venv / "pip.args").unlink()
     assert _make(venv).returncode == 0 and not (venv / "pip.args").exists()  # stamped: not installed again
     assert "torch==2.13.0+cpu" in (ROOT / "locks" / "vllm.lock").read_text().split()  # why the index is there
+
+
+def test_pips_own_indexes_are_tried_first(tmp_path):
+    venv = _stand_in(tmp_path / "vllm", 0)  # a mirror or wheel folder that carries the build: one call
+    assert _make(venv).returncode == 0 and (venv / ".installed").exists()
+    calls = (venv / "pip.args").read_text().splitlines()
+    assert len(calls) == 1 and "--extra-index-url" not in calls[0].split()
