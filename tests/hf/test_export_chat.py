@@ -116,6 +116,7 @@ def test_export_writes_the_files_other_tools_need(exported):
     } <= names
     card = (exported / "README.md").read_text()
     assert "checkpoint step 1 of" in card and "vllm serve" in card and "--pad-mla-for-vllm" in card
+    assert '"custom_ops": ["-rotary_embedding"]' in card  # plain-RoPE MLA on vLLM's CPU build
     gen = json.loads((exported / "generation_config.json").read_text())
     tok = load_tokenizer(TOKENIZER)
     assert gen["bos_token_id"] == tok.bos_id and gen["eos_token_id"] == [tok.special["<|im_end|>"], tok.eos_id]

