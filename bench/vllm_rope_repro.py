@@ -29,6 +29,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from typing import Any
 
 import torch
 
@@ -86,30 +87,31 @@ def tiny_model(out: str, seed: int) -> None:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = DeepseekV3Config(
-        vocab_size=1024,
-        hidden_size=256,
-        intermediate_size=512,
-        moe_intermediate_size=128,
-        num_hidden_layers=2,
-        first_k_dense_replace=2,  # dense MLPs: the attention is what is compared
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        num_attention_heads=HEADS,
-        num_key_value_heads=HEADS,
-        q_lora_rank=None,
-        kv_lora_rank=512,
-        qk_nope_head_dim=NOPE,
-        qk_rope_head_dim=ROPE,
-        v_head_dim=NOPE,
-        max_position_embeddings=512,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        initializer_range=0.05,
-        torch_dtype="float32",
-    )
+    fields: dict[str, Any] = {
+        "vocab_size": 1024,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "moe_intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "first_k_dense_replace": 2,  # dense MLPs: the attention is what is compared
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_group": 1,
+        "topk_group": 1,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": HEADS,
+        "q_lora_rank": None,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": NOPE,
+        "qk_rope_head_dim": ROPE,
+        "v_head_dim": NOPE,
+        "max_position_embeddings": 512,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.05,
+        "torch_dtype": "float32",
+    }
+    cfg = DeepseekV3Config(**fields)
     DeepseekV3ForCausalLM(cfg).eval().save_pretrained(out)
 
 
