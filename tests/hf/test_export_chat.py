@@ -22,12 +22,14 @@ import pytest
 
 from composer_jax.checkpoint.manager import TrainCheckpointer
 from composer_jax.cli import main as cli_main
-from composer_jax.config import load_config, to_dict
+from composer_jax.config import ModelConfig, load_config, to_dict
 from composer_jax.config.checkpoint import CheckpointConfig
 from composer_jax.env.api.protocol import tool_schemas
 from composer_jax.formats.chatml import render_chat, render_prompt
 from composer_jax.formats.tokenizer import load_tokenizer
+from composer_jax.hf.config import hf_config_from_model
 from composer_jax.hf.convert import main as convert_main
+from composer_jax.hf.export import RunInfo, model_card
 from composer_jax.model.transformer import forward
 from composer_jax.sharding import ShardingRules, make_mesh
 from composer_jax.train.state import init_train_state
@@ -116,6 +118,7 @@ def test_export_writes_the_files_other_tools_need(exported):
     } <= names
     card = (exported / "README.md").read_text()
     assert "checkpoint step 1 of" in card and "vllm serve" in card and "--pad-mla-for-vllm" in card
+    assert "-rotary_embedding" not in card  # YaRN: vLLM-CPU rotates it right (the note is for plain RoPE)
     gen = json.loads((exported / "generation_config.json").read_text())
     tok = load_tokenizer(TOKENIZER)
     assert gen["bos_token_id"] == tok.bos_id and gen["eos_token_id"] == [tok.special["<|im_end|>"], tok.eos_id]
@@ -306,3 +309,9 @@ def test_a_trained_run_exports_and_generates_the_samplers_tokens(tmp_path, monke
     done = Sampler(params, mcfg, SamplerSettings(slots=1, max_len=64)).run([prompt], greedy)
     got = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=tok.eos_id)
     assert got[0, len(prompt) :].tolist() == done[0].tokens
+
+
+def test_a_plain_rope_mla_card_says_how_vllm_cpu_serves_it():
+    cfg = ModelConfig()  # MLA, plain RoPE: vLLM-CPU's rotary-embedding op rotates its query wrongly
+    card = model_card(cfg, hf_config_from_model(cfg), RunInfo("r", "init"), (), chat=False)
+    assert """--compilation-config '{"custom_ops": ["-rotary_embedding"]}'""" in card

@@ -24,14 +24,25 @@ Example (YAML):
         kv_cache_bytes: 512M
         routed_experts: false            # --enable-return-routed-experts (router replay; needs Triton on CPU)
         weight_update: restart
+        extra_args: []                   # more `vllm serve` arguments (a --compilation-config is merged, below)
+
+On vLLM's CPU build the replicas start with `--compilation-config '{"custom_ops":
+["-rotary_embedding"]}'` (rl/samplers/vllm_launch.py: that build's rotary-embedding op rotates MLA's
+query wrongly). A `--compilation-config` (or `-cc`) in `extra_args` is merged with it, not replaced
+by it: give it as one JSON object; its keys are kept, and `-rotary_embedding` is added to its
+`custom_ops` unless they name `rotary_embedding` themselves (`+rotary_embedding` turns the op back
+on). vLLM's dotted form (`--compilation-config.KEY V`) is refused: vLLM assembles it into a
+config of its own that would replace the merged one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
-from typing import Literal
+from collections.abc import Sequence
+from typing import Any, Literal
 
 from composer_jax.errors import ConfigError
 
@@ -40,6 +51,7 @@ WEIGHT_UPDATES = ("restart", "nccl")
 VLLM_DTYPES = ("float32", "bfloat16")
 VLLM_QUANTIZATIONS = ("", "fp8")
 _SIZE = re.compile(r"^\d+(\.\d+)?[KMGT]?$")
+COMPILATION_FLAGS = ("--compilation-config", "-cc")  # vLLM's flag and its short form
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +107,53 @@ def validate_vllm(v: VLLMConfig, prefix: str = "rl.vllm") -> None:
         )
     if not all(isinstance(a, str) for a in v.extra_args):
         raise ConfigError(f"{prefix}.extra_args={list(v.extra_args)!r}: expected a list of strings")
+    split_compilation_config(v.extra_args, prefix)
     t = v.start_timeout_s
     if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or not t > 0:
         raise ConfigError(f"{prefix}.start_timeout_s={t!r}: expected seconds > 0")
+
+
+def split_compilation_config(
+    extra_args: Sequence[str], prefix: str = "rl.vllm"
+) -> tuple[list[str], dict[str, Any] | None]:
+    """`extra_args` without their `--compilation-config` / `-cc` (`FLAG JSON` or `FLAG=JSON`), and
+    its JSON object (the last one when repeated, as vLLM reads them; None when absent). A
+    ConfigError for a value that is not a JSON object with a list of strings as `custom_ops`, or
+    for vLLM's dotted form (module docstring)."""
+    rest: list[str] = []
+    found: dict[str, Any] | None = None
+    args = list(extra_args)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        name, eq, value = arg.partition("=")
+        name = "--" + name[2:].replace("_", "-") if name.startswith("--") else name
+        if name.startswith(tuple(f + "." for f in COMPILATION_FLAGS)):
+            raise ConfigError(
+                f"{prefix}.extra_args: {arg!r}: give the compilation config as one JSON object "
+                "(--compilation-config '{...}'), which is merged with the replicas' own"
+            )
+        if name not in COMPILATION_FLAGS:
+            rest.append(arg)
+            i += 1
+            continue
+        if not eq:
+            if i + 1 == len(args):
+                raise ConfigError(f"{prefix}.extra_args: {arg} has no value; expected a JSON object after it")
+            value, i = args[i + 1], i + 1
+        found = _compilation_object(value, f"{prefix}.extra_args: {name}")
+        i += 1
+    return rest, found
+
+
+def _compilation_object(text: str, where: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise ConfigError(f'{where} {text!r}: expected a JSON object such as \'{{"custom_ops": ["+rms_norm"]}}\'')
+    ops = value.get("custom_ops", [])
+    if not isinstance(ops, list) or not all(isinstance(op, str) for op in ops):
+        raise ConfigError(f"{where} {text!r}: custom_ops must be a list of strings")
+    return value

@@ -132,6 +132,16 @@ def model_card(cfg: ModelConfig, hf_cfg: dict[str, Any], info: RunInfo, notes: t
         ),
         "```",
         "",
+        *(
+            [
+                'On vLLM\'s CPU build add `--compilation-config \'{"custom_ops": ["-rotary_embedding"]}\'`: its '
+                "rotary-embedding op rotates this MLA model's query wrongly (plain RoPE; composer_jax "
+                "docs/inference.md).",
+                "",
+            ]
+            if cfg.attention_type == "mla" and cfg.rope_scaling.type == "none"
+            else []
+        ),
         "Text prompts get `<|bos|>` from the tokenizer's post-processor, as composer_jax's own sampler prepends it.",
         *chat_lines,
     ]

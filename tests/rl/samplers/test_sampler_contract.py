@@ -19,6 +19,7 @@ SamplerUnavailable.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -125,6 +126,9 @@ class LabelPush:
 
     def export(self, params: Any, version: int) -> None:
         self.exported.append(version)
+
+    def holding(self, version: int) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     async def load(self, policy: VLLMTokenPolicy, version: int) -> None:
         assert version in self.exported, "publish comes before load"

