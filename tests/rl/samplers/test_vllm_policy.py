@@ -381,3 +381,26 @@ def test_exports_a_queued_load_needs_are_kept(tmp_path, monkeypatch):
     assert {2, 3, 4} <= set(exports.versions())  # the last export ran while loads of 2 and 3 were queued
     push.export(None, 5)  # the next export removes what no replica will start on
     assert exports.versions() == [4, 5]
+
+
+def test_an_export_keeps_newer_versions_whose_load_has_not_started(tmp_path, monkeypatch):
+    """hand_over publishes version 2 and queues its load; the export of 3 may run before that load
+    task has first run (no hold taken yet): 2 is newer than what the replicas serve, so it stays."""
+
+    def write(params, cfg, out, dtype):
+        Path(out).mkdir(parents=True)
+        (Path(out) / "config.json").write_text("{}")
+
+    monkeypatch.setattr(vllm_launch, "save_pretrained", write)
+    exports = CheckpointExports(tmp_path / "vllm_weights", ModelConfig(), "float32")
+    launcher = LocalVLLM(VLLMConfig(), 2, model_dir=exports.export(None, 1), version=1, max_model_len=64, cpu=True)
+    push = RestartPush(launcher, exports)
+    push.export(None, 2)
+    push.export(None, 3)
+    assert exports.versions() == [1, 2, 3]
+    launcher.set_weights(0, exports.path(3), 3)
+    push.export(None, 4)
+    assert exports.versions() == [1, 2, 3, 4]  # replica 1 still serves 1
+    launcher.set_weights(1, exports.path(3), 3)
+    push.export(None, 5)
+    assert exports.versions() == [3, 4, 5]

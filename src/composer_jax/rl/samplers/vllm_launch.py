@@ -296,11 +296,14 @@ class RestartPush:
 
     def export(self, params: Any, version: int) -> Path:
         """Version `version` written as the checkpoint the restarts read; then every export no replica
-        will start on removed."""
+        will start on removed: those older than what every replica serves, or loads as `holding`.
+        Newer ones stay even when no hold is taken yet: `publish` hands the version over before its
+        `load` task first runs, and this export may run in that gap (the hold would come too late)."""
         out = self.exports.export(params, version)
         with self._lock:
             self.newest = int(version) if self.newest is None else max(self.newest, int(version))
-            self.exports.prune({self.newest, *self._held, *self.launcher.versions()})
+            floor = min([self.newest, *self._held, *self.launcher.versions()])
+            self.exports.prune({v for v in self.exports.versions() if v >= floor})
         return out
 
     @contextlib.contextmanager
