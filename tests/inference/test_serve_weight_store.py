@@ -9,7 +9,6 @@ published parameters (an independent path: no server, no store).
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 
@@ -17,8 +16,8 @@ import httpx
 import jax
 import numpy as np
 import pytest
-import uvicorn
 from support.metrics_scrape import scrape
+from support.serve_thread import app_in_thread, stop_app
 
 from composer_jax.checkpoint.manager import TrainCheckpointer
 from composer_jax.cli import main as cli_main
@@ -79,18 +78,7 @@ def live(tmp_path_factory):
         model_name="tiny",
         weights_from=url,
     )
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    http = uvicorn.Server(uvicorn.Config(server.app, log_level="warning", access_log=False))
-    thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    for _ in range(200):
-        try:
-            httpx.get(base + "/health", timeout=1.0)
-            break
-        except httpx.TransportError:
-            time.sleep(0.05)
+    base, http, thread = app_in_thread(server.app)
     yield {
         "base": base,
         "url": url,
@@ -101,8 +89,7 @@ def live(tmp_path_factory):
         "store": store,
         "publisher": WeightPublisher(url),
     }
-    http.should_exit = True
-    thread.join(10)
+    stop_app(http, thread)
     engine.stop()
 
 

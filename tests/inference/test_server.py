@@ -9,7 +9,6 @@ and the template's own text, streams against the non-streamed response for the s
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 
@@ -21,8 +20,8 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-import uvicorn  # noqa: E402
 from support.metrics_scrape import scrape  # noqa: E402
+from support.serve_thread import app_in_thread, stop_app  # noqa: E402
 
 from composer_jax.checkpoint.manager import TrainCheckpointer  # noqa: E402
 from composer_jax.cli import main as cli_main  # noqa: E402
@@ -88,22 +87,9 @@ def served(ckpts):
     server, engine = build_server(
         policy, tok, sampler=SamplerConfig(slots=2, max_queued=1), max_len=MAX_LEN, api_key=KEY, model_name="tiny-test"
     )
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    http = uvicorn.Server(uvicorn.Config(server.app, log_level="warning", access_log=False))
-    thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            httpx.get(url + "/health", timeout=1.0)
-            break
-        except httpx.TransportError:
-            time.sleep(0.05)
+    url, http, thread = app_in_thread(server.app)
     yield {"url": url, "server": server, "engine": engine, "policy": policy, "tok": tok}
-    http.should_exit = True
-    thread.join(10)
+    stop_app(http, thread)
     engine.stop()
 
 

@@ -1,6 +1,6 @@
 """A live `composer-jax serve` app (engine + OpenAI server) in a thread of this process, on the tiny
 model the sampler tests share: the serve row of the sampler tests (test_remote_policy.py,
-test_sampler_contract.py)."""
+test_sampler_contract.py); `app_in_thread` serves any app so (the server tests)."""
 
 from __future__ import annotations
 
@@ -33,9 +33,15 @@ def serve_in_thread(params, version: int = 3):
     )
     engine.start()
     server = OpenAIServer(engine, TOK, model_name="tiny", api_key=KEY)
+    url, http, thread = app_in_thread(server.app)
+    return url, engine, http, thread
+
+
+def app_in_thread(app) -> tuple[str, uvicorn.Server, threading.Thread]:
+    """Serve an ASGI app on a free 127.0.0.1 port in a daemon thread; returns once /health answers."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    http = uvicorn.Server(uvicorn.Config(server.app, log_level="warning", access_log=False))
+    http = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
     thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -45,4 +51,9 @@ def serve_in_thread(params, version: int = 3):
             break
         except httpx.TransportError:
             time.sleep(0.05)
-    return url, engine, http, thread
+    return url, http, thread
+
+
+def stop_app(http: uvicorn.Server, thread: threading.Thread) -> None:
+    http.should_exit = True
+    thread.join(10)

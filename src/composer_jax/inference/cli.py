@@ -375,15 +375,11 @@ def _sample_parser() -> argparse.ArgumentParser:
     return p
 
 
-def sample_main(argv: list[str] | None = None) -> int:
-    parser = _sample_parser()
-    args = parser.parse_args(argv)
-    speculative = speculative_options(parser, args)
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+def _sample_request(args, prompt: str):
+    """The checkpoint `sample` loads and its request parsed as the OpenAI server would parse it."""
     from composer_jax.checkpoint.validate import CheckpointError
     from composer_jax.hf.weights import CheckpointError as HFCheckpointError
     from composer_jax.inference import openai_api as api
-    from composer_jax.inference.sampler import Request
 
     body: dict[str, Any] = {
         "max_tokens": args.max_tokens,
@@ -411,19 +407,11 @@ def sample_main(argv: list[str] | None = None) -> int:
         raise UsageError(e.message) from e
     except (ConfigError, CheckpointError, HFCheckpointError, ValueError, OSError) as e:
         raise UsageError(str(e)) from e
-    try:
-        sampler = _new_sampler(policy, tok, mesh, SamplerConfig(slots=min(len(gen.params), 8)), max_len, speculative)(
-            policy.params, 0
-        )
-    except ValueError as e:  # a speculative option the model does not accept (no MTP modules, draft experts)
-        raise UsageError(str(e)) from e
-    reqs = [Request(gen.prompts[c // gen.n], p, id=str(c)) for c, p in enumerate(gen.params)]
-    done = sampler.run(reqs)
-    choices = [api.completion_choice(gen, c, tok, d, f"call_{c}") for c, d in enumerate(done)]
-    if args.json:
-        used = api.usage(sum(len(p) for p in gen.prompts), sum(len(d.tokens) for d in done))
-        print(json.dumps({"object": gen.kind, "choices": choices, "usage": used}, ensure_ascii=False, indent=1))
-        return 0
+    return policy, tok, mesh, max_len, gen
+
+
+def _print_choices(gen, choices: list[dict], done, tok, logprobs: bool) -> None:
+    """`sample`'s plain-text output: each choice's text (or message and tool calls), its logprobs."""
     for c, (choice, d) in enumerate(zip(choices, done)):
         if len(choices) > 1:
             print(f"--- choice {c} ({choice['finish_reason']})")
@@ -436,7 +424,32 @@ def sample_main(argv: list[str] | None = None) -> int:
                 print(f"[tool call] {call['function']['name']}({call['function']['arguments']})")
             for bad in choice["malformed_tool_calls"]:
                 print(f"[malformed tool call] {bad}")
-        if args.logprobs:
+        if logprobs:
             for t, lp in zip(d.tokens, d.logprobs):
                 print(f"{t:>7} {lp:>10.4f} {tok.decode([t])!r}")
+
+
+def sample_main(argv: list[str] | None = None) -> int:
+    parser = _sample_parser()
+    args = parser.parse_args(argv)
+    speculative = speculative_options(parser, args)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    from composer_jax.inference import openai_api as api
+    from composer_jax.inference.sampler import Request
+
+    policy, tok, mesh, max_len, gen = _sample_request(args, prompt)
+    try:
+        sampler = _new_sampler(policy, tok, mesh, SamplerConfig(slots=min(len(gen.params), 8)), max_len, speculative)(
+            policy.params, 0
+        )
+    except ValueError as e:  # a speculative option the model does not accept (no MTP modules, draft experts)
+        raise UsageError(str(e)) from e
+    reqs = [Request(gen.prompts[c // gen.n], p, id=str(c)) for c, p in enumerate(gen.params)]
+    done = sampler.run(reqs)
+    choices = [api.completion_choice(gen, c, tok, d, f"call_{c}") for c, d in enumerate(done)]
+    if args.json:
+        used = api.usage(sum(len(p) for p in gen.prompts), sum(len(d.tokens) for d in done))
+        print(json.dumps({"object": gen.kind, "choices": choices, "usage": used}, ensure_ascii=False, indent=1))
+    else:
+        _print_choices(gen, choices, done, tok, args.logprobs)
     return 0

@@ -44,15 +44,15 @@ def mine_parser() -> argparse.ArgumentParser:
     return p
 
 
-def mine_main(argv: list[str]) -> int:
+def _mine_options(args):
+    """`env mine`'s arguments checked, and the miner's options and the commits it decides."""
     import os
 
     from composer_jax.env.mining import gitrepo
-    from composer_jax.env.mining.miner import MineOptions, Miner, format_summary, summary
+    from composer_jax.env.mining.miner import MineOptions
     from composer_jax.env.mining.statement import openai_writer
     from composer_jax.env.sandbox.factory import make_env_cache, make_sandbox
 
-    args = mine_parser().parse_args(argv)
     if not (args.repo / ".git").exists():
         raise UsageError(f"{args.repo} is not a git checkout (no .git); give a local clone of the repository")
     if args.timeout <= 0:
@@ -67,9 +67,8 @@ def mine_main(argv: list[str]) -> int:
     except gitrepo.GitError as exc:
         raise UsageError(f"cannot list commits of {args.repo} (--rev-range {args.rev_range!r}): {exc}") from exc
     sandbox = make_sandbox(args.unsafe_no_sandbox, args.timeout)
-    env_cache = None if args.unsafe_no_sandbox else make_env_cache(args, sandbox)
     opts = MineOptions(
-        env_cache=env_cache,
+        env_cache=None if args.unsafe_no_sandbox else make_env_cache(args, sandbox),
         rev_range=args.rev_range,
         since=args.since,
         until=args.until,
@@ -81,7 +80,14 @@ def mine_main(argv: list[str]) -> int:
         timeout_s=args.timeout,
         writer=writer,
     )
+    return sandbox, opts, commits
 
+
+def mine_main(argv: list[str]) -> int:
+    from composer_jax.env.mining.miner import Miner, format_summary, summary
+
+    args = mine_parser().parse_args(argv)
+    sandbox, opts, commits = _mine_options(args)
     done: list = []
     miner = Miner(args.repo, args.out, sandbox, opts)
 
