@@ -64,7 +64,9 @@ def _chi2(observed: np.ndarray, expected_p: np.ndarray) -> tuple[float, int]:
 # ------------------------------------------------------------------------------------------ greedy
 
 
-@pytest.mark.parametrize("cfg", [MLA, GQA], ids=["mla", "gqa"])
+# gqa in the full suite only: speculation does not read the attention kind; the GQA cache is
+# tests/inference/test_prefix_cache.py's [gqa] case (default)
+@pytest.mark.parametrize("cfg", [MLA, pytest.param(GQA, marks=pytest.mark.slow)], ids=["mla", "gqa"])
 def test_greedy_equals_the_sampler_without_speculation(cfg):
     params = cj.init_params(cfg, jax.random.key(0))
     ref = Sampler(params, cfg, SamplerSettings(slots=2, max_len=40)).run(_staggered())

@@ -97,7 +97,8 @@ def test_from_params_checks_the_tree():
         model(_tokens(CFG), sharding=None)
 
 
-@pytest.mark.parametrize("rules", [None, {"kv_lora": ["tensor"]}])
+# the kv_lora rule in the full suite only: [None] keeps the property (the specs are the project's)
+@pytest.mark.parametrize("rules", [None, pytest.param({"kv_lora": ["tensor"]}, marks=pytest.mark.slow)])
 def test_partition_specs_equal_the_projects_shardings(rules):
     # vocabulary 511: odd, so the tensor axis is dropped from it, as ShardingRules drops it
     cfg = dataclasses.replace(CFG, vocab_size=511)

@@ -75,8 +75,9 @@ def _assert_same(obj, grads, sums, ref_obj, ref_grads, ref_sums):
         )
 
 
-# fsdp2-expert2-context2 runs in the full suite only: its mesh is also the zero3 case's, under other rules
-SLOW = {"fsdp2-expert2-context2"}
+# in the full suite only: fsdp2-expert2-context2 (its mesh is also the zero3 case's, under other rules) and
+# expert4-data2 (data x expert is data2-fsdp2-expert2-ctx1's, which keeps the property by default)
+SLOW = {"fsdp2-expert2-context2", "expert4-data2"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in MESHES])
