@@ -50,10 +50,10 @@ class DocumentToChunks(grain.experimental.FlatMapTransform):
 
     Split: a document is held out when content_hash_fraction(doc) < eval_fraction; split "train"
     keeps the others, "eval" the held-out ones, "all" everything (explicit eval sources).
-    Pretrain documents become [BOS] + encode(text) + [EOS]; chat documents `render_chat`. A
-    sequence longer than seq_len is cut into consecutive chunks of seq_len tokens (the last one
-    shorter); each chunk is its own segment with positions from 0, and chunks past
-    `max_chunks` are dropped. No overlap between chunks: every token is a target at most once.
+    Pretrain documents become [BOS] + encode(text) + [EOS]; chat documents their chat format's
+    `conversation` (formats/chat_format.py). A sequence longer than seq_len is cut into consecutive
+    chunks of seq_len tokens (the last one shorter); each chunk is its own segment with positions
+    from 0, and chunks past `max_chunks` are dropped. No overlap between chunks: every token is a target at most once.
     """
 
     def __init__(
@@ -76,9 +76,9 @@ class DocumentToChunks(grain.experimental.FlatMapTransform):
             if held_out != (self.split == "eval"):
                 return []
         if self.fmt == "chat":
-            from composer_jax.formats.chatml import render_chat
+            from composer_jax.formats.chat_format import chat_format
 
-            tokens, loss_mask = render_chat(document, self.tok)
+            tokens, loss_mask = chat_format(self.tok).conversation(document)
         else:
             tokens = np.asarray([self.tok.bos_id, *self.tok.encode(document), self.tok.eos_id], np.int32)
             loss_mask = np.ones(len(tokens), np.float32)

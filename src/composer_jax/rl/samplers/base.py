@@ -7,7 +7,8 @@ are spread over, and a policy version's life - `publish` (the new weights handed
 (every replica in rotation serves it), `health`, `aclose`. The rollout side never asks which
 backend it has.
 
-`TokenSampler` is a policy of any of them: the project's chat template over one sampler, with the
+`TokenSampler` is a policy of any of them: the checkpoint's chat format (formats/chat_format.py)
+over one sampler, with the
 `Generation` records (the model's own tokens verbatim, loss mask, log-probabilities, per-token
 versions, routed experts). A backend only says how one turn's tokens are sampled (`sample`); the
 records are kept here, once.
@@ -23,7 +24,8 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-from composer_jax.formats.chatml import AssistantTurn, parse_assistant, render_continuation, render_prompt
+from composer_jax.formats.chat_format import ChatFormat, chat_format
+from composer_jax.formats.chatml import AssistantTurn
 from composer_jax.formats.tokenizer import Tokenizer
 from composer_jax.rl.samplers.policy import Generation, Policy, PolicyPool, SamplerUnavailable, TurnRequest
 
@@ -42,24 +44,36 @@ class Sampled:
 
 
 class TokenSampler(ABC):
-    """A token-level policy (`rl.samplers.policy.Policy`): the chat template's tokens, with the
+    """A token-level policy (`rl.samplers.policy.Policy`): the chat format's tokens, with the
     records of tokens no sampler generated, and the records of a sampled turn. Subclasses set `tok`
-    and `max_context` and implement `sample`."""
+    and `max_context` (and `chat`, where it is not the one `tok` speaks) and implement `sample`."""
 
     tok: Tokenizer
     max_context: int  # the most tokens one generation may hold (prompt + generated)
+    _chat: ChatFormat | None = None
+
+    @property
+    def chat(self) -> ChatFormat:
+        """The conversation format the policy prompts in and reads turns back with."""
+        if self._chat is None:
+            self._chat = chat_format(self.tok)
+        return self._chat
+
+    @chat.setter
+    def chat(self, fmt: ChatFormat) -> None:
+        self._chat = fmt
 
     @abstractmethod
     async def sample(self, tokens: list[int], req: TurnRequest) -> Sampled:
-        """The next assistant turn after the context `tokens`, stopping at `<|im_end|>` only;
-        SamplerUnavailable when the sampler cannot serve, ValueError for a request it refuses."""
+        """The next assistant turn after the context `tokens`, stopping at the chat format's end of
+        turn only; SamplerUnavailable when the sampler cannot serve, ValueError for a request it refuses."""
 
     def begin(self, messages: list[dict]) -> Generation:
-        ids = render_prompt(messages, self.tok).tolist()
+        ids = self.chat.prompt(messages).tolist()
         return Generation(list(messages), ids, [0.0] * len(ids), [0.0] * len(ids), [-1] * len(ids))
 
     def extend(self, gen: Generation, messages: list[dict]) -> None:
-        ids = render_continuation(messages, self.tok).tolist()
+        ids = self.chat.continuation(messages).tolist()
         gen.messages.extend(messages)
         gen.tokens += ids
         gen.loss_mask += [0.0] * len(ids)
@@ -77,7 +91,7 @@ class TokenSampler(ABC):
         gen.generated += len(done.tokens)
         if done.routing is not None:  # covers every position but the last generated token
             gen.routing = np.concatenate([done.routing, done.routing[-1:]], axis=0)
-        turn = parse_assistant(done.tokens, self.tok, call_id_prefix=f"call_{len(gen.messages)}")
+        turn = self.chat.parse(done.tokens, call_id_prefix=f"call_{len(gen.messages)}")
         gen.messages.append(turn.message())
         return turn
 

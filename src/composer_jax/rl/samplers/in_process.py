@@ -21,12 +21,11 @@ from composer_jax.rl.samplers.policy import Policy, PolicyPool, SamplerUnavailab
 
 
 class TokenPolicy(TokenSampler):
-    """The in-process sampler, through the project's chat template."""
+    """The in-process sampler, through the chat format `tok` speaks."""
 
     def __init__(self, sampler: AsyncSampler, tok: Tokenizer):
         self.sampler, self.tok = sampler, tok
         self.max_context = sampler.sampler.max_len
-        self._stop = (tok.token_id("<|im_end|>"),)
         self.closed = False
 
     async def sample(self, tokens: list[int], req: TurnRequest) -> Sampled:
@@ -38,7 +37,7 @@ class TokenPolicy(TokenSampler):
             top_k=req.top_k,
             max_tokens=req.max_tokens,
             seed=req.seed,
-            stop_token_ids=self._stop,
+            stop_token_ids=self.chat.end_of_turn,
         )
         done = await self.sampler.generate(tokens, params)
         return Sampled(done.tokens, done.logprobs, done.versions, done.routing)

@@ -85,7 +85,6 @@ class RemoteTokenPolicy(TokenSampler):
         self.base_url = api_root(base_url)
         self.tok, self.max_context, self.model = tok, max_context, model
         self.full_retries, self.full_wait_s = full_retries, full_wait_s
-        self._stop = tok.token_id("<|im_end|>")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = http or httpx.AsyncClient(timeout=timeout_s, headers=headers)
         self.closed = False
@@ -99,7 +98,7 @@ class RemoteTokenPolicy(TokenSampler):
             "top_k": req.top_k,
             "seed": req.seed,
             "logprobs": 0,
-            "stop_token_ids": [self._stop],
+            "stop_token_ids": list(self.chat.end_of_turn),
             "ignore_eos": True,
             "return_routing": True,
             "return_prompt_routing": True,

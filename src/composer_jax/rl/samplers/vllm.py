@@ -37,6 +37,7 @@ import asyncio
 import base64
 import contextlib
 import io
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import httpx
@@ -63,7 +64,9 @@ class WeightPush(Protocol):
     async def load(self, policy: VLLMTokenPolicy, version: int) -> None: ...
 
 
-def generate_body(tokens: list[int], req: TurnRequest, stop: int, model: str | None = None) -> dict[str, Any]:
+def generate_body(
+    tokens: list[int], req: TurnRequest, stop: int | Sequence[int], model: str | None = None
+) -> dict[str, Any]:
     """The `/inference/v1/generate` request of one turn (vLLM's `GenerateRequest`)."""
     body: dict[str, Any] = {
         "token_ids": [int(t) for t in tokens],
@@ -74,8 +77,8 @@ def generate_body(tokens: list[int], req: TurnRequest, stop: int, model: str | N
             "top_k": int(req.top_k) if req.top_k > 0 else -1,  # vLLM: -1 = every token
             "seed": int(req.seed),
             "logprobs": 0,  # the sampled token's own
-            "stop_token_ids": [int(stop)],
-            "ignore_eos": True,  # stop at <|im_end|> only, as the project's sampler
+            "stop_token_ids": [int(stop)] if isinstance(stop, int) else [int(t) for t in stop],
+            "ignore_eos": True,  # stop at the end of the turn only, as the project's sampler
             "detokenize": False,
             "skip_special_tokens": False,
         },
@@ -139,7 +142,6 @@ class VLLMTokenPolicy(TokenSampler):
             raise ValueError(f"max_context={max_context!r}; accepted: an int >= 2")
         self.base_url, self.tok, self.max_context, self.model = api_root(base_url), tok, max_context, model
         self.weights, self.routed_experts, self.index = weights, routed_experts, index
-        self._stop = tok.token_id("<|im_end|>")
         self.http = http or httpx.AsyncClient(timeout=timeout_s)
         if api_key:  # on the client, so every route's request carries it (the weight pushes' too)
             self.http.headers["Authorization"] = f"Bearer {api_key}"
@@ -154,7 +156,7 @@ class VLLMTokenPolicy(TokenSampler):
         return f"VLLMTokenPolicy({self.base_url})"
 
     async def sample(self, tokens: list[int], req: TurnRequest) -> Sampled:
-        data = await self._post(generate_body(tokens, req, self._stop, self.model))
+        data = await self._post(generate_body(tokens, req, self.chat.end_of_turn, self.model))
         return self._parse(data, len(tokens))
 
     async def _post(self, body: dict) -> dict:
