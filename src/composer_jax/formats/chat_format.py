@@ -13,11 +13,13 @@ interface; `chat_format(tok)` picks the format a tokenizer speaks.
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import numpy as np
 
+from composer_jax.errors import ConfigError
 from composer_jax.formats import chatml
 from composer_jax.formats.chatml import AssistantTurn
 from composer_jax.formats.tokenizer import CHAT_TEMPLATE_NAME, Tokenizer
@@ -60,6 +62,48 @@ class ChatFormat(ABC):
     def end_of_turn(self) -> tuple[int, ...]:
         """The token ids an assistant turn ends at (a sampler's stop tokens)."""
 
+    @property
+    def call_start(self) -> tuple[int, ...]:
+        """The token ids a tool call (or a format's tool-call section) begins at; () when the format
+        has no tool calls. A turn's content is what precedes the first of them."""
+        return ()
+
+    @property
+    def call_end(self) -> tuple[int, ...]:
+        """The token ids that close one tool call (a streamer reads the turn again after each);
+        () where a call is closed only by the next call or the end of the turn."""
+        return ()
+
+    def call_opening(self, function: str | None = None) -> list[int]:
+        """The tokens that open the assistant turn when a tool call is forced (OpenAI's tool_choice
+        "required", or a named function): the call's start token, and, where the format can spell
+        it, the function's name. Raises ConfigError where the format has no tool calls."""
+        if not self.call_start:
+            raise ConfigError(f"chat format {self.name!r} has no tool-call syntax: a tool call cannot be forced")
+        return [self.call_start[0]]
+
+    def content_tokens(self, tokens: Sequence[int]) -> list[int]:
+        """The content part of a (partial) assistant turn: its tokens before the first call start
+        or end of turn."""
+        ends = {*self.call_start, *self.end_of_turn}
+        out: list[int] = []
+        for t in tokens:
+            if t in ends:
+                break
+            out.append(int(t))
+        return out
+
+    def closed_calls(self, tokens: Sequence[int]) -> list[int]:
+        """The longest prefix of a turn still being generated whose tool calls are all complete,
+        read as a finished turn (so `parse` of it returns exactly the calls a client can be sent
+        now); [] when no call is complete yet."""
+        closers = {*self.call_start, *self.call_end, *self.end_of_turn}
+        last = max((i for i, t in enumerate(tokens) if t in closers and i > 0), default=-1)
+        if last < 0:
+            return []
+        cut = list(tokens[: last + 1]) if tokens[last] in self.call_end else list(tokens[:last])
+        return [*cut, self.end_of_turn[0]]
+
     def unavailable(self) -> str | None:
         """Why this tokenizer cannot speak the format (None when it can); servers say it once."""
         return None
@@ -94,7 +138,24 @@ class ChatML(ChatFormat):
     def unavailable(self) -> str | None:
         return chatml.chat_unavailable(self.tok)
 
+    @property
+    def call_start(self) -> tuple[int, ...]:
+        return (self.tok.token_id("<|tool_call|>"),)
+
+    def call_opening(self, function: str | None = None) -> list[int]:
+        """`<|tool_call|>`, and for a named function N `{"name": "N", "arguments":`: the format's
+        own spelling cut where a BPE word ends, so the model's continuation tokenizes as in
+        training. The model then writes the arguments: the sampler has no grammar engine."""
+        opening = [self.tok.token_id("<|tool_call|>")]
+        if function is not None:
+            opening += self.tok.encode(json.dumps({"name": function}, ensure_ascii=False)[:-1] + ', "arguments":')
+        return opening
+
 
 def chat_format(tok: Tokenizer) -> ChatFormat:
-    """The chat format `tok` speaks."""
-    return ChatML(tok)
+    """The chat format `tok` speaks (made once per tokenizer object)."""
+    made = getattr(tok, "_chat_format", None)
+    if made is None:
+        made = ChatML(tok)
+        object.__setattr__(tok, "_chat_format", made)  # a frozen dataclass; the format is derived state
+    return made

@@ -279,9 +279,9 @@ def serve_main(argv: list[str] | None = None) -> int:
     )
     if host not in ("127.0.0.1", "::1", "localhost"):
         print(f"composer-jax serve: WARNING: listening on {host}, reachable from other machines", file=sys.stderr)
-    from composer_jax.formats.chatml import chat_unavailable
+    from composer_jax.formats.chat_format import chat_format
 
-    if (why := chat_unavailable(tok)) is not None:
+    if (why := chat_format(tok).unavailable()) is not None:
         print(f"composer-jax serve: NOTE: {why}", file=sys.stderr)
     run_uvicorn(server.app, sock, args.log_level, ready_url=url)
     engine.stop()

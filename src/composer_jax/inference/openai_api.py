@@ -4,7 +4,7 @@ Pure functions over dicts (no HTTP, no engine), so the server's reading of a req
 response for given generated tokens are tested without a server.
 
 Requests: `/v1/completions` (prompt: a string, token ids, or a list of either) and
-`/v1/chat/completions` (messages in the project's chat template, `formats/chatml.py`, with `tools`).
+`/v1/chat/completions` (messages in the tokenizer's chat format, `formats/chat_format.py`, with `tools`).
 Supported fields: model, max_tokens (chat: also max_completion_tokens), temperature, top_p, n,
 seed, stop, stream, stream_options.include_usage, logprobs (completions: 0, the sampled tokens'
 log-probabilities; chat: true with top_logprobs 0), tools, tool_choice ("none", "auto",
@@ -22,7 +22,6 @@ Every choice carries two extension fields: `token_ids` (the generated tokens) an
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import secrets
 from collections.abc import Sequence
@@ -31,7 +30,8 @@ from typing import Any
 import numpy as np
 
 from composer_jax.errors import ConfigError
-from composer_jax.formats.chatml import AssistantTurn, chat_unavailable, check_tools, parse_assistant, render_prompt
+from composer_jax.formats.chat_format import ChatFormat, chat_format
+from composer_jax.formats.chatml import AssistantTurn, check_tools
 from composer_jax.formats.tokenizer import Tokenizer
 from composer_jax.inference.sampling import SamplingParams
 
@@ -305,7 +305,8 @@ def parse_chat(body: Any, *, tok: Tokenizer, served: str, max_len: int, vocab: i
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
     model = _model(body, served)
-    if (why := chat_unavailable(tok)) is not None:
+    chat = chat_format(tok)
+    if (why := chat.unavailable()) is not None:
         raise ApiError(400, why, code="chat_unavailable")
     _refuse_unsupported(body)
     tools = None
@@ -319,12 +320,12 @@ def parse_chat(body: Any, *, tok: Tokenizer, served: str, max_len: int, vocab: i
     if "messages" not in body:
         raise _bad("messages", "is required: a non-empty list of messages", "missing")
     try:
-        prompt = render_prompt(body["messages"], tok, tools=tools if choice != "none" else None)
+        prompt = chat.prompt(body["messages"], tools=tools if choice != "none" else None)
     except ConfigError as e:
         raise ApiError(400, f"messages: {e}", param="messages", code="invalid_messages") from None
     except (AttributeError, TypeError) as e:  # e.g. a message's tool_calls that is not a list
         raise ApiError(400, f"messages: malformed ({e})", param="messages", code="invalid_messages") from None
-    forced = forced_opening(tok, choice, function)
+    forced = forced_opening(chat, choice, function)
     top = int_field(body, "top_logprobs", None, 0, 20)
     if top:
         raise _bad(
@@ -333,9 +334,9 @@ def parse_chat(body: Any, *, tok: Tokenizer, served: str, max_len: int, vocab: i
             "unsupported",
         )
     logprobs = _bool(body, "logprobs")
-    stop_ids: tuple[int, ...] = (tok.token_id("<|im_end|>"), tok.eos_id)
+    stop_ids = tuple(dict.fromkeys(t for t in (*chat.end_of_turn, tok.eos_id) if t is not None))
     if choice == "none":  # the turn ends where a tool call would begin
-        stop_ids += (tok.token_id("<|tool_call|>"),)
+        stop_ids += chat.call_start
     prompt_ids = [*prompt.tolist(), *forced]
     n, params, stop, flags = _common(
         body, prompt_lens=[len(prompt_ids)], max_len=max_len, default_max_tokens=None, stop_ids=stop_ids, vocab=vocab
@@ -391,18 +392,17 @@ def _named_function(value: Any) -> str | None:
     return None
 
 
-def forced_opening(tok: Tokenizer, choice: str, function: str | None = None) -> list[int]:
+def forced_opening(chat: ChatFormat, choice: str, function: str | None = None) -> list[int]:
     """The tokens that open the assistant turn when a call is forced (appended to the prompt):
-    "required": `<|tool_call|>`; a named function N: `<|tool_call|>{"name": "N", "arguments":`,
-    the template's own spelling cut where a BPE word ends, so the model's continuation tokenizes as
-    in training; nothing for "none" and "auto". The model then writes the arguments (and, for
-    "required", the name): the sampler has no grammar engine to force more."""
+    the format's `call_opening` (for composer-chatml-v1, "required": `<|tool_call|>`; a named
+    function N: `<|tool_call|>{"name": "N", "arguments":`); nothing for "none" and "auto". The
+    model then writes the rest of the call: the sampler has no grammar engine to force more."""
     if choice in ("none", "auto"):
         return []
-    opening = [tok.token_id("<|tool_call|>")]
-    if choice == "function":
-        opening += tok.encode(json.dumps({"name": function}, ensure_ascii=False)[:-1] + ', "arguments":')
-    return opening
+    try:
+        return chat.call_opening(function if choice == "function" else None)
+    except ConfigError as e:
+        raise _bad("tool_choice", str(e), "unsupported") from None
 
 
 # ---------------------------------------------------------------------------- text and tokens
@@ -462,14 +462,8 @@ def completion_text(tok: Tokenizer, tokens: Sequence[int], stop: Sequence[str]) 
 
 
 def chat_content_tokens(tok: Tokenizer, tokens: Sequence[int]) -> list[int]:
-    """The content part of an assistant turn: the tokens before its first <|tool_call|> or <|im_end|>."""
-    ends = {tok.token_id("<|tool_call|>"), tok.token_id("<|im_end|>")}
-    out: list[int] = []
-    for t in tokens:
-        if t in ends:
-            break
-        out.append(int(t))
-    return out
+    """The content part of an assistant turn (ChatFormat.content_tokens)."""
+    return chat_format(tok).content_tokens(tokens)
 
 
 # ---------------------------------------------------------------------------- responses
@@ -524,7 +518,7 @@ def prompt_routing_field(routing: np.ndarray | None, prompt_len: int) -> list | 
 
 
 def turn_of(tok: Tokenizer, tokens: Sequence[int], call_id_prefix: str) -> AssistantTurn:
-    return parse_assistant(tokens, tok, call_id_prefix=call_id_prefix)
+    return chat_format(tok).parse(tokens, call_id_prefix=call_id_prefix)
 
 
 def chat_turn(gen: Generation, tok: Tokenizer, tokens: Sequence[int], call_id_prefix: str) -> AssistantTurn:
@@ -540,14 +534,12 @@ def chat_turn(gen: Generation, tok: Tokenizer, tokens: Sequence[int], call_id_pr
 
 
 def finished_calls(gen: Generation, tok: Tokenizer, tokens: Sequence[int], call_id_prefix: str) -> list[dict]:
-    """The tool calls of a turn still being generated that are complete: those closed by a later
-    `<|tool_call|>` or by `<|im_end|>` (only a whole call can be checked)."""
-    full = [*gen.forced, *tokens]
-    ends = (tok.token_id("<|tool_call|>"), tok.token_id("<|im_end|>"))
-    last = max((i for i, t in enumerate(full) if t in ends), default=-1)
-    if last < 0:
+    """The tool calls of a turn still being generated that are complete (ChatFormat.closed_calls:
+    for composer-chatml-v1, those closed by a later `<|tool_call|>` or by `<|im_end|>`; only a
+    whole call can be checked)."""
+    closed = chat_format(tok).closed_calls([*gen.forced, *tokens])
+    if not closed:
         return []
-    closed = full[:last] + [tok.token_id("<|im_end|>")]
     return chat_turn(dataclasses.replace(gen, forced=[]), tok, closed, call_id_prefix).tool_calls
 
 

@@ -48,6 +48,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from composer_jax.errors import ConfigError
+from composer_jax.formats.chat_format import chat_format
 from composer_jax.formats.tokenizer import Tokenizer
 from composer_jax.inference import openai_api as api
 from composer_jax.inference.checkpoints import Policy, config_differences
@@ -595,7 +596,8 @@ class ChoiceStream:
     def _closes_a_call(self, new: list[int]) -> bool:
         """Whether `new` may complete a tool call (so the turn is read again only then, not at
         every token of a long turn)."""
-        ends = (self.tok.token_id("<|tool_call|>"), self.tok.token_id("<|im_end|>"))
+        chat = chat_format(self.tok)
+        ends = {*chat.call_start, *chat.call_end, *chat.end_of_turn}
         return any(t in ends for t in new)
 
     def _call_chunks(self, final: bool) -> list[dict]:
