@@ -86,3 +86,53 @@ def test_a_perturbed_turn_breaks_the_contract(fmt):
     ids, _ = _turns(fmt, messages)
     ids[at + 1] = (ids[at + 1] + 1) % fmt.tok.vocab_size
     assert ids != whole[: len(ids)].tolist()
+
+
+def _turn_tokens(fmt: ChatFormat, messages: list[dict]) -> list[tuple[list[int], dict]]:
+    whole, mask = fmt.conversation(messages)
+    edges = np.flatnonzero(np.diff(np.concatenate([[0.0], mask, [0.0]])))
+    wanted = [m for m in messages if m["role"] == "assistant"]
+    return [(whole[a:b].tolist(), m) for a, b, m in zip(edges[::2], edges[1::2], wanted, strict=True)]
+
+
+def test_call_boundaries_split_content_and_stream_whole_calls(fmt):
+    """What `serve` streams: content_tokens is the turn's content; closed_calls of a turn cut
+    anywhere holds exactly the calls that were complete before the cut, never a partial one."""
+    turns = [t for m in _conversations() for t in _turn_tokens(fmt, m) if t[1].get("tool_calls")]
+    assert turns
+    for ids, want in turns[:4]:
+        content = fmt.tok.decode(fmt.content_tokens(ids), skip_special_tokens=True)
+        assert content == (want.get("content") or "")
+        names = [c["function"]["name"] for c in want["tool_calls"]]
+        starts = [i for i, t in enumerate(ids) if t in fmt.call_start]
+        assert len(starts) == len(names)
+        for cut in range(starts[0] + 1, len(ids) + 1):
+            closed = fmt.closed_calls(ids[:cut])
+            got = [c["function"]["name"] for c in fmt.parse(closed).tool_calls] if closed else []
+            done = sum(1 for s in starts[1:] if s < cut) + (1 if cut == len(ids) else 0)
+            assert got == names[:done], (cut, got)
+
+
+def test_session_tools_reach_the_prompt_only_where_the_format_takes_them(fmt, tok):
+    """The agent loop passes a session's tool schemas to `begin`; a format with native tools renders
+    them (its template's `tools`), composer-chatml-v1 keeps the prompt its SFT conversations taught."""
+    from composer_jax.env.api.protocol import tool_schemas
+    from composer_jax.rl.samplers.base import TokenSampler
+
+    class Stub(TokenSampler):
+        max_context = 10_000
+
+        def __init__(self, tok, chat):
+            self.tok, self.chat = tok, chat
+
+        async def sample(self, tokens, req):  # pragma: no cover - never sampled here
+            raise AssertionError
+
+    class Native(ChatML):
+        native_tools = True  # type: ignore[assignment]
+
+    messages = _conversations(1)[0][:2]
+    plain = Stub(tok, fmt).begin(messages, tools=tool_schemas()).tokens
+    assert plain == fmt.prompt(messages).tolist()
+    native = Stub(tok, Native(tok)).begin(messages, tools=tool_schemas()).tokens
+    assert native == fmt.prompt(messages, tools=tool_schemas()).tolist() != plain

@@ -39,8 +39,8 @@ class DiesAfter:
     def __init__(self, inner, turns: int):
         self.inner, self.left, self.max_context, self.failures = inner, turns, inner.max_context, 0
 
-    def begin(self, messages):
-        return self.inner.begin(messages)
+    def begin(self, messages, tools=None):
+        return self.inner.begin(messages, tools)
 
     def extend(self, gen, messages):
         self.inner.extend(gen, messages)

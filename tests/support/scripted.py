@@ -23,7 +23,7 @@ class ScriptedPolicy:
         self.contexts: list[int] = []  # context length when each turn was asked for
         self.hook = None
 
-    def begin(self, messages):
+    def begin(self, messages, tools=None):
         return Generation(list(messages), tokens=[0] * self.per * len(messages))
 
     def extend(self, gen, messages):

@@ -63,6 +63,12 @@ class ChatFormat(ABC):
         """The token ids an assistant turn ends at (a sampler's stop tokens)."""
 
     @property
+    def native_tools(self) -> bool:
+        """Whether the agent loop gives the model its session's tool schemas through this format's
+        `tools` (a checkpoint's own template renders them as the model was trained to read them)."""
+        return True
+
+    @property
     def call_start(self) -> tuple[int, ...]:
         """The token ids a tool call (or a format's tool-call section) begins at; () when the format
         has no tool calls. A turn's content is what precedes the first of them."""
@@ -137,6 +143,13 @@ class ChatML(ChatFormat):
 
     def unavailable(self) -> str | None:
         return chatml.chat_unavailable(self.tok)
+
+    @property
+    def native_tools(self) -> bool:
+        """False: the tiny models learn their tools from the environment's system prompt, which
+        names each with its arguments (the SFT conversations, `data make-sft`); composer-chatml-v1's
+        tools block is rendered for `serve` requests that send `tools`, never by the agent loop."""
+        return False
 
     @property
     def call_start(self) -> tuple[int, ...]:

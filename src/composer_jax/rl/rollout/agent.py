@@ -149,7 +149,7 @@ class _Episode:
 
     async def run(self) -> str:
         cfg, counts = self.cfg, self.counts
-        gen = self.policy.begin(self._opening())
+        gen = self.policy.begin(self._opening(), tools=self.session.tools)
         self.generations.append(gen)
         limit = self.policy.max_context
         if cfg.context_budget:  # the summary request and the summary must still fit after it
@@ -234,7 +234,7 @@ class _Episode:
         turn = await self._turn(gen, self._request(room))
         self.counts.turns += 1
         self.counts.summaries += 1
-        new = self.policy.begin(self._opening(turn.content.strip()))
+        new = self.policy.begin(self._opening(turn.content.strip()), tools=self.session.tools)
         self.generations.append(new)
         return new
 

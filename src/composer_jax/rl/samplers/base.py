@@ -68,8 +68,8 @@ class TokenSampler(ABC):
         """The next assistant turn after the context `tokens`, stopping at the chat format's end of
         turn only; SamplerUnavailable when the sampler cannot serve, ValueError for a request it refuses."""
 
-    def begin(self, messages: list[dict]) -> Generation:
-        ids = self.chat.prompt(messages).tolist()
+    def begin(self, messages: list[dict], tools: Sequence[dict] | None = None) -> Generation:
+        ids = self.chat.prompt(messages, tools=tools if self.chat.native_tools else None).tolist()
         return Generation(list(messages), ids, [0.0] * len(ids), [0.0] * len(ids), [-1] * len(ids))
 
     def extend(self, gen: Generation, messages: list[dict]) -> None:

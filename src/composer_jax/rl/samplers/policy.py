@@ -69,7 +69,10 @@ class SamplerUnavailable(RuntimeError):
 class Policy(Protocol):
     max_context: int  # the most tokens one generation may hold (prompt + generated)
 
-    def begin(self, messages: list[dict]) -> Generation: ...
+    def begin(self, messages: list[dict], tools: Sequence[dict] | None = None) -> Generation:
+        """A generation of `messages` (the system prompt and the task); `tools`: the session's tool
+        schemas (OpenAI function tools), which the policy gives the model as its format takes them."""
+        ...
 
     async def turn(self, gen: Generation, req: TurnRequest) -> AssistantTurn: ...
 
@@ -105,8 +108,8 @@ class OpenAIPolicy:
             base_url=self.base_url, api_key=api_key or "EMPTY", timeout=timeout_s, max_retries=max_retries
         )
 
-    def begin(self, messages: list[dict]) -> Generation:
-        return Generation(list(messages))
+    def begin(self, messages: list[dict], tools: Sequence[dict] | None = None) -> Generation:
+        return Generation(list(messages))  # the endpoint gets `self.tools` with every request
 
     def extend(self, gen: Generation, messages: list[dict]) -> None:
         gen.messages.extend(messages)
