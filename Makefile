@@ -11,7 +11,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 HARBOR_VENV := .venv-harbor
 PYTHON312 ?= python3.12
 
-.PHONY: venv demo test test-all lint system-deps harbor clean
+.PHONY: venv demo test test-all lint system-deps harbor clean gpu-check gpu-wheels
 
 # OpenEnv 0.3 (locks/openenv03.lock) installs the same `openenv` package as the current line
 # in locks/env.lock, so it goes to its own directory, with the venv's dependencies;
@@ -78,6 +78,20 @@ test: venv system-deps harbor lint
 
 test-all: venv system-deps harbor
 	COMPOSER_JAX_TEST_XLA_OPT=default $(PY) -m pytest -n 2 tests
+
+# issue 42: the GPU check (bench/gpu_check.py). On a GPU machine: `make gpu-check OUT=DIR`; on CPU,
+# every section at tiny shapes: `make gpu-check DRY_RUN=1`. A device call carries .whl/ (`make
+# gpu-wheels`: the wheels bench/gpu_wheels.txt lists, which the device image lacks) and runs
+# `bash bench/gpu_check.sh $OUT` (docs/gpu.md).
+gpu-check: venv
+	$(PY) bench/gpu_check.py --out $(or $(OUT),gpu-check) $(if $(DRY_RUN),--dry-run)
+
+gpu-wheels: venv
+	mkdir -p .whl
+	grep -v '^#' bench/gpu_wheels.txt | cut -d' ' -f1 | xargs $(PY) -m pip download -q --no-deps \
+	  --only-binary=:all: --python-version 3.12 --implementation cp -d .whl \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 
 clean:
 	rm -rf $(VENV) $(HARBOR_VENV) build *.egg-info src/*.egg-info

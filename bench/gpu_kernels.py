@@ -167,8 +167,11 @@ def check_kernels(rows: int, k: int, n: int, groups: int, opts: Options) -> list
     return out
 
 
-def bench_grouped(model: str, shape: dict, tokens: int, opts: Options, peak: tuple[float, float] | None) -> None:
-    """Per projection: bf16 ragged_dot forward / dgrad / wgrad beside the Pallas kernels."""
+def bench_grouped(
+    model: str, shape: dict, tokens: int, opts: Options, peak: tuple[float, float] | None, records: list | None = None
+) -> None:
+    """Per projection: bf16 ragged_dot forward / dgrad / wgrad beside the Pallas kernels (each
+    timing also appended to `records` as a dict, for bench/gpu_check.py)."""
     rows = tokens * shape["top_k"]
     g = shape["experts"]
     sizes = routed_sizes(rows, g)
@@ -226,6 +229,19 @@ def bench_grouped(model: str, shape: dict, tokens: int, opts: Options, peak: tup
                 name, value = ("BF16", peak[1]) if fmt == "bf16" else ("FP8", peak[0])
                 pk = f"{100 * tflops / value:5.1f}% of {name} dense peak"
             print(f"{model:12s} {proj:8s} {op:6s} {fmt:6s} {t * 1e3:9.3f} ms {tflops:8.1f} TFLOP/s {ratio} {pk}")
+            if records is not None:
+                records.append(
+                    {
+                        "model": model,
+                        "proj": proj,
+                        "op": op,
+                        "format": fmt,
+                        "ms": t * 1e3,
+                        "tflops": tflops,
+                        "vs_bf16": base[op] / t if op in base and fmt != "bf16" else None,
+                        "peak_share": (tflops / (peak[1] if fmt == "bf16" else peak[0])) if peak else None,
+                    }
+                )
 
 
 def _layer_params(cfg: ModelConfig, key: jax.Array) -> dict:
@@ -274,7 +290,9 @@ def _rel_norm(a, b) -> float:
     return float(jnp.linalg.norm(a - b)) / max(float(jnp.linalg.norm(b)), 1e-30)
 
 
-def bench_layer(model: str, shape: dict, tokens: int, ep: int, opts: Options) -> list[tuple[str, bool, str]]:
+def bench_layer(
+    model: str, shape: dict, tokens: int, ep: int, opts: Options, records: list | None = None
+) -> list[tuple[str, bool, str]]:
     """The MoE layer (router, routed experts, one shared expert) forward+backward per recipe and
     backend on experts / ep local experts, timed in bfloat16; each pallas backend checked against
     the xla one in float32 (in bfloat16 XLA may keep excess precision between fused operations,
@@ -308,6 +326,11 @@ def bench_layer(model: str, shape: dict, tokens: int, ep: int, opts: Options) ->
         t = timed(_layer_step(bf16, precision, backend, c), p, x, repeats=opts.repeats)
         label = f"{model:12s} layer {e} experts x {tokens} tokens  {precision:20s} {backend:6s}"
         print(f"{label} {t * 1e3:9.2f} ms  {flops / t / 1e12:7.1f} routed-expert TFLOP/s")
+        if records is not None:
+            records.append(
+                {"model": model, "experts": e, "tokens": tokens, "recipe": precision, "backend": backend}
+                | {"ms": t * 1e3, "tflops": flops / t / 1e12}
+            )
     return checks
 
 
