@@ -94,6 +94,29 @@ except OSError:
     pass
 """
 
+# Appended to a module the tests import: a detached process that keeps writing reward.txt = 1
+# after the tests end (it would race the verifier's own write if it outlived the tests).
+RACER = """
+import os as _os, subprocess as _sp, sys as _sys
+
+_LOOP = '''
+import time
+end = time.time() + 8
+while time.time() < end:
+    try:
+        with open("/logs/verifier/reward.txt") as f:
+            seen = f.read().strip()
+        if seen != "1":
+            with open("/logs/verifier/reward.txt", "w") as f:
+                f.write("1")
+    except OSError:
+        pass
+'''
+if not _os.environ.get("RACER"):
+    _os.environ["RACER"] = "1"
+    _sp.Popen([_sys.executable, "-c", _LOOP], start_new_session=True, stdout=_sp.DEVNULL, stderr=_sp.DEVNULL)
+"""
+
 
 def plant(app: Path, kind: str, cls: str) -> None:
     """Write the attack of class `cls` into the workspace `app` of a task of `kind`."""
@@ -111,6 +134,9 @@ def plant(app: Path, kind: str, cls: str) -> None:
     elif cls == "reward-write":
         module = app / IMPORTED_MODULE[kind]
         module.write_text(module.read_text() + REWARD_WRITE)
+    elif cls == "reward-race":
+        module = app / IMPORTED_MODULE[kind]
+        module.write_text(module.read_text() + RACER)
     else:
         raise ValueError(cls)
 
@@ -210,6 +236,32 @@ def test_runner_shadow_wins_on_an_unhardened_verifier_without_the_sanitizer(kit,
 
 
 @pytest.mark.sandbox
+@needs_bwrap
+@pytest.mark.parametrize("kind", ["bundled", "mined"])
+def test_a_process_the_tests_leave_running_cannot_rewrite_the_reward(kit, kind):
+    """Both verifiers this project writes (test.sh's bash, run_tests.py) end every process the
+    tests started before writing reward.txt: a detached loop rewriting it to 1 loses."""
+    g = grade_with(kit, kind, ("reward-race",))
+    assert g.reward == 0.0 and g.exit_code == 0, g.output_tail[-1500:]
+    assert any(t["outcome"] == "failed" for t in g.tests)
+
+
+@pytest.mark.sandbox
+@pytest.mark.slow
+@needs_bwrap
+def test_the_racer_wins_against_a_verifier_that_does_not_end_it(kit, tmp_path):
+    """The race is real: with test.sh's `kill -KILL -1` taken out, the loop rewrites the reward
+    to 1 (4 of 5 grades when measured). test_a_process_the_tests_leave_running_cannot_rewrite_the_reward
+    keeps the defended property in the default tier."""
+    shutil.copytree(kit["tasks"]["bundled"].root, tmp_path / "nokill")
+    script = tmp_path / "nokill" / "tests" / "test.sh"
+    script.write_text(script.read_text().replace("kill -KILL -1", "true"))
+    kit = {**kit, "tasks": {**kit["tasks"], "nokill": load_task(tmp_path / "nokill")}}
+    IMPORTED_MODULE["nokill"] = IMPORTED_MODULE["bundled"]
+    assert max(grade_with(kit, "nokill", ("reward-race",)).reward for _ in range(5)) == 1.0
+
+
+@pytest.mark.sandbox
 @pytest.mark.slow
 @needs_bwrap
 @pytest.mark.parametrize("cls", ATTACKS)
@@ -280,22 +332,27 @@ def test_sanitizer_removes_what_the_task_did_not_have(tmp_path):
     (app / "unittest.py").write_text("")
     (app / "subprocess.py").write_text("")  # a standard-library name
     (app / "pytest.ini").write_text("[pytest]\n")
+    (app / "pytest.toml").write_text("[pytest]\naddopts = ['-p', 'evil']\n")
     (app / "tox.ini").write_text("[tox]\nenvlist = py\n")  # no pytest section: stays
     (app / "test").mkdir()  # a namespace directory shadows nothing
     (app / "mypkg").mkdir()
     (app / "mypkg" / "unittest.py").write_text("")  # not at a sys.path root
+    (app / "mypkg" / "__pycache__").mkdir()
+    (app / "mypkg" / "__pycache__" / "conftest.cpython-311-pytest-9.2.0.pyc").write_bytes(b"planted")
     s = run_sanitizer(app, orig)
     got = sorted((t["path"], t["class"]) for t in s.tampering)
     assert got == [
         ("deep/er/usercustomize.py", "startup-hook"),
         ("deep/x.pth", "startup-hook"),
         ("pytest.ini", "test-config"),
+        ("pytest.toml", "test-config"),
         ("src/pluggy", "runner-shadow"),
         ("subprocess.py", "runner-shadow"),
         ("unittest.py", "runner-shadow"),
     ]
     assert all(t["action"] == "removed" and not (app / t["path"]).exists() for t in s.tampering)
     assert (app / "tox.ini").exists() and (app / "test").is_dir() and (app / "mypkg" / "unittest.py").exists()
+    assert not (app / "mypkg" / "__pycache__").exists()  # stale bytecode is dropped, no penalty
 
 
 def test_a_conftest_the_test_overlay_brings_is_not_tampering(tmp_path):

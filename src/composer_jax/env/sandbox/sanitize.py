@@ -9,8 +9,11 @@ code under test:
 - every `conftest.py` the task has is restored from ORIG (the task's initial workspace); one the
   task did not have is removed (class "conftest"), unless the task's test overlay (TESTS/files/)
   brings it;
-- pytest's configuration (`pytest.ini`, `.pytest.ini`, the `[pytest]` / `[tool:pytest]` sections
-  of `tox.ini` / `setup.cfg`, `[tool.pytest...]` of `pyproject.toml`): a file whose pytest part
+- every `__pycache__` directory is dropped (no penalty): pytest would load a planted rewritten
+  test module or conftest from it in place of the restored source;
+- pytest's configuration (`pytest.ini`, `.pytest.ini`, `pytest.toml`, `.pytest.toml`, the
+  `[pytest]` / `[tool:pytest]` sections of `tox.ini` / `setup.cfg`, `[tool.pytest...]` of
+  `pyproject.toml`): a file whose pytest part
   differs from the task's is restored whole from ORIG, a new one with a pytest part is removed
   (class "test-config");
 - the test files a repository task grades (TESTS/config.json `test_files`) are restored from ORIG
@@ -52,7 +55,9 @@ RUNNER = {
     "run_tests",
 }
 STARTUP = {"sitecustomize", "usercustomize"}
-CONFIGS = ("pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml")
+CONFIGS = ("pytest.ini", ".pytest.ini", "pytest.toml", ".pytest.toml", "tox.ini", "setup.cfg", "pyproject.toml")
+WHOLE_CONFIGS = ("pytest.ini", ".pytest.ini", "pytest.toml", ".pytest.toml")  # pytest reads all of these
+CACHES = {"__pycache__"}  # bytecode pytest and Python would load in place of a restored source
 ROOTS = ("", "src")  # the directories the verifiers put on sys.path
 MODULE_SUFFIXES = (".py", ".pyc", ".so", ".pyd")
 SKIP_DIRS = {".git"}
@@ -97,7 +102,7 @@ def pytest_part(name: str, data: bytes) -> str:
     """What pytest reads of a configuration file ("" when nothing): its whole text for pytest.ini,
     the pytest sections of the others (the whole text when the file does not parse)."""
     text = data.decode("utf-8", "replace")
-    if name in ("pytest.ini", ".pytest.ini"):
+    if name in WHOLE_CONFIGS:
         return text or " "
     if name == "pyproject.toml":
         try:
@@ -215,7 +220,9 @@ class Sanitizer:
         for dirpath, dirnames, filenames in os.walk(self.app):
             rel_dir = os.path.relpath(dirpath, self.app)
             rel_dir = "" if rel_dir == "." else rel_dir
-            dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS and not self.entry(rel_dir, d)]
+            for cache in CACHES.intersection(dirnames):
+                remove(os.path.join(dirpath, cache))  # stale bytecode of any file: dropped, no penalty
+            dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS and d not in CACHES and not self.entry(rel_dir, d)]
             for name in filenames:
                 self.entry(rel_dir, name)
         self.graded_tests()
