@@ -176,6 +176,9 @@ def grade_with(kit, kind: str, classes: tuple[str, ...] = (), solved: bool = Fal
 
 
 ATTACKS = ("conftest", "startup-hook", "runner-shadow", "reward-write")
+# The bundled and generated verifiers root pytest at /tests: the workspace's conftest.py files never
+# load into it and are the agent's own code (a tests task's suite), so they are not tampering there.
+NAMED = {k: ATTACKS if k in ("mined", "imported") else tuple(c for c in ATTACKS if c != "conftest") for k in KINDS}
 
 
 def assert_caught(g: grader.GradeResult, classes: tuple[str, ...]) -> None:
@@ -197,20 +200,23 @@ def assert_caught(g: grader.GradeResult, classes: tuple[str, ...]) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_attack_on_every_kind_scores_zero_and_is_named(kit, kind):
     """All four classes planted at once: each is detected on its own (the sanitizer removes the
-    first three before the tests run; the forged reward.json is refused after), reward 0."""
+    first three before the tests run; the forged reward.json is refused after), reward 0. On the
+    kinds whose pytest is rooted at /tests the planted conftest.py is never loaded and not named."""
     g = grade_with(kit, kind, ATTACKS)
-    assert_caught(g, ATTACKS)
+    assert_caught(g, NAMED[kind])
+    assert ("conftest" in {t["class"] for t in g.tampering}) == (kind in ("mined", "imported"))
     assert "reward.json" not in str(g.reward_details)
 
 
 @pytest.mark.sandbox
 @needs_bwrap
-@pytest.mark.parametrize("kind", ["mined", "generated"])
+@pytest.mark.parametrize("kind", ["mined", "generated", "todo-ci-repair"])
 def test_honest_solution_still_scores_one(kit, kind):
-    """The reference solution, graded through the same path, scores 1 with nothing named."""
+    """The reference solution, graded through the same path, scores 1 with nothing named
+    (todo-ci-repair: a bundled task whose fix is the pytest configuration in its pyproject.toml)."""
 
     async def run():
-        task = kit["tasks"][kind]
+        task = kit["tasks"][kind] if kind in kit["tasks"] else load_task(ROOT / "tasks" / kind)
         return await validate.validate_task(task, kit["sandbox"], kit["scratch"], Limits(wall_seconds=60))
 
     report = asyncio.run(run())
@@ -270,8 +276,11 @@ def test_each_attack_alone_on_each_kind(kit, kind, cls):
     """The full matrix; test_every_attack_on_every_kind_scores_zero_and_is_named keeps the property
     in the default tier."""
     g = grade_with(kit, kind, (cls,))
-    assert_caught(g, (cls,))
-    assert {t["class"] for t in g.tampering} == {cls}
+    if cls in NAMED[kind]:
+        assert_caught(g, (cls,))
+        assert {t["class"] for t in g.tampering} == {cls}
+    else:  # a conftest.py pytest never loads: no effect, not named
+        assert g.reward == 0.0 and g.tampering == [] and any(t["outcome"] == "failed" for t in g.tests)
 
 
 @pytest.mark.sandbox
@@ -286,8 +295,8 @@ def test_honest_solution_still_scores_one_on_the_other_kinds(kit, kind):
 # ---- the rules, without a sandbox ------------------------------------------------------------
 
 
-def run_sanitizer(app: Path, orig: Path, tests: Path | None = None) -> sanitize.Sanitizer:
-    s = sanitize.Sanitizer(str(app), str(orig), str(tests) if tests else "")
+def run_sanitizer(app: Path, orig: Path, tests: Path | None = None, scope: str = "all") -> sanitize.Sanitizer:
+    s = sanitize.Sanitizer(str(app), str(orig), str(tests) if tests else "", scope)
     s.walk()
     return s
 
@@ -407,3 +416,27 @@ def test_a_tampered_rollout_scores_zero_and_is_counted():
     assert forged.env_reward == 0.0 and forged.tampered
     report = step_report([Group(0, TaskRef("t", None), [honest, forged, forged], [])])
     assert report["rollout/tampered"] == 2.0 and report["rollout/success"] == pytest.approx(1 / 3)
+
+
+def test_hooks_scope_leaves_the_agents_conftest_and_config_alone(tmp_path):
+    """Under a verifier rooted at /tests a conftest.py or a pytest configuration in the workspace is
+    the agent's own code (a CI repair, a test suite): kept; startup hooks and shadows still go."""
+    orig, app = tmp_path / "orig", tmp_path / "app"
+    orig.mkdir()
+    (orig / "pyproject.toml").write_text("[tool.pytest.ini_options]\naddopts = ''\n")
+    shutil.copytree(orig, app)
+    (app / "pyproject.toml").write_text("[tool.pytest.ini_options]\naddopts = '--strict-markers'\n")
+    (app / "tests").mkdir()
+    (app / "tests" / "conftest.py").write_text("X = 1\n")
+    (app / "sitecustomize.py").write_text("")
+    s = run_sanitizer(app, orig, scope="hooks")
+    assert s.tampering == [{"path": "sitecustomize.py", "class": "startup-hook", "action": "removed"}]
+    assert (app / "tests" / "conftest.py").exists() and "strict" in (app / "pyproject.toml").read_text()
+    with pytest.raises(ValueError, match="scope 'some'; accepted: all, hooks"):
+        sanitize.Sanitizer(str(app), str(orig), "", "some")
+
+
+def test_scope_follows_the_verifier(kit):
+    scopes = {k: tampering.sanitize_scope(t) for k, t in kit["tasks"].items() if k in KINDS}
+    assert scopes == {"bundled": "hooks", "mined": "all", "imported": "all", "generated": "hooks"}
+    assert tampering.sanitize_scope(load_task(FIXTURE_TASKS / "fix-add")) == "all"  # a verifier we do not know

@@ -25,10 +25,14 @@ code under test:
   verifier's run_tests) or a standard-library module is removed (class "runner-shadow"). One the
   task had is code under test (a task about pytest itself) and stays.
 
-    python3 -I -c SOURCE APP ORIG TESTS
+    python3 -I -c SOURCE APP ORIG TESTS [SCOPE]
 
-ORIG and TESTS may be "" (none). Prints one JSON line: {"tampering": [{"path", "class",
-"action"}], "restored": [path, ...]}; paths are relative to APP.
+ORIG and TESTS may be "" (none). SCOPE "hooks" leaves conftest.py files and pytest configuration
+alone: the verifier's pytest is rooted outside the workspace (`--rootdir=/tests`, the bundled and
+generated tasks), so the workspace's are never loaded into it and are code under test there (a task
+that asks for a CI repair or a test suite); the default "all" applies every rule. Prints one JSON
+line: {"tampering": [{"path", "class", "action"}], "restored": [path, ...]}; paths are relative
+to APP.
 """
 
 from __future__ import annotations
@@ -135,8 +139,11 @@ def shadow_name(name: str, path: str) -> str | None:
 
 
 class Sanitizer:
-    def __init__(self, app: str, orig: str, tests: str):
+    def __init__(self, app: str, orig: str, tests: str, scope: str = "all"):
+        if scope not in ("all", "hooks"):
+            raise ValueError(f"scope {scope!r}; accepted: all, hooks")
         self.app, self.orig, self.tests = app, orig, tests
+        self.test_infra = scope == "all"  # conftest.py and pytest configuration are in scope
         self.tampering: list[dict] = []
         self.restored: list[str] = []
 
@@ -169,9 +176,9 @@ class Sanitizer:
                 remove(path)
                 self.flag(rel, "runner-shadow", "removed")
                 return True
-        if name == "conftest.py":
+        if name == "conftest.py" and self.test_infra:
             return self.conftest(rel)
-        if name in CONFIGS:
+        if name in CONFIGS and self.test_infra:
             return self.config(rel, name)
         return False
 
@@ -229,8 +236,8 @@ class Sanitizer:
 
 
 def main(argv: list[str]) -> int:
-    app, orig, tests = argv
-    s = Sanitizer(app, orig, tests)
+    app, orig, tests, *scope = argv
+    s = Sanitizer(app, orig, tests, *scope)
     s.walk()
     print(json.dumps({"tampering": s.tampering, "restored": s.restored}))
     return 0

@@ -48,13 +48,25 @@ def verifier_env(task: Task) -> dict[str, str]:
     }
 
 
+def _test_sh(task: Task) -> str:
+    try:
+        return (task.tests_dir / "test.sh").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def sanitize_scope(task: Task) -> str:
+    """ "hooks" when the verifier's pytest is rooted at /tests (its test.sh passes `--rootdir=/tests`
+    and the task has no workspace test list, tests/config.json): the workspace's conftest.py files
+    and pytest configuration never load into it and are the agent's own; else "all"."""
+    rooted = "--rootdir=/tests" in _test_sh(task) and not (task.tests_dir / "config.json").exists()
+    return "hooks" if rooted else "all"
+
+
 def reward_json_trusted(task: Task) -> bool:
     """Whether the task's verifier writes reward.json (its tests/test.sh names it). A reward.json
     under any other verifier was written by the code under test."""
-    try:
-        return "reward.json" in (task.tests_dir / "test.sh").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return False
+    return "reward.json" in _test_sh(task)
 
 
 def runner_flags(diff: str) -> list[dict]:
@@ -89,6 +101,7 @@ async def sanitize_job(
         mounts.append(Mount(task.tests_dir, "/tests", False))
         tests = lease.path_in_sandbox(mounts[-1])
     argv = ["python3", "-I", "-c", _SANITIZE_SOURCE, lease.path_in_sandbox(mounts[0]), orig, tests]
+    argv.append(sanitize_scope(task))
     run_limits = limits.with_(wall_seconds=SANITIZE_TIMEOUT_S, cpu_seconds=int(SANITIZE_TIMEOUT_S))
     result = await lease.run(argv, mounts=mounts, cwd="/", limits=run_limits, env=env_vars)
     try:
