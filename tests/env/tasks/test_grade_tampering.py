@@ -384,12 +384,14 @@ def test_runner_flags_name_added_lines_that_reach_into_the_runner():
         "+import sys\n"
         "+sys.modules['pytest'].main = lambda *a: 0\n"
         "+unittest.TestCase.run = lambda self, r=None: None\n"
+        "+atexit.register(forge)\n"
         "+def add(a, b): return a + b\n"
     )
     flags = tampering.runner_flags(diff)
     assert [(f["path"], f["pattern"]) for f in flags] == [
         ("pkg/calc.py", "sys.modules['pytest']"),
         ("pkg/calc.py", "TestCase.run"),
+        ("pkg/calc.py", "exit hook"),
     ]
     honest = "--- a/pkg/calc.py\n+++ b/pkg/calc.py\n-import _pytest.runner\n+import sys\n+def add(a, b): return a + b\n"
     assert tampering.runner_flags(honest) == []  # a removed line is no reach
