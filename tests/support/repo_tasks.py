@@ -47,6 +47,7 @@ def repo_task(
     category: str = "bug fix",
     instance_id: str | None = None,
     extra_fix: dict[str, bytes] | None = None,
+    source: str = "mined",
 ) -> Path:
     """Write the task under out_root/name and return its directory."""
     src = tmp / f"src-{name}"
@@ -81,5 +82,6 @@ def repo_task(
         fail_to_pass=["tests/test_add.py::test_add"],
         pass_to_pass=["tests/test_mul.py::test_mul"],
         verifier_timeout_s=60.0,
+        source=source,
     )
     return write_task(task, base_tree, out_root)

@@ -93,6 +93,8 @@ def step_report(groups: list[Group]) -> dict[str, float]:
             "rollout/summaries": float(np.mean([r.summaries for r in rollouts])),
             "rollout/env_retries": float(sum(r.env_retries for r in rollouts)),
             "rollout/env_failures": float(sum(g.failed for g in groups)),
+            # rollouts whose grade named tampering with grading (their reward is 0)
+            "rollout/tampered": float(sum(r.tampered for r in rollouts)),
             # where a rollout's time goes: awaiting the sampler, the environment, in all (seconds)
             "rollout/policy_s": float(np.mean([r.policy_s for r in rollouts])),
             "rollout/env_s": float(np.mean([r.env_s for r in rollouts])),

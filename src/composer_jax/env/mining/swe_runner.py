@@ -88,11 +88,23 @@ def overlay(files: Path, app: Path, deleted: list[str]) -> None:
         shutil.copytree(files, app, dirs_exist_ok=True, symlinks=True)
 
 
+# pytest's process imports pytest before the workspace joins sys.path (the cwd entry dropped, no
+# PYTHONPATH at start-up, no user site), so a module in /app cannot stand in for the runner and no
+# sitecustomize of the workspace runs; the tests' own subprocesses still get PYTHONPATH.
+BOOTSTRAP = (
+    "import os, sys; sys.path[:] = [p for p in sys.path if p not in ('', '.', os.getcwd())]; import pytest; "
+    "roots = sys.argv.pop(1); sys.path[:0] = roots.split(os.pathsep); os.environ['PYTHONPATH'] = roots; "
+    "sys.exit(pytest.console_main())"
+)
+
+
 def run_pytest(app: Path, targets: list[str], junit: Path, log: Path, timeout: float | None, seed: str | None) -> int:
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", **({"PYTHONHASHSEED": seed} if seed else {}))
     roots = [str(app / "src"), str(app)] if (app / "src").is_dir() else [str(app)]
-    env["PYTHONPATH"] = os.pathsep.join(roots + [p for p in [env.get("PYTHONPATH")] if p])
-    argv = [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", "-o", "junit_family=xunit1"]
+    roots += [p for p in [env.pop("PYTHONPATH", None)] if p]
+    env.pop("PYTHONSTARTUP", None)
+    argv = [sys.executable, "-s", "-c", BOOTSTRAP, os.pathsep.join(roots)]
+    argv += ["-rA", "-p", "no:cacheprovider", "-o", "junit_family=xunit1"]
     argv += [f"--junitxml={junit}", "--rootdir", str(app), *targets]
     with log.open("w") as f:
         f.write(START + "\n")
@@ -107,6 +119,40 @@ def run_pytest(app: Path, targets: list[str], junit: Path, log: Path, timeout: f
         f.write(f"\n{END}\n")
     sys.stdout.write(log.read_text(errors="replace")[-20000:])
     return code
+
+
+def end_strays() -> None:
+    """Kill every process the tests left running, so that nothing writes after the verifier reads
+    the results; only inside the sandbox's own PID namespace (SANDBOX_PID_NAMESPACE=1), where
+    everything but PID 1, this process and its parents was started by the tests."""
+    if os.environ.get("SANDBOX_PID_NAMESPACE") != "1":
+        return
+    keep, pid = {1}, os.getpid()
+    while pid > 1:
+        keep.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) not in keep:
+            try:
+                os.kill(int(entry), 9)
+            except OSError:
+                pass
+
+
+def clear_outputs(logs: Path) -> None:
+    """Remove the outputs the tests may have planted where this verifier writes its own (a
+    reward.json it never writes is left for the grader to find and refuse)."""
+    logs.chmod(0o755)
+    for name in ("reward.txt", "report.json"):
+        entry = logs / name
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        elif entry.is_symlink() or entry.exists():
+            entry.unlink()
 
 
 def report(results: dict[str, dict], fail_to_pass: list[str], pass_to_pass: list[str]) -> dict:
@@ -142,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     overlay(args.tests / "files", args.app, config.get("deleted", []))
     junit = args.logs / "junit.xml"
     run_pytest(args.app, config["test_files"], junit, args.logs / "test_output.txt", args.timeout, args.hash_seed)
+    end_strays()
+    clear_outputs(args.logs)
     errors: dict[str, str] = {}
     results = read_junit(junit, errors)
     if args.outcomes is not None:

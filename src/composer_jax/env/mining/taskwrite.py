@@ -30,7 +30,7 @@ TEST_SH = """#!/usr/bin/env bash
 # writes /logs/verifier/reward.txt (1 iff all passed), report.json, junit.xml and test_output.txt.
 mkdir -p /logs/verifier
 cd /app || { echo 0 > /logs/verifier/reward.txt; exit 0; }
-python3 /tests/run_tests.py --timeout {timeout} || echo 0 > /logs/verifier/reward.txt
+python3 -I /tests/run_tests.py --timeout {timeout} || echo 0 > /logs/verifier/reward.txt
 exit 0
 """
 

@@ -442,6 +442,9 @@ class BubblewrapLease(SandboxLease):
             "TERM": "dumb",
             "PYTHONDONTWRITEBYTECODE": "1",
             "USER": "agent",
+            # Every command has a PID namespace of its own: a verifier may end every other process
+            # in it (`kill -KILL -1`) before it writes a reward (tasks/families/base.py TEST_SH).
+            "SANDBOX_PID_NAMESPACE": "1",
             **SANDBOX_ENV,
             **cmd.env,
         }

@@ -149,6 +149,14 @@ class GradeResponse(BaseModel):
     environment: dict[str, Any] = Field(
         default_factory=dict, description="the task's built Python environment {key, python, requirements}, or {}"
     )
+    tampering: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="what the workspace did to grading: [{path, class, action}]; any entry makes the reward 0",
+    )
+    restored: list[str] = Field(default_factory=list, description="graded test files put back to the task's")
+    flags: list[dict[str, Any]] = Field(
+        default_factory=list, description="diff lines that reach into the test runner's internals (no penalty)"
+    )
 
 
 _ERRORS: dict[int | str, dict[str, Any]] = {

@@ -29,6 +29,7 @@ from pathlib import Path
 from composer_jax.env.sandbox import snapshot, volumes
 from composer_jax.env.sandbox.pyenv import BuiltEnv
 from composer_jax.env.sandbox.runner import ExecResult, Limits, Mount, SandboxLease
+from composer_jax.env.tasks import tampering as tampering_mod
 from composer_jax.env.tasks.store import Task
 
 MAX_DIFF_BYTES = 256 * 1024
@@ -49,6 +50,10 @@ class GradeResult:
     reward_details: dict = dataclasses.field(default_factory=dict)
     interpreter: dict = dataclasses.field(default_factory=dict)  # {python, version}: the sandbox's python3
     environment: dict = dataclasses.field(default_factory=dict)  # the task's built env ({key, python, ...}) or {}
+    # What the workspace did to grading (tasks/tampering.py): [{path, class, action}]; any -> reward 0.
+    tampering: list = dataclasses.field(default_factory=list)
+    restored: list = dataclasses.field(default_factory=list)  # graded test files put back (no penalty)
+    flags: list = dataclasses.field(default_factory=list)  # diff lines reaching into the runner (no penalty)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -78,12 +83,13 @@ def _numeric(value: object) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
-def read_reward(logs: Path) -> tuple[float | None, dict, str | None]:
+def read_reward(logs: Path, json_trusted: bool = True) -> tuple[float | None, dict, str | None]:
     """(reward, other rewards, error) from `logs`, as Harbor reads them: reward.json when it exists
     (a number, or an object whose values are all finite numbers: its "reward", or its only value;
-    the other values are returned as details), else reward.txt (one finite number)."""
+    the other values are returned as details), else reward.txt (one finite number). Without
+    `json_trusted` (the task's verifier does not write reward.json) only reward.txt is read."""
     try:
-        js = read_regular(logs, "reward.json", 100_000)
+        js = read_regular(logs, "reward.json", 100_000) if json_trusted else None
         txt = read_regular(logs, "reward.txt", 1000) if js is None else None
     except ValueError as exc:
         return None, {}, str(exc)
@@ -262,55 +268,58 @@ def release_job(app: Path) -> None:
     volumes.remove_tree(app.parent)
 
 
+def _failed(job: Job, start: float, environment: dict, error: str, tampering: list | None = None) -> GradeResult:
+    """A grade whose tests did not run (or ran on a tampered workspace): reward 0 with `error`."""
+    return GradeResult(
+        reward=0.0,
+        tests=[],
+        diff=job.diff,
+        error=error,
+        exit_code=None,
+        timed_out=False,
+        output_tail="",
+        duration_s=round(time.monotonic() - start, 4),
+        interpreter=job.interpreter,
+        environment=environment,
+        tampering=tampering or [],
+        flags=tampering_mod.runner_flags(job.diff),
+    )
+
+
 async def grade(
     task: Task, lease: SandboxLease, workspace: Path, scratch_root: Path, limits: Limits, env: BuiltEnv | None = None
 ) -> GradeResult:
     """Run the task's verifier on a fresh copy of `workspace` (see module docstring), with the
     task's built Python environment `env` (pyenv.py) first on PATH when it has one.
 
-    The copy and the diff run inside the sandbox as the session's uid; reward files are read by
-    descriptor off the event loop; the job's volumes are released on every path."""
+    The copy and the diff run inside the sandbox as the session's uid, then the copy's test
+    infrastructure is put back to the task's (tasks/tampering.py: a workspace that tampered with
+    it scores 0 and is named in `tampering`); reward files are read by descriptor off the event
+    loop; the job's volumes are released on every path."""
     start = time.monotonic()
-    verifier_limits = limits.with_(
-        wall_seconds=task.config.verifier_timeout_sec,
-        cpu_seconds=max(limits.cpu_seconds, int(task.config.verifier_timeout_sec) + 1),
-    )
     job = await prepare_job(task, lease, workspace, scratch_root, limits, diff=True, env=env)
     environment = env.describe() if env is not None else {}
+    env_mounts, env_vars = env_run_args(env)
     try:
         if job.error is not None:
-            return GradeResult(
-                reward=0.0,
-                tests=[],
-                diff=job.diff,
-                error=job.error,
-                exit_code=None,
-                timed_out=False,
-                output_tail="",
-                duration_s=round(time.monotonic() - start, 4),
-                interpreter=job.interpreter,
-                environment=environment,
-            )
-        env_mounts, env_vars = env_run_args(env)
-        mounts = [Mount(job.app, "/app", True), Mount(job.logs, "/logs/verifier", True)]
-        mounts += [Mount(task.tests_dir, "/tests", False), *env_mounts]
-        result = await lease.run(
-            ["bash", "/tests/test.sh"], mounts=mounts, cwd="/app", limits=verifier_limits, env=env_vars
+            return _failed(job, start, environment, job.error)
+        tampering, restored, error = await tampering_mod.sanitize_job(
+            task, lease, job.app, limits, env_mounts, env_vars
         )
-        reward, details, error = await asyncio.to_thread(read_reward, job.logs)
-        if result.timed_out:
-            error = f"verifier timed out after {task.config.verifier_timeout_sec}s" + (
-                f"; {error}" if error and reward is None else ""
-            )
-        tests = await asyncio.to_thread(parse_junit, job.logs / "junit.xml")
+        if error is not None:
+            return _failed(job, start, environment, error)
+        result, reward, details, error, tests = await _verify(task, lease, job, limits, env_mounts, env_vars)
+        tampering += await asyncio.to_thread(_forged_rewards, task, job.logs)
     finally:
         await asyncio.to_thread(release_job, job.app)
+    if tampering:
+        error, reward, details = tampering_mod.tampering_error(tampering), 0.0, {}
     tail = result.stdout[-4000:] + ("\n--- stderr ---\n" + result.stderr[-4000:] if result.stderr else "")
     return GradeResult(
         reward=reward if reward is not None else 0.0,
         tests=tests,
         diff=job.diff,
-        error=error if reward is None or result.timed_out else None,
+        error=error if reward is None or result.timed_out or tampering else None,
         exit_code=result.exit_code,
         timed_out=result.timed_out,
         output_tail=tail,
@@ -318,7 +327,43 @@ async def grade(
         reward_details=details,
         interpreter=job.interpreter,
         environment=environment,
+        tampering=tampering,
+        restored=restored,
+        flags=tampering_mod.runner_flags(job.diff),
     )
+
+
+async def _verify(
+    task: Task, lease: SandboxLease, job: Job, limits: Limits, env_mounts: list[Mount], env_vars: dict[str, str]
+) -> tuple[ExecResult, float | None, dict, str | None, list[dict]]:
+    """Run `bash /tests/test.sh` on the job: (result, reward, details, error, tests)."""
+    verifier_limits = limits.with_(
+        wall_seconds=task.config.verifier_timeout_sec,
+        cpu_seconds=max(limits.cpu_seconds, int(task.config.verifier_timeout_sec) + 1),
+    )
+    mounts = [Mount(job.app, "/app", True), Mount(job.logs, "/logs/verifier", True)]
+    mounts += [Mount(task.tests_dir, "/tests", False), *env_mounts]
+    run_env = {**tampering_mod.verifier_env(task), **env_vars}
+    result = await lease.run(["bash", "/tests/test.sh"], mounts=mounts, cwd="/app", limits=verifier_limits, env=run_env)
+    trusted = tampering_mod.reward_json_trusted(task)
+    reward, details, error = await asyncio.to_thread(read_reward, job.logs, trusted)
+    if result.timed_out:
+        error = f"verifier timed out after {task.config.verifier_timeout_sec}s" + (
+            f"; {error}" if error and reward is None else ""
+        )
+    tests = await asyncio.to_thread(parse_junit, job.logs / "junit.xml")
+    return result, reward, details, error, tests
+
+
+def _forged_rewards(task: Task, logs: Path) -> list[dict]:
+    """A reward.json the task's verifier does not write: the tests wrote it (class "reward-write")."""
+    if tampering_mod.reward_json_trusted(task):
+        return []
+    try:
+        os.lstat(logs / "reward.json")
+    except OSError:
+        return []
+    return [{"path": "/logs/verifier/reward.json", "class": "reward-write", "action": "ignored"}]
 
 
 async def oracle_workspace(

@@ -55,6 +55,9 @@ class TaskConfig:
     raw: dict[str, Any]
     # [verifier] python_modules: what the tests import; a grade checks the sandbox's python3 has them.
     test_modules: tuple[str, ...] = ()
+    # [verifier] pytest_plugins: the plugins the tests need, loaded by name (PYTEST_PLUGINS); no
+    # other plugin is autoloaded into a verifier's pytest (tasks/tampering.py).
+    pytest_plugins: tuple[str, ...] = ()
     # [environment] python / requirements / requirements_file / install_app (pyenv.py); None: none.
     environment: EnvSpec | None = None
 
@@ -140,12 +143,8 @@ def parse_task_config(data: dict[str, Any], where: str, root: Path | None = None
             f"{where}: [verifier] environment_mode = {mode!r}; accepted: "
             f"{', '.join(repr(m) for m in VERIFIER_MODES)} (this server always grades a fresh copy)"
         )
-    modules = sections["verifier"].get("python_modules", [])
-    if not isinstance(modules, list) or not all(isinstance(m, str) and _MODULE.fullmatch(m) for m in modules):
-        raise TaskError(
-            f"{where}: [verifier] python_modules = {modules!r} must be a list of importable module names "
-            'such as ["pytest", "numpy"]'
-        )
+    modules = _modules(sections["verifier"], "python_modules", where, '["pytest", "numpy"]')
+    plugins = _modules(sections["verifier"], "pytest_plugins", where, '["pytest_asyncio.plugin"]')
     return TaskConfig(
         version=version,
         metadata=dict(sections["metadata"]),
@@ -157,9 +156,19 @@ def parse_task_config(data: dict[str, Any], where: str, root: Path | None = None
         gpus=gpus,
         allow_internet=allow_internet,
         raw=data,
-        test_modules=tuple(modules),
+        test_modules=modules,
+        pytest_plugins=plugins,
         environment=_environment(env, root, where),
     )
+
+
+def _modules(verifier: dict, key: str, where: str, example: str) -> tuple[str, ...]:
+    modules = verifier.get(key, [])
+    if not isinstance(modules, list) or not all(isinstance(m, str) and _MODULE.fullmatch(m) for m in modules):
+        raise TaskError(
+            f"{where}: [verifier] {key} = {modules!r} must be a list of importable module names such as {example}"
+        )
+    return tuple(modules)
 
 
 def _environment(env: dict, root: Path | None, where: str) -> EnvSpec | None:

@@ -24,7 +24,8 @@ class RolloutStats:
     """What the agent loop measured of one finished rollout (all generations of a
     self-summarisation chain together).
 
-    grade: the environment's score (e.g. 1.0 when the tests pass); tokens: policy-generated
+    grade: the environment's score (e.g. 1.0 when the tests pass; 0 for a rollout whose grade names
+    tampering, `Rollout.env_reward`); tokens: policy-generated
     tokens; turns: model turns; tool_calls: tool calls issued; broken_tool_calls: malformed or
     incomplete tool calls (answered with an error observation); parallel_tool_turns: turns that
     issued more than one tool call; lint_findings: lint findings on the files the rollout changed,

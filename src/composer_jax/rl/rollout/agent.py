@@ -73,8 +73,15 @@ class Rollout:
         return sum(g.generated for g in self.generations)
 
     @property
+    def tampered(self) -> bool:
+        """The grade names files with which the workspace tampered with grading (the environment's
+        `tampering` list: a planted conftest, startup hook, runner stand-in, forged reward)."""
+        return bool(self.grade.get("tampering"))
+
+    @property
     def env_reward(self) -> float:
-        return float(self.grade.get("reward", 0.0))
+        """The grade's reward; 0 for a rollout that tampered with grading, whatever the grade says."""
+        return 0.0 if self.tampered else float(self.grade.get("reward", 0.0))
 
     def trajectory(self) -> dict[str, Any]:
         """JSON-ready record: the OpenAI messages of every generation and the counts."""
