@@ -360,9 +360,10 @@ def test_unhandled_error_is_a_counted_500(tmp_path, monkeypatch):
     assert mounts_below(tmp_path / "w") == [] and not (tmp_path / "w").joinpath("sessions").exists()
 
 
-def test_venv_under_tmp_is_visible_in_sandbox(tmp_path):
-    """The server's virtualenv lives under /tmp: the sandbox's python3 is that venv's, and the
-    grade says which interpreter ran (defect 5)."""
+def test_sandbox_shows_the_verifier_toolchain_not_the_servers_venv(tmp_path):
+    """The server's virtualenv (here under /tmp, as in defect 5) is not visible in a session: its
+    python3 is the verifier toolchain's at /opt/verifier (pytest importable, the server's packages
+    not), nothing of the venv's directory is listed, and the grade says which interpreter ran."""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     site = next((venv / "lib").glob("python3*/site-packages"))
@@ -377,17 +378,23 @@ def test_venv_under_tmp_is_visible_in_sandbox(tmp_path):
     try:
         http = server.client()
         sid = http.post("/sessions", json={"task_id": "fix-add"}).json()["session_id"]
-        out = call(http, sid, "run_shell", command='python3 -c "import sys; print(sys.prefix)"; echo "$PATH"')
-        prefix, path = out["result"]["stdout"].split()
-        assert prefix == str(venv), out
-        assert path.split(":")[0] == str(venv / "bin")
+        command = (
+            'python3 -c "import sys, pytest; print(sys.prefix)"; echo "$PATH"; '
+            f"ls {venv} {parent_site} >/dev/null 2>&1 || echo unseen; "
+            'python3 -c "import fastapi" 2>/dev/null || echo no-fastapi'
+        )
+        out = call(http, sid, "run_shell", command=command)
+        prefix, path, unseen, no_fastapi = out["result"]["stdout"].split()
+        assert prefix == "/opt/verifier", out
+        assert path.split(":")[0] == "/opt/verifier/bin"
+        assert (unseen, no_fastapi) == ("unseen", "no-fastapi")
         grade = http.post(f"/sessions/{sid}/grade").json()
-        assert grade["interpreter"]["python"].startswith(str(venv)), grade["interpreter"]
+        assert grade["reward"] == 0 and grade["interpreter"]["python"].startswith("/opt/verifier"), grade
         # A task whose declared test dependency the sandbox's python3 lacks: said, tests not run.
         sid = http.post("/sessions", json={"task_id": "needs-module"}).json()["session_id"]
         grade = http.post(f"/sessions/{sid}/grade").json()
         assert grade["reward"] == 0 and "cannot import no_such_module_cj" in grade["error"], grade
-        assert str(venv) in grade["error"] and grade["output_tail"] == ""
+        assert "/opt/verifier" in grade["error"] and grade["output_tail"] == ""
     finally:
         server.stop()
 

@@ -23,10 +23,11 @@ without one it installs from `index_url`, else pip's configured index, and only 
 the network. Then the entry is made read-only, owned by root, and renamed into place.
 
 pytest: when the spec's Python is the server's own, the venv gets a `.pth` line that puts the
-server environment's site-packages *after* its own, so the verifier's `python3 -m pytest` works
-and the task's requirements win over anything there; pip and setuptools come from there too
-(builds use `--no-build-isolation`, so an offline build needs no build backend in the
-wheelhouse). Under another Python, pytest must be among the requirements (the build checks it).
+verifier toolchain's site-packages (`toolchain.py`, at /opt/verifier in every sandbox: pytest,
+pip, setuptools, wheel; never the server's own environment) *after* its own, so the verifier's
+`python3 -m pytest` works and the task's requirements win over anything there; pip and setuptools
+come from there too (builds use `--no-build-isolation`, so an offline build needs no build backend
+in the wheelhouse). Under another Python, pytest must be among the requirements (the build checks it).
 """
 
 from __future__ import annotations
@@ -41,14 +42,13 @@ import secrets
 import shutil
 import stat
 import sys
-import sysconfig
 import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from composer_jax.env.sandbox import volumes
+from composer_jax.env.sandbox import toolchain, volumes
 from composer_jax.env.sandbox.runner import Limits, Mount, Sandbox, SandboxLease
 from composer_jax.env.tasks.envspec import EnvSpec
 
@@ -112,7 +112,9 @@ def _server_python() -> str:
 
 
 def _server_site_packages() -> str:
-    return os.path.realpath(sysconfig.get_paths()["purelib"])
+    """What a same-Python task environment sits over: the toolchain's site-packages as sandboxes
+    see it, keyed by the toolchain's contents (a new pytest or pip rebuilds the environments)."""
+    return toolchain.site_packages(toolchain.TOOLCHAIN_MOUNT) + "#" + toolchain.toolchain_key(toolchain.distributions())
 
 
 class EnvBuildError(Exception):
@@ -336,7 +338,11 @@ class EnvCache:
             network = bool(spec.requirements) or spec.install_app == "editable"
             source = ["--index-url", self.index_url] if self.index_url else []
         same_python = spec.python in (None, _server_python())
-        flags = ["pth" if same_python else "", _server_site_packages(), spec.install_app.replace("none", "")]
+        flags = [
+            "pth" if same_python else "",
+            toolchain.site_packages(toolchain.TOOLCHAIN_MOUNT),
+            spec.install_app.replace("none", ""),
+        ]
         argv = ["bash", "-c", _BUILD_SCRIPT, "build", py, ENV_MOUNT, *flags, *source]
         result = await lease.run(argv, mounts=mounts, cwd="/", limits=BUILD_LIMITS, network=network)
         log = (result.stdout + result.stderr)[-6000:]

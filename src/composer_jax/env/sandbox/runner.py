@@ -5,7 +5,9 @@ same two methods); `SandboxLease` is one session's identity inside it. Backends:
 
 * `BubblewrapSandbox` (default): every command runs in a fresh bubblewrap sandbox with
   no network (new net namespace), its own PID/IPC/UTS namespaces, an empty tmpfs root with the
-  system directories (`/usr`, `/etc`, the Python prefix and venv) bound read-only, the session's
+  system directories (`/usr`, `/etc`, the Python installation the server runs on; never the
+  server's own virtualenv) and the verifier's toolchain (`toolchain.py`: pytest, pip, at
+  /opt/verifier, first on PATH) bound read-only, the session's
   workspace bound read-write at `/app`, a size-limited tmpfs `/tmp`, and the command running as a
   per-session unprivileged uid with no capabilities and `no_new_privs`. Resource limits are
   rlimits (CPU time, address space, processes, file size, open files) plus, where the host lets
@@ -31,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+from composer_jax.env.sandbox import toolchain
 from composer_jax.env.sandbox.cgroups import CgroupLimiter
 
 # Per-session uids come from this range so that RLIMIT_NPROC (counted per real uid) and
@@ -497,7 +500,13 @@ class BubblewrapSandbox(Sandbox):
     name = "bubblewrap"
     isolated = True
 
-    def __init__(self, session_limits: Limits | None = None, bwrap: str | None = None, use_cgroups: bool = True):
+    def __init__(
+        self,
+        session_limits: Limits | None = None,
+        bwrap: str | None = None,
+        use_cgroups: bool = True,
+        toolchain_root: Path | None = None,
+    ):
         found = bwrap or shutil.which("bwrap")
         if not found:
             raise RuntimeError(
@@ -509,26 +518,26 @@ class BubblewrapSandbox(Sandbox):
         self.session_limits = session_limits or Limits()
         self.cgroups = CgroupLimiter.detect() if (use_cgroups and self.privileged) else None
         self.uids = _UidPool()
+        self.toolchain = toolchain.toolchain(toolchain_root)
         paths = self._system_paths()
         # A private tmpfs is mounted on /tmp after the base binds: what lives under the host's
         # /tmp (a virtualenv there) is bound again on top of it (`tmp_ro_paths`).
         self.tmp_ro_paths = [p for p in paths if p == "/tmp" or p.startswith("/tmp/")]
         self._ro_paths = [p for p in paths if p not in self.tmp_ro_paths]
-        venv_bin = [str(Path(sys.prefix) / "bin")] if sys.prefix != sys.base_prefix else []
         self.path_env = ":".join(
-            venv_bin + [str(Path(sys.base_prefix) / "bin"), "/usr/local/bin", "/usr/bin", "/bin", "/usr/sbin", "/sbin"]
+            [f"{toolchain.TOOLCHAIN_MOUNT}/bin", str(Path(sys.base_prefix) / "bin")]
+            + ["/usr/local/bin", "/usr/bin", "/bin", "/usr/sbin", "/sbin"]
         )
         self._base = self._build_base_args()
 
     @staticmethod
     def _system_paths() -> list[str]:
-        # The Python prefix (and venv) give tasks `python3` with pytest importable at the same
-        # paths as on the host, so shebangs and venv symlinks resolve.
+        # The Python installation (the venv's base, at its host path: the toolchain's interpreter
+        # links to it); not the server's virtualenv, whose packages the toolchain replaces.
         paths = ["/usr", "/etc"]
-        for p in (sys.base_prefix, sys.prefix):
-            p = os.path.realpath(p)
-            if not any(p == q or p.startswith(q + "/") for q in paths):
-                paths.append(p)
+        p = os.path.realpath(sys.base_prefix)
+        if not any(p == q or p.startswith(q + "/") for q in paths):
+            paths.append(p)
         return paths
 
     @staticmethod
@@ -558,6 +567,8 @@ class BubblewrapSandbox(Sandbox):
         ]
         for p in self._ro_paths:
             args += self.parent_dirs(p) + ["--ro-bind", p, p]
+        mount = toolchain.TOOLCHAIN_MOUNT
+        args += self.parent_dirs(mount) + ["--ro-bind", str(self.toolchain), mount]
         for name in ("bin", "lib", "lib64", "sbin", "lib32"):
             if os.path.islink(f"/{name}"):
                 args += ["--symlink", os.readlink(f"/{name}"), f"/{name}"]
