@@ -19,8 +19,10 @@ agent, as a fresh lease's unprivileged uid: the entry's temporary directory is t
 mount (at `ENV_MOUNT`: a venv hard-codes its path), the wheelhouse is mounted read-only at
 /wheelhouse, the requirements at /envreq, a copy of the app at /app (editable installs point
 there, which is where sessions see their workspace). From a wheelhouse the build has no network;
-without one it installs from `index_url`, else pip's configured index, and only that build gets
-the network. Then the entry is made read-only, owned by root, and renamed into place.
+without one it installs from `index_url`, else pip's configured index, reached through the index
+proxy (`index_proxy.py`: that index's hosts at public addresses only; the build never shares the
+host's network, so its loopback services, private ranges and the link-local metadata address stay
+out of reach). Then the entry is made read-only, owned by root, and renamed into place.
 
 pytest: when the spec's Python is the server's own, the venv gets a `.pth` line that puts the
 verifier toolchain's site-packages (`toolchain.py`, at /opt/verifier in every sandbox: pytest,
@@ -48,7 +50,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from composer_jax.env.sandbox import toolchain, volumes
+from composer_jax.env.sandbox import index_proxy, toolchain, volumes
 from composer_jax.env.sandbox.runner import Limits, Mount, Sandbox, SandboxLease
 from composer_jax.env.tasks.envspec import EnvSpec
 
@@ -144,11 +146,17 @@ class BuiltEnv:
         return {"key": self.key, "python": self.python_version, "requirements": list(self.requirements)}
 
 
-# The build, run inside the sandbox: $1 interpreter, $2 env prefix, $3 "pth" or "", $4 server
-# site-packages, $5 "editable" or "", then pip's source options. Output: log, last line JSON.
+# The build, run inside the sandbox: $1 interpreter, $2 env prefix, $3 "pth" or "", $4 toolchain
+# site-packages, $5 "editable" or "", $6 the index proxy's forwarder port or "" (index_proxy.py), $7
+# the forwarder's code, then pip's source options. Output: log, last line JSON.
 _BUILD_SCRIPT = r"""
 set -eu
-py="$1"; prefix="$2"; pth="$3"; site="$4"; editable="$5"; shift 5
+py="$1"; prefix="$2"; pth="$3"; site="$4"; editable="$5"; proxy="$6"; forwarder="$7"; shift 7
+if [ -n "$proxy" ]; then
+  "$py" -c "$forwarder" /run/index-proxy/proxy.sock "$proxy" > /tmp/forwarder.out 2>&1 &
+  for _ in $(seq 100); do grep -q ready /tmp/forwarder.out 2>/dev/null && break; sleep 0.05; done
+  set -- --proxy "http://127.0.0.1:$proxy" "$@"
+fi
 if [ -n "$pth" ]; then "$py" -m venv --without-pip "$prefix"; else "$py" -m venv "$prefix"; fi
 envpy="$prefix/bin/python"
 if [ -n "$pth" ]; then
@@ -168,8 +176,18 @@ fi
 class EnvCache:
     """Built environments under `root`, one directory per key; builds run in `sandbox`."""
 
-    def __init__(self, root: Path, sandbox: Sandbox, *, wheelhouse: Path | None = None, index_url: str | None = None):
+    def __init__(
+        self,
+        root: Path,
+        sandbox: Sandbox,
+        *,
+        wheelhouse: Path | None = None,
+        index_url: str | None = None,
+        proxy_allow: tuple[tuple[str, int], ...] = (),
+    ):
         self.root = Path(root)
+        # (address, port) pairs the index proxy lets through although not public: a test's local index
+        self.proxy_allow = proxy_allow
         self.sandbox = sandbox
         self.wheelhouse = Path(wheelhouse).resolve() if wheelhouse is not None else None
         self.index_url = index_url
@@ -330,27 +348,51 @@ class EnvCache:
             _chown(app, lease.uid, lease.gid)
             await asyncio.to_thread(volumes.copy_tree, app_dir, app, lease.uid, lease.gid)
             mounts.append(Mount(app, "/app", True))
-        network = False
-        if self.wheelhouse is not None:
-            mounts.append(Mount(self.wheelhouse, "/wheelhouse", False))
-            source = ["--no-index", "--find-links", "/wheelhouse"]
-        else:
-            network = bool(spec.requirements) or spec.install_app == "editable"
-            source = ["--index-url", self.index_url] if self.index_url else []
         same_python = spec.python in (None, _server_python())
         flags = [
             "pth" if same_python else "",
             toolchain.site_packages(toolchain.TOOLCHAIN_MOUNT),
             spec.install_app.replace("none", ""),
         ]
-        argv = ["bash", "-c", _BUILD_SCRIPT, "build", py, ENV_MOUNT, *flags, *source]
-        result = await lease.run(argv, mounts=mounts, cwd="/", limits=BUILD_LIMITS, network=network)
+        if self.wheelhouse is not None:
+            mounts.append(Mount(self.wheelhouse, "/wheelhouse", False))
+            source = ["--no-index", "--find-links", "/wheelhouse"]
+        elif spec.requirements or spec.install_app == "editable":
+            return await self._run_with_index(lease, key, [*mounts], [py, ENV_MOUNT, *flags])
+        else:
+            source = []
+        return await self._run_script(lease, key, mounts, [py, ENV_MOUNT, *flags, "", ""], source, None)
+
+    async def _run_with_index(self, lease: SandboxLease, key: str, mounts: list[Mount], head: list[str]) -> dict:
+        """A build from the index: no network of its own, the index through the proxy only."""
+        urls = [self.index_url] if self.index_url else index_proxy.configured_indexes()
+        proxy = index_proxy.IndexProxy(index_proxy.index_hosts(urls), allow=self.proxy_allow)
+        source = ["--index-url", self.index_url] if self.index_url else []
+        async with proxy.serving() as where:
+            mounts.append(Mount(where, index_proxy.MOUNT, False))
+            args = [*head, str(index_proxy.PORT), index_proxy.FORWARDER]
+            return await self._run_script(lease, key, mounts, args, source, proxy)
+
+    async def _run_script(
+        self,
+        lease: SandboxLease,
+        key: str,
+        mounts: list[Mount],
+        args: list[str],
+        source: list[str],
+        proxy: index_proxy.IndexProxy | None,
+    ) -> dict:
+        argv = ["bash", "-c", _BUILD_SCRIPT, "build", *args, *source]
+        result = await lease.run(argv, mounts=mounts, cwd="/", limits=BUILD_LIMITS, network=False)
         log = (result.stdout + result.stderr)[-6000:]
         if result.timed_out or result.exit_code != 0:
             why = "timed out" if result.timed_out else f"exit {result.exit_code}"
             hint = " (no pytest: under another Python than the server's, list pytest in requirements)"
+            refused = f"; the index proxy refused: {'; '.join(proxy.refused[:5])}" if proxy and proxy.refused else ""
             raise EnvBuildError(
-                f"building the environment {key[:12]} failed ({why})" + (hint if "pytest" in log[-400:] else ""), log
+                f"building the environment {key[:12]} failed ({why}){refused}"
+                + (hint if "pytest" in log[-400:] else ""),
+                log,
             )
         return _last_json(result.stdout)
 
