@@ -246,3 +246,69 @@ def test_a_merge_commit_is_named_by_its_pull_request_title():
     assert instruction.category_of(merge, [], {"t::a": {"outcome": "failed"}}, ["t::a"]) == "feature"
     plain = Commit("c" * 40, "p" * 40, "2024-01-01T00:00:00Z", "Merge branch 'stats'", "")
     assert instruction.title_and_body(plain) == ("Merge branch 'stats'", "")
+
+
+def test_a_timed_out_run_before_the_change_decides_nothing():
+    """A test the before-run never reported because it timed out is not FAIL_TO_PASS (it may hang
+    rather than fail); one it did report as failing still is."""
+    before = [{"t::reported": {"outcome": "failed"}, mine.TIMED_OUT: {"outcome": "timeout"}}]
+    after = [{"t::reported": {"outcome": "passed"}, "t::unreported": {"outcome": "passed"}}]
+    assert mine.decide(before, after) == (["t::reported"], [], [])
+    assert mine.decide([{}], after) == (["t::reported", "t::unreported"], [], [])  # absent without a timeout
+
+
+def test_max_tasks_is_exact_with_jobs_in_flight(tmp_path, monkeypatch):
+    """Jobs that found tasks together write only max_tasks of them; one whose oracle fails frees
+    its slot for the next."""
+    repo = tmp_path / "r"
+    repo.mkdir()
+    minerepo.git(repo, "init", "-q", "-b", "main")
+    written: list[str] = []
+
+    def write_task(task, base, out):
+        written.append(task)
+        return out / task
+
+    async def check_written(final, *args):
+        await asyncio.sleep(0.01)  # the validation awaits: other jobs run meanwhile
+        return "oracle failed" if final.name == "bad" else None
+
+    monkeypatch.setattr(mine, "write_task", write_task)
+    monkeypatch.setattr(mine.validate, "check_written", check_written)
+    miner = mine.Miner(repo, tmp_path / "out", sandbox=None, opts=mine.MineOptions(max_tasks=2))
+
+    async def one(name):
+        try:
+            return (await miner._write(name, None)).name
+        except mine.Rejected as exc:
+            return exc.reason
+        except mine._Enough:
+            return "enough"
+
+    async def all_at_once():
+        return await asyncio.gather(*(one(n) for n in ("bad", "a", "b", "c")))
+
+    assert asyncio.run(all_at_once()) == ["oracle failed", "a", "enough", "enough"]
+    assert (miner.written, miner.reserved) == (1, 1) and written == ["bad", "a"]
+    assert asyncio.run(one("d")) == "d" and asyncio.run(one("e")) == "enough"
+
+
+HANG_V1 = "def spin(n):\n    while n != 0:\n        pass\n    return n\n"
+HANG_V2 = "def spin(n):\n    return 0\n"
+TEST_HANG = "from calc.spin import spin\n\n\ndef test_spin():\n    assert spin(3) == 0\n"
+
+
+@sandboxed
+def test_mine_a_commit_whose_before_run_times_out(tmp_path):
+    """The test hangs before the fix: the run before the change times out, so nothing is FAIL_TO_PASS."""
+    repo = tmp_path / "calc"
+    repo.mkdir()
+    minerepo.git(repo, "init", "-q", "-b", "main")
+    minerepo.git(repo, "remote", "add", "origin", "https://github.com/example/calc.git")
+    minerepo.commit(repo, "Initial", {"calc/__init__.py": "", "calc/spin.py": HANG_V1, "tests/test_x.py": ""}, 1)
+    minerepo.commit(repo, "Fix spin", {"calc/spin.py": HANG_V2, "tests/test_spin.py": TEST_HANG}, 2)
+    opts = mine.MineOptions(runs=1, timeout_s=8.0, jobs=1)
+    outcomes = asyncio.run(mine.Miner(repo, tmp_path / "out", default_sandbox(), opts).run())
+    fix = outcomes[-1]
+    assert (fix.status, fix.reason) == ("rejected", "no FAIL_TO_PASS"), fix
+    assert "the run before the change timed out" in fix.detail

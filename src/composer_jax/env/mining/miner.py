@@ -44,7 +44,10 @@ REASONS = (
     "no FAIL_TO_PASS",
     "flaky",
     "oracle failed",
+    "timed out",
 )
+# a run before the change that timed out: the tests it did not report are undecided, not failing
+TIMED_OUT = "::timed-out"
 MAX_PASS_TO_PASS = 1000  # above this, an evenly spaced sample of the sorted ids (the count is kept)
 
 
@@ -76,6 +79,10 @@ class Outcome:
     seconds: float = 0.0
 
 
+class _Enough(Exception):
+    """max_tasks tasks are written or being written: this job's task is not."""
+
+
 class Rejected(Exception):
     def __init__(self, reason: str, detail: str = ""):
         assert reason in REASONS, reason
@@ -102,11 +109,13 @@ def select(commit: Commit, changes: list[FileChange], opts: MineOptions) -> tupl
 
 
 def decide(before: list[dict], after: list[dict]) -> tuple[list[str], list[str], list[str]]:
-    """(FAIL_TO_PASS, PASS_TO_PASS, flaky) from per-run {node id: {"outcome"}} maps of each side."""
-    names = sorted({n for run in before + after for n in run})
+    """(FAIL_TO_PASS, PASS_TO_PASS, flaky) from per-run {node id: {"outcome"}} maps of each side.
+    A run holding TIMED_OUT ended at its time limit: a test it did not report is "timeout" there,
+    which decides nothing (never FAIL_TO_PASS)."""
+    names = sorted({n for run in before + after for n in run} - {TIMED_OUT})
 
     def outcomes(runs: list[dict], name: str) -> set[str]:
-        return {run.get(name, {}).get("outcome", "absent") for run in runs}
+        return {run.get(name, {}).get("outcome", "timeout" if TIMED_OUT in run else "absent") for run in runs}
 
     f2p, p2p, flaky = [], [], []
     for name in names:
@@ -157,6 +166,11 @@ async def run_side(
         raw = await asyncio.to_thread(grader.read_regular, job.logs, "outcomes.json", 64 * 2**20)
     finally:
         await asyncio.to_thread(grader.release_job, job.app)
+    timed_out = result.timed_out or (raw is not None and json.loads(raw).get("timed_out", False))
+    if timed_out and solved:
+        raise Rejected("timed out", f"the tests after the change ran past {limits.wall_seconds:g} s")
+    if timed_out:  # before the change: what it did not report is undecided (`decide`)
+        return {**(json.loads(raw)["tests"] if raw is not None else {}), TIMED_OUT: {"outcome": "timeout"}}
     if raw is None:
         tail = (result.stderr or result.stdout)[-400:].strip()
         raise Rejected(
@@ -184,6 +198,7 @@ class Miner:
         self.scratch = Path(tempfile.mkdtemp(prefix="composer-jax-mine-"))
         self.limits = Limits(wall_seconds=opts.timeout_s, cpu_seconds=int(opts.timeout_s) + 1, memory_mb=4096)
         self.written = 0
+        self.reserved = 0  # tasks written or being written: never more than max_tasks
 
     async def run(self, commits: list[Commit] | None = None) -> list[Outcome]:
         if commits is None:
@@ -193,9 +208,11 @@ class Miner:
 
         async def one(commit: Commit) -> Outcome | None:
             async with sem:
-                if self.opts.max_tasks is not None and self.written >= self.opts.max_tasks:
+                if self._full():
                     return None
                 outcome = await self.mine_commit(commit)
+                if outcome is None:  # found a task when max_tasks were already written
+                    return None
                 if self.progress:
                     self.progress(outcome)
                 return outcome
@@ -206,11 +223,16 @@ class Miner:
             shutil.rmtree(self.scratch, ignore_errors=True)
         return [r for r in results if r is not None]
 
-    async def mine_commit(self, commit: Commit) -> Outcome:
+    def _full(self) -> bool:
+        return self.opts.max_tasks is not None and self.reserved >= self.opts.max_tasks
+
+    async def mine_commit(self, commit: Commit) -> Outcome | None:
         start = time.monotonic()
         work = self.scratch / commit.sha
         try:
             outcome = await self._mine(commit, work)
+        except _Enough:
+            return None
         except Rejected as exc:
             outcome = Outcome(commit.sha, "rejected", exc.reason, exc.detail[:500])
         finally:
@@ -234,13 +256,28 @@ class Miner:
         )
         files = work / "draft" / draft.task_id / "tests" / "files"
         task.instruction = write_instruction(commit, task, before, self.opts.writer, files)
-        final = await asyncio.to_thread(write_task, task, base, self.out)
-        problem = await validate.check_written(final, self.sandbox, self.scratch, self.limits, self.opts.env_cache)
+        await self._write(task, base)
+        return Outcome(commit.sha, "written", task_id=task.task_id, fail_to_pass=f2p, pass_to_pass=task.pass_to_pass)
+
+    async def _write(self, task: RepoTask, base: Path) -> Path:
+        """Write and validate `task`, within max_tasks: jobs in flight together find tasks at once,
+        and only the first max_tasks of them write (`--max-tasks` is exact); `_Enough` for the rest.
+        A task whose oracle fails frees its slot."""
+        if self._full():
+            raise _Enough
+        self.reserved += 1  # no await since the check: no other job can take the same slot
+        try:
+            final = await asyncio.to_thread(write_task, task, base, self.out)
+            problem = await validate.check_written(final, self.sandbox, self.scratch, self.limits, self.opts.env_cache)
+        except BaseException:
+            self.reserved -= 1
+            raise
         if problem:
+            self.reserved -= 1
             await asyncio.to_thread(shutil.rmtree, final, True)
             raise Rejected("oracle failed", problem)
         self.written += 1
-        return Outcome(commit.sha, "written", task_id=task.task_id, fail_to_pass=f2p, pass_to_pass=task.pass_to_pass)
+        return final
 
     def _prepare(
         self, commit: Commit, changes: list[FileChange], tests: list[str], source: list[str], work: Path
@@ -308,6 +345,8 @@ class Miner:
             await lease.close()
         if not f2p:
             detail = f"flaky: {', '.join(flaky[:5])}" if flaky else f"{len(after[-1])} tests ran after the change"
+            if any(TIMED_OUT in run for run in before):
+                detail += "; the run before the change timed out (its unreported tests decide nothing)"
             raise Rejected("flaky" if flaky else "no FAIL_TO_PASS", detail)
         return f2p, p2p, before[0]
 

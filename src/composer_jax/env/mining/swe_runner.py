@@ -99,6 +99,7 @@ BOOTSTRAP = (
 
 
 def run_pytest(app: Path, targets: list[str], junit: Path, log: Path, timeout: float | None, seed: str | None) -> int:
+    """Run the targets under pytest; -> its exit code, TIMED_OUT when `timeout` ended it."""
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", **({"PYTHONHASHSEED": seed} if seed else {}))
     roots = [str(app / "src"), str(app)] if (app / "src").is_dir() else [str(app)]
     roots += [p for p in [env.pop("PYTHONPATH", None)] if p]
@@ -114,11 +115,14 @@ def run_pytest(app: Path, targets: list[str], junit: Path, log: Path, timeout: f
                 argv, cwd=app, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout
             ).returncode
         except subprocess.TimeoutExpired:
-            code = -1
+            code = TIMED_OUT
             f.write("\n>>>>> Tests Timed Out\n")
         f.write(f"\n{END}\n")
     sys.stdout.write(log.read_text(errors="replace")[-20000:])
     return code
+
+
+TIMED_OUT = -1
 
 
 def end_strays() -> None:
@@ -187,13 +191,15 @@ def main(argv: list[str] | None = None) -> int:
     args.logs.mkdir(parents=True, exist_ok=True)
     overlay(args.tests / "files", args.app, config.get("deleted", []))
     junit = args.logs / "junit.xml"
-    run_pytest(args.app, config["test_files"], junit, args.logs / "test_output.txt", args.timeout, args.hash_seed)
+    log = args.logs / "test_output.txt"
+    code = run_pytest(args.app, config["test_files"], junit, log, args.timeout, args.hash_seed)
     end_strays()
     clear_outputs(args.logs)
     errors: dict[str, str] = {}
     results = read_junit(junit, errors)
     if args.outcomes is not None:
-        args.outcomes.write_text(json.dumps({"tests": results, "collection_errors": errors}, indent=1, sort_keys=True))
+        outcomes = {"tests": results, "collection_errors": errors, "timed_out": code == TIMED_OUT}
+        args.outcomes.write_text(json.dumps(outcomes, indent=1, sort_keys=True))
         return 0
     rep = report(results, config["fail_to_pass"], config["pass_to_pass"])
     (args.logs / "report.json").write_text(json.dumps(rep, indent=1))
