@@ -312,3 +312,66 @@ def test_mine_a_commit_whose_before_run_times_out(tmp_path):
     fix = outcomes[-1]
     assert (fix.status, fix.reason) == ("rejected", "no FAIL_TO_PASS"), fix
     assert "the run before the change timed out" in fix.detail
+
+
+SOLUTION = b"""--- a/pkg/paths.py
++++ b/pkg/paths.py
+@@ -1,2 +1,3 @@
+ def clean(p):
+-    return p
++    # strip the trailing slash
++    return normalize_path(p, sep="//")
+"""
+TEST_AFTER = """import re
+import pytest
+from pkg.paths import clean
+
+
+def test_clean_message():
+    with pytest.raises(ValueError, match="path must be relative"):
+        clean("/abs")
+"""
+TEST_PATCH = b"""--- a/tests/test_paths.py
++++ b/tests/test_paths.py
+@@ -6,3 +6,3 @@
+ def test_clean_message():
+-    with pytest.raises(ValueError, match="bad path"):
++    with pytest.raises(ValueError, match="path must be relative"):
+         clean("/abs")
+"""
+
+
+def _instruction(tmp_path, message: str, body: str = "") -> str:
+    files = tmp_path / "files"
+    (files / "tests").mkdir(parents=True, exist_ok=True)
+    (files / "tests" / "test_paths.py").write_text(TEST_AFTER)
+    commit = Commit("c" * 40, "p" * 40, "2024-01-01T00:00:00Z", "Fix error message (#2246) close #2245", body)
+    name = "tests/test_paths.py::test_clean_message"
+    task = type(
+        "T", (), {"fail_to_pass": [name], "repo": "o/r", "solution_patch": SOLUTION, "test_patch": TEST_PATCH}
+    )()
+    return instruction.write_instruction(commit, task, {name: {"outcome": "failed", "message": message}}, None, files)
+
+
+def test_statement_drops_what_the_solution_introduces_unless_the_tests_show_it(tmp_path):
+    """The commit's prose goes through the filter: a line naming an identifier or literal the
+    solution adds is dropped; words it merely uses, and the tests' own names, stay."""
+    assert instruction.solution_terms(SOLUTION) == {"normalize_path"}  # not the comment's words, not "//"
+    body = "Paths are not cleaned.\nUse normalize_path in clean.\nThe trailing slash stays."
+    text = _instruction(tmp_path, "Regex pattern did not match.", body)
+    assert "Paths are not cleaned." in text and "The trailing slash stays." in text
+    assert "normalize_path" not in text
+    # a term the failing test shows itself may appear (here: the literal its assertion expects)
+    assert instruction.without_leaks('Say "path must be relative".', TEST_PATCH, "") == ""  # not shown: a leak
+    kept = instruction.without_leaks('Say "path must be relative".', TEST_PATCH, "match='path must be relative'")
+    assert kept == 'Say "path must be relative".'
+
+
+def test_statement_shows_the_changed_assertion_when_the_failure_hides_it(tmp_path):
+    """'Regex pattern did not match' says nothing of the expected message: the statement shows the
+    assertion line the test change gives the test; a message that shows the literal needs none."""
+    hidden = _instruction(tmp_path, "Regex pattern did not match.")
+    assert "What it now checks:" in hidden
+    assert 'with pytest.raises(ValueError, match="path must be relative"):' in hidden
+    told = _instruction(tmp_path, "Regex pattern did not match. Regex: 'path must be relative' Input: 'bad path'")
+    assert "What it now checks:" not in told

@@ -3,16 +3,21 @@
 The statement is back-translated from the change, as R2E-Gym and SWE-smith do: the commit's
 message in the form of an issue, plus the tests that must come to pass and how they fail today
 (their assertion messages from the "before" run). It must never hand over the solution, so every
-line that contains a line the solution patch adds (stripped, long enough to be telling) is dropped,
-whoever wrote it: the template here, or any OpenAI-compatible endpoint (`--writer-url`), whose
-answer goes through the same filter and falls back to the template when it fails or comes back
-empty.
+line that contains a line the solution patch adds (stripped, long enough to be telling), or an
+identifier or string literal the solution introduces (`solution_terms`: in its added lines, not in
+what it removes or keeps) that the failing tests do not show themselves, is dropped, whoever wrote
+it: the commit's own prose, the template here, or any OpenAI-compatible endpoint (`--writer-url`),
+whose answer goes through the same filter and falls back to the template when it fails or comes
+back empty. But it must say enough: a test that exists before the change and whose failure message
+does not show what it expects is shown with the assertion lines the test change gives it.
 """
 
 from __future__ import annotations
 
 import ast
+import builtins
 import json
+import keyword
 import re
 import urllib.error
 import urllib.request
@@ -25,6 +30,10 @@ MIN_LEAK_CHARS = 12  # an added line shorter than this ("return x", "pass") says
 MAX_MESSAGE_CHARS = 400
 MAX_TESTS_SHOWN = 20
 MAX_SOURCE_LINES = 30  # of a test shown as the expected behaviour
+MAX_ASSERTION_LINES = 8  # of a changed assertion shown for a test that exists before
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]{3,}")
+_STRING = re.compile(r"\"([^\"\\\n]{4,})\"|'([^'\\\n]{4,})'")
+_COMMON = set(keyword.kwlist) | set(dir(builtins)) | {"self", "args", "kwargs", "return", "None", "True", "False"}
 _FIX = re.compile(r"\b(fix(e[sd])?|bug|regression|crash(es)?|wrong|incorrect|broken|error|issue)\b", re.I)
 _REFACTOR = re.compile(r"\b(refactor(s|ed|ing)?|clean ?up|rename[sd]?|simplif(y|ies|ied))\b", re.I)
 _FEATURE = re.compile(r"\b(add(s|ed)?|support(s|ed)?|implement(s|ed)?|introduce[sd]?|new|allow(s|ed)?)\b", re.I)
@@ -81,10 +90,57 @@ def added_lines(patch: bytes) -> set[str]:
     return out
 
 
-def without_leaks(text: str, solution_patch: bytes) -> str:
-    """`text` less every line that contains a telling line of the solution patch."""
+_DEFINED = re.compile(r"\b(?:def|class)\s+([A-Za-z_][A-Za-z0-9_]*)|\.([A-Za-z_][A-Za-z0-9_]{3,})")
+
+
+def _code_like(name: str) -> bool:
+    """A name that reads as code, not as a word: snake_case, mixedCase or with digits."""
+    return "_" in name.strip("_") or any(c.isdigit() for c in name) or (name[1:] != name[1:].lower())
+
+
+def _terms(lines: list[str]) -> set[str]:
+    """Identifiers that are code-like or that a line defines (def/class) or reaches as an attribute,
+    outside strings and comments; and the string literals themselves."""
+    found: set[str] = set()
+    for line in lines:
+        found.update(a or b for a, b in _STRING.findall(line))
+        code = _STRING.sub('""', line).split("#", 1)[0]
+        found.update(n for n in _IDENT.findall(code) if _code_like(n))
+        found.update(a or b for a, b in _DEFINED.findall(code) if len(a or b) >= 4)
+    return found - _COMMON
+
+
+def solution_terms(patch: bytes) -> set[str]:
+    """The identifiers (4+ characters, not keywords or builtins) and string literals (4+
+    characters) the patch introduces: in its added lines, not in its removed or context lines."""
+    added, kept = [], []
+    for line in patch.decode("utf-8", "replace").splitlines():
+        if line.startswith(("+++", "---")):
+            continue
+        if line.startswith("+"):
+            added.append(line[1:])
+        elif line.startswith(("-", " ")):
+            kept.append(line[1:])
+    return _terms(added) - _terms(kept)
+
+
+def _mentions(line: str, term: str) -> bool:
+    if _IDENT.fullmatch(term):
+        return re.search(rf"(?<![A-Za-z0-9_]){re.escape(term)}(?![A-Za-z0-9_])", line) is not None
+    return term in line
+
+
+def without_leaks(text: str, solution_patch: bytes, shown: str = "") -> str:
+    """`text` less every line that contains a telling line of the solution patch, or a term it
+    introduces (`solution_terms`) that `shown` (what the failing tests show: their names,
+    failures, sources, changed assertions) does not hold."""
     leaks = added_lines(solution_patch)
-    kept = [line for line in text.splitlines() if not any(leak in line for leak in leaks)]
+    terms = [t for t in solution_terms(solution_patch) if not _mentions(shown, t)]
+    kept = [
+        line
+        for line in text.splitlines()
+        if not any(leak in line for leak in leaks) and not any(_mentions(line, t) for t in terms)
+    ]
     return "\n".join(kept)
 
 
@@ -119,9 +175,37 @@ def test_source(files: Path, node_id: str, *, imports_wanted: bool = True) -> st
     return "\n".join(code.splitlines()[:MAX_SOURCE_LINES])
 
 
-def facts(commit: Commit, fail_to_pass: list[str], before: dict, repo: str, files: Path | None = None) -> dict:
-    """What a statement may be written from: the message, how the FAIL_TO_PASS tests fail, and for
-    tests that do not exist yet their source (the behaviour expected, as a reproduction)."""
+def changed_assertions(files: Path, node_id: str, test_patch: bytes) -> list[str]:
+    """The lines of test `node_id` (its source after the test change) that the test change adds and
+    that assert: what the test now expects."""
+    code = test_source(files, node_id, imports_wanted=False)
+    if not code:
+        return []
+    added = {line[1:].strip() for line in test_patch.decode("utf-8", "replace").splitlines() if line[:1] == "+"}
+    asserting = re.compile(r"\bassert\b|raises|match=|\bexpected\b|==|!=")
+    out = [ln.strip() for ln in code.splitlines() if ln.strip() in added and asserting.search(ln)]
+    return out[:MAX_ASSERTION_LINES]
+
+
+def _shows_expectation(message: str, assertions: list[str]) -> bool:
+    """Whether a failure message already shows what the changed assertions expect: every literal
+    of theirs appears in it."""
+    literals = [a or b for line in assertions for a, b in _STRING.findall(line)]
+    literals += [n for line in assertions for n in re.findall(r"(?<![\w.])\d+(?:\.\d+)?", line)]
+    return bool(literals) and all(lit in message for lit in literals)
+
+
+def facts(
+    commit: Commit,
+    fail_to_pass: list[str],
+    before: dict,
+    repo: str,
+    files: Path | None = None,
+    test_patch: bytes = b"",
+) -> dict:
+    """What a statement may be written from: the message, how the FAIL_TO_PASS tests fail, for
+    tests that do not exist yet their source (the behaviour expected, as a reproduction), and for
+    tests that do but whose failure does not show what they expect, their changed assertions."""
     failing = []
     shown: set[str] = set()  # test files whose imports were shown already
     for name in fail_to_pass[:MAX_TESTS_SHOWN]:
@@ -136,6 +220,9 @@ def facts(commit: Commit, fail_to_pass: list[str], before: dict, repo: str, file
                 entry["expected"] = code
         else:
             entry["now"] = _first_line(seen.get("message", "")) or "fails"
+            changed = changed_assertions(files, name, test_patch) if files is not None else []
+            if changed and not _shows_expectation(seen.get("message", ""), changed):
+                entry["asserts"] = "\n".join(changed)
         failing.append(entry)
     title, body = title_and_body(commit)
     return {
@@ -158,6 +245,10 @@ def template_statement(f: dict) -> str:
             lines += ["", "  The behaviour it expects:", "", "  ```python"]
             lines += [f"  {line}" if line else "" for line in t["expected"].splitlines()]
             lines += ["  ```", ""]
+        if t.get("asserts"):
+            lines += ["", "  What it now checks:", "", "  ```python"]
+            lines += [f"  {line}" for line in t["asserts"].splitlines()]
+            lines += ["  ```", ""]
     if f["more_tests"]:
         lines.append(f"- and {f['more_tests']} more")
     lines += [
@@ -171,17 +262,26 @@ def template_statement(f: dict) -> str:
 def write_instruction(commit: Commit, task, before: dict, writer: Writer | None, files: Path | None = None) -> str:
     """The statement of `task` (a taskwrite.RepoTask); the writer's when one is given and usable.
     `files`: the test files as the test patch leaves them (the task's tests/files)."""
-    f = facts(commit, task.fail_to_pass, before, task.repo, files)
+    f = facts(commit, task.fail_to_pass, before, task.repo, files, getattr(task, "test_patch", b""))
+    shown = shown_by_tests(f)
     text = ""
     if writer is not None:
         try:
-            text = without_leaks(writer(f), task.solution_patch).strip()
+            text = without_leaks(writer(f), task.solution_patch, shown).strip()
         except (OSError, ValueError, KeyError) as exc:
             print(f"composer-jax env mine: the statement writer failed ({exc}); using the template")
             text = ""
     if not text:
-        text = without_leaks(template_statement(f), task.solution_patch).strip()
+        text = without_leaks(template_statement(f), task.solution_patch, shown).strip()
     return text
+
+
+def shown_by_tests(f: dict) -> str:
+    """What the failing tests show of themselves in `facts`: names, failures, sources, assertions."""
+    parts = []
+    for t in f["failing_tests"]:
+        parts += [t["test"], t.get("now", ""), t.get("expected", ""), t.get("asserts", "")]
+    return "\n".join(parts)
 
 
 WRITER_PROMPT = (
