@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import shutil
@@ -17,6 +18,7 @@ from support.live_server import env_with_src
 
 from composer_jax.env.mining import swe_runner, swebench_import
 from composer_jax.env.mining.taskwrite import write_task
+from composer_jax.env.sandbox.runner import default_sandbox
 
 SWEBENCH = Path(sys.prefix) / "swebench"  # `make venv` installs the pinned package there (--no-deps)
 
@@ -249,3 +251,55 @@ def test_import_writes_valid_tasks_and_reports_the_rest(calc, tmp_path):
     assert meta["instance_id"] == "example__calc-1" and meta["source"] == "swebench"
     assert meta["fail_to_pass"] == ["tests/test_ops.py::test_div"] and meta["version"] == "0.1"
     assert (out / "example__calc-2" / "instruction.md").read_text().startswith("Issue example__calc-2")
+
+
+def _fmt_repo(root: Path) -> tuple[Path, str, str]:
+    """A repository whose project declares tinyfmt at the base commit; (clone, base, fix)."""
+    repo = root / "example__calc"
+    repo.mkdir(parents=True)
+    minerepo.git(repo, "init", "-q", "-b", "main")
+    broken = "def show(x):\n    raise NotImplementedError\n"
+    files = {"pyproject.toml": minerepo.PYPROJECT_V2, "calc/__init__.py": "", "calc/fmt.py": broken}
+    base = minerepo.commit(repo, "Start fmt", {**files, "tests/test_old.py": "def test_gone():\n    pass\n"}, 1)
+    minerepo.git(repo, "rm", "-q", "tests/test_old.py")
+    fixed = {"calc/fmt.py": minerepo.FMT, "tests/test_fmt.py": minerepo.TEST_FMT}
+    fix = minerepo.commit(repo, "Show values with tinyfmt", fixed, 2)
+    return repo, base, fix
+
+
+def _fmt_record(repo: Path, base: str, fix: str) -> dict:
+    return record(repo, "example__calc-fmt", base, fix, fix, ["tests/test_fmt.py::test_show"], [], as_json=False)
+
+
+def test_an_imported_record_declares_the_projects_environment_and_targets_existing_tests(tmp_path):
+    """Its task.toml declares what the project declares at the base commit (as `env mine` does), and
+    its test files are those the test patch leaves (not the file it deletes); without a wheelhouse
+    or index the environment cannot be built, which is the reason given."""
+    si = swebench_import
+    repo, base, fix = _fmt_repo(tmp_path / "repos")
+    rec = _fmt_record(repo, base, fix)
+    assert "tests/test_old.py" in rec["test_patch"]  # the test patch deletes it
+    task, _ = si.to_task(rec, repo.parent, tmp_path / "work")
+    assert task.environment == {"requirements": ["tinyfmt"]}
+    assert task.test_files == ["tests/test_fmt.py"]
+    results = asyncio.run(si.import_all([(1, rec, "")], repo.parent, tmp_path / "out", default_sandbox()))
+    assert (results[0]["status"], results[0]["reason"]) == ("rejected", "environment did not build"), results
+    assert "give --wheelhouse or --index-url" in results[0]["detail"]
+
+
+@needs_bwrap
+def test_an_imported_record_whose_environment_is_declared_is_built_and_validated(tmp_path):
+    from composer_jax.env.sandbox.pyenv import EnvCache
+
+    si = swebench_import
+    repo, base, fix = _fmt_repo(tmp_path / "repos")
+    sandbox = default_sandbox()
+    cache = EnvCache(tmp_path / "envs", sandbox, wheelhouse=minerepo.tinyfmt_wheelhouse(tmp_path / "wheels"))
+    rec = _fmt_record(repo, base, fix)
+    out = tmp_path / "out"
+    results = asyncio.run(si.import_all([(1, rec, "")], repo.parent, out, sandbox, env_cache=cache))
+    assert results[0]["status"] == "written", results
+    import tomllib
+
+    toml = tomllib.loads((out / "example__calc-fmt" / "task.toml").read_text())
+    assert toml["environment"]["requirements"] == ["tinyfmt"]

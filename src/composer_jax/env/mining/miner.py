@@ -26,7 +26,7 @@ from pathlib import Path
 from composer_jax.env.mining import gitrepo
 from composer_jax.env.mining.gitrepo import Commit, FileChange, GitError
 from composer_jax.env.mining.statement import category_of, write_instruction
-from composer_jax.env.mining.taskwrite import RepoTask, harness_safe, write_task
+from composer_jax.env.mining.taskwrite import RepoTask, environment_of, harness_safe, write_task
 from composer_jax.env.sandbox.pyenv import BuiltEnv, EnvBuildError, EnvCache
 from composer_jax.env.sandbox.runner import Limits, Mount, Sandbox, SandboxLease
 from composer_jax.env.tasks import grader, validate
@@ -361,11 +361,6 @@ class Miner:
             return await self.opts.env_cache.for_task(task)
         except EnvBuildError as exc:
             raise Rejected("environment did not build", f"{wanted}: {exc.reason} {exc.log_tail[-300:]}") from None
-
-
-def environment_of(requirements: list[str]) -> dict:
-    """The [environment] keys of a task whose project declares `requirements` ({} for none)."""
-    return {"requirements": requirements} if requirements else {}
 
 
 def summary(name: str, outcomes: list[Outcome]) -> dict:

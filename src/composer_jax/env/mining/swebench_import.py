@@ -12,7 +12,11 @@ against that package on the same logs).
 Scope: Python repositories tested with pytest. The harness's per-repository install specs
 (MAP_REPO_VERSION_TO_SPECS: conda environments, pre-install commands, Django's and SymPy's own
 test runners, `tox`/`bin/test` invocations) are out of scope; tests run with pytest in the
-environment the task declares.
+environment the task declares: as `env mine` does, the repository's own declared requirements at
+the base commit (`gitrepo.declared_requirements`), built with `--wheelhouse` / `--index-url`
+(`--env-cache`) before the task is validated, so "environment did not build" is a reason of its
+own. The tests a task runs are the test patch's Python files that exist once it is applied (a
+file the test patch deletes is not a target).
 
 An instance whose repository or base commit is missing, whose patch or test patch does not apply,
 or whose environment does not build is reported, not written; so is one whose gold patch does not
@@ -33,9 +37,11 @@ from pathlib import Path
 from composer_jax.env.mining import gitrepo
 from composer_jax.env.mining.gitrepo import Commit, GitError
 from composer_jax.env.mining.statement import category_of
-from composer_jax.env.mining.taskwrite import RepoTask, harness_safe, patched_paths, write_task
+from composer_jax.env.mining.taskwrite import RepoTask, environment_of, harness_safe, patched_paths, write_task
+from composer_jax.env.sandbox.pyenv import EnvBuildError, EnvCache
 from composer_jax.env.sandbox.runner import Limits, Sandbox
 from composer_jax.env.tasks import validate
+from composer_jax.env.tasks.store import TaskError, load_task
 from composer_jax.errors import UsageError
 
 REQUIRED = ("instance_id", "repo", "base_commit", "patch", "test_patch", "FAIL_TO_PASS", "PASS_TO_PASS")
@@ -121,7 +127,7 @@ def to_task(record: dict, repos: Path, work: Path) -> tuple[RepoTask, Path]:
             gitrepo.apply(base, p, check_only=True)
         except GitError as exc:
             raise InstanceError("patch does not apply", f"{label}: {exc}") from None
-    test_files = [p for p in patched_paths(test_patch) if p.endswith(".py")]
+    test_files = tests_after(base, test_patch, work / "tests-applied")
     statement = str(record.get("problem_statement") or "").strip() or f"Resolve {iid}."
     subject = statement.splitlines()[0]
     commit = Commit(str(record["base_commit"]), None, "", subject, statement)
@@ -147,12 +153,47 @@ def to_task(record: dict, repos: Path, work: Path) -> tuple[RepoTask, Path]:
             if line[:1] in "+-" and not line.startswith(("+++", "---"))
         ),
         extra_metadata=extra,
+        environment=environment_of(gitrepo.declared_requirements(clone, str(record["base_commit"]))),
     )
     return task, base
 
 
+def tests_after(base: Path, test_patch: bytes, scratch: Path) -> list[str]:
+    """The test patch's Python files that exist once it is applied to `base` (a copy at `scratch`)."""
+    shutil.copytree(base, scratch, symlinks=True)
+    try:
+        gitrepo.apply(scratch, test_patch)
+        return [p for p in patched_paths(test_patch) if p.endswith(".py") and (scratch / p).is_file()]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+async def build_environment(root: Path, env_cache: EnvCache | None) -> None:
+    """Build the environment the task at `root` declares; InstanceError when it cannot be."""
+    try:
+        task = await asyncio.to_thread(load_task, root)
+    except TaskError as exc:
+        raise InstanceError("invalid record", str(exc)) from None
+    spec = task.config.environment
+    if spec is None:
+        return
+    wanted = ", ".join(spec.requirements)
+    if env_cache is None:
+        why = f"the project needs {wanted}; give --wheelhouse or --index-url"
+        raise InstanceError("environment did not build", why)
+    try:
+        await env_cache.for_task(task)
+    except EnvBuildError as exc:
+        raise InstanceError("environment did not build", f"{wanted}: {exc.reason} {exc.log_tail[-300:]}") from None
+
+
 async def import_all(
-    records: list[tuple[int, dict | None, str]], repos: Path, out: Path, sandbox: Sandbox | None, progress=None
+    records: list[tuple[int, dict | None, str]],
+    repos: Path,
+    out: Path,
+    sandbox: Sandbox | None,
+    progress=None,
+    env_cache: EnvCache | None = None,
 ) -> list[dict]:
     """One result per record: {"line", "instance_id", "status": written|rejected, "reason", "detail", "task_id"}."""
     scratch = Path(tempfile.mkdtemp(prefix="composer-jax-import-"))
@@ -168,10 +209,10 @@ async def import_all(
                 task, base = await asyncio.to_thread(to_task, record, repos, work)
                 root = await asyncio.to_thread(write_task, task, base, out)
                 if sandbox is not None:
-                    problem = await validate.check_written(root, sandbox, scratch, limits)
-                    if problem:
+                    problem = await _validated(root, sandbox, scratch, limits, env_cache)
+                    if problem is not None:
                         await asyncio.to_thread(shutil.rmtree, root, True)
-                        raise InstanceError("oracle failed", problem)
+                        raise problem
                 result.update(status="written", task_id=task.task_id)
             except InstanceError as exc:
                 result.update(reason=exc.reason, detail=exc.detail[:500])
@@ -185,6 +226,18 @@ async def import_all(
     return results
 
 
+async def _validated(
+    root: Path, sandbox: Sandbox, scratch: Path, limits: Limits, env_cache: EnvCache | None
+) -> InstanceError | None:
+    """Why the written task at `root` is not kept (its environment, then its oracle), or None."""
+    try:
+        await build_environment(root, env_cache)
+    except InstanceError as exc:
+        return exc
+    problem = await validate.check_written(root, sandbox, scratch, limits, env_cache)
+    return InstanceError("oracle failed", problem) if problem else None
+
+
 def summary(results: list[dict]) -> dict:
     reasons = Counter(r.get("reason") for r in results if r["status"] == "rejected")
     return {
@@ -195,6 +248,8 @@ def summary(results: list[dict]) -> dict:
 
 
 def import_parser() -> argparse.ArgumentParser:
+    from composer_jax.env.sandbox.factory import add_env_cache_flags
+
     p = argparse.ArgumentParser(
         prog="composer-jax env import-swebench",
         description="Turn SWE-bench-format instance records into Harbor tasks graded by SWE-bench's rule.",
@@ -204,11 +259,12 @@ def import_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True, help="directory the tasks are written under")
     p.add_argument("--no-validate", action="store_true", help="write without checking oracle 1 / untouched 0")
     p.add_argument("--unsafe-no-sandbox", action="store_true", help="run without bubblewrap (NO isolation)")
+    add_env_cache_flags(p)
     return p
 
 
 def import_main(argv: list[str]) -> int:
-    from composer_jax.env.sandbox.factory import make_sandbox
+    from composer_jax.env.sandbox.factory import make_env_cache, make_sandbox
 
     args = import_parser().parse_args(argv)
     if not args.instances.is_file():
@@ -220,13 +276,14 @@ def import_main(argv: list[str]) -> int:
     except (ValueError, UnicodeDecodeError) as exc:
         raise UsageError(f"{args.instances} is not JSON lines: {exc}") from exc
     sandbox = None if args.no_validate else make_sandbox(args.unsafe_no_sandbox, 600)
+    env_cache = make_env_cache(args, sandbox) if sandbox is not None else None
 
     def progress(r: dict) -> None:
         what = r.get("task_id") if r["status"] == "written" else f"{r['reason']}: {r['detail'][:160]}"
         print(f"  line {r['line']:>4} {r['instance_id']} {r['status']} {what}", file=sys.stderr, flush=True)
 
     args.out.mkdir(parents=True, exist_ok=True)
-    results = asyncio.run(import_all(records, args.repos, args.out, sandbox, progress))
+    results = asyncio.run(import_all(records, args.repos, args.out, sandbox, progress, env_cache))
     s = summary(results)
     (args.out / "import_report.json").write_text(json.dumps({**s, "instances_detail": results}, indent=1) + "\n")
     print(f"{s['instances']} instances, {s['written']} tasks written")

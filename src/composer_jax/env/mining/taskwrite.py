@@ -163,6 +163,11 @@ def split_test_patch(base_tree: Path, test_patch: bytes) -> tuple[dict[str, Path
     return files, deleted, copy
 
 
+def environment_of(requirements: list[str]) -> dict:
+    """The [environment] keys of a task whose project declares `requirements` ({} for none)."""
+    return {"requirements": requirements} if requirements else {}
+
+
 def patched_paths(patch: bytes) -> list[str]:
     """The paths a `git diff` touches (its b/ side, or a/ for a deletion)."""
     paths = []
