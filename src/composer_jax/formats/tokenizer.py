@@ -1,7 +1,10 @@
-"""Tokenizer: a Hugging Face `tokenizers` byte-level BPE (`tokenizer.json`) plus our special tokens.
+"""Tokenizer: a Hugging Face `tokenizers` byte-level BPE (`tokenizer.json`) or a tiktoken-format
+BPE (`formats/tiktoken_bpe.py`), with its special tokens.
 
 `load_tokenizer(path)` accepts a `tokenizer.json` file or a directory holding one (a checkpoint
-directory, `assets/tokenizer/`). `composer-jax tokenizer train` trains a small byte-level BPE on
+directory, `assets/tokenizer/`), or a checkpoint directory with a tiktoken rank file (Kimi K2's
+`tiktoken.model`, a `*.tiktoken`); BOS / EOS / PAD and the added tokens come from the
+checkpoint's own tokenizer_config.json. `composer-jax tokenizer train` trains a small byte-level BPE on
 code and writes `tokenizer.json` and `tokenizer_config.json` (special tokens, their ids and the
 chat template name, see formats/chatml.py).
 
@@ -38,11 +41,12 @@ class Tokenizer:
     mentions "<|im_end|>" cannot forge a turn boundary).
     """
 
-    hf: Any  # tokenizers.Tokenizer (imported lazily: the config layer must not need it)
+    hf: Any  # tokenizers.Tokenizer, or a TiktokenBPE shaped like one (imported lazily)
     pad_id: int
     bos_id: int
     eos_id: int
     special: dict  # special token string -> id (those present)
+    source: Path | None = None  # the directory it was loaded from (its chat template lives there)
 
     @property
     def vocab_size(self) -> int:
@@ -54,6 +58,20 @@ class Tokenizer:
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self.hf.encode_batch(list(texts), add_special_tokens=False)]
+
+    def encode_with_specials(self, text: str) -> list[int]:
+        """text -> ids with special-token strings matched as their tokens: for a chat template's
+        own text, which places them on purpose (never for documents: `encode`)."""
+        if hasattr(self.hf, "encode_with_specials"):
+            return self.hf.encode_with_specials(text)
+        engine = self.__dict__.get("_with_specials")
+        if engine is None:
+            from tokenizers import Tokenizer as HFTokenizer
+
+            engine = HFTokenizer.from_str(self.hf.to_str())
+            engine.encode_special_tokens = False
+            object.__setattr__(self, "_with_specials", engine)  # a frozen dataclass: derived state
+        return engine.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         return self.hf.decode(list(map(int, ids)), skip_special_tokens=skip_special_tokens)
@@ -76,10 +94,26 @@ def _tokenizer_file(path: str | Path) -> Path:
     if not p.is_file():
         raise DataConfigError(
             f"tokenizer {str(path)!r}: no tokenizer.json there (resolved against the "
-            f"current directory {Path.cwd()}); give a tokenizer.json file or a directory "
-            "holding one, e.g. assets/tokenizer"
+            f"current directory {Path.cwd()}); give a tokenizer.json file, a directory "
+            "holding one (e.g. assets/tokenizer), or a checkpoint directory with a tiktoken rank "
+            "file (tiktoken.model, *.tiktoken) and its tokenizer_config.json"
         )
     return p
+
+
+def _config(directory: Path) -> dict:
+    f = directory / "tokenizer_config.json"
+    if not f.is_file():
+        return {}
+    try:
+        return json.loads(f.read_text())
+    except ValueError as e:
+        raise DataConfigError(f"{f} is not JSON: {e}") from None
+
+
+def _token_name(v: Any) -> str | None:
+    v = v.get("content") if isinstance(v, dict) else v
+    return v if isinstance(v, str) else None
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
@@ -90,32 +124,43 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     DeepSeek's), else from the vocabulary by name; BOS/EOS fall back to the common "<s>"/"</s>" and
     "<|endoftext|>" names of other tokenizers, PAD to EOS.
     """
-    from tokenizers import Tokenizer as HFTokenizer
+    from composer_jax.formats import tiktoken_bpe
 
-    file = _tokenizer_file(path)
-    try:
-        hf = HFTokenizer.from_file(str(file))
-    except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
-        raise DataConfigError(f"tokenizer {str(file)!r} could not be read: {e}") from None
-    hf.encode_special_tokens = True  # special-token strings in document text are plain bytes
+    p = Path(path)
+    if p.is_dir() and not (p / "tokenizer.json").is_file() and tiktoken_bpe.rank_file(p) is not None:
+        saved = _config(p)
+        hf: Any = tiktoken_bpe.load(p, saved)
+        file = p / "tiktoken.model"
+    else:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        file = _tokenizer_file(path)
+        try:
+            hf = HFTokenizer.from_file(str(file))
+        except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
+            raise DataConfigError(f"tokenizer {str(file)!r} could not be read: {e}") from None
+        hf.encode_special_tokens = True  # special-token strings in document text are plain bytes
+        saved = _config(file.parent)
     special = {t: hf.token_to_id(t) for t in SPECIAL_TOKENS if hf.token_to_id(t) is not None}
-    cfg_file = file.parent / "tokenizer_config.json"
+    # a checkpoint's added tokens (its chat and tool-call markers) by name
+    special.update({str(getattr(t, "content", t)): int(i) for i, t in hf.get_added_tokens_decoder().items()})
+    special.update({k: int(v) for k, v in saved.get("special_tokens", {}).items()})
     named: dict[str, tuple[str, ...]] = {}  # HF's bos_token / eos_token / pad_token ({"content": ...} too)
-    if cfg_file.is_file():
-        saved = json.loads(cfg_file.read_text())
-        special.update({k: int(v) for k, v in saved.get("special_tokens", {}).items()})
-        for key in ("bos_token", "eos_token", "pad_token"):
-            v = saved.get(key)
-            v = v.get("content") if isinstance(v, dict) else v
-            if isinstance(v, str) and hf.token_to_id(v) is not None:
-                named[key] = (v,)
+    for key in ("bos_token", "eos_token", "pad_token"):
+        v = _token_name(saved.get(key))
+        if v is not None and hf.token_to_id(v) is not None:
+            named[key] = (v,)
 
     def find(names: Iterable[str]) -> int | None:
+        # the config's own names by any id; the fallback names only as special or added tokens (an
+        # ordinary BPE piece spelled "<s>" is text, not a sentence boundary)
         for n in names:
-            i = special.get(n, hf.token_to_id(n))
+            i = special.get(n)
             if i is not None:
                 return int(i)
         return None
+
+    special.update({v[0]: int(hf.token_to_id(v[0])) for v in named.values()})
 
     bos = find((*named.get("bos_token", ()), "<|bos|>", "<s>", "<|begin_of_text|>", "<|endoftext|>"))
     eos = find((*named.get("eos_token", ()), "<|eos|>", "</s>", "<|end_of_text|>", "<|endoftext|>"))
@@ -125,7 +170,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
             "<s>/</s>, <|endoftext|> (or list them in tokenizer_config.json special_tokens)"
         )
     pad = find((*named.get("pad_token", ()), "<|pad|>", "<pad>"))
-    return Tokenizer(hf=hf, pad_id=eos if pad is None else pad, bos_id=bos, eos_id=eos, special=special)
+    pad_id = eos if pad is None else pad
+    return Tokenizer(hf=hf, pad_id=pad_id, bos_id=bos, eos_id=eos, special=special, source=file.parent)
 
 
 # --------------------------------------------------------------------------------------------------

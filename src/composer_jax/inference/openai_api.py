@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from composer_jax.errors import ConfigError
+from composer_jax.formats.byte_level import CHAR_TO_BYTE as _BYTE_OF
 from composer_jax.formats.chat_format import ChatFormat, chat_format
 from composer_jax.formats.chatml import AssistantTurn, check_tools
 from composer_jax.formats.tokenizer import Tokenizer
@@ -406,21 +407,6 @@ def forced_opening(chat: ChatFormat, choice: str, function: str | None = None) -
 
 
 # ---------------------------------------------------------------------------- text and tokens
-def _bytes_to_unicode() -> dict[str, int]:
-    """The byte-level BPE alphabet (GPT-2's): printable bytes stand for themselves, the others are
-    shifted to code points 256 and up. -> {character: byte}."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table, shift = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[chr(b)] = b
-        else:
-            table[chr(256 + shift)] = b
-            shift += 1
-    return table
-
-
-_BYTE_OF = _bytes_to_unicode()
 
 
 def token_bytes(tok: Tokenizer, token: int) -> bytes:
