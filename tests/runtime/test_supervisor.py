@@ -92,6 +92,7 @@ def test_killed_server_is_reaped_and_restarted_on_its_url(tmp_path, caplog):
             "env_servers/alive": 1.0,
             "env_servers/restarts": 1.0,
             "env_servers/given_up": 0.0,
+            "env_servers/unresponsive": 0.0,
             "env_servers/restarts_0": 1.0,
         }
     assert servers.procs == [] and gone(second.pid)
