@@ -252,6 +252,8 @@ class PolicyPool:
         """Return once some policy is in rotation; RuntimeError after `rejoin_timeout_s` without one."""
         if self.alive:
             return
+        if not self.rejoin_timeout_s:
+            self.pick()  # raises, naming each policy out and why
         deadline = time.monotonic() + self.rejoin_timeout_s
         if self._back is None:
             self._back = asyncio.Event()
