@@ -92,12 +92,33 @@ def test_killed_server_is_reaped_and_restarted_on_its_url(tmp_path, caplog):
             "env_servers/alive": 1.0,
             "env_servers/restarts": 1.0,
             "env_servers/given_up": 0.0,
+            "env_servers/unresponsive": 0.0,
             "env_servers/restarts_0": 1.0,
         }
     assert servers.procs == [] and gone(second.pid)
     said = caplog.text
     assert f"environment server 0 (pid {first.pid}, {urls[0]}) was killed by SIGKILL; restarting it" in said
     assert f"environment server 0 is back at {urls[0]} (pid {second.pid}, restart 1)" in said
+
+
+def test_a_hung_server_is_noticed_by_its_health_probes_killed_and_restarted(tmp_path):
+    """SIGSTOP: the process lives but answers nothing; two failed probes in a row and it is killed
+    and restarted on its URL, counted as unresponsive (tests/rl/test_learner_rejoin.py: the same
+    for the only sampler replica of a run, which then rejoins)."""
+    probes = RestartPolicy(backoff_s=0.05, max_backoff_s=0.2, health_interval_s=0.3, health_failures=2)
+    servers = LocalEnvServers(ENV_FIXTURE_TASKS, token=TOKEN, extra_args=SANDBOX_ARGS, log_dir=tmp_path, restart=probes)
+    with servers as (urls, _token):
+        (first,) = servers.procs
+        time.sleep(1.0)  # healthy: probes pass, nothing restarted
+        assert servers.restart_counts() == [0] and servers.metrics()["env_servers/unresponsive"] == 0.0
+        os.kill(first.pid, signal.SIGSTOP)
+        assert _until(lambda: servers.restart_counts() == [1] and servers.alive_urls() == urls, timeout_s=60)
+        assert first.returncode == -signal.SIGKILL  # SIGKILL reaches a stopped process
+        assert httpx.get(urls[0] + "/health", timeout=5).status_code == 200
+        assert servers.metrics()["env_servers/unresponsive"] == 1.0
+        (st,) = servers.statuses()
+        assert st.state == "alive" and st.starts == 2 and st.last_failure is not None
+        assert f"(pid {first.pid}, {urls[0]}) did not answer /health 2 times in a row" in st.last_failure
 
 
 def test_replace_starts_a_child_again_on_its_url_without_counting_a_restart(tmp_path):

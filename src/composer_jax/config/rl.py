@@ -35,6 +35,7 @@ import typing
 from typing import Literal
 
 from composer_jax.config.sampler import LEARNER_SAMPLER, SamplerConfig, validate_sampler
+from composer_jax.config.supervision import SupervisionConfig, validate_supervision
 from composer_jax.config.vllm import VLLMConfig
 from composer_jax.errors import ConfigError
 
@@ -194,6 +195,9 @@ class RLConfig:
     # "samplers", the replicas' cores; "all", every core this process may use, the trainer's too
     # (the scheduler puts them where a core is idle)
     env_cores: str = "samplers"
+    # the local children's restart policy and health probes, and how long rollouts wait for a
+    # restarted replica to rejoin (config/supervision.py)
+    supervision: SupervisionConfig = dataclasses.field(default_factory=SupervisionConfig)
 
     # keys of earlier releases, now elsewhere: a config that gives one is told where (config/loader.py)
     MOVED_KEYS: typing.ClassVar[dict[str, str]] = {
@@ -269,6 +273,7 @@ def validate_rl(r: RLConfig) -> None:
     validate_rl_loss(r.loss)
     validate_reward(r.reward)
     validate_sampler(r.sampler, "rl.sampler")
+    validate_supervision(r.supervision)
     for name, low in (("group_size", 2), ("groups_per_step", 1), ("env_servers", 1)):
         value = getattr(r, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:

@@ -21,11 +21,17 @@
   bound again) after an exponential backoff. A child restarted `RestartPolicy.max_restarts` times
   within `window_s` is given up on, with a log line naming the reason. A child that fails its
   *first* start is not restarted: the start raises (a configuration error shows at once).
+* **Hangs.** A running child is asked `GET URL/health` every `RestartPolicy.health_interval_s`
+  seconds; one that fails `health_failures` probes in a row (hung: SIGSTOPped, deadlocked, a
+  wedged event loop - alive, but of no use) is SIGKILLed and restarted as if it had died, the
+  reason saying so (`{kind}/unresponsive` counts these).
 * **Teardown.** `stop()` (also on an exception in the `with` block, or while starting) terminates
   every child, waits `grace_s`, kills what is left and waits again; a child outlives a launcher that
   dies without `stop()` (SIGKILL included) by no more than its own SIGTERM handling.
 
-The learner's API: `alive_urls()`, `wait_alive(count, timeout_s)`, `restart_counts()`, `metrics()`.
+The learner's API: `alive_urls()`, `wait_alive(count, timeout_s)`, `restart_counts()`, `statuses()`
+(each child's state, URL, starts and last failure: what the rollout side follows to put a restarted
+replica back in rotation, at its new URL if it moved), `metrics()`.
 `rl/rollout/env_servers.py` (`LocalEnvServers`) and `rl/samplers/serve_launch.py` (`LocalSamplers`) are two
 of its configurations.
 """
@@ -48,6 +54,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
+
+from composer_jax.config.supervision import SupervisionConfig
 
 log = logging.getLogger(__name__)
 
@@ -132,23 +140,59 @@ def describe_exit(returncode: int) -> str:
 @dataclasses.dataclass(frozen=True)
 class RestartPolicy:
     """Restart a child that dies after `backoff_s * 2**k` seconds (at most `max_backoff_s`), k being
-    its restarts within the last `window_s` seconds; at `max_restarts` within the window, give up."""
+    its restarts within the last `window_s` seconds; at `max_restarts` within the window, give up.
+    A running child is probed (`GET /health`, each probe bounded by `min(health_interval_s, 5)` s)
+    every `health_interval_s` seconds (0: never); after `health_failures` failed probes in a row it
+    is killed and restarted as a dead one."""
 
     max_restarts: int = 5
     window_s: float = 600.0
     backoff_s: float = 1.0
     max_backoff_s: float = 30.0
+    health_interval_s: float = 10.0
+    health_failures: int = 3
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
-            raise LaunchError(f"max_restarts={self.max_restarts!r}; accepted: an int >= 0 (0: never restart)")
+        for name, low in (("max_restarts", 0), ("health_failures", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                what = " (0: never restart)" if name == "max_restarts" else ""
+                raise LaunchError(f"{name}={value!r}; accepted: an int >= {low}{what}")
         for name in ("window_s", "backoff_s", "max_backoff_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise LaunchError(f"{name}={value!r}; accepted: seconds > 0")
+        value = self.health_interval_s
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+            raise LaunchError(f"health_interval_s={value!r}; accepted: seconds >= 0 (0: no health probes)")
+
+    @property
+    def probe_timeout_s(self) -> float:
+        """The bound on one health probe of a running child."""
+        return float(min(self.health_interval_s, 5.0))
+
+    @classmethod
+    def of(cls, c: SupervisionConfig) -> RestartPolicy:
+        """The policy a run's `rl.supervision` section sets (validated there)."""
+        return cls(c.max_restarts, c.window_s, c.backoff_s, c.max_backoff_s, c.health_interval_s, c.health_failures)
 
     def delay(self, recent: int) -> float:
         return float(min(self.max_backoff_s, self.backoff_s * 2**recent))
+
+
+@dataclasses.dataclass(frozen=True)
+class ChildStatus:
+    """One child as the supervisor sees it now. state: starting, alive, backoff, given up, failed
+    or stopped; url: where it serves (None before its first start; it changes when the child had to
+    move to another port); starts: how many of its starts came up (it grows with each restart);
+    last_failure: why it last went down (None while it never did)."""
+
+    name: str
+    state: str
+    url: str | None
+    starts: int
+    restarts: int
+    last_failure: str | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +217,7 @@ def check_cores(cores: Collection[int], error: type[Exception] = LaunchError, wh
 
 # a child's states
 _STARTING = "starting"  # spawned, waiting for its ready line and /health
-_ALIVE = "alive"
+ALIVE = _ALIVE = "alive"  # (public: `ChildStatus.state` of a child that serves)
 _BACKOFF = "backoff"  # down, restarted at `next_start`
 _GIVEN_UP = "given up"
 _FAILED = "failed"  # its first start failed (the start raises)
@@ -199,6 +243,10 @@ class _Child:
         self.planned = False  # this start is a planned restart's
         self.recent: collections.deque[float] = collections.deque()  # restart times within the window
         self.reason: str | None = None  # why it was given up on
+        self.last_failure: str | None = None  # why it last went down
+        self.next_probe = 0.0  # when a running child is next asked for /health
+        self.failed_probes = 0  # failed health probes in a row
+        self.unresponsive = 0  # restarts because it stopped answering /health
 
     def tail(self) -> str:
         try:
@@ -297,18 +345,30 @@ class Launcher:
         with self._lock:
             return [c.restarts for c in self._children]
 
+    def statuses(self) -> list[ChildStatus]:
+        """Each child's state, URL, starts and last failure (`ChildStatus`), in spec order."""
+        with self._lock:
+            return [
+                ChildStatus(c.spec.name, c.state, c.url, c.ready_count, c.restarts, c.last_failure)
+                for c in self._children
+            ]
+
     def given_up(self) -> dict[str, str]:
         """The children given up on: name -> reason."""
         with self._lock:
             return {c.spec.name: c.reason for c in self._children if c.state == _GIVEN_UP and c.reason}
 
     def metrics(self) -> dict[str, float]:
-        """`{kind}/alive`, `{kind}/restarts` (total), `{kind}/given_up` and `{kind}/restarts_<i>`."""
+        """`{kind}/alive`, `{kind}/restarts` (total), `{kind}/given_up`, `{kind}/unresponsive` (restarts
+        of children that stopped answering /health) and `{kind}/restarts_<i>`."""
         counts = self.restart_counts()
+        with self._lock:
+            unresponsive = sum(c.unresponsive for c in self._children)
         out = {
             f"{self.kind}/alive": float(len(self.alive_urls())),
             f"{self.kind}/restarts": float(sum(counts)),
             f"{self.kind}/given_up": float(len(self.given_up())),
+            f"{self.kind}/unresponsive": float(unresponsive),
         }
         out.update({f"{self.kind}/restarts_{i}": float(n) for i, n in enumerate(counts)})
         return out
@@ -395,10 +455,13 @@ class Launcher:
                         with self._lock:
                             probe = self._step(c)
                         if probe is not None:  # outside the lock: the learner's calls do not wait for it
-                            healthy = self._healthy(probe)
+                            bound = 1.0 if c.state == _STARTING else self.restart.probe_timeout_s
+                            healthy = self._healthy(probe, bound)
                             with self._lock:
                                 if healthy and c.state == _STARTING and c.seen_url == probe:
                                     self._ready(c, probe)
+                                elif c.state == _ALIVE and c.url == probe:
+                                    self._probed(c, healthy)
                     except Exception:  # the supervisor must outlive any one child's trouble
                         log.exception("%s: supervising %s failed", self.kind, c.spec.name)
                 with self._lock:
@@ -464,6 +527,9 @@ class Launcher:
             assert c.proc is not None
             if (rc := c.proc.poll()) is not None:
                 self._restart_later(c, f"(pid {c.proc.pid}, {c.url}) {describe_exit(rc)}")
+            elif self.restart.health_interval_s > 0 and now >= c.next_probe:
+                c.next_probe = now + self.restart.health_interval_s
+                return c.url
         elif c.state == _BACKOFF and now >= c.next_start:
             if c.replacing:
                 c.replacing, c.planned = False, True
@@ -476,11 +542,31 @@ class Launcher:
         return None
 
     @staticmethod
-    def _healthy(url: str) -> bool:
+    def _healthy(url: str, timeout_s: float = 1.0) -> bool:
         try:
-            return httpx.get(url + "/health", timeout=1.0).status_code == 200
+            return httpx.get(url + "/health", timeout=timeout_s).status_code == 200
         except httpx.HTTPError:
             return False
+
+    def _probed(self, c: _Child, healthy: bool) -> None:
+        """A running child's health probe came back; at `health_failures` failures in a row it is
+        hung: killed (SIGKILL reaches a stopped process too) and restarted as a dead one."""
+        if healthy:
+            c.failed_probes = 0
+            return
+        c.failed_probes += 1
+        policy = self.restart
+        if c.failed_probes < policy.health_failures or c.proc is None:
+            return
+        c.failed_probes = 0
+        c.unresponsive += 1
+        pid = c.proc.pid
+        c.proc.kill()
+        self._restart_later(
+            c,
+            f"(pid {pid}, {c.url}) did not answer /health {policy.health_failures} times in a row "
+            f"(every {policy.health_interval_s:g} s, {policy.probe_timeout_s:g} s each): hung, killed",
+        )
 
     def _ready(self, c: _Child, url: str) -> None:
         assert c.proc is not None
@@ -498,6 +584,7 @@ class Launcher:
         c.url, c.state, c.ever_ready = url, _ALIVE, True
         c.ready_count += 1
         c.port = urlsplit(url).port or 0
+        c.failed_probes, c.next_probe = 0, time.monotonic() + self.restart.health_interval_s
 
     def _failed(self, c: _Child, why: str) -> None:
         """This start did not come up."""
@@ -516,6 +603,7 @@ class Launcher:
 
     def _restart_later(self, c: _Child, why: str) -> None:
         """The child is down (`why`): schedule its restart, or give up on it."""
+        c.last_failure = f"{c.spec.name} {why}"
         if c.proc is not None:
             c.proc.wait()  # reap it (no zombie)
             c.proc = None

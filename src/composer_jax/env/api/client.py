@@ -138,6 +138,17 @@ class EnvClient:
         self.retries, self.backoff_s, self.down_for_s = retries, backoff_s, down_for_s
         self._rr = itertools.count()
 
+    def move(self, old_url: str, new_url: str) -> bool:
+        """The server at `old_url` serves at `new_url` now (its supervisor restarted it on another
+        port): new sessions and health checks go there; sessions on it were lost with the old process.
+        False when no server of this client is at `old_url`."""
+        old_url, new_url = old_url.rstrip("/"), new_url.rstrip("/")
+        for s in self.servers:
+            if s.url == old_url:
+                s.url, s.http.base_url, s.down_until = new_url, httpx.URL(new_url), 0.0
+                return True
+        return False
+
     async def __aenter__(self) -> EnvClient:
         return self
 

@@ -16,6 +16,9 @@ an in-process stand-in (tests/rl/test_learner_step.py).
 No group starts while no environment server answers /health (a dead local server is being
 restarted, or remote ones are unreachable): its id waits instead of being spent on rollouts that
 cannot run; after `rl.env_wait_s` seconds of that the run fails with an error naming the servers.
+A replica taken out of rotation comes back once its supervisor has restarted it and it serves the
+current version, and a child restarted on another port is reached there (rl/rollout/rejoin.py);
+with none in rotation, rollouts wait for that up to `rl.supervision.rejoin_timeout_s`.
 """
 
 from __future__ import annotations
@@ -39,10 +42,11 @@ from composer_jax.rl.rollout.env_servers import LocalEnvServers
 from composer_jax.rl.rollout.group_store import Group, GroupStore
 from composer_jax.rl.rollout.ledger import ResumePoint
 from composer_jax.rl.rollout.queue import RolloutQueue
+from composer_jax.rl.rollout.rejoin import ReplicaWatch
 from composer_jax.rl.samplers.base import SamplerBackend
 from composer_jax.rl.samplers.policy import Policy, PolicyPool
 from composer_jax.rl.samplers.serve_launch import start_serve
-from composer_jax.runtime.supervisor import Launcher
+from composer_jax.runtime.supervisor import Launcher, RestartPolicy
 
 log = logging.getLogger(__name__)
 
@@ -135,11 +139,23 @@ class RolloutSide:
         resume: ResumePoint,
         store: GroupStore,
         sample_group: SampleGroup = sample_group,
-        launchers: Sequence[Launcher] = (),
+        env_launcher: Launcher | None = None,
+        sampler_launcher: Launcher | None = None,
     ):
         self.cfg, self.client, self.store, self.samplers = cfg, client, store, samplers
-        self.launchers = list(launchers)  # the local children (environment servers, replicas) it supervises
-        self.pool = PolicyPool(samplers.policies)
+        # the local children it supervises (environment servers, replicas)
+        self.launchers = [x for x in (env_launcher, sampler_launcher) if x is not None]
+        self.pool = PolicyPool(samplers.policies, rejoin_timeout_s=cfg.rl.supervision.rejoin_timeout_s)
+        self.version = resume.version  # the newest version handed over (what a rejoining replica loads)
+        self.watch = ReplicaWatch(
+            self.pool,
+            samplers,
+            lambda: self.version,
+            samplers=sampler_launcher,
+            env_servers=env_launcher,
+            env_client=client,
+        )
+        self._watching: asyncio.Future | None = None
         self._sample_group = sample_group
         self._loads: set[asyncio.Future] = set()  # version loads in flight (asynchronous runs)
         r = cfg.rl
@@ -177,7 +193,6 @@ class RolloutSide:
         when `rl.sampler_urls` or `rl.local_samplers` name some, else in-process ones that
         `make_samplers(cfg, **policy_args)` makes; the rest of `kwargs` go to the constructor."""
         urls, token, env_launcher = await _env_servers(stack, cfg, out_dir, echo)
-        launchers: list[Launcher] = [env_launcher] if env_launcher is not None else []
         client = await stack.enter_async_context(EnvClient(urls, token))
         r = cfg.rl
         samplers: SamplerBackend
@@ -199,9 +214,7 @@ class RolloutSide:
             )
         else:
             samplers = make_samplers(cfg, **policy_args)
-        if launcher is not None:
-            launchers.append(launcher)
-        side = cls(cfg, client, samplers, launchers=launchers, **kwargs)
+        side = cls(cfg, client, samplers, env_launcher=env_launcher, sampler_launcher=launcher, **kwargs)
         stack.push_async_callback(side.aclose)
         if r.pin_cores and r.sampler_engine == "serve":  # (vLLM's replicas are pinned by their launcher)
             core = sorted(os.sched_getaffinity(0))[0]
@@ -243,11 +256,23 @@ class RolloutSide:
             await asyncio.sleep(poll_s)
 
     def start_queue(self) -> None:
+        """The queue started, and beside it the watch that rejoins restarted replicas
+        (rl/rollout/rejoin.py)."""
         self.queue.start()
+        if self._watching is None:
+            self._watching = asyncio.ensure_future(self.watch.run())
 
     async def stop_queue(self) -> None:
-        """No group starts any more; those in flight are cancelled."""
+        """No group starts any more; those in flight are cancelled (and the watch stopped)."""
         await self.queue.aclose()
+        await self._stop_watching()
+
+    async def _stop_watching(self) -> None:
+        if self._watching is not None:
+            self._watching.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watching
+            self._watching = None
 
     async def take(self, step: int, fits: Fits) -> tuple[list[Group], list[Group]]:
         return await self.queue.take(step, fits)
@@ -261,8 +286,10 @@ class RolloutSide:
         return out
 
     def queue_values(self) -> dict[str, float]:
-        """The queue's sizes and the supervised children's counts (alive, restarts, given up)."""
+        """The queue's sizes, the rotation's counts (`samplers/out`, `samplers/rejoined`, ...) and the
+        supervised children's (alive, restarts, unresponsive, given up)."""
         out = {"queue/ready": float(len(self.queue.ready)), "queue/in_flight": float(len(self.queue.in_flight))}
+        out.update(self.pool.metrics())
         for launcher in self.launchers:
             out.update(launcher.metrics())
         return out
@@ -271,6 +298,7 @@ class RolloutSide:
     async def hand_over(self, params: Any, version: int, trained: int) -> None:
         """Version `version` (= `params`) to the samplers, then the queue told of it (the step before
         it trained `trained` groups)."""
+        self.version = version  # a replica rejoining from now on loads this one
         await self.samplers.publish(params, version)
         if self.cfg.rl.max_staleness == 0:  # the next groups must start on this version
             await self.samplers.load(version, self.pool)
@@ -295,6 +323,7 @@ class RolloutSide:
         """The queue cancelled, version loads awaited (or cancelled, where the backend says so), the
         samplers and their connections closed (idempotent)."""
         await self.queue.aclose()
+        await self._stop_watching()
         if self.samplers.cancel_loads_at_close:
             for f in self._loads:
                 f.cancel()
@@ -312,7 +341,9 @@ async def _env_servers(stack: contextlib.AsyncExitStack, cfg: Config, out_dir: P
     cores = None
     if r.pin_cores and r.env_cores == "samplers":  # they and their sandboxes share the replicas' cores
         cores = sorted(os.sched_getaffinity(0))[1 : 1 + r.local_samplers]
-    env_servers = LocalEnvServers(r.tasks_dir, r.env_servers, cores=cores, log_dir=out_dir / "env_servers")
+    restart = RestartPolicy.of(r.supervision)
+    logs = out_dir / "env_servers"
+    env_servers = LocalEnvServers(r.tasks_dir, r.env_servers, cores=cores, log_dir=logs, restart=restart)
     urls, token = stack.enter_context(env_servers)
     echo(f"[rl] started {len(urls)} local environment server(s) on {r.tasks_dir}")
     return urls, token, env_servers

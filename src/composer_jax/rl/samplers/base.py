@@ -4,8 +4,9 @@ A run samples its rollouts on one backend: the in-process continuous-batching sa
 (rl/samplers/in_process.py), `composer-jax serve` replicas (serve.py) or vLLM replicas (vllm.py).
 `SamplerBackend` is all the rollout side (rl/rollout/side.py) knows of it: the policies rollouts
 are spread over, and a policy version's life - `publish` (the new weights handed over), `load`
-(every replica in rotation serves it), `health`, `aclose`. The rollout side never asks which
-backend it has.
+(every replica in rotation serves it), `health`, `aclose` - and a replica's way back into rotation
+after a restart (`rejoin`, at the URL it now serves at: `follow`). The rollout side never asks
+which backend it has.
 
 `TokenSampler` is a policy of any of them: the checkpoint's chat format (formats/chat_format.py)
 over one sampler, with the
@@ -16,6 +17,7 @@ records are kept here, once.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 from abc import ABC, abstractmethod
@@ -124,13 +126,27 @@ class SamplerBackend(ABC):
         """The samplers and their connections closed (idempotent); a later turn raises
         SamplerUnavailable."""
 
+    async def rejoin(self, policy: Policy, version: int, health_timeout_s: float = 5.0) -> None:
+        """Make `policy` (out of rotation) ready to rejoin it: it answers /health (within
+        `health_timeout_s`) and serves `version`; SamplerUnavailable when it cannot. The in-process
+        sampler's policies never leave the rotation but closed, so they never come back."""
+        raise SamplerUnavailable(f"{policy!r}: the {type(self).__name__} backend's samplers do not come back")
+
+    def follow(self, index: int, url: str) -> None:
+        """Sampler `index` (of `policies`) serves at `url` now: its supervisor restarted it on
+        another port. Only replicas in other processes move."""
+        del index, url
+
 
 class Replica(Policy, Protocol):
     """A sampler in another process: a policy holding its own connection."""
 
     closed: bool
+    base_url: str
 
     async def health(self) -> dict: ...
+
+    async def load_version(self, version: int, store_url: str | None = None) -> int: ...
 
     async def aclose(self) -> None: ...
 
@@ -139,6 +155,24 @@ class ReplicaBackend(SamplerBackend):
     """A backend of replicas in other processes (serve, vLLM): `replicas` are its policies."""
 
     replicas: Sequence[Replica]
+    store_url: str | None = None  # the weight store the replicas load versions from (serve replicas)
+
+    async def rejoin(self, policy: Policy, version: int, health_timeout_s: float = 5.0) -> None:
+        """The replica answers /health, then loads `version` (a serve replica from the weight store,
+        a vLLM one by a restart on the version's export) unless it serves it or a newer one already:
+        a rejoined replica samples the current version from its first turn on (and every token
+        carries the version that sampled it, so the queue's staleness bound holds either way)."""
+        replica = next((r for r in self.replicas if r is policy), None)
+        if replica is None:
+            raise SamplerUnavailable(f"{policy!r} is not one of this backend's replicas")
+        try:
+            await asyncio.wait_for(replica.health(), health_timeout_s)
+        except TimeoutError:
+            raise SamplerUnavailable(f"{policy!r}: /health did not answer within {health_timeout_s:g} s") from None
+        await replica.load_version(version, self.store_url)
+
+    def follow(self, index: int, url: str) -> None:
+        self.replicas[index].base_url = url.rstrip("/")
 
     async def health(self) -> list[dict]:
         out = []

@@ -11,9 +11,12 @@ policy works on messages and records no tokens: its rollouts are for evaluation,
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
@@ -170,33 +173,106 @@ def _endpoint_tool_calls(raw: list[Any], id_prefix: str) -> tuple[list[dict], li
 
 
 class PolicyPool:
-    """The policies rollouts run on, in turn; those that raised `SamplerUnavailable` are left out."""
+    """The policies rollouts run on, in turn. One that raised `SamplerUnavailable` is taken *out* of
+    rotation with its reason (`out`, and the history `lost`) and may come back with `rejoin`: the
+    rollout side (rl/rollout/rejoin.py) rejoins a replica once its supervisor reports it up again,
+    it answers /health and it serves the current policy version.
 
-    def __init__(self, policies: Sequence[Policy]):
+    While no policy is in rotation, `run` waits up to `rejoin_timeout_s` seconds for one to rejoin
+    (0: it does not wait), then raises RuntimeError naming each policy out and why."""
+
+    def __init__(self, policies: Sequence[Policy], *, rejoin_timeout_s: float = 0.0):
         if not policies:
             raise ValueError("no policies to sample with; give at least one sampler")
+        if isinstance(rejoin_timeout_s, bool) or not isinstance(rejoin_timeout_s, int | float) or rejoin_timeout_s < 0:
+            raise ValueError(f"rejoin_timeout_s={rejoin_timeout_s!r}; accepted: seconds >= 0 (0: no wait)")
         self.policies = list(policies)
         self.alive = list(policies)
-        self.lost: list[tuple[Policy, str]] = []
+        self.out: list[tuple[Policy, str]] = []  # out of rotation now, with the reason
+        self.lost: list[tuple[Policy, str]] = []  # every removal, in order
+        self.rejoined = 0  # rejoins so far
+        self.rejoin_timeout_s = float(rejoin_timeout_s)
         self._turn = 0
+        self._back: asyncio.Event | None = None  # set by `rejoin` (made in the running loop)
+        self._notes: dict[int, str] = {}  # id(policy) -> what was learnt of it since it went out
 
     def pick(self) -> Policy:
         if not self.alive:
-            reasons = "; ".join(why for _, why in self.lost)
-            raise RuntimeError(f"every sampler is unavailable ({len(self.lost)} lost: {reasons})")
+            raise RuntimeError(f"every sampler is unavailable ({len(self.out)} out: {self._reasons()})")
         p = self.alive[self._turn % len(self.alive)]
         self._turn += 1
         return p
 
+    def _reasons(self) -> str:
+        return (
+            "; ".join(
+                f"{p!r}: {why}" + (f" ({self._notes[id(p)]})" if id(p) in self._notes else "") for p, why in self.out
+            )
+            or "none out"
+        )
+
+    def note(self, policy: Policy, what: str) -> None:
+        """What was learnt of `policy` while it is out (its supervisor's word, a failed rejoin): named
+        with its reason in the errors of a pool with no policy in rotation."""
+        if self.is_out(policy):
+            self._notes[id(policy)] = what
+
     def remove(self, policy: Policy, why: str) -> None:
         if policy in self.alive:
             self.alive.remove(policy)
+            self.out.append((policy, why))
             self.lost.append((policy, why))
             log.warning("sampler %r taken out of rotation: %s (%d left)", policy, why, len(self.alive))
 
+    def is_out(self, policy: Policy) -> bool:
+        return any(p is policy for p, _ in self.out)
+
+    def rejoin(self, policy: Policy) -> None:
+        """`policy` (out of rotation) is back in it; rollouts waiting for a policy go on."""
+        if not self.is_out(policy):
+            return
+        self.out = [(p, why) for p, why in self.out if p is not policy]
+        self._notes.pop(id(policy), None)
+        self.alive.append(policy)
+        self.rejoined += 1
+        log.warning("sampler %r rejoined the rotation (%d in it)", policy, len(self.alive))
+        if self._back is not None:
+            self._back.set()
+
+    def metrics(self) -> dict[str, float]:
+        """`samplers/in_rotation`, `samplers/out` (now), `samplers/removed` and `samplers/rejoined` (so far)."""
+        return {
+            "samplers/in_rotation": float(len(self.alive)),
+            "samplers/out": float(len(self.out)),
+            "samplers/removed": float(len(self.lost)),
+            "samplers/rejoined": float(self.rejoined),
+        }
+
+    async def wait_in_rotation(self) -> None:
+        """Return once some policy is in rotation; RuntimeError after `rejoin_timeout_s` without one."""
+        if self.alive:
+            return
+        if not self.rejoin_timeout_s:
+            self.pick()  # raises, naming each policy out and why
+        deadline = time.monotonic() + self.rejoin_timeout_s
+        if self._back is None:
+            self._back = asyncio.Event()
+        while not self.alive:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(
+                    f"every sampler is unavailable and none rejoined within rl.supervision.rejoin_timeout_s="
+                    f"{self.rejoin_timeout_s:g} s ({len(self.out)} out: {self._reasons()})"
+                )
+            self._back.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._back.wait(), left)
+
     async def run(self, fn: Callable[[Policy], Awaitable[T]]) -> T:
-        """`fn(policy)` on the next policy; redone on another while policies raise SamplerUnavailable."""
+        """`fn(policy)` on the next policy; redone on another while policies raise SamplerUnavailable
+        (waiting for a rejoin while none is in rotation: `wait_in_rotation`)."""
         while True:
+            await self.wait_in_rotation()
             policy = self.pick()
             try:
                 return await fn(policy)

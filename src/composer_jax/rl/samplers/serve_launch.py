@@ -134,6 +134,7 @@ def local_samplers(cfg: Config, checkpoint_dir: str, store_url: str, version: in
         cores=cores[1 : 1 + r.local_samplers] if r.pin_cores else None,
         extra_args=["--version", str(version), "--max-len", str(t.seq_len)],
         log_dir=out_dir / "samplers",
+        restart=RestartPolicy.of(r.supervision),
         # a warm-up compiles every (group, bucket) admission program before the replica answers
         # /health: 5-6 min for 48 slots x 768 tokens on one core here, past the plain start's 300 s
         # (a cached compilation loads in seconds)

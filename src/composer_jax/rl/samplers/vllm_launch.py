@@ -387,6 +387,7 @@ async def start_vllm(
         cpu=cpu,
         cores=cores,
         log_dir=out_dir / "samplers",
+        restart=RestartPolicy.of(r.supervision),
     )
     urls = stack.enter_context(launcher)
     push = RestartPush(launcher, exports)
