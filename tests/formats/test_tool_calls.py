@@ -275,6 +275,18 @@ def test_start_markers_begin_the_calls(syntax):
     assert parse_turn(syntax, "plain text").malformed == []
 
 
+@pytest.mark.parametrize("syntax", ["hermes", "qwen3_coder", "deepseek_v3", "kimi_k2"])
+def test_end_markers_close_each_call(syntax):
+    """The text up to the first call's end marker reads as that call alone (what a streamer sends)."""
+    from tool_call_corpus import WRITERS
+
+    text = WRITERS[syntax](("shell", {"cmd": "ls"}), ("edit", {"path": "a"}))
+    end = tool_call_syntax(syntax).end_markers[0]
+    first = parse_turn(syntax, text[: text.index(end) + len(end)])
+    assert _fn(first) == [("shell", '{"cmd": "ls"}')] and first.malformed == []
+    assert _fn(parse_turn(syntax, text))[1] == ("edit", '{"path": "a"}')
+
+
 def test_unknown_syntax_names_it_and_the_accepted():
     with pytest.raises(ConfigError, match=r"'hermes2'.*accepted: \['composer-chatml-v1', 'deepseek_v3', 'hermes'"):
         parse_turn("hermes2", "x")

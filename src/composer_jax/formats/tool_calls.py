@@ -46,10 +46,13 @@ Parsed = tuple[str, str, str | None] | str
 class ToolCallSyntax:
     """One tool-call syntax. start_markers: the text each call (or the calls' section) begins at,
     so a streamer knows where content ends; the first is the one a forced call opens with.
+    end_markers: the text that closes one call (a streamer may parse the turn again after each);
+    () where only the next call or the end of the turn closes one (composer-chatml-v1).
     split(text, tools) -> (content, one Parsed per call, in order)."""
 
     name: str
     start_markers: tuple[str, ...]
+    end_markers: tuple[str, ...]
     split: Callable[[str, Sequence[dict] | None], tuple[str, list[Parsed]]]
 
 
@@ -229,11 +232,18 @@ def _split_chatml(text: str, tools: Sequence[dict] | None) -> tuple[str, list[Pa
 TOOL_CALL_SYNTAXES: dict[str, ToolCallSyntax] = {
     s.name: s
     for s in (
-        ToolCallSyntax("hermes", ("<tool_call>",), _split_hermes),
-        ToolCallSyntax("qwen3_coder", ("<tool_call>",), _split_qwen3_coder),
-        ToolCallSyntax("deepseek_v3", (_DS_BEGIN,), _sectioned(_DS_BEGIN, _DS_CALL, _DS_CALL_END, _deepseek_call)),
-        ToolCallSyntax("kimi_k2", (_KIMI_BEGIN,), _sectioned(_KIMI_BEGIN, _KIMI_CALL, _KIMI_CALL_END, _kimi_call)),
-        ToolCallSyntax(_CHATML, ("<|tool_call|>",), _split_chatml),
+        ToolCallSyntax("hermes", ("<tool_call>",), ("</tool_call>",), _split_hermes),
+        ToolCallSyntax("qwen3_coder", ("<tool_call>",), ("</tool_call>",), _split_qwen3_coder),
+        ToolCallSyntax(
+            "deepseek_v3", (_DS_BEGIN,), (_DS_CALL_END,), _sectioned(_DS_BEGIN, _DS_CALL, _DS_CALL_END, _deepseek_call)
+        ),
+        ToolCallSyntax(
+            "kimi_k2",
+            (_KIMI_BEGIN,),
+            (_KIMI_CALL_END,),
+            _sectioned(_KIMI_BEGIN, _KIMI_CALL, _KIMI_CALL_END, _kimi_call),
+        ),
+        ToolCallSyntax(_CHATML, ("<|tool_call|>",), (), _split_chatml),
     )
 }
 
