@@ -292,8 +292,9 @@ class AssistantTurn:
         return msg
 
 
-def _parse_call(text: str, index: int, call_id: str) -> dict:
-    """The JSON after one <|tool_call|> -> an OpenAI tool call; raises ValueError saying what is wrong."""
+def parse_call_json(text: str, index: int, call_id: str) -> dict:
+    """The JSON after one <|tool_call|> -> an OpenAI tool call; raises ValueError saying what is wrong.
+    (hermes's `<tool_call>` body is the same object: formats/tool_calls.py reads it with this.)"""
     body = text.strip()
     if not body:
         raise ValueError(f'tool call {index}: empty; expected a JSON object {{"name": ..., "arguments": {{...}}}}')
@@ -343,7 +344,7 @@ def parse_assistant(tokens: Sequence[int], tok: Tokenizer, *, call_id_prefix: st
             malformed.append(f"tool call {i}: cut off by the token budget before <|im_end|>")
             continue
         try:
-            calls.append(_parse_call(tok.decode(piece, skip_special_tokens=True), i, f"{call_id_prefix}_{i}"))
+            calls.append(parse_call_json(tok.decode(piece, skip_special_tokens=True), i, f"{call_id_prefix}_{i}"))
         except ValueError as exc:
             malformed.append(str(exc))
     return AssistantTurn(content, calls, malformed, finished)
