@@ -169,6 +169,17 @@ def test_init_record_reaches_metrics_and_report(hf_dir, tmp_path):
     assert f"| stage1 | hf checkpoint `{hf_dir}` (deepseek_v3, config sha256 `{sha}`) |" in text
 
 
+def test_inspect_sizes_the_model_from_the_checkpoint(hf_dir, reference, tmp_path):
+    import argparse
+
+    from composer_jax import inspection
+
+    (tmp_path / "run.yaml").write_text(f"model: {{from: 'hf:{hf_dir}'}}\nmesh: {json.dumps(MESH)}\n")
+    args = argparse.Namespace(config=str(tmp_path / "run.yaml"), mesh=None, overrides=["mesh.data=-1"])
+    cfg, _ = inspection._load(args)
+    assert cfg.model == dataclasses.replace(reference[0], from_=f"hf:{hf_dir}")
+
+
 def test_bad_path_names_it_and_the_three_kinds(tmp_path):
     (tmp_path / "notes.txt").write_text("x")
     for path, why in ((tmp_path / "missing", "not a directory"), (tmp_path, r"none of the three kinds .*notes.txt")):

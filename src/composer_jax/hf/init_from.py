@@ -26,7 +26,7 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import yaml
@@ -182,12 +182,12 @@ def fresh_record(cfg: Config) -> dict[str, Any]:
     return {"kind": "scratch", "seed": cfg.train.seed, "family": _family(cfg.model)}
 
 
-def resolve_model_from(cfg: Config, num_devices: int | None = None) -> Config:
+def resolve_model_from(cfg: Config, num_devices: int | None | Literal["auto"] = "auto") -> Config:
     """`cfg` with its model section filled from `model.from`'s checkpoint config (unchanged when
     empty). A field left at its default takes the checkpoint's value; a field given (not the
     default) wins where it sets no parameter shape; a shape field given must equal the
     checkpoint's (else a ConfigError naming it and both values). Revalidated against the mesh
-    (num_devices: default jax.device_count())."""
+    (num_devices as for `config_from_dict`: "auto" = jax.device_count(), None = no device check)."""
     spec = model_from(cfg.model)
     if spec is None:
         return cfg
@@ -213,5 +213,5 @@ def resolve_model_from(cfg: Config, num_devices: int | None = None) -> Config:
     model = dataclasses.replace(saved, **given, from_=cfg.model.from_)
     out = dataclasses.replace(cfg, model=model)
     validate_sections(out)
-    check_sections(out, jax.device_count() if num_devices is None else num_devices)
+    check_sections(out, jax.device_count() if num_devices == "auto" else num_devices)
     return out

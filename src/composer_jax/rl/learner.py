@@ -128,7 +128,7 @@ def run_rl(
     stop_after: return once this many steps ran in this call (as a crash would, for resume tests).
     Returns a summary: per-step values (`summary["steps"][n]`), the group ids each step trained
     (`summary["trained_groups"][n]`), the dropped ones and the evaluations."""
-    cfg = resolve_model_from(cfg, mesh.devices.size if mesh is not None else None)
+    cfg = resolve_model_from(cfg, mesh.devices.size if mesh is not None else "auto")
     check_config(cfg)
     cfg = with_vllm_settings(cfg, echo)
     return asyncio.run(_run(cfg, mesh, init_params, echo, stop_after))
