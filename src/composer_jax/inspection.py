@@ -36,6 +36,7 @@ from typing import Any
 from composer_jax import inspection_rl
 from composer_jax.config import MESH_AXES, Config, ConfigError, config_from_dict, deep_merge, read_yaml, to_dict
 from composer_jax.errors import UsageError
+from composer_jax.hf.init_from import resolve_model_from
 from composer_jax.model import accounting
 from composer_jax.sharding import MeshRules, ShardingRules
 
@@ -264,7 +265,7 @@ def _load(args: argparse.Namespace) -> tuple[Config, bool]:
             )
         deep_merge(data, mesh_data)
     # num_devices=None: the mesh may describe a cluster this machine is not part of
-    cfg = config_from_dict(data, args.overrides, num_devices=None)
+    cfg = resolve_model_from(config_from_dict(data, args.overrides, num_devices=None), num_devices=None)
     return cfg, is_training or any(o.startswith("train.") for o in args.overrides)
 
 

@@ -59,6 +59,7 @@ class Stage:
     name: str
     path: Path  # the metrics.jsonl
     series: Series = field(default_factory=dict)
+    init: dict[str, Any] | None = None  # where its weights came from: the first {"init": ...} record
 
     @property
     def is_rl(self) -> bool:
@@ -90,11 +91,37 @@ def read_metrics(path: Path) -> Series:
     return {k: sorted(d.items()) for k, d in by_key.items()}
 
 
+def read_init(path: Path) -> dict[str, Any] | None:
+    """The stage's `init` record (train/shell.py `record_init`: kind hf/orbax/run/scratch/resume,
+    path, family, config_sha256): the first one, where the run's weights came from (a resumed run
+    appends a `resume` record after it)."""
+    for line in path.read_text().splitlines():
+        if '"init"' in line:
+            rec = json.loads(line)
+            if isinstance(rec.get("init"), dict):
+                return rec["init"]
+    return None
+
+
+def init_line(init: dict[str, Any] | None) -> str:
+    """The report's "weights from" phrase of an `init` record."""
+    if not init:
+        return "not recorded"
+    if init.get("kind") == "scratch":
+        return f"fresh initialisation (seed {init.get('seed')})"
+    notes = [str(init["family"])] if init.get("family") else []
+    if init.get("config_sha256"):
+        notes.append(f"config sha256 `{str(init['config_sha256'])[:12]}`")
+    extra = f" ({', '.join(notes)})" if notes else ""
+    return f"{init.get('kind')} checkpoint `{init.get('path')}`{extra}"
+
+
 def collect(run_dir: Path) -> tuple[list[Stage], list[Evaluation]]:
     if not run_dir.is_dir():
         raise ReportError(f"run directory {str(run_dir)!r} does not exist or is not a directory")
+    name = lambda p: str(p.parent.relative_to(run_dir)) if p.parent != run_dir else run_dir.name
     stages = [
-        Stage(str(p.parent.relative_to(run_dir)) if p.parent != run_dir else run_dir.name, p, read_metrics(p))
+        Stage(name(p), p, read_metrics(p), read_init(p))
         for p in sorted(run_dir.rglob("metrics.jsonl"), key=lambda p: (p.stat().st_mtime, str(p)))
     ]
     evals = []
@@ -349,6 +376,12 @@ def _source_table(stages: list[Stage]) -> list[str]:
     return [*lines, ""]
 
 
+def _init_lines(stages: list[Stage]) -> list[str]:
+    if not any(s.init for s in stages):
+        return []
+    return ["| stage | weights from |", "|---|---|", *(f"| {s.name} | {init_line(s.init)} |" for s in stages), ""]
+
+
 def write_report(run_dir: str | Path, title: str | None = None) -> Path:
     """Write RUN_DIR/report.md and RUN_DIR/plots/*.png; returns the Markdown path."""
     run = Path(run_dir)
@@ -364,11 +397,12 @@ def write_report(run_dir: str | Path, title: str | None = None) -> Path:
             cells = [_first_last(s.series[k]) if k in s.series else "" for k, _ in PRETRAIN_PANELS]
             cells.append(_trend_cell(s.series.get("loss", [])))
             lines.append(f"| {s.name} | " + " | ".join(cells) + " |")
-        lines += ["", TREND_NOTE, "", *_source_table(pre)]
+        lines += ["", TREND_NOTE, "", *_init_lines(pre), *_source_table(pre)]
     if rl and _plot(RL_PANELS, rl, plots / "rl.png", "reinforcement learning"):
         lines += ["## Reinforcement learning", "", "![rl](plots/rl.png)", ""]
         for s in rl:
-            lines += [f"### {s.name}", "", *_heldout_line(s), *_trend_lines(s), *_rl_table(s), ""]
+            lines += [f"### {s.name}", "", f"Weights from: {init_line(s.init)}.", ""]
+            lines += [*_heldout_line(s), *_trend_lines(s), *_rl_table(s), ""]
     for ev in evals:
         lines += [f"## Evaluation: {ev.name}", "", *_eval_table(ev), ""]
     out = run / "report.md"

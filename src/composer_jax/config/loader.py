@@ -109,19 +109,23 @@ def _field_default(f: dataclasses.Field) -> Any:
 def build_dataclass(cls: type, data: Mapping[str, Any], prefix: str, base: Any = None) -> Any:
     """cls from a mapping of its fields. A nested section given in part keeps its field's default for
     the keys not given (which may differ from its class's defaults, e.g. `rl.sampler`); `base`, when
-    given, is that default. A key listed in cls.MOVED_KEYS gets an error naming where it went."""
+    given, is that default. A key listed in cls.MOVED_KEYS gets an error naming where it went; a
+    field named in cls.YAML_KEYS is spelled so in YAML (`from_` -> `from`, a Python keyword)."""
     hints = typing.get_type_hints(cls)
+    spelled: Mapping[str, str] = getattr(cls, "YAML_KEYS", {})
+    field_of = {spelled.get(f.name, f.name): f.name for f in dataclasses.fields(cls)}
     fields = {f.name: f for f in dataclasses.fields(cls)}
     moved: Mapping[str, str] = getattr(cls, "MOVED_KEYS", {})
     kwargs = {}
-    for k, v in data.items():
-        key = f"{prefix}.{k}" if prefix else str(k)
-        if k in moved:
-            raise ConfigError(f"{key} is now {moved[k]}: give {moved[k]}={v!r} instead")
-        if k not in fields:
-            close = difflib.get_close_matches(str(k), fields, n=1)
+    for yaml_key, v in data.items():
+        key = f"{prefix}.{yaml_key}" if prefix else str(yaml_key)
+        if yaml_key in moved:
+            raise ConfigError(f"{key} is now {moved[yaml_key]}: give {moved[yaml_key]}={v!r} instead")
+        k = field_of.get(yaml_key, "")
+        if not k:
+            close = difflib.get_close_matches(str(yaml_key), field_of, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"unknown key {key!r}{hint}; accepted keys: {', '.join(sorted(fields))}")
+            raise ConfigError(f"unknown key {key!r}{hint}; accepted keys: {', '.join(sorted(field_of))}")
         tp = hints[k]
         if isinstance(tp, type) and dataclasses.is_dataclass(tp) and isinstance(v, Mapping):
             default = getattr(base, k) if base is not None else _field_default(fields[k])
@@ -199,7 +203,8 @@ def deep_merge(dst: dict, src: Mapping) -> None:
 
 def plain(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        spelled = getattr(obj, "YAML_KEYS", {})
+        return {spelled.get(f.name, f.name): plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, Mapping):
         return {k: plain(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):  # tuples of sections (data.sources) -> YAML/JSON lists

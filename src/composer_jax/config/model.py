@@ -49,6 +49,13 @@ class RopeScalingConfig:
 class ModelConfig:
     """A DeepSeek-V3 / Kimi-K2 / DeepSeek-V2 / Qwen3-MoE style decoder-only MoE transformer."""
 
+    YAML_KEYS: typing.ClassVar[dict[str, str]] = {"from_": "from"}
+
+    # `from: "hf:DIR"` (also "orbax:DIR", "run:DIR"): the architecture is read from that checkpoint
+    # (hf/init_from.py, `resolve_model_from`): every field left at its default takes the checkpoint's
+    # value; a field given here wins where it changes no parameter shape (SHAPE_KEYS), and a shape
+    # field given here must equal the checkpoint's. Weights still come from `train.init_from` only.
+    from_: str = ""
     name: str = "tiny"
     vocab_size: int = 512
     hidden_size: int = 64
@@ -149,10 +156,81 @@ class ModelConfig:
         return self.moe_intermediate_size * self.num_shared_experts
 
 
+MODEL_FROM_KINDS = ("hf", "orbax", "run")
+
+# The fields that set parameter shapes (`model/params.param_specs`); tests/hf/test_init_from.py
+# checks that no other field changes one.
+SHAPE_KEYS: tuple[str, ...] = (
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "attention_type",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "num_kv_heads",
+    "head_dim",
+    "qk_norm",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_experts",
+    "num_shared_experts",
+    "first_k_dense",
+    "tie_word_embeddings",
+    "num_mtp_layers",
+)
+# Model keys a new stage may change while starting from the previous stage's parameters: they
+# change no parameter shape (YaRN context extension, sequence limits, numerics, remat), or only
+# record where the architecture was read (`from`).
+STAGE_CHANGEABLE: tuple[str, ...] = (
+    "model.from",
+    "model.rope_scaling",
+    "model.max_position_embeddings",
+    "model.remat",
+    "model.moe_impl",
+    "model.moe_precision",
+    "model.moe_quant_backend",
+    "model.compute_dtype",
+    "model.moe_tile_size",
+    "model.router_bias_update_rate",
+)
+# ...and the keys a Hugging Face or `convert --to-orbax` checkpoint does not decide: how the run
+# computes, not what (its name, initialiser, parameter dtype - loading casts - and kernels' choices).
+IMPLEMENTATION_KEYS: tuple[str, ...] = STAGE_CHANGEABLE + (
+    "model.name",
+    "model.initializer_range",
+    "model.param_dtype",
+    "model.attention_impl",
+    "model.attn_block_q",
+    "model.attn_block_k",
+    "model.scan_layers",
+    "model.moe_ep_exchange",
+    "model.moe_ep_capacity_factor",
+)
+
+
+def model_from(m: ModelConfig) -> tuple[str, str] | None:
+    """`model.from` as (kind, directory), None when empty; a ConfigError naming a bad value."""
+    if not m.from_:
+        return None
+    kind, sep, path = m.from_.partition(":")
+    if not sep or kind not in MODEL_FROM_KINDS or not path:
+        raise ConfigError(
+            f"model.from={m.from_!r} is not accepted; accepted: '' (the model section as given) or KIND:DIR "
+            f"with KIND one of {', '.join(MODEL_FROM_KINDS)}, e.g. 'hf:checkpoints/kimi_k2_5'"
+        )
+    return kind, path
+
+
 def validate_model(m: ModelConfig) -> None:
     def need(cond: bool, msg: str) -> None:
         if not cond:
             raise ConfigError(msg)
+
+    model_from(m)
 
     for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size"):
         need(getattr(m, key) > 0, f"model.{key}={getattr(m, key)} must be a positive integer")

@@ -343,6 +343,41 @@ def read_hf_config(path: str | os.PathLike) -> dict:
         raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
 
 
+def read_model_config(path: str | os.PathLike, dtype: str | None = None) -> tuple[ModelConfig, HFInfo]:
+    """A Hugging Face checkpoint directory's ModelConfig (from config.json; num_mtp_layers = the MTP
+    modules its tensors hold) and what else config.json says (HFInfo). Reads no tensor data."""
+    cfg, info = model_config_from_hf(read_hf_config(path), dtype=dtype)
+    files = _open(path)
+    return dataclasses.replace(cfg, num_mtp_layers=_count_mtp(files, _detect_prefix(files), cfg, info)), info
+
+
+def _open(path: str | os.PathLike) -> st.SafetensorsDir:
+    try:
+        return st.SafetensorsDir(path)
+    except st.SafetensorsError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def read_params(path: str | os.PathLike, cfg: ModelConfig, info: HFInfo, shardings: Any = None) -> dict:
+    """The parameters of a Hugging Face checkpoint directory laid out as `param_specs(cfg)`, in
+    cfg.param_dtype (the router float32), each placed on its sharding in `shardings` (a tree like
+    the params; None: the default device).
+
+    Shard by shard (`_place`): only the blocks this process's devices hold are read
+    (`addressable_devices_indices_map`), so on several hosts each process reads its own shards only."""
+    files = _open(path)
+    reader = _Reader(files, info.fp8_block)
+    params: dict = {}
+    for plan in _plans(cfg, info.family, _detect_prefix(files)):
+        sharding = None
+        if shardings is not None:
+            sharding = shardings
+            for k in plan.path:
+                sharding = sharding[k]
+        _set(params, plan.path, _place(plan.spec.shape, sharding, _param_reader(plan, cfg, reader)))
+    return params
+
+
 def from_pretrained(
     path: str | os.PathLike, mesh: Mesh | None = None, *, rules: ShardingRules | None = None, dtype: Any = None
 ) -> tuple[ModelConfig, dict]:
@@ -354,27 +389,11 @@ def from_pretrained(
     are dequantised to it). The router stays float32.
     Returns (ModelConfig, params) with params laid out as `param_specs(cfg)`.
     """
-    hf = read_hf_config(path)
     if dtype is not None and not isinstance(dtype, str):
         dtype = jnp.dtype(dtype).name  # jnp.bfloat16 / np.float32 -> "bfloat16" / "float32"
-    cfg, info = model_config_from_hf(hf, dtype=dtype)
-    try:
-        files = st.SafetensorsDir(path)
-    except st.SafetensorsError as e:
-        raise CheckpointError(str(e)) from None
-    prefix = _detect_prefix(files)
-    cfg = dataclasses.replace(cfg, num_mtp_layers=_count_mtp(files, prefix, cfg, info))
-    reader = _Reader(files, info.fp8_block)
+    cfg, info = read_model_config(path, dtype)
     shardings = param_shardings(cfg, mesh, rules) if mesh is not None else None
-    params: dict = {}
-    for plan in _plans(cfg, info.family, prefix):
-        sharding = None
-        if shardings is not None:
-            sharding = shardings
-            for k in plan.path:
-                sharding = sharding[k]
-        _set(params, plan.path, _place(plan.spec.shape, sharding, _param_reader(plan, cfg, reader)))
-    return cfg, params
+    return cfg, read_params(path, cfg, info, shardings)
 
 
 def _count_mtp(files: st.SafetensorsDir, prefix: str, cfg: ModelConfig, info: HFInfo) -> int:

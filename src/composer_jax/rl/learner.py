@@ -40,6 +40,7 @@ import numpy as np
 
 from composer_jax.checkpoint.manager import TrainCheckpointer
 from composer_jax.config import Config, ConfigError, check_rl_run, to_dict
+from composer_jax.hf.init_from import resolve_model_from
 from composer_jax.rl.algo import batch as rl_batch
 from composer_jax.rl.algo.loss import reference_logprobs, rl_objective
 from composer_jax.rl.algo.rewards import mean_components
@@ -129,6 +130,7 @@ def run_rl(
     stop_after: return once this many steps ran in this call (as a crash would, for resume tests).
     Returns a summary: per-step values (`summary["steps"][n]`), the group ids each step trained
     (`summary["trained_groups"][n]`), the dropped ones and the evaluations."""
+    cfg = resolve_model_from(cfg, mesh.devices.size if mesh is not None else "auto")
     check_config(cfg)
     cfg = with_vllm_settings(cfg, echo)
     return asyncio.run(_run(cfg, mesh, init_params, echo, stop_after))
@@ -154,12 +156,13 @@ class Learner:
     `await step(n)` trains step n, or `await run()` the whole loop."""
 
     def __init__(self, cfg: Config, *, mesh=None, init_params: Any = None, echo: Callable[[str], None] = print):
+        self.mesh = mesh if mesh is not None else make_mesh(cfg.mesh)
+        cfg = resolve_model_from(cfg, self.mesh.devices.size)  # model.from (a no-op once resolved)
         t, r = cfg.train, cfg.rl
         self.cfg = cfg
         self.checkpointer = TrainCheckpointer(run_checkpoint_config(cfg))
         self.hosts = Hosts(before_share=self.checkpointer.wait)
         self.echo = echo if self.hosts.lead else (lambda _line: None)
-        self.mesh = mesh if mesh is not None else make_mesh(cfg.mesh)
         self.rules = ShardingRules.create(cfg.sharding_rules)
         self.tok = run_tokenizer(cfg)
         self.out_dir = Path(t.out_dir)
@@ -199,6 +202,7 @@ class Learner:
             lead=self.hosts.lead,
             echo=self.echo,
         )
+        self.shell.record_init(begin.step, begin.init)
         self.evaluation = HeldOutEvaluation(
             held_out_tasks(r.eval_tasks, r.eval_seeds, r.eval_seed),
             samples=r.eval_samples,

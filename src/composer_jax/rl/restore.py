@@ -1,5 +1,6 @@
 """Where a learner starts: its run's latest checkpoint, else given parameters, else
-`train.init_from`, else a fresh model."""
+`train.init_from` (a run's checkpoint, a Hugging Face or a `convert --to-orbax` directory:
+hf/init_from.py), else a fresh model."""
 
 from __future__ import annotations
 
@@ -7,25 +8,26 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from composer_jax.checkpoint.manager import TrainCheckpointer, restore_params_only
+from composer_jax.checkpoint.manager import TrainCheckpointer
 from composer_jax.config import Config
-from composer_jax.model.params import abstract_params
+from composer_jax.hf.init_from import describe_init, fresh_record, load_init_params
 from composer_jax.rl.rollout.ledger import GroupsState
 from composer_jax.rl.rollout.queue import DoneIds
-from composer_jax.train.loop import STAGE_CHANGEABLE
 from composer_jax.train.state import abstract_train_state, init_train_state
 
 
 @dataclasses.dataclass
 class Start:
     """The train state to start from, its step (= policy version), the next group id of the task
-    stream and the group ids already done; `resumed`: from the run's own checkpoint."""
+    stream and the group ids already done; `resumed`: from the run's own checkpoint; `init`: where
+    the weights came from (hf/init_from.py's record)."""
 
     state: Any
     step: int = 0
     next_group: int = 0
     done: DoneIds = dataclasses.field(default_factory=DoneIds)
     resumed: bool = False
+    init: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def restore_or_init(
@@ -44,16 +46,12 @@ def restore_or_init(
     if checkpointer.latest_step() is not None:
         restored = checkpointer.restore(abstract_train_state(cfg, mesh, rules), config=run_config)
         groups = GroupsState.from_data_state(restored.data_state)
-        return Start(restored.train_state, restored.step, groups.next_group, groups.done, resumed=True)
+        init = {"kind": "resume", "path": str(checkpointer.step_dir(restored.step)), "step": restored.step}
+        return Start(restored.train_state, restored.step, groups.next_group, groups.done, resumed=True, init=init)
     if init_params is not None:
-        return Start(init_train_state(cfg, mesh, rules, init_params))
+        return Start(init_train_state(cfg, mesh, rules, init_params), init={"kind": "given", "path": None})
     if cfg.train.init_from:
-        params = restore_params_only(
-            cfg.train.init_from,
-            abstract_params(cfg.model, mesh, rules),
-            config=run_config,
-            allow_config_changes=STAGE_CHANGEABLE,
-        )
-        echo(f"[rl] initialised from {cfg.train.init_from}")
-        return Start(init_train_state(cfg, mesh, rules, params))
-    return Start(init_train_state(cfg, mesh, rules))
+        params, record = load_init_params(cfg, mesh, rules, run_config)
+        echo(f"[rl] initialised from {describe_init(record)}")
+        return Start(init_train_state(cfg, mesh, rules, params), init=record)
+    return Start(init_train_state(cfg, mesh, rules), init=fresh_record(cfg))

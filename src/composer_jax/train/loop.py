@@ -21,8 +21,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from composer_jax.checkpoint.manager import TrainCheckpointer, restore_params_only
+from composer_jax.checkpoint.manager import TrainCheckpointer
 from composer_jax.config import Config, ConfigError, SourceConfig, to_dict
+from composer_jax.config.model import STAGE_CHANGEABLE  # noqa: F401  (re-exported)
 from composer_jax.data.shards import (
     host_eval_batches,
     host_shards,
@@ -32,8 +33,8 @@ from composer_jax.data.shards import (
     stack_eval_batches,
 )
 from composer_jax.formats.tokenizer import load_tokenizer
+from composer_jax.hf.init_from import describe_init, fresh_record, load_init_params, resolve_model_from
 from composer_jax.model.accounting import flops_per_token, param_rows
-from composer_jax.model.params import abstract_params
 from composer_jax.multihost import allgather_json
 from composer_jax.sharding import ShardingRules, make_mesh
 from composer_jax.train.observe import measure_peak_flops, scalars
@@ -44,20 +45,6 @@ from composer_jax.train.state import abstract_train_state, init_train_state
 from composer_jax.train.step import BATCH_KEYS, batch_sharding, make_eval_step, make_train_step
 
 log = logging.getLogger(__name__)
-
-# Model keys a new stage may change while starting from the previous stage's parameters: they
-# change no parameter shape (YaRN context extension, sequence limits, numerics, remat).
-STAGE_CHANGEABLE = (
-    "model.rope_scaling",
-    "model.max_position_embeddings",
-    "model.remat",
-    "model.moe_impl",
-    "model.moe_precision",
-    "model.moe_quant_backend",
-    "model.compute_dtype",
-    "model.moe_tile_size",
-    "model.router_bias_update_rate",
-)
 
 
 def run_tokenizer(cfg: Config) -> Any:
@@ -113,26 +100,24 @@ def evaluate(eval_step, params, batches: list[dict], mesh, rules, shape) -> dict
 
 def _initial_state(
     cfg: Config, mesh, rules, checkpointer: TrainCheckpointer, data, run_config: dict, echo: Callable[[str], None]
-) -> tuple[Any, int]:
-    """(state, first step): the stage's latest good checkpoint (with the data position), else the
-    previous stage's parameters with a fresh optimiser (`train.init_from`), else a fresh state."""
+) -> tuple[Any, int, dict[str, Any]]:
+    """(state, first step, `init` record): the stage's latest good checkpoint (with the data
+    position), else the parameters of `train.init_from` (a previous stage's checkpoint, a Hugging
+    Face or a `convert --to-orbax` directory: hf/init_from.py) with a fresh optimiser, else a
+    fresh state."""
     t = cfg.train
     if checkpointer.latest_step() is not None:
         restored = checkpointer.restore(abstract_train_state(cfg, mesh, rules), config=run_config)
         if restored.data_state is not None:
             data.set_state(restored.data_state)
-        echo(f"[{t.stage}] resumed from step {restored.step} ({checkpointer.step_dir(restored.step)})")
-        return restored.train_state, restored.step
+        where = checkpointer.step_dir(restored.step)
+        echo(f"[{t.stage}] resumed from step {restored.step} ({where})")
+        return restored.train_state, restored.step, {"kind": "resume", "path": str(where), "step": restored.step}
     if t.init_from:
-        params = restore_params_only(
-            t.init_from,
-            abstract_params(cfg.model, mesh, rules),
-            config=run_config,
-            allow_config_changes=STAGE_CHANGEABLE,
-        )
-        echo(f"[{t.stage}] initialised from {t.init_from}")
-        return init_train_state(cfg, mesh, rules, params), 0
-    return init_train_state(cfg, mesh, rules), 0
+        params, record = load_init_params(cfg, mesh, rules, run_config)
+        echo(f"[{t.stage}] initialised from {describe_init(record)}")
+        return init_train_state(cfg, mesh, rules, params), 0, record
+    return init_train_state(cfg, mesh, rules), 0, fresh_record(cfg)
 
 
 def source_names(sources: Sequence[SourceConfig]) -> list[str]:
@@ -271,9 +256,11 @@ def run_stage(
 ) -> dict[str, Any]:
     """Train one stage. stop_after: return (without a final checkpoint, as a crash would) once this
     many steps have run in this call. Returns the trainer shell's summary with the per-step losses
-    (`losses`, `source_losses`, `skipped_steps`) and the evaluations."""
-    t = cfg.train
+    (`losses`, `source_losses`, `skipped_steps`), the evaluations and where the weights came from
+    (`init`: hf/init_from.py's record, also the first record of metrics.jsonl)."""
     mesh = mesh if mesh is not None else make_mesh(cfg.mesh)
+    cfg = resolve_model_from(cfg, mesh.devices.size)
+    t = cfg.train
     rules = ShardingRules.create(cfg.sharding_rules)
     lead = jax.process_index() == 0
     if not lead:  # every process computes the same numbers: one of them prints
@@ -282,12 +269,13 @@ def run_stage(
     run_config = to_dict(cfg)
     checkpointer = TrainCheckpointer(run_checkpoint_config(cfg))
     data, eval_batches = _stage_data(cfg, mesh, rules)
-    state, start = _initial_state(cfg, mesh, rules, checkpointer, data, run_config, echo)
+    state, start, init = _initial_state(cfg, mesh, rules, checkpointer, data, run_config, echo)
     cadence = Cadence(t.steps, start, t.log_every, t.eval_every)
     stage = _StageParts(cfg, mesh, rules, state, data, eval_batches, cadence)
     shell = TrainerShell(
         t.stage, cadence, checkpointer, out_dir=t.out_dir, tensorboard=t.tensorboard, lead=lead, echo=echo
     )
+    shell.record_init(start, init)
     with jax.set_mesh(mesh):
         run_to_end(shell.run(stage.parts(checkpointer, run_config, echo), stop_after))
     return {**shell.close(), **stage.summary}

@@ -83,6 +83,13 @@ class RunLogger:
                 if math.isfinite(v):
                     self._tb.add_scalar(f"{self.stage}/{k}", v, int(step))
 
+    def note(self, step: int, fields: Mapping[str, Any]) -> None:
+        """A record of non-scalar fields (e.g. {"init": {...}}) in metrics.jsonl only."""
+        if self.enabled:
+            self._jsonl.write(
+                json.dumps({"stage": self.stage, "step": int(step), "time": time.time(), **fields}) + "\n"
+            )
+
     def close(self) -> None:
         if self.enabled:
             self._jsonl.close()

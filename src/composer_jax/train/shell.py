@@ -93,8 +93,9 @@ class Parts:
 
 class TrainerShell:
     """The loop of one run (module docstring). `summary` holds the keys every trainer returns:
-    `evals` (one {"step": n, **values} per evaluation), `start_step`, `wall_s` (the step loop's
-    time), `stopped_at` (with `stop_after`), `final_step` and `checkpoint_dir` (`close`)."""
+    `evals` (one {"step": n, **values} per evaluation), `start_step`, `init` (`record_init`),
+    `wall_s` (the step loop's time), `stopped_at` (with `stop_after`), `final_step` and
+    `checkpoint_dir` (`close`)."""
 
     def __init__(
         self,
@@ -144,6 +145,12 @@ class TrainerShell:
         self.summary["evals"].append({"step": n, **values})
         self.logger.log(n, values)
         self.echo(line)
+
+    def record_init(self, n: int, init: Mapping[str, Any]) -> None:
+        """Where the run's weights came from (`hf/init_from.py`'s record: kind, path, family, the
+        config's sha256) as of step n: the summary's `init` and a metrics record {"init": ...}."""
+        self.summary["init"] = dict(init)
+        self.logger.note(n, {"init": dict(init)})
 
     def record(self, n: int, log: StepLog) -> None:
         """Step n's values to the metrics log (on the cadence's steps) and its progress line."""
