@@ -90,6 +90,12 @@ def test_deepseek_tokenizer_json_ids_equal_the_tokenizers_library(texts, deepsee
     assert tok.eos_id == tok.pad_id == oracle.token_to_id("<｜end▁of▁sentence｜>")
     assert tok.token_id("<｜tool▁calls▁begin｜>") == oracle.token_to_id("<｜tool▁calls▁begin｜>")
     assert tok.source == DEEPSEEK
+    # decoding skips what the file flags special, not every added token; the export keeps the flags
+    user = tok.token_id("<｜User｜>")
+    assert tok.decode([tok.bos_id, user], skip_special_tokens=True) == "<｜User｜>"
+    flags = {t["content"]: t["special"] for t in json.loads(tok.tokenizer_json())["added_tokens"]}
+    original = json.loads((DEEPSEEK / "tokenizer.json").read_text())["added_tokens"]
+    assert flags == {t["content"]: t["special"] for t in original}
 
 
 @pytest.fixture(scope="module")
@@ -128,10 +134,21 @@ def test_the_kimi_pattern_is_the_default_and_a_wrong_pattern_changes_the_ids(tex
     assert any(kimi.encode(t) != qwen.encode(t) for t in texts)
 
 
-@pytest.mark.parametrize("which", ["deepseek", "qwen"])
-def test_special_token_text_in_a_document_is_ordinary_bytes(which, qwen, deepseek):
+@pytest.mark.parametrize(
+    "which, marker",
+    [("deepseek", "<｜end▁of▁sentence｜>"), ("deepseek", "<｜User｜>"), ("qwen", "<|im_end|>")],
+)
+def test_special_token_text_in_a_document_is_ordinary_bytes(which, marker, qwen, deepseek):
+    """Flagged special or not (DeepSeek's `<｜User｜>` is an added token its file does not flag
+    special, which the library's own setting would still match in a document), no added token's
+    text is one in a document; a template's text matches them all."""
+    from tokenizers import Tokenizer as HFTokenizer
+
     tok = deepseek if which == "deepseek" else qwen
-    marker = "<｜end▁of▁sentence｜>" if which == "deepseek" else "<|im_end|>"
+    if marker == "<｜User｜>":  # the perturbed reading: the library's own setting matches that marker
+        library = HFTokenizer.from_file(str(DEEPSEEK / "tokenizer.json"))
+        library.encode_special_tokens = True
+        assert tok.token_id(marker) in library.encode(f"x {marker} y", add_special_tokens=False).ids
     doc = f"a source file that mentions {marker} in a string"
     assert tok.token_id(marker) not in tok.encode(doc)
     assert tok.decode(tok.encode(doc)) == doc

@@ -47,6 +47,9 @@ class Tokenizer:
     eos_id: int
     special: dict  # special token string -> id (those present)
     source: Path | None = None  # the directory it was loaded from (its chat template lives there)
+    # a loaded tokenizer.json: the ids its own file flags special (decode's skip_special_tokens and
+    # the export keep these; in `hf` every added token is special, so none is matched in a document)
+    skip_ids: frozenset[int] | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -68,13 +71,26 @@ class Tokenizer:
         if engine is None:
             from tokenizers import Tokenizer as HFTokenizer
 
-            engine = HFTokenizer.from_str(self.hf.to_str())
+            engine = HFTokenizer.from_str(self.hf.to_str())  # every added token matched
             engine.encode_special_tokens = False
             object.__setattr__(self, "_with_specials", engine)  # a frozen dataclass: derived state
         return engine.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
-        return self.hf.decode(list(map(int, ids)), skip_special_tokens=skip_special_tokens)
+        if self.skip_ids is None:
+            return self.hf.decode(list(map(int, ids)), skip_special_tokens=skip_special_tokens)
+        keep = [int(i) for i in ids if not (skip_special_tokens and int(i) in self.skip_ids)]
+        return self.hf.decode(keep, skip_special_tokens=False)
+
+    def tokenizer_json(self) -> str:
+        """The tokenizer.json text, with the file's own special flags (`skip_ids`) where loaded."""
+        text = self.hf.to_str()
+        if self.skip_ids is None:
+            return text
+        data = json.loads(text)
+        for added in data.get("added_tokens") or []:
+            added["special"] = added["id"] in self.skip_ids
+        return json.dumps(data, ensure_ascii=False)
 
     def token_id(self, token: str) -> int:
         """Id of a special token such as "<|im_start|>"; error names the tokens this tokenizer has."""
@@ -127,19 +143,14 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     from composer_jax.formats import tiktoken_bpe
 
     p = Path(path)
+    flagged: frozenset[int] | None = None
     if p.is_dir() and not (p / "tokenizer.json").is_file() and tiktoken_bpe.rank_file(p) is not None:
         saved = _config(p)
         hf: Any = tiktoken_bpe.load(p, saved)
         file = p / "tiktoken.model"
     else:
-        from tokenizers import Tokenizer as HFTokenizer
-
         file = _tokenizer_file(path)
-        try:
-            hf = HFTokenizer.from_file(str(file))
-        except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
-            raise DataConfigError(f"tokenizer {str(file)!r} could not be read: {e}") from None
-        hf.encode_special_tokens = True  # special-token strings in document text are plain bytes
+        hf, flagged = _encode_only(file)
         saved = _config(file.parent)
     special = {t: hf.token_to_id(t) for t in SPECIAL_TOKENS if hf.token_to_id(t) is not None}
     # a checkpoint's added tokens (its chat and tool-call markers) by name
@@ -171,7 +182,28 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         )
     pad = find((*named.get("pad_token", ()), "<|pad|>", "<pad>"))
     pad_id = eos if pad is None else pad
-    return Tokenizer(hf=hf, pad_id=pad_id, bos_id=bos, eos_id=eos, special=special, source=file.parent)
+    skip = None if flagged is None else frozenset(flagged | {bos, eos, pad_id})
+    return Tokenizer(hf=hf, pad_id=pad_id, bos_id=bos, eos_id=eos, special=special, source=file.parent, skip_ids=skip)
+
+
+def _encode_only(file: Path) -> tuple[Any, frozenset[int]]:
+    """(tokenizers.Tokenizer with every added token special and not matched in text, the ids of the
+    added tokens the file itself flags special). Marking them all special matters: DeepSeek's
+    tokenizer.json has non-special added tokens (`<｜User｜>`, `<｜tool▁calls▁begin｜>`) that
+    `encode_special_tokens` alone would still match inside a document."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    try:
+        data = json.loads(file.read_text())
+        added = data.get("added_tokens") or []
+        flagged = frozenset(int(t["id"]) for t in added if t.get("special"))
+        for t in added:
+            t["special"] = True
+        hf = HFTokenizer.from_str(json.dumps(data))
+    except Exception as e:  # malformed JSON, or tokenizers' bare Exception on a bad model
+        raise DataConfigError(f"tokenizer {str(file)!r} could not be read: {e}") from None
+    hf.encode_special_tokens = True  # special-token strings in document text are plain bytes
+    return hf, flagged
 
 
 # --------------------------------------------------------------------------------------------------

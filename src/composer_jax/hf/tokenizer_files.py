@@ -118,7 +118,13 @@ def hf_tokenizer_json(tok: Tokenizer) -> str:
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import processors
 
-    out = HFTokenizer.from_str(tok.hf.to_str())
+    if not hasattr(tok.hf, "to_str"):
+        raise ValueError(
+            "this tokenizer is a tiktoken rank file; an export writes tokenizer.json, which it cannot be "
+            "turned into here: copy the checkpoint's own tokenizer files (tiktoken.model, tokenizer_config.json, "
+            "its tokenization code) beside the export"
+        )
+    out = HFTokenizer.from_str(tok.tokenizer_json())
     out.encode_special_tokens = False
     bos = tok.hf.id_to_token(tok.bos_id)
     add_bos = processors.TemplateProcessing(
