@@ -43,6 +43,7 @@ class Tokenizer:
     bos_id: int
     eos_id: int
     special: dict  # special token string -> id (those present)
+    source: str | None = None  # the directory tokenizer.json was loaded from (its chat template lives there)
 
     @property
     def vocab_size(self) -> int:
@@ -54,6 +55,22 @@ class Tokenizer:
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self.hf.encode_batch(list(texts), add_special_tokens=False)]
+
+    def encode_with_specials(self, text: str) -> list[int]:
+        """text -> token ids with the tokenizer's added-token strings (`<|im_end|>`, ...) read as their
+        ids, as transformers encodes a rendered chat template. Only for text the project itself
+        rendered: a document's own text goes through `encode`, where such strings stay plain bytes."""
+        return self.offsets_with_specials(text)[0]
+
+    def offsets_with_specials(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """As `encode_with_specials`, with each token's character span [start, end) in `text`."""
+        reader = self.__dict__.get("_specials_reader")
+        if reader is None:  # a second tokenizers object: the shared one's flag must stay as `encode` needs it
+            reader = type(self.hf).from_str(self.hf.to_str())
+            reader.encode_special_tokens = False
+            object.__setattr__(self, "_specials_reader", reader)  # a frozen dataclass; derived state
+        enc = reader.encode(text, add_special_tokens=False)
+        return enc.ids, [tuple(o) for o in enc.offsets]
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         return self.hf.decode(list(map(int, ids)), skip_special_tokens=skip_special_tokens)
@@ -125,7 +142,9 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
             "<s>/</s>, <|endoftext|> (or list them in tokenizer_config.json special_tokens)"
         )
     pad = find((*named.get("pad_token", ()), "<|pad|>", "<pad>"))
-    return Tokenizer(hf=hf, pad_id=eos if pad is None else pad, bos_id=bos, eos_id=eos, special=special)
+    return Tokenizer(
+        hf=hf, pad_id=eos if pad is None else pad, bos_id=bos, eos_id=eos, special=special, source=str(file.parent)
+    )
 
 
 # --------------------------------------------------------------------------------------------------
