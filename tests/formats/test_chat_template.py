@@ -209,7 +209,9 @@ def test_family_facts():
         variables={"eos_token": EOS},
     )
     assert plain.tool_syntax is None and plain.call_start == () and plain.end_of_turn == (ids(EOS),)
-    assert ChatTemplate("{{ raise_exception('no') }}", tok, name="r").unavailable() is None
+    assert "'r' refused the conversation: no" in str(
+        ChatTemplate("{{ raise_exception('no') }}", tok, name="r").unavailable()
+    )
     with pytest.raises(ConfigError, match="'r' refused the conversation: no"):
         ChatTemplate("{{ raise_exception('no') }}", tok, name="r").render([])
 

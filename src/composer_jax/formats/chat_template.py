@@ -272,8 +272,11 @@ class ChatTemplate(ChatFormat):
         return FAMILIES[self.family].tool_syntax if self.family else None
 
     def unavailable(self) -> str | None:
+        """Why this template cannot serve chat: a family token the tokenizer lacks, or a template that
+        refuses a one-message conversation (an export's placeholder that raises, for example)."""
         try:
             self.end_of_turn, self.call_start, self.call_end  # noqa: B018 - each raises if a token is missing
+            self.render([{"role": "user", "content": "hi"}], add_generation_prompt=True)
         except ConfigError as e:
             return str(e)
         return None
