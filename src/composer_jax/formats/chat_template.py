@@ -307,24 +307,38 @@ class ChatTemplate(ChatFormat):
         at = next((i for i, (a, b) in enumerate(zip(head, whole, strict=False)) if a != b), min(len(head), len(whole)))
         return (
             f"chat template {self.name!r}: rendering {what} with the generation prompt is not a token prefix "
-            f"of rendering it followed by the assistant turn (they differ at token {at}: "
+            f"of rendering it followed by the assistant turn (they differ at token {at} after the last "
+            "end-of-turn token: "
             f"{self.tok.decode(head[at : at + 8])!r} vs {self.tok.decode(whole[at : at + 8])!r}), so its "
             "assistant turns cannot be found; mark them with {% generation %} blocks"
         )
 
-    def _turn(self, messages: Sequence[dict], at: int, tools: Sequence[dict] | None) -> tuple[list[int], list[int]]:
-        """(the prompt before assistant message `at`, the turn's own tokens through its end token)."""
-        head = self.render_ids(messages[:at], tools, add_generation_prompt=True)
-        whole = self.render_ids(messages[: at + 1], tools)
-        if whole[: len(head)] != head:
-            raise ConfigError(self._no_prefix(f"messages[:{at}]", head, whole))
-        end = next((i for i in range(len(head), len(whole)) if whole[i] in self.end_of_turn), None)
+    def _turn(self, messages: Sequence[dict], at: int, tools: Sequence[dict] | None) -> tuple[str, list[int]]:
+        """(the prompt text before assistant message `at`, the turn's own tokens through its end token)."""
+        head = self._render(messages[:at], tools, True)
+        whole = self._render(messages[: at + 1], tools, False)
+        # Added tokens split the text before BPE runs, so both texts tokenize as their common part
+        # through head's last end-of-turn token followed by the rest: only the rests are encoded (a
+        # long conversation would otherwise be encoded twice per turn).
+        cut = max((head.rfind(e) + len(e) for e in self._end_strings() if e in head), default=0)
+        cut = cut if whole[:cut] == head[:cut] else 0
+        head_ids, whole_ids = self.tok.encode_with_specials(head[cut:]), self.tok.encode_with_specials(whole[cut:])
+        if whole_ids[: len(head_ids)] != head_ids:
+            raise ConfigError(self._no_prefix(f"messages[:{at}]", head_ids, whole_ids))
+        end = next((i for i in range(len(head_ids), len(whole_ids)) if whole_ids[i] in self.end_of_turn), None)
         if end is None:
             raise ConfigError(
                 f"chat template {self.name!r}: assistant message {at} does not end at an end-of-turn token "
                 f"{[self.tok.decode([t]) for t in self.end_of_turn]}"
             )
-        return head, whole[len(head) : end + 1]
+        return head, whole_ids[len(head_ids) : end + 1]
+
+    def _end_strings(self) -> list[str]:
+        """The end-of-turn tokens' strings, those the tokenizer holds as added tokens that split text
+        exactly where they stand (one that strips the whitespace around it would not)."""
+        added = self.tok.hf.get_added_tokens_decoder()
+        plain = [added[t] for t in self.end_of_turn if t in added]
+        return [a.content for a in plain if not (a.lstrip or a.rstrip or a.single_word)]
 
     def conversation(
         self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None, where: str = "conversation"
@@ -346,7 +360,10 @@ class ChatTemplate(ChatFormat):
         mask: list[float] = []
         for k, at in enumerate(starts):
             head, turn = self._turn(messages, at, tools)
-            before = head if k == 0 else self._after_turn(messages[starts[k - 1] + 1 : at], add_generation_prompt=True)
+            if k == 0:
+                before = self.tok.encode_with_specials(head)
+            else:
+                before = self._after_turn(messages[starts[k - 1] + 1 : at], add_generation_prompt=True)
             ids += before + turn
             mask += [0.0] * len(before) + [1.0] * len(turn)
         tail = self._after_turn(messages[starts[-1] + 1 :], add_generation_prompt=False)
