@@ -166,6 +166,9 @@ def test_rewritten_history_keeps_the_sampled_tokens():
     first = fmt.prompt(messages[:1]).tolist() + fmt.tok.encode_with_specials("<think>\nR1\n</think>\n\nA1<|im_end|>")
     second = first + fmt.continuation(messages[2:3]).tolist()
     assert ids[: len(second)].tolist() == second
+    # reasoning given under transformers' other names reaches the template as reasoning_content
+    renamed = [{"reasoning" if k == "reasoning_content" else k: v for k, v in m.items()} for m in messages]
+    assert fmt.conversation(renamed)[0].tolist() == ids.tolist()
     # the template's own rendering of the whole conversation differs: R1 is gone there
     reference = _reference("qwen3", messages)
     assert ids.tolist() != reference and "R1" not in template_tok().decode(reference)
