@@ -398,7 +398,12 @@ class ChatTemplate(ChatFormat):
 
     def parse(self, tokens: Sequence[int], *, call_id_prefix: str = "call") -> AssistantTurn:
         """The turn's text read by formats/tool_calls.py's parser for the family's syntax."""
-        from composer_jax.formats.tool_calls import parse_turn  # type: ignore[import-not-found,unused-ignore]
+        try:
+            from composer_jax.formats.tool_calls import parse_turn  # type: ignore[import-not-found,unused-ignore]
+        except ImportError as e:  # the parsers are another piece of issue 39
+            raise ConfigError(
+                f"chat template {self.name!r}: reading a turn back needs formats/tool_calls.py: {e}"
+            ) from None
 
         if self.tool_syntax is None:
             raise ConfigError(
