@@ -73,3 +73,15 @@ def test_cli_train(tmp_path, capsys):
     assert load_tokenizer(tmp_path / "out").vocab_size == 280
     assert cli_main(["tokenizer", "train", "--corpus", str(tmp_path / "nope"), "--out", str(tmp_path / "o2")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_encode_with_specials_reads_special_strings_encode_does_not(tok, tok_dir):
+    """Rendered templates need `<|im_end|>` as its id; documents keep it as plain bytes."""
+    from pathlib import Path
+
+    text = "a<|im_end|>\nb"
+    assert tok.encode_with_specials(text) == tok.encode("a") + [tok.token_id("<|im_end|>")] + tok.encode("\nb")
+    assert tok.token_id("<|im_end|>") not in tok.encode(text)  # perturbed: the plain encoding differs
+    ids, offsets = tok.offsets_with_specials(text)
+    assert "".join(text[a:b] for a, b in offsets) == text and len(ids) == len(offsets)
+    assert Path(tok.source or "") == Path(tok_dir)

@@ -110,6 +110,14 @@ class TiktokenBPE:
     def encode_with_specials(self, text: str) -> list[int]:
         return self.enc.encode(text, allowed_special="all")
 
+    def offsets_with_specials(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """`encode_with_specials` and each token's character span [start, end) in `text` (a token
+        that ends inside a character is given the character it starts)."""
+        ids = self.encode_with_specials(text)
+        _, starts = self.enc.decode_with_offsets(ids)
+        ends = [*starts[1:], len(text)]
+        return ids, list(zip(starts, ends, strict=True))
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         ids = [int(i) for i in ids if not (skip_special_tokens and int(i) in self._by_id)]
         return self.enc.decode(ids)

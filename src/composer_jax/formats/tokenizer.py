@@ -63,18 +63,22 @@ class Tokenizer:
         return [e.ids for e in self.hf.encode_batch(list(texts), add_special_tokens=False)]
 
     def encode_with_specials(self, text: str) -> list[int]:
-        """text -> ids with special-token strings matched as their tokens: for a chat template's
-        own text, which places them on purpose (never for documents: `encode`)."""
-        if hasattr(self.hf, "encode_with_specials"):
-            return self.hf.encode_with_specials(text)
-        engine = self.__dict__.get("_with_specials")
-        if engine is None:
-            from tokenizers import Tokenizer as HFTokenizer
+        """text -> token ids with the tokenizer's added-token strings (`<|im_end|>`, ...) read as their
+        ids, as transformers encodes a rendered chat template. Only for text the project itself
+        rendered: a document's own text goes through `encode`, where such strings stay plain bytes."""
+        return self.offsets_with_specials(text)[0]
 
-            engine = HFTokenizer.from_str(self.hf.to_str())  # every added token matched
-            engine.encode_special_tokens = False
-            object.__setattr__(self, "_with_specials", engine)  # a frozen dataclass: derived state
-        return engine.encode(text, add_special_tokens=False).ids
+    def offsets_with_specials(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """As `encode_with_specials`, with each token's character span [start, end) in `text`."""
+        if hasattr(self.hf, "offsets_with_specials"):  # the tiktoken engine
+            return self.hf.offsets_with_specials(text)
+        reader = self.__dict__.get("_specials_reader")
+        if reader is None:  # a second tokenizers object: the shared one's flag must stay as `encode` needs it
+            reader = type(self.hf).from_str(self.hf.to_str())  # every added token matched
+            reader.encode_special_tokens = False
+            object.__setattr__(self, "_specials_reader", reader)  # a frozen dataclass; derived state
+        enc = reader.encode(text, add_special_tokens=False)
+        return enc.ids, [tuple(o) for o in enc.offsets]
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         if self.skip_ids is None:
