@@ -51,7 +51,8 @@ class DocumentToChunks(grain.experimental.FlatMapTransform):
     Split: a document is held out when content_hash_fraction(doc) < eval_fraction; split "train"
     keeps the others, "eval" the held-out ones, "all" everything (explicit eval sources).
     Pretrain documents become [BOS] + encode(text) + [EOS]; chat documents their chat format's
-    `conversation` (formats/chat_format.py). A sequence longer than seq_len is cut into consecutive
+    `conversation` (formats/chat_format.py), with the session's tool schemas where the format takes
+    them (`session_tools`). A sequence longer than seq_len is cut into consecutive
     chunks of seq_len tokens (the last one shorter); each chunk is its own segment with positions
     from 0, and chunks past `max_chunks` are dropped. No overlap between chunks: every token is a target at most once.
     """
@@ -78,7 +79,8 @@ class DocumentToChunks(grain.experimental.FlatMapTransform):
         if self.fmt == "chat":
             from composer_jax.formats.chat_format import chat_format
 
-            tokens, loss_mask = chat_format(self.tok).conversation(document)
+            chat = chat_format(self.tok)
+            tokens, loss_mask = chat.conversation(document, tools=session_tools() if chat.native_tools else None)
         else:
             tokens = np.asarray([self.tok.bos_id, *self.tok.encode(document), self.tok.eos_id], np.int32)
             loss_mask = np.ones(len(tokens), np.float32)
@@ -92,6 +94,15 @@ class DocumentToChunks(grain.experimental.FlatMapTransform):
             }
             for a in range(0, n, self.seq_len)
         ]
+
+
+def session_tools() -> list[dict]:
+    """The tool schemas an environment session offers by default (env.api.protocol): what the agent
+    loop gives a native-tools template (`ChatFormat.native_tools`), so SFT rows rendered in a
+    checkpoint's own template hold the same tool definitions as the prompts RL samples from."""
+    from composer_jax.env.api.protocol import session_tool_names, tool_schemas
+
+    return tool_schemas(session_tool_names(False))
 
 
 def _seed(*parts: int) -> int:

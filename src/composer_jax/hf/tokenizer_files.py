@@ -28,6 +28,7 @@ give them as an object otherwise.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -182,7 +183,11 @@ def tokenizer_config(tok: Tokenizer, max_len: int, source: Path | None = None) -
 
 
 def generation_config(tok: Tokenizer) -> dict[str, Any]:
-    eos = [tok.special["<|im_end|>"], tok.eos_id] if "<|im_end|>" in tok.special else [tok.eos_id]
+    from composer_jax.formats.chat_format import chat_format
+
+    chat = chat_format(tok)
+    turn_end = [] if chat.unavailable() else list(chat.end_of_turn)
+    eos = list(dict.fromkeys([*turn_end, tok.eos_id]))
     return {
         "bos_token_id": tok.bos_id,
         "eos_token_id": eos,
@@ -194,9 +199,34 @@ def generation_config(tok: Tokenizer) -> dict[str, Any]:
     }
 
 
+OWN_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+OWN_PATTERNS = ("tiktoken.model", "*.tiktoken", "tokenization_*.py")
+
+
+def own_tokenizer_files(source: Path | None) -> list[Path]:
+    """A checkpoint's own tokenizer files in `source`, when it brings a tokenizer and a chat template
+    of its own (tokenizer_config.json's chat_template or chat_template.jinja); [] otherwise."""
+    if source is None or not (source / "tokenizer_config.json").is_file():
+        return []
+    files = [source / n for n in OWN_FILES if (source / n).is_file()]
+    files += sorted(p for pattern in OWN_PATTERNS for p in source.glob(pattern) if p.is_file())
+    has_model = any(p.name == "tokenizer.json" or p.name.endswith((".model", ".tiktoken")) for p in files)
+    has_template = (source / "chat_template.jinja").is_file() or bool(_own_chat_template(source))
+    return files if has_model and has_template else []
+
+
 def write_tokenizer_files(tok: Tokenizer, out: Path, max_len: int, source: Path | None = None) -> str | None:
     """tokenizer.json, tokenizer_config.json and generation_config.json into `out`; returns the
-    note of `tokenizer_config` (None: the project's chat template was written)."""
+    note of `tokenizer_config` (None: the project's chat template was written). A checkpoint's own
+    tokenizer (one without the project's chat tokens, whose directory brings its own chat template:
+    `own_tokenizer_files`) is copied back byte for byte, its template, tokenizer code and rank file
+    included, so transformers and vLLM read the export exactly as they read the checkpoint."""
+    own = [] if has_chat_tokens(tok) else own_tokenizer_files(source or tok.source)
+    if own:
+        for f in own:
+            shutil.copyfile(f, out / f.name)
+        (out / "generation_config.json").write_text(json.dumps(generation_config(tok), indent=1) + "\n")
+        return f"the checkpoint's own tokenizer files were copied unchanged: {', '.join(f.name for f in own)}"
     (out / "tokenizer.json").write_text(hf_tokenizer_json(tok))
     config, note = tokenizer_config(tok, max_len, source)
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1, ensure_ascii=False) + "\n")
