@@ -8,14 +8,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import http.server
-import io
-import tarfile
 import textwrap
 import threading
 from pathlib import Path
 
 import pytest
 from support.bwrap import require_bwrap
+from support.sdists import sdist_bytes
 
 from composer_jax.env.sandbox import index_proxy as ip
 from composer_jax.env.sandbox.pyenv import EnvBuildError, EnvCache
@@ -110,20 +109,6 @@ setup(name="probepkg", version="0.1")
 """
 
 
-def _sdist(name: str, setup_py: str) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        for fname, text in {
-            "PKG-INFO": f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n",
-            "setup.py": setup_py,
-        }.items():
-            data = text.encode()
-            info = tarfile.TarInfo(f"{name}-0.1/{fname}")
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
-
-
 def _serve(root: Path) -> tuple[http.server.ThreadingHTTPServer, int]:
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -142,7 +127,7 @@ def test_a_build_from_the_index_reaches_it_and_nothing_else(tmp_path):
     (index / "simple" / "probepkg").mkdir(parents=True)
     (index / "files").mkdir()
     setup_py = PROBE_SETUP.format(service=service_port, proxy=ip.PORT)
-    (index / "files" / "probepkg-0.1.tar.gz").write_bytes(_sdist("probepkg", textwrap.dedent(setup_py)))
+    (index / "files" / "probepkg-0.1.tar.gz").write_bytes(sdist_bytes("probepkg", textwrap.dedent(setup_py)))
     (index / "simple" / "probepkg" / "index.html").write_text(
         '<html><body><a href="/files/probepkg-0.1.tar.gz">probepkg-0.1.tar.gz</a></body></html>'
     )

@@ -5,13 +5,11 @@ malicious setup.py that tries to read host files and write outside its cache ent
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import os
 import shutil
 import subprocess
 import sys
-import tarfile
 import textwrap
 import time
 from pathlib import Path
@@ -20,6 +18,7 @@ import pytest
 from support.bwrap import needs_bwrap, require_bwrap
 from support.live_server import LiveServer
 from support.metrics_scrape import parse
+from support.sdists import sdist_bytes
 
 from composer_jax.cli import main as cli_main
 from composer_jax.env.sandbox.pyenv import ENV_MOUNT, EnvBuildError, EnvCache, spec_key
@@ -75,17 +74,7 @@ def test_spec_errors_name_the_key(tmp_path, table, fragment):
 # ------------------------------------------------------------------ fixtures: wheelhouse, tasks
 def _sdist(dest: Path, name: str, setup_py: str) -> None:
     """A minimal sdist (PKG-INFO + setup.py), written by hand: building one needs no network."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        for fname, text in {
-            "PKG-INFO": f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n",
-            "setup.py": setup_py,
-        }.items():
-            data = text.encode()
-            info = tarfile.TarInfo(f"{name}-0.1/{fname}")
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    (dest / f"{name}-0.1.tar.gz").write_bytes(buf.getvalue())
+    (dest / f"{name}-0.1.tar.gz").write_bytes(sdist_bytes(name, setup_py))
 
 
 @pytest.fixture(scope="module")
