@@ -381,10 +381,15 @@ def test_sandbox_shows_the_verifier_toolchain_not_the_servers_venv(tmp_path):
         command = (
             'python3 -c "import sys, pytest; print(sys.prefix)"; echo "$PATH"; '
             f"ls {venv} {parent_site} >/dev/null 2>&1 || echo unseen; "
-            'python3 -c "import fastapi" 2>/dev/null || echo no-fastapi'
+            'python3 -c "import fastapi" 2>/dev/null || echo no-fastapi; '
+            "echo $(ls -A / | tr '\\n' ,)"
         )
         out = call(http, sid, "run_shell", command=command)
-        prefix, path, unseen, no_fastapi = out["result"]["stdout"].split()
+        prefix, path, unseen, no_fastapi, root = out["result"]["stdout"].split()
+        # nothing of the host's own directories: its home, the project, the Python installation's path
+        host = {Path.home().parts[1], Path(__file__).resolve().parts[1], Path(sys.base_prefix).resolve().parts[1]}
+        host -= {"usr", "tmp", "opt", "etc", "bin", "lib", "lib64", "sbin"}
+        assert not host & set(root.strip(",").split(",")), (host, root)
         assert prefix == "/opt/verifier", out
         assert path.split(":")[0] == "/opt/verifier/bin"
         assert (unseen, no_fastapi) == ("unseen", "no-fastapi")

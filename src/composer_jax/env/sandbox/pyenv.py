@@ -292,8 +292,9 @@ class EnvCache:
     def interpreter(self, spec: EnvSpec) -> str:
         """The interpreter a build of `spec` uses, as a path the sandbox shows; EnvBuildError if none."""
         if spec.python in (None, _server_python()):
-            # The server's own interpreter (a venv's base: the sandbox shows the Python prefix).
-            return os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+            # The server's own interpreter (a venv's base) where the sandbox shows it.
+            shown = getattr(self.sandbox, "python_executable", None)
+            return shown() if shown is not None else os.path.realpath(getattr(sys, "_base_executable", sys.executable))
         found = _visible_python(self.sandbox, spec.python)
         if found is None:
             have = sorted({m.group(0) for d in _path_dirs(self.sandbox) for m in _versions_in(d)})

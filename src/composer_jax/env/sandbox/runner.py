@@ -132,6 +132,9 @@ class ExecResult:
 # pytest plugins (hypothesis, schemathesis, ...) would add ~1.3 s of start-up to every test run.
 SANDBOX_ENV = {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
 
+# Where a Python installation outside /usr (pyenv's, a home directory's) is seen in a sandbox.
+PYTHON_MOUNT = "/opt/python"
+
 # Placeholder in a lease's argv for the descriptor that carries its hidden arguments.
 ARGS_FD = "\0args-fd"
 
@@ -449,6 +452,7 @@ class BubblewrapLease(SandboxLease):
             # in it (`kill -KILL -1`) before it writes a reward (tasks/families/base.py TEST_SH).
             "SANDBOX_PID_NAMESPACE": "1",
             **SANDBOX_ENV,
+            **sb.python_env,
             **cmd.env,
         }
         for key, value in full_env.items():
@@ -518,27 +522,35 @@ class BubblewrapSandbox(Sandbox):
         self.session_limits = session_limits or Limits()
         self.cgroups = CgroupLimiter.detect() if (use_cgroups and self.privileged) else None
         self.uids = _UidPool()
-        self.toolchain = toolchain.toolchain(toolchain_root)
+        # The Python installation the server's virtualenv was made from: a system one under /usr is
+        # seen where it is; another (pyenv's under a home directory) at PYTHON_MOUNT, so no session
+        # lists a host directory (its binary finds libpython through LD_LIBRARY_PATH there).
+        base = os.path.realpath(sys.base_prefix)
+        system = base == "/usr" or base.startswith("/usr/")
+        self.python_prefix = base if system else PYTHON_MOUNT
+        self.python_env = {} if system else {"LD_LIBRARY_PATH": f"{PYTHON_MOUNT}/lib"}
+        self._python_bind = [] if system else self.parent_dirs(PYTHON_MOUNT) + ["--ro-bind", base, PYTHON_MOUNT]
+        self.toolchain = toolchain.toolchain(toolchain_root, python_prefix=self.python_prefix)
         paths = self._system_paths()
         # A private tmpfs is mounted on /tmp after the base binds: what lives under the host's
         # /tmp (a virtualenv there) is bound again on top of it (`tmp_ro_paths`).
         self.tmp_ro_paths = [p for p in paths if p == "/tmp" or p.startswith("/tmp/")]
         self._ro_paths = [p for p in paths if p not in self.tmp_ro_paths]
         self.path_env = ":".join(
-            [f"{toolchain.TOOLCHAIN_MOUNT}/bin", str(Path(sys.base_prefix) / "bin")]
+            [f"{toolchain.TOOLCHAIN_MOUNT}/bin", f"{self.python_prefix}/bin"]
             + ["/usr/local/bin", "/usr/bin", "/bin", "/usr/sbin", "/sbin"]
         )
         self._base = self._build_base_args()
 
     @staticmethod
     def _system_paths() -> list[str]:
-        # The Python installation (the venv's base, at its host path: the toolchain's interpreter
-        # links to it); not the server's virtualenv, whose packages the toolchain replaces.
-        paths = ["/usr", "/etc"]
-        p = os.path.realpath(sys.base_prefix)
-        if not any(p == q or p.startswith(q + "/") for q in paths):
-            paths.append(p)
-        return paths
+        # not the server's virtualenv, whose packages the toolchain replaces; the Python
+        # installation is /usr's or bound at PYTHON_MOUNT (__init__)
+        return ["/usr", "/etc"]
+
+    def python_executable(self) -> str:
+        """The server's Python as sandboxes see it (its major.minor), for task environment builds."""
+        return f"{self.python_prefix}/bin/python{sys.version_info.major}.{sys.version_info.minor}"
 
     @staticmethod
     def parent_dirs(dest: str, skip: tuple[str, ...] = ()) -> list[str]:
@@ -568,7 +580,7 @@ class BubblewrapSandbox(Sandbox):
         for p in self._ro_paths:
             args += self.parent_dirs(p) + ["--ro-bind", p, p]
         mount = toolchain.TOOLCHAIN_MOUNT
-        args += self.parent_dirs(mount) + ["--ro-bind", str(self.toolchain), mount]
+        args += self._python_bind + self.parent_dirs(mount) + ["--ro-bind", str(self.toolchain), mount]
         for name in ("bin", "lib", "lib64", "sbin", "lib32"):
             if os.path.islink(f"/{name}"):
                 args += ["--symlink", os.readlink(f"/{name}"), f"/{name}"]

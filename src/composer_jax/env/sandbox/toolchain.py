@@ -75,8 +75,8 @@ def _installed(name: str) -> bool:
     return True
 
 
-def toolchain_key(dists: list[md.Distribution]) -> str:
-    h = hashlib.sha256(f"{RECIPE}\0{sys.version}\0{_base_python()}\0".encode())
+def toolchain_key(dists: list[md.Distribution], python_prefix: str | None = None) -> str:
+    h = hashlib.sha256(f"{RECIPE}\0{sys.version}\0{_base_python()}\0{python_prefix}\0".encode())
     for d in dists:
         h.update(f"{_norm(d.metadata['Name'])}=={d.version}\0".encode())
     return h.hexdigest()[:16]
@@ -96,18 +96,20 @@ def site_packages(prefix: str | Path) -> str:
     return f"{prefix}/lib/python{sys.version_info.major}.{sys.version_info.minor}/site-packages"
 
 
-def toolchain(root: Path | None = None) -> Path:
+def toolchain(root: Path | None = None, python_prefix: str | None = None) -> Path:
     """The host directory of the toolchain (built on first use, then reused): mount it read-only at
-    TOOLCHAIN_MOUNT. Safe against concurrent builders (each builds aside, the first rename wins)."""
+    TOOLCHAIN_MOUNT. `python_prefix`: where sandboxes see the base Python installation (its
+    interpreter links there); None, its host path. Safe against concurrent builders (each builds
+    aside, the first rename wins)."""
     dists = distributions()
     root = root or default_root()
-    final = root / toolchain_key(dists)
+    final = root / toolchain_key(dists, python_prefix)
     if (final / MARKER).is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
     try:
-        _build(work, dists)
+        _build(work, dists, python_prefix)
         try:
             os.rename(work, final)
         except OSError:
@@ -120,8 +122,10 @@ def toolchain(root: Path | None = None) -> Path:
     return final
 
 
-def _build(prefix: Path, dists: list[md.Distribution]) -> None:
+def _build(prefix: Path, dists: list[md.Distribution], python_prefix: str | None) -> None:
     subprocess.run([_base_python(), "-m", "venv", "--without-pip", str(prefix)], check=True, capture_output=True)
+    if python_prefix is not None:
+        _relocate_base(prefix, python_prefix)
     site = Path(site_packages(prefix))
     for dist in dists:
         _copy_distribution(dist, site)
@@ -141,6 +145,19 @@ def _build(prefix: Path, dists: list[md.Distribution]) -> None:
             if not os.path.islink(p):
                 os.chmod(p, 0o555 if os.access(p, os.X_OK) else 0o444)
         os.chmod(dirpath, 0o555)
+
+
+def _relocate_base(prefix: Path, python_prefix: str) -> None:
+    """Point the virtualenv at the base Python where sandboxes see it: its interpreter links and
+    pyvenv.cfg's `home` / `executable`."""
+    host_bin = str(Path(_base_python()).parent)
+    for link in (prefix / "bin").iterdir():
+        if link.is_symlink() and os.readlink(link).startswith(host_bin + "/"):
+            target = f"{python_prefix}/bin/{Path(os.readlink(link)).name}"
+            link.unlink()
+            link.symlink_to(target)
+    cfg = prefix / "pyvenv.cfg"
+    cfg.write_text(cfg.read_text().replace(host_bin, f"{python_prefix}/bin"))
 
 
 def _copy_distribution(dist: md.Distribution, site: Path) -> None:
