@@ -50,7 +50,12 @@ def _run_turns(sampler: Sampler, turns: list[list[Request]]) -> list[Completion]
     return [c for reqs in turns for c in sampler.run(reqs)]
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+# mla_yarn in the full suite only: the [gqa] case keeps the reuse property by default (one cache code
+# path for both attentions) and the only default GQA decode; test_sampler.py keeps MLA decoding
+SLOW = {"mla_yarn"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in sorted(CONFIGS)])
 def test_a_second_turn_reuses_the_first_and_equals_a_fresh_prefill(name):
     cfg = CONFIGS[name]
     params = cj.init_params(cfg, jax.random.key(1))
