@@ -224,37 +224,12 @@ def test_a_pretraining_stage_starts_from_an_hf_directory_and_records_it(tmp_path
     """Slow (a stage's compile). The default tests keep its parts: the parameters a stage starts
     from (test_hf_directory_gives_from_pretrained_params_on_the_runs_shardings) and the `init`
     record in metrics.jsonl and the report (test_init_record_reaches_metrics_and_report)."""
-    import torch
-    import transformers
+    from support.hf_cases import save_tiny_deepseek_v3
 
     from composer_jax.config import read_yaml
     from composer_jax.train.loop import run_stage
 
-    torch.manual_seed(0)
-    hf_cfg = transformers.DeepseekV3Config(
-        dtype="float32",
-        vocab_size=2048,  # the bundled tokenizer's
-        hidden_size=32,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        q_lora_rank=None,
-        kv_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=8,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=1,
-        n_shared_experts=1,
-        max_position_embeddings=256,
-    )
-    hf_dir = tmp_path / "hf"
-    transformers.DeepseekV3ForCausalLM(hf_cfg).save_pretrained(hf_dir)
+    hf_dir = save_tiny_deepseek_v3(tmp_path / "hf", 2048)  # the bundled tokenizer's vocabulary
     monkeypatch.chdir(REPO)
     data = read_yaml(REPO / "configs/pretrain/tiny_stage1.yaml")
     data.pop("model")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.hf_cases import save_tiny_deepseek_v3
 
 from composer_jax.config import config_from_dict, read_yaml
 from composer_jax.env.api.protocol import session_tool_names, tool_schemas
@@ -42,32 +43,7 @@ def _checkpoint(d: Path) -> Path:
     config = json.loads((pkg / "tokenizer_config.json").read_text())
     config["chat_template"] = TEMPLATE.read_text()
     (d / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False))
-    vocab = load_tokenizer(d).vocab_size
-    torch.manual_seed(0)
-    hf_cfg = transformers.DeepseekV3Config(
-        dtype="float32",
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        q_lora_rank=None,
-        kv_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=8,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=1,
-        n_shared_experts=1,
-        max_position_embeddings=1024,
-    )
-    transformers.DeepseekV3ForCausalLM(hf_cfg).save_pretrained(d)
-    return d
+    return save_tiny_deepseek_v3(d, load_tokenizer(d).vocab_size, max_positions=1024)
 
 
 def _stage(config: str, overrides: list[str]) -> dict:

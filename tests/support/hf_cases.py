@@ -174,3 +174,24 @@ class Built:
     def logits(self, tokens: np.ndarray) -> np.ndarray:
         with torch.no_grad():
             return self.model(torch.as_tensor(np.asarray(tokens), dtype=torch.long)).logits.float().numpy()
+
+
+def save_tiny_deepseek_v3(out: Path, vocab: int, max_positions: int = 256, seed: int = 0) -> Path:
+    """A 2-layer DeepSeek-V3-layout checkpoint (MLA without query LoRA, one dense layer, 8 experts,
+    top-2, one shared expert) of `vocab` tokens, random weights, saved by transformers at `out`."""
+    torch.manual_seed(seed)
+    kwargs = {k: v for k, v in _DS.items() if k not in ("vocab_size", "max_position_embeddings", "initializer_range")}
+    config = transformers.DeepseekV3Config(
+        dtype="float32",
+        **kwargs,
+        vocab_size=vocab,
+        num_hidden_layers=2,
+        q_lora_rank=None,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        n_shared_experts=1,
+        max_position_embeddings=max_positions,
+    )
+    transformers.DeepseekV3ForCausalLM(config).save_pretrained(out)
+    return out
