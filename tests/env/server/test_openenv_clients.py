@@ -48,7 +48,7 @@ def run_episode(server, line: str, auth: str) -> dict:
         if not (OPENENV_03 / "openenv").is_dir():
             pytest.skip(f"OpenEnv 0.3 is not installed at {OPENENV_03}; `make venv` installs it")
         env["PYTHONPATH"] = f"{OPENENV_03}{os.pathsep}{env['PYTHONPATH']}"
-    args = [f"{server.url}/t/{server.token}"] if auth == "path" else [server.url, "--bearer", server.token]
+    args = [f"{server.url}/t/{server.token}"] if auth == "path" else [server.url, f"--bearer={server.token}"]
     proc = subprocess.run([sys.executable, str(EPISODE), *args], capture_output=True, text=True, env=env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout)
