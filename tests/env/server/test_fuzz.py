@@ -47,7 +47,7 @@ def _fuzz(max_examples: int) -> None:
 
 
 def test_fuzz_api_fast():
-    _fuzz(max_examples=25)
+    _fuzz(max_examples=12)  # every operation; test_fuzz_api_thorough (slow) runs 300 each
 
 
 @pytest.mark.slow
