@@ -312,9 +312,9 @@ def test_bad_arguments_get_clear_errors(tmp_path):
         LocalEnvServers(ENV_FIXTURE_TASKS, 0)
     with pytest.raises(EnvServerError, match="token must be at least 16 characters"):
         LocalEnvServers(ENV_FIXTURE_TASKS, token="short")
-    with pytest.raises(LaunchError, match=r"max_restarts=-1; accepted: an int >= 0"):
+    with pytest.raises(LaunchError, match=r"max_restarts=-1: expected an integer >= 0"):
         RestartPolicy(max_restarts=-1)
-    with pytest.raises(LaunchError, match=r"backoff_s=0; accepted: seconds > 0"):
+    with pytest.raises(LaunchError, match=r"backoff_s=0: expected seconds > 0"):
         RestartPolicy(backoff_s=0)
     with pytest.raises(EnvServerError, match=r"start_timeout_s=0; accepted: seconds > 0"):
         LocalEnvServers(ENV_FIXTURE_TASKS, start_timeout_s=0)

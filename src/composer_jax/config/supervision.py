@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Protocol
 
 from composer_jax.errors import ConfigError
 
@@ -48,26 +49,49 @@ class SupervisionConfig:
         validate_supervision(self)
 
 
-def validate_supervision(c: SupervisionConfig, key: str = "rl.supervision") -> None:
-    """Each value's range; an error names the key, the value and what is accepted."""
+class RestartValues(Protocol):
+    """A restart policy's values: this section's, or runtime/supervisor.py's RestartPolicy."""
+
+    @property
+    def max_restarts(self) -> int: ...
+    @property
+    def window_s(self) -> float: ...
+    @property
+    def backoff_s(self) -> float: ...
+    @property
+    def max_backoff_s(self) -> float: ...
+    @property
+    def health_interval_s(self) -> float: ...
+    @property
+    def health_failures(self) -> int: ...
+
+
+def policy_problem(c: RestartValues, key: str = "") -> str | None:
+    """What is wrong with a restart policy's values (and rejoin_timeout_s where `c` has one), as
+    "KEYname=value: expected ..."; None when every value is in range."""
     for name, low in (("max_restarts", 0), ("health_failures", 1)):
         value = getattr(c, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ConfigError(f"{key}.{name}={value!r}: expected an integer >= {low}")
-    for name, strict in (
-        ("window_s", True),
-        ("backoff_s", True),
-        ("max_backoff_s", True),
-        ("health_interval_s", False),
-        ("rejoin_timeout_s", True),
-    ):
-        value = getattr(c, name)
+            never = " (0: never restart)" if name == "max_restarts" else ""
+            return f"{key}{name}={value!r}: expected an integer >= {low}{never}"
+    for name in ("window_s", "backoff_s", "max_backoff_s", "health_interval_s", "rejoin_timeout_s"):
+        if not hasattr(c, name):
+            continue
+        value, strict = getattr(c, name), name != "health_interval_s"
         ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
         if not ok or (value <= 0 if strict else value < 0):
             what = "seconds > 0" if strict else "seconds >= 0 (0: no health probes)"
-            raise ConfigError(f"{key}.{name}={value!r}: expected {what}")
+            return f"{key}{name}={value!r}: expected {what}"
     if c.max_backoff_s < c.backoff_s:
-        raise ConfigError(
-            f"{key}.max_backoff_s={c.max_backoff_s!r} < {key}.backoff_s={c.backoff_s!r}: expected "
-            "max_backoff_s >= backoff_s (the cap on the doubled delay)"
+        return (
+            f"{key}max_backoff_s={c.max_backoff_s!r} < {key}backoff_s={c.backoff_s!r}: "
+            "expected max_backoff_s >= backoff_s (the cap on the doubled delay)"
         )
+    return None
+
+
+def validate_supervision(c: SupervisionConfig, key: str = "rl.supervision") -> None:
+    """Each value's range; an error names the key, the value and what is accepted."""
+    problem = policy_problem(c, f"{key}.")
+    if problem is not None:
+        raise ConfigError(problem)

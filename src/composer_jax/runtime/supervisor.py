@@ -55,7 +55,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from composer_jax.config.supervision import SupervisionConfig
+from composer_jax.config.supervision import SupervisionConfig, policy_problem
 
 log = logging.getLogger(__name__)
 
@@ -153,18 +153,9 @@ class RestartPolicy:
     health_failures: int = 3
 
     def __post_init__(self) -> None:
-        for name, low in (("max_restarts", 0), ("health_failures", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                what = " (0: never restart)" if name == "max_restarts" else ""
-                raise LaunchError(f"{name}={value!r}; accepted: an int >= {low}{what}")
-        for name in ("window_s", "backoff_s", "max_backoff_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise LaunchError(f"{name}={value!r}; accepted: seconds > 0")
-        value = self.health_interval_s
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-            raise LaunchError(f"health_interval_s={value!r}; accepted: seconds >= 0 (0: no health probes)")
+        problem = policy_problem(self)
+        if problem is not None:
+            raise LaunchError(problem)
 
     @property
     def probe_timeout_s(self) -> float:
