@@ -140,6 +140,25 @@ def attention_context(
     return AttentionContext(cos, sin, segment_ids, token_order, layout, cache_lengths)
 
 
+def compute_params(params: dict, cfg: ModelConfig) -> dict:
+    """The weights as the forward computes with them: with `param_dtype` != `compute_dtype` (float32
+    master weights, bfloat16 compute), every leaf in `param_dtype` is cast to `compute_dtype` once,
+    at the entry of each forward (so the FSDP gathers move the narrower copy and the gradient comes
+    back in `param_dtype` through the cast); the router's weights and bias keep their float32 (the
+    routing scores are computed in float32). The same tree when the two dtypes agree."""
+    if cfg.param_dtype == cfg.compute_dtype:
+        return params
+    keep, to = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
+
+    def cast(path, x):
+        name = str(getattr(path[-1], "key", "")) if path else ""
+        if name.startswith("router") or not hasattr(x, "dtype") or x.dtype != keep:
+            return x
+        return x.astype(to)
+
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
 def _embed(params: dict, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
     return params["embed"].astype(cfg.compute_dtype)[tokens]
 
@@ -280,6 +299,7 @@ def forward(
     """
     sharding = MeshRules.resolve(sharding)
     _checked_tokens(tokens, cfg, logits_at, routing)
+    params = compute_params(params, cfg)
     if mtp_tokens is not None:
         chex.assert_shape(mtp_tokens, (cfg.num_mtp_layers, *tokens.shape))
     ctx = _training_context(tokens, cfg, segment_ids, positions, token_order, context_layout)
@@ -319,6 +339,7 @@ def forward_cached(
     """
     sharding = MeshRules.resolve(sharding)
     _checked_tokens(tokens, cfg, logits_at, None)
+    params = compute_params(params, cfg)
     ctx = cached_context(cfg, cache, tokens.shape[1])
     trunk = _trunk(params, tokens, ctx, cfg, sharding, None, cache)
     logits = _head(params, trunk.hidden, cfg, sharding, logits_at)
@@ -416,6 +437,7 @@ def mtp_forward_cached(
     L..L+n-1."""
     sharding = MeshRules.resolve(sharding)
     chex.assert_rank(next_tokens, 2)
+    params = compute_params(params, cfg)
     chex.assert_equal_shape_prefix([h_prev, next_tokens], 2)
     n = next_tokens.shape[1]
     ctx = cached_context(cfg, cache, n)
