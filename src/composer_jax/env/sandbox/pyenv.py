@@ -30,6 +30,15 @@ pip, setuptools, wheel; never the server's own environment) *after* its own, so 
 `python3 -m pytest` works and the task's requirements win over anything there; pip and setuptools
 come from there too (builds use `--no-build-isolation`, so an offline build needs no build backend
 in the wheelhouse). Under another Python, pytest must be among the requirements (the build checks it).
+A pytest the spec installs (one resolved as of a date) comes before the toolchain's: it runs the tests.
+
+As of a date (`exclude_newer`, `pins`; `resolution_mode`): a spec with pins installs exactly them
+with `--no-deps`; one with `exclude_newer` and no pins is resolved by uv (`--exclude-newer`, the
+`uv` binary of locks/env.lock mounted read-only at UV_MOUNT, the proxy given as HTTP(S)_PROXY)
+against the index's upload times. The build reports every distribution it installed into the venv
+(`BuiltEnv.installed`, the app excepted), which the miner records as the task's pins. The app is
+installed after the requirements, with `--no-deps` in those two modes, so a build backend among the
+requirements is there when the app is built.
 """
 
 from __future__ import annotations
