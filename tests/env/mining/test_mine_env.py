@@ -275,3 +275,23 @@ def test_an_old_test_suite_gets_the_pytest_of_its_date_pinned_and_rebuilt(tmp_pa
         assert rebuilt is not None and (rebuilt.installed, rebuilt.pytest) == (spec.pins, "8.4.2")
         again = _index_cache(tmp_path / "envs2", url)
         assert asyncio.run(again.for_task(task)) == rebuilt and again.build_seconds == {}
+
+
+def test_resolve_as_of_defaults_to_the_commit_only_with_an_index():
+    """`--resolve-as-of`: `commit` by default with --index-url (an index may serve upload times),
+    `today` otherwise (a wheelhouse or pip's configured indexes, which may be folders without them);
+    either can be asked for; another value is refused by name."""
+    from composer_jax.env.mining.cli import mine_parser
+    from composer_jax.env.mining.swebench_import import import_parser
+
+    def dated(*argv: str) -> bool:
+        return projectenv.dated(mine_parser().parse_args(["repo", "--out", "o", *argv]))
+
+    assert not dated() and not dated("--wheelhouse", "w")
+    assert dated("--index-url", "https://pypi.org/simple")
+    assert not dated("--index-url", "https://pypi.org/simple", "--resolve-as-of", "today")
+    assert dated("--wheelhouse", "w", "--resolve-as-of", "commit")
+    args = import_parser().parse_args(["i.jsonl", "--repos", "r", "--out", "o", "--index-url", "http://x/simple"])
+    assert projectenv.dated(args)
+    with pytest.raises(SystemExit):
+        mine_parser().parse_args(["repo", "--out", "o", "--resolve-as-of", "yesterday"])
