@@ -157,7 +157,8 @@ class BuiltEnv:
         return {"PATH": f"{self.prefix}/bin:{self.base_path}", "VIRTUAL_ENV": self.prefix}
 
     def describe(self) -> dict:
-        return {"key": self.key, "python": self.python_version, "requirements": list(self.requirements)}
+        out = {"key": self.key, "python": self.python_version, "requirements": list(self.requirements)}
+        return out | ({"pytest": self.pytest} if self.pytest else {})  # the pytest that ran the tests
 
 
 # The build, run inside the sandbox: $1 interpreter, $2 env prefix, $3 "pth" or "", $4 toolchain
