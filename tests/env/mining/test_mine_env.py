@@ -182,14 +182,16 @@ def test_environment_keys_are_validated(tmp_path):
 def test_detection_rules_read_the_tree(tmp_path):
     """Which rule installs a project: vcs-version (with the version module it writes), own-metadata,
     missing-module; a plain package is not installed; a date adds pytest and the cutoff."""
+    setup = {"pyproject.toml": minerepo.PYPROJECT_V1}
     cases = {
         "vcs": ({"pyproject.toml": PYPROJECT_SCM, "calc/__init__.py": ""}, "vcs-version"),
+        "nothing to install from": ({"calc/__init__.py": "from ._build_info import SHA\n"}, ""),
         "meta": (
-            {"calc/__init__.py": "import importlib.metadata\nv = importlib.metadata.version('calc')\n"},
+            {**setup, "calc/__init__.py": "import importlib.metadata\nv = importlib.metadata.version('calc')\n"},
             "own-metadata",
         ),
-        "gen": ({"calc/__init__.py": "from ._build_info import SHA\n"}, "missing-module"),
-        "plain": ({"calc/__init__.py": "from .ops import add\n", "calc/ops.py": "add = 1\n"}, ""),
+        "gen": ({**setup, "src/calc/__init__.py": "from ._build_info import SHA\n"}, "missing-module"),
+        "plain": ({**setup, "calc/__init__.py": "from .ops import add\n", "calc/ops.py": "add = 1\n"}, ""),
     }
     for name, (files, rule) in cases.items():
         repo = tmp_path / name

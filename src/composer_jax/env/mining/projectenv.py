@@ -20,6 +20,7 @@ process; builds run in the sandbox, `pyenv.py`):
   checkout does not have;
   `missing-module`: a top-level package imports a sibling module the tree lacks (a module the
   build generates).
+  Only a tree that can be installed (pyproject.toml, setup.py or setup.cfg at its root) is.
   Installing adds `[build-system] requires` to the requirements (builds run without isolation);
 - as of the commit's date (`dated`): pytest joins the requirements and `exclude_newer` is the
   commit's date, so the environment is what an install on that day resolved (SWE-bench's
@@ -111,10 +112,13 @@ def top_packages(files: list[str]) -> list[str]:
 
 
 def install_rule(repo: Path, rev: str, pyproject: dict, files: list[str]) -> str:
-    """The first detection rule (module docstring) that holds at `rev`, or ""."""
+    """The first detection rule (module docstring) that holds at `rev`, or "" (also for a tree
+    with nothing to install it from: no pyproject.toml, setup.py or setup.cfg)."""
+    present = set(files)
+    if not present & {"pyproject.toml", "setup.py", "setup.cfg"}:
+        return ""
     if vcs_version_file(pyproject)[0]:
         return "vcs-version"
-    present = set(files)
     for pkg in top_packages(files):
         init = gitrepo.show(repo, rev, f"{pkg}/__init__.py") or ""
         if _OWN_METADATA.search(init):
