@@ -297,3 +297,51 @@ def test_resolve_as_of_defaults_to_the_commit_only_with_an_index():
     assert projectenv.dated(args)
     with pytest.raises(SystemExit):
         mine_parser().parse_args(["repo", "--out", "o", "--resolve-as-of", "yesterday"])
+
+
+PYPROJECT_HATCH = """\
+[build-system]
+requires = ["hatchling", "hatch-vcs"]
+build-backend = "hatchling.build"
+
+[project]
+name = "calc"
+dynamic = ["version"]
+
+[tool.hatch.version]
+source = "vcs"
+
+[tool.hatch.build.hooks.vcs]
+version-file = "src/calc/_version.py"
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.sandbox
+@needs_bwrap
+def test_a_real_hatch_vcs_project_builds_from_the_spec_the_rules_give(tmp_path):
+    """With the real hatchling, hatch-vcs and setuptools-scm (local wheels; skipped without them), the
+    spec the rules read from a hatch-vcs project (its build requirements, hatchling's editables, the
+    tag's version) installs it, offline and without .git, as calc 1.4.0; the version module the
+    hook names is written for the workspace. (10 s: slow; the default test_detection_rules_read_the_tree
+    keeps the rules, against a setuptools-scm configuration.)"""
+    names = ["hatchling", "hatch-vcs", "setuptools-scm", "vcs-versioning", "pathspec", "trove-classifiers"]
+    wheels = dated_index.offline_wheels([*names, "tomlkit", "editables"], tmp_path / "wheelhouse")
+    files = {"pyproject.toml": PYPROJECT_HATCH, "src/calc/__init__.py": "from ._version import version\n"}
+    repo = tmp_path / "calc"
+    repo.mkdir()
+    minerepo.git(repo, "init", "-q", "-b", "main")
+    minerepo.commit(repo, "c", files, 1)
+    minerepo.git(repo, "tag", "v1.4.0")
+    project = projectenv.project_environment(repo, "HEAD", None)
+    assert (project.install_rule, project.app_version) == ("vcs-version", "1.4.0")
+    assert project.requirements == ["editables", "hatch-vcs", "hatchling"]
+    app = tmp_path / "app"
+    minerepo.write(app, files)
+    projectenv.write_generated(app, project)
+    assert "__version__ = version = '1.4.0'" in (app / "src" / "calc" / "_version.py").read_text()
+    cache = EnvCache(tmp_path / "envs", default_sandbox(), wheelhouse=next(iter(wheels.values())).parent)
+    env = dict(project.environment(), requirements=[*project.requirements, "pytest"])
+    built = asyncio.run(cache.ensure(parse_environment(env, tmp_path, "t"), app))
+    assert any(p.startswith("hatch-vcs==") for p in built.installed) and built.pytest
+    assert list((built.host_path / "lib").glob("python3.*/site-packages/calc-1.4.0.dist-info"))
