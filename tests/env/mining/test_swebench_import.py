@@ -297,9 +297,12 @@ def test_an_imported_record_whose_environment_is_declared_is_built_and_validated
     cache = EnvCache(tmp_path / "envs", sandbox, wheelhouse=minerepo.tinyfmt_wheelhouse(tmp_path / "wheels"))
     rec = _fmt_record(repo, base, fix)
     out = tmp_path / "out"
-    results = asyncio.run(si.import_all([(1, rec, "")], repo.parent, out, sandbox, env_cache=cache))
+    results = asyncio.run(si.import_all([(1, rec, "")], repo.parent, out, sandbox, env_cache=cache, dated=True))
     assert results[0]["status"] == "written", results
     import tomllib
 
-    toml = tomllib.loads((out / "example__calc-fmt" / "task.toml").read_text())
-    assert toml["environment"]["requirements"] == ["tinyfmt"]
+    # as of the record's created_at (pytest joins; a wheelhouse has no upload times, so pip resolves
+    # over it), with what the build installed recorded as pins, which the validation then built
+    env = tomllib.loads((out / "example__calc-fmt" / "task.toml").read_text())["environment"]
+    assert env["requirements"] == ["pytest", "tinyfmt"] and env["exclude_newer"] == "2024-03-20T00:00:00Z"
+    assert env["pins"] == ["tinyfmt==1.0"]

@@ -146,7 +146,9 @@ def test_build_from_wheelhouse_is_cached_and_read_only(built, sandbox, wheelhous
     assert env is not None and env.python_version.startswith("3.")
     assert env.mount().dest == ENV_MOUNT and not env.mount().writable
     assert env.env_vars()["PATH"].startswith(f"{ENV_MOUNT}/bin:")
-    assert env.describe() == {"key": env.key, "python": env.python_version, "requirements": ["tinypkg"]}
+    # pytest: the toolchain's (the task declares none), the one that runs its tests
+    want = {"key": env.key, "python": env.python_version, "requirements": ["tinypkg"], "pytest": pytest.__version__}
+    assert env.describe() == want
     st = env.host_path.stat()
     assert (st.st_uid, st.st_mode & 0o222) == (os.geteuid(), 0)  # sealed: owned by us, no write bits
     task = load_task(tasks / "uses-tinypkg")

@@ -340,6 +340,7 @@ def test_sanitizer_removes_what_the_task_did_not_have(tmp_path):
     (app / "deep" / "x.pth").write_text("import os\n")
     (app / "unittest.py").write_text("")
     (app / "subprocess.py").write_text("")  # a standard-library name
+    (app / "more_itertools.py").write_text("")  # what an older pytest of a dated task env imports
     (app / "pytest.ini").write_text("[pytest]\n")
     (app / "pytest.toml").write_text("[pytest]\naddopts = ['-p', 'evil']\n")
     (app / "tox.ini").write_text("[tox]\nenvlist = py\n")  # no pytest section: stays
@@ -353,6 +354,7 @@ def test_sanitizer_removes_what_the_task_did_not_have(tmp_path):
     assert got == [
         ("deep/er/usercustomize.py", "startup-hook"),
         ("deep/x.pth", "startup-hook"),
+        ("more_itertools.py", "runner-shadow"),
         ("pytest.ini", "test-config"),
         ("pytest.toml", "test-config"),
         ("src/pluggy", "runner-shadow"),

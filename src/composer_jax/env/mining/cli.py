@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from composer_jax.env.mining import projectenv
 from composer_jax.env.sandbox.factory import add_env_cache_flags
 from composer_jax.errors import UsageError
 from composer_jax.flags import int_at_least
@@ -41,6 +42,7 @@ def mine_parser() -> argparse.ArgumentParser:
     p.add_argument("--writer-api-key-env", default="OPENAI_API_KEY", help="environment variable holding its key")
     p.add_argument("--unsafe-no-sandbox", action="store_true", help="run without bubblewrap (NO isolation)")
     add_env_cache_flags(p)
+    projectenv.add_resolve_flag(p)
     return p
 
 
@@ -79,6 +81,7 @@ def _mine_options(args):
         runs=args.runs,
         timeout_s=args.timeout,
         writer=writer,
+        dated=projectenv.dated(args),
     )
     return sandbox, opts, commits
 

@@ -23,10 +23,10 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from composer_jax.env.mining import gitrepo
+from composer_jax.env.mining import gitrepo, projectenv
 from composer_jax.env.mining.gitrepo import Commit, FileChange, GitError
 from composer_jax.env.mining.statement import category_of, write_instruction
-from composer_jax.env.mining.taskwrite import RepoTask, environment_of, harness_safe, write_task
+from composer_jax.env.mining.taskwrite import RepoTask, harness_safe, with_pins, write_task
 from composer_jax.env.sandbox.pyenv import BuiltEnv, EnvBuildError, EnvCache
 from composer_jax.env.sandbox.runner import Limits, Mount, Sandbox, SandboxLease
 from composer_jax.env.tasks import grader, validate
@@ -65,6 +65,9 @@ class MineOptions:
     writer: Callable[[dict], str] | None = None  # the OpenAI-compatible issue writer, if any
     # where tasks' declared environments are built (pyenv.py); None: only tasks that declare none
     env_cache: EnvCache | None = None
+    # resolve each task's environment, pytest included, as of its commit's date (projectenv.py);
+    # only with an env_cache (else tasks use the verifier's pytest and declare only what they need)
+    dated: bool = False
 
 
 @dataclasses.dataclass
@@ -246,13 +249,16 @@ class Miner:
         changes = await asyncio.to_thread(gitrepo.changed_files, self.repo, commit.parent, commit.sha)
         test_paths, source_paths = select(commit, changes, self.opts)
         draft, base, solved = await asyncio.to_thread(self._prepare, commit, changes, test_paths, source_paths, work)
-        f2p, p2p, before = await self._find_tests(draft, base, solved)
+        f2p, p2p, before, env = await self._find_tests(draft, base, solved)
         task = dataclasses.replace(
-            draft,
+            with_pins(draft, env.installed if env is not None else ()),
             fail_to_pass=f2p,
             pass_to_pass=sample(p2p),
             category=category_of(commit, changes, before, f2p),
-            extra_metadata={"pass_to_pass_total": len(p2p)} if len(p2p) > MAX_PASS_TO_PASS else {},
+            extra_metadata={
+                **draft.extra_metadata,
+                **({"pass_to_pass_total": len(p2p)} if len(p2p) > MAX_PASS_TO_PASS else {}),
+            },
         )
         files = work / "draft" / draft.task_id / "tests" / "files"
         task.instruction = write_instruction(commit, task, before, self.opts.writer, files)
@@ -286,6 +292,9 @@ class Miner:
         assert commit.parent is not None
         base, solved = work / "base", work / "solved"
         gitrepo.write_tree(self.repo, commit.parent, base)
+        dated = self.opts.dated and self.opts.env_cache is not None
+        project = projectenv.project_environment(self.repo, commit.sha, commit.date if dated else None)
+        projectenv.write_generated(base, project)  # before the copy: both sides have it
         test_patch = gitrepo.diff(self.repo, commit.parent, commit.sha, tests)
         solution_patch = gitrepo.diff(self.repo, commit.parent, commit.sha, source)
         shutil.copytree(base, solved, symlinks=True)
@@ -314,13 +323,17 @@ class Miner:
             changed_files=len(changes),
             changed_lines=sum(c.added + c.deleted for c in changes),
             verifier_timeout_s=self.opts.timeout_s,
-            environment=environment_of(gitrepo.declared_requirements(self.repo, commit.sha)),
+            environment=project.environment(),
+            extra_metadata={"install_rule": project.install_rule} if project.install_rule else {},
         )
         write_task(draft, base, work / "draft")
         return draft, base, solved
 
-    async def _find_tests(self, draft: RepoTask, base: Path, solved: Path) -> tuple[list[str], list[str], dict]:
-        """(FAIL_TO_PASS, PASS_TO_PASS, the first before-run's outcomes) over `runs` runs a side."""
+    async def _find_tests(
+        self, draft: RepoTask, base: Path, solved: Path
+    ) -> tuple[list[str], list[str], dict, BuiltEnv | None]:
+        """(FAIL_TO_PASS, PASS_TO_PASS, the first before-run's outcomes, the environment they ran
+        in) over `runs` runs a side."""
         try:
             task = load_task(base.parent / "draft" / draft.task_id)
         except TaskError as exc:
@@ -348,7 +361,7 @@ class Miner:
             if any(TIMED_OUT in run for run in before):
                 detail += "; the run before the change timed out (its unreported tests decide nothing)"
             raise Rejected("flaky" if flaky else "no FAIL_TO_PASS", detail)
-        return f2p, p2p, before[0]
+        return f2p, p2p, before[0], env
 
     async def _environment(self, task: Task) -> BuiltEnv | None:
         """The task's declared environment, built once per distinct spec (`Rejected` when it cannot be)."""

@@ -12,11 +12,13 @@ against that package on the same logs).
 Scope: Python repositories tested with pytest. The harness's per-repository install specs
 (MAP_REPO_VERSION_TO_SPECS: conda environments, pre-install commands, Django's and SymPy's own
 test runners, `tox`/`bin/test` invocations) are out of scope; tests run with pytest in the
-environment the task declares: as `env mine` does, the repository's own declared requirements at
-the base commit (`gitrepo.declared_requirements`), built with `--wheelhouse` / `--index-url`
-(`--env-cache`) before the task is validated, so "environment did not build" is a reason of its
-own. The tests a task runs are the test patch's Python files that exist once it is applied (a
-file the test patch deletes is not a target).
+environment the task declares: as `env mine` does (`projectenv.py`), the repository's own declared
+requirements at the base commit, the project installed when its metadata requires it, and, when
+environments are built here, everything resolved as of the record's `created_at` (pytest included)
+and recorded as `pins`; built with `--wheelhouse` / `--index-url` (`--env-cache`) before the task is
+validated, so "environment did not build" is a reason of its own. The tests a task runs are the
+test patch's Python files that exist once it is applied (a file the test patch deletes is not a
+target).
 
 An instance whose repository or base commit is missing, whose patch or test patch does not apply,
 or whose environment does not build is reported, not written; so is one whose gold patch does not
@@ -34,13 +36,14 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from composer_jax.env.mining import gitrepo
+from composer_jax.env.mining import gitrepo, projectenv
 from composer_jax.env.mining.gitrepo import Commit, GitError
 from composer_jax.env.mining.statement import category_of
-from composer_jax.env.mining.taskwrite import RepoTask, environment_of, harness_safe, patched_paths, write_task
-from composer_jax.env.sandbox.pyenv import EnvBuildError, EnvCache
+from composer_jax.env.mining.taskwrite import RepoTask, harness_safe, patched_paths, with_pins, write_task
+from composer_jax.env.sandbox.pyenv import BuiltEnv, EnvBuildError, EnvCache
 from composer_jax.env.sandbox.runner import Limits, Sandbox
 from composer_jax.env.tasks import validate
+from composer_jax.env.tasks.envspec import utc_instant
 from composer_jax.env.tasks.store import TaskError, load_task
 from composer_jax.errors import UsageError
 
@@ -104,8 +107,17 @@ def find_clone(repos: Path, name: str) -> Path | None:
     return None
 
 
-def to_task(record: dict, repos: Path, work: Path) -> tuple[RepoTask, Path]:
-    """The RepoTask of one record and the base tree it was checked against (under `work`)."""
+def record_date(record: dict) -> str | None:
+    """The record's `created_at` as an RFC 3339 UTC instant, or None when it has none that parses."""
+    try:
+        return utc_instant(str(record["created_at"])) if record.get("created_at") else None
+    except ValueError:
+        return None
+
+
+def to_task(record: dict, repos: Path, work: Path, dated: bool = False) -> tuple[RepoTask, Path]:
+    """The RepoTask of one record and the base tree it was checked against (under `work`);
+    `dated`: its environment resolved as of the record's `created_at` (`projectenv.py`)."""
     missing = [k for k in REQUIRED if k not in record]
     if missing:
         raise InstanceError("invalid record", f"missing {', '.join(missing)}; a record needs {', '.join(REQUIRED)}")
@@ -121,6 +133,8 @@ def to_task(record: dict, repos: Path, work: Path) -> tuple[RepoTask, Path]:
         gitrepo.write_tree(clone, str(record["base_commit"]), base)
     except GitError as exc:
         raise InstanceError("base commit missing", f"{record['base_commit']} in {clone}: {exc}") from None
+    project = projectenv.project_environment(clone, str(record["base_commit"]), record_date(record) if dated else None)
+    projectenv.write_generated(base, project)
     patch, test_patch = str(record["patch"]).encode(), str(record["test_patch"]).encode()
     for label, p in (("patch", patch), ("test_patch", test_patch)):
         try:
@@ -152,8 +166,8 @@ def to_task(record: dict, repos: Path, work: Path) -> tuple[RepoTask, Path]:
             for line in patch.decode("utf-8", "replace").splitlines()
             if line[:1] in "+-" and not line.startswith(("+++", "---"))
         ),
-        extra_metadata=extra,
-        environment=environment_of(gitrepo.declared_requirements(clone, str(record["base_commit"]))),
+        extra_metadata={**extra, **({"install_rule": project.install_rule} if project.install_rule else {})},
+        environment=project.environment(),
     )
     return task, base
 
@@ -168,21 +182,22 @@ def tests_after(base: Path, test_patch: bytes, scratch: Path) -> list[str]:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-async def build_environment(root: Path, env_cache: EnvCache | None) -> None:
-    """Build the environment the task at `root` declares; InstanceError when it cannot be."""
+async def build_environment(root: Path, env_cache: EnvCache | None) -> BuiltEnv | None:
+    """Build the environment the task at `root` declares (None: it declares none); InstanceError
+    when it cannot be."""
     try:
         task = await asyncio.to_thread(load_task, root)
     except TaskError as exc:
         raise InstanceError("invalid record", str(exc)) from None
     spec = task.config.environment
     if spec is None:
-        return
+        return None
     wanted = ", ".join(spec.requirements)
     if env_cache is None:
         why = f"the project needs {wanted}; give --wheelhouse or --index-url"
         raise InstanceError("environment did not build", why)
     try:
-        await env_cache.for_task(task)
+        return await env_cache.for_task(task)
     except EnvBuildError as exc:
         raise InstanceError("environment did not build", f"{wanted}: {exc.reason} {exc.log_tail[-300:]}") from None
 
@@ -194,8 +209,10 @@ async def import_all(
     sandbox: Sandbox | None,
     progress=None,
     env_cache: EnvCache | None = None,
+    dated: bool = False,
 ) -> list[dict]:
-    """One result per record: {"line", "instance_id", "status": written|rejected, "reason", "detail", "task_id"}."""
+    """One result per record: {"line", "instance_id", "status": written|rejected, "reason", "detail", "task_id"};
+    `dated`: environments resolved as of each record's `created_at` (needs `env_cache`)."""
     scratch = Path(tempfile.mkdtemp(prefix="composer-jax-import-"))
     limits = Limits(wall_seconds=600, cpu_seconds=601, memory_mb=4096)
     results = []
@@ -206,10 +223,10 @@ async def import_all(
             try:
                 if record is None:
                     raise InstanceError("invalid record", why)
-                task, base = await asyncio.to_thread(to_task, record, repos, work)
+                task, base = await asyncio.to_thread(to_task, record, repos, work, dated and env_cache is not None)
                 root = await asyncio.to_thread(write_task, task, base, out)
                 if sandbox is not None:
-                    problem = await _validated(root, sandbox, scratch, limits, env_cache)
+                    problem = await _validated(root, sandbox, scratch, limits, env_cache, (task, base))
                     if problem is not None:
                         await asyncio.to_thread(shutil.rmtree, root, True)
                         raise problem
@@ -227,13 +244,24 @@ async def import_all(
 
 
 async def _validated(
-    root: Path, sandbox: Sandbox, scratch: Path, limits: Limits, env_cache: EnvCache | None
+    root: Path,
+    sandbox: Sandbox,
+    scratch: Path,
+    limits: Limits,
+    env_cache: EnvCache | None,
+    written: tuple[RepoTask, Path],
 ) -> InstanceError | None:
-    """Why the written task at `root` is not kept (its environment, then its oracle), or None."""
+    """Why the written task at `root` is not kept (its environment, then its oracle), or None. A
+    dated environment's resolution is recorded as `pins` (the task rewritten) before the oracle
+    runs, so validation builds what the task.toml says."""
     try:
-        await build_environment(root, env_cache)
+        env = await build_environment(root, env_cache)
     except InstanceError as exc:
         return exc
+    task, base = written
+    pinned = with_pins(task, env.installed if env is not None else ())
+    if pinned is not task:
+        await asyncio.to_thread(write_task, pinned, base, root.parent)
     problem = await validate.check_written(root, sandbox, scratch, limits, env_cache)
     return InstanceError("oracle failed", problem) if problem else None
 
@@ -260,6 +288,7 @@ def import_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-validate", action="store_true", help="write without checking oracle 1 / untouched 0")
     p.add_argument("--unsafe-no-sandbox", action="store_true", help="run without bubblewrap (NO isolation)")
     add_env_cache_flags(p)
+    projectenv.add_resolve_flag(p)
     return p
 
 
@@ -283,7 +312,8 @@ def import_main(argv: list[str]) -> int:
         print(f"  line {r['line']:>4} {r['instance_id']} {r['status']} {what}", file=sys.stderr, flush=True)
 
     args.out.mkdir(parents=True, exist_ok=True)
-    results = asyncio.run(import_all(records, args.repos, args.out, sandbox, progress, env_cache))
+    dated = projectenv.dated(args)
+    results = asyncio.run(import_all(records, args.repos, args.out, sandbox, progress, env_cache, dated))
     s = summary(results)
     (args.out / "import_report.json").write_text(json.dumps({**s, "instances_detail": results}, indent=1) + "\n")
     print(f"{s['instances']} instances, {s['written']} tasks written")

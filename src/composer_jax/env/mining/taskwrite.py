@@ -135,10 +135,16 @@ def default_dockerfile(spec: EnvSpec | None = None) -> str:
         f"FROM python:{python}-slim",
         "RUN apt-get update && apt-get install -y --no-install-recommends git && rm -rf /var/lib/apt/lists/*",
         "WORKDIR /app",
-        f"RUN pip install --no-cache-dir pytest=={pytest.__version__}",
     ]
-    if spec is not None and spec.requirements:
+    pins = spec.pins if spec is not None else ()
+    if not any(p.lower().startswith("pytest==") for p in pins):
+        lines.append(f"RUN pip install --no-cache-dir pytest=={pytest.__version__}")
+    if pins:  # what the resolution as of `exclude_newer` installed: exactly these, nothing resolved
+        lines.append("RUN pip install --no-cache-dir --no-deps " + " ".join(shlex.quote(r) for r in pins))
+    elif spec is not None and spec.requirements:
         lines.append("RUN pip install --no-cache-dir " + " ".join(shlex.quote(r) for r in spec.requirements))
+    if spec is not None and spec.app_version:
+        lines.append(f"ENV SETUPTOOLS_SCM_PRETEND_VERSION={spec.app_version}")
     lines.append("COPY app/ /app/")
     if spec is not None and spec.install_app == "editable":
         lines.append("RUN pip install --no-cache-dir -e /app")
@@ -168,6 +174,15 @@ def environment_of(requirements: list[str]) -> dict:
     return {"requirements": requirements} if requirements else {}
 
 
+def with_pins(t: RepoTask, installed: tuple[str, ...]) -> RepoTask:
+    """`t` with its environment's resolution as of `exclude_newer` recorded as `pins` (the build's
+    exact result, so the task rebuilds identically); `t` itself when it was not resolved by date
+    or nothing was installed (every requirement came with the verifier's toolchain)."""
+    if not t.environment.get("exclude_newer") or not installed:
+        return t
+    return dataclasses.replace(t, environment={**t.environment, "pins": list(installed)})
+
+
 def patched_paths(patch: bytes) -> list[str]:
     """The paths a `git diff` touches (its b/ side, or a/ for a deletion)."""
     paths = []
@@ -190,6 +205,9 @@ def write_task(t: RepoTask, base_tree: Path, out_root: Path) -> Path:
         python=t.environment.get("python"),
         requirements=tuple(t.environment.get("requirements", ())),
         install_app=t.environment.get("install_app", "none"),
+        app_version=t.environment.get("app_version"),
+        exclude_newer=t.environment.get("exclude_newer"),
+        pins=tuple(t.environment.get("pins", ())),
     )
     (root / "environment" / "Dockerfile").write_text(t.dockerfile or default_dockerfile(spec))
     (root / "instruction.md").write_text(t.instruction.rstrip() + "\n")

@@ -30,6 +30,15 @@ pip, setuptools, wheel; never the server's own environment) *after* its own, so 
 `python3 -m pytest` works and the task's requirements win over anything there; pip and setuptools
 come from there too (builds use `--no-build-isolation`, so an offline build needs no build backend
 in the wheelhouse). Under another Python, pytest must be among the requirements (the build checks it).
+A pytest the spec installs (one resolved as of a date) comes before the toolchain's: it runs the tests.
+
+As of a date (`exclude_newer`, `pins`; `resolution_mode`): a spec with pins installs exactly them
+with `--no-deps`; one with `exclude_newer` and no pins is resolved by uv (`--exclude-newer`, the
+`uv` binary of locks/env.lock mounted read-only at UV_MOUNT, the proxy given as HTTP(S)_PROXY)
+against the index's upload times. The build reports every distribution it installed into the venv
+(`BuiltEnv.installed`, the app excepted), which the miner records as the task's pins. The app is
+installed after the requirements, with `--no-deps` in those two modes, so a build backend among the
+requirements is there when the app is built.
 """
 
 from __future__ import annotations
@@ -58,7 +67,7 @@ if TYPE_CHECKING:
     from composer_jax.env.tasks.store import Task
 
 ENV_MOUNT = "/opt/taskenv"
-RECIPE_VERSION = "1"  # bump when the build recipe changes: every key changes with it
+RECIPE_VERSION = "2"  # bump when the build recipe changes: every key changes with it
 META_FILE = ".composer-jax-env.json"
 BUILD_LIMITS = Limits(
     wall_seconds=900.0,
@@ -82,6 +91,7 @@ def spec_key(spec: EnvSpec, app_dir: Path | None, source_id: str) -> str:
     from (`source_id`), the server environment the venv sits over, and the app when editable."""
     h = hashlib.sha256()
     parts = [RECIPE_VERSION, spec.python or "", "\n".join(spec.requirements), spec.install_app, source_id]
+    parts += [spec.app_version or "", spec.exclude_newer or "", "\n".join(spec.pins)]
     parts.append(_server_site_packages() if spec.python in (None, _server_python()) else "")
     for p in parts:
         h.update(p.encode() + b"\0")
@@ -135,6 +145,10 @@ class BuiltEnv:
     requirements: tuple[str, ...]
     prefix: str = ENV_MOUNT  # where commands see it (the mount; a venv only works at its build path)
     base_path: str = "/usr/local/bin:/usr/bin:/bin"  # the sandbox's own PATH, after the env's bin
+    # name==version of every distribution the build installed into the venv itself (not the app,
+    # not the toolchain's): what `pins` records so the task rebuilds identically
+    installed: tuple[str, ...] = ()
+    pytest: str = ""  # the version `import pytest` finds in the environment: the one that runs the tests
 
     def mount(self) -> Mount:
         return Mount(self.host_path, ENV_MOUNT, writable=False)
@@ -143,19 +157,26 @@ class BuiltEnv:
         return {"PATH": f"{self.prefix}/bin:{self.base_path}", "VIRTUAL_ENV": self.prefix}
 
     def describe(self) -> dict:
-        return {"key": self.key, "python": self.python_version, "requirements": list(self.requirements)}
+        out = {"key": self.key, "python": self.python_version, "requirements": list(self.requirements)}
+        return out | ({"pytest": self.pytest} if self.pytest else {})  # the pytest that ran the tests
 
 
 # The build, run inside the sandbox: $1 interpreter, $2 env prefix, $3 "pth" or "", $4 toolchain
 # site-packages, $5 "editable" or "", $6 the index proxy's forwarder port or "" (index_proxy.py), $7
-# the forwarder's code, then pip's source options. Output: log, last line JSON.
+# the forwarder's code, $8 the mode (`resolution_mode`), $9 uv's path in the sandbox or "", then the
+# package source options (pip's and uv's alike: --index-url, --no-index --find-links). CJ_EXCLUDE_NEWER
+# holds the cutoff of a dated resolution. Output: log, last line JSON (python, pytest, installed).
 _BUILD_SCRIPT = r"""
 set -eu
-py="$1"; prefix="$2"; pth="$3"; site="$4"; editable="$5"; proxy="$6"; forwarder="$7"; shift 7
+py="$1"; prefix="$2"; pth="$3"; site="$4"; editable="$5"; proxy="$6"; forwarder="$7"; mode="$8"; uv="$9"
+shift 9
+pipproxy=""
 if [ -n "$proxy" ]; then
   "$py" -c "$forwarder" /run/index-proxy/proxy.sock "$proxy" > /tmp/forwarder.out 2>&1 &
   for _ in $(seq 100); do grep -q ready /tmp/forwarder.out 2>/dev/null && break; sleep 0.05; done
-  set -- --proxy "http://127.0.0.1:$proxy" "$@"
+  pipproxy="--proxy=http://127.0.0.1:$proxy"
+  export HTTP_PROXY="http://127.0.0.1:$proxy" HTTPS_PROXY="http://127.0.0.1:$proxy" ALL_PROXY="http://127.0.0.1:$proxy"
+  export http_proxy="$HTTP_PROXY" https_proxy="$HTTP_PROXY" NO_PROXY="" no_proxy=""
 fi
 if [ -n "$pth" ]; then "$py" -m venv --without-pip "$prefix"; else "$py" -m venv "$prefix"; fi
 envpy="$prefix/bin/python"
@@ -163,14 +184,57 @@ if [ -n "$pth" ]; then
   purelib=$("$envpy" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   printf '%s\n' "$site" > "$purelib/_composer_jax_server_env.pth"
 fi
-args=""
-[ -s /envreq/requirements.txt ] && args="-r /envreq/requirements.txt"
-[ -n "$editable" ] && args="$args -e /app"
-if [ -n "$args" ]; then
-  "$envpy" -m pip install --no-cache-dir --disable-pip-version-check --no-input --no-build-isolation "$@" $args
+uvi() {
+  UV_NO_CONFIG=1 UV_PYTHON_DOWNLOADS=never "$uv" pip install --python "$envpy" --no-cache --no-build-isolation "$@"
+}
+pipi() {
+  "$envpy" -m pip install --no-cache-dir --disable-pip-version-check --no-input --no-build-isolation $pipproxy "$@"
+}
+if [ -s /envreq/requirements.txt ]; then
+  case "$mode" in
+    pins) if [ -n "$uv" ]; then uvi --no-deps "$@" -r /envreq/requirements.txt
+          else pipi --no-deps --ignore-installed "$@" -r /envreq/requirements.txt; fi ;;
+    dated) uvi --exclude-newer "$CJ_EXCLUDE_NEWER" "$@" -r /envreq/requirements.txt ;;
+    *) pipi "$@" -r /envreq/requirements.txt ;;
+  esac
 fi
-"$envpy" -c 'import json, sys, pytest; print(json.dumps({"python": "%d.%d.%d" % sys.version_info[:3]}))'
+if [ -n "$editable" ]; then
+  if [ "$mode" = plain ]; then pipi "$@" -e /app; else pipi --no-deps "$@" -e /app; fi
+fi
+"$envpy" - <<'PY'
+import importlib.metadata as md, json, sys, sysconfig
+import pytest
+paths = sorted({sysconfig.get_paths()[k] for k in ("purelib", "platlib")})
+own = set()
+for dist in md.distributions(path=paths):
+    if '"dir_info"' in (dist.read_text("direct_url.json") or ""):
+        continue  # the app itself, installed from /app
+    own.add(f"{dist.metadata['Name']}=={dist.version}")
+facts = {"python": "%d.%d.%d" % sys.version_info[:3], "pytest": pytest.__version__}
+print(json.dumps({**facts, "installed": sorted(own, key=str.lower)}))
+PY
 """
+UV_MOUNT = "/opt/uv/uv"  # where a dated build sees the uv binary (read-only)
+
+
+def resolution_mode(spec: EnvSpec, from_wheelhouse: bool) -> str:
+    """How a build installs `spec`'s requirements: "pins" (exactly the pins, no resolution), "dated"
+    (uv resolves as of `exclude_newer` from an index's upload times), or "plain" (pip resolves: no
+    cutoff, or a wheelhouse, which has no upload times: its owner chose its versions)."""
+    if spec.pins:
+        return "pins"
+    return "dated" if spec.exclude_newer and not from_wheelhouse else "plain"
+
+
+def find_uv() -> Path | None:
+    """The uv binary (locks/env.lock pins the `uv` package): its package's, else uv on PATH."""
+    try:
+        from uv import find_uv_bin
+
+        return Path(find_uv_bin())
+    except (ImportError, FileNotFoundError):
+        found = shutil.which("uv")
+        return Path(found) if found else None
 
 
 class EnvCache:
@@ -281,13 +345,15 @@ class EnvCache:
             meta = json.loads((path / META_FILE).read_text())
         except (OSError, ValueError):
             return None
-        built = self._built_env(key, path, str(meta.get("python", "")), spec)
+        built = self._built_env(key, path, meta, spec)
         self._built[key] = built
         return built
 
-    def _built_env(self, key: str, path: Path, python: str, spec: EnvSpec) -> BuiltEnv:
+    def _built_env(self, key: str, path: Path, facts: dict, spec: EnvSpec) -> BuiltEnv:
         base = getattr(self.sandbox, "path_env", os.environ.get("PATH", "/usr/bin:/bin"))
-        return BuiltEnv(key, path, python, spec.requirements, base_path=base)
+        installed = tuple(str(x) for x in facts.get("installed", ()))
+        python, pytest = str(facts.get("python", "")), str(facts.get("pytest", ""))
+        return BuiltEnv(key, path, python, spec.requirements, base_path=base, installed=installed, pytest=pytest)
 
     def interpreter(self, spec: EnvSpec) -> str:
         """The interpreter a build of `spec` uses, as a path the sandbox shows; EnvBuildError if none."""
@@ -320,7 +386,8 @@ class EnvCache:
                 facts = await self._run_build(lease, work, key, spec, app_dir, py)
             finally:
                 await lease.close()  # every process of the build is dead before its tree is walked
-            meta = {"key": key, "python": facts.get("python", ""), "requirements": list(spec.requirements)}
+            meta = {"key": key, "requirements": list(spec.requirements)}
+            meta |= {k: facts.get(k, d) for k, d in (("python", ""), ("pytest", ""), ("installed", []))}
             await asyncio.to_thread(_seal, entry, lease.uid, meta)
             final = self.root / key
             try:
@@ -331,7 +398,7 @@ class EnvCache:
         finally:
             await asyncio.to_thread(volumes.remove_tree, work)  # inputs, the app copy, a failed entry
         self.build_seconds[key] = round(time.monotonic() - start, 2)
-        return self._built_env(key, final, facts.get("python", ""), spec)
+        return self._built_env(key, final, meta, spec)
 
     async def _run_build(
         self, lease: SandboxLease, work: Path, key: str, spec: EnvSpec, app_dir: Path | None, py: str
@@ -341,7 +408,9 @@ class EnvCache:
         for d in (entry, inputs, app):
             d.mkdir(mode=0o755)
         _chown(entry, lease.uid, lease.gid)
-        (inputs / "requirements.txt").write_text("".join(r + "\n" for r in spec.requirements))
+        mode = resolution_mode(spec, self.wheelhouse is not None)
+        wanted = spec.pins if mode == "pins" else spec.requirements
+        (inputs / "requirements.txt").write_text("".join(r + "\n" for r in wanted))
         mounts = [Mount(entry, ENV_MOUNT, True), Mount(inputs, "/envreq", False)]
         if spec.install_app == "editable":
             if app_dir is None or not app_dir.is_dir():
@@ -349,30 +418,48 @@ class EnvCache:
             _chown(app, lease.uid, lease.gid)
             await asyncio.to_thread(volumes.copy_tree, app_dir, app, lease.uid, lease.gid)
             mounts.append(Mount(app, "/app", True))
+        env = {"CJ_EXCLUDE_NEWER": spec.exclude_newer or ""}
+        if spec.app_version:
+            env["SETUPTOOLS_SCM_PRETEND_VERSION"] = spec.app_version  # no .git in the app (setuptools-scm, hatch-vcs)
+        uv = ""
+        found = find_uv() if mode in ("dated", "pins") else None  # pins: uv if there, else pip (slower)
+        if found is not None:
+            mounts.append(Mount(found, UV_MOUNT, False))
+            uv = UV_MOUNT
+        elif mode == "dated":
+            raise EnvBuildError("exclude_newer: resolving as of a date needs uv (the `uv` package, locks/env.lock)")
         same_python = spec.python in (None, _server_python())
         flags = [
             "pth" if same_python else "",
             toolchain.site_packages(toolchain.TOOLCHAIN_MOUNT),
             spec.install_app.replace("none", ""),
         ]
+        tail = [mode, uv]
         if self.wheelhouse is not None:
             mounts.append(Mount(self.wheelhouse, "/wheelhouse", False))
             source = ["--no-index", "--find-links", "/wheelhouse"]
-        elif spec.requirements or spec.install_app == "editable":
-            return await self._run_with_index(lease, key, [*mounts], [py, ENV_MOUNT, *flags])
+        elif wanted or spec.install_app == "editable":
+            return await self._run_with_index(lease, key, [*mounts], [py, ENV_MOUNT, *flags], tail, env)
         else:
             source = []
-        return await self._run_script(lease, key, mounts, [py, ENV_MOUNT, *flags, "", ""], source, None)
+        return await self._run_script(lease, key, mounts, [py, ENV_MOUNT, *flags, "", "", *tail], source, None, env)
 
-    async def _run_with_index(self, lease: SandboxLease, key: str, mounts: list[Mount], head: list[str]) -> dict:
-        """A build from the index: no network of its own, the index through the proxy only."""
+    async def _run_with_index(
+        self, lease: SandboxLease, key: str, mounts: list[Mount], head: list[str], tail: list[str], env: dict
+    ) -> dict:
+        """A build from the index: no network of its own, the index through the proxy only. pip
+        reads the index from its configuration when none is given; uv (a dated resolution) reads no
+        pip configuration, so it is given the configured indexes."""
         urls = [self.index_url] if self.index_url else index_proxy.configured_indexes()
         proxy = index_proxy.IndexProxy(index_proxy.index_hosts(urls), allow=self.proxy_allow)
-        source = ["--index-url", self.index_url] if self.index_url else []
+        if self.index_url or tail[1]:  # uv reads no pip configuration
+            source = ["--index-url", urls[0]] + [x for u in urls[1:] for x in ("--extra-index-url", u)]
+        else:
+            source = []
         async with proxy.serving() as where:
             mounts.append(Mount(where, index_proxy.MOUNT, False))
-            args = [*head, str(index_proxy.PORT), index_proxy.FORWARDER]
-            return await self._run_script(lease, key, mounts, args, source, proxy)
+            args = [*head, str(index_proxy.PORT), index_proxy.FORWARDER, *tail]
+            return await self._run_script(lease, key, mounts, args, source, proxy, env)
 
     async def _run_script(
         self,
@@ -382,9 +469,10 @@ class EnvCache:
         args: list[str],
         source: list[str],
         proxy: index_proxy.IndexProxy | None,
+        env: dict,
     ) -> dict:
         argv = ["bash", "-c", _BUILD_SCRIPT, "build", *args, *source]
-        result = await lease.run(argv, mounts=mounts, cwd="/", limits=BUILD_LIMITS, network=False)
+        result = await lease.run(argv, mounts=mounts, cwd="/", limits=BUILD_LIMITS, network=False, env=env)
         log = (result.stdout + result.stderr)[-6000:]
         if result.timed_out or result.exit_code != 0:
             why = "timed out" if result.timed_out else f"exit {result.exit_code}"
@@ -392,7 +480,7 @@ class EnvCache:
             refused = f"; the index proxy refused: {'; '.join(proxy.refused[:5])}" if proxy and proxy.refused else ""
             raise EnvBuildError(
                 f"building the environment {key[:12]} failed ({why}){refused}"
-                + (hint if "pytest" in log[-400:] else ""),
+                + (hint if "No module named 'pytest'" in log[-400:] else ""),
                 log,
             )
         return _last_json(result.stdout)

@@ -21,9 +21,10 @@ code under test:
 - startup hooks anywhere in the tree (`sitecustomize` / `usercustomize` modules, `*.pth` files)
   the task did not ship are removed (class "startup-hook");
 - a module or regular package at a sys.path root (APP, APP/src) that the task did not have and
-  that shadows the test runner (pytest, _pytest, pluggy, py, unittest, their dependencies, the
-  verifier's run_tests) or a standard-library module is removed (class "runner-shadow"). One the
-  task had is code under test (a task about pytest itself) and stays.
+  that shadows the test runner (pytest, _pytest, pluggy, py, unittest, their dependencies, those of
+  older pytests a task environment resolved by date may hold, the verifier's run_tests) or a
+  standard-library module is removed (class "runner-shadow"). One the task had is code under test
+  (a task about pytest itself) and stays.
 
     python3 -I -c SOURCE APP ORIG TESTS [SCOPE]
 
@@ -57,6 +58,15 @@ RUNNER = {
     "tomli",
     "colorama",
     "run_tests",
+    # what older pytests import: a task environment resolved as of its commit's date may hold one
+    "attr",
+    "more_itertools",
+    "atomicwrites",
+    "six",
+    "wcwidth",
+    "toml",
+    "importlib_metadata",
+    "zipp",
 }
 STARTUP = {"sitecustomize", "usercustomize"}
 CONFIGS = ("pytest.ini", ".pytest.ini", "pytest.toml", ".pytest.toml", "tox.ini", "setup.cfg", "pyproject.toml")

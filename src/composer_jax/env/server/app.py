@@ -147,7 +147,8 @@ class GradeResponse(BaseModel):
     reward_details: dict[str, Any]
     interpreter: dict[str, Any] = Field(default_factory=dict, description="the sandbox's python3: {python, version}")
     environment: dict[str, Any] = Field(
-        default_factory=dict, description="the task's built Python environment {key, python, requirements}, or {}"
+        default_factory=dict,
+        description="the task's built Python environment {key, python, requirements, pytest}, or {}",
     )
     tampering: list[dict[str, Any]] = Field(
         default_factory=list,

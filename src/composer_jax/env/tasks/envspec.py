@@ -5,6 +5,17 @@
     requirements = ["attrs==23.2.0"]     # pip requirement lines, and/or
     requirements_file = "environment/requirements.txt"
     install_app = "editable"             # or "none" (default): pip install -e of environment/app
+    app_version = "1.4.0"                # the version a VCS-versioned project builds with (no .git)
+    exclude_newer = "2024-03-13T12:00:00Z"  # resolve with files uploaded before this instant only
+    pins = ["pytest==8.4.2", "pluggy==1.6.0"]  # the exact set that resolution gave: installed as is
+
+`exclude_newer` is a resolution as of a date (the commit's, for a mined task: SWE-bench's
+per-version environments, by date): `requirements` are resolved by uv's `--exclude-newer` against
+the index's upload times (PEP 700). `pins` is what that resolution installed, name==version for
+every distribution of the environment (pytest included when it was resolved): a spec with pins
+installs exactly them (`--no-deps`) and resolves nothing, so the task rebuilds identically.
+`app_version` is given to the build as SETUPTOOLS_SCM_PRETEND_VERSION (setuptools-scm, and
+hatch-vcs through it): a task's workspace has no .git to read a version from.
 
 This is what a task says; `env/sandbox/pyenv.py` builds it. The spec sits with the task format (not
 with the builder) so that reading a task never imports the sandbox.
@@ -13,6 +24,7 @@ with the builder) so that reading a task never imports the sandbox.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import re
 from pathlib import Path
 from typing import Any
@@ -21,7 +33,9 @@ from composer_jax.env.api.errors import TaskError
 
 INSTALL_APP = ("none", "editable")
 _PYTHON_RE = re.compile(r"^3\.\d{1,2}$")
-_KEYS = ("python", "requirements", "requirements_file", "install_app")
+_KEYS = ("python", "requirements", "requirements_file", "install_app", "app_version", "exclude_newer", "pins")
+_PIN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*==[A-Za-z0-9][A-Za-z0-9.+!_-]*$")
+_VERSION_RE = re.compile(r"^[0-9][A-Za-z0-9.+!_-]*$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +45,9 @@ class EnvSpec:
     python: str | None
     requirements: tuple[str, ...]
     install_app: str = "none"
+    app_version: str | None = None
+    exclude_newer: str | None = None  # RFC 3339, UTC ("2024-03-13T12:00:00Z")
+    pins: tuple[str, ...] = ()
 
 
 def _requirement_lines(value: Any, where: str, key: str) -> list[str]:
@@ -78,4 +95,52 @@ def parse_environment(table: dict, task_root: Path, where: str) -> EnvSpec | Non
         raise TaskError(
             f"{where}: [environment] install_app = {install_app!r}; accepted: {', '.join(repr(x) for x in INSTALL_APP)}"
         )
-    return EnvSpec(python, tuple(requirements), install_app)
+    return EnvSpec(
+        python,
+        tuple(requirements),
+        install_app,
+        app_version=_app_version(table.get("app_version"), where),
+        exclude_newer=_exclude_newer(table.get("exclude_newer"), where),
+        pins=_pins(table.get("pins", []), where),
+    )
+
+
+def _app_version(value: Any, where: str) -> str | None:
+    if value is not None and (not isinstance(value, str) or not _VERSION_RE.match(value)):
+        raise TaskError(f'{where}: [environment] app_version = {value!r} must be a version string such as "1.4.0"')
+    return value
+
+
+def utc_instant(value: str) -> str:
+    """`value` (an ISO 8601 / RFC 3339 date or date-time) as "YYYY-MM-DDTHH:MM:SSZ"; ValueError if it
+    is none. A date alone is its midnight UTC; a time without an offset is UTC."""
+    when = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.UTC)
+    return when.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _exclude_newer(value: Any, where: str) -> str | None:
+    if value is None:
+        return None
+    try:
+        if not isinstance(value, str):
+            raise ValueError(value)
+        return utc_instant(value)
+    except ValueError:
+        raise TaskError(
+            f"{where}: [environment] exclude_newer = {value!r} must be an RFC 3339 date-time such as "
+            '"2024-03-13T12:00:00Z" (or a date, "2024-03-13")'
+        ) from None
+
+
+def _pins(value: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        raise TaskError(f'{where}: [environment] pins = {value!r:.80} must be a list such as ["attrs==23.2.0"]')
+    for pin in value:
+        if not _PIN_RE.match(pin.strip()):
+            raise TaskError(
+                f"{where}: [environment] pins: {pin!r:.80} is not an exact pin; accepted: name==version "
+                "(e.g. 'pytest==8.4.2'), what a resolution as of `exclude_newer` installed"
+            )
+    return tuple(p.strip() for p in value)
