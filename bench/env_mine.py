@@ -29,7 +29,7 @@ list docs/tasks.md reports):
     args = ["--rev-range", "HEAD"]
 
 `--yields` without a file mines `--repo` (default: the minerepo history) with `--rev-range`,
-`--since`, `--until`, `--jobs`, `--timeout`. Each run gets a fresh `--env-cache` under `--out`
+`--since`, `--until`, `--jobs`, `--timeout`, `--runs`. Each run gets a fresh `--env-cache` under `--out`
 (unless its arguments name one), so the environments it needs are built within its wall time.
 """
 
@@ -87,6 +87,7 @@ def yield_runs(args: argparse.Namespace, work: Path) -> list[tuple[Path, list[st
             repo = work / "calc"
             minerepo.build(repo, with_package=False)
         mine_args = ["--rev-range", args.rev_range, "--jobs", str(args.jobs), "--timeout", f"{args.timeout:g}"]
+        mine_args += ["--runs", str(args.runs)] if args.runs != 3 else []
         mine_args += [a for flag, v in (("--since", args.since), ("--until", args.until)) if v for a in (flag, v)]
         return [(repo, mine_args)]
     listing = Path(args.yields)
@@ -209,6 +210,7 @@ def main() -> int:
     p.add_argument("--until")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds for one test run (default 120)")
+    p.add_argument("--runs", type=int, default=3, help="yields without a file: runs of each side (default 3)")
     p.add_argument("--yields", nargs="?", const="-", help="yields mode: a TOML list of repositories (or none: --repo)")
     p.add_argument("--out", type=Path, help="yields: where the tasks and reports go (default a fresh temp dir)")
     p.add_argument("--clones", type=Path, help="yields: the directory the TOML's paths are under (default its own)")
