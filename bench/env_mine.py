@@ -15,7 +15,8 @@ Yields (`--yields`): runs the command itself, `composer-jax env mine`, on each r
 prints, from each run's own report (`env mine --report`), the commits examined, candidates,
 commits whose tests ran in the sandbox, tasks written, rejections by reason and wall time, then a
 Markdown table for docs/tasks.md. `--save FILE` keeps the yields; `--before FILE` (an earlier
-`--save`) adds a before/after table, row by row for the same repository and arguments:
+`--save`) adds a before/after table, row by row for the same repository and arguments
+(`--mine-args` adds arguments to every run without renaming its row):
 
     PYTHONPATH=src .venv/bin/python bench/env_mine.py --yields REPOS.toml --out DIR [--save Y.json] [--before X.json]
 
@@ -39,6 +40,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -107,11 +109,12 @@ def yield_runs(args: argparse.Namespace, work: Path) -> list[tuple[Path, list[st
     return runs
 
 
-def mine_yield(repo: Path, mine_args: list[str], out: Path, quiet: bool) -> dict:
-    """`composer-jax env mine` run as a user runs it; its report (`--report`), with `args` added."""
+def mine_yield(repo: Path, mine_args: list[str], out: Path, quiet: bool, extra: tuple[str, ...] = ()) -> dict:
+    """`composer-jax env mine` run as a user runs it; its report (`--report`), with `args` (the
+    run's own arguments, which name its row) and `extra` (those every run got, `--mine-args`) added."""
     report = out / f"{repo.name}.json"
-    argv = ["env", "mine", str(repo), "--out", str(out / repo.name), "--report", str(report), *mine_args]
-    if "--env-cache" not in mine_args:
+    argv = ["env", "mine", str(repo), "--out", str(out / repo.name), "--report", str(report), *mine_args, *extra]
+    if "--env-cache" not in mine_args + list(extra):
         argv += ["--env-cache", str(out / "envs" / repo.name)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
     code = "import sys; from composer_jax.cli import main; sys.exit(main())"
@@ -121,7 +124,7 @@ def mine_yield(repo: Path, mine_args: list[str], out: Path, quiet: bool) -> dict
         raise SystemExit(f"env mine {repo} {' '.join(mine_args)} failed (exit {proc.returncode})")
     data = json.loads(report.read_text())
     data.pop("commits")
-    return {**data, "args": " ".join(mine_args)}
+    return {**data, "args": " ".join(mine_args), "extra": " ".join(extra)}
 
 
 def yield_key(y: dict) -> str:
@@ -187,8 +190,9 @@ def yields_main(args: argparse.Namespace) -> int:
     out = args.out or Path(tempfile.mkdtemp(prefix="bench-env-mine-yields-"))
     out.mkdir(parents=True, exist_ok=True)
     ys = []
+    extra = tuple(shlex.split(args.mine_args or ""))
     for repo, mine_args in yield_runs(args, out):
-        ys.append(mine_yield(repo, mine_args, out, args.quiet))
+        ys.append(mine_yield(repo, mine_args, out, args.quiet, extra))
         print(yield_line(ys[-1]), flush=True)
     print()
     print(yields_table(ys))
@@ -214,6 +218,11 @@ def main() -> int:
     p.add_argument("--yields", nargs="?", const="-", help="yields mode: a TOML list of repositories (or none: --repo)")
     p.add_argument("--out", type=Path, help="yields: where the tasks and reports go (default a fresh temp dir)")
     p.add_argument("--clones", type=Path, help="yields: the directory the TOML's paths are under (default its own)")
+    p.add_argument(
+        "--mine-args",
+        help="yields: arguments every run gets besides its own, not part of its row's name "
+        "(a pipeline option compared against a --before without it: --mine-args='--resolve-as-of commit')",
+    )
     p.add_argument("--save", type=Path, help="yields: keep them in this JSON file")
     p.add_argument("--before", type=Path, help="yields: an earlier --save to compare with")
     p.add_argument("--quiet", action="store_true", help="yields: no per-commit lines from env mine")

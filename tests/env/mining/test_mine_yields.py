@@ -116,3 +116,4 @@ def test_yields_mode_runs_env_mine_and_reads_its_report(tmp_path, capsys, monkey
     assert "example/calc (" in printed and "3 commits, 1 candidates, 1 run in the sandbox, 1 tasks written" in printed
     saved = json.loads((tmp_path / "y.json").read_text())
     assert saved[0]["args"] == "--rev-range HEAD --jobs 2 --timeout 120 --runs 1" and "commits" not in saved[0]
+    assert saved[0]["extra"] == ""
