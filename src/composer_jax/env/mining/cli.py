@@ -1,7 +1,8 @@
 """`composer-jax env mine REPO --out DIR` and `composer-jax env import-swebench INSTANCES --repos DIR --out DIR`.
 
 Both print one line per commit or instance as it is decided, then a summary table (seen, written,
-rejected by reason), and keep the same figures in OUT/mine_report.json / OUT/import_report.json.
+rejected by reason), and keep the same figures in OUT/mine_report.json / OUT/import_report.json
+(`env mine --report FILE` puts its report elsewhere: `bench/env_mine.py --yields` reads it).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from pathlib import Path
 
 from composer_jax.env.mining import projectenv
@@ -41,6 +43,12 @@ def mine_parser() -> argparse.ArgumentParser:
     p.add_argument("--writer-model", help="the model name for --writer-url")
     p.add_argument("--writer-api-key-env", default="OPENAI_API_KEY", help="environment variable holding its key")
     p.add_argument("--unsafe-no-sandbox", action="store_true", help="run without bubblewrap (NO isolation)")
+    p.add_argument(
+        "--report",
+        type=Path,
+        help="write the JSON report here (default OUT/mine_report.json): the summary, wall_seconds, "
+        "the options and every commit's outcome",
+    )
     add_env_cache_flags(p)
     projectenv.add_resolve_flag(p)
     return p
@@ -86,6 +94,23 @@ def _mine_options(args):
     return sandbox, opts, commits
 
 
+def _report_header(args, commits: list) -> dict:
+    """What a report says about the run itself: what was asked for and the newest commit examined."""
+    newest = commits[-1] if commits else None
+    return {
+        "options": {
+            "rev_range": args.rev_range,
+            "since": args.since,
+            "until": args.until,
+            "max_tasks": args.max_tasks,
+            "jobs": args.jobs,
+            "runs": args.runs,
+            "timeout": args.timeout,
+        },
+        "newest": {"sha": newest.sha, "date": newest.date} if newest else None,
+    }
+
+
 def mine_main(argv: list[str]) -> int:
     from composer_jax.env.mining.miner import Miner, format_summary, summary
 
@@ -93,11 +118,17 @@ def mine_main(argv: list[str]) -> int:
     sandbox, opts, commits = _mine_options(args)
     done: list = []
     miner = Miner(args.repo, args.out, sandbox, opts)
+    report_path = args.report or args.out / "mine_report.json"
+    header = _report_header(args, commits)
+    start = time.monotonic()
 
     def write_report(outcomes: list, complete: bool) -> dict:
         s = summary(miner.name, outcomes)
-        report = {**s, "complete": complete, "commits": [o.__dict__ for o in outcomes]}
-        (args.out / "mine_report.json").write_text(json.dumps(report, indent=1) + "\n")
+        wall = round(time.monotonic() - start, 2)
+        report = {**s, "complete": complete, "wall_seconds": wall, **header}
+        report["commits"] = [o.__dict__ for o in outcomes]
+        report_path.parent.mkdir(parents=True, exist_ok=True)
+        report_path.write_text(json.dumps(report, indent=1) + "\n")
         return s
 
     def progress(o) -> None:
@@ -112,7 +143,7 @@ def mine_main(argv: list[str]) -> int:
     try:
         outcomes = asyncio.run(miner.run(commits))
     except KeyboardInterrupt:
-        print(f"{prog}: interrupted; {len(done)} commits decided, kept in {args.out / 'mine_report.json'}")
+        print(f"{prog}: interrupted; {len(done)} commits decided, kept in {report_path}")
         print(format_summary(write_report(done, complete=False)))
         return 130
     print(format_summary(write_report(outcomes, complete=True)))

@@ -46,6 +46,8 @@ REASONS = (
     "oracle failed",
     "timed out",
 )
+# the reasons a commit is not a candidate: decided from its diff alone, before anything is built or run
+SELECTION_REASONS = REASONS[:5]
 # a run before the change that timed out: the tests it did not report are undecided, not failing
 TIMED_OUT = "::timed-out"
 MAX_PASS_TO_PASS = 1000  # above this, an evenly spaced sample of the sorted ids (the count is kept)
@@ -80,6 +82,7 @@ class Outcome:
     fail_to_pass: list[str] = dataclasses.field(default_factory=list)
     pass_to_pass: list[str] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
+    tests_run: bool = False  # its test modules ran in the sandbox (its environment built, the trees laid out)
 
 
 class _Enough(Exception):
@@ -201,6 +204,7 @@ class Miner:
         self.scratch = Path(tempfile.mkdtemp(prefix="composer-jax-mine-"))
         self.limits = Limits(wall_seconds=opts.timeout_s, cpu_seconds=int(opts.timeout_s) + 1, memory_mb=4096)
         self.written = 0
+        self.tests_run: set[str] = set()  # the commits whose tests reached the sandbox (`Outcome.tests_run`)
         self.reserved = 0  # tasks written or being written: never more than max_tasks
 
     async def run(self, commits: list[Commit] | None = None) -> list[Outcome]:
@@ -241,6 +245,7 @@ class Miner:
         finally:
             await asyncio.to_thread(shutil.rmtree, work, True)
         outcome.seconds = round(time.monotonic() - start, 2)
+        outcome.tests_run = commit.sha in self.tests_run
         return outcome
 
     async def _mine(self, commit: Commit, work: Path) -> Outcome:
@@ -339,6 +344,8 @@ class Miner:
         except TaskError as exc:
             raise Rejected("environment did not build", str(exc)) from None
         env = await self._environment(task)
+        assert draft.solution_commit is not None  # a mined task: the commit it was mined from
+        self.tests_run.add(draft.solution_commit)
         lease = self.sandbox.lease(f"mine-{draft.task_id}-{time.monotonic_ns()}")
         before: list[dict] = []
         after: list[dict] = []
@@ -377,16 +384,24 @@ class Miner:
 
 
 def summary(name: str, outcomes: list[Outcome]) -> dict:
+    """The yield of a mining run: commits examined, candidates (commits whose diff qualifies: not
+    rejected for a `SELECTION_REASONS`), those whose tests ran in the sandbox, tasks written, and
+    rejections by reason (in `REASONS` order)."""
     reasons = Counter(o.reason for o in outcomes if o.status == "rejected")
     return {
         "repo": name,
-        "candidates_seen": len(outcomes),
+        "commits_seen": len(outcomes),
+        "candidates": sum(o.status == "written" or o.reason not in SELECTION_REASONS for o in outcomes),
+        "tests_run": sum(o.tests_run for o in outcomes),
         "written": sum(o.status == "written" for o in outcomes),
         "rejected": {r: reasons[r] for r in REASONS if reasons[r]},
     }
 
 
 def format_summary(s: dict) -> str:
-    lines = [f"{s['repo']}: {s['candidates_seen']} commits seen, {s['written']} tasks written"]
+    lines = [
+        f"{s['repo']}: {s['commits_seen']} commits seen, {s['candidates']} candidates, "
+        f"{s['tests_run']} run in the sandbox, {s['written']} tasks written"
+    ]
     lines += [f"  rejected  {n:>5}  {reason}" for reason, n in s["rejected"].items()]
     return "\n".join(lines)
