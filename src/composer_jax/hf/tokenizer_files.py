@@ -210,6 +210,7 @@ def generation_config(tok: Tokenizer) -> dict[str, Any]:
     }
 
 
+OWN_COPY_NOTE = "the checkpoint's own tokenizer files were copied unchanged"  # how a copy's note begins
 OWN_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 OWN_PATTERNS = ("tiktoken.model", "*.tiktoken", "tokenization_*.py")
 
@@ -240,7 +241,7 @@ def write_tokenizer_files(tok: Tokenizer, out: Path, max_len: int, source: Path 
         for f in own:
             shutil.copyfile(f, out / f.name)
         (out / "generation_config.json").write_text(json.dumps(generation_config(tok), indent=1) + "\n")
-        return f"the checkpoint's own tokenizer files were copied unchanged: {', '.join(f.name for f in own)}"
+        return f"{OWN_COPY_NOTE}: {', '.join(f.name for f in own)}"
     (out / "tokenizer.json").write_text(hf_tokenizer_json(tok))
     config, note = tokenizer_config(tok, max_len, source)
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1, ensure_ascii=False) + "\n")
@@ -266,7 +267,7 @@ def copy_tiktoken_files(tok: Tokenizer, out: Path, source: Path | None) -> str:
     for f in files:
         shutil.copyfile(f, out / f.name)
     names = [f.name for f in files]
-    note = f"the checkpoint's own tiktoken tokenizer files were copied unchanged: {', '.join(names)}"
+    note = f"{OWN_COPY_NOTE} (a tiktoken rank file): {', '.join(names)}"
     if not ((source / "chat_template.jinja").is_file() or _own_chat_template(source)):
         missing = [t for t in CHAT_TOKENS if t not in tok.special]
         (out / "chat_template.jinja").write_text(no_chat_template(missing) if missing else CHAT_TEMPLATE)
