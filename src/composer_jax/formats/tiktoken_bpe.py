@@ -8,12 +8,20 @@ overrides it); the special tokens and their ids come from tokenizer_config.json'
 `Encoding`), so merging is the library's, not ours. Documents are encode-only: special-token text
 in them is encoded as ordinary bytes (`disallowed_special=()`), and a chat template's own text,
 which holds them on purpose, goes through `encode_with_specials`.
+
+Kimi K2's tokenizer (its `tokenization_kimi.py` `encode`, the rule Llama 3's tiktoken tokenizer
+introduced for openai/tiktoken#195) cuts the text before BPE: into chunks of at most 400,000
+characters, and each chunk wherever a run of consecutive whitespace or consecutive non-whitespace
+characters (`str.isspace`) would exceed 25,000, the cut falling after the 25,000th character of
+the run. A cut can separate characters the split pattern would have kept in one piece, so the ids
+differ from an uncut encoding: a tokenizer with Kimi's pattern cuts the same way (`kimi_pieces`).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +46,28 @@ KIMI_PATTERN = "|".join(
     ]
 )
 RANK_FILES = ("tiktoken.model", "*.tiktoken")
+KIMI_MAX_ENCODE_CHARS = 400_000  # one chunk handed to tiktoken
+KIMI_MAX_RUN_CHARS = 25_000  # consecutive whitespace or non-whitespace characters in one piece
+# Python's `\s` in a str pattern is exactly `str.isspace` (both are Py_UNICODE_ISSPACE), so these
+# runs are the rule's runs, found in C rather than by a per-character loop.
+_RUNS = re.compile(r"\s+|\S+")
+
+
+def kimi_pieces(text: str) -> list[str]:
+    """`text` cut as Kimi K2's tokenizer cuts it before BPE (module docstring); "".join() restores it."""
+    if len(text) <= KIMI_MAX_RUN_CHARS:  # no run can exceed the limit, and one chunk holds it all
+        return [text]
+    pieces: list[str] = []
+    for chunk_start in range(0, len(text), KIMI_MAX_ENCODE_CHARS):
+        chunk = text[chunk_start : chunk_start + KIMI_MAX_ENCODE_CHARS]
+        cut = 0
+        for run in _RUNS.finditer(chunk):
+            start, end = run.span()
+            for at in range(start + KIMI_MAX_RUN_CHARS, end, KIMI_MAX_RUN_CHARS):
+                pieces.append(chunk[cut:at])
+                cut = at
+        pieces.append(chunk[cut:])
+    return pieces
 
 
 def rank_file(directory: Path) -> Path | None:
@@ -83,7 +113,10 @@ class TiktokenBPE:
     """The subset of `tokenizers.Tokenizer` that `formats.tokenizer.Tokenizer` and its users call,
     over a `tiktoken.Encoding`."""
 
-    def __init__(self, name: str, ranks: dict[bytes, int], pattern: str, specials: dict[str, int]):
+    def __init__(
+        self, name: str, ranks: dict[bytes, int], pattern: str, specials: dict[str, int], *, cut_long_runs: bool = False
+    ):
+        """`cut_long_runs`: cut the text as Kimi K2's tokenizer does before BPE (`kimi_pieces`)."""
         import tiktoken
 
         taken = set(ranks.values())
@@ -97,18 +130,31 @@ class TiktokenBPE:
         self.specials = dict(specials)
         self._by_id = {i: t for t, i in specials.items()}
         self._size = max([*ranks.values(), *specials.values()]) + 1
+        self.cut_long_runs = cut_long_runs
 
     def get_vocab_size(self, with_added_tokens: bool = True) -> int:
         return self._size
 
+    def _encode_many(self, texts: list[str], **special: Any) -> list[list[int]]:
+        """Each text's ids, every text cut into `kimi_pieces` first where this tokenizer cuts."""
+        if not self.cut_long_runs or all(len(t) <= KIMI_MAX_RUN_CHARS for t in texts):
+            return self.enc.encode_batch(texts, **special) if len(texts) > 1 else [self.enc.encode(texts[0], **special)]
+        cut = [kimi_pieces(t) for t in texts]
+        flat = self.enc.encode_batch([p for pieces in cut for p in pieces], **special)
+        out, n = [], 0
+        for pieces in cut:
+            out.append([i for ids in flat[n : n + len(pieces)] for i in ids])
+            n += len(pieces)
+        return out
+
     def encode(self, text: str, add_special_tokens: bool = False) -> _Encoding:
-        return _Encoding(self.enc.encode(text, disallowed_special=()))
+        return _Encoding(self._encode_many([text], disallowed_special=())[0])
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[_Encoding]:
-        return [_Encoding(ids) for ids in self.enc.encode_batch(list(texts), disallowed_special=())]
+        return [_Encoding(ids) for ids in self._encode_many(list(texts), disallowed_special=())] if texts else []
 
     def encode_with_specials(self, text: str) -> list[int]:
-        return self.enc.encode(text, allowed_special="all")
+        return self._encode_many([text], allowed_special="all")[0]
 
     def offsets_with_specials(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """`encode_with_specials` and each token's character span [start, end) in `text` (a token
@@ -158,4 +204,5 @@ def load(directory: Path, config: dict) -> TiktokenBPE:
     if path is None:
         raise DataConfigError(f"{directory}: no tiktoken rank file ({', '.join(RANK_FILES)})")
     pattern = config.get("pat_str") or KIMI_PATTERN
-    return TiktokenBPE(path.stem, read_ranks(path), pattern, special_tokens(config))
+    cut = pattern == KIMI_PATTERN  # Kimi's tokenizer cuts long runs before BPE; Qwen's does not
+    return TiktokenBPE(path.stem, read_ranks(path), pattern, special_tokens(config), cut_long_runs=cut)

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from composer_jax.formats.tokenizer import Tokenizer
 from composer_jax.hf.config import hf_config_from_model
 from composer_jax.hf.mla_pad import pad_mla
 from composer_jax.hf.rope import export_rope
-from composer_jax.hf.tokenizer_files import write_tokenizer_files
+from composer_jax.hf.tokenizer_files import OWN_COPY_NOTE, write_tokenizer_files
 from composer_jax.hf.weights import save_pretrained
 
 log = logging.getLogger(__name__)
@@ -65,8 +66,11 @@ def _training_lines(info: RunInfo) -> list[str]:
     return lines
 
 
-def model_card(cfg: ModelConfig, hf_cfg: dict[str, Any], info: RunInfo, notes: tuple[str, ...], chat: bool) -> str:
-    """README.md: what the model is, its config, how it was trained, how to load it."""
+def model_card(
+    cfg: ModelConfig, hf_cfg: dict[str, Any], info: RunInfo, notes: tuple[str, ...], chat: bool, own: bool = False
+) -> str:
+    """README.md: what the model is, its config, how it was trained, how to load it. `own`: the
+    checkpoint's own tokenizer files were copied (its template, not the project's chat format)."""
     params = ", ".join(
         f"{k}={hf_cfg[k]}"
         for k in (
@@ -95,6 +99,13 @@ def model_card(cfg: ModelConfig, hf_cfg: dict[str, Any], info: RunInfo, notes: t
         if chat
         else ["No chat template: this tokenizer lacks the project's chat tokens (completions only)."]
     )
+    if own:
+        chat_lines = [
+            "The tokenizer files and chat template are the source checkpoint's own, copied unchanged (see the "
+            "notes): the chat format and tool-call syntax are that model family's."
+        ]
+    remote = any(n.startswith(OWN_COPY_NOTE) and re.search(r"tokenization_\w+\.py", n) for n in notes)
+    tok_args = '"DIR", trust_remote_code=True' if remote else '"DIR"'
     vllm_args = " --max-model-len " + str(hf_cfg["max_position_embeddings"])
     lines = [
         "---",
@@ -116,7 +127,7 @@ def model_card(cfg: ModelConfig, hf_cfg: dict[str, Any], info: RunInfo, notes: t
         "",
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        'tok = AutoTokenizer.from_pretrained("DIR")',
+        f"tok = AutoTokenizer.from_pretrained({tok_args})",
         'model = AutoModelForCausalLM.from_pretrained("DIR")',
         'ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,',
         '                              return_tensors="pt", return_dict=True)',
@@ -142,7 +153,14 @@ def model_card(cfg: ModelConfig, hf_cfg: dict[str, Any], info: RunInfo, notes: t
             if cfg.attention_type == "mla" and cfg.rope_scaling.type == "none"
             else []
         ),
-        "Text prompts get `<|bos|>` from the tokenizer's post-processor, as composer_jax's own sampler prepends it.",
+        *(
+            []
+            if own
+            else [
+                "Text prompts get `<|bos|>` from the tokenizer's post-processor, as composer_jax's own sampler "
+                "prepends it."
+            ]
+        ),
         *chat_lines,
     ]
     if notes:
@@ -190,14 +208,15 @@ def export_hf(
         notes.append("YaRN truncate=false: transformers honours it, vLLM's DeepSeek YaRN always truncates")
     out = save_pretrained(params, cfg, out_dir, max_shard_size=max_shard_size, dtype=dtype)
     hf_cfg = hf_config_from_model(cfg, dtype)
-    chat = False
+    chat = own = False
     if tok is None:
         notes.append("no tokenizer was given (--tokenizer): tokenizer files not written")
     else:
         note = write_tokenizer_files(tok, out, hf_cfg["max_position_embeddings"], tokenizer_source)
         chat = note is None
+        own = note is not None and note.startswith(OWN_COPY_NOTE)
         notes += [note] if note else []
-    (out / "README.md").write_text(model_card(cfg, hf_cfg, source, tuple(notes), chat))
+    (out / "README.md").write_text(model_card(cfg, hf_cfg, source, tuple(notes), chat, own))
     for n in notes:
         log.info("export %s: %s", out, n)
     return Exported(out, cfg, tuple(notes))

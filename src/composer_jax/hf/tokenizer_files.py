@@ -18,6 +18,11 @@ export's template raises an error naming the missing tokens (transformers' apply
 raises it, vLLM answers chat requests with it) instead of leaving no template, which vLLM answers
 with a generic 400 on every chat request, or rendering tokens the vocabulary lacks.
 
+A tiktoken rank file's tokenizer (Kimi K2's `tiktoken.model`) has no tokenizer.json form here: its
+export is the checkpoint's own files, copied byte for byte (`copy_tiktoken_files`): the rank file,
+tokenizer_config.json (its specials, `auto_map`), the `tokenization_*.py` that transformers runs
+with `trust_remote_code=True`, and the template.
+
 Differences left: the project encodes special-token strings inside message text as plain bytes;
 transformers parses them unless `apply_chat_template(..., sanitize_control_tokens=True)`. Tool-call
 arguments given as a JSON string are inserted as given (Jinja cannot parse JSON), which equals the
@@ -32,6 +37,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from composer_jax.formats.tiktoken_bpe import RANK_FILES, rank_file
 from composer_jax.formats.tokenizer import CHAT_TEMPLATE_NAME, Tokenizer
 
 CHAT_TOKENS = ("<|im_start|>", "<|im_end|>", "<|tool_call|>", "<|tool_result|>")
@@ -114,16 +120,21 @@ def has_chat_tokens(tok: Tokenizer) -> bool:
     return all(t in tok.special for t in CHAT_TOKENS)
 
 
+def is_tiktoken(tok: Tokenizer) -> bool:
+    """A tiktoken rank file's tokenizer (formats/tiktoken_bpe.py), not a tokenizer.json."""
+    return not hasattr(tok.hf, "to_str")
+
+
 def hf_tokenizer_json(tok: Tokenizer) -> str:
     """tokenizer.json for transformers/vLLM: special tokens matched, BOS prepended to every text."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import processors
 
-    if not hasattr(tok.hf, "to_str"):
+    if is_tiktoken(tok):
         raise ValueError(
-            "this tokenizer is a tiktoken rank file; an export writes tokenizer.json, which it cannot be "
-            "turned into here: copy the checkpoint's own tokenizer files (tiktoken.model, tokenizer_config.json, "
-            "its tokenization code) beside the export"
+            "this tokenizer is a tiktoken rank file, which has no tokenizer.json form here: its export copies "
+            "the checkpoint's own files instead (write_tokenizer_files: the rank file, tokenizer_config.json, "
+            "its tokenization_*.py)"
         )
     out = HFTokenizer.from_str(tok.tokenizer_json())
     out.encode_special_tokens = False
@@ -199,6 +210,7 @@ def generation_config(tok: Tokenizer) -> dict[str, Any]:
     }
 
 
+OWN_COPY_NOTE = "the checkpoint's own tokenizer files were copied unchanged"  # how a copy's note begins
 OWN_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 OWN_PATTERNS = ("tiktoken.model", "*.tiktoken", "tokenization_*.py")
 
@@ -220,15 +232,52 @@ def write_tokenizer_files(tok: Tokenizer, out: Path, max_len: int, source: Path 
     note of `tokenizer_config` (None: the project's chat template was written). A checkpoint's own
     tokenizer (one without the project's chat tokens, whose directory brings its own chat template:
     `own_tokenizer_files`) is copied back byte for byte, its template, tokenizer code and rank file
-    included, so transformers and vLLM read the export exactly as they read the checkpoint."""
+    included, so transformers and vLLM read the export exactly as they read the checkpoint; so is a
+    tiktoken rank file's, template or not (`copy_tiktoken_files`)."""
+    if is_tiktoken(tok):
+        return copy_tiktoken_files(tok, out, source or tok.source)
     own = [] if has_chat_tokens(tok) else own_tokenizer_files(source or tok.source)
     if own:
         for f in own:
             shutil.copyfile(f, out / f.name)
         (out / "generation_config.json").write_text(json.dumps(generation_config(tok), indent=1) + "\n")
-        return f"the checkpoint's own tokenizer files were copied unchanged: {', '.join(f.name for f in own)}"
+        return f"{OWN_COPY_NOTE}: {', '.join(f.name for f in own)}"
     (out / "tokenizer.json").write_text(hf_tokenizer_json(tok))
     config, note = tokenizer_config(tok, max_len, source)
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1, ensure_ascii=False) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(generation_config(tok), indent=1) + "\n")
+    return note
+
+
+def copy_tiktoken_files(tok: Tokenizer, out: Path, source: Path | None) -> str:
+    """A tiktoken tokenizer's export: the checkpoint's rank file, tokenizer_config.json, tokenization
+    code and template copied byte for byte (the ids are the file's, with the split pattern and the
+    specials its config and code give). Without a template of its own, chat_template.jinja beside
+    them gives the project's format when the vocabulary has its chat tokens, else a template that
+    raises saying why. Refused only when `source` no longer holds the rank file."""
+    if source is None or rank_file(source) is None or not (source / "tokenizer_config.json").is_file():
+        raise ValueError(
+            f"this tokenizer is a tiktoken rank file, and its directory {source} no longer holds it with its "
+            f"tokenizer_config.json: export with --tokenizer naming the checkpoint directory that holds the rank "
+            f"file ({', '.join(RANK_FILES)}), tokenizer_config.json and its tokenization_*.py, or copy those "
+            "beside the export"
+        )
+    files = [source / n for n in OWN_FILES if (source / n).is_file()]
+    files += sorted(p for pattern in OWN_PATTERNS for p in source.glob(pattern) if p.is_file())
+    for f in files:
+        shutil.copyfile(f, out / f.name)
+    names = [f.name for f in files]
+    note = f"{OWN_COPY_NOTE} (a tiktoken rank file): {', '.join(names)}"
+    if not ((source / "chat_template.jinja").is_file() or _own_chat_template(source)):
+        missing = [t for t in CHAT_TOKENS if t not in tok.special]
+        (out / "chat_template.jinja").write_text(no_chat_template(missing) if missing else CHAT_TEMPLATE)
+        note += "; chat_template.jinja added: " + (
+            "it only raises, naming the missing chat tokens" if missing else "the project's chat format"
+        )
+    if not any(n.startswith("tokenization_") for n in names):
+        note += (
+            "; no tokenization_*.py was there, so transformers cannot read the rank file (tiktoken and "
+            "composer_jax can): copy the model's tokenizer code and its tokenizer_config.json auto_map beside it"
+        )
     (out / "generation_config.json").write_text(json.dumps(generation_config(tok), indent=1) + "\n")
     return note
