@@ -174,11 +174,12 @@ def test_wheel_runs_outside_a_checkout(tmp_path):
     (site / "composer_jax_deps.pth").write_text("\n".join(sorted(deps)) + "\n")
     run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "--no-index", "-q", str(wheel)])
 
-    work, home, tmp = tmp_path / "work", tmp_path / "home", tmp_path / "tmp"
-    for d in (work, home, tmp):
+    work, home, tmp, cache = tmp_path / "work", tmp_path / "home", tmp_path / "tmp", tmp_path / "cache"
+    for d in (work, home, tmp, cache):
         d.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "JAX_COMPILATION_CACHE_DIR")}
-    env.update(HOME=str(home), TMPDIR=str(tmp))
+    # the user's cache directory is where the sandbox keeps its verifier toolchain (built once)
+    env.update(HOME=str(home), TMPDIR=str(tmp), XDG_CACHE_HOME=str(cache))
     where = json.loads(
         run(
             [
@@ -239,3 +240,5 @@ def test_wheel_runs_outside_a_checkout(tmp_path):
     assert sorted(p.name for p in work.iterdir()) == ["out"]
     assert _tree(venv) == before
     assert list(home.rglob("*")) == [] and list(tmp.rglob("*")) == []
+    # and in the cache directory, only what the sandbox keeps there (the verifier toolchain with a bwrap sandbox)
+    assert {p.relative_to(cache).as_posix() for p in cache.glob("*/*")} <= {"composer_jax/toolchain"}
