@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import dataclasses
 import fcntl
 import functools
@@ -40,6 +41,9 @@ from composer_jax.env.sandbox.cgroups import CgroupLimiter
 # kill-by-uid are per session. 200000+ is above the usual subordinate-uid ranges of real users.
 UID_BASE = 200_000
 UID_COUNT = 60_000
+# In the environment of every bwrap a lease launches (never inside: bwrap --clearenv), the lease's
+# uid: `_UidPool.sweep_orphans` finds a sandbox a killed server left half set up by it.
+SANDBOX_UID_VAR = "COMPOSER_JAX_SANDBOX_UID"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +152,8 @@ class SandboxStats:
     """A backend's sandboxed commands, counted by its leases (the server's /metrics reads them):
     `started` commands, `running` now, `failed[reason]` whose sandbox did not come up (spawn: the
     launcher could not be executed; setup: bubblewrap refused to build the sandbox), `killed[reason]`
-    by a limit (timeout: the wall clock; output: output past `_HARD_OUTPUT_FACTOR` x the cap)."""
+    by a limit (timeout: the wall clock; output: output past `_HARD_OUTPUT_FACTOR` x the cap;
+    orphaned: a killed server's session uid whose processes `Sandbox.sweep_orphans` ended)."""
 
     started: int = 0
     running: int = 0
@@ -210,6 +215,10 @@ class SandboxLease(abc.ABC):
     def path_in_sandbox(self, mount: Mount) -> str:
         """Where a command run by this lease sees `mount`."""
         return mount.dest
+
+    def launcher_env(self) -> dict[str, str] | None:
+        """The environment the host argv starts with (None: this process's own)."""
+        return None
 
     def setup_failed(self, result: ExecResult) -> bool:
         """Whether `result` is the backend's own refusal to build the sandbox (not the command's)."""
@@ -280,6 +289,7 @@ class SandboxLease(abc.ABC):
                 cwd=host_cwd,
                 start_new_session=True,
                 pass_fds=() if args_fd is None else (args_fd,),
+                env=self.launcher_env(),
             )
         except OSError:
             self.stats.count(self.stats.failed, "spawn")
@@ -361,6 +371,11 @@ class Sandbox(abc.ABC):
     def describe(self) -> dict:
         return {"backend": self.name, "isolated": self.isolated}
 
+    def sweep_orphans(self) -> int:
+        """End sandboxed processes that a killed server left behind; how many uids were swept
+        (counted in `stats.killed["orphaned"]`). A backend that cannot tell them apart sweeps none."""
+        return 0
+
 
 class _UidPool:
     """Session uids, unique across every server process on the host.
@@ -398,9 +413,38 @@ class _UidPool:
         if fd is not None:
             os.close(fd)  # closing releases the flock
 
+    def sweep_orphans(self) -> list[int]:
+        """SIGKILL what runs for every pool uid that no live server holds; the uids swept.
 
-def _kill_uid(uid: int) -> None:
-    """SIGKILL every process whose real uid is `uid` (a session's uid is used by nothing else)."""
+        A server killed while a sandbox was being set up can leave it behind: bubblewrap's PID 1
+        arms its own death signal only once its setup is done (bubblewrap 0.8, `do_init`), so when
+        the server and then the outer bwrap die before that, the sandbox's PID 1 outlives both,
+        reparented to init: it either starts the command anyway (which runs as the session's uid)
+        or waits forever on the outer bwrap's signal (as root, a `bwrap` marked with the uid in its
+        environment, `SANDBOX_UID_VAR`). A uid whose lock nobody holds belongs to no session; its
+        lock is held here while its processes are killed, so no server can hand it out meanwhile."""
+        found = _sandbox_processes()
+        swept = []
+        for uid in sorted(set(found) - set(self._held)):
+            fd = os.open(self.LOCK_DIR / str(uid), os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live server's session
+            else:
+                for pid in found[uid]:
+                    with contextlib.suppress(OSError):  # gone meanwhile
+                        os.kill(pid, signal.SIGKILL)
+                _kill_uid(uid)  # and what the command started since the scan
+                swept.append(uid)
+            finally:
+                os.close(fd)
+        return swept
+
+
+def _processes() -> list[tuple[int, int]]:
+    """(pid, real uid) of every process this host's /proc lists."""
+    found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -408,11 +452,40 @@ def _kill_uid(uid: int) -> None:
             with open(f"/proc/{entry}/status", "rb") as f:
                 for line in f:
                     if line.startswith(b"Uid:"):
-                        if int(line.split()[1]) == uid:
-                            os.kill(int(entry), signal.SIGKILL)
+                        found.append((int(entry), int(line.split()[1])))
                         break
         except (OSError, ValueError):
             continue
+    return found
+
+
+def _sandbox_processes() -> dict[int, list[int]]:
+    """Pool uid -> the pids running for it: its processes, and the bwraps launched for it."""
+    found: dict[int, list[int]] = {}
+    marker = f"{SANDBOX_UID_VAR}=".encode()
+    for pid, uid in _processes():
+        if not UID_BASE <= uid < UID_BASE + UID_COUNT:
+            try:
+                with open(f"/proc/{pid}/comm", "rb") as f:
+                    if f.read().strip() != b"bwrap":
+                        continue
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    marked = [v for v in f.read().split(b"\0") if v.startswith(marker)]
+                uid = int(marked[0][len(marker) :]) if marked else -1
+            except (OSError, ValueError):
+                continue
+            if not UID_BASE <= uid < UID_BASE + UID_COUNT:
+                continue
+        found.setdefault(uid, []).append(pid)
+    return found
+
+
+def _kill_uid(uid: int) -> None:
+    """SIGKILL every process whose real uid is `uid` (a session's uid is used by nothing else)."""
+    for pid, owner in _processes():
+        if owner == uid:
+            with contextlib.suppress(OSError):  # gone meanwhile
+                os.kill(pid, signal.SIGKILL)
 
 
 class BubblewrapLease(SandboxLease):
@@ -440,7 +513,8 @@ class BubblewrapLease(SandboxLease):
         for m in cmd.mounts:
             opts += sb.parent_dirs(m.dest)
             opts += ["--bind" if m.writable else "--ro-bind", str(m.host), m.dest]
-        opts += ["--chdir", cmd.cwd]
+        # Nothing of the server's environment (tokens, credentials) is passed on: only full_env.
+        opts += ["--chdir", cmd.cwd, "--clearenv"]
         full_env = {
             "PATH": sb.path_env,
             "HOME": "/tmp",
@@ -474,6 +548,9 @@ class BubblewrapLease(SandboxLease):
             opts += ["--unshare-user", "--disable-userns", "--uid", "1000", "--gid", "1000"]
             argv += ["--"]
         return argv + cmd.argv, None, opts
+
+    def launcher_env(self) -> dict[str, str]:
+        return {**os.environ, SANDBOX_UID_VAR: str(self.uid)}
 
     def setup_failed(self, result: ExecResult) -> bool:
         # bwrap reports its own errors as "bwrap: ..." on stderr and exits 1 (its die()).
@@ -590,6 +667,13 @@ class BubblewrapSandbox(Sandbox):
 
     def base_args(self) -> list[str]:
         return list(self._base)
+
+    def sweep_orphans(self) -> int:
+        # Unprivileged, a session's processes run as this host user (found by their bwrap alone).
+        swept = self.uids.sweep_orphans()
+        for _ in swept:
+            self.stats.count(self.stats.killed, "orphaned")
+        return len(swept)
 
     def lease(self, session_id: str) -> SandboxLease:
         return BubblewrapLease(self, session_id, self.uids.take())

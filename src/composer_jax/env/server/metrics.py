@@ -148,7 +148,7 @@ class _StateCollector(Collector):
         killed = CounterMetricFamily(
             "cj_env_sandboxes_killed",
             "Sandboxed commands killed by a limit, by reason (timeout: the wall clock; output: output past "
-            "64 times the returned cap).",
+            "64 times the returned cap; orphaned: a killed server's session uids whose processes were ended).",
             labels=["reason"],
         )
         envs = GaugeMetricFamily(

@@ -10,6 +10,7 @@ and volume, so other sessions and the server keep their state.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import secrets
 import tempfile
@@ -32,6 +33,8 @@ from composer_jax.env.tasks import grader
 from composer_jax.env.tasks.store import MAX_SEED, Task, TaskError, TaskStore, check_seed
 from composer_jax.env.tools import agent_tools as tools
 from composer_jax.env.tools.web_search import Backend, WebTools, task_wants_web
+
+log = logging.getLogger(__name__)
 
 
 class Session:
@@ -372,11 +375,22 @@ class SessionManager:
                 pass
         return expired
 
+    async def sweep_orphans(self) -> int:
+        """End the sandboxes a killed server left running (`Sandbox.sweep_orphans`); how many."""
+        swept = await asyncio.to_thread(self.sandbox.sweep_orphans)  # a /proc scan: off the event loop
+        if swept:
+            log.warning("ended the processes of %d sandbox uid(s) that a killed server left running", swept)
+        return swept
+
     def start_reaper(self, interval_s: float = 5.0) -> None:
+        """Every `interval_s`: close expired sessions and end orphaned sandboxes (first at once)."""
+
         async def loop():
+            await self.sweep_orphans()
             while True:
                 await asyncio.sleep(interval_s)
                 await self.reap_expired()
+                await self.sweep_orphans()
 
         if self._reaper is None:
             self._reaper = asyncio.get_running_loop().create_task(loop())
