@@ -298,7 +298,10 @@ class Miner:
         base, solved = work / "base", work / "solved"
         gitrepo.write_tree(self.repo, commit.parent, base)
         dated = self.opts.dated and self.opts.env_cache is not None
-        project = projectenv.project_environment(self.repo, commit.sha, commit.date if dated else None)
+        try:
+            project = projectenv.project_environment(self.repo, commit.sha, commit.date if dated else None)
+        except gitrepo.DependencyGroupError as exc:
+            raise Rejected("environment did not build", str(exc)) from None
         projectenv.write_generated(base, project)  # before the copy: both sides have it
         test_patch = gitrepo.diff(self.repo, commit.parent, commit.sha, tests)
         solution_patch = gitrepo.diff(self.repo, commit.parent, commit.sha, source)

@@ -133,7 +133,10 @@ def to_task(record: dict, repos: Path, work: Path, dated: bool = False) -> tuple
         gitrepo.write_tree(clone, str(record["base_commit"]), base)
     except GitError as exc:
         raise InstanceError("base commit missing", f"{record['base_commit']} in {clone}: {exc}") from None
-    project = projectenv.project_environment(clone, str(record["base_commit"]), record_date(record) if dated else None)
+    try:
+        project = projectenv.project_environment(clone, str(record["base_commit"]), record_date(record) if dated else None)
+    except gitrepo.DependencyGroupError as exc:
+        raise InstanceError("environment did not build", str(exc)) from None
     projectenv.write_generated(base, project)
     patch, test_patch = str(record["patch"]).encode(), str(record["test_patch"]).encode()
     for label, p in (("patch", patch), ("test_patch", test_patch)):
