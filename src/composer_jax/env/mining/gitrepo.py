@@ -243,6 +243,6 @@ def _resolve_group(groups: dict[str, object], name: str, chain: tuple[str, ...])
         else:
             raise DependencyGroupError(
                 f"[dependency-groups]: group {name!r} has entry {entry!r}; accepted: a requirement string "
-                "or {include-group = \"name\"}"
+                'or {include-group = "name"}'
             )
     return lines

@@ -133,8 +133,9 @@ def to_task(record: dict, repos: Path, work: Path, dated: bool = False) -> tuple
         gitrepo.write_tree(clone, str(record["base_commit"]), base)
     except GitError as exc:
         raise InstanceError("base commit missing", f"{record['base_commit']} in {clone}: {exc}") from None
+    base_commit, date = str(record["base_commit"]), record_date(record) if dated else None
     try:
-        project = projectenv.project_environment(clone, str(record["base_commit"]), record_date(record) if dated else None)
+        project = projectenv.project_environment(clone, base_commit, date)
     except gitrepo.DependencyGroupError as exc:
         raise InstanceError("environment did not build", str(exc)) from None
     projectenv.write_generated(base, project)
