@@ -6,6 +6,7 @@ task.toml as exact pins and rebuilt identically from them."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import tomllib
 from pathlib import Path
@@ -404,3 +405,33 @@ def test_a_mined_commit_declares_its_test_groups_and_a_cycle_rejects_it(tmp_path
     (outcome,) = asyncio.run(mine.Miner(repo, tmp_path / "out", None, opts).run())
     assert (outcome.status, outcome.reason, outcome.tests_run) == ("rejected", "environment did not build", False)
     assert "group 'test' includes itself (test -> lint -> test)" in outcome.detail
+
+
+def test_the_environments_pytest_plugins_are_named_in_the_task(tmp_path):
+    """The sandbox turns pytest's plugin autoloading off, so a mined task names its environment's
+    plugins (the `pytest11` entry points of what the build installed; other groups are not
+    plugins) in `[verifier] pytest_plugins`, which the grader loads by name."""
+    from composer_jax.env.mining.taskwrite import RepoTask, write_task
+    from composer_jax.env.sandbox.pyenv import pytest_plugins
+
+    site = tmp_path / "env" / "lib" / "python3.11" / "site-packages"
+    for name, points in (
+        ("pytest_asyncio", "[pytest11]\nasyncio = pytest_asyncio.plugin\n"),
+        ("pytest_timeout", "[pytest11]\ntimeout = pytest_timeout\n[console_scripts]\nx = not_a.plugin:main\n"),
+        ("virtualenv", "[console_scripts]\nvirtualenv = virtualenv.__main__:run\n"),
+    ):
+        meta = site / f"{name}-1.0.dist-info"
+        meta.mkdir(parents=True)
+        (meta / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        (meta / "entry_points.txt").write_text(points)
+    plugins = pytest_plugins(BuiltEnv("k", tmp_path / "env", "3.11", ()))
+    assert plugins == ("pytest_asyncio.plugin", "pytest_timeout")
+    assert pytest_plugins(BuiltEnv("k", tmp_path / "none", "3.11", ())) == ()
+    (tmp_path / "app").mkdir()
+    new_test = b"diff --git a/tests/test_ops.py b/tests/test_ops.py\nnew file mode 100644\n--- /dev/null\n"
+    new_test += b"+++ b/tests/test_ops.py\n@@ -0,0 +1 @@\n+x = 1\n"
+    task = RepoTask("t", "t", "example/calc", "0" * 40, "", "bug fix", "Fix.", new_test, b"", ["tests/test_ops.py"])
+    for listed in ([], list(plugins)):
+        listing = dataclasses.replace(task, pytest_plugins=listed)
+        root = write_task(listing, tmp_path / "app", tmp_path / str(len(listed)))
+        assert load_task(root).config.pytest_plugins == tuple(listed)
