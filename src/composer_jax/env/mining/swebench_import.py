@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import shutil
 import sys
@@ -40,6 +41,7 @@ from composer_jax.env.mining import gitrepo, projectenv
 from composer_jax.env.mining.gitrepo import Commit, GitError
 from composer_jax.env.mining.statement import category_of
 from composer_jax.env.mining.taskwrite import RepoTask, harness_safe, patched_paths, with_pins, write_task
+from composer_jax.env.sandbox import pyenv
 from composer_jax.env.sandbox.pyenv import BuiltEnv, EnvBuildError, EnvCache
 from composer_jax.env.sandbox.runner import Limits, Sandbox
 from composer_jax.env.tasks import validate
@@ -264,6 +266,8 @@ async def _validated(
         return exc
     task, base = written
     pinned = with_pins(task, env.installed if env is not None else ())
+    if env is not None and (plugins := pyenv.pytest_plugins(env)):  # the sandbox does not autoload them
+        pinned = dataclasses.replace(pinned, pytest_plugins=list(plugins))
     if pinned is not task:
         await asyncio.to_thread(write_task, pinned, base, root.parent)
     problem = await validate.check_written(root, sandbox, scratch, limits, env_cache)
