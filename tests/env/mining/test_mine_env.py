@@ -6,6 +6,8 @@ task.toml as exact pins and rebuilt identically from them."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import re
 import tomllib
 from pathlib import Path
 
@@ -345,3 +347,91 @@ def test_a_real_hatch_vcs_project_builds_from_the_spec_the_rules_give(tmp_path):
     built = asyncio.run(cache.ensure(parse_environment(env, tmp_path, "t"), app))
     assert any(p.startswith("hatch-vcs==") for p in built.installed) and built.pytest
     assert list((built.host_path / "lib").glob("python3.*/site-packages/calc-1.4.0.dist-info"))
+
+
+# PEP 735: `tests` includes `base` (whose name is spelled unnormalized) which includes `core`;
+# `docs` and `lint` are not test groups; `dev` is read only where no test group exists
+GROUPS = {
+    "Core": ["attrs>=23"],
+    "base": ["hypothesis", {"include-group": "CORE"}],
+    "tests": ["pytest-timeout>=2.4", {"include-group": "base"}, "pytest>=8"],
+    "docs": ["sphinx"],
+    "dev": [{"include-group": "tests"}, {"include-group": "docs"}, "ruff"],
+}
+
+
+def test_dependency_groups_resolve_as_packaging_does():
+    """The test groups of a `[dependency-groups]` table, includes expanded, are what `packaging`'s
+    PEP 735 resolver gives for them; `dev` only without a test group; an include cycle, a missing
+    group and a malformed entry are refused, naming the group."""
+    from packaging.dependency_groups import CyclicDependencyGroup, resolve_dependency_groups
+
+    from composer_jax.env.mining.gitrepo import DependencyGroupError, test_group_requirements
+
+    assert test_group_requirements(GROUPS) == list(resolve_dependency_groups(GROUPS, "tests"))
+    assert "sphinx" not in test_group_requirements(GROUPS)
+    no_tests = {k: v for k, v in GROUPS.items() if k != "tests"} | {"dev": [{"include-group": "base"}, "ruff"]}
+    assert test_group_requirements(no_tests) == list(resolve_dependency_groups(no_tests, "dev"))
+    assert test_group_requirements({"docs": ["sphinx"]}) == [] == test_group_requirements([])
+    cyclic = GROUPS | {"Core": ["attrs", {"include-group": "tests"}]}
+    with pytest.raises(ExceptionGroup) as refused:  # the oracle refuses it too
+        resolve_dependency_groups(cyclic, "tests")
+    assert refused.group_contains(CyclicDependencyGroup)
+    for table, fragment in (
+        (cyclic, "group 'tests' includes itself (tests -> base -> core -> tests)"),
+        (GROUPS | {"base": [{"include-group": "extra"}]}, "no group 'extra' (included by 'base')"),
+        (GROUPS | {"base": [{"include": "core"}]}, "group 'base' has entry {'include': 'core'}; accepted:"),
+        (GROUPS | {"tests": "hypothesis"}, "group 'tests' = 'hypothesis' must be a list"),
+        (GROUPS | {"Tests": []}, "'Tests' names the same group as another"),
+    ):
+        with pytest.raises(DependencyGroupError, match=re.escape(fragment)):
+            test_group_requirements(table)
+
+
+def test_a_mined_commit_declares_its_test_groups_and_a_cycle_rejects_it(tmp_path):
+    """Through the miner on the calc history: the commit's `[dependency-groups]` test group joins
+    its declared requirements (pytest left to the verifier), and a commit whose groups include
+    each other is rejected before any test runs ("environment did not build", naming the group)."""
+    groups = '\n[dependency-groups]\ntest = ["hypothesis", {include-group = "lint"}, "pytest>=8"]\nlint = ["ruff"]\n'
+    fix = {"pyproject.toml": minerepo.PYPROJECT_V1 + groups, "calc/ops.py": minerepo.OPS_V2}
+    first = {"pyproject.toml": minerepo.PYPROJECT_V1, "calc/ops.py": minerepo.OPS_V1}
+    repo = _repo(tmp_path / "r", first, fix | {"tests/test_ops.py": minerepo.TEST_OPS_V2}, "2024-03-02T12:00:00Z")
+    assert projectenv.project_environment(repo, "HEAD", None).requirements == ["hypothesis", "ruff"]
+    cyclic = fix["pyproject.toml"].replace('["ruff"]', '["ruff", {include-group = "test"}]')
+    more = minerepo.TEST_OPS_V2 + "\n\ndef test_more():\n    pass\n"
+    minerepo.write(repo, {"pyproject.toml": cyclic, "calc/ops.py": minerepo.OPS_V2 + "\n", "tests/test_ops.py": more})
+    minerepo.git(repo, "commit", "-q", "-am", "Cyclic groups")
+    opts = mine.MineOptions(rev_range="HEAD~1..HEAD", runs=1)
+    (outcome,) = asyncio.run(mine.Miner(repo, tmp_path / "out", None, opts).run())
+    assert (outcome.status, outcome.reason, outcome.tests_run) == ("rejected", "environment did not build", False)
+    assert "group 'test' includes itself (test -> lint -> test)" in outcome.detail
+
+
+def test_the_environments_pytest_plugins_are_named_in_the_task(tmp_path):
+    """The sandbox turns pytest's plugin autoloading off, so a mined task names its environment's
+    plugins (the `pytest11` entry points of what the build installed; other groups are not
+    plugins) in `[verifier] pytest_plugins`, which the grader loads by name."""
+    from composer_jax.env.mining.taskwrite import RepoTask, write_task
+    from composer_jax.env.sandbox.pyenv import pytest_plugins
+
+    site = tmp_path / "env" / "lib" / "python3.11" / "site-packages"
+    for name, points in (
+        ("pytest_asyncio", "[pytest11]\nasyncio = pytest_asyncio.plugin\n"),
+        ("pytest_timeout", "[pytest11]\ntimeout = pytest_timeout\n[console_scripts]\nx = not_a.plugin:main\n"),
+        ("virtualenv", "[console_scripts]\nvirtualenv = virtualenv.__main__:run\n"),
+    ):
+        meta = site / f"{name}-1.0.dist-info"
+        meta.mkdir(parents=True)
+        (meta / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        (meta / "entry_points.txt").write_text(points)
+    plugins = pytest_plugins(BuiltEnv("k", tmp_path / "env", "3.11", ()))
+    assert plugins == ("pytest_asyncio.plugin", "pytest_timeout")
+    assert pytest_plugins(BuiltEnv("k", tmp_path / "none", "3.11", ())) == ()
+    (tmp_path / "app").mkdir()
+    new_test = b"diff --git a/tests/test_ops.py b/tests/test_ops.py\nnew file mode 100644\n--- /dev/null\n"
+    new_test += b"+++ b/tests/test_ops.py\n@@ -0,0 +1 @@\n+x = 1\n"
+    task = RepoTask("t", "t", "example/calc", "0" * 40, "", "bug fix", "Fix.", new_test, b"", ["tests/test_ops.py"])
+    for listed in ([], list(plugins)):
+        listing = dataclasses.replace(task, pytest_plugins=listed)
+        root = write_task(listing, tmp_path / "app", tmp_path / str(len(listed)))
+        assert load_task(root).config.pytest_plugins == tuple(listed)

@@ -150,6 +150,9 @@ def remote_name(repo: Path) -> str:
 
 
 TEST_EXTRAS = ("test", "tests", "testing")
+# PEP 735 [dependency-groups] read for a task's environment: the groups named like TEST_EXTRAS
+# (names compared normalized, PEP 503); `dev` only where the project has none of those
+DEV_GROUP = "dev"
 REQUIREMENTS_FILES = ("requirements.txt", "requirements-test.txt", "requirements/test.txt", "test-requirements.txt")
 _PROVIDED = re.compile(r"^\s*pytest\s*($|[<>=!~;\[])", re.I)  # the verifier's runner, always there
 
@@ -162,23 +165,26 @@ def show(repo: Path, rev: str, path: str) -> str | None:
 
 def declared_requirements(repo: Path, rev: str) -> list[str]:
     """What the project at `rev` says it needs to run its tests: pyproject.toml's
-    [project] dependencies and its test extras, else the first requirements file found; pytest
-    itself left out (the verifier brings it). Local paths, editable and option lines are dropped."""
+    [project] dependencies, its test extras and its test dependency groups (`test_group_requirements`),
+    else the first requirements file found; pytest itself left out (the verifier brings it). Local
+    paths, editable and option lines are dropped. `DependencyGroupError` where the groups are malformed."""
     import tomllib
 
     lines: list[str] = []
     text = show(repo, rev, "pyproject.toml")
     if text:
         try:
-            project = tomllib.loads(text).get("project", {})
+            pyproject = tomllib.loads(text)
         except tomllib.TOMLDecodeError:
-            project = {}
+            pyproject = {}
+        project = pyproject.get("project", {})
         deps = project.get("dependencies", [])
         extras = project.get("optional-dependencies", {})
         lines += [d for d in deps if isinstance(d, str)] if isinstance(deps, list) else []
         for name in TEST_EXTRAS:
             extra = extras.get(name, []) if isinstance(extras, dict) else []
             lines += [d for d in extra if isinstance(d, str)] if isinstance(extra, list) else []
+        lines += test_group_requirements(pyproject.get("dependency-groups", {}))
     if not lines:
         for path in REQUIREMENTS_FILES:
             text = show(repo, rev, path)
@@ -187,3 +193,56 @@ def declared_requirements(repo: Path, rev: str) -> list[str]:
                 break
     keep = [line for line in lines if line and not line.startswith(("-", ".", "/", "file:")) and "://" not in line]
     return sorted({line for line in keep if not _PROVIDED.match(line)})
+
+
+class DependencyGroupError(ValueError):
+    """A [dependency-groups] table that cannot be resolved (PEP 735); the message names the group."""
+
+
+def _group_name(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_group_requirements(table: object) -> list[str]:
+    """The requirements of pyproject.toml's PEP 735 `[dependency-groups]` `table` that a test run
+    needs: the groups named test / tests / testing, else `dev` (names compared normalized), each
+    with its `{include-group = "..."}` entries resolved recursively. A missing group, an entry that
+    is neither a string nor an include, or an include cycle: `DependencyGroupError` naming it."""
+    if not isinstance(table, dict) or not table:
+        return []
+    groups: dict[str, object] = {}
+    for name, entries in table.items():
+        key = _group_name(str(name))
+        if key in groups:
+            raise DependencyGroupError(f"[dependency-groups]: {name!r} names the same group as another (PEP 503)")
+        groups[key] = entries
+    chosen = [n for n in TEST_EXTRAS if n in groups] or [DEV_GROUP] * (DEV_GROUP in groups)
+    lines: list[str] = []
+    for name in chosen:
+        lines += _resolve_group(groups, name, ())
+    return lines
+
+
+def _resolve_group(groups: dict[str, object], name: str, chain: tuple[str, ...]) -> list[str]:
+    """`name`'s requirements with its includes expanded; `chain`: the groups that include it."""
+    if name in chain:
+        cycle = " -> ".join((*chain[chain.index(name) :], name))
+        raise DependencyGroupError(f"[dependency-groups]: group {name!r} includes itself ({cycle})")
+    entries = groups.get(name)
+    if entries is None:
+        via = f" (included by {chain[-1]!r})" if chain else ""
+        raise DependencyGroupError(f"[dependency-groups]: no group {name!r}{via}; groups: {', '.join(groups)}")
+    if not isinstance(entries, list):
+        raise DependencyGroupError(f"[dependency-groups]: group {name!r} = {entries!r} must be a list")
+    lines: list[str] = []
+    for entry in entries:
+        if isinstance(entry, str):
+            lines.append(entry)
+        elif isinstance(entry, dict) and list(entry) == ["include-group"] and isinstance(entry["include-group"], str):
+            lines += _resolve_group(groups, _group_name(entry["include-group"]), (*chain, name))
+        else:
+            raise DependencyGroupError(
+                f"[dependency-groups]: group {name!r} has entry {entry!r}; accepted: a requirement string "
+                'or {include-group = "name"}'
+            )
+    return lines

@@ -27,6 +27,7 @@ from composer_jax.env.mining import gitrepo, projectenv
 from composer_jax.env.mining.gitrepo import Commit, FileChange, GitError
 from composer_jax.env.mining.statement import category_of, write_instruction
 from composer_jax.env.mining.taskwrite import RepoTask, harness_safe, with_pins, write_task
+from composer_jax.env.sandbox import pyenv
 from composer_jax.env.sandbox.pyenv import BuiltEnv, EnvBuildError, EnvCache
 from composer_jax.env.sandbox.runner import Limits, Mount, Sandbox, SandboxLease
 from composer_jax.env.tasks import grader, validate
@@ -161,6 +162,8 @@ async def run_side(
     test imports what the solution adds): its tests are absent."""
     job = await grader.prepare_job(task, lease, source, scratch, limits, diff=False, env=env)
     env_mounts, env_vars = grader.env_run_args(env)
+    if task.config.pytest_plugins:  # the environment's own plugins, as the grader loads them
+        env_vars = {**env_vars, "PYTEST_PLUGINS": ",".join(task.config.pytest_plugins)}
     try:
         if job.error is not None:
             raise Rejected("environment did not build", job.error)
@@ -259,6 +262,7 @@ class Miner:
             with_pins(draft, env.installed if env is not None else ()),
             fail_to_pass=f2p,
             pass_to_pass=sample(p2p),
+            pytest_plugins=list(pyenv.pytest_plugins(env)) if env is not None else [],
             category=category_of(commit, changes, before, f2p),
             extra_metadata={
                 **draft.extra_metadata,
@@ -298,7 +302,10 @@ class Miner:
         base, solved = work / "base", work / "solved"
         gitrepo.write_tree(self.repo, commit.parent, base)
         dated = self.opts.dated and self.opts.env_cache is not None
-        project = projectenv.project_environment(self.repo, commit.sha, commit.date if dated else None)
+        try:
+            project = projectenv.project_environment(self.repo, commit.sha, commit.date if dated else None)
+        except gitrepo.DependencyGroupError as exc:
+            raise Rejected("environment did not build", str(exc)) from None
         projectenv.write_generated(base, project)  # before the copy: both sides have it
         test_patch = gitrepo.diff(self.repo, commit.parent, commit.sha, tests)
         solution_patch = gitrepo.diff(self.repo, commit.parent, commit.sha, source)
@@ -344,6 +351,8 @@ class Miner:
         except TaskError as exc:
             raise Rejected("environment did not build", str(exc)) from None
         env = await self._environment(task)
+        if env is not None and (plugins := pyenv.pytest_plugins(env)):
+            task = dataclasses.replace(task, config=dataclasses.replace(task.config, pytest_plugins=plugins))
         assert draft.solution_commit is not None  # a mined task: the commit it was mined from
         self.tests_run.add(draft.solution_commit)
         lease = self.sandbox.lease(f"mine-{draft.task_id}-{time.monotonic_ns()}")

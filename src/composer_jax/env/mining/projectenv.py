@@ -4,8 +4,8 @@
 mined tasks*) from the tree at the base commit, never by running it (this runs in the server's
 process; builds run in the sandbox, `pyenv.py`):
 
-- requirements: `gitrepo.declared_requirements` ([project] dependencies and test extras, else a
-  requirements file);
+- requirements: `gitrepo.declared_requirements` ([project] dependencies, test extras and the test
+  groups of PEP 735 `[dependency-groups]`, else a requirements file);
 - installing the project (`install_app = "editable"`) when its metadata requires it, by the first
   of these rules that holds (its name is kept as `[metadata] install_rule`):
   `vcs-version`: pyproject.toml takes its version from the VCS (`[tool.setuptools_scm]`,

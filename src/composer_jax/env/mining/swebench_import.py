@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import shutil
 import sys
@@ -40,6 +41,7 @@ from composer_jax.env.mining import gitrepo, projectenv
 from composer_jax.env.mining.gitrepo import Commit, GitError
 from composer_jax.env.mining.statement import category_of
 from composer_jax.env.mining.taskwrite import RepoTask, harness_safe, patched_paths, with_pins, write_task
+from composer_jax.env.sandbox import pyenv
 from composer_jax.env.sandbox.pyenv import BuiltEnv, EnvBuildError, EnvCache
 from composer_jax.env.sandbox.runner import Limits, Sandbox
 from composer_jax.env.tasks import validate
@@ -133,7 +135,11 @@ def to_task(record: dict, repos: Path, work: Path, dated: bool = False) -> tuple
         gitrepo.write_tree(clone, str(record["base_commit"]), base)
     except GitError as exc:
         raise InstanceError("base commit missing", f"{record['base_commit']} in {clone}: {exc}") from None
-    project = projectenv.project_environment(clone, str(record["base_commit"]), record_date(record) if dated else None)
+    base_commit, date = str(record["base_commit"]), record_date(record) if dated else None
+    try:
+        project = projectenv.project_environment(clone, base_commit, date)
+    except gitrepo.DependencyGroupError as exc:
+        raise InstanceError("environment did not build", str(exc)) from None
     projectenv.write_generated(base, project)
     patch, test_patch = str(record["patch"]).encode(), str(record["test_patch"]).encode()
     for label, p in (("patch", patch), ("test_patch", test_patch)):
@@ -260,6 +266,8 @@ async def _validated(
         return exc
     task, base = written
     pinned = with_pins(task, env.installed if env is not None else ())
+    if env is not None and (plugins := pyenv.pytest_plugins(env)):  # the sandbox does not autoload them
+        pinned = dataclasses.replace(pinned, pytest_plugins=list(plugins))
     if pinned is not task:
         await asyncio.to_thread(write_task, pinned, base, root.parent)
     problem = await validate.check_written(root, sandbox, scratch, limits, env_cache)

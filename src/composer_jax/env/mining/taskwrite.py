@@ -71,6 +71,7 @@ class RepoTask:
     dockerfile: str | None = None
     extra_metadata: dict = dataclasses.field(default_factory=dict)
     verifier_timeout_s: float = 300.0
+    pytest_plugins: list[str] = dataclasses.field(default_factory=list)  # [verifier]: its environment's plugins
 
     def __post_init__(self) -> None:
         if self.category not in CATEGORIES:
@@ -113,11 +114,13 @@ def task_toml(t: RepoTask) -> str:
         **t.extra_metadata,
     }
     environment = {"build_timeout_sec": 600.0, "cpus": 1, "memory_mb": 2048, "storage_mb": 2048, **t.environment}
+    verifier = {"environment_mode": "separate", "timeout_sec": t.verifier_timeout_s}
+    verifier |= {"pytest_plugins": list(t.pytest_plugins)} if t.pytest_plugins else {}
     return "\n".join(
         [
             'version = "1.0"\n',
             _table("metadata", metadata),
-            _table("verifier", {"environment_mode": "separate", "timeout_sec": t.verifier_timeout_s}),
+            _table("verifier", verifier),
             _table("agent", {"timeout_sec": 1800.0}),
             _table("environment", environment),
         ]

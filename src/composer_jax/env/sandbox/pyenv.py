@@ -161,6 +161,24 @@ class BuiltEnv:
         return out | ({"pytest": self.pytest} if self.pytest else {})  # the pytest that ran the tests
 
 
+_PLUGIN_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+def pytest_plugins(env: BuiltEnv) -> tuple[str, ...]:
+    """The pytest plugins the environment's own distributions register (entry point group
+    `pytest11`, the app installed into it included), as module names: what pytest run there would
+    autoload. Sandboxes disable autoloading (PYTEST_DISABLE_PLUGIN_AUTOLOAD), so a task that needs
+    them names them in `[verifier] pytest_plugins` (loaded by name, PYTEST_PLUGINS)."""
+    import importlib.metadata as md
+
+    sites = [str(p) for p in sorted(env.host_path.glob("lib/python*/site-packages"))]
+    if not sites:
+        return ()
+    registered = (ep for dist in md.distributions(path=sites) for ep in dist.entry_points if ep.group == "pytest11")
+    names = {ep.value.split(":")[0].strip() for ep in registered}
+    return tuple(sorted(n for n in names if _PLUGIN_MODULE.fullmatch(n)))
+
+
 # The build, run inside the sandbox: $1 interpreter, $2 env prefix, $3 "pth" or "", $4 toolchain
 # site-packages, $5 "editable" or "", $6 the index proxy's forwarder port or "" (index_proxy.py), $7
 # the forwarder's code, $8 the mode (`resolution_mode`), $9 uv's path in the sandbox or "", then the
