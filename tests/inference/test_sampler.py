@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,7 @@ import pytest
 
 import composer_jax as cj
 from composer_jax.inference.sampler import Request, Sampler, SamplerSettings
-from composer_jax.inference.sampling import SamplingParams, processed_logprobs
+from composer_jax.inference.sampling import SamplingParams, inverse_cdf, processed_logprobs
 
 CFG = cj.ModelConfig(num_layers=2, num_mtp_layers=0, max_position_embeddings=64)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
@@ -226,3 +227,49 @@ def test_filtered_sets_equal_a_numpy_sort():
         assert set(np.flatnonzero(np.isfinite(lp[r])).tolist()) == expected, r
         kept = np.array(sorted(expected))
         np.testing.assert_allclose(np.exp(lp[r, kept]), probs[kept] / probs[kept].sum(), rtol=1e-5)
+
+
+def test_inverse_cdf_equals_a_float64_search_and_never_picks_zero_mass():
+    rng = np.random.default_rng(1)
+    probs = rng.random((8, 1000)).astype(np.float32) ** 6
+    probs[:, ::3] = 0.0
+    probs[0, :] = 0.0
+    probs[0, 517] = 0.25  # a single entry with mass: every u picks it
+    probs[1, 990:] = 0.0  # trailing zeros: u = 1 picks the last entry with mass, 989
+    u = np.concatenate([[1.0, 1.0], rng.random(6)]).astype(np.float32)
+    probs[2, 1] = 1.0
+    u[2] = np.float32(1e-9)  # the first entry with mass (entry 0 has none)
+    got = np.asarray(inverse_cdf(jnp.asarray(probs), jnp.asarray(u)))
+    cdf = np.cumsum(probs.astype(np.float64), axis=-1)
+    expected = np.array([np.searchsorted(cdf[r], u[r] * cdf[r, -1]) for r in range(8)])
+    np.testing.assert_array_equal(got, expected)
+    assert got[0] == 517 and got[1] == 989 and got[2] == 1
+    assert (probs[np.arange(8), got] > 0).all()
+    # many draws per row: never an entry without mass, and every pick is the float64 answer where
+    # the target is not within rounding of a boundary
+    us = rng.random(400).astype(np.float32)
+    for r in range(1, 8):
+        picks = np.asarray(inverse_cdf(jnp.broadcast_to(jnp.asarray(probs[r]), (400, 1000)), jnp.asarray(us)))
+        assert (probs[r, picks] > 0).all()
+        targets = us.astype(np.float64) * cdf[r, -1]
+        clear = np.min(np.abs(cdf[r][None, :] - targets[:, None]), axis=1) > 1e-5 * cdf[r, -1]
+        np.testing.assert_array_equal(picks[clear], np.searchsorted(cdf[r], targets[clear]))
+
+
+def test_inverse_cdf_over_a_vocabulary_sharded_axis_has_no_vocabulary_wide_window():
+    """A cumulative sum over a vocabulary-sharded axis compiles to a reduce-window as wide as the
+    vocabulary (O(V^2): the in-process RL sampler with tensor=2 took minutes per token); the
+    bisection compiles to reductions, and gives the single-device tokens."""
+    mesh = jax.make_mesh((2,), ("t",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+    rng = np.random.default_rng(2)
+    probs = (rng.random((4, 4096)).astype(np.float32) ** 4) * (rng.random((4, 4096)) > 0.5)
+    u = rng.random(4).astype(np.float32)
+    sharded = jax.device_put(
+        jnp.asarray(probs), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "t"))
+    )
+    compiled = jax.jit(inverse_cdf).lower(sharded, jnp.asarray(u)).compile()
+    windows = {int(w.split("x")[-1]) for w in re.findall(r"window=\{size=([0-9x]+)", compiled.as_text())}
+    assert max(windows, default=0) < 4096 // 2, windows  # XLA:CPU reduces in tiles of 32; the cumsum's window is 4096
+    np.testing.assert_array_equal(
+        np.asarray(compiled(sharded, jnp.asarray(u))), np.asarray(inverse_cdf(jnp.asarray(probs), jnp.asarray(u)))
+    )

@@ -128,9 +128,33 @@ def token_uniforms(seeds: jax.Array, positions: jax.Array, stream: int = 0) -> j
 
 def inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
     """int32[S]: per row, the first index whose cumulative (unnormalised) mass reaches u times the
-    row's total; probs: float32[S, V] >= 0, u: (0, 1]. An entry of zero mass is never picked."""
-    cdf = jnp.cumsum(probs, axis=-1)
-    return jnp.minimum(jnp.sum(cdf < u[:, None] * cdf[:, -1:], axis=-1), probs.shape[-1] - 1).astype(jnp.int32)
+    row's total; probs: float32[S, V] >= 0, u: (0, 1]. An entry of zero mass is never picked.
+
+    A bisection over the index, not a cumulative sum: the mass up to index m is one masked sum per
+    row, so each of the ceil(log2 V) halvings is elementwise work and a reduction, which shards over
+    the vocabulary as it is (an all-reduce of S numbers). `jnp.cumsum` over a vocabulary-sharded
+    axis is left by XLA as a reduce-window as wide as the vocabulary: O(V^2), 8.6 s for [4, 129280]
+    over two devices against 0.025 s on one. Every halving evaluates the same reduction, so the mass
+    is non-decreasing in m (float addition is monotone in each term) and equal at m - 1 and m when
+    entry m has no mass: the answer is never a zero-mass entry. The search ends at the last entry
+    with mass at the latest, should rounding leave the whole row's masked sum under the target."""
+    v = probs.shape[-1]
+    idx = jnp.arange(v, dtype=jnp.int32)
+    last = jnp.max(jnp.where(probs > 0, idx, 0), axis=-1)
+
+    def mass_through(m: jax.Array) -> jax.Array:
+        return jnp.where(idx <= m[:, None], probs, 0.0).sum(-1)
+
+    target = u * probs.sum(-1)
+
+    def body(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        ok = (mass_through(mid) >= target) | (mid >= last)
+        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+
+    lo, _ = jax.lax.fori_loop(0, max(1, (v - 1).bit_length()), body, (jnp.zeros_like(last), last))
+    return lo
 
 
 def argmax_first(x: jax.Array) -> jax.Array:
@@ -143,8 +167,8 @@ def argmax_first(x: jax.Array) -> jax.Array:
 
 
 def sampled_or_greedy(temperature: jax.Array, greedy: jax.Array, sampled) -> jax.Array:
-    """greedy where temperature == 0, sampled() elsewhere; sampled() (a cumulative sum over the
-    vocabulary, ~2 ms for [16, 32000] on XLA:CPU) runs only when some slot samples."""
+    """greedy where temperature == 0, sampled() elsewhere; sampled() (the inverse CDF's bisection,
+    a few ms for [16, 32000] on XLA:CPU) runs only when some slot samples."""
     return jax.lax.cond(jnp.any(temperature > 0), lambda: jnp.where(temperature > 0, sampled(), greedy), lambda: greedy)
 
 
