@@ -197,11 +197,16 @@ def save_tiny_deepseek_v3(out: Path, vocab: int, max_positions: int = 256, seed:
     return out
 
 
-def save_tiny_qwen3_moe(out: Path, vocab: int, max_positions: int = 256, seed: int = 0) -> Path:
+def save_tiny_qwen3_moe(
+    out: Path, vocab: int, max_positions: int = 256, seed: int = 0, head_dim: int | None = None
+) -> Path:
     """A 2-layer Qwen3-MoE-layout checkpoint (GQA 4 heads over 2 kv heads with q/k norm, 8 experts,
-    top-2 renormalised, untied embeddings) of `vocab` tokens, random weights, saved by transformers."""
+    top-2 renormalised, untied embeddings) of `vocab` tokens, random weights, saved by transformers.
+    head_dim: the case's 16 unless given (vLLM-CPU's attention takes 32, 64, 80, ... only)."""
     torch.manual_seed(seed)
     kwargs = dict(CASES["qwen3_norm"][1], vocab_size=vocab, max_position_embeddings=max_positions)
+    if head_dim is not None:
+        kwargs["head_dim"] = head_dim
     config = transformers.Qwen3MoeConfig(dtype="float32", tie_word_embeddings=False, **kwargs)
     transformers.Qwen3MoeForCausalLM(config).save_pretrained(out)
     return out
