@@ -19,14 +19,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jax.numpy as jnp
-import numpy as np
 import pytest
 from support.bwrap import needs_bwrap
 from support.hf_cases import QWEN3_VOCAB, agent_prompt, pretrain_then_sft, save_qwen3_tokenizer, save_tiny_qwen3_moe
-from support.rl_chain import REPO, VLLM_EXTRA, VLLM_PYTHON, check_rl_run, check_vllm_run, rl_config, watch
+from support.rl_chain import (
+    REPO,
+    VLLM_EXTRA,
+    VLLM_PYTHON,
+    check_rl_run,
+    check_vllm_run,
+    hf_prompt,
+    logits_diff,
+    rl_config,
+    watch,
+)
 
-import composer_jax as cj
 from composer_jax.formats.chat_format import chat_format
 from composer_jax.formats.chat_template import ChatTemplate
 from composer_jax.formats.tokenizer import load_tokenizer
@@ -66,19 +73,11 @@ def test_pretrain_sft_and_export_a_qwen3_moe_layout_checkpoint_in_its_own_format
 
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     messages, tools = agent_prompt(REPO)
-    want = hf_tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
-    want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    want = hf_prompt(hf_tok, messages, tools)
     assert chat_format(tok).prompt(messages, tools=tools).tolist() == want
     assert want.count(tok.token_id("<|im_start|>")) == 3  # system (with the tools), user, the generation prompt
 
-    ids = np.asarray([want[:64]], np.int32)
-    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    with torch.no_grad():
-        theirs = model(torch.as_tensor(ids, dtype=torch.long)).logits.numpy()
-    cfg, params = cj.from_pretrained(out)
-    ours = np.asarray(cj.forward(params, jnp.asarray(ids), cfg).logits, np.float64)
-    assert theirs.shape == ours.shape == (1, 64, QWEN3_VOCAB)
-    diff = float(np.max(np.abs(ours - theirs)))
+    diff = logits_diff(out, want[:64])
     print(f"[qwen3 chain] export logits max|ours - transformers| = {diff:.2e}")
     assert diff < 1e-4
 

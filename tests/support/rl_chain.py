@@ -134,6 +134,24 @@ def runs_in_transformers(out: Path, ids: list[int]) -> None:
     assert np.all(np.isfinite(logits)) and logits.shape == (min(48, len(ids)), vocab)
 
 
+def logits_diff(out: Path, ids: list[int]) -> float:
+    """max |our logits - transformers'| over `ids` for the export `out` (both float32, one row per
+    embedding row)."""
+    import jax.numpy as jnp
+
+    import composer_jax as cj
+
+    vocab = json.loads((out / "config.json").read_text())["vocab_size"]
+    batch = np.asarray([ids], np.int32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = model(torch.as_tensor(batch, dtype=torch.long)).logits.numpy()
+    cfg, params = cj.from_pretrained(out)
+    ours = np.asarray(cj.forward(params, jnp.asarray(batch), cfg).logits, np.float64)
+    assert theirs.shape == ours.shape == (1, len(ids), vocab)
+    return float(np.max(np.abs(ours - theirs)))
+
+
 def _tensors(export_dir: Path) -> dict[str, np.ndarray]:
     from safetensors.torch import load_file
 
@@ -155,7 +173,7 @@ def check_rl_run(hf: Path, sft: Path, syntax: str, seen: Seen, summary: dict, ru
         bad = {k: v for k, v in values.items() if isinstance(v, float) and not np.isfinite(v)}
         assert not bad, (n, bad)
     out = export(run, hf, tmp_path / "rl_export")
-    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=True)  # a tiktoken export's code
     tools = tool_schemas(session_tool_names(False))
     assert seen.begun
     for messages, given, ids in seen.begun:
