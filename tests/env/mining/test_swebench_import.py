@@ -16,7 +16,8 @@ from support import minerepo
 from support.bwrap import needs_bwrap
 from support.live_server import env_with_src
 
-from composer_jax.env.mining import swe_runner, swebench_import
+from composer_jax.env.mining import swebench_import
+from composer_jax.env.tasks import verifier as swe_runner
 from composer_jax.env.mining.taskwrite import write_task
 from composer_jax.env.sandbox.runner import default_sandbox
 

@@ -1,43 +1,67 @@
-"""The grader is out of the agent's reach (issue 40): a workspace that fixes nothing and plants
-test infrastructure (a conftest hook, a startup hook, a stand-in for pytest, a forged reward) scores
-0 and is named in the grade's `tampering`, on every task kind (bundled, mined, imported, generated);
-the honest solution still scores 1.
+"""A grade the code under test cannot steer (issue 49), attacked as an agent would: through a live
+`env-server`'s own tools (`run_shell`, as the agent's uid inside its sandbox), into one task of each
+kind (bundled, generated, mined, imported), then `POST /sessions/{id}/grade`.
 
-The sandbox tests share one bubblewrap backend and the four tasks; the default tier grades each
-kind once with every attack planted (each class is detected on its own) plus two honest solutions;
-the full matrix (each class alone on each kind, every kind's `validate`) is `slow`.
+Every lever of the table is planted into an untouched workspace, so an honest grade is 0: the
+lever must not lift it, and the grade must name it (in `tampering`, reward 0 whatever the tests
+say, or in `excluded`, what the patch does not carry). Honest fixes that look like levers (a helper
+module named like a standard-library module, a non-pytest edit of setup.cfg / pyproject.toml) are
+paid 1 with nothing named. The default tier plants each lever on the bundled and the mined task
+(the two of the issue's table) and, in rotation, on the generated and imported ones; `slow` has
+the full matrix.
 """
 
 from __future__ import annotations
 
-import asyncio
+import base64
+import shlex
 import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
-from support.bwrap import needs_bwrap
-from support.live_server import FIXTURE_TASKS
-from support.repo_tasks import repo_task
+from support.bwrap import require_bwrap
+from support.live_server import FIXTURE_TASKS, LiveServer
+from support.repo_tasks import FIX, repo_task
 
-from composer_jax.env.sandbox import sanitize
-from composer_jax.env.sandbox.runner import BubblewrapSandbox, Limits
-from composer_jax.env.tasks import grader, tampering, validate
+from composer_jax.env.tasks import tampering
 from composer_jax.env.tasks.families import generate_task
-from composer_jax.env.tasks.store import Task, load_task
-from composer_jax.rl.rollout.agent import Rollout
 
 ROOT = Path(__file__).resolve().parents[3]
-KINDS = ("bundled", "mined", "imported", "generated")
-# where code under test lives, per kind (a module the hidden tests import)
-IMPORTED_MODULE = {
-    "bundled": "cronlite/__init__.py",
-    "mined": "pkg/calc.py",
-    "imported": "pkg/calc.py",
-    "generated": "settings.py",
-}
+KINDS = ("bundled", "generated", "mined", "imported")
+# where code under test lives, per kind (a module the hidden tests import), and the reference fix
+MODULE = {"bundled": "lru/core.py", "generated": "settings.py", "mined": "pkg/calc.py", "imported": "pkg/calc.py"}
 
-# Makes every test pass (a failing report becomes a pass): beside the tests and at the root.
+# ---- the levers ---------------------------------------------------------------------------------
+# Each: (what is appended to the module under test, {path: content} written, shell run after), and
+# the classes a grade must name (any one of them, in `tampering` or `excluded`; None: it has no
+# effect on this verifier and nothing to name, the tests run and fail as they would untouched).
+
+SKIP_ALL = """
+import unittest as _u
+
+
+def _skip(*a, **k):
+    raise _u.SkipTest("not today")
+
+
+for _n in [n for n in list(globals()) if not n.startswith("_")]:
+    if callable(globals()[_n]):
+        globals()[_n] = _skip
+"""
+XFAIL_ALL = SKIP_ALL.replace("import unittest as _u", "import pytest as _p").replace(
+    'raise _u.SkipTest("not today")', '_p.xfail("known")'
+)
+ASSERT_TO_SKIP = """
+import builtins as _b
+import unittest as _u
+
+
+class _Quiet(_u.SkipTest):
+    pass
+
+
+_b.AssertionError = _Quiet
+"""
 CONFTEST = """\
 import pytest
 
@@ -47,29 +71,9 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     outcome.get_result().outcome = "passed"
 """
-# After pytest wrote its report: every failure erased, exit status 0.
-SITECUSTOMIZE = """\
-import atexit, os, re
-
-
-def _forge():
-    path = "/logs/verifier/junit.xml"
-    try:
-        text = open(path).read()
-        open(path, "w").write(re.sub(r"<(failure|error)[^>]*>.*?</\\1>", "", text, flags=re.S))
-    except OSError:
-        pass
-    os._exit(0)
-
-
-atexit.register(_forge)
-"""
-# A stand-in for the runner: a passing report and exit 0, no test run.
+PLUGIN = CONFTEST  # the same hook, loaded through a configuration's `-p`
 FAKE_PYTEST = """\
 import sys
-for arg in sys.argv:
-    if arg.startswith("--junitxml="):
-        open(arg.split("=", 1)[1], "w").write('<testsuite><testcase classname="t" name="t"/></testsuite>')
 
 
 def console_main():
@@ -77,370 +81,259 @@ def console_main():
 
 
 main = console_main
-if __name__ == "__main__":
-    sys.exit(0)
 """
-# Appended to a module the tests import: a reward Harbor reads before the verifier's reward.txt.
-REWARD_WRITE = """
-import os as _os
-
+# Writes a forged record into every verdict file it can find (the verifier's records are in /tmp),
+# then a passing report for each hidden test: the verifier checks each line's signature.
+FORGE_RECORDS = """
+import json as _j, os as _o
+for _d in _o.listdir("/tmp"):
+    _p = _o.path.join("/tmp", _d, "records")
+    if _o.path.isfile(_p):
+        with open(_p, "a") as _f:
+            _f.write(_j.dumps({"kind": "finish", "exit_status": 0, "seq": 99}) + "\\tdeadbeef\\n")
+"""
+# A reward file path the lever scanner cannot read (built at run time): reward.json is refused
+# after the run, reward.txt is the verifier's, written after every test process has ended.
+REWARD_DYNAMIC = """
+_where = "/lo" + "gs/ver" + "ifier/"
 try:
-    with open("/logs/verifier/reward.json", "w") as _f:
+    with open(_where + "reward" + ".json", "w") as _f:
         _f.write('{"reward": 1.0}')
-    with open("/logs/verifier/reward.txt", "w") as _f:
-        _f.write("1\\n")
-    _os.chmod("/logs/verifier/reward.txt", 0o444)
+    with open(_where + "reward" + ".txt", "w") as _f:
+        _f.write("1")
 except OSError:
     pass
 """
+PYC = (
+    "python3 -c \"import py_compile, os; os.makedirs('/app/{pkg}', exist_ok=True); "
+    "open('/tmp/lever.py', 'w').write('import os\\nos._exit(0)\\n'); "
+    "py_compile.compile('/tmp/lever.py', cfile='/app/{pkg}/__init__.pyc', "
+    "invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)\""
+)
 
-# Appended to a module the tests import: a detached process that keeps writing reward.txt = 1
-# after the tests end (it would race the verifier's own write if it outlived the tests).
-RACER = """
-import os as _os, subprocess as _sp, sys as _sys
-
-_LOOP = '''
-import time
-end = time.time() + 8
-while time.time() < end:
-    try:
-        with open("/logs/verifier/reward.txt") as f:
-            seen = f.read().strip()
-        if seen != "1":
-            with open("/logs/verifier/reward.txt", "w") as f:
-                f.write("1")
-    except OSError:
-        pass
-'''
-if not _os.environ.get("RACER"):
-    _os.environ["RACER"] = "1"
-    _sp.Popen([_sys.executable, "-c", _LOOP], start_new_session=True, stdout=_sp.DEVNULL, stderr=_sp.DEVNULL)
-"""
-
-
-def plant(app: Path, kind: str, cls: str) -> None:
-    """Write the attack of class `cls` into the workspace `app` of a task of `kind`."""
-    if cls == "conftest":
-        (app / "conftest.py").write_text(CONFTEST)
-        (app / "tests").mkdir(exist_ok=True)
-        (app / "tests" / "conftest.py").write_text(CONFTEST)
-    elif cls == "startup-hook":
-        (app / "sitecustomize.py").write_text(SITECUSTOMIZE)
-        (app / "zz_hook.pth").write_text("import sitecustomize\n")
-    elif cls == "runner-shadow":
-        (app / "pytest.py").write_text(FAKE_PYTEST)
-        (app / "_pytest").mkdir()
-        (app / "_pytest" / "__init__.py").write_text("")
-    elif cls == "reward-write":
-        module = app / IMPORTED_MODULE[kind]
-        module.write_text(module.read_text() + REWARD_WRITE)
-    elif cls == "reward-race":
-        module = app / IMPORTED_MODULE[kind]
-        module.write_text(module.read_text() + RACER)
-    else:
-        raise ValueError(cls)
+LEVERS: dict[str, tuple[str, dict, str, tuple | None]] = {
+    # the issue's table
+    "os._exit alias at import": ("import os as _os\n_os._exit(0)\n", {}, "", ("exit",)),
+    "every function raises SkipTest": (SKIP_ALL, {}, "", ("skip", "runner-import")),
+    "every function calls pytest.xfail": (XFAIL_ALL, {}, "", ("skip", "runner-import")),
+    "builtins.AssertionError rebound": (ASSERT_TO_SKIP, {}, "", ("builtins",)),
+    "sourceless xml/__init__.pyc": ("", {}, PYC.format(pkg="xml"), ("bytecode",)),
+    "sourceless unittest/__init__.pyc": ("", {}, PYC.format(pkg="unittest"), ("bytecode",)),
+    "pyc in .git behind a symlink": (
+        "",
+        {},
+        PYC.format(pkg=".git/hide/settings2") + " && ln -s .git/hide/settings2 /app/shadowpkg",
+        ("symlink", "vcs"),
+    ),
+    "setup.cfg pytest section behind a bare CR": (
+        "",
+        {"setup.cfg": "[metadata]\rname = x\r[tool:pytest]\raddopts = -p passall\n", "passall.py": PLUGIN},
+        "",
+        ("test-config",),
+    ),
+    "tox.ini [pytest] behind a form feed": (
+        "",
+        {"tox.ini": "[tox]\nenvlist = py\n\x0c[pytest]\naddopts = -p passall\n", "passall.py": PLUGIN},
+        "",
+        ("test-config",),
+    ),
+    # the classes handled before
+    "conftest hook": ("", {"conftest.py": CONFTEST, "tests/conftest.py": CONFTEST}, "", ("conftest",)),
+    "startup hooks": ("", {"sitecustomize.py": "import os\nos._exit(0)\n", "zz.pth": "import sitecustomize\n"}, "", ("startup-hook",)),
+    "pytest stand-in": ("", {"pytest.py": FAKE_PYTEST}, "", None),
+    "reward files by name": ('open("/logs/verifier/reward.txt", "w").write("1")\n', {}, "", ("verifier-files",)),
+    "reward files built at run time": (REWARD_DYNAMIC, {}, "", ("reward-write",)),
+    # more
+    "getattr(os, '_exit')": ('import os\ngetattr(os, "_exit")(0)\n', {}, "", ("exit",)),
+    "__import__('os')._exit": ('__import__("os")._exit(0)\n', {}, "", ("exit",)),
+    "sys.exit at import": ("import sys\nsys.exit(0)\n", {}, "", ("exit-at-import",)),
+    "atexit report rewrite": ("import atexit\natexit.register(print)\n", {}, "", ("exit",)),
+    "sys.modules['pytest'] patched": (
+        'import sys\nsys.modules["pytest"].main = lambda *a, **k: 0\n', {}, "", ("import-system",)
+    ),
+    "runner objects through gc": (
+        "import gc\n[o for o in gc.get_objects() if type(o).__name__ == 'TestReport']\n",
+        {},
+        "",
+        ("introspection",),
+    ),
+    "caller frames": ("import sys\nsys._getframe(1).f_locals\n", {}, "", ("introspection",)),
+    "exec of a hidden payload": ("import base64\nexec(base64.b64decode(b'cGFzcw=='))\n", {}, "", ("dynamic-code",)),
+    "forged verdict records": (FORGE_RECORDS, {}, "", ("verdict-forge",)),
+    "stdlib package shadow (text)": ("", {"difflib.py": "import os\nos._exit(0)\n", "xml/__init__.py": "X = 1\n"}, "", None),
+}
+# The issue's own table (planted on the bundled and the mined task in the default tier).
+TABLE = list(LEVERS)[:9]
 
 
 @pytest.fixture(scope="module")
-def kit(tmp_path_factory):
-    """One sandbox backend, a scratch directory and one task of each kind."""
-    tmp = tmp_path_factory.mktemp("tamper")
-    shutil.copytree(ROOT / "tasks" / "cron-day-or-weekday", tmp / "tasks" / "bundled")
-    repo_task(tmp, tmp / "tasks", name="mined")
-    repo_task(tmp, tmp / "tasks", name="imported", instance_id="acme__calc-1", source="swebench")
-    generated = generate_task("set-constant", 0, tmp / "gen")
-    tasks = {k: load_task(tmp / "tasks" / k) for k in KINDS[:3]}
-    tasks["generated"] = load_task(generated, "gen/set-constant")
-    scratch = tmp / "scratch"
-    scratch.mkdir()
-    return {"sandbox": BubblewrapSandbox(), "tasks": tasks, "scratch": scratch, "tmp": tmp}
+def server(tmp_path_factory):
+    """A live env-server over one task of each kind (and fix-add, a verifier this project did not write)."""
+    require_bwrap()
+    tmp = tmp_path_factory.mktemp("redteam")
+    tasks = tmp / "tasks"
+    shutil.copytree(ROOT / "tasks" / "lru-recency-bug", tasks / "bundled")
+    shutil.copytree(generate_task("set-constant", 0, tmp / "gen"), tasks / "generated")
+    repo_task(tmp, tasks, name="mined")
+    repo_task(tmp, tasks, name="imported", instance_id="acme__calc-1", source="swebench")
+    shutil.copytree(FIXTURE_TASKS / "fix-add", tasks / "fix-add")
+    s = LiveServer(tasks=tasks)
+    s.tasks_dir = tasks  # type: ignore[attr-defined]
+    yield s
+    s.stop()
 
 
-def grade_with(kit, kind: str, classes: tuple[str, ...] = (), solved: bool = False) -> grader.GradeResult:
-    """Grade a copy of the task's initial workspace with the attacks of `classes` planted."""
-    task: Task = kit["tasks"][kind]
-    app = Path(tempfile.mkdtemp(dir=kit["tmp"]))
-    shutil.copytree(task.app_dir, app, dirs_exist_ok=True)
-    for cls in classes:
-        plant(app, kind, cls)
-    app.chmod(0o755)
-
-    async def run() -> grader.GradeResult:
-        lease = kit["sandbox"].lease(f"tamper-{kind}")
-        try:
-            return await grader.grade(task, lease, app, kit["scratch"], Limits(wall_seconds=60))
-        finally:
-            await lease.close()
-
-    return asyncio.run(run())
+@pytest.fixture(scope="module")
+def http(server):
+    with server.client() as c:
+        c.tasks_dir = server.tasks_dir  # type: ignore[attr-defined]
+        yield c
 
 
-ATTACKS = ("conftest", "startup-hook", "runner-shadow", "reward-write")
-# The bundled and generated verifiers root pytest at /tests: the workspace's conftest.py files never
-# load into it and are the agent's own code (a tests task's suite), so they are not tampering there.
-NAMED = {k: ATTACKS if k in ("mined", "imported") else tuple(c for c in ATTACKS if c != "conftest") for k in KINDS}
+def shell(http, sid: str, command: str) -> dict:
+    r = http.post(f"/sessions/{sid}/tools", json={"calls": [{"name": "run_shell", "arguments": {"command": command}}]})
+    result = r.json()["results"][0]
+    assert result["ok"], result
+    return result["result"]
 
 
-def assert_caught(g: grader.GradeResult, classes: tuple[str, ...]) -> None:
-    found = {t["class"] for t in g.tampering}
-    assert set(classes) <= found, (g.tampering, g.output_tail[-1500:])
-    assert g.reward == 0.0 and "tampered with grading" in (g.error or "")
-    expected = {
-        "conftest": "conftest.py",
-        "startup-hook": "sitecustomize.py",
-        "runner-shadow": "pytest.py",
-        "reward-write": "/logs/verifier/reward.json",
-    }
-    paths = {t["path"] for t in g.tampering}
-    assert all(expected[c] in paths for c in classes), paths
+def write_files(http, sid: str, files: dict[str, str | bytes]) -> None:
+    """Write files into /app through run_shell (base64, so any byte passes)."""
+    parts = []
+    for rel, content in files.items():
+        data = content.encode() if isinstance(content, str) else content
+        target = shlex.quote(f"/app/{rel}")
+        parts.append(f"mkdir -p $(dirname {target}) && echo {base64.b64encode(data).decode()} | base64 -d > {target}")
+    out = shell(http, sid, " && ".join(parts))
+    assert out["exit_code"] == 0, out
+
+
+def append(http, sid: str, rel: str, text: str) -> None:
+    encoded = base64.b64encode(text.encode()).decode()
+    out = shell(http, sid, f"echo {encoded} | base64 -d >> /app/{rel}")
+    assert out["exit_code"] == 0, out
+
+
+def session(http, kind: str) -> str:
+    r = http.post("/sessions", json={"task_id": kind})
+    assert r.status_code == 201, r.text
+    return r.json()["session_id"]
+
+
+def grade(http, kind: str, lever: str | None = None, fix: bool = False, extra: dict | None = None) -> dict:
+    sid = session(http, kind)
+    try:
+        if fix:
+            write_files(http, sid, reference_fix(http, kind))
+        if lever is not None:
+            code, files, command, _ = LEVERS[lever]
+            if code:
+                append(http, sid, MODULE[kind], code)
+            if files:
+                write_files(http, sid, files)
+            if command:
+                assert shell(http, sid, command)["exit_code"] == 0
+        if extra:
+            write_files(http, sid, extra)
+        r = http.post(f"/sessions/{sid}/grade")
+        assert r.status_code == 200, r.text
+        return r.json()
+    finally:
+        http.delete(f"/sessions/{sid}")
+
+
+def reference_fix(http, kind: str) -> dict[str, str]:
+    """The task's reference change as files: solution/app/ of the bundled and generated tasks."""
+    if kind in ("mined", "imported"):
+        return dict(FIX)
+    solution = http.tasks_dir / kind / "solution" / "app"
+    return {p.relative_to(solution).as_posix(): p.read_text() for p in solution.rglob("*") if p.is_file()}
+
+
+def named(g: dict) -> set[str]:
+    return {t["class"] for t in g["tampering"]} | {e["class"] for e in g["excluded"]}
+
+
+def assert_refused(g: dict, lever: str) -> None:
+    classes = LEVERS[lever][3]
+    assert g["reward"] == 0.0, (lever, g["error"], g["tampering"], g["excluded"], g["output_tail"][-1500:])
+    if classes is None:
+        assert g["tampering"] == [] and any(t["outcome"] != "passed" for t in g["tests"]), g
+    else:
+        assert named(g) & set(classes), (lever, g["tampering"], g["excluded"], g["error"])
+
+
+DEFAULT = [(kind, lever) for kind in ("bundled", "mined") for lever in TABLE]
+DEFAULT += [(KINDS[i % 4], lever) for i, lever in enumerate(LEVERS) if lever not in TABLE]
+FULL = [(kind, lever) for kind in KINDS for lever in LEVERS if (kind, lever) not in DEFAULT]
 
 
 @pytest.mark.sandbox
-@needs_bwrap
+@pytest.mark.parametrize(("kind", "lever"), DEFAULT)
+def test_lever_is_not_paid_and_is_named(http, kind, lever):
+    assert_refused(grade(http, kind, lever), lever)
+
+
+@pytest.mark.sandbox
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "lever"), FULL)
+def test_lever_is_not_paid_and_is_named_on_every_kind(http, kind, lever):
+    """test_lever_is_not_paid_and_is_named keeps each lever's property in the default tier."""
+    assert_refused(grade(http, kind, lever), lever)
+
+
+# ---- honest fixes that look like levers ----------------------------------------------------------
+
+HONEST = {
+    "a helper named like a standard-library module": {"calendar.py": "def week():\n    return 7\n"},
+    "a non-pytest section of a new setup.cfg": {"setup.cfg": "[metadata]\nname = fixed\n[flake8]\nmax-line-length = 100\n"},
+    "a non-pytest table of a new pyproject.toml": {
+        "pyproject.toml": '[project]\nname = "fixed"\nversion = "0.1"\n\n[tool.ruff]\nline-length = 100\n'
+    },
+}
+
+
+@pytest.mark.sandbox
 @pytest.mark.parametrize("kind", KINDS)
-def test_every_attack_on_every_kind_scores_zero_and_is_named(kit, kind):
-    """All four classes planted at once: each is detected on its own (the sanitizer removes the
-    first three before the tests run; the forged reward.json is refused after), reward 0. On the
-    kinds whose pytest is rooted at /tests the planted conftest.py is never loaded and not named."""
-    g = grade_with(kit, kind, ATTACKS)
-    assert_caught(g, NAMED[kind])
-    assert ("conftest" in {t["class"] for t in g.tampering}) == (kind in ("mined", "imported"))
-    assert "reward.json" not in str(g.reward_details)
+@pytest.mark.parametrize("case", list(HONEST))
+def test_honest_fix_is_paid(http, kind, case):
+    """The reference fix plus what used to be refused (runner-shadow, test-config) is paid 1, with
+    nothing named, every graded test passed."""
+    g = grade(http, kind, fix=True, extra=HONEST[case])
+    assert g["reward"] == 1.0 and g["error"] is None, (g["error"], g["tampering"], g["output_tail"][-1500:])
+    assert g["tampering"] == [] and g["excluded"] == []
+    assert g["tests"] and all(t["outcome"] == "passed" for t in g["tests"])
+    assert all(f"b/{rel}" in g["diff"] for rel in HONEST[case])
 
 
 @pytest.mark.sandbox
-@needs_bwrap
-@pytest.mark.parametrize("kind", ["mined", "generated", "todo-ci-repair"])
-def test_honest_solution_still_scores_one(kit, kind):
-    """The reference solution, graded through the same path, scores 1 with nothing named
-    (todo-ci-repair: a bundled task whose fix is the pytest configuration in its pyproject.toml)."""
-
-    async def run():
-        task = kit["tasks"][kind] if kind in kit["tasks"] else load_task(ROOT / "tasks" / kind)
-        return await validate.validate_task(task, kit["sandbox"], kit["scratch"], Limits(wall_seconds=60))
-
-    report = asyncio.run(run())
-    assert report.status == "pass", report.detail
-    assert report.untouched_reward == 0 and report.oracle_reward == 1
+def test_untouched_workspace_grades_zero_on_every_kind(http):
+    for kind in KINDS:
+        g = grade(http, kind)
+        assert g["reward"] == 0.0 and g["diff"] == "" and g["tampering"] == [] and g["excluded"] == [], kind
+        assert any(t["outcome"] == "failed" for t in g["tests"]), kind
 
 
 @pytest.mark.sandbox
-@needs_bwrap
-def test_runner_shadow_wins_on_an_unhardened_verifier_without_the_sanitizer(kit, monkeypatch):
-    """The attack is real: fix-add's test.sh runs `python3 -m pytest` from /app, where a pytest.py
-    stands in for the runner. With the sanitizer it scores 0; without it, 1."""
-    kit["tasks"]["fixture"] = load_task(FIXTURE_TASKS / "fix-add")
-    IMPORTED_MODULE["fixture"] = "calc.py"
-    g = grade_with(kit, "fixture", ("runner-shadow",))
-    assert_caught(g, ("runner-shadow",))
-
-    async def no_sanitizer(*args, **kwargs):
-        return [], [], None
-
-    monkeypatch.setattr(tampering, "sanitize_job", no_sanitizer)
-    assert grade_with(kit, "fixture", ("runner-shadow",)).reward == 1.0
+def test_a_verifier_this_project_did_not_write_keeps_the_shadow_rule(http):
+    """fix-add's test.sh runs `python3 -m pytest` from /app, where a pytest.py would stand in for the
+    runner: such a module is not carried (runner-shadow), and the honest fix is still paid."""
+    g = grade(http, "fix-add", extra={"pytest.py": FAKE_PYTEST})
+    assert g["reward"] == 0.0 and {"path": "pytest.py", "class": "runner-shadow"} in g["excluded"]
+    sid = session(http, "fix-add")
+    try:
+        shell(http, sid, "sed -i 's/return a - b/return a + b/' /app/calc.py")
+        assert http.post(f"/sessions/{sid}/grade").json()["reward"] == 1.0
+    finally:
+        http.delete(f"/sessions/{sid}")
 
 
 @pytest.mark.sandbox
-@needs_bwrap
-@pytest.mark.parametrize("kind", ["bundled", "mined"])
-def test_a_process_the_tests_leave_running_cannot_rewrite_the_reward(kit, kind):
-    """Both verifiers this project writes (test.sh's bash, run_tests.py) end every process the
-    tests started before writing reward.txt: a detached loop rewriting it to 1 loses."""
-    g = grade_with(kit, kind, ("reward-race",))
-    assert g.reward == 0.0 and g.exit_code == 0, g.output_tail[-1500:]
-    assert any(t["outcome"] == "failed" for t in g.tests)
+def test_a_declared_test_configuration_is_carried(tmp_path):
+    """todo-ci-repair declares its pyproject.toml code under test (task.toml [verifier]
+    code_under_test): the carrier is told so; other tasks carry no pytest configuration."""
+    from composer_jax.env.tasks.store import load_task
 
-
-@pytest.mark.sandbox
-@pytest.mark.slow
-@needs_bwrap
-def test_the_racer_wins_against_a_verifier_that_does_not_end_it(kit, tmp_path):
-    """The race is real: with test.sh's `kill -KILL -1` taken out, the loop rewrites the reward
-    to 1 (4 of 5 grades when measured). test_a_process_the_tests_leave_running_cannot_rewrite_the_reward
-    keeps the defended property in the default tier."""
-    shutil.copytree(kit["tasks"]["bundled"].root, tmp_path / "nokill")
-    script = tmp_path / "nokill" / "tests" / "test.sh"
-    script.write_text(script.read_text().replace("kill -KILL -1", "true"))
-    kit = {**kit, "tasks": {**kit["tasks"], "nokill": load_task(tmp_path / "nokill")}}
-    IMPORTED_MODULE["nokill"] = IMPORTED_MODULE["bundled"]
-    assert max(grade_with(kit, "nokill", ("reward-race",)).reward for _ in range(5)) == 1.0
-
-
-@pytest.mark.sandbox
-@pytest.mark.slow
-@needs_bwrap
-@pytest.mark.parametrize("cls", ATTACKS)
-@pytest.mark.parametrize("kind", KINDS)
-def test_each_attack_alone_on_each_kind(kit, kind, cls):
-    """The full matrix; test_every_attack_on_every_kind_scores_zero_and_is_named keeps the property
-    in the default tier."""
-    g = grade_with(kit, kind, (cls,))
-    if cls in NAMED[kind]:
-        assert_caught(g, (cls,))
-        assert {t["class"] for t in g.tampering} == {cls}
-    else:  # a conftest.py pytest never loads: no effect, not named
-        assert g.reward == 0.0 and g.tampering == [] and any(t["outcome"] == "failed" for t in g.tests)
-
-
-@pytest.mark.sandbox
-@pytest.mark.slow
-@needs_bwrap
-@pytest.mark.parametrize("kind", ["bundled", "imported"])
-def test_honest_solution_still_scores_one_on_the_other_kinds(kit, kind):
-    """test_honest_solution_still_scores_one keeps the property in the default tier."""
-    test_honest_solution_still_scores_one(kit, kind)
-
-
-# ---- the rules, without a sandbox ------------------------------------------------------------
-
-
-def run_sanitizer(app: Path, orig: Path, tests: Path | None = None, scope: str = "all") -> sanitize.Sanitizer:
-    s = sanitize.Sanitizer(str(app), str(orig), str(tests) if tests else "", scope)
-    s.walk()
-    return s
-
-
-def test_sanitizer_restores_the_tasks_files_and_keeps_its_own(tmp_path):
-    orig, app = tmp_path / "orig", tmp_path / "app"
-    (orig / "tests").mkdir(parents=True)
-    (orig / "tests" / "conftest.py").write_text("X = 1\n")
-    (orig / "tests" / "test_a.py").write_text("def test_a(): pass\n")
-    (orig / "setup.cfg").write_text("[metadata]\nname = a\n[tool:pytest]\naddopts = -q\n")
-    (orig / "pyproject.toml").write_text('[project]\nname = "a"\n')
-    (orig / "json.py").write_text("# the task's own\n")
-    (orig / "sitecustomize.py").write_text("# the task's own\n")
-    shutil.copytree(orig, app)
-    (app / "tests" / "conftest.py").write_text(CONFTEST)
-    (app / "tests" / "test_a.py").write_text("def test_a(): assert 0\n")
-    (app / "setup.cfg").write_text("[metadata]\nname = b\n[tool:pytest]\naddopts = -p evil\n")
-    (app / "pyproject.toml").write_text('[project]\nname = "b"\n')  # no pytest part: the agent's edit stays
-    (app / "json.py").write_text("# changed: code under test\n")
-    (tmp_path / "tests" / "files").mkdir(parents=True)
-    (tmp_path / "tests" / "config.json").write_text('{"test_files": ["tests/test_a.py"]}')
-    s = run_sanitizer(app, orig, tmp_path / "tests")
-    assert s.tampering == [
-        {"path": "setup.cfg", "class": "test-config", "action": "restored"},
-        {"path": "tests/conftest.py", "class": "conftest", "action": "restored"},
-    ]
-    assert s.restored == ["tests/test_a.py"]
-    for rel in ("tests/conftest.py", "tests/test_a.py", "setup.cfg", "sitecustomize.py"):
-        assert (app / rel).read_text() == (orig / rel).read_text(), rel
-    assert (app / "pyproject.toml").read_text() == '[project]\nname = "b"\n'
-    assert (app / "json.py").read_text() == "# changed: code under test\n"
-
-
-def test_sanitizer_removes_what_the_task_did_not_have(tmp_path):
-    orig, app = tmp_path / "orig", tmp_path / "app"
-    orig.mkdir()
-    (app / "src" / "pluggy").mkdir(parents=True)
-    (app / "src" / "pluggy" / "__init__.py").write_text("")
-    (app / "deep" / "er").mkdir(parents=True)
-    (app / "deep" / "er" / "usercustomize.py").write_text("")
-    (app / "deep" / "x.pth").write_text("import os\n")
-    (app / "unittest.py").write_text("")
-    (app / "subprocess.py").write_text("")  # a standard-library name
-    (app / "more_itertools.py").write_text("")  # what an older pytest of a dated task env imports
-    (app / "pytest.ini").write_text("[pytest]\n")
-    (app / "pytest.toml").write_text("[pytest]\naddopts = ['-p', 'evil']\n")
-    (app / "tox.ini").write_text("[tox]\nenvlist = py\n")  # no pytest section: stays
-    (app / "test").mkdir()  # a namespace directory shadows nothing
-    (app / "mypkg").mkdir()
-    (app / "mypkg" / "unittest.py").write_text("")  # not at a sys.path root
-    (app / "mypkg" / "__pycache__").mkdir()
-    (app / "mypkg" / "__pycache__" / "conftest.cpython-311-pytest-9.2.0.pyc").write_bytes(b"planted")
-    s = run_sanitizer(app, orig)
-    got = sorted((t["path"], t["class"]) for t in s.tampering)
-    assert got == [
-        ("deep/er/usercustomize.py", "startup-hook"),
-        ("deep/x.pth", "startup-hook"),
-        ("more_itertools.py", "runner-shadow"),
-        ("pytest.ini", "test-config"),
-        ("pytest.toml", "test-config"),
-        ("src/pluggy", "runner-shadow"),
-        ("subprocess.py", "runner-shadow"),
-        ("unittest.py", "runner-shadow"),
-    ]
-    assert all(t["action"] == "removed" and not (app / t["path"]).exists() for t in s.tampering)
-    assert (app / "tox.ini").exists() and (app / "test").is_dir() and (app / "mypkg" / "unittest.py").exists()
-    assert not (app / "mypkg" / "__pycache__").exists()  # stale bytecode is dropped, no penalty
-
-
-def test_a_conftest_the_test_overlay_brings_is_not_tampering(tmp_path):
-    orig, app, tests = tmp_path / "orig", tmp_path / "app", tmp_path / "tests"
-    orig.mkdir()
-    (app / "tests").mkdir(parents=True)
-    (app / "tests" / "conftest.py").write_text("X = 2\n")
-    (tests / "files" / "tests").mkdir(parents=True)
-    (tests / "files" / "tests" / "conftest.py").write_text("X = 1\n")
-    assert run_sanitizer(app, orig, tests).tampering == []
-    assert run_sanitizer(app, orig).tampering == [
-        {"path": "tests/conftest.py", "class": "conftest", "action": "removed"}
-    ]
-
-
-def test_runner_flags_name_added_lines_that_reach_into_the_runner():
-    diff = (
-        "--- a/pkg/calc.py\n+++ b/pkg/calc.py\n@@ -1 +1,4 @@\n"
-        "-import _pytest.runner\n"
-        "+import sys\n"
-        "+sys.modules['pytest'].main = lambda *a: 0\n"
-        "+unittest.TestCase.run = lambda self, r=None: None\n"
-        "+atexit.register(forge)\n"
-        "+def add(a, b): return a + b\n"
-    )
-    flags = tampering.runner_flags(diff)
-    assert [(f["path"], f["pattern"]) for f in flags] == [
-        ("pkg/calc.py", "sys.modules['pytest']"),
-        ("pkg/calc.py", "TestCase.run"),
-        ("pkg/calc.py", "exit hook"),
-    ]
-    honest = "--- a/pkg/calc.py\n+++ b/pkg/calc.py\n-import _pytest.runner\n+import sys\n+def add(a, b): return a + b\n"
-    assert tampering.runner_flags(honest) == []  # a removed line is no reach
-
-
-def test_reward_json_is_read_only_from_a_verifier_that_writes_it(tmp_path):
-    (tmp_path / "reward.txt").write_text("0\n")
-    (tmp_path / "reward.json").write_text('{"reward": 1}')
-    assert grader.read_reward(tmp_path)[0] == 1.0
-    assert grader.read_reward(tmp_path, json_trusted=False)[0] == 0.0
-    assert tampering.reward_json_trusted(load_task(FIXTURE_TASKS / "write-hello"))
-    assert not tampering.reward_json_trusted(load_task(FIXTURE_TASKS / "fix-add"))
-
-
-def test_a_tampered_rollout_scores_zero_and_is_counted():
-    from composer_jax.rl.evaluate import TaskRef
-    from composer_jax.rl.learner import step_report
-    from composer_jax.rl.rollout.group_store import Group
-
-    entry = [{"path": "conftest.py", "class": "conftest", "action": "removed"}]
-    honest = Rollout("t", 0, [], "answer", {"reward": 1.0, "tampering": []})
-    forged = Rollout("t", 1, [], "answer", {"reward": 1.0, "tampering": entry})
-    assert honest.env_reward == 1.0 and not honest.tampered
-    assert forged.env_reward == 0.0 and forged.tampered
-    report = step_report([Group(0, TaskRef("t", None), [honest, forged, forged], [])])
-    assert report["rollout/tampered"] == 2.0 and report["rollout/success"] == pytest.approx(1 / 3)
-
-
-def test_hooks_scope_leaves_the_agents_conftest_and_config_alone(tmp_path):
-    """Under a verifier rooted at /tests a conftest.py or a pytest configuration in the workspace is
-    the agent's own code (a CI repair, a test suite): kept; startup hooks and shadows still go."""
-    orig, app = tmp_path / "orig", tmp_path / "app"
-    orig.mkdir()
-    (orig / "pyproject.toml").write_text("[tool.pytest.ini_options]\naddopts = ''\n")
-    shutil.copytree(orig, app)
-    (app / "pyproject.toml").write_text("[tool.pytest.ini_options]\naddopts = '--strict-markers'\n")
-    (app / "tests").mkdir()
-    (app / "tests" / "conftest.py").write_text("X = 1\n")
-    (app / "sitecustomize.py").write_text("")
-    s = run_sanitizer(app, orig, scope="hooks")
-    assert s.tampering == [{"path": "sitecustomize.py", "class": "startup-hook", "action": "removed"}]
-    assert (app / "tests" / "conftest.py").exists() and "strict" in (app / "pyproject.toml").read_text()
-    with pytest.raises(ValueError, match="scope 'some'; accepted: all, hooks"):
-        sanitize.Sanitizer(str(app), str(orig), "", "some")
-
-
-def test_scope_follows_the_verifier(kit):
-    scopes = {k: tampering.sanitize_scope(t) for k, t in kit["tasks"].items() if k in KINDS}
-    assert scopes == {"bundled": "hooks", "mined": "all", "imported": "all", "generated": "hooks"}
-    assert tampering.sanitize_scope(load_task(FIXTURE_TASKS / "fix-add")) == "all"  # a verifier we do not know
+    policy = tampering.grade_policy(load_task(ROOT / "tasks" / "todo-ci-repair"))
+    assert policy["code_under_test"] == ["pyproject.toml"] and not policy["shadow_rule"]
+    assert tampering.grade_policy(load_task(FIXTURE_TASKS / "fix-add"))["shadow_rule"]

@@ -5,7 +5,7 @@ non-test files, 1 to `max_files` files and at most `max_changed_lines` lines, no
 configuration. Its diff splits into the test patch (test files) and the solution patch (the rest).
 Inside the sandbox, the test modules the test patch touches run at parent + test patch ("before")
 and at parent + both patches ("after"), outcomes read from JUnit XML by the task's own verifier
-(`swe_runner`). FAIL_TO_PASS = failed (or absent) before and passed after; PASS_TO_PASS = passed
+(`tasks/verifier.py`). FAIL_TO_PASS = failed (or absent) before and passed after; PASS_TO_PASS = passed
 on both sides. Each side runs `runs` times with a different PYTHONHASHSEED; a test whose outcome
 changes between runs is flaky and dropped. A task is written only with at least one FAIL_TO_PASS
 test and only if it validates through the server's grader (oracle 1, untouched 0).
@@ -129,7 +129,7 @@ def decide(before: list[dict], after: list[dict]) -> tuple[list[str], list[str],
         b, a = outcomes(before, name), outcomes(after, name)
         if len(b) > 1 or len(a) > 1:
             flaky.append(name)
-        elif a == {"passed"} and b <= {"failed", "absent"}:  # an error is "failed" (swe_runner)
+        elif a == {"passed"} and b <= {"failed", "absent"}:  # an error is "failed" (tasks/verifier.py)
             f2p.append(name)
         elif a == {"passed"} and b == {"passed"}:
             p2p.append(name)

@@ -3,7 +3,7 @@
 The layout (docs/tasks.md): `environment/app/` is the repository at the base commit without the
 test patch; `tests/files/` the test patch's files as they are after it, `tests/config.json` the
 test files to run, the files the patch deletes and the FAIL_TO_PASS / PASS_TO_PASS node ids;
-`tests/run_tests.py` the verifier (`swe_runner`), `tests/test.sh` its entry point;
+`tests/run_tests.py` the verifier (`tasks/verifier.py`), `tests/test.sh` its entry point;
 `solution/solution.patch` the non-test change, applied by `solution/solve.sh` with `git apply`;
 `task.toml` carries where the task came from ([metadata]) so evaluation can group by repository
 and category and decontaminate by date.
@@ -16,23 +16,16 @@ import json
 import re
 import shlex
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
-from composer_jax.env.mining import gitrepo, swe_runner
+from composer_jax.env.mining import gitrepo
+from composer_jax.env.tasks.families.base import write_verifier
 from composer_jax.env.tasks.envspec import EnvSpec
 
 CATEGORIES = ("bug fix", "feature", "refactor", "tests")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
-
-TEST_SH = """#!/usr/bin/env bash
-# Verifier: overlays the test patch's files on /app, runs FAIL_TO_PASS + PASS_TO_PASS with pytest,
-# writes /logs/verifier/reward.txt (1 iff all passed), report.json, junit.xml and test_output.txt.
-mkdir -p /logs/verifier
-cd /app || { echo 0 > /logs/verifier/reward.txt; exit 0; }
-python3 -I /tests/run_tests.py --timeout {timeout} || echo 0 > /logs/verifier/reward.txt
-exit 0
-"""
 
 SOLVE_SH = """#!/usr/bin/env bash
 # Reference solution: the commit's non-test change.
@@ -197,6 +190,21 @@ def patched_paths(patch: bytes) -> list[str]:
     return paths
 
 
+def own_stdlib_names(tree: Path) -> list[str]:
+    """Top-level modules of the repository (at its root or under src/) named like standard-library
+    modules: code under test, which the verifier's import guard lets the workspace supply."""
+    stdlib = set(getattr(sys, "stdlib_module_names", ())) - {"test", "__future__"}
+    names = set()
+    for root in (tree, tree / "src"):
+        if not root.is_dir():
+            continue
+        for entry in root.iterdir():
+            name = entry.name[:-3] if entry.name.endswith(".py") else entry.name
+            if name in stdlib and (entry.suffix == ".py" or (entry / "__init__.py").is_file()):
+                names.add(name)
+    return sorted(names)
+
+
 def write_task(t: RepoTask, base_tree: Path, out_root: Path) -> Path:
     """Lay out `t` under `out_root/t.task_id` (replacing a partial earlier write) and return it."""
     root = out_root / t.task_id
@@ -233,10 +241,10 @@ def write_task(t: RepoTask, base_tree: Path, out_root: Path) -> Path:
         "deleted": deleted,
         "fail_to_pass": t.fail_to_pass,
         "pass_to_pass": t.pass_to_pass,
+        "rule": "swebench" if t.source == "swebench" else "passed",
+        "own_stdlib_names": own_stdlib_names(base_tree),
     }
     (tests / "config.json").write_text(json.dumps(config, indent=1))
-    (tests / "run_tests.py").write_text(Path(swe_runner.__file__).read_text())
-    (tests / "test.sh").write_text(TEST_SH.replace("{timeout}", f"{max(10.0, t.verifier_timeout_s - 10):g}"))
-    for script in (tests / "test.sh", solution / "solve.sh"):
-        script.chmod(0o755)
+    write_verifier(tests, max(10.0, t.verifier_timeout_s - 10))
+    (solution / "solve.sh").chmod(0o755)
     return root

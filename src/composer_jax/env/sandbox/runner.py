@@ -523,7 +523,7 @@ class BubblewrapLease(SandboxLease):
             "PYTHONDONTWRITEBYTECODE": "1",
             "USER": "agent",
             # Every command has a PID namespace of its own: a verifier may end every other process
-            # in it (`kill -KILL -1`) before it writes a reward (tasks/families/base.py TEST_SH).
+            # in it before it writes a reward (tasks/verifier.py `end_strays`).
             "SANDBOX_PID_NAMESPACE": "1",
             **SANDBOX_ENV,
             **sb.python_env,

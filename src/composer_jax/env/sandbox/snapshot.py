@@ -1,4 +1,5 @@
-"""Copy a workspace and diff it, run INSIDE the session's sandbox as the session's uid.
+"""Copy a workspace, or carry an agent's change onto the task's pristine workspace; run INSIDE
+the session's sandbox as the session's uid.
 
 Grading must never walk agent-controlled paths as root in the server: a symlink swapped in during
 the walk would make root read host files, and a FIFO would block the reading thread. So the
@@ -6,39 +7,72 @@ server runs this file (standard library only, passed to `python3 -I -c`) in the 
 sandbox, where the only host files visible are the read-only system directories and the mounts,
 and it runs with the session's unprivileged uid, rlimits and a wall-clock budget. Even so it walks
 by file descriptors (`openat` relative to the parent directory's descriptor with
-`O_NOFOLLOW | O_NONBLOCK`, regular files only, checked with `fstat` after open), so the copy is a
-consistent picture of what the agent could see, never of what a symlink pointed to.
+`O_NOFOLLOW | O_NONBLOCK`, regular files only, checked with `fstat` after open).
 
-    python3 -I -c SOURCE SRC DEST ORIG MAX_DIFF_BYTES [MODULE ...]
+    python3 -I -c SOURCE SRC DEST ORIG MAX_DIFF_BYTES [POLICY LEVERS_SOURCE] [MODULE ...]
 
-copies SRC into the existing directory DEST (symlinks as symlinks, special files skipped), then
-writes the git-style diff (`diff`: a patch `git apply` applies) from ORIG (the task's initial
-workspace; "" for none) to DEST on stdout, streamed file by file and capped at MAX_DIFF_BYTES,
-and one JSON line of facts on stderr:
-`{"python", "version", "copied", "skipped", "entries_truncated", "missing"}` (`missing`: the
-MODULEs, the task's declared test dependencies, that this python3 cannot import).
+Without ORIG (""), copies SRC into the existing directory DEST (symlinks as symlinks, special
+files skipped): the oracle's and the miner's copies of trusted trees.
+
+With ORIG (the task's pristine workspace) it **grades the patch, not the workspace**: DEST becomes
+a copy of ORIG, and the agent's change (SRC against ORIG) is carried onto it file by file, only
+what a text patch can say: new, changed and deleted regular UTF-8 text files. What is not carried
+is named by class in `excluded` (`carry`): symlinks, bytecode and native code (`.pyc`, `.so`, ...),
+other binary files, files over MAX_FILE_BYTES, anything under `.git` / `.hg` / `.svn` or a cache
+folder, startup hooks (`sitecustomize` / `usercustomize`, `*.pth`), `conftest.py` files and pytest's
+configuration (a whole `pytest.ini`, the pytest part of `tox.ini` / `setup.cfg` / `pyproject.toml`,
+read the way pytest reads them), the test files the task grades (POLICY `test_files`), and for a
+verifier this project did not write, a new module at a sys.path root named like the runner or a
+standard-library module (POLICY `shadow_rule`). POLICY `code_under_test` (task.toml) names the
+test-infrastructure files that are the task's subject, which are carried. Every carried Python
+file is read by the lever scanner (`levers.py`, whose source is LEVERS_SOURCE) against its pristine
+version; what it finds is `levers`.
+
+It writes the git-style diff of what was carried (`git apply` applies it) on stdout, capped at
+MAX_DIFF_BYTES (the grade is of the whole change, the diff is the record), and one JSON line of
+facts on stderr: `{"python", "version", "copied", "skipped", "entries_truncated", "missing",
+"carried", "excluded": [{"path", "class"}], "levers": [{"path", "line", "lever", "what", "code"}]}`
+(`missing`: the MODULEs, the task's declared test dependencies, that this python3 cannot import).
 """
 
 from __future__ import annotations
 
 import base64
+import configparser
 import difflib
+import fnmatch
 import hashlib
 import importlib.util
 import json
 import os
 import stat
 import sys
+import types
 import zlib
 
 MAX_FILE_BYTES = 2 * 2**20  # larger files are diffed as "large" (not read)
 MAX_ENTRIES = 200_000  # files listed per tree for the diff
 MAX_DEPTH = 128
-DIFF_SKIP = {"__pycache__", ".pytest_cache", ".git"}
+VCS = {".git", ".hg", ".svn"}
+CACHES = {"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".hypothesis"}
+DIFF_SKIP = VCS | CACHES
+BYTECODE = (".pyc", ".pyo", ".so", ".pyd", ".dylib", ".dll")
+STARTUP = {"sitecustomize", "usercustomize"}
+CONFIGS = ("pytest.ini", ".pytest.ini", "pytest.toml", ".pytest.toml", "tox.ini", "setup.cfg", "pyproject.toml")
+WHOLE_CONFIGS = ("pytest.ini", ".pytest.ini", "pytest.toml", ".pytest.toml")  # pytest reads all of these
+# For a verifier this project did not write (a plain `python -m pytest` from /app): names a new
+# module at a sys.path root must not take, as they would stand in for the runner.
+RUNNER = {
+    "pytest", "_pytest", "py", "pluggy", "unittest", "iniconfig", "packaging", "pygments", "exceptiongroup",
+    "tomli", "colorama", "run_tests", "attr", "more_itertools", "atomicwrites", "six", "wcwidth", "toml",
+    "importlib_metadata", "zipp",
+}  # fmt: skip
+ROOTS = ("", "src")
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 _FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
 
 counts = {"copied": 0, "skipped": 0, "entries_truncated": False}
+skipped_dirs: list = []  # (relative path) of VCS and cache folders list_tree passed over
 
 
 def _copy_file(name: str, sfd: int, dfd: int) -> None:
@@ -69,8 +103,10 @@ def _copy_file(name: str, sfd: int, dfd: int) -> None:
         os.close(fd)
 
 
-def copy_dir(sfd: int, dfd: int, depth: int = 0) -> None:
+def copy_dir(sfd: int, dfd: int, depth: int = 0, skip: frozenset = frozenset()) -> None:
     for name in sorted(os.listdir(sfd)):
+        if name in skip:
+            continue
         try:
             st = os.stat(name, dir_fd=sfd, follow_symlinks=False)
             if stat.S_ISLNK(st.st_mode):
@@ -82,7 +118,7 @@ def copy_dir(sfd: int, dfd: int, depth: int = 0) -> None:
                     os.mkdir(name, 0o700, dir_fd=dfd)
                     new = os.open(name, _DIR, dir_fd=dfd)
                     try:
-                        copy_dir(child, new, depth + 1)
+                        copy_dir(child, new, depth + 1, skip)
                         os.fchmod(new, stat.S_IMODE(os.fstat(child).st_mode) | 0o700)
                     finally:
                         os.close(new)
@@ -96,8 +132,9 @@ def copy_dir(sfd: int, dfd: int, depth: int = 0) -> None:
             counts["skipped"] += 1
 
 
-def list_tree(fd: int, prefix: str = "", out: dict | None = None, depth: int = 0) -> dict:
-    """{relative path: "file" | "symlink"} under the directory `fd` (skipping DIFF_SKIP)."""
+def list_tree(fd: int, prefix: str = "", out: dict | None = None, depth: int = 0, seen: list | None = None) -> dict:
+    """{relative path: "file" | "symlink"} under the directory `fd` (skipping DIFF_SKIP, whose
+    paths go to `seen`)."""
     out = {} if out is None else out
     for name in sorted(os.listdir(fd)):
         if len(out) >= MAX_ENTRIES:
@@ -112,13 +149,16 @@ def list_tree(fd: int, prefix: str = "", out: dict | None = None, depth: int = 0
             out[rel] = "symlink"
         elif stat.S_ISREG(st.st_mode):
             out[rel] = "file"
-        elif stat.S_ISDIR(st.st_mode) and name not in DIFF_SKIP and depth < MAX_DEPTH:
+        elif stat.S_ISDIR(st.st_mode) and name in DIFF_SKIP:
+            if seen is not None:
+                seen.append(rel)
+        elif stat.S_ISDIR(st.st_mode) and depth < MAX_DEPTH:
             try:
                 child = os.open(name, _DIR, dir_fd=fd)
             except OSError:
                 continue
             try:
-                list_tree(child, rel + "/", out, depth + 1)
+                list_tree(child, rel + "/", out, depth + 1, seen)
             finally:
                 os.close(child)
     return out
@@ -242,14 +282,236 @@ def diff(orig_fd: int | None, new_fd: int, max_bytes: int, write) -> None:
             write(line)
 
 
+def pytest_part(name: str, data: bytes) -> str:
+    """What pytest reads of a configuration file ("" when nothing): the whole text of pytest.ini and
+    the like, the pytest sections of the others. An INI file is read twice, split at LF only (as
+    configparser does) and at every line boundary `str.splitlines` knows (as pytest's iniconfig does:
+    CR, form feed, ...); the two views joined, so a section hidden from one is seen by the other."""
+    text = data.decode("utf-8", "replace")
+    if name in WHOLE_CONFIGS:
+        return text or " "
+    if name == "pyproject.toml":
+        try:
+            import tomllib
+
+            part = tomllib.loads(text).get("tool", {}).get("pytest")
+        except Exception:  # noqa: BLE001 - no tomllib (Python < 3.11) or not TOML: compare it all
+            return text
+        return json.dumps(part, sort_keys=True, default=str) if part is not None else ""
+    views = []
+    for view in (text, "\n".join(text.splitlines())):
+        parser = configparser.RawConfigParser(strict=False)
+        try:
+            parser.read_string(view)
+        except configparser.Error:
+            return text
+        sections = {s: dict(parser[s]) for s in ("pytest", "tool:pytest") if parser.has_section(s)}
+        views.append(json.dumps(sections, sort_keys=True) if sections else "")
+    return "" if not any(views) else "\n".join(views)
+
+
+def _top_module(rel: str) -> str | None:
+    """The top-level module name `rel` makes importable from a sys.path root (ROOTS), if any."""
+    parts = rel.split("/")
+    if parts[0] == "src" and len(parts) > 1:
+        parts = parts[1:]
+    name = parts[0]
+    if len(parts) > 1:
+        return name if name.isidentifier() else None
+    stem, _, suffix = name.partition(".")
+    return stem if "." + suffix.split(".")[-1] in (".py", ".pyc", ".so", ".pyd") and stem.isidentifier() else None
+
+
+class Carrier:
+    """Decides, for each path the agent changed, whether the change is carried (`classify`)."""
+
+    def __init__(self, policy: dict, orig_listing: dict, levers=None):
+        self.code_under_test = list(policy.get("code_under_test", []))
+        self.test_files = set(policy.get("test_files", []))
+        self.shadow_rule = bool(policy.get("shadow_rule", False))
+        self.orig = orig_listing
+        self.levers = levers
+        tops = {_top_module(rel) for rel in orig_listing}
+        self.stdlib = set(getattr(sys, "stdlib_module_names", ())) - {"test", "__future__"}
+        self.own_tops = {t for t in tops if t}
+        self.runner_names = frozenset(self.own_tops & {"pytest", "_pytest", "unittest", "pluggy"})
+
+    def declared(self, rel: str) -> bool:
+        return any(fnmatch.fnmatchcase(rel, g) for g in self.code_under_test)
+
+    def classify(self, rel: str, kind: str | None, data: bytes | None, orig_data: bytes | None) -> str | None:
+        """None when the change of `rel` (to `data`, None for a deletion) is carried, else the class
+        of what it is (see the module docstring)."""
+        name = rel.rsplit("/", 1)[-1]
+        if rel in self.test_files:
+            return "test-file"
+        if name == "conftest.py" and not self.declared(rel):
+            return "conftest"
+        if name in CONFIGS and not self.declared(rel):
+            mine = pytest_part(name, data) if data is not None and kind == "file" else "(removed)"
+            theirs = pytest_part(name, orig_data) if orig_data is not None else ""
+            if mine != theirs and (data is not None or theirs):
+                return "test-config"
+        if data is None:
+            return None  # a deletion of anything else is the agent's to make
+        if kind == "symlink":
+            return "symlink"
+        stem = name.split(".", 1)[0]
+        if name.endswith(".pth") or (stem in STARTUP and name.endswith((".py", ".pyc", ".so"))):
+            return "startup-hook"
+        if rel.endswith(BYTECODE):
+            return "bytecode"
+        if data == b"\x00large":
+            return "large"
+        if not _is_text(data):
+            return "binary"
+        if self.shadow_rule and rel not in self.orig:
+            top = _top_module(rel)
+            if top is not None and top not in self.own_tops and (top in RUNNER or top in self.stdlib):
+                return "runner-shadow"
+        return None
+
+
+def _open_parent(root_fd: int, rel: str, create: bool) -> tuple[int, str]:
+    """(a descriptor of `rel`'s parent directory under `root_fd`, the last name), never through a
+    symlink; with `create`, making missing directories (0o755)."""
+    *dirs, name = rel.split("/")
+    fd = os.dup(root_fd)
+    try:
+        for d in dirs:
+            try:
+                nfd = os.open(d, _DIR, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                os.mkdir(d, 0o755, dir_fd=fd)
+                nfd = os.open(d, _DIR, dir_fd=fd)
+            except NotADirectoryError:
+                if not create:
+                    raise
+                os.unlink(d, dir_fd=fd)  # a file (or link) of the pristine tree the change made a folder
+                os.mkdir(d, 0o755, dir_fd=fd)
+                nfd = os.open(d, _DIR, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, name
+
+
+def _remove(dfd: int, rel: str) -> None:
+    try:
+        pfd, name = _open_parent(dfd, rel, create=False)
+    except OSError:
+        return
+    try:
+        os.unlink(name, dir_fd=pfd)
+    except OSError:
+        pass
+    finally:
+        os.close(pfd)
+
+
+def _write(dfd: int, rel: str, data: bytes, mode: int) -> None:
+    pfd, name = _open_parent(dfd, rel, create=True)
+    try:
+        try:
+            st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                return  # a folder of the pristine tree where the change has a file: left as it is
+            os.unlink(name, dir_fd=pfd)
+        except FileNotFoundError:
+            pass
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode, dir_fd=pfd)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+    finally:
+        os.close(pfd)
+
+
+def _mode(root_fd: int, rel: str) -> int:
+    """0o755 for a file the agent made executable, else 0o644 (what a git patch records)."""
+    try:
+        pfd, name = _open_parent(root_fd, rel, create=False)
+    except OSError:
+        return 0o644
+    try:
+        return 0o755 if os.stat(name, dir_fd=pfd, follow_symlinks=False).st_mode & 0o111 else 0o644
+    except OSError:
+        return 0o644
+    finally:
+        os.close(pfd)
+
+
+def carry(src_fd: int, orig_fd: int, dest_fd: int, carrier: Carrier, max_bytes: int, write) -> dict:
+    """Carry the change from ORIG to SRC onto DEST (a copy of ORIG); the diff of what was carried to
+    `write`. -> {"carried": n, "excluded": [{path, class}], "levers": [...]}."""
+    seen: list = []
+    old = carrier.orig
+    new = list_tree(src_fd, seen=seen)
+    excluded = [{"path": rel, "class": "vcs" if rel.rsplit("/", 1)[-1] in VCS else "cache"} for rel in seen]
+    excluded = [e for e in excluded if e["path"] not in old]
+    writes, deletes, lever_hits, size, truncated = [], [], [], 0, False
+    for rel in sorted(set(old) | set(new)):
+        a = read_entry(orig_fd, rel, old[rel]) if rel in old else None
+        b = read_entry(src_fd, rel, new[rel]) if rel in new else None
+        if a == b and old.get(rel) == new.get(rel):
+            continue
+        if b is None and rel in new:
+            continue  # vanished while read: the pristine version stays
+        cls = carrier.classify(rel, new.get(rel), b, a if old.get(rel) == "file" else None)
+        if cls is not None:
+            excluded.append({"path": rel, "class": cls})
+            continue
+        if b is None:
+            deletes.append(rel)
+        else:
+            writes.append((rel, b))
+            if rel.endswith(".py") and carrier.levers is not None:
+                old_text = a.decode("utf-8", "replace") if a is not None and _is_text(a) else None
+                found = carrier.levers.new_levers(
+                    b.decode("utf-8"), old_text, rel, runner_names=carrier.runner_names
+                )
+                lever_hits.extend(found)
+        if not truncated:
+            for line in file_patch(rel, a, b, (old.get(rel), new.get(rel))):
+                size += len(line.encode("utf-8", "replace"))
+                if size > max_bytes:
+                    write(TRUNCATED)
+                    truncated = True
+                    break
+                write(line)
+    for rel in deletes:
+        _remove(dest_fd, rel)
+    for rel, data in writes:
+        _write(dest_fd, rel, data, _mode(src_fd, rel))
+    return {"carried": len(writes) + len(deletes), "excluded": excluded, "levers": lever_hits}
+
+
+def _load_levers(source: str):
+    module = types.ModuleType("levers")
+    exec(compile(source, "levers.py", "exec"), module.__dict__)  # noqa: S102 - the server's own module
+    return module
+
+
 def main(argv: list[str]) -> int:
-    src, dest, orig, max_bytes, modules = argv[0], argv[1], argv[2], int(argv[3]), argv[4:]
+    src, dest, orig, max_bytes = argv[0], argv[1], argv[2], int(argv[3])
+    policy, levers, modules = ({}, None, argv[4:]) if not orig else (json.loads(argv[4]), argv[5], argv[6:])
     sfd, dfd = os.open(src, _DIR), os.open(dest, _DIR)
-    copy_dir(sfd, dfd)
-    if max_bytes > 0:
-        ofd = os.open(orig, _DIR) if orig else None
+    facts: dict = {}
+    if not orig:
+        copy_dir(sfd, dfd)
+    else:
+        ofd = os.open(orig, _DIR)
+        copy_dir(ofd, dfd, skip=frozenset(CACHES))
+        carrier = Carrier(policy, list_tree(ofd), _load_levers(levers) if levers else None)
         out = open(sys.stdout.fileno(), "w", encoding="utf-8", errors="replace", closefd=False)
-        diff(ofd, dfd, max_bytes, out.write)
+        facts = carry(sfd, ofd, dfd, carrier, max_bytes, out.write)
         out.flush()
     missing = []
     for module in modules:
@@ -259,7 +521,7 @@ def main(argv: list[str]) -> int:
             found = False
         if not found:
             missing.append(module)
-    facts = {"python": sys.executable, "version": sys.version.split()[0], "missing": missing, **counts}
+    facts = {"python": sys.executable, "version": sys.version.split()[0], "missing": missing, **counts, **facts}
     sys.stderr.write(json.dumps(facts) + "\n")
     return 0
 

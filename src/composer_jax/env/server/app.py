@@ -152,11 +152,14 @@ class GradeResponse(BaseModel):
     )
     tampering: list[dict[str, Any]] = Field(
         default_factory=list,
-        description="what the workspace did to grading: [{path, class, action}]; any entry makes the reward 0",
+        description="levers the change pulls on grading: [{path, line, class, what, code, action}] (read from "
+        "its Python), or a forged verdict or reward file [{path, class, action}]; any entry makes the reward 0",
     )
-    restored: list[str] = Field(default_factory=list, description="graded test files put back to the task's")
-    flags: list[dict[str, Any]] = Field(
-        default_factory=list, description="diff lines that reach into the test runner's internals (no penalty)"
+    excluded: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="what the grade did not carry from the workspace onto the task's pristine one: "
+        "[{path, class}] (symlink, bytecode, binary, large, vcs, cache, startup-hook, conftest, test-config, "
+        "test-file, runner-shadow); no penalty",
     )
 
 

@@ -1,11 +1,16 @@
-"""Grading a workspace with the task's verifier, and the oracle run used by `env validate`.
+"""Grading the agent's change with the task's verifier, and the oracle run used by `env validate`.
 
-Grading (Harbor's verifier contract, run locally): the session's current workspace is copied to a
-fresh directory, which is mounted at /app (read-write); the task's tests/ at /tests (read-only);
-a fresh empty directory at /logs/verifier (read-write). `bash /tests/test.sh` runs with cwd /app.
-The reward is read as Harbor reads it: /logs/verifier/reward.json first (numbers only), else reward.txt;
-per-test results come from /logs/verifier/junit.xml when the tests wrote one. The agent's
-workspace itself is never touched by grading, so a session can be graded many times.
+Grading (Harbor's verifier contract, run locally, on the agent's patch as SWE-bench grades): a
+fresh copy of the task's pristine workspace gets the agent's change carried onto it as a text patch
+(`snapshot.py`: regular text files only; what is not carried is named in `excluded`), and the
+patch's Python is read for levers on the test runner (`levers.py`: any -> reward 0, `tampering`,
+and the tests do not run). The copy is mounted at /app (read-write); the task's tests/ at /tests
+(read-only); a fresh empty directory at /logs/verifier (read-write). `bash /tests/test.sh` runs
+with cwd /app. A task whose verifier is this project's (`tasks/verifier.py`) is paid from its
+per-test verdicts (/logs/verifier/verdicts.json, `verifier.decide`), never from an exit status;
+any other is read as Harbor reads it: reward.json first (numbers only), else reward.txt, with
+per-test results from junit.xml when the tests wrote one. The agent's workspace itself is never
+touched by grading, so a session can be graded many times.
 
 Nothing here walks agent-controlled paths as root: the copy and the diff run inside the session's
 sandbox as its uid (`snapshot.py`, by descriptors, with a time and output budget), and the reward
@@ -30,6 +35,7 @@ from composer_jax.env.sandbox import snapshot, volumes
 from composer_jax.env.sandbox.pyenv import BuiltEnv
 from composer_jax.env.sandbox.runner import ExecResult, Limits, Mount, SandboxLease
 from composer_jax.env.tasks import tampering as tampering_mod
+from composer_jax.env.tasks import verifier
 from composer_jax.env.tasks.store import Task
 
 MAX_DIFF_BYTES = 256 * 1024
@@ -50,10 +56,10 @@ class GradeResult:
     reward_details: dict = dataclasses.field(default_factory=dict)
     interpreter: dict = dataclasses.field(default_factory=dict)  # {python, version}: the sandbox's python3
     environment: dict = dataclasses.field(default_factory=dict)  # the task's built env ({key, python, ...}) or {}
-    # What the workspace did to grading (tasks/tampering.py): [{path, class, action}]; any -> reward 0.
+    # What the change did to grading (tasks/tampering.py): [{path, class, action, ...}]; any -> reward 0.
     tampering: list = dataclasses.field(default_factory=list)
-    restored: list = dataclasses.field(default_factory=list)  # graded test files put back (no penalty)
-    flags: list = dataclasses.field(default_factory=list)  # diff lines reaching into the runner (no penalty)
+    # What the grade did not carry from the workspace: [{path, class}] (no penalty; tampering.EXCLUDED).
+    excluded: list = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -167,6 +173,8 @@ class Job:
     diff: str = ""
     error: str | None = None
     interpreter: dict = dataclasses.field(default_factory=dict)
+    excluded: list = dataclasses.field(default_factory=list)  # what the carry left out (snapshot.py)
+    levers: list = dataclasses.field(default_factory=list)  # what the lever scanner found (levers.py)
 
     @property
     def app(self) -> Path:
@@ -204,29 +212,27 @@ async def prepare_job(
     diff: bool,
     env: BuiltEnv | None = None,
 ) -> Job:
-    """A fresh job whose app volume holds a copy of `source`, made inside the sandbox as the
-    session's uid (`snapshot`); with `diff`, also the diff from the task's initial workspace.
+    """A fresh job whose app volume holds, made inside the sandbox as the session's uid
+    (`snapshot`): with `diff`, the task's pristine workspace with the change from it to `source`
+    carried (and that change's diff, `excluded` and `levers`); else a plain copy of `source`.
 
     A copy that fails or runs out of its budget sets `job.error` (the job is still returned);
     the caller always frees the job with `release_job`, which this does itself on an exception."""
     job = await asyncio.to_thread(_new_job, task, lease, scratch_root)
     try:
         mounts = [Mount(source, "/src", False), Mount(job.app, "/app", True)]
-        orig = ""
-        if diff and task.app_dir.is_dir():
-            mounts.append(Mount(task.app_dir, "/orig", False))
-            orig = lease.path_in_sandbox(mounts[-1])
-        argv = [
-            "python3",
-            "-I",
-            "-c",
-            _SNAPSHOT_SOURCE,
-            lease.path_in_sandbox(mounts[0]),
-            lease.path_in_sandbox(mounts[1]),
-            orig,
-            str(MAX_DIFF_BYTES if diff else 0),
-            *(task.config.test_modules if diff else ()),
-        ]
+        tail: list[str] = []
+        if diff:
+            pristine = task.app_dir if task.app_dir.is_dir() else scratch_root / "empty"
+            pristine.mkdir(exist_ok=True)
+            mounts.append(Mount(pristine, "/orig", False))
+            policy = json.dumps(tampering_mod.grade_policy(task))
+            tail = [lease.path_in_sandbox(mounts[-1]), str(MAX_DIFF_BYTES), policy, tampering_mod.LEVERS_SOURCE]
+            tail += task.config.test_modules
+        else:
+            tail = ["", "0"]
+        argv = ["python3", "-I", "-c", _SNAPSHOT_SOURCE, lease.path_in_sandbox(mounts[0])]
+        argv += [lease.path_in_sandbox(mounts[1]), *tail]
         snap_limits = limits.with_(
             wall_seconds=SNAPSHOT_TIMEOUT_S,
             cpu_seconds=int(SNAPSHOT_TIMEOUT_S),
@@ -237,6 +243,7 @@ async def prepare_job(
         job.diff = result.stdout
         facts = _last_json_line(result.stderr)
         job.interpreter = {k: facts[k] for k in ("python", "version") if k in facts}
+        job.excluded, job.levers = list(facts.get("excluded", [])), list(facts.get("levers", []))
         if result.timed_out:
             job.error = f"copying the workspace took over {SNAPSHOT_TIMEOUT_S:g}s; the tests did not run"
         elif result.exit_code != 0 or not facts:
@@ -282,20 +289,20 @@ def _failed(job: Job, start: float, environment: dict, error: str, tampering: li
         interpreter=job.interpreter,
         environment=environment,
         tampering=tampering or [],
-        flags=tampering_mod.runner_flags(job.diff),
+        excluded=job.excluded,
     )
 
 
 async def grade(
     task: Task, lease: SandboxLease, workspace: Path, scratch_root: Path, limits: Limits, env: BuiltEnv | None = None
 ) -> GradeResult:
-    """Run the task's verifier on a fresh copy of `workspace` (see module docstring), with the
-    task's built Python environment `env` (pyenv.py) first on PATH when it has one.
+    """Run the task's verifier on the task's pristine workspace with the change in `workspace`
+    carried onto it (see module docstring), with the task's built Python environment `env`
+    (pyenv.py) first on PATH when it has one.
 
-    The copy and the diff run inside the sandbox as the session's uid, then the copy's test
-    infrastructure is put back to the task's (tasks/tampering.py: a workspace that tampered with
-    it scores 0 and is named in `tampering`); reward files are read by descriptor off the event
-    loop; the job's volumes are released on every path."""
+    The carry, the lever scan and the diff run inside the sandbox as the session's uid; a change
+    with a lever scores 0 without running the tests; reward files are read by descriptor off the
+    event loop; the job's volumes are released on every path."""
     start = time.monotonic()
     job = await prepare_job(task, lease, workspace, scratch_root, limits, diff=True, env=env)
     environment = env.describe() if env is not None else {}
@@ -303,13 +310,12 @@ async def grade(
     try:
         if job.error is not None:
             return _failed(job, start, environment, job.error)
-        tampering, restored, error = await tampering_mod.sanitize_job(
-            task, lease, job.app, limits, env_mounts, env_vars
+        if job.levers:
+            tampering = tampering_mod.lever_entries(job.levers)
+            return _failed(job, start, environment, tampering_mod.tampering_error(tampering), tampering)
+        result, reward, details, error, tests, tampering = await _verify(
+            task, lease, job, limits, env_mounts, env_vars
         )
-        if error is not None:
-            return _failed(job, start, environment, error)
-        result, reward, details, error, tests = await _verify(task, lease, job, limits, env_mounts, env_vars)
-        tampering += await asyncio.to_thread(_forged_rewards, task, job.logs)
     finally:
         await asyncio.to_thread(release_job, job.app)
     if tampering:
@@ -328,15 +334,14 @@ async def grade(
         interpreter=job.interpreter,
         environment=environment,
         tampering=tampering,
-        restored=restored,
-        flags=tampering_mod.runner_flags(job.diff),
+        excluded=job.excluded,
     )
 
 
 async def _verify(
     task: Task, lease: SandboxLease, job: Job, limits: Limits, env_mounts: list[Mount], env_vars: dict[str, str]
-) -> tuple[ExecResult, float | None, dict, str | None, list[dict]]:
-    """Run `bash /tests/test.sh` on the job: (result, reward, details, error, tests)."""
+) -> tuple[ExecResult, float | None, dict, str | None, list[dict], list[dict]]:
+    """Run `bash /tests/test.sh` on the job: (result, reward, details, error, tests, tampering)."""
     verifier_limits = limits.with_(
         wall_seconds=task.config.verifier_timeout_sec,
         cpu_seconds=max(limits.cpu_seconds, int(task.config.verifier_timeout_sec) + 1),
@@ -345,14 +350,46 @@ async def _verify(
     mounts += [Mount(task.tests_dir, "/tests", False), *env_mounts]
     run_env = {**tampering_mod.verifier_env(task), **env_vars}
     result = await lease.run(["bash", "/tests/test.sh"], mounts=mounts, cwd="/app", limits=verifier_limits, env=run_env)
-    trusted = tampering_mod.reward_json_trusted(task)
-    reward, details, error = await asyncio.to_thread(read_reward, job.logs, trusted)
+    tampering = await asyncio.to_thread(_forged_rewards, task, job.logs)
+    if tampering_mod.verdicts_expected(task):
+        reward, details, error, tests, forged = await asyncio.to_thread(read_verdicts, job.logs)
+        tampering += forged
+    else:
+        trusted = tampering_mod.reward_json_trusted(task)
+        reward, details, error = await asyncio.to_thread(read_reward, job.logs, trusted)
+        tests = await asyncio.to_thread(parse_junit, job.logs / "junit.xml")
     if result.timed_out:
         error = f"verifier timed out after {task.config.verifier_timeout_sec}s" + (
             f"; {error}" if error and reward is None else ""
         )
-    tests = await asyncio.to_thread(parse_junit, job.logs / "junit.xml")
-    return result, reward, details, error, tests
+    return result, reward, details, error, tests, tampering
+
+
+def read_verdicts(logs: Path) -> tuple[float | None, dict, str | None, list[dict], list[dict]]:
+    """(reward, details, error, tests, tampering) from the verifier's verdicts.json: the reward is
+    `verifier.decide`'s over the per-test verdicts (never the exit status or reward.txt)."""
+    try:
+        raw = read_regular(logs, "verdicts.json", 64 * 2**20)
+    except ValueError as exc:
+        return None, {}, str(exc), [], []
+    try:
+        verdicts = json.loads(raw) if raw is not None else None
+    except ValueError:
+        verdicts = None
+    if not isinstance(verdicts, dict) or verdicts.get("format") != verifier.FORMAT:
+        return None, {}, "the verifier wrote no verdicts (/logs/verifier/verdicts.json)", [], []
+    reward, why = verifier.decide(verdicts)
+    results = verdicts.get("tests", {})
+    tests = [
+        {"name": name, "outcome": v.get("outcome", ""), "message": str(v.get("message", ""))[:2000]}
+        for name, v in (results.items() if isinstance(results, dict) else [])
+        if isinstance(v, dict)
+    ]
+    details = {"graded": len(verdicts.get("graded", [])), "passed": sum(t["outcome"] == "passed" for t in tests)}
+    forged = []
+    if verdicts.get("forged"):
+        forged = [{"path": "/logs/verifier/verdicts.json", "class": "verdict-forge", "action": "refused"}]
+    return reward, details, (None if reward == 1.0 else why), tests, forged
 
 
 def _forged_rewards(task: Task, logs: Path) -> list[dict]:

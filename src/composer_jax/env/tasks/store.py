@@ -58,6 +58,10 @@ class TaskConfig:
     # [verifier] pytest_plugins: the plugins the tests need, loaded by name (PYTEST_PLUGINS); no
     # other plugin is autoloaded into a verifier's pytest (tasks/tampering.py).
     pytest_plugins: tuple[str, ...] = ()
+    # [verifier] code_under_test: glob patterns (relative to /app) of test-infrastructure files that
+    # are the task's subject (a CI repair's pytest configuration, a tests task's conftest.py): a
+    # grade carries the agent's edits of these; of other such files it never does (sandbox/snapshot.py).
+    code_under_test: tuple[str, ...] = ()
     # [environment] python / requirements / requirements_file / install_app (pyenv.py); None: none.
     environment: EnvSpec | None = None
 
@@ -145,6 +149,12 @@ def parse_task_config(data: dict[str, Any], where: str, root: Path | None = None
         )
     modules = _modules(sections["verifier"], "python_modules", where, '["pytest", "numpy"]')
     plugins = _modules(sections["verifier"], "pytest_plugins", where, '["pytest_asyncio.plugin"]')
+    carried = sections["verifier"].get("code_under_test", [])
+    if not isinstance(carried, list) or not all(_relative_glob(g) for g in carried):
+        raise TaskError(
+            f"{where}: [verifier] code_under_test = {carried!r} must be a list of glob patterns relative to "
+            'the workspace, such as ["pyproject.toml", "tests/conftest.py"] (no leading "/" or "..")'
+        )
     return TaskConfig(
         version=version,
         metadata=dict(sections["metadata"]),
@@ -158,7 +168,18 @@ def parse_task_config(data: dict[str, Any], where: str, root: Path | None = None
         raw=data,
         test_modules=modules,
         pytest_plugins=plugins,
+        code_under_test=tuple(carried),
         environment=_environment(env, root, where),
+    )
+
+
+def _relative_glob(pattern: object) -> bool:
+    return (
+        isinstance(pattern, str)
+        and bool(pattern.strip())
+        and not pattern.startswith("/")
+        and ".." not in pattern.split("/")
+        and "\\" not in pattern
     )
 
 

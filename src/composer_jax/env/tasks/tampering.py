@@ -1,42 +1,44 @@
-"""What a grade trusts: the workspace is put back to the task's test infrastructure before the
-verifier runs (`sandbox/sanitize.py`, in the sandbox), the verifier's interpreter is started without
-the hooks a workspace could plant, and what the tests could have forged is refused.
+"""What a grade trusts: the agent's change is carried as a patch onto the task's pristine workspace
+(`sandbox/snapshot.py`, in the sandbox), the patch's Python is read for runner levers
+(`sandbox/levers.py`), and the reward reads the verifier's per-test verdicts (`tasks/verifier.py`).
 
-`sanitize_job` runs the sanitizer on a grading job's copy; `VERIFIER_ENV` is what the verifier
-run gets on top of the sandbox's variables; `reward_json_trusted` says whether a task's verifier
-writes reward.json itself (else one found is the tests' and is refused, class "reward-write");
-`runner_flags` names the places where a diff reaches into the test runner's internals (a flag, not
-a failure: the residual risk of code under test that patches the runner from inside the test
-process). docs/env_protocol.md, "What a grade trusts", has the whole boundary.
+`grade_policy` is what the in-sandbox carrier is told about a task (which test-infrastructure files
+are its subject, which files it grades, whether the shadow rule applies); `VERIFIER_ENV` what the
+verifier run gets on top of the sandbox's variables; `verdicts_expected` whether the task's verifier
+is this project's (its reward is then read from verdicts.json, never from reward.txt);
+`reward_json_trusted` whether a task's verifier writes reward.json itself (else one found is the
+tests' and is refused, class "reward-write"). docs/env_protocol.md, "What a grade trusts", has the
+whole boundary.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
-from composer_jax.env.sandbox import sanitize
-from composer_jax.env.sandbox.runner import Limits, Mount, SandboxLease
+from composer_jax.env.sandbox import levers
+from composer_jax.env.tasks import verifier
 from composer_jax.env.tasks.store import Task
 
-SANITIZE_TIMEOUT_S = 60.0
-_SANITIZE_SOURCE = Path(sanitize.__file__).read_text()
+LEVERS_SOURCE = Path(levers.__file__).read_text()
 
-# Tampering classes (each `tampering` entry of a grade names one).
-CLASSES = ("conftest", "test-config", "startup-hook", "runner-shadow", "reward-write")
-
-# Text in an added line of the diff that reaches into the test runner from the code under test.
-RUNNER_INTERNALS = {
-    "_pytest": re.compile(r"\b_pytest\b"),
-    "pytest hook": re.compile(r"\bpytest_(runtest|collection|configure|sessionfinish|terminal|report)\w*"),
-    "sys.modules['pytest']": re.compile(r"sys\.modules\s*\[\s*['\"](pytest|_pytest|unittest)"),
-    "TestCase.run": re.compile(r"TestCase\s*\.\s*(run|__call__|debug)\b"),
-    "pytest.main": re.compile(r"\bpytest\s*\.\s*(main|console_main|exit)\b"),
-    # after pytest wrote its report (a JUnit rewrite) or instead of its exit status
-    "exit hook": re.compile(r"\batexit\s*\.\s*register\b|\bos\s*\.\s*_exit\b"),
-    "verifier logs": re.compile(r"/logs/verifier|reward\.(txt|json)|junit\.xml"),
-}
+# Tampering classes: each `tampering` entry of a grade names one, and any entry makes the reward 0.
+# The lever classes are read from the patch's Python (levers.CLASSES); the others after the run.
+CLASSES = (*levers.CLASSES, "verdict-forge", "reward-write")
+# What a grade does not carry from the workspace (each `excluded` entry names one; no penalty).
+EXCLUDED = (
+    "symlink",
+    "bytecode",
+    "binary",
+    "large",
+    "vcs",
+    "cache",
+    "startup-hook",
+    "conftest",
+    "test-config",
+    "test-file",
+    "runner-shadow",
+)
 
 
 def verifier_env(task: Task) -> dict[str, str]:
@@ -50,75 +52,62 @@ def verifier_env(task: Task) -> dict[str, str]:
     }
 
 
-def _test_sh(task: Task) -> str:
+def _read(path: Path) -> str:
     try:
-        return (task.tests_dir / "test.sh").read_text(encoding="utf-8", errors="replace")
+        return path.read_text(encoding="utf-8", errors="replace")
     except OSError:
         return ""
 
 
-def sanitize_scope(task: Task) -> str:
-    """ "hooks" when the verifier's pytest is rooted at /tests (its test.sh passes `--rootdir=/tests`
-    and the task has no workspace test list, tests/config.json): the workspace's conftest.py files
-    and pytest configuration never load into it and are the agent's own; else "all"."""
-    rooted = "--rootdir=/tests" in _test_sh(task) and not (task.tests_dir / "config.json").exists()
-    return "hooks" if rooted else "all"
+def verdicts_expected(task: Task) -> bool:
+    """Whether the task's verifier is this project's (`tests/test.sh` runs `tests/run_tests.py`,
+    which declares verifier.FORMAT): its reward is then verdicts.json's, read per test."""
+    marker = f"FORMAT = {verifier.FORMAT!r}".replace("'", '"')
+    return "run_tests.py" in _read(task.tests_dir / "test.sh") and marker in _read(task.tests_dir / "run_tests.py")
 
 
 def reward_json_trusted(task: Task) -> bool:
     """Whether the task's verifier writes reward.json (its tests/test.sh names it). A reward.json
     under any other verifier was written by the code under test."""
-    return "reward.json" in _test_sh(task)
+    return "reward.json" in _read(task.tests_dir / "test.sh")
 
 
-def runner_flags(diff: str) -> list[dict]:
-    """[{"path", "pattern", "line"}] for each added line of `diff` that names runner internals."""
-    flags: list[dict] = []
-    path = ""
-    for line in diff.splitlines():
-        if line.startswith("+++ "):
-            path = line[6:] if line.startswith("+++ b/") else line[4:]
-            continue
-        if not line.startswith("+"):
-            continue
-        for label, pattern in RUNNER_INTERNALS.items():
-            if pattern.search(line):
-                flags.append({"path": path, "pattern": label, "line": line[1:].strip()[:200]})
-                break
-        if len(flags) >= 50:
-            break
-    return flags
-
-
-async def sanitize_job(
-    task: Task, lease: SandboxLease, app: Path, limits: Limits, env_mounts: list[Mount], env_vars: dict[str, str]
-) -> tuple[list[dict], list[str], str | None]:
-    """Run the sanitizer on the job copy `app` inside the sandbox: (tampering, restored, error)."""
-    mounts = [Mount(app, "/app", True), *env_mounts]
-    orig = tests = ""
-    if task.app_dir.is_dir():
-        mounts.append(Mount(task.app_dir, "/orig", False))
-        orig = lease.path_in_sandbox(mounts[-1])
-    if task.tests_dir.is_dir():
-        mounts.append(Mount(task.tests_dir, "/tests", False))
-        tests = lease.path_in_sandbox(mounts[-1])
-    argv = ["python3", "-I", "-c", _SANITIZE_SOURCE, lease.path_in_sandbox(mounts[0]), orig, tests]
-    argv.append(sanitize_scope(task))
-    run_limits = limits.with_(wall_seconds=SANITIZE_TIMEOUT_S, cpu_seconds=int(SANITIZE_TIMEOUT_S))
-    result = await lease.run(argv, mounts=mounts, cwd="/", limits=run_limits, env=env_vars)
+def graded_test_files(task: Task) -> list[str]:
+    """The workspace paths a repository task's verifier owns (tests/config.json `test_files` and
+    `deleted`, and every file of its test overlay tests/files/): never carried from the workspace."""
     try:
-        facts = json.loads(result.stdout.strip().splitlines()[-1]) if result.exit_code == 0 else None
-    except (ValueError, IndexError):
-        facts = None
-    if not isinstance(facts, dict):
-        tail = (result.stderr or result.stdout)[-500:].strip()
-        why = "timed out" if result.timed_out else f"exit {result.exit_code}"
-        return [], [], f"checking the workspace's test infrastructure failed ({why}): {tail}; the tests did not run"
-    return list(facts.get("tampering", [])), list(facts.get("restored", [])), None
+        config = json.loads(_read(task.tests_dir / "config.json") or "{}")
+    except ValueError:
+        config = {}
+    files = [f for key in ("test_files", "deleted") for f in config.get(key, []) if isinstance(f, str)]
+    overlay = task.tests_dir / "files"
+    if overlay.is_dir():
+        files += [p.relative_to(overlay).as_posix() for p in sorted(overlay.rglob("*")) if not p.is_dir()]
+    return sorted(set(files))
+
+
+def grade_policy(task: Task) -> dict:
+    """What the in-sandbox carrier (snapshot.Carrier) is told about `task`."""
+    return {
+        "code_under_test": list(task.config.code_under_test),
+        "test_files": graded_test_files(task),
+        "shadow_rule": not verdicts_expected(task),
+    }
+
+
+def lever_entries(found: list[dict]) -> list[dict]:
+    """Tampering entries for levers the scanner found: {path, line, class, what, code, action}."""
+    keys = ("path", "line", "what", "code")
+    return [{**{k: f.get(k) for k in keys}, "class": f.get("lever"), "action": "refused"} for f in found[:50]]
 
 
 def tampering_error(tampering: list[dict]) -> str:
-    """The grade's error for a workspace that tampered with grading (its reward is 0)."""
-    shown = ", ".join(f"{t['path']} ({t['class']})" for t in tampering[:10])
+    """The grade's error for a change that tampered with grading (its reward is 0)."""
+    shown = ", ".join(
+        f"{t['path']}{':' + str(t['line']) if t.get('line') else ''} ({t['class']}"
+        + (f": {t['what']}" if t.get("what") else "")
+        + ")"
+        for t in tampering[:10]
+    )
     more = f" and {len(tampering) - 10} more" if len(tampering) > 10 else ""
-    return f"the workspace tampered with grading: {shown}{more}; reward 0 (docs/env_protocol.md, What a grade trusts)"
+    return f"the change tampered with grading: {shown}{more}; reward 0 (docs/env_protocol.md, What a grade trusts)"

@@ -9,7 +9,9 @@ contract as the bundled ones (Harbor layout)::
       instruction.md         terse user request
       environment/Dockerfile
       environment/app/...    initial workspace (mounted at /app)
-      tests/test.sh          verifier: cwd /app, /tests read-only, writes /logs/verifier/reward.txt
+      tests/test.sh          verifier entry point: runs tests/run_tests.py (tasks/verifier.py), cwd /app,
+                             /tests read-only; writes /logs/verifier/verdicts.json and reward.txt
+      tests/run_tests.py     the verifier: per-test verdicts of every hidden test
       tests/test_outputs.py  hidden tests (pytest)
       solution/solve.sh      reference change: cwd /app, /solution read-only
 

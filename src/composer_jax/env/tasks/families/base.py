@@ -26,6 +26,9 @@ __all__ = [
     "DOCKERFILE",
     "PYTEST_REQUIREMENT",
     "TEST_SH",
+    "VERIFIER_SOURCE",
+    "test_sh",
+    "write_verifier",
     "SOLVE_SH_COPY",
     "task_toml",
     "dedent",
@@ -56,24 +59,35 @@ RUN pip install --no-cache-dir {PYTEST_REQUIREMENT}
 COPY app/ /app/
 """
 
-TEST_SH = """\
-#!/usr/bin/env bash
-# Verifier: runs with cwd /app; hidden tests at /tests (read-only); results in /logs/verifier.
-# pytest is imported before /app joins sys.path (python -I: no PYTHONPATH, user site or cwd), so
-# nothing in the workspace can stand in for it; only this script writes the reward, after every
-# process the tests started has ended.
-mkdir -p /logs/verifier
-cd /app || { echo 0 > /logs/verifier/reward.txt; exit 0; }
-export PYTHONPATH=/app
-export PYTHONDONTWRITEBYTECODE=1
-python3 -I -c 'import sys, pytest; sys.path.insert(0, "/app"); sys.exit(pytest.console_main())' \\
-    -q -p no:cacheprovider --rootdir=/tests --junitxml=/logs/verifier/junit.xml /tests
-rc=$?
-if [ "${SANDBOX_PID_NAMESPACE:-}" = 1 ]; then kill -KILL -1 2>/dev/null; fi
-chmod u+rwx /logs/verifier && rm -rf /logs/verifier/reward.txt
-if [ $rc -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi
-exit 0
-"""
+# The verifier of every task this project writes (tasks/verifier.py), copied into the task as
+# tests/run_tests.py; test.sh only runs it. It pays on per-test verdicts (docs/env_protocol.md).
+VERIFIER_SOURCE = (pathlib.Path(__file__).resolve().parents[1] / "verifier.py").read_text()
+VERIFIER_NAME = "run_tests.py"
+
+
+def test_sh(timeout_s: float | None = None) -> str:
+    """The entry point of a task whose verifier is tests/run_tests.py (with `timeout_s`, pytest's
+    own limit, set some seconds inside the task's verifier timeout so the verdicts are written)."""
+    limit = f" --timeout {timeout_s:g}" if timeout_s is not None else ""
+    return (
+        "#!/usr/bin/env bash\n"
+        "# Verifier: tests/run_tests.py runs the hidden tests on /app and writes /logs/verifier/verdicts.json\n"
+        "# (per-test verdicts: the reward) and reward.txt (1 iff every graded test passed).\n"
+        "mkdir -p /logs/verifier\n"
+        "cd /app || { echo 0 > /logs/verifier/reward.txt; exit 0; }\n"
+        f"python3 -I /tests/{VERIFIER_NAME}{limit} || echo 0 > /logs/verifier/reward.txt\n"
+        "exit 0\n"
+    )
+
+
+TEST_SH = test_sh()
+
+
+def write_verifier(tests_dir: pathlib.Path, timeout_s: float | None = None) -> None:
+    """Write the verifier (test.sh and run_tests.py) into a task's tests/ folder."""
+    _write(tests_dir / "test.sh", test_sh(timeout_s), executable=True)
+    _write(tests_dir / VERIFIER_NAME, VERIFIER_SOURCE)
+
 
 SOLVE_SH_COPY = """\
 #!/usr/bin/env bash
@@ -139,7 +153,7 @@ def materialise(spec: TaskSpec, root: pathlib.Path) -> None:
     _write(root / "environment" / "Dockerfile", DOCKERFILE)
     for rel, text in sorted(spec.app.items()):
         _write(root / "environment" / "app" / rel, text)
-    _write(root / "tests" / "test.sh", TEST_SH, executable=True)
+    write_verifier(root / "tests")
     for rel, text in sorted(spec.tests.items()):
         _write(root / "tests" / rel, text)
     _write(root / "solution" / "solve.sh", spec.solve_sh, executable=True)

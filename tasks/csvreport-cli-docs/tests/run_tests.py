@@ -1,0 +1,438 @@
+"""The verifier of every task this project writes, copied into each task as ``tests/run_tests.py``.
+
+Standard library only and self-contained (Python 3.8+): it runs inside the sandbox with the task's
+Python (``python3 -I /tests/run_tests.py``, cwd /app), and under Harbor in the task's container.
+Two modes, by whether ``/tests/config.json`` exists:
+
+- **repository** (mined and imported tasks): overlays the test patch's files from ``/tests/files/``
+  onto /app (and deletes the test files the patch deletes), runs pytest on the test files that hold
+  the FAIL_TO_PASS and PASS_TO_PASS tests, rooted at /app; the graded tests are those two lists;
+- **suite** (the bundled tasks and the generated families): runs every test under /tests, rooted at
+  /tests; the graded tests are every test pytest collects (a module that fails to collect, or a
+  deselected test, fails the grade).
+
+The reward reads **per-test verdicts, never pytest's exit status**. The test process is a child
+(``python3 -s -c BOOTSTRAP``) that imports pytest and this file's `Reporter` before any workspace
+path is on ``sys.path``; the workspace roots are then appended after the standard library and the
+runner, and an import guard (`StdlibGuard`) resolves every standard-library name from the standard
+library only, so nothing in /app can stand in for ``xml``, ``unittest``, ``difflib``, ...
+(``config.json`` ``own_stdlib_names`` lists the task's own modules with such names, which stay code
+under test). The child reads no bytecode from the tree (a fresh ``PYTHONPYCACHEPREFIX``, no
+writes). The reporter writes one record per collection and test phase to a file, each line signed
+with HMAC-SHA256 under a key the verifier hands the child on its stdin (never on disk, argv or the
+environment), numbered in order; the verifier checks every line, so a record the tests forged,
+replayed or dropped is named (``forged``) and grades 0, and a child that left before pytest's
+session finished (``os._exit`` at import, a signal) leaves the report incomplete: 0.
+
+After the child ends the verifier kills every process the tests left (inside the sandbox's PID
+namespace), removes outputs the tests planted, and writes under /logs/verifier:
+
+- ``verdicts.json``: ``{"format", "mode", "rule", "complete", "forged", "graded", "tests": {node id:
+  {"outcome", "message"}}, "collection_errors", "deselected", "exit_status", "timed_out", "reward"}``
+  (outcomes: passed, failed, skipped, xfail, xpass); the grader reads this file, not reward.txt;
+- ``reward.txt`` (Harbor's contract): 1 iff `decide` says so;
+- repository mode: ``report.json`` in the shape of the ``swebench`` package's
+  ``get_eval_tests_report``; ``test_output.txt`` (the ``-rA`` log between SWE-bench's markers) and
+  pytest's ``junit.xml`` (xunit1) in both modes, for people (the reward never reads them).
+
+Rules (`decide`): "passed" (every task but imported ones): every graded test passed, at least one
+graded, the session complete, nothing forged, and in suite mode no collection error or deselection.
+"swebench" (imported SWE-bench instances, ``config.json`` ``rule``): SWE-bench's own, a listed test
+succeeds when it passed or failed as expected (xfail), and nothing forged.
+
+It is also the miner's runner (``--outcomes FILE`` writes every test's outcome and the modules
+that failed to import, and skips the report), so a task is graded by the same code that found its tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import hmac
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+FORMAT = "composer-jax-verdicts/1"  # the grader recognises this verifier by this line
+START, END = ">>>>> Start Test Output", ">>>>> End Test Output"
+PASSED, FAILED, SKIPPED, XFAIL, XPASS = "passed", "failed", "skipped", "xfail", "xpass"
+RULES = ("passed", "swebench")
+TIMED_OUT = -1
+MODULE_NAME = "composer_jax_verdicts"  # the name the reporter is loaded under in the test process
+
+
+# ---- in the test process ------------------------------------------------------------------------
+
+
+def _signer(path: str, key: bytes):
+    """A function writing one signed, numbered record per call to a new file at `path`."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
+    seq = [0]
+
+    def emit(record: dict) -> None:
+        record = dict(record, seq=seq[0])
+        seq[0] += 1
+        line = json.dumps(record, sort_keys=True)
+        mac = hmac.new(key, line.encode("utf-8"), hashlib.sha256).hexdigest()
+        os.write(fd, (line + "\t" + mac + "\n").encode("utf-8"))
+
+    return emit
+
+
+def _message(report) -> str:
+    text = getattr(report, "longreprtext", "") or ""
+    return text[-1000:]
+
+
+class Reporter:
+    """The pytest plugin that records each verdict (loaded by object, before the workspace is importable)."""
+
+    def __init__(self, path: str, key: bytes):
+        self._emit = _signer(path, key)
+
+    def pytest_collectreport(self, report) -> None:
+        if report.failed:
+            self._emit({"kind": "collect-error", "id": report.nodeid, "message": _message(report)})
+
+    def pytest_deselected(self, items) -> None:
+        self._emit({"kind": "deselected", "ids": [item.nodeid for item in items]})
+
+    def pytest_collection_finish(self, session) -> None:
+        self._emit({"kind": "collected", "ids": [item.nodeid for item in session.items]})
+
+    def pytest_runtest_logreport(self, report) -> None:
+        record = {"kind": "report", "id": report.nodeid, "when": report.when, "outcome": report.outcome}
+        record["xfail"] = hasattr(report, "wasxfail")
+        if report.failed or report.skipped:
+            record["message"] = _message(report)[-500:] if report.failed else str(report.longrepr)[-200:]
+        self._emit(record)
+
+    def pytest_sessionfinish(self, session, exitstatus) -> None:
+        self._emit({"kind": "finish", "exit_status": int(exitstatus)})
+
+
+def _stdlib_names(stdlib_dirs: list) -> set:
+    names = set(getattr(sys, "stdlib_module_names", ()))
+    if not names:  # Python < 3.10: what the standard library's directories hold
+        for d in stdlib_dirs:
+            try:
+                entries = os.listdir(d)
+            except OSError:
+                continue
+            for entry in entries:
+                stem = entry.split(".", 1)[0]
+                if entry.endswith((".py", ".so", ".pyd")) or os.path.isfile(os.path.join(d, entry, "__init__.py")):
+                    names.add(stem)
+        names |= set(sys.builtin_module_names)
+    return names - {"__main__", "test", "site-packages", "dist-packages"}
+
+
+class StdlibGuard:
+    """A meta path finder, first in sys.meta_path: a top-level standard-library name is looked up in
+    the standard library's own directories only, so a workspace module cannot shadow it."""
+
+    def __init__(self, stdlib_dirs: list, exempt: set):
+        import importlib.machinery
+
+        self._find = importlib.machinery.PathFinder.find_spec
+        self._dirs = list(stdlib_dirs)
+        self._names = _stdlib_names(self._dirs) - set(exempt)
+
+    def find_spec(self, name, path=None, target=None):
+        if path is not None or name not in self._names or name in sys.builtin_module_names:
+            return None
+        return self._find(name, self._dirs)
+
+    def invalidate_caches(self) -> None:
+        pass
+
+
+def start_test_process(roots: str, exempt: str, args: list) -> int:
+    """The child's body (called by BOOTSTRAP): read the key and record path from stdin, load the
+    reporter, put the workspace roots after everything else, run pytest with the reporter."""
+    key_hex, path = sys.stdin.buffer.readline().decode("ascii").split()
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    import pytest
+
+    reporter = Reporter(path, bytes.fromhex(key_hex))
+    del key_hex
+    bases = (sys.base_prefix, sys.base_exec_prefix)
+    stdlib = [p for p in sys.path if p.startswith(bases) and os.path.basename(p) not in ("site-packages", "dist-packages")]
+    sys.meta_path.insert(0, StdlibGuard(stdlib, set(filter(None, exempt.split(",")))))
+    sys.path.extend(r for r in roots.split(os.pathsep) if r)
+    os.environ["PYTHONPATH"] = roots  # the tests' own subprocesses
+    return int(pytest.main(args, plugins=[reporter]))
+
+
+# Run by `python3 -s -c BOOTSTRAP VERIFIER ROOTS EXEMPT ARGS...`: drops the cwd entry, loads this file
+# under MODULE_NAME from its own path (trusted, outside the workspace), and hands over.
+BOOTSTRAP = (
+    "import os, sys\n"
+    "sys.path[:] = [p for p in sys.path if p not in ('', '.', os.getcwd())]\n"
+    "import importlib.util\n"
+    f"spec = importlib.util.spec_from_file_location({MODULE_NAME!r}, sys.argv[1])\n"
+    "mod = importlib.util.module_from_spec(spec)\n"
+    "spec.loader.exec_module(mod)\n"
+    "sys.exit(mod.start_test_process(sys.argv[2], sys.argv[3], sys.argv[4:]))\n"
+)
+
+
+# ---- in the verifier process --------------------------------------------------------------------
+
+
+def read_records(path: Path, key: bytes) -> tuple[list[dict], int]:
+    """(the records whose signature and number check out, in order; how many lines did not)."""
+    good, forged = [], 0
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return [], 0
+    for raw in data.split(b"\n"):
+        if not raw:
+            continue
+        line, _, mac = raw.rpartition(b"\t")
+        want = hmac.new(key, line, hashlib.sha256).hexdigest().encode("ascii")
+        try:
+            record = json.loads(line) if hmac.compare_digest(mac, want) else None
+        except ValueError:
+            record = None
+        if not isinstance(record, dict) or record.get("seq") != len(good):
+            forged += 1
+            continue
+        good.append(record)
+    return good, forged
+
+
+def fold(records: list[dict]) -> dict:
+    """Verdicts from the records: {"tests": {id: {"outcome", "message"}}, "collected", "deselected",
+    "collection_errors", "complete", "exit_status"}. A test fails if any phase failed (an error in
+    setup or teardown included) or if it never finished its call phase; a skip is a skip (xfail
+    when pytest marked it an expected failure); a call that passed despite a non-strict xfail mark
+    is xpass."""
+    phases: dict = {}
+    out: dict = {"collected": [], "deselected": [], "collection_errors": {}, "complete": False, "exit_status": None}
+    for r in records:
+        kind = r.get("kind")
+        if kind == "collected":
+            out["collected"] = list(r.get("ids", []))
+        elif kind == "deselected":
+            out["deselected"] += list(r.get("ids", []))
+        elif kind == "collect-error":
+            out["collection_errors"][r.get("id", "")] = r.get("message", "")
+        elif kind == "finish":
+            out["complete"], out["exit_status"] = True, r.get("exit_status")
+        elif kind == "report":
+            phases.setdefault(r.get("id"), {})[r.get("when")] = r
+    tests = {}
+    for nid, seen in phases.items():
+        failed = [seen[w] for w in ("setup", "call", "teardown") if w in seen and seen[w].get("outcome") == "failed"]
+        decisive = seen.get("call") or (seen.get("setup") if seen.get("setup", {}).get("outcome") == "skipped" else None)
+        if failed:
+            when = failed[0].get("when")
+            prefix = "" if when == "call" else f"error in {when}: "
+            verdict = {"outcome": FAILED, "message": prefix + failed[0].get("message", "")}
+        elif decisive is None:
+            verdict = {"outcome": FAILED, "message": "the test did not finish (no call phase reported)"}
+        elif decisive.get("outcome") == "skipped":
+            verdict = {"outcome": XFAIL if decisive.get("xfail") else SKIPPED, "message": decisive.get("message", "")}
+        else:
+            verdict = {"outcome": XPASS if decisive.get("xfail") else PASSED, "message": ""}
+        tests[nid] = verdict
+    out["tests"] = tests
+    return out
+
+
+def decide(verdicts: dict) -> tuple[float, str]:
+    """(reward, why) from a verdicts.json object (see the module docstring for the rules)."""
+    if verdicts.get("forged"):
+        return 0.0, f"{verdicts['forged']} verdict record(s) failed their signature"
+    tests, graded = verdicts.get("tests", {}), list(verdicts.get("graded", []))
+    good = (PASSED, XFAIL) if verdicts.get("rule") == "swebench" else (PASSED,)
+    if verdicts.get("rule") != "swebench":
+        if not verdicts.get("complete"):
+            return 0.0, "the test process ended before pytest's session finished"
+        if not graded:
+            return 0.0, "no graded test"
+        if verdicts.get("mode") == "suite" and (verdicts.get("collection_errors") or verdicts.get("deselected")):
+            return 0.0, "a test module did not collect, or a test was deselected"
+    bad = [t for t in graded if tests.get(t, {}).get("outcome") not in good]
+    if bad:
+        shown = ", ".join(f"{t} ({tests.get(t, {}).get('outcome', 'missing')})" for t in bad[:5])
+        return 0.0, f"{len(bad)} of {len(graded)} graded test(s) did not pass: {shown}"
+    return 1.0, f"all {len(graded)} graded test(s) passed"
+
+
+def report(results: dict, fail_to_pass: list, pass_to_pass: list, rule: str = "swebench") -> dict:
+    """The ``swebench`` package's report shape. Under its rule a test succeeds when it passed or
+    failed as expected; anything else fails, a skip included (pytest's ``-rA`` names a skip by file
+    and line, not by node id, so the official grading never sees it). Under "passed" only a pass."""
+    good = (PASSED, XFAIL) if rule == "swebench" else (PASSED,)
+
+    def split(tests: list) -> dict:
+        ok = [t for t in tests if results.get(t, {}).get("outcome") in good]
+        return {"success": ok, "failure": [t for t in tests if t not in ok]}
+
+    return {
+        "FAIL_TO_PASS": split(fail_to_pass),
+        "PASS_TO_PASS": split(pass_to_pass),
+        "FAIL_TO_FAIL": {"success": [], "failure": []},
+        "PASS_TO_FAIL": {"success": [], "failure": []},
+    }
+
+
+def overlay(files: Path, app: Path, deleted: list) -> None:
+    for rel in deleted:
+        target = app / rel
+        if target.is_file() or target.is_symlink():
+            target.unlink()
+    if files.is_dir():
+        shutil.copytree(str(files), str(app), dirs_exist_ok=True, symlinks=True)
+
+
+def child_env(seed: str | None, pycache: str) -> dict:
+    """The test process's variables: no PYTHON* the sandbox or a caller set (a PYTHONPATH, a
+    PYTHONSTARTUP, a PYTHONHOME) but the hash seed; bytecode only under a fresh prefix, never written."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONNOUSERSITE="1", PYTHONPYCACHEPREFIX=pycache, PYTHONSAFEPATH="1")
+    if seed:
+        env["PYTHONHASHSEED"] = seed
+    return env
+
+
+def run_pytest(
+    app: Path, rootdir: Path, targets: list, logs: Path, timeout: float | None, seed: str | None, exempt: list
+) -> tuple[int, list, int]:
+    """Run the targets under pytest in a child: (exit code or TIMED_OUT, verified records, forged lines)."""
+    work = Path(tempfile.mkdtemp(prefix="verdicts-"))
+    key, records = os.urandom(32), work / "records"
+    roots = [str(app / "src"), str(app)] if (app / "src").is_dir() else [str(app)]
+    argv = [sys.executable, "-s", "-c", BOOTSTRAP, str(Path(__file__).resolve()), os.pathsep.join(roots)]
+    argv += [",".join(exempt), "-rA", "-p", "no:cacheprovider", "-o", "junit_family=xunit1"]
+    argv += [f"--junitxml={logs / 'junit.xml'}", "--rootdir", str(rootdir), *targets]
+    log = logs / "test_output.txt"
+    stdin = (key.hex() + " " + str(records) + "\n").encode("ascii")
+    try:
+        with log.open("w") as f:
+            f.write(START + "\n")
+            f.flush()
+            try:
+                code = subprocess.run(
+                    argv,
+                    cwd=str(app),
+                    env=child_env(seed, str(work / "pycache")),
+                    input=stdin,
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                    timeout=timeout,
+                ).returncode
+            except subprocess.TimeoutExpired:
+                code = TIMED_OUT
+                f.write("\n>>>>> Tests Timed Out\n")
+            f.write(f"\n{END}\n")
+        end_strays()
+        found, forged = read_records(records, key)
+    finally:
+        shutil.rmtree(str(work), ignore_errors=True)
+    sys.stdout.write(log.read_text(errors="replace")[-20000:])
+    return code, found, forged
+
+
+def end_strays() -> None:
+    """Kill every process the tests left running, so that nothing writes after the verifier reads
+    the results; only inside the sandbox's own PID namespace (SANDBOX_PID_NAMESPACE=1), where
+    everything but PID 1, this process and its parents was started by the tests."""
+    if os.environ.get("SANDBOX_PID_NAMESPACE") != "1":
+        return
+    keep, pid = {1}, os.getpid()
+    while pid > 1:
+        keep.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) not in keep:
+            try:
+                os.kill(int(entry), 9)
+            except OSError:
+                pass
+
+
+def clear_outputs(logs: Path) -> None:
+    """Remove the outputs the tests may have planted where this verifier writes its own (a
+    reward.json it never writes is left for the grader to find and refuse)."""
+    logs.chmod(0o755)
+    for name in ("reward.txt", "report.json", "verdicts.json"):
+        entry = logs / name
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(str(entry))
+        elif entry.is_symlink() or entry.exists():
+            entry.unlink()
+
+
+def main(argv: list | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--app", type=Path, default=Path("/app"))
+    p.add_argument("--tests", type=Path, default=Path("/tests"))
+    p.add_argument("--logs", type=Path, default=Path("/logs/verifier"))
+    p.add_argument("--outcomes", type=Path, help="write every test's outcome here (the miner's runs)")
+    p.add_argument("--timeout", type=float, default=None)
+    p.add_argument(
+        "--hash-seed", help="PYTHONHASHSEED for the run (the miner varies it to expose order-dependent tests)"
+    )
+    args = p.parse_args(argv)
+    args.app, args.tests, args.logs = (x.absolute() for x in (args.app, args.tests, args.logs))
+    config_path = args.tests / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else None
+    args.logs.mkdir(parents=True, exist_ok=True)
+    if config is not None:
+        overlay(args.tests / "files", args.app, config.get("deleted", []))
+        rootdir, targets, exempt = args.app, list(config["test_files"]), list(config.get("own_stdlib_names", []))
+    else:
+        rootdir, targets, exempt = args.tests, [str(args.tests)], []
+    code, records, forged = run_pytest(args.app, rootdir, targets, args.logs, args.timeout, args.hash_seed, exempt)
+    clear_outputs(args.logs)
+    folded = fold(records)
+    if args.outcomes is not None:
+        errors = {nid.split("::")[0]: m for nid, m in folded["collection_errors"].items()}
+        outcomes = {"tests": folded["tests"], "collection_errors": errors, "timed_out": code == TIMED_OUT}
+        args.outcomes.write_text(json.dumps(outcomes, indent=1, sort_keys=True))
+        return 0
+    rule = config.get("rule", "passed") if config is not None else "passed"
+    if rule not in RULES:
+        raise SystemExit(f"config.json rule {rule!r}; accepted: {', '.join(RULES)}")
+    if config is not None:
+        graded = list(config["fail_to_pass"]) + list(config["pass_to_pass"])
+    else:
+        graded = list(folded["collected"]) + list(folded["deselected"])
+    verdicts = {
+        "format": FORMAT,
+        "mode": "repository" if config is not None else "suite",
+        "rule": rule,
+        "complete": folded["complete"],
+        "forged": forged,
+        "graded": graded,
+        "tests": folded["tests"],
+        "collection_errors": folded["collection_errors"],
+        "deselected": folded["deselected"],
+        "exit_status": folded["exit_status"],
+        "timed_out": code == TIMED_OUT,
+    }
+    verdicts["reward"], verdicts["why"] = decide(verdicts)
+    (args.logs / "verdicts.json").write_text(json.dumps(verdicts, indent=1))
+    if config is not None:
+        rep = report(folded["tests"], config["fail_to_pass"], config["pass_to_pass"], rule)
+        (args.logs / "report.json").write_text(json.dumps(rep, indent=1))
+    (args.logs / "reward.txt").write_text("1\n" if verdicts["reward"] == 1.0 else "0\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
