@@ -3,5 +3,5 @@
 # (per-test verdicts: the reward) and reward.txt (1 iff every graded test passed).
 mkdir -p /logs/verifier
 cd /app || { echo 0 > /logs/verifier/reward.txt; exit 0; }
-python3 -I /tests/run_tests.py || echo 0 > /logs/verifier/reward.txt
+python3 -I -S /tests/run_tests.py || echo 0 > /logs/verifier/reward.txt
 exit 0

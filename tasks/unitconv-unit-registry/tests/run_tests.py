@@ -32,8 +32,8 @@ namespace), removes outputs the tests planted, and writes under /logs/verifier:
   (outcomes: passed, failed, skipped, xfail, xpass); the grader reads this file, not reward.txt;
 - ``reward.txt`` (Harbor's contract): 1 iff `decide` says so;
 - repository mode: ``report.json`` in the shape of the ``swebench`` package's
-  ``get_eval_tests_report``; ``test_output.txt`` (the ``-rA`` log between SWE-bench's markers) and
-  pytest's ``junit.xml`` (xunit1) in both modes, for people (the reward never reads them).
+  ``get_eval_tests_report``; ``test_output.txt``, pytest's log between SWE-bench's markers (``-rA``
+  in repository mode, which SWE-bench's log parser reads), for people (the reward never reads it).
 
 Rules (`decide`): "passed" (every task but imported ones): every graded test passed, at least one
 graded, the session complete, nothing forged, and in suite mode no collection error or deselection.
@@ -46,15 +46,12 @@ that failed to import, and skips the report), so a task is graded by the same co
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import hmac
 import json
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 FORMAT = "composer-jax-verdicts/1"  # the grader recognises this verifier by this line
@@ -152,8 +149,9 @@ class StdlibGuard:
 
 
 def start_test_process(roots: str, exempt: str, args: list) -> int:
-    """The child's body (called by BOOTSTRAP): read the key and record path from stdin, load the
-    reporter, put the workspace roots after everything else, run pytest with the reporter."""
+    """The child's body (called by BOOTSTRAP): read the key and the record path from stdin, load the
+    reporter, put the workspace roots after everything else, and run pytest with the reporter. No
+    bytecode is written (the verifier removed the tree's before the run: see `drop_bytecode`)."""
     key_hex, path = sys.stdin.buffer.readline().decode("ascii").split()
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -165,6 +163,7 @@ def start_test_process(roots: str, exempt: str, args: list) -> int:
     bases = (sys.base_prefix, sys.base_exec_prefix)
     stdlib = [p for p in sys.path if p.startswith(bases) and os.path.basename(p) not in ("site-packages", "dist-packages")]
     sys.meta_path.insert(0, StdlibGuard(stdlib, set(filter(None, exempt.split(",")))))
+    sys.dont_write_bytecode = True
     sys.path.extend(r for r in roots.split(os.pathsep) if r)
     os.environ["PYTHONPATH"] = roots  # the tests' own subprocesses
     return int(pytest.main(args, plugins=[reporter]))
@@ -295,26 +294,57 @@ def overlay(files: Path, app: Path, deleted: list) -> None:
         shutil.copytree(str(files), str(app), dirs_exist_ok=True, symlinks=True)
 
 
-def child_env(seed: str | None, pycache: str) -> dict:
+def drop_bytecode(root: Path) -> int:
+    """Remove every `__pycache__` folder and `.pyc` / `.pyo` file under `root` (not following links),
+    so the interpreter reads no bytecode from the tree: a grade's copy carries none from the
+    workspace (sandbox/snapshot.py), and this holds for any copy, a Harbor container's included.
+    -> how many entries went."""
+    gone = 0
+    for dirpath, dirnames, filenames in os.walk(str(root)):
+        for d in [d for d in dirnames if d == "__pycache__"]:
+            shutil.rmtree(os.path.join(dirpath, d), ignore_errors=True)
+            dirnames.remove(d)
+            gone += 1
+        for f in filenames:
+            if f.endswith((".pyc", ".pyo")):
+                try:
+                    os.unlink(os.path.join(dirpath, f))
+                    gone += 1
+                except OSError:
+                    pass
+    return gone
+
+
+def child_env(seed: str | None) -> dict:
     """The test process's variables: no PYTHON* the sandbox or a caller set (a PYTHONPATH, a
-    PYTHONSTARTUP, a PYTHONHOME) but the hash seed; bytecode only under a fresh prefix, never written."""
+    PYTHONSTARTUP, a PYTHONHOME) but the hash seed; no bytecode written (see start_test_process)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-    env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONNOUSERSITE="1", PYTHONPYCACHEPREFIX=pycache, PYTHONSAFEPATH="1")
+    env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONNOUSERSITE="1", PYTHONSAFEPATH="1")
     if seed:
         env["PYTHONHASHSEED"] = seed
     return env
 
 
 def run_pytest(
-    app: Path, rootdir: Path, targets: list, logs: Path, timeout: float | None, seed: str | None, exempt: list
+    app: Path,
+    rootdir: Path,
+    targets: list,
+    logs: Path,
+    timeout: float | None,
+    seed: str | None,
+    exempt: list,
+    summary: bool,
 ) -> tuple[int, list, int]:
     """Run the targets under pytest in a child: (exit code or TIMED_OUT, verified records, forged lines)."""
+    import subprocess
+    import tempfile
+
     work = Path(tempfile.mkdtemp(prefix="verdicts-"))
     key, records = os.urandom(32), work / "records"
     roots = [str(app / "src"), str(app)] if (app / "src").is_dir() else [str(app)]
     argv = [sys.executable, "-s", "-c", BOOTSTRAP, str(Path(__file__).resolve()), os.pathsep.join(roots)]
-    argv += [",".join(exempt), "-rA", "-p", "no:cacheprovider", "-o", "junit_family=xunit1"]
-    argv += [f"--junitxml={logs / 'junit.xml'}", "--rootdir", str(rootdir), *targets]
+    argv += [",".join(exempt), "-rA" if summary else "-q", "-p", "no:cacheprovider", "--rootdir", str(rootdir)]
+    argv += targets
     log = logs / "test_output.txt"
     stdin = (key.hex() + " " + str(records) + "\n").encode("ascii")
     try:
@@ -325,7 +355,7 @@ def run_pytest(
                 code = subprocess.run(
                     argv,
                     cwd=str(app),
-                    env=child_env(seed, str(work / "pycache")),
+                    env=child_env(seed),
                     input=stdin,
                     stdout=f,
                     stderr=subprocess.STDOUT,
@@ -378,6 +408,8 @@ def clear_outputs(logs: Path) -> None:
 
 
 def main(argv: list | None = None) -> int:
+    import argparse
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--app", type=Path, default=Path("/app"))
     p.add_argument("--tests", type=Path, default=Path("/tests"))
@@ -397,7 +429,10 @@ def main(argv: list | None = None) -> int:
         rootdir, targets, exempt = args.app, list(config["test_files"]), list(config.get("own_stdlib_names", []))
     else:
         rootdir, targets, exempt = args.tests, [str(args.tests)], []
-    code, records, forged = run_pytest(args.app, rootdir, targets, args.logs, args.timeout, args.hash_seed, exempt)
+    drop_bytecode(args.app)
+    code, records, forged = run_pytest(
+        args.app, rootdir, targets, args.logs, args.timeout, args.hash_seed, exempt, summary=config is not None
+    )
     clear_outputs(args.logs)
     folded = fold(records)
     if args.outcomes is not None:

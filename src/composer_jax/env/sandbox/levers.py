@@ -91,7 +91,7 @@ def _subscript_key(node: ast.Subscript) -> str | None:
 
 
 def _join(quals: list[str], attr: str) -> list[str]:
-    return [q + "." + attr for q in quals][:_MAX_QUALS]
+    return [q + "." + attr for q in quals if len(q) + len(attr) < 300][:_MAX_QUALS]
 
 
 def _is_main_guard(node: ast.AST) -> bool:
@@ -246,12 +246,8 @@ class _Scanner:
 
     def _reference(self, node: ast.AST, qs: list[str], attr: str | None, store: bool) -> tuple[str, str] | None:
         """The lever of a name, attribute, subscript or getattr/import call that resolves to `qs`."""
-        attrs = {attr} if attr else set()
-        if isinstance(node, ast.Name):
-            attrs = {q.rsplit(".", 1)[1] for q in qs if "." in q and not q.startswith("<local>.")}
-            if node.id == "__builtins__":
-                return "builtins", "__builtins__"
-        if attr == "__builtins__":
+        attrs = {attr} if attr else set()  # names match receiver-agnostic attributes only through their quals
+        if attr == "__builtins__" or (isinstance(node, ast.Name) and node.id == "__builtins__"):
             return "builtins", "__builtins__"
         for q in qs:
             if q in _EXIT or _under(q, "atexit"):
@@ -279,7 +275,9 @@ class _Scanner:
             if skip and self._runner(q):
                 return "skip", skip
         for q in qs:
-            if q in _INTRO or _under(q, "sys.monitoring") or _top(q) in ("ctypes", "_ctypes"):
+            if _top(q) in ("ctypes", "_ctypes"):
+                return "introspection", _top(q)
+            if q in _INTRO or _under(q, "sys.monitoring"):
                 return "introspection", ".".join(q.split(".")[:2])
         for a in sorted(attrs & _INTRO_ATTRS):
             return "introspection", a

@@ -75,7 +75,7 @@ def test_sh(timeout_s: float | None = None) -> str:
         "# (per-test verdicts: the reward) and reward.txt (1 iff every graded test passed).\n"
         "mkdir -p /logs/verifier\n"
         "cd /app || { echo 0 > /logs/verifier/reward.txt; exit 0; }\n"
-        f"python3 -I /tests/{VERIFIER_NAME}{limit} || echo 0 > /logs/verifier/reward.txt\n"
+        f"python3 -I -S /tests/{VERIFIER_NAME}{limit} || echo 0 > /logs/verifier/reward.txt\n"
         "exit 0\n"
     )
 
