@@ -319,7 +319,7 @@ def child_env(seed: str | None) -> dict:
     """The test process's variables: no PYTHON* the sandbox or a caller set (a PYTHONPATH, a
     PYTHONSTARTUP, a PYTHONHOME) but the hash seed; no bytecode written (see start_test_process)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-    env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONNOUSERSITE="1", PYTHONSAFEPATH="1")
+    env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONNOUSERSITE="1")  # (no PYTHONSAFEPATH: the tests' own `python -m` need their cwd)
     if seed:
         env["PYTHONHASHSEED"] = seed
     return env

@@ -8,6 +8,8 @@ import re
 import tomllib
 
 import pytest
+
+from composer_jax.env.tasks.families.base import TEST_SH, VERIFIER_SOURCE
 from support import harbor_oracle
 from support.bwrap import needs_bwrap
 
@@ -37,9 +39,9 @@ def test_task_layout(task):
     assert (task / "environment" / "Dockerfile").read_text().startswith("FROM ")
     app_py = list((task / "environment" / "app").rglob("*.py"))
     assert len(app_py) >= 2, "workspace should be a small multi-file package"
-    test_sh = (task / "tests" / "test.sh").read_text()
-    assert "--junitxml=/logs/verifier/junit.xml" in test_sh and "-p no:cacheprovider" in test_sh
-    assert "/logs/verifier/reward.txt" in test_sh
+    # the project's verifier (tasks/verifier.py, per-test verdicts), as written by `write_verifier`
+    assert (task / "tests" / "test.sh").read_text() == TEST_SH
+    assert (task / "tests" / "run_tests.py").read_text() == VERIFIER_SOURCE
     assert list((task / "tests").glob("test_*.py"))
     assert (task / "solution" / "solve.sh").is_file()
     for path in task.rglob("*"):

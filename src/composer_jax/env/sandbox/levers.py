@@ -246,7 +246,7 @@ class _Scanner:
 
     def _reference(self, node: ast.AST, qs: list[str], attr: str | None, store: bool) -> tuple[str, str] | None:
         """The lever of a name, attribute, subscript or getattr/import call that resolves to `qs`."""
-        attrs = {attr} if attr else set()  # names match receiver-agnostic attributes only through their quals
+        attrs = {attr} if attr else set()  # a bare name matches by qual only: `x = f.f_back` is flagged where bound
         if attr == "__builtins__" or (isinstance(node, ast.Name) and node.id == "__builtins__"):
             return "builtins", "__builtins__"
         for q in qs:
@@ -259,6 +259,9 @@ class _Scanner:
             if parts[0] in _BUILTINS and len(parts) > 1:
                 if store or parts[1] in ("__dict__", "__setattr__", "__delattr__"):
                     return "builtins", "builtins." + parts[1]
+        for q in qs:  # rebinding the runner's own names from code under test: sys.modules["pytest"].main = ...
+            if store and "." in q and _top(q) in ("pytest", "_pytest", "pluggy", "unittest") and self._runner(q):
+                return "runner-import", "patch " + q
         if isinstance(node, ast.Subscript) and store:
             for base in self.quals(node.value):
                 if base in _MUTATORS:
