@@ -59,7 +59,8 @@ START, END = ">>>>> Start Test Output", ">>>>> End Test Output"
 PASSED, FAILED, SKIPPED, XFAIL, XPASS = "passed", "failed", "skipped", "xfail", "xpass"
 RULES = ("passed", "swebench")
 TIMED_OUT = -1
-MODULE_NAME = "composer_jax_verdicts"  # the name the reporter is loaded under in the test process
+MODULE_NAME = "composer_jax_verdicts"
+UNFINISHED = "the test did not finish (no call phase reported)"  # the name the reporter is loaded under in the test process
 
 
 # ---- in the test process ------------------------------------------------------------------------
@@ -237,7 +238,7 @@ def fold(records: list[dict]) -> dict:
             prefix = "" if when == "call" else f"error in {when}: "
             verdict = {"outcome": FAILED, "message": prefix + failed[0].get("message", "")}
         elif decisive is None:
-            verdict = {"outcome": FAILED, "message": "the test did not finish (no call phase reported)"}
+            verdict = {"outcome": FAILED, "message": UNFINISHED}
         elif decisive.get("outcome") == "skipped":
             verdict = {"outcome": XFAIL if decisive.get("xfail") else SKIPPED, "message": decisive.get("message", "")}
         else:
@@ -437,7 +438,10 @@ def main(argv: list | None = None) -> int:
     folded = fold(records)
     if args.outcomes is not None:
         errors = {nid.split("::")[0]: m for nid, m in folded["collection_errors"].items()}
-        outcomes = {"tests": folded["tests"], "collection_errors": errors, "timed_out": code == TIMED_OUT}
+        # a test the run never finished (it hung until the time limit, or the process left) is
+        # absent for the miner, not failed: a run cut off at its limit decides nothing about it
+        finished = {n: v for n, v in folded["tests"].items() if v["message"] != UNFINISHED}
+        outcomes = {"tests": finished, "collection_errors": errors, "timed_out": code == TIMED_OUT}
         args.outcomes.write_text(json.dumps(outcomes, indent=1, sort_keys=True))
         return 0
     rule = config.get("rule", "passed") if config is not None else "passed"

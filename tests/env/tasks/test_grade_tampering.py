@@ -149,7 +149,7 @@ LEVERS: dict[str, tuple[str, dict, str, tuple | None]] = {
     "sys.exit at import": ("import sys\nsys.exit(0)\n", {}, "", ("exit-at-import",)),
     "atexit report rewrite": ("import atexit\natexit.register(print)\n", {}, "", ("exit",)),
     "sys.modules['pytest'] patched": (
-        'import sys\nsys.modules["pytest"].main = lambda *a, **k: 0\n', {}, "", ("import-system",)
+        'import sys\nsys.modules["pytest"].main = lambda *a, **k: 0\n', {}, "", ("import-system", "runner-import")
     ),
     "runner objects through gc": (
         "import gc\n[o for o in gc.get_objects() if type(o).__name__ == 'TestReport']\n",
@@ -332,7 +332,7 @@ def test_a_verifier_this_project_did_not_write_keeps_the_shadow_rule(http):
 
 @pytest.mark.sandbox
 def test_a_declared_test_configuration_is_carried(tmp_path):
-    """todo-ci-repair declares its pyproject.toml code under test (task.toml [verifier]
+    """todo-ci-repair declares its pyproject.toml code under test (task.toml [metadata]
     code_under_test): the carrier is told so; other tasks carry no pytest configuration."""
     from composer_jax.env.tasks.store import load_task
 

@@ -58,8 +58,8 @@ class TaskConfig:
     # [verifier] pytest_plugins: the plugins the tests need, loaded by name (PYTEST_PLUGINS); no
     # other plugin is autoloaded into a verifier's pytest (tasks/tampering.py).
     pytest_plugins: tuple[str, ...] = ()
-    # [verifier] code_under_test: glob patterns (relative to /app) of test-infrastructure files that
-    # are the task's subject (a CI repair's pytest configuration, a tests task's conftest.py): a
+    # [metadata] code_under_test (metadata: Harbor's TaskConfig takes no unknown [verifier] key): glob
+    # patterns (relative to /app) of test-infrastructure files that are the task's subject (a CI repair's pytest configuration, a tests task's conftest.py): a
     # grade carries the agent's edits of these; of other such files it never does (sandbox/snapshot.py).
     code_under_test: tuple[str, ...] = ()
     # [environment] python / requirements / requirements_file / install_app (pyenv.py); None: none.
@@ -149,10 +149,10 @@ def parse_task_config(data: dict[str, Any], where: str, root: Path | None = None
         )
     modules = _modules(sections["verifier"], "python_modules", where, '["pytest", "numpy"]')
     plugins = _modules(sections["verifier"], "pytest_plugins", where, '["pytest_asyncio.plugin"]')
-    carried = sections["verifier"].get("code_under_test", [])
+    carried = sections["metadata"].get("code_under_test", [])
     if not isinstance(carried, list) or not all(_relative_glob(g) for g in carried):
         raise TaskError(
-            f"{where}: [verifier] code_under_test = {carried!r} must be a list of glob patterns relative to "
+            f"{where}: [metadata] code_under_test = {carried!r} must be a list of glob patterns relative to "
             'the workspace, such as ["pyproject.toml", "tests/conftest.py"] (no leading "/" or "..")'
         )
     return TaskConfig(
