@@ -113,7 +113,9 @@ def main() -> None:
         print(json.dumps(worker(args.worker, args.rounds, args.scratch)))
         return
     before_tree = Path(tempfile.mkdtemp(prefix="grade-cost-before-")) / "tree"
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(before_tree), args.before], check=True)
+    subprocess.run(
+        ["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(before_tree), args.before], check=True
+    )
     try:
         sides = {"before": before_tree, "after": ROOT}
         merged: dict[str, dict[str, list[float]]] = {s: {} for s in sides}
@@ -127,7 +129,7 @@ def main() -> None:
                 if line.startswith("model name")), "unknown CPU")  # fmt: skip
     print(f"grade wall time, median of {args.rounds * args.repeats} per cell; {os.cpu_count()} cores, {cpu}")
     print(f"before = {args.before}, after = the working tree")
-    print(f"| task | before (s) | after (s) | after / before |\n|---|---|---|---|")
+    print("| task | before (s) | after (s) | after / before |\n|---|---|---|---|")
     for label in merged["after"]:
         b, a = statistics.median(merged["before"][label]), statistics.median(merged["after"][label])
         print(f"| {label} | {b:.2f} | {a:.2f} | {a / b:.2f} |")

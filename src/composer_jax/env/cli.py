@@ -361,12 +361,13 @@ _ENV_USAGE = (
     "       composer-jax env generate FAMILY [--seeds N|A:B] --out DIR\n"
     "       composer-jax env mine REPO --out DIR [--rev-range R] [--since D] [--until D] [--max-tasks N] ...\n"
     "       composer-jax env import-swebench INSTANCES.jsonl --repos DIR --out DIR\n"
-    "       composer-jax env build DIR [--env-cache DIR] [--wheelhouse DIR | --index-url URL]"
+    "       composer-jax env build DIR [--env-cache DIR] [--wheelhouse DIR | --index-url URL]\n"
+    "       composer-jax env upgrade-verifier DIR [DIR ...]"
 )
 
 
 def env_main(argv: list[str]) -> int:
-    """`composer-jax env SUBCOMMAND`: validate, generate, build, mine or import-swebench."""
+    """`composer-jax env SUBCOMMAND`: validate, generate, build, mine, import-swebench or upgrade-verifier."""
     if not argv or argv[0] in ("-h", "--help"):
         print(_ENV_USAGE)
         return 0 if argv else 2
@@ -374,7 +375,13 @@ def env_main(argv: list[str]) -> int:
         from composer_jax.env.mining.cli import env_subcommand
 
         return env_subcommand(argv)
+    from composer_jax.env.tasks.upgrade import upgrade_main
+
     subcommands = {"validate": validate_main, "generate": generate_main, "build": build_main}
+    subcommands["upgrade-verifier"] = upgrade_main
     if argv[0] not in subcommands:
-        raise UsageError(f"unknown subcommand {argv[0]!r}; accepted: validate, generate, build, mine, import-swebench")
+        raise UsageError(
+            f"unknown subcommand {argv[0]!r}; accepted: validate, generate, build, mine, import-swebench, "
+            "upgrade-verifier"
+        )
     return subcommands[argv[0]](argv[1:])

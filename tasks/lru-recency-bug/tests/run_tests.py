@@ -60,7 +60,9 @@ PASSED, FAILED, SKIPPED, XFAIL, XPASS = "passed", "failed", "skipped", "xfail", 
 RULES = ("passed", "swebench")
 TIMED_OUT = -1
 MODULE_NAME = "composer_jax_verdicts"
-UNFINISHED = "the test did not finish (no call phase reported)"  # the name the reporter is loaded under in the test process
+UNFINISHED = (
+    "the test did not finish (no call phase reported)"  # the name the reporter is loaded under in the test process
+)
 
 
 # ---- in the test process ------------------------------------------------------------------------
@@ -162,7 +164,9 @@ def start_test_process(roots: str, exempt: str, args: list) -> int:
     reporter = Reporter(path, bytes.fromhex(key_hex))
     del key_hex
     bases = (sys.base_prefix, sys.base_exec_prefix)
-    stdlib = [p for p in sys.path if p.startswith(bases) and os.path.basename(p) not in ("site-packages", "dist-packages")]
+    stdlib = [
+        p for p in sys.path if p.startswith(bases) and os.path.basename(p) not in ("site-packages", "dist-packages")
+    ]
     sys.meta_path.insert(0, StdlibGuard(stdlib, set(filter(None, exempt.split(",")))))
     sys.dont_write_bytecode = True
     sys.path.extend(r for r in roots.split(os.pathsep) if r)
@@ -188,7 +192,8 @@ BOOTSTRAP = (
 
 def read_records(path: Path, key: bytes) -> tuple[list[dict], int]:
     """(the records whose signature and number check out, in order; how many lines did not)."""
-    good, forged = [], 0
+    good: list = []
+    forged = 0
     try:
         data = path.read_bytes()
     except OSError:
@@ -232,7 +237,9 @@ def fold(records: list[dict]) -> dict:
     tests = {}
     for nid, seen in phases.items():
         failed = [seen[w] for w in ("setup", "call", "teardown") if w in seen and seen[w].get("outcome") == "failed"]
-        decisive = seen.get("call") or (seen.get("setup") if seen.get("setup", {}).get("outcome") == "skipped" else None)
+        decisive = seen.get("call") or (
+            seen.get("setup") if seen.get("setup", {}).get("outcome") == "skipped" else None
+        )
         if failed:
             when = failed[0].get("when")
             prefix = "" if when == "call" else f"error in {when}: "
@@ -286,6 +293,21 @@ def report(results: dict, fail_to_pass: list, pass_to_pass: list, rule: str = "s
     }
 
 
+def own_stdlib_names(tree: Path) -> list:
+    """Top-level modules of the repository (at its root or under src/) named like standard-library
+    modules: code under test, which the verifier's import guard lets the workspace supply."""
+    stdlib = set(getattr(sys, "stdlib_module_names", ())) - {"test", "__future__"}
+    names = set()
+    for root in (tree, tree / "src"):
+        if not root.is_dir():
+            continue
+        for entry in root.iterdir():
+            name = entry.name[:-3] if entry.name.endswith(".py") else entry.name
+            if name in stdlib and (entry.suffix == ".py" or (entry / "__init__.py").is_file()):
+                names.add(name)
+    return sorted(names)
+
+
 def overlay(files: Path, app: Path, deleted: list) -> None:
     for rel in deleted:
         target = app / rel
@@ -320,7 +342,9 @@ def child_env(seed: str | None) -> dict:
     """The test process's variables: no PYTHON* the sandbox or a caller set (a PYTHONPATH, a
     PYTHONSTARTUP, a PYTHONHOME) but the hash seed; no bytecode written (see start_test_process)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-    env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONNOUSERSITE="1")  # (no PYTHONSAFEPATH: the tests' own `python -m` need their cwd)
+    env.update(
+        PYTHONDONTWRITEBYTECODE="1", PYTHONNOUSERSITE="1"
+    )  # (no PYTHONSAFEPATH: the tests' own `python -m` need their cwd)
     if seed:
         env["PYTHONHASHSEED"] = seed
     return env

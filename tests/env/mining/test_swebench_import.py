@@ -17,9 +17,9 @@ from support.bwrap import needs_bwrap
 from support.live_server import env_with_src
 
 from composer_jax.env.mining import swebench_import
-from composer_jax.env.tasks import verifier as swe_runner
 from composer_jax.env.mining.taskwrite import write_task
 from composer_jax.env.sandbox.runner import default_sandbox
+from composer_jax.env.tasks import verifier as swe_runner
 
 SWEBENCH = Path(sys.prefix) / "swebench"  # `make venv` installs the pinned package there (--no-deps)
 

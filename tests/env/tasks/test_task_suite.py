@@ -8,10 +8,10 @@ import re
 import tomllib
 
 import pytest
-
-from composer_jax.env.tasks.families.base import TEST_SH, VERIFIER_SOURCE
 from support import harbor_oracle
 from support.bwrap import needs_bwrap
+
+from composer_jax.env.tasks.families.base import TEST_SH, VERIFIER_SOURCE
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 TASKS = sorted(p for p in (ROOT / "tasks").iterdir() if p.is_dir()) if (ROOT / "tasks").is_dir() else []

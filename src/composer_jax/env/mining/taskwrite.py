@@ -16,13 +16,13 @@ import json
 import re
 import shlex
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
 from composer_jax.env.mining import gitrepo
-from composer_jax.env.tasks.families.base import write_verifier
+from composer_jax.env.tasks import verifier
 from composer_jax.env.tasks.envspec import EnvSpec
+from composer_jax.env.tasks.families.base import write_verifier
 
 CATEGORIES = ("bug fix", "feature", "refactor", "tests")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
@@ -190,21 +190,6 @@ def patched_paths(patch: bytes) -> list[str]:
     return paths
 
 
-def own_stdlib_names(tree: Path) -> list[str]:
-    """Top-level modules of the repository (at its root or under src/) named like standard-library
-    modules: code under test, which the verifier's import guard lets the workspace supply."""
-    stdlib = set(getattr(sys, "stdlib_module_names", ())) - {"test", "__future__"}
-    names = set()
-    for root in (tree, tree / "src"):
-        if not root.is_dir():
-            continue
-        for entry in root.iterdir():
-            name = entry.name[:-3] if entry.name.endswith(".py") else entry.name
-            if name in stdlib and (entry.suffix == ".py" or (entry / "__init__.py").is_file()):
-                names.add(name)
-    return sorted(names)
-
-
 def write_task(t: RepoTask, base_tree: Path, out_root: Path) -> Path:
     """Lay out `t` under `out_root/t.task_id` (replacing a partial earlier write) and return it."""
     root = out_root / t.task_id
@@ -242,7 +227,7 @@ def write_task(t: RepoTask, base_tree: Path, out_root: Path) -> Path:
         "fail_to_pass": t.fail_to_pass,
         "pass_to_pass": t.pass_to_pass,
         "rule": "swebench" if t.source == "swebench" else "passed",
-        "own_stdlib_names": own_stdlib_names(base_tree),
+        "own_stdlib_names": verifier.own_stdlib_names(base_tree),
     }
     (tests / "config.json").write_text(json.dumps(config, indent=1))
     write_verifier(tests, max(10.0, t.verifier_timeout_s - 10))

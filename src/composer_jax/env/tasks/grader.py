@@ -313,9 +313,7 @@ async def grade(
         if job.levers:
             tampering = tampering_mod.lever_entries(job.levers)
             return _failed(job, start, environment, tampering_mod.tampering_error(tampering), tampering)
-        result, reward, details, error, tests, tampering = await _verify(
-            task, lease, job, limits, env_mounts, env_vars
-        )
+        result, reward, details, error, tests, tampering = await _verify(task, lease, job, limits, env_mounts, env_vars)
     finally:
         await asyncio.to_thread(release_job, job.app)
     if tampering:

@@ -59,8 +59,9 @@ class TaskConfig:
     # other plugin is autoloaded into a verifier's pytest (tasks/tampering.py).
     pytest_plugins: tuple[str, ...] = ()
     # [metadata] code_under_test (metadata: Harbor's TaskConfig takes no unknown [verifier] key): glob
-    # patterns (relative to /app) of test-infrastructure files that are the task's subject (a CI repair's pytest configuration, a tests task's conftest.py): a
-    # grade carries the agent's edits of these; of other such files it never does (sandbox/snapshot.py).
+    # patterns (relative to /app) of test-infrastructure files that are the task's subject (a CI
+    # repair's pytest configuration, a tests task's conftest.py): a grade carries the agent's edits
+    # of these; of other such files it never does (sandbox/snapshot.py).
     code_under_test: tuple[str, ...] = ()
     # [environment] python / requirements / requirements_file / install_app (pyenv.py); None: none.
     environment: EnvSpec | None = None
