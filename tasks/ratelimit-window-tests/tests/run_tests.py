@@ -97,6 +97,8 @@ class Reporter:
     def pytest_collectreport(self, report) -> None:
         if report.failed:
             self._emit({"kind": "collect-error", "id": report.nodeid, "message": _message(report)})
+        elif report.skipped:  # a module skipped whole at import: its tests never become items
+            self._emit({"kind": "collect-skip", "id": report.nodeid, "message": str(report.longrepr)[-200:]})
 
     def pytest_deselected(self, items) -> None:
         self._emit({"kind": "deselected", "ids": [item.nodeid for item in items]})
@@ -133,18 +135,23 @@ def _stdlib_names(stdlib_dirs: list) -> set:
 
 class StdlibGuard:
     """A meta path finder, first in sys.meta_path: a top-level standard-library name is looked up in
-    the standard library's own directories only, so a workspace module cannot shadow it."""
+    the standard library's own directories only, so a workspace module cannot shadow it; a name the
+    task's own repository holds (`own`, config.json own_stdlib_names) is looked up in the workspace
+    roots first, as code under test. (A module the runner imported before the tests, e.g.
+    `statistics`, stays the one in sys.modules either way.)"""
 
-    def __init__(self, stdlib_dirs: list, exempt: set):
+    def __init__(self, stdlib_dirs: list, own: set, roots: list):
         import importlib.machinery
 
         self._find = importlib.machinery.PathFinder.find_spec
-        self._dirs = list(stdlib_dirs)
-        self._names = _stdlib_names(self._dirs) - set(exempt)
+        self._dirs, self._roots, self._own = list(stdlib_dirs), list(roots), set(own)
+        self._names = _stdlib_names(self._dirs)
 
     def find_spec(self, name, path=None, target=None):
         if path is not None or name not in self._names or name in sys.builtin_module_names:
             return None
+        if name in self._own:
+            return self._find(name, self._roots)
         return self._find(name, self._dirs)
 
     def invalidate_caches(self) -> None:
@@ -167,9 +174,10 @@ def start_test_process(roots: str, exempt: str, args: list) -> int:
     stdlib = [
         p for p in sys.path if p.startswith(bases) and os.path.basename(p) not in ("site-packages", "dist-packages")
     ]
-    sys.meta_path.insert(0, StdlibGuard(stdlib, set(filter(None, exempt.split(",")))))
+    workspace = [r for r in roots.split(os.pathsep) if r]
+    sys.meta_path.insert(0, StdlibGuard(stdlib, set(filter(None, exempt.split(","))), workspace))
     sys.dont_write_bytecode = True
-    sys.path.extend(r for r in roots.split(os.pathsep) if r)
+    sys.path.extend(workspace)
     os.environ["PYTHONPATH"] = roots  # the tests' own subprocesses
     return int(pytest.main(args, plugins=[reporter]))
 
@@ -230,6 +238,8 @@ def fold(records: list[dict]) -> dict:
             out["deselected"] += list(r.get("ids", []))
         elif kind == "collect-error":
             out["collection_errors"][r.get("id", "")] = r.get("message", "")
+        elif kind == "collect-skip":
+            out["collection_errors"][r.get("id", "")] = "skipped at collection: " + r.get("message", "")
         elif kind == "finish":
             out["complete"], out["exit_status"] = True, r.get("exit_status")
         elif kind == "report":
