@@ -14,10 +14,10 @@ Two modes, by whether ``/tests/config.json`` exists:
 The reward reads **per-test verdicts, never pytest's exit status**. The test process is a child
 (``python3 -s -c BOOTSTRAP``) that imports pytest and this file's `Reporter` before any workspace
 path is on ``sys.path``; the workspace roots are then appended after the standard library and the
-runner, and an import guard (`StdlibGuard`) resolves every standard-library name from the standard
-library only, so nothing in /app can stand in for ``xml``, ``unittest``, ``difflib``, ...
-(``config.json`` ``own_stdlib_names`` lists the task's own modules with such names, which stay code
-under test). The child reads no bytecode from the tree (a fresh ``PYTHONPYCACHEPREFIX``, no
+runner, and an import guard (`ImportGuard`) resolves every standard-library name from the standard
+library only and every installed name from the installed directories only, so nothing the change
+adds can stand in for ``xml``, ``unittest``, ``difflib``, pytest or a library the tests use
+(``config.json`` ``own_modules``: the repository's own module names, which stay code under test). The child reads no bytecode from the tree (a fresh ``PYTHONPYCACHEPREFIX``, no
 writes). The reporter writes one record per collection and test phase to a file, each line signed
 with HMAC-SHA256 under a key the verifier hands the child on its stdin (never on disk, argv or the
 environment), numbered in order; the verifier checks every line, so a record the tests forged,
@@ -133,36 +133,50 @@ def _stdlib_names(stdlib_dirs: list) -> set:
     return names - {"__main__", "test", "site-packages", "dist-packages"}
 
 
-class StdlibGuard:
-    """A meta path finder, first in sys.meta_path: a top-level standard-library name is looked up in
-    the standard library's own directories only, so a workspace module cannot shadow it; a name the
-    task's own repository holds (`own`, config.json own_stdlib_names) is looked up in the workspace
-    roots first, as code under test. (A module the runner imported before the tests, e.g.
-    `statistics`, stays the one in sys.modules either way.)"""
+class ImportGuard:
+    """A meta path finder, first in sys.meta_path, for top-level imports in the test process:
 
-    def __init__(self, stdlib_dirs: list, own: set, roots: list):
+    - a name the task's own repository defines (`own`: config.json `own_modules`) is looked up in the
+      workspace roots first (code under test, even when named like an installed or a
+      standard-library module), else as usual;
+    - a standard-library name is looked up in the standard library's directories only;
+    - any other name an installed distribution provides is looked up in the installed directories
+      only: a module the change adds cannot stand in for the runner or a library the tests use
+      (pytest's `prepend` import mode puts the test files' folders, in the workspace for a
+      repository task, first on sys.path);
+    - anything else goes the usual way (sys.path, where the workspace roots are last).
+
+    A module imported before the tests (the runner's, e.g. `statistics`) stays the one in
+    sys.modules either way."""
+
+    def __init__(self, stdlib_dirs: list, installed_dirs: list, roots: list, own: set):
         import importlib.machinery
 
         self._find = importlib.machinery.PathFinder.find_spec
-        self._dirs, self._roots, self._own = list(stdlib_dirs), list(roots), set(own)
-        self._names = _stdlib_names(self._dirs)
+        self._stdlib, self._installed = list(stdlib_dirs), list(installed_dirs)
+        self._roots, self._own = list(roots), set(own)
+        self._stdlib_names = _stdlib_names(self._stdlib)
 
     def find_spec(self, name, path=None, target=None):
-        if path is not None or name not in self._names or name in sys.builtin_module_names:
+        if path is not None or name in sys.builtin_module_names:
             return None
         if name in self._own:
             return self._find(name, self._roots)
-        return self._find(name, self._dirs)
+        if name in self._stdlib_names:
+            return self._find(name, self._stdlib)
+        return self._find(name, self._installed) if self._installed else None
 
     def invalidate_caches(self) -> None:
         pass
 
 
-def start_test_process(roots: str, exempt: str, args: list) -> int:
-    """The child's body (called by BOOTSTRAP): read the key and the record path from stdin, load the
-    reporter, put the workspace roots after everything else, and run pytest with the reporter. No
-    bytecode is written (the verifier removed the tree's before the run: see `drop_bytecode`)."""
+def start_test_process(roots: str, args: list) -> int:
+    """The child's body (called by BOOTSTRAP): read the key and the record path (line 1) and the
+    task's own module names (line 2, JSON) from stdin, load the reporter, guard imports
+    (`ImportGuard`), put the workspace roots after everything else, and run pytest with the
+    reporter. No bytecode is written (the verifier removed the tree's before the run: `drop_bytecode`)."""
     key_hex, path = sys.stdin.buffer.readline().decode("ascii").split()
+    own = set(json.loads(sys.stdin.buffer.readline() or b"[]"))
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
@@ -170,19 +184,20 @@ def start_test_process(roots: str, exempt: str, args: list) -> int:
 
     reporter = Reporter(path, bytes.fromhex(key_hex))
     del key_hex
-    bases = (sys.base_prefix, sys.base_exec_prefix)
-    stdlib = [
-        p for p in sys.path if p.startswith(bases) and os.path.basename(p) not in ("site-packages", "dist-packages")
-    ]
     workspace = [r for r in roots.split(os.pathsep) if r]
-    sys.meta_path.insert(0, StdlibGuard(stdlib, set(filter(None, exempt.split(","))), workspace))
+    inside = tuple(os.path.join(r, "") for r in workspace)
+    bases = (sys.base_prefix, sys.base_exec_prefix)
+    site_names = ("site-packages", "dist-packages")
+    stdlib = [p for p in sys.path if p.startswith(bases) and os.path.basename(p) not in site_names]
+    installed = [p for p in sys.path if p not in stdlib and not os.path.join(p, "").startswith(inside)]
+    sys.meta_path.insert(0, ImportGuard(stdlib, installed, workspace, own))
     sys.dont_write_bytecode = True
     sys.path.extend(workspace)
     os.environ["PYTHONPATH"] = roots  # the tests' own subprocesses
     return int(pytest.main(args, plugins=[reporter]))
 
 
-# Run by `python3 -s -c BOOTSTRAP VERIFIER ROOTS EXEMPT ARGS...`: drops the cwd entry, loads this file
+# Run by `python3 -s -c BOOTSTRAP VERIFIER ROOTS ARGS...`: drops the cwd entry, loads this file
 # under MODULE_NAME from its own path (trusted, outside the workspace), and hands over.
 BOOTSTRAP = (
     "import os, sys\n"
@@ -191,7 +206,7 @@ BOOTSTRAP = (
     f"spec = importlib.util.spec_from_file_location({MODULE_NAME!r}, sys.argv[1])\n"
     "mod = importlib.util.module_from_spec(spec)\n"
     "spec.loader.exec_module(mod)\n"
-    "sys.exit(mod.start_test_process(sys.argv[2], sys.argv[3], sys.argv[4:]))\n"
+    "sys.exit(mod.start_test_process(sys.argv[2], sys.argv[3:]))\n"
 )
 
 
@@ -303,18 +318,16 @@ def report(results: dict, fail_to_pass: list, pass_to_pass: list, rule: str = "s
     }
 
 
-def own_stdlib_names(tree: Path) -> list:
-    """Top-level modules of the repository (at its root or under src/) named like standard-library
-    modules: code under test, which the verifier's import guard lets the workspace supply."""
-    stdlib = set(getattr(sys, "stdlib_module_names", ())) - {"test", "__future__"}
+def own_modules(tree: Path) -> list:
+    """Every name the repository at `tree` could import a top-level module by (each `.py` file's stem,
+    each folder's name, outside hidden and cache folders): the task's own code, which the import
+    guard lets the workspace supply ahead of an installed or a standard-library module."""
     names = set()
-    for root in (tree, tree / "src"):
-        if not root.is_dir():
-            continue
-        for entry in root.iterdir():
-            name = entry.name[:-3] if entry.name.endswith(".py") else entry.name
-            if name in stdlib and (entry.suffix == ".py" or (entry / "__init__.py").is_file()):
-                names.add(name)
+    for dirpath, dirnames, filenames in os.walk(str(tree)):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
+        names.update(d for d in dirnames if d.isidentifier())
+        names.update(f[:-3] for f in filenames if f.endswith(".py") and f[:-3].isidentifier())
+    names.discard("__init__")
     return sorted(names)
 
 
@@ -367,7 +380,7 @@ def run_pytest(
     logs: Path,
     timeout: float | None,
     seed: str | None,
-    exempt: list,
+    own: list,
     summary: bool,
 ) -> tuple[int, list, int]:
     """Run the targets under pytest in a child: (exit code or TIMED_OUT, verified records, forged lines)."""
@@ -378,10 +391,10 @@ def run_pytest(
     key, records = os.urandom(32), work / "records"
     roots = [str(app / "src"), str(app)] if (app / "src").is_dir() else [str(app)]
     argv = [sys.executable, "-s", "-c", BOOTSTRAP, str(Path(__file__).resolve()), os.pathsep.join(roots)]
-    argv += [",".join(exempt), "-rA" if summary else "-q", "-p", "no:cacheprovider", "--rootdir", str(rootdir)]
+    argv += ["-rA" if summary else "-q", "-p", "no:cacheprovider", "--rootdir", str(rootdir)]
     argv += targets
     log = logs / "test_output.txt"
-    stdin = (key.hex() + " " + str(records) + "\n").encode("ascii")
+    stdin = (key.hex() + " " + str(records) + "\n" + json.dumps(sorted(own)) + "\n").encode("utf-8")
     try:
         with log.open("w") as f:
             f.write(START + "\n")
@@ -461,12 +474,12 @@ def main(argv: list | None = None) -> int:
     args.logs.mkdir(parents=True, exist_ok=True)
     if config is not None:
         overlay(args.tests / "files", args.app, config.get("deleted", []))
-        rootdir, targets, exempt = args.app, list(config["test_files"]), list(config.get("own_stdlib_names", []))
+        rootdir, targets, own = args.app, list(config["test_files"]), list(config.get("own_modules", []))
     else:
-        rootdir, targets, exempt = args.tests, [str(args.tests)], []
+        rootdir, targets, own = args.tests, [str(args.tests)], []
     drop_bytecode(args.app)
     code, records, forged = run_pytest(
-        args.app, rootdir, targets, args.logs, args.timeout, args.hash_seed, exempt, summary=config is not None
+        args.app, rootdir, targets, args.logs, args.timeout, args.hash_seed, own, summary=config is not None
     )
     clear_outputs(args.logs)
     folded = fold(records)

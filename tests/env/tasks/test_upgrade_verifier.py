@@ -41,7 +41,7 @@ def test_old_tasks_get_the_per_test_verifier(tmp_path, capsys):
     (tasks / "bundled" / "tests" / "test.sh").write_text(OLD_SUITE_SH)
     imported = repo_task(tmp_path, tasks, name="imported", instance_id="acme__calc-1", source="swebench")
     config = json.loads((imported / "tests" / "config.json").read_text())
-    old = {k: v for k, v in config.items() if k not in ("rule", "own_stdlib_names")}
+    old = {k: v for k, v in config.items() if k not in ("rule", "own_modules")}
     (imported / "tests" / "config.json").write_text(json.dumps(old))
     (imported / "tests" / "run_tests.py").write_text("# the verifier before issue 49\n")
     shutil.copytree(FIXTURE_TASKS / "fix-add", tasks / "fix-add")

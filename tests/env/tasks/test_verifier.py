@@ -105,8 +105,8 @@ def test_workspace_modules_cannot_shadow_the_standard_library(lru, tmp_path):
 
 
 def test_an_own_module_named_like_the_standard_library_stays_code_under_test(tmp_path):
-    """config.json own_stdlib_names: a repository whose package is named like a standard-library
-    module (a backport) is imported from the workspace."""
+    """config.json own_modules: a repository whose package is named like a standard-library module
+    (a backport) is imported from the workspace."""
     app, tests = tmp_path / "app", tmp_path / "tests"
     (app / "tests").mkdir(parents=True)
     (app / "colorsys.py").write_text("def rgb_to_hsv(*a):\n    return 'ours'\n")
@@ -115,11 +115,34 @@ def test_an_own_module_named_like_the_standard_library_stays_code_under_test(tmp
         "import colorsys\n\ndef test_hsv():\n    assert colorsys.rgb_to_hsv(1, 1, 1) == 'ours'\n"
     )
     config = {"test_files": ["tests/test_hsv.py"], "fail_to_pass": ["tests/test_hsv.py::test_hsv"]}
-    config |= {"pass_to_pass": [], "own_stdlib_names": ["colorsys"]}
+    config |= {"pass_to_pass": [], "own_modules": ["colorsys"]}
     (tests / "config.json").write_text(json.dumps(config))
     assert run(app, tests, tmp_path / "logs")["reward"] == 1.0
-    (tests / "config.json").write_text(json.dumps({**config, "own_stdlib_names": []}))
+    (tests / "config.json").write_text(json.dumps({**config, "own_modules": []}))
     assert run(app, tests, tmp_path / "logs2")["reward"] == 0.0  # the standard library's rgb_to_hsv
+
+
+def test_an_added_module_cannot_stand_in_for_a_library_the_tests_use(tmp_path):
+    """A repository task's tests live in the workspace, so pytest's prepend mode puts their folder
+    first on sys.path: a `numpy` package the change adds there would answer the tests' `import
+    numpy`. An installed name resolves from the installed directories."""
+    app, tests = tmp_path / "app", tmp_path / "tests"
+    (app / "pkg").mkdir(parents=True)
+    (app / "pkg" / "__init__.py").write_text("def ratio():\n    return 0.5\n")  # the bug: 2.0 is right
+    (tests / "files" / "tests").mkdir(parents=True)
+    (tests / "files" / "tests" / "test_ratio.py").write_text(
+        "import numpy.testing\nfrom pkg import ratio\n\n\ndef test_ratio():\n"
+        "    numpy.testing.assert_allclose(ratio(), 2.0)\n"
+    )
+    config = {"test_files": ["tests/test_ratio.py"], "fail_to_pass": ["tests/test_ratio.py::test_ratio"]}
+    (tests / "config.json").write_text(json.dumps({**config, "pass_to_pass": [], "own_modules": ["pkg", "tests"]}))
+    (app / "tests" / "numpy").mkdir(parents=True)
+    (app / "tests" / "numpy" / "__init__.py").write_text("from . import testing\n")
+    (app / "tests" / "numpy" / "testing.py").write_text("def assert_allclose(*a, **k):\n    pass\n")
+    v = run(app, tests, tmp_path / "logs")
+    assert v["reward"] == 0.0 and v["tests"]["tests/test_ratio.py::test_ratio"]["outcome"] == "failed", v["why"]
+    (app / "pkg" / "__init__.py").write_text("def ratio():\n    return 2.0\n")
+    assert run(app, tests, tmp_path / "logs2")["reward"] == 1.0
 
 
 EVERY_OUTCOME = """\

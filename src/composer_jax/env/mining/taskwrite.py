@@ -227,7 +227,7 @@ def write_task(t: RepoTask, base_tree: Path, out_root: Path) -> Path:
         "fail_to_pass": t.fail_to_pass,
         "pass_to_pass": t.pass_to_pass,
         "rule": "swebench" if t.source == "swebench" else "passed",
-        "own_stdlib_names": verifier.own_stdlib_names(base_tree),
+        "own_modules": verifier.own_modules(base_tree),
     }
     (tests / "config.json").write_text(json.dumps(config, indent=1))
     write_verifier(tests, max(10.0, t.verifier_timeout_s - 10))

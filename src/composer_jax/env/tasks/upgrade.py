@@ -4,7 +4,7 @@ per-test verifier (tasks/verifier.py) the current one, in place.
 A suite task (bundled or generated: its test.sh ran pytest on /tests itself and paid on the exit
 status) gets tests/test.sh + tests/run_tests.py; a repository task (mined or imported: tests/config.json
 and a tests/run_tests.py) gets the current run_tests.py, its test.sh keeps its time limit, and its
-config.json gains the status rule (SWE-bench's for an imported instance) and `own_stdlib_names`.
+config.json gains the status rule (SWE-bench's for an imported instance) and `own_modules`.
 A task whose verifier this project did not write is left alone and named. Until upgraded, such a
 task is graded from its reward.txt (grader.py), without per-test verdicts.
 """
@@ -45,7 +45,7 @@ def upgrade_task(task: Path) -> str:
             meta = {}
         wanted = {
             "rule": config.get("rule", "swebench" if meta.get("source") == "swebench" else "passed"),
-            "own_stdlib_names": config.get("own_stdlib_names", verifier.own_stdlib_names(task / "environment" / "app")),
+            "own_modules": config.get("own_modules", verifier.own_modules(task / "environment" / "app")),
         }
         current = (tests / "run_tests.py").read_text() == VERIFIER_SOURCE and script == test_sh(timeout)
         if current and all(k in config for k in wanted):
