@@ -17,9 +17,11 @@ path is on ``sys.path``; the workspace roots are then appended after the standar
 runner, and an import guard (`ImportGuard`) resolves every standard-library name from the standard
 library only and every installed name from the installed directories only, so nothing the change
 adds can stand in for ``xml``, ``unittest``, ``difflib``, pytest or a library the tests use
-(``config.json`` ``own_modules``: the repository's own module names, which stay code under test). The child reads no bytecode from the tree (a fresh ``PYTHONPYCACHEPREFIX``, no
-writes). The reporter writes one record per collection and test phase to a file, each line signed
-with HMAC-SHA256 under a key the verifier hands the child on its stdin (never on disk, argv or the
+(``config.json`` ``own_modules``: the repository's own module names, which stay code under test).
+The child reads no bytecode from the tree (the verifier deletes every ``__pycache__`` and ``.pyc``
+under /app first, `drop_bytecode`; a grade's copy carries none anyway) and writes none. The
+reporter writes one record per collection and test phase to a file, each line signed with
+HMAC-SHA256 under a key the verifier hands the child on its stdin (never on disk, argv or the
 environment), numbered in order; the verifier checks every line, so a record the tests forged,
 replayed or dropped is named (``forged``) and grades 0, and a child that left before pytest's
 session finished (``os._exit`` at import, a signal) leaves the report incomplete: 0.
@@ -322,8 +324,8 @@ def own_modules(tree: Path) -> list:
     """Every name the repository at `tree` could import a top-level module by (each `.py` file's stem,
     each folder's name, outside hidden and cache folders): the task's own code, which the import
     guard lets the workspace supply ahead of an installed or a standard-library module."""
-    names = set()
-    for dirpath, dirnames, filenames in os.walk(str(tree)):
+    names: set = set()
+    for _dirpath, dirnames, filenames in os.walk(str(tree)):
         dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
         names.update(d for d in dirnames if d.isidentifier())
         names.update(f[:-3] for f in filenames if f.endswith(".py") and f[:-3].isidentifier())

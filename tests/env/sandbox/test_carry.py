@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,7 @@ PRISTINE = {
 }
 
 
-def tree(root: Path, files: dict[str, str | bytes]) -> Path:
+def tree(root: Path, files: Mapping[str, str | bytes]) -> Path:
     for rel, data in files.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_bytes(data.encode() if isinstance(data, str) else data)
