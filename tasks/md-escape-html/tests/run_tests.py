@@ -241,11 +241,11 @@ def read_records(path: Path, key: bytes) -> tuple[list[dict], int]:
 
 def fold(records: list[dict]) -> dict:
     """Verdicts from the records: {"tests": {id: {"outcome", "message"}}, "collected", "deselected",
-    "collection_errors", "complete", "exit_status"}. A test fails if any phase failed (an error in
-    setup or teardown included) or if it never finished its call phase; a skip is a skip (xfail
-    when pytest marked it an expected failure); a call that passed despite a non-strict xfail mark
-    is xpass."""
-    phases: dict = {}
+    "collection_errors", "complete", "exit_status"}. Every report of a test counts (a test with
+    subtests has several call reports): it fails if any failed (an error in setup or teardown
+    included) or if it never finished its call phase; else the worst of its calls decides, a skip
+    over an xfail over an xpass (a call that passed despite a non-strict xfail mark) over a pass."""
+    reports: dict = {}
     out: dict = {"collected": [], "deselected": [], "collection_errors": {}, "complete": False, "exit_status": None}
     for r in records:
         kind = r.get("kind")
@@ -260,24 +260,29 @@ def fold(records: list[dict]) -> dict:
         elif kind == "finish":
             out["complete"], out["exit_status"] = True, r.get("exit_status")
         elif kind == "report":
-            phases.setdefault(r.get("id"), {})[r.get("when")] = r
+            reports.setdefault(r.get("id"), []).append(r)
+    rank = {SKIPPED: 3, XFAIL: 2, XPASS: 1, PASSED: 0}
     tests = {}
-    for nid, seen in phases.items():
-        failed = [seen[w] for w in ("setup", "call", "teardown") if w in seen and seen[w].get("outcome") == "failed"]
-        decisive = seen.get("call") or (
-            seen.get("setup") if seen.get("setup", {}).get("outcome") == "skipped" else None
-        )
+    for nid, seen in reports.items():
+        failed = [x for x in seen if x.get("outcome") == "failed"]
+        calls = [x for x in seen if x.get("when") == "call"]
+        calls += [x for x in seen if x.get("when") == "setup" and x.get("outcome") == "skipped"]
         if failed:
             when = failed[0].get("when")
             prefix = "" if when == "call" else f"error in {when}: "
-            verdict = {"outcome": FAILED, "message": prefix + failed[0].get("message", "")}
-        elif decisive is None:
-            verdict = {"outcome": FAILED, "message": UNFINISHED}
-        elif decisive.get("outcome") == "skipped":
-            verdict = {"outcome": XFAIL if decisive.get("xfail") else SKIPPED, "message": decisive.get("message", "")}
-        else:
-            verdict = {"outcome": XPASS if decisive.get("xfail") else PASSED, "message": ""}
-        tests[nid] = verdict
+            tests[nid] = {"outcome": FAILED, "message": prefix + failed[0].get("message", "")}
+            continue
+        if not calls:
+            tests[nid] = {"outcome": FAILED, "message": UNFINISHED}
+            continue
+        verdicts = []
+        for x in calls:
+            if x.get("outcome") == "skipped":
+                verdicts.append((XFAIL if x.get("xfail") else SKIPPED, x.get("message", "")))
+            else:
+                verdicts.append((XPASS if x.get("xfail") else PASSED, ""))
+        outcome, message = max(verdicts, key=lambda v: rank[v[0]])
+        tests[nid] = {"outcome": outcome, "message": message}
     out["tests"] = tests
     return out
 

@@ -146,7 +146,21 @@ def test_an_added_module_cannot_stand_in_for_a_library_the_tests_use(tmp_path):
 
 
 EVERY_OUTCOME = """\
+import unittest
+
 import pytest
+
+
+class TestSub(unittest.TestCase):
+    def test_a_subtest_fails(self):
+        for i in range(3):
+            with self.subTest(i=i):
+                self.assertNotEqual(i, 1)
+
+    def test_every_subtest_passes(self):
+        for i in range(3):
+            with self.subTest(i=i):
+                self.assertNotEqual(i, 5)
 
 
 @pytest.fixture
@@ -200,7 +214,8 @@ def junit_outcomes(path: Path) -> dict[str, str]:
     """pytest's own verdicts from its JUnit XML (a test reported twice fails if either did)."""
     out: dict[str, str] = {}
     for case in ET.parse(path).getroot().iter("testcase"):
-        name = f"test_all.py::{case.get('name')}"
+        cls = (case.get("classname") or "").partition("test_all")[2].lstrip(".")  # after the module
+        name = "::".join(["test_all.py", *([cls] if cls else []), case.get("name") or ""])
         tags = {child.tag: child for child in case}
         if "failure" in tags or "error" in tags:
             out[name] = "failed"
@@ -229,6 +244,9 @@ def test_verdicts_agree_with_pytests_junit_report(tmp_path):
     # JUnit writes a non-strict XPASS as a plain pass; the verdicts keep it apart (not paid)
     assert ours == {**theirs, "test_all.py::test_xpass": "xpass"}
     assert ours["test_all.py::test_xpass_strict"] == "failed" and ours["test_all.py::test_teardown_error"] == "failed"
+    # a failing subtest fails its test, though the test's own call report passes (found mining tomli)
+    assert ours["test_all.py::TestSub::test_a_subtest_fails"] == "failed"
+    assert ours["test_all.py::TestSub::test_every_subtest_passes"] == "passed"
     assert v["reward"] == 0.0 and v["complete"] and sorted(v["graded"]) == sorted(ours)
 
 
