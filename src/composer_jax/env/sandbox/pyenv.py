@@ -67,7 +67,7 @@ if TYPE_CHECKING:
     from composer_jax.env.tasks.store import Task
 
 ENV_MOUNT = "/opt/taskenv"
-RECIPE_VERSION = "2"  # bump when the build recipe changes: every key changes with it
+RECIPE_VERSION = "3"  # bump when the build recipe changes: every key changes with it (3: uv compiles bytecode)
 META_FILE = ".composer-jax-env.json"
 BUILD_LIMITS = Limits(
     wall_seconds=900.0,
@@ -203,7 +203,8 @@ if [ -n "$pth" ]; then
   printf '%s\n' "$site" > "$purelib/_composer_jax_server_env.pth"
 fi
 uvi() {
-  UV_NO_CONFIG=1 UV_PYTHON_DOWNLOADS=never "$uv" pip install --python "$envpy" --no-cache --no-build-isolation "$@"
+  UV_NO_CONFIG=1 UV_PYTHON_DOWNLOADS=never "$uv" pip install --python "$envpy" --no-cache --no-build-isolation \
+    --compile-bytecode "$@"
 }
 pipi() {
   "$envpy" -m pip install --no-cache-dir --disable-pip-version-check --no-input --no-build-isolation $pipproxy "$@"

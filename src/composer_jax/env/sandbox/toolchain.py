@@ -16,6 +16,7 @@ so one built at a host path runs at the mount; the `pytest` script is written fo
 
 from __future__ import annotations
 
+import compileall
 import hashlib
 import importlib.metadata as md
 import os
@@ -29,7 +30,7 @@ from pathlib import Path
 TOOLCHAIN_MOUNT = "/opt/verifier"
 ROOTS = ("pytest",)
 OPTIONAL = ("pip", "setuptools", "wheel")  # taken when installed (task environment builds use them)
-RECIPE = "1"
+RECIPE = "2"  # 2: bytecode compiled at build time
 MARKER = ".composer_jax_toolchain"
 
 
@@ -129,6 +130,9 @@ def _build(prefix: Path, dists: list[md.Distribution], python_prefix: str | None
     site = Path(site_packages(prefix))
     for dist in dists:
         _copy_distribution(dist, site)
+    # The toolchain is mounted read-only, so bytecode it lacks is compiled on every import in every
+    # sandbox (pytest's alone: ~0.4 s of each grade). Compiled here once, named for the mount.
+    compileall.compile_dir(str(site), ddir=site_packages(TOOLCHAIN_MOUNT), quiet=1)
     for f in (prefix / "bin").glob("[Aa]ctivate*"):  # they name the host path it was built at
         f.unlink()
     cfg = prefix / "pyvenv.cfg"  # keep what the interpreter reads; `command` names the host path
