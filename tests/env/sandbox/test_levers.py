@@ -229,3 +229,31 @@ def test_runs_standalone_in_isolated_mode():
     code = MODULE.read_text() + "\nimport json\nprint(json.dumps(scan('import os\\nos._exit(0)', 'a.py')))\n"
     out = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, check=True).stdout
     assert '"lever": "exit"' in out
+
+
+UTF7 = b"# -*- coding: utf-7 -*-\ndef add(a, b):\n    return a - b\n# +AAo-import os+AAo-os._exit(0)\n"
+
+
+def test_bytes_are_read_as_import_reads_them():
+    """A `# coding: utf-7` file hides code in what UTF-8 text shows as a comment; import decodes it
+    (and runs it). Given the file's bytes, the scan sees what import sees."""
+    assert scan(UTF7.decode("utf-8"), "pkg/calc.py") == []  # the text view: a comment
+    assert [x["lever"] for x in scan(UTF7, "pkg/calc.py")] == ["exit"]
+    assert [x["lever"] for x in new_levers(UTF7, b"def add(a, b):\n    return a - b\n", "pkg/calc.py")] == ["exit"]
+
+
+def test_a_file_the_scan_cannot_finish_is_a_lever(monkeypatch):
+    def deep(self, tree, at_import=True):
+        raise RecursionError
+
+    monkeypatch.setattr(levers._Scanner, "run", deep)
+    assert [(x["lever"], x["what"]) for x in scan("x = 1\n", "pkg/m.py")] == [("dynamic-code", "unscannable")]
+
+
+def test_a_packages_main_module_may_exit_at_its_top_level():
+    """`pkg/__main__.py` runs as `python -m pkg`, not at a test's import: `sys.exit(main(argv))` there
+    is honest (the todo tasks' CLI); the same line in any other module is a lever."""
+    source = "import sys\nfrom .cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    assert scan(source, "todo/__main__.py") == []
+    assert [x["lever"] for x in scan(source, "todo/cli.py")] == ["exit-at-import"]
+    assert [x["lever"] for x in scan("import os\nos._exit(0)\n", "todo/__main__.py")] == ["exit"]

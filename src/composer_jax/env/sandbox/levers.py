@@ -16,6 +16,8 @@ it never raises on hostile input (a file that does not parse has no levers).
 from __future__ import annotations
 
 import ast
+import io
+import tokenize
 from collections import Counter
 
 CLASSES = (
@@ -407,25 +409,44 @@ class _Scanner:
         return out
 
 
-def scan(source: str, path: str, *, test_file: bool = False, runner_names: frozenset = frozenset()) -> list[dict]:
+def _text(source: str | bytes) -> str:
+    """The text Python reads: bytes decoded by their coding declaration (PEP 263), as import does."""
+    if isinstance(source, str):
+        return source
+    try:
+        encoding = tokenize.detect_encoding(io.BytesIO(source).readline)[0]
+        return source.decode(encoding, "replace")
+    except (SyntaxError, LookupError, UnicodeDecodeError):
+        return source.decode("utf-8", "replace")
+
+
+def scan(
+    source: str | bytes, path: str, *, test_file: bool = False, runner_names: frozenset = frozenset()
+) -> list[dict]:
     """Levers in `source` (the file at `path`), in line order: dicts with path, line, lever (one of CLASSES),
-    what (a short label, e.g. "os._exit") and code (the stripped source line). [] when it does not parse."""
+    what (a short label, e.g. "os._exit") and code (the stripped source line). [] when it does not parse.
+
+    Give the file's bytes: they are parsed as import parses them, coding declaration included (a
+    `# coding: utf-7` file read as UTF-8 text would hide its code in a comment). A file that parses
+    but that the scan cannot finish is one lever ("dynamic-code", "unscannable"): what it holds is unknown."""
     tree = _parse(source)
     if tree is None:
         return []
-    lines = source.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    lines = _text(source).replace("\r\n", "\n").replace("\r", "\n").split("\n")
     scanner = _Scanner(path, lines, test_file, frozenset(runner_names))
     try:
         scanner.bind(tree)
-        found = scanner.run(tree)
+        # a package's __main__.py is its program (`python -m pkg`), never imported by a test run:
+        # leaving at its top level is what it is for
+        found = scanner.run(tree, at_import=path.rsplit("/", 1)[-1] != "__main__.py")
     except (RecursionError, MemoryError):
-        return []
+        return [{"path": path, "line": 1, "lever": "dynamic-code", "what": "unscannable", "code": ""}]
     return sorted(found, key=lambda lever: lever["line"])
 
 
 def new_levers(
-    new: str,
-    old: str | None,
+    new: str | bytes,
+    old: str | bytes | None,
     path: str,
     *,
     test_file: bool | None = None,

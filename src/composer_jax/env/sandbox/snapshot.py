@@ -472,9 +472,9 @@ def carry(src_fd: int, orig_fd: int, dest_fd: int, carrier: Carrier, max_bytes: 
             deletes.append(rel)
         else:
             writes.append((rel, b))
-            if rel.endswith(".py") and carrier.levers is not None:
-                old_text = a.decode("utf-8", "replace") if a is not None and _is_text(a) else None
-                found = carrier.levers.new_levers(b.decode("utf-8"), old_text, rel, runner_names=carrier.runner_names)
+            if rel.endswith(".py") and carrier.levers is not None:  # bytes: parsed as import parses them
+                old_bytes = a if a is not None and a != b"\x00large" and not a.startswith(b"symlink -> ") else None
+                found = carrier.levers.new_levers(b, old_bytes, rel, runner_names=carrier.runner_names)
                 lever_hits.extend(found)
         if not truncated:
             for line in file_patch(rel, a, b, (old.get(rel), new.get(rel))):
