@@ -8,12 +8,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support.chat_templates import EOS, FAMILIES, chat_template, oracle, source, template_tok
+from support.chat_templates import (
+    EOS,
+    FAMILIES,
+    TEXT_ARGUMENT_TEMPLATES,
+    chat_template,
+    oracle,
+    source,
+    template_tok,
+    vllm_messages,
+)
 
 from composer_jax.env.api.protocol import tool_schemas
 from composer_jax.errors import ConfigError
 from composer_jax.formats.chat_format import chat_format
-from composer_jax.formats.chat_template import ChatTemplate, template_messages
+from composer_jax.formats.chat_template import ChatTemplate
 
 SFT = Path(__file__).resolve().parents[2] / "assets/sft/train.jsonl"
 
@@ -54,9 +63,8 @@ SMALL = [
 
 
 def _reference(family: str, messages, tools=None, add_generation_prompt=False, **kw):
-    fmt = chat_template(family)
     return oracle().apply_chat_template(
-        template_messages(messages, object_arguments=fmt.object_arguments),
+        vllm_messages(messages, text_arguments=family in TEXT_ARGUMENT_TEMPLATES),
         tools=tools,
         chat_template=source(family),
         tokenize=True,

@@ -5,7 +5,10 @@ the same vocabulary, the oracle. Loading the vocabulary takes about a second, so
 
 from __future__ import annotations
 
+import copy
 import functools
+import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from composer_jax.formats.chat_template import ChatTemplate
@@ -13,6 +16,9 @@ from composer_jax.formats.tokenizer import Tokenizer
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
 FAMILIES = ("qwen3", "qwen3_coder", "deepseek_v3", "kimi_k2")
+# the fixtures that concatenate tool-call arguments as text ('...' + arguments, DeepSeek-V3's own
+# style): they raise on the objects vLLM hands every template, so only text renders with them
+TEXT_ARGUMENT_TEMPLATES = ("deepseek_v3",)
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 ADDED = (
     *("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"),
@@ -64,3 +70,16 @@ def source(family: str) -> str:
 @functools.cache
 def chat_template(family: str) -> ChatTemplate:
     return ChatTemplate(source(family), template_tok(), name=family, variables={"bos_token": BOS, "eos_token": EOS})
+
+
+def vllm_messages(messages: Sequence[dict], *, text_arguments: bool = False) -> list[dict]:
+    """`messages` as vLLM hands them to a chat template, for the oracle (written here, apart from
+    formats/chat_template.py): each assistant tool call's JSON-text arguments parsed into the object
+    they spell (vLLM's chat_utils `_postprocess_messages`, for every model). `text_arguments`: the
+    text left as it is, for a template in TEXT_ARGUMENT_TEMPLATES."""
+    out = copy.deepcopy(list(messages))
+    for m in out if not text_arguments else ():
+        for call in m.get("tool_calls") or ():
+            if isinstance(call["function"]["arguments"], str):
+                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+    return out

@@ -9,6 +9,12 @@ sort_keys accepted), a `{% generation %}` block tag, and the tokenizer config's 
 strings (bos_token, eos_token, ...) as variables. The rendered text is encoded with special-token
 strings read as their ids (`Tokenizer.encode_with_specials`).
 
+Messages reach the template as vLLM hands them over (`template_messages`), whichever path renders
+them (`serve`, SFT rows, the agent loop): OpenAI's JSON-text tool-call arguments become the objects
+they spell, for every template, so a template writing `arguments | tojson` renders the ids vLLM
+feeds the model. A template that can only concatenate the arguments as text (DeepSeek-V3's own,
+on which vLLM fails) is found by a probe rendering and given text.
+
 Loss mask: 1.0 exactly on the tokens the model emits in assistant turns, their end token included.
 A template with `{% generation %}` blocks says which characters those are (the same spans
 transformers' `return_assistant_tokens_mask` reads). Otherwise each assistant turn is found by
@@ -56,7 +62,6 @@ class Family:
     end_of_turn: tuple[str, ...]
     call_start: tuple[str, ...]
     call_end: tuple[str, ...]
-    object_arguments: bool = False  # the template reads tool-call arguments as a mapping, not JSON text
 
 
 # family -> facts; a template is placed in a family by the marker its text holds (first match).
@@ -65,7 +70,7 @@ FAMILIES = {
     "deepseek_v3": Family(
         "deepseek_v3", ("<｜end▁of▁sentence｜>",), ("<｜tool▁calls▁begin｜>",), ("<｜tool▁call▁end｜>",)
     ),
-    "qwen3_coder": Family("qwen3_coder", ("<|im_end|>",), ("<tool_call>",), ("</tool_call>",), object_arguments=True),
+    "qwen3_coder": Family("qwen3_coder", ("<|im_end|>",), ("<tool_call>",), ("</tool_call>",)),
     "qwen3": Family("hermes", ("<|im_end|>",), ("<tool_call>",), ("</tool_call>",)),
 }
 _MARKERS = (
@@ -145,32 +150,54 @@ def _marking() -> Iterator[None]:
         _MARKING.reset(token)
 
 
-def template_messages(messages: Sequence[dict], *, object_arguments: bool = False) -> list[dict]:
-    """Messages as the template reads them. As transformers hands them over: a turn's reasoning
-    given as `thinking` or `reasoning` is also `reasoning_content` (and `thinking`). For a family
-    whose template iterates the arguments (Qwen3-Coder's `arguments | items`), OpenAI's JSON-text
-    arguments become the object they spell (text that is no JSON object stays text)."""
+def template_messages(messages: Sequence[dict], *, text_arguments: bool = False) -> list[dict]:
+    """OpenAI messages as a chat template reads them, whichever path renders them (`serve`, SFT rows,
+    the agent loop: all go through `ChatTemplate`), so the ids are the ones vLLM feeds the model:
+
+    - reasoning given as `thinking` or `reasoning` is also `reasoning_content` (and `thinking`), as
+      transformers hands it over;
+    - tool-call arguments as vLLM passes them to every template (its chat_utils
+      `_postprocess_messages`): an assistant turn's JSON text spelling an object becomes that object,
+      absent, null or blank arguments become {}, and an empty `tool_calls` list is dropped. Text
+      that is no JSON object stays as given (recent vLLM renders it as {}, older vLLM refuses the
+      request; here it is what the model wrote, which a template's `is string` branch renders);
+    - `text_arguments` (a template that can only concatenate the arguments as text, such as
+      DeepSeek-V3's own: `_takes_text_arguments`): the arguments stay text, an object becomes its
+      json.dumps text. vLLM refuses such a conversation (the template raises on the object).
+
+    Returns new message dicts; `messages` is not modified."""
     out = []
     for m in messages:
         if isinstance(m, dict):
             reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
             if reasoning is not None:
                 m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
-            if object_arguments and m.get("tool_calls"):
-                m = {**m, "tool_calls": [_object_arguments(c) for c in m["tool_calls"]]}
+            if m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list):
+                if m["tool_calls"]:
+                    m = {**m, "tool_calls": [_call_arguments(c, text_arguments) for c in m["tool_calls"]]}
+                else:
+                    m = {k: v for k, v in m.items() if k != "tool_calls"}
         out.append(m)
     return out
 
 
-def _object_arguments(call: Any) -> Any:
-    args = call.get("function", {}).get("arguments") if isinstance(call, dict) else None
-    if not isinstance(args, str):
-        return call
-    try:
-        parsed = json.loads(args)
-    except json.JSONDecodeError:
-        return call
-    return {**call, "function": {**call["function"], "arguments": parsed}} if isinstance(parsed, dict) else call
+def _call_arguments(call: Any, text: bool) -> Any:
+    """One OpenAI tool call with its arguments as `template_messages` hands them over."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict):
+        return call  # not a function call: the template says what it makes of it
+    args = fn.get("arguments")
+    if args is None or (isinstance(args, str) and not args.strip()):
+        args = "{}" if text else {}
+    elif text:
+        args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    elif isinstance(args, str):
+        try:
+            parsed = json.loads(args)
+        except json.JSONDecodeError:
+            parsed = None
+        args = parsed if isinstance(parsed, dict) else args
+    return {**call, "function": {**fn, "arguments": args}}
 
 
 def _config_token(value: Any) -> str | None:
@@ -187,8 +214,8 @@ class ChatTemplate(ChatFormat):
         self.template = compile_template(source)
         self.variables = dict(variables or {})
         self.family = family_of(source)
-        self.object_arguments = self.family is not None and FAMILIES[self.family].object_arguments
         self.has_generation_blocks = re.search(r"{%-?\s*generation\s*[-+]?%}", source) is not None
+        self.text_arguments = self._takes_text_arguments()
 
     @classmethod
     def load(cls, directory: str | Path, tok: Tokenizer) -> ChatTemplate:
@@ -215,15 +242,46 @@ class ChatTemplate(ChatFormat):
         from jinja2.exceptions import TemplateError
 
         try:
-            return self.template.render(
-                messages=template_messages(messages, object_arguments=self.object_arguments),
-                tools=list(tools) if tools is not None else None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **self.variables,
+            return self._render_as_given(
+                template_messages(messages, text_arguments=self.text_arguments), tools, add_generation_prompt
             )
-        except TemplateError as e:
+        except (TemplateError, TypeError) as e:  # TypeError: the template's own arithmetic ('x' + None)
             raise ConfigError(f"chat template {self.name!r} refused the conversation: {e}") from None
+
+    def _render_as_given(self, messages: list[dict], tools: Sequence[dict] | None, add_generation_prompt: bool) -> str:
+        return self.template.render(
+            messages=messages,
+            tools=list(tools) if tools is not None else None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **self.variables,
+        )
+
+    def _takes_text_arguments(self) -> bool:
+        """Whether the template renders tool-call arguments only as text: DeepSeek-V3's own template
+        concatenates them (`'...' + tool['function']['arguments']`), which raises TypeError on the
+        object vLLM hands it. Read off two probe conversations (an assistant turn without content,
+        and one with): one that raises TypeError with object arguments and renders with the same
+        arguments as text. A template refusing both forms, or the probe, is given objects (vLLM's rule)."""
+        for content in (None, "probe"):
+            as_object, as_text = self._probe(content, {"path": "a"}), self._probe(content, '{"path": "a"}')
+            if isinstance(as_object, TypeError) and as_text is None:
+                return True
+        return False
+
+    def _probe(self, content: str | None, arguments: Any) -> Exception | None:
+        """What rendering a conversation with one tool call raises (None: it renders)."""
+        call = {"id": "probe_0", "type": "function", "function": {"name": "probe", "arguments": arguments}}
+        turns: list[dict] = [
+            {"role": "user", "content": "probe"},
+            {"role": "assistant", "content": content, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "probe_0", "content": "probe"},
+        ]
+        try:
+            self._render_as_given(turns, None, False)
+        except Exception as e:  # a probe: the template may refuse it for reasons of its own
+            return e
+        return None
 
     def render(
         self, messages: Sequence[dict], tools: Sequence[dict] | None = None, add_generation_prompt: bool = False

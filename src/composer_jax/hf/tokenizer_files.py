@@ -25,9 +25,10 @@ with `trust_remote_code=True`, and the template.
 
 Differences left: the project encodes special-token strings inside message text as plain bytes;
 transformers parses them unless `apply_chat_template(..., sanitize_control_tokens=True)`. Tool-call
-arguments given as a JSON string are inserted as given (Jinja cannot parse JSON), which equals the
-project's rendering when the string is in `json.dumps` form (as the project's server returns them);
-give them as an object otherwise.
+arguments given to transformers as a JSON string are inserted as given (Jinja cannot parse JSON),
+which equals the project's rendering when the string is in `json.dumps` form (as the project's
+server returns them); give them as an object otherwise. vLLM parses them into the object first, as
+the project does (formats/chat_template.py, `template_messages`).
 """
 
 from __future__ import annotations

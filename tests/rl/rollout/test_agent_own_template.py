@@ -12,12 +12,11 @@ import asyncio
 import json
 
 import pytest
-from support.chat_templates import FAMILIES, chat_template, oracle, source
+from support.chat_templates import FAMILIES, TEXT_ARGUMENT_TEMPLATES, chat_template, oracle, source, vllm_messages
 
 from composer_jax.config.agent import AgentConfig
 from composer_jax.env.api.protocol import session_tool_names, system_prompt, tool_schemas
 from composer_jax.formats import tool_calls
-from composer_jax.formats.chat_template import template_messages
 from composer_jax.rl.rollout.agent import _Episode
 from composer_jax.rl.samplers.base import Sampled, TokenSampler
 
@@ -66,10 +65,9 @@ def _assistant_tokens(fmt, before: list[dict], message: dict) -> list[int]:
 
 
 def _reference(family: str, messages: list[dict]) -> list[int]:
-    """transformers' rendering of the prompt after `messages` (the oracle)."""
-    fmt = chat_template(family)
+    """transformers' rendering of the prompt after `messages` (the oracle), arguments as vLLM hands them."""
     ids = oracle().apply_chat_template(
-        template_messages(messages, object_arguments=fmt.object_arguments),
+        vllm_messages(messages, text_arguments=family in TEXT_ARGUMENT_TEMPLATES),
         tools=TOOLS,
         chat_template=source(family),
         tokenize=True,
