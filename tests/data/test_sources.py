@@ -6,7 +6,13 @@ import pytest
 from support.datahelpers import write_jsonl
 
 from composer_jax.config.data import DataConfigError, SourceConfig
-from composer_jax.data.sources import DataFormatError, content_hash_fraction, list_directory_files, open_source
+from composer_jax.data.sources import (
+    ChatDocument,
+    DataFormatError,
+    content_hash_fraction,
+    list_directory_files,
+    open_source,
+)
 
 DOCS = ["def a():\n    pass\n", "print('b')\n", "# c\n\nSome *markdown*.\n"]
 
@@ -48,7 +54,7 @@ def test_parquet_text_and_chat_columns(tmp_path):
     src = open_source(SourceConfig(type="parquet", path=str(tmp_path)), "text")
     assert [src[i] for i in range(len(src))] == DOCS + ["last"]
     chat = open_source(SourceConfig(type="parquet", path=str(tmp_path / "a.parquet")), "messages")
-    assert chat[2] == msgs
+    assert chat[2] == ChatDocument(msgs, None)
     with pytest.raises(
         DataFormatError, match=r"a.parquet: parquet file has no column 'content'.*columns: \['text', 'messages'\]"
     ):

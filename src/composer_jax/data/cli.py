@@ -2,16 +2,22 @@
 
 data make-sft --tasks tasks/ --out assets/sft/train.jsonl   SFT conversations from Harbor tasks
     (a generated family: `composer-jax env generate set-constant --seeds 0:256 --out DIR` first)
-data peek --config CFG [--seq-len N --batch-size B]         print one packed batch, decoded
+data peek --config CFG [--seq-len N --batch-size B]         print one packed batch, decoded (chat:
+    first, which tools each source's first rows render with: their own, the session's or none)
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from composer_jax.config import ConfigError, DataConfigError
 from composer_jax.errors import UsageError
+
+if TYPE_CHECKING:
+    from composer_jax.config import SourceConfig
+    from composer_jax.formats.tokenizer import Tokenizer
 
 
 def _peek(args: argparse.Namespace) -> None:
@@ -27,6 +33,9 @@ def _peek(args: argparse.Namespace) -> None:
     cfg = build_dataclass(DataConfig, raw.get("data", raw), "data")
     batch = next(make_train_iterator(cfg, seq_len=args.seq_len, batch_size=args.batch_size, seed=0))
     tok = load_tokenizer(cfg.tokenizer)
+    if cfg.format == "chat":
+        for src in cfg.sources:
+            _peek_tools(src, tok, args.rows)
     for r in range(batch["tokens"].shape[0]):
         seg = batch["segment_ids"][r]
         print(
@@ -35,6 +44,33 @@ def _peek(args: argparse.Namespace) -> None:
         )
         for s in np.unique(seg[seg > 0]):
             print(f"[segment {s}] {tok.decode(batch['tokens'][r][seg == s])[: args.chars]!r}")
+
+
+def _peek_tools(src: SourceConfig, tok: Tokenizer, rows: int) -> None:
+    """Which tools the first `rows` rows of a chat source render with (pipeline.row_tools), with their
+    ids, and how many of its first hundred rows carry their own."""
+    from composer_jax.data.pipeline import row_tools
+    from composer_jax.data.sources import ChatDocument, open_source
+    from composer_jax.formats.chat_format import chat_format
+
+    chat = chat_format(tok)
+    docs = open_source(src, "messages")
+    scanned = [d for d in (docs[i] for i in range(min(len(docs), 100))) if isinstance(d, ChatDocument)]
+    own = sum(d.tools is not None for d in scanned)
+    print(
+        f"--- tools of {src.label}: a row's own `tools` where it carries them, else the session's; "
+        f"{own} of its first {len(scanned)} rows carry their own"
+    )
+    for i, doc in enumerate(scanned[:rows]):
+        tools, whose = row_tools(doc, chat)
+        names = ", ".join(t["function"]["name"] for t in tools or ())
+        said = {
+            "row": f"its own tools ({len(tools or ())}): {names or '[]'}",
+            "session": f"the session's tools ({len(tools or ())}): {names}",
+            "none": f"no tools ({chat.name} takes no session tools)",
+        }[whose]
+        ids, mask = chat.conversation(doc.messages, tools=tools, where=f"{src.label} row {i}")
+        print(f"[row {i}] {said}; {len(ids)} ids, {int(mask.sum())} targets")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     pk.add_argument("--seq-len", type=int, default=256)
     pk.add_argument("--batch-size", type=int, default=2)
     pk.add_argument("--chars", type=int, default=200, help="characters of each segment to print")
+    pk.add_argument("--rows", type=int, default=3, help="chat: rows per source whose tools are printed")
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:

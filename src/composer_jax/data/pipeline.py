@@ -35,7 +35,8 @@ import grain
 import numpy as np
 
 from composer_jax.config.data import DataConfig, DataConfigError, SourceConfig, validate_data_config
-from composer_jax.data.sources import content_hash_fraction, open_source
+from composer_jax.data.sources import ChatDocument, content_hash_fraction, open_source
+from composer_jax.formats.chat_interface import ChatFormat
 from composer_jax.formats.tokenizer import Tokenizer, load_tokenizer
 
 STATE_VERSION = 1
@@ -51,8 +52,8 @@ class DocumentToChunks(grain.experimental.FlatMapTransform):
     Split: a document is held out when content_hash_fraction(doc) < eval_fraction; split "train"
     keeps the others, "eval" the held-out ones, "all" everything (explicit eval sources).
     Pretrain documents become [BOS] + encode(text) + [EOS]; chat documents their chat format's
-    `conversation` (formats/chat_format.py), with the session's tool schemas where the format takes
-    them (`session_tools`). A sequence longer than seq_len is cut into consecutive
+    `conversation` (formats/chat_format.py) with the tools `row_tools` gives them: the row's own,
+    else the session's where the format takes them. A sequence longer than seq_len is cut into consecutive
     chunks of seq_len tokens (the last one shorter); each chunk is its own segment with positions
     from 0, and chunks past `max_chunks` are dropped. No overlap between chunks: every token is a target at most once.
     """
@@ -80,7 +81,7 @@ class DocumentToChunks(grain.experimental.FlatMapTransform):
             from composer_jax.formats.chat_format import chat_format
 
             chat = chat_format(self.tok)
-            tokens, loss_mask = chat.conversation(document, tools=session_tools() if chat.native_tools else None)
+            tokens, loss_mask = chat.conversation(document.messages, tools=row_tools(document, chat)[0])
         else:
             tokens = np.asarray([self.tok.bos_id, *self.tok.encode(document), self.tok.eos_id], np.int32)
             loss_mask = np.ones(len(tokens), np.float32)
@@ -94,6 +95,18 @@ class DocumentToChunks(grain.experimental.FlatMapTransform):
             }
             for a in range(0, n, self.seq_len)
         ]
+
+
+def row_tools(document: ChatDocument, chat: ChatFormat) -> tuple[list[dict] | None, str]:
+    """The tools a chat row renders with, and whose they are: the row's own `tools` when it carries
+    them ("row"; [] offers none), else the session's default tools where the format takes tools
+    (`ChatFormat.native_tools`: what the agent loop gives the model, "session"), else none ("none":
+    composer-chatml-v1 names its tools in the system prompt)."""
+    if document.tools is not None:
+        return document.tools, "row"
+    if chat.native_tools:
+        return session_tools(), "session"
+    return None, "none"
 
 
 def session_tools() -> list[dict]:

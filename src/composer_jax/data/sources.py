@@ -1,9 +1,10 @@
 """Document sources: random-access grain data sources over JSONL, Parquet, ArrayRecord and code trees.
 
 Every source implements grain's `RandomAccessDataSource` protocol (`__len__`, `__getitem__`) and
-returns one *document* per index: a `str` (format "pretrain") or a list of OpenAI-style message
-dicts (format "chat"). Random access is what lets grain shuffle by index permutation, shard by
-host with a slice, and checkpoint the iterator as a handful of integers.
+returns one *document* per index: a `str` (format "pretrain") or a `ChatDocument` (format "chat"):
+the row's OpenAI-style messages and, when the row carries them, its own `tools`. Random access is
+what lets grain shuffle by index permutation, shard by host with a slice, and checkpoint the
+iterator as a handful of integers.
 
 Parsing is lazy (at `__getitem__`), so opening a multi-GB corpus costs one pass to find line
 offsets, not a JSON parse of every line; a malformed record raises `DataFormatError` naming the
@@ -12,6 +13,7 @@ file, the line (or record) number and what is accepted when the pipeline reaches
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import glob
 import hashlib
@@ -30,8 +32,10 @@ from composer_jax.config.data import (
     DataConfigError,
     SourceConfig,
 )
+from composer_jax.formats.chatml import check_tools
 
 Kind = Literal["text", "messages"]
+TOOLS_KEY = "tools"  # a chat row's own OpenAI function tools (OpenAI's and Hugging Face's name)
 _PRUNED_DIRS = frozenset(
     {".git", ".hg", ".svn", "__pycache__", ".venv", "node_modules", ".pytest_cache", ".mypy_cache", ".ruff_cache"}
 )
@@ -40,6 +44,16 @@ _DEFAULT_FILE_PATTERN = {"jsonl": "*.jsonl", "parquet": "*.parquet", "arrayrecor
 
 class DataFormatError(DataConfigError):
     """A record in an input file cannot be read as a document."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatDocument:
+    """One chat row: its OpenAI-style messages, and the OpenAI function `tools` the row carries
+    (None: it carries none, and renders with its chat format's session tools, data/pipeline.py
+    `row_tools`; [] is a row that offers no tools)."""
+
+    messages: list[dict]
+    tools: list[dict] | None = None
 
 
 def resolve_files(path: str, file_pattern: str) -> list[Path]:
@@ -63,7 +77,7 @@ def resolve_files(path: str, file_pattern: str) -> list[Path]:
     return files
 
 
-def _document(obj: Any, kind: Kind, key: str, where: str) -> str | list:
+def _document(obj: Any, kind: Kind, key: str, where: str) -> str | ChatDocument:
     """Pull the document out of one parsed record; errors say where and what is accepted."""
     if not isinstance(obj, dict):
         raise DataFormatError(f"{where}: expected a JSON object with key {key!r}, got {type(obj).__name__}")
@@ -73,25 +87,44 @@ def _document(obj: Any, kind: Kind, key: str, where: str) -> str | list:
             f"source's {'text_key' if kind == 'text' else 'messages_key'} to the key holding the "
             f"{'document text' if kind == 'text' else 'message list'}"
         )
-    return _check_value(obj[key], kind, key, where)
+    return _check_value(obj[key], kind, key, where, obj.get(TOOLS_KEY))
 
 
-def _check_value(value: Any, kind: Kind, key: str, where: str) -> str | list:
+def _check_value(value: Any, kind: Kind, key: str, where: str, tools: Any = None) -> str | ChatDocument:
+    """The document of a record's `key` value (and, for a chat row, its `tools` value)."""
     if kind == "text":
         if not isinstance(value, str):
             raise DataFormatError(f"{where}: {key!r} must be a string, got {type(value).__name__}")
         return value
-    if isinstance(value, str):  # parquet stores conversations as JSON strings
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise DataFormatError(f"{where}: {key!r} is a string but not JSON ({e.msg})") from None
+    value = _json_field(value, key, where)
     if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
         raise DataFormatError(
             f"{where}: {key!r} must be a list of message objects "
             '[{"role": ..., "content": ...}], got ' + type(value).__name__
         )
+    return ChatDocument(value, _row_tools(tools, where))
+
+
+def _json_field(value: Any, key: str, where: str) -> Any:
+    if isinstance(value, str):  # parquet stores conversations (and tools) as JSON strings
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as e:
+            raise DataFormatError(f"{where}: {key!r} is a string but not JSON ({e.msg})") from None
     return value
+
+
+def _row_tools(value: Any, where: str) -> list[dict] | None:
+    """A chat row's own `tools` (None when it has none, or null); checked as `serve` checks a
+    request's, so a malformed entry is named with the row."""
+    value = _json_field(value, TOOLS_KEY, where)
+    if value is None:
+        return None
+    try:
+        check_tools(value, f"{where}: {TOOLS_KEY!r}")
+    except DataConfigError as e:
+        raise DataFormatError(str(e)) from None
+    return list(value)
 
 
 class JsonlSource:
@@ -117,7 +150,7 @@ class JsonlSource:
     def __len__(self) -> int:
         return len(self._offsets)
 
-    def __getitem__(self, index: int) -> str | list:
+    def __getitem__(self, index: int) -> str | ChatDocument:
         f = self._files[self._file_ids[index]]
         with open(f, "rb") as fh:
             fh.seek(int(self._offsets[index]))
@@ -134,13 +167,17 @@ class JsonlSource:
 
 
 class ParquetSource:
-    """One column of one or more Parquet files (read once; only that column is loaded)."""
+    """One column of one or more Parquet files (read once; only that column is loaded), and for chat
+    a `tools` column where a file has one."""
 
     def __init__(self, files: Sequence[Path], kind: Kind, key: str):
         import pyarrow.parquet as pq
 
         self._kind, self._key = kind, key
-        self._columns, self._where, starts = [], [], [0]
+        self._columns: list[Any] = []
+        self._tools: list[Any | None] = []  # a file's `tools` column (chat), None where it has none
+        self._where: list[str] = []
+        starts = [0]
         for f in files:
             schema = pq.read_schema(f)
             if key not in schema.names:
@@ -148,20 +185,24 @@ class ParquetSource:
                     f"{f}: parquet file has no column {key!r} (columns: {schema.names}); set the "
                     f"source's {'text_key' if kind == 'text' else 'messages_key'}"
                 )
-            col = pq.read_table(f, columns=[key]).column(key)
-            self._columns.append(col)
+            with_tools = kind == "messages" and TOOLS_KEY in schema.names and key != TOOLS_KEY
+            table = pq.read_table(f, columns=[key, TOOLS_KEY] if with_tools else [key])
+            self._columns.append(table.column(key))
+            self._tools.append(table.column(TOOLS_KEY) if with_tools else None)
             self._where.append(str(f))
-            starts.append(starts[-1] + len(col))
+            starts.append(starts[-1] + table.num_rows)
         self._starts = np.asarray(starts, np.int64)
 
     def __len__(self) -> int:
         return int(self._starts[-1])
 
-    def __getitem__(self, index: int) -> str | list:
+    def __getitem__(self, index: int) -> str | ChatDocument:
         fi = int(np.searchsorted(self._starts, index, side="right")) - 1
         row = index - int(self._starts[fi])
         value = self._columns[fi][row].as_py()
-        return _check_value(value, self._kind, self._key, f"{self._where[fi]}: row {row}")
+        column = self._tools[fi]
+        tools = column[row].as_py() if column is not None else None
+        return _check_value(value, self._kind, self._key, f"{self._where[fi]}: row {row}", tools)
 
 
 class ArrayRecordSource:
@@ -177,7 +218,7 @@ class ArrayRecordSource:
     def __len__(self) -> int:
         return len(self._inner)
 
-    def __getitem__(self, index: int) -> str | list:
+    def __getitem__(self, index: int) -> str | ChatDocument:
         raw = self._inner[index]
         where = f"{self._label}: record {index}"
         try:
@@ -277,7 +318,8 @@ class DirectorySource:
 
 
 def open_source(src: SourceConfig, kind: Kind):
-    """SourceConfig -> a random-access source of documents (str for kind "text", list for "messages")."""
+    """SourceConfig -> a random-access source of documents (str for kind "text", ChatDocument for
+    "messages")."""
     key = src.text_key if kind == "text" else src.messages_key
     if src.type == "directory":
         if kind != "text":
@@ -301,11 +343,15 @@ def open_source(src: SourceConfig, kind: Kind):
     return cls(paths, kind, key)
 
 
-def content_hash_fraction(document: str | list) -> float:
+def content_hash_fraction(document: str | list | ChatDocument) -> float:
     """A stable number in [0, 1) from a document's content (BLAKE2b), for the train/eval split.
 
     Depends on nothing but the content: the same document lands on the same side on every host,
-    every run and in every source that contains it."""
+    every run and in every source that contains it. A chat row hashes its messages only, so the
+    same conversation offered other tools never lands on both sides (and a row's side did not move
+    when rows' `tools` began to be read)."""
+    if isinstance(document, ChatDocument):
+        document = document.messages
     if not isinstance(document, str):
         document = json.dumps(document, sort_keys=True, ensure_ascii=False)
     h = hashlib.blake2b(document.encode("utf-8"), digest_size=8, person=b"cj-split").digest()
