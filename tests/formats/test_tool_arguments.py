@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 from support.chat_templates import (
@@ -33,6 +34,7 @@ from composer_jax.formats.chat_template import ChatTemplate, template_messages
 pytest.importorskip("transformers")
 TOOLS = tool_schemas(session_tool_names(False))
 CONCATENATED = "call.function.arguments +"  # the DeepSeek-V3 fixture's text concatenation
+SFT = Path(__file__).resolve().parents[2] / "assets/sft/train.jsonl"
 
 
 def _call(i: str, name: str, arguments: str) -> dict:
@@ -78,6 +80,8 @@ def test_prompt_and_sft_row_are_transformers_with_object_arguments(family):
     assert fmt.prompt(PROMPT, tools=TOOLS).tolist() == want_prompt
     ids, _ = fmt.conversation(WHOLE, tools=TOOLS)
     assert ids.tolist() == _oracle(text, vllm_messages(WHOLE))
+    bundled = json.loads(SFT.read_text().splitlines()[0])["messages"]  # its arguments are JSON text too
+    assert fmt.conversation(bundled, tools=TOOLS)[0].tolist() == _oracle(text, vllm_messages(bundled))
     if family != "qwen3_coder":  # (its `arguments | items` cannot render text at all)
         # not vacuous: the arguments as the client's text render other ids
         assert _oracle(text, WHOLE) != ids.tolist()
