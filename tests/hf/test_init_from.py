@@ -316,11 +316,27 @@ def test_a_pretraining_stage_starts_from_an_hf_directory_and_records_it(tmp_path
     assert records[0]["init"] == summary["init"]
 
 
+def test_missing_mtp_layers_are_reported_once_per_run(hf_dir, tmp_path, caplog):
+    """A run reads config.json three times (model.from, train.init_from, the weights); the
+    checkpoint's missing MTP layer (asked for 1, transformers saved 0) is one warning, not three."""
+    import shutil
+
+    fresh = shutil.copytree(hf_dir, tmp_path / "hf")  # a directory no earlier test has read
+    with caplog.at_level("WARNING", logger="composer_jax.hf.weights"):
+        cfg = resolve_model_from(_cfg({"from": f"hf:{fresh}"}, str(fresh)))
+        _load(cfg)
+    warned = [r.getMessage() for r in caplog.records if "MTP layer(s)" in r.getMessage()]
+    assert warned == [
+        f"{fresh}: config.json asks for 1 MTP layer(s) (num_nextn_predict_layers) but the checkpoint holds 0 "
+        "(transformers drops them on save); loading with num_mtp_layers=0"
+    ]
+
+
 @pytest.mark.slow
 def test_documented_pretrain_command_runs_from_an_hf_checkpoint(tmp_path, monkeypatch, caplog, capsys):
-    """Slow (a stage's compile, 33 s cold). The default test keeps its property:
+    """Slow (a stage's compile, 33 s cold). The default tests keep its properties:
     test_documented_stage_config_takes_the_checkpoints_routing (the same config and overrides give the
-    checkpoint's architecture and routing).
+    checkpoint's architecture and routing) and test_missing_mtp_layers_are_reported_once_per_run.
 
     docs/models.md's command as written, on a DeepSeek-V3-layout checkpoint routed as the issue's
     (8 experts in n_group 2, topk_group 1; tiny.yaml says 4 / 2) that ships the bundled tokenizer and
@@ -353,3 +369,5 @@ def test_documented_pretrain_command_runs_from_an_hf_checkpoint(tmp_path, monkey
     assert (model["n_group"], model["topk_group"]) == (hf_config["n_group"], hf_config["topk_group"]) == (2, 1)
     assert model["routed_scaling_factor"] == hf_config["routed_scaling_factor"] and model["num_experts"] == 8
     assert (model["vocab_size"], model["num_layers"], model["num_mtp_layers"]) == (2112, 2, 0)
+    mtp = [r for r in caplog.records if "MTP layer(s)" in r.getMessage()]
+    assert len(mtp) == 1, [r.getMessage() for r in mtp]  # once per run, not once per reading of config.json
