@@ -34,7 +34,16 @@ from pathlib import Path
 from typing import Any
 
 from composer_jax import inspection_rl
-from composer_jax.config import MESH_AXES, Config, ConfigError, config_from_dict, deep_merge, read_yaml, to_dict
+from composer_jax.config import (
+    MESH_AXES,
+    Config,
+    ConfigError,
+    config_from_layers,
+    read_yaml,
+    read_yaml_layers,
+    to_dict,
+)
+from composer_jax.config.run import Layer
 from composer_jax.errors import UsageError
 from composer_jax.hf.init_from import resolve_model_from
 from composer_jax.model import accounting
@@ -252,6 +261,7 @@ def _parser() -> argparse.ArgumentParser:
 def _load(args: argparse.Namespace) -> tuple[Config, bool]:
     """The config, and whether it is a training config (its YAML, with bases, has a `train:` section).
     Sets args.rl when the YAML has an `rl:` section (an RL run: the trainer step and replica are sized)."""
+    layers: list[Layer] = list(read_yaml_layers(Path(args.config).resolve()))
     data = read_yaml(Path(args.config).resolve())
     is_training = "train" in data
     args.rl = "rl" in data
@@ -263,9 +273,9 @@ def _load(args: argparse.Namespace) -> tuple[Config, bool]:
                 f"--mesh {args.mesh!r} must hold only a `mesh:` section; found keys "
                 f"{sorted(mesh_data)} (accepted: ['mesh'])"
             )
-        deep_merge(data, mesh_data)
+        layers.append((args.mesh, mesh_data))
     # num_devices=None: the mesh may describe a cluster this machine is not part of
-    cfg = resolve_model_from(config_from_dict(data, args.overrides, num_devices=None), num_devices=None)
+    cfg = resolve_model_from(config_from_layers(layers, args.overrides, num_devices=None), num_devices=None)
     return cfg, is_training or any(o.startswith("train.") for o in args.overrides)
 
 

@@ -247,6 +247,19 @@ def test_cut_off_turn_says_so():
     assert _fn(parse_turn("hermes", closed, finished=False)) == [("a", "{}")]
 
 
+@pytest.mark.parametrize("syntax", ["deepseek_v3", "kimi_k2"])
+def test_turn_cut_right_after_the_tool_calls_opening_says_so(syntax):
+    """max_tokens ending the turn just after the section's opening is the budget's doing, not an
+    empty section the model wrote (which a finished turn still reports as one)."""
+    opening = TOOL_CALL_SYNTAXES[syntax].start_markers[0]
+    cut = parse_turn(syntax, "Let me look." + opening, finished=False)
+    assert (cut.content, cut.tool_calls) == ("Let me look.", [])
+    assert cut.malformed == [f"tool call 0: cut off by the token budget right after the tool-calls opening {opening}"]
+    assert parse_turn(syntax, "Let me look." + opening).malformed == [
+        "tool call 0: a tool-calls section with no call in it"
+    ]
+
+
 def test_chatml_delegates_and_matches_the_token_parser(tok):
     calls = [
         {"id": "c1", "type": "function", "function": {"name": "list_dir", "arguments": '{"path": "."}'}},

@@ -44,3 +44,36 @@ def test_prompt_routing_field_and_choice():
     assert choice["prompt_routed_experts"] == routing[:3].tolist()
     assert choice["routed_experts"] == routing[3:].tolist()
     assert "prompt_routed_experts" not in api.completion_choice(_parse(), 0, TOK, done, "c")
+
+
+def test_return_token_ids_gives_the_prompt_ids_where_vllm_puts_them():
+    """vLLM's `return_token_ids`: a completion choice carries `prompt_token_ids` (its own prompt's,
+    choice c of prompt c // n), a chat response carries them once at its top level."""
+    done = type("Done", (), {})()
+    done.tokens, done.logprobs, done.versions = [7, 8], [-1.0, -2.0], [0, 0]
+    done.finish_reason, done.routing, done.prompt = "length", None, [1, 2, 3]
+    batch = api.parse_completion(
+        {"prompt": ["ab", [5, 6]], "n": 2, "return_token_ids": True}, tok=TOK, served="m", max_len=64, vocab=2048
+    )
+    ab = [TOK.bos_id, *TOK.encode("ab")]  # a text prompt starts with <|bos|>, as documents do in training
+    assert [api.completion_choice(batch, c, TOK, done, "c")["prompt_token_ids"] for c in range(4)] == [
+        ab,
+        ab,
+        [5, 6],
+        [5, 6],
+    ]
+    assert api.response_fields(batch) == {}
+    plain = _parse()
+    assert "prompt_token_ids" not in api.completion_choice(plain, 0, TOK, done, "c") and not plain.return_token_ids
+    chat = api.parse_chat(
+        {"messages": [{"role": "user", "content": "hi"}], "return_token_ids": True},
+        tok=TOK,
+        served="m",
+        max_len=64,
+        vocab=2048,
+    )
+    ids = api.response_fields(chat)["prompt_token_ids"]
+    assert TOK.decode(ids) == "<|bos|><|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert "prompt_token_ids" not in api.completion_choice(chat, 0, TOK, done, "c")
+    with pytest.raises(api.ApiError, match=r"return_token_ids.*'yes' is not a boolean"):
+        _parse(return_token_ids="yes")

@@ -289,6 +289,36 @@ def test_chat_with_tools_end_to_end(served, client):
     assert chunks[-1].choices[0].finish_reason == c.finish_reason
 
 
+def test_return_token_ids_gives_the_prompt_as_the_model_saw_it(served, client):
+    """vLLM's `return_token_ids` (what a user checks a template with): completions put the prompt's
+    ids on the choice, chat at the response's top level; a stream sends them in its first chunk."""
+    tok = served["tok"]
+    ask = {"return_token_ids": True}
+    r = client.completions.create(model="tiny-test", prompt="def f():", max_tokens=2, extra_body=ask)
+    want = [tok.bos_id, *tok.encode("def f():")]
+    assert r.choices[0].model_extra["prompt_token_ids"] == want
+    body = {"prompt": "def f():", "max_tokens": 3, "stream": True, **ask}
+    chunks = _sse(served, "/v1/completions", body)
+    assert [c["choices"][0].get("prompt_token_ids") for c in chunks] == [want] + [None] * (len(chunks) - 1)
+
+    messages = [{"role": "user", "content": "Show a.py"}]
+    fn = json.dumps(TOOLS[0]["function"], separators=(", ", ": "))
+    rendered = (
+        "<|bos|><|im_start|>system\n# Tools\n" + fn + "\n<|im_end|>\n"
+        "<|im_start|>user\nShow a.py<|im_end|>\n<|im_start|>assistant\n"
+    )
+    kw = dict(model="tiny-test", messages=messages, tools=TOOLS, max_tokens=2)
+    c = client.chat.completions.create(**kw, extra_body=ask)
+    ids = c.model_extra["prompt_token_ids"]
+    assert tok.decode(ids) == rendered and c.usage.prompt_tokens == len(ids)
+    assert "prompt_token_ids" not in c.choices[0].model_extra
+    assert "prompt_token_ids" not in client.chat.completions.create(**kw).model_extra
+    chunks = _sse(
+        served, "/v1/chat/completions", {"messages": messages, "tools": TOOLS, "max_tokens": 3, "stream": True, **ask}
+    )
+    assert [ch.get("prompt_token_ids") for ch in chunks] == [ids] + [None] * (len(chunks) - 1)
+
+
 # ---------------------------------------------------------------------------- OpenAI conformance
 def _sse(served, path: str, body: dict) -> list[dict]:
     """A streamed response's chunks as JSON (raw SSE: no client in between)."""
@@ -656,8 +686,17 @@ def test_sample_cli(ckpts, served, capsys):
     seq = jnp.asarray([prompt + choice["token_ids"]], jnp.int32)
     greedy = np.asarray(jnp.argmax(forward(policy.params, seq, policy.cfg).logits[0, len(prompt) - 1 : -1], -1))
     assert choice["token_ids"] == greedy.tolist()
+    assert "prompt_token_ids" not in choice
     assert sample_main([*args, "--prompt", "def f():"]) == 0
     assert capsys.readouterr().out.rstrip("\n") == choice["text"]
+    # the prompt's ids on request, where vLLM's return_token_ids puts them (completions: the choice)
+    assert sample_main([*args, "--prompt", "def f():", "--json", "--return-token-ids"]) == 0
+    assert json.loads(capsys.readouterr().out)["choices"][0]["prompt_token_ids"] == prompt
+    assert sample_main([*args, "--prompt", "hi", "--chat", "--json", "--return-token-ids"]) == 0
+    chat_ids = json.loads(capsys.readouterr().out)["prompt_token_ids"]  # chat: the response's top level
+    assert tok.decode(chat_ids) == "<|bos|><|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert sample_main([*args, "--prompt", "def f():", "--return-token-ids"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == f"[prompt token ids] {prompt}"
     assert sample_main([*args, "--prompt", "hi", "--chat", "--logprobs"]) == 0
     assert len(capsys.readouterr().out.splitlines()) >= 5
     assert cli_main(["sample", *args, "--prompt", "word " * 80]) == 2

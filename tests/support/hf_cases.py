@@ -176,9 +176,12 @@ class Built:
             return self.model(torch.as_tensor(np.asarray(tokens), dtype=torch.long)).logits.float().numpy()
 
 
-def save_tiny_deepseek_v3(out: Path, vocab: int, max_positions: int = 256, seed: int = 0) -> Path:
-    """A 2-layer DeepSeek-V3-layout checkpoint (MLA without query LoRA, one dense layer, 8 experts,
-    top-2, one shared expert) of `vocab` tokens, random weights, saved by transformers at `out`."""
+def save_tiny_deepseek_v3(
+    out: Path, vocab: int, max_positions: int = 256, seed: int = 0, n_group: int = 1, topk_group: int = 1
+) -> Path:
+    """A 2-layer DeepSeek-V3-layout checkpoint (MLA without query LoRA, one dense layer, 8 experts in
+    `n_group` groups of which `topk_group` are kept, top-2, one shared expert) of `vocab` tokens,
+    random weights, saved by transformers at `out`."""
     torch.manual_seed(seed)
     kwargs = {k: v for k, v in _DS.items() if k not in ("vocab_size", "max_position_embeddings", "initializer_range")}
     config = transformers.DeepseekV3Config(
@@ -187,8 +190,8 @@ def save_tiny_deepseek_v3(out: Path, vocab: int, max_positions: int = 256, seed:
         vocab_size=vocab,
         num_hidden_layers=2,
         q_lora_rank=None,
-        n_group=1,
-        topk_group=1,
+        n_group=n_group,
+        topk_group=topk_group,
         first_k_dense_replace=1,
         n_shared_experts=1,
         max_position_embeddings=max_positions,

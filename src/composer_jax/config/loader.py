@@ -23,7 +23,17 @@ from composer_jax.errors import ConfigError
 
 _DECIMAL = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
-__all__ = ["build_dataclass", "coerce", "deep_merge", "parse_overrides", "plain", "read_yaml", "set_path", "to_dict"]
+__all__ = [
+    "build_dataclass",
+    "coerce",
+    "deep_merge",
+    "parse_overrides",
+    "plain",
+    "read_yaml",
+    "read_yaml_layers",
+    "set_path",
+    "to_dict",
+]
 
 
 def _type_name(tp: Any) -> str:
@@ -106,15 +116,22 @@ def _field_default(f: dataclasses.Field) -> Any:
     return None
 
 
+def _yaml_fields(cls: Any) -> list[dataclasses.Field]:
+    """The fields a config dataclass has in YAML: all but those marked `metadata={"yaml": False}`
+    (what the loader records about a config, e.g. where its model section was written)."""
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("yaml", True)]
+
+
 def build_dataclass(cls: type, data: Mapping[str, Any], prefix: str, base: Any = None) -> Any:
     """cls from a mapping of its fields. A nested section given in part keeps its field's default for
     the keys not given (which may differ from its class's defaults, e.g. `rl.sampler`); `base`, when
     given, is that default. A key listed in cls.MOVED_KEYS gets an error naming where it went; a
-    field named in cls.YAML_KEYS is spelled so in YAML (`from_` -> `from`, a Python keyword)."""
+    field named in cls.YAML_KEYS is spelled so in YAML (`from_` -> `from`, a Python keyword); a field
+    marked `metadata={"yaml": False}` is no key at all (it keeps its default)."""
     hints = typing.get_type_hints(cls)
     spelled: Mapping[str, str] = getattr(cls, "YAML_KEYS", {})
-    field_of = {spelled.get(f.name, f.name): f.name for f in dataclasses.fields(cls)}
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in _yaml_fields(cls)}
+    field_of = {spelled.get(name, name): name for name in fields}
     moved: Mapping[str, str] = getattr(cls, "MOVED_KEYS", {})
     kwargs = {}
     for yaml_key, v in data.items():
@@ -169,8 +186,18 @@ def parse_overrides(overrides: Sequence[str]) -> list[tuple[list[str], Any]]:
     return out
 
 
-def read_yaml(path: Path, stack: tuple[Path, ...] = ()) -> dict:
+def read_yaml(path: Path) -> dict:
     """Read a YAML file; a top-level `base: other.yaml` (relative to the file) is merged under it."""
+    merged: dict = {}
+    for _file, data in read_yaml_layers(path):
+        deep_merge(merged, data)
+    return merged
+
+
+def read_yaml_layers(path: Path, stack: tuple[Path, ...] = ()) -> list[tuple[Path, dict]]:
+    """The files `read_yaml(path)` merges, in merge order (each `base:` before the file naming it),
+    each with its own mapping (`base` removed): where a key was written, for `model.from`
+    (config/run.py `model_origin`)."""
     if not path.exists():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     if not path.is_file():
@@ -184,13 +211,10 @@ def read_yaml(path: Path, stack: tuple[Path, ...] = ()) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping at top level, got {type(data).__name__}")
     bases = data.pop("base", None)
-    if bases is None:
-        return data
-    merged: dict = {}
-    for b in [bases] if isinstance(bases, str) else list(bases):
-        deep_merge(merged, read_yaml((path.parent / b).resolve(), stack + (path,)))
-    deep_merge(merged, data)
-    return merged
+    layers: list[tuple[Path, dict]] = []
+    for b in [] if bases is None else [bases] if isinstance(bases, str) else list(bases):
+        layers += read_yaml_layers((path.parent / b).resolve(), stack + (path,))
+    return [*layers, (path, data)]
 
 
 def deep_merge(dst: dict, src: Mapping) -> None:
@@ -204,7 +228,7 @@ def deep_merge(dst: dict, src: Mapping) -> None:
 def plain(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         spelled = getattr(obj, "YAML_KEYS", {})
-        return {spelled.get(f.name, f.name): plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {spelled.get(f.name, f.name): plain(getattr(obj, f.name)) for f in _yaml_fields(obj)}
     if isinstance(obj, Mapping):
         return {k: plain(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):  # tuples of sections (data.sources) -> YAML/JSON lists

@@ -51,10 +51,10 @@ class ModelConfig:
 
     YAML_KEYS: typing.ClassVar[dict[str, str]] = {"from_": "from"}
 
-    # `from: "hf:DIR"` (also "orbax:DIR", "run:DIR"): the architecture is read from that checkpoint
-    # (hf/init_from.py, `resolve_model_from`): every field left at its default takes the checkpoint's
-    # value; a field given here wins where it changes no parameter shape (SHAPE_KEYS), and a shape
-    # field given here must equal the checkpoint's. Weights still come from `train.init_from` only.
+    # `from: "hf:DIR"` (also "orbax:DIR", "run:DIR"): the architecture is that checkpoint's config
+    # (hf/init_from.py, `resolve_model_from`; docs/models.md): a value from a file beneath the one
+    # giving `from` gives way to it, one written beside `from` must equal it, one given on the
+    # command line overrides it (logged). Weights still come from `train.init_from` only.
     from_: str = ""
     name: str = "tiny"
     vocab_size: int = 512
@@ -157,6 +157,36 @@ class ModelConfig:
 
 
 MODEL_FROM_KINDS = ("hf", "orbax", "run")
+# where a model field was written relative to the layer that gives `from` (`ModelOrigin`)
+BENEATH, BESIDE, OVERRIDE = "beneath", "beside", "override"
+COMMAND_LINE = "the command line"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOrigin:
+    """Where the model section's fields were written, as the loader composed the config's layers
+    (its YAML files in merge order, then the command line: config/run.py `model_origin`), for
+    `model.from` (hf/init_from.py `resolve_model_from`). Not part of the YAML form: a run saves
+    the resolved section.
+
+    written: (field, role, where) per field some layer wrote, `where` a file or COMMAND_LINE, the
+    role relative to the layer giving `from` (the last that writes it):
+      BENEATH   an earlier file (a `base:` of it; every file when `from` is on the command line):
+                the stage's default model, which the checkpoint replaces
+      BESIDE    the file giving `from` or a later file: must agree with the checkpoint
+      OVERRIDE  the command line: a deliberate override of the checkpoint, logged
+    known: False for a config the loader did not build (each field that differs from its
+    default then counts as BESIDE). resolved_from: the `from` the section was filled from (resolving
+    again changes nothing)."""
+
+    known: bool = False
+    written: tuple[tuple[str, str, str], ...] = ()
+    resolved_from: str = ""
+
+    def role(self, name: str) -> tuple[str, str] | None:
+        """(role, where) of field `name`, None when no layer wrote it."""
+        return next(((r, w) for f, r, w in self.written if f == name), None)
+
 
 # The fields that set parameter shapes (`model/params.param_specs`); tests/hf/test_init_from.py
 # checks that no other field changes one.

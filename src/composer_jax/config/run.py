@@ -16,9 +16,24 @@ from typing import Any, Literal
 from composer_jax.config.agent import AgentConfig, validate_agent
 from composer_jax.config.checkpoint import CheckpointConfig, validate_checkpoint_config
 from composer_jax.config.data import DataConfig, validate_data_config
-from composer_jax.config.loader import build_dataclass, parse_overrides, plain, read_yaml, set_path
+from composer_jax.config.loader import (
+    build_dataclass,
+    deep_merge,
+    parse_overrides,
+    plain,
+    read_yaml_layers,
+    set_path,
+)
 from composer_jax.config.mesh import MESH_AXES, MeshConfig, validate_mesh
-from composer_jax.config.model import ModelConfig, validate_model
+from composer_jax.config.model import (
+    BENEATH,
+    BESIDE,
+    COMMAND_LINE,
+    OVERRIDE,
+    ModelConfig,
+    ModelOrigin,
+    validate_model,
+)
 from composer_jax.config.rl import RLConfig, validate_rl
 from composer_jax.config.train import TrainConfig, validate_train
 from composer_jax.errors import ConfigError
@@ -35,6 +50,15 @@ class Config:
     agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)  # rollouts: `rl`, `eval`
     # logical axis -> mesh axes overrides of the default rules in sharding.py
     sharding_rules: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # where the model section's fields were written (`model_origin`), for `model.from`; no YAML key
+    model_origin: ModelOrigin = dataclasses.field(
+        default_factory=ModelOrigin, compare=False, repr=False, metadata={"yaml": False}
+    )
+
+
+# one layer of a config: where it was written (a file, or a name such as "the config mapping") and
+# what it holds; later layers are merged over earlier ones, and the command line over them all
+Layer = tuple[str | Path, Mapping[str, Any]]
 
 
 def config_from_dict(
@@ -45,10 +69,22 @@ def config_from_dict(
     num_devices: "auto" checks the mesh against `jax.device_count()`; None skips the device check
     (e.g. `inspect` on a hypothetical cluster mesh).
     """
-    tree = plain(data)
-    for path, value in parse_overrides(overrides):
+    return config_from_layers([("the config mapping", data)], overrides, num_devices=num_devices)
+
+
+def config_from_layers(
+    layers: Sequence[Layer], overrides: Sequence[str] = (), *, num_devices: int | None | Literal["auto"] = "auto"
+) -> Config:
+    """`config_from_dict` of the layers merged in order, recording where each model field was
+    written (`Config.model_origin`, for `model.from`)."""
+    tree: dict = {}
+    for _where, data in layers:
+        deep_merge(tree, plain(data))  # plain: a copy, so merging never changes a layer
+    parsed = parse_overrides(overrides)
+    for path, value in parsed:
         set_path(tree, path, value)
     cfg = build_dataclass(Config, tree, "")
+    cfg = dataclasses.replace(cfg, model_origin=model_origin(layers, parsed))
     validate_sections(cfg)
     if num_devices == "auto":
         import jax  # local: the environment server imports this module's siblings without JAX
@@ -56,6 +92,42 @@ def config_from_dict(
         num_devices = jax.device_count()
     check_sections(cfg, num_devices)
     return cfg
+
+
+def model_origin(layers: Sequence[Layer], overrides: Sequence[tuple[Sequence[str], Any]]) -> ModelOrigin:
+    """Where each model field was last written (a layer's file, or the command line) and its role
+    relative to the layer that gives `model.from` (`ModelOrigin`). A field counts as written when
+    any key of it is (`model.rope_scaling.factor` writes rope_scaling)."""
+    field_of = {ModelConfig.YAML_KEYS.get(f.name, f.name): f.name for f in dataclasses.fields(ModelConfig)}
+    last: dict[str, int] = {}  # field -> index of the last layer writing it (len(layers): the command line)
+    for i, (_where, data) in enumerate(layers):
+        section = plain(data).get("model")
+        for key in section if isinstance(section, Mapping) else ():
+            if key in field_of:
+                last[field_of[key]] = i
+    for path, value in overrides:
+        if path[0] != "model":
+            continue
+        keys = [path[1]] if len(path) > 1 else list(value) if isinstance(value, Mapping) else []
+        last.update({field_of[k]: len(layers) for k in keys if k in field_of})
+    at = last.pop("from_", None)
+    written = []
+    for name, i in last.items():
+        where = COMMAND_LINE if i == len(layers) else _shown(layers[i][0])
+        role = OVERRIDE if i == len(layers) else BENEATH if at is None or i < at else BESIDE
+        written.append((name, role, where))
+    return ModelOrigin(known=True, written=tuple(written))
+
+
+def _shown(where: str | Path) -> str:
+    """A layer's file as the user gave it: relative to the current directory when inside it."""
+    p = Path(where)
+    if p.is_absolute():
+        try:
+            return str(p.relative_to(Path.cwd()))
+        except ValueError:
+            return str(p)
+    return str(where)
 
 
 def validate_sections(cfg: Config) -> None:
@@ -161,5 +233,5 @@ def load_config(
     path: str | Path | None = None, overrides: Sequence[str] = (), *, num_devices: int | None | Literal["auto"] = "auto"
 ) -> Config:
     """Load `path` (YAML; may name a `base:` file to extend) and apply `key=value` overrides."""
-    data = read_yaml(Path(path).resolve()) if path is not None else {}
-    return config_from_dict(data, overrides, num_devices=num_devices)
+    layers: list[Layer] = list(read_yaml_layers(Path(path).resolve())) if path is not None else []
+    return config_from_layers(layers, overrides, num_devices=num_devices)

@@ -83,6 +83,11 @@ def _unclosed(index: int, end: str) -> str:
     return _Unclosed(f"tool call {index}: not closed by {end} (unterminated, or cut off mid-call)")
 
 
+class _EmptySection(_Unclosed):
+    """The message for a tool-calls section with no call in it: in a turn the token budget cut
+    off, the budget ended right after the section's opening."""
+
+
 # ------------------------------------------------------------------------------------------ hermes
 def _split_hermes(text: str, tools: Sequence[dict] | None) -> tuple[str, list[Parsed]]:
     at = text.find("<tool_call>")
@@ -207,7 +212,7 @@ def _sectioned(begin: str, call: str, call_end: str, one: Callable[[str, int], P
             return text, []
         bodies = _closed_bodies(text[at:], call, call_end)
         calls = [_unclosed(i, call_end) if b is None else one(b, i) for i, b in enumerate(bodies)]
-        return text[:at], calls or ["tool call 0: a tool-calls section with no call in it"]
+        return text[:at], calls or [_EmptySection("tool call 0: a tool-calls section with no call in it")]
 
     return split
 
@@ -275,7 +280,10 @@ def parse_turn(
     malformed: list[str] = []
     for i, p in enumerate(parsed):
         open_at_cut = not finished and i == len(parsed) - 1 and (syntax == _CHATML or isinstance(p, _Unclosed))
-        if open_at_cut:
+        if open_at_cut and isinstance(p, _EmptySection):
+            opening = tool_call_syntax(syntax).start_markers[0]
+            malformed.append(f"tool call {i}: cut off by the token budget right after the tool-calls opening {opening}")
+        elif open_at_cut:
             closer = "<|im_end|>" if syntax == _CHATML else "the call was closed"
             malformed.append(f"tool call {i}: cut off by the token budget before {closer}")
         elif isinstance(p, str):

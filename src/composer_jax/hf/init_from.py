@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,12 +35,22 @@ import yaml
 from composer_jax.checkpoint.manager import read_run_config, restore_params_only
 from composer_jax.checkpoint.validate import COMMIT_MARKER, config_differences
 from composer_jax.config import Config, ConfigError, ModelConfig, check_sections, config_from_dict, to_dict
-from composer_jax.config.model import IMPLEMENTATION_KEYS, SHAPE_KEYS, STAGE_CHANGEABLE, model_from
+from composer_jax.config.model import (
+    BENEATH,
+    BESIDE,
+    IMPLEMENTATION_KEYS,
+    OVERRIDE,
+    SHAPE_KEYS,
+    STAGE_CHANGEABLE,
+    model_from,
+)
 from composer_jax.config.run import validate_sections
 from composer_jax.hf import safetensors_io as st
 from composer_jax.hf.config import family_for
 from composer_jax.hf.weights import read_model_config, read_params
 from composer_jax.model.params import abstract_params
+
+log = logging.getLogger(__name__)
 
 ACCEPTED = (
     "accepted: a training run's checkpoint directory (numbered step directories, e.g. runs/tiny/stage2/"
@@ -135,6 +146,10 @@ def check_model(run: ModelConfig, saved: ModelConfig, source: Source, allowed: S
     if not diffs:
         return
     listed = "; ".join(f"{k}={now!r} but checkpoint {source.config_file} says {was!r}" for k, was, now in diffs)
+    if run.from_:  # a command-line override of a shape field, or init_from another architecture than `from`
+        raise ConfigError(
+            f"{listed}: a field that sets a parameter shape must equal the checkpoint's for its weights to load"
+        )
     raise ConfigError(
         f"{listed}. Give the checkpoint's values, or take the model from it: model.from={source.kind}:{source.path}"
     )
@@ -182,36 +197,88 @@ def fresh_record(cfg: Config) -> dict[str, Any]:
     return {"kind": "scratch", "seed": cfg.train.seed, "family": _family(cfg.model)}
 
 
+# With `model.from`, the fields a checkpoint does not decide (how the run computes: kernels, dtypes,
+# remat, the name) come from the config wherever they are written, and so do the context keys a
+# stage sets for itself (YaRN extension); every other field is the checkpoint's architecture.
+CONTEXT_KEYS: tuple[str, ...] = ("rope_scaling", "max_position_embeddings")
+
+
+def _run_settings() -> set[str]:
+    return {k.removeprefix("model.") for k in IMPLEMENTATION_KEYS} - {"from", *CONTEXT_KEYS}
+
+
 def resolve_model_from(cfg: Config, num_devices: int | None | Literal["auto"] = "auto") -> Config:
     """`cfg` with its model section filled from `model.from`'s checkpoint config (unchanged when
-    empty). A field left at its default takes the checkpoint's value; a field given (not the
-    default) wins where it sets no parameter shape; a shape field given must equal the
-    checkpoint's (else a ConfigError naming it and both values). Revalidated against the mesh
-    (num_devices as for `config_from_dict`: "auto" = jax.device_count(), None = no device check)."""
+    empty or already resolved). The checkpoint's config is the model (docs/models.md, "Taking the
+    model from a checkpoint"); by where a field was written (`cfg.model_origin`):
+
+      a run setting the checkpoint does not decide, or a context key: the config's value
+      in a file beneath the one giving `from`: replaced by the checkpoint's value (logged at info)
+      in the file giving `from`, or a later one: must equal the checkpoint's, else a ConfigError
+          naming each such field, its value, the file and the checkpoint's value
+      on the command line: a deliberate override, used and logged (a warning naming the field,
+          the checkpoint's value and the new one), as is a context key that differs
+
+    Revalidated against the mesh (num_devices as for `config_from_dict`: "auto" =
+    jax.device_count(), None = no device check)."""
     spec = model_from(cfg.model)
-    if spec is None:
+    origin = cfg.model_origin
+    if spec is None or origin.resolved_from == cfg.model.from_:
         return cfg
     kind, path = spec
     source, saved = open_source(path, key="model.from")
     if source.kind != kind:
         raise ConfigError(f"model.from={cfg.model.from_!r}: {path!r} is a {source.kind} checkpoint, not {kind}")
-    default = ModelConfig()
-    given = {
-        f.name: getattr(cfg.model, f.name)
-        for f in dataclasses.fields(ModelConfig)
-        if f.name != "from_" and getattr(cfg.model, f.name) != getattr(default, f.name)
-    }
-    clash = [(k, v) for k, v in given.items() if k in SHAPE_KEYS and v != getattr(saved, k)]
+    default, settings = ModelConfig(), _run_settings()
+    kept: dict[str, Any] = {}
+    replaced: list[str] = []
+    clash: list[str] = []
+    for f in dataclasses.fields(ModelConfig):
+        mine, theirs = getattr(cfg.model, f.name), getattr(saved, f.name)
+        if f.name == "from_":
+            continue
+        if origin.known:
+            written = origin.role(f.name)
+        else:  # a config the loader did not build: what differs from the default was written beside `from`
+            written = (BESIDE, "the model section") if mine != getattr(default, f.name) else None
+        if written is None:
+            continue
+        role, where = written
+        if f.name in settings or f.name in CONTEXT_KEYS or role == OVERRIDE:
+            kept[f.name] = mine
+            if mine != theirs and f.name not in settings:
+                log.warning(
+                    "model.from: model.%s=%s (%s) replaces the checkpoint's %s (%s)",
+                    f.name,
+                    _value(mine),
+                    where,
+                    _value(theirs),
+                    source.config_file,
+                )
+        elif mine == theirs:
+            continue
+        elif role == BENEATH:
+            replaced.append(f"{f.name} {_value(mine)} -> {_value(theirs)} ({where})")
+        else:
+            clash.append(
+                f"model.{f.name}={_value(mine)} (written in {where}) but checkpoint {source.config_file} says "
+                f"{_value(theirs)}"
+            )
     if clash:
-        listed = "; ".join(
-            f"model.{k}={v!r} but checkpoint {source.config_file} says {getattr(saved, k)!r}" for k, v in clash
-        )
         raise ConfigError(
-            f"{listed}: with model.from a field that sets a parameter shape must equal the checkpoint's; "
-            f"remove it from the model section (or give the checkpoint's value)"
+            f"{'; '.join(clash)}: with model.from={cfg.model.from_} the checkpoint's config is the model; remove "
+            "these keys from that file (or give the checkpoint's values), or override the checkpoint deliberately "
+            "on the command line (model.KEY=VALUE)"
         )
-    model = dataclasses.replace(saved, **given, from_=cfg.model.from_)
-    out = dataclasses.replace(cfg, model=model)
+    if replaced:
+        log.info("model.from: %s replaces %s", source.config_file, ", ".join(replaced))
+    model = dataclasses.replace(saved, **kept, from_=cfg.model.from_)
+    out = dataclasses.replace(cfg, model=model, model_origin=dataclasses.replace(origin, resolved_from=cfg.model.from_))
     validate_sections(out)
     check_sections(out, jax.device_count() if num_devices == "auto" else num_devices)
     return out
+
+
+def _value(v: Any) -> str:
+    """A model field's value as a message shows it (a nested section as its YAML mapping)."""
+    return repr(to_dict(v) if dataclasses.is_dataclass(v) else v)

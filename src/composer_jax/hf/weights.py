@@ -348,7 +348,24 @@ def read_model_config(path: str | os.PathLike, dtype: str | None = None) -> tupl
     modules its tensors hold) and what else config.json says (HFInfo). Reads no tensor data."""
     cfg, info = model_config_from_hf(read_hf_config(path), dtype=dtype)
     files = _open(path)
-    return dataclasses.replace(cfg, num_mtp_layers=_count_mtp(files, _detect_prefix(files), cfg, info)), info
+    held = _count_mtp(files, _detect_prefix(files), cfg, info)
+    key = (os.path.realpath(path), info.requested_mtp_layers, held)
+    if held < info.requested_mtp_layers and key not in _MTP_WARNED:
+        _MTP_WARNED.add(key)
+        log.warning(
+            "%s: config.json asks for %d MTP layer(s) (num_nextn_predict_layers) but the checkpoint holds "
+            "%d (transformers drops them on save); loading with num_mtp_layers=%d",
+            path,
+            info.requested_mtp_layers,
+            held,
+            held,
+        )
+    return dataclasses.replace(cfg, num_mtp_layers=held), info
+
+
+# (directory, MTP layers asked, held) already warned about: one run reads a checkpoint's config
+# several times (model.from, train.init_from, its weights), and says so once
+_MTP_WARNED: set[tuple[str, int, int]] = set()
 
 
 def _open(path: str | os.PathLike) -> st.SafetensorsDir:
@@ -397,18 +414,10 @@ def from_pretrained(
 
 
 def _count_mtp(files: st.SafetensorsDir, prefix: str, cfg: ModelConfig, info: HFInfo) -> int:
-    wanted = info.requested_mtp_layers
-    found = 0
-    while found < wanted and f"{prefix}model.layers.{cfg.num_layers + found}.eh_proj.weight" in files:
+    """The MTP modules the tensors hold, at most the number config.json asks for."""
+    found, first = 0, cfg.num_layers  # MTP module i is layer num_layers + i in DeepSeek's naming
+    while found < info.requested_mtp_layers and f"{prefix}model.layers.{first + found}.eh_proj.weight" in files:
         found += 1
-    if found < wanted:
-        log.warning(
-            "config.json asks for %d MTP layer(s) (num_nextn_predict_layers) but the checkpoint holds "
-            "%d (transformers drops them on save); loading with num_mtp_layers=%d",
-            wanted,
-            found,
-            found,
-        )
     return found
 
 

@@ -3,6 +3,7 @@
     composer-jax serve --checkpoint runs/tiny/stage3_sft/checkpoints [--port 8000] [--api-key KEY]
         [--weights-from file:///runs/rl/weights --poll-interval 1]
     composer-jax sample --checkpoint DIR --prompt "def add(a, b):" [--chat] [--max-tokens 64] [--json]
+        [--return-token-ids]
 
 --checkpoint takes a training run's checkpoint directory (its latest step, or --step), one step's
 directory, a `convert --to-orbax` directory or a Hugging Face directory (inference/checkpoints.py).
@@ -372,6 +373,12 @@ def _sample_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     p.add_argument("--logprobs", action="store_true", help="print each generated token with its log-probability")
     p.add_argument("--json", action="store_true", help="print the OpenAI-shaped response JSON instead of the text")
+    p.add_argument(
+        "--return-token-ids",
+        action="store_true",
+        help="print the prompt's token ids too (with --json: vLLM's prompt_token_ids field), to check a chat "
+        "template's rendering",
+    )
     return p
 
 
@@ -389,6 +396,7 @@ def _sample_request(args, prompt: str):
         "seed": args.seed,
         "n": args.n,
         "stop": args.stop,
+        "return_token_ids": args.return_token_ids,
     }
     try:
         policy, tok, mesh, max_len = _load(args)
@@ -449,7 +457,11 @@ def sample_main(argv: list[str] | None = None) -> int:
     choices = [api.completion_choice(gen, c, tok, d, f"call_{c}") for c, d in enumerate(done)]
     if args.json:
         used = api.usage(sum(len(p) for p in gen.prompts), sum(len(d.tokens) for d in done))
-        print(json.dumps({"object": gen.kind, "choices": choices, "usage": used}, ensure_ascii=False, indent=1))
+        response = {"object": gen.kind, "choices": choices, "usage": used, **api.response_fields(gen)}
+        print(json.dumps(response, ensure_ascii=False, indent=1))
     else:
+        if args.return_token_ids:
+            for ids in gen.prompts:
+                print(f"[prompt token ids] {ids}")
         _print_choices(gen, choices, done, tok, args.logprobs)
     return 0

@@ -10,13 +10,16 @@ seed, stop, stream, stream_options.include_usage, logprobs (completions: 0, the 
 log-probabilities; chat: true with top_logprobs 0), tools, tool_choice ("none", "auto",
 "required" or a named function: `tool_choice` below) and parallel_tool_calls (chat);
 extensions: top_k, return_routing, return_prompt_routing, and vLLM's stop_token_ids (extra stop
-tokens) and ignore_eos (do not stop at the default stop tokens). Fields OpenAI defines that the sampler cannot honour
+tokens), ignore_eos (do not stop at the default stop tokens) and return_token_ids (the prompt's ids
+back, where vLLM puts them: `response_fields`). Fields OpenAI defines that the sampler cannot honour
 (echo, best_of, suffix, logit_bias, penalties, top alternatives in logprobs) are refused with a
 400 naming them; unknown fields are ignored (clients send e.g. `user`).
 
 Every choice carries two extension fields: `token_ids` (the generated tokens) and
 `token_versions` (the policy version that produced each), and with `return_routing` also
 `routed_experts`, with `return_prompt_routing` `prompt_routed_experts` (module `build_choice` docstring).
+With `return_token_ids` a completion choice also carries `prompt_token_ids`, and a chat response
+does at its top level (vLLM's fields: what a user checks a chat template's rendering with).
 """
 
 from __future__ import annotations
@@ -150,6 +153,7 @@ class Generation:
     return_routing: bool
     tools: list[dict] | None = None
     return_prompt_routing: bool = False
+    return_token_ids: bool = False  # the prompt's ids in the response (`response_fields`, `build_choice`)
     forced: list[int] = dataclasses.field(default_factory=list)  # chat: the turn's opening, prefilled
     tool_choice: str = "auto"  # chat: "none" | "auto" | "required" | "function" (the one named)
     parallel_tool_calls: bool = True  # chat: False keeps only a turn's first tool call
@@ -236,6 +240,7 @@ def _common(
         "include_usage": bool(opts and _bool(opts, "include_usage")),
         "return_routing": _bool(body, "return_routing"),
         "return_prompt_routing": _bool(body, "return_prompt_routing"),
+        "return_token_ids": _bool(body, "return_token_ids"),
     }
     return n, params, stop, flags
 
@@ -298,6 +303,7 @@ def parse_completion(body: Any, *, tok: Tokenizer, served: str, max_len: int, vo
         logprobs is not None,
         routing,
         return_prompt_routing=flags["return_prompt_routing"],
+        return_token_ids=flags["return_token_ids"],
     )
 
 
@@ -356,6 +362,7 @@ def parse_chat(body: Any, *, tok: Tokenizer, served: str, max_len: int, vocab: i
         routing,
         tools,
         return_prompt_routing=flags["return_prompt_routing"],
+        return_token_ids=flags["return_token_ids"],
         forced=forced,
         tool_choice=choice,
         parallel_tool_calls=_bool(body, "parallel_tool_calls", True),
@@ -582,8 +589,9 @@ def build_choice(
     (with return_routing: per generated token but the last, which no forward pass has seen, per
     MoE layer, the k expert ids it was routed to; null for dense models), `prompt_routed_experts`
     (with return_prompt_routing: the same for every prompt position, from this request's prefill, so
-    that prompt + routed_experts rows cover every position but the last), and for chat
-    `malformed_tool_calls` (why each unparseable tool call was dropped)."""
+    that prompt + routed_experts rows cover every position but the last), `prompt_token_ids`
+    (completions, with return_token_ids: the prompt's ids; chat has them once, `response_fields`),
+    and for chat `malformed_tool_calls` (why each unparseable tool call was dropped)."""
     choice: dict[str, Any] = {"index": index}
     if gen.kind == "completion":
         choice["text"] = completion_text(tok, tokens, gen.stop)
@@ -604,7 +612,25 @@ def build_choice(
         choice["routed_experts"] = routing_field(routing, prompt_len)
     if gen.return_prompt_routing:
         choice["prompt_routed_experts"] = prompt_routing_field(routing, prompt_len)
+    choice.update(prompt_ids_field(gen, index))
     return choice
+
+
+def prompt_ids_field(gen: Generation, index: int) -> dict:
+    """Completions with return_token_ids: {"prompt_token_ids": choice index's prompt ids} (vLLM
+    puts them on each choice, streamed in a choice's first chunk); else {}."""
+    if gen.kind != "completion" or not gen.return_token_ids:
+        return {}
+    return {"prompt_token_ids": [int(t) for t in gen.prompts[index // gen.n]]}
+
+
+def response_fields(gen: Generation) -> dict:
+    """Chat with return_token_ids: {"prompt_token_ids": the rendered prompt's ids, a forced call
+    opening included} at the response's top level (vLLM's place; streamed in the first chunk);
+    else {}. With `token_ids` they are every token the model saw or wrote."""
+    if gen.kind != "chat" or not gen.return_token_ids:
+        return {}
+    return {"prompt_token_ids": [int(t) for t in gen.prompts[0]]}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -16,8 +16,8 @@ produced it). Served version numbers are the published ones. /health reports the
 error reading it and the last fallback (a bad version replaced by an older one).
 
 Requests and responses: `openai_api.py` (extension fields: top_k, return_routing,
-return_prompt_routing, stop_token_ids, ignore_eos; token_ids, token_versions, routed_experts,
-prompt_routed_experts, malformed_tool_calls). Errors: `{"error": {"message", "type",
+return_prompt_routing, stop_token_ids, ignore_eos, return_token_ids; token_ids, token_versions,
+routed_experts, prompt_routed_experts, prompt_token_ids, malformed_tool_calls). Errors: `{"error": {"message", "type",
 "param", "code"}}` with a 4xx status for a bad request, 401 without the key (OpenAI's
 invalid_request_error / invalid_api_key), 429 with `Retry-After` when the engine is full, 500 when
 the engine failed the request (the server keeps serving).
@@ -368,6 +368,7 @@ class OpenAIServer:
                 "model": gen.model,
                 "choices": [choices[c] for c in range(len(ids))],
                 "usage": api.usage(sum(len(p) for p in gen.prompts), completion_tokens),
+                **api.response_fields(gen),
             }
         )
 
@@ -388,7 +389,7 @@ class OpenAIServer:
                 first = [
                     {"index": c, "delta": {"role": "assistant", "content": ""}, "finish_reason": None} for c in choices
                 ]
-                yield chunk(first)
+                yield chunk(first, **api.response_fields(gen))
             while len(finished) < len(ids):
                 ev = await events.get()
                 if ev.error is not None:
@@ -544,6 +545,7 @@ class ChoiceStream:
         self.decoded: tuple[int, str] = (0, "")  # (n, decoded text of the first n content tokens)
         self.offset = 0  # completions: characters of the tokens whose logprobs were sent
         self.calls_sent = 0  # chat: tool calls sent
+        self.started = False  # a chunk of this choice was sent (completions' prompt ids go in the first)
 
     def on_event(self, ev: Event) -> list[dict]:
         """An engine event -> the choices of the chunks to send (the last one finishes the choice
@@ -586,6 +588,9 @@ class ChoiceStream:
         choice["finish_reason"] = None
         choice["token_ids"] = [int(t) for t in new]
         choice["token_versions"] = [int(v) for v in versions]
+        if not self.started:
+            choice.update(api.prompt_ids_field(self.gen, self.index))
+            self.started = True
         return choice
 
     def _completion_logprobs(self, new: list[int], lps: list[float]) -> dict:

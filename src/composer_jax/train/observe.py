@@ -100,10 +100,11 @@ class RunLogger:
 class Progress:
     """One console line per update: step, loss, throughput and ETA (a full line when not a tty)."""
 
-    def __init__(self, total: int, start: int, stream=sys.stdout):
-        self.total, self.start, self.stream = total, start, stream
+    def __init__(self, total: int, start: int, stream=None):
+        # sys.stdout as of the call, not of this module's import (a test's capture may have closed that one)
+        self.total, self.start, self.stream = total, start, stream if stream is not None else sys.stdout
         self.t0 = time.perf_counter()
-        self.tty = stream.isatty()
+        self.tty = self.stream.isatty()
 
     def update(self, step: int, text: str) -> None:
         done = step - self.start
