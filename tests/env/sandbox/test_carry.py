@@ -178,3 +178,13 @@ def test_pytest_part_reads_ini_as_pytest_does():
     assert snapshot.pytest_part("setup.cfg", cr) != snapshot.pytest_part("setup.cfg", b"[metadata]\nname = x\n")
     assert snapshot.pytest_part("setup.cfg", b"[metadata]\nname = y\n") == ""
     assert snapshot.pytest_part("pytest.ini", b"") == " "  # a pytest.ini, even empty, is configuration
+
+
+def test_a_long_excluded_list_ends_with_a_count(tmp_path):
+    def change(w: Path) -> None:
+        for i in range(snapshot.MAX_EXCLUDED + 5):
+            (w / f"d{i}" / "__pycache__").mkdir(parents=True)
+
+    facts, _, _ = carry(tmp_path, change)
+    assert len(facts["excluded"]) == snapshot.MAX_EXCLUDED + 1
+    assert facts["excluded"][-1] == {"path": "... and 5 more", "class": "truncated"}

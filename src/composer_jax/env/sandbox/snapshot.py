@@ -53,6 +53,7 @@ import zlib
 MAX_FILE_BYTES = 2 * 2**20  # larger files are diffed as "large" (not read)
 MAX_ENTRIES = 200_000  # files listed per tree for the diff
 MAX_DEPTH = 128
+MAX_EXCLUDED = 200  # entries of `excluded` listed; the rest counted in one line
 VCS = {".git", ".hg", ".svn"}
 CACHES = {"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".hypothesis"}
 DIFF_SKIP = VCS | CACHES
@@ -488,6 +489,9 @@ def carry(src_fd: int, orig_fd: int, dest_fd: int, carrier: Carrier, max_bytes: 
         _remove(dest_fd, rel)
     for rel, data in writes:
         _write(dest_fd, rel, data, _mode(src_fd, rel))
+    if len(excluded) > MAX_EXCLUDED:  # e.g. a __pycache__ in every folder the agent's runs touched
+        more = len(excluded) - MAX_EXCLUDED
+        excluded = excluded[:MAX_EXCLUDED] + [{"path": f"... and {more} more", "class": "truncated"}]
     return {"carried": len(writes) + len(deletes), "excluded": excluded, "levers": lever_hits}
 
 
