@@ -120,7 +120,8 @@ def _agent_config(overrides: list[str]) -> Any:
 
 async def _evaluate(args: argparse.Namespace, policy: Any, urls: list[str], token: str, agent: Any) -> dict:
     from composer_jax.env.api.client import EnvClient
-    from composer_jax.rl.evaluate import TaskRef, format_table, report, sample_tasks, write_outputs
+    from composer_jax.rl.evaluate import format_table, report, write_outputs
+    from composer_jax.rl.rollout.tasks import TaskRef, sample_tasks
 
     async with EnvClient(urls, token) as client:
         listed = await client.list_tasks()
