@@ -47,6 +47,46 @@ def test_a_real_subcommand_fault_goes_through_the_dispatcher(tmp_path, capsys):
     assert capsys.readouterr().err == f"composer-jax env: error: {tmp_path / 'missing'} is not a directory\n"
 
 
+REPO = SRC.parents[1]
+STAGE1 = str(REPO / "configs" / "pretrain" / "tiny_stage1.yaml")
+RL_CONFIG = str(REPO / "tests" / "rl" / "fixtures" / "rl_pick.yaml")
+
+
+def _a_bug(*args, **kwargs):
+    raise ValueError("a bug deep inside the run")
+
+
+@pytest.mark.parametrize(
+    "argv, runner, bad_value, message",
+    [
+        (
+            ["pretrain", "--config", STAGE1],
+            "composer_jax.train.loop.run_stage",
+            "train.micro_batches=3",
+            "train.batch_size=8 is not divisible by train.micro_batches=3",
+        ),
+        (
+            ["rl", "--config", RL_CONFIG],
+            "composer_jax.rl.learner.run_rl",
+            "rl.group_size=1",
+            "expected an integer >= 2",
+        ),
+    ],
+)
+def test_a_programming_error_keeps_its_traceback_while_a_bad_value_is_exit_2(
+    argv, runner, bad_value, message, monkeypatch, capsys, tmp_path
+):
+    """A ValueError from inside a run is a bug: it propagates (traceback, not exit 2); a bad config
+    value (ConfigError, itself a ValueError) is still the user's one-line error and exit 2."""
+    monkeypatch.chdir(REPO)
+    out = f"train.out_dir={tmp_path}"
+    assert cli.main([*argv, out, bad_value]) == 2
+    assert message in capsys.readouterr().err
+    monkeypatch.setattr(runner, _a_bug)
+    with pytest.raises(ValueError, match="a bug deep inside the run"):
+        cli.main([*argv, out])
+
+
 def _module_path(module: str) -> Path:
     spec = importlib.util.find_spec(module)
     assert spec is not None and spec.origin is not None, module

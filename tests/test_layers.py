@@ -100,7 +100,7 @@ def _graph() -> list[tuple[str, str, str | None, str]]:
     return edges
 
 
-EDGES = _graph()
+EDGES = _ALL_EDGES = _graph()
 
 
 def test_env_surface_is_its_api_package():
@@ -108,12 +108,17 @@ def test_env_surface_is_its_api_package():
 
 
 def circles(edges) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    """Strongly connected components of more than one module."""
     graph: dict[str, set[str]] = {}
     for src, dst, _, _ in edges:
         if dst != src and not _within(src, dst):  # a module importing its own package's __init__ is no circle
             graph.setdefault(src, set()).add(dst)
             graph.setdefault(dst, set())
+    return _components(graph)
+
+
+def _components(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one node (Tarjan, iterative)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     on_stack: set[str] = set()
@@ -157,6 +162,91 @@ def circles(edges) -> list[list[str]]:
 def test_no_import_circles():
     found = circles(EDGES)
     assert not found, "import circles (a definition in the wrong module):\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def package_of(module: str) -> str:
+    """The package a module belongs to: a package is its own, a module its parent's, cut at
+    `composer_jax.X.Y` (a package nested deeper, `env.tasks.families`, belongs to `env.tasks`). A
+    module directly under `composer_jax` (`errors.py`, `sharding.py`, `cli.py`) is a layer of its own,
+    not part of a package of everything."""
+    parts = module.split(".")
+    if not (SRC / Path(*parts)).is_dir() and len(parts) > 2:
+        parts = parts[:-1]
+    return ".".join(parts[:3])
+
+
+def package_circles(edges) -> dict[frozenset[str], str]:
+    """Each circle between sub-packages as "a -> b (where) -> ... -> a": a module of `a` imports one
+    of `b` and so on back, so neither package can be read, tested or moved without the other. A
+    package and its parent count as two (`rl.rollout` importing `rl/evaluate.py` while `rl/learner.py`
+    imports `rl.rollout` is a circle), which the module graph cannot see."""
+    graph: dict[str, set[str]] = {}
+    where: dict[tuple[str, str], str] = {}
+    for src, dst, _, at in edges:
+        a, b = package_of(src), package_of(dst)
+        if a != b:
+            graph.setdefault(a, set()).add(b)
+            graph.setdefault(b, set())
+            where.setdefault((a, b), at)
+    out = {}
+    for comp in _components(graph):
+        # the shortest way from the component's first package back to itself, with one import per step
+        start, members = comp[0], set(comp)
+        prev: dict[str, str] = {}
+        frontier = [start]
+        while start not in prev:
+            nxt = []
+            for v in frontier:
+                for w in sorted(graph[v] & members):
+                    if w not in prev:
+                        prev[w] = v
+                        nxt.append(w)
+            frontier = nxt
+        path = [start]
+        while len(path) == 1 or path[-1] != start:
+            path.append(prev[path[-1]])
+        path.reverse()
+        cycle = " -> ".join(f"{a} ({where[(a, b)]})" for a, b in zip(path, path[1:])) + f" -> {start}"
+        out[frozenset(comp)] = cycle + (f" [one circle of {', '.join(comp)}]" if len(comp) > len(path) - 1 else "")
+    return out
+
+
+# Circles between packages known and not yet undone, each with the reason it is still there; a circle
+# listed here that no longer exists fails the test, so the list only shrinks.
+KNOWN_PACKAGE_CIRCLES = {
+    # model/moe/layer.py builds its shard_map specs from model/params.py's `moe_specs` (`ParamSpec`),
+    # while model/transformer.py calls the MoE layer: undoing it means the parameter specs leave
+    # model/ (issue 50, item 6: left for its own change)
+    frozenset({"composer_jax.model", "composer_jax.model.moe"}),
+}
+
+
+def test_no_circles_between_packages():
+    found = package_circles(EDGES)
+    if EDGES is _ALL_EDGES:
+        gone = KNOWN_PACKAGE_CIRCLES - set(found)
+        assert not gone, f"no longer circles, take them out of KNOWN_PACKAGE_CIRCLES: {sorted(map(sorted, gone))}"
+        found = {k: v for k, v in found.items() if k not in KNOWN_PACKAGE_CIRCLES}
+    assert not found, "import circles between packages (a definition in the wrong package):\n" + "\n".join(
+        found.values()
+    )
+
+
+def test_package_circle_rule_sees_a_package_and_its_parent(monkeypatch):
+    edges = [
+        ("composer_jax.rl.rollout.side", "composer_jax.rl.evaluate", "TaskRef", "side.py:39"),
+        ("composer_jax.rl.learner", "composer_jax.rl.rollout.side", None, "learner.py:40"),
+        ("composer_jax.env.tasks.families.base", "composer_jax.env.tasks.store", None, "base.py:1"),  # one package
+        ("composer_jax.env.tasks.store", "composer_jax.env.tasks.families", None, "store.py:9"),
+    ]
+    assert package_of("composer_jax.env.tasks.families.base") == "composer_jax.env.tasks"
+    assert package_of("composer_jax.rl.evaluate") == "composer_jax.rl"
+    assert package_of("composer_jax.rl.rollout") == "composer_jax.rl.rollout"
+    assert package_of("composer_jax.errors") == "composer_jax.errors"
+    monkeypatch.setattr(sys.modules[__name__], "EDGES", edges)
+    circle = r"composer_jax.rl \(learner.py:40\) -> composer_jax.rl.rollout \(side.py:39\) -> composer_jax.rl\n"
+    with pytest.raises(AssertionError, match=circle):
+        test_no_circles_between_packages()
 
 
 def test_circle_rule_catches_a_circle_inside_a_package(monkeypatch):

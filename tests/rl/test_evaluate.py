@@ -13,9 +13,10 @@ from support.scripted import ScriptedPolicy, call
 from composer_jax.config.agent import AgentConfig
 from composer_jax.env.api.client import EnvClient
 from composer_jax.formats.tokenizer import load_tokenizer
-from composer_jax.rl.evaluate import TaskRef, report, sample_tasks, write_outputs
+from composer_jax.rl.evaluate import report, write_outputs
 from composer_jax.rl.rollout.agent import turn_seed
 from composer_jax.rl.rollout.env_servers import LocalEnvServers
+from composer_jax.rl.rollout.tasks import TaskRef, sample_tasks
 from composer_jax.rl.samplers.policy import PolicyPool, SamplerUnavailable
 
 FIX = call("edit_file", path="calc.py", old_string="return a - b", new_string="return a + b")

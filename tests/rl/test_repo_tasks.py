@@ -28,11 +28,9 @@ from composer_jax.formats.tokenizer import load_tokenizer
 from composer_jax.rl.evaluate import (
     DIFF_TRUNCATED,
     HeldOutEvaluation,
-    TaskRef,
     format_table,
     held_out_tasks,
     report,
-    sample_tasks,
     submittable_patch,
     submitted,
     write_outputs,
@@ -40,6 +38,7 @@ from composer_jax.rl.evaluate import (
 from composer_jax.rl.rollout.agent import Rollout, RolloutFailed, turn_seed
 from composer_jax.rl.rollout.env_servers import LocalEnvServers
 from composer_jax.rl.rollout.side import sample_group, task_of
+from composer_jax.rl.rollout.tasks import TaskRef, sample_tasks
 
 
 def needs_tools(test):

@@ -63,7 +63,7 @@ def test_cli_errors_name_the_bad_value(tmp_path, capsys, monkeypatch):
     assert cli_main(["eval", *args, "--model", "m", "turns=3"]) == 2
     assert "eval takes agent.KEY=VALUE overrides only; got 'turns'" in capsys.readouterr().err
     assert cli_main(["eval", *args, "--model", "m", "--task", "nope"]) == 2
-    assert "task(s) ['nope'] are not runnable" in capsys.readouterr().err
+    assert "--task: task(s) ['nope'] are not runnable" in capsys.readouterr().err
 
 
 def test_shipped_rl_config_loads_and_names_real_families(monkeypatch):

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 
 from composer_jax.rl.algo.rewards import RewardBreakdown
-from composer_jax.rl.evaluate import TaskRef
 from composer_jax.rl.rollout.agent import Rollout
 from composer_jax.rl.rollout.group_store import Group
+from composer_jax.rl.rollout.tasks import TaskRef
 from composer_jax.rl.samplers.policy import Generation
 
 

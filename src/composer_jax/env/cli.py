@@ -15,7 +15,8 @@ import socket
 import sys
 from pathlib import Path
 
-from composer_jax.env.sandbox.factory import add_env_cache_flags, build_envs, make_env_cache, make_sandbox
+from composer_jax.env.sandbox.factory import add_env_cache_flags, make_env_cache, make_sandbox
+from composer_jax.env.tasks.task_env import build_envs
 from composer_jax.errors import UsageError
 from composer_jax.flags import int_at_least
 

@@ -45,6 +45,7 @@ def rl_main(argv: list[str] | None = None) -> int:
 
     init_jax(args)
     from composer_jax.config import ConfigError, load_config
+    from composer_jax.hf.weights import CheckpointError
     from composer_jax.multihost import ProcessZeroFailed
     from composer_jax.rl.learner import run_rl
     from composer_jax.rl.rollout.env_servers import EnvServerError
@@ -52,7 +53,9 @@ def rl_main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         summary = run_rl(cfg, stop_after=args.stop_after)
-    except (ConfigError, EnvServerError, ValueError, FileNotFoundError) as e:
+    # the user's faults only (a config value, a checkpoint or file it names, environment servers
+    # that cannot start); any other exception is a bug and keeps its traceback
+    except (ConfigError, CheckpointError, EnvServerError, FileNotFoundError) as e:
         raise UsageError(str(e)) from e
     except ProcessZeroFailed as e:  # a process of a multi-host trainer: process 0's error (it prints the details)
         print(f"composer-jax rl: {e}", file=sys.stderr)
@@ -120,7 +123,8 @@ def _agent_config(overrides: list[str]) -> Any:
 
 async def _evaluate(args: argparse.Namespace, policy: Any, urls: list[str], token: str, agent: Any) -> dict:
     from composer_jax.env.api.client import EnvClient
-    from composer_jax.rl.evaluate import TaskRef, format_table, report, sample_tasks, write_outputs
+    from composer_jax.rl.evaluate import format_table, report, write_outputs
+    from composer_jax.rl.rollout.tasks import TaskRef, sample_tasks
 
     async with EnvClient(urls, token) as client:
         listed = await client.list_tasks()
@@ -128,12 +132,12 @@ async def _evaluate(args: argparse.Namespace, policy: Any, urls: list[str], toke
         names = args.task or sorted(known)
         unknown = [n for n in names if n not in known]
         if unknown:
-            raise ValueError(
-                f"task(s) {unknown} are not runnable on the environment server(s); runnable: {sorted(known)}"
+            raise UsageError(
+                f"--task: task(s) {unknown} are not runnable on the environment server(s); runnable: {sorted(known)}"
             )
         bad = [f for f in args.family if f not in listed.get("families", [])]
         if bad:
-            raise ValueError(f"famil(ies) {bad} unknown; accepted: {listed.get('families', [])}")
+            raise UsageError(f"--family: famil(ies) {bad} unknown; accepted: {listed.get('families', [])}")
         tasks = [TaskRef.from_listing(known[n]) for n in names]
         tasks += [TaskRef(f, args.seed_base + i, f) for f in args.family for i in range(args.family_seeds)]
         results = await sample_tasks(
@@ -150,6 +154,7 @@ def eval_main(argv: list[str] | None = None) -> int:
     args = _eval_parser().parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from composer_jax.config import ConfigError
+    from composer_jax.hf.weights import CheckpointError
     from composer_jax.rl.rollout.env_servers import EnvServerError, LocalEnvServers
 
     try:
@@ -163,7 +168,7 @@ def eval_main(argv: list[str] | None = None) -> int:
             else:
                 urls, token = stack.enter_context(LocalEnvServers(args.tasks))
             out = asyncio.run(_run_and_close(_evaluate(args, policy, urls, token, agent), closer))
-    except (ConfigError, EnvServerError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, CheckpointError, EnvServerError, FileNotFoundError) as e:  # the user's, as in rl_main
         raise UsageError(str(e)) from e
     print(json.dumps(out, indent=2))
     return 0

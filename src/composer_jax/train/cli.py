@@ -70,6 +70,7 @@ def _main(argv: list[str] | None, prog: str, fmt: str) -> int:
     args = _parser(prog).parse_args(argv)
     init_jax(args)
     from composer_jax.config import ConfigError, load_config
+    from composer_jax.hf.weights import CheckpointError
     from composer_jax.train.loop import run_stage
 
     try:
@@ -82,7 +83,9 @@ def _main(argv: list[str] | None, prog: str, fmt: str) -> int:
         if not cfg.data.sources:
             raise ConfigError("data.sources is empty; a training stage needs at least one source")
         summary = run_stage(cfg, stop_after=args.stop_after)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+    # the user's faults only (a config value, a checkpoint or file the config names); any other
+    # exception is a bug and keeps its traceback
+    except (ConfigError, CheckpointError, FileNotFoundError) as e:
         raise UsageError(str(e)) from e
     final = summary["evals"][-1] if summary["evals"] else {}
     print(

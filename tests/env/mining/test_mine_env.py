@@ -19,8 +19,10 @@ from composer_jax.env.mining import miner as mine
 from composer_jax.env.mining import projectenv
 from composer_jax.env.sandbox.pyenv import BuiltEnv, EnvCache
 from composer_jax.env.sandbox.runner import Limits, Mount, default_sandbox
-from composer_jax.env.tasks.envspec import EnvSpec, parse_environment
+from composer_jax.env.sandbox.spec import EnvSpec
+from composer_jax.env.tasks.envspec import parse_environment
 from composer_jax.env.tasks.store import TaskError, load_task
+from composer_jax.env.tasks.task_env import for_task
 
 PYPROJECT_SCM = """\
 [build-system]
@@ -275,10 +277,10 @@ def test_an_old_test_suite_gets_the_pytest_of_its_date_pinned_and_rebuilt(tmp_pa
         assert spec is not None and spec.requirements == ("pytest",) and spec.exclude_newer == "2025-09-10T12:00:00Z"
         assert "pytest==8.4.2" in spec.pins and "pluggy==1.6.0" in spec.pins
         fresh = _index_cache(tmp_path / "envs2", url)
-        rebuilt = asyncio.run(fresh.for_task(task))
+        rebuilt = asyncio.run(for_task(fresh, task))
         assert rebuilt is not None and (rebuilt.installed, rebuilt.pytest) == (spec.pins, "8.4.2")
         again = _index_cache(tmp_path / "envs2", url)
-        assert asyncio.run(again.for_task(task)) == rebuilt and again.build_seconds == {}
+        assert asyncio.run(for_task(again, task)) == rebuilt and again.build_seconds == {}
 
 
 def test_resolve_as_of_defaults_to_the_commit_only_with_an_index():

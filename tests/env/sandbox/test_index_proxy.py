@@ -19,7 +19,7 @@ from support.sdists import sdist_bytes
 from composer_jax.env.sandbox import index_proxy as ip
 from composer_jax.env.sandbox.pyenv import EnvBuildError, EnvCache
 from composer_jax.env.sandbox.runner import BubblewrapSandbox
-from composer_jax.env.tasks.envspec import EnvSpec
+from composer_jax.env.sandbox.spec import EnvSpec
 
 
 def _resolver(table: dict[str, list[str]]):

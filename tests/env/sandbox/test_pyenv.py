@@ -23,10 +23,12 @@ from support.sdists import sdist_bytes
 from composer_jax.cli import main as cli_main
 from composer_jax.env.sandbox.pyenv import ENV_MOUNT, EnvBuildError, EnvCache, spec_key
 from composer_jax.env.sandbox.runner import BubblewrapSandbox, Limits, SandboxCommand
+from composer_jax.env.sandbox.spec import EnvSpec
 from composer_jax.env.server.app import GradeResponse
 from composer_jax.env.server.session import SessionManager
-from composer_jax.env.tasks.envspec import EnvSpec, parse_environment
+from composer_jax.env.tasks.envspec import parse_environment
 from composer_jax.env.tasks.store import TaskError, TaskStore, load_task, parse_task_config
+from composer_jax.env.tasks.task_env import for_task
 from composer_jax.env.tasks.validate import validate_all
 
 REPO = Path(__file__).resolve().parents[3]
@@ -133,7 +135,7 @@ def built(tmp_path_factory, wheelhouse, sandbox):
     task = load_task(_task(tasks / "uses-tinypkg", ["tinypkg"]))
     cache = EnvCache(tmp_path_factory.mktemp("envcache"), sandbox, wheelhouse=wheelhouse)
     t0 = time.monotonic()
-    env = asyncio.run(cache.for_task(task))
+    env = asyncio.run(for_task(cache, task))
     return cache, tasks, env, time.monotonic() - t0
 
 
@@ -154,16 +156,16 @@ def test_build_from_wheelhouse_is_cached_and_read_only(built, sandbox, wheelhous
     task = load_task(tasks / "uses-tinypkg")
 
     async def again():
-        a, b = await asyncio.gather(cache.for_task(task), cache.for_task(task))
+        a, b = await asyncio.gather(for_task(cache, task), for_task(cache, task))
         fresh = EnvCache(cache.root, sandbox, wheelhouse=wheelhouse)  # a restarted server: from disk
-        return a, b, await fresh.for_task(task), fresh
+        return a, b, await for_task(fresh, task), fresh
 
     a, b, c, fresh = asyncio.run(again())
     assert a == b == env and c is not None and c.key == env.key and fresh.build_seconds == {}
     assert list(cache.build_seconds) == [env.key]  # built exactly once
     assert cache.builds == {"ok": 1} and fresh.builds == {}  # /metrics' cj_env_environment_builds_total
     assert cache.counts() == fresh.counts() == {"built": 1, "failed": 0}  # and cj_env_environments
-    assert cache.lookup(task) == env
+    assert cache.lookup(task.config.environment, task.app_dir) == env
 
 
 @pytest.mark.sandbox
@@ -362,7 +364,7 @@ def test_editable_app_points_at_the_session_workspace(tmp_path, wheelhouse, sand
     probe = "cd /tmp && python3 -c 'import applib; print(applib.f())'"
 
     async def go():
-        await cache.for_task(store.get("editable-app"))
+        await for_task(cache, store.get("editable-app"))
         manager = SessionManager(store, sandbox, work_dir=tmp_path / "work", env_cache=cache)
         try:
             s = await manager.create("editable-app")

@@ -32,6 +32,7 @@ from composer_jax.env.sandbox.pyenv import BuiltEnv, EnvBuildError, EnvCache
 from composer_jax.env.sandbox.runner import Limits, Mount, Sandbox, SandboxLease
 from composer_jax.env.tasks import grader, validate
 from composer_jax.env.tasks.store import Task, TaskError, load_task
+from composer_jax.env.tasks.task_env import for_task
 
 REASONS = (
     "root commit",
@@ -387,7 +388,7 @@ class Miner:
         if self.opts.env_cache is None:
             raise Rejected("environment did not build", f"the project needs {wanted}; give --wheelhouse or --index-url")
         try:
-            return await self.opts.env_cache.for_task(task)
+            return await for_task(self.opts.env_cache, task)
         except EnvBuildError as exc:
             raise Rejected("environment did not build", f"{wanted}: {exc.reason} {exc.log_tail[-300:]}") from None
 

@@ -47,6 +47,7 @@ from composer_jax.env.sandbox.runner import Limits, Sandbox
 from composer_jax.env.tasks import validate
 from composer_jax.env.tasks.envspec import utc_instant
 from composer_jax.env.tasks.store import TaskError, load_task
+from composer_jax.env.tasks.task_env import for_task
 from composer_jax.errors import UsageError
 
 REQUIRED = ("instance_id", "repo", "base_commit", "patch", "test_patch", "FAIL_TO_PASS", "PASS_TO_PASS")
@@ -203,7 +204,7 @@ async def build_environment(root: Path, env_cache: EnvCache | None) -> BuiltEnv 
         why = f"the project needs {wanted}; give --wheelhouse or --index-url"
         raise InstanceError("environment did not build", why)
     try:
-        return await env_cache.for_task(task)
+        return await for_task(env_cache, task)
     except EnvBuildError as exc:
         raise InstanceError("environment did not build", f"{wanted}: {exc.reason} {exc.log_tail[-300:]}") from None
 

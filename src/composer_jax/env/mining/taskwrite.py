@@ -20,8 +20,8 @@ import tempfile
 from pathlib import Path
 
 from composer_jax.env.mining import gitrepo
+from composer_jax.env.sandbox.spec import EnvSpec
 from composer_jax.env.tasks import verifier
-from composer_jax.env.tasks.envspec import EnvSpec
 from composer_jax.env.tasks.families.base import write_verifier
 
 CATEGORIES = ("bug fix", "feature", "refactor", "tests")

@@ -1,11 +1,10 @@
 """Sandboxes and environment caches as the command lines configure them (`env-server`, `env validate`,
-`env build`, `env mine`, `env import-swebench` share these flags and factories)."""
+`env build`, `env mine`, `env import-swebench` share these flags and factories; building every task's
+environment is `env/tasks/task_env.py`)."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import sys
 from pathlib import Path
 
 from composer_jax.errors import UsageError
@@ -78,19 +77,3 @@ def proxy_allow(text: str) -> tuple[str, int]:
             f"--index-proxy-allow {text!r}: expected ADDRESS:PORT, an IP address and a port (203.0.113.80:443)"
         )
     return host, number
-
-
-def build_envs(cache, tasks, out=sys.stderr) -> int:
-    """Build every task's environment, one line per task (key, seconds or the error); returns failures."""
-    from composer_jax.env.sandbox.pyenv import EnvBuildError, build_all
-
-    def progress(task_id, result, seconds):
-        if isinstance(result, EnvBuildError):
-            print(f"env {task_id}: FAILED {result.reason}\n{result.log_tail[-1500:]}", file=out, flush=True)
-        else:
-            built = cache.build_seconds.get(result.key)
-            how = f"built in {built:.1f}s" if built is not None else "cached"
-            print(f"env {task_id}: {result.key[:16]} python {result.python_version} {how}", file=out, flush=True)
-
-    results = asyncio.run(build_all(cache, tasks, progress))
-    return sum(1 for r in results.values() if isinstance(r, EnvBuildError))

@@ -1,5 +1,7 @@
-"""Per-task Python environments: sandboxed builds of a task's `[environment]` spec
-(`env/tasks/envspec.py`), and a shared cache.
+"""Per-task Python environments: sandboxed builds of an `EnvSpec` (`spec.py`; a task's
+`[environment]` table, read by `env/tasks/envspec.py`), and a shared cache. What a task has to do
+with it (its environment, building every task's) is `env/tasks/task_env.py`: this module knows
+specs, not tasks.
 
 A task may declare the Python it runs under::
 
@@ -57,14 +59,10 @@ import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from composer_jax.env.sandbox import index_proxy, toolchain, volumes
 from composer_jax.env.sandbox.runner import Limits, Mount, Sandbox, SandboxLease
-from composer_jax.env.tasks.envspec import EnvSpec
-
-if TYPE_CHECKING:
-    from composer_jax.env.tasks.store import Task
+from composer_jax.env.sandbox.spec import EnvSpec
 
 ENV_MOUNT = "/opt/taskenv"
 RECIPE_VERSION = "3"  # bump when the build recipe changes: every key changes with it (3: uv compiles bytecode)
@@ -305,26 +303,19 @@ class EnvCache:
     def key_of(self, spec: EnvSpec, app_dir: Path | None) -> str:
         return spec_key(spec, app_dir, self.source_id())
 
-    def lookup(self, task: Task) -> BuiltEnv | None:
-        """The task's built environment without building (None when it declares none); raises the
-        build's EnvBuildError, or EnvBuildError when it was never built (sessions never build)."""
-        spec = task.config.environment
-        if spec is None:
-            return None
-        key = self.key_of(spec, task.app_dir)
+    def lookup(self, spec: EnvSpec, app_dir: Path | None) -> BuiltEnv:
+        """The built environment of `spec` without building; raises the build's EnvBuildError, or
+        EnvBuildError when it was never built (sessions never build)."""
+        key = self.key_of(spec, app_dir)
         if key in self._failed:
             raise self._failed[key]
         found = self._built.get(key) or self._from_disk(key, spec)
         if found is None:
             raise EnvBuildError(
-                f"task {task.task_id!r}: its Python environment ({key[:12]}) is not built; the server builds every "
-                "task's environment at start-up (`composer-jax env build TASKS` pre-builds), never inside a step"
+                f"its Python environment ({key[:12]}) is not built; the server builds every task's environment "
+                "at start-up (`composer-jax env build TASKS` pre-builds), never inside a step"
             )
         return found
-
-    async def for_task(self, task: Task) -> BuiltEnv | None:
-        spec = task.config.environment
-        return None if spec is None else await self.ensure(spec, task.app_dir)
 
     async def ensure(self, spec: EnvSpec, app_dir: Path | None) -> BuiltEnv:
         """The built environment of `spec`: from memory or disk, else built once (concurrent callers
@@ -596,20 +587,3 @@ def _last_json(text: str) -> dict:
         if isinstance(value, dict):
             return value
     return {}
-
-
-async def build_all(cache: EnvCache, tasks: Iterable[Task], progress=None) -> dict[str, BuiltEnv | EnvBuildError]:
-    """Build every task's environment (each distinct key once); {task_id: env or its error}."""
-    out: dict[str, BuiltEnv | EnvBuildError] = {}
-    for task in tasks:
-        if task.config.environment is None:
-            continue
-        t0 = time.monotonic()
-        try:
-            env = await cache.ensure(task.config.environment, task.app_dir)
-            out[task.task_id] = env
-        except EnvBuildError as exc:
-            out[task.task_id] = exc
-        if progress is not None:
-            progress(task.task_id, out[task.task_id], time.monotonic() - t0)
-    return out

@@ -224,7 +224,7 @@ class SessionManager:
         if self.env_cache is None:
             raise TaskNotRunnable(f"task {task.task_id!r} declares a Python environment; this server has no env cache")
         try:
-            return self.env_cache.lookup(task)
+            return self.env_cache.lookup(task.config.environment, task.app_dir)
         except EnvBuildError as exc:
             raise TaskNotRunnable(f"task {task.task_id!r}: {exc}") from None
 

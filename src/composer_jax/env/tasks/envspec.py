@@ -17,37 +17,26 @@ installs exactly them (`--no-deps`) and resolves nothing, so the task rebuilds i
 `app_version` is given to the build as SETUPTOOLS_SCM_PRETEND_VERSION (setuptools-scm, and
 hatch-vcs through it): a task's workspace has no .git to read a version from.
 
-This is what a task says; `env/sandbox/pyenv.py` builds it. The spec sits with the task format (not
-with the builder) so that reading a task never imports the sandbox.
+This module reads what a task says into an `EnvSpec`; the spec type is the builder's
+(`env/sandbox/spec.py`, a plain dataclass importing nothing), which `env/sandbox/pyenv.py` builds:
+the task format depends on the sandbox, never the other way (they were a circle of packages).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import re
 from pathlib import Path
 from typing import Any
 
 from composer_jax.env.api.errors import TaskError
+from composer_jax.env.sandbox.spec import EnvSpec
 
 INSTALL_APP = ("none", "editable")
 _PYTHON_RE = re.compile(r"^3\.\d{1,2}$")
 _KEYS = ("python", "requirements", "requirements_file", "install_app", "app_version", "exclude_newer", "pins")
 _PIN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*==[A-Za-z0-9][A-Za-z0-9.+!_-]*$")
 _VERSION_RE = re.compile(r"^[0-9][A-Za-z0-9.+!_-]*$")
-
-
-@dataclasses.dataclass(frozen=True)
-class EnvSpec:
-    """A task's `[environment]` Python environment (see the module docstring)."""
-
-    python: str | None
-    requirements: tuple[str, ...]
-    install_app: str = "none"
-    app_version: str | None = None
-    exclude_newer: str | None = None  # RFC 3339, UTC ("2024-03-13T12:00:00Z")
-    pins: tuple[str, ...] = ()
 
 
 def _requirement_lines(value: Any, where: str, key: str) -> list[str]:

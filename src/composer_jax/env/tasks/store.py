@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from composer_jax.env.api.errors import TaskError, UnknownTaskError
-from composer_jax.env.tasks.envspec import EnvSpec, parse_environment
+from composer_jax.env.sandbox.spec import EnvSpec
+from composer_jax.env.tasks.envspec import parse_environment
 
 TASK_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 GENERATED_PREFIX = "gen/"

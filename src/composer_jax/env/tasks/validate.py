@@ -20,6 +20,7 @@ from composer_jax.env.sandbox.pyenv import EnvBuildError, EnvCache
 from composer_jax.env.sandbox.runner import Limits, Sandbox
 from composer_jax.env.tasks import grader
 from composer_jax.env.tasks.store import Task, TaskError, TaskStore, load_task
+from composer_jax.env.tasks.task_env import for_task
 
 
 @dataclasses.dataclass
@@ -45,7 +46,7 @@ async def validate_task(
         if env_cache is None:
             return TaskReport(task.task_id, "fail", "the task declares a Python environment and no env cache was given")
         try:
-            env = await env_cache.for_task(task)  # built once per distinct environment
+            env = await for_task(env_cache, task)  # built once per distinct environment
         except EnvBuildError as exc:
             return TaskReport(task.task_id, "fail", f"{exc.reason}: {exc.log_tail[-600:].strip()}")
     lease = sandbox.lease(f"validate-{task.task_id.replace('/', '_')}-{time.monotonic_ns()}")

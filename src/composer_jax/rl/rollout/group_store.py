@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from composer_jax.rl.algo.rewards import RewardBreakdown
-from composer_jax.rl.evaluate import TaskRef
 from composer_jax.rl.rollout.agent import Rollout
+from composer_jax.rl.rollout.tasks import TaskRef
 from composer_jax.rl.samplers.policy import Generation
 
 _NAME = re.compile(r"^group_(\d{8,})\.npz$")

@@ -36,13 +36,13 @@ from typing import Any, Protocol
 from composer_jax.config import Config
 from composer_jax.env.api.client import EnvClient
 from composer_jax.rl.algo.rewards import RolloutStats, compose_reward
-from composer_jax.rl.evaluate import TaskRef, rollout_seed, run_rollouts, sample_tasks
 from composer_jax.rl.rollout.agent import Rollout, RolloutFailed
 from composer_jax.rl.rollout.env_servers import LocalEnvServers
 from composer_jax.rl.rollout.group_store import Group, GroupStore
 from composer_jax.rl.rollout.ledger import ResumePoint
 from composer_jax.rl.rollout.queue import RolloutQueue
 from composer_jax.rl.rollout.rejoin import ReplicaWatch
+from composer_jax.rl.rollout.tasks import TaskRef, rollout_seed, run_rollouts, sample_tasks
 from composer_jax.rl.samplers.base import SamplerBackend
 from composer_jax.rl.samplers.policy import Policy, PolicyPool
 from composer_jax.rl.samplers.serve_launch import start_serve
@@ -310,7 +310,7 @@ class RolloutSide:
     async def sample_tasks(
         self, tasks: Sequence[TaskRef], samples: int, seed: int
     ) -> dict[TaskRef, list[Rollout | RolloutFailed]]:
-        """An evaluation's rollouts (`evaluate.sample_tasks`) on the current version (asynchronous
+        """An evaluation's rollouts (`rollout/tasks.py::sample_tasks`) on the current version (asynchronous
         runs: the replicas serve it first; its load may be in flight)."""
         await asyncio.gather(*self._loads, return_exceptions=True)
         return await sample_tasks(self.pool, self.client, tasks, samples, self.cfg.agent, seed=seed)
