@@ -345,8 +345,10 @@ def _fuse_experts(state):
     return out
 
 
-def test_missing_mtp_weights_warn_and_drop(hf_checkpoint, caplog):
-    """transformers writes num_nextn_predict_layers=1 but no MTP tensors: load with 0 MTP layers."""
+def test_missing_mtp_weights_warn_and_drop(hf_checkpoint, caplog, monkeypatch):
+    """transformers writes num_nextn_predict_layers=1 but no MTP tensors: load with 0 MTP layers.
+    (The warning is once per directory per process, and the checkpoint is shared: start afresh.)"""
+    monkeypatch.setattr(hf_ckpt, "_MTP_WARNED", set())
     built = hf_checkpoint("v3_full")
     assert json.loads((built.path / "config.json").read_text())["num_nextn_predict_layers"] == 1
     with caplog.at_level("WARNING", logger=hf_ckpt.__name__):
