@@ -155,3 +155,13 @@ def test_no_module_prints_an_error_and_returns_a_sentinel():
                 if _is_stderr_print(a) and _sentinel_return(b)
             ]
     assert not found, found
+
+
+def test_a_generated_env_server_token_can_be_passed_back_as_an_option(monkeypatch):
+    """A token that starts with "-" cannot follow `--token` on a command line (argparse reads it as
+    an option; tests/env/api/test_client.py's second server failed to start 1 run in 64)."""
+    from composer_jax.env import cli as env_cli
+
+    drawn = iter(["-starts-with-a-dash-0123456789abcdefghijklmnop", "fine-0123456789abcdefghijklmnopqrstuvwxyz"])
+    monkeypatch.setattr(env_cli.secrets, "token_urlsafe", lambda n: next(drawn))
+    assert env_cli._fresh_token() == "fine-0123456789abcdefghijklmnopqrstuvwxyz"

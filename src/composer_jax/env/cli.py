@@ -122,7 +122,16 @@ def _server_token(args: argparse.Namespace) -> tuple[str, bool]:
             raise UsageError(f"--token-file {args.token_file}: {exc.strerror}") from exc
     if token is not None and len(token) < 16:
         raise UsageError("the token must be at least 16 characters")
-    return (token, False) if token else (secrets.token_urlsafe(32), True)
+    return (token, False) if token else (_fresh_token(), True)
+
+
+def _fresh_token() -> str:
+    """A generated token (urlsafe base64, 43 characters) that never starts with "-", so that it
+    can be passed back as `--token TOKEN` (argparse reads a leading "-" as an option: 1 in 64 did)."""
+    while True:
+        token = secrets.token_urlsafe(32)
+        if not token.startswith("-"):
+            return token
 
 
 def _task_store(tasks: Path, work_dir: Path | None):
