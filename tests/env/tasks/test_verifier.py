@@ -91,6 +91,21 @@ def test_a_lever_is_not_paid(lru, tmp_path, attack):
         assert v["collection_errors"] and not v["tests"]
 
 
+def test_bytecode_in_the_tree_is_not_read(lru, tmp_path):
+    """A tree that holds bytecode of a fixed lru/core.py beside the buggy source (unchecked hash: Python
+    would load it without looking at the source) is graded on the source: the verifier deletes the
+    tree's bytecode first (`drop_bytecode`), for any copy, not only a grade's carry."""
+    import py_compile
+
+    fixed = tmp_path / "fixed_core.py"
+    fixed.write_text((LRU / "solution" / "app" / "lru" / "core.py").read_text())
+    cache = lru / "lru" / "__pycache__" / f"core.{sys.implementation.cache_tag}.pyc"
+    py_compile.compile(str(fixed), cfile=str(cache), invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+    assert verifier.drop_bytecode(tmp_path / "nothing-here") == 0
+    v = run(lru, LRU / "tests", tmp_path / "logs")
+    assert v["reward"] == 0.0 and not cache.exists(), v["why"]
+
+
 def test_workspace_modules_cannot_shadow_the_standard_library(lru, tmp_path):
     """Text packages named like lazily imported standard-library modules (xml: pytest's JUnit
     writer; difflib: assertion diffs; unittest) stay the standard library's in the test process,
