@@ -17,6 +17,7 @@ from support.bwrap import needs_bwrap
 
 from composer_jax.env.mining import miner as mine
 from composer_jax.env.mining import projectenv
+from composer_jax.env.sandbox.pip_sources import PipSources
 from composer_jax.env.sandbox.pyenv import BuiltEnv, EnvCache
 from composer_jax.env.sandbox.runner import Limits, Mount, default_sandbox
 from composer_jax.env.sandbox.spec import EnvSpec
@@ -99,8 +100,8 @@ def dated_wheels(tmp_path_factory) -> dict[Path, str]:
 
 
 def _index_cache(root: Path, url: str) -> EnvCache:
-    port = int(url.rsplit(":", 1)[1].split("/")[0])
-    return EnvCache(root, default_sandbox(), index_url=url, proxy_allow=(("127.0.0.1", port),))
+    """Builds from the test's index alone (not the machine's other package sources)."""
+    return EnvCache(root, default_sandbox(), sources=PipSources(url))
 
 
 def _run_suite(env: BuiltEnv, suite: Path) -> tuple[int | None, str]:

@@ -1,7 +1,8 @@
-"""Index builds reach the package index and nothing else (env/sandbox/index_proxy.py, issue 40
-item 3): the proxy's rules (the index's hosts and ports only, public addresses only, the address it
-checked is the one it connects to), and a sandboxed build from a local index whose setup.py reaches
-for a host loopback service and the link-local metadata address, directly and through the proxy."""
+"""Index builds reach their package sources and nothing else (env/sandbox/index_proxy.py, issue 40
+item 3; issue 50 item 5): the proxy carries only the sources' hosts and ports, to the addresses
+each was pinned at (a second resolution cannot move it), and a sandboxed build from a local index
+whose setup.py reaches for a host loopback service and the link-local metadata address, directly
+and through the proxy, reaches neither."""
 
 from __future__ import annotations
 
@@ -17,58 +18,60 @@ from support.bwrap import require_bwrap
 from support.sdists import sdist_bytes
 
 from composer_jax.env.sandbox import index_proxy as ip
+from composer_jax.env.sandbox.pip_sources import PipSources
 from composer_jax.env.sandbox.pyenv import EnvBuildError, EnvCache
 from composer_jax.env.sandbox.runner import BubblewrapSandbox
 from composer_jax.env.sandbox.spec import EnvSpec
 
 
 def _resolver(table: dict[str, list[str]]):
-    return lambda host, port: table[host]
+    def resolve(host, port):
+        if host not in table:
+            raise OSError("Name or service not known")
+        return table[host]
+
+    return resolve
 
 
-def test_index_hosts_and_the_configured_index(tmp_path):
-    assert ip.index_hosts(["https://pypi.org/simple"]) == {("pypi.org", 443), ip.PYPI_FILES}
-    assert ip.index_hosts(["http://mirror.example:8080/simple", "file:///opt/wheels"]) == {("mirror.example", 8080)}
-    conf = tmp_path / "pip.conf"
-    conf.write_text("[global]\nindex-url = https://mirror.example/simple\nextra-index-url = https://b.example/x\n")
-    assert ip.configured_indexes([str(conf)]) == ["https://mirror.example/simple", "https://b.example/x"]
-    assert ip.configured_indexes([str(tmp_path / "none.conf")]) == [ip.PYPI]
+PYPI_HOSTS = [("pypi.org", 443), ("files.pythonhosted.org", 443)]
 
 
 @pytest.mark.parametrize(
-    "host, port, addrs, why",
+    "host, port, why",
     [
-        ("evil.example", 443, ["93.184.216.34"], "is not the package index"),
-        ("pypi.org", 22, ["151.101.0.223"], "pypi.org:22 is not the package index"),
-        ("pypi.org", 443, ["127.0.0.1"], "resolves to 127.0.0.1: not a public address"),
-        ("pypi.org", 443, ["10.1.2.3", "169.254.169.254"], "not a public address"),
-        ("pypi.org", 443, ["fe80::1"], "not a public address"),
-        ("pypi.org", 443, ["100.64.0.1"], "not a public address"),  # shared address space
+        ("evil.example", 443, "evil.example:443 is not a package source of this build"),
+        ("pypi.org", 22, "pypi.org:22 is not a package source"),
+        ("169.254.169.254", 80, "--index-proxy-allow 169.254.169.254:80 lets builds reach it"),
+        ("nowhere.example", 443, "nowhere.example: cannot be resolved"),
     ],
 )
-def test_the_proxy_refuses_other_hosts_and_inside_addresses(host, port, addrs, why):
-    proxy = ip.IndexProxy(ip.index_hosts([ip.PYPI]), resolve=_resolver({host: addrs}))
+def test_the_proxy_refuses_other_hosts_and_names_the_flag(host, port, why):
+    pins = ip.pin([*PYPI_HOSTS, ("nowhere.example", 443)], resolve=_resolver({"pypi.org": ["203.0.113.80"]} | {
+        "files.pythonhosted.org": ["203.0.113.80"]}))  # fmt: skip
     with pytest.raises(ip.ProxyRefused, match=why):
-        asyncio.run(proxy.check(host, port))
+        ip.IndexProxy(pins).check(host, port)
 
 
-def test_the_proxy_connects_to_the_address_it_checked():
-    """A name with an inside and a public address: the public one is the one used (no second lookup)."""
+def test_a_configured_source_is_trusted_at_its_pinned_address_and_never_resolved_again():
+    """The machine's index at a reserved address (a company mirror, this machine's PyPI): carried,
+    to the address it had when pinned, whatever the name resolves to later."""
+    answers = iter([["10.1.2.3", "203.0.113.80"], ["169.254.169.254"]])
     calls: list[str] = []
 
     def resolve(host, port):
         calls.append(host)
-        return ["127.0.0.1", "151.101.0.223"]
+        return next(answers)
 
-    proxy = ip.IndexProxy(ip.index_hosts([ip.PYPI]), resolve=resolve)
-    assert asyncio.run(proxy.check("PyPI.org", 443)) == "151.101.0.223" and calls == ["pypi.org"]
+    proxy = ip.IndexProxy(ip.pin([("Mirror.corp", 443)], resolve=resolve))
+    assert proxy.check("MIRROR.corp", 443) == ("10.1.2.3", "203.0.113.80") and calls == ["Mirror.corp"]
+    assert proxy.check("mirror.corp", 443) == ("10.1.2.3", "203.0.113.80") and calls == ["Mirror.corp"]
 
 
 def test_requests_through_the_socket(tmp_path):
     """Over the Unix socket: a refused CONNECT answers 403 and is kept; a bad request line 400."""
 
     async def go():
-        proxy = ip.IndexProxy({("pypi.org", 443)}, resolve=_resolver({}))
+        proxy = ip.IndexProxy({("pypi.org", 443): ("203.0.113.80",)})
         async with proxy.serving() as where:
             answers = []
             for line in (b"CONNECT 169.254.169.254:80 HTTP/1.1\r\n\r\n", b"hello\r\n\r\n"):
@@ -79,9 +82,10 @@ def test_requests_through_the_socket(tmp_path):
         return proxy, answers
 
     proxy, (refused, bad) = asyncio.run(go())
-    assert refused.startswith(b"HTTP/1.1 403") and b"169.254.169.254:80 is not the package index" in refused
+    assert refused.startswith(b"HTTP/1.1 403") and b"169.254.169.254:80 is not a package source" in refused
     assert bad.startswith(b"HTTP/1.1 400") and proxy.refused == [
-        "169.254.169.254:80 is not the package index (allowed: pypi.org:443)"
+        "169.254.169.254:80 is not a package source of this build (allowed: pypi.org:443); "
+        "--index-proxy-allow 169.254.169.254:80 lets builds reach it"
     ]
 
 
@@ -133,12 +137,8 @@ def test_a_build_from_the_index_reaches_it_and_nothing_else(tmp_path):
     )
     server, port = _serve(index)
     try:
-        cache = EnvCache(
-            tmp_path / "cache",
-            BubblewrapSandbox(),
-            index_url=f"http://127.0.0.1:{port}/simple",
-            proxy_allow=(("127.0.0.1", port),),  # the test's index lives on loopback; nothing else does
-        )
+        # the index is this machine's loopback at the port the test chose; nothing else there is
+        cache = EnvCache(tmp_path / "cache", BubblewrapSandbox(), sources=PipSources(f"http://127.0.0.1:{port}/simple"))
         env = asyncio.run(cache.ensure(EnvSpec(None, ("probepkg",)), None))
         report = (env.host_path / "probe-report.txt").read_text().splitlines()
     finally:
@@ -151,9 +151,30 @@ def test_a_build_from_the_index_reaches_it_and_nothing_else(tmp_path):
 
 
 @pytest.mark.sandbox
-def test_an_index_the_proxy_refuses_fails_the_build_and_says_why(tmp_path):
-    """Without the test's allowance the loopback index itself is refused: the build error names it."""
+def test_files_on_another_host_are_refused_with_the_flag_that_lets_them_through(tmp_path):
+    """An index whose page links its files on another host (`localhost`, not the index's
+    127.0.0.1): the build fails, its error and `source_problems` name the host and the flag; with
+    `--index-proxy-allow localhost:PORT` the same build succeeds."""
     require_bwrap()
-    cache = EnvCache(tmp_path / "cache", BubblewrapSandbox(), index_url="http://127.0.0.1:9/simple")
-    with pytest.raises(EnvBuildError, match=r"the index proxy refused: 127\.0\.0\.1 resolves to 127\.0\.0\.1"):
-        asyncio.run(cache.ensure(EnvSpec(None, ("probepkg",)), None))
+    index = tmp_path / "index"
+    (index / "simple" / "tinypkg").mkdir(parents=True)
+    (index / "files").mkdir()
+    setup_py = "from setuptools import setup\nsetup(name='tinypkg', version='0.1', py_modules=[])\n"
+    (index / "files" / "tinypkg-0.1.tar.gz").write_bytes(sdist_bytes("tinypkg", setup_py))
+    server, port = _serve(index)
+    link = f"http://localhost:{port}/files/tinypkg-0.1.tar.gz"
+    (index / "simple" / "tinypkg" / "index.html").write_text(f'<html><body><a href="{link}">t</a></body></html>')
+    sources = PipSources(f"http://127.0.0.1:{port}/simple")
+    try:
+        cache = EnvCache(tmp_path / "cache", BubblewrapSandbox(), sources=sources)
+        with pytest.raises(EnvBuildError, match=rf"localhost:{port} is not a package source of this build"):
+            asyncio.run(cache.ensure(EnvSpec(None, ("tinypkg",)), None))
+        ((problem, builds),) = cache.source_problems.items()
+        assert builds == 1 and f"--index-proxy-allow localhost:{port} lets builds reach it" in problem
+        allowed = EnvCache(
+            tmp_path / "cache2", BubblewrapSandbox(), sources=sources, proxy_allow=(("localhost", port),)
+        )
+        env = asyncio.run(allowed.ensure(EnvSpec(None, ("tinypkg",)), None))
+    finally:
+        server.shutdown()
+    assert env.installed == ("tinypkg==0.1",) and allowed.source_problems == {}

@@ -124,6 +124,7 @@ def mine_main(argv: list[str]) -> int:
 
     def write_report(outcomes: list, complete: bool) -> dict:
         s = summary(miner.name, outcomes)
+        s["package_source_problems"] = dict(getattr(opts.env_cache, "source_problems", {}))
         wall = round(time.monotonic() - start, 2)
         report = {**s, "complete": complete, "wall_seconds": wall, **header}
         report["commits"] = [o.__dict__ for o in outcomes]

@@ -28,6 +28,7 @@ from composer_jax.env.mining.gitrepo import Commit, FileChange, GitError
 from composer_jax.env.mining.statement import category_of, write_instruction
 from composer_jax.env.mining.taskwrite import RepoTask, harness_safe, with_pins, write_task
 from composer_jax.env.sandbox import pyenv
+from composer_jax.env.sandbox.factory import source_problem_lines
 from composer_jax.env.sandbox.pyenv import BuiltEnv, EnvBuildError, EnvCache
 from composer_jax.env.sandbox.runner import Limits, Mount, Sandbox, SandboxLease
 from composer_jax.env.tasks import grader, validate
@@ -414,4 +415,5 @@ def format_summary(s: dict) -> str:
         f"{s['tests_run']} run in the sandbox, {s['written']} tasks written"
     ]
     lines += [f"  rejected  {n:>5}  {reason}" for reason, n in s["rejected"].items()]
+    lines += source_problem_lines(s.get("package_source_problems", {}))
     return "\n".join(lines)

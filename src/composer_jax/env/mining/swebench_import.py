@@ -302,7 +302,7 @@ def import_parser() -> argparse.ArgumentParser:
 
 
 def import_main(argv: list[str]) -> int:
-    from composer_jax.env.sandbox.factory import make_env_cache, make_sandbox
+    from composer_jax.env.sandbox.factory import make_env_cache, make_sandbox, source_problem_lines
 
     args = import_parser().parse_args(argv)
     if not args.instances.is_file():
@@ -324,8 +324,11 @@ def import_main(argv: list[str]) -> int:
     dated = projectenv.dated(args)
     results = asyncio.run(import_all(records, args.repos, args.out, sandbox, progress, env_cache, dated))
     s = summary(results)
+    s["package_source_problems"] = dict(getattr(env_cache, "source_problems", {}))
     (args.out / "import_report.json").write_text(json.dumps({**s, "instances_detail": results}, indent=1) + "\n")
     print(f"{s['instances']} instances, {s['written']} tasks written")
     for reason, count in s["rejected"].items():
         print(f"  rejected  {count:>5}  {reason}")
+    for line in source_problem_lines(s["package_source_problems"]):
+        print(line)
     return 0 if s["written"] else 1

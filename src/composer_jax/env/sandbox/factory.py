@@ -22,7 +22,8 @@ def make_sandbox(unsafe: bool, wall: float | None = None):
 
 
 def add_env_cache_flags(p: argparse.ArgumentParser) -> None:
-    """--env-cache, --wheelhouse, --index-url: where tasks' Python environments (pyenv.py) are built from and kept."""
+    """--env-cache, --wheelhouse, --index-url: where tasks' Python environments (pyenv.py) are built from and
+    kept. Without --wheelhouse, builds take their packages where the machine's pip does (pip_sources.py)."""
     p.add_argument(
         "--env-cache",
         type=Path,
@@ -30,14 +31,18 @@ def add_env_cache_flags(p: argparse.ArgumentParser) -> None:
         help="directory of built task Python environments (default ~/.cache/composer_jax/envs)",
     )
     p.add_argument("--wheelhouse", type=Path, help="build environments offline from this directory of wheels/sdists")
-    p.add_argument("--index-url", help="build environments from this package index (the build gets network)")
+    p.add_argument(
+        "--index-url",
+        help="build environments from this package index instead of pip's configured one (the rest of pip's "
+        "configuration, extra indexes, find-links, certificate bundle, still applies)",
+    )
     p.add_argument(
         "--index-proxy-allow",
         action="append",
         default=[],
-        metavar="ADDRESS:PORT",
-        help="let builds reach the index's hosts at this non-public address too (a machine whose way out is a "
-        "proxy at a private or reserved address; index_proxy.py refuses those otherwise); repeatable",
+        metavar="HOST:PORT",
+        help="let builds reach this host too, besides the package sources of pip's configuration (an index "
+        "whose pages link files on another host); pinned at its address like them (index_proxy.py); repeatable",
     )
 
 
@@ -61,19 +66,34 @@ def make_env_cache(args: argparse.Namespace, sandbox):
 
 
 def proxy_allow(text: str) -> tuple[str, int]:
-    """`--index-proxy-allow ADDRESS:PORT` as (address, port): an IP address (IPv6 in brackets), not a name
-    (the proxy compares the addresses a host resolves to)."""
+    """`--index-proxy-allow HOST:PORT` as (host, port): a DNS name or an IP address (IPv6 in brackets)."""
     import ipaddress
+    import re
 
     host, sep, port = text.rpartition(":")
-    host = host.strip("[]")
+    bracketed = host.startswith("[") and host.endswith("]")
+    host = host[1:-1] if bracketed else host
     try:
         ipaddress.ip_address(host)
-        number = int(port) if sep else -1
+        named = True
     except ValueError:
-        number = -1
-    if not 0 < number < 65536:
-        raise UsageError(
-            f"--index-proxy-allow {text!r}: expected ADDRESS:PORT, an IP address and a port (203.0.113.80:443)"
+        named = (
+            not bracketed
+            and re.fullmatch(
+                r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*", host
+            )
+            is not None
         )
-    return host, number
+    number = int(port) if sep and port.isdigit() else -1
+    if not named or not 0 < number < 65536:
+        raise UsageError(
+            f"--index-proxy-allow {text!r}: expected HOST:PORT, a host name or IP address and a port "
+            "(files.example.com:443, 10.0.0.5:8443, [2001:db8::1]:443)"
+        )
+    return host.lower(), number
+
+
+def source_problem_lines(problems: dict[str, int]) -> list[str]:
+    """The summary lines of what kept a run's builds from their packages (`EnvCache.source_problems`:
+    a proxy refusal, an untrusted certificate), each naming the flag or setting that changes it."""
+    return [f"  package sources: {n} build(s): {why}" for why, n in sorted(problems.items(), key=lambda kv: -kv[1])]

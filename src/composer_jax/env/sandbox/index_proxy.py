@@ -1,4 +1,4 @@
-"""The package index, and nothing else, for a sandboxed environment build.
+"""The package sources, and nothing else, for a sandboxed environment build.
 
 A build from an index runs untrusted code (setup.py, a build backend) that must reach the index
 and must not reach the host's loopback services, private networks or the link-local metadata
@@ -6,29 +6,26 @@ address. So the build keeps its own network namespace (no route anywhere) and ge
 HTTP proxy that this process serves on a Unix socket, bound into the sandbox, where a small
 forwarder (`FORWARDER`, run by the build script) listens on the sandbox's own loopback for pip's
 `--proxy http://127.0.0.1:PORT`. The proxy accepts `CONNECT host:port` (https) and absolute-form
-requests (http) only for the index's hosts and ports (`index_hosts`), resolves the name once, and
-connects to the address it checked, which must be a global unicast address (no loopback, private,
-link-local, shared, reserved or multicast range): a name that resolves inside is refused, and a
-second resolution cannot move the connection (DNS rebinding). Every refusal is kept (`refused`) and
-named in the build's error.
+requests (http) only for the hosts and ports of the package sources the machine's pip is
+configured with (`pip_sources.py`: each index, a find-links URL, PyPI's file host with PyPI) and
+those `--index-proxy-allow` adds, and connects only to the addresses each resolved to when the run
+first built from it (`pin`): the user configured that index, so it is trusted where it was found,
+a private mirror behind its own authority included; any other host is refused, and a second
+resolution cannot move a connection elsewhere (DNS rebinding). Every refusal is kept (`refused`),
+named in the build's error with the flag that changes it, and counted in the run's summary.
 """
 
 from __future__ import annotations
 
 import asyncio
-import configparser
 import contextlib
-import ipaddress
 import os
 import socket
 import tempfile
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
-PYPI = "https://pypi.org/simple"
-# PyPI's simple index links its files on this host
-PYPI_FILES = ("files.pythonhosted.org", 443)
 MOUNT = "/run/index-proxy"  # where the build sees the proxy's socket directory
 SOCKET = "proxy.sock"
 PORT = 3128  # the forwarder's port on the sandbox's loopback
@@ -36,36 +33,8 @@ HEAD_LIMIT = 64 * 1024
 
 
 class ProxyRefused(Exception):
-    """A request the proxy will not carry: a host that is not the index's, or an address inside."""
-
-
-def index_hosts(urls: Iterable[str]) -> set[tuple[str, int]]:
-    """The (host, port) pairs a build may reach: each index URL's, and PyPI's file host with PyPI.
-    Non-http(s) URLs (a file:// wheel folder) need no network and add nothing."""
-    out: set[tuple[str, int]] = set()
-    for url in urls:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            continue
-        out.add((parts.hostname.lower(), parts.port or (443 if parts.scheme == "https" else 80)))
-        if parts.hostname.lower() == "pypi.org":
-            out.add(PYPI_FILES)
-    return out
-
-
-def configured_indexes(paths: Iterable[str] = ("/etc/pip.conf", "/etc/xdg/pip/pip.conf")) -> list[str]:
-    """The indexes a sandboxed pip without `--index-url` uses: the system configuration's (the
-    sandbox shows the host's /etc, and no user configuration), else PyPI."""
-    cfg = configparser.ConfigParser()
-    cfg.read(list(paths))
-    index = cfg.get("global", "index-url", fallback=PYPI)
-    extra = cfg.get("global", "extra-index-url", fallback="").split()
-    return [index, *extra]
-
-
-def is_public(ip: str) -> bool:
-    addr = ipaddress.ip_address(ip)
-    return addr.is_global and not addr.is_multicast
+    """A request the proxy will not carry: a host that is not a package source, or one that could
+    not be resolved when the run pinned it."""
 
 
 def _resolve(host: str, port: int) -> list[str]:
@@ -73,18 +42,26 @@ def _resolve(host: str, port: int) -> list[str]:
     return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
 
-class IndexProxy:
-    """The proxy (module docstring). `allow`: (address, port) pairs let through although not
-    global, for a test's local index only."""
+def pin(
+    hosts: Iterable[tuple[str, int]], resolve: Callable[[str, int], list[str]] = _resolve
+) -> dict[tuple[str, int], tuple[str, ...] | str]:
+    """{(host, port): the addresses it resolves to now, or why it does not resolve}."""
+    out: dict[tuple[str, int], tuple[str, ...] | str] = {}
+    for host, port in hosts:
+        try:
+            addrs = tuple(resolve(host, port))
+        except OSError as exc:
+            out[(host, port)] = f"cannot be resolved ({exc})"
+            continue
+        out[(host, port)] = addrs or "resolves to nothing"
+    return out
 
-    def __init__(
-        self,
-        hosts: set[tuple[str, int]],
-        *,
-        resolve: Callable[[str, int], list[str]] = _resolve,
-        allow: Iterable[tuple[str, int]] = (),
-    ):
-        self.hosts, self.resolve, self.allow = hosts, resolve, set(allow)
+
+class IndexProxy:
+    """The proxy (module docstring) over `pins`: {(host, port): pinned addresses, or why none}."""
+
+    def __init__(self, pins: Mapping[tuple[str, int], Sequence[str] | str]):
+        self.pins = {(h.lower(), p): a for (h, p), a in pins.items()}
         self.refused: list[str] = []
         self.carried = 0  # connections made
 
@@ -106,28 +83,27 @@ class IndexProxy:
                 path.unlink()
                 where.rmdir()
 
-    async def check(self, host: str, port: int) -> str:
-        """The address to connect to for (host, port); ProxyRefused naming why not."""
+    def check(self, host: str, port: int) -> tuple[str, ...]:
+        """The pinned addresses to connect to for (host, port); ProxyRefused naming why not and
+        the flag that changes it."""
         host = host.lower().strip("[]")
-        if (host, port) not in self.hosts:
-            allowed = ", ".join(f"{h}:{p}" for h, p in sorted(self.hosts)) or "none"
-            raise ProxyRefused(f"{host}:{port} is not the package index (allowed: {allowed})")
-        try:
-            addrs = await asyncio.to_thread(self.resolve, host, port)
-        except OSError as e:
-            raise ProxyRefused(f"{host}: cannot be resolved ({e})") from None
-        for ip in addrs:
-            if is_public(ip) or (ip, port) in self.allow:
-                return ip
-        raise ProxyRefused(f"{host} resolves to {', '.join(addrs) or 'nothing'}: not a public address")
+        pinned = self.pins.get((host, port))
+        if pinned is None:
+            allowed = ", ".join(f"{h}:{p}" for h, p in sorted(self.pins)) or "none"
+            raise ProxyRefused(
+                f"{host}:{port} is not a package source of this build (allowed: {allowed}); "
+                f"--index-proxy-allow {_authority(host, port)} lets builds reach it"
+            )
+        if isinstance(pinned, str):
+            raise ProxyRefused(f"{host}: {pinned} when the run pinned its address (the machine's DNS)")
+        return tuple(pinned)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             head = await reader.readuntil(b"\r\n\r\n")
             method, target = _request_line(head)
             host, port = _target(method, target)
-            ip = await self.check(host, port)
-            up_reader, up_writer = await asyncio.open_connection(ip, port)
+            up_reader, up_writer = await _connect(self.check(host, port), port)
         except ProxyRefused as e:
             self.refused.append(str(e))
             await _answer(writer, b"403 Forbidden", str(e))
@@ -144,6 +120,21 @@ class IndexProxy:
         else:
             up_writer.write(_origin_form(head, target))
         await asyncio.gather(_pump(reader, up_writer), _pump(up_reader, writer))
+
+
+def _authority(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def _connect(addrs: Sequence[str], port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to the first of the pinned addresses that answers."""
+    last: OSError = OSError("no address")
+    for ip in addrs:
+        try:
+            return await asyncio.open_connection(ip, port)
+        except OSError as exc:
+            last = exc
+    raise last
 
 
 def _request_line(head: bytes) -> tuple[str, str]:

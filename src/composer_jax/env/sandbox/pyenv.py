@@ -21,10 +21,14 @@ agent, as a fresh lease's unprivileged uid: the entry's temporary directory is t
 mount (at `ENV_MOUNT`: a venv hard-codes its path), the wheelhouse is mounted read-only at
 /wheelhouse, the requirements at /envreq, a copy of the app at /app (editable installs point
 there, which is where sessions see their workspace). From a wheelhouse the build has no network;
-without one it installs from `index_url`, else pip's configured index, reached through the index
-proxy (`index_proxy.py`: that index's hosts at public addresses only; the build never shares the
-host's network, so its loopback services, private ranges and the link-local metadata address stay
-out of reach). Then the entry is made read-only, owned by root, and renamed into place.
+without one it installs from the package sources of the machine's pip configuration
+(`pip_sources.py`: index, extra indexes, find-links, certificate bundle, trusted hosts,
+constraints; `index_url` replaces the index), given to pip and uv as options (the build reads no
+configuration of its own), its network hosts reached through the index proxy (`index_proxy.py`:
+those hosts only, at the addresses they resolved to when the run first built from them; the build
+never shares the host's network, so its loopback services, private ranges and the link-local
+metadata address stay out of reach). Then the entry is made read-only, owned by root, and renamed
+into place.
 
 pytest: when the spec's Python is the server's own, the venv gets a `.pth` line that puts the
 verifier toolchain's site-packages (`toolchain.py`, at /opt/verifier in every sandbox: pytest,
@@ -60,7 +64,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from composer_jax.env.sandbox import index_proxy, toolchain, volumes
+from composer_jax.env.sandbox import index_proxy, pip_sources, toolchain, volumes
 from composer_jax.env.sandbox.runner import Limits, Mount, Sandbox, SandboxLease
 from composer_jax.env.sandbox.spec import EnvSpec
 
@@ -179,13 +183,19 @@ def pytest_plugins(env: BuiltEnv) -> tuple[str, ...]:
 
 # The build, run inside the sandbox: $1 interpreter, $2 env prefix, $3 "pth" or "", $4 toolchain
 # site-packages, $5 "editable" or "", $6 the index proxy's forwarder port or "" (index_proxy.py), $7
-# the forwarder's code, $8 the mode (`resolution_mode`), $9 uv's path in the sandbox or "", then the
-# package source options (pip's and uv's alike: --index-url, --no-index --find-links). CJ_EXCLUDE_NEWER
-# holds the cutoff of a dated resolution. Output: log, last line JSON (python, pytest, installed).
+# the forwarder's code, $8 the mode (`resolution_mode`), $9 uv's path in the sandbox or "", then pip's
+# package source options (--index-url, --no-index --find-links, --cert...), UV_SEPARATOR, and uv's.
+# CJ_EXCLUDE_NEWER holds the cutoff of a dated resolution. Output: log, last line JSON (python,
+# pytest, installed).
+UV_SEPARATOR = "::uv::"
 _BUILD_SCRIPT = r"""
 set -eu
 py="$1"; prefix="$2"; pth="$3"; site="$4"; editable="$5"; proxy="$6"; forwarder="$7"; mode="$8"; uv="$9"
 shift 9
+pipsrc=(); uvsrc=(); later=""
+for a in "$@"; do
+  if [ "$a" = "::uv::" ]; then later=1; elif [ -n "$later" ]; then uvsrc+=("$a"); else pipsrc+=("$a"); fi
+done
 pipproxy=""
 if [ -n "$proxy" ]; then
   "$py" -c "$forwarder" /run/index-proxy/proxy.sock "$proxy" > /tmp/forwarder.out 2>&1 &
@@ -209,14 +219,14 @@ pipi() {
 }
 if [ -s /envreq/requirements.txt ]; then
   case "$mode" in
-    pins) if [ -n "$uv" ]; then uvi --no-deps "$@" -r /envreq/requirements.txt
-          else pipi --no-deps --ignore-installed "$@" -r /envreq/requirements.txt; fi ;;
-    dated) uvi --exclude-newer "$CJ_EXCLUDE_NEWER" "$@" -r /envreq/requirements.txt ;;
-    *) pipi "$@" -r /envreq/requirements.txt ;;
+    pins) if [ -n "$uv" ]; then uvi --no-deps "${uvsrc[@]}" -r /envreq/requirements.txt
+          else pipi --no-deps --ignore-installed "${pipsrc[@]}" -r /envreq/requirements.txt; fi ;;
+    dated) uvi --exclude-newer "$CJ_EXCLUDE_NEWER" "${uvsrc[@]}" -r /envreq/requirements.txt ;;
+    *) pipi "${pipsrc[@]}" -r /envreq/requirements.txt ;;
   esac
 fi
 if [ -n "$editable" ]; then
-  if [ "$mode" = plain ]; then pipi "$@" -e /app; else pipi --no-deps "$@" -e /app; fi
+  if [ "$mode" = plain ]; then pipi "${pipsrc[@]}" -e /app; else pipi --no-deps "${pipsrc[@]}" -e /app; fi
 fi
 "$envpy" - <<'PY'
 import importlib.metadata as md, json, sys, sysconfig
@@ -265,10 +275,18 @@ class EnvCache:
         wheelhouse: Path | None = None,
         index_url: str | None = None,
         proxy_allow: tuple[tuple[str, int], ...] = (),
+        sources: pip_sources.PipSources | None = None,
     ):
         self.root = Path(root)
-        # (address, port) pairs the index proxy lets through although not public: a test's local index
+        # (host, port) pairs builds may reach besides the package sources' (`--index-proxy-allow`)
         self.proxy_allow = proxy_allow
+        # the package sources (pip_sources.py): read from pip's configuration on the first index build
+        self._sources = sources
+        # (host, port) -> its addresses, or why it did not resolve: pinned for the life of this cache
+        self._pins: dict[tuple[str, int], tuple[str, ...] | str] = {}
+        # what kept builds from their packages (a proxy refusal, an untrusted certificate), with the
+        # flag or setting that changes it -> builds it failed: the run's summary names them
+        self.source_problems: dict[str, int] = {}
         self.sandbox = sandbox
         self.wheelhouse = Path(wheelhouse).resolve() if wheelhouse is not None else None
         self.index_url = index_url
@@ -428,7 +446,8 @@ class EnvCache:
             _chown(app, lease.uid, lease.gid)
             await asyncio.to_thread(volumes.copy_tree, app_dir, app, lease.uid, lease.gid)
             mounts.append(Mount(app, "/app", True))
-        env = {"CJ_EXCLUDE_NEWER": spec.exclude_newer or ""}
+        # the build reads no pip configuration: its sources are the options it is given
+        env = {"CJ_EXCLUDE_NEWER": spec.exclude_newer or "", "PIP_CONFIG_FILE": os.devnull}
         if spec.app_version:
             env["SETUPTOOLS_SCM_PRETEND_VERSION"] = spec.app_version  # no .git in the app (setuptools-scm, hatch-vcs)
         uv = ""
@@ -447,29 +466,54 @@ class EnvCache:
         tail = [mode, uv]
         if self.wheelhouse is not None:
             mounts.append(Mount(self.wheelhouse, "/wheelhouse", False))
-            source = ["--no-index", "--find-links", "/wheelhouse"]
+            offline = ["--no-index", "--find-links", "/wheelhouse"]
+            source = [*offline, UV_SEPARATOR, *offline]
         elif wanted or spec.install_app == "editable":
             return await self._run_with_index(lease, key, [*mounts], [py, ENV_MOUNT, *flags], tail, env)
         else:
             source = []
         return await self._run_script(lease, key, mounts, [py, ENV_MOUNT, *flags, "", "", *tail], source, None, env)
 
+    def package_sources(self) -> pip_sources.PipSources:
+        """The sources index builds use: pip's configuration (read once), `index_url` its index."""
+        if self._sources is None:
+            try:
+                self._sources = pip_sources.read()
+            except pip_sources.PipConfigError as exc:
+                raise EnvBuildError(str(exc)) from None
+        return self._sources.with_index(self.index_url) if self.index_url else self._sources
+
+    async def _pinned(self, hosts: Iterable[tuple[str, int]]) -> dict[tuple[str, int], tuple[str, ...] | str]:
+        """{host: pinned addresses} for `hosts`, each resolved on its first build of this cache."""
+        new = [h for h in hosts if h not in self._pins]
+        if new:
+            for host, pinned in (await asyncio.to_thread(index_proxy.pin, new)).items():
+                self._pins.setdefault(host, pinned)  # a concurrent build's first resolution stands
+        return {h: self._pins[h] for h in hosts}
+
     async def _run_with_index(
         self, lease: SandboxLease, key: str, mounts: list[Mount], head: list[str], tail: list[str], env: dict
     ) -> dict:
-        """A build from the index: no network of its own, the index through the proxy only. pip
-        reads the index from its configuration when none is given; uv (a dated resolution) reads no
-        pip configuration, so it is given the configured indexes."""
-        urls = [self.index_url] if self.index_url else index_proxy.configured_indexes()
-        proxy = index_proxy.IndexProxy(index_proxy.index_hosts(urls), allow=self.proxy_allow)
-        if self.index_url or tail[1]:  # uv reads no pip configuration
-            source = ["--index-url", urls[0]] + [x for u in urls[1:] for x in ("--extra-index-url", u)]
-        else:
-            source = []
+        """A build from the package sources (`package_sources`): no network of its own, their hosts
+        through the proxy only, their local paths bound read-only."""
+        try:
+            plan = pip_sources.plan(self.package_sources())
+        except pip_sources.PipConfigError as exc:
+            raise EnvBuildError(str(exc)) from None
+        mounts += [Mount(host, dest, False) for host, dest in plan.binds]
+        source = [*plan.pip_args, UV_SEPARATOR, *plan.uv_args]
+        if not plan.hosts and not self.proxy_allow:  # local sources only: no proxy, no network
+            args = [*head, "", "", *tail]
+            return await self._run_script(lease, key, mounts, args, source, None, env)
+        proxy = index_proxy.IndexProxy(await self._pinned(sorted(plan.hosts | set(self.proxy_allow))))
         async with proxy.serving() as where:
             mounts.append(Mount(where, index_proxy.MOUNT, False))
             args = [*head, str(index_proxy.PORT), index_proxy.FORWARDER, *tail]
-            return await self._run_script(lease, key, mounts, args, source, proxy, env)
+            try:
+                return await self._run_script(lease, key, mounts, args, source, proxy, env)
+            finally:
+                for refusal in dict.fromkeys(proxy.refused):
+                    self.source_problems[refusal] = self.source_problems.get(refusal, 0) + 1
 
     async def _run_script(
         self,
@@ -488,12 +532,30 @@ class EnvCache:
             why = "timed out" if result.timed_out else f"exit {result.exit_code}"
             hint = " (no pytest: under another Python than the server's, list pytest in requirements)"
             refused = f"; the index proxy refused: {'; '.join(proxy.refused[:5])}" if proxy and proxy.refused else ""
+            untrusted = _untrusted_certificate(result.stdout + result.stderr)
+            if untrusted:
+                self.source_problems[untrusted] = self.source_problems.get(untrusted, 0) + 1
             raise EnvBuildError(
                 f"building the environment {key[:12]} failed ({why}){refused}"
+                + (f"; {untrusted}" if untrusted else "")
                 + (hint if "No module named 'pytest'" in log[-400:] else ""),
                 log,
             )
         return _last_json(result.stdout)
+
+
+# what pip (CERTIFICATE_VERIFY_FAILED) and uv (UnknownIssuer...) print for a certificate they do not trust
+_TLS_FAILURES = ("CERTIFICATE_VERIFY_FAILED", "invalid peer certificate", "UnknownIssuer")
+
+
+def _untrusted_certificate(log: str) -> str:
+    """The problem and its remedy when a build failed on a package source's certificate, else ""."""
+    if not any(mark in log for mark in _TLS_FAILURES):
+        return ""
+    return (
+        "a package source's certificate is not trusted: name its authority in pip's configuration "
+        "(`pip config set global.cert BUNDLE`, or PIP_CERT), which builds use as pip does"
+    )
 
 
 def sweep_stale_builds(root: Path, max_age_s: float = 2 * BUILD_LIMITS.wall_seconds) -> list[str]:
