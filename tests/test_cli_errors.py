@@ -128,7 +128,7 @@ def _blocks(tree: ast.AST):
 
 def test_cli_modules_are_found():
     names = {p.relative_to(SRC).as_posix() for p in _cli_modules()}
-    assert {"env/cli.py", "env/mining/cli.py", "env/mining/swebench_import.py", "inference/cli.py"} <= names
+    assert {"env/cli.py", "env/mining/cli.py", "env/mining/swebench_import.py", "inference/server/cli.py"} <= names
 
 
 def test_no_subcommand_module_returns_exit_code_2_itself():

@@ -193,9 +193,9 @@ def _policy(args: argparse.Namespace) -> tuple[Any, Any]:
         p = OpenAIPolicy(args.endpoint, args.model, api_key=args.api_key, max_context=args.max_len)
         return p, p.aclose
     from composer_jax.formats.tokenizer import load_tokenizer
-    from composer_jax.inference.async_sampler import AsyncSampler
-    from composer_jax.inference.checkpoints import load_policy
-    from composer_jax.inference.sampler import Sampler, SamplerSettings
+    from composer_jax.inference.engine.asyncio_sampler import AsyncSampler
+    from composer_jax.inference.engine.batch_sampler import Sampler, SamplerSettings
+    from composer_jax.inference.server.policy import load_policy
     from composer_jax.rl.samplers.in_process import TokenPolicy
 
     loaded = load_policy(args.checkpoint, step=args.step)

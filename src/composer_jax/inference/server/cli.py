@@ -6,7 +6,7 @@
         [--return-token-ids]
 
 --checkpoint takes a training run's checkpoint directory (its latest step, or --step), one step's
-directory, a `convert --to-orbax` directory or a Hugging Face directory (inference/checkpoints.py).
+directory, a `convert --to-orbax` directory or a Hugging Face directory (inference/server/policy.py).
 The tokenizer is --tokenizer, else a tokenizer.json next to the checkpoint, else the training
 run's data.tokenizer (resolved against the current directory, as in training).
 --weights-from follows an RL weight-sync store by URL: each newer published version is swapped in
@@ -123,7 +123,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     """-> (policy, tokenizer, mesh, max_len); raises ConfigError / CheckpointError with the cause."""
     from composer_jax.config import MeshConfig
     from composer_jax.formats.tokenizer import load_tokenizer
-    from composer_jax.inference.checkpoints import load_policy
+    from composer_jax.inference.server.policy import load_policy
     from composer_jax.sharding import make_mesh
 
     mesh = None
@@ -161,7 +161,7 @@ def _new_sampler(
 ):
     """-> (params, version) -> Sampler with `sampler`'s settings (`Sampler.from_config`: warmed up
     when it says so); speculative: `speculative_options`' keyword arguments."""
-    from composer_jax.inference.sampler import Sampler
+    from composer_jax.inference.engine.batch_sampler import Sampler
 
     detok = lambda ids: tok.decode(ids, skip_special_tokens=True)
 
@@ -306,9 +306,9 @@ def build_server(
     sampler: the sampler's settings (slots, queue bound, prefix cache, warm-up; config/sampler.py);
     weights_from: a weight-sync store URL the server follows (polled every sampler.poll_s);
     speculative: the Sampler's speculative_tokens / draft_experts / draft_vocab (`speculative_options`)."""
-    from composer_jax.inference.checkpoints import load_policy
-    from composer_jax.inference.engine import Engine
-    from composer_jax.inference.server import OpenAIServer
+    from composer_jax.inference.engine.thread_engine import Engine
+    from composer_jax.inference.server.app import OpenAIServer
+    from composer_jax.inference.server.policy import load_policy
 
     engine = Engine(
         _new_sampler(policy, tok, mesh, sampler, max_len, speculative),
@@ -386,7 +386,7 @@ def _sample_request(args, prompt: str):
     """The checkpoint `sample` loads and its request parsed as the OpenAI server would parse it."""
     from composer_jax.checkpoint.validate import CheckpointError
     from composer_jax.hf.weights import CheckpointError as HFCheckpointError
-    from composer_jax.inference import openai_api as api
+    from composer_jax.inference.server import openai_api as api
 
     body: dict[str, Any] = {
         "max_tokens": args.max_tokens,
@@ -442,8 +442,8 @@ def sample_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     speculative = speculative_options(parser, args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    from composer_jax.inference import openai_api as api
-    from composer_jax.inference.sampler import Request
+    from composer_jax.inference.engine.batch_sampler import Request
+    from composer_jax.inference.server import openai_api as api
 
     policy, tok, mesh, max_len, gen = _sample_request(args, prompt)
     try:
