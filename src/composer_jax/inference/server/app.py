@@ -47,6 +47,8 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from composer_jax.checkpoint.validate import CheckpointError, config_differences
+from composer_jax.config import to_dict
 from composer_jax.errors import ConfigError
 from composer_jax.formats.chat_format import chat_format
 from composer_jax.formats.tokenizer import Tokenizer
@@ -56,7 +58,7 @@ from composer_jax.inference.engine.thread_engine import Engine, EngineFull, Engi
 from composer_jax.inference.server import openai_api as api
 from composer_jax.inference.server.metrics import CONTENT_TYPE, ObserveRequests, ServeMetrics
 from composer_jax.inference.server.openai_api import ApiError, Generation
-from composer_jax.inference.server.policy import Policy, config_differences
+from composer_jax.inference.server.policy import Policy
 from composer_jax.weightsync.store import WeightSyncError
 from composer_jax.weightsync.subscriber import StoreVersion, StoreWeights
 
@@ -440,7 +442,7 @@ class OpenAIServer:
                 t0 = time.perf_counter()
                 try:
                     policy = await asyncio.to_thread(self.load_policy, path, step)
-                except (ConfigError, ValueError, OSError) as e:
+                except (ConfigError, CheckpointError, ValueError, OSError) as e:
                     raise ApiError(
                         400, f"checkpoint {path!r}: {e}", param="checkpoint", code="bad_checkpoint"
                     ) from None
@@ -513,11 +515,13 @@ class OpenAIServer:
     def _matching(self, policy: Policy) -> Any:
         """The loaded parameters in the served tree's dtypes; 409 when the architecture differs."""
         served = self.engine.sampler
-        diffs = config_differences(served.cfg, policy.cfg)
+        ours_cfg, theirs_cfg = {"model": to_dict(served.cfg)}, {"model": to_dict(policy.cfg)}
+        diffs = config_differences(ours_cfg, theirs_cfg, ("model",), allowed=("model.name",))
         if diffs:
+            listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in diffs[:8])
             raise ApiError(
                 409,
-                f"checkpoint {policy.path!r} is a different model than the served one ({'; '.join(diffs[:8])}); "
+                f"checkpoint {policy.path!r} is a different model than the served one ({listed}); "
                 "only weights of the same architecture can be swapped in",
                 param="checkpoint",
                 code="model_mismatch",

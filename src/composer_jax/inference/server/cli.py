@@ -6,7 +6,7 @@
         [--return-token-ids]
 
 --checkpoint takes a training run's checkpoint directory (its latest step, or --step), one step's
-directory, a `convert --to-orbax` directory or a Hugging Face directory (inference/server/policy.py).
+directory, a `convert --to-orbax` directory or a Hugging Face directory (hf/checkpoint_kind.py).
 The tokenizer is --tokenizer, else a tokenizer.json next to the checkpoint, else the training
 run's data.tokenizer (resolved against the current directory, as in training).
 --weights-from follows an RL weight-sync store by URL: each newer published version is swapped in
@@ -129,7 +129,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     mesh = None
     if args.mesh:
         mesh = make_mesh(MeshConfig(**{"fsdp": 1, **args.mesh}))
-    policy = load_policy(args.checkpoint, step=args.step, mesh=mesh)
+    policy = load_policy(args.checkpoint, step=args.step, mesh=mesh, key="--checkpoint")
     where = args.tokenizer or policy.tokenizer_hint
     if where is None:
         raise ConfigError(
@@ -238,11 +238,10 @@ def serve_main(argv: list[str] | None = None) -> int:
         raise UsageError(f"--poll-interval {args.poll_s} must be > 0 (seconds)")
     sampler = sampler_from_args(args)
     from composer_jax.checkpoint.validate import CheckpointError
-    from composer_jax.hf.weights import CheckpointError as HFCheckpointError
 
     try:
         policy, tok, mesh, max_len = _load(args)
-    except (ConfigError, CheckpointError, HFCheckpointError, ValueError) as e:
+    except (ConfigError, CheckpointError, ValueError) as e:
         raise UsageError(str(e)) from e
     sock = _bind(args.host, args.port)
     one_at_a_time = mesh is not None or args.speculative_tokens > 0
@@ -385,7 +384,6 @@ def _sample_parser() -> argparse.ArgumentParser:
 def _sample_request(args, prompt: str):
     """The checkpoint `sample` loads and its request parsed as the OpenAI server would parse it."""
     from composer_jax.checkpoint.validate import CheckpointError
-    from composer_jax.hf.weights import CheckpointError as HFCheckpointError
     from composer_jax.inference.server import openai_api as api
 
     body: dict[str, Any] = {
@@ -413,7 +411,7 @@ def _sample_request(args, prompt: str):
             gen = api.parse_completion(body, tok=tok, served="local", max_len=max_len, vocab=policy.cfg.vocab_size)
     except api.ApiError as e:
         raise UsageError(e.message) from e
-    except (ConfigError, CheckpointError, HFCheckpointError, ValueError, OSError) as e:
+    except (ConfigError, CheckpointError, ValueError, OSError) as e:
         raise UsageError(str(e)) from e
     return policy, tok, mesh, max_len, gen
 
