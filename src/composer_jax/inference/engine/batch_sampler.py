@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from composer_jax.config import ModelConfig
+from composer_jax.config import ConfigError, ModelConfig
 from composer_jax.config.sampler import SamplerConfig
 from composer_jax.inference.engine.decode_programs import DecodePrograms, mesh_scope
 from composer_jax.inference.engine.draft_verify import SpecStats
@@ -148,11 +148,11 @@ class SamplerSettings:
     def __post_init__(self) -> None:
         k = self.speculative_tokens
         if self.decode_chunk < 1:
-            raise ValueError(f"decode_chunk={self.decode_chunk} must be >= 1 (decode steps per compiled call)")
+            raise ConfigError(f"decode_chunk={self.decode_chunk} must be >= 1 (decode steps per compiled call)")
         if k < 0:
-            raise ValueError(f"speculative_tokens={k} must be >= 0 (0 = no speculative decoding)")
+            raise ConfigError(f"speculative_tokens={k} must be >= 0 (0 = no speculative decoding)")
         if self.draft_experts is not None and not k:
-            raise ValueError(
+            raise ConfigError(
                 f"draft_experts={self.draft_experts} needs speculative_tokens >= 1 (it sets the drafts' cost)"
             )
 
@@ -160,12 +160,12 @@ class SamplerSettings:
         """Refuse settings the model cannot run, naming what would be accepted."""
         k = self.speculative_tokens
         if k and (cfg.num_mtp_layers < 1 or "mtp" not in params):
-            raise ValueError(
+            raise ConfigError(
                 f"speculative_tokens={k} drafts with the MTP modules, but the model has none "
                 f"(model.num_mtp_layers={cfg.num_mtp_layers}); use speculative_tokens=0"
             )
         if self.max_len + 2 * k > cfg.max_position_embeddings:
-            raise ValueError(
+            raise ConfigError(
                 f"max_len={self.max_len} + 2 x speculative_tokens={k} exceeds model.max_position_embeddings="
                 f"{cfg.max_position_embeddings}; lower max_len to at most {cfg.max_position_embeddings - 2 * k}"
             )

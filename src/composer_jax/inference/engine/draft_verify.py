@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from composer_jax.config import ModelConfig
+from composer_jax.config import ConfigError, ModelConfig
 from composer_jax.inference.engine.token_sampling import (
     argmax_first,
     draw,
@@ -211,10 +211,10 @@ def draft_model(params: dict, cfg: ModelConfig, experts: int) -> tuple[dict, Mod
     per token. experts must be in 0..num_experts_per_tok (0 only with shared experts)."""
     k = cfg.num_experts_per_tok
     if not cfg.num_experts or "moe" not in params["mtp"]["layer"]:
-        raise ValueError(f"draft experts={experts}: the MTP modules have no MoE block; use None")
+        raise ConfigError(f"draft experts={experts}: the MTP modules have no MoE block; use None")
     if not 0 <= experts <= k or (experts == 0 and not cfg.num_shared_experts):
         lo = 0 if cfg.num_shared_experts else 1
-        raise ValueError(
+        raise ConfigError(
             f"draft experts={experts} must be in {lo}..model.num_experts_per_tok={k}"
             + ("" if lo == 0 else " (0, shared expert only, needs model.num_shared_experts >= 1)")
         )

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from composer_jax.config import ModelConfig
+from composer_jax.config import ConfigError, ModelConfig
 from composer_jax.inference.engine.counted_jit import CountedJit
 from composer_jax.inference.engine.decode_programs import cache_row, mesh_scope, prefill_row, put_cache_row
 from composer_jax.inference.engine.draft_verify import SpecStats, draft, draft_head_columns, draft_model, verify_drafts
@@ -32,12 +32,12 @@ from composer_jax.sharding import MeshRules, ShardingRules
 
 def checked_draft_vocab(draft_vocab: Sequence[int] | None, vocab_size: int) -> np.ndarray | None:
     """The draft vocabulary as sorted unique int32 ids (None: the whole vocabulary); raises
-    ValueError naming the bad ids."""
+    ConfigError naming the bad ids."""
     if draft_vocab is None:
         return None
     ids = sorted({int(t) for t in draft_vocab})
     if not ids or ids[0] < 0 or ids[-1] >= vocab_size:
-        raise ValueError(
+        raise ConfigError(
             f"draft_vocab: {len(ids)} ids from {ids[:1]} to {ids[-1:]}; give at least one id, all in "
             f"0..{vocab_size - 1}"
         )

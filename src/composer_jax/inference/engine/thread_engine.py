@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from composer_jax.errors import ConfigError
 from composer_jax.inference.engine.batch_sampler import PrefixStats, Request, Sampler
 from composer_jax.inference.engine.driver import Driver, Event, Job, Listener, Swap
 
@@ -34,7 +35,7 @@ class Engine:
         self, new_sampler: Callable[[Any, int], Sampler], params: Any, version: int, *, max_queued: int | None
     ):
         if max_queued is not None and max_queued < 0:
-            raise ValueError(f"max_queued={max_queued} must be >= 0, or None for no bound")
+            raise ConfigError(f"max_queued={max_queued} must be >= 0, or None for no bound")
         self._cond = threading.Condition()
         self.driver = Driver(new_sampler, params, version, left=self._left)
         self.max_queued = max_queued

@@ -37,6 +37,18 @@ _positive_int = int_at_least(1)
 _non_negative_int = int_at_least(0)
 
 
+def user_errors() -> tuple[type[Exception], ...]:
+    """The exceptions that are the user's fault, raised where the fault is found: a value of a flag or
+    setting (ConfigError: the sampler's and speculative decoding's checks among them), a checkpoint
+    directory (CheckpointError), a weight-sync store (WeightSyncError). `serve` and `sample` turn
+    these, and only these, into a UsageError (exit 2, one line); anything else, a ValueError from
+    deep inside included, is a bug and keeps its traceback."""
+    from composer_jax.checkpoint.validate import CheckpointError
+    from composer_jax.weightsync.store import WeightSyncError
+
+    return (ConfigError, CheckpointError, WeightSyncError)
+
+
 def _mesh_arg(text: str) -> dict[str, int]:
     from composer_jax.config import MESH_AXES
 
@@ -237,11 +249,9 @@ def serve_main(argv: list[str] | None = None) -> int:
     if not args.poll_s > 0:
         raise UsageError(f"--poll-interval {args.poll_s} must be > 0 (seconds)")
     sampler = sampler_from_args(args)
-    from composer_jax.checkpoint.validate import CheckpointError
-
     try:
         policy, tok, mesh, max_len = _load(args)
-    except (ConfigError, CheckpointError, ValueError) as e:
+    except user_errors() as e:
         raise UsageError(str(e)) from e
     sock = _bind(args.host, args.port)
     one_at_a_time = mesh is not None or args.speculative_tokens > 0
@@ -264,9 +274,12 @@ def serve_main(argv: list[str] | None = None) -> int:
             weights_from=args.weights_from,
             speculative=speculative,
         )
-    except (ConfigError, ValueError) as e:
+    except user_errors() as e:
         sock.close()
         raise UsageError(str(e)) from e
+    except BaseException:
+        sock.close()
+        raise
     host, port = sock.getsockname()[:2]
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
     print(
@@ -383,7 +396,6 @@ def _sample_parser() -> argparse.ArgumentParser:
 
 def _sample_request(args, prompt: str):
     """The checkpoint `sample` loads and its request parsed as the OpenAI server would parse it."""
-    from composer_jax.checkpoint.validate import CheckpointError
     from composer_jax.inference.server import openai_api as api
 
     body: dict[str, Any] = {
@@ -404,16 +416,26 @@ def _sample_request(args, prompt: str):
             ]
             body.update(messages=messages, logprobs=True)
             if args.tools is not None:
-                body["tools"] = json.loads(args.tools.read_text())
+                body["tools"] = _tools_file(args.tools)
             gen = api.parse_chat(body, tok=tok, served="local", max_len=max_len, vocab=policy.cfg.vocab_size)
         else:
             body.update(prompt=prompt, logprobs=0)
             gen = api.parse_completion(body, tok=tok, served="local", max_len=max_len, vocab=policy.cfg.vocab_size)
     except api.ApiError as e:
         raise UsageError(e.message) from e
-    except (ConfigError, CheckpointError, ValueError, OSError) as e:
+    except user_errors() as e:
         raise UsageError(str(e)) from e
     return policy, tok, mesh, max_len, gen
+
+
+def _tools_file(path: Path) -> Any:
+    """--tools: the JSON file's content (the API checks its shape); UsageError when unreadable or not JSON."""
+    try:
+        return json.loads(path.read_text())
+    except OSError as e:
+        raise UsageError(f"--tools {str(path)!r}: cannot read it: {e.strerror}") from e
+    except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError
+        raise UsageError(f"--tools {str(path)!r}: not a JSON file ({e}); accepted: an OpenAI tools list") from e
 
 
 def _print_choices(gen, choices: list[dict], done, tok, logprobs: bool) -> None:
@@ -448,7 +470,7 @@ def sample_main(argv: list[str] | None = None) -> int:
         sampler = _new_sampler(policy, tok, mesh, SamplerConfig(slots=min(len(gen.params), 8)), max_len, speculative)(
             policy.params, 0
         )
-    except ValueError as e:  # a speculative option the model does not accept (no MTP modules, draft experts)
+    except user_errors() as e:  # e.g. a speculative option the model does not accept (no MTP modules, draft experts)
         raise UsageError(str(e)) from e
     reqs = [Request(gen.prompts[c // gen.n], p, id=str(c)) for c, p in enumerate(gen.params)]
     done = sampler.run(reqs)
