@@ -10,15 +10,14 @@ what happened:
   Event(error=..., status=...)        the request failed; it is no longer in the driver
 
 Its failure policy is the one of every front end (the threaded `Engine` of `thread_engine.py`, the
-asyncio `AsyncSampler` of `asyncio_sampler.py`):
-failures never stop the driver. A request the sampler refuses (`submit` raises ValueError) gets
-status 400. If a step raises, every request in the sampler fails with status 500 and a fresh
-sampler is built (the old one's KV cache may have been donated to the failed program, so its state
-is not trusted) with the weights in place before the latest swap when the failing step was the
-first under new weights (the swap's future gets the exception when still pending). Failing only the
-requests of the failed step, not the driver, is what a server must do (the next request may well
-succeed) and what an RL run wants (a rollout that lost its completion is redone on the rebuilt
-sampler instead of the run stopping).
+asyncio `AsyncSampler` of `asyncio_sampler.py`): failures never stop the driver. A request the
+sampler refuses (`submit` raises ValueError) gets status 400. If a step raises, every request in the
+sampler fails with status 500 and a fresh sampler is built (the old one's KV cache may have been
+donated to the failed program, so its state is not trusted) with the weights in place before the
+latest swap when the failing step was the first under new weights (the swap's future gets the
+exception when still pending). Failing only the requests of the failed step, not the driver, is what
+a server must do (the next request may well succeed) and what an RL run wants (a rollout that lost
+its completion is redone on the rebuilt sampler instead of the run stopping).
 """
 
 from __future__ import annotations
