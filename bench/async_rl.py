@@ -165,8 +165,8 @@ def decode_sweep(args: argparse.Namespace) -> None:
 
     from composer_jax.checkpoint.manager import restore_params_only
     from composer_jax.config import load_config
-    from composer_jax.inference.sampler import Request, Sampler, SamplerSettings
-    from composer_jax.inference.sampling import SamplingParams
+    from composer_jax.inference.engine.batch_sampler import Request, Sampler, SamplerSettings
+    from composer_jax.inference.engine.token_sampling import SamplingParams
     from composer_jax.model.params import abstract_params, init_params
     from composer_jax.sharding import ShardingRules, make_mesh
 

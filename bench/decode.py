@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from composer_jax.hf.weights import from_pretrained
-    from composer_jax.inference.sampler import Request, Sampler, SamplerSettings
-    from composer_jax.inference.sampling import SamplingParams
+    from composer_jax.inference.engine.batch_sampler import Request, Sampler, SamplerSettings
+    from composer_jax.inference.engine.token_sampling import SamplingParams
 
     torch.set_num_threads(args.threads)
     fields = json.loads(args.reference.read_text())

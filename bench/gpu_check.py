@@ -275,8 +275,8 @@ def section_decode(plan: Plan) -> dict:
     from transformers import AutoModelForCausalLM
 
     from composer_jax.hf.weights import from_pretrained
-    from composer_jax.inference.sampler import Request, Sampler, SamplerSettings
-    from composer_jax.inference.sampling import SamplingParams
+    from composer_jax.inference.engine.batch_sampler import Request, Sampler, SamplerSettings
+    from composer_jax.inference.engine.token_sampling import SamplingParams
 
     hf_dir = _hf_model_dir(plan)
     device = "cuda" if plan.on_gpu and torch.cuda.is_available() else "cpu"

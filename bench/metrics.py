@@ -1,5 +1,5 @@
 """What the Prometheus metrics cost: a scrape of each server's registry, and the per-request work
-of `serve`'s ASGI wrapper (`inference/metrics.py`'s ObserveRequests) against the bare app.
+of `serve`'s ASGI wrapper (`inference/server/metrics.py`'s ObserveRequests) against the bare app.
 
     PYTHONPATH=src python bench/metrics.py [--requests 20000]
 
@@ -17,8 +17,8 @@ from types import SimpleNamespace
 
 from composer_jax.env.sandbox.runner import SandboxStats
 from composer_jax.env.server.metrics import EnvMetrics
-from composer_jax.inference.metrics import ObserveRequests, ServeMetrics
-from composer_jax.inference.prefix_cache import PrefixStats
+from composer_jax.inference.engine.prefix_cache import PrefixStats
+from composer_jax.inference.server.metrics import ObserveRequests, ServeMetrics
 
 TOOLS = ("read_file", "edit_file", "list_dir", "grep", "semantic_search", "run_shell")
 

@@ -29,8 +29,8 @@ import numpy as np
 
 
 def run_pass(sampler, args: argparse.Namespace, vocab: int, seed: int) -> dict:
-    from composer_jax.inference.sampler import Request
-    from composer_jax.inference.sampling import SamplingParams
+    from composer_jax.inference.engine.batch_sampler import Request
+    from composer_jax.inference.engine.token_sampling import SamplingParams
 
     rng = np.random.default_rng(seed)  # each pass its own first prompts (new tasks: first turns miss)
     # conversation c generates turn_tokens/2 .. 3 turn_tokens/2 tokens a turn: turns end at different steps
@@ -82,7 +82,7 @@ def main() -> None:
     import jax
 
     from composer_jax.config import load_config
-    from composer_jax.inference.sampler import Sampler, SamplerSettings
+    from composer_jax.inference.engine.batch_sampler import Sampler, SamplerSettings
     from composer_jax.model.params import init_params
 
     cfg = load_config(args.config, ["mesh.fsdp=1"], num_devices=None).model

@@ -232,7 +232,7 @@ def floor(params, cfg, prompts, runs, rows, cost, frequent, args, log) -> None:
     import jax
     import jax.numpy as jnp
 
-    from composer_jax.inference.speculative import draft, draft_head_columns
+    from composer_jax.inference.engine.draft_verify import draft, draft_head_columns
     from composer_jax.model.kv_cache import init_cache
     from composer_jax.model.transformer import forward, output_head
 
@@ -405,9 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
 
     from composer_jax.hf.config import model_config_from_hf
-    from composer_jax.inference.sampler import Request, Sampler, SamplerSettings
-    from composer_jax.inference.sampling import SamplingParams
-    from composer_jax.inference.speculative import SpecStats
+    from composer_jax.inference.engine.batch_sampler import Request, Sampler, SamplerSettings
+    from composer_jax.inference.engine.draft_verify import SpecStats
+    from composer_jax.inference.engine.token_sampling import SamplingParams
 
     fields = json.loads(args.reference.read_text())
     cfg, info = model_config_from_hf(fields)

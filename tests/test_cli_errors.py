@@ -87,6 +87,20 @@ def test_a_programming_error_keeps_its_traceback_while_a_bad_value_is_exit_2(
         cli.main([*argv, out])
 
 
+@pytest.mark.parametrize("argv", [["serve", "--api-key", "k" * 16, "--port", "0"], ["sample", "--prompt", "x"]])
+def test_serve_and_sample_keep_a_bugs_traceback_while_a_bad_checkpoint_is_exit_2(argv, monkeypatch, capsys, tmp_path):
+    """`serve` and `sample` turn only the user's errors into exit 2 (a checkpoint directory of no kind
+    here); a ValueError from inside loading is a bug and propagates with its traceback."""
+    (tmp_path / "notes.txt").write_text("x")
+    args = [*argv, "--checkpoint", str(tmp_path)]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert f"composer-jax {argv[0]}: error: --checkpoint={str(tmp_path)!r}: none of the three kinds" in err
+    monkeypatch.setattr("composer_jax.inference.server.policy.load_policy", _a_bug)
+    with pytest.raises(ValueError, match="a bug deep inside the run"):
+        cli.main(args)
+
+
 def _module_path(module: str) -> Path:
     spec = importlib.util.find_spec(module)
     assert spec is not None and spec.origin is not None, module
@@ -128,7 +142,7 @@ def _blocks(tree: ast.AST):
 
 def test_cli_modules_are_found():
     names = {p.relative_to(SRC).as_posix() for p in _cli_modules()}
-    assert {"env/cli.py", "env/mining/cli.py", "env/mining/swebench_import.py", "inference/cli.py"} <= names
+    assert {"env/cli.py", "env/mining/cli.py", "env/mining/swebench_import.py", "inference/server/cli.py"} <= names
 
 
 def test_no_subcommand_module_returns_exit_code_2_itself():

@@ -31,7 +31,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("hf", ("composer_jax.hf",)),
     ("weightsync", ("composer_jax.weightsync",)),
     ("train", ("composer_jax.train",)),
-    ("inference", ("composer_jax.inference",)),
+    # the engine (sampler, drivers) imports nothing of the server (HTTP, metrics, checkpoint loading, CLI)
+    ("inference.engine", ("composer_jax.inference", "composer_jax.inference.engine")),
+    ("inference.server", ("composer_jax.inference.server",)),
     ("runtime", ("composer_jax.runtime",)),
     ("rl", ("composer_jax.rl",)),
     ("app", ("composer_jax.cli", "composer_jax.demo", "composer_jax.inspection", "composer_jax")),

@@ -19,8 +19,12 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "sft": ("composer_jax.train.cli", "sft_main", "supervised fine-tuning stage (data.format=chat)"),
     "inspect": ("composer_jax.inspection", "main", "parameter counts, FLOPs/token and per-device memory of a config"),
     "convert": ("composer_jax.hf.convert", "main", "convert between Hugging Face safetensors and composer_jax"),
-    "serve": ("composer_jax.inference.cli", "serve_main", "OpenAI-compatible HTTP server over a checkpoint"),
-    "sample": ("composer_jax.inference.cli", "sample_main", "sample a completion from a checkpoint and print it"),
+    "serve": ("composer_jax.inference.server.cli", "serve_main", "OpenAI-compatible HTTP server over a checkpoint"),
+    "sample": (
+        "composer_jax.inference.server.cli",
+        "sample_main",
+        "sample a completion from a checkpoint and print it",
+    ),
     "env-server": ("composer_jax.env.cli", "env_server_main", "serve sandboxed coding environments over HTTP"),
     "env": ("composer_jax.env.cli", "env_main", "environment task tools (env validate DIR)"),
     "tokenizer": (

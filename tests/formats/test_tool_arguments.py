@@ -89,7 +89,7 @@ def test_prompt_and_sft_row_are_transformers_with_object_arguments(family):
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_coder", "deepseek_v3", "kimi_k2"])
 def test_serve_renders_a_requests_text_arguments_as_vllm(family, monkeypatch):
-    from composer_jax.inference import openai_api as api
+    from composer_jax.inference.server import openai_api as api
 
     text, fmt = _template(family)
     monkeypatch.setattr(api, "chat_format", lambda tok: fmt)

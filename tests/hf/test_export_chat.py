@@ -205,8 +205,8 @@ def test_the_projects_own_loader_reads_the_export_as_the_original(exported):
 
 
 def test_generate_gives_the_samplers_greedy_tokens(policy, hf_tok, hf_model):
-    from composer_jax.inference.sampler import Sampler, SamplerSettings
-    from composer_jax.inference.sampling import SamplingParams
+    from composer_jax.inference.engine.batch_sampler import Sampler, SamplerSettings
+    from composer_jax.inference.engine.token_sampling import SamplingParams
 
     cfg, params = policy
     tok = load_tokenizer(TOKENIZER)
@@ -273,8 +273,8 @@ def test_bad_run_directories_are_refused(run, tmp_path, capsys):
 # the property on a saved train state of the same layout (the `run` fixture above).
 @pytest.mark.slow
 def test_a_trained_run_exports_and_generates_the_samplers_tokens(tmp_path, monkeypatch):
-    from composer_jax.inference.sampler import Sampler, SamplerSettings
-    from composer_jax.inference.sampling import SamplingParams
+    from composer_jax.inference.engine.batch_sampler import Sampler, SamplerSettings
+    from composer_jax.inference.engine.token_sampling import SamplingParams
     from composer_jax.train.loop import run_stage
 
     monkeypatch.chdir(ROOT)  # the stage's data paths are relative to the repository

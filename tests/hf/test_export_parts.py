@@ -152,7 +152,7 @@ def test_serve_says_chat_is_unavailable_for_a_tokenizer_without_chat_tokens(tmp_
     """`serve` with a converted DeepSeek-like tokenizer: one clear reason (said at start, and as the
     chat endpoint's `chat_unavailable` error), not a template error per message; completions work."""
     from composer_jax.formats.chatml import chat_unavailable
-    from composer_jax.inference.openai_api import ApiError, parse_chat, parse_completion
+    from composer_jax.inference.server.openai_api import ApiError, parse_chat, parse_completion
 
     tok, _src = _deepseek_like(tmp_path, None)
     why = chat_unavailable(tok)

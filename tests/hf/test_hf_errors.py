@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import composer_jax as cj
+from composer_jax.checkpoint.validate import CheckpointError
 from composer_jax.config import ConfigError
 from composer_jax.hf.config import model_config_from_hf
-from composer_jax.hf.weights import CheckpointError
 
 torch = pytest.importorskip("torch")
 from safetensors.torch import load_file, save_file  # noqa: E402

@@ -22,8 +22,9 @@ import composer_jax as cj
 from composer_jax.checkpoint.manager import TrainCheckpointer
 from composer_jax.config import CheckpointConfig, ConfigError, config_from_dict, load_config, to_dict
 from composer_jax.config.model import SHAPE_KEYS, ModelConfig
+from composer_jax.hf.checkpoint_kind import CheckpointDir, detect
 from composer_jax.hf.convert import main as convert_main
-from composer_jax.hf.init_from import describe_init, detect, load_init_params, resolve_model_from
+from composer_jax.hf.init_from import describe_init, load_init_params, resolve_model_from
 from composer_jax.model.params import abstract_params, param_specs
 from composer_jax.sharding import ShardingRules
 
@@ -86,7 +87,7 @@ def test_hf_directory_gives_from_pretrained_params_on_the_runs_shardings(hf_dir,
 def test_orbax_directory_gives_the_same_params_cast_to_the_runs_dtype(hf_dir, reference, tmp_path):
     assert convert_main(["--from-hf", str(hf_dir), "--to-orbax", str(tmp_path / "orbax")]) == 0
     out = str(tmp_path / "orbax")
-    assert detect(out) == ("orbax", out)
+    assert detect(out) == CheckpointDir("orbax", out, out)
     ref_cfg, ref_params = reference
     mesh, params, record = _load(_cfg(to_dict(ref_cfg), out))
     _assert_same(params, ref_params, _cfg(to_dict(ref_cfg)), mesh)

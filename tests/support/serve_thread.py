@@ -13,9 +13,9 @@ import uvicorn
 
 import composer_jax as cj
 from composer_jax.formats.tokenizer import load_tokenizer
-from composer_jax.inference.engine import Engine
-from composer_jax.inference.sampler import Sampler, SamplerSettings
-from composer_jax.inference.server import OpenAIServer
+from composer_jax.inference.engine.batch_sampler import Sampler, SamplerSettings
+from composer_jax.inference.engine.thread_engine import Engine
+from composer_jax.inference.server.app import OpenAIServer
 from support.live_env import REPO
 
 TOK = load_tokenizer(REPO / "assets" / "tokenizer")

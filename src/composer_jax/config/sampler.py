@@ -1,7 +1,7 @@
 """The sampler section: one continuous-batching sampler's settings, wherever a sampler runs.
 
 One `SamplerConfig` feeds every surface (docs/inference.md): `composer-jax serve`'s flags
-(`inference/cli.py` `add_sampler_flags` / `sampler_from_args`, defaults read from this class), the
+(`inference/server/cli.py` `add_sampler_flags` / `sampler_from_args`, defaults read from this class), the
 learner's in-process sampler and the local replicas it starts (`rl.sampler`; the replicas' argv is
 `sampler_argv` of the same object, so a setting cannot reach one surface and not the other) and
 `Sampler.from_config`.
@@ -28,7 +28,7 @@ from typing import Literal
 from composer_jax.errors import ConfigError
 from composer_jax.flags import int_at_least
 
-# the sampler's prefix KV reuse (inference/prefix_cache.py): never, within one weight version, across
+# the sampler's prefix KV reuse (inference/engine/prefix_cache.py): never, within one weight version, across
 # versions ("off" would read as a YAML boolean)
 PrefixCacheMode = Literal["none", "version", "keep"]
 PREFIX_CACHE_MODES: tuple[str, ...] = typing.get_args(PrefixCacheMode)

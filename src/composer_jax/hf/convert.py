@@ -88,7 +88,7 @@ def load_run(path: Path, step: int | None):
     from jax.sharding import SingleDeviceSharding
 
     from composer_jax.checkpoint.manager import read_run_config, restore_params_only
-    from composer_jax.checkpoint.validate import CheckpointError as StoreError
+    from composer_jax.checkpoint.validate import CheckpointError
     from composer_jax.config import ConfigError, config_from_dict
     from composer_jax.model.params import abstract_params
 
@@ -102,7 +102,7 @@ def load_run(path: Path, step: int | None):
         one = SingleDeviceSharding(jax.devices()[0])
         target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one), abstract_params(cfg))
         params = restore_params_only(path, target, step)
-    except (StoreError, ValueError) as e:
+    except (CheckpointError, ValueError) as e:
         raise ConfigError(f"--from-run {str(path)!r}: {e}; {RUN_ACCEPTED}") from None
     return cfg, params, step, saved
 
@@ -222,9 +222,9 @@ def _check_flags(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from composer_jax.checkpoint.validate import CheckpointError
     from composer_jax.config import ConfigError
     from composer_jax.hf.export import export_hf
-    from composer_jax.hf.weights import CheckpointError
 
     _check_flags(args)
     try:

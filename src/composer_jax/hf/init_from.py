@@ -1,9 +1,9 @@
 """Where a stage's weights and architecture come from: `train.init_from` and `model.from`.
 
-The one module that tells the three kinds of checkpoint directory apart, by their files:
+Reads the three kinds of checkpoint directory that `hf/checkpoint_kind.py` tells apart (the module
+that decides the kind for `serve` too):
 
-    run     a training run's checkpoints (numbered step directories, one step's directory, or the run
-            directory holding checkpoints/): parameters of its train state, its saved run config
+    run     a training run's checkpoints: parameters of its train state, its saved run config
     hf      a Hugging Face checkpoint (config.json + model.safetensors or an index and its shards)
     orbax   what `composer-jax convert --to-orbax` writes (params/ + model.yaml)
 
@@ -33,7 +33,7 @@ import jax
 import yaml
 
 from composer_jax.checkpoint.manager import read_run_config, restore_params_only
-from composer_jax.checkpoint.validate import COMMIT_MARKER, config_differences
+from composer_jax.checkpoint.validate import config_differences
 from composer_jax.config import Config, ConfigError, ModelConfig, check_sections, config_from_dict, to_dict
 from composer_jax.config.model import (
     BENEATH,
@@ -45,19 +45,12 @@ from composer_jax.config.model import (
     model_from,
 )
 from composer_jax.config.run import validate_sections
-from composer_jax.hf import safetensors_io as st
+from composer_jax.hf.checkpoint_kind import detect
 from composer_jax.hf.config import family_for
 from composer_jax.hf.weights import read_model_config, read_params
 from composer_jax.model.params import abstract_params
 
 log = logging.getLogger(__name__)
-
-ACCEPTED = (
-    "accepted: a training run's checkpoint directory (numbered step directories, e.g. runs/tiny/stage2/"
-    "checkpoints, one step's directory, or the run directory holding checkpoints/), a Hugging Face "
-    "checkpoint directory (config.json + *.safetensors) or a `composer-jax convert --to-orbax` "
-    "directory (params/ + model.yaml)"
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,39 +73,14 @@ class Source:
         return out if self.step is None else {**out, "step": self.step}
 
 
-def _is_run_checkpoint(p: Path) -> bool:
-    if (p / COMMIT_MARKER).exists() or (p / "train_state").is_dir():
-        return True
-    return p.is_dir() and any(c.is_dir() and c.name.isdigit() for c in p.iterdir())
-
-
-def detect(path: str, key: str = "train.init_from") -> tuple[str, str]:
-    """(kind, directory to read) of a checkpoint directory; a ConfigError naming `key`, the path
-    and the accepted kinds otherwise. An object-store URL (gs://) is taken as a run's checkpoints."""
-    if "://" in path:
-        return "run", path
-    p = Path(path)
-    if not p.is_dir():
-        raise ConfigError(f"{key}={path!r}: not a directory; {ACCEPTED}")
-    if (p / "config.json").is_file() and ((p / st.SINGLE_NAME).is_file() or (p / st.INDEX_NAME).is_file()):
-        return "hf", path
-    if (p / "model.yaml").is_file() and (p / "params").is_dir():
-        return "orbax", path
-    if _is_run_checkpoint(p):
-        return "run", path
-    if (p / "checkpoints").is_dir() and _is_run_checkpoint(p / "checkpoints"):
-        return "run", str(p / "checkpoints")
-    listed = sorted(c.name for c in p.iterdir())[:12]
-    raise ConfigError(f"{key}={path!r}: none of the three kinds of checkpoint (it holds {listed}); {ACCEPTED}")
-
-
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
 def open_source(path: str, key: str = "train.init_from") -> tuple[Source, ModelConfig]:
-    """The checkpoint at `path` (`detect`) and the ModelConfig it was saved with."""
-    kind, where = detect(path, key)
+    """The checkpoint at `path` (`checkpoint_kind.detect`) and the ModelConfig it was saved with."""
+    found = detect(path, key)
+    kind, where = found.kind, found.where
     if kind == "hf":
         cfg, _info = read_model_config(where)
         f = Path(where) / "config.json"

@@ -34,6 +34,7 @@ import numpy as np
 from einops import rearrange
 from jax.sharding import Mesh
 
+from composer_jax.checkpoint.validate import CheckpointError
 from composer_jax.config import ConfigError, ModelConfig
 from composer_jax.hf import safetensors_io as st
 from composer_jax.hf.config import HFInfo, family_for, hf_config_from_model, model_config_from_hf
@@ -41,10 +42,6 @@ from composer_jax.model.params import ParamSpec, param_shardings, param_specs
 from composer_jax.sharding import ShardingRules
 
 log = logging.getLogger(__name__)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint's tensors are missing, misshapen or not convertible."""
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,2 +1,3 @@
-"""Inference for rollouts: sampling (`sampling.py`) and the continuous-batching sampler over the
-KV cache with in-flight weight updates and routed-expert capture (`sampler.py`)."""
+"""Inference: the engine that samples from a policy (`engine/`) and the server that exposes it
+(`server/`, `composer-jax serve` / `sample`). The engine imports nothing of the server
+(tests/test_layers.py); docs/architecture.md says why the boundary sits where it does."""

@@ -44,8 +44,8 @@ def rl_main(argv: list[str] | None = None) -> int:
     from composer_jax.train.cli import init_jax
 
     init_jax(args)
+    from composer_jax.checkpoint.validate import CheckpointError
     from composer_jax.config import ConfigError, load_config
-    from composer_jax.hf.weights import CheckpointError
     from composer_jax.multihost import ProcessZeroFailed
     from composer_jax.rl.learner import run_rl
     from composer_jax.rl.rollout.env_servers import EnvServerError
@@ -153,8 +153,8 @@ async def _evaluate(args: argparse.Namespace, policy: Any, urls: list[str], toke
 def eval_main(argv: list[str] | None = None) -> int:
     args = _eval_parser().parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from composer_jax.checkpoint.validate import CheckpointError
     from composer_jax.config import ConfigError
-    from composer_jax.hf.weights import CheckpointError
     from composer_jax.rl.rollout.env_servers import EnvServerError, LocalEnvServers
 
     try:
@@ -193,12 +193,12 @@ def _policy(args: argparse.Namespace) -> tuple[Any, Any]:
         p = OpenAIPolicy(args.endpoint, args.model, api_key=args.api_key, max_context=args.max_len)
         return p, p.aclose
     from composer_jax.formats.tokenizer import load_tokenizer
-    from composer_jax.inference.async_sampler import AsyncSampler
-    from composer_jax.inference.checkpoints import load_policy
-    from composer_jax.inference.sampler import Sampler, SamplerSettings
+    from composer_jax.inference.engine.asyncio_sampler import AsyncSampler
+    from composer_jax.inference.engine.batch_sampler import Sampler, SamplerSettings
+    from composer_jax.inference.server.policy import load_policy
     from composer_jax.rl.samplers.in_process import TokenPolicy
 
-    loaded = load_policy(args.checkpoint, step=args.step)
+    loaded = load_policy(args.checkpoint, step=args.step, key="--checkpoint")
     where = args.tokenizer or loaded.tokenizer_hint
     if where is None:
         raise ConfigError(f"no tokenizer found for {args.checkpoint!r}; pass --tokenizer PATH")

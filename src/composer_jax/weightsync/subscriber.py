@@ -5,7 +5,7 @@ deltas reads each delta once, not its base again) and turns a stored version int
 same paths and shapes as the served parameters, cast to their dtypes and put on their shardings
 (the store holds plain arrays; the trainer may publish float32 or bfloat16). The version numbers a
 replica serves are the published ones. Used by `/admin/load_weights` with `"source": "weight_store"`
-and by `composer-jax serve --weights-from URL`, which polls the store (server.py).
+and by `composer-jax serve --weights-from URL`, which polls the store (`inference/server/app.py`).
 """
 
 from __future__ import annotations

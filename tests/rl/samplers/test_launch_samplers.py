@@ -22,7 +22,7 @@ from composer_jax.config import load_config, to_dict
 from composer_jax.config.checkpoint import CheckpointConfig
 from composer_jax.config.sampler import SamplerConfig
 from composer_jax.formats.tokenizer import load_tokenizer
-from composer_jax.inference.checkpoints import load_policy
+from composer_jax.inference.server.policy import load_policy
 from composer_jax.rl.samplers.policy import SamplerUnavailable, TurnRequest
 from composer_jax.rl.samplers.serve import RemoteTokenPolicy
 from composer_jax.rl.samplers.serve_launch import LocalSamplers, SamplerLaunchError

@@ -15,8 +15,8 @@ from support.live_env import REPO
 import composer_jax as cj
 from composer_jax.formats.chatml import parse_assistant, render_prompt
 from composer_jax.formats.tokenizer import load_tokenizer
-from composer_jax.inference.async_sampler import AsyncSampler
-from composer_jax.inference.sampler import Sampler, SamplerSettings
+from composer_jax.inference.engine.asyncio_sampler import AsyncSampler
+from composer_jax.inference.engine.batch_sampler import Sampler, SamplerSettings
 from composer_jax.rl.samplers.in_process import TokenPolicy
 from composer_jax.rl.samplers.policy import TurnRequest
 

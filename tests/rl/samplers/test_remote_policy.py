@@ -14,8 +14,8 @@ from support.serve_thread import CFG, KEY, MAX_LEN, TOK
 from support.serve_thread import serve_in_thread as _serve
 
 import composer_jax as cj
-from composer_jax.inference.async_sampler import AsyncSampler
-from composer_jax.inference.sampler import Sampler, SamplerSettings
+from composer_jax.inference.engine.asyncio_sampler import AsyncSampler
+from composer_jax.inference.engine.batch_sampler import Sampler, SamplerSettings
 from composer_jax.rl.samplers.in_process import TokenPolicy
 from composer_jax.rl.samplers.policy import SamplerUnavailable, TurnRequest
 from composer_jax.rl.samplers.serve import RemoteTokenPolicy

@@ -32,8 +32,8 @@ import pytest
 from support.serve_thread import CFG, KEY, MAX_LEN, TOK, serve_in_thread
 
 import composer_jax as cj
-from composer_jax.inference.async_sampler import AsyncSampler
-from composer_jax.inference.sampler import Sampler, SamplerSettings
+from composer_jax.inference.engine.asyncio_sampler import AsyncSampler
+from composer_jax.inference.engine.batch_sampler import Sampler, SamplerSettings
 from composer_jax.rl.samplers.base import SamplerBackend
 from composer_jax.rl.samplers.in_process import InProcessSamplers, TokenPolicy
 from composer_jax.rl.samplers.policy import PolicyPool, SamplerUnavailable, TurnRequest

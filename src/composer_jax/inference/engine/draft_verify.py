@@ -5,7 +5,7 @@ Speculative Decoding", sec. 2.3; Chen et al. 2023, "Accelerating LLM Decoding wi
 Sampling", algorithm 2).
 
 The rule, per slot, with p_i the main model's processed distribution (temperature, top-k, top-p
-applied, `sampling.processed_logprobs`) for the token after draft i - 1 and q_i the same
+applied, `token_sampling.processed_logprobs`) for the token after draft i - 1 and q_i the same
 processing of the MTP module's distribution that draft x_i was drawn from:
   accept x_i with probability min(1, p_i(x_i) / q_i(x_i)), in order; at the first rejection draw
   the token from norm(max(0, p_i - q_i)) and stop; if all k are accepted, draw a bonus token from
@@ -32,7 +32,7 @@ reference model: 8.2M of the ~9.5M parameters an MTP draft reads). q is then zer
 list; the rule above is exact for any q, so the output distribution is unchanged.
 
 Random numbers: every uniform comes from (request seed, token position, stream) with
-`sampling.token_uniforms`: a draft for position P is drawn from q with stream 0 (the uniform the
+`token_sampling.token_uniforms`: a draft for position P is drawn from q with stream 0 (the uniform the
 non-speculative sampler would use at P, so a draft distribution equal to p reproduces its tokens),
 the accept test uses stream 1, the residual draw stream 2, the bonus token stream 0. Each position
 is finalised once, by uniforms no earlier decision looked at, which is what the rule's exactness
@@ -48,8 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from composer_jax.config import ModelConfig
-from composer_jax.inference.sampling import (
+from composer_jax.config import ConfigError, ModelConfig
+from composer_jax.inference.engine.token_sampling import (
     argmax_first,
     draw,
     inverse_cdf,
@@ -211,10 +211,10 @@ def draft_model(params: dict, cfg: ModelConfig, experts: int) -> tuple[dict, Mod
     per token. experts must be in 0..num_experts_per_tok (0 only with shared experts)."""
     k = cfg.num_experts_per_tok
     if not cfg.num_experts or "moe" not in params["mtp"]["layer"]:
-        raise ValueError(f"draft experts={experts}: the MTP modules have no MoE block; use None")
+        raise ConfigError(f"draft experts={experts}: the MTP modules have no MoE block; use None")
     if not 0 <= experts <= k or (experts == 0 and not cfg.num_shared_experts):
         lo = 0 if cfg.num_shared_experts else 1
-        raise ValueError(
+        raise ConfigError(
             f"draft experts={experts} must be in {lo}..model.num_experts_per_tok={k}"
             + ("" if lo == 0 else " (0, shared expert only, needs model.num_shared_experts >= 1)")
         )

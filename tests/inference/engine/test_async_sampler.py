@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import composer_jax as cj
-from composer_jax.inference.async_sampler import AsyncSampler
-from composer_jax.inference.sampler import Request, Sampler, SamplerSettings
-from composer_jax.inference.sampling import SamplingParams
+from composer_jax.inference.engine.asyncio_sampler import AsyncSampler
+from composer_jax.inference.engine.batch_sampler import Request, Sampler, SamplerSettings
+from composer_jax.inference.engine.token_sampling import SamplingParams
 
 CFG = cj.ModelConfig(num_layers=1, first_k_dense=0, num_mtp_layers=0, max_position_embeddings=32)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3)

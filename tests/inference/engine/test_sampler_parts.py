@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from composer_jax.inference.compiled import CountedJit
-from composer_jax.inference.prefix_cache import PrefixCache, PrefixStats
-from composer_jax.inference.sampling import SamplingParams
-from composer_jax.inference.slots import Request, SlotTable
-from composer_jax.inference.spec_decoder import checked_draft_vocab
+from composer_jax.inference.engine.counted_jit import CountedJit
+from composer_jax.inference.engine.prefix_cache import PrefixCache, PrefixStats
+from composer_jax.inference.engine.slot_table import Request, SlotTable
+from composer_jax.inference.engine.speculative_decoder import checked_draft_vocab
+from composer_jax.inference.engine.token_sampling import SamplingParams
 
 
 def _routing(n: int, tag: int) -> list[np.ndarray]:

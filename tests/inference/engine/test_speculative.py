@@ -16,9 +16,9 @@ from scipy import stats
 from support.small_models import gqa
 
 import composer_jax as cj
-from composer_jax.inference.sampler import Request, Sampler, SamplerSettings
-from composer_jax.inference.sampling import SamplingParams, draw, processed_logprobs, token_uniforms
-from composer_jax.inference.speculative import SpecStats, draft_model, verify_drafts
+from composer_jax.inference.engine.batch_sampler import Request, Sampler, SamplerSettings
+from composer_jax.inference.engine.draft_verify import SpecStats, draft_model, verify_drafts
+from composer_jax.inference.engine.token_sampling import SamplingParams, draw, processed_logprobs, token_uniforms
 from composer_jax.model.kv_cache import init_cache
 from composer_jax.model.params import path_str
 from composer_jax.model.transformer import logits_of, mtp_forward_cached
@@ -65,7 +65,7 @@ def _chi2(observed: np.ndarray, expected_p: np.ndarray) -> tuple[float, int]:
 
 
 # gqa in the full suite only: speculation does not read the attention kind; the GQA cache is
-# tests/inference/test_prefix_cache.py's [gqa] case (default)
+# tests/inference/engine/test_prefix_cache.py's [gqa] case (default)
 @pytest.mark.parametrize("cfg", [MLA, pytest.param(GQA, marks=pytest.mark.slow)], ids=["mla", "gqa"])
 def test_greedy_equals_the_sampler_without_speculation(cfg):
     params = cj.init_params(cfg, jax.random.key(0))

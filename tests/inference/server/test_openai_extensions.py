@@ -1,5 +1,5 @@
 """The vLLM-style extension fields of /v1/completions that the remote token policy sends:
-stop_token_ids, ignore_eos, return_prompt_routing (inference/openai_api.py, pure functions)."""
+stop_token_ids, ignore_eos, return_prompt_routing (inference/server/openai_api.py, pure functions)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from composer_jax.formats.tokenizer import load_tokenizer
-from composer_jax.inference import openai_api as api
+from composer_jax.inference.server import openai_api as api
 
-TOK = load_tokenizer(Path(__file__).resolve().parents[2] / "assets" / "tokenizer")
+TOK = load_tokenizer(Path(__file__).resolve().parents[3] / "assets" / "tokenizer")
 
 
 def _parse(**body):

@@ -6,7 +6,7 @@
         [--return-token-ids]
 
 --checkpoint takes a training run's checkpoint directory (its latest step, or --step), one step's
-directory, a `convert --to-orbax` directory or a Hugging Face directory (inference/checkpoints.py).
+directory, a `convert --to-orbax` directory or a Hugging Face directory (hf/checkpoint_kind.py).
 The tokenizer is --tokenizer, else a tokenizer.json next to the checkpoint, else the training
 run's data.tokenizer (resolved against the current directory, as in training).
 --weights-from follows an RL weight-sync store by URL: each newer published version is swapped in
@@ -35,6 +35,18 @@ API_KEY_ENV = "COMPOSER_JAX_API_KEY"
 
 _positive_int = int_at_least(1)
 _non_negative_int = int_at_least(0)
+
+
+def user_errors() -> tuple[type[Exception], ...]:
+    """The exceptions that are the user's fault, raised where the fault is found: a value of a flag or
+    setting (ConfigError: the sampler's and speculative decoding's checks among them), a checkpoint
+    directory (CheckpointError), a weight-sync store (WeightSyncError). `serve` and `sample` turn
+    these, and only these, into a UsageError (exit 2, one line); anything else, a ValueError from
+    deep inside included, is a bug and keeps its traceback."""
+    from composer_jax.checkpoint.validate import CheckpointError
+    from composer_jax.weightsync.store import WeightSyncError
+
+    return (ConfigError, CheckpointError, WeightSyncError)
 
 
 def _mesh_arg(text: str) -> dict[str, int]:
@@ -123,13 +135,13 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     """-> (policy, tokenizer, mesh, max_len); raises ConfigError / CheckpointError with the cause."""
     from composer_jax.config import MeshConfig
     from composer_jax.formats.tokenizer import load_tokenizer
-    from composer_jax.inference.checkpoints import load_policy
+    from composer_jax.inference.server.policy import load_policy
     from composer_jax.sharding import make_mesh
 
     mesh = None
     if args.mesh:
         mesh = make_mesh(MeshConfig(**{"fsdp": 1, **args.mesh}))
-    policy = load_policy(args.checkpoint, step=args.step, mesh=mesh)
+    policy = load_policy(args.checkpoint, step=args.step, mesh=mesh, key="--checkpoint")
     where = args.tokenizer or policy.tokenizer_hint
     if where is None:
         raise ConfigError(
@@ -161,7 +173,7 @@ def _new_sampler(
 ):
     """-> (params, version) -> Sampler with `sampler`'s settings (`Sampler.from_config`: warmed up
     when it says so); speculative: `speculative_options`' keyword arguments."""
-    from composer_jax.inference.sampler import Sampler
+    from composer_jax.inference.engine.batch_sampler import Sampler
 
     detok = lambda ids: tok.decode(ids, skip_special_tokens=True)
 
@@ -237,12 +249,9 @@ def serve_main(argv: list[str] | None = None) -> int:
     if not args.poll_s > 0:
         raise UsageError(f"--poll-interval {args.poll_s} must be > 0 (seconds)")
     sampler = sampler_from_args(args)
-    from composer_jax.checkpoint.validate import CheckpointError
-    from composer_jax.hf.weights import CheckpointError as HFCheckpointError
-
     try:
         policy, tok, mesh, max_len = _load(args)
-    except (ConfigError, CheckpointError, HFCheckpointError, ValueError) as e:
+    except user_errors() as e:
         raise UsageError(str(e)) from e
     sock = _bind(args.host, args.port)
     one_at_a_time = mesh is not None or args.speculative_tokens > 0
@@ -265,9 +274,12 @@ def serve_main(argv: list[str] | None = None) -> int:
             weights_from=args.weights_from,
             speculative=speculative,
         )
-    except (ConfigError, ValueError) as e:
+    except user_errors() as e:
         sock.close()
         raise UsageError(str(e)) from e
+    except BaseException:
+        sock.close()
+        raise
     host, port = sock.getsockname()[:2]
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
     print(
@@ -306,9 +318,9 @@ def build_server(
     sampler: the sampler's settings (slots, queue bound, prefix cache, warm-up; config/sampler.py);
     weights_from: a weight-sync store URL the server follows (polled every sampler.poll_s);
     speculative: the Sampler's speculative_tokens / draft_experts / draft_vocab (`speculative_options`)."""
-    from composer_jax.inference.checkpoints import load_policy
-    from composer_jax.inference.engine import Engine
-    from composer_jax.inference.server import OpenAIServer
+    from composer_jax.inference.engine.thread_engine import Engine
+    from composer_jax.inference.server.app import OpenAIServer
+    from composer_jax.inference.server.policy import load_policy
 
     engine = Engine(
         _new_sampler(policy, tok, mesh, sampler, max_len, speculative),
@@ -384,9 +396,7 @@ def _sample_parser() -> argparse.ArgumentParser:
 
 def _sample_request(args, prompt: str):
     """The checkpoint `sample` loads and its request parsed as the OpenAI server would parse it."""
-    from composer_jax.checkpoint.validate import CheckpointError
-    from composer_jax.hf.weights import CheckpointError as HFCheckpointError
-    from composer_jax.inference import openai_api as api
+    from composer_jax.inference.server import openai_api as api
 
     body: dict[str, Any] = {
         "max_tokens": args.max_tokens,
@@ -406,16 +416,26 @@ def _sample_request(args, prompt: str):
             ]
             body.update(messages=messages, logprobs=True)
             if args.tools is not None:
-                body["tools"] = json.loads(args.tools.read_text())
+                body["tools"] = _tools_file(args.tools)
             gen = api.parse_chat(body, tok=tok, served="local", max_len=max_len, vocab=policy.cfg.vocab_size)
         else:
             body.update(prompt=prompt, logprobs=0)
             gen = api.parse_completion(body, tok=tok, served="local", max_len=max_len, vocab=policy.cfg.vocab_size)
     except api.ApiError as e:
         raise UsageError(e.message) from e
-    except (ConfigError, CheckpointError, HFCheckpointError, ValueError, OSError) as e:
+    except user_errors() as e:
         raise UsageError(str(e)) from e
     return policy, tok, mesh, max_len, gen
+
+
+def _tools_file(path: Path) -> Any:
+    """--tools: the JSON file's content (the API checks its shape); UsageError when unreadable or not JSON."""
+    try:
+        return json.loads(path.read_text())
+    except OSError as e:
+        raise UsageError(f"--tools {str(path)!r}: cannot read it: {e.strerror}") from e
+    except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError
+        raise UsageError(f"--tools {str(path)!r}: not a JSON file ({e}); accepted: an OpenAI tools list") from e
 
 
 def _print_choices(gen, choices: list[dict], done, tok, logprobs: bool) -> None:
@@ -442,15 +462,15 @@ def sample_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     speculative = speculative_options(parser, args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    from composer_jax.inference import openai_api as api
-    from composer_jax.inference.sampler import Request
+    from composer_jax.inference.engine.batch_sampler import Request
+    from composer_jax.inference.server import openai_api as api
 
     policy, tok, mesh, max_len, gen = _sample_request(args, prompt)
     try:
         sampler = _new_sampler(policy, tok, mesh, SamplerConfig(slots=min(len(gen.params), 8)), max_len, speculative)(
             policy.params, 0
         )
-    except ValueError as e:  # a speculative option the model does not accept (no MTP modules, draft experts)
+    except user_errors() as e:  # e.g. a speculative option the model does not accept (no MTP modules, draft experts)
         raise UsageError(str(e)) from e
     reqs = [Request(gen.prompts[c // gen.n], p, id=str(c)) for c, p in enumerate(gen.params)]
     done = sampler.run(reqs)

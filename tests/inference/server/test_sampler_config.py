@@ -22,15 +22,15 @@ from composer_jax.config.sampler import (
     sampler_argv,
     sampler_from_args,
 )
-from composer_jax.inference.checkpoints import load_policy
-from composer_jax.inference.cli import _serve_parser
-from composer_jax.inference.sampler import Sampler, SamplerSettings
+from composer_jax.inference.engine.batch_sampler import Sampler, SamplerSettings
+from composer_jax.inference.server.cli import _serve_parser
+from composer_jax.inference.server.policy import load_policy
 from composer_jax.model.params import init_params
 from composer_jax.rl.samplers.serve_launch import local_samplers
 from composer_jax.sharding import ShardingRules, make_mesh
 from composer_jax.train.state import init_train_state
 
-TINY = Path(__file__).resolve().parents[2] / "configs" / "model" / "tiny.yaml"
+TINY = Path(__file__).resolve().parents[3] / "configs" / "model" / "tiny.yaml"
 
 
 def _parsed(argv: list[str]) -> SamplerConfig:

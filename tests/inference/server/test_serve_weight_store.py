@@ -25,10 +25,10 @@ from composer_jax.config import load_config, to_dict
 from composer_jax.config.checkpoint import CheckpointConfig
 from composer_jax.config.sampler import SamplerConfig
 from composer_jax.formats.tokenizer import load_tokenizer
-from composer_jax.inference.checkpoints import load_policy
-from composer_jax.inference.cli import build_server
-from composer_jax.inference.sampler import Request, Sampler, SamplerSettings
-from composer_jax.inference.sampling import SamplingParams
+from composer_jax.inference.engine.batch_sampler import Request, Sampler, SamplerSettings
+from composer_jax.inference.engine.token_sampling import SamplingParams
+from composer_jax.inference.server.cli import build_server
+from composer_jax.inference.server.policy import load_policy
 from composer_jax.sharding import ShardingRules, make_mesh
 from composer_jax.train.state import init_train_state
 from composer_jax.weightsync.store import WeightPublisher

@@ -1,4 +1,4 @@
-"""The sampler's speculative part: MTP drafts verified by the main model (`inference/speculative.py`
+"""The sampler's speculative part: MTP drafts verified by the main model (`inference/engine/draft_verify.py`
 has the rule and the draft block; this module holds their state and programs in a sampler).
 
 `SpeculativeDecoder` owns what speculation adds to the core: MTP module 1's KV cache, each slot's k
@@ -19,12 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from composer_jax.config import ModelConfig
-from composer_jax.inference.compiled import CountedJit
-from composer_jax.inference.decode_programs import cache_row, mesh_scope, prefill_row, put_cache_row
-from composer_jax.inference.sampling import processed_logprobs
-from composer_jax.inference.slots import Completion, SlotTable
-from composer_jax.inference.speculative import SpecStats, draft, draft_head_columns, draft_model, verify_drafts
+from composer_jax.config import ConfigError, ModelConfig
+from composer_jax.inference.engine.counted_jit import CountedJit
+from composer_jax.inference.engine.decode_programs import cache_row, mesh_scope, prefill_row, put_cache_row
+from composer_jax.inference.engine.draft_verify import SpecStats, draft, draft_head_columns, draft_model, verify_drafts
+from composer_jax.inference.engine.slot_table import Completion, SlotTable
+from composer_jax.inference.engine.token_sampling import processed_logprobs
 from composer_jax.model.kv_cache import KVCache, init_cache
 from composer_jax.model.transformer import forward_cached
 from composer_jax.sharding import MeshRules, ShardingRules
@@ -32,12 +32,12 @@ from composer_jax.sharding import MeshRules, ShardingRules
 
 def checked_draft_vocab(draft_vocab: Sequence[int] | None, vocab_size: int) -> np.ndarray | None:
     """The draft vocabulary as sorted unique int32 ids (None: the whole vocabulary); raises
-    ValueError naming the bad ids."""
+    ConfigError naming the bad ids."""
     if draft_vocab is None:
         return None
     ids = sorted({int(t) for t in draft_vocab})
     if not ids or ids[0] < 0 or ids[-1] >= vocab_size:
-        raise ValueError(
+        raise ConfigError(
             f"draft_vocab: {len(ids)} ids from {ids[:1]} to {ids[-1:]}; give at least one id, all in "
             f"0..{vocab_size - 1}"
         )
@@ -47,7 +47,7 @@ def checked_draft_vocab(draft_vocab: Sequence[int] | None, vocab_size: int) -> n
 class SpeculativeDecoder:
     """k drafts per slot for a sampler of `slots` rows whose caches hold `cache_len` positions;
     `decode_chunk` verify steps per chunk call. draft_vocab: checked ids (`checked_draft_vocab`) or
-    None; draft_experts: routed experts per token while drafting (`speculative.draft_model`)."""
+    None; draft_experts: routed experts per token while drafting (`draft_verify.draft_model`)."""
 
     def __init__(
         self,

@@ -30,11 +30,11 @@ from composer_jax.config.checkpoint import CheckpointConfig  # noqa: E402
 from composer_jax.config.sampler import SamplerConfig  # noqa: E402
 from composer_jax.formats.chatml import render_chat_text  # noqa: E402
 from composer_jax.formats.tokenizer import load_tokenizer  # noqa: E402
-from composer_jax.inference import openai_api as api  # noqa: E402
-from composer_jax.inference.checkpoints import load_policy  # noqa: E402
-from composer_jax.inference.cli import build_server, sample_main  # noqa: E402
-from composer_jax.inference.sampler import Request  # noqa: E402
-from composer_jax.inference.sampling import SamplingParams  # noqa: E402
+from composer_jax.inference.engine.batch_sampler import Request  # noqa: E402
+from composer_jax.inference.engine.token_sampling import SamplingParams  # noqa: E402
+from composer_jax.inference.server import openai_api as api  # noqa: E402
+from composer_jax.inference.server.cli import build_server, sample_main  # noqa: E402
+from composer_jax.inference.server.policy import load_policy  # noqa: E402
 from composer_jax.model.transformer import forward  # noqa: E402
 from composer_jax.sharding import ShardingRules, make_mesh  # noqa: E402
 from composer_jax.train.state import init_train_state  # noqa: E402
@@ -711,17 +711,17 @@ def test_sample_cli(ckpts, served, capsys):
 
 # ---------------------------------------------------------------------------- checkpoint kinds
 def test_hf_and_converted_directories_load_the_same_weights(ckpts, served, tmp_path, capsys):
+    from composer_jax.hf.checkpoint_kind import detect
     from composer_jax.hf.convert import main as convert_main
     from composer_jax.hf.weights import save_pretrained
-    from composer_jax.inference.checkpoints import checkpoint_kind
 
     policy = served["policy"]
     hf_dir = save_pretrained(policy.params, policy.cfg, tmp_path / "hf")
     assert convert_main(["--from-hf", str(hf_dir), "--to-orbax", str(tmp_path / "orbax")]) == 0
     capsys.readouterr()
-    assert [checkpoint_kind(p) for p in (ckpts[0], ckpts[0] / "1", hf_dir, tmp_path / "orbax")] == [
-        "train",
-        "train",
+    assert [detect(p).kind for p in (ckpts[0], ckpts[0] / "1", hf_dir, tmp_path / "orbax")] == [
+        "run",
+        "run",
         "hf",
         "orbax",
     ]
@@ -731,17 +731,17 @@ def test_hf_and_converted_directories_load_the_same_weights(ckpts, served, tmp_p
         assert loaded.tokenizer_hint is None  # these directories hold no tokenizer: serve needs --tokenizer
         for path, leaf in jax.tree_util.tree_leaves_with_path(loaded.params):
             np.testing.assert_array_equal(np.asarray(leaf), np.asarray(want[path]), err_msg=f"{where} {path}")
-    with pytest.raises(ConfigError, match="not a checkpoint directory; accepted"):
-        checkpoint_kind(tmp_path)
+    with pytest.raises(ConfigError, match="none of the three kinds of checkpoint .*; accepted"):
+        detect(tmp_path)
 
 
 def test_serve_cli_refuses_bad_settings(ckpts, tmp_path, capsys):
-    from composer_jax.inference.cli import serve_main
+    from composer_jax.inference.server.cli import serve_main
 
     assert cli_main(["serve", "--checkpoint", str(ckpts[0]), "--api-key", "short"]) == 2
     assert "at least 16 characters" in capsys.readouterr().err
     assert cli_main(["serve", "--checkpoint", str(tmp_path), "--api-key", KEY]) == 2
-    assert "not a checkpoint directory" in capsys.readouterr().err
+    assert f"--checkpoint={str(tmp_path)!r}: none of the three kinds of checkpoint" in capsys.readouterr().err
     assert cli_main(["serve", "--checkpoint", str(ckpts[0]), "--api-key", KEY, "--max-len", "9999"]) == 2
     assert "exceeds the model's max_position_embeddings=512" in capsys.readouterr().err
     assert cli_main(["serve", "--checkpoint", str(ckpts[0]), "--api-key", KEY, "--step", "7"]) == 2
@@ -772,9 +772,9 @@ def test_serve_warm_up_compiles_the_admission_programs(ckpts):
 def test_a_failed_swap_answers_by_what_failed():
     """Both weight-loading routes (checkpoint and weight store) answer a swap that did not happen
     the same way: 503 once the engine stopped, 500 naming what failed, a route's own ApiError as is."""
-    from composer_jax.inference.engine import EngineStopped
-    from composer_jax.inference.openai_api import ApiError
-    from composer_jax.inference.server import _swap_errors
+    from composer_jax.inference.engine.thread_engine import EngineStopped
+    from composer_jax.inference.server.app import _swap_errors
+    from composer_jax.inference.server.openai_api import ApiError
 
     def answer(exc: Exception) -> ApiError:
         with pytest.raises(ApiError) as got:

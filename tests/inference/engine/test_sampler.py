@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import composer_jax as cj
-from composer_jax.inference.sampler import Request, Sampler, SamplerSettings
-from composer_jax.inference.sampling import SamplingParams, inverse_cdf, processed_logprobs
+from composer_jax.inference.engine.batch_sampler import Request, Sampler, SamplerSettings
+from composer_jax.inference.engine.token_sampling import SamplingParams, inverse_cdf, processed_logprobs
 
 CFG = cj.ModelConfig(num_layers=2, num_mtp_layers=0, max_position_embeddings=64)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)

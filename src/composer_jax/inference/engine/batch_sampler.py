@@ -19,7 +19,7 @@ in-flight weight update).
 
 With `speculative_tokens=k` the MTP module drafts k tokens per slot and one compiled verify step
 checks them with the main model ([slots, k+1] tokens), emitting 1..k+1 tokens per slot per step
-with exactly the model's sampling distribution (`inference/speculative.py`); `spec_stats` counts
+with exactly the model's sampling distribution (`inference/engine/draft_verify.py`); `spec_stats` counts
 acceptance per depth. With `decode_chunk=N` as well, one compiled call runs up to N verify steps
 (the accept, max-tokens and stop-id bookkeeping on device), with the tokens of N one-step calls.
 
@@ -36,11 +36,11 @@ running requests keep theirs); "none" never reuses. Speculative samplers never r
 verify windows overwrite free rows). `prefix_stats` counts reused and prefilled tokens.
 
 Parts (each testable alone): the core is this module's `Sampler` over a `SlotTable`
-(`inference/slots.py`: requests in slots, the recording of emitted tokens, completions) and the
-plain programs (`inference/decode_programs.py`); `PrefixCache` (`inference/prefix_cache.py`)
+(`inference/engine/slot_table.py`: requests in slots, the recording of emitted tokens, completions) and the
+plain programs (`inference/engine/decode_programs.py`); `PrefixCache` (`inference/engine/prefix_cache.py`)
 chooses the slot a prompt takes and keeps freed slots' prefixes; `SpeculativeDecoder`
-(`inference/spec_decoder.py`) holds the MTP drafts, their cache and the verify programs. Every
-program is a `CountedJit` (`inference/compiled.py`): `compilations` counts what XLA compiled.
+(`inference/engine/speculative_decoder.py`) holds the MTP drafts, their cache and the verify programs. Every
+program is a `CountedJit` (`inference/engine/counted_jit.py`): `compilations` counts what XLA compiled.
 """
 
 from __future__ import annotations
@@ -54,14 +54,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from composer_jax.config import ModelConfig
+from composer_jax.config import ConfigError, ModelConfig
 from composer_jax.config.sampler import SamplerConfig
-from composer_jax.inference.decode_programs import DecodePrograms, mesh_scope
-from composer_jax.inference.prefix_cache import PrefixCache, PrefixStats
-from composer_jax.inference.sampling import SamplingParams
-from composer_jax.inference.slots import STOP_IDS_ON_DEVICE, Completion, Request, SlotRequest, SlotTable
-from composer_jax.inference.spec_decoder import SpeculativeDecoder, checked_draft_vocab
-from composer_jax.inference.speculative import SpecStats
+from composer_jax.inference.engine.decode_programs import DecodePrograms, mesh_scope
+from composer_jax.inference.engine.draft_verify import SpecStats
+from composer_jax.inference.engine.prefix_cache import PrefixCache, PrefixStats
+from composer_jax.inference.engine.slot_table import STOP_IDS_ON_DEVICE, Completion, Request, SlotRequest, SlotTable
+from composer_jax.inference.engine.speculative_decoder import SpeculativeDecoder, checked_draft_vocab
+from composer_jax.inference.engine.token_sampling import SamplingParams
 from composer_jax.model.kv_cache import init_cache
 from composer_jax.sharding import MeshRules, ShardingRules
 
@@ -120,9 +120,9 @@ class SamplerSettings:
     model.num_mtp_layers >= 1 and the MTP parameters; the KV caches then hold max_len + 2k
     positions: a verify window and the chained drafts reach up to 2k - 1 past the last confirmed
     token). draft_vocab: token ids the drafts are restricted to (a cheaper draft head, FR-Spec;
-    `inference/speculative.py`); None = the whole vocabulary. draft_experts: routed experts per
+    `inference/engine/draft_verify.py`); None = the whole vocabulary. draft_experts: routed experts per
     token in the MTP module's MoE block while drafting (0 = its shared expert only; None = the
-    model's num_experts_per_tok), a cheaper draft (`speculative.draft_model`). None of these
+    model's num_experts_per_tok), a cheaper draft (`draft_verify.draft_model`). None of these
     changes the output distribution. decode_chunk: decode steps (with speculation: verify steps)
     per compiled call: `step` then runs up to that many steps in one on-device loop, which ends
     early once every slot has reached its max_tokens or one of its first STOP_IDS_ON_DEVICE stop
@@ -148,11 +148,11 @@ class SamplerSettings:
     def __post_init__(self) -> None:
         k = self.speculative_tokens
         if self.decode_chunk < 1:
-            raise ValueError(f"decode_chunk={self.decode_chunk} must be >= 1 (decode steps per compiled call)")
+            raise ConfigError(f"decode_chunk={self.decode_chunk} must be >= 1 (decode steps per compiled call)")
         if k < 0:
-            raise ValueError(f"speculative_tokens={k} must be >= 0 (0 = no speculative decoding)")
+            raise ConfigError(f"speculative_tokens={k} must be >= 0 (0 = no speculative decoding)")
         if self.draft_experts is not None and not k:
-            raise ValueError(
+            raise ConfigError(
                 f"draft_experts={self.draft_experts} needs speculative_tokens >= 1 (it sets the drafts' cost)"
             )
 
@@ -160,12 +160,12 @@ class SamplerSettings:
         """Refuse settings the model cannot run, naming what would be accepted."""
         k = self.speculative_tokens
         if k and (cfg.num_mtp_layers < 1 or "mtp" not in params):
-            raise ValueError(
+            raise ConfigError(
                 f"speculative_tokens={k} drafts with the MTP modules, but the model has none "
                 f"(model.num_mtp_layers={cfg.num_mtp_layers}); use speculative_tokens=0"
             )
         if self.max_len + 2 * k > cfg.max_position_embeddings:
-            raise ValueError(
+            raise ConfigError(
                 f"max_len={self.max_len} + 2 x speculative_tokens={k} exceeds model.max_position_embeddings="
                 f"{cfg.max_position_embeddings}; lower max_len to at most {cfg.max_position_embeddings - 2 * k}"
             )

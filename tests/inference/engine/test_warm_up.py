@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import composer_jax as cj
-from composer_jax.inference.sampler import Request, Sampler, SamplerSettings
-from composer_jax.inference.sampling import SamplingParams
+from composer_jax.inference.engine.batch_sampler import Request, Sampler, SamplerSettings
+from composer_jax.inference.engine.token_sampling import SamplingParams
 
 BASE = cj.ModelConfig(num_layers=2, num_mtp_layers=0, max_position_embeddings=64)
 

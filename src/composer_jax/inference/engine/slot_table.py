@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from composer_jax.inference.prefix_cache import PrefixCache
-from composer_jax.inference.sampling import SamplingParams
+from composer_jax.inference.engine.prefix_cache import PrefixCache
+from composer_jax.inference.engine.token_sampling import SamplingParams
 
 STOP_IDS_ON_DEVICE = 8  # a request's first stop token ids, checked inside a decode chunk
 

@@ -14,8 +14,8 @@ import pytest
 from support.small_models import gqa, mla_yarn
 
 import composer_jax as cj
-from composer_jax.inference.sampler import Completion, Request, Sampler, SamplerSettings
-from composer_jax.inference.sampling import SamplingParams
+from composer_jax.inference.engine.batch_sampler import Completion, Request, Sampler, SamplerSettings
+from composer_jax.inference.engine.token_sampling import SamplingParams
 
 BASE = cj.ModelConfig(num_layers=2, num_mtp_layers=0, max_position_embeddings=64)
 CONFIGS = {

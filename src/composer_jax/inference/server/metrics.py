@@ -28,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from composer_jax.inference.engine import Engine
+from composer_jax.inference.engine.thread_engine import Engine
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # whole requests: a long RL rollout's completion can take minutes

@@ -37,7 +37,7 @@ from composer_jax.formats.byte_level import CHAR_TO_BYTE as _BYTE_OF
 from composer_jax.formats.chat_format import ChatFormat, chat_format
 from composer_jax.formats.chatml import AssistantTurn, check_tools
 from composer_jax.formats.tokenizer import Tokenizer
-from composer_jax.inference.sampling import SamplingParams
+from composer_jax.inference.engine.token_sampling import SamplingParams
 
 MAX_N = 16
 MAX_STOP = 16
@@ -554,7 +554,7 @@ def tool_call_deltas(index: int, call: dict) -> list[dict]:
 
 
 def completion_choice(gen: Generation, index: int, tok: Tokenizer, done: Any, call_id_prefix: str) -> dict:
-    """`build_choice` for a finished `inference.sampler.Completion`."""
+    """`build_choice` for a finished `inference.engine.slot_table.Completion`."""
     return build_choice(
         gen,
         index,

@@ -8,7 +8,7 @@ import argparse
 
 import pytest
 
-from composer_jax.inference.cli import _sample_parser, _serve_parser, speculative_options
+from composer_jax.inference.server.cli import _sample_parser, _serve_parser, speculative_options
 
 PARSERS = {"serve": _serve_parser, "sample": _sample_parser}
 BASE = {"serve": ["--checkpoint", "ckpt"], "sample": ["--checkpoint", "ckpt", "--prompt", "x"]}
@@ -56,7 +56,7 @@ def test_bad_speculative_options_are_refused_with_their_value(which, tmp_path, c
 
 
 def test_type_checks_name_the_accepted_values():
-    from composer_jax.inference.cli import _non_negative_int, _token_ids_file
+    from composer_jax.inference.server.cli import _non_negative_int, _token_ids_file
 
     assert _non_negative_int("0") == 0
     with pytest.raises(argparse.ArgumentTypeError, match="-2 must be >= 0"):

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from composer_jax.config.sampler import PREFIX_CACHE_MODES
+from composer_jax.errors import ConfigError
 
 
 @dataclasses.dataclass
@@ -62,7 +63,7 @@ class PrefixCache:
 
     def __init__(self, slots: int, mode: str = "version", *, reuse: bool = True):
         if mode not in PREFIX_CACHE_MODES:
-            raise ValueError(f"prefix_cache={mode!r} is not accepted; accepted: {', '.join(PREFIX_CACHE_MODES)}")
+            raise ConfigError(f"prefix_cache={mode!r} is not accepted; accepted: {', '.join(PREFIX_CACHE_MODES)}")
         self.slots, self.mode = slots, mode
         self.reuse = reuse and mode != "none"
         self.prefixes: list[CachedPrefix | None] = [None] * slots

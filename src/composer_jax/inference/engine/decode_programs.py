@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from composer_jax.config import ModelConfig
-from composer_jax.inference.compiled import CountedJit
-from composer_jax.inference.sampling import sample
+from composer_jax.inference.engine.counted_jit import CountedJit
+from composer_jax.inference.engine.token_sampling import sample
 from composer_jax.model.kv_cache import KVCache
 from composer_jax.model.transformer import forward_cached
 from composer_jax.sharding import MeshRules

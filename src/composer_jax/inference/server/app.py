@@ -2,7 +2,7 @@
 
 Endpoints (all but /health need `Authorization: Bearer KEY`):
     GET  /health                 liveness, policy version, load (no key needed)
-    GET  /metrics                Prometheus metrics (prometheus_client; metrics.py)
+    GET  /metrics                Prometheus metrics (prometheus_client; `server/metrics.py`)
     GET  /v1/models              the served model
     POST /v1/completions         prompt string / token ids (or a list of them); stream, logprobs
     POST /v1/chat/completions    messages (+ tools) in the chat template; tool_calls; stream, logprobs
@@ -15,14 +15,14 @@ swaps it in between two decode steps (running requests continue; each token keep
 produced it). Served version numbers are the published ones. /health reports the store, the last
 error reading it and the last fallback (a bad version replaced by an older one).
 
-Requests and responses: `openai_api.py` (extension fields: top_k, return_routing,
+Requests and responses: `server/openai_api.py` (extension fields: top_k, return_routing,
 return_prompt_routing, stop_token_ids, ignore_eos, return_token_ids; token_ids, token_versions,
 routed_experts, prompt_routed_experts, prompt_token_ids, malformed_tool_calls). Errors: `{"error": {"message", "type",
 "param", "code"}}` with a 4xx status for a bad request, 401 without the key (OpenAI's
 invalid_request_error / invalid_api_key), 429 with `Retry-After` when the engine is full, 500 when
 the engine failed the request (the server keeps serving).
 
-Architecture: one engine thread owns the Sampler (`engine.py`); handlers submit requests and
+Architecture: one engine thread owns the Sampler (`engine/thread_engine.py`); handlers submit requests and
 await their events through an asyncio queue fed with `call_soon_threadsafe`. Streaming reads each
 request's tokens after every decode step (`Sampler.running()`), one `ChoiceStream` per choice
 turning them into chunks (text, logprobs, tool-call deltas); a client that disconnects
@@ -47,19 +47,22 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from composer_jax.checkpoint.validate import CheckpointError, config_differences
+from composer_jax.config import to_dict
 from composer_jax.errors import ConfigError
 from composer_jax.formats.chat_format import chat_format
 from composer_jax.formats.tokenizer import Tokenizer
-from composer_jax.inference import openai_api as api
-from composer_jax.inference.checkpoints import Policy, config_differences
-from composer_jax.inference.engine import Engine, EngineFull, EngineStopped, Event
-from composer_jax.inference.metrics import CONTENT_TYPE, ObserveRequests, ServeMetrics
-from composer_jax.inference.openai_api import ApiError, Generation
-from composer_jax.inference.sampler import Request
+from composer_jax.inference.engine.batch_sampler import Request
+from composer_jax.inference.engine.driver import Event
+from composer_jax.inference.engine.thread_engine import Engine, EngineFull, EngineStopped
+from composer_jax.inference.server import openai_api as api
+from composer_jax.inference.server.metrics import CONTENT_TYPE, ObserveRequests, ServeMetrics
+from composer_jax.inference.server.openai_api import ApiError, Generation
+from composer_jax.inference.server.policy import Policy
 from composer_jax.weightsync.store import WeightSyncError
 from composer_jax.weightsync.subscriber import StoreVersion, StoreWeights
 
-_log = logging.getLogger("composer_jax.inference.server")
+_log = logging.getLogger("composer_jax.inference.server.app")
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 SOURCES = ("checkpoint", "weight_store")
@@ -439,7 +442,7 @@ class OpenAIServer:
                 t0 = time.perf_counter()
                 try:
                     policy = await asyncio.to_thread(self.load_policy, path, step)
-                except (ConfigError, ValueError, OSError) as e:
+                except (ConfigError, CheckpointError, ValueError, OSError) as e:
                     raise ApiError(
                         400, f"checkpoint {path!r}: {e}", param="checkpoint", code="bad_checkpoint"
                     ) from None
@@ -512,11 +515,13 @@ class OpenAIServer:
     def _matching(self, policy: Policy) -> Any:
         """The loaded parameters in the served tree's dtypes; 409 when the architecture differs."""
         served = self.engine.sampler
-        diffs = config_differences(served.cfg, policy.cfg)
+        ours_cfg, theirs_cfg = {"model": to_dict(served.cfg)}, {"model": to_dict(policy.cfg)}
+        diffs = config_differences(ours_cfg, theirs_cfg, ("model",), allowed=("model.name",))
         if diffs:
+            listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in diffs[:8])
             raise ApiError(
                 409,
-                f"checkpoint {policy.path!r} is a different model than the served one ({'; '.join(diffs[:8])}); "
+                f"checkpoint {policy.path!r} is a different model than the served one ({listed}); "
                 "only weights of the same architecture can be swapped in",
                 param="checkpoint",
                 code="model_mismatch",

@@ -16,12 +16,12 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk  # noqa: E402
 
 from composer_jax.formats.chatml import render_chat_text, render_prompt  # noqa: E402
 from composer_jax.formats.tokenizer import load_tokenizer  # noqa: E402
-from composer_jax.inference import openai_api as api  # noqa: E402
-from composer_jax.inference.engine import Event  # noqa: E402
-from composer_jax.inference.server import ChoiceStream  # noqa: E402
-from composer_jax.inference.slots import Completion  # noqa: E402
+from composer_jax.inference.engine.driver import Event  # noqa: E402
+from composer_jax.inference.engine.slot_table import Completion  # noqa: E402
+from composer_jax.inference.server import openai_api as api  # noqa: E402
+from composer_jax.inference.server.app import ChoiceStream  # noqa: E402
 
-TOK = load_tokenizer(Path(__file__).resolve().parents[2] / "assets" / "tokenizer")
+TOK = load_tokenizer(Path(__file__).resolve().parents[3] / "assets" / "tokenizer")
 USER = [{"role": "user", "content": "Show a.py and b.py"}]
 TOOLS = [
     {

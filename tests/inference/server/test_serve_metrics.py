@@ -16,11 +16,12 @@ import numpy as np
 from support.metrics_scrape import parse
 
 import composer_jax as cj
-from composer_jax.inference import metrics as serve_metrics
-from composer_jax.inference.engine import Driver, Engine, Event, Job, Swap
-from composer_jax.inference.metrics import ServeMetrics
-from composer_jax.inference.sampler import Request, Sampler, SamplerSettings
-from composer_jax.inference.sampling import SamplingParams
+from composer_jax.inference.engine.batch_sampler import Request, Sampler, SamplerSettings
+from composer_jax.inference.engine.driver import Driver, Event, Job, Swap
+from composer_jax.inference.engine.thread_engine import Engine
+from composer_jax.inference.engine.token_sampling import SamplingParams
+from composer_jax.inference.server import metrics as serve_metrics
+from composer_jax.inference.server.metrics import ServeMetrics
 
 CFG = cj.ModelConfig(num_layers=1, first_k_dense=0, num_mtp_layers=0, max_position_embeddings=32)
 
@@ -102,7 +103,7 @@ def test_request_wrapper_counts_unhandled_errors_and_unknown_paths() -> None:
 
     import pytest
 
-    from composer_jax.inference.metrics import ObserveRequests
+    from composer_jax.inference.server.metrics import ObserveRequests
 
     stand_in: Any = SimpleNamespace(sampler=SimpleNamespace(slots=1), tokens_generated=0)
     m = ServeMetrics(stand_in, model_name="m", max_len=8, endpoints=["/v1/completions"])
