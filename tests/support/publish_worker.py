@@ -99,8 +99,8 @@ def _main(pid: int, port: int, gather_url: str, sharded_url: str, hf_dir: str, t
     from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
     from composer_jax.rl.learner import _published, _store_publisher
+    from composer_jax.weightsync.publisher import WeightPublisher
     from composer_jax.weightsync.sharded import ShardedWeightPublisher
-    from composer_jax.weightsync.store import WeightPublisher
 
     mesh = jax.make_mesh((2, 2), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
 

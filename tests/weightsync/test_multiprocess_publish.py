@@ -24,8 +24,9 @@ from support.publish_worker import (
     quick_tree,
 )
 
-from composer_jax.weightsync.sharded import read_shard
-from composer_jax.weightsync.store import WeightPublisher, WeightSubscriber, WeightSyncError, tree_sha256
+from composer_jax.weightsync.publisher import WeightPublisher
+from composer_jax.weightsync.store import WeightSyncError, tree_sha256
+from composer_jax.weightsync.subscriber import WeightSubscriber, read_shard
 
 
 def _cast(tree: dict) -> dict:

@@ -11,7 +11,7 @@ import pytest
 
 from composer_jax.config import ConfigError
 from composer_jax.weightsync.publisher import published_copy, store_publisher
-from composer_jax.weightsync.store import WeightSubscriber
+from composer_jax.weightsync.subscriber import WeightSubscriber
 
 
 def _params(seed: int) -> dict:
