@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 
 from composer_jax.config import ModelConfig
 from composer_jax.model import specs as array_specs
-from composer_jax.model.specs import ArraySpec, path_str  # noqa: F401  (path_str re-exported)
+from composer_jax.model.specs import ArraySpec
 from composer_jax.sharding import ShardingRules
 
 
