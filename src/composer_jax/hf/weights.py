@@ -35,6 +35,7 @@ from einops import rearrange
 from jax.sharding import Mesh
 
 from composer_jax.config import ConfigError, ModelConfig
+from composer_jax.errors import UserError
 from composer_jax.hf import safetensors_io as st
 from composer_jax.hf.config import HFInfo, family_for, hf_config_from_model, model_config_from_hf
 from composer_jax.model.params import ParamSpec, param_shardings, param_specs
@@ -43,8 +44,8 @@ from composer_jax.sharding import ShardingRules
 log = logging.getLogger(__name__)
 
 
-class CheckpointError(ValueError):
-    """A checkpoint's tensors are missing, misshapen or not convertible."""
+class CheckpointError(UserError, ValueError):
+    """A checkpoint's tensors are missing, misshapen or not convertible (the user's, not a bug)."""
 
 
 # --------------------------------------------------------------------------------------------------

@@ -248,7 +248,10 @@ def store_publisher(
         return lambda params, version: None
     # the store's versions before this run: every process reads them (a publish is a collective,
     # which all must skip or all take)
-    stored = set(open_store(store_url).versions())
+    try:
+        stored = set(open_store(store_url).versions())
+    except WeightSyncError as e:  # the URL the user gave: tensorstore cannot open or list it
+        raise ConfigError(f"rl.weight_store={store_url!r}: {e}") from e
     if stored and (not resumed or (start not in stored and max(stored) > start)):
         raise ConfigError(
             f"rl.weight_store={store_url!r} holds versions {sorted(stored)[:5]}..{max(stored)} that are not this "
