@@ -206,7 +206,7 @@ def store_figures(config: str, out: Path, cfg_overrides: list[str], steps: int) 
     from composer_jax.model.params import abstract_params
     from composer_jax.sharding import ShardingRules, make_mesh
     from composer_jax.train.loop import run_checkpoint_config
-    from composer_jax.weightsync.store import WeightSubscriber
+    from composer_jax.weightsync.subscriber import WeightSubscriber
 
     sub = WeightSubscriber(f"file://{out}/weight_store")
     _, first = sub.read(0)

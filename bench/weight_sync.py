@@ -1,4 +1,4 @@
-"""Weight sync (src/composer_jax/weightsync/store.py): raw vs stored bytes and write/read times.
+"""Weight sync (src/composer_jax/weightsync/publisher.py, subscriber.py): raw vs stored bytes and write/read times.
 
 Two measurements on the tiny model's parameters (configs/model/tiny.yaml, `composer_jax.init_params`):
 
@@ -40,7 +40,9 @@ import numpy as np
 import optax
 
 import composer_jax as cj
-from composer_jax.weightsync.store import WeightPublisher, WeightSubscriber, tree_sha256
+from composer_jax.weightsync.publisher import WeightPublisher
+from composer_jax.weightsync.store import tree_sha256
+from composer_jax.weightsync.subscriber import WeightSubscriber
 
 
 def _map(tree: dict, fn: Callable[[np.ndarray], np.ndarray]) -> dict:

@@ -59,7 +59,7 @@ def test_query_lists_the_targets():
         "//:composer_jax_env",
         "//:pallas_kernels",
         "//:composer-jax",
-        "//:tests_test_config",
+        "//:tests_config_test_config",
         "//:tests_model_test_moe",
         "//:tests_model_test_flash",
         "//:tests_model_test_sharded",
@@ -78,8 +78,8 @@ def test_pallas_kernels_is_a_leaf():
 
 
 def test_bazel_runs_the_config_tests():
-    proc = bazel("test", "--nocache_test_results", "//:tests_test_config")
-    assert "//:tests_test_config" in proc.stdout + proc.stderr
+    proc = bazel("test", "--nocache_test_results", "//:tests_config_test_config")
+    assert "//:tests_config_test_config" in proc.stdout + proc.stderr
     assert "1 test passes" in proc.stdout + proc.stderr
 
 

@@ -15,7 +15,10 @@ from pathlib import Path
 import pytest
 
 from composer_jax import cli
+from composer_jax.checkpoint.validate import CheckpointError, ConfigMismatchError, NoGoodCheckpointError
 from composer_jax.errors import UsageError
+from composer_jax.hf.safetensors_io import SafetensorsError
+from composer_jax.rl.rollout.env_servers import EnvServerError
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "composer_jax"
 
@@ -98,6 +101,71 @@ def test_serve_and_sample_keep_a_bugs_traceback_while_a_bad_checkpoint_is_exit_2
     assert f"composer-jax {argv[0]}: error: --checkpoint={str(tmp_path)!r}: none of the three kinds" in err
     monkeypatch.setattr("composer_jax.inference.server.policy.load_policy", _a_bug)
     with pytest.raises(ValueError, match="a bug deep inside the run"):
+        cli.main(args)
+
+
+def _a_broken_step(*args, **kwargs):
+    def step(*a, **k):
+        raise ValueError("a bug in the train step")
+
+    return step
+
+
+def test_a_value_error_in_the_train_step_is_not_exit_2(monkeypatch, tmp_path):
+    """The run gets as far as its first step, whose ValueError (a bug) reaches the caller as it is."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr("composer_jax.train.loop.make_train_step", _a_broken_step)
+    argv = ["pretrain", "--config", STAGE1, f"train.out_dir={tmp_path}", "train.steps=1", "train.eval_batches=1"]
+    with pytest.raises(ValueError, match="a bug in the train step"):
+        cli.main(argv)
+
+
+def _raises(error: BaseException):
+    def run(*args, **kwargs):
+        raise error
+
+    return run
+
+
+PRETRAIN = (["pretrain", "--config", STAGE1], "composer_jax.train.loop.run_stage")
+RL = (["rl", "--config", RL_CONFIG], "composer_jax.rl.learner.run_rl")
+USER_ERRORS = [
+    (*PRETRAIN, ConfigMismatchError("the checkpoint's model.num_layers=2, the config's 3")),
+    (*PRETRAIN, NoGoodCheckpointError("no step of runs/x reads", path="runs/x", attempts=[])),
+    (*PRETRAIN, CheckpointError("hf checkpoint lacks model.norm.weight")),
+    (*PRETRAIN, SafetensorsError("model.safetensors: header length 9 exceeds the file")),
+    (*RL, EnvServerError("tasks directory 'nope' does not exist or is not a directory")),
+    (*RL, CheckpointError("hf checkpoint lacks model.norm.weight")),
+]
+
+
+@pytest.mark.parametrize("argv, runner, error", USER_ERRORS)
+def test_the_users_errors_from_inside_a_run_are_exit_2(argv, runner, error, monkeypatch, capsys, tmp_path):
+    """Errors of what the user named (a checkpoint, a safetensors file, a tasks directory) are
+    `UserError`s raised deep in the run: one line and exit 2, like a bad config value."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(runner, _raises(error))
+    assert cli.main([*argv, f"train.out_dir={tmp_path}"]) == 2
+    assert capsys.readouterr().err.endswith(f": error: {error}\n")
+
+
+@pytest.mark.parametrize("argv, runner", [PRETRAIN, RL])
+def test_a_file_not_found_from_inside_a_run_is_a_bug(argv, runner, monkeypatch, tmp_path):
+    """A FileNotFoundError no user-facing check raised (a path the code built wrong) keeps its traceback."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(runner, _raises(FileNotFoundError(2, "No such file", "internal/state.json")))
+    with pytest.raises(FileNotFoundError):
+        cli.main([*argv, f"train.out_dir={tmp_path}"])
+
+
+def test_eval_turns_only_user_errors_into_exit_2(monkeypatch, capsys, tmp_path):
+    args = ["eval", "--tasks", str(tmp_path / "nope"), "--endpoint", "http://127.0.0.1:9/v1", "--model", "m"]
+    args += ["--out", str(tmp_path / "out")]
+    monkeypatch.setattr("composer_jax.rl.rollout.env_servers.LocalEnvServers", _raises(EnvServerError("no tasks")))
+    assert cli.main(args) == 2
+    assert capsys.readouterr().err.endswith(": error: no tasks\n")
+    monkeypatch.setattr("composer_jax.rl.rollout.env_servers.LocalEnvServers", _raises(ValueError("a bug")))
+    with pytest.raises(ValueError, match="a bug"):
         cli.main(args)
 
 

@@ -1,5 +1,5 @@
-"""Bazel's py_test main for the pytest-style test files: `bazel test //:tests_test_config` runs
-`pytest <file>` in the test's runfiles tree (where tests/conftest.py, pyproject.toml, configs/ and
+"""Bazel's py_test main for the pytest-style test files: `bazel test //:tests_config_test_config`
+runs `pytest <file>` in the test's runfiles tree (where tests/conftest.py, pyproject.toml, configs/ and
 tasks/ are), with Bazel's test conventions: JUnit XML to $XML_OUTPUT_FILE, --test_filter as `-k`,
 scratch files under $TEST_TMPDIR. Extra arguments (`--test_arg=-x`) go to pytest.
 """

@@ -465,7 +465,7 @@ def xla_memory(cfg: Config) -> dict[str, int]:
     """
     import jax
 
-    from composer_jax.model import specs
+    from composer_jax import specs
     from composer_jax.sharding import make_mesh
     from composer_jax.train.state import abstract_train_state
     from composer_jax.train.step import BATCH_KEYS, batch_specs, make_train_step

@@ -1,4 +1,4 @@
-"""The one spec machinery (`model/specs.py`): the KV cache's and the step's batch shardings on the
+"""The one spec machinery (`composer_jax/specs.py`): the KV cache's and the step's batch shardings on the
 8-device mesh equal placements written out by hand, parameters' abstract arrays equal what their
 init traces to, and a spec whose logical axes do not match its shape fails naming the array."""
 
@@ -13,11 +13,11 @@ from jax.sharding import PartitionSpec as P
 from support.small_models import gqa
 
 import composer_jax as cj
+from composer_jax import specs
 from composer_jax.config import Config, TrainConfig
-from composer_jax.model import specs
 from composer_jax.model.kv_cache import cache_specs, init_cache
-from composer_jax.model.params import ParamSpec, abstract_params, init_fn
-from composer_jax.model.specs import ArraySpec
+from composer_jax.model.params import abstract_params, init_fn
+from composer_jax.specs import ArraySpec, ParamSpec
 from composer_jax.train.step import batch_sharding, batch_specs
 
 MLA = cj.ModelConfig(num_layers=3, num_mtp_layers=0, max_position_embeddings=64)  # first_k_dense=1

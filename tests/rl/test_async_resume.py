@@ -22,7 +22,8 @@ from composer_jax.rl import learner as trainer
 from composer_jax.rl.rollout.group_store import GroupStore
 from composer_jax.rl.samplers.policy import SamplerUnavailable
 from composer_jax.sharding import ShardingRules, make_mesh
-from composer_jax.weightsync.store import WeightSubscriber, tree_sha256
+from composer_jax.weightsync.store import tree_sha256
+from composer_jax.weightsync.subscriber import WeightSubscriber
 
 # two learner runs of 3 and 2 steps: about a minute on 2 idle cores, so slow (the resume logic's
 # parts have fast tests: tests/rl/rollout/test_rollout_queue.py and test_weight_sync.py)

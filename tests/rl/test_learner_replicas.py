@@ -24,7 +24,7 @@ from composer_jax.model.params import abstract_params
 from composer_jax.rl.learner import check_config, run_rl
 from composer_jax.sharding import ShardingRules, make_mesh
 from composer_jax.train.loop import run_checkpoint_config
-from composer_jax.weightsync.store import WeightSubscriber
+from composer_jax.weightsync.subscriber import WeightSubscriber
 
 CONFIG = REPO / "tests" / "rl" / "fixtures" / "rl_pick.yaml"
 pytestmark = needs_bwrap

@@ -90,7 +90,7 @@ def test_a_fresh_run_refuses_a_weight_store_holding_another_runs_versions(tmp_pa
     import numpy as np
 
     from composer_jax.rl.learner import run_rl
-    from composer_jax.weightsync.store import WeightPublisher
+    from composer_jax.weightsync.publisher import WeightPublisher
 
     repo = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(repo)

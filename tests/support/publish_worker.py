@@ -5,10 +5,10 @@ usage: python publish_worker.py PROCESS_ID PORT GATHER_URL SHARDED_URL HF_DIR TR
 
 Joins a 2-process JAX job (2 CPU devices each, gloo), builds `publish_tree` as global arrays on a
 (data=2, fsdp=2) mesh whose data axis spans the processes, and publishes versions 0 and 1 twice:
-through the single-writer path (`_published` gathers to every process, process 0's
+through the single-writer path (`published_copy` gathers to every process, process 0's
 WeightPublisher writes) and per shard (`ShardedWeightPublisher`: each process writes its own
 replica-0 shards, version 1 as a per-shard XOR delta). The RL trainer's own publish
-(`_store_publisher`, per shard with two processes) then writes versions 0-2 to TRAINER_URL, and a
+(`store_publisher`, per shard with two processes) then writes versions 0-2 to TRAINER_URL, and a
 restarted trainer (resumed at step 1) rewinds the store and publishes version 2 anew from
 `publish_tree(3)`. Last it exports the tiny model (`export_model_config`, initialised from
 `EXPORT_SEED`, its parameters split over both processes) as a Hugging Face checkpoint to HF_DIR
@@ -98,9 +98,8 @@ def _main(pid: int, port: int, gather_url: str, sharded_url: str, hf_dir: str, t
     import jax
     from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-    from composer_jax.rl.learner import _published, _store_publisher
+    from composer_jax.weightsync.publisher import WeightPublisher, published_copy, store_publisher
     from composer_jax.weightsync.sharded import ShardedWeightPublisher
-    from composer_jax.weightsync.store import WeightPublisher
 
     mesh = jax.make_mesh((2, 2), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
 
@@ -118,18 +117,18 @@ def _main(pid: int, port: int, gather_url: str, sharded_url: str, hf_dir: str, t
     per_shard = ShardedWeightPublisher(sharded_url)  # on every process
     for version in (0, 1):
         params = to_global(publish_tree(version), LAYOUT)
-        host = _published(params, PUBLISH_DTYPE)  # a collective: both processes
+        host = published_copy(params, PUBLISH_DTYPE)  # a collective: both processes
         if publisher is not None:
             publisher.publish(host, version)
         per_shard.publish(params, version, dtype=PUBLISH_DTYPE)
     print(f"process {pid} published", flush=True)
 
     quiet = lambda line: None  # noqa: E731
-    publish = _store_publisher(trainer_url, resumed=False, start=0, dtype=PUBLISH_DTYPE, echo=quiet)
+    publish = store_publisher(trainer_url, resumed=False, start=0, dtype=PUBLISH_DTYPE, echo=quiet)
     for version in (0, 1, 2):
         publish(to_global(publish_tree(version), LAYOUT), version)
     # the trainer restarts from its step-1 checkpoint: version 2 was of the lost run
-    publish = _store_publisher(trainer_url, resumed=True, start=1, dtype=PUBLISH_DTYPE, echo=print)
+    publish = store_publisher(trainer_url, resumed=True, start=1, dtype=PUBLISH_DTYPE, echo=print)
     publish(to_global(publish_tree(1), LAYOUT), 1)  # the checkpoint's own version: skipped
     publish(to_global(publish_tree(3), LAYOUT), 2)
 

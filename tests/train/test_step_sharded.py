@@ -11,8 +11,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import composer_jax as cj
-from composer_jax.model.attention import segment_positions
 from composer_jax.model.context_parallel import zigzag_permutation
+from composer_jax.model.masks import segment_positions
 from composer_jax.sharding import MeshRules, ShardingRules
 from composer_jax.train.step import batch_gradients
 

@@ -1,7 +1,7 @@
 """Weight publishing from a real two-process JAX job (CPU collectives over gloo), read back here.
 
 The worker (publish_worker.py) publishes the same two versions through the RL trainer's gather path
-(`_published`, process 0's `WeightPublisher`) and per shard (`publish_sharded`). Both stores must
+(`published_copy`, process 0's `WeightPublisher`) and per shard (`publish_sharded`). Both stores must
 read back bit-exactly equal to a single-process `WeightPublisher` store of the same numpy tree
 (the reference: the tree built in numpy, cast in numpy).
 """
@@ -24,8 +24,9 @@ from support.publish_worker import (
     quick_tree,
 )
 
-from composer_jax.weightsync.sharded import read_shard
-from composer_jax.weightsync.store import WeightPublisher, WeightSubscriber, WeightSyncError, tree_sha256
+from composer_jax.weightsync.publisher import WeightPublisher
+from composer_jax.weightsync.store import WeightSyncError, tree_sha256
+from composer_jax.weightsync.subscriber import WeightSubscriber, read_shard
 
 
 def _cast(tree: dict) -> dict:

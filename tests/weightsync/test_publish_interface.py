@@ -12,14 +12,10 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from composer_jax.weightsync.sharded import ShardedWeightPublisher, open_publisher
-from composer_jax.weightsync.store import (
-    Publisher,
-    PublishInfo,
-    WeightPublisher,
-    WeightSubscriber,
-    WeightSyncError,
-)
+from composer_jax.weightsync.publisher import WeightPublisher, open_publisher
+from composer_jax.weightsync.sharded import ShardedWeightPublisher
+from composer_jax.weightsync.store import Publisher, PublishInfo, WeightSyncError
+from composer_jax.weightsync.subscriber import WeightSubscriber
 
 
 def _host(seed: int) -> dict:

@@ -11,7 +11,7 @@ import pytest
 
 from composer_jax.config import ConfigError
 from composer_jax.weightsync.publisher import published_copy, store_publisher
-from composer_jax.weightsync.store import WeightSubscriber
+from composer_jax.weightsync.subscriber import WeightSubscriber
 
 
 def _params(seed: int) -> dict:
@@ -52,3 +52,8 @@ def test_a_resume_skips_its_own_version_and_rewinds_the_lost_ones(tmp_path):
     _same(sub.read(2)[1], published_copy(_params(12), ""))
     with pytest.raises(ConfigError, match="that are not this run's"):
         store_publisher(url, resumed=False, start=0, dtype="", echo=lines.append)
+
+
+def test_a_store_url_tensorstore_cannot_open_is_the_users_config_error():
+    with pytest.raises(ConfigError, match=r"rl.weight_store='nosuch://x': cannot open weight-sync url"):
+        store_publisher("nosuch://x", resumed=False, start=0, dtype="", echo=print)

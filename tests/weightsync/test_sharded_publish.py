@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from composer_jax.weightsync.sharded import ShardedWeightPublisher, publish_sharded, read_shard
-from composer_jax.weightsync.store import WeightPublisher, WeightSubscriber, WeightSyncError
+from composer_jax.weightsync.publisher import WeightPublisher
+from composer_jax.weightsync.sharded import ShardedWeightPublisher, publish_sharded
+from composer_jax.weightsync.store import WeightSyncError
+from composer_jax.weightsync.subscriber import WeightSubscriber, read_shard
 
 
 def _tree(seed: int) -> dict:

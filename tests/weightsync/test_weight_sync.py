@@ -1,4 +1,4 @@
-"""Weight sync through tensorstore (src/composer_jax.weightsync.store.py): bit-exact base and delta
+"""Weight sync through tensorstore (src/composer_jax/weightsync/: publisher.py, subscriber.py): bit-exact base and delta
 round trips, new bases past the threshold, checksums, errors, and a subscriber in another process."""
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
-from composer_jax.weightsync.store import WeightPublisher, WeightSubscriber, WeightSyncError, tree_sha256
+from composer_jax.weightsync.publisher import WeightPublisher
+from composer_jax.weightsync.store import WeightSyncError, tree_sha256
+from composer_jax.weightsync.subscriber import WeightSubscriber
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -228,7 +230,8 @@ def test_subscriber_in_another_process(tmp_path: Path) -> None:
     p = _step(p, rng)
     pub.publish(p)
     code = (
-        "import sys; from composer_jax.weightsync.store import WeightSubscriber, tree_sha256; "
+        "import sys; from composer_jax.weightsync.store import tree_sha256; "
+        "from composer_jax.weightsync.subscriber import WeightSubscriber; "
         "v, t = WeightSubscriber(sys.argv[1]).read(); print(v, tree_sha256(t))"
     )
     env = {**os.environ, "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", ""), "JAX_PLATFORMS": "cpu"}

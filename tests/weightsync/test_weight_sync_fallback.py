@@ -1,5 +1,5 @@
 """Weight-sync fallback: a corrupted or missing delta, base chunk or manifest is caught by the checks,
-read again, and otherwise replaced by the newest earlier version that reads (checkpoint/weight_sync.py)."""
+read again, and otherwise replaced by the newest earlier version that reads (weightsync/subscriber.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
-from composer_jax.weightsync import store as weight_sync
-from composer_jax.weightsync.store import WeightPublisher, WeightSubscriber, WeightSyncError, tree_sha256
+from composer_jax.weightsync import subscriber
+from composer_jax.weightsync.publisher import WeightPublisher
+from composer_jax.weightsync.store import WeightSyncError, tree_sha256
+from composer_jax.weightsync.subscriber import WeightSubscriber
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -109,7 +111,7 @@ def test_retry_reads_the_same_version_when_the_store_recovers(tmp_path: Path, mo
         shutil.rmtree(leaf)
         shutil.copytree(saved, leaf)
 
-    monkeypatch.setattr(weight_sync.time, "sleep", writer_finishes)
+    monkeypatch.setattr(subscriber.time, "sleep", writer_finishes)
     sub = WeightSubscriber(f"file://{root}", retry_delay_s=0.5)
     v, got = sub.read()
     assert waits == [0.5]

@@ -19,6 +19,8 @@ import jax
 import numpy as np
 from etils import epath
 
+from composer_jax.errors import UserError
+
 # orbax writes this file into a step directory as the last act of a save, with both of its
 # atomicity protocols (rename of a temporary directory on POSIX, in-place commit file on object
 # stores), so a step directory without it is an interrupted save.
@@ -29,8 +31,9 @@ TREE_METADATA = "_METADATA"
 _MAX_LISTED = 8  # paths listed per kind of difference in an error message
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used. `path` and `step` name it (either may be None)."""
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint cannot be used (missing, corrupt, or not this run's: the user's, not a bug).
+    `path` and `step` name it (either may be None)."""
 
     def __init__(self, message: str, *, path: Any = None, step: int | None = None):
         super().__init__(message)

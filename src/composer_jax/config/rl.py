@@ -172,7 +172,7 @@ class RLConfig:
     max_groups_in_flight: int = 0
     queue_size: int = 0
     # a tensorstore kvstore URL (file://DIR, gs://...) each new policy version is published to for
-    # samplers in other processes (weightsync/store.py); empty = none
+    # samplers in other processes (weightsync/publisher.py); empty = none
     weight_store: str = ""
     # the dtype of the published copy: "" = as trained; "bfloat16" = a bf16 copy (smaller deltas:
     # entries change only when an update crosses a bf16 rounding step; samplers then run in bf16)

@@ -42,7 +42,6 @@ from pathlib import Path
 
 from composer_jax.config.data import DataConfigError
 from composer_jax.env.api import protocol
-from composer_jax.env.api.protocol import SYSTEM_PROMPT  # noqa: F401 - re-exported (its old home)
 
 # `/app` or `/solution` as a path root (not part of a longer word or path)
 _ROOT_RE = re.compile(r"(?<![\w./-])/(app|solution)(?=/|\b|$)")

@@ -136,7 +136,8 @@ def _fresh_token() -> str:
 
 def _task_store(tasks: Path, work_dir: Path | None):
     """The served tasks, warning on stderr about each task directory that cannot be read."""
-    from composer_jax.env.tasks.store import TaskError, TaskStore
+    from composer_jax.env.api.errors import TaskError
+    from composer_jax.env.tasks.store import TaskStore
 
     try:
         store = TaskStore(tasks, (work_dir or Path(os.environ.get("TMPDIR", "/tmp"))) / "composer-jax-task-cache")

@@ -22,6 +22,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from composer_jax.errors import UserError
+
 # safetensors dtype code -> bits per element: every code the reference reader (the `safetensors`
 # package) accepts, so a header is accepted or rejected exactly as it is there. F4 and F6 are packed
 # several to a byte; their headers are checked, but `get` cannot return them as numpy arrays.
@@ -82,8 +84,9 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
 
-class SafetensorsError(ValueError):
-    """A safetensors file or index is malformed or does not hold what it should."""
+class SafetensorsError(UserError, ValueError):
+    """A safetensors file or index is malformed or does not hold what it should (the user's file,
+    not a bug)."""
 
 
 class TensorInfo:

@@ -38,8 +38,9 @@ from composer_jax.checkpoint.validate import CheckpointError
 from composer_jax.config import ConfigError, ModelConfig
 from composer_jax.hf import safetensors_io as st
 from composer_jax.hf.config import HFInfo, family_for, hf_config_from_model, model_config_from_hf
-from composer_jax.model.params import ParamSpec, param_shardings, param_specs
+from composer_jax.model.params import param_shardings, param_specs
 from composer_jax.sharding import ShardingRules
+from composer_jax.specs import ParamSpec
 
 log = logging.getLogger(__name__)
 

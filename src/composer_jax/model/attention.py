@@ -15,12 +15,7 @@ from composer_jax.model import kv_cache
 from composer_jax.model.context_parallel import context_axes, context_parallel_attention
 from composer_jax.model.flash import blockwise_attention
 from composer_jax.model.layers import apply_rope, linear, rms_norm, softmax_scale
-from composer_jax.model.masks import (  # noqa: F401  (causal_segment_mask, segment_positions re-exported)
-    AttentionContext,
-    Visibility,
-    causal_segment_mask,
-    segment_positions,
-)
+from composer_jax.model.masks import AttentionContext, Visibility
 from composer_jax.sharding import MeshRules, constrain
 
 # DeepSeek's q_a_layernorm / kv_a_layernorm are built with the RMSNorm default eps, not the

@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from composer_jax import specs
 from composer_jax.config import ModelConfig
-from composer_jax.model import specs
-from composer_jax.model.specs import ArraySpec
 from composer_jax.sharding import ShardingRules
+from composer_jax.specs import ArraySpec
 
 STACKS = ("dense_layers", "moe_layers", "mtp")
 

@@ -31,14 +31,14 @@ import jax
 from flax import nnx
 
 from composer_jax.config import ModelConfig
-from composer_jax.model.params import ParamSpec, init_params, param_specs
-from composer_jax.model.specs import path_str
+from composer_jax.model.params import init_params, param_specs
 from composer_jax.model.transformer import ModelOutput, forward
 from composer_jax.sharding import MeshRules
+from composer_jax.specs import ParamSpec, path_str
 
 
 class RouterBias(nnx.Variable):
-    """DeepSeek-V3's router score-correction bias: moved by `moe.router.update_router_biases` from the
+    """DeepSeek-V3's router score-correction bias: moved by `params.update_router_biases` from the
     expert counts, never by gradients (`params.gradient_free_mask`)."""
 
 

@@ -15,33 +15,21 @@ and run with `lax.scan` (dense layers first, then MoE layers, as DeepSeek's firs
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 import zlib
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from composer_jax import specs as array_specs
 from composer_jax.config import ModelConfig
-from composer_jax.model import specs as array_specs
-from composer_jax.model.specs import ArraySpec, path_str  # noqa: F401  (path_str re-exported)
+from composer_jax.model.moe.params import moe_specs
+from composer_jax.model.moe.router import router_bias_update
 from composer_jax.sharding import ShardingRules
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamSpec(ArraySpec):
-    """A parameter's `ArraySpec` (normal-initialised unless told otherwise; every axis named) and
-    its role."""
-
-    logical_axes: tuple[str, ...]
-    init: Literal["normal", "ones", "zeros"] = "normal"
-    # What the optimiser does with it: "weight" (matrices) gets weight decay; "norm" scales and the
-    # "embedding" table do not; the "router_bias" (DeepSeek-V3's score-correction bias) has no
-    # gradient and is moved only by the aux-loss-free rule (`moe.router_bias_update`).
-    role: Literal["weight", "norm", "embedding", "router_bias"] = "weight"
+from composer_jax.specs import ParamSpec
 
 
 def _is_spec(x: Any) -> bool:
@@ -84,23 +72,6 @@ def _dense_mlp_specs(d: int, f: int) -> dict[str, ParamSpec]:
         "up": ParamSpec((d, f), ("embed", "mlp")),
         "down": ParamSpec((f, d), ("mlp", "embed")),
     }
-
-
-def moe_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
-    """One MoE block's parameters (router, routed experts, shared expert), unstacked."""
-    d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-    specs = {
-        # the router runs in float32 whatever the parameter dtype (as DeepSeek / HF keep it)
-        "router": ParamSpec((d, e), ("embed", "router_experts"), dtype="float32"),
-        "router_bias": ParamSpec((e,), ("router_experts",), "zeros", dtype="float32", role="router_bias"),
-        "gate": ParamSpec((e, d, f), ("experts", "embed", "expert_mlp")),
-        "up": ParamSpec((e, d, f), ("experts", "embed", "expert_mlp")),
-        "down": ParamSpec((e, f, d), ("experts", "expert_mlp", "embed")),
-    }
-    if cfg.num_shared_experts:
-        for k, v in _dense_mlp_specs(d, cfg.shared_intermediate_size).items():
-            specs["shared_" + k] = v
-    return specs
 
 
 def layer_specs(cfg: ModelConfig, moe: bool) -> dict[str, Any]:
@@ -188,6 +159,17 @@ def with_router_biases(params: dict, biases: dict[str, jax.Array]) -> dict:
     for key, value in biases.items():
         params = put(params, ROUTER_BIAS_PATHS[key], value)
     return params
+
+
+def update_router_biases(params: dict, counts: dict[str, jax.Array], rate: float) -> dict:
+    """Apply `moe.router.router_bias_update` to every MoE stack's router bias (main layers and MTP).
+
+    counts: the `expert_counts` / `mtp_expert_counts` of `ModelOutput.aux` summed over the batch,
+    float32[layers, experts] each; stacks without counts keep their bias."""
+    biases = router_biases(params)
+    return with_router_biases(
+        params, {k: router_bias_update(b, counts[k], rate) for k, b in biases.items() if k in counts}
+    )
 
 
 def _init_one(spec: ParamSpec, key: jax.Array, cfg: ModelConfig) -> jax.Array:

@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 
 from composer_jax.config import ModelConfig
-from composer_jax.model.attention import attention, attention_cached, segment_positions
+from composer_jax.model.attention import attention, attention_cached
 from composer_jax.model.kv_cache import KVCache, stack_slice
 from composer_jax.model.layers import linear, rms_norm, rope_cos_sin, swiglu
-from composer_jax.model.masks import LAYOUTS, AttentionContext, Layout
+from composer_jax.model.masks import LAYOUTS, AttentionContext, Layout, segment_positions
 from composer_jax.model.moe.decode import EXPERT_WEIGHTS, LayerView
 from composer_jax.model.moe.layer import moe_layer
 from composer_jax.sharding import MeshRules, constrain

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from composer_jax.errors import UsageError
+from composer_jax.errors import UsageError, UserError
 
 
 def _rl_parser() -> argparse.ArgumentParser:
@@ -44,18 +44,17 @@ def rl_main(argv: list[str] | None = None) -> int:
     from composer_jax.train.cli import init_jax
 
     init_jax(args)
-    from composer_jax.checkpoint.validate import CheckpointError
-    from composer_jax.config import ConfigError, load_config
+    from composer_jax.config import load_config
     from composer_jax.multihost import ProcessZeroFailed
     from composer_jax.rl.learner import run_rl
-    from composer_jax.rl.rollout.env_servers import EnvServerError
 
     try:
         cfg = load_config(args.config, args.overrides)
         summary = run_rl(cfg, stop_after=args.stop_after)
-    # the user's faults only (a config value, a checkpoint or file it names, environment servers
-    # that cannot start); any other exception is a bug and keeps its traceback
-    except (ConfigError, CheckpointError, EnvServerError, FileNotFoundError) as e:
+    # the user's faults only (errors.py `UserError`: a config value, a checkpoint or file it names,
+    # environment servers that cannot start); any other exception, a ValueError or a
+    # FileNotFoundError too, is a bug and keeps its traceback
+    except UserError as e:
         raise UsageError(str(e)) from e
     except ProcessZeroFailed as e:  # a process of a multi-host trainer: process 0's error (it prints the details)
         print(f"composer-jax rl: {e}", file=sys.stderr)
@@ -153,9 +152,8 @@ async def _evaluate(args: argparse.Namespace, policy: Any, urls: list[str], toke
 def eval_main(argv: list[str] | None = None) -> int:
     args = _eval_parser().parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from composer_jax.checkpoint.validate import CheckpointError
     from composer_jax.config import ConfigError
-    from composer_jax.rl.rollout.env_servers import EnvServerError, LocalEnvServers
+    from composer_jax.rl.rollout.env_servers import LocalEnvServers
 
     try:
         agent = _agent_config(args.agent)
@@ -168,7 +166,7 @@ def eval_main(argv: list[str] | None = None) -> int:
             else:
                 urls, token = stack.enter_context(LocalEnvServers(args.tasks))
             out = asyncio.run(_run_and_close(_evaluate(args, policy, urls, token, agent), closer))
-    except (ConfigError, CheckpointError, EnvServerError, FileNotFoundError) as e:  # the user's, as in rl_main
+    except UserError as e:  # the user's only, as in rl_main
         raise UsageError(str(e)) from e
     print(json.dumps(out, indent=2))
     return 0

@@ -50,7 +50,7 @@ from composer_jax.rl.restore import Start, restore_or_init
 from composer_jax.rl.rollout.group_store import Group, GroupStore
 from composer_jax.rl.rollout.ledger import GroupLedger, GroupsState, ResumePoint, resume_groups
 from composer_jax.rl.rollout.queue import staleness
-from composer_jax.rl.rollout.side import Rollouts, RolloutSide, rollout_stats, sample_group, task_of
+from composer_jax.rl.rollout.side import Rollouts, RolloutSide, sample_group
 from composer_jax.rl.samplers.in_process import in_process_samplers
 from composer_jax.rl.samplers.vllm_launch import with_vllm_settings
 from composer_jax.sharding import MeshRules, ShardingRules, make_mesh
@@ -59,22 +59,9 @@ from composer_jax.train.observe import scalars
 from composer_jax.train.shell import Cadence, Evaluation, Parts, StepLog, TrainerShell
 from composer_jax.train.state import TrainState
 from composer_jax.train.step import batch_sharding, make_train_step
-from composer_jax.weightsync.publisher import published_copy as _published
-from composer_jax.weightsync.publisher import store_publisher as _store_publisher
+from composer_jax.weightsync.publisher import store_publisher
 
-# the learner's parts, re-exported where callers and tests have always found them
-__all__ = [
-    "Learner",
-    "_published",
-    "_store_publisher",
-    "check_config",
-    "resume_groups",
-    "rollout_stats",
-    "run_rl",
-    "sample_group",
-    "step_report",
-    "task_of",
-]
+__all__ = ["Learner", "check_config", "run_rl", "step_report"]
 
 
 def step_report(groups: list[Group]) -> dict[str, float]:
@@ -190,7 +177,7 @@ class Learner:
         self.store_url = r.weight_store or (
             f"file://{self.out_dir.resolve()}/weight_store" if r.local_samplers and r.sampler_engine == "serve" else ""
         )
-        self.publish = _store_publisher(
+        self.publish = store_publisher(
             self.store_url, resumed=begin.resumed, start=begin.step, dtype=r.publish_dtype, echo=self.echo
         )
         self.shell = TrainerShell(

@@ -12,7 +12,7 @@ import argparse
 import json
 import os
 
-from composer_jax.errors import UsageError
+from composer_jax.errors import UsageError, UserError
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
@@ -83,9 +83,10 @@ def _main(argv: list[str] | None, prog: str, fmt: str) -> int:
         if not cfg.data.sources:
             raise ConfigError("data.sources is empty; a training stage needs at least one source")
         summary = run_stage(cfg, stop_after=args.stop_after)
-    # the user's faults only (a config value, a checkpoint or file the config names); any other
-    # exception is a bug and keeps its traceback
-    except (ConfigError, CheckpointError, FileNotFoundError) as e:
+    # the user's faults only (errors.py `UserError`: a config value, a checkpoint or file the config
+    # names); any other exception, a ValueError or a FileNotFoundError too, is a bug and keeps its
+    # traceback
+    except UserError as e:
         raise UsageError(str(e)) from e
     final = summary["evals"][-1] if summary["evals"] else {}
     print(

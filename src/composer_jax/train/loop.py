@@ -23,7 +23,6 @@ import numpy as np
 
 from composer_jax.checkpoint.manager import TrainCheckpointer
 from composer_jax.config import Config, ConfigError, SourceConfig, to_dict
-from composer_jax.config.model import STAGE_CHANGEABLE  # noqa: F401  (re-exported)
 from composer_jax.data.shards import (
     host_eval_batches,
     host_shards,

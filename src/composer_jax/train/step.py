@@ -18,14 +18,13 @@ import optax
 from einops import rearrange
 from jax.sharding import Mesh, NamedSharding
 
+from composer_jax import specs
 from composer_jax.config import Config, ModelConfig
-from composer_jax.model import specs
 from composer_jax.model.context_parallel import context_size
 from composer_jax.model.moe.expert_parallel import exchanges_per_step
-from composer_jax.model.moe.router import update_router_biases
-from composer_jax.model.params import ROUTER_BIAS_PATHS, router_biases
-from composer_jax.model.specs import ArraySpec
+from composer_jax.model.params import ROUTER_BIAS_PATHS, router_biases, update_router_biases
 from composer_jax.sharding import MeshRules, ShardingRules, constrain
+from composer_jax.specs import ArraySpec
 from composer_jax.train import pretrain
 from composer_jax.train.objective import Objective
 from composer_jax.train.state import TrainState, optimizer_for, state_shardings

@@ -11,13 +11,13 @@ manifest (format 2) lists, per leaf, every shard's index ranges and the sha256 o
 processes' shard entries are gathered as JSON (a few hundred bytes per shard), process 0 writes the
 manifest and then `latest`. `publish_sharded(url, params, version)` writes one snapshot.
 
-Like `WeightPublisher` it is a `Publisher` (weightsync/store.py: `publish(params, version, *,
-dtype=...) -> PublishInfo`); `open_publisher(url)` gives the one a trainer of this many processes
-writes with, so the trainer calls both the same way.
+Like `WeightPublisher` (publisher.py) it is a `Publisher` (store.py: `publish(params, version, *,
+dtype=...) -> PublishInfo`); publisher.py's `open_publisher(url)` gives the one a trainer of this
+many processes writes with, so the trainer calls both the same way.
 
-The store layout is the weight-sync store's (weightsync/store.py): a `WeightSubscriber`
-reads a sharded version into the full tree (every shard checksummed), a `WeightPublisher` may
-continue the store with deltas against it, and `read_shard` reads only the index ranges a reader
+The store layout is the weight-sync store's (store.py): subscriber.py's `WeightSubscriber` reads a
+sharded version into the full tree (every shard checksummed), a `WeightPublisher` may continue the
+store with deltas against it, and subscriber.py's `read_shard` reads only the index ranges a reader
 asks for (a serving shard loading its own slice).
 """
 
@@ -33,16 +33,14 @@ import tensorstore as ts
 from composer_jax.multihost import allgather_json, barrier
 from composer_jax.weightsync.store import (
     SHARDED_FORMAT,
-    Publisher,
     PublishInfo,
-    WeightPublisher,
     WeightSyncError,
+    bits_dtype,
     check_new_base_fraction,
     flatten_tree,
     next_version,
     open_store,
     publish_dtype,
-    read_manifest,
     version_dir,
 )
 
@@ -53,10 +51,6 @@ def _leaves(tree: Any) -> list[tuple[str, jax.Array]]:
 
 def _ranges(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[list[int]]:
     return [list(sl.indices(n)[:2]) for sl, n in zip(index, shape)]
-
-
-def _uint(dtype: np.dtype) -> np.dtype:
-    return np.dtype(f"uint{8 * dtype.itemsize}")
 
 
 class ShardedWeightPublisher:
@@ -148,7 +142,7 @@ class ShardedWeightPublisher:
         specs = []
         for i, ((_, arr), dt) in enumerate(zip(leaves, out_dtypes)):
             chunk = list(arr.sharding.shard_shape(arr.shape))
-            specs.append(self.store.array_spec(f"{vdir}leaves/{i}/", _uint(dt), list(arr.shape), chunk))
+            specs.append(self.store.array_spec(f"{vdir}leaves/{i}/", bits_dtype(dt), list(arr.shape), chunk))
         if jax.process_index() == 0:
             for spec in specs:
                 ts.open(spec, create=True, delete_existing=True, context=self.store.context).result()
@@ -210,7 +204,7 @@ def _local_bits(
             if shard.replica_id != 0:
                 continue
             host = np.asarray(shard.data)
-            bits = np.asarray(host.astype(dt) if host.dtype != dt else host, order="C").view(_uint(dt))
+            bits = np.asarray(host.astype(dt) if host.dtype != dt else host, order="C").view(bits_dtype(dt))
             idx = tuple(shard.index) if shard.index else ()
             mine.append((idx, bits))
             bits_now[(path, str(_ranges(idx, arr.shape)))] = bits
@@ -245,83 +239,4 @@ def publish_sharded(url: str, params: Any, version: int, *, dtype: str = "", con
     return ShardedWeightPublisher(url, context=context).publish(params, version, dtype=dtype).manifest
 
 
-def open_publisher(
-    url: str,
-    *,
-    process_count: int | None = None,
-    new_base_fraction: float = 0.5,
-    zstd_level: int = 3,
-    context: ts.Context | None = None,
-) -> Publisher:
-    """The publisher a trainer of `process_count` processes (default: `jax.process_count()`)
-    writes `url` with, the same call on every process: one process, a `WeightPublisher` (the whole
-    tree copied to the host and written whole); several, a `ShardedWeightPublisher` (each process
-    its own shards; `publish` is then a collective every process calls)."""
-    n = jax.process_count() if process_count is None else process_count
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise WeightSyncError(f"process_count={process_count!r}; accepted: an int >= 1 (or None: this job's)")
-    if n == 1:
-        return WeightPublisher(url, new_base_fraction=new_base_fraction, zstd_level=zstd_level, context=context)
-    return ShardedWeightPublisher(url, new_base_fraction=new_base_fraction, zstd_level=zstd_level, context=context)
-
-
-def read_shard(
-    url: str, version: int, path: str, index: tuple[slice, ...], *, context: ts.Context | None = None
-) -> np.ndarray:
-    """Only the index ranges `index` of leaf `path` in a per-shard `version` (a serving shard
-    loading its slice): the stored shards the request overlaps are read, XOR-ed back through the
-    deltas to the snapshot, and each checked against its sha256."""
-    store = open_store(url, context)
-    chain = [read_manifest(store, version)]
-    while chain[-1]["kind"] == "sharded_delta":
-        chain.append(read_manifest(store, int(chain[-1]["parent_version"])))
-    if chain[-1]["kind"] != "sharded":
-        raise WeightSyncError(
-            f"version {version} in {store.url} is a {chain[-1]['kind']!r} version (or a delta against one); "
-            "read_shard reads versions written per shard ('sharded', 'sharded_delta')"
-        )
-    leaves = []
-    for m in chain:
-        lf = next((x for x in m["leaves"] if x["path"] == path), None)
-        if lf is None:
-            have = [x["path"] for x in m["leaves"]][:8]
-            raise WeightSyncError(f"version {m['version']} has no leaf {path!r}; leaves: {have}")
-        leaves.append((m["version"], lf))
-    lf = leaves[0][1]
-    shape = tuple(lf["shape"])
-    if len(index) > len(shape):
-        raise WeightSyncError(f"index {index!r} for leaf {path!r} of shape {list(shape)}: too many dimensions")
-    want = [range(*sl.indices(n)) for sl, n in zip(index, shape)] + [range(n) for n in shape[len(index) :]]
-    if any(r.step != 1 for r in want):
-        raise WeightSyncError(f"index {index!r} for leaf {path!r}; accepted: unit-step slices")
-    dt = np.dtype(jax.numpy.dtype(lf["dtype"]))
-    arrays = [
-        ts.open(
-            {"driver": "zarr3", "kvstore": store.url + version_dir(v) + x["key"]}, open=True, context=store.context
-        ).result()
-        for v, x in leaves
-    ]
-    out = np.zeros([len(r) for r in want], _uint(dt))
-    covered = 0
-    for sh in lf["shards"]:
-        rng = [range(a, b) for a, b in sh["index"]]
-        lo = [max(r.start, w.start) for r, w in zip(rng, want)]
-        hi = [min(r.stop, w.stop) for r, w in zip(rng, want)]
-        if any(a >= b for a, b in zip(lo, hi)):
-            continue
-        region = tuple(slice(r.start, r.stop) for r in rng)
-        bits = np.zeros([len(r) for r in rng], _uint(dt))
-        for arr in arrays:  # the snapshot and every delta since, XOR-ed
-            bits ^= np.asarray(arr[region].read().result() if region else arr.read().result())
-        if hashlib.sha256(bits.tobytes()).hexdigest() != sh["sha256"]:
-            raise WeightSyncError(f"checksum mismatch for shard {sh['index']} of leaf {path!r}, version {version}")
-        src = tuple(slice(a - r.start, b - r.start) for a, b, r in zip(lo, hi, rng))
-        dst = tuple(slice(a - w.start, b - w.start) for a, b, w in zip(lo, hi, want))
-        out[dst] = bits[src]
-        covered += int(np.prod([b - a for a, b in zip(lo, hi)]))
-    if covered != out.size:
-        raise WeightSyncError(f"the shards of leaf {path!r} in version {version} do not cover {index!r}")
-    return out.view(dt)
-
-
-__all__ = ["ShardedWeightPublisher", "open_publisher", "publish_sharded", "read_shard"]
+__all__ = ["ShardedWeightPublisher", "publish_sharded"]

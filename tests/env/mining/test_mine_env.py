@@ -15,6 +15,7 @@ import pytest
 from support import dated_index, minerepo
 from support.bwrap import needs_bwrap
 
+from composer_jax.env.api.errors import TaskError
 from composer_jax.env.mining import miner as mine
 from composer_jax.env.mining import projectenv
 from composer_jax.env.sandbox.pip_sources import PipSources
@@ -22,7 +23,7 @@ from composer_jax.env.sandbox.pyenv import BuiltEnv, EnvCache
 from composer_jax.env.sandbox.runner import Limits, Mount, default_sandbox
 from composer_jax.env.sandbox.spec import EnvSpec
 from composer_jax.env.tasks.envspec import parse_environment
-from composer_jax.env.tasks.store import TaskError, load_task
+from composer_jax.env.tasks.store import load_task
 from composer_jax.env.tasks.task_env import for_task
 
 PYPROJECT_SCM = """\

@@ -21,13 +21,14 @@ from support.metrics_scrape import parse
 from support.sdists import sdist_bytes
 
 from composer_jax.cli import main as cli_main
+from composer_jax.env.api.errors import TaskError
 from composer_jax.env.sandbox.pyenv import ENV_MOUNT, EnvBuildError, EnvCache, spec_key
 from composer_jax.env.sandbox.runner import BubblewrapSandbox, Limits, SandboxCommand
 from composer_jax.env.sandbox.spec import EnvSpec
 from composer_jax.env.server.app import GradeResponse
 from composer_jax.env.server.session import SessionManager
 from composer_jax.env.tasks.envspec import parse_environment
-from composer_jax.env.tasks.store import TaskError, TaskStore, load_task, parse_task_config
+from composer_jax.env.tasks.store import TaskStore, load_task, parse_task_config
 from composer_jax.env.tasks.task_env import for_task
 from composer_jax.env.tasks.validate import validate_all
 

@@ -11,7 +11,8 @@ import pytest
 from support.bwrap import needs_bwrap
 from support.live_server import FIXTURE_TASKS, env_with_src
 
-from composer_jax.env.tasks.store import TaskError, TaskStore, load_task, parse_task_config
+from composer_jax.env.api.errors import TaskError
+from composer_jax.env.tasks.store import TaskStore, load_task, parse_task_config
 
 
 def run_cli(*args):

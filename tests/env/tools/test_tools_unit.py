@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from composer_jax.env.sandbox.workspace import PathEscapeError, ToolError, Workspace
+from composer_jax.env.api.protocol import ToolArgumentError, ToolError, validate_call
+from composer_jax.env.sandbox.workspace import PathEscapeError, Workspace
 from composer_jax.env.tasks import grader
 from composer_jax.env.tools import agent_tools as tools
 from composer_jax.env.tools import semantic_search
@@ -81,15 +82,15 @@ def test_list_dir_and_grep(ws):
 
 
 def test_validate_call():
-    assert tools.validate_call("grep", {"pattern": "x"}) == {"pattern": "x"}
-    with pytest.raises(tools.ToolArgumentError, match="unknown tool 'rm'"):
-        tools.validate_call("rm", {})
-    with pytest.raises(tools.ToolArgumentError, match=r"unknown argument\(s\) \['colour'\]"):
-        tools.validate_call("list_dir", {"colour": 1})
-    with pytest.raises(tools.ToolArgumentError, match="'depth' = 9 must be in"):
-        tools.validate_call("list_dir", {"depth": 9})
-    with pytest.raises(tools.ToolArgumentError, match="must be of type integer"):
-        tools.validate_call("list_dir", {"depth": True})
+    assert validate_call("grep", {"pattern": "x"}) == {"pattern": "x"}
+    with pytest.raises(ToolArgumentError, match="unknown tool 'rm'"):
+        validate_call("rm", {})
+    with pytest.raises(ToolArgumentError, match=r"unknown argument\(s\) \['colour'\]"):
+        validate_call("list_dir", {"colour": 1})
+    with pytest.raises(ToolArgumentError, match="'depth' = 9 must be in"):
+        validate_call("list_dir", {"depth": 9})
+    with pytest.raises(ToolArgumentError, match="must be of type integer"):
+        validate_call("list_dir", {"depth": True})
 
 
 def test_tokenize_splits_identifiers():

@@ -427,7 +427,7 @@ def test_offer_all_gives_every_session_the_tools(tmp_path):
     manager = SessionManager(store, LocalProcessSandbox(), work_dir=tmp_path / "w", web_tools=web)
     assert manager.offered_tools() == tuple(TOOL_NAMES) and manager.web_for(store.get("fix-add", 0)) is web.backend
     # with no web backend, a task's bad [agent] web_search is still an error naming it
-    from composer_jax.env.tasks.store import TaskError
+    from composer_jax.env.api.errors import TaskError
 
     off = SessionManager(store, LocalProcessSandbox(), work_dir=tmp_path / "w2")
     bad = store.get("fix-add", 0)

@@ -20,8 +20,8 @@ from composer_jax.inference.engine.batch_sampler import Request, Sampler, Sample
 from composer_jax.inference.engine.draft_verify import SpecStats, draft_model, verify_drafts
 from composer_jax.inference.engine.token_sampling import SamplingParams, draw, processed_logprobs, token_uniforms
 from composer_jax.model.kv_cache import init_cache
-from composer_jax.model.params import path_str
 from composer_jax.model.transformer import logits_of, mtp_forward_cached
+from composer_jax.specs import path_str
 
 MLA = cj.ModelConfig(num_layers=2, num_mtp_layers=1, max_position_embeddings=64)
 GQA = gqa(MLA)

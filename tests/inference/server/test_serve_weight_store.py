@@ -31,7 +31,7 @@ from composer_jax.inference.server.cli import build_server
 from composer_jax.inference.server.policy import load_policy
 from composer_jax.sharding import ShardingRules, make_mesh
 from composer_jax.train.state import init_train_state
-from composer_jax.weightsync.store import WeightPublisher
+from composer_jax.weightsync.publisher import WeightPublisher
 
 KEY = "store-test-key-0123456789"
 MAX_LEN = 256

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from support.rl_groups import make_group
 
-from composer_jax.rl.learner import resume_groups
 from composer_jax.rl.rollout.group_store import Group, GroupStore, RolloutStoreError
-from composer_jax.rl.rollout.queue import DoneIds, PolicyPool, RolloutQueue, staleness
-from composer_jax.rl.samplers.policy import SamplerUnavailable
+from composer_jax.rl.rollout.ledger import resume_groups
+from composer_jax.rl.rollout.queue import DoneIds, RolloutQueue, staleness
+from composer_jax.rl.samplers.policy import PolicyPool, SamplerUnavailable
 
 
 def test_token_versions_count_only_policy_tokens() -> None:

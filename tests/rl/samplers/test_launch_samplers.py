@@ -28,7 +28,7 @@ from composer_jax.rl.samplers.serve import RemoteTokenPolicy
 from composer_jax.rl.samplers.serve_launch import LocalSamplers, SamplerLaunchError
 from composer_jax.sharding import ShardingRules, make_mesh
 from composer_jax.train.state import init_train_state
-from composer_jax.weightsync.store import WeightPublisher
+from composer_jax.weightsync.publisher import WeightPublisher
 
 TOK = load_tokenizer(REPO / "assets" / "tokenizer")
 MESSAGES = [{"role": "user", "content": "hi"}]

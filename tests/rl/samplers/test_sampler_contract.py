@@ -39,7 +39,7 @@ from composer_jax.rl.samplers.in_process import InProcessSamplers, TokenPolicy
 from composer_jax.rl.samplers.policy import PolicyPool, SamplerUnavailable, TurnRequest
 from composer_jax.rl.samplers.serve import ServeReplicas
 from composer_jax.rl.samplers.vllm import GENERATE_PATH, VLLMReplicas, VLLMTokenPolicy
-from composer_jax.weightsync.store import WeightPublisher
+from composer_jax.weightsync.publisher import WeightPublisher
 
 FIRST, NEXT = 3, 4  # the version the samplers start on, the one published
 MESSAGES = [{"role": "system", "content": "S"}, {"role": "user", "content": "fix calc.py"}]

@@ -23,6 +23,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+from composer_jax.env.api.errors import TaskError
 from composer_jax.env.mining import gitrepo, projectenv
 from composer_jax.env.mining.gitrepo import Commit, FileChange, GitError
 from composer_jax.env.mining.statement import category_of, write_instruction
@@ -32,7 +33,7 @@ from composer_jax.env.sandbox.factory import source_problem_lines
 from composer_jax.env.sandbox.pyenv import BuiltEnv, EnvBuildError, EnvCache
 from composer_jax.env.sandbox.runner import Limits, Mount, Sandbox, SandboxLease
 from composer_jax.env.tasks import grader, validate
-from composer_jax.env.tasks.store import Task, TaskError, load_task
+from composer_jax.env.tasks.store import Task, load_task
 from composer_jax.env.tasks.task_env import for_task
 
 REASONS = (

@@ -37,6 +37,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+from composer_jax.env.api.errors import TaskError
 from composer_jax.env.mining import gitrepo, projectenv
 from composer_jax.env.mining.gitrepo import Commit, GitError
 from composer_jax.env.mining.statement import category_of
@@ -46,7 +47,7 @@ from composer_jax.env.sandbox.pyenv import BuiltEnv, EnvBuildError, EnvCache
 from composer_jax.env.sandbox.runner import Limits, Sandbox
 from composer_jax.env.tasks import validate
 from composer_jax.env.tasks.envspec import utc_instant
-from composer_jax.env.tasks.store import TaskError, load_task
+from composer_jax.env.tasks.store import load_task
 from composer_jax.env.tasks.task_env import for_task
 from composer_jax.errors import UsageError
 

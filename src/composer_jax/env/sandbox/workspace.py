@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from composer_jax.env.api import protocol
-from composer_jax.env.api.protocol import APP, ToolError  # noqa: F401 - ToolError re-exported (its old home)
+from composer_jax.env.api.protocol import APP, ToolError
 
 MAX_SYMLINK_HOPS = 40
 MAX_READ_BYTES = 8 * 2**20

@@ -18,10 +18,11 @@ import time
 from pathlib import Path
 
 from composer_jax.env.api import protocol
-from composer_jax.env.api.errors import (  # noqa: F401 - re-exported
+from composer_jax.env.api.errors import (
     CapacityError,
     SessionBusy,
     SessionNotFound,
+    TaskError,
     TaskNotRunnable,
 )
 from composer_jax.env.sandbox import volumes
@@ -30,7 +31,7 @@ from composer_jax.env.sandbox.runner import ExecResult, Limits, Mount, Sandbox, 
 from composer_jax.env.sandbox.workspace import Workspace
 from composer_jax.env.server.metrics import EnvMetrics
 from composer_jax.env.tasks import grader
-from composer_jax.env.tasks.store import MAX_SEED, Task, TaskError, TaskStore, check_seed
+from composer_jax.env.tasks.store import MAX_SEED, Task, TaskStore, check_seed
 from composer_jax.env.tools import agent_tools as tools
 from composer_jax.env.tools.web_search import Backend, WebTools, task_wants_web
 

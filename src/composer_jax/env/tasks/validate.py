@@ -16,10 +16,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from composer_jax.env.api.errors import TaskError
 from composer_jax.env.sandbox.pyenv import EnvBuildError, EnvCache
 from composer_jax.env.sandbox.runner import Limits, Sandbox
 from composer_jax.env.tasks import grader
-from composer_jax.env.tasks.store import Task, TaskError, TaskStore, load_task
+from composer_jax.env.tasks.store import Task, TaskStore, load_task
 from composer_jax.env.tasks.task_env import for_task
 
 

@@ -3,7 +3,7 @@
 Tools: read_file, edit_file, list_dir, grep, semantic_search, run_shell, and, in sessions offered
 them, web_search and read_page (their backend: `env/tools/web_search.py`). Their names, schemas,
 argument checks and result shapes are the tool protocol (`env/api/protocol.py`, shared with SFT data
-generation and the RL loop; re-exported here); this module does the I/O. File tools run in the
+generation and the RL loop); this module does the I/O. File tools run in the
 server against the confined `Workspace`; run_shell runs in the session's sandbox. A tool failure
 the agent caused (missing file, ambiguous edit, bad regex) is a *result* with `ok: false` and an
 `error` message, so one bad call does not void the others in the same request; a call that does
@@ -22,15 +22,7 @@ from typing import Any, Protocol
 import regex  # the `regex` module: like `re`, plus a timeout that stops catastrophic backtracking
 
 from composer_jax.env.api import protocol
-from composer_jax.env.api.protocol import (  # noqa: F401 - re-exported: the server's tool vocabulary
-    MAX_READ_LINES,
-    MAX_TOOL_OUTPUT,
-    TOOL_NAMES,
-    TOOL_SCHEMAS,
-    ToolArgumentError,
-    ToolError,
-    validate_call,
-)
+from composer_jax.env.api.protocol import ToolError
 from composer_jax.env.sandbox.runner import ExecResult
 from composer_jax.env.sandbox.workspace import Workspace
 from composer_jax.env.tools import semantic_search as _semantic

@@ -26,8 +26,8 @@ from composer_jax.model.moe import expert_parallel
 from composer_jax.model.moe.decode import decode_expert_parallel, decode_strategy, decode_swiglu, whole
 from composer_jax.model.moe.dispatch import Dispatch, choose_dispatch, on_accelerator
 from composer_jax.model.moe.grouped import gathered_swiglu, grouped_swiglu, moe_recipe, tiled_dispatch_swiglu
+from composer_jax.model.moe.params import moe_specs
 from composer_jax.model.moe.router import Routing, expert_counts, route, sequence_balance
-from composer_jax.model.params import moe_specs
 from composer_jax.sharding import MeshRules
 
 STATS = ("expert_counts", "seq_balance", "moe_dropped", "moe_a2a_rows")

@@ -21,7 +21,6 @@ import jax.numpy as jnp
 from einops import rearrange, repeat
 
 from composer_jax.config import ModelConfig
-from composer_jax.model.params import router_biases, with_router_biases
 
 
 class Routing(NamedTuple):
@@ -74,17 +73,6 @@ def router_bias_update(bias: jax.Array, counts: jax.Array, rate: float) -> jax.A
     bias, counts: float32[..., experts] (a leading layers axis is fine)."""
     mean = counts.mean(-1, keepdims=True)
     return bias + rate * jnp.sign(mean - counts)
-
-
-def update_router_biases(params: dict, counts: dict[str, jax.Array], rate: float) -> dict:
-    """Apply `router_bias_update` to every MoE stack's router bias (main layers and MTP).
-
-    counts: the `expert_counts` / `mtp_expert_counts` of `ModelOutput.aux` summed over the batch,
-    float32[layers, experts] each; stacks without counts keep their bias."""
-    biases = router_biases(params)
-    return with_router_biases(
-        params, {k: router_bias_update(b, counts[k], rate) for k, b in biases.items() if k in counts}
-    )
 
 
 def sequence_balance(scores: jax.Array, experts: jax.Array, num_experts: int, seq_axes=(), seq_shards: int = 1):

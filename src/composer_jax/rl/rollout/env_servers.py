@@ -14,6 +14,7 @@ import secrets
 from collections.abc import Collection
 from pathlib import Path
 
+from composer_jax.errors import UserError
 from composer_jax.runtime.supervisor import (
     ChildSpec,
     Launcher,
@@ -26,8 +27,9 @@ from composer_jax.runtime.supervisor import (
 ENV_START_TIMEOUT_S = 120.0  # an env server imports no JAX: it is up in about a second
 
 
-class EnvServerError(LaunchError):
-    pass
+class EnvServerError(UserError, LaunchError):
+    """Local environment servers cannot start (a tasks directory, a token or cores the user gave,
+    or servers that die at start: their log says why)."""
 
 
 class LocalEnvServers(Launcher):

@@ -17,7 +17,7 @@ Staleness of a group trained at version k: k minus the version of its oldest pol
 - the trainer at version k first waits for every in-flight group that started at a version
   <= k - s (its last chance to be fresh enough) and takes the finished groups oldest first.
 
-Samplers are a list of policies (`rl.policy.PolicyPool`): rollouts are spread over them in turn; a
+Samplers are a list of policies (`rl/samplers/policy.py`'s `PolicyPool`): rollouts are spread over them in turn; a
 policy that raises `SamplerUnavailable` is taken out of rotation and the rollout is redone on another.
 """
 
@@ -29,10 +29,9 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from composer_jax.rl.rollout.group_store import Group
-from composer_jax.rl.samplers.policy import PolicyPool
 
 log = logging.getLogger(__name__)
-__all__ = ["DoneIds", "PolicyPool", "RolloutQueue", "staleness"]
+__all__ = ["DoneIds", "RolloutQueue", "staleness"]
 
 
 def staleness(group: Group, version: int, unit: str) -> int:

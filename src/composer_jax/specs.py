@@ -2,11 +2,15 @@
 becomes shardings, ShapeDtypeStructs or zeros.
 
 Three kinds of arrays are described by the same `ArraySpec`: the parameters
-(`params.param_specs`, whose `ParamSpec` adds the optimiser's role), the KV cache
-(`kv_cache.cache_specs`) and the train step's input batch (`train.step.batch_specs`). Each
+(`model.params.param_specs`, whose `ParamSpec` adds the optimiser's role), the KV cache
+(`model.kv_cache.cache_specs`) and the train step's input batch (`train.step.batch_specs`). Each
 tree of specs is placed by `shardings` (logical axes -> `ShardingRules` -> `NamedSharding`);
 `abstract` and `zeros` build on it. Every spec is checked on the way, and an error names the
 array by its path in the tree ("moe_layers/attn/q"), since a spec does not know its own name.
+
+It sits with `sharding.py`, below `model/`, so that every package that describes arrays (the
+model's parameters, `model/moe/`'s own block, the KV cache, the step's batch) speaks it without
+importing the model.
 """
 
 from __future__ import annotations
@@ -36,6 +40,19 @@ class ArraySpec:
     def stacked(self, n: int, axis: str = "layers") -> Any:
         """This spec with a leading axis of n (a stack of layers scanned over)."""
         return dataclasses.replace(self, shape=(n, *self.shape), logical_axes=(axis, *self.logical_axes))
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec(ArraySpec):
+    """A parameter's `ArraySpec` (normal-initialised unless told otherwise; every axis named) and
+    its role."""
+
+    logical_axes: tuple[str, ...]
+    init: Literal["normal", "ones", "zeros"] = "normal"
+    # What the optimiser does with it: "weight" (matrices) gets weight decay; "norm" scales and the
+    # "embedding" table do not; the "router_bias" (DeepSeek-V3's score-correction bias) has no
+    # gradient and is moved only by the aux-loss-free rule (`moe.router_bias_update`).
+    role: Literal["weight", "norm", "embedding", "router_bias"] = "weight"
 
 
 def is_spec(x: Any) -> bool:

@@ -7,7 +7,7 @@ import pytest
 import composer_jax as cj
 from composer_jax.config import ConfigError, MeshConfig, parse_overrides
 
-TINY = str(Path(__file__).resolve().parents[1] / "configs/model/tiny.yaml")
+TINY = str(Path(__file__).resolve().parents[2] / "configs/model/tiny.yaml")
 
 
 def test_load_and_override():

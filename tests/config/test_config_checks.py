@@ -22,7 +22,7 @@ from composer_jax.config import (
     validate_train,
 )
 
-TINY = str(Path(__file__).resolve().parents[1] / "configs/model/tiny.yaml")
+TINY = str(Path(__file__).resolve().parents[2] / "configs/model/tiny.yaml")
 RL = ["rl.tasks=[t]", "rl.group_size=4", "train.batch_size=8", "train.seq_len=64", "agent.max_turn_tokens=16"]
 
 
