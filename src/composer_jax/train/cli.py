@@ -69,7 +69,6 @@ def init_jax(args) -> None:
 def _main(argv: list[str] | None, prog: str, fmt: str) -> int:
     args = _parser(prog).parse_args(argv)
     init_jax(args)
-    from composer_jax.checkpoint.validate import CheckpointError
     from composer_jax.config import ConfigError, load_config
     from composer_jax.train.loop import run_stage
 
