@@ -16,8 +16,9 @@ from composer_jax.env.sandbox import pip_sources as ps
 
 
 def _pip_env(conf: Path, **extra: str) -> dict[str, str]:
-    """The environment with no PIP_* variable but PIP_CONFIG_FILE=conf and `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    """The environment with no PIP_* variable, no bundle variable pip's requests takes over pip's
+    `cert` (this machine sets REQUESTS_CA_BUNDLE), PIP_CONFIG_FILE=conf and `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k not in ps.BUNDLE_VARIABLES}
     return env | {"PIP_CONFIG_FILE": str(conf), **extra}
 
 
