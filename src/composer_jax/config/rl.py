@@ -34,6 +34,7 @@ import math
 import typing
 from typing import Literal
 
+from composer_jax.config.ray import RayConfig, validate_placement
 from composer_jax.config.sampler import LEARNER_SAMPLER, SamplerConfig, validate_sampler
 from composer_jax.config.supervision import SupervisionConfig, validate_supervision
 from composer_jax.config.vllm import VLLMConfig
@@ -198,6 +199,11 @@ class RLConfig:
     # the local children's restart policy and health probes, and how long rollouts wait for a
     # restarted replica to rejoin (config/supervision.py)
     supervision: SupervisionConfig = dataclasses.field(default_factory=SupervisionConfig)
+    # where the services the run starts (environment servers, sampler replicas) run: "local", child
+    # processes of the run on 127.0.0.1 (runtime/local.py); "ray", Ray actors placed on a cluster's
+    # nodes as rl.ray says (config/ray.py, runtime/ray_placement.py)
+    placement: str = "local"
+    ray: RayConfig = dataclasses.field(default_factory=RayConfig)
 
     # keys of earlier releases, now elsewhere: a config that gives one is told where (config/loader.py)
     MOVED_KEYS: typing.ClassVar[dict[str, str]] = {
@@ -274,6 +280,7 @@ def validate_rl(r: RLConfig) -> None:
     validate_reward(r.reward)
     validate_sampler(r.sampler, "rl.sampler")
     validate_supervision(r.supervision)
+    validate_placement(r.placement)
     for name, low in (("group_size", 2), ("groups_per_step", 1), ("env_servers", 1)):
         value = getattr(r, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
