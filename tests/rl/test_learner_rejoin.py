@@ -34,7 +34,8 @@ from composer_jax.env.api.client import EnvClient
 from composer_jax.rl.rollout.rejoin import ReplicaWatch
 from composer_jax.rl.samplers.base import ReplicaBackend
 from composer_jax.rl.samplers.policy import PolicyPool, SamplerUnavailable
-from composer_jax.runtime.supervisor import ChildSpec, ChildStatus, Launcher, RestartPolicy
+from composer_jax.runtime.local import Launcher
+from composer_jax.runtime.placement import RestartPolicy, ServiceSpec, ServiceStatus
 
 CONFIG = REPO / "tests" / "rl" / "fixtures" / "rl_pick.yaml"
 
@@ -72,15 +73,15 @@ class FakeBackend(ReplicaBackend):
 
 
 class FakeSupervisor:
-    def __init__(self, *states: ChildStatus):
+    def __init__(self, *states: ServiceStatus):
         self.states = list(states)
 
-    def statuses(self) -> list[ChildStatus]:
+    def statuses(self) -> list[ServiceStatus]:
         return list(self.states)
 
 
-def status(state: str, url: str, starts: int = 1, failure: str | None = None) -> ChildStatus:
-    return ChildStatus("sampler replica 0", state, url, starts, starts - 1, failure)
+def status(state: str, url: str, starts: int = 1, failure: str | None = None) -> ServiceStatus:
+    return ServiceStatus("sampler replica 0", state, url, starts, starts - 1, failure)
 
 
 def test_the_only_replica_rejoins_after_its_restart_at_its_new_url_on_the_current_version() -> None:
@@ -88,7 +89,7 @@ def test_the_only_replica_rejoins_after_its_restart_at_its_new_url_on_the_curren
     backend = FakeBackend([replica])
     pool = PolicyPool(backend.policies, rejoin_timeout_s=10)
     sup = FakeSupervisor(status("alive", "http://127.0.0.1:1001"))
-    env_sup = FakeSupervisor(ChildStatus("environment server 0", "alive", "http://127.0.0.1:2001", 1, 0, None))
+    env_sup = FakeSupervisor(ServiceStatus("environment server 0", "alive", "http://127.0.0.1:2001", 1, 0, None))
     client = EnvClient(["http://127.0.0.1:2001"], "t" * 16)
     version = [3]
     watch = ReplicaWatch(pool, backend, lambda: version[0], samplers=sup, env_servers=env_sup, env_client=client)
@@ -109,7 +110,7 @@ def test_the_only_replica_rejoins_after_its_restart_at_its_new_url_on_the_curren
         assert not replica.loads and pool.out  # not while the supervisor has it down
         # restarted on another port (the old one was taken): up there, a newer version meanwhile
         sup.states = [status("alive", "http://127.0.0.1:1002", starts=2)]
-        env_sup.states = [ChildStatus("environment server 0", "alive", "http://127.0.0.1:2002", 2, 1, None)]
+        env_sup.states = [ServiceStatus("environment server 0", "alive", "http://127.0.0.1:2002", 2, 1, None)]
         replica.up = True
         replica.on_load = lambda: version.__setitem__(0, 4) if version[0] == 3 else None
         await watch.check()
@@ -186,7 +187,7 @@ def test_the_hang_detector_kills_a_child_after_health_failures_probes_in_a_row(t
     """The supervisor's probe bookkeeping on a real (stopped) process, no HTTP: the kill, the
     restart scheduled, the reason and the count. The slow test below hangs a real replica."""
     policy = RestartPolicy(backoff_s=0.05, health_interval_s=0.5, health_failures=3)
-    launcher = Launcher([ChildSpec("sampler replica 0", lambda port: [], tmp_path / "c.log")], restart=policy)
+    launcher = Launcher([ServiceSpec("sampler replica 0", lambda host, port: [], tmp_path / "c.log")], restart=policy)
     c = launcher._children[0]
     proc = subprocess.Popen(["sleep", "60"])
     os.kill(proc.pid, signal.SIGSTOP)  # hung

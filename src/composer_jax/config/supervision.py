@@ -1,7 +1,7 @@
 """The `rl.supervision` section: how a run keeps its local children (environment servers, serve and
 vLLM replicas) up, and how long it waits for a replica to come back.
 
-The restart policy and the health probes are the supervisor's (runtime/supervisor.py,
+The restart policy and the health probes are the supervisor's (runtime/local.py,
 `RestartPolicy`, built from this section for every launcher of the run); `rejoin_timeout_s` is the
 rollout side's (rl/rollout/rejoin.py): while no replica is in rotation, a rollout waits at most this
 long for a restarted one to rejoin, then the run fails with an error naming each replica and its
@@ -50,7 +50,7 @@ class SupervisionConfig:
 
 
 class RestartValues(Protocol):
-    """A restart policy's values: this section's, or runtime/supervisor.py's RestartPolicy."""
+    """A restart policy's values: this section's, or runtime/local.py's RestartPolicy."""
 
     @property
     def max_restarts(self) -> int: ...

@@ -113,7 +113,7 @@ def _make_web_tools(args: argparse.Namespace):
 def _server_token(args: argparse.Namespace) -> tuple[str, bool]:
     """The bearer token (--token, $COMPOSER_JAX_ENV_TOKEN, --token-file, else a fresh one) and whether
     it was generated here. Only a generated token is ever printed: one given to the server is the
-    caller's secret, and the startup line lands in logs (runtime/supervisor.py keeps a child's stdout)."""
+    caller's secret, and the startup line lands in logs (runtime/local.py keeps a child's stdout)."""
     token = args.token or os.environ.get("COMPOSER_JAX_ENV_TOKEN")
     if args.token_file:
         try:
@@ -220,7 +220,7 @@ def _serve(manager, token: str, sock: socket.socket, url: str, args: argparse.Na
     )
 
     class ReadyServer(uvicorn.Server):
-        # once uvicorn serves: the ready line a run's launcher waits for (runtime/supervisor.py)
+        # once uvicorn serves: the ready line a run's launcher waits for (runtime/local.py)
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets=sockets)
             if self.started:

@@ -347,7 +347,7 @@ def build_server(
 
 def run_uvicorn(app: Any, sock: socket.socket, log_level: str = "warning", ready_url: str | None = None) -> None:
     """Serve `app` on `sock`; with `ready_url`, print the ready line `{"event": "ready", "url": ...,
-    "pid": ...}` once uvicorn serves (what a run's launcher waits for: runtime/supervisor.py)."""
+    "pid": ...}` once uvicorn serves (what a run's launcher waits for: runtime/local.py)."""
     import uvicorn
 
     class ReadyServer(uvicorn.Server):

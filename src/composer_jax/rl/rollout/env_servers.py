@@ -15,14 +15,8 @@ from collections.abc import Collection
 from pathlib import Path
 
 from composer_jax.errors import UserError
-from composer_jax.runtime.supervisor import (
-    ChildSpec,
-    Launcher,
-    LaunchError,
-    RestartPolicy,
-    check_cores,
-    log_dir_or_temp,
-)
+from composer_jax.runtime.local import Launcher, check_cores
+from composer_jax.runtime.placement import Command, LaunchError, Resources, RestartPolicy, ServiceSpec, log_dir_or_temp
 
 ENV_START_TIMEOUT_S = 120.0  # an env server imports no JAX: it is up in about a second
 
@@ -63,28 +57,7 @@ class LocalEnvServers(Launcher):
         self.token = token or secrets.token_urlsafe(24)
         self.log_dir, self._tmp = log_dir_or_temp(log_dir, "composer-jax-env-servers-")
 
-        def argv(port: int) -> list[str]:
-            return [
-                "env-server",
-                "--tasks",
-                str(self.tasks_dir),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                *self.extra,
-            ]
-
-        specs = [
-            ChildSpec(
-                name=f"environment server {i}",
-                argv=argv,
-                log_path=self.log_dir / f"env-server-{i}.log",
-                env={"COMPOSER_JAX_ENV_TOKEN": self.token},
-                cores=pinned,
-            )
-            for i in range(count)
-        ]
+        specs = env_server_specs(self.tasks_dir, count, self.token, self.extra, self.log_dir, pinned)
         super().__init__(
             specs, kind="env_servers", start_timeout_s=start_timeout_s, restart=restart, error=EnvServerError
         )
@@ -97,3 +70,29 @@ class LocalEnvServers(Launcher):
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+
+def env_server_specs(
+    tasks_dir: Path,
+    count: int,
+    token: str,
+    extra: tuple[str, ...],
+    log_dir: Path,
+    cores: frozenset[int] | None = None,
+    resources: Resources | None = None,
+) -> list[ServiceSpec]:
+    """`count` `composer-jax env-server` services on `tasks_dir` sharing `token` (in their
+    environment, never on a command line), each bound to the host its placement gives."""
+    # absolute: a service placed on another node starts in another directory
+    args = ("env-server", "--tasks", str(Path(tasks_dir).resolve()), "--host", "{host}", "--port", "{port}", *extra)
+    return [
+        ServiceSpec(
+            name=f"environment server {i}",
+            argv=Command(args),
+            log_path=log_dir / f"env-server-{i}.log",
+            env={"COMPOSER_JAX_ENV_TOKEN": token},
+            cores=cores,
+            resources=resources or Resources(),
+        )
+        for i in range(count)
+    ]

@@ -1,7 +1,7 @@
 """The rollout side's half of supervision: a restarted replica back in rotation, a moved child
 reached at its new URL.
 
-The supervisor (runtime/supervisor.py) restarts a local child that died or stopped answering
+The supervisor (runtime/local.py) restarts a local child that died or stopped answering
 /health, on its port or, when that port was taken meanwhile, on another. The rollout side had taken
 the replica out of its `PolicyPool` when a turn on it raised `SamplerUnavailable`. `ReplicaWatch`
 runs beside the rollout queue (one asyncio task) and, every `interval_s`:
@@ -32,15 +32,15 @@ from typing import Protocol
 from composer_jax.env.api.client import EnvClient
 from composer_jax.rl.samplers.base import SamplerBackend
 from composer_jax.rl.samplers.policy import PolicyPool, SamplerUnavailable
-from composer_jax.runtime.supervisor import ALIVE, ChildStatus
+from composer_jax.runtime.placement import ALIVE, ServiceStatus
 
 log = logging.getLogger(__name__)
 
 
 class Supervised(Protocol):
-    """What the watch reads of a supervisor (`runtime.supervisor.Launcher`)."""
+    """What the watch reads of a supervisor (`runtime.local.Launcher`)."""
 
-    def statuses(self) -> list[ChildStatus]: ...
+    def statuses(self) -> list[ServiceStatus]: ...
 
 
 class ReplicaWatch:
@@ -99,7 +99,7 @@ class ReplicaWatch:
         self.pool.rejoin(policy)
         log.warning("sampler %r rejoined on policy version %d", policy, version)
 
-    def _follow_samplers(self, states: list[ChildStatus]) -> None:
+    def _follow_samplers(self, states: list[ServiceStatus]) -> None:
         for i, st in enumerate(states):
             if st.url and i < len(self._sampler_urls) and st.url != self._sampler_urls[i]:
                 log.warning("%s moved from %s to %s", st.name, self._sampler_urls[i], st.url)

@@ -46,7 +46,8 @@ from composer_jax.rl.rollout.tasks import TaskRef, rollout_seed, run_rollouts, s
 from composer_jax.rl.samplers.base import SamplerBackend
 from composer_jax.rl.samplers.policy import Policy, PolicyPool
 from composer_jax.rl.samplers.serve_launch import start_serve
-from composer_jax.runtime.supervisor import Launcher, RestartPolicy
+from composer_jax.runtime.local import Launcher
+from composer_jax.runtime.placement import RestartPolicy
 
 log = logging.getLogger(__name__)
 

@@ -2,13 +2,13 @@
 processes on one machine (`rl.local_samplers`), as the run's `ServeReplicas` (`start_serve`).
 
 `LocalSamplers` is the sampler-side twin of `rl.rollout.env_servers.LocalEnvServers`, both
-configurations of `runtime.supervisor.Launcher`: it starts `count` replicas of `composer-jax serve`
+configurations of `runtime.local.Launcher`: it starts `count` replicas of `composer-jax serve`
 over one checkpoint, each a separate process (as samplers on separate accelerators would be),
 optionally pinned to its own CPU core (by the launcher's bootstrap, before the child imports
 anything), on free ports of 127.0.0.1, sharing one generated API key, each following the run's
 weight-sync store (`--weights-from`), and waits until every replica has printed its ready line and
 answers /health. The learner talks to them through `rl.samplers.serve.RemoteTokenPolicy(url, key,
-...)`. A replica that dies is restarted on its port (`runtime.supervisor.RestartPolicy`).
+...)`. A replica that dies is restarted on its port (`runtime.placement.RestartPolicy`).
 
 Teardown leaves no process behind: `stop()` (also on an exception inside the `with` block or while
 starting) terminates every replica, waits, and kills what is left; each child also asks the kernel
@@ -30,12 +30,14 @@ from composer_jax.config.sampler import SERVE_SAMPLER, SamplerConfig, sampler_ar
 from composer_jax.errors import ConfigError
 from composer_jax.formats.tokenizer import Tokenizer
 from composer_jax.rl.samplers.serve import ServeReplicas
-from composer_jax.runtime.supervisor import (
+from composer_jax.runtime.local import Launcher
+from composer_jax.runtime.placement import (
     START_TIMEOUT_S,
-    ChildSpec,
-    Launcher,
+    Command,
     LaunchError,
+    Resources,
     RestartPolicy,
+    ServiceSpec,
     log_dir_or_temp,
 )
 
@@ -89,23 +91,9 @@ class LocalSamplers(Launcher):
         self.api_key = api_key or secrets.token_urlsafe(32)
         self.log_dir, self._tmp = log_dir_or_temp(log_dir, "composer-jax-samplers-")
 
-        def argv(port: int) -> list[str]:
-            cmd = ["serve", "--checkpoint", str(self.checkpoint), "--host", "127.0.0.1", "--port", str(port)]
-            cmd += sampler_argv(self.sampler)
-            if self.weights_from is not None:
-                cmd += ["--weights-from", self.weights_from]
-            return cmd + list(self.extra)
-
-        specs = [
-            ChildSpec(
-                name=f"sampler replica {i} ({self.checkpoint})",
-                argv=argv,
-                log_path=self.log_dir / f"sampler-{i}.log",
-                env={"COMPOSER_JAX_API_KEY": self.api_key},
-                cores=None if cores is None else frozenset([cores[i]]),
-            )
-            for i in range(count)
-        ]
+        specs = serve_specs(
+            self.checkpoint, count, self.api_key, self.sampler, self.weights_from, self.extra, self.log_dir, cores
+        )
         super().__init__(
             specs, kind="samplers", start_timeout_s=start_timeout_s, restart=restart, error=SamplerLaunchError
         )
@@ -119,6 +107,36 @@ class LocalSamplers(Launcher):
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+
+def serve_specs(
+    checkpoint: Path,
+    count: int,
+    api_key: str,
+    sampler: SamplerConfig,
+    weights_from: str | None,
+    extra: tuple[str, ...],
+    log_dir: Path,
+    cores: Sequence[int] | None = None,
+    resources: Resources | None = None,
+) -> list[ServiceSpec]:
+    """`count` `composer-jax serve` replicas over `checkpoint` sharing `api_key` (in their environment),
+    each following `weights_from` when given and bound to the host its placement gives."""
+    args = ["serve", "--checkpoint", str(checkpoint.resolve()), "--host", "{host}", "--port", "{port}"]
+    args += sampler_argv(sampler)
+    if weights_from is not None:
+        args += ["--weights-from", weights_from]
+    return [
+        ServiceSpec(
+            name=f"sampler replica {i} ({checkpoint})",
+            argv=Command((*args, *extra)),
+            log_path=log_dir / f"sampler-{i}.log",
+            env={"COMPOSER_JAX_API_KEY": api_key},
+            cores=None if cores is None else frozenset([cores[i]]),
+            resources=resources or Resources(),
+        )
+        for i in range(count)
+    ]
 
 
 def local_samplers(cfg: Config, checkpoint_dir: str, store_url: str, version: int, out_dir: Path) -> LocalSamplers:

@@ -1,4 +1,4 @@
-"""`composer-jax vllm-replica`: one vLLM server as a child of the learner's launcher (runtime/supervisor.py).
+"""`composer-jax vllm-replica`: one vLLM server as a child of the learner's launcher (runtime/local.py).
 
     composer-jax vllm-replica --python .venv/vllm/bin/python --port 0 --version 3 -- --model DIR ...
 
@@ -38,7 +38,7 @@ from pathlib import Path
 import httpx
 
 from composer_jax.errors import UsageError
-from composer_jax.runtime.supervisor import ready_line
+from composer_jax.runtime.placement import ready_line
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 KEY_ENV = "VLLM_API_KEY"  # the replica's API key: vLLM's own variable, read by replica_auth too

@@ -8,7 +8,7 @@ by URL fed over NCCL; and what a vLLM run changes in its config.
 * `with_vllm_settings` is applied to the run's config before the learner is built: without routed
   experts from the replicas (`rl.vllm.routed_experts: false`, the CPU build's case: vLLM records them
   with a Triton kernel), router replay is turned off for the run and the run says so.
-* `LocalVLLM` is a `runtime.supervisor.Launcher` configuration, like `serve_launch.LocalSamplers`:
+* `LocalVLLM` is a `runtime.local.Launcher` configuration, like `serve_launch.LocalSamplers`:
   each child is `composer-jax vllm-replica` (rl/samplers/vllm_child.py), which starts vLLM in its own
   virtualenv (`rl.vllm.python`), labels its weights with the policy version and prints the ready
   line; supervision, restarts of a replica that died, teardown and logs are the launcher's. The
@@ -66,7 +66,8 @@ from composer_jax.hf.mla_pad import pad_mla, plan_padding
 from composer_jax.hf.weights import save_pretrained
 from composer_jax.rl.samplers.vllm import VLLMReplicas, VLLMTokenPolicy
 from composer_jax.rl.samplers.vllm_child import KEY_ENV
-from composer_jax.runtime.supervisor import ChildSpec, Launcher, LaunchError, RestartPolicy, log_dir_or_temp
+from composer_jax.runtime.local import Launcher
+from composer_jax.runtime.placement import LaunchError, RestartPolicy, ServiceSpec, log_dir_or_temp
 
 # vLLM's MLA kernels take kv_lora_rank + qk_rope_head_dim of these sizes only; the CPU one 576
 CPU_MLA_WIDTH = 576
@@ -232,7 +233,7 @@ class LocalVLLM(Launcher):
         # what each replica's environment adds to this process's: the key, one thread when pinned
         self.replica_env = {KEY_ENV: self.api_key, **({"OMP_NUM_THREADS": "1"} if cores is not None else {})}
         specs = [
-            ChildSpec(
+            ServiceSpec(
                 name=f"vLLM replica {i}",
                 argv=self.argv_for(i),
                 log_path=self.log_dir / f"vllm-{i}.log",
@@ -249,9 +250,10 @@ class LocalVLLM(Launcher):
             error=VLLMLaunchError,
         )
 
-    def argv_for(self, index: int) -> Callable[[int], list[str]]:
-        def argv(port: int) -> list[str]:
-            """`composer-jax vllm-replica`'s arguments for replica `index` on `port` (the key is in its environment)."""
+    def argv_for(self, index: int) -> Callable[[str, int], list[str]]:
+        def argv(host: str, port: int) -> list[str]:
+            """`composer-jax vllm-replica`'s arguments for replica `index` on `port` (the key is in its
+            environment; it binds 127.0.0.1: the local placement only)."""
             model_dir, version = self.weights[index]
             return [
                 "vllm-replica",

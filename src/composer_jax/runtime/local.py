@@ -1,6 +1,7 @@
-"""One supervising launcher for a run's local child services (environment servers, serve replicas).
+"""The `local` placement (runtime/placement.py): a run's services as supervised child processes.
 
-`Launcher` starts `composer-jax` subcommands as child processes on 127.0.0.1 and keeps them up:
+`Launcher` starts `composer-jax` subcommands as child processes bound to one host (127.0.0.1 for a
+run's own services; a node's address when the `ray` placement runs one on a node) and keeps them up:
 
 * **Bootstrap.** Every child starts as `python -c BOOTSTRAP CORES LAUNCHER_PID ARGS...`, whose first
   lines, before anything is imported, ask the kernel for SIGTERM when the launcher goes
@@ -29,44 +30,47 @@
   every child, waits `grace_s`, kills what is left and waits again; a child outlives a launcher that
   dies without `stop()` (SIGKILL included) by no more than its own SIGTERM handling.
 
-The learner's API: `alive_urls()`, `wait_alive(count, timeout_s)`, `restart_counts()`, `statuses()`
-(each child's state, URL, starts and last failure: what the rollout side follows to put a restarted
-replica back in rotation, at its new URL if it moved), `metrics()`.
-`rl/rollout/env_servers.py` (`LocalEnvServers`) and `rl/samplers/serve_launch.py` (`LocalSamplers`) are two
-of its configurations.
+The learner's API is `runtime.placement.Placement`: `alive_urls()`, `wait_alive(count, timeout_s)`,
+`restart_counts()`, `statuses()` (each child's state, URL, starts and last failure: what the rollout
+side follows to put a restarted replica back in rotation, at its new URL if it moved), `metrics()`,
+`replace()`. `rl/rollout/env_servers.py` (`LocalEnvServers`) and `rl/samplers/serve_launch.py`
+(`LocalSamplers`) are two of its configurations.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import json
 import logging
 import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Collection, Sequence
 from urllib.parse import urlsplit
 
 import httpx
 
-from composer_jax.config.supervision import SupervisionConfig, policy_problem
+from composer_jax.runtime.placement import (
+    ALIVE,
+    BACKOFF,
+    FAILED,
+    GIVEN_UP,
+    LOOPBACK,
+    START_TIMEOUT_S,
+    STARTING,
+    STOPPED,
+    LaunchError,
+    RestartPolicy,
+    ServiceSpec,
+    ServiceStatus,
+    parse_ready_line,
+)
 
 log = logging.getLogger(__name__)
 
-START_TIMEOUT_S = 300.0  # the default bound on one child's start (a serve replica reads a checkpoint)
-READY_EVENT = "ready"
 _TAIL_CHARS = 3000
-
-
-class LaunchError(RuntimeError):
-    """A child did not start (the reason and its log's tail are in the message), a bad argument, or no
-    child alive within a wait's bound."""
 
 
 # The child's first lines: die with the launcher, check it is still the parent, pin, then run the
@@ -85,31 +89,6 @@ if cores != "-":
 from composer_jax.cli import main
 sys.exit(main(argv))
 """
-
-
-def ready_line(url: str, pid: int | None = None) -> str:
-    """The line a child prints on its stdout once it serves at `url` (what `parse_ready_line` reads)."""
-    return json.dumps({"event": READY_EVENT, "url": url, "pid": os.getpid() if pid is None else pid})
-
-
-def parse_ready_line(line: str) -> tuple[str, int] | None:
-    """(url, pid) of a ready line `{"event": "ready", "url": "http://...", "pid": N}`; None for any
-    other line (human-readable lines, logs, JSON of other shapes)."""
-    text = line.strip()
-    if not text.startswith("{"):
-        return None
-    try:
-        obj = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or obj.get("event") != READY_EVENT:
-        return None
-    url, pid = obj.get("url"), obj.get("pid")
-    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-        return None
-    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
-        return None
-    return url.rstrip("/"), pid
 
 
 def stop_processes(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
@@ -137,66 +116,6 @@ def describe_exit(returncode: int) -> str:
     return f"exited with status {returncode}"
 
 
-@dataclasses.dataclass(frozen=True)
-class RestartPolicy:
-    """Restart a child that dies after `backoff_s * 2**k` seconds (at most `max_backoff_s`), k being
-    its restarts within the last `window_s` seconds; at `max_restarts` within the window, give up.
-    A running child is probed (`GET /health`, each probe bounded by `min(health_interval_s, 5)` s)
-    every `health_interval_s` seconds (0: never); after `health_failures` failed probes in a row it
-    is killed and restarted as a dead one."""
-
-    max_restarts: int = 5
-    window_s: float = 600.0
-    backoff_s: float = 1.0
-    max_backoff_s: float = 30.0
-    health_interval_s: float = 10.0
-    health_failures: int = 3
-
-    def __post_init__(self) -> None:
-        problem = policy_problem(self)
-        if problem is not None:
-            raise LaunchError(problem)
-
-    @property
-    def probe_timeout_s(self) -> float:
-        """The bound on one health probe of a running child."""
-        return float(min(self.health_interval_s, 5.0))
-
-    @classmethod
-    def of(cls, c: SupervisionConfig) -> RestartPolicy:
-        """The policy a run's `rl.supervision` section sets (validated there)."""
-        return cls(c.max_restarts, c.window_s, c.backoff_s, c.max_backoff_s, c.health_interval_s, c.health_failures)
-
-    def delay(self, recent: int) -> float:
-        return float(min(self.max_backoff_s, self.backoff_s * 2**recent))
-
-
-@dataclasses.dataclass(frozen=True)
-class ChildStatus:
-    """One child as the supervisor sees it now. state: starting, alive, backoff, given up, failed
-    or stopped; url: where it serves (None before its first start; it changes when the child had to
-    move to another port); starts: how many of its starts came up (it grows with each restart);
-    last_failure: why it last went down (None while it never did)."""
-
-    name: str
-    state: str
-    url: str | None
-    starts: int
-    restarts: int
-    last_failure: str | None
-
-
-@dataclasses.dataclass(frozen=True)
-class ChildSpec:
-    """One supervised child: `argv(port)` gives composer-jax's arguments (port 0: any free port)."""
-
-    name: str  # in logs and errors, e.g. "environment server 0"
-    argv: Callable[[int], list[str]]
-    log_path: Path
-    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    cores: frozenset[int] | None = None
-
-
 def check_cores(cores: Collection[int], error: type[Exception] = LaunchError, what: str = "cores") -> frozenset[int]:
     """`cores` as a set, if every one is in this process's affinity set (else `error`, naming them)."""
     allowed = os.sched_getaffinity(0)
@@ -206,20 +125,11 @@ def check_cores(cores: Collection[int], error: type[Exception] = LaunchError, wh
     return frozenset(given)
 
 
-# a child's states
-_STARTING = "starting"  # spawned, waiting for its ready line and /health
-ALIVE = _ALIVE = "alive"  # (public: `ChildStatus.state` of a child that serves)
-_BACKOFF = "backoff"  # down, restarted at `next_start`
-_GIVEN_UP = "given up"
-_FAILED = "failed"  # its first start failed (the start raises)
-_STOPPED = "stopped"
-
-
 class _Child:
-    def __init__(self, spec: ChildSpec):
+    def __init__(self, spec: ServiceSpec):
         self.spec = spec
         self.proc: subprocess.Popen | None = None
-        self.state = _STOPPED
+        self.state = STOPPED
         self.port = 0  # the port to bind at the next start (0 until the first start is ready)
         self.url: str | None = None
         self.seen_url: str | None = None  # from this start's ready line
@@ -267,13 +177,15 @@ class Launcher:
     """Children from `specs`, started and supervised by one thread; `with Launcher(...) as urls:`.
 
     `urls[i]` is child i's URL; the list object stays the same for the launcher's life (a child
-    that had to move to another port is updated in place)."""
+    that had to move to another port is updated in place). `host`: the address every child binds
+    (`ServiceSpec.argv(host, port)`)."""
 
     def __init__(
         self,
-        specs: Sequence[ChildSpec],
+        specs: Sequence[ServiceSpec],
         *,
         kind: str = "children",
+        host: str = LOOPBACK,
         start_timeout_s: float = START_TIMEOUT_S,
         restart: RestartPolicy | None = None,
         error: type[Exception] = LaunchError,
@@ -281,11 +193,12 @@ class Launcher:
         poll_s: float = 0.1,
     ):
         if not specs:
-            raise error("no children to launch: give at least one ChildSpec")
+            raise error("no children to launch: give at least one ServiceSpec")
         for name, value in (("start_timeout_s", start_timeout_s), ("grace_s", grace_s), ("poll_s", poll_s)):
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise error(f"{name}={value!r}; accepted: seconds > 0")
         self.kind, self.start_timeout_s, self.error = kind, float(start_timeout_s), error
+        self.host = host
         self.restart = RestartPolicy() if restart is None else restart
         self.grace_s, self.poll_s = grace_s, poll_s
         self._children = [_Child(s) for s in specs]
@@ -309,7 +222,7 @@ class Launcher:
             return [
                 c.url
                 for c in self._children
-                if c.state == _ALIVE and c.url and c.proc is not None and c.proc.poll() is None
+                if c.state == ALIVE and c.url and c.proc is not None and c.proc.poll() is None
             ]
 
     def wait_alive(self, count: int = 1, timeout_s: float = 60.0) -> list[str]:
@@ -336,18 +249,18 @@ class Launcher:
         with self._lock:
             return [c.restarts for c in self._children]
 
-    def statuses(self) -> list[ChildStatus]:
-        """Each child's state, URL, starts and last failure (`ChildStatus`), in spec order."""
+    def statuses(self) -> list[ServiceStatus]:
+        """Each child's state, URL, starts and last failure (`ServiceStatus`), in spec order."""
         with self._lock:
             return [
-                ChildStatus(c.spec.name, c.state, c.url, c.ready_count, c.restarts, c.last_failure)
+                ServiceStatus(c.spec.name, c.state, c.url, c.ready_count, c.restarts, c.last_failure)
                 for c in self._children
             ]
 
     def given_up(self) -> dict[str, str]:
         """The children given up on: name -> reason."""
         with self._lock:
-            return {c.spec.name: c.reason for c in self._children if c.state == _GIVEN_UP and c.reason}
+            return {c.spec.name: c.reason for c in self._children if c.state == GIVEN_UP and c.reason}
 
     def metrics(self) -> dict[str, float]:
         """`{kind}/alive`, `{kind}/restarts` (total), `{kind}/given_up`, `{kind}/unresponsive` (restarts
@@ -376,10 +289,10 @@ class Launcher:
             )
         c = self._children[index]
         with self._lock:
-            if c.state == _GIVEN_UP:
+            if c.state == GIVEN_UP:
                 raise self.error(f"{c.spec.name} was given up on: {c.reason}")
             before, proc = c.ready_count, c.proc
-            c.proc, c.state, c.next_start, c.replacing = None, _BACKOFF, float("inf"), True
+            c.proc, c.state, c.next_start, c.replacing = None, BACKOFF, float("inf"), True
         log.info("%s: stopping %s to start it again (%s)", self.kind, c.spec.name, why)
         if proc is not None:
             stop_processes([proc], self.grace_s)
@@ -388,9 +301,9 @@ class Launcher:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not self._stop.is_set():
             with self._lock:
-                if c.ready_count > before and c.state == _ALIVE and c.url:
+                if c.ready_count > before and c.state == ALIVE and c.url:
                     return c.url
-                if c.state in (_GIVEN_UP, _STOPPED):
+                if c.state in (GIVEN_UP, STOPPED):
                     break
             time.sleep(min(0.05, self.poll_s))
         with self._lock:
@@ -446,12 +359,12 @@ class Launcher:
                         with self._lock:
                             probe = self._step(c)
                         if probe is not None:  # outside the lock: the learner's calls do not wait for it
-                            bound = 1.0 if c.state == _STARTING else self.restart.probe_timeout_s
+                            bound = 1.0 if c.state == STARTING else self.restart.probe_timeout_s
                             healthy = self._healthy(probe, bound)
                             with self._lock:
-                                if healthy and c.state == _STARTING and c.seen_url == probe:
+                                if healthy and c.state == STARTING and c.seen_url == probe:
                                     self._ready(c, probe)
-                                elif c.state == _ALIVE and c.url == probe:
+                                elif c.state == ALIVE and c.url == probe:
                                     self._probed(c, healthy)
                     except Exception:  # the supervisor must outlive any one child's trouble
                         log.exception("%s: supervising %s failed", self.kind, c.spec.name)
@@ -460,7 +373,7 @@ class Launcher:
                         if self._start_error is not None:
                             self._started.set()
                             break
-                        if all(c.state == _ALIVE for c in self._children):
+                        if all(c.state == ALIVE for c in self._children):
                             self.urls.extend(c.url or "" for c in self._children)
                             self._started.set()
                 self._stop.wait(self.poll_s)
@@ -476,7 +389,7 @@ class Launcher:
         spec = c.spec
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         cores = "-" if spec.cores is None else ",".join(str(x) for x in sorted(spec.cores))
-        cmd = [sys.executable, "-c", BOOTSTRAP, cores, str(os.getpid()), *spec.argv(c.port)]
+        cmd = [sys.executable, "-c", BOOTSTRAP, cores, str(os.getpid()), *spec.argv(self.host, c.port)]
         with open(spec.log_path, "ab" if c.ever_ready else "wb") as out:
             if c.ever_ready:
                 out.write(f"--- composer-jax launcher: restart {c.restarts} on port {c.port} ---\n".encode())
@@ -495,12 +408,12 @@ class Launcher:
                 c.proc = None
                 self._failed(c, f"could not be started: {exc}")
                 return
-        c.state = _STARTING
+        c.state = STARTING
 
     def _step(self, c: _Child) -> str | None:
         """Advance `c` by what happened since the last look; the URL to probe for /health, if any."""
         now = time.monotonic()
-        if c.state == _STARTING:
+        if c.state == STARTING:
             assert c.proc is not None
             if (rc := c.proc.poll()) is not None:
                 self._failed(c, describe_exit(rc))
@@ -514,14 +427,14 @@ class Launcher:
                 self._failed(c, f"did not {missed} within start_timeout_s={self.start_timeout_s:g} s")
                 return None
             return c.seen_url
-        elif c.state == _ALIVE:
+        elif c.state == ALIVE:
             assert c.proc is not None
             if (rc := c.proc.poll()) is not None:
                 self._restart_later(c, f"(pid {c.proc.pid}, {c.url}) {describe_exit(rc)}")
             elif self.restart.health_interval_s > 0 and now >= c.next_probe:
                 c.next_probe = now + self.restart.health_interval_s
                 return c.url
-        elif c.state == _BACKOFF and now >= c.next_start:
+        elif c.state == BACKOFF and now >= c.next_start:
             if c.replacing:
                 c.replacing, c.planned = False, True
                 log.info("%s: starting %s again on port %d (asked for)", self.kind, c.spec.name, c.port)
@@ -572,7 +485,7 @@ class Launcher:
                 "%s: %s is back at %s (pid %d, restart %d)", self.kind, c.spec.name, url, c.proc.pid, c.restarts
             )
         c.planned = False
-        c.url, c.state, c.ever_ready = url, _ALIVE, True
+        c.url, c.state, c.ever_ready = url, ALIVE, True
         c.ready_count += 1
         c.port = urlsplit(url).port or 0
         c.failed_probes, c.next_probe = 0, time.monotonic() + self.restart.health_interval_s
@@ -584,7 +497,7 @@ class Launcher:
             c.proc = None
         where = f"its log ({c.spec.log_path})"
         if not c.ever_ready:
-            c.state = _FAILED
+            c.state = FAILED
             if self._start_error is None:
                 self._start_error = f"{c.spec.name} {why}; {where}:\n{c.tail()}"
             return
@@ -603,12 +516,12 @@ class Launcher:
         while c.recent and c.recent[0] < now - policy.window_s:
             c.recent.popleft()
         if len(c.recent) >= policy.max_restarts:
-            c.state = _GIVEN_UP
+            c.state = GIVEN_UP
             c.reason = f"{c.spec.name} given up after {len(c.recent)} restart(s) within {policy.window_s:g} s: {why}"
             log.error("%s: %s; its log (%s):\n%s", self.kind, c.reason, c.spec.log_path, c.tail())
             return
         delay = policy.delay(len(c.recent))
-        c.state, c.next_start = _BACKOFF, now + delay
+        c.state, c.next_start = BACKOFF, now + delay
         log.warning(
             "%s: %s %s; restarting it in %.1f s on port %d (%d of at most %d within %g s)",
             self.kind,
@@ -626,15 +539,5 @@ class Launcher:
             procs = [c.proc for c in self._children if c.proc is not None]
             for c in self._children:
                 c.proc = None
-                c.state = _STOPPED if c.state != _GIVEN_UP else c.state
+                c.state = STOPPED if c.state != GIVEN_UP else c.state
         stop_processes(procs, self.grace_s)
-
-
-def log_dir_or_temp(log_dir: str | os.PathLike | None, prefix: str) -> tuple[Path, tempfile.TemporaryDirectory | None]:
-    """`log_dir` (created), or a new temporary directory and its handle (to clean up after `stop`)."""
-    if log_dir is None:
-        tmp = tempfile.TemporaryDirectory(prefix=prefix)
-        return Path(tmp.name), tmp
-    path = Path(log_dir)
-    path.mkdir(parents=True, exist_ok=True)
-    return path, None

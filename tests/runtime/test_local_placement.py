@@ -24,14 +24,8 @@ from support.live_env import ENV_FIXTURE_TASKS
 from support.procs import cmdline, descendants, gone
 
 from composer_jax.rl.rollout.env_servers import EnvServerError, LocalEnvServers
-from composer_jax.runtime.supervisor import (
-    ChildSpec,
-    Launcher,
-    LaunchError,
-    RestartPolicy,
-    parse_ready_line,
-    ready_line,
-)
+from composer_jax.runtime.local import Launcher
+from composer_jax.runtime.placement import LaunchError, RestartPolicy, ServiceSpec, parse_ready_line, ready_line
 
 TOKEN = "rl-processes-test-token-0123456789"
 # without bubblewrap the server runs its tools as plain processes, only when told to
@@ -64,7 +58,7 @@ def test_ready_line_is_parsed():
 
 
 def test_killed_server_is_reaped_and_restarted_on_its_url(tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="composer_jax.runtime.supervisor")
+    caplog.set_level(logging.INFO, logger="composer_jax.runtime.local")
     core = min(os.sched_getaffinity(0))
     servers = LocalEnvServers(
         ENV_FIXTURE_TASKS, token=TOKEN, extra_args=SANDBOX_ARGS, cores=[core], log_dir=tmp_path, restart=FAST
@@ -318,7 +312,7 @@ def test_bad_arguments_get_clear_errors(tmp_path):
         RestartPolicy(backoff_s=0)
     with pytest.raises(EnvServerError, match=r"start_timeout_s=0; accepted: seconds > 0"):
         LocalEnvServers(ENV_FIXTURE_TASKS, start_timeout_s=0)
-    spec = ChildSpec("c", lambda port: [], tmp_path / "c.log")
+    spec = ServiceSpec("c", lambda host, port: [], tmp_path / "c.log")
     with pytest.raises(LaunchError, match="no children to launch"):
         Launcher([])
     with pytest.raises(LaunchError, match=r"count=3; accepted: an int from 1 to 1"):
