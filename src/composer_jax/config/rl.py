@@ -281,6 +281,17 @@ def validate_rl(r: RLConfig) -> None:
     validate_sampler(r.sampler, "rl.sampler")
     validate_supervision(r.supervision)
     validate_placement(r.placement)
+    if r.placement == "ray" and r.pin_cores:
+        raise ConfigError(
+            "rl.pin_cores=true pins the run's own child processes to cores; with rl.placement=ray Ray places "
+            "the services (rl.ray sets what each asks for): drop one of them"
+        )
+    if r.placement == "ray" and r.sampler_engine == "vllm" and r.local_samplers:
+        raise ConfigError(
+            "rl.placement=ray places environment servers and serve replicas; vLLM replicas (rl.sampler_engine=vllm "
+            "with rl.local_samplers) are started by the run on this machine only: use rl.placement=local, or give "
+            "running vLLM replicas as rl.sampler_urls"
+        )
     for name, low in (("group_size", 2), ("groups_per_step", 1), ("env_servers", 1)):
         value = getattr(r, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:

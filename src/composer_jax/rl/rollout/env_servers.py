@@ -14,9 +14,11 @@ import secrets
 from collections.abc import Collection
 from pathlib import Path
 
+from composer_jax.config.ray import RayConfig
 from composer_jax.errors import UserError
 from composer_jax.runtime.local import Launcher, check_cores
 from composer_jax.runtime.placement import Command, LaunchError, Resources, RestartPolicy, ServiceSpec, log_dir_or_temp
+from composer_jax.runtime.ray_placement import RayPlacement
 
 ENV_START_TIMEOUT_S = 120.0  # an env server imports no JAX: it is up in about a second
 
@@ -96,3 +98,46 @@ def env_server_specs(
         )
         for i in range(count)
     ]
+
+
+class RayEnvServers(RayPlacement):
+    """`with RayEnvServers(tasks_dir, count, ray=RayConfig) as (urls, token):` - servers as Ray actors,
+    each asking for `rl.ray.env_server_cpus` CPUs and one unit of `rl.ray.env_server_resource`
+    (runtime/ray_placement.py); the same servers, token and logs as `LocalEnvServers`."""
+
+    def __init__(
+        self,
+        tasks_dir: str | os.PathLike,
+        count: int = 1,
+        *,
+        ray: RayConfig,
+        token: str | None = None,
+        extra_args: tuple[str, ...] = (),
+        log_dir: str | os.PathLike | None = None,
+        start_timeout_s: float = ENV_START_TIMEOUT_S,
+        restart: RestartPolicy | None = None,
+    ):
+        if not Path(tasks_dir).is_dir():
+            raise EnvServerError(f"tasks directory {str(tasks_dir)!r} does not exist or is not a directory")
+        self.token = token or secrets.token_urlsafe(24)
+        self.log_dir, self._tmp = log_dir_or_temp(log_dir, "composer-jax-env-servers-")
+        specs = env_server_specs(
+            Path(tasks_dir), count, self.token, tuple(extra_args), self.log_dir, resources=env_server_resources(ray)
+        )
+        super().__init__(
+            specs, ray=ray, kind="env_servers", start_timeout_s=start_timeout_s, restart=restart, error=EnvServerError
+        )
+
+    def __enter__(self) -> tuple[list[str], str]:  # type: ignore[override]
+        return self.start(), self.token
+
+    def stop(self) -> None:
+        super().stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+def env_server_resources(ray: RayConfig) -> Resources:
+    """What one environment server asks a Ray node for (rl.ray)."""
+    return Resources(ray.env_server_cpus, 0, ray.env_server_resource)

@@ -37,7 +37,7 @@ from composer_jax.config import Config
 from composer_jax.env.api.client import EnvClient
 from composer_jax.rl.algo.rewards import RolloutStats, compose_reward
 from composer_jax.rl.rollout.agent import Rollout, RolloutFailed
-from composer_jax.rl.rollout.env_servers import LocalEnvServers
+from composer_jax.rl.rollout.env_servers import LocalEnvServers, RayEnvServers, env_server_resources
 from composer_jax.rl.rollout.group_store import Group, GroupStore
 from composer_jax.rl.rollout.ledger import ResumePoint
 from composer_jax.rl.rollout.queue import RolloutQueue
@@ -45,9 +45,8 @@ from composer_jax.rl.rollout.rejoin import ReplicaWatch
 from composer_jax.rl.rollout.tasks import TaskRef, rollout_seed, run_rollouts, sample_tasks
 from composer_jax.rl.samplers.base import SamplerBackend
 from composer_jax.rl.samplers.policy import Policy, PolicyPool
-from composer_jax.rl.samplers.serve_launch import start_serve
-from composer_jax.runtime.local import Launcher
-from composer_jax.runtime.placement import RestartPolicy
+from composer_jax.rl.samplers.serve_launch import sampler_resources, start_serve
+from composer_jax.runtime.placement import Placement, RestartPolicy
 
 log = logging.getLogger(__name__)
 
@@ -140,8 +139,8 @@ class RolloutSide:
         resume: ResumePoint,
         store: GroupStore,
         sample_group: SampleGroup = sample_group,
-        env_launcher: Launcher | None = None,
-        sampler_launcher: Launcher | None = None,
+        env_launcher: Placement | None = None,
+        sampler_launcher: Placement | None = None,
     ):
         self.cfg, self.client, self.store, self.samplers = cfg, client, store, samplers
         # the local children it supervises (environment servers, replicas)
@@ -193,11 +192,12 @@ class RolloutSide:
         connection they hold is closed by `stack`. The samplers are `rl.sampler_engine`'s replicas
         when `rl.sampler_urls` or `rl.local_samplers` name some, else in-process ones that
         `make_samplers(cfg, **policy_args)` makes; the rest of `kwargs` go to the constructor."""
+        start_ray(stack, cfg, echo)
         urls, token, env_launcher = await _env_servers(stack, cfg, out_dir, echo)
         client = await stack.enter_async_context(EnvClient(urls, token))
         r = cfg.rl
         samplers: SamplerBackend
-        launcher: Launcher | None = None
+        launcher: Placement | None = None
         if r.sampler_engine == "vllm":
             from composer_jax.rl.samplers.vllm_launch import start_vllm  # vLLM replicas: only runs that use them
 
@@ -344,7 +344,34 @@ async def _env_servers(stack: contextlib.AsyncExitStack, cfg: Config, out_dir: P
         cores = sorted(os.sched_getaffinity(0))[1 : 1 + r.local_samplers]
     restart = RestartPolicy.of(r.supervision)
     logs = out_dir / "env_servers"
-    env_servers = LocalEnvServers(r.tasks_dir, r.env_servers, cores=cores, log_dir=logs, restart=restart)
+    env_servers: LocalEnvServers | RayEnvServers
+    if r.placement == "ray":
+        env_servers = RayEnvServers(r.tasks_dir, r.env_servers, ray=r.ray, log_dir=logs, restart=restart)
+    else:
+        env_servers = LocalEnvServers(r.tasks_dir, r.env_servers, cores=cores, log_dir=logs, restart=restart)
     urls, token = stack.enter_context(env_servers)
-    echo(f"[rl] started {len(urls)} local environment server(s) on {r.tasks_dir}")
+    where = "Ray-placed" if r.placement == "ray" else "local"
+    echo(f"[rl] started {len(urls)} {where} environment server(s) on {r.tasks_dir}: {', '.join(urls)}")
     return urls, token, env_servers
+
+
+def start_ray(stack: contextlib.AsyncExitStack, cfg: Config, echo: Callable[[str], None]) -> None:
+    """With `rl.placement: ray`, join the cluster (or start a local one holding what the run's
+    services ask for: its environment servers and replicas) before any is placed; a local cluster
+    ends with the run."""
+    r = cfg.rl
+    if r.placement != "ray":
+        return
+    from composer_jax.runtime.ray_placement import connect, import_ray
+
+    want: dict[str, float] = {}
+    fleet = [] if r.env_urls else [env_server_resources(r.ray)] * r.env_servers
+    fleet += [sampler_resources(r.ray)] * (0 if r.sampler_urls else r.local_samplers)
+    for res in fleet:
+        for key, value in res.as_ray().items():
+            want[key] = want.get(key, 0.0) + value
+    if connect(r.ray, want):
+        stack.callback(import_ray().shutdown)
+    ray = import_ray()
+    where = "a local Ray cluster" if not (r.ray.address or os.environ.get("RAY_ADDRESS")) else "the Ray cluster"
+    echo(f"[rl] placing services on {where} ({len(ray.nodes())} node(s))")

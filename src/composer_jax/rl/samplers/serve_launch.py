@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from composer_jax.config import Config
+from composer_jax.config.ray import RayConfig
 from composer_jax.config.sampler import SERVE_SAMPLER, SamplerConfig, sampler_argv, validate_sampler
 from composer_jax.errors import ConfigError
 from composer_jax.formats.tokenizer import Tokenizer
@@ -40,6 +41,7 @@ from composer_jax.runtime.placement import (
     ServiceSpec,
     log_dir_or_temp,
 )
+from composer_jax.runtime.ray_placement import RayPlacement
 
 
 class SamplerLaunchError(LaunchError):
@@ -109,6 +111,62 @@ class LocalSamplers(Launcher):
             self._tmp = None
 
 
+class RaySamplers(RayPlacement):
+    """`with RaySamplers(checkpoint, count, ray=RayConfig, weights_from=URL) as (urls, key):` - serve
+    replicas as Ray actors, each asking for `rl.ray.sampler_cpus` CPUs, `rl.ray.sampler_gpus` GPUs
+    and one unit of `rl.ray.sampler_resource` (runtime/ray_placement.py); the same replicas, key and
+    logs as `LocalSamplers`. The checkpoint and the weight store must be readable at the same path
+    (a shared file system or gs://) on every node a replica may be placed on."""
+
+    def __init__(
+        self,
+        checkpoint: str | os.PathLike,
+        count: int = 1,
+        *,
+        ray: RayConfig,
+        weights_from: str | None = None,
+        sampler: SamplerConfig = SERVE_SAMPLER,
+        api_key: str | None = None,
+        extra_args: Sequence[str] = (),
+        log_dir: str | os.PathLike | None = None,
+        start_timeout_s: float = START_TIMEOUT_S,
+        restart: RestartPolicy | None = None,
+    ):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise SamplerLaunchError(f"count={count!r} sampler replicas: give an int >= 1")
+        if not Path(checkpoint).exists():
+            raise SamplerLaunchError(f"checkpoint {str(checkpoint)!r} does not exist")
+        self.api_key = api_key or secrets.token_urlsafe(32)
+        self.log_dir, self._tmp = log_dir_or_temp(log_dir, "composer-jax-samplers-")
+        specs = serve_specs(
+            Path(checkpoint),
+            count,
+            self.api_key,
+            sampler,
+            weights_from,
+            tuple(extra_args),
+            self.log_dir,
+            resources=sampler_resources(ray),
+        )
+        super().__init__(
+            specs, ray=ray, kind="samplers", start_timeout_s=start_timeout_s, restart=restart, error=SamplerLaunchError
+        )
+
+    def __enter__(self) -> tuple[list[str], str]:  # type: ignore[override]
+        return self.start(), self.api_key
+
+    def stop(self) -> None:
+        super().stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+def sampler_resources(ray: RayConfig) -> Resources:
+    """What one serve replica asks a Ray node for (rl.ray)."""
+    return Resources(ray.sampler_cpus, ray.sampler_gpus, ray.sampler_resource)
+
+
 def serve_specs(
     checkpoint: Path,
     count: int,
@@ -139,10 +197,30 @@ def serve_specs(
     ]
 
 
-def local_samplers(cfg: Config, checkpoint_dir: str, store_url: str, version: int, out_dir: Path) -> LocalSamplers:
+def local_samplers(
+    cfg: Config, checkpoint_dir: str, store_url: str, version: int, out_dir: Path
+) -> LocalSamplers | RaySamplers:
     """`rl.local_samplers` serve replicas over the run's checkpoint of step `version`, following the
-    weight store."""
+    weight store: child processes of the run, or Ray actors with `rl.placement: ray`."""
     r, t = cfg.rl, cfg.train
+    extra = ["--version", str(version), "--max-len", str(t.seq_len)]
+    # a warm-up compiles every (group, bucket) admission program before the replica answers
+    # /health: 5-6 min for 48 slots x 768 tokens on one core here, past the plain start's 300 s
+    # (a cached compilation loads in seconds)
+    timeout = 1800.0 if r.sampler.warm_up else START_TIMEOUT_S
+    restart = RestartPolicy.of(r.supervision)
+    if r.placement == "ray":
+        return RaySamplers(
+            checkpoint_dir,
+            r.local_samplers,
+            ray=r.ray,
+            weights_from=store_url,
+            sampler=r.sampler,
+            extra_args=extra,
+            log_dir=out_dir / "samplers",
+            restart=restart,
+            start_timeout_s=timeout,
+        )
     cores = sorted(os.sched_getaffinity(0))
     return LocalSamplers(
         checkpoint_dir,
@@ -150,13 +228,10 @@ def local_samplers(cfg: Config, checkpoint_dir: str, store_url: str, version: in
         weights_from=store_url,
         sampler=r.sampler,
         cores=cores[1 : 1 + r.local_samplers] if r.pin_cores else None,
-        extra_args=["--version", str(version), "--max-len", str(t.seq_len)],
+        extra_args=extra,
         log_dir=out_dir / "samplers",
-        restart=RestartPolicy.of(r.supervision),
-        # a warm-up compiles every (group, bucket) admission program before the replica answers
-        # /health: 5-6 min for 48 slots x 768 tokens on one core here, past the plain start's 300 s
-        # (a cached compilation loads in seconds)
-        start_timeout_s=1800.0 if r.sampler.warm_up else START_TIMEOUT_S,
+        restart=restart,
+        start_timeout_s=timeout,
     )
 
 
@@ -170,7 +245,7 @@ def start_serve(
     store_url: str,
     out_dir: Path,
     echo: Callable[[str], None],
-) -> tuple[ServeReplicas, LocalSamplers | None]:
+) -> tuple[ServeReplicas, LocalSamplers | RaySamplers | None]:
     """The run's serve replicas: `rl.sampler_urls` (no launcher), or `rl.local_samplers` started here
     over the run's checkpoint of step `version` (stopped by `stack`), with their launcher."""
     r = cfg.rl
