@@ -202,7 +202,7 @@ def ray_resources(cfg: Config, devices: int, accelerator: str) -> dict[str, Any]
         "hosts": -(-devices // per_host),
         "even": devices % per_host == 0,
     }
-    replicas = {
+    replicas: dict[str, Any] = {
         "engine": r.sampler_engine,
         "count": r.local_samplers,
         "by_url": len(r.sampler_urls),
@@ -210,7 +210,7 @@ def ray_resources(cfg: Config, devices: int, accelerator: str) -> dict[str, Any]
         "gpus": ray.sampler_gpus,
         "resource": ray.sampler_resource,
     }
-    env_servers = {
+    env_servers: dict[str, Any] = {
         "count": 0 if r.env_urls else r.env_servers,
         "by_url": len(r.env_urls),
         "cpus": ray.env_server_cpus,
