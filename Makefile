@@ -13,12 +13,15 @@ PYTHON312 ?= python3.12
 
 .PHONY: venv demo test test-all lint system-deps harbor clean gpu-check gpu-wheels
 
+# Ray (locks/ray.lock) places a run's services on a cluster with `--placement ray` (docs/cluster.md);
+# it installs with the main locks. It stays optional (pyproject.toml's `ray` extra): the package
+# installs and runs without it (tests/test_packaging.py).
 # OpenEnv 0.3 (locks/openenv03.lock) installs the same `openenv` package as the current line
 # in locks/env.lock, so it goes to its own directory, with the venv's dependencies;
 # tests/env/server/test_openenv_clients.py runs its clients from there in a subprocess.
-$(STAMP): locks/base.lock locks/env.lock locks/openenv03.lock locks/swebench.lock pyproject.toml
+$(STAMP): locks/base.lock locks/env.lock locks/ray.lock locks/openenv03.lock locks/swebench.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -r locks/base.lock -r locks/env.lock
+	$(PY) -m pip install -q --disable-pip-version-check -r locks/base.lock -r locks/env.lock -r locks/ray.lock
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --upgrade --target $(VENV)/openenv-0.3 \
 	  -r locks/openenv03.lock
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --upgrade --target $(VENV)/swebench \

@@ -130,3 +130,57 @@ def test_k2_rl_config_passes_the_learners_own_checks():
     check_rl_run(cfg, process_count=32, cores=[])
     assert cfg.rl.loss.advantage == "drgrpo" and cfg.rl.loss.aggregation == "token_sum"
     assert cfg.rl.group_size * cfg.rl.groups_per_step * (1 + cfg.agent.max_summaries) == cfg.train.batch_size
+
+
+FLEET = ["rl.placement=ray", "rl.env_servers=3", "rl.local_samplers=2", "rl.ray.sampler_gpus=1"]
+
+
+def test_a_ray_placed_fleets_resources_by_hand(capsys):
+    # tiny_families: mesh data 2 x fsdp 2 x expert 2 = 8 devices; sized for no device, a CPU run
+    assert main([str(TINY_RL), *FLEET]) == 0
+    out = capsys.readouterr().out
+    assert "resources the run asks Ray for (rl.placement: ray; cluster: RAY_ADDRESS, else a local one" in out
+    assert "trainer          1 host x 8 CPU devices   (mesh of 8 devices;" in out
+    assert "sampler replicas 2 x (1 CPU, 1 GPU, 1 sampler)   (serve, rl.local_samplers)" in out
+    assert "env servers      3 x (1 CPU, 1 env_server)   (rl.env_servers)" in out
+    # CPUs 2 replicas x 1 + 3 servers x 1 = 5; GPUs 2 x 1 (a CPU trainer holds none); one unit of the
+    # custom resource per actor
+    assert "total            5 CPUs, 2 GPUs, sampler 2, env_server 3" in out
+    # on H100s: the 8 devices are one host's 8 GPUs, now counted; 16 devices are two hosts; fractional
+    # CPUs per actor: 2 x 2 + 3 x 0.5 = 5.5
+    more = ["rl.ray.sampler_cpus=2", "rl.ray.env_server_cpus=0.5", "rl.ray.address=auto"]
+    rc, r = _json(capsys, str(TINY_RL), *FLEET, *more, "--device", "h100")
+    x = r["rl"]["ray_resources"]
+    assert (x["placement"], x["address"]) == ("ray", "auto")
+    assert x["trainer"] == {"accelerator": "gpu", "devices": 8, "devices_per_host": 8, "hosts": 1, "even": True}
+    assert x["totals"] == {"cpus": 5.5, "gpus": 2 + 8, "tpus": 0, "custom": {"sampler": 2, "env_server": 3}}
+    rc, r = _json(capsys, str(TINY_RL), *FLEET, "mesh.data=4", "--device", "h100")
+    t = r["rl"]["ray_resources"]["trainer"]
+    assert (t["hosts"], t["devices_per_host"], t["devices"]) == (2, 8, 16)
+
+
+def test_a_local_fleet_says_what_ray_would_be_asked_and_urls_place_nothing(capsys, k2):
+    assert main([str(TINY_RL), "rl.ray.env_server_resource=", "rl.ray.sampler_resource="]) == 0
+    out = capsys.readouterr().out
+    assert "resources the run would ask Ray for (rl.placement: local:" in out
+    # the config's one environment server, no custom resource; no replica: the in-process sampler
+    assert "env servers      1 x (1 CPU)   (rl.env_servers)" in out
+    assert "sampler replicas none   (the in-process sampler, rl.local_samplers)" in out
+    assert "total            1 CPU, 0 GPUs (the trainer's CPUs not counted)" in out
+    # K2: mesh h200x256 on its train.device h200: 256 / 8 = 32 hosts (the config's "32 nodes x 8 H200");
+    # replicas and environment servers by URL run elsewhere: nothing placed for them
+    x = k2[1]["rl"]["ray_resources"]
+    assert (x["trainer"]["hosts"], x["trainer"]["devices_per_host"]) == (32, 8)
+    assert (x["replicas"]["count"], x["replicas"]["by_url"], x["env_servers"]["count"]) == (0, 8, 0)
+    assert x["totals"] == {"cpus": 0, "gpus": 256, "tpus": 0, "custom": {}}
+
+
+def test_a_vllm_replica_given_fewer_gpus_than_it_needs_is_noted(capsys):
+    # tiny on an H100: one GPU holds a replica (tensor parallel 1), so sampler_gpus=0 is below it
+    argv = [str(TINY_RL), "rl.local_samplers=1", "rl.sampler_engine=vllm", "--device", "h100"]
+    assert main(argv) == 0
+    assert "note: rl.ray.sampler_gpus=0 is below the 1 GPU (1 node of 8) a vLLM replica needs at" in (
+        capsys.readouterr().out
+    )
+    assert main([*argv, "rl.ray.sampler_gpus=1"]) == 0
+    assert "note: rl.ray.sampler_gpus" not in capsys.readouterr().out

@@ -1,9 +1,11 @@
-"""The Makefile's vLLM install (`make venv`): vLLM's virtualenv has a stamp of its own, touched only
-when its install succeeded, so a failed install warns, lets `make` go on (vLLM is optional) and is
-tried again by the next `make venv`; its CPU torch (`torch==2.13.0+cpu`, which PyPI does not serve)
-comes from PyTorch's CPU wheel index, added to pip's own indexes only when they cannot resolve it
-(an unreachable extra index costs retries on every package). Run against a stand-in virtualenv whose
-`pip` records each call's arguments and fails or succeeds as told, call by call."""
+"""The Makefile's installs (`make venv`). The main virtualenv takes the base, environment-server and
+Ray locks in one pip call (Ray's dependencies resolve with the rest) and is installed again when
+any of them changes. vLLM's virtualenv has a stamp of its own, touched only when its install
+succeeded, so a failed install warns, lets `make` go on (vLLM is optional) and is tried again by the
+next `make venv`; its CPU torch (`torch==2.13.0+cpu`, which PyPI does not serve) comes from
+PyTorch's CPU wheel index, added to pip's own indexes only when they cannot resolve it (an
+unreachable extra index costs retries on every package). Run against stand-in virtualenvs whose
+`pip` (or `python`) records each call's arguments and fails or succeeds as told, call by call."""
 
 from __future__ import annotations
 
@@ -70,3 +72,27 @@ def test_pips_own_indexes_are_tried_first(tmp_path):
     assert _make(venv).returncode == 0 and (venv / ".installed").exists()
     calls = (venv / "pip.args").read_text().splitlines()
     assert len(calls) == 1 and "--extra-index-url" not in calls[0].split()
+
+
+def test_the_main_install_takes_the_ray_lock_with_the_base_and_environment_locks(tmp_path):
+    venv = tmp_path / "venv"  # the main virtualenv: its python records `-m pip install ...` calls
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(f'#!/bin/sh\necho "$@" >> "{venv}/python.args"\nexit 0\n')
+    (venv / "bin" / "python").chmod(0o755)
+    make = ["make", "--no-print-directory", "-C", str(ROOT), f"VENV={venv}"]
+    stamp = str(venv / ".installed")
+    out = subprocess.run([*make, stamp], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and (venv / ".installed").exists(), out.stdout + out.stderr
+    first = (venv / "python.args").read_text().splitlines()[0].split()
+    assert first[:3] == ["-m", "pip", "install"] and "--no-deps" not in first and "--target" not in first
+    assert [first[i + 1] for i, a in enumerate(first) if a == "-r"] == [
+        "locks/base.lock",
+        "locks/env.lock",
+        "locks/ray.lock",
+    ]
+    # stamped: up to date (`make -q` exits 0) until a lock changes (-W: as if the file had just been
+    # modified); a file the install does not read leaves it up to date
+    question = lambda *w: subprocess.run([*make, "-q", *w, stamp], capture_output=True, timeout=60).returncode
+    assert question() == 0 and question("-W", "README.md") == 0
+    assert question("-W", "locks/ray.lock") == 1 and question("-W", "locks/env.lock") == 1
+    assert "ray==2.60.0" in (ROOT / "locks" / "ray.lock").read_text().split()

@@ -89,6 +89,41 @@ def test_the_wheel_carries_every_kind():
     assert tuple(_load_setup_module().BUNDLED) == resources.KINDS
 
 
+def _pins(lock: Path) -> dict[str, str]:
+    """A lock file's `name==version` lines (comments and blank lines skipped)."""
+    lines = (ln.split("#")[0].strip() for ln in lock.read_text().splitlines())
+    return dict(ln.split("==", 1) for ln in lines if ln)
+
+
+def test_the_ray_extra_pins_what_its_lock_pins_and_the_base_install_leaves_ray_out():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    lock = _pins(ROOT / "locks" / "ray.lock")
+    assert lock == {"ray": "2.60.0"}
+    assert project["optional-dependencies"]["ray"] == [f"ray=={lock['ray']}"]
+    names = {re.split(r"[<>=!~\[; ]", d, maxsplit=1)[0].lower() for d in project["dependencies"]}
+    assert "ray" not in names  # `--placement ray` is the extra's; nothing else needs Ray
+
+
+# run with Ray unimportable (a None entry in sys.modules makes `import ray` raise ImportError)
+WITHOUT_RAY = """
+import sys
+sys.modules["ray"] = None
+import composer_jax, composer_jax.cli, composer_jax.inspection
+from composer_jax.config import load_config
+cfg = load_config("configs/rl/tiny_families.yaml", ["rl.placement=ray"], num_devices=None)
+assert cfg.rl.placement == "ray"
+assert composer_jax.cli.main(["inspect", "configs/rl/tiny_families.yaml", "rl.placement=ray"]) == 0
+print("ok")
+"""
+
+
+def test_the_package_runs_without_ray():
+    out = subprocess.run([sys.executable, "-c", WITHOUT_RAY], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.splitlines()[-1] == "ok", out.stdout[-2000:] + out.stderr[-3000:]
+
+
 def test_demo_points_every_stage_at_the_bundled_data():
     from composer_jax import demo
 

@@ -9,7 +9,8 @@ parameter, and a verdict against a device.
     composer-jax inspect configs/pretrain/tiny_stage1.yaml --xla   # next to XLA's own analysis
 
 Also: the expert-parallel all-to-all bytes per device per step of both exchange strategies
-(padded, ragged) and their time at NVLink and InfiniBand line rates (`expert_all_to_all`).
+(padded, ragged) and their time at NVLink and InfiniBand line rates (`expert_all_to_all`); for an RL
+config, its trainer step, vLLM replica and what the run asks Ray for (inspection_rl.py).
 
 The mesh is taken from the config (or `--mesh FILE`, a YAML holding only a `mesh:` section, merged
 over it, then `key=value` overrides). It need not match the devices of this machine: the device
@@ -408,9 +409,26 @@ def build_report(
     if rl is not None:
         capacity = report["device"]["memory_bytes"] if "device" in report else None
         report["rl"] = inspection_rl.rl_report(
-            cfg, report, rows, rules, sizes, head_chunks, device_bytes=capacity, min_headroom=min_headroom, **rl
+            cfg,
+            report,
+            rows,
+            rules,
+            sizes,
+            head_chunks,
+            device_bytes=capacity,
+            accelerator=_accelerator(device, device_memory_gib),
+            min_headroom=min_headroom,
+            **rl,
         )
     return accounting.as_builtin(report)
+
+
+def _accelerator(device: str | None, device_memory_gib: float | None) -> str:
+    """What the trainer's devices are (inspection_rl.ACCELERATORS): a TPU of DEVICES, a GPU (any other
+    device named, or a memory given), else CPU devices (a run sized for no device)."""
+    if device is not None:
+        return "tpu" if device.startswith("tpu") else "gpu"
+    return "gpu" if device_memory_gib is not None else "cpu"
 
 
 def _verdict(total: float, device: str | None, device_memory_gib: float | None, min_headroom: float) -> dict[str, Any]:

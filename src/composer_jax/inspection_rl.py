@@ -1,5 +1,6 @@
 """`composer-jax inspect` on an RL config (one with an `rl:` section): the RL trainer step's memory
-per device with a fit verdict, and the GPUs one vLLM replica of the policy needs.
+per device with a fit verdict, the GPUs one vLLM replica of the policy needs, and the resources the
+run asks Ray for.
 
 The trainer (rl/learner.py) runs three phases a step, each with the train state resident (the
 policy's parameters and AdamW moments) and, when rl.loss.kl_coef > 0, the frozen reference copy
@@ -31,6 +32,15 @@ rest), the KV cache of C sequences (rl.sampler.slots, what one replica decodes t
   expert parallel:            every GPU; experts and sequences split N ways), N >= (E + K) / (u M - D).
 N is the smallest power of two that fits (dividing the heads, resp. the experts); the activation
 workspace and CUDA graphs come out of the same u M in vLLM, so the counts are lower bounds.
+
+What the run asks Ray for (`ray_resources`; printed whatever rl.placement says, docs/cluster.md):
+the trainer, one actor per host (a STRICT_SPREAD placement group) holding the mesh's devices,
+`GPUS_PER_HOST` GPUs a host (an HGX / DGX node) or `TPU_CHIPS_PER_HOST` TPU chips, a CPU run's
+devices all in one process on one host; the rl.local_samplers replicas, each rl.ray.sampler_cpus
+CPUs, rl.ray.sampler_gpus GPUs and one unit of rl.ray.sampler_resource; the rl.env_servers
+environment servers, each rl.ray.env_server_cpus CPUs and one unit of rl.ray.env_server_resource.
+Replicas and servers given by URL (rl.sampler_urls, rl.env_urls) run elsewhere: nothing is placed
+for them. The trainer actors' own CPUs are not counted (Ray's default for an actor: 1 to schedule).
 """
 
 from __future__ import annotations
@@ -46,6 +56,9 @@ from composer_jax.sharding import ShardingRules
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's --gpu-memory-utilization default
 SERVE_PRECISIONS = ("bfloat16", "float32", "fp8")
 MAX_REPLICA_GPUS = 1024
+GPUS_PER_HOST = 8  # HGX / DGX H100, H200, B200 (as inspection.GPUS_PER_NODE)
+TPU_CHIPS_PER_HOST = 4  # a multi-host Cloud TPU slice's VM (v4, v5e, v5p, v6e)
+ACCELERATORS = ("cpu", "gpu", "tpu")
 _INT32 = 4
 _F32 = 4
 
@@ -174,6 +187,55 @@ def replica(
     }
 
 
+def ray_resources(cfg: Config, devices: int, accelerator: str) -> dict[str, Any]:
+    """What the run asks Ray for (module docstring): the trainer's hosts and devices per host for a
+    mesh of `devices` on `accelerator` (one of ACCELERATORS), the replicas' and environment servers'
+    counts and per-actor resources, and the totals over the placed actors (custom resources by name)."""
+    if accelerator not in ACCELERATORS:
+        raise ValueError(f"accelerator {accelerator!r}: accepted: {', '.join(ACCELERATORS)}")
+    r, ray = cfg.rl, cfg.rl.ray
+    per_host = min(devices, {"gpu": GPUS_PER_HOST, "tpu": TPU_CHIPS_PER_HOST}.get(accelerator, devices))
+    trainer = {
+        "accelerator": accelerator,
+        "devices": devices,
+        "devices_per_host": per_host,
+        "hosts": -(-devices // per_host),
+        "even": devices % per_host == 0,
+    }
+    replicas: dict[str, Any] = {
+        "engine": r.sampler_engine,
+        "count": r.local_samplers,
+        "by_url": len(r.sampler_urls),
+        "cpus": ray.sampler_cpus,
+        "gpus": ray.sampler_gpus,
+        "resource": ray.sampler_resource,
+    }
+    env_servers: dict[str, Any] = {
+        "count": 0 if r.env_urls else r.env_servers,
+        "by_url": len(r.env_urls),
+        "cpus": ray.env_server_cpus,
+        "resource": ray.env_server_resource,
+    }
+    custom: dict[str, int] = {}
+    for actors in (replicas, env_servers):
+        if actors["resource"] and actors["count"]:
+            custom[actors["resource"]] = custom.get(actors["resource"], 0) + actors["count"]
+    totals = {
+        "cpus": replicas["count"] * replicas["cpus"] + env_servers["count"] * env_servers["cpus"],
+        "gpus": replicas["count"] * replicas["gpus"] + (devices if accelerator == "gpu" else 0),
+        "tpus": devices if accelerator == "tpu" else 0,
+        "custom": custom,
+    }
+    return {
+        "placement": r.placement,
+        "address": ray.address,
+        "trainer": trainer,
+        "replicas": replicas,
+        "env_servers": env_servers,
+        "totals": totals,
+    }
+
+
 def rl_report(
     cfg: Config,
     report: Mapping[str, Any],
@@ -183,12 +245,14 @@ def rl_report(
     head_chunks: int | None,
     *,
     device_bytes: float | None,
+    accelerator: str,
     serve_precision: str,
     utilization: float,
     min_headroom: float,
 ) -> dict[str, Any]:
     """The report's `rl` part: the trainer's phases and verdict, the replicas at `serve_precision`
-    and at the other precisions of `SERVE_PRECISIONS` the weights are commonly served in."""
+    and at the other precisions of `SERVE_PRECISIONS` the weights are commonly served in, and what
+    the run asks Ray for with the trainer's devices on `accelerator` (`ray_resources`)."""
     mem = report["memory_per_device"]
     trainer = rl_trainer_memory(
         cfg, rules, sizes, mem, report["batch"], report["seq"], report["micro_batches"], head_chunks
@@ -202,6 +266,7 @@ def rl_report(
         "router_replay": cfg.rl.loss.router_replay,
         "sampler_urls": len(cfg.rl.sampler_urls),
         "env_urls": len(cfg.rl.env_urls),
+        "ray_resources": ray_resources(cfg, math.prod(sizes.values()), accelerator),
     }
     if device_bytes is not None:
         free = device_bytes - trainer["total"]
@@ -221,6 +286,64 @@ def _gpus(n: int | None) -> str:
         return f"none up to {MAX_REPLICA_GPUS} GPUs"
     nodes = -(-n // 8)
     return f"{n} GPU{'s' if n > 1 else ''} ({nodes} node{'s' if nodes > 1 else ''} of 8)"
+
+
+def _cpus(n: float) -> str:
+    return f"{n:g} CPU{'' if n == 1 else 's'}"
+
+
+def _actors(a: Mapping[str, Any], gpus: bool, by_url: str) -> str:
+    """`N x (C CPUs[, G GPUs][, 1 RESOURCE])`, or why none is placed."""
+    if not a["count"]:
+        return f"none placed ({a['by_url']} by {by_url})" if a["by_url"] else "none"
+    each = [_cpus(a["cpus"])]
+    if gpus:
+        each.append(f"{a['gpus']} GPU{'' if a['gpus'] == 1 else 's'}")
+    if a["resource"]:
+        each.append(f"1 {a['resource']}")
+    return f"{a['count']} x ({', '.join(each)})"
+
+
+def format_ray(x: Mapping[str, Any], replicas: list[Mapping[str, Any]]) -> list[str]:
+    """The text report's lines on what the run asks Ray for (`ray_resources`); `replicas` the report's
+    replica sizes (empty without a device), the first at the serving precision."""
+    t, rep, env, tot = x["trainer"], x["replicas"], x["env_servers"], x["totals"]
+    head = (
+        "resources the run asks Ray for (rl.placement: ray; cluster: "
+        + (f"rl.ray.address {x['address']})" if x["address"] else "RAY_ADDRESS, else a local one the run starts)")
+        if x["placement"] == "ray"
+        else "resources the run would ask Ray for (rl.placement: local: its services run as child processes on "
+        "this machine; --placement ray places them on a Ray cluster)"
+    )
+    unit = {"gpu": "GPU", "tpu": "TPU chip", "cpu": "CPU device"}[t["accelerator"]]
+    per = f"{t['devices_per_host']} {unit}{'' if t['devices_per_host'] == 1 else 's'}"
+    trainer = f"{t['hosts']} host{'' if t['hosts'] == 1 else 's'} x {per}"
+    note = {
+        "gpu": "one actor per host, STRICT_SPREAD",
+        "tpu": "one actor per host, STRICT_SPREAD",
+        "cpu": "no accelerator: give --device to size GPU hosts",
+    }[t["accelerator"]]
+    if not t["even"]:
+        note += f"; the mesh's {t['devices']} devices do not fill the hosts evenly"
+    sampler = "the in-process sampler" if not (rep["count"] or rep["by_url"]) else f"{rep['engine']}"
+    total = [_cpus(tot["cpus"]), f"{tot['gpus']} GPU{'' if tot['gpus'] == 1 else 's'}"]
+    if tot["tpus"]:
+        total.append(f"{tot['tpus']} TPU chips")
+    total += [f"{k} {v:g}" for k, v in tot["custom"].items()]
+    lines = [
+        "",
+        head,
+        f"  trainer          {trainer}   (mesh of {t['devices']} device{'' if t['devices'] == 1 else 's'}; {note})",
+        f"  sampler replicas {_actors(rep, True, 'rl.sampler_urls')}   ({sampler}, rl.local_samplers)",
+        f"  env servers      {_actors(env, False, 'rl.env_urls')}   (rl.env_servers)",
+        f"  total            {', '.join(total)} (the trainer's CPUs not counted)",
+    ]
+    if rep["count"] and rep["engine"] == "vllm" and replicas and (replicas[0]["gpus"] or 0) > rep["gpus"]:
+        lines.append(
+            f"  note: rl.ray.sampler_gpus={rep['gpus']} is below the {_gpus(replicas[0]['gpus'])} a vLLM replica "
+            f"needs at {replicas[0]['precision']} (above)"
+        )
+    return lines
 
 
 def format_rl(r: Mapping[str, Any], gib) -> list[str]:
@@ -266,4 +389,4 @@ def format_rl(r: Mapping[str, Any], gib) -> list[str]:
         ]
         if i == 0:
             lines.append(f"  replica size at {rep['precision']}: {_gpus(rep['gpus'])}")
-    return lines
+    return lines + format_ray(r["ray_resources"], r.get("replicas", []))
