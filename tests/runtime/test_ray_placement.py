@@ -143,3 +143,77 @@ def test_one_rl_step_with_the_env_server_on_one_node_and_the_replica_on_another(
     assert where == {"env_servers": [env_node.node_id], "samplers": [replica_node.node_id]}
     assert step["env_servers/alive"] == 1.0 and step["samplers/alive"] == 1.0
     assert step["env_servers/moved"] == 0.0
+
+
+# slow (about 2 minutes): the default suite's two-node step keeps the placement's property; this one
+# adds a node's loss mid-run
+@pytest.mark.slow
+@needs_bwrap
+def test_nodes_removed_mid_run_their_services_move_and_the_run_finishes(tmp_path, monkeypatch):
+    """The environment server's node and the replica's node are removed after the first step: Ray
+    places both again on the spare nodes, the replica rejoins rotation, the environment client
+    follows the server to its new address, and the run trains to its last step, no group lost or
+    trained twice."""
+    import threading
+    import time
+
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    from composer_jax.rl.learner import run_rl
+
+    monkeypatch.chdir(REPO)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    placements: list[rp.RayPlacement] = []
+    start = rp.RayPlacement.start
+
+    def recorded(self):
+        placements.append(self)
+        return start(self)
+
+    monkeypatch.setattr(rp.RayPlacement, "start", recorded)
+    out = tmp_path / "run"
+    removed: list[str] = []
+    try:
+        first = [cluster.add_node(num_cpus=1, resources={r: 1}) for r in ("env_server", "sampler")]
+        spares = [cluster.add_node(num_cpus=1, resources={r: 1}) for r in ("env_server", "sampler")]
+
+        def remove_after_first_step() -> None:
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline:
+                m = out / "metrics.jsonl"
+                if m.exists() and '"step": 1,' in m.read_text():
+                    for node in first:
+                        cluster.remove_node(node)
+                        removed.append(node.node_id)
+                    return
+                time.sleep(0.1)
+
+        cfg = load_config(
+            CONFIG,
+            [
+                f"train.out_dir={out}",
+                "train.steps=3",
+                "rl.eval_tasks=[]",
+                "rl.local_samplers=1",
+                "rl.sampler.slots=8",
+                "rl.placement=ray",
+                f"rl.ray.address={cluster.address}",
+                "rl.supervision.backoff_s=0.5",
+            ],
+        )
+        watcher = threading.Thread(target=remove_after_first_step, daemon=True)
+        watcher.start()
+        summary = run_rl(cfg, echo=lambda _: None)
+        watcher.join(5)
+        assert not ray.is_initialized()
+    finally:
+        cluster.shutdown()
+    assert len(removed) == 2, "the watcher removed no node"
+    assert summary["final_step"] == 3 and not summary["lost_groups"] and not summary["dropped_stale_groups"]
+    assert sorted(i for ids in summary["trained_groups"].values() for i in ids) == list(range(6))
+    where = {p.kind: [q.node for q in p._placed] for p in placements}
+    assert where == {"env_servers": [spares[0].node_id], "samplers": [spares[1].node_id]}
+    last = summary["steps"][3]
+    assert last["samplers/moved"] == 1.0 and last["env_servers/moved"] == 1.0
+    assert last["samplers/rejoined"] >= 1.0
