@@ -79,7 +79,7 @@ def test_the_learners_replicas_get_exactly_its_sampler_section(tmp_path):
     overrides = ["rl.sampler.slots=5", "rl.sampler.prefix_cache=keep", "rl.sampler.warm_up=true", "rl.local_samplers=1"]
     cfg = cj.load_config(TINY, overrides, num_devices=None)
     samplers = local_samplers(cfg, str(tmp_path), "file:///store", 3, tmp_path)
-    argv = samplers._children[0].spec.argv(4321)
+    argv = samplers._children[0].spec.argv("127.0.0.1", 4321)
     assert argv[0] == "serve"
     args = _serve_parser().parse_args(argv[1:])
     assert sampler_from_args(args) == cfg.rl.sampler

@@ -161,7 +161,7 @@ def test_replica_key_travels_in_the_environment_not_on_the_command_line(tmp_path
     other = LocalVLLM(VLLMConfig(), 1, model_dir=tmp_path, version=3, max_model_len=64, cpu=True, log_dir=tmp_path)
     key = launcher.api_key
     assert len(key) >= 32 and key != other.api_key  # generated per launcher: per run
-    assert launcher.replica_env == {KEY_ENV: key} and not any(key in a for a in launcher.argv_for(0)(8000))
+    assert launcher.replica_env == {KEY_ENV: key} and not any(key in a for a in launcher.argv_for(0)("127.0.0.1", 8000))
     env = vllm_env({"PATH": "/bin", "PYTHONPATH": "/src", KEY_ENV: key})
     assert env[KEY_ENV] == key and env["VLLM_SERVER_DEV_MODE"] == "1"
     assert env["PYTHONPATH"].split(os.pathsep) == [str(SITE_DIR), "/src"]  # replica_auth importable by vLLM
