@@ -1,7 +1,9 @@
 """The cluster recipes under deploy/ (docs/cluster.md): each is read as the tool that takes it would
 read it, checked by hand against what that tool documents, and its `composer-jax rl` command is
 parsed by the real CLI parser and loaded as a config, whose fleet (`inspection_rl.ray_resources`)
-the recipe's nodes must hold.
+the recipe's nodes must hold. The trainer is the driver, not a Ray actor: it runs on the Ray head (the
+node the Slurm script runs on, the RayJob's head pod), which must hold the trainer's GPUs and offer Ray
+none of them (nor any custom resource), so that no replica is placed on the trainer's GPUs.
 
 - deploy/kuberay/rayjob.yaml, a KubeRay RayJob (PyYAML; the schema's fields checked one by one);
 - deploy/slurm/ray_on_slurm.sbatch, a Ray-on-Slurm batch script: `bash -n`, its #SBATCH lines, and
@@ -91,6 +93,13 @@ def _gpus(group: dict[str, Any]) -> int:
     return int(limit)
 
 
+def _ray_gpus(group: dict[str, Any]) -> int:
+    """The GPUs the pod's `ray start` offers Ray: rayStartParams' num-gpus when set, else (KubeRay) the
+    container's nvidia.com/gpu limit."""
+    params = group["rayStartParams"]
+    return int(params["num-gpus"]) if "num-gpus" in params else _gpus(group)
+
+
 def test_the_rayjob_is_a_rayjob_of_the_run(rayjob):
     assert rayjob["apiVersion"] == "ray.io/v1" and rayjob["kind"] == "RayJob"
     assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", rayjob["metadata"]["name"])  # a DNS-1123 label
@@ -124,9 +133,11 @@ def test_the_rayjobs_worker_groups_hold_the_runs_fleet(rayjob):
         mounts = {m["name"] for m in _container(g).get("volumeMounts", [])}
         assert {v["name"] for v in g["template"]["spec"]["volumes"]} >= mounts
     by_name = {g["groupName"]: g for g in groups}
+    # the trainer is the driver, on the head: no worker group of its own
+    assert set(by_name) == {"env-servers", "samplers"}
     cfg = _run_config(shlex.split(rayjob["spec"]["entrypoint"]))
     fleet = _fleet(cfg)
-    env, rep, trainer = fleet["env_servers"], fleet["replicas"], fleet["trainer"]
+    env, rep = fleet["env_servers"], fleet["replicas"]
 
     # the CPU group: the env_server resource, no GPU, room for every environment server
     cpu = by_name["env-servers"]
@@ -144,10 +155,23 @@ def test_the_rayjobs_worker_groups_hold_the_runs_fleet(rayjob):
     tolerations = samplers["template"]["spec"]["tolerations"]
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in tolerations
 
-    # the trainer's GPUs: one pod per host of the mesh, no custom resource
-    train = by_name["trainer"]
-    assert _custom_resources(train["rayStartParams"]) == {}
-    assert train["replicas"] >= trainer["hosts"] and _gpus(train) >= trainer["devices_per_host"]
+    # what Ray is offered covers what it is asked for; the env-servers group offers no GPU
+    assert _ray_gpus(cpu) == 0 and samplers["replicas"] * _ray_gpus(samplers) >= fleet["totals"]["gpus"] == 2
+
+
+def test_the_rayjobs_head_holds_the_trainer_and_gives_ray_none_of_it(rayjob):
+    # Ray Jobs run the entrypoint, the driver, on the head pod: the trainer's GPUs are the head's
+    cfg = _run_config(shlex.split(rayjob["spec"]["entrypoint"]))
+    trainer = _fleet(cfg)["trainer"]
+    assert trainer["placed_by_ray"] is False and trainer["hosts"] == 1
+    head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]
+    assert _gpus(head) >= trainer["devices_per_host"] == 1
+    tolerations = head["template"]["spec"]["tolerations"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in tolerations
+    # ... and Ray is offered none of them, no CPU and no custom resource: no actor lands on the head
+    params = head["rayStartParams"]
+    assert (params["num-gpus"], params["num-cpus"]) == ("0", "0") and _ray_gpus(head) == 0
+    assert _custom_resources(params) == {}
 
 
 def test_the_rayjob_names_its_image_placeholder_and_no_other_image(rayjob):
@@ -262,26 +286,29 @@ def _ray_start(call: list[str]) -> tuple[dict[str, str], dict[str, str]]:
 
 
 def test_the_sbatch_script_starts_ray_by_node_kind_and_then_the_run(tmp_path):
-    out, calls = _run_sbatch(tmp_path, 5, "rl.env_servers=8", SAMPLER_NODES="2", ENV_SERVERS_PER_NODE="4")
+    out, calls = _run_sbatch(tmp_path, 5, "rl.env_servers=8", SAMPLERS_PER_NODE="3", ENV_SERVERS_PER_NODE="4")
     assert out.returncode == 0, out.stdout + out.stderr
     starts = [_ray_start(c) for c in calls if c[0] == "srun"]
     address = "10.1.2.3:6379"  # the head's first address, the GCS port
     head = [(s, r) for s, r in starts if "head" in r]
-    assert len(head) == 1 and len(starts) == 4
+    assert len(head) == 1 and len(starts) == 3
     srun, ray = head[0]
     assert srun["het-group"] == "0" and srun["nodelist"] == "gpu7"  # the node the script runs on
-    assert srun["gpus-per-node"] == ray["num-gpus"] == "8" and srun["cpus-per-task"] == ray["num-cpus"] == "32"
-    assert ray["node-ip-address"] == "10.1.2.3" and ray["port"] == "6379"
-    assert json.loads(ray["resources"]) == {"sampler": 2} and "block" in ray
+    # the head is the trainer's node (the driver runs on it, below): its Ray step takes none of its GPUs,
+    # and Ray is offered no GPU, no CPU and no `sampler` there, so no actor is placed on it
+    assert srun["gres"] == "none" and "gpus-per-node" not in srun and srun["cpus-per-task"] == "32"
+    assert (ray["num-gpus"], ray["num-cpus"]) == ("0", "0") and "resources" not in ray
+    assert ray["node-ip-address"] == "10.1.2.3" and ray["port"] == "6379" and "block" in ray
     workers = {s["nodelist"]: (s, r) for s, r in starts if "head" not in r}
-    # SAMPLER_NODES=2: the head and gpu8 hold replicas, gpu9 the trainer; the CPU nodes the environment servers
-    assert set(workers) == {"gpu8", "gpu9", "cpu1,cpu2"}
+    # every other GPU node holds replicas, in one step; the CPU nodes the environment servers
+    assert set(workers) == {"gpu8,gpu9", "cpu1,cpu2"}
     for nodes, (srun, ray) in workers.items():
         n = len(nodes.split(","))
         assert (srun["nodes"], srun["ntasks"], srun["ntasks-per-node"]) == (str(n), str(n), "1")
         assert ray["address"] == address and "block" in ray
-    assert json.loads(workers["gpu8"][1]["resources"]) == {"sampler": 2}
-    assert json.loads(workers["gpu9"][1]["resources"]) == {} and workers["gpu9"][1]["num-gpus"] == "8"
+    srun, ray = workers["gpu8,gpu9"]
+    assert (srun["het-group"], srun["gpus-per-node"], srun["cpus-per-task"]) == ("0", "8", "32")
+    assert json.loads(ray["resources"]) == {"sampler": 3} and (ray["num-gpus"], ray["num-cpus"]) == ("8", "32")
     srun, ray = workers["cpu1,cpu2"]
     assert (srun["het-group"], srun["cpus-per-task"], "gpus-per-node" in srun) == ("1", "64", False)
     assert json.loads(ray["resources"]) == {"env_server": 4} and ray["num-gpus"] == "0"
@@ -305,12 +332,16 @@ def test_the_sbatch_scripts_defaults_hold_the_example_runs_fleet(tmp_path):
     (run,) = [c for c in calls if c[0] == "composer-jax"]
     fleet = _fleet(_run_config(run))
     gpu, cpu = _sbatch_components()
-    sampler_nodes, per_node = int(_default("SAMPLER_NODES")), int(_default("SAMPLERS_PER_NODE"))
+    per_node = int(_default("SAMPLERS_PER_NODE"))
     rep = fleet["replicas"]
-    assert sampler_nodes * per_node >= rep["count"] == 2  # a unit of `sampler` per replica
-    assert per_node * rep["gpus"] <= int(gpu["gpus-per-node"])  # their GPUs fit a node
-    # the trainer's hosts are the GPU nodes that hold no replica
-    assert int(gpu["nodes"]) - sampler_nodes >= fleet["trainer"]["hosts"] == 1
+    # the replicas go on the GPU nodes but the head: a unit of `sampler` per replica, their GPUs on a node
+    assert (int(gpu["nodes"]) - 1) * per_node >= rep["count"] == 2
+    assert per_node * rep["gpus"] <= int(gpu["gpus-per-node"])
+    # the trainer is the driver, on the head, one host: its GPUs are the head's, not Ray's
+    trainer = fleet["trainer"]
+    assert trainer["placed_by_ray"] is False and trainer["hosts"] == 1
+    assert trainer["devices_per_host"] <= int(gpu["gpus-per-node"])
+    assert (int(gpu["nodes"]) - 1) * int(gpu["gpus-per-node"]) >= fleet["totals"]["gpus"]
     env = fleet["env_servers"]
     assert int(cpu["nodes"]) * int(_default("ENV_SERVERS_PER_NODE")) >= env["count"] == 4
     assert int(cpu["cpus-per-task"]) >= int(_default("ENV_SERVERS_PER_NODE")) * env["cpus"]

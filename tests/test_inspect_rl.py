@@ -140,23 +140,42 @@ def test_a_ray_placed_fleets_resources_by_hand(capsys):
     assert main([str(TINY_RL), *FLEET]) == 0
     out = capsys.readouterr().out
     assert "resources the run asks Ray for (rl.placement: ray; cluster: RAY_ADDRESS, else a local one" in out
-    assert "trainer          1 host x 8 CPU devices   (mesh of 8 devices;" in out
+    # the trainer is the driver, not a Ray actor: sized for its node, left out of the totals
+    assert (
+        "trainer          1 host x 8 CPU devices   (mesh of 8 devices; not placed by Ray: the driver, on the node "
+        "where the command runs; no accelerator" in out
+    )
+    assert "STRICT_SPREAD" not in out and "actor per host" not in out
     assert "sampler replicas 2 x (1 CPU, 1 GPU, 1 sampler)   (serve, rl.local_samplers)" in out
     assert "env servers      3 x (1 CPU, 1 env_server)   (rl.env_servers)" in out
-    # CPUs 2 replicas x 1 + 3 servers x 1 = 5; GPUs 2 x 1 (a CPU trainer holds none); one unit of the
-    # custom resource per actor
-    assert "total            5 CPUs, 2 GPUs, sampler 2, env_server 3" in out
-    # on H100s: the 8 devices are one host's 8 GPUs, now counted; 16 devices are two hosts; fractional
-    # CPUs per actor: 2 x 2 + 3 x 0.5 = 5.5
+    # CPUs 2 replicas x 1 + 3 servers x 1 = 5; GPUs 2 x 1; one unit of the custom resource per actor
+    total = "total            5 CPUs, 2 GPUs, sampler 2, env_server 3 (the trainer not counted: it runs outside Ray)"
+    assert total in out
+    # on H100s: the 8 devices are one host's 8 GPUs, the driver node's, not asked of Ray (the GPU total
+    # is the replicas' alone); 16 devices are two hosts; fractional CPUs per actor: 2 x 2 + 3 x 0.5 = 5.5
     more = ["rl.ray.sampler_cpus=2", "rl.ray.env_server_cpus=0.5", "rl.ray.address=auto"]
     rc, r = _json(capsys, str(TINY_RL), *FLEET, *more, "--device", "h100")
     x = r["rl"]["ray_resources"]
     assert (x["placement"], x["address"]) == ("ray", "auto")
-    assert x["trainer"] == {"accelerator": "gpu", "devices": 8, "devices_per_host": 8, "hosts": 1, "even": True}
-    assert x["totals"] == {"cpus": 5.5, "gpus": 2 + 8, "tpus": 0, "custom": {"sampler": 2, "env_server": 3}}
-    rc, r = _json(capsys, str(TINY_RL), *FLEET, "mesh.data=4", "--device", "h100")
+    assert x["trainer"] == {
+        "accelerator": "gpu",
+        "devices": 8,
+        "devices_per_host": 8,
+        "hosts": 1,
+        "even": True,
+        "placed_by_ray": False,
+    }
+    assert x["totals"] == {"cpus": 5.5, "gpus": 2, "custom": {"sampler": 2, "env_server": 3}}
+    argv = [str(TINY_RL), *FLEET, "mesh.data=4", "--device", "h100"]
+    rc, r = _json(capsys, *argv)
     t = r["rl"]["ray_resources"]["trainer"]
     assert (t["hosts"], t["devices_per_host"], t["devices"]) == (2, 8, 16)
+    assert r["rl"]["ray_resources"]["totals"]["gpus"] == 2
+    assert main(argv) == 0
+    assert (
+        "trainer          2 hosts x 8 GPUs   (mesh of 16 devices; not placed by Ray: the command on each host, "
+        "joined by jax.distributed (docs/scaling.md))" in capsys.readouterr().out
+    )
 
 
 def test_a_local_fleet_says_what_ray_would_be_asked_and_urls_place_nothing(capsys, k2):
@@ -166,21 +185,23 @@ def test_a_local_fleet_says_what_ray_would_be_asked_and_urls_place_nothing(capsy
     # the config's one environment server, no custom resource; no replica: the in-process sampler
     assert "env servers      1 x (1 CPU)   (rl.env_servers)" in out
     assert "sampler replicas none   (the in-process sampler, rl.local_samplers)" in out
-    assert "total            1 CPU, 0 GPUs (the trainer's CPUs not counted)" in out
+    assert "total            1 CPU, 0 GPUs (the trainer not counted: it runs outside Ray)" in out
     # K2: mesh h200x256 on its train.device h200: 256 / 8 = 32 hosts (the config's "32 nodes x 8 H200");
     # replicas and environment servers by URL run elsewhere: nothing placed for them
     x = k2[1]["rl"]["ray_resources"]
     assert (x["trainer"]["hosts"], x["trainer"]["devices_per_host"]) == (32, 8)
     assert (x["replicas"]["count"], x["replicas"]["by_url"], x["env_servers"]["count"]) == (0, 8, 0)
-    assert x["totals"] == {"cpus": 0, "gpus": 256, "tpus": 0, "custom": {}}
+    assert x["trainer"]["placed_by_ray"] is False
+    assert x["totals"] == {"cpus": 0, "gpus": 0, "custom": {}}  # the trainer's 256 GPUs are not Ray's
 
 
-def test_a_vllm_replica_given_fewer_gpus_than_it_needs_is_noted(capsys):
-    # tiny on an H100: one GPU holds a replica (tensor parallel 1), so sampler_gpus=0 is below it
+def test_vllm_replicas_are_noted_as_never_placed_by_ray(capsys):
+    # vLLM replicas the run starts stay on its machine (the config refuses them with rl.placement=ray)
     argv = [str(TINY_RL), "rl.local_samplers=1", "rl.sampler_engine=vllm", "--device", "h100"]
     assert main(argv) == 0
-    assert "note: rl.ray.sampler_gpus=0 is below the 1 GPU (1 node of 8) a vLLM replica needs at" in (
-        capsys.readouterr().out
+    assert (
+        "note: vLLM replicas are not placed by Ray (rl.placement=ray refuses rl.sampler_engine=vllm with "
+        "rl.local_samplers): give running vLLM replicas as rl.sampler_urls" in capsys.readouterr().out
     )
-    assert main([*argv, "rl.ray.sampler_gpus=1"]) == 0
-    assert "note: rl.ray.sampler_gpus" not in capsys.readouterr().out
+    assert main([*argv[:2], "rl.sampler_engine=serve", *argv[3:]]) == 0
+    assert "note: vLLM replicas" not in capsys.readouterr().out

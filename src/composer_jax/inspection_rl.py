@@ -34,13 +34,16 @@ N is the smallest power of two that fits (dividing the heads, resp. the experts)
 workspace and CUDA graphs come out of the same u M in vLLM, so the counts are lower bounds.
 
 What the run asks Ray for (`ray_resources`; printed whatever rl.placement says, docs/cluster.md):
-the trainer, one actor per host (a STRICT_SPREAD placement group) holding the mesh's devices,
-`GPUS_PER_HOST` GPUs a host (an HGX / DGX node) or `TPU_CHIPS_PER_HOST` TPU chips, a CPU run's
-devices all in one process on one host; the rl.local_samplers replicas, each rl.ray.sampler_cpus
-CPUs, rl.ray.sampler_gpus GPUs and one unit of rl.ray.sampler_resource; the rl.env_servers
-environment servers, each rl.ray.env_server_cpus CPUs and one unit of rl.ray.env_server_resource.
-Replicas and servers given by URL (rl.sampler_urls, rl.env_urls) run elsewhere: nothing is placed
-for them. The trainer actors' own CPUs are not counted (Ray's default for an actor: 1 to schedule).
+the rl.local_samplers replicas, each rl.ray.sampler_cpus CPUs, rl.ray.sampler_gpus GPUs and one
+unit of rl.ray.sampler_resource; the rl.env_servers environment servers, each
+rl.ray.env_server_cpus CPUs and one unit of rl.ray.env_server_resource. Replicas and servers given
+by URL (rl.sampler_urls, rl.env_urls) run elsewhere: nothing is placed for them. The trainer is not
+placed by Ray: it is the driver, the process `composer-jax rl` runs as, on the node where the command
+runs (more hosts: the same command on each, joined by jax.distributed, docs/scaling.md), and it holds
+that node's devices; its hosts and devices per host are printed for sizing that node (`GPUS_PER_HOST`
+GPUs a host, an HGX / DGX node, or `TPU_CHIPS_PER_HOST` TPU chips; a CPU run's devices all in one
+process on one host) and left out of the totals. vLLM replicas are never placed by Ray (config:
+rl.placement=ray refuses rl.sampler_engine=vllm with rl.local_samplers).
 """
 
 from __future__ import annotations
@@ -188,9 +191,10 @@ def replica(
 
 
 def ray_resources(cfg: Config, devices: int, accelerator: str) -> dict[str, Any]:
-    """What the run asks Ray for (module docstring): the trainer's hosts and devices per host for a
-    mesh of `devices` on `accelerator` (one of ACCELERATORS), the replicas' and environment servers'
-    counts and per-actor resources, and the totals over the placed actors (custom resources by name)."""
+    """What the run asks Ray for (module docstring): the replicas' and environment servers' counts and
+    per-actor resources, the totals over these placed actors (custom resources by name), and, beside
+    them, the trainer's hosts and devices per host for a mesh of `devices` on `accelerator` (one of
+    ACCELERATORS): the driver's, not asked of Ray and not in the totals."""
     if accelerator not in ACCELERATORS:
         raise ValueError(f"accelerator {accelerator!r}: accepted: {', '.join(ACCELERATORS)}")
     r, ray = cfg.rl, cfg.rl.ray
@@ -201,6 +205,7 @@ def ray_resources(cfg: Config, devices: int, accelerator: str) -> dict[str, Any]
         "devices_per_host": per_host,
         "hosts": -(-devices // per_host),
         "even": devices % per_host == 0,
+        "placed_by_ray": False,  # the driver: where the command runs
     }
     replicas: dict[str, Any] = {
         "engine": r.sampler_engine,
@@ -222,8 +227,7 @@ def ray_resources(cfg: Config, devices: int, accelerator: str) -> dict[str, Any]
             custom[actors["resource"]] = custom.get(actors["resource"], 0) + actors["count"]
     totals = {
         "cpus": replicas["count"] * replicas["cpus"] + env_servers["count"] * env_servers["cpus"],
-        "gpus": replicas["count"] * replicas["gpus"] + (devices if accelerator == "gpu" else 0),
-        "tpus": devices if accelerator == "tpu" else 0,
+        "gpus": replicas["count"] * replicas["gpus"],
         "custom": custom,
     }
     return {
@@ -304,9 +308,8 @@ def _actors(a: Mapping[str, Any], gpus: bool, by_url: str) -> str:
     return f"{a['count']} x ({', '.join(each)})"
 
 
-def format_ray(x: Mapping[str, Any], replicas: list[Mapping[str, Any]]) -> list[str]:
-    """The text report's lines on what the run asks Ray for (`ray_resources`); `replicas` the report's
-    replica sizes (empty without a device), the first at the serving precision."""
+def format_ray(x: Mapping[str, Any]) -> list[str]:
+    """The text report's lines on what the run asks Ray for (`ray_resources`)."""
     t, rep, env, tot = x["trainer"], x["replicas"], x["env_servers"], x["totals"]
     head = (
         "resources the run asks Ray for (rl.placement: ray; cluster: "
@@ -318,17 +321,17 @@ def format_ray(x: Mapping[str, Any], replicas: list[Mapping[str, Any]]) -> list[
     unit = {"gpu": "GPU", "tpu": "TPU chip", "cpu": "CPU device"}[t["accelerator"]]
     per = f"{t['devices_per_host']} {unit}{'' if t['devices_per_host'] == 1 else 's'}"
     trainer = f"{t['hosts']} host{'' if t['hosts'] == 1 else 's'} x {per}"
-    note = {
-        "gpu": "one actor per host, STRICT_SPREAD",
-        "tpu": "one actor per host, STRICT_SPREAD",
-        "cpu": "no accelerator: give --device to size GPU hosts",
-    }[t["accelerator"]]
+    note = (
+        "not placed by Ray: the driver, on the node where the command runs"
+        if t["hosts"] == 1
+        else "not placed by Ray: the command on each host, joined by jax.distributed (docs/scaling.md)"
+    )
+    if t["accelerator"] == "cpu":
+        note += "; no accelerator: give --device to size GPU hosts"
     if not t["even"]:
         note += f"; the mesh's {t['devices']} devices do not fill the hosts evenly"
     sampler = "the in-process sampler" if not (rep["count"] or rep["by_url"]) else f"{rep['engine']}"
     total = [_cpus(tot["cpus"]), f"{tot['gpus']} GPU{'' if tot['gpus'] == 1 else 's'}"]
-    if tot["tpus"]:
-        total.append(f"{tot['tpus']} TPU chips")
     total += [f"{k} {v:g}" for k, v in tot["custom"].items()]
     lines = [
         "",
@@ -336,12 +339,12 @@ def format_ray(x: Mapping[str, Any], replicas: list[Mapping[str, Any]]) -> list[
         f"  trainer          {trainer}   (mesh of {t['devices']} device{'' if t['devices'] == 1 else 's'}; {note})",
         f"  sampler replicas {_actors(rep, True, 'rl.sampler_urls')}   ({sampler}, rl.local_samplers)",
         f"  env servers      {_actors(env, False, 'rl.env_urls')}   (rl.env_servers)",
-        f"  total            {', '.join(total)} (the trainer's CPUs not counted)",
+        f"  total            {', '.join(total)} (the trainer not counted: it runs outside Ray)",
     ]
-    if rep["count"] and rep["engine"] == "vllm" and replicas and (replicas[0]["gpus"] or 0) > rep["gpus"]:
+    if rep["count"] and rep["engine"] == "vllm":
         lines.append(
-            f"  note: rl.ray.sampler_gpus={rep['gpus']} is below the {_gpus(replicas[0]['gpus'])} a vLLM replica "
-            f"needs at {replicas[0]['precision']} (above)"
+            "  note: vLLM replicas are not placed by Ray (rl.placement=ray refuses rl.sampler_engine=vllm with "
+            "rl.local_samplers): give running vLLM replicas as rl.sampler_urls"
         )
     return lines
 
@@ -389,4 +392,4 @@ def format_rl(r: Mapping[str, Any], gib) -> list[str]:
         ]
         if i == 0:
             lines.append(f"  replica size at {rep['precision']}: {_gpus(rep['gpus'])}")
-    return lines + format_ray(r["ray_resources"], r.get("replicas", []))
+    return lines + format_ray(r["ray_resources"])
