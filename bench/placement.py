@@ -2,8 +2,9 @@
 
 Runs the same RL command under `--placement local` and `--placement ray` (a local Ray cluster
 started by the run, as on a laptop), alternating, `--repeats` times each, and prints per placement:
-the wall time of the whole command, the time to the first step's start (`step 0` record of
-metrics.jsonl minus the command's start: imports, the checkpoint, and placing the fleet), and the
+the wall time of the whole command, the time to the first step's start (step 1's record in
+metrics.jsonl less its `time/step_s`, from the command's start: imports, the checkpoint, placing
+the fleet and waiting for it to be up), and the
 median `time/step_s` of the steps after the first (the first compiles). The default fleet: one
 environment server and one `serve` replica (`rl.local_samplers=1`) on the RL CLI test's fixture
 (tests/rl/fixtures/rl_pick.yaml: the tiny MoE, random init); `--config` and overrides take another
@@ -50,11 +51,12 @@ def one_run(config: str, placement: str, steps: int, overrides: list[str], out: 
     if proc.returncode != 0:
         sys.exit(f"{placement}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    first = next(r for r in rows if r.get("step") == 0)
+    first = next(r for r in rows if r.get("step") == 1)
     step_times = [r["time/step_s"] for r in rows if r.get("step", 0) >= 2 and "time/step_s" in r]
     return {
         "wall_s": wall,
-        "to_first_step_s": first["time"] - start_wall,
+        # when step 1 began: its record's time less its own length
+        "to_first_step_s": first["time"] - first["time/step_s"] - start_wall,
         "step_s": statistics.median(step_times) if step_times else float("nan"),
     }
 
