@@ -176,19 +176,7 @@ def test_nodes_removed_mid_run_their_services_move_and_the_run_finishes(tmp_path
     removed: list[str] = []
     try:
         first = [cluster.add_node(num_cpus=1, resources={r: 1}) for r in ("env_server", "sampler")]
-        spares = [cluster.add_node(num_cpus=1, resources={r: 1}) for r in ("env_server", "sampler")]
-
-        def remove_after_first_step() -> None:
-            deadline = time.monotonic() + 600
-            while time.monotonic() < deadline:
-                m = out / "metrics.jsonl"
-                if m.exists() and '"step": 1,' in m.read_text():
-                    for node in first:
-                        cluster.remove_node(node)
-                        removed.append(node.node_id)
-                    return
-                time.sleep(0.1)
-
+        spares: list = []
         cfg = load_config(
             CONFIG,
             [
@@ -202,10 +190,32 @@ def test_nodes_removed_mid_run_their_services_move_and_the_run_finishes(tmp_path
                 "rl.supervision.backoff_s=0.5",
             ],
         )
-        watcher = threading.Thread(target=remove_after_first_step, daemon=True)
-        watcher.start()
-        summary = run_rl(cfg, echo=lambda _: None)
-        watcher.join(5)
+        # the run in a thread: Ray's cluster utilities start and stop nodes from the main thread only
+        result: dict = {}
+
+        def run() -> None:
+            try:
+                result["summary"] = run_rl(cfg, echo=lambda _: None)
+            except BaseException as exc:
+                result["error"] = exc
+
+        runner = threading.Thread(target=run, daemon=True)
+        runner.start()
+        deadline = time.monotonic() + 600
+        while runner.is_alive() and time.monotonic() < deadline:
+            m = out / "metrics.jsonl"
+            if m.exists() and '"step": 1,' in m.read_text():
+                # the spares join only now: the services were placed on the first two nodes
+                spares.extend(cluster.add_node(num_cpus=1, resources={r: 1}) for r in ("env_server", "sampler"))
+                for node in first:
+                    cluster.remove_node(node)
+                    removed.append(node.node_id)
+                break
+            time.sleep(0.1)
+        runner.join(600)
+        if "error" in result:
+            raise result["error"]
+        summary = result["summary"]
         assert not ray.is_initialized()
     finally:
         cluster.shutdown()
