@@ -51,6 +51,7 @@ from composer_jax.rl.rollout.group_store import Group, GroupStore
 from composer_jax.rl.rollout.ledger import GroupLedger, GroupsState, ResumePoint, resume_groups
 from composer_jax.rl.rollout.queue import staleness
 from composer_jax.rl.rollout.side import Rollouts, RolloutSide, sample_group
+from composer_jax.rl.samplers.engines import engine_of
 from composer_jax.rl.samplers.in_process import in_process_samplers
 from composer_jax.rl.samplers.vllm_launch import with_vllm_settings
 from composer_jax.sharding import MeshRules, ShardingRules, make_mesh
@@ -174,9 +175,8 @@ class Learner:
             sharding = MeshRules(self.mesh, self.rules)
             self.ref_params = _copy(self.state.params)
             self.ref_fn = jax.jit(lambda p, b: reference_logprobs(p, b, cfg, sharding))
-        self.store_url = r.weight_store or (
-            f"file://{self.out_dir.resolve()}/weight_store" if r.local_samplers and r.sampler_engine == "serve" else ""
-        )
+        self.engine = engine_of(cfg)  # what samples the rollouts (rl/samplers/engines.py)
+        self.store_url = self.engine.store_url(cfg, self.out_dir)
         self.publish = store_publisher(
             self.store_url, resumed=begin.resumed, start=begin.step, dtype=r.publish_dtype, echo=self.echo
         )
@@ -217,7 +217,7 @@ class Learner:
     async def start_rollout_side(self, stack: contextlib.AsyncExitStack) -> None:
         """Process 0: start the real rollout side (`RolloutSide.start`), closed by `stack`; the
         other processes only train."""
-        if self.cfg.rl.local_samplers and self.cfg.rl.sampler_engine == "serve" and not self.begin.resumed:
+        if self.engine.checkpoint_first(self.cfg) and not self.begin.resumed:
             # the replicas start from a checkpoint of the run (then follow the store): step `start`
             self._save(self.begin.step, force=True)
             self.checkpointer.wait()

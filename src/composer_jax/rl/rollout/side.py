@@ -44,8 +44,9 @@ from composer_jax.rl.rollout.queue import RolloutQueue
 from composer_jax.rl.rollout.rejoin import ReplicaWatch
 from composer_jax.rl.rollout.tasks import TaskRef, rollout_seed, run_rollouts, sample_tasks
 from composer_jax.rl.samplers.base import SamplerBackend
+from composer_jax.rl.samplers.engines import SamplerStart, engine_of
 from composer_jax.rl.samplers.policy import Policy, PolicyPool
-from composer_jax.rl.samplers.serve_launch import sampler_resources, start_serve
+from composer_jax.rl.samplers.serve_launch import sampler_resources
 from composer_jax.runtime.placement import Placement, RestartPolicy
 
 log = logging.getLogger(__name__)
@@ -189,35 +190,21 @@ class RolloutSide:
         **kwargs: Any,
     ) -> RolloutSide:
         """Connect (or start) the environment servers and the samplers; every process and
-        connection they hold is closed by `stack`. The samplers are `rl.sampler_engine`'s replicas
-        when `rl.sampler_urls` or `rl.local_samplers` name some, else in-process ones that
-        `make_samplers(cfg, **policy_args)` makes; the rest of `kwargs` go to the constructor."""
+        connection they hold is closed by `stack`. The samplers are what the run's engine starts
+        (rl/samplers/engines.py `engine_of`): `rl.sampler_engine`'s replicas when `rl.sampler_urls`
+        or `rl.local_samplers` name some, else in-process ones that `make_samplers(cfg,
+        **policy_args)` makes; the rest of `kwargs` go to the constructor."""
         start_ray(stack, cfg, echo)
         urls, token, env_launcher = await _env_servers(stack, cfg, out_dir, echo)
         client = await stack.enter_async_context(EnvClient(urls, token))
-        r = cfg.rl
-        samplers: SamplerBackend
-        launcher: Placement | None = None
-        if r.sampler_engine == "vllm":
-            from composer_jax.rl.samplers.vllm_launch import start_vllm  # vLLM replicas: only runs that use them
-
-            samplers, launcher = await start_vllm(stack, cfg, policy_args, out_dir, echo)
-        elif r.sampler_urls or r.local_samplers:
-            samplers, launcher = start_serve(
-                stack,
-                cfg,
-                policy_args["tok"],
-                version=policy_args["version"],
-                checkpoint_dir=checkpoint_dir,
-                store_url=store_url,
-                out_dir=out_dir,
-                echo=echo,
-            )
-        else:
-            samplers = make_samplers(cfg, **policy_args)
+        engine = engine_of(cfg)
+        samplers, launcher = await engine.start(
+            stack,
+            SamplerStart(cfg, make_samplers, policy_args, checkpoint_dir, store_url, out_dir, echo),
+        )
         side = cls(cfg, client, samplers, env_launcher=env_launcher, sampler_launcher=launcher, **kwargs)
         stack.push_async_callback(side.aclose)
-        if r.pin_cores and r.sampler_engine == "serve":  # (vLLM's replicas are pinned by their launcher)
+        if cfg.rl.pin_cores and engine.pins_trainer:  # (vLLM's launcher pins only its replicas)
             core = sorted(os.sched_getaffinity(0))[0]
             echo(f"[rl] trainer pinned to core {core} ({pin_threads({core})} threads)")
         return side
