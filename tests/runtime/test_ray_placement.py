@@ -27,6 +27,19 @@ def _spec(name: str, res: Resources) -> ServiceSpec:
     return ServiceSpec(name, lambda host, port: [], Path("x.log"), resources=res)
 
 
+def _record_placements(monkeypatch: pytest.MonkeyPatch) -> list[rp.RayPlacement]:
+    """Every RayPlacement started from now on, appended as it starts (to read its nodes after the run)."""
+    placements: list[rp.RayPlacement] = []
+    start = rp.RayPlacement.start
+
+    def recorded(self):
+        placements.append(self)
+        return start(self)
+
+    monkeypatch.setattr(rp.RayPlacement, "start", recorded)
+    return placements
+
+
 def _node(**resources: float) -> dict:
     return {"Alive": True, "Resources": resources}
 
@@ -107,14 +120,7 @@ def test_one_rl_step_with_the_env_server_on_one_node_and_the_replica_on_another(
 
     monkeypatch.chdir(REPO)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    placements: list[rp.RayPlacement] = []
-    start = rp.RayPlacement.start
-
-    def recorded(self):
-        placements.append(self)
-        return start(self)
-
-    monkeypatch.setattr(rp.RayPlacement, "start", recorded)
+    placements = _record_placements(monkeypatch)
     try:
         env_node = cluster.add_node(num_cpus=1, resources={"env_server": 1})
         replica_node = cluster.add_node(num_cpus=1, resources={"sampler": 1})
@@ -164,14 +170,7 @@ def test_nodes_removed_mid_run_their_services_move_and_the_run_finishes(tmp_path
 
     monkeypatch.chdir(REPO)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    placements: list[rp.RayPlacement] = []
-    start = rp.RayPlacement.start
-
-    def recorded(self):
-        placements.append(self)
-        return start(self)
-
-    monkeypatch.setattr(rp.RayPlacement, "start", recorded)
+    placements = _record_placements(monkeypatch)
     out = tmp_path / "run"
     removed: list[str] = []
     try:

@@ -48,15 +48,9 @@ class LocalEnvServers(Launcher):
         start_timeout_s: float = ENV_START_TIMEOUT_S,
         restart: RestartPolicy | None = None,
     ):
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ValueError(f"count={count!r} local environment servers: give at least 1")
-        if not Path(tasks_dir).is_dir():
-            raise EnvServerError(f"tasks directory {str(tasks_dir)!r} does not exist or is not a directory")
-        if token is not None and len(token) < 16:
-            raise EnvServerError("token must be at least 16 characters")
+        self.token = check_env_servers(tasks_dir, count, token, "local")
         pinned = None if cores is None else check_cores(cores, EnvServerError)
         self.tasks_dir, self.count, self.extra = Path(tasks_dir), count, tuple(extra_args)
-        self.token = token or secrets.token_urlsafe(24)
         self.log_dir, self._tmp = log_dir_or_temp(log_dir, "composer-jax-env-servers-")
 
         specs = env_server_specs(self.tasks_dir, count, self.token, self.extra, self.log_dir, pinned)
@@ -72,6 +66,18 @@ class LocalEnvServers(Launcher):
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+
+def check_env_servers(tasks_dir: str | os.PathLike, count: int, token: str | None, where: str) -> str:
+    """The checks both placements of environment servers make (`where`: "local" or "Ray-placed");
+    the token (`token`, else a fresh one)."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"count={count!r} {where} environment servers: give at least 1")
+    if not Path(tasks_dir).is_dir():
+        raise EnvServerError(f"tasks directory {str(tasks_dir)!r} does not exist or is not a directory")
+    if token is not None and len(token) < 16:
+        raise EnvServerError("token must be at least 16 characters")
+    return token or secrets.token_urlsafe(24)
 
 
 def env_server_specs(
@@ -117,9 +123,7 @@ class RayEnvServers(RayPlacement):
         start_timeout_s: float = ENV_START_TIMEOUT_S,
         restart: RestartPolicy | None = None,
     ):
-        if not Path(tasks_dir).is_dir():
-            raise EnvServerError(f"tasks directory {str(tasks_dir)!r} does not exist or is not a directory")
-        self.token = token or secrets.token_urlsafe(24)
+        self.token = check_env_servers(tasks_dir, count, token, "Ray-placed")
         self.log_dir, self._tmp = log_dir_or_temp(log_dir, "composer-jax-env-servers-")
         specs = env_server_specs(
             Path(tasks_dir), count, self.token, tuple(extra_args), self.log_dir, resources=env_server_resources(ray)

@@ -72,10 +72,7 @@ class LocalSamplers(Launcher):
         start_timeout_s: float = START_TIMEOUT_S,
         restart: RestartPolicy | None = None,
     ):
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise SamplerLaunchError(f"count={count!r} sampler replicas: give an int >= 1")
-        if not Path(checkpoint).exists():
-            raise SamplerLaunchError(f"checkpoint {str(checkpoint)!r} does not exist")
+        check_replicas(checkpoint, count)
         if cores is not None:
             allowed = os.sched_getaffinity(0)
             if len(cores) != count or len(set(cores)) != count or not set(cores) <= allowed:
@@ -132,10 +129,7 @@ class RaySamplers(RayPlacement):
         start_timeout_s: float = START_TIMEOUT_S,
         restart: RestartPolicy | None = None,
     ):
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise SamplerLaunchError(f"count={count!r} sampler replicas: give an int >= 1")
-        if not Path(checkpoint).exists():
-            raise SamplerLaunchError(f"checkpoint {str(checkpoint)!r} does not exist")
+        check_replicas(checkpoint, count)
         self.api_key = api_key or secrets.token_urlsafe(32)
         self.log_dir, self._tmp = log_dir_or_temp(log_dir, "composer-jax-samplers-")
         specs = serve_specs(
@@ -160,6 +154,14 @@ class RaySamplers(RayPlacement):
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+
+def check_replicas(checkpoint: str | os.PathLike, count: int) -> None:
+    """The checks both placements of serve replicas make."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise SamplerLaunchError(f"count={count!r} sampler replicas: give an int >= 1")
+    if not Path(checkpoint).exists():
+        raise SamplerLaunchError(f"checkpoint {str(checkpoint)!r} does not exist")
 
 
 def sampler_resources(ray: RayConfig) -> Resources:
