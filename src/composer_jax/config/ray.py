@@ -21,6 +21,21 @@ Example (YAML):
         sampler_cpus: 1
         sampler_gpus: 0                 # GPUs per replica
         sampler_resource: sampler       # "" = none
+
+The trainer has its own section, `train.ray`, read when `train.placement: ray` (`--placement ray`
+on `pretrain`, `sft` and `rl`): one trainer actor per host (`hosts`, a STRICT_SPREAD placement
+group: every host on its own node), each asking for `cpus_per_host` CPUs, `gpus_per_host` GPUs and
+one unit of `resource` (runtime/ray_trainer.py):
+
+    train:
+      placement: ray
+      ray:
+        address: ""          # as rl.ray.address; the run's fleet (rl.placement: ray) joins the same cluster
+        hosts: 2             # trainer processes, one per node (jax.distributed over them)
+        cpus_per_host: 1
+        gpus_per_host: 8     # every GPU of a node: one process drives them all
+        resource: trainer    # "" = none
+        start_timeout_s: 600 # placing the group (nodes autoscaled up included)
 """
 
 from __future__ import annotations
@@ -55,26 +70,65 @@ class RayConfig:
 
 
 def validate_ray(c: RayConfig, prefix: str = "rl.ray") -> None:
-    if not isinstance(c.address, str) or any(ch.isspace() for ch in c.address):
-        raise ConfigError(
-            f"{prefix}.address={c.address!r}: expected '' (RAY_ADDRESS or a local cluster), 'auto', HOST:PORT or "
-            "ray://HOST:PORT"
-        )
-    if not isinstance(c.namespace, str) or not c.namespace:
-        raise ConfigError(f"{prefix}.namespace={c.namespace!r}: expected a non-empty name")
+    _check_address(c.address, c.namespace, prefix)
     for name in ("env_server_cpus", "sampler_cpus"):
-        value = getattr(c, name)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-            raise ConfigError(f"{prefix}.{name}={value!r}: expected a number of CPUs >= 0")
+        _check_cpus(f"{prefix}.{name}", getattr(c, name))
     if isinstance(c.sampler_gpus, bool) or not isinstance(c.sampler_gpus, int) or c.sampler_gpus < 0:
         raise ConfigError(f"{prefix}.sampler_gpus={c.sampler_gpus!r}: expected an integer >= 0 (GPUs per replica)")
     for name in ("env_server_resource", "sampler_resource"):
-        value = getattr(c, name)
-        if not isinstance(value, str) or (value and (not _RESOURCE.match(value) or value in _BUILT_IN)):
-            raise ConfigError(
-                f"{prefix}.{name}={value!r}: expected a custom resource name (letters, digits, _ . : -; not one of "
-                f"{', '.join(_BUILT_IN)}), or '' for none"
-            )
+        _check_resource(f"{prefix}.{name}", getattr(c, name))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerRayConfig:
+    """Where Ray places the trainer's hosts (module docstring)."""
+
+    address: str = ""
+    namespace: str = "composer-jax"
+    hosts: int = 1
+    cpus_per_host: float = 1.0
+    gpus_per_host: int = 0
+    resource: str = "trainer"
+    start_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        validate_trainer_ray(self)
+
+
+def validate_trainer_ray(c: TrainerRayConfig, prefix: str = "train.ray") -> None:
+    _check_address(c.address, c.namespace, prefix)
+    if isinstance(c.hosts, bool) or not isinstance(c.hosts, int) or c.hosts < 1:
+        raise ConfigError(f"{prefix}.hosts={c.hosts!r}: expected an integer >= 1 (trainer processes, one per node)")
+    _check_cpus(f"{prefix}.cpus_per_host", c.cpus_per_host)
+    if isinstance(c.gpus_per_host, bool) or not isinstance(c.gpus_per_host, int) or c.gpus_per_host < 0:
+        raise ConfigError(f"{prefix}.gpus_per_host={c.gpus_per_host!r}: expected an integer >= 0 (GPUs per host)")
+    _check_resource(f"{prefix}.resource", c.resource)
+    value = c.start_timeout_s
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{prefix}.start_timeout_s={value!r}: expected a number of seconds > 0")
+
+
+def _check_address(address: object, namespace: object, prefix: str) -> None:
+    if not isinstance(address, str) or any(ch.isspace() for ch in address):
+        raise ConfigError(
+            f"{prefix}.address={address!r}: expected '' (RAY_ADDRESS or a local cluster), 'auto', HOST:PORT or "
+            "ray://HOST:PORT"
+        )
+    if not isinstance(namespace, str) or not namespace:
+        raise ConfigError(f"{prefix}.namespace={namespace!r}: expected a non-empty name")
+
+
+def _check_cpus(key: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{key}={value!r}: expected a number of CPUs >= 0")
+
+
+def _check_resource(key: str, value: object) -> None:
+    if not isinstance(value, str) or (value and (not _RESOURCE.match(value) or value in _BUILT_IN)):
+        raise ConfigError(
+            f"{key}={value!r}: expected a custom resource name (letters, digits, _ . : -; not one of "
+            f"{', '.join(_BUILT_IN)}), or '' for none"
+        )
 
 
 def validate_placement(value: object, key: str = "rl.placement") -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from composer_jax.config.ray import TrainerRayConfig, validate_placement
 from composer_jax.errors import ConfigError
 
 
@@ -55,6 +56,12 @@ class TrainConfig:
     # h200); `inspect` checks the stage's memory against it by default. "" = none named
     device: str = ""
     tensorboard: bool = True
+    # where the trainer runs: "local", the process that was started (with --coordinator or
+    # --distributed, one of several started by hand or by a cluster's scheduler); "ray", one
+    # trainer actor per host placed by Ray as train.ray says (`--placement ray`; config/ray.py,
+    # runtime/ray_trainer.py)
+    placement: str = "local"
+    ray: TrainerRayConfig = dataclasses.field(default_factory=TrainerRayConfig)
 
 
 def validate_train(t: TrainConfig) -> None:
@@ -68,6 +75,7 @@ def validate_train(t: TrainConfig) -> None:
             f"{t.micro_batches}; accepted micro_batches: "
             f"{[d for d in range(1, t.batch_size + 1) if t.batch_size % d == 0]}"
         )
+    validate_placement(t.placement, "train.placement")
     if t.optimizer.lr <= 0 or t.optimizer.warmup_steps < 0:
         raise ConfigError(
             f"train.optimizer.lr={t.optimizer.lr} must be > 0 and warmup_steps={t.optimizer.warmup_steps} >= 0"

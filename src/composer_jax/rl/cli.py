@@ -33,30 +33,32 @@ def _rl_parser() -> argparse.ArgumentParser:
     ap.add_argument("--config", required=True, help="RL YAML, e.g. configs/rl/tiny_pick.yaml")
     ap.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rl.group_size=8 train.steps=20")
     ap.add_argument("--stop-after", type=int, default=None, help="stop after N steps of this run (crash test)")
-    ap.add_argument(
-        "--placement",
-        choices=("local", "ray"),
-        help="where the run's environment servers and sampler replicas run: local child processes, or Ray "
-        "actors on a cluster (rl.ray; docs/cluster.md); sets rl.placement",
-    )
-    from composer_jax.train.cli import add_jax_args
+    from composer_jax.train.cli import add_jax_args, add_placement_args
 
+    add_placement_args(ap, fleet=", and its environment servers and sampler replicas as Ray actors too (rl.ray)")
     add_jax_args(ap)  # multi-host trainer: the same command on every host (docs/scaling.md)
     return ap
 
 
+def _fleet_resources(cfg: Any) -> list[dict[str, float]]:
+    from composer_jax.rl.rollout.side import fleet_resources  # here: it imports the rollout side
+
+    return fleet_resources(cfg)
+
+
 def rl_main(argv: list[str] | None = None) -> int:
     args = _rl_parser().parse_args(argv)
-    from composer_jax.train.cli import init_jax
+    from composer_jax.train.cli import init_jax, place_trainer, placement_overrides
 
+    if (status := place_trainer("rl", args, _fleet_resources)) is not None:
+        return status
     init_jax(args)
     from composer_jax.config import load_config
     from composer_jax.multihost import ProcessZeroFailed
     from composer_jax.rl.learner import run_rl
 
     try:
-        placement = [f"rl.placement={args.placement}"] if args.placement else []
-        cfg = load_config(args.config, [*args.overrides, *placement])
+        cfg = load_config(args.config, [*args.overrides, *placement_overrides(args, rl=True)])
         summary = run_rl(cfg, stop_after=args.stop_after)
     # the user's faults only (errors.py `UserError`: a config value, a checkpoint or file it names,
     # environment servers that cannot start); any other exception, a ValueError or a

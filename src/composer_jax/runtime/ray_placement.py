@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from composer_jax.config.ray import RayConfig
+from composer_jax.config.ray import RayConfig, TrainerRayConfig
 from composer_jax.runtime.local import Launcher
 from composer_jax.runtime.placement import (
     ALIVE,
@@ -66,7 +66,9 @@ def import_ray() -> Any:
     return ray
 
 
-def connect(cfg: RayConfig, resources: Mapping[str, float] | None = None) -> bool:
+def connect(
+    cfg: RayConfig | TrainerRayConfig, resources: Mapping[str, float] | None = None, key: str = "rl.ray.address"
+) -> bool:
     """Join the cluster `cfg.address` (or RAY_ADDRESS) names, or start a local one with at least
     `resources` (custom resources and CPUs the run's services ask for; a local cluster counts CPUs
     as scheduling slots, not cores). True when this call started Ray (the caller shuts it down)."""
@@ -76,15 +78,16 @@ def connect(cfg: RayConfig, resources: Mapping[str, float] | None = None) -> boo
     address = cfg.address or os.environ.get("RAY_ADDRESS", "")
     quiet = {"logging_level": logging.WARNING, "log_to_driver": False, "namespace": cfg.namespace}
     if address:
-        key = "rl.ray.address" if cfg.address else "RAY_ADDRESS"
-        _reachable(address, key)
+        where = key
+        key = key if cfg.address else "RAY_ADDRESS"
+        _reachable(address, key, where)
         try:
             ray.init(address=address, **quiet)
         except (ConnectionError, RuntimeError, ValueError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise LaunchError(
                 f"{key}={address!r}: no Ray cluster to join there ({first}); start one "
-                "(`ray start --head`, docs/cluster.md) or leave rl.ray.address and RAY_ADDRESS empty for a local one"
+                f"(`ray start --head`, docs/cluster.md) or leave {where} and RAY_ADDRESS empty for a local one"
             ) from None
         return True
     want = dict(resources or {})
@@ -94,7 +97,7 @@ def connect(cfg: RayConfig, resources: Mapping[str, float] | None = None) -> boo
     return True
 
 
-def _reachable(address: str, key: str, timeout_s: float = 5.0) -> None:
+def _reachable(address: str, key: str, where: str = "rl.ray.address", timeout_s: float = 5.0) -> None:
     """A HOST:PORT (or ray://HOST:PORT) address answers a TCP connection: Ray's own join retries an
     address with nothing behind it for minutes. "auto" and other forms are left to Ray."""
     host, sep, port = address.removeprefix("ray://").rpartition(":")
@@ -105,7 +108,7 @@ def _reachable(address: str, key: str, timeout_s: float = 5.0) -> None:
     except OSError as exc:
         raise LaunchError(
             f"{key}={address!r}: no Ray cluster to join there ({exc}); start one (`ray start --head`, "
-            "docs/cluster.md) or leave rl.ray.address and RAY_ADDRESS empty for a local one"
+            f"docs/cluster.md) or leave {where} and RAY_ADDRESS empty for a local one"
         ) from None
 
 

@@ -342,6 +342,17 @@ async def _env_servers(stack: contextlib.AsyncExitStack, cfg: Config, out_dir: P
     return urls, token, env_servers
 
 
+def fleet_resources(cfg: Config) -> list[dict[str, float]]:
+    """What each service the run places through Ray asks for (rl.placement: ray): its environment
+    servers and replicas; none with rl.placement: local or URLs given."""
+    r = cfg.rl
+    if r.placement != "ray":
+        return []
+    fleet = [] if r.env_urls else [env_server_resources(r.ray)] * r.env_servers
+    fleet += [sampler_resources(r.ray)] * (0 if r.sampler_urls else r.local_samplers)
+    return [res.as_ray() for res in fleet]
+
+
 def start_ray(stack: contextlib.AsyncExitStack, cfg: Config, echo: Callable[[str], None]) -> None:
     """With `rl.placement: ray`, join the cluster (or start a local one holding what the run's
     services ask for: its environment servers and replicas) before any is placed; a local cluster
@@ -352,10 +363,8 @@ def start_ray(stack: contextlib.AsyncExitStack, cfg: Config, echo: Callable[[str
     from composer_jax.runtime.ray_placement import connect, import_ray
 
     want: dict[str, float] = {}
-    fleet = [] if r.env_urls else [env_server_resources(r.ray)] * r.env_servers
-    fleet += [sampler_resources(r.ray)] * (0 if r.sampler_urls else r.local_samplers)
-    for res in fleet:
-        for key, value in res.as_ray().items():
+    for res in fleet_resources(cfg):
+        for key, value in res.items():
             want[key] = want.get(key, 0.0) + value
     if connect(r.ray, want):
         stack.callback(import_ray().shutdown)
