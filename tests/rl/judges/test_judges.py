@@ -13,6 +13,7 @@ import json
 import re
 import threading
 import time
+import types
 
 import pytest
 from fastapi import FastAPI, Request
@@ -70,7 +71,8 @@ class Stub:
     """A judge endpoint: what it answers is set by markers in the task ([sleep=S], [say=TEXT],
     [status=N], [garbage]); it records every request and the most in flight at once."""
 
-    def __init__(self):
+    def __init__(self) -> None:
+        self.url = ""
         self.app = FastAPI()
         self.bodies: list[dict] = []
         self.auth: list[str | None] = []
@@ -111,7 +113,9 @@ def stub():
 
 def _x(task: str, final: str | None = "I changed calc.py: add() now adds. I ran pytest; it passed.", calls=None):
     run = ToolCall("run_shell", {"command": "pytest -q"}, json.dumps({"exit_code": 0, "stdout": "1 passed"}))
-    return JudgeInputs(task, final, "--- a/calc.py\n+++ b/calc.py\n-a - b\n+a + b", tuple([run] if calls is None else calls))
+    return JudgeInputs(
+        task, final, "--- a/calc.py\n+++ b/calc.py\n-a - b\n+a + b", tuple([run] if calls is None else calls)
+    )
 
 
 def _judge(stub, **kw) -> JudgeConfig:
@@ -340,3 +344,42 @@ def test_judge_config_checks(monkeypatch):
     with pytest.raises(ConfigError, match=re.escape("judges[0].api_key_env='MY_JUDGE_KEY': that environment")):
         judge_keys([keyed], {})
     assert judge_keys([keyed, claims], {"MY_JUDGE_KEY": "k"}) == ["k", ""]
+
+
+def test_the_rollout_side_adds_the_judged_terms_to_a_finished_group(stub):
+    """`RolloutSide._sample` (the method the rollout queue calls) judges the group's rollouts and
+    adds the terms to their rewards before the group is persisted and queued."""
+    from composer_jax.rl.rollout.side import RolloutSide
+
+    group = make_group(3, [[1, 1], [1, 1]])
+    group.rollouts[0].generations[0].messages.append({"role": "assistant", "content": "Changed add(). Verified."})
+    group.rollouts[1].generations[0].messages.append({"role": "assistant", "content": "Changed add()."})
+    before = [b.total for b in group.rewards]
+
+    async def go():
+        async def no_wait():
+            return None
+
+        async def sampled(pool, client, cfg, index):
+            return group
+
+        side = types.SimpleNamespace(
+            wait_for_env=no_wait,
+            _sample_group=sampled,
+            pool=None,
+            client=None,
+            cfg=None,
+            judges=JudgePanel(
+                [_judge(stub), JudgeConfig(rubric="unsupported_claims", weight=0.2)], environ={"JUDGE_KEY": KEY}
+            ),
+        )
+        try:
+            return await RolloutSide._sample(side, 3, 5)
+        finally:
+            await side.judges.aclose()
+
+    got = asyncio.run(go())
+    assert got.version == 5
+    # rollout 0 says "Verified." having called no tool: the rule; both messages: the stub's 0.75
+    assert [[t.outcome for t in b.judged] for b in got.rewards] == [["verdict", "rule"], ["verdict", "no_judge"]]
+    assert [b.total for b in got.rewards] == pytest.approx([before[0] + 0.05 - 0.2, before[1] + 0.05])

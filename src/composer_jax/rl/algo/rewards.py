@@ -131,8 +131,12 @@ class RewardBreakdown:
     judged: tuple[JudgedTerm, ...] = ()
 
     def as_dict(self) -> dict:
-        """JSON-ready (the persisted group's record); `from_dict` reads it back."""
-        return dataclasses.asdict(self)
+        """JSON-ready (the persisted group's record; `judged` only when there are judged terms, so
+        a run without judges records what it did before them); `from_dict` reads it back."""
+        d = dataclasses.asdict(self)
+        if not self.judged:
+            del d["judged"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> RewardBreakdown:
