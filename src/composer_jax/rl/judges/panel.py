@@ -37,8 +37,7 @@ import httpx
 from composer_jax.config.rl import JudgeConfig
 from composer_jax.errors import ConfigError
 from composer_jax.rl.algo.rewards import JudgedTerm
-from composer_jax.rl.judges.rubrics import RUBRICS, JudgeInputs, Rubric, inputs_of, parse_verdict
-from composer_jax.rl.rollout.agent import Rollout
+from composer_jax.rl.judges.rubrics import RUBRICS, FinishedRollout, JudgeInputs, Rubric, inputs_of, parse_verdict
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +206,7 @@ class JudgePanel:
         """Each judge's rubric version, by rubric name."""
         return {j.rubric.name: j.rubric.version for j in self.judges}
 
-    async def judge(self, rollouts: Sequence[Rollout]) -> list[tuple[JudgedTerm, ...]]:
+    async def judge(self, rollouts: Sequence[FinishedRollout]) -> list[tuple[JudgedTerm, ...]]:
         """Per rollout, its terms in `rl.reward.judges` order (all judges and rollouts at once)."""
         inputs = [inputs_of(r) for r in rollouts]
         return await self.judge_inputs(inputs)

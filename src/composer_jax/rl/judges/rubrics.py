@@ -26,9 +26,7 @@ import json
 import re
 import string
 from collections.abc import Callable
-from typing import Any
-
-from composer_jax.rl.rollout.agent import Rollout
+from typing import Any, Protocol
 
 FIELDS = ("task", "final_message", "diff", "tool_results")  # the placeholders of a rubric's template
 RESULT_CHARS = 600  # each tool result is cut to this many characters before the field's own cut
@@ -55,7 +53,16 @@ class JudgeInputs:
     calls: tuple[ToolCall, ...]
 
 
-def inputs_of(r: Rollout) -> JudgeInputs:
+class FinishedRollout(Protocol):
+    """What a judge reads of a finished rollout (rl/rollout/agent.py's `Rollout`; named by shape so
+    that this package imports nothing of the rollout side, which imports it)."""
+
+    generations: list[Any]  # each with .messages, the OpenAI messages of one context
+    finish_reason: str
+    grade: dict
+
+
+def inputs_of(r: FinishedRollout) -> JudgeInputs:
     """A finished rollout's judge inputs (the calls of every generation of a summarisation chain)."""
     first = r.generations[0].messages if r.generations else []
     task = next((str(m.get("content") or "") for m in first if m.get("role") == "user"), "")
