@@ -89,8 +89,10 @@ class Stub:
                 self.in_flight += 1
                 self.most_in_flight = max(self.most_in_flight, self.in_flight)
             try:
-                if m := re.search(r"\[sleep=([\d.]+)\]", text):
-                    await asyncio.sleep(float(m.group(1)))
+                if m := re.search(r"\[sleep=([\d.]+)\]", text):  # until then, or until the client goes
+                    end = time.monotonic() + float(m.group(1))
+                    while time.monotonic() < end and not await request.is_disconnected():
+                        await asyncio.sleep(0.02)
                 if m := re.search(r"\[status=(\d+)\]", text):
                     return JSONResponse({"error": {"message": "no"}}, status_code=int(m.group(1)))
                 if "[garbage]" in text:
@@ -185,14 +187,14 @@ def test_concurrency_is_bounded_and_a_slow_verdict_times_out_neutral(stub):
     took = time.perf_counter() - t0
     assert [t.outcome for (t,) in terms] == ["verdict"] * 6
     # 6 requests of 0.3 s, 2 at a time: 3 waves, never more than 2 in flight
-    assert stub.most_in_flight == 2 and 0.85 < took < 3.0
+    assert stub.most_in_flight == 2 and 0.85 < took < 6.0
 
     # one slow answer among quick ones, a deadline of 0.5 s: the quick ones score, the slow one is a
     # neutral timeout, and the batch returns at the deadline, not after the slow answer
-    inputs = [_x("quick 1"), _x("slow [sleep=1.5]"), _x("quick 2")]
+    inputs = [_x("quick 1"), _x("slow [sleep=30]"), _x("quick 2")]
     t0 = time.perf_counter()
     (terms,) = _run([_judge(stub, timeout_s=0.5)], inputs)
-    assert time.perf_counter() - t0 < 1.4
+    assert time.perf_counter() - t0 < 5.0
     assert [t.outcome for (t,) in terms] == ["verdict", "timeout", "verdict"]
     slow = terms[1][0]
     assert slow.value == 0.0 and slow.score is None and not slow.cached
