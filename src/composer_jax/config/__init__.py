@@ -28,7 +28,7 @@ from composer_jax.config.loader import (
 )
 from composer_jax.config.mesh import MESH_AXES, MeshConfig, validate_mesh
 from composer_jax.config.model import ModelConfig, RopeScalingConfig, validate_model
-from composer_jax.config.rl import LengthPenaltyConfig, RewardConfig, RLConfig, RLLossConfig, validate_rl
+from composer_jax.config.rl import JudgeConfig, LengthPenaltyConfig, RewardConfig, RLConfig, RLLossConfig, validate_rl
 from composer_jax.config.run import (
     Config,
     check_rl_run,
@@ -52,6 +52,7 @@ __all__ = [
     "DataConfig",
     "DataConfigError",
     "MeshConfig",
+    "JudgeConfig",
     "LengthPenaltyConfig",
     "ModelConfig",
     "OptimizerConfig",

@@ -23,6 +23,9 @@ Example (YAML):
         broken_tool_call_penalty: 0.1
         style_penalty: 0.01
         parallel_tool_bonus: 0.05
+        judges:                    # behaviour terms judged by a model (rl/judges/); none by default
+          - {rubric: communication, weight: 0.1, endpoint: "http://127.0.0.1:8001/v1", model: judge}
+          - {rubric: unsupported_claims, weight: 0.2, endpoint: "", api_key_env: ""}   # the rule alone
 
 docs/rl.md gives the formulas.
 """
@@ -53,6 +56,11 @@ STALENESS_UNITS = ("token", "group")
 PUBLISH_DTYPES = ("", "bfloat16", "float32")
 ENV_CORES = ("samplers", "all")  # rl.env_cores
 SAMPLER_ENGINES = ("serve", "vllm")  # rl.sampler_engine
+# rl.reward.judges[].rubric: the shipped rubrics (rl/judges/rubrics.py registers one under each; a
+# test holds the two equal); RULED_RUBRICS have a rule-based check that runs without an endpoint
+JudgeRubric = Literal["communication", "unsupported_claims"]
+JUDGE_RUBRICS: tuple[str, ...] = typing.get_args(JudgeRubric)
+RULED_RUBRICS = ("unsupported_claims",)
 
 
 def _number(key: str, value: object, *, low: float | None = None, strict: bool = False) -> None:
@@ -115,19 +123,50 @@ class LengthPenaltyConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class JudgeConfig:
+    """One behaviour term judged by a model (`rl/judges/`; docs/rl.md, *Judged behaviour terms*): a
+    shipped rubric (a versioned prompt over the task, the final message, the diff and the tool
+    results), its weight, and the OpenAI-compatible chat endpoint that judges (`composer-jax serve`,
+    vLLM, a provider). A verdict not in within `timeout_s`, unparsable or refused is neutral (the
+    term is 0 for that rollout) and counted."""
+
+    rubric: JudgeRubric = "communication"
+    weight: float = 0.0
+    # the endpoint's base URL (".../v1"; chat/completions is posted under it); "" = no model: only a
+    # rubric with a rule-based check (RULED_RUBRICS) accepts it, and then only the rule runs
+    endpoint: str = ""
+    model: str = ""  # the "model" field of the request (a serve replica's --model-name)
+    api_key_env: str = ""  # the environment variable holding the bearer key; "" = no key sent
+    # seconds a group's judging may take (queueing included): a verdict not in by then is a timeout
+    timeout_s: float = 30.0
+    concurrency: int = 8  # requests in flight to this judge at once, over all groups
+    max_tokens: int = 256  # the verdict's token budget (room for a short reasoning and the SCORE line)
+    max_input_chars: int = 4000  # each of the four inputs is cut to this many characters
+    cache_size: int = 4096  # verdicts kept in memory (keyed by rubric, version, model and inputs)
+
+    def __post_init__(self) -> None:
+        validate_judge(self, "rl.reward.judges[]")
+
+
+@dataclasses.dataclass(frozen=True)
 class RewardConfig:
     """The reward of one rollout (`rl/algo/rewards.py`): the environment's grade times `grade_weight`,
     minus the length penalty, minus `broken_tool_call_penalty` per malformed or incomplete tool
     call, minus `style_penalty` per lint finding on the files the rollout changed, plus
-    `parallel_tool_bonus` times the fraction of turns that issued several tool calls at once."""
+    `parallel_tool_bonus` times the fraction of turns that issued several tool calls at once, plus
+    each of `judges` (behaviour terms a model judges; none by default)."""
 
     grade_weight: float = 1.0
     length_penalty: LengthPenaltyConfig = dataclasses.field(default_factory=LengthPenaltyConfig)
     broken_tool_call_penalty: float = 0.0
     style_penalty: float = 0.0
     parallel_tool_bonus: float = 0.0
+    judges: tuple[JudgeConfig, ...] = ()
 
     def __post_init__(self) -> None:
+        if isinstance(self.judges, JudgeConfig):
+            object.__setattr__(self, "judges", (self.judges,))
+        object.__setattr__(self, "judges", tuple(self.judges))
         validate_reward(self)
 
 
@@ -271,6 +310,45 @@ def validate_reward(c: RewardConfig) -> None:
     for key in ("grade_weight", "broken_tool_call_penalty", "style_penalty", "parallel_tool_bonus"):
         # signs are in the formula: a penalty is given as a size (>= 0) and subtracted
         _number(f"rl.reward.{key}", getattr(c, key), low=0.0)
+    seen: set[str] = set()
+    for i, judge in enumerate(c.judges):
+        key = f"rl.reward.judges[{i}]"
+        if not isinstance(judge, JudgeConfig):
+            raise ConfigError(f"{key}={judge!r}: expected a judge section (rubric, weight, endpoint, ...)")
+        validate_judge(judge, key)
+        if judge.rubric in seen:
+            raise ConfigError(
+                f"{key}.rubric={judge.rubric!r} is given twice: each rubric is one term (reward/judge_{judge.rubric}); "
+                "give it once"
+            )
+        seen.add(judge.rubric)
+
+
+def validate_judge(c: JudgeConfig, key: str) -> None:
+    """One rl.reward.judges entry's checks (`key` names it in errors)."""
+    if c.rubric not in JUDGE_RUBRICS:
+        raise ConfigError(f"{key}.rubric={c.rubric!r} is not accepted; accepted: {', '.join(JUDGE_RUBRICS)}")
+    _number(f"{key}.weight", c.weight, low=0.0)
+    if not isinstance(c.endpoint, str) or (c.endpoint and not c.endpoint.startswith(("http://", "https://"))):
+        raise ConfigError(f"{key}.endpoint={c.endpoint!r}: expected an http:// or https:// URL (the API base, .../v1)")
+    if not c.endpoint and c.rubric not in RULED_RUBRICS:
+        raise ConfigError(
+            f"{key}.endpoint='' with rubric {c.rubric!r}: this rubric has no rule-based check, so it needs a "
+            f"judge: give the endpoint's URL (rubrics that run without one: {', '.join(RULED_RUBRICS)})"
+        )
+    for name in ("model", "api_key_env"):
+        if not isinstance(getattr(c, name), str):
+            raise ConfigError(f"{key}.{name}={getattr(c, name)!r}: expected a string")
+    if c.api_key_env and not c.api_key_env.replace("_", "").isalnum():
+        raise ConfigError(
+            f"{key}.api_key_env={c.api_key_env!r}: expected the NAME of an environment variable (letters, digits, "
+            "underscores), not the key itself"
+        )
+    _number(f"{key}.timeout_s", c.timeout_s, low=0.0, strict=True)
+    for name, low in (("concurrency", 1), ("max_tokens", 1), ("max_input_chars", 100), ("cache_size", 0)):
+        value = getattr(c, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"{key}.{name}={value!r}: expected an integer >= {low}")
 
 
 def validate_rl(r: RLConfig) -> None:

@@ -46,6 +46,7 @@ from composer_jax.rl.algo.loss import reference_logprobs, rl_objective
 from composer_jax.rl.algo.rewards import mean_components
 from composer_jax.rl.evaluate import SUCCESS, HeldOutEvaluation, held_out_tasks
 from composer_jax.rl.hosts import Hosts
+from composer_jax.rl.judges.panel import judge_keys
 from composer_jax.rl.restore import Start, restore_or_init
 from composer_jax.rl.rollout.group_store import Group, GroupStore
 from composer_jax.rl.rollout.ledger import GroupLedger, GroupsState, ResumePoint, resume_groups
@@ -100,8 +101,11 @@ def _copy(tree: Any) -> Any:
 
 
 def check_config(cfg: Config) -> None:
-    """The learner's checks of `cfg` against this job (`config.check_rl_run`: process count, cores)."""
+    """The learner's checks of `cfg` against this job (`config.check_rl_run`: process count, cores;
+    on process 0, which judges, the judges' keys in the environment)."""
     check_rl_run(cfg, process_count=jax.process_count(), cores=os.sched_getaffinity(0))
+    if jax.process_index() == 0:
+        judge_keys(cfg.rl.reward.judges, os.environ)
 
 
 def run_rl(

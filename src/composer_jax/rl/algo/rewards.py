@@ -1,6 +1,7 @@
 """Rollout rewards: the environment's grade, the nonlinear length penalty and the auxiliary
 behaviour rewards of Composer 2 (report section 4), each weighted by `rl.reward` and returned
-separately so that every component is logged.
+separately so that every component is logged. The behaviour terms a model judges (`rl.reward.judges`)
+are computed by `rl/judges/` and added here as `JudgedTerm`s (`with_judged`).
 
 Host-side numpy: rewards are per rollout, computed by the learner after the environment grades
 the rollout; the loss (`rl/algo/loss.py`) only sees the resulting advantages.
@@ -78,10 +79,48 @@ def length_measure(stats: RolloutStats, x: str) -> int:
     return int(getattr(stats, x))
 
 
+# how a judged term's verdict came about (`JudgedTerm.outcome`; rl/judges/panel.py says when each
+# happens), and the per-step count each is logged as, reward/judge_<name>_<count>; the last five
+# outcomes are neutral (the term is 0)
+OUTCOME_COUNTS = {
+    "verdict": "verdicts",
+    "rule": "rule_penalised",
+    "timeout": "timeouts",
+    "unparsable": "unparsable",
+    "error": "errors",
+    "no_message": "no_message",
+    "no_judge": "no_judge",
+}
+JUDGE_OUTCOMES = tuple(OUTCOME_COUNTS)
+NEUTRAL_OUTCOMES = JUDGE_OUTCOMES[2:]
+
+
+@dataclasses.dataclass(frozen=True)
+class JudgedTerm:
+    """One judged behaviour term of one rollout (rl/judges/): `value` is weighted and signed (what
+    the total gets), `score` the verdict in [0, 1] (None when there is none), `version` the rubric's
+    version, `cached` whether the verdict came from the cache (or another rollout of the same batch
+    with the same inputs) rather than a request of its own."""
+
+    name: str
+    version: int
+    value: float
+    outcome: str
+    score: float | None = None
+    cached: bool = False
+
+    def __post_init__(self) -> None:
+        if self.outcome not in JUDGE_OUTCOMES:
+            raise ValueError(f"JudgedTerm.outcome={self.outcome!r}; accepted: {', '.join(JUDGE_OUTCOMES)}")
+        if self.outcome in NEUTRAL_OUTCOMES and self.value != 0.0:
+            raise ValueError(f"JudgedTerm {self.name}: outcome {self.outcome!r} is neutral, value={self.value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class RewardBreakdown:
     """One rollout's reward and its components, each already weighted and signed so that
-    total = grade + length_penalty + broken_tool_calls + style + parallel_tool_use."""
+    total = grade + length_penalty + broken_tool_calls + style + parallel_tool_use + the values
+    of `judged` (one per `rl.reward.judges` entry; empty without judges)."""
 
     total: float
     grade: float
@@ -89,9 +128,27 @@ class RewardBreakdown:
     broken_tool_calls: float
     style: float
     parallel_tool_use: float
+    judged: tuple[JudgedTerm, ...] = ()
 
-    def as_dict(self) -> dict[str, float]:
-        return dataclasses.asdict(self)
+    def as_dict(self) -> dict:
+        """JSON-ready (the persisted group's record; `judged` only when there are judged terms, so
+        a run without judges records what it did before them); `from_dict` reads it back."""
+        d = dataclasses.asdict(self)
+        if not self.judged:
+            del d["judged"]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RewardBreakdown:
+        """The inverse of `as_dict` (a record without `judged`, of a run without judges, included)."""
+        judged = tuple(JudgedTerm(**t) for t in d.get("judged", ()))
+        return cls(**{**d, "judged": judged})
+
+
+def with_judged(b: RewardBreakdown, terms: Sequence[JudgedTerm]) -> RewardBreakdown:
+    """`b` with the judged terms added to its total (they replace any `b` had)."""
+    base = b.total - sum(t.value for t in b.judged)
+    return dataclasses.replace(b, total=base + sum(t.value for t in terms), judged=tuple(terms))
 
 
 def compose_reward(stats: RolloutStats, cfg: RewardConfig) -> RewardBreakdown:
@@ -110,8 +167,25 @@ def compose_reward(stats: RolloutStats, cfg: RewardConfig) -> RewardBreakdown:
 
 
 def mean_components(breakdowns: Sequence[RewardBreakdown]) -> dict[str, float]:
-    """The mean of every component over rollouts, keyed `reward/<component>` (for logging)."""
+    """The mean of every component over rollouts, keyed `reward/<component>` (for logging). A judged
+    term is `reward/judge_<name>` (its mean value, 0 for a rollout without it), beside its rubric's
+    `_version` (the newest among the rollouts), the mean `_score` of the rollouts with one, and the
+    counts over the rollouts of `_cached` verdicts and of each outcome (`OUTCOME_COUNTS`: `_verdicts`,
+    `_rule_penalised`, `_timeouts`, `_unparsable`, `_errors`, `_no_message`, `_no_judge`)."""
     if not breakdowns:
         return {}
-    fields = [f.name for f in dataclasses.fields(RewardBreakdown)]
-    return {f"reward/{f}": float(np.mean([getattr(b, f) for b in breakdowns])) for f in fields}
+    fields = [f.name for f in dataclasses.fields(RewardBreakdown) if f.name != "judged"]
+    out = {f"reward/{f}": float(np.mean([getattr(b, f) for b in breakdowns])) for f in fields}
+    names = sorted({t.name for b in breakdowns for t in b.judged})
+    for name in names:
+        terms = [t for b in breakdowns for t in b.judged if t.name == name]
+        key = f"reward/judge_{name}"
+        out[key] = float(sum(t.value for t in terms) / len(breakdowns))
+        out[key + "_version"] = float(max(t.version for t in terms))
+        scores = [t.score for t in terms if t.score is not None]
+        if scores:
+            out[key + "_score"] = float(np.mean(scores))
+        out[key + "_cached"] = float(sum(t.cached for t in terms))
+        for outcome, count in OUTCOME_COUNTS.items():
+            out[f"{key}_{count}"] = float(sum(t.outcome == outcome for t in terms))
+    return out

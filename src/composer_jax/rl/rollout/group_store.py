@@ -160,7 +160,7 @@ class GroupStore:
             index,
             TaskRef(**meta["task"]),
             rollouts,
-            [RewardBreakdown(**b) for b in meta["rewards"]],
+            [RewardBreakdown.from_dict(b) for b in meta["rewards"]],
             meta["failed"],
             meta["version"],
         )

@@ -19,6 +19,9 @@ cannot run; after `rl.env_wait_s` seconds of that the run fails with an error na
 A replica taken out of rotation comes back once its supervisor has restarted it and it serves the
 current version, and a child restarted on another port is reached there (rl/rollout/rejoin.py);
 with none in rotation, rollouts wait for that up to `rl.supervision.rejoin_timeout_s`.
+
+With `rl.reward.judges`, a finished group's rollouts are judged (rl/judges/panel.py) before the
+group is persisted and queued: the judged terms join each rollout's reward (`with_judged`).
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from typing import Any, Protocol
 
 from composer_jax.config import Config
 from composer_jax.env.api.client import EnvClient
-from composer_jax.rl.algo.rewards import RolloutStats, compose_reward
+from composer_jax.rl.algo.rewards import RolloutStats, compose_reward, with_judged
+from composer_jax.rl.judges.panel import JudgePanel
 from composer_jax.rl.rollout.agent import Rollout, RolloutFailed
 from composer_jax.rl.rollout.env_servers import LocalEnvServers, RayEnvServers, env_server_resources
 from composer_jax.rl.rollout.group_store import Group, GroupStore
@@ -158,6 +162,8 @@ class RolloutSide:
         )
         self._watching: asyncio.Future | None = None
         self._sample_group = sample_group
+        # the judged behaviour terms' panel (rl.reward.judges); None without judges
+        self.judges = JudgePanel(cfg.rl.reward.judges) if cfg.rl.reward.judges else None
         self._loads: set[asyncio.Future] = set()  # version loads in flight (asynchronous runs)
         r = cfg.rl
         self.queue = RolloutQueue(
@@ -218,6 +224,9 @@ class RolloutSide:
         await self.wait_for_env()
         group = await self._sample_group(self.pool, self.client, self.cfg, index)
         group.version = version
+        if self.judges is not None:  # never raises for a judge's faults (neutral terms, counted)
+            terms = await self.judges.judge(group.rollouts)
+            group.rewards = [with_judged(b, t) for b, t in zip(group.rewards, terms)]
         return group
 
     async def _persist(self, group: Group) -> None:
@@ -318,6 +327,8 @@ class RolloutSide:
         await asyncio.gather(*self._loads, return_exceptions=True)
         await self.samplers.aclose()
         self.pool.policies = []
+        if self.judges is not None:
+            await self.judges.aclose()
 
 
 async def _env_servers(stack: contextlib.AsyncExitStack, cfg: Config, out_dir: Path, echo: Callable[[str], None]):
