@@ -22,6 +22,9 @@ SRC = ROOT / "src"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("errors", ("composer_jax.errors", "composer_jax.flags")),
     ("config", ("composer_jax.config",)),
+    # where a run's processes run (placements, the trainer's hosts): it needs only config, and the
+    # trainer's own command places its hosts with it
+    ("runtime", ("composer_jax.runtime",)),
     ("sharding", ("composer_jax.sharding", "composer_jax.multihost", "composer_jax.specs")),
     ("quant", ("composer_jax.quant",)),
     ("model", ("composer_jax.model",)),
@@ -34,7 +37,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # the engine (sampler, drivers) imports nothing of the server (HTTP, metrics, checkpoint loading, CLI)
     ("inference.engine", ("composer_jax.inference", "composer_jax.inference.engine")),
     ("inference.server", ("composer_jax.inference.server",)),
-    ("runtime", ("composer_jax.runtime",)),
     ("rl", ("composer_jax.rl",)),
     ("app", ("composer_jax.cli", "composer_jax.demo", "composer_jax.inspection", "composer_jax")),
 ]

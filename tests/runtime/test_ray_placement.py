@@ -84,12 +84,13 @@ def test_what_an_actor_raised_is_its_own_message():
         "composer_jax.runtime.placement.LaunchError: environment server 0 exited with status 2; its log (x.log):\n"
         "usage: composer-jax env-server\nValueError: not this one"
     )
-    assert rp._cause(wrapped) == (
+    assert rp.actor_error(wrapped) == (
         "environment server 0 exited with status 2; its log (x.log):\nusage: composer-jax env-server\n"
         "ValueError: not this one"
     )
     assert (
-        rp._cause(RuntimeError("The actor is temporarily unavailable\nmore")) == "The actor is temporarily unavailable"
+        rp.actor_error(RuntimeError("The actor is temporarily unavailable\nmore"))
+        == "The actor is temporarily unavailable"
     )
 
 

@@ -294,7 +294,7 @@ class RayPlacement:
             try:
                 answer = ray.get(ready[0])
             except Exception as exc:  # the actor's __init__ raised: its service's first start failed
-                raise self.error(f"{self._placed[i].spec.name} did not start: {_cause(exc)}") from None
+                raise self.error(f"{self._placed[i].spec.name} did not start: {actor_error(exc)}") from None
             with self._lock:
                 self._seen(self._placed[i], answer)
         with self._lock:
@@ -371,7 +371,7 @@ class RayPlacement:
     def _down(self, p: _Placed, exc: BaseException, ray: Any) -> None:
         """The actor did not answer: its process or node is gone (Ray places it again while it has
         restarts left) or it is busy past the bound."""
-        why = _cause(exc)
+        why = actor_error(exc)
         if isinstance(exc, ray.exceptions.ActorDiedError) and "restart" not in why.lower():
             if p.state != GIVEN_UP:
                 p.state = GIVEN_UP
@@ -445,7 +445,9 @@ class RayPlacement:
         try:
             url = ray.get(p.actor.replace.remote(timeout_s, why), timeout=timeout_s + 30.0)
         except Exception as exc:
-            raise self.error(f"{p.spec.name} did not come back within {timeout_s:g} s ({why}): {_cause(exc)}") from None
+            raise self.error(
+                f"{p.spec.name} did not come back within {timeout_s:g} s ({why}): {actor_error(exc)}"
+            ) from None
         with self._lock:
             if p.url in self.urls and url != p.url:
                 self.urls[self.urls.index(p.url)] = url
@@ -453,7 +455,7 @@ class RayPlacement:
         return url
 
 
-def _cause(exc: BaseException) -> str:
+def actor_error(exc: BaseException) -> str:
     """What an actor raised, as its message (Ray wraps it in its own error, after the remote
     traceback), or the first line of Ray's own error."""
     text = str(exc).strip()

@@ -44,6 +44,7 @@ from typing import Any
 from composer_jax.config.ray import TrainerRayConfig
 from composer_jax.runtime.local import BOOTSTRAP, describe_exit
 from composer_jax.runtime.placement import LaunchError
+from composer_jax.runtime.ray_placement import actor_error, connect, import_ray
 
 log = logging.getLogger(__name__)
 
@@ -180,8 +181,6 @@ def run_trainer(
     """Place `c.hosts` trainer processes running `composer-jax ARGV` (module docstring) and follow
     them to the end; the run's exit status. `fleet`: what the run's own services ask Ray for (a
     local cluster is started with room for them)."""
-    from composer_jax.runtime.ray_placement import connect, import_ray
-
     write = write or (lambda text: sys.stdout.write(text))  # the stdout of the moment (a test's capture)
     bundle = host_bundle(c)
     want = fleet_demand([*([bundle] * c.hosts), *fleet])
@@ -254,9 +253,7 @@ def _follow(ray: Any, actors: list[Any], runs: dict[Any, int], write: Callable[[
                 rc = int(ray.get(ref))
                 failure = None if rc == 0 else f"trainer host {i} {describe_exit(rc)}"
             except Exception as exc:  # its actor or node died
-                from composer_jax.runtime.ray_placement import _cause
-
-                rc, failure = 1, f"trainer host {i}: its actor or node was lost ({_cause(exc)})"
+                rc, failure = 1, f"trainer host {i}: its actor or node was lost ({actor_error(exc)})"
             if failure is not None:
                 tail = ""
                 if i != 0:
