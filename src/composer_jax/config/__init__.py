@@ -26,6 +26,7 @@ from composer_jax.config.loader import (
     set_path,
     to_dict,
 )
+from composer_jax.config.lora import LoraConfig, lora_targets, validate_lora
 from composer_jax.config.mesh import MESH_AXES, MeshConfig, validate_mesh
 from composer_jax.config.model import ModelConfig, RopeScalingConfig, validate_model
 from composer_jax.config.rl import LengthPenaltyConfig, RewardConfig, RLConfig, RLLossConfig, validate_rl
@@ -53,6 +54,7 @@ __all__ = [
     "DataConfigError",
     "MeshConfig",
     "LengthPenaltyConfig",
+    "LoraConfig",
     "ModelConfig",
     "OptimizerConfig",
     "RLConfig",
@@ -71,6 +73,7 @@ __all__ = [
     "config_from_layers",
     "deep_merge",
     "load_config",
+    "lora_targets",
     "parse_overrides",
     "read_yaml",
     "read_yaml_layers",
@@ -79,6 +82,7 @@ __all__ = [
     "validate_agent",
     "validate_checkpoint_config",
     "validate_data_config",
+    "validate_lora",
     "validate_mesh",
     "validate_mesh_for_model",
     "validate_model",

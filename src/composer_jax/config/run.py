@@ -24,6 +24,7 @@ from composer_jax.config.loader import (
     read_yaml_layers,
     set_path,
 )
+from composer_jax.config.lora import lora_targets
 from composer_jax.config.mesh import MESH_AXES, MeshConfig, validate_mesh
 from composer_jax.config.model import (
     BENEATH,
@@ -148,6 +149,8 @@ def check_sections(cfg: Config, num_devices: int | None) -> None:
     mesh is not resolved (e.g. `inspect` on a hypothetical cluster mesh)."""
     validate_mesh_for_model(cfg.mesh, cfg.model, num_devices)
     t = cfg.train
+    if t.lora.enabled:
+        lora_targets(t.lora, cfg.model)  # the targets against the model's projections
     if num_devices is not None:
         sizes = cfg.mesh.shape(num_devices)
         if t.seq_len % (2 * sizes["context"]) and sizes["context"] > 1:

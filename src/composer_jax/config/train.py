@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from composer_jax.config.lora import LoraConfig, validate_lora
 from composer_jax.errors import ConfigError
 
 
@@ -55,6 +56,8 @@ class TrainConfig:
     # h200); `inspect` checks the stage's memory against it by default. "" = none named
     device: str = ""
     tensorboard: bool = True
+    # low-rank adapters over a frozen base (config/lora.py; rank 0 = off, full fine-tuning)
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
 
 def validate_train(t: TrainConfig) -> None:
@@ -72,3 +75,4 @@ def validate_train(t: TrainConfig) -> None:
         raise ConfigError(
             f"train.optimizer.lr={t.optimizer.lr} must be > 0 and warmup_steps={t.optimizer.warmup_steps} >= 0"
         )
+    validate_lora(t.lora)
