@@ -37,6 +37,8 @@ DEFAULT_RULES: dict[str, MeshAxes] = {
     # the LoRA rank as the *input* of q_b / kv_b: FSDP-sharded there (q_a / kv_a already use fsdp
     # on embed, so their output rank stays whole); otherwise these would be replicated at tensor=1
     "lora_in": ("fsdp",),
+    # a LoRA adapter's rank axis (model/lora.py): small, whole on every device
+    "lora_rank": (),
     "mlp": ("tensor",),
     "experts": ("expert",),
     "expert_mlp": ("tensor",),

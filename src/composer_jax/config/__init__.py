@@ -26,6 +26,7 @@ from composer_jax.config.loader import (
     set_path,
     to_dict,
 )
+from composer_jax.config.lora import LoraConfig, lora_targets, validate_lora
 from composer_jax.config.mesh import MESH_AXES, MeshConfig, validate_mesh
 from composer_jax.config.model import ModelConfig, RopeScalingConfig, validate_model
 from composer_jax.config.rl import JudgeConfig, LengthPenaltyConfig, RewardConfig, RLConfig, RLLossConfig, validate_rl
@@ -54,6 +55,7 @@ __all__ = [
     "MeshConfig",
     "JudgeConfig",
     "LengthPenaltyConfig",
+    "LoraConfig",
     "ModelConfig",
     "OptimizerConfig",
     "RLConfig",
@@ -72,6 +74,7 @@ __all__ = [
     "config_from_layers",
     "deep_merge",
     "load_config",
+    "lora_targets",
     "parse_overrides",
     "read_yaml",
     "read_yaml_layers",
@@ -80,6 +83,7 @@ __all__ = [
     "validate_agent",
     "validate_checkpoint_config",
     "validate_data_config",
+    "validate_lora",
     "validate_mesh",
     "validate_mesh_for_model",
     "validate_model",

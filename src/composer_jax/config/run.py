@@ -24,6 +24,7 @@ from composer_jax.config.loader import (
     read_yaml_layers,
     set_path,
 )
+from composer_jax.config.lora import lora_targets
 from composer_jax.config.mesh import MESH_AXES, MeshConfig, validate_mesh
 from composer_jax.config.model import (
     BENEATH,
@@ -148,6 +149,8 @@ def check_sections(cfg: Config, num_devices: int | None) -> None:
     mesh is not resolved (e.g. `inspect` on a hypothetical cluster mesh)."""
     validate_mesh_for_model(cfg.mesh, cfg.model, num_devices)
     t = cfg.train
+    if t.lora.enabled:
+        lora_targets(t.lora, cfg.model)  # the targets against the model's projections
     if num_devices is not None:
         sizes = cfg.mesh.shape(num_devices)
         if t.seq_len % (2 * sizes["context"]) and sizes["context"] > 1:
@@ -183,6 +186,13 @@ def check_rl_run(cfg: Config, *, process_count: int, cores: Collection[int]) -> 
     `process_count` (`jax.process_count()`) and `cores`, the cores this process may use
     (`os.sched_getaffinity(0)`; read only with rl.pin_cores). ConfigError naming the keys."""
     r, t, a = cfg.rl, cfg.train, cfg.agent
+    if t.lora.enabled and (r.sampler_urls or r.local_samplers):
+        raise ConfigError(
+            f"train.lora.rank={t.lora.rank} with samplers in other processes (rl.sampler_urls="
+            f"{list(r.sampler_urls)}, rl.local_samplers={r.local_samplers}): a publish holds the adapters "
+            "only, which those replicas do not merge yet; accepted: the in-process sampler (neither key "
+            "set), or train.lora.rank=0"
+        )
     if not r.tasks:
         raise ConfigError("rl.tasks is empty; give the task ids (or gen/FAMILY) to train on")
     if r.group_size < 2:

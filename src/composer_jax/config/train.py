@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from composer_jax.config.lora import LoraConfig, validate_lora
 from composer_jax.config.ray import TrainerRayConfig, validate_placement
 from composer_jax.errors import ConfigError
 
@@ -62,6 +63,8 @@ class TrainConfig:
     # runtime/ray_trainer.py)
     placement: str = "local"
     ray: TrainerRayConfig = dataclasses.field(default_factory=TrainerRayConfig)
+    # low-rank adapters over a frozen base (config/lora.py; rank 0 = off, full fine-tuning)
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
 
 def validate_train(t: TrainConfig) -> None:
@@ -80,3 +83,4 @@ def validate_train(t: TrainConfig) -> None:
         raise ConfigError(
             f"train.optimizer.lr={t.optimizer.lr} must be > 0 and warmup_steps={t.optimizer.warmup_steps} >= 0"
         )
+    validate_lora(t.lora)

@@ -15,6 +15,7 @@ from composer_jax.model import kv_cache
 from composer_jax.model.context_parallel import context_axes, context_parallel_attention
 from composer_jax.model.flash import blockwise_attention
 from composer_jax.model.layers import apply_rope, linear, rms_norm, softmax_scale
+from composer_jax.model.lora import adapted_linear, merge_nodes, merged_weight
 from composer_jax.model.masks import AttentionContext, Visibility
 from composer_jax.sharding import MeshRules, constrain
 
@@ -84,11 +85,11 @@ def _mla_project(p: dict, x: jax.Array, ctx: AttentionContext, cfg: ModelConfig,
     normalised, k_rope [b, s, rope] rotated)."""
     nope = cfg.qk_nope_head_dim
     if cfg.q_lora_rank:
-        q = linear(rms_norm(linear(x, p["q_a"]), p["q_a_norm"], LATENT_NORM_EPS), p["q_b"])
+        q = adapted_linear(rms_norm(adapted_linear(x, p, "q_a"), p["q_a_norm"], LATENT_NORM_EPS), p, "q_b")
     else:
-        q = linear(x, p["q"])
+        q = adapted_linear(x, p, "q")
     q = constrain(q, sharding, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
-    kv = linear(x, p["kv_a"])
+    kv = adapted_linear(x, p, "kv_a")
     latent = rms_norm(kv[..., : cfg.kv_lora_rank], p["kv_a_norm"], LATENT_NORM_EPS)
     q_rope = apply_rope(q[..., nope:], ctx.cos, ctx.sin, cfg.rope_interleave)
     k_rope = apply_rope(kv[..., cfg.kv_lora_rank :][:, :, None, :], ctx.cos, ctx.sin, cfg.rope_interleave)
@@ -103,19 +104,18 @@ def mla(p: dict, x: jax.Array, ctx: AttentionContext, cfg: ModelConfig, sharding
     key k_rope = rope(x W_kv_a[kv_lora:]) shared by all heads.
     """
     q_nope, q_rope, latent, k_rope = _mla_project(p, x, ctx, cfg, sharding)
+    kv_b = merged_weight(p, "kv_b")  # used whole (context-parallel and absorbed attention): merged
     if sharding is not None and context_axes(sharding):
-        out = context_parallel_attention(
-            _mla_core, (q_nope, q_rope), (latent, k_rope), (p["kv_b"],), ctx, cfg, sharding
-        )
+        out = context_parallel_attention(_mla_core, (q_nope, q_rope), (latent, k_rope), (kv_b,), ctx, cfg, sharding)
     else:
-        out = _mla_core(q_nope, q_rope, latent, k_rope, p["kv_b"], _local_visibility(ctx), cfg)
+        out = _mla_core(q_nope, q_rope, latent, k_rope, kv_b, _local_visibility(ctx), cfg)
     out = constrain(out, sharding, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
-    return linear(out, p["o"], contract=2)
+    return adapted_linear(out, p, "o", contract=2)
 
 
 def _gqa_project(p: dict, x: jax.Array, ctx: AttentionContext, cfg: ModelConfig):
     """x [b, s, embed] -> q [b, s, h, d], k, v [b, s, kv_heads, d]; q and k normed (Qwen3) and rotated."""
-    q, k, v = linear(x, p["q"]), linear(x, p["k"]), linear(x, p["v"])
+    q, k, v = adapted_linear(x, p, "q"), adapted_linear(x, p, "k"), adapted_linear(x, p, "v")
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
@@ -133,7 +133,7 @@ def gqa(p: dict, x: jax.Array, ctx: AttentionContext, cfg: ModelConfig, sharding
     else:
         out = _gqa_core(q, k, v, _local_visibility(ctx), cfg)
     out = constrain(out, sharding, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
-    return linear(out, p["o"], contract=2)
+    return adapted_linear(out, p, "o", contract=2)
 
 
 def _cache_lengths(ctx: AttentionContext) -> jax.Array:
@@ -213,4 +213,4 @@ def attention_cached(
     """Attention of new tokens over (and into) one layer's KV cache; see `mla_cached`/`gqa_cached`."""
     fn = mla_cached if cfg.attention_type == "mla" else gqa_cached
     with jax.named_scope(cfg.attention_type + "_cached"):
-        return fn(p, x, ctx, cfg, cache)
+        return fn(merge_nodes(p), x, ctx, cfg, cache)

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from composer_jax.config import ModelConfig
 from composer_jax.model.attention import attention, attention_cached
 from composer_jax.model.kv_cache import KVCache, stack_slice
-from composer_jax.model.layers import linear, rms_norm, rope_cos_sin, swiglu
+from composer_jax.model.layers import linear, rms_norm, rope_cos_sin
+from composer_jax.model.lora import adapted_linear, merge_nodes
 from composer_jax.model.masks import LAYOUTS, AttentionContext, Layout, segment_positions
 from composer_jax.model.moe.decode import EXPERT_WEIGHTS, LayerView
 from composer_jax.model.moe.layer import moe_layer
@@ -74,11 +75,13 @@ def decoder_layer(
     x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
     if "moe" in lp:
         with jax.named_scope("moe"):
-            y, experts, counts = moe_layer(lp["moe"], x, cfg, sharding, routing, decode=cache is not None)
+            # routed-expert adapters are merged into the expert stacks (model/lora.py says why)
+            y, experts, counts = moe_layer(merge_nodes(lp["moe"]), x, cfg, sharding, routing, decode=cache is not None)
     else:
         m = lp["mlp"]
         with jax.named_scope("mlp"):
-            y, experts, counts = swiglu(x, m["gate"], m["up"], m["down"]), None, None
+            h_mlp = jax.nn.silu(adapted_linear(x, m, "gate")) * adapted_linear(x, m, "up")
+            y, experts, counts = adapted_linear(h_mlp, m, "down"), None, None
     h = constrain(h + y, sharding, ("act_batch", "act_seq", "act_embed"))
     return h, experts, counts, cache
 
@@ -339,7 +342,7 @@ def forward_cached(
     """
     sharding = MeshRules.resolve(sharding)
     _checked_tokens(tokens, cfg, logits_at, None)
-    params = compute_params(params, cfg)
+    params = compute_params(merge_nodes(params), cfg)  # adapters (model/lora.py) merged once per call
     ctx = cached_context(cfg, cache, tokens.shape[1])
     trunk = _trunk(params, tokens, ctx, cfg, sharding, None, cache)
     logits = _head(params, trunk.hidden, cfg, sharding, logits_at)

@@ -177,7 +177,8 @@ class Learner:
         self.ref_params = self.ref_fn = None
         if r.loss.kl_coef > 0:  # the frozen reference: the policy the run started from
             sharding = MeshRules(self.mesh, self.rules)
-            self.ref_params = _copy(self.state.params)
+            # (with train.lora the frozen base itself, read from the state at each step: `_reference`)
+            self.ref_params = None if self.state.frozen is not None else _copy(self.state.params)
             self.ref_fn = jax.jit(lambda p, b: reference_logprobs(p, b, cfg, sharding))
         self.engine = engine_of(cfg)  # what samples the rollouts (rl/samplers/engines.py)
         self.store_url = self.engine.store_url(cfg, self.out_dir)
@@ -232,7 +233,7 @@ class Learner:
                 self.cfg,
                 make_samplers=in_process_samplers,
                 policy_args={
-                    "params": _copy(self.state.params),
+                    "params": _copy(self.state.model_params(self.cfg)),
                     "tok": self.tok,
                     "version": self.begin.step,
                     "mesh": self.mesh,
@@ -307,12 +308,15 @@ class Learner:
         batch, moved = self.hosts.batch(host, self.batch_sharding)  # (its permute has a one-axis mesh of its own)
         with jax.set_mesh(self.mesh):
             if self.ref_fn is not None:
-                batch["ref_logprobs"] = self.ref_fn(self.ref_params, batch)
+                ref = self.ref_params if self.state.frozen is None else self.state.frozen
+                batch["ref_logprobs"] = self.ref_fn(ref, batch)
             self.state, metrics = self.step_fn(self.state, batch)
             values = {**scalars(jax.device_get(metrics)), **moved}  # waits for the step
             t1 = time.perf_counter()
-            params = _copy(self.state.params)
-            self.publish(params, version)
+            # a publish is the trained tree: with train.lora the adapters' bytes only; the in-process
+            # samplers get the merged model (their own copy: the step donates the state's buffers)
+            self.publish(_copy(self.state.params), version)
+            params = _copy(self.state.model_params(self.cfg))
             # the step's parts: the batch and the update, then the new version to the weight store
             values.update({"time/update_s": t1 - t0, "time/publish_s": time.perf_counter() - t1})
             return values, params
@@ -359,7 +363,10 @@ class Learner:
         # (several processes: process 0's data state is the one written, by orbax's primary host)
         next_group = self.rollouts.next_index if self.rollouts is not None else self.begin.next_group
         data_state = GroupsState(next_group, self.ledger.done).data_state()
-        return self.checkpointer.save(n, self.state, data_state=data_state, config=self.run_config, force=force)
+        # (with train.lora the adapters and their optimiser state only: the base is the run config's
+        # train.init_from, or the seeded fresh model, and is loaded again on a resume)
+        state = self.state.checkpointed()
+        return self.checkpointer.save(n, state, data_state=data_state, config=self.run_config, force=force)
 
     def checkpoint(self, n: int, force: bool) -> None:
         """Checkpoint step `n` (the shell calls it when due): first remove the files of groups the

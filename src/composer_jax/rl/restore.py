@@ -8,9 +8,12 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import jax
+
 from composer_jax.checkpoint.manager import TrainCheckpointer
 from composer_jax.config import Config
 from composer_jax.hf.init_from import describe_init, fresh_record, load_init_params
+from composer_jax.model.params import init_params as init_params_fn
 from composer_jax.rl.rollout.ledger import GroupsState
 from composer_jax.rl.rollout.queue import DoneIds
 from composer_jax.train.state import abstract_train_state, init_train_state
@@ -47,7 +50,10 @@ def restore_or_init(
         restored = checkpointer.restore(abstract_train_state(cfg, mesh, rules), config=run_config)
         groups = GroupsState.from_data_state(restored.data_state)
         init = {"kind": "resume", "path": str(checkpointer.step_dir(restored.step)), "step": restored.step}
-        return Start(restored.train_state, restored.step, groups.next_group, groups.done, resumed=True, init=init)
+        state = restored.train_state
+        if cfg.train.lora.enabled:  # the checkpoint holds the adapters: the frozen base is loaded again
+            state = dataclasses.replace(state, frozen=_lora_base(cfg, mesh, rules, run_config, init_params))
+        return Start(state, restored.step, groups.next_group, groups.done, resumed=True, init=init)
     if init_params is not None:
         return Start(init_train_state(cfg, mesh, rules, init_params), init={"kind": "given", "path": None})
     if cfg.train.init_from:
@@ -55,3 +61,13 @@ def restore_or_init(
         echo(f"[rl] initialised from {describe_init(record)}")
         return Start(init_train_state(cfg, mesh, rules, params), init=record)
     return Start(init_train_state(cfg, mesh, rules), init=fresh_record(cfg))
+
+
+def _lora_base(cfg: Config, mesh, rules, run_config: dict, init_params: Any) -> Any:
+    """The frozen base of a resumed `train.lora` run, from where the run first took it: the given
+    parameters, `train.init_from`, or the fresh model of `train.seed` (deterministic)."""
+    if init_params is not None:
+        return init_params
+    if cfg.train.init_from:
+        return load_init_params(cfg, mesh, rules, run_config)[0]
+    return init_params_fn(cfg.model, jax.random.key(cfg.train.seed), mesh, rules)

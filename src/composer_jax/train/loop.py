@@ -105,6 +105,11 @@ def _initial_state(
     Face or a `convert --to-orbax` directory: hf/init_from.py) with a fresh optimiser, else a
     fresh state."""
     t = cfg.train
+    if t.lora.enabled:
+        raise ConfigError(
+            f"train.lora.rank={t.lora.rank}: adapters are trained by the RL learner (composer-jax rl) only; "
+            f"a pretraining or SFT stage accepts train.lora.rank=0 (docs/rl.md, LoRA)"
+        )
     if checkpointer.latest_step() is not None:
         restored = checkpointer.restore(abstract_train_state(cfg, mesh, rules), config=run_config)
         if restored.data_state is not None:

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from composer_jax import specs
 from composer_jax.config import Config, ModelConfig
+from composer_jax.model import lora
 from composer_jax.model.context_parallel import context_size
 from composer_jax.model.moe.expert_parallel import exchanges_per_step
 from composer_jax.model.params import ROUTER_BIAS_PATHS, router_biases, update_router_biases
@@ -66,19 +67,32 @@ def _finite(tree) -> jax.Array:
 
 
 def batch_gradients(
-    params: Any, batch: dict, cfg: Config, sharding: MeshRules | None = None, objective: Objective = PRETRAINING
+    params: Any,
+    batch: dict,
+    cfg: Config,
+    sharding: MeshRules | None = None,
+    objective: Objective = PRETRAINING,
+    frozen: Any = None,
 ):
     """Whole-batch objective, gradients, metric sums and denominators, accumulated over
     `train.micro_batches`.
 
     Every micro-batch's terms are divided by whole-batch denominators, so the sum over micro-batches
-    is exactly the full-batch objective (no mean-of-means)."""
-    prep, denoms = prepared(params, batch, cfg, sharding, objective)
+    is exactly the full-batch objective (no mean-of-means).
+
+    frozen: with `train.lora`, the base `params` (the adapters) apply to (`model.lora.join`); the
+    gradients are the adapters' only (the base's weight gradients are never formed)."""
+    scale = cfg.train.lora.scale
+
+    def model_params(p: Any) -> Any:
+        return p if frozen is None else lora.join(frozen, p, scale)
+
+    prep, denoms = prepared(model_params(params), batch, cfg, sharding, objective)
     micro = {
         k: _micro_split(v, cfg.train.micro_batches, objective.axes_of(k, v.ndim).index("act_batch"))
         for k, v in prep.items()
     }
-    grad_fn = jax.value_and_grad(objective.terms, has_aux=True)
+    grad_fn = jax.value_and_grad(lambda p, *a: objective.terms(model_params(p), *a), has_aux=True)
 
     def accumulate(carry, mb):
         g_acc, s_acc, obj_acc = carry
@@ -86,7 +100,7 @@ def batch_gradients(
         return (jax.tree.map(jnp.add, g_acc, g), jax.tree.map(jnp.add, s_acc, sums), obj_acc + obj), None
 
     first = jax.tree.map(lambda x: x[0], micro)
-    sums_shape = jax.eval_shape(lambda: objective.terms(params, first, cfg, denoms, sharding)[1])
+    sums_shape = jax.eval_shape(lambda: objective.terms(model_params(params), first, cfg, denoms, sharding)[1])
     zeros = (
         jax.tree.map(jnp.zeros_like, params),
         jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape),
@@ -106,11 +120,11 @@ def train_step(
 ):
     """One optimiser step over the whole batch. Returns (new_state, metrics)."""
     m, t = cfg.model, cfg.train
-    value, grads, sums, denoms = batch_gradients(state.params, batch, cfg, sharding, objective)
+    value, grads, sums, denoms = batch_gradients(state.params, batch, cfg, sharding, objective, state.frozen)
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    if t.router_bias_update:
+    if t.router_bias_update and state.frozen is None:  # (a frozen base keeps its router biases)
         params = update_router_biases(
             params, {k: sums[k] for k in ROUTER_BIAS_PATHS if k in sums}, m.router_bias_update_rate
         )
@@ -119,7 +133,7 @@ def train_step(
     if t.skip_nonfinite:
         params = jax.tree.map(lambda new, old: jnp.where(ok, new, old), params, state.params)
         opt_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), opt_state, state.opt_state)
-    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=state.rng)
+    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=state.rng, frozen=state.frozen)
     metrics = {
         "loss": value,
         **objective.metrics(sums, denoms, cfg),
@@ -128,7 +142,7 @@ def train_step(
     }
     if "expert_counts" in sums:
         metrics["expert_counts"] = sums["expert_counts"]
-        metrics["router_bias"] = router_biases(params)["expert_counts"]
+        metrics["router_bias"] = router_biases(params if state.frozen is None else state.frozen)["expert_counts"]
         sequences = jax.tree.leaves(batch)[0].shape[0]
         metrics["seq_balance"] = sums["seq_balance"].sum() / (sequences * m.num_moe_layers)
     metrics.update(moe_exchange_metrics(sums, m))

@@ -1,0 +1,106 @@
+"""LoRA adapters (model/lora.py) -> a PEFT adapter directory: `adapter_config.json` and
+`adapter_model.safetensors`, which `peft.PeftModel.from_pretrained` applies to the base exported
+by `save_pretrained` (the DeepseekV3 / Qwen3-MoE layout of hf/weights.py).
+
+PEFT's `lora_A.weight` is [r, in] and `lora_B.weight` [out, r] (torch's [out, in] of each factor as
+an nn.Linear); our A [*in, r] and B [r, *out] take the base weight's layout on their input and
+output side respectively: `heads_in` (q/q_b/kv_b [in, heads, head_dim]) flattens B's
+[r, heads, head_dim] to [(heads head_dim), r], `heads_out` (o [heads, head_dim, embed]) flattens
+A's [heads, head_dim, r] to [r, (heads head_dim)]. The scale is PEFT's `lora_alpha / r`, the same
+as ours. The targets are listed as full module names (`model.layers.3.self_attn.q_b_proj`), so
+PEFT adapts exactly the layers that have adapters (not the MTP modules, not the shared experts).
+
+Only attention adapters are exported as a PEFT adapter. Routed experts: transformers 5 keeps a
+DeepseekV3 layer's experts as fused [E, 2f, embed] parameters. Dense MLP (`mlp` target): PEFT 0.21
+rewrites the `target_modules` of a deepseek_v3 / qwen3_moe model as if `gate_proj` / `up_proj` /
+`down_proj` named the (v4-style, unfused) experts (peft/utils/transformers_weight_conversion.py),
+so it wraps the fused experts instead of the dense layer's MLP and the adapter is not applied.
+Export the merged model for those (`composer-jax convert --from-run ... --to-hf`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from composer_jax.config import ConfigError, LoraConfig, ModelConfig
+from composer_jax.hf.config import family_for
+from composer_jax.hf.weights import Layout, T, _layer_map
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+
+
+def _factor_layouts(layout: Layout) -> tuple[Layout, Layout]:
+    """(A's layout, B's layout) for a base weight of `layout` (module docstring)."""
+    if layout.kind == "heads_in":
+        return T, layout
+    if layout.kind == "heads_out":
+        return layout, T
+    return T, T
+
+
+def peft_tensors(adapters: dict, cfg: ModelConfig) -> tuple[dict[str, np.ndarray], list[str]]:
+    """(PEFT tensor name -> float32 host array, the adapted modules' full names) of `adapters`."""
+    for stack in adapters.values():
+        for block in stack:
+            if block != "attn":
+                raise ConfigError(
+                    f"train.lora.targets has {'experts' if block == 'moe' else 'mlp'!r}: only attention "
+                    f"adapters have a PEFT form here (module docstring); accepted: attention targets, or "
+                    f"export the merged model (convert --to-hf without --lora-adapter)"
+                )
+    family = family_for(cfg)
+    tensors: dict[str, np.ndarray] = {}
+    modules: list[str] = []
+    for stack, first in (("dense_layers", 0), ("moe_layers", cfg.num_dense_layers)):
+        if stack not in adapters:
+            continue
+        layer_map = _layer_map(cfg, family, moe=stack == "moe_layers")
+        for block, node in adapters[stack].items():
+            for name, ab in node["lora"].items():
+                suffix, layout = layer_map[(block, name)]
+                module = suffix.removesuffix(".weight")
+                a_layout, b_layout = _factor_layouts(layout)
+                a, b = (np.asarray(jax.device_get(x), np.float32) for x in (ab["a"], ab["b"]))
+                for li in range(a.shape[0]):
+                    full = f"model.layers.{first + li}.{module}"
+                    modules.append(full)
+                    tensors[f"base_model.model.{full}.lora_A.weight"] = np.ascontiguousarray(a_layout.to_hf(a[li]))
+                    tensors[f"base_model.model.{full}.lora_B.weight"] = np.ascontiguousarray(b_layout.to_hf(b[li]))
+    return tensors, sorted(modules)
+
+
+def save_peft_adapter(
+    adapters: dict, cfg: ModelConfig, lora: LoraConfig, out_dir: str | os.PathLike, *, base_model: str = ""
+) -> Path:
+    """Write `adapters` as a PEFT LoRA adapter directory (module docstring); base_model: recorded
+    as `base_model_name_or_path` (the exported base's directory or hub name)."""
+    from safetensors.numpy import save_file
+
+    tensors, modules = peft_tensors(adapters, cfg)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config: dict[str, Any] = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model or None,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": modules,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "inference_mode": True,
+    }
+    (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+    return out
