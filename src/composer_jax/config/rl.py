@@ -16,6 +16,8 @@ Example (YAML):
         clip_eps_high: null
         kl_coef: 0.0               # k1 KL to the frozen reference policy
         plausibility_band: [0.5, 2.0]   # tokens with trainer/sampler ratio outside get no loss
+        importance: null           # ratio correction: null = band if plausibility_band else none;
+        importance_cap: null       #   tis: weight min(r, cap); icepop: r outside [1/cap, cap] dropped
         router_replay: true
       reward:
         grade_weight: 1.0
@@ -47,6 +49,10 @@ AdvantageName = Literal["drgrpo", "grpo"]
 ADVANTAGE_ESTIMATORS: tuple[str, ...] = typing.get_args(AdvantageName)
 AggregationName = Literal["token_sum", "token_mean", "sequence_mean"]
 AGGREGATIONS: tuple[str, ...] = typing.get_args(AggregationName)
+# `rl.loss.importance`: the correction of the trainer/sampler importance ratio (`rl/algo/loss.py`'s
+# importance registry): none, band (the plausibility band), tis (truncated), icepop (masked)
+ImportanceName = Literal["none", "band", "tis", "icepop"]
+IMPORTANCE_CORRECTIONS: tuple[str, ...] = typing.get_args(ImportanceName)
 LengthMeasure = Literal["tokens", "turns", "tool_calls"]  # rl.reward.length_penalty.x (rl/algo/rewards.py)
 LENGTH_MEASURES: tuple[str, ...] = typing.get_args(LengthMeasure)
 STALENESS_UNITS = ("token", "group")
@@ -86,6 +92,14 @@ class RLLossConfig:
     # [lo, hi]: a policy token whose trainer/sampler probability ratio lies outside gets no loss
     # (numerical mismatch between the two stacks); None = keep every token
     plausibility_band: tuple[float, ...] | None = None
+    # the correction of the trainer/sampler ratio r (the importance registry of rl/algo/loss.py):
+    # none = r as it is; band = the plausibility band above; tis = truncated importance sampling,
+    # the token's weight min(r, importance_cap); icepop = masked importance sampling, a token whose r
+    # leaves [1 / importance_cap, importance_cap] gets no loss. None (the default) = band when
+    # plausibility_band is given, else none (the configs written before this key mean what they did)
+    importance: ImportanceName | None = None
+    # C of tis and icepop (> 1; e.g. 2); only with them
+    importance_cap: float | None = None
     # replay the sampler's recorded MoE experts in the training forward (ignored for dense models)
     router_replay: bool = True
     # the sampling temperature: trainer log-probabilities are of softmax(logits / temperature), the
@@ -254,6 +268,43 @@ def validate_rl_loss(c: RLLossConfig) -> None:
                 f"keeps tokens on which trainer and sampler agree), or null to keep every token"
             )
     _number("rl.loss.temperature", c.temperature, low=0.0, strict=True)
+    _check_importance(c)
+
+
+def importance_correction(c: RLLossConfig) -> str:
+    """The importance correction a loss config asks for: `importance`, or when that is None, band
+    with a plausibility_band and none without (what a config that predates the key meant)."""
+    if c.importance is not None:
+        return c.importance
+    return "band" if c.plausibility_band is not None else "none"
+
+
+def _check_importance(c: RLLossConfig) -> None:
+    """rl.loss.importance against plausibility_band and importance_cap: each key only where it acts."""
+    if c.importance is not None and c.importance not in IMPORTANCE_CORRECTIONS:
+        raise ConfigError(
+            f"rl.loss.importance={c.importance!r} is not accepted; accepted: {IMPORTANCE_CORRECTIONS} or null"
+        )
+    name = importance_correction(c)
+    capped = name in ("tis", "icepop")
+    if name == "band" and c.plausibility_band is None:
+        raise ConfigError(
+            "rl.loss.importance='band' needs rl.loss.plausibility_band: [lo, hi] (the ratios kept), e.g. [0.5, 2.0]"
+        )
+    if name != "band" and c.plausibility_band is not None:
+        raise ConfigError(
+            f"rl.loss.plausibility_band={list(c.plausibility_band)!r} with rl.loss.importance={name!r}: the band is "
+            f"the 'band' correction; give importance: band (or null), or plausibility_band: null"
+        )
+    if capped:
+        if c.importance_cap is None:
+            raise ConfigError(f"rl.loss.importance={name!r} needs rl.loss.importance_cap: C > 1 (e.g. 2.0)")
+        _number("rl.loss.importance_cap", c.importance_cap, low=1.0, strict=True)
+    elif c.importance_cap is not None:
+        raise ConfigError(
+            f"rl.loss.importance_cap={c.importance_cap!r} with rl.loss.importance={name!r}: the cap is C of "
+            f"'tis' and 'icepop' only; drop it or choose one of them"
+        )
 
 
 def validate_length_penalty(c: LengthPenaltyConfig) -> None:
