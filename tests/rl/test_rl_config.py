@@ -38,6 +38,8 @@ def test_overrides_reach_the_rl_section():
     # a pretraining config has the defaults: Dr. GRPO, token sum, no clipping, no KL, no band
     plain = cj.load_config(TINY, num_devices=None).rl.loss
     assert plain == RLLossConfig() and plain.advantage == "drgrpo" and plain.aggregation == "token_sum"
+    tis = cj.load_config(TINY, ["rl.loss.importance=tis", "rl.loss.importance_cap=2"], num_devices=None).rl.loss
+    assert (tis.importance, tis.importance_cap) == ("tis", 2.0)
 
 
 @pytest.mark.parametrize(
@@ -52,6 +54,8 @@ def test_overrides_reach_the_rl_section():
         ("rl.loss.plausibility_band=[2, 3]", r"band=\[2.0, 3.0\]: expected \[lo, hi\] with 0 <= lo < 1 < hi"),
         ("rl.loss.plausibility_band=[0.5]", r"plausibility_band=\[0.5\]: expected \[lo, hi\] with 0 <= lo < 1 < hi"),
         ("rl.loss.temperature=0", r"rl.loss.temperature=0.0: expected a number > 0.0"),
+        ("rl.loss.importance=is", r"rl.loss.importance='is': expected one of 'none', 'band', 'tis', 'icepop' or"),
+        ("rl.loss.importance=icepop", r"rl.loss.importance='icepop' needs rl.loss.importance_cap: C > 1"),
         ("rl.reward.length_penalty.x=chars", r"x='chars' is not accepted; accepted: one of 'tokens', 'turns'"),
         ("rl.reward.length_penalty.k=0", r"rl.reward.length_penalty.k=0.0: expected a number > 0.0"),
         ("rl.reward.style_penalty=-1", r"rl.reward.style_penalty=-1.0: expected a number >= 0.0"),

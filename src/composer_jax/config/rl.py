@@ -16,7 +16,11 @@ Example (YAML):
         clip_eps_high: null
         kl_coef: 0.0               # k1 KL to the frozen reference policy
         plausibility_band: [0.5, 2.0]   # tokens with trainer/sampler ratio outside get no loss
+        importance: null           # ratio correction: null = band if plausibility_band else none;
+        importance_cap: null       #   tis: weight min(r, cap); icepop: r outside [1/cap, cap] dropped
         router_replay: true
+        objective: policy_gradient # distill: on-policy distillation from rl.distill's teacher
+      distill: {teacher_url: "http://teacher:8000/v1", model: teacher, weight: 1.0, task_weight: 0.0}
       reward:
         grade_weight: 1.0
         length_penalty: {weight: 0.1, k: 0.01, q: 1.5, x: turns}
@@ -50,6 +54,14 @@ AdvantageName = Literal["drgrpo", "grpo"]
 ADVANTAGE_ESTIMATORS: tuple[str, ...] = typing.get_args(AdvantageName)
 AggregationName = Literal["token_sum", "token_mean", "sequence_mean"]
 AGGREGATIONS: tuple[str, ...] = typing.get_args(AggregationName)
+# `rl.loss.importance`: the correction of the trainer/sampler importance ratio (`rl/algo/loss.py`'s
+# importance registry): none, band (the plausibility band), tis (truncated), icepop (masked)
+ImportanceName = Literal["none", "band", "tis", "icepop"]
+IMPORTANCE_CORRECTIONS: tuple[str, ...] = typing.get_args(ImportanceName)
+# `rl.loss.objective`: policy_gradient (the task reward's advantage alone) or distill (on-policy
+# distillation: the task advantage mixed with the teacher's per-token log ratio, rl/algo/distill.py)
+ObjectiveName = Literal["policy_gradient", "distill"]
+OBJECTIVES: tuple[str, ...] = typing.get_args(ObjectiveName)
 LengthMeasure = Literal["tokens", "turns", "tool_calls"]  # rl.reward.length_penalty.x (rl/algo/rewards.py)
 LENGTH_MEASURES: tuple[str, ...] = typing.get_args(LengthMeasure)
 STALENESS_UNITS = ("token", "group")
@@ -94,6 +106,18 @@ class RLLossConfig:
     # [lo, hi]: a policy token whose trainer/sampler probability ratio lies outside gets no loss
     # (numerical mismatch between the two stacks); None = keep every token
     plausibility_band: tuple[float, ...] | None = None
+    # the correction of the trainer/sampler ratio r (the importance registry of rl/algo/loss.py):
+    # none = r as it is; band = the plausibility band above; tis = truncated importance sampling,
+    # the token's weight min(r, importance_cap); icepop = masked importance sampling, a token whose r
+    # leaves [1 / importance_cap, importance_cap] gets no loss. None (the default) = band when
+    # plausibility_band is given, else none (the configs written before this key mean what they did)
+    importance: ImportanceName | None = None
+    # C of tis and icepop (> 1; e.g. 2); only with them
+    importance_cap: float | None = None
+    # policy_gradient: each token's advantage is its rollout's (the task reward's); distill:
+    # rl.distill.task_weight times that plus rl.distill.weight times log teacher - log student of the
+    # token (on-policy distillation, the teacher endpoint in rl.distill)
+    objective: ObjectiveName = "policy_gradient"
     # replay the sampler's recorded MoE experts in the training forward (ignored for dense models)
     router_replay: bool = True
     # the sampling temperature: trainer log-probabilities are of softmax(logits / temperature), the
@@ -105,6 +129,47 @@ class RLLossConfig:
         if self.plausibility_band is not None:
             lo, hi = self.plausibility_band
             object.__setattr__(self, "plausibility_band", (float(lo), float(hi)))
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillConfig:
+    """The teacher of on-policy distillation (`rl.loss.objective: distill`, `rl/algo/distill.py`): an
+    OpenAI-compatible /v1/completions endpoint answering vLLM's `prompt_logprobs` (vLLM, or
+    `composer-jax serve`), asked for each sampled token's log-probability. The per-token advantage
+    is task_weight * A_task + weight * (log teacher(t) - log student(t)), the student's being the
+    sampler's recorded log-probability."""
+
+    # the endpoint's base URL, up to /v1 (e.g. http://teacher:8000/v1)
+    teacher_url: str = ""
+    # the model name the endpoint serves (sent as `model`)
+    model: str = ""
+    # the name of the environment variable holding its bearer key ("" = no key sent)
+    api_key_env: str = ""
+    # the teacher's tokenizer (a directory or tokenizer.json); "" = the student's. Another tokenizer
+    # is accepted only where it re-tokenises each rollout's text into the very same ids
+    tokenizer: str = ""
+    # w_distill: the weight of the reverse-KL term (log teacher - log student)
+    weight: float = 1.0
+    # w_task: the weight of the task reward's advantage (0 = pure distillation, the published recipe)
+    task_weight: float = 0.0
+    # seconds one scoring request may take
+    timeout_s: float = 120.0
+    # scoring requests in flight at once
+    concurrency: int = 8
+
+    def __post_init__(self) -> None:
+        validate_distill(self)
+
+
+def validate_distill(c: DistillConfig) -> None:
+    """The rl.distill section's own checks (that distill has a teacher: `validate_rl`)."""
+    if c.teacher_url and not (isinstance(c.teacher_url, str) and c.teacher_url.startswith(("http://", "https://"))):
+        raise ConfigError(f"rl.distill.teacher_url={c.teacher_url!r}: expected an http:// or https:// URL (up to /v1)")
+    _number("rl.distill.weight", c.weight, low=0.0)
+    _number("rl.distill.task_weight", c.task_weight, low=0.0)
+    _number("rl.distill.timeout_s", c.timeout_s, low=0.0, strict=True)
+    if isinstance(c.concurrency, bool) or not isinstance(c.concurrency, int) or c.concurrency < 1:
+        raise ConfigError(f"rl.distill.concurrency={c.concurrency!r}: expected an integer >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +244,8 @@ class RLConfig:
 
     loss: RLLossConfig = dataclasses.field(default_factory=RLLossConfig)
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    # the teacher endpoint of rl.loss.objective=distill
+    distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
     # tasks trained on, in turn: task ids, or gen/FAMILY (a generated task, new seed per group)
     tasks: tuple[str, ...] = ()
     task_seed: int = 0  # group i of a gen/ task uses seed task_seed + i
@@ -265,6 +332,8 @@ def validate_rl_loss(c: RLLossConfig) -> None:
     """The rl.loss section's checks."""
     if c.advantage not in ADVANTAGE_ESTIMATORS:
         raise ConfigError(f"rl.loss.advantage={c.advantage!r} is not accepted; accepted: {ADVANTAGE_ESTIMATORS}")
+    if c.objective not in OBJECTIVES:
+        raise ConfigError(f"rl.loss.objective={c.objective!r} is not accepted; accepted: {OBJECTIVES}")
     if c.aggregation not in AGGREGATIONS:
         raise ConfigError(f"rl.loss.aggregation={c.aggregation!r} is not accepted; accepted: {AGGREGATIONS}")
     _number("rl.loss.normalizer", c.normalizer, low=0.0)
@@ -293,6 +362,43 @@ def validate_rl_loss(c: RLLossConfig) -> None:
                 f"keeps tokens on which trainer and sampler agree), or null to keep every token"
             )
     _number("rl.loss.temperature", c.temperature, low=0.0, strict=True)
+    _check_importance(c)
+
+
+def importance_correction(c: RLLossConfig) -> str:
+    """The importance correction a loss config asks for: `importance`, or when that is None, band
+    with a plausibility_band and none without (what a config that predates the key meant)."""
+    if c.importance is not None:
+        return c.importance
+    return "band" if c.plausibility_band is not None else "none"
+
+
+def _check_importance(c: RLLossConfig) -> None:
+    """rl.loss.importance against plausibility_band and importance_cap: each key only where it acts."""
+    if c.importance is not None and c.importance not in IMPORTANCE_CORRECTIONS:
+        raise ConfigError(
+            f"rl.loss.importance={c.importance!r} is not accepted; accepted: {IMPORTANCE_CORRECTIONS} or null"
+        )
+    name = importance_correction(c)
+    capped = name in ("tis", "icepop")
+    if name == "band" and c.plausibility_band is None:
+        raise ConfigError(
+            "rl.loss.importance='band' needs rl.loss.plausibility_band: [lo, hi] (the ratios kept), e.g. [0.5, 2.0]"
+        )
+    if name != "band" and c.plausibility_band is not None:
+        raise ConfigError(
+            f"rl.loss.plausibility_band={list(c.plausibility_band)!r} with rl.loss.importance={name!r}: the band is "
+            f"the 'band' correction; give importance: band (or null), or plausibility_band: null"
+        )
+    if capped:
+        if c.importance_cap is None:
+            raise ConfigError(f"rl.loss.importance={name!r} needs rl.loss.importance_cap: C > 1 (e.g. 2.0)")
+        _number("rl.loss.importance_cap", c.importance_cap, low=1.0, strict=True)
+    elif c.importance_cap is not None:
+        raise ConfigError(
+            f"rl.loss.importance_cap={c.importance_cap!r} with rl.loss.importance={name!r}: the cap is C of "
+            f"'tis' and 'icepop' only; drop it or choose one of them"
+        )
 
 
 def validate_length_penalty(c: LengthPenaltyConfig) -> None:
@@ -356,6 +462,14 @@ def validate_rl(r: RLConfig) -> None:
     and `agent`: `config/run.py`'s `check_rl_run`)."""
     validate_rl_loss(r.loss)
     validate_reward(r.reward)
+    validate_distill(r.distill)
+    if r.loss.objective == "distill" and not (r.distill.teacher_url and r.distill.model):
+        raise ConfigError(
+            "rl.loss.objective='distill' needs a teacher: rl.distill.teacher_url (its /v1 base URL) and "
+            "rl.distill.model (the name it serves)"
+        )
+    if r.loss.objective == "distill" and r.distill.weight == 0 and r.distill.task_weight == 0:
+        raise ConfigError("rl.distill.weight=0 and rl.distill.task_weight=0: every advantage would be 0; raise one")
     validate_sampler(r.sampler, "rl.sampler")
     validate_supervision(r.supervision)
     validate_placement(r.placement)

@@ -42,6 +42,7 @@ from composer_jax.checkpoint.manager import TrainCheckpointer
 from composer_jax.config import Config, ConfigError, check_rl_run, to_dict
 from composer_jax.hf.init_from import resolve_model_from
 from composer_jax.rl.algo import batch as rl_batch
+from composer_jax.rl.algo.distill import Teacher
 from composer_jax.rl.algo.loss import reference_logprobs, rl_objective
 from composer_jax.rl.algo.rewards import mean_components
 from composer_jax.rl.evaluate import SUCCESS, HeldOutEvaluation, held_out_tasks
@@ -180,6 +181,8 @@ class Learner:
             # (with train.lora the frozen base itself, read from the state at each step: `_reference`)
             self.ref_params = None if self.state.frozen is not None else _copy(self.state.params)
             self.ref_fn = jax.jit(lambda p, b: reference_logprobs(p, b, cfg, sharding))
+        # on-policy distillation: the teacher that scores each step's sampled tokens (rl/algo/distill.py)
+        self.teacher = Teacher(r.distill, self.tok) if r.loss.objective == "distill" and self.hosts.lead else None
         self.engine = engine_of(cfg)  # what samples the rollouts (rl/samplers/engines.py)
         self.store_url = self.engine.store_url(cfg, self.out_dir)
         self.publish = store_publisher(
@@ -285,6 +288,8 @@ class Learner:
             for g in groups
             for ro, b in zip(g.rollouts, g.rewards)
         ]
+        if self.teacher is not None:  # off the event loop: the rollout side keeps sampling meanwhile
+            rollouts = await asyncio.to_thread(self.teacher.score, rollouts)
         host = rl_batch.build_batch(rollouts, self.cfg)
         lags = [staleness(g, step, r.staleness_unit) for g in groups]
         values = {**step_report(groups), **rl_batch.version_lag(rollouts, step)}
@@ -419,6 +424,8 @@ class Learner:
     def close(self) -> dict[str, Any]:
         """Wait for the last checkpoint, remove the files it covers, close the logs; the summary."""
         self.checkpointer.wait()
+        if self.teacher is not None:
+            self.teacher.close()
         removable = self.ledger.removable()
         if self.hosts.lead:
             self.store.remove(removable)

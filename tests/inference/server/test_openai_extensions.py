@@ -77,3 +77,13 @@ def test_return_token_ids_gives_the_prompt_ids_where_vllm_puts_them():
     assert "prompt_token_ids" not in api.completion_choice(chat, 0, TOK, done, "c")
     with pytest.raises(api.ApiError, match=r"return_token_ids.*'yes' is not a boolean"):
         _parse(return_token_ids="yes")
+
+
+def test_prompt_logprobs_zero_only_and_not_streamed():
+    """vLLM's prompt_logprobs: 0 (the prompt tokens' own) is accepted on completions; top
+    alternatives and streaming are refused naming the field (vLLM refuses the stream too)."""
+    assert _parse(prompt_logprobs=0).prompt_logprobs and not _parse().prompt_logprobs
+    with pytest.raises(api.ApiError, match="prompt_logprobs.*2 alternatives per prompt token.*accepted: 0"):
+        _parse(prompt_logprobs=2)
+    with pytest.raises(api.ApiError, match="prompt_logprobs are not available with stream=true"):
+        _parse(prompt_logprobs=0, stream=True)

@@ -1,6 +1,8 @@
 """The RL objective's pieces against numbers worked by hand (the working is in the comments):
 group advantages, the aggregations and their denominators, the importance ratio with and without
-PPO clipping, the k1 KL term, the plausibility mask and the mismatch metrics."""
+PPO clipping, the k1 KL term, the importance corrections (plausibility band, truncated and masked
+importance sampling, also against a numpy reference of the whole per-token objective) and the
+mismatch metrics."""
 
 from __future__ import annotations
 
@@ -14,9 +16,11 @@ import pytest
 
 from composer_jax.config.rl import ADVANTAGE_ESTIMATORS as ADV_NAMES
 from composer_jax.config.rl import AGGREGATIONS as AGG_NAMES
+from composer_jax.config.rl import IMPORTANCE_CORRECTIONS as IS_NAMES
 from composer_jax.config.rl import RLLossConfig
+from composer_jax.errors import ConfigError
 from composer_jax.rl.algo.advantages import ADVANTAGE_ESTIMATORS, advantages
-from composer_jax.rl.algo.loss import AGGREGATIONS, policy_loss
+from composer_jax.rl.algo.loss import AGGREGATIONS, IMPORTANCE_CORRECTIONS, policy_loss
 
 LN2 = math.log(2.0)
 
@@ -24,6 +28,7 @@ LN2 = math.log(2.0)
 def test_registries_hold_exactly_the_configurable_names():
     assert sorted(ADVANTAGE_ESTIMATORS) == sorted(ADV_NAMES)
     assert sorted(AGGREGATIONS) == sorted(AGG_NAMES)
+    assert sorted(IMPORTANCE_CORRECTIONS) == sorted(IS_NAMES)
 
 
 def test_drgrpo_advantages_are_reward_minus_group_mean():
@@ -165,3 +170,110 @@ def test_mismatch_metrics():
     _, sums, _ = _run(RLLossConfig(), [LN2, LN2], [0.0] * 2, [1, 1])
     assert sums["mismatch_kl_k1"] == pytest.approx(-2 * LN2, abs=1e-6)
     assert sums["mismatch_kl_k3"] == pytest.approx(2 * (1 - LN2), abs=1e-6)
+
+
+def test_truncated_importance_sampling():
+    # tis, C = 2: r = 3, 0.25, 1.5, and e^200 (overflows float32) all keep a loss, each weighted
+    # min(r, 2) = 2, 0.25, 1.5, 2; A = 1, -1, 1, 1. loss_sum = -(2 - 0.25 + 1.5 + 2) = -5.25, and
+    # the gradient is -min(r, 2) A (truncated, not zeroed as clipping would): -2, 0.25, -1.5, -2.
+    # truncated: r = 3 and r = e^200, 2 of 4 policy tokens; nothing is filtered.
+    cfg = RLLossConfig(importance="tis", importance_cap=2.0)
+    lr = [math.log(3.0), math.log(0.25), math.log(1.5), 200.0]
+    loss, sums, grad = _run(cfg, lr, [1.0, -1.0, 1.0, 1.0], [1] * 4)
+    assert loss == pytest.approx(-5.25, abs=1e-6)
+    np.testing.assert_allclose(grad, [-2.0, 0.25, -1.5, -2.0], atol=1e-6)
+    assert (sums["kept_tokens"], sums["truncated_tokens"]) == (4, 2)
+    assert all(math.isfinite(v) for v in sums.values())
+
+
+def test_icepop_masks_ratios_outside_the_cap():
+    # icepop, C = 2: kept are ratios in [0.5, 2]: r = 2 (on the edge) and 0.6; dropped r = 3,
+    # 0.25 and e^200. A = 1: loss_sum = -(2 + 0.6) = -2.6, gradient -r on the kept tokens, masked 3/5
+    cfg = RLLossConfig(importance="icepop", importance_cap=2.0)
+    lr = [math.log(3.0), math.log(0.25), LN2, math.log(0.6), 200.0]
+    loss, sums, grad = _run(cfg, lr, [1.0] * 5, [1] * 5)
+    assert loss == pytest.approx(-2.6, abs=1e-6)
+    np.testing.assert_allclose(grad, [0.0, 0.0, -2.0, -0.6, 0.0], atol=1e-6)
+    assert (sums["kept_tokens"], sums["masked_tokens"]) == (2, 3)
+
+
+def _numpy_policy_loss(lr, adv, mask, w, k1, cfg):
+    """The per-token objective of docs/rl.md in float64 numpy, with its gradient d loss / d log pi
+    written out by hand: (loss_sum, gradient, kept, truncated)."""
+    name = cfg.importance or ("band" if cfg.plausibility_band else "none")
+    on = mask > 0
+    r = np.exp(np.where(on, lr, 0.0))
+    if name == "band":
+        lo, hi = cfg.plausibility_band
+    elif name == "icepop":
+        lo, hi = 1.0 / cfg.importance_cap, cfg.importance_cap
+    else:
+        lo, hi = 0.0, np.inf
+    keep = on & (r >= lo) & (r <= hi)
+    q = np.where(keep, np.minimum(r, cfg.importance_cap) if name == "tis" else r, 0.0)
+    c_lo = 1 - cfg.clip_eps_low if cfg.clip_eps_low is not None else 0.0
+    c_hi = 1 + cfg.clip_eps_high if cfg.clip_eps_high is not None else np.inf
+    clipped = np.clip(q, c_lo, c_hi) * adv
+    pg = np.minimum(q * adv, clipped)
+    # the unclipped branch (value q A, gradient q A) is taken unless the clipped one is smaller
+    d_pg = np.where(q * adv <= clipped, q * adv, 0.0)
+    per_token = w * keep * (-pg + cfg.kl_coef * k1 * q)
+    grad = w * keep * (-d_pg + cfg.kl_coef * k1 * q)
+    truncated = on & (r > cfg.importance_cap) if name == "tis" else np.zeros_like(on)
+    return per_token.sum(), grad, keep.sum(), truncated.sum()
+
+
+@pytest.mark.parametrize(
+    "loss_kw",
+    [
+        {"importance": "tis", "importance_cap": 1.5, "clip_eps_low": 0.2, "clip_eps_high": 0.28, "kl_coef": 0.1},
+        {"importance": "tis", "importance_cap": 2.0},
+        {"importance": "icepop", "importance_cap": 1.5, "clip_eps_low": 0.2, "clip_eps_high": 0.28, "kl_coef": 0.1},
+        {"plausibility_band": (0.5, 2.0), "clip_eps_high": 0.28},
+        {"importance": "none", "kl_coef": 0.05},
+    ],
+)
+def test_importance_corrections_against_the_numpy_reference(loss_kw):
+    # 64 tokens of random log ratios (spread well past every cap), advantages, weights and k1; a
+    # quarter are not policy tokens (their huge log ratios must not matter)
+    cfg = RLLossConfig(**loss_kw)
+    rng = np.random.default_rng(3)
+    n = 64
+    lr = rng.normal(0.0, 0.8, n)
+    mask = (rng.random(n) < 0.75).astype(np.float64)
+    lr = np.where(mask > 0, lr, 50.0)
+    adv, w, k1 = rng.normal(0.0, 1.0, n), rng.random(n), rng.normal(0.0, 0.3, n)
+    want_loss, want_grad, want_kept, want_trunc = _numpy_policy_loss(lr, adv, mask, w, k1, cfg)
+    sampler = jnp.full(n, -2.0)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+
+    def f(logp):
+        return policy_loss(logp, sampler, f32(adv), f32(mask), f32(w), cfg, logp - f32(k1))
+
+    (loss, sums), grad = jax.value_and_grad(f, has_aux=True)(sampler + f32(lr))
+    np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-5, atol=1e-6)
+    assert float(sums["kept_tokens"]) == want_kept
+    assert float(sums.get("truncated_tokens", 0.0)) == want_trunc
+    # the random ratios reach every branch the correction has: some tokens truncated or dropped
+    if "importance_cap" in loss_kw:
+        assert 0 < (want_trunc if loss_kw["importance"] == "tis" else mask.sum() - want_kept) < mask.sum()
+
+
+def test_importance_config_checks():
+    # configs that predate rl.loss.importance mean what they did: a band is the band correction
+    assert RLLossConfig(plausibility_band=(0.5, 2.0)).importance is None
+    bad = [
+        ({"importance": "ppo"}, "rl.loss.importance='ppo' is not accepted; accepted: .*'tis', 'icepop'"),
+        ({"importance": "tis"}, "rl.loss.importance='tis' needs rl.loss.importance_cap"),
+        ({"importance": "icepop", "importance_cap": 1.0}, "importance_cap=1.0: expected a number > 1"),
+        ({"importance": "band"}, "'band' needs rl.loss.plausibility_band"),
+        (
+            {"importance": "tis", "importance_cap": 2.0, "plausibility_band": (0.5, 2.0)},
+            "plausibility_band=\\[0.5, 2.0\\] with rl.loss.importance='tis'",
+        ),
+        ({"importance_cap": 2.0}, "importance_cap=2.0 with rl.loss.importance='none'"),
+    ]
+    for kw, message in bad:
+        with pytest.raises(ConfigError, match=message):
+            RLLossConfig(**kw)

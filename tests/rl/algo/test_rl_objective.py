@@ -39,7 +39,9 @@ BAND, CLIP, BETA, NORM, TEMP = (0.5, 2.0), (0.8, 1.3), 0.05, 100.0, 0.9
 
 
 def _cfg(*extra: str) -> cj.Config:
-    return cj.load_config(TINY, RL + list(extra), num_devices=8)
+    """The test's config; an override in `extra` replaces RL's of the same key."""
+    given = {e.split("=", 1)[0] for e in extra}
+    return cj.load_config(TINY, [o for o in RL if o.split("=", 1)[0] not in given] + list(extra), num_devices=8)
 
 
 def _model_logprobs(params, tokens, segment_ids, cfg):
@@ -80,8 +82,9 @@ def setup():
     return cfg, params, ref_params, batch, (value, grads, sums, denoms), ref_fn
 
 
-def _reference_loss(params, batch, cfg):
-    """The whole-batch objective written out from docs/rl.md: full logits, slices for the shift."""
+def _reference_loss(params, batch, cfg, importance=("band", None)):
+    """The whole-batch objective written out from docs/rl.md: full logits, slices for the shift.
+    importance: ("band", None) (the run's [0.5, 2]), ("tis", C) or ("icepop", C)."""
     tokens = jnp.asarray(batch["tokens"])
     seg = jnp.asarray(batch["segment_ids"])
     routing = jnp.transpose(jnp.asarray(batch["routing"]), (2, 0, 1, 3))
@@ -91,8 +94,12 @@ def _reference_loss(params, batch, cfg):
     adv = jnp.asarray(batch["advantages"])[:, 1:]
     log_r = jnp.where(mask > 0, logp - jnp.asarray(batch["sampler_logprobs"])[:, 1:], 0.0)
     r_stop = jnp.exp(jax.lax.stop_gradient(log_r))
-    keep = mask * (r_stop >= BAND[0]) * (r_stop <= BAND[1])
+    name, cap = importance
+    lo, hi = {"band": BAND, "tis": (0.0, jnp.inf), "icepop": (1 / (cap or 1), cap)}[name]
+    keep = mask * (r_stop >= lo) * (r_stop <= hi)
     ratio = jnp.exp(jnp.where(keep > 0, log_r, 0.0))
+    if name == "tis":  # value min(r, C), gradient min(r, C) d log pi
+        ratio = ratio * jax.lax.stop_gradient(jnp.minimum(1.0, cap / ratio))
     pg = jnp.minimum(ratio * adv, jnp.clip(ratio, *CLIP) * adv)
     k1 = jax.lax.stop_gradient(logp - jnp.asarray(batch["ref_logprobs"])[:, 1:])
     return jnp.sum(keep * (-pg + BETA * k1 * ratio)) / NORM, (mask, keep)
@@ -182,6 +189,33 @@ def _value_fn(*extra: str):
 
         _VALUE_FNS[extra] = (jax.jit(value), obj.batch_keys)
     return _VALUE_FNS[extra]
+
+
+@pytest.mark.parametrize("name", ["tis", "icepop"])
+def test_importance_corrections_equal_the_whole_batch_reference(setup, name):
+    """rl.loss.importance=tis / icepop (C = 1.5) through the objective: its value and its metric (the
+    fraction truncated / masked) equal the reference's (the gradients: test_rl_loss_hand's numpy
+    reference of the per-token objective)."""
+    cfg, params, _, batch, _, _ = setup
+    extra = ("rl.loss.plausibility_band=null", f"rl.loss.importance={name}", "rl.loss.importance_cap=1.5")
+    value, metrics = _value_fn(*extra)[0](params, batch)
+    want, (mask, keep) = jax.jit(lambda p: _reference_loss(p, batch, _cfg(*extra), (name, 1.5)))(params)
+    np.testing.assert_allclose(float(value), float(want), rtol=1e-5)
+    assert "filtered_fraction" in metrics and "clip_fraction" in metrics
+    if name == "tis":
+        assert float(keep.sum()) == float(mask.sum()) and "masked_fraction" not in metrics
+        # the reference's count: sampler log-probs are the model's plus N(0, 0.4) noise, so some exceed C
+        tokens, seg = jnp.asarray(batch["tokens"]), jnp.asarray(batch["segment_ids"])
+        log_r = jax.jit(lambda p: _model_logprobs(p, tokens, seg, cfg)[0])(params)
+        log_r = log_r - jnp.asarray(batch["sampler_logprobs"])[:, 1:]
+        over = float(jnp.sum(mask * (log_r > np.log(1.5))) / mask.sum())
+        np.testing.assert_allclose(float(metrics["truncated_fraction"]), over, rtol=1e-6)
+        assert 0.0 < over < 0.5
+    else:
+        masked = 1.0 - float(keep.sum() / mask.sum())
+        np.testing.assert_allclose(float(metrics["masked_fraction"]), masked, rtol=1e-6)
+        np.testing.assert_allclose(float(metrics["filtered_fraction"]), masked, rtol=1e-6)
+        assert 0.0 < masked < 0.5 and "truncated_fraction" not in metrics
 
 
 def test_router_replay_changes_the_loss_only_when_routing_differs(setup):

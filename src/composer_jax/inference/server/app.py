@@ -16,7 +16,8 @@ produced it). Served version numbers are the published ones. /health reports the
 error reading it and the last fallback (a bad version replaced by an older one).
 
 Requests and responses: `server/openai_api.py` (extension fields: top_k, return_routing,
-return_prompt_routing, stop_token_ids, ignore_eos, return_token_ids; token_ids, token_versions,
+return_prompt_routing, stop_token_ids, ignore_eos, return_token_ids, prompt_logprobs (vLLM's, 0 only:
+`server/prompt_logprobs.py`); token_ids, token_versions,
 routed_experts, prompt_routed_experts, prompt_token_ids, malformed_tool_calls). Errors: `{"error": {"message", "type",
 "param", "code"}}` with a 4xx status for a bad request, 401 without the key (OpenAI's
 invalid_request_error / invalid_api_key), 429 with `Retry-After` when the engine is full, 500 when
@@ -59,6 +60,7 @@ from composer_jax.inference.server import openai_api as api
 from composer_jax.inference.server.metrics import CONTENT_TYPE, ObserveRequests, ServeMetrics
 from composer_jax.inference.server.openai_api import ApiError, Generation
 from composer_jax.inference.server.policy import Policy
+from composer_jax.inference.server.prompt_logprobs import PromptScorer, prompt_logprobs_field
 from composer_jax.weightsync.store import WeightSyncError
 from composer_jax.weightsync.subscriber import StoreVersion, StoreWeights
 
@@ -143,6 +145,7 @@ class OpenAIServer:
         self.engine, self.tok, self.model_name = engine, tok, model_name
         self.max_len = engine.sampler.max_len
         self.vocab = engine.sampler.cfg.vocab_size
+        self.scorer = PromptScorer(engine.sampler.cfg, engine.sampler.sharding)
         self.load_policy = load_policy
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
@@ -362,6 +365,8 @@ class OpenAIServer:
                 self.engine.cancel(pending)
         if failure is not None:
             return _error(ApiError(failure.status, failure.error or "", code="engine_error"))
+        if gen.prompt_logprobs:
+            await self._add_prompt_logprobs(gen, choices)
         completion_tokens = sum(len(ch["token_ids"]) for ch in choices.values())
         return JSONResponse(
             {
@@ -374,6 +379,18 @@ class OpenAIServer:
                 **api.response_fields(gen),
             }
         )
+
+    async def _add_prompt_logprobs(self, gen: Generation, choices: dict[int, dict]) -> None:
+        """vLLM's `prompt_logprobs` on every choice: a forward pass of the served weights (read now;
+        a swap since the choices were generated does not matter to a prompt's score) over each prompt,
+        off the event loop."""
+        params = self.engine.sampler.params
+        fields = []
+        for prompt in gen.prompts:
+            logp, rank = await asyncio.to_thread(self.scorer, params, prompt)
+            fields.append(prompt_logprobs_field(self.tok, prompt, logp, rank))
+        for c, choice in choices.items():
+            choice["prompt_logprobs"] = fields[c // gen.n]
 
     async def _stream(
         self, gen: Generation, rid: str, obj: str, ids: list[str], events: asyncio.Queue

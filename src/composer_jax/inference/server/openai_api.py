@@ -10,8 +10,10 @@ seed, stop, stream, stream_options.include_usage, logprobs (completions: 0, the 
 log-probabilities; chat: true with top_logprobs 0), tools, tool_choice ("none", "auto",
 "required" or a named function: `tool_choice` below) and parallel_tool_calls (chat);
 extensions: top_k, return_routing, return_prompt_routing, and vLLM's stop_token_ids (extra stop
-tokens), ignore_eos (do not stop at the default stop tokens) and return_token_ids (the prompt's ids
-back, where vLLM puts them: `response_fields`). Fields OpenAI defines that the sampler cannot honour
+tokens), ignore_eos (do not stop at the default stop tokens), return_token_ids (the prompt's ids
+back, where vLLM puts them: `response_fields`) and, for completions, prompt_logprobs: 0 (each prompt
+token's log-probability given the ones before it, on every choice in vLLM's shape:
+`server/prompt_logprobs.py`; not with stream, as vLLM). Fields OpenAI defines that the sampler cannot honour
 (echo, best_of, suffix, logit_bias, penalties, top alternatives in logprobs) are refused with a
 400 naming them; unknown fields are ignored (clients send e.g. `user`).
 
@@ -157,6 +159,7 @@ class Generation:
     forced: list[int] = dataclasses.field(default_factory=list)  # chat: the turn's opening, prefilled
     tool_choice: str = "auto"  # chat: "none" | "auto" | "required" | "function" (the one named)
     parallel_tool_calls: bool = True  # chat: False keeps only a turn's first tool call
+    prompt_logprobs: bool = False  # completions: vLLM's prompt_logprobs (0) on every choice
 
 
 def _model(body: dict, served: str) -> str:
@@ -282,6 +285,16 @@ def parse_completion(body: Any, *, tok: Tokenizer, served: str, max_len: int, vo
             "(the sampled tokens' log-probabilities) or null",
             "unsupported",
         )
+    prompt_logprobs = int_field(body, "prompt_logprobs", None, -1, 20)
+    if prompt_logprobs:
+        raise _bad(
+            "prompt_logprobs",
+            f"{prompt_logprobs} alternatives per prompt token are not computed by this server; accepted: 0 "
+            "(the prompt tokens' own log-probabilities) or null",
+            "unsupported",
+        )
+    if prompt_logprobs is not None and body.get("stream"):
+        raise _bad("prompt_logprobs", "prompt_logprobs are not available with stream=true", "unsupported")
     n, params, stop, flags = _common(
         body,
         prompt_lens=[len(p) for p in prompts],
@@ -304,6 +317,7 @@ def parse_completion(body: Any, *, tok: Tokenizer, served: str, max_len: int, vo
         routing,
         return_prompt_routing=flags["return_prompt_routing"],
         return_token_ids=flags["return_token_ids"],
+        prompt_logprobs=prompt_logprobs is not None,
     )
 
 

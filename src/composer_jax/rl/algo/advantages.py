@@ -9,6 +9,9 @@ rewards and group ids and return the advantages; host-side numpy, run when the b
   tasks (small std) above the informative ones.
 - `grpo` (DeepSeekMath, Shao et al. 2024): A_i = (r_i - mean) / (std + 1e-6), the sample standard
   deviation of the group (n - 1 in the denominator, as TRL and torch.std); 0 for a group of one.
+
+On-policy distillation (`rl.loss.objective: distill`) makes the advantage per token:
+`distill_advantages` mixes the rollout's advantage with the teacher's log ratio of each token.
 """
 
 from __future__ import annotations
@@ -77,3 +80,34 @@ def advantages(name: str, rewards: np.ndarray, groups: Sequence[Hashable]) -> np
     if r.ndim != 1 or not np.all(np.isfinite(r)):
         raise ValueError(f"rewards must be a finite 1-D array (one per rollout), got {r!r}")
     return ADVANTAGE_ESTIMATORS[name](r, groups)
+
+
+def distill_advantages(
+    task_advantage: float,
+    teacher_logprobs: np.ndarray,
+    student_logprobs: np.ndarray,
+    loss_mask: np.ndarray,
+    *,
+    weight: float,
+    task_weight: float,
+) -> np.ndarray:
+    """On-policy distillation's per-token advantage of one generation:
+
+        A_t = task_weight * A_task + weight * (log teacher(t) - log student(t))   on policy tokens
+
+    and task_weight * A_task elsewhere (no loss reaches them). log teacher - log student is the
+    negative of the per-token reverse KL estimate k1 of KL(student || teacher) on the student's own
+    sample: a token the teacher finds likelier than the student did is pushed up. student = the
+    sampler's recorded log-probability (the distribution the token was drawn from). Arrays [n] ->
+    float64[n]."""
+    teacher = np.asarray(teacher_logprobs, np.float64)
+    student = np.asarray(student_logprobs, np.float64)
+    on = np.asarray(loss_mask) > 0
+    if teacher.shape != student.shape or teacher.shape != on.shape:
+        raise ValueError(
+            f"teacher {teacher.shape}, student {student.shape} and mask {on.shape}: give one log-probability per token"
+        )
+    reverse_kl = np.where(on, teacher - student, 0.0)
+    if not np.all(np.isfinite(reverse_kl)):
+        raise ValueError("a policy token has a non-finite teacher or student log-probability")
+    return task_weight * float(task_advantage) + weight * reverse_kl

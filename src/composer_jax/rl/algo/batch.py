@@ -17,6 +17,7 @@ import numpy as np
 
 from composer_jax.config import Config
 from composer_jax.rl.algo.advantages import advantages as estimate_advantages
+from composer_jax.rl.algo.advantages import distill_advantages
 from composer_jax.rl.algo.loss import replays_routing
 
 
@@ -58,6 +59,9 @@ class GenerationRecord:
     logprobs: Sequence[float] | np.ndarray
     versions: Sequence[int] | np.ndarray | None = None
     routing: np.ndarray | None = None
+    # on-policy distillation: the teacher's log-probability of each token (index 0: 0.0, nothing
+    # predicts it), attached by `rl.algo.distill.Teacher.score`; None otherwise
+    teacher_logprobs: Sequence[float] | np.ndarray | None = None
 
 
 def trained_part(g: TokenGeneration) -> GenerationRecord:
@@ -69,7 +73,9 @@ def trained_part(g: TokenGeneration) -> GenerationRecord:
     n = int(hits[-1]) + 1 if hits.size else 1
     routing = None if g.routing is None else np.asarray(g.routing)[:n]
     versions = None if g.versions is None else np.asarray(g.versions)[:n]
-    return GenerationRecord(np.asarray(g.tokens)[:n], mask[:n], np.asarray(g.logprobs)[:n], versions, routing)
+    teacher = getattr(g, "teacher_logprobs", None)
+    teacher = None if teacher is None else np.asarray(teacher)[:n]
+    return GenerationRecord(np.asarray(g.tokens)[:n], mask[:n], np.asarray(g.logprobs)[:n], versions, routing, teacher)
 
 
 @dataclasses.dataclass
@@ -107,7 +113,8 @@ def build_batch(
 
     Keys: tokens int32, segment_ids int32 (1 on a row's tokens, 0 on padding), positions int32,
     loss_mask float32, advantages float32 (by rl.loss.advantage over the rollouts' rewards and
-    groups), sampler_logprobs float32, all [batch_size, seq_len]; and routing int32[batch_size,
+    groups; with rl.loss.objective=distill per token, `distill_advantages` of it and each
+    generation's teacher_logprobs), sampler_logprobs float32, all [batch_size, seq_len]; and routing int32[batch_size,
     seq_len, moe_layers, k] when the objective replays routing (tokens without a record get
     experts 0..k-1). No ref_logprobs: when rl.loss.kl_coef > 0 add them with
     `rl.loss.reference_logprobs`. Over-long rollouts are not masked (Dr. GRPO): a generation
@@ -135,6 +142,7 @@ def build_batch(
         "sampler_logprobs": np.zeros(shape, np.float32),
     }
     replay = replays_routing(cfg)
+    distill = cfg.rl.loss.objective == "distill"
     if replay:
         layers, k = cfg.model.num_moe_layers, cfg.model.num_experts_per_tok
         batch["routing"] = np.broadcast_to(np.arange(k, dtype=np.int32), shape + (layers, k)).copy()
@@ -147,6 +155,18 @@ def build_batch(
         batch["loss_mask"][j, :n] = mask
         batch["advantages"][j, :n] = adv[i]
         batch["sampler_logprobs"][j, :n] = np.where(mask > 0, np.asarray(g.logprobs, np.float32), 0.0)
+        if distill:
+            teacher = getattr(g, "teacher_logprobs", None)
+            if teacher is None or len(teacher) != n:
+                raise ValueError(
+                    f"rollout {i} (row {j}): rl.loss.objective=distill needs the teacher's log-probability of each "
+                    f"of its {n} tokens (rl.algo.distill.Teacher.score attaches them); got "
+                    f"{'none' if teacher is None else len(teacher)}"
+                )
+            d = cfg.rl.distill
+            batch["advantages"][j, :n] = distill_advantages(
+                adv[i], teacher, batch["sampler_logprobs"][j, :n], mask, weight=d.weight, task_weight=d.task_weight
+            )
         if replay:
             where = f"rollout {i} (row {j})"
             if g.routing is None:

@@ -1,15 +1,24 @@
 """The RL objective: Dr. GRPO policy gradient against the sampler's recorded log-probabilities,
-with optional PPO clipping, k1 KL to a frozen reference policy, plausibility filtering and MoE
-router replay. An `Objective` (`train/objective.py`): the train step micro-batches, shards and
-accumulates it exactly as it does pretraining.
+with optional PPO clipping, k1 KL to a frozen reference policy, an importance-ratio correction
+(plausibility band, truncated or masked importance sampling) and MoE router replay. An
+`Objective` (`train/objective.py`): the train step micro-batches, shards and accumulates it
+exactly as it does pretraining.
 
 Per policy token t of a rollout with advantage A (docs/rl.md has the derivation):
 
     r_t    = exp(log pi(t) - log mu(t))                  pi: trainer, mu: sampler (recorded)
-    keep_t = loss_mask_t * [lo <= sg(r_t) <= hi]         plausibility filter (no band: all kept)
-    pg_t   = min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A)     (no clipping: r_t A)
-    kl_t   = sg(log pi(t) - log pi_ref(t)) r_t          k1, as a penalty on the sampled token
+    keep_t = loss_mask_t * K(sg(r_t))                    the importance correction's mask
+    q_t    = r_t * sg(T(r_t) / r_t)                      its value T(r_t), its gradient T(r_t) grad log pi
+    pg_t   = min(q_t A, clip(q_t, 1 - eps_low, 1 + eps_high) A)     (no clipping: q_t A)
+    kl_t   = sg(log pi(t) - log pi_ref(t)) q_t          k1, as a penalty on the sampled token
     loss   = sum_t w_t keep_t (-pg_t + beta kl_t) / D
+
+with (K, T) from the importance registry (`rl.loss.importance`): none (K = 1, T(r) = r), band
+(K = [lo <= r <= hi], the plausibility band), tis (K = 1, T(r) = min(r, C): truncated importance
+sampling) and icepop (K = [1/C <= r <= C]: masked importance sampling). pi here is the trainer's
+forward of the current parameters, which is also what the trainer's pi_old would be (each batch is
+trained by one step), so r is pi_old / mu of the TIS / IcePop papers: the sampler/trainer mismatch
+and the staleness of the sampler's version together (docs/rl.md).
 
 with (w, D) from the aggregation registry: token_sum (w = mask, D = a constant), token_mean
 (D = policy tokens in the batch), sequence_mean (w = mask / tokens of its sequence, D =
@@ -40,7 +49,7 @@ import numpy as np
 from einops import rearrange
 
 from composer_jax.config import Config
-from composer_jax.config.rl import RLLossConfig
+from composer_jax.config.rl import RLLossConfig, importance_correction
 from composer_jax.model.context_parallel import context_size, zigzag_permutation
 from composer_jax.model.layers import linear
 from composer_jax.model.transformer import output_head
@@ -99,6 +108,70 @@ def sequence_mean(mask: jax.Array, normalizer: float) -> tuple[jax.Array, jax.Ar
 
 
 # --------------------------------------------------------------------------------------------------
+# Importance registry: how the trainer/sampler ratio is corrected
+# --------------------------------------------------------------------------------------------------
+
+# fn(log r float32[...] (no gradient), policy-token mask bool[...], cfg) -> (keep bool[...], log T(r)
+# float32[...] (no gradient; read only where keep), metric sums {name: float32[]})
+ImportanceCorrection = Callable[[jax.Array, jax.Array, RLLossConfig], tuple[jax.Array, jax.Array, dict[str, jax.Array]]]
+IMPORTANCE_CORRECTIONS: dict[str, ImportanceCorrection] = {}
+
+
+def register_importance(name: str) -> Callable[[ImportanceCorrection], ImportanceCorrection]:
+    """Decorator: register `fn(log_ratio, on, cfg) -> (keep, log_weight, metric sums)` as `name`:
+    the tokens that keep a loss (a subset of `on`), the log of the ratio's value on them (the
+    gradient stays d log pi times that value) and the correction's own metric sums."""
+
+    def register(fn: ImportanceCorrection) -> ImportanceCorrection:
+        if name in IMPORTANCE_CORRECTIONS:
+            raise ValueError(f"importance correction {name!r} is already registered")
+        IMPORTANCE_CORRECTIONS[name] = fn
+        return fn
+
+    return register
+
+
+@register_importance("none")
+def no_correction(lr: jax.Array, on: jax.Array, cfg: RLLossConfig):
+    """The plain ratio on every policy token."""
+    return on, lr, {}
+
+
+def _within(lr: jax.Array, lo: float, hi: float) -> jax.Array:
+    """lo <= exp(lr) <= hi, compared in log space (lo = 0: no lower bound)."""
+    return (lr >= np.log(lo) if lo > 0 else True) & (lr <= np.log(hi))
+
+
+@register_importance("band")
+def plausibility_band(lr: jax.Array, on: jax.Array, cfg: RLLossConfig):
+    """The plausibility band [lo, hi]: tokens whose ratio lies outside get no loss (the stacks disagree
+    too much on them for the sample to say anything); filtered_fraction reports them."""
+    assert cfg.plausibility_band is not None  # validate_rl_loss: band needs it
+    lo, hi = cfg.plausibility_band
+    return on & _within(lr, lo, hi), lr, {}
+
+
+@register_importance("tis")
+def truncated_importance(lr: jax.Array, on: jax.Array, cfg: RLLossConfig):
+    """Truncated importance sampling: every policy token keeps its loss with weight min(r, C) (C =
+    importance_cap), so one token the sampler found far less likely than the trainer cannot dominate
+    the step; truncated_tokens counts those with r > C."""
+    assert cfg.importance_cap is not None  # validate_rl_loss: tis needs it
+    log_c = np.log(cfg.importance_cap)
+    return on, jnp.minimum(lr, log_c), {"truncated_tokens": jnp.sum(on & (lr > log_c))}
+
+
+@register_importance("icepop")
+def masked_importance(lr: jax.Array, on: jax.Array, cfg: RLLossConfig):
+    """Masked importance sampling (IcePop): a token whose ratio leaves [1/C, C] gets no loss (the band
+    [1/C, C] under another name, with its own count); masked_tokens counts them."""
+    assert cfg.importance_cap is not None  # validate_rl_loss: icepop needs it
+    c = float(cfg.importance_cap)
+    keep = on & _within(lr, 1.0 / c, c)
+    return keep, lr, {"masked_tokens": jnp.sum(on & ~keep)}
+
+
+# --------------------------------------------------------------------------------------------------
 # Per-token pieces
 # --------------------------------------------------------------------------------------------------
 
@@ -149,20 +222,17 @@ def policy_loss(
     aggregation's weights, ref_logp = log pi_ref (needed when cfg.kl_coef > 0). loss_sum is to be
     divided by the aggregation's denominator. Metric sums (no gradient): policy_tokens,
     kept_tokens, clipped_tokens, ratio, mismatch_kl_k1, mismatch_kl_k3, pg_loss, kl_loss, and
-    kl_ref with a reference."""
+    kl_ref with a reference, plus the importance correction's own (truncated_tokens for tis,
+    masked_tokens for icepop)."""
     mask = mask.astype(jnp.float32)
     on = mask > 0
     # 0 off the policy tokens: prompt and padding positions never reach exp()
     log_ratio = jnp.where(on, logp - sampler_logp, 0.0)
     lr = jax.lax.stop_gradient(log_ratio)
-    if cfg.plausibility_band is not None:
-        lo, hi = cfg.plausibility_band
-        plausible = (lr >= np.log(lo) if lo > 0 else True) & (lr <= np.log(hi))
-        keep = on & plausible
-    else:
-        keep = on
-    # filtered tokens get log r = 0 too: an implausible (huge) ratio cannot overflow into the gradient
-    ratio = jnp.exp(jnp.where(keep, log_ratio, 0.0))
+    keep, log_weight, correction_sums = IMPORTANCE_CORRECTIONS[importance_correction(cfg)](lr, on, cfg)
+    # value T(r) = exp(log_weight), gradient T(r) d log pi: (log_ratio - lr) is exactly 0 in value.
+    # Dropped tokens get log 0 too: an implausible (huge) ratio cannot overflow into the gradient
+    ratio = jnp.exp(jnp.where(keep, (log_ratio - lr) + log_weight, 0.0))
     unclipped = ratio * advantages
     if cfg.clip_eps_low is None and cfg.clip_eps_high is None:
         pg = unclipped
@@ -197,6 +267,7 @@ def policy_loss(
         mismatch_kl_k1=jnp.sum(mask * -lr),
         mismatch_kl_k3=jnp.sum(mask * (jnp.expm1(capped) - capped)),
     )
+    sums.update({k: v.astype(jnp.float32) for k, v in correction_sums.items()})
     return loss_sum, sums
 
 
@@ -293,7 +364,9 @@ def loss_terms(params: Any, mb: dict, cfg: Config, denoms: dict, sharding: MeshR
 def metrics(sums: dict, denoms: dict, cfg: Config) -> dict:
     """pg_loss / kl_loss (the objective's two parts), per-policy-token means (entropy, ratio_mean,
     mismatch_kl_k1 / _k3 between sampler and trainer, kl_ref), filtered_fraction (of policy
-    tokens), clip_fraction (of kept tokens) and policy_tokens."""
+    tokens), clip_fraction (of kept tokens), policy_tokens, and the importance correction's:
+    truncated_fraction (tis: of policy tokens, r > C) or masked_fraction (icepop: of policy
+    tokens, r outside [1/C, C]; the same tokens as filtered_fraction)."""
     tokens = denoms["policy_tokens"]
     out = {
         "pg_loss": sums["pg_loss"] / denoms["loss"],
@@ -308,6 +381,9 @@ def metrics(sums: dict, denoms: dict, cfg: Config) -> dict:
     if "kl_loss" in sums:
         out["kl_loss"] = sums["kl_loss"] / denoms["loss"]
         out["kl_ref"] = sums["kl_ref"] / tokens
+    for key, metric in (("truncated_tokens", "truncated_fraction"), ("masked_tokens", "masked_fraction")):
+        if key in sums:
+            out[metric] = sums[key] / tokens
     return out
 
 
