@@ -27,6 +27,7 @@ import yaml
 from composer_jax.config import MESH_AXES, Config, load_config
 from composer_jax.inspection_rl import ray_resources
 from composer_jax.rl.cli import _rl_parser
+from composer_jax.train.cli import placement_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 RAYJOB = ROOT / "deploy" / "kuberay" / "rayjob.yaml"
@@ -36,14 +37,17 @@ IMAGE_PLACEHOLDER = "REPLACE_WITH_YOUR_COMPOSER_JAX_IMAGE"
 
 def _run_config(argv: list[str]) -> Config:
     """The config `composer-jax rl ARGS` runs (argv from `composer-jax` on), as rl/cli.py builds it:
-    the real parser, then --placement as rl.placement after the overrides."""
+    the real parser and rl/cli.py's overrides. The recipes place the services (rl.placement=ray), not
+    the trainer (no --placement ray): it is the driver, on the head."""
     assert argv[:2] == ["composer-jax", "rl"], argv
     args = _rl_parser().parse_args(argv[2:])
-    assert args.placement == "ray", argv
+    assert args.placement is None and "rl.placement=ray" in args.overrides, argv
     config = Path(args.config)
     assert not config.is_absolute() and config.parts[0] == "configs", config  # the checkout's, run from its root
     assert (ROOT / config).is_file(), config
-    return load_config(ROOT / config, [*args.overrides, f"rl.placement={args.placement}"], num_devices=None)
+    cfg = load_config(ROOT / config, [*args.overrides, *placement_overrides(args, rl=True)], num_devices=None)
+    assert cfg.train.placement == "local"
+    return cfg
 
 
 def _fleet(cfg: Config) -> dict[str, Any]:
@@ -105,9 +109,7 @@ def test_the_rayjob_is_a_rayjob_of_the_run(rayjob):
     assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", rayjob["metadata"]["name"])  # a DNS-1123 label
     spec = rayjob["spec"]
     assert spec["shutdownAfterJobFinishes"] is True and isinstance(spec["ttlSecondsAfterFinished"], int)
-    argv = shlex.split(spec["entrypoint"])
-    assert argv[argv.index("--placement") + 1] == "ray"
-    cfg = _run_config(argv)
+    cfg = _run_config(shlex.split(spec["entrypoint"]))
     assert cfg.rl.placement == "ray" and cfg.rl.ray.address == ""  # RAY_ADDRESS from the job submission
     cluster = spec["rayClusterSpec"]
     assert cluster["rayVersion"] == "2.60.0" == _pins_ray()
@@ -318,7 +320,7 @@ def test_the_sbatch_script_starts_ray_by_node_kind_and_then_the_run(tmp_path):
     waits = [i for i, c in enumerate(calls) if c[0] == "python-stub"]
     assert len(waits) == 2 and calls.index(run) > waits[-1]  # after the head, then all 5 nodes, were alive
     assert [c[1:] for c in calls if c[0] == "python-stub"][0][-1] == address
-    assert run[1:] == ["rl", "--config", "configs/rl/cluster_example.yaml", "--placement", "ray"] + [
+    assert run[1:] == ["rl", "--config", "configs/rl/cluster_example.yaml", "rl.placement=ray"] + [
         "rl.ray.address=auto",
         "rl.env_servers=8",
     ]

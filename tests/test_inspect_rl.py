@@ -135,6 +135,27 @@ def test_k2_rl_config_passes_the_learners_own_checks():
 FLEET = ["rl.placement=ray", "rl.env_servers=3", "rl.local_samplers=2", "rl.ray.sampler_gpus=1"]
 
 
+def test_a_ray_placed_trainers_hosts_are_asked_of_ray_and_counted(capsys):
+    # --placement ray on `rl` (train.placement: ray): 2 trainer hosts of 8 GPUs, one actor each
+    trainer = ["train.placement=ray", "train.ray.hosts=2", "train.ray.gpus_per_host=8", "train.ray.cpus_per_host=4"]
+    rc, r = _json(capsys, str(TINY_RL), *FLEET, *trainer, "mesh.data=4", "--device", "h100")
+    t = r["rl"]["ray_resources"]["trainer"]
+    assert (t["placed_by_ray"], t["hosts"], t["cpus"], t["gpus"], t["resource"]) == (True, 2, 4.0, 8, "trainer")
+    # the totals: 2 replicas x (1 CPU, 1 GPU) + 3 servers x 1 CPU + 2 hosts x (4 CPUs, 8 GPUs)
+    assert r["rl"]["ray_resources"]["totals"] == {
+        "cpus": 13.0,
+        "gpus": 18,
+        "custom": {"sampler": 2, "env_server": 3, "trainer": 2},
+    }
+    assert main([str(TINY_RL), *FLEET, *trainer, "mesh.data=4", "--device", "h100"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "trainer          2 hosts x 8 GPUs = 2 x (4 CPUs, 8 GPUs, 1 trainer)   (mesh of 16 devices; placed by Ray: "
+        "one actor per host, STRICT_SPREAD, joined by jax.distributed (train.ray))" in out
+    )
+    assert "total            13 CPUs, 18 GPUs, sampler 2, env_server 3, trainer 2\n" in out
+
+
 def test_a_ray_placed_fleets_resources_by_hand(capsys):
     # tiny_families: mesh data 2 x fsdp 2 x expert 2 = 8 devices; sized for no device, a CPU run
     assert main([str(TINY_RL), *FLEET]) == 0
@@ -195,13 +216,8 @@ def test_a_local_fleet_says_what_ray_would_be_asked_and_urls_place_nothing(capsy
     assert x["totals"] == {"cpus": 0, "gpus": 0, "custom": {}}  # the trainer's 256 GPUs are not Ray's
 
 
-def test_vllm_replicas_are_noted_as_never_placed_by_ray(capsys):
-    # vLLM replicas the run starts stay on its machine (the config refuses them with rl.placement=ray)
-    argv = [str(TINY_RL), "rl.local_samplers=1", "rl.sampler_engine=vllm", "--device", "h100"]
-    assert main(argv) == 0
-    assert (
-        "note: vLLM replicas are not placed by Ray (rl.placement=ray refuses rl.sampler_engine=vllm with "
-        "rl.local_samplers): give running vLLM replicas as rl.sampler_urls" in capsys.readouterr().out
-    )
-    assert main([*argv[:2], "rl.sampler_engine=serve", *argv[3:]]) == 0
-    assert "note: vLLM replicas" not in capsys.readouterr().out
+def test_vllm_replicas_are_placed_by_ray_with_their_gpus(capsys):
+    # a tensor-parallel vLLM replica asks Ray for its GPUs as one actor's (one node's)
+    argv = [str(TINY_RL), "rl.local_samplers=2", "rl.sampler_engine=vllm", "rl.placement=ray", "rl.ray.sampler_gpus=2"]
+    assert main([*argv, "rl.vllm.extra_args=[--tensor-parallel-size, '2']", "--device", "h100"]) == 0
+    assert "sampler replicas 2 x (1 CPU, 2 GPUs, 1 sampler)   (vllm, rl.local_samplers)" in capsys.readouterr().out

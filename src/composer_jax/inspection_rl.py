@@ -199,7 +199,7 @@ def ray_resources(cfg: Config, devices: int, accelerator: str) -> dict[str, Any]
         raise ValueError(f"accelerator {accelerator!r}: accepted: {', '.join(ACCELERATORS)}")
     r, ray = cfg.rl, cfg.rl.ray
     per_host = min(devices, {"gpu": GPUS_PER_HOST, "tpu": TPU_CHIPS_PER_HOST}.get(accelerator, devices))
-    trainer = {
+    trainer: dict[str, Any] = {
         "accelerator": accelerator,
         "devices": devices,
         "devices_per_host": per_host,
@@ -207,6 +207,16 @@ def ray_resources(cfg: Config, devices: int, accelerator: str) -> dict[str, Any]
         "even": devices % per_host == 0,
         "placed_by_ray": False,  # the driver: where the command runs
     }
+    if cfg.train.placement == "ray":  # one trainer actor per host (train.ray, runtime/ray_trainer.py)
+        tr = cfg.train.ray
+        trainer.update(
+            placed_by_ray=True,
+            hosts=tr.hosts,
+            cpus=tr.cpus_per_host,
+            gpus=tr.gpus_per_host,
+            resource=tr.resource,
+            even=devices == tr.hosts * per_host if accelerator != "cpu" else trainer["even"],
+        )
     replicas: dict[str, Any] = {
         "engine": r.sampler_engine,
         "count": r.local_samplers,
@@ -230,6 +240,11 @@ def ray_resources(cfg: Config, devices: int, accelerator: str) -> dict[str, Any]
         "gpus": replicas["count"] * replicas["gpus"],
         "custom": custom,
     }
+    if trainer["placed_by_ray"]:
+        totals["cpus"] += trainer["hosts"] * trainer["cpus"]
+        totals["gpus"] += trainer["hosts"] * trainer["gpus"]
+        if trainer["resource"]:
+            custom[trainer["resource"]] = custom.get(trainer["resource"], 0) + trainer["hosts"]
     return {
         "placement": r.placement,
         "address": ray.address,
@@ -321,11 +336,15 @@ def format_ray(x: Mapping[str, Any]) -> list[str]:
     unit = {"gpu": "GPU", "tpu": "TPU chip", "cpu": "CPU device"}[t["accelerator"]]
     per = f"{t['devices_per_host']} {unit}{'' if t['devices_per_host'] == 1 else 's'}"
     trainer = f"{t['hosts']} host{'' if t['hosts'] == 1 else 's'} x {per}"
-    note = (
-        "not placed by Ray: the driver, on the node where the command runs"
-        if t["hosts"] == 1
-        else "not placed by Ray: the command on each host, joined by jax.distributed (docs/scaling.md)"
-    )
+    if t["placed_by_ray"]:
+        each = [_cpus(t["cpus"])] + ([f"{t['gpus']} GPU{'' if t['gpus'] == 1 else 's'}"] if t["gpus"] else [])
+        each += [f"1 {t['resource']}"] if t["resource"] else []
+        trainer += f" = {t['hosts']} x ({', '.join(each)})"
+        note = "placed by Ray: one actor per host, STRICT_SPREAD, joined by jax.distributed (train.ray)"
+    elif t["hosts"] == 1:
+        note = "not placed by Ray: the driver, on the node where the command runs"
+    else:
+        note = "not placed by Ray: the command on each host, joined by jax.distributed (docs/scaling.md)"
     if t["accelerator"] == "cpu":
         note += "; no accelerator: give --device to size GPU hosts"
     if not t["even"]:
@@ -339,13 +358,9 @@ def format_ray(x: Mapping[str, Any]) -> list[str]:
         f"  trainer          {trainer}   (mesh of {t['devices']} device{'' if t['devices'] == 1 else 's'}; {note})",
         f"  sampler replicas {_actors(rep, True, 'rl.sampler_urls')}   ({sampler}, rl.local_samplers)",
         f"  env servers      {_actors(env, False, 'rl.env_urls')}   (rl.env_servers)",
-        f"  total            {', '.join(total)} (the trainer not counted: it runs outside Ray)",
+        f"  total            {', '.join(total)}"
+        + ("" if t["placed_by_ray"] else " (the trainer not counted: it runs outside Ray)"),
     ]
-    if rep["count"] and rep["engine"] == "vllm":
-        lines.append(
-            "  note: vLLM replicas are not placed by Ray (rl.placement=ray refuses rl.sampler_engine=vllm with "
-            "rl.local_samplers): give running vLLM replicas as rl.sampler_urls"
-        )
     return lines
 
 

@@ -98,8 +98,14 @@ def test_configs_a_ray_placement_cannot_take(monkeypatch):
     monkeypatch.chdir(REPO)
     with pytest.raises(ConfigError, match="rl.pin_cores=true pins the run's own child processes"):
         load_config(CONFIG, ["rl.placement=ray", "rl.pin_cores=true", "rl.local_samplers=1"])
-    with pytest.raises(ConfigError, match="vLLM replicas .* are started by the run on this machine only"):
-        load_config(CONFIG, ["rl.placement=ray", "rl.sampler_engine=vllm", "rl.local_samplers=1"])
+    vllm = ["rl.placement=ray", "rl.sampler_engine=vllm", "rl.local_samplers=1", "rl.loss.router_replay=false"]
+    with pytest.raises(
+        ConfigError,
+        match=r"each vLLM replica on 2 GPUs \(--tensor-parallel-size\) but rl.ray.sampler_gpus=1 asks Ray for fewer "
+        r"per replica: set rl.ray.sampler_gpus=2",
+    ):
+        load_config(CONFIG, [*vllm, "rl.ray.sampler_gpus=1", "rl.vllm.extra_args=[--tensor-parallel-size, '2']"])
+    load_config(CONFIG, [*vllm, "rl.ray.sampler_gpus=2", "rl.vllm.extra_args=[-tp=2]"])
     with pytest.raises(ConfigError, match=r"rl.placement='kubernetes' is not accepted; accepted: local, ray"):
         load_config(CONFIG, ["rl.placement=kubernetes"])
     with pytest.raises(ConfigError, match=r"rl.ray.sampler_resource='GPU': expected a custom resource name"):

@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
+from collections.abc import Sequence
 from typing import Literal
 
 from composer_jax.config.ray import RayConfig, validate_placement
@@ -457,6 +458,17 @@ def validate_judge(c: JudgeConfig, key: str) -> None:
             raise ConfigError(f"{key}.{name}={value!r}: expected an integer >= {low}")
 
 
+def tensor_parallel_size(args: Sequence[str]) -> int:
+    """vLLM's `--tensor-parallel-size N` (or `-tp N`, `--tensor-parallel-size=N`) in `args`; 1 without."""
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name in ("--tensor-parallel-size", "-tp"):
+            raw = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+            if raw.isdigit():
+                return int(raw)
+    return 1
+
+
 def validate_rl(r: RLConfig) -> None:
     """The rl section's own checks, its sub-sections' included (the learner's checks against `train`
     and `agent`: `config/run.py`'s `check_rl_run`)."""
@@ -479,11 +491,12 @@ def validate_rl(r: RLConfig) -> None:
             "the services (rl.ray sets what each asks for): drop one of them"
         )
     if r.placement == "ray" and r.sampler_engine == "vllm" and r.local_samplers:
-        raise ConfigError(
-            "rl.placement=ray places environment servers and serve replicas; vLLM replicas (rl.sampler_engine=vllm "
-            "with rl.local_samplers) are started by the run on this machine only: use rl.placement=local, or give "
-            "running vLLM replicas as rl.sampler_urls"
-        )
+        tp = tensor_parallel_size(r.vllm.extra_args)
+        if tp > max(1, r.ray.sampler_gpus):
+            raise ConfigError(
+                f"rl.vllm.extra_args run each vLLM replica on {tp} GPUs (--tensor-parallel-size) but "
+                f"rl.ray.sampler_gpus={r.ray.sampler_gpus} asks Ray for fewer per replica: set rl.ray.sampler_gpus={tp}"
+            )
     for name, low in (("group_size", 2), ("groups_per_step", 1), ("env_servers", 1)):
         value = getattr(r, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:

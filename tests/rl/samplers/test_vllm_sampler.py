@@ -13,7 +13,10 @@ installed here) as the learner's sampler, on this CPU:
 2. `composer-jax rl` runs three steps with one vLLM replica as its sampler (rl_vllm.yaml), restarted
    on each new version: tokens carry the versions vLLM labelled them with, every trained group is
    within the staleness bound (counted), and the mismatch KL between vLLM's and the trainer's
-   log-probabilities is reported each step.
+   log-probabilities is reported each step;
+3. the same run with `rl.placement: ray` on a Ray cluster of three nodes on this machine: the vLLM
+   replica is a Ray actor on the node labelled `sampler`, the environment server on the one labelled
+   `env_server`, and each new version restarts the replica there on that version's export.
 
 Slow: each vLLM start is about a minute on 2 cores (imports, model load; `--enforce-eager`, no compile).
 """
@@ -163,3 +166,43 @@ def test_rl_with_vllm_as_the_sampler(tmp_path, monkeypatch):
     assert len(sampled) >= 2, sampled  # at least two weight versions sampled the trained tokens
     log = (out / "samplers" / "vllm-0.log").read_text()
     assert log.count("/update_weight_version") >= 3  # the first start, then a restart per version
+
+
+@needs_bwrap
+def test_rl_with_vllm_replicas_placed_by_ray(tmp_path, monkeypatch):
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    from composer_jax.runtime import ray_placement as rp
+
+    monkeypatch.chdir(REPO)
+    placed: list[rp.RayPlacement] = []
+    start = rp.RayPlacement.start
+
+    def recorded(self):
+        placed.append(self)
+        return start(self)
+
+    monkeypatch.setattr(rp.RayPlacement, "start", recorded)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        env_node = cluster.add_node(num_cpus=1, resources={"env_server": 1})
+        replica_node = cluster.add_node(num_cpus=1, resources={"sampler": 1})
+        out = tmp_path / "run"
+        said: list[str] = []
+        overrides = [f"train.out_dir={out}", "rl.placement=ray", f"rl.ray.address={cluster.address}"]
+        summary = run_rl(load_config(CONFIG, overrides), echo=said.append)
+        assert not ray.is_initialized()
+    finally:
+        cluster.shutdown()
+    assert any("Ray-placed vLLM replica" in line for line in said), said
+    assert summary["final_step"] == 3 and not summary["lost_groups"]
+    for n, v in summary["steps"].items():
+        assert v["staleness/max"] <= 1 and abs(v["mismatch_kl_k1"]) < 1e-2, (n, v)
+    where = {p.kind: [q.node for q in p._placed] for p in placed}
+    assert where == {"env_servers": [env_node.node_id], "vllm": [replica_node.node_id]}
+    # each new version: the replica restarted on its node on that version's export (its file says which)
+    log = (out / "samplers" / "vllm-0.log").read_text()
+    assert log.count("/update_weight_version") >= 3
+    weights = json.loads((out / "samplers" / "weights" / "replica-0.json").read_text())
+    assert weights["version"] >= 2 and weights["model_dir"].endswith(f"v{weights['version']}")

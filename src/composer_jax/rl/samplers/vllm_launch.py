@@ -60,14 +60,17 @@ from typing import Any
 
 from composer_jax.config import Config
 from composer_jax.config.model import ModelConfig
+from composer_jax.config.ray import RayConfig
 from composer_jax.config.vllm import VLLMConfig, split_compilation_config
 from composer_jax.errors import ConfigError
 from composer_jax.hf.mla_pad import pad_mla, plan_padding
 from composer_jax.hf.weights import save_pretrained
+from composer_jax.rl.samplers.serve_launch import sampler_resources
 from composer_jax.rl.samplers.vllm import VLLMReplicas, VLLMTokenPolicy
 from composer_jax.rl.samplers.vllm_child import KEY_ENV
 from composer_jax.runtime.local import Launcher
 from composer_jax.runtime.placement import LaunchError, RestartPolicy, ServiceSpec, log_dir_or_temp
+from composer_jax.runtime.ray_placement import RayPlacement
 
 # vLLM's MLA kernels take kv_lora_rank + qk_rope_head_dim of these sizes only; the CPU one 576
 CPU_MLA_WIDTH = 576
@@ -204,6 +207,43 @@ class CheckpointExports:
                 shutil.rmtree(self.path(version), ignore_errors=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class VLLMCommand:
+    """`composer-jax vllm-replica`'s arguments for one replica, bound to `host` (a value, so a Ray
+    actor can run it on its node). It starts on `model_dir` labelled `version`, or, with
+    `weights_file`, on what that JSON file says when the start happens (`{"model_dir": ..., "version":
+    N}`, rewritten by the run on each new version: `RayVLLM`), so a replica Ray places again after its
+    node died starts on the current version, not the first."""
+
+    vcfg: VLLMConfig
+    model_dir: str
+    version: int
+    max_model_len: int
+    cpu: bool
+    weights_file: str | None = None
+
+    def __call__(self, host: str, port: int) -> list[str]:
+        model_dir, version = self.model_dir, self.version
+        if self.weights_file is not None:
+            now = json.loads(Path(self.weights_file).read_text())
+            model_dir, version = now["model_dir"], int(now["version"])
+        return [
+            "vllm-replica",
+            "--python",
+            self.vcfg.python,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--version",
+            str(version),
+            "--start-timeout",
+            repr(float(self.vcfg.start_timeout_s)),
+            "--",
+            *vllm_args(self.vcfg, model_dir, self.max_model_len, cpu=self.cpu),
+        ]
+
+
 class LocalVLLM(Launcher):
     """`with LocalVLLM(vcfg, count, model_dir=D, version=V, max_model_len=L) as urls:` - vLLM replicas
     on 127.0.0.1, every one serving the checkpoint in `model_dir` labelled policy version `version`
@@ -252,22 +292,9 @@ class LocalVLLM(Launcher):
 
     def argv_for(self, index: int) -> Callable[[str, int], list[str]]:
         def argv(host: str, port: int) -> list[str]:
-            """`composer-jax vllm-replica`'s arguments for replica `index` on `port` (the key is in its
-            environment; it binds 127.0.0.1: the local placement only)."""
+            """Replica `index`'s command on what it serves now (the key is in its environment)."""
             model_dir, version = self.weights[index]
-            return [
-                "vllm-replica",
-                "--python",
-                self.vcfg.python,
-                "--port",
-                str(port),
-                "--version",
-                str(version),
-                "--start-timeout",
-                repr(float(self.vcfg.start_timeout_s)),
-                "--",
-                *vllm_args(self.vcfg, model_dir, self.max_model_len, cpu=self.cpu),
-            ]
+            return VLLMCommand(self.vcfg, str(model_dir), version, self.max_model_len, self.cpu)(host, port)
 
         return argv
 
@@ -285,11 +312,87 @@ class LocalVLLM(Launcher):
             self._tmp = None
 
 
+class RayVLLM(RayPlacement):
+    """`with RayVLLM(vcfg, count, ray=RayConfig, model_dir=D, version=V, ...) as urls:` - vLLM replicas
+    as Ray actors (runtime/ray_placement.py), each asking for `rl.ray.sampler_cpus` CPUs,
+    `rl.ray.sampler_gpus` GPUs (a tensor-parallel replica's GPUs: an actor's resources are one
+    node's, so its `--tensor-parallel-size` GPUs are reserved together on one node) and one unit of
+    `rl.ray.sampler_resource`; the same command, key, restarts and logs as `LocalVLLM`, bound to
+    its node's address. What each replica (re)starts on is a file per replica under
+    `log_dir/weights/` (`VLLMCommand.weights_file`), so the exports, that directory and the logs
+    must be on a file system every node a replica may be placed on reads at the same path."""
+
+    def __init__(
+        self,
+        vcfg: VLLMConfig,
+        count: int,
+        *,
+        ray: RayConfig,
+        model_dir: str | os.PathLike,
+        version: int,
+        max_model_len: int,
+        cpu: bool,
+        log_dir: str | os.PathLike | None = None,
+        restart: RestartPolicy | None = None,
+    ):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise VLLMLaunchError(f"count={count!r} vLLM replicas: give an int >= 1")
+        self.vcfg, self.count = vcfg, count
+        self.log_dir, self._tmp = log_dir_or_temp(log_dir, "composer-jax-vllm-")
+        self.api_key = secrets.token_urlsafe(32)
+        self.weights: list[tuple[Path, int]] = []
+        (self.log_dir / "weights").mkdir(parents=True, exist_ok=True)
+        for i in range(count):
+            self.set_weights(i, model_dir, version)
+        specs = [
+            ServiceSpec(
+                name=f"vLLM replica {i}",
+                argv=VLLMCommand(vcfg, str(model_dir), int(version), int(max_model_len), cpu, str(self._file(i))),
+                log_path=self.log_dir / f"vllm-{i}.log",
+                env={KEY_ENV: self.api_key},
+                resources=sampler_resources(ray),
+            )
+            for i in range(count)
+        ]
+        super().__init__(
+            specs,
+            ray=ray,
+            kind="vllm",
+            start_timeout_s=vcfg.start_timeout_s + 60.0,
+            restart=restart,
+            error=VLLMLaunchError,
+        )
+
+    def _file(self, index: int) -> Path:
+        return (self.log_dir / "weights" / f"replica-{index}.json").resolve()
+
+    def set_weights(self, index: int, model_dir: str | os.PathLike, version: int) -> None:
+        """Replica `index` starts on `model_dir` (version `version`) from its next start on."""
+        path = self._file(index)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"model_dir": str(Path(model_dir).resolve()), "version": int(version)}))
+        tmp.replace(path)  # a start reads the old file or the new one, never half of one
+        entry = (Path(model_dir), int(version))
+        if index < len(self.weights):
+            self.weights[index] = entry
+        else:
+            self.weights.append(entry)
+
+    def versions(self) -> set[int]:
+        return {version for _, version in self.weights}
+
+    def stop(self) -> None:
+        super().stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
 class RestartPush:
     """New versions by restarting the replica on the version's exported checkpoint; the exports a
     replica may still start on are kept (module docstring)."""
 
-    def __init__(self, launcher: LocalVLLM, exports: CheckpointExports):
+    def __init__(self, launcher: LocalVLLM | RayVLLM, exports: CheckpointExports):
         self.launcher, self.exports = launcher, exports
         self.restarts = 0
         self.newest: int | None = None
@@ -353,7 +456,7 @@ async def start_vllm(
     policy_args: dict[str, Any],
     out_dir: Path,
     echo: Callable[[str], None],
-) -> tuple[VLLMReplicas, LocalVLLM | None]:
+) -> tuple[VLLMReplicas, LocalVLLM | RayVLLM | None]:
     """The run's vLLM backend and the launcher of its local replicas (None for replicas by URL)."""
     r, v, t = cfg.rl, cfg.rl.vllm, cfg.train
     tok, version, params = policy_args["tok"], int(policy_args["version"]), policy_args["params"]
@@ -379,18 +482,32 @@ async def start_vllm(
         echo("[rl] MLA padded exactly to 512 + 64 in the checkpoints for vLLM (its CPU MLA kernel's widths)")
     exports = CheckpointExports(out_dir / "vllm_weights", cfg.model, v.dtype, pad=pad)
     model_dir = exports.export(params, version)
-    cores = sorted(os.sched_getaffinity(0))[1 : 1 + r.local_samplers] if r.pin_cores else None
-    launcher = LocalVLLM(
-        v,
-        r.local_samplers,
-        model_dir=model_dir,
-        version=version,
-        max_model_len=t.seq_len,
-        cpu=cpu,
-        cores=cores,
-        log_dir=out_dir / "samplers",
-        restart=RestartPolicy.of(r.supervision),
-    )
+    launcher: LocalVLLM | RayVLLM
+    if r.placement == "ray":
+        launcher = RayVLLM(
+            v,
+            r.local_samplers,
+            ray=r.ray,
+            model_dir=model_dir,
+            version=version,
+            max_model_len=t.seq_len,
+            cpu=cpu,
+            log_dir=out_dir / "samplers",
+            restart=RestartPolicy.of(r.supervision),
+        )
+    else:
+        cores = sorted(os.sched_getaffinity(0))[1 : 1 + r.local_samplers] if r.pin_cores else None
+        launcher = LocalVLLM(
+            v,
+            r.local_samplers,
+            model_dir=model_dir,
+            version=version,
+            max_model_len=t.seq_len,
+            cpu=cpu,
+            cores=cores,
+            log_dir=out_dir / "samplers",
+            restart=RestartPolicy.of(r.supervision),
+        )
     urls = stack.enter_context(launcher)
     push = RestartPush(launcher, exports)
     policies = [
@@ -408,7 +525,8 @@ async def start_vllm(
     for p in policies:
         p.version = version
     echo(
-        f"[rl] started {len(urls)} vLLM replica(s) ({'CPU build' if cpu else 'GPU build'}, {python}): "
+        f"[rl] started {len(urls)} {'Ray-placed ' if r.placement == 'ray' else ''}vLLM replica(s) "
+        f"({'CPU build' if cpu else 'GPU build'}, {python}): "
         f"{', '.join(urls)}; new versions by restart"
     )
     return VLLMReplicas(policies, push, together=r.max_staleness == 0), launcher
