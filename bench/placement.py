@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -26,18 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from composer_jax import machine
+
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = "tests/rl/fixtures/rl_pick.yaml"
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def one_run(config: str, placement: str, steps: int, overrides: list[str], out: Path) -> dict:
@@ -77,7 +68,7 @@ def main() -> None:
                     one_run(args.config, placement, args.steps, overrides, Path(tmp) / f"{placement}-{r}")
                 )
     print(f"# bench/placement.py: {args.config} {' '.join(overrides)}, {args.steps} steps, {args.repeats} runs each")
-    print(f"# CPU: {cpu_model()} ({os.cpu_count()} logical cores)")
+    print(f"# CPU: {machine.cpu_model()} ({os.cpu_count()} logical cores)")
     print("| placement | wall (median) | to the first step (median) | step after the first (median) |")
     print("| --- | --- | --- | --- |")
     med = {}

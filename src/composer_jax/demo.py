@@ -76,7 +76,7 @@ STAGES = (
 )
 RL_STAGE = ("rl", "rl/tiny_disable_debug.yaml")
 # what the pipeline writes under its output folder (all that a new run clears: nothing else is removed)
-OUTPUTS = (*(name for name, _ in STAGES), RL_STAGE[0], "plots", "report.md")
+OUTPUTS = (*(name for name, _ in STAGES), RL_STAGE[0], "plots", "report.md", "machine.json")
 
 
 def stage_config(path: str) -> Path:
@@ -309,7 +309,15 @@ def _pipeline_main(args: argparse.Namespace) -> int:
     except OSError as e:
         raise UsageError(str(e)) from e
     os.chdir(out)  # whatever a stage might write relative to the working directory lands under --out too
+    from composer_jax import machine
+
+    # the machine beside the wall time (issue 53): a slow run on a slow CPU reads as such
+    started, probe = time.perf_counter(), machine.probe()
+    print(f"machine: {machine.line(probe)}")
     pipeline(str(out), args.scale)
+    wall = time.perf_counter() - started
+    (out / "machine.json").write_text(json.dumps({**probe, "wall_s": round(wall, 1)}, indent=1) + "\n")
+    print(f"\ndemo wall time {int(wall // 60)}m{int(wall % 60):02d}s on {machine.line(probe)}")
     from composer_jax.report import write_report
 
     # the run directory's report: loss and perplexity per stage, the RL curves, the evaluations

@@ -382,6 +382,17 @@ def _init_lines(stages: list[Stage]) -> list[str]:
     return ["| stage | weights from |", "|---|---|", *(f"| {s.name} | {init_line(s.init)} |" for s in stages), ""]
 
 
+def _machine_lines(run: Path) -> list[str]:
+    """The machine the run was timed on (`machine.json`, which the demo writes: machine.py)."""
+    try:
+        m = json.loads((run / "machine.json").read_text())
+        cpu, cores, gflops = str(m["cpu"]), int(m["cores"]), float(m["calibration_gflops"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    wall = f"wall time {int(m['wall_s'] // 60)}m{int(m['wall_s'] % 60):02d}s on " if "wall_s" in m else ""
+    return [f"Machine: {wall}{cpu}, {cores} core{'' if cores == 1 else 's'}, {gflops:.1f} GFLOP/s float32 matmul.", ""]
+
+
 def write_report(run_dir: str | Path, title: str | None = None) -> Path:
     """Write RUN_DIR/report.md and RUN_DIR/plots/*.png; returns the Markdown path."""
     run = Path(run_dir)
@@ -389,7 +400,7 @@ def write_report(run_dir: str | Path, title: str | None = None) -> Path:
     plots = run / "plots"
     pre = [s for s in stages if not s.is_rl]
     rl = [s for s in stages if s.is_rl]
-    lines = [f"# {title or 'Run report'}: `{run.name}`", ""]
+    lines = [f"# {title or 'Run report'}: `{run.name}`", "", *_machine_lines(run)]
     if pre and _plot(_pretrain_panels(pre), pre, plots / "pretraining.png", "pretraining"):
         lines += ["## Pretraining stages", "", "![pretraining](plots/pretraining.png)", ""]
         lines += ["| stage | train loss | held-out perplexity | train loss trend |", "|---|---|---|---|"]

@@ -17,7 +17,7 @@ import composer_jax as cj
 from composer_jax.config import ConfigError, LoraConfig
 from composer_jax.hf.config import family_for
 from composer_jax.hf.lora_export import CONFIG_NAME, WEIGHTS_NAME, peft_tensors, save_peft_adapter
-from composer_jax.hf.weights import _layer_map
+from composer_jax.hf.weights import layer_map_of
 from composer_jax.model import lora
 
 torch = pytest.importorskip("torch")
@@ -85,7 +85,7 @@ def test_peft_factors_give_the_merged_delta_in_hf_layout():
     adapters = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), abstract)
     tensors, modules = peft_tensors(adapters, cfg)
     assert len(modules) == 2 * 5 and len(tensors) == 2 * len(modules)
-    layer_map = _layer_map(cfg, family_for(cfg), moe=True)
+    layer_map = layer_map_of(cfg, family_for(cfg), moe=True)
     node = adapters["moe_layers"]["attn"]["lora"]
     for name in ("q_a", "q_b", "kv_a", "kv_b", "o"):
         suffix, layout = layer_map[("attn", name)]

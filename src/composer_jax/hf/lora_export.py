@@ -30,7 +30,7 @@ import numpy as np
 
 from composer_jax.config import ConfigError, LoraConfig, ModelConfig
 from composer_jax.hf.config import family_for
-from composer_jax.hf.weights import Layout, T, _layer_map
+from composer_jax.hf.weights import Layout, T, layer_map_of
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -61,7 +61,7 @@ def peft_tensors(adapters: dict, cfg: ModelConfig) -> tuple[dict[str, np.ndarray
     for stack, first in (("dense_layers", 0), ("moe_layers", cfg.num_dense_layers)):
         if stack not in adapters:
             continue
-        layer_map = _layer_map(cfg, family, moe=stack == "moe_layers")
+        layer_map = layer_map_of(cfg, family, moe=stack == "moe_layers")
         for block, node in adapters[stack].items():
             for name, ab in node["lora"].items():
                 suffix, layout = layer_map[(block, name)]

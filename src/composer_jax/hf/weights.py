@@ -91,7 +91,7 @@ EXPERT = "expert"  # marker: routed expert weights (per-expert or fused tensors)
 ZEROS = "zeros"  # marker: a parameter the HF family does not have (router bias outside deepseek_v3)
 
 
-def _layer_map(cfg: ModelConfig, family: str, moe: bool) -> dict[tuple[str, ...], Any]:
+def layer_map_of(cfg: ModelConfig, family: str, moe: bool) -> dict[tuple[str, ...], Any]:
     """Path inside one decoder layer's params -> (HF name suffix, Layout) or a marker."""
     h = cfg.num_heads
     m: dict[tuple[str, ...], Any] = {
@@ -150,8 +150,8 @@ def _plans(cfg: ModelConfig, family: str, prefix: str = "") -> list[ParamPlan]:
     L, K = cfg.num_layers, cfg.num_dense_layers
     layer = lambda i: f"{prefix}model.layers.{i}."
     stacks = {
-        "dense_layers": (tuple(layer(i) for i in range(K)), _layer_map(cfg, family, moe=False)),
-        "moe_layers": (tuple(layer(i) for i in range(K, L)), _layer_map(cfg, family, moe=True)),
+        "dense_layers": (tuple(layer(i) for i in range(K)), layer_map_of(cfg, family, moe=False)),
+        "moe_layers": (tuple(layer(i) for i in range(K, L)), layer_map_of(cfg, family, moe=True)),
     }
     mtp_map: dict[tuple[str, ...], Any] = {
         ("enorm",): ("enorm.weight", COPY),
@@ -159,7 +159,7 @@ def _plans(cfg: ModelConfig, family: str, prefix: str = "") -> list[ParamPlan]:
         ("eh_proj",): ("eh_proj.weight", T),
         ("norm",): ("shared_head.norm.weight", COPY),
     }
-    mtp_map.update({("layer", *k): v for k, v in _layer_map(cfg, family, moe=cfg.num_experts > 0).items()})
+    mtp_map.update({("layer", *k): v for k, v in layer_map_of(cfg, family, moe=cfg.num_experts > 0).items()})
     stacks["mtp"] = (tuple(layer(L + k) for k in range(cfg.num_mtp_layers)), mtp_map)
     top = {
         ("embed",): (f"{prefix}model.embed_tokens.weight", COPY),
