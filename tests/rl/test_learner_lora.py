@@ -23,10 +23,11 @@ import jax
 import numpy as np
 import pytest
 from support.live_env import REPO
+from support.lora_run import lora_config, save_lora_run
 from support.rl_groups import make_group
 
 from composer_jax.checkpoint.manager import TrainCheckpointer, saved_leaves
-from composer_jax.config import load_config, to_dict
+from composer_jax.config import to_dict
 from composer_jax.model import lora
 from composer_jax.rl.restore import restore_or_init
 from composer_jax.sharding import ShardingRules, make_mesh
@@ -35,14 +36,7 @@ from composer_jax.weightsync.publisher import store_publisher
 from composer_jax.weightsync.store import open_store, read_manifest, version_dir
 from composer_jax.weightsync.subscriber import VersionReader
 
-CONFIG = "tests/rl/fixtures/rl_pick.yaml"
-LORA = ["train.lora.rank=4", "train.lora.alpha=8", "train.lora.targets=[attention]"]
 PER_LEAF_OVERHEAD = 1024  # zarr.json + zstd framing of one leaf, bytes (an upper bound)
-
-
-def _config(tmp_path: Path, extra: list[str]):
-    overrides = [f"train.out_dir={tmp_path / 'run'}", "rl.eval_tasks=[]", "checkpoint.save_every=1", *LORA, *extra]
-    return load_config(CONFIG, overrides)
 
 
 def _flat(tree) -> dict[str, np.ndarray]:
@@ -100,20 +94,11 @@ def test_lora_checkpoint_resume_and_publish_without_a_step(tmp_path, monkeypatch
     it restores them (bit for bit) and loads the base again from the run's seed; a publish is the
     adapters' bytes (module docstring). (The train step itself: the slow test below.)"""
     monkeypatch.chdir(REPO)
-    cfg = _config(tmp_path, [])
-    mesh, rules = make_mesh(cfg.mesh), ShardingRules.create(cfg.sharding_rules)
-    run_config = to_dict(cfg)
+    cfg, state = save_lora_run(tmp_path / "run", step=3, move=False)  # the learner's fresh state
     checkpointer = TrainCheckpointer(run_checkpoint_config(cfg))
-    begin = restore_or_init(cfg, mesh, rules, checkpointer, run_config=run_config, echo=lambda _: None)
-    assert not begin.resumed and begin.state.frozen is not None
-    # adapters as a trained run has them (fresh B is zero)
-    state = begin.state
-    state.params = jax.tree.map(lambda x: x + 0.01, state.params)
-    checkpointer.save(3, state.checkpointed(), config=run_config, force=True)
-    checkpointer.wait()
     _check_checkpoint(Path(checkpointer.config.directory), 3, state.params, state.frozen)
-
-    again = restore_or_init(cfg, mesh, rules, checkpointer, run_config=run_config, echo=lambda _: None)
+    mesh, rules = make_mesh(cfg.mesh), ShardingRules.create(cfg.sharding_rules)
+    again = restore_or_init(cfg, mesh, rules, checkpointer, run_config=to_dict(cfg), echo=lambda _: None)
     assert again.resumed and again.step == 3
     assert _equal(again.state.params, state.params) and _equal(again.state.opt_state, state.opt_state)
     assert _equal(again.state.frozen, state.frozen)  # the same base, from train.seed
@@ -163,7 +148,7 @@ def test_lora_learner_step_checkpoint_resume_and_publish(tmp_path, monkeypatch) 
 
     monkeypatch.chdir(REPO)
     url = f"file://{tmp_path / 'store'}"
-    cfg = _config(tmp_path, ["train.steps=1", f"rl.weight_store={url}"])
+    cfg = lora_config(tmp_path / "run", ["train.steps=1", f"rl.weight_store={url}"])
     learner = Learner(cfg, echo=lambda _line: None)
     base0, adapters0 = jax.device_get(learner.state.frozen), jax.device_get(learner.state.params)
     groups = [make_group(0, [[0] * 6] * 4), make_group(1, [[0] * 5] * 4)]
