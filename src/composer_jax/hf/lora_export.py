@@ -33,10 +33,12 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from composer_jax.config import Config, ConfigError, LoraConfig, ModelConfig
 from composer_jax.hf.config import family_for
 from composer_jax.hf.weights import Layout, T, _layer_map
+from composer_jax.sharding import ShardingRules
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -123,9 +125,16 @@ class LoraRun:
 
     def merged(self) -> dict:
         """The adapted model as a plain parameter tree (W + alpha / rank A B)."""
+        return self.merge(self.adapters)
+
+    def merge(self, adapters: dict) -> dict:
+        """`adapters` (this run's tree, e.g. a newer version from the weight store) merged into the
+        base, on the base's shardings; the base is kept for the next version."""
         from composer_jax.model.lora import merged
 
-        return merged(self.base, self.adapters, self.cfg.train.lora.scale)
+        shardings = jax.tree.map(lambda x: x.sharding, self.base)
+        scale = self.cfg.train.lora.scale
+        return jax.jit(lambda b, a: merged(b, a, scale), out_shardings=shardings)(self.base, adapters)
 
 
 def lora_run_config(saved: dict) -> Config | None:
@@ -138,11 +147,20 @@ def lora_run_config(saved: dict) -> Config | None:
     return config_from_dict(saved, num_devices=None)
 
 
-def load_lora_run(path: str | os.PathLike, step: int | None, saved: dict, *, with_base: bool = True) -> LoraRun:
+def load_lora_run(
+    path: str | os.PathLike,
+    step: int | None,
+    saved: dict,
+    *,
+    with_base: bool = True,
+    mesh: Mesh | None = None,
+    rules: ShardingRules | None = None,
+) -> LoraRun:
     """The adapters of checkpoint `path` (a checkpoint root or one step's directory) at `step`, and
     the frozen base they apply to (module docstring; `with_base=False`: an empty dict, for the PEFT
-    adapter alone); `saved`: the run config saved with the step (`checkpoint.manager.read_run_config`).
-    A base that cannot be read is a ConfigError naming train.init_from."""
+    adapter alone), on `mesh` by `rules` (None: on one device); `saved`: the run config saved with
+    the step (`checkpoint.manager.read_run_config`). A base that cannot be read is a ConfigError
+    naming train.init_from."""
     from jax.sharding import SingleDeviceSharding
 
     from composer_jax.checkpoint.manager import restore_params_only
@@ -154,13 +172,19 @@ def load_lora_run(path: str | os.PathLike, step: int | None, saved: dict, *, wit
     if cfg is None:
         raise ConfigError(f"{os.fspath(path)!r}: its run config has train.lora.rank=0; it holds the whole model")
     one = SingleDeviceSharding(jax.devices()[0])
-    on_one = lambda tree: jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one), tree)
-    adapters = restore_params_only(path, on_one(abstract_adapters(cfg.model, cfg.train.lora)), step)
+
+    def placed(tree: Any) -> Any:
+        if mesh is not None:
+            return tree
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one), tree)
+
+    adapters = restore_params_only(path, placed(abstract_adapters(cfg.model, cfg.train.lora, mesh, rules)), step)
     if not with_base:
         return LoraRun(cfg, {}, adapters)
     if cfg.train.init_from:
         try:
-            base, _record = load_init_params(cfg, None, None, saved, target=on_one(abstract_params(cfg.model)))
+            target = placed(abstract_params(cfg.model, mesh, rules))
+            base, _record = load_init_params(cfg, mesh, rules, saved, target=target)
         except (OSError, ValueError) as e:  # ConfigError included: the run's base is where it was
             raise ConfigError(
                 f"the LoRA run's frozen base, train.init_from={cfg.train.init_from!r} (its saved run config), "
@@ -168,5 +192,5 @@ def load_lora_run(path: str | os.PathLike, step: int | None, saved: dict, *, wit
                 "command from the directory the run was started in)"
             ) from None
     else:  # the fresh model of train.seed, as the run made it (threefry keys: any sharding, the same values)
-        base = init_params(cfg.model, jax.random.key(cfg.train.seed))
+        base = init_params(cfg.model, jax.random.key(cfg.train.seed), mesh, rules)
     return LoraRun(cfg, base, adapters)
