@@ -167,6 +167,32 @@ def test_tiny_state_memory_by_hand():
     assert mem16m["memory_per_device"]["optimizer"] == 12 * (n - 1560) + 8 * 1560
 
 
+def test_lora_trainable_parameters_and_optimizer_saving_by_hand(capsys):
+    """train.lora (rank 8, alpha 16, the attention projections) on the tiny model: an adapter pair
+    A [in, 8], B [8, out] per projection and layer, float32. Per layer: q_a 64*8 + 8*32 = 768,
+    q_b 32*8 + 8*4*24 = 1024, kv_a 64*8 + 8*40 = 832, kv_b 32*8 + 8*4*32 = 1280, o 4*16*8 + 8*64 =
+    1024: 4928, x 3 layers (the MTP module keeps its base) = 14,784. AdamW's state: 2 float32
+    moments per trained scalar, 8 x 330,264 B full fine-tuning vs 8 x 14,784 B with LoRA."""
+    n, trained = 250_000 + 80_264, 3 * 4928
+    one = {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}
+    r = build_report(_cfg("tiny", ["train.lora.rank=8"]), one, 2, 64)
+    x, mem = r["lora"], r["memory_per_device"]
+    assert (x["trainable_params"], x["model_params"], x["adapter_bytes"]) == (trained, n, 4 * trained)
+    assert x["optimizer_bytes"] == {"full": 8 * n, "lora": 8 * trained}
+    assert x["optimizer_bytes_per_device"] == {"full": 8 * n, "lora": 8 * trained}
+    # the run's memory: the frozen base + the adapters; gradients and moments of the adapters only
+    full = build_report(_cfg("tiny"), one, 2, 64)["memory_per_device"]
+    assert (mem["params"], mem["grads"], mem["optimizer"]) == (4 * (n + trained), 4 * trained, 8 * trained)
+    # (FSDP buffers and activations as full fine-tuning's: + 4 t params, - 4 (n - t) grads, - 8 (n - t) moments)
+    assert full["total"] - mem["total"] == 12 * n - 16 * trained
+    assert "lora" not in build_report(_cfg("tiny"), one, 2, 64)
+    # the text: the trainable share and both optimiser sizes
+    assert main([str(MODELS / "tiny.yaml"), "train.lora.rank=8", "mesh.fsdp=1"]) == 0
+    out = capsys.readouterr().out
+    assert f"14.8K ({trained:,}) adapter parameters" in out
+    assert f"AdamW state {8 * n:,} B full fine-tuning vs {8 * trained:,} B with LoRA (22.3x less)" in out
+
+
 def test_remat_orders_activation_memory():
     sizes = {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}
     act = {

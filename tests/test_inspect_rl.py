@@ -221,3 +221,14 @@ def test_vllm_replicas_are_placed_by_ray_with_their_gpus(capsys):
     argv = [str(TINY_RL), "rl.local_samplers=2", "rl.sampler_engine=vllm", "rl.placement=ray", "rl.ray.sampler_gpus=2"]
     assert main([*argv, "rl.vllm.extra_args=[--tensor-parallel-size, '2']", "--device", "h100"]) == 0
     assert "sampler replicas 2 x (1 CPU, 2 GPUs, 1 sampler)   (vllm, rl.local_samplers)" in capsys.readouterr().out
+
+
+def test_lora_rl_trainer_has_no_reference_copy(capsys):
+    """With train.lora the frozen base is the KL reference: no copy of it (the full run keeps one
+    the size of its parameters)."""
+    _, full = _json(capsys, str(TINY_RL), "rl.loss.kl_coef=0.01")
+    rc, r = _json(capsys, str(TINY_RL), "rl.loss.kl_coef=0.01", "train.lora.rank=4")
+    assert full["rl"]["trainer"]["reference_params"] == full["memory_per_device"]["params"] > 0
+    assert rc == 0 and r["rl"]["trainer"]["reference_params"] == 0 and r["lora"]["trainable_params"] > 0
+    assert main([str(TINY_RL), "rl.loss.kl_coef=0.01", "train.lora.rank=4"]) == 0
+    assert "(none: with train.lora the frozen base is the reference)" in capsys.readouterr().out

@@ -8,6 +8,10 @@ parameter, and a verdict against a device.
     composer-jax inspect configs/model/deepseek_v3.yaml mesh.fsdp=64 mesh.expert=8 --json
     composer-jax inspect configs/pretrain/tiny_stage1.yaml --xla   # next to XLA's own analysis
 
+With `train.lora` (a rank > 0) the estimate is the LoRA run's (the frozen base plus float32
+adapters, gradients and AdamW's moments of the adapters alone) and a LoRA section shows the
+trainable parameters and AdamW's state full fine-tuning vs with LoRA (`lora_report`).
+
 Also: the expert-parallel all-to-all bytes per device per step of both exchange strategies
 (padded, ragged) and their time at NVLink and InfiniBand line rates (`expert_all_to_all`); for an RL
 config, its trainer step, vLLM replica and what the run asks Ray for (inspection_rl.py).
@@ -375,6 +379,7 @@ def build_report(
         self_distill=self_distill,
         tiled_moe=m.moe_impl == "tiled" or (m.moe_impl == "auto" and backend == "cpu"),
     )
+    lora = lora_report(cfg, rows, rules, sizes, mem, micro_batches, fp32_master) if cfg.train.lora.enabled else None
     report: dict[str, Any] = {
         "model": m.name,
         "mesh": sizes,
@@ -404,6 +409,8 @@ def build_report(
         ],
         "expert_all_to_all": expert_all_to_all(cfg, sizes, mem["activations"]["tokens_per_device"], micro_batches),
     }
+    if lora is not None:
+        report["lora"] = lora
     if device is not None or device_memory_gib is not None:
         report.update(_verdict(mem["total"], device, device_memory_gib, min_headroom))
     if rl is not None:
@@ -421,6 +428,69 @@ def build_report(
             **rl,
         )
     return accounting.as_builtin(report)
+
+
+def _optimizer_bytes(rows: list[accounting.ParamRow], fp32_master: bool) -> int:
+    """AdamW's state of the whole of `rows` (not per device), as `accounting.memory_per_device`
+    counts it per device: two moments in each array's dtype, or with `fp32_master` two float32
+    moments plus a float32 copy of each bfloat16 array."""
+    if fp32_master:
+        return sum(r.size * (8 + (4 if r.dtype == "bfloat16" else 0)) for r in rows)
+    return 2 * sum(r.bytes for r in rows)
+
+
+def lora_report(
+    cfg: Config,
+    rows: list[accounting.ParamRow],
+    rules: ShardingRules,
+    sizes: dict[str, int],
+    mem: dict[str, Any],
+    micro_batches: int,
+    fp32_master: bool,
+) -> dict[str, Any]:
+    """`train.lora`: the trainable parameters (the adapters, float32) against the model's, and
+    AdamW's state full fine-tuning vs over the adapters alone, whole and per device. Rewrites `mem`
+    (full fine-tuning's estimate) to the LoRA run's: parameters = the frozen base + the adapters,
+    gradients and AdamW's moments of the adapters only (float32 already: `fp32_master` changes
+    nothing for them); the FSDP buffers keep the base layers' gathered weights and are left as
+    counted (their unreduced-gradient half is not formed for the base: an upper bound)."""
+    lc = cfg.train.lora
+    ad = accounting.adapter_rows(cfg.model, lc, rules, sizes)
+    adapters_pd = sum(r.bytes_per_device for r in ad)
+    full_pd = mem["optimizer"]
+    lora_pd = 2 * adapters_pd
+    total, trainable = sum(r.size for r in rows), sum(r.size for r in ad)
+    full, with_lora = _optimizer_bytes(rows, fp32_master), 2 * sum(r.bytes for r in ad)
+    mem["params"] += adapters_pd
+    mem["grads"] = adapters_pd * (2 if micro_batches > 1 else 1)
+    mem["optimizer"] = lora_pd
+    mem["total"] = mem["params"] + mem["grads"] + mem["optimizer"] + mem["fsdp_buffers"] + mem["activations"]["total"]
+    return {
+        "rank": lc.rank,
+        "alpha": lc.alpha,
+        "targets": list(lc.targets),
+        "model_params": total,  # every parameter of the model, MTP modules included: the frozen base
+        "trainable_params": trainable,
+        "trainable_fraction": trainable / total,
+        "adapter_bytes": sum(r.bytes for r in ad),
+        "optimizer_bytes": {"full": full, "lora": with_lora},
+        "optimizer_bytes_per_device": {"full": full_pd, "lora": lora_pd},
+        "optimizer_saving": full / with_lora,
+    }
+
+
+def _lora_lines(x: dict[str, Any]) -> list[str]:
+    opt, pd = x["optimizer_bytes"], x["optimizer_bytes_per_device"]
+    return [
+        "",
+        f"LoRA (train.lora: rank {x['rank']}, alpha {x['alpha']:g}, targets {', '.join(x['targets'])}; the memory "
+        "above is the LoRA run's)",
+        f"  trainable   {_n(x['trainable_params'])} ({x['trainable_params']:,}) adapter parameters (float32) over "
+        f"{_n(x['model_params'])} ({x['model_params']:,}) frozen: {x['trainable_fraction']:.3%} of the model's",
+        f"  AdamW state {opt['full']:,} B full fine-tuning vs {opt['lora']:,} B with LoRA "
+        f"({x['optimizer_saving']:.1f}x less); per device {_gib(pd['full'])} vs {_gib(pd['lora'])}",
+        f"  a checkpoint's parameters and a publish to the weight store: the adapters, {x['adapter_bytes']:,} B",
+    ]
 
 
 def _accelerator(device: str | None, device_memory_gib: float | None) -> str:
@@ -647,12 +717,16 @@ def format_report(r: dict[str, Any]) -> str:
         f"  = {f['formula']}",
         "",
         "memory per device (estimate)",
-        f"  parameters       {_gib(mem['params']):>12}   ({r['param_dtype']}, sharded by the rules)",
-        f"  gradients        {_gib(mem['grads']):>12}   (parameter dtype and sharding"
+        f"  parameters       {_gib(mem['params']):>12}   ({r['param_dtype']}, sharded by the rules"
+        + ("; the frozen base + the float32 adapters)" if "lora" in r else ")"),
+        f"  gradients        {_gib(mem['grads']):>12}   "
+        + ("(of the LoRA adapters alone" if "lora" in r else "(parameter dtype and sharding")
         + ("; accumulator + one micro-batch's)" if r["micro_batches"] > 1 else ")"),
         f"  AdamW state      {_gib(mem['optimizer']):>12}   "
         + (
-            "(2 x float32 moments + float32 master copy of bfloat16 weights)"
+            "(2 float32 moments of the LoRA adapters alone)"
+            if "lora" in r
+            else "(2 x float32 moments + float32 master copy of bfloat16 weights)"
             if r["fp32_master"]
             else "(2 moments in the parameter dtype, as train/optimizer.py keeps them)"
         ),
@@ -662,6 +736,8 @@ def format_report(r: dict[str, Any]) -> str:
         f"mask {_gib(act['mask'])}; remat={act['remat']})",
         f"  total            {_gib(mem['total']):>12}",
     ]
+    if "lora" in r:
+        lines += _lora_lines(r["lora"])
     if "fits" in r:
         lines += _device_lines(r)
     if "xla" in r:

@@ -4,7 +4,7 @@ run asks Ray for.
 
 The trainer (rl/learner.py) runs three phases a step, each with the train state resident (the
 policy's parameters and AdamW moments) and, when rl.loss.kl_coef > 0, the frozen reference copy
-of the parameters (sharded like them):
+of the parameters (sharded like them; none with train.lora, whose frozen base is the reference):
 
   reference  the reference policy's log-probs of the batch (`rl.loss.reference_logprobs`, forward
              only, one train.micro_batches share of the rows at a time): the step's batch, one
@@ -92,7 +92,8 @@ def rl_trainer_memory(
     tokens = batch / shards * seq / sizes["context"]  # the whole step's tokens per device
     mb_tokens = tokens / micro_batches
     state = mem["params"] + mem["optimizer"]
-    reference = mem["params"] if lc.kl_coef > 0 else 0.0
+    # (with train.lora the reference policy is the frozen base itself: no copy)
+    reference = mem["params"] if lc.kl_coef > 0 and not cfg.train.lora.enabled else 0.0
     batch_bytes = tokens * _batch_bytes_per_token(cfg)
     ref_logprobs = tokens * _F32 if lc.kl_coef > 0 else 0.0
     row = m.vocab_size / sizes["tensor"] * _F32
@@ -376,7 +377,13 @@ def format_rl(r: Mapping[str, Any], gib) -> list[str]:
         "micro-batch)",
         f"  policy step      {gib(t['policy_step']):>12}   (log-probs and gradients: the memory per device above)",
         f"  reference copy   {gib(t['reference_params']):>12}   "
-        + ("(rl.loss.kl_coef > 0: frozen, sharded as the policy)" if r["kl_coef"] > 0 else "(none: rl.loss.kl_coef 0)"),
+        + (
+            "(none: rl.loss.kl_coef 0)"
+            if r["kl_coef"] <= 0
+            else "(none: with train.lora the frozen base is the reference)"
+            if t["reference_params"] == 0
+            else "(rl.loss.kl_coef > 0: frozen, sharded as the policy)"
+        ),
         f"  reference fwd    {gib(t['reference_forward']):>12}   (forward only, one micro-batch at a time)",
         f"  batch            {gib(t['batch'] + t['reference_logprobs']):>12}   (rollout arrays, routing, "
         "reference log-probs, prepared copy)",

@@ -20,6 +20,7 @@ from support.live_env import REPO
 
 from composer_jax.checkpoint.manager import restore_params_only
 from composer_jax.config import ConfigError, load_config
+from composer_jax.model.lora import abstract_adapters
 from composer_jax.model.params import abstract_params
 from composer_jax.rl.learner import check_config, run_rl
 from composer_jax.sharding import ShardingRules, make_mesh
@@ -98,6 +99,45 @@ def test_two_replicas_one_killed_mid_run(tmp_path, monkeypatch) -> None:
     assert len(jax.tree.leaves(published)) == len(flat)
     for a, b in zip(jax.tree.leaves(published), flat, strict=True):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+# slow: 40-70 s (a run with a serve replica); the default suite keeps the replica's merge in
+# tests/inference/server/test_serve_lora.py's config check and tests/rl/test_learner_lora.py's
+# publish of the adapters
+@pytest.mark.slow
+def test_lora_run_with_a_serve_replica(tmp_path, monkeypatch) -> None:
+    """train.lora with one `composer-jax serve` replica: the replica starts on the run's checkpoint
+    (the adapters, merged into the base it loads from train.seed) and merges each published version
+    (the adapters' bytes) into that base: every token is sampled by the weights trained on it
+    (mismatch KL ~ 0, a process that merged for itself), and the store holds the adapters alone."""
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "run"
+    lora = ["train.lora.rank=4", "train.lora.alpha=8", "train.lora.targets=[attention]"]
+    cfg = load_config(
+        CONFIG,
+        [
+            f"train.out_dir={out}",
+            "train.steps=2",
+            "rl.eval_tasks=[]",
+            "rl.local_samplers=1",
+            "rl.sampler.slots=4",
+            *lora,
+        ],
+    )
+    summary = run_rl(cfg, echo=lambda _: None)
+    assert summary["final_step"] == 2 and not summary["lost_groups"] and not summary["dropped_stale_groups"]
+    for n, v in summary["steps"].items():
+        assert v["version_lag_max"] == 0 and abs(v["mismatch_kl_k1"]) < 1e-4, (n, v)
+    mesh = make_mesh(cfg.mesh)
+    adapters = restore_params_only(
+        run_checkpoint_config(cfg).directory,
+        abstract_adapters(cfg.model, cfg.train.lora, mesh, ShardingRules.create(cfg.sharding_rules)),
+        2,
+    )
+    got, published = WeightSubscriber(f"file://{out}/weight_store").read(2)
+    assert got == 2 and str(jax.tree.structure(published)) == str(jax.tree.structure(jax.device_get(adapters)))
+    for a, b in zip(jax.tree.leaves(published), jax.tree.leaves(jax.device_get(adapters)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_process_config_errors(monkeypatch):

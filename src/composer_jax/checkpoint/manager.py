@@ -431,6 +431,19 @@ def read_run_config(path_or_dir: str | os.PathLike, step: int | None = None) -> 
         return _read_config(manager, step, step_dir), step
 
 
+def saved_leaves(path_or_dir: str | os.PathLike, step: int | None = None) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """leaf path ("params/moe_layers/attn/q_a", "opt_state/...") -> (shape, dtype) of the train
+    state saved at a step (the latest of a checkpoint root, or `step`, or the step whose directory
+    is given), read from its metadata alone: what a checkpoint holds, without reading an array."""
+    root, step = _root_and_step(path_or_dir, step)
+    options = ocp.CheckpointManagerOptions(read_only=True, create=False)
+    with ocp.CheckpointManager(
+        root, options=options, item_handlers=_item_handlers(ocp.PyTreeCheckpointHandler())
+    ) as manager:
+        step, step_dir = _committed_step(manager, root, step)
+        return flat_saved(_read_tree_metadata(manager, step, step_dir))
+
+
 def restore_params_only(
     path_or_dir: str | os.PathLike,
     abstract_params: Any,

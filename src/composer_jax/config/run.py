@@ -186,12 +186,12 @@ def check_rl_run(cfg: Config, *, process_count: int, cores: Collection[int]) -> 
     `process_count` (`jax.process_count()`) and `cores`, the cores this process may use
     (`os.sched_getaffinity(0)`; read only with rl.pin_cores). ConfigError naming the keys."""
     r, t, a = cfg.rl, cfg.train, cfg.agent
-    if t.lora.enabled and (r.sampler_urls or r.local_samplers):
+    if t.lora.enabled and (r.sampler_urls or r.local_samplers) and r.sampler_engine != "serve":
         raise ConfigError(
-            f"train.lora.rank={t.lora.rank} with samplers in other processes (rl.sampler_urls="
-            f"{list(r.sampler_urls)}, rl.local_samplers={r.local_samplers}): a publish holds the adapters "
-            "only, which those replicas do not merge yet; accepted: the in-process sampler (neither key "
-            "set), or train.lora.rank=0"
+            f"train.lora.rank={t.lora.rank} with rl.sampler_engine={r.sampler_engine!r} replicas: a publish "
+            "holds the adapters only, which only `composer-jax serve` replicas merge into their base; "
+            "accepted: rl.sampler_engine=serve, the in-process sampler (neither rl.sampler_urls nor "
+            "rl.local_samplers set), or train.lora.rank=0"
         )
     if not r.tasks:
         raise ConfigError("rl.tasks is empty; give the task ids (or gen/FAMILY) to train on")

@@ -5,6 +5,7 @@
     composer-jax convert --from-hf DIR --to-orbax OUT              # OUT/params (orbax) + OUT/model.yaml
     composer-jax convert --from-orbax DIR --to-hf OUT
     composer-jax convert --from-run RUN [--step N] --to-hf OUT [--pad-mla-for-vllm] [--tokenizer T]
+    composer-jax convert --from-run LORA_RUN --to-hf OUT --lora {merged,peft,base}
 
 --from-run reads a training checkpoint: a run directory (holding checkpoints/), its checkpoint
 directory (numbered step directories; the latest step, or --step) or one step's directory; the
@@ -14,6 +15,14 @@ tokens and the chat template), generation_config.json and a model card README.md
 --tokenizer, else a tokenizer.json next to the source, else the run's data.tokenizer
 (hf/export.py). --pad-mla-for-vllm pads MLA's latent and rotary dimensions to 512 + 64,
 exactly (hf/mla_pad.py), for vLLM's MLA kernels.
+
+A `train.lora` run's checkpoint holds its adapters, not the model; its frozen base is where the run
+took it (the saved run config's train.init_from, else the fresh model of train.seed; read from the
+directory the run was started in). --lora merged (the default) writes the adapted model, every
+adapted W replaced by W + alpha/rank A B; --lora base writes the frozen base; --lora peft writes
+OUT/adapter_config.json + OUT/adapter_model.safetensors, a PEFT LoRA adapter that
+`peft.PeftModel.from_pretrained` applies to the base (--lora base's export, or the Hugging Face
+checkpoint train.init_from names): attention targets only (hf/lora_export.py).
 
 --from-hf then --to-hf rewrites a checkpoint in the hub per-expert layout: FP8 block-quantised weights
 are dequantised, fused in-memory expert tensors split, MTP modules kept. The whole model passes
@@ -63,7 +72,16 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="--to-hf: pad MLA to kv_lora_rank 512 + qk_rope_head_dim 64 (exact), the sizes vLLM's MLA takes",
     )
+    p.add_argument(
+        "--lora",
+        choices=LORA_EXPORTS,
+        default=None,
+        help="--from-run of a train.lora run, --to-hf: the merged model (default), a PEFT adapter, or the base",
+    )
     return p
+
+
+LORA_EXPORTS = ("merged", "peft", "base")
 
 
 def _step(text: str) -> int:
@@ -82,22 +100,34 @@ RUN_ACCEPTED = (
 )
 
 
-def load_run(path: Path, step: int | None):
-    """(ModelConfig, host params, step, saved run config) of a training checkpoint (module help)."""
+def load_run(path: Path, step: int | None, lora: str | None = None):
+    """(ModelConfig, host params, step, saved run config) of a training checkpoint (module help).
+    A `train.lora` run's: the parameters `lora` names (merged, the default, or base); None for
+    "peft" (`load_lora_run` reads the adapters)."""
     import jax
     from jax.sharding import SingleDeviceSharding
 
     from composer_jax.checkpoint.manager import read_run_config, restore_params_only
     from composer_jax.checkpoint.validate import CheckpointError
     from composer_jax.config import ConfigError, config_from_dict
+    from composer_jax.hf.lora_export import load_lora_run, lora_run_config
     from composer_jax.model.params import abstract_params
 
-    if not path.is_dir():
-        raise ConfigError(f"--from-run {str(path)!r}: not a directory; {RUN_ACCEPTED}")
-    if (path / "checkpoints").is_dir() and not any(c.name.isdigit() for c in path.iterdir()):
-        path = path / "checkpoints"
+    path = run_checkpoints(path)
     try:
         saved, step = read_run_config(path, step)
+        lora_cfg = lora_run_config(saved)
+        if lora_cfg is not None and lora == "peft":
+            return lora_cfg.model, None, step, saved
+        if lora_cfg is not None:
+            run = load_lora_run(path, step, saved)
+            params = run.base if lora == "base" else run.merged()
+            return run.cfg.model, params, step, saved
+        if lora is not None:
+            raise UsageError(
+                f"--lora {lora}: --from-run {str(path)!r} is not a LoRA run (its train.lora.rank=0: the "
+                "checkpoint holds the whole model); accepted: --lora with a train.lora run's checkpoint"
+            )
         cfg = config_from_dict({"model": saved.get("model") or {}}, num_devices=None).model
         one = SingleDeviceSharding(jax.devices()[0])
         target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one), abstract_params(cfg))
@@ -105,6 +135,17 @@ def load_run(path: Path, step: int | None):
     except (CheckpointError, ValueError) as e:
         raise ConfigError(f"--from-run {str(path)!r}: {e}; {RUN_ACCEPTED}") from None
     return cfg, params, step, saved
+
+
+def run_checkpoints(path: Path) -> Path:
+    """The checkpoint directory of --from-run's `path` (a run directory's checkpoints/)."""
+    from composer_jax.config import ConfigError
+
+    if not path.is_dir():
+        raise ConfigError(f"--from-run {str(path)!r}: not a directory; {RUN_ACCEPTED}")
+    if (path / "checkpoints").is_dir() and not any(c.name.isdigit() for c in path.iterdir()):
+        return path / "checkpoints"
+    return path
 
 
 def _find_tokenizer(args, source: Path, run_config: dict):
@@ -175,8 +216,8 @@ def _load(args):
     from composer_jax.hf.weights import from_pretrained
 
     if args.from_run:
-        cfg, params, step, saved = load_run(Path(args.from_run), args.step)
-        if args.dtype:
+        cfg, params, step, saved = load_run(Path(args.from_run), args.step, args.lora)
+        if args.dtype and params is not None:
             cfg, params = _cast(cfg, params, args.dtype)
         return cfg, params, RunInfo(args.from_run, "training", step, saved)
     if args.from_hf:
@@ -218,6 +259,36 @@ def _check_flags(args) -> None:
         raise UsageError("--step applies to --from-run only")
     if (args.pad_mla_for_vllm or args.tokenizer) and not args.to_hf:
         raise UsageError("--pad-mla-for-vllm and --tokenizer apply to --to-hf only")
+    if args.lora is not None and not (args.from_run and args.to_hf):
+        raise UsageError(f"--lora {args.lora} applies to --from-run with --to-hf only")
+    if args.lora == "peft" and (args.dtype or args.pad_mla_for_vllm or args.tokenizer):
+        raise UsageError(
+            "--lora peft writes the adapters alone (float32, the base's shapes); accepted: --lora peft without "
+            "--dtype, --pad-mla-for-vllm and --tokenizer (give those to the base's export, --lora base)"
+        )
+
+
+def _write_peft(args, info) -> Path:
+    """--lora peft: the run's adapters as a PEFT adapter directory at --to-hf."""
+    from composer_jax.config import ConfigError
+    from composer_jax.hf.checkpoint_kind import detect
+    from composer_jax.hf.lora_export import load_lora_run, save_peft_adapter
+
+    run = load_lora_run(run_checkpoints(Path(args.from_run)), info.step, info.run_config, with_base=False)
+    base, init_from = "", run.cfg.train.init_from
+    try:
+        if init_from and detect(init_from).kind == "hf":  # PEFT applies it to that checkpoint as it is
+            base = str(Path(init_from).resolve())
+    except ConfigError:  # not there (any more): the note below
+        pass
+    out = save_peft_adapter(run.adapters, run.cfg.model, run.cfg.train.lora, args.to_hf, base_model=base)
+    if not base:
+        print(
+            "note: PEFT applies this adapter to the run's base exported as Hugging Face: composer-jax convert "
+            f"--from-run {args.from_run} --to-hf BASE_DIR --lora base",
+            file=sys.stderr,
+        )
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,7 +302,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             return _print_hf_config(args)
         cfg, params, info = _load(args)
-        if args.to_hf:
+        if params is None:  # --lora peft
+            out = _write_peft(args, info)
+        elif args.to_hf:
             source = Path(args.from_run or args.from_hf or args.from_orbax)
             tok, tok_dir = _find_tokenizer(args, source, info.run_config)
             done = export_hf(
@@ -254,8 +327,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"composer-jax convert: {e}", file=sys.stderr)
         return 1
     step = f" step {info.step}" if info.step is not None else ""
+    lora = ""
+    if args.from_run and ((info.run_config.get("train") or {}).get("lora") or {}).get("rank"):
+        what = {"merged": "LoRA adapters merged", "base": "the LoRA run's frozen base", "peft": "a PEFT adapter"}
+        lora = f"; {what[args.lora or 'merged']}"
     print(
         f"wrote {out} from {info.kind} checkpoint{step} ({cfg.num_layers} layers, {cfg.num_experts} experts, "
-        f"{cfg.num_mtp_layers} MTP, {cfg.param_dtype})"
+        f"{cfg.num_mtp_layers} MTP, {cfg.param_dtype}{lora})"
     )
     return 0

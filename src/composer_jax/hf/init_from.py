@@ -123,15 +123,18 @@ def check_model(run: ModelConfig, saved: ModelConfig, source: Source, allowed: S
     )
 
 
-def load_init_params(cfg: Config, mesh, rules, run_config: dict) -> tuple[dict, dict[str, Any]]:
+def load_init_params(cfg: Config, mesh, rules, run_config: dict, *, target: Any = None) -> tuple[dict, dict[str, Any]]:
     """(parameters of `train.init_from` on the run's shardings, the run's `init` record).
 
     The run's model section must match the checkpoint's config outside the keys a stage may change
     (`STAGE_CHANGEABLE` for a run; also the implementation keys for hf/orbax; with `model.from`,
-    every key that sets no parameter shape). Parameters are cast to model.param_dtype."""
+    every key that sets no parameter shape). Parameters are cast to model.param_dtype. `target`:
+    the abstract parameters (ShapeDtypeStructs with shardings) to read into instead of the run's
+    (`abstract_params(cfg.model, mesh, rules)`), e.g. one device's for an export."""
     source, saved = open_source(cfg.train.init_from)
     free = _not_shape_keys() if cfg.model.from_ else ()
-    target = abstract_params(cfg.model, mesh, rules)
+    if target is None:
+        target = abstract_params(cfg.model, mesh, rules)
     if source.kind == "run":
         allowed = tuple(STAGE_CHANGEABLE) + free
         params = restore_params_only(source.where, target, config=run_config, allow_config_changes=allowed)

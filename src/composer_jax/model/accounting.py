@@ -29,7 +29,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh
 
-from composer_jax.config import MESH_AXES, ModelConfig
+from composer_jax.config import MESH_AXES, LoraConfig, ModelConfig
 from composer_jax.model.params import abstract_params, param_specs
 from composer_jax.sharding import ShardingRules
 from composer_jax.specs import ParamSpec, path_str
@@ -111,10 +111,25 @@ def param_rows(
     Shapes and dtypes come from `jax.eval_shape` of the real initialiser (so they are what
     `init_params` would create), logical axes from `param_specs`; nothing is allocated.
     """
+    return _rows(cfg, param_specs(cfg), abstract_params(cfg), rules, mesh_sizes)
+
+
+def adapter_rows(
+    cfg: ModelConfig, lora: LoraConfig, rules: ShardingRules | None = None, mesh_sizes: Mapping[str, int] | None = None
+) -> list[ParamRow]:
+    """The LoRA adapters' arrays (`train.lora`; model/lora.py's tree, float32) as `param_rows`
+    gives the model's: each row's component is its adapted block's (attention, dense_mlp,
+    routed_experts). Not counted in the model's FLOPs (the adapters' rank-r products are small)."""
+    from composer_jax.model.lora import abstract_adapters, adapter_specs
+
+    return _rows(cfg, adapter_specs(cfg, lora), abstract_adapters(cfg, lora), rules, mesh_sizes)
+
+
+def _rows(
+    cfg: ModelConfig, specs: Any, shapes: Any, rules: ShardingRules | None, mesh_sizes: Mapping[str, int] | None
+) -> list[ParamRow]:
     rules = rules or ShardingRules.create()
     mesh = abstract_mesh(mesh_sizes) if mesh_sizes is not None else None
-    specs = param_specs(cfg)
-    shapes = abstract_params(cfg)
     spec_leaves = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, ParamSpec))[0]
     shape_leaves = jax.tree.leaves(shapes)
     assert len(spec_leaves) == len(shape_leaves), "param_specs and eval_shape(init) disagree"

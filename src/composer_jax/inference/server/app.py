@@ -53,6 +53,7 @@ from composer_jax.config import to_dict
 from composer_jax.errors import ConfigError
 from composer_jax.formats.chat_format import chat_format
 from composer_jax.formats.tokenizer import Tokenizer
+from composer_jax.hf.lora_export import LoraRun
 from composer_jax.inference.engine.batch_sampler import Request
 from composer_jax.inference.engine.driver import Event
 from composer_jax.inference.engine.thread_engine import Engine, EngineFull, EngineStopped
@@ -137,6 +138,7 @@ class OpenAIServer:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         weights_from: str | None = None,
         poll_interval_s: float = 1.0,
+        lora: LoraRun | None = None,
     ):
         if len(api_key) < 16:
             raise ConfigError("the API key must be at least 16 characters")
@@ -151,6 +153,7 @@ class OpenAIServer:
         self.created = int(time.time())
         self._load_lock = asyncio.Lock()
         self.store = StoreWeights()
+        self.lora = lora  # serving a train.lora run: its base and adapters (`_swap_from_store`)
         self.weights_from, self.poll_interval_s = weights_from, float(poll_interval_s)
         if weights_from is not None:
             try:
@@ -214,14 +217,21 @@ class OpenAIServer:
 
     async def _swap_from_store(self, url: str, version: int | None) -> tuple[StoreVersion, int | None]:
         """Read `version` (None: latest) and swap it in if newer than the served one; -> (what was
-        read, the previous version, or None when nothing was swapped). Call under `_load_lock`."""
-        got = await asyncio.to_thread(self.store.read, url, version, self.engine.sampler.params)
+        read, the previous version, or None when nothing was swapped). Call under `_load_lock`.
+        Serving a train.lora run (`self.lora`), a version is that run's adapters: they are read
+        into the adapters' tree and merged into the kept base (W + alpha / rank A B)."""
+        lora = self.lora  # (its adapters: the checkpoint's, the tree every version of the run has)
+        served = lora.adapters if lora is not None else self.engine.sampler.params
+        got = await asyncio.to_thread(self.store.read, url, version, served)
         if got.fallback is not None:
             self.store_fallback = got.fallback
             _log.warning("weight store %s: %s", url, got.fallback)
         if got.version <= self.engine.version:
             return got, None
-        future = self.engine.update_weights(got.params, got.version)
+        params = got.params
+        if lora is not None:
+            params = await asyncio.to_thread(lora.merge, got.params)
+        future = self.engine.update_weights(params, got.version)
         self.queued_version = got.version
         return got, await asyncio.wrap_future(future)
 
@@ -467,6 +477,7 @@ class OpenAIServer:
                 load_s = time.perf_counter() - t0
                 with _swap_errors(f"the weights of {path!r} failed in their first decode step", current):
                     previous = await asyncio.wrap_future(self.engine.update_weights(params, version))
+                self.lora = policy.lora  # what the store's next versions are (adapters of that run, or models)
         except ApiError as e:
             return _error(e)
         return JSONResponse(

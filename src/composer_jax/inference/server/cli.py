@@ -338,6 +338,7 @@ def build_server(
             load_policy=lambda path, step: load_policy(path, step=step, mesh=mesh),
             weights_from=weights_from,
             poll_interval_s=sampler.poll_s,
+            lora=policy.lora,
         )
     except BaseException:
         engine.stop()

@@ -7,6 +7,9 @@ The three kinds of directory that `hf/checkpoint_kind.py` tells apart (as it doe
           the run directory holding checkpoints/, its checkpoint directory (its latest step is used,
           or `step`), one step's directory, or a gs:// URL of one. The model config is the run
           config saved with the step; only the parameters are read (not the optimiser moments).
+          A `train.lora` run's checkpoint holds adapters: they are merged into the run's frozen
+          base (`hf/lora_export.py`'s `load_lora_run`), which `Policy.lora` keeps, so that the
+          adapters of each version the run publishes merge into it again (inference/server/app.py).
   orbax   a directory written by `composer-jax convert --to-orbax` (params/ + model.yaml).
   hf      a Hugging Face directory (config.json + *.safetensors), read by `hf/weights.py`.
 
@@ -28,6 +31,7 @@ from composer_jax.checkpoint.manager import read_run_config, restore_params_only
 from composer_jax.config import ConfigError, ModelConfig, config_from_dict
 from composer_jax.hf.checkpoint_kind import detect
 from composer_jax.hf.convert import load_orbax
+from composer_jax.hf.lora_export import LoraRun, load_lora_run, lora_run_config
 from composer_jax.hf.weights import from_pretrained
 from composer_jax.model.params import abstract_params
 from composer_jax.sharding import ShardingRules
@@ -45,6 +49,7 @@ class Policy:
     path: str
     step: int | None
     tokenizer_hint: str | None
+    lora: LoraRun | None = None  # a train.lora run's checkpoint: its base and adapters (params: merged)
 
 
 def _placed(cfg: ModelConfig, mesh: Mesh | None, rules: ShardingRules | None) -> Any:
@@ -87,7 +92,10 @@ def load_policy(
         return Policy(cfg, params, kind, found.path, None, _tokenizer_next_to(where))
     saved, step = read_run_config(where, step)
     # the model section only: the rest of a run's saved config may hold keys of an earlier release
+    hint = _tokenizer_next_to(where) or (saved.get("data") or {}).get("tokenizer") or None
+    if lora_run_config(saved) is not None:  # the adapters over the run's frozen base, merged to serve
+        run = load_lora_run(where, step, saved, mesh=mesh, rules=rules)
+        return Policy(run.cfg.model, run.merged(), kind, found.path, step, hint, lora=run)
     cfg = config_from_dict({"model": saved.get("model") or {}}, num_devices=None).model
     params = restore_params_only(where, _placed(cfg, mesh, rules), step)
-    hint = _tokenizer_next_to(where) or (saved.get("data") or {}).get("tokenizer") or None
     return Policy(cfg, params, kind, found.path, step, hint)
