@@ -60,6 +60,9 @@ class StandInRollouts:
     async def health(self) -> list[dict]:
         return []
 
+    async def profile_counters(self) -> dict[str, dict[str, float]]:
+        return {}
+
     async def aclose(self) -> None:
         self.closed = True
 
