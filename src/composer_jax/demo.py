@@ -41,7 +41,7 @@ from composer_jax.errors import UsageError  # noqa: E402
 from composer_jax.inspection import build_report, format_report  # noqa: E402
 from composer_jax.model.masks import segment_positions  # noqa: E402
 from composer_jax.model.params import count_params, param_specs  # noqa: E402
-from composer_jax.report import format_trend, trend  # noqa: E402
+from composer_jax.report import format_trend, time_line, trend  # noqa: E402
 from composer_jax.rl.evaluate import format_paired  # noqa: E402
 from composer_jax.train.state import init_train_state  # noqa: E402
 from composer_jax.train.step import batch_sharding, make_train_step  # noqa: E402
@@ -238,7 +238,18 @@ def rl_line(rl: dict) -> str:
         f"(step {last['step']}), best-of-{rl['eval_samples']} {first['eval/best_of_k']:.3f} -> "
         f"{last['eval/best_of_k']:.3f}, reward {first['eval/reward']:.3f} -> {last['eval/reward']:.3f}"
         + paired_line(last)
+        + time_lines(rl)
     )
+
+
+def time_lines(rl: dict) -> str:
+    """Where the RL stage's time went (rl/profile.py): the per-step means, and the evaluations' mean
+    wall time; '' for a summary without profile values."""
+    lines = [time_line([rl["steps"][n] for n in sorted(rl["steps"])])]
+    walls = [e["eval/profile/wall_s"] for e in rl["evals"] if "eval/profile/wall_s" in e]
+    if walls:
+        lines.append(f"{len(walls)} evaluation(s): wall {sum(walls) / len(walls):.3g} s each on average")
+    return "".join(f"\n             {x}" for x in lines if x)
 
 
 def paired_line(ev: dict) -> str:

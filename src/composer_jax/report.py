@@ -410,7 +410,9 @@ def _heldout_line(st: Stage) -> list[str]:
     if not p or len(p) < 2:
         return []
     line = f"Held-out pass@1 {_fmt(p[0][1])} (step {p[0][0]}) -> {_fmt(p[-1][1])} (step {p[-1][0]})"
-    last = {k: dict(st.series[k]).get(p[-1][0]) for k in ("eval/paired_diff", "eval/paired_se", "eval/paired_z")}
+    last = {
+        k: dict(st.series.get(k, [])).get(p[-1][0]) for k in ("eval/paired_diff", "eval/paired_se", "eval/paired_z")
+    }
     if last["eval/paired_diff"] is not None:
         line += f"; paired change {last['eval/paired_diff']:+.4g}"
         if last["eval/paired_se"] is not None:
