@@ -313,6 +313,7 @@ TIME_COLUMNS = (
     ("time/wait_s", "trainer waits s"),
     ("time/update_s", "update s"),
     ("profile/sampler_prefill_s", "prefill s"),
+    ("profile/sampler_compile_s", "of which compiling s"),
     ("profile/sampler_decode_s", "decode s"),
     ("profile/sampler_tokenize_s", "tokenise s"),
     ("profile/sampler_http_s", "HTTP s"),
@@ -325,8 +326,9 @@ _CORE_KEY = re.compile(r"profile/core(\d+)_busy")
 TIME_NOTE = (
     "Each row is an interval: a step's from the previous step's or evaluation's end to its end (the rollouts "
     "sampled meanwhile, the update, the checkpoint after the previous step), an evaluation's from its start to "
-    "its end. Prefill and decode are the sampler engine's seconds (one engine thread per replica, summed over "
-    "replicas; token sampling is inside the compiled prefill and decode programs, not a part of its own); "
+    "its end. Prefill (of which compiling: admissions that compiled a program) and decode are the sampler "
+    "engine's seconds (one engine thread per replica, summed over replicas; token sampling is inside the "
+    "compiled prefill and decode programs, not a part of its own); "
     "tokenise and HTTP the serve replicas' request handlers' seconds (JSON decoding and encoding), HTTP "
     "thread CPU their event loops' CPU seconds; tool calls and grading the environment servers' seconds summed "
     "over concurrent calls (they can exceed the wall time); trainer CPU the learner process's CPU seconds, all "
@@ -362,6 +364,13 @@ def _time_table(st: Stage) -> list[str]:
     steps = [{k: values[k][n] for k in values if n in values[k]} for n, _ in st.series.get("profile/wall_s", [])]
     means = time_line(steps)
     return ["#### Where the time goes", "", *([means, ""] if means else []), *lines, "", TIME_NOTE, ""]
+
+
+def where_the_time_goes(metrics: str | Path) -> str:
+    """The "Where the time goes" section (per-step means, table, note) of one stage's metrics.jsonl
+    ('' without profile values): what bench/demo_profile.py prints."""
+    path = Path(metrics)
+    return "\n".join(_time_table(Stage(path.parent.name, path, read_metrics(path))))
 
 
 def time_line(steps: Sequence[Mapping[str, float]]) -> str:

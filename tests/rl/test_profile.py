@@ -48,6 +48,9 @@ cj_serve_engine_step_seconds_total 10.5
 # HELP cj_serve_prefill_seconds_total Prefill.
 # TYPE cj_serve_prefill_seconds_total counter
 cj_serve_prefill_seconds_total 2.5
+# HELP cj_serve_prefill_compile_seconds_total Compiling.
+# TYPE cj_serve_prefill_compile_seconds_total counter
+cj_serve_prefill_compile_seconds_total 1.5
 # HELP cj_serve_tokenize_seconds_total Tokenise.
 # TYPE cj_serve_tokenize_seconds_total counter
 cj_serve_tokenize_seconds_total 0.25
@@ -84,6 +87,7 @@ def test_counters_of_a_serve_and_an_env_exposition() -> None:
     assert counters_of(SERVE_METRICS) == {
         "sampler_step_s": 10.5,
         "sampler_prefill_s": 2.5,
+        "sampler_compile_s": 1.5,
         "sampler_tokenize_s": 0.25,
         "sampler_http_s": 0.125,
     }
@@ -156,14 +160,15 @@ def test_in_process_samplers_counters_are_their_drivers_totals() -> None:
 
     from composer_jax.rl.samplers.in_process import InProcessSamplers
 
-    driver = SimpleNamespace(step_s=3.0, prefill_s=1.0, tokens_generated=12)
+    driver = SimpleNamespace(step_s=3.0, prefill_s=1.0, prefill_trace_s=0.25, tokens_generated=12)
     shared = SimpleNamespace(driver=driver)
     backend = InProcessSamplers([SimpleNamespace(sampler=shared), SimpleNamespace(sampler=shared)])  # type: ignore[list-item]
     got = asyncio.run(backend.profile_counters())
-    assert got == {"in-process/0": {"sampler_step_s": 3.0, "sampler_prefill_s": 1.0, "sampler_tokens": 12.0}}
+    want = {"sampler_step_s": 3.0, "sampler_prefill_s": 1.0, "sampler_compile_s": 0.25, "sampler_tokens": 12.0}
+    assert got == {"in-process/0": want}
 
 
-# slow: about 60 s (a serve replica and an environment server started, their programs compiled);
+# slow: about 32 s (a serve replica and an environment server started, their programs compiled);
 # the parts are covered by the tests above, tests/rl/test_learner_step.py (the learner logs the
 # keys) and tests/inference/server/test_serve_metrics.py (the replica's counters)
 @pytest.mark.slow

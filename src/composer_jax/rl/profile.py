@@ -58,6 +58,7 @@ _SUMMED_FIELDS = 8
 _SAMPLES = {
     "cj_serve_engine_step_seconds_total": "sampler_step_s",
     "cj_serve_prefill_seconds_total": "sampler_prefill_s",
+    "cj_serve_prefill_compile_seconds_total": "sampler_compile_s",
     "cj_serve_tokenize_seconds_total": "sampler_tokenize_s",
     "cj_serve_http_seconds_total": "sampler_http_s",
     "cj_serve_http_thread_cpu_seconds_total": "sampler_http_cpu_s",
@@ -75,6 +76,7 @@ KEYS = {
     "trainer_cpu_s": "CPU seconds of the learner process, all threads (train step, rollout side, HTTP clients)",
     "core<i>_busy": "share of core i's time busy (not idle or iowait), whatever ran there",
     "sampler_prefill_s": "sampler engine seconds admitting requests (prefill and its first token, compilations)",
+    "sampler_compile_s": "the part of sampler_prefill_s in admissions that compiled a new program",
     "sampler_decode_s": "sampler engine seconds decoding: engine step seconds minus prefill (forward and token "
     "sampling are one compiled program; the tokens' recording)",
     "sampler_tokenize_s": "serve handler seconds tokenising requests and detokenising answers",

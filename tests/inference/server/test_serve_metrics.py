@@ -101,6 +101,7 @@ def test_collector_reads_the_engine_at_scrape_time(monkeypatch) -> None:
     assert idle("cj_serve_engine_steps_total") == engine.steps > 0
     # the admissions' seconds, a part of the steps' (the rest decodes)
     assert 0 < idle("cj_serve_prefill_seconds_total") == engine.prefill_s < idle("cj_serve_engine_step_seconds_total")
+    assert 0 < idle("cj_serve_prefill_compile_seconds_total") == engine.prefill_trace_s <= engine.prefill_s
 
 
 def test_request_wrapper_counts_unhandled_errors_and_unknown_paths() -> None:

@@ -86,6 +86,10 @@ class Engine:
         return self.driver.prefill_s
 
     @property
+    def prefill_trace_s(self) -> float:
+        return self.driver.prefill_trace_s
+
+    @property
     def swap_s(self) -> float:
         return self.driver.swap_s
 

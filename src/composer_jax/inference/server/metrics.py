@@ -193,6 +193,8 @@ class _EngineCollector(Collector):
             "prefill_seconds": "Seconds of the engine steps spent admitting requests: prefill, the first token "
             "(sampled inside the prefill program) and compilations; the rest of the steps' seconds decode "
             "(forward and sampling in one compiled program, and the tokens' recording).",
+            "prefill_compile_seconds": "The part of the prefill seconds in admissions that compiled a new program "
+            "(or loaded it from the persistent compilation cache).",
             "http_thread_cpu_seconds": "CPU seconds of the thread running the HTTP server's event loop (request "
             "parsing, handlers, tokenising, JSON; not the engine).",
             "engine_failures": "Engine steps that failed (their requests got a 500; the engine kept serving).",
@@ -215,6 +217,7 @@ class _EngineCollector(Collector):
                 "engine_steps": e.steps,
                 "engine_step_seconds": e.step_s,
                 "prefill_seconds": e.prefill_s,
+                "prefill_compile_seconds": e.prefill_trace_s,
                 "engine_failures": e.failures,
             }
             cpu = self.http_thread_cpu()

@@ -84,6 +84,7 @@ class InProcessSamplers(SamplerBackend):
             f"in-process/{i}": {
                 "sampler_step_s": s.driver.step_s,
                 "sampler_prefill_s": s.driver.prefill_s,
+                "sampler_compile_s": s.driver.prefill_trace_s,
                 "sampler_tokens": float(s.driver.tokens_generated),
             }
             for i, s in enumerate(self.samplers)
