@@ -40,3 +40,16 @@ def test_rl_summary_shows_the_trend_of_three_steps_or_more():
     line = rl_line({"steps": steps, "evals": [ev, ev], "time_s": 1.0, "eval_samples": 2})
     assert "reward slope +0.050 +- 0.087 /step (z 0.6, 3 steps); first quarter 0.100 -> last 0.200 (1 each)" in line
     assert "success slope +0.000 +- 0.000 /step (3 steps)" in line
+
+
+def test_rl_summary_says_where_the_time_goes():
+    steps = {n: {"reward/total": 0.1, "rollout/success": 0.5} for n in (1, 2)}
+    ev = {"step": 0, "eval/pass@1": 0.25, "eval/best_of_k": 0.5, "eval/reward": 0.25}
+    rl = {"steps": steps, "evals": [ev, ev], "time_s": 1.0, "eval_samples": 2}
+    assert "where the time goes" not in rl_line(rl)  # no profile values: nothing said
+    for n, wall in ((1, 10.0), (2, 20.0)):
+        steps[n].update({"profile/wall_s": wall, "profile/sampler_decode_s": wall / 2, "profile/core0_busy": 0.5})
+    ev2 = {**ev, "eval/profile/wall_s": 7.0}
+    line = rl_line({**rl, "evals": [ev2, ev2]})
+    assert "where the time goes, mean of 2 step(s): wall 15 s; sampler decode 7.5 s; cores busy 0 50%" in line
+    assert line.endswith("2 evaluation(s): wall 7 s each on average")

@@ -187,3 +187,50 @@ def test_a_mixture_stage_gets_its_sources_train_nll_table_and_panel(tmp_path):
     assert "| stage | source |" not in md
     with Image.open(run / "plots" / "pretraining.png") as im:
         assert im.size[0] < three_panels  # the source panel is gone with its data
+
+
+def test_where_the_time_goes_table(tmp_path):
+    """The RL stage's profile (rl/profile.py's keys) as one row per step and per evaluation, in run
+    order (the step-0 evaluation first, an evaluation after the step it follows), with the per-step
+    means above; a stage without profile values has no such table."""
+    prof = {"profile/sampler_prefill_s": 1.0, "profile/sampler_decode_s": 20.0, "profile/env_grade_s": 4.0}
+    rl = [
+        {"stage": "rl", "step": 0, "time": 0.0, "eval/pass@1": 0.5, "eval/profile/wall_s": 30.0},
+        {"stage": "rl", "step": 0, "time": 0.0, "eval/profile/core0_busy": 0.25, "eval/profile/core1_busy": 1.0},
+    ]
+    for s, wall, busy in ((1, 40.0, 0.5), (2, 60.0, 0.75)):
+        rl.append(
+            {
+                "stage": "rl",
+                "step": s,
+                "time": 0.0,
+                "reward/total": 0.1,
+                "rollout/success": 0.5,
+                "time/wait_s": wall - 10.0,
+                "time/update_s": 5.0,
+                "profile/wall_s": wall,
+                "profile/core0_busy": busy,
+                "profile/core1_busy": 1.0,
+                **prof,
+            }
+        )
+    rl.append({"stage": "rl", "step": 2, "time": 0.0, "eval/pass@1": 0.75, "eval/profile/wall_s": 35.0})
+    run = tmp_path / "run"
+    _write(run / "rl" / "metrics.jsonl", rl)
+    md = write_report(run).read_text()
+    assert "#### Where the time goes" in md
+    # means of steps 1 and 2: wall 50, waits 40, update 5; core 0 busy 62.5% (printed 62%), core 1 100%
+    assert (
+        "where the time goes, mean of 2 step(s): wall 50 s (trainer waits 40 s, update 5 s); sampler prefill 1 s, "
+        "decode 20 s; environment grading 4 s (summed over concurrent calls); cores busy 0 62%, 1 100%"
+    ) in md
+    header = "| | wall s | trainer waits s | update s | prefill s | decode s | grading s | core 0 busy | core 1 busy |"
+    table = md[md.index(header) :].splitlines()
+    assert table[2:6] == [
+        "| evaluation at 0 | 30 |  |  |  |  |  | 25% | 100% |",
+        "| step 1 | 40 | 30 | 5 | 1 | 20 | 4 | 50% | 100% |",
+        "| step 2 | 60 | 50 | 5 | 1 | 20 | 4 | 75% | 100% |",
+        "| evaluation at 2 | 35 |  |  |  |  |  |  |  |",
+    ]
+    # a run without profile values (tests' _run_dir) has no such table
+    assert "Where the time goes" not in write_report(_run_dir(tmp_path / "plain")).read_text()

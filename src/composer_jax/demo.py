@@ -30,6 +30,7 @@ if "jax" not in sys.modules:  # a fake multi-device CPU mesh must be requested b
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from collections.abc import Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
@@ -41,7 +42,7 @@ from composer_jax.errors import UsageError  # noqa: E402
 from composer_jax.inspection import build_report, format_report  # noqa: E402
 from composer_jax.model.masks import segment_positions  # noqa: E402
 from composer_jax.model.params import count_params, param_specs  # noqa: E402
-from composer_jax.report import format_trend, trend  # noqa: E402
+from composer_jax.report import format_trend, time_line, trend  # noqa: E402
 from composer_jax.rl.evaluate import format_paired  # noqa: E402
 from composer_jax.train.state import init_train_state  # noqa: E402
 from composer_jax.train.step import batch_sharding, make_train_step  # noqa: E402
@@ -136,14 +137,13 @@ def async_overrides(cores: int) -> list[str]:
     return ["rl.max_staleness=1", "rl.local_samplers=1", f"rl.pin_cores={'true' if cores >= 2 else 'false'}"]
 
 
-def rl_stage(out_root: str, init_from: str, scale: float, echo=print) -> dict:
-    """The RL stage from the SFT checkpoint; its summary holds the per-step values and the
-    held-out evaluations (rl/evaluate.py: pass@1, best-of-K, reward) before and after."""
-    from composer_jax.rl.learner import run_rl
-
+def rl_stage_config(out_root: str, init_from: str, scale: float, echo=print, extra: Sequence[str] = ()) -> cj.Config:
+    """The RL stage's config (configs/rl/tiny_disable_debug.yaml with the bundled data, the
+    `async_overrides` and the scaled steps) from the SFT checkpoint `init_from`, writing under
+    `out_root`; `extra` overrides go last (bench/demo_profile.py: fewer steps or held-out seeds)."""
     name, path = RL_STAGE
     base = cj.load_config(stage_config(path), num_devices=None)
-    cfg = cj.load_config(
+    return cj.load_config(
         stage_config(path),
         [
             *bundled_overrides(path, echo),
@@ -153,8 +153,19 @@ def rl_stage(out_root: str, init_from: str, scale: float, echo=print) -> dict:
             # 0 (start and end only) stays 0
             f"rl.eval_every={max(1, int(base.rl.eval_every * scale)) if base.rl.eval_every else 0}",
             *async_overrides(len(os.sched_getaffinity(0))),
+            *extra,
         ],
     )
+
+
+def rl_stage(out_root: str, init_from: str, scale: float, echo=print, extra: Sequence[str] = ()) -> dict:
+    """The RL stage from the SFT checkpoint; its summary holds the per-step values and the
+    held-out evaluations (rl/evaluate.py: pass@1, best-of-K, reward) before and after, and where
+    the time went (rl/profile.py)."""
+    from composer_jax.rl.learner import run_rl
+
+    name = RL_STAGE[0]
+    cfg = rl_stage_config(out_root, init_from, scale, echo, extra)
     echo(
         f"\n=== {name}: {', '.join(cfg.rl.tasks)}, {cfg.rl.groups_per_step} groups x {cfg.rl.group_size} rollouts "
         f"per step, {cfg.train.steps} steps, asynchronous (max staleness {cfg.rl.max_staleness}, "
@@ -238,7 +249,18 @@ def rl_line(rl: dict) -> str:
         f"(step {last['step']}), best-of-{rl['eval_samples']} {first['eval/best_of_k']:.3f} -> "
         f"{last['eval/best_of_k']:.3f}, reward {first['eval/reward']:.3f} -> {last['eval/reward']:.3f}"
         + paired_line(last)
+        + time_lines(rl)
     )
+
+
+def time_lines(rl: dict) -> str:
+    """Where the RL stage's time went (rl/profile.py): the per-step means, and the evaluations' mean
+    wall time; '' for a summary without profile values."""
+    lines = [time_line([rl["steps"][n] for n in sorted(rl["steps"])])]
+    walls = [e["eval/profile/wall_s"] for e in rl["evals"] if "eval/profile/wall_s" in e]
+    if walls:
+        lines.append(f"{len(walls)} evaluation(s): wall {sum(walls) / len(walls):.3g} s each on average")
+    return "".join(f"\n             {x}" for x in lines if x)
 
 
 def paired_line(ev: dict) -> str:

@@ -7,7 +7,9 @@ a separate record at the same step) and, for evaluations, a `report.json` writte
 
 - `report.md`: per stage, first -> last of the main values and their trends (`trend`: least-squares
   slope with its standard error, first- and last-quarter means with theirs), the RL table per step (with the
-  held-out pass@1 and its paired change from step 0: diff, standard error, z), and every
+  held-out pass@1 and its paired change from step 0: diff, standard error, z), the RL stage's "Where
+  the time goes" table (one row per step and per evaluation, from the learner's `profile/...` and
+  `eval/profile/...` values: rl/profile.py) under the per-step means (`time_line`), and every
   evaluation's overall and per-category table;
 - `plots/pretraining.png`: train loss and held-out perplexity over steps, one row per stage, and
   for a stage trained on a mixture each source's train nll (`source_nll/NAME`, with a table);
@@ -24,8 +26,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -303,6 +306,112 @@ def _rl_table(st: Stage) -> list[str]:
     return lines
 
 
+# "Where the time goes" (rl/profile.py): (key of a step's record, label); an evaluation's record has
+# the profile keys under eval/ (the trainer's own keys are a step's only)
+TIME_COLUMNS = (
+    ("profile/wall_s", "wall s"),
+    ("time/wait_s", "trainer waits s"),
+    ("time/update_s", "update s"),
+    ("profile/sampler_prefill_s", "prefill s"),
+    ("profile/sampler_compile_s", "of which compiling s"),
+    ("profile/sampler_decode_s", "decode s"),
+    ("profile/sampler_tokenize_s", "tokenise s"),
+    ("profile/sampler_http_s", "HTTP s"),
+    ("profile/sampler_http_cpu_s", "HTTP thread CPU s"),
+    ("profile/env_tool_s", "tool calls s"),
+    ("profile/env_grade_s", "grading s"),
+    ("profile/trainer_cpu_s", "trainer CPU s"),
+)
+_CORE_KEY = re.compile(r"profile/core(\d+)_busy")
+TIME_NOTE = (
+    "Each row is an interval: a step's from the previous step's or evaluation's end to its end (the rollouts "
+    "sampled meanwhile, the update, the checkpoint after the previous step), an evaluation's from its start to "
+    "its end. Prefill (of which compiling: admissions that compiled a program) and decode are the sampler "
+    "engine's seconds (one engine thread per replica, summed over replicas; token sampling is inside the "
+    "compiled prefill and decode programs, not a part of its own); "
+    "tokenise and HTTP the serve replicas' request handlers' seconds (JSON decoding and encoding), HTTP "
+    "thread CPU their event loops' CPU seconds; tool calls and grading the environment servers' seconds summed "
+    "over concurrent calls (they can exceed the wall time); trainer CPU the learner process's CPU seconds, all "
+    "threads; core i the share of the interval core i was busy, whatever ran on it."
+)
+
+
+def _time_cell(key: str, v: float) -> str:
+    return f"{100 * v:.0f}%" if _CORE_KEY.fullmatch(key) else f"{v:.3g}"
+
+
+def time_columns(keys: set[str] | Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The "Where the time goes" columns (step key, label) that records with `keys` have: TIME_COLUMNS,
+    then one busy column per core."""
+    present = {k.removeprefix("eval/") for k in keys}
+    cores = sorted({int(m.group(1)) for k in present if (m := _CORE_KEY.fullmatch(k))})
+    cols = [(k, lab) for k, lab in TIME_COLUMNS if k in present]
+    return cols + [(f"profile/core{c}_busy", f"core {c} busy") for c in cores]
+
+
+def _time_table(st: Stage) -> list[str]:
+    """One row per step and per evaluation (after the step it follows) with profile values."""
+    cols = time_columns(set(st.series))
+    if not any(k == "profile/wall_s" for k, _ in cols):
+        return []
+    rows = [(n, 1, "eval/") for n, _ in st.series.get("eval/profile/wall_s", [])]
+    rows += [(n, 0, "") for n, _ in st.series.get("profile/wall_s", [])]
+    values = {k: dict(v) for k, v in st.series.items()}
+    lines = ["| | " + " | ".join(lab for _, lab in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for n, _, pre in sorted(rows):
+        cells = [_time_cell(k, values[pre + k][n]) if n in values.get(pre + k, {}) else "" for k, _ in cols]
+        lines.append(f"| {'evaluation at' if pre else 'step'} {n} | " + " | ".join(cells) + " |")
+    steps = [{k: values[k][n] for k in values if n in values[k]} for n, _ in st.series.get("profile/wall_s", [])]
+    means = time_line(steps)
+    return ["#### Where the time goes", "", *([means, ""] if means else []), *lines, "", TIME_NOTE, ""]
+
+
+def where_the_time_goes(metrics: str | Path) -> str:
+    """The "Where the time goes" section (per-step means, table, note) of one stage's metrics.jsonl
+    ('' without profile values): what bench/demo_profile.py prints."""
+    path = Path(metrics)
+    return "\n".join(_time_table(Stage(path.parent.name, path, read_metrics(path))))
+
+
+def time_line(steps: Sequence[Mapping[str, float]]) -> str:
+    """The per-step means of the profile values of `steps` (each a step's values) in one line: the
+    demo's summary and the report's line above its table; '' without profile values."""
+    steps = [s for s in steps if "profile/wall_s" in s]
+    if not steps:
+        return ""
+
+    def mean(key: str) -> float | None:
+        xs = [s[key] for s in steps if key in s]
+        return sum(xs) / len(xs) if xs else None
+
+    def part(label: str, key: str) -> str:
+        m = mean(key)
+        return "" if m is None else f"{label} {m:.3g} s"
+
+    def join(parts: Sequence[str]) -> str:
+        return ", ".join(p for p in parts if p)
+
+    trainer = join([part("trainer waits", "time/wait_s"), part("update", "time/update_s")])
+    sampler = join(
+        [
+            part("prefill", "profile/sampler_prefill_s"),
+            part("decode", "profile/sampler_decode_s"),
+            part("tokenise", "profile/sampler_tokenize_s"),
+            part("HTTP", "profile/sampler_http_s"),
+        ]
+    )
+    env = join([part("tool calls", "profile/env_tool_s"), part("grading", "profile/env_grade_s")])
+    cores = [(k, mean(k)) for k, _ in time_columns(set().union(*steps)) if _CORE_KEY.fullmatch(k)]
+    busy = ", ".join(
+        f"{k.removeprefix('profile/core').removesuffix('_busy')} {100 * (m or 0.0):.0f}%" for k, m in cores
+    )
+    out = f"where the time goes, mean of {len(steps)} step(s): wall {mean('profile/wall_s'):.3g} s"
+    out += f" ({trainer})" if trainer else ""
+    out += f"; sampler {sampler}" if sampler else ""
+    out += f"; environment {env} (summed over concurrent calls)" if env else ""
+    return out + (f"; cores busy {busy}" if busy else "")
+
+
 def _heldout_line(st: Stage) -> list[str]:
     """The held-out evaluations first -> last, with the last one's paired change from step 0 (the
     same rollout seeds at both: rl/evaluate.py::paired_difference)."""
@@ -310,7 +419,9 @@ def _heldout_line(st: Stage) -> list[str]:
     if not p or len(p) < 2:
         return []
     line = f"Held-out pass@1 {_fmt(p[0][1])} (step {p[0][0]}) -> {_fmt(p[-1][1])} (step {p[-1][0]})"
-    last = {k: dict(st.series[k]).get(p[-1][0]) for k in ("eval/paired_diff", "eval/paired_se", "eval/paired_z")}
+    last = {
+        k: dict(st.series.get(k, [])).get(p[-1][0]) for k in ("eval/paired_diff", "eval/paired_se", "eval/paired_z")
+    }
     if last["eval/paired_diff"] is not None:
         line += f"; paired change {last['eval/paired_diff']:+.4g}"
         if last["eval/paired_se"] is not None:
@@ -413,7 +524,7 @@ def write_report(run_dir: str | Path, title: str | None = None) -> Path:
         lines += ["## Reinforcement learning", "", "![rl](plots/rl.png)", ""]
         for s in rl:
             lines += [f"### {s.name}", "", f"Weights from: {init_line(s.init)}.", ""]
-            lines += [*_heldout_line(s), *_trend_lines(s), *_rl_table(s), ""]
+            lines += [*_heldout_line(s), *_trend_lines(s), *_rl_table(s), "", *_time_table(s)]
     for ev in evals:
         lines += [f"## Evaluation: {ev.name}", "", *_eval_table(ev), ""]
     out = run / "report.md"

@@ -30,6 +30,7 @@ class StandInRollouts:
         self.next_index = max(g.index for g in groups) + 1
         self.handed: list[tuple[int, int]] = []  # (version, groups trained)
         self.queue_started = self.closed = False
+        self.scrapes = 0
 
     def start_queue(self) -> None:
         self.queue_started = True
@@ -59,6 +60,11 @@ class StandInRollouts:
 
     async def health(self) -> list[dict]:
         return []
+
+    async def profile_counters(self) -> dict[str, dict[str, float]]:
+        """A replica whose engine ran 2 s (0.5 s of them prefill) between two readings."""
+        self.scrapes += 1
+        return {"sampler stand-in": {"sampler_step_s": 2.0 * self.scrapes, "sampler_prefill_s": 0.5 * self.scrapes}}
 
     async def aclose(self) -> None:
         self.closed = True
@@ -91,7 +97,13 @@ def test_one_learner_step_against_an_in_process_rollout_side(tmp_path, monkeypat
     side = StandInRollouts(groups)
     learner.attach(side)
 
+    asyncio.run(learner.profile.start())  # (the run's before_steps takes it)
     values = asyncio.run(learner.step(0))
+    # where the step's time went (rl/profile.py): the stand-in's counters, the cores, the update
+    assert values["profile/sampler_decode_s"] == 1.5 and values["profile/sampler_prefill_s"] == 0.5
+    assert values["profile/wall_s"] >= values["time/step_s"] >= values["time/update_s"] > 0
+    busy = [k for k in values if k.startswith("profile/core") and k.endswith("_busy")]
+    assert len(busy) == len(os.sched_getaffinity(0)) and all(0.0 <= values[k] <= 1.0 for k in busy)
     assert side.handed == [(1, 2)]
     assert values["rollout/groups"] == 2.0 and values["staleness/max"] == 0.0
     assert values["policy_tokens"] == 4 * 6 + 4 * 5

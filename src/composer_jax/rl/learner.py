@@ -48,6 +48,7 @@ from composer_jax.rl.algo.rewards import mean_components
 from composer_jax.rl.evaluate import SUCCESS, HeldOutEvaluation, held_out_tasks
 from composer_jax.rl.hosts import Hosts
 from composer_jax.rl.judges.panel import judge_keys
+from composer_jax.rl.profile import Profile
 from composer_jax.rl.restore import Start, restore_or_init
 from composer_jax.rl.rollout.group_store import Group, GroupStore
 from composer_jax.rl.rollout.ledger import GroupLedger, GroupsState, ResumePoint, resume_groups
@@ -205,6 +206,9 @@ class Learner:
             outcome_dir=self.out_dir / "eval_outcomes",
         )
         self.rollouts: Rollouts | None = None
+        # where the time goes (rl/profile.py): the cores this process may use now, before
+        # rl.pin_cores pins the trainer to one of them (its children's cores are in this set)
+        self.profile = Profile(os.sched_getaffinity(0), self._profile_counters)
         self.summary: dict[str, Any] = {"steps": {}}  # the learner's own keys beside the shell's
         self._waited = self._busy = 0.0  # the step loop's time waiting for groups / training
 
@@ -256,6 +260,9 @@ class Learner:
     def attach(self, rollouts: Rollouts | None) -> None:
         """The rollout side this process drives (None on processes other than 0)."""
         self.rollouts = rollouts
+
+    async def _profile_counters(self) -> dict[str, dict[str, float]]:
+        return await self.rollouts.profile_counters() if self.rollouts is not None else {}
 
     # -- one step -----------------------------------------------------------------------------------
     def fits(self, taken: list[Group], g: Group) -> bool:
@@ -351,6 +358,8 @@ class Learner:
                 "time/step_s": t2 - t0,
             }
         )
+        # the step's interval: from the previous step's (or evaluation's) end to now
+        values.update(await self.profile.mark())
         return values
 
     # -- the trainer shell's parts ------------------------------------------------------------------
@@ -359,7 +368,12 @@ class Learner:
 
         async def held_out() -> Evaluation:
             assert self.rollouts is not None
-            return await self.evaluation.run(n, self.rollouts.sample_tasks)
+            await self.profile.mark()  # (the moments since the step's end are nobody's)
+            out = await self.evaluation.run(n, self.rollouts.sample_tasks)
+            spent = await self.profile.mark()
+            if out is not None:
+                out[0].update({f"eval/{k}": v for k, v in spent.items()})
+            return out
 
         return await self.hosts.run(f"the evaluation at step {n}", held_out)
 
@@ -396,6 +410,7 @@ class Learner:
         """After the step-0 evaluation: the setup's end (the others wait for process 0's), the
         start version published, the rollout queue started."""
         await self.hosts.share()
+        await self.profile.start()  # (taken by the step-0 evaluation when there was one)
         if self.begin.step < self.cfg.train.steps:
             await asyncio.to_thread(self.publish, self.state.params, self.begin.step)
             if self.rollouts is not None:

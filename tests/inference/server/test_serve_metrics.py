@@ -1,7 +1,7 @@
 """What `serve`'s /metrics reads from the engine, below the HTTP layer: the driver's time to first
 token (once per request, after the step that prefilled it; a request cancelled while waiting never
-counts), its generated-token and weight-swap totals (kept across a sampler rebuilt after a failed
-step), the scrape-time collector over an engine (read back with prometheus_client's parser), and the
+counts), its generated-token, weight-swap and prefill-seconds totals (kept across a sampler rebuilt
+after a failed step), the scrape-time collector over an engine (read back with prometheus_client's parser), and the
 request wrapper's counts of an unhandled error (a 500) and of unknown paths ("other").
 The live server's scrape test is in test_server.py (its served fixture)."""
 
@@ -63,8 +63,11 @@ def test_driver_times_first_tokens_and_keeps_totals_across_a_rebuild() -> None:
     driver.cycle([_job("e", 2, listen)], [], [swap])
     assert driver.failures == 1 and swap.future.exception() is not None
     assert driver.swaps == 1 and driver.tokens_generated == 8 and len(told) == 3  # e failed before a token
+    prefill = driver.prefill_s  # the failed sampler's admission seconds stay counted
+    assert prefill > 0 and driver.sampler.prefill_s == 0.0
     driver.cycle([_job("ff", 2, listen)], [], [])
     assert driver.tokens_generated == 10 and len(told) == 4
+    assert driver.prefill_s == prefill + driver.sampler.prefill_s > prefill
 
 
 def test_collector_reads_the_engine_at_scrape_time(monkeypatch) -> None:
@@ -96,6 +99,9 @@ def test_collector_reads_the_engine_at_scrape_time(monkeypatch) -> None:
     assert idle("cj_serve_slots_in_use") == 0 and idle("cj_serve_requests_waiting") == 0
     assert idle("cj_serve_generation_tokens_total") == 12 and idle("cj_serve_prompt_tokens_total") == 15
     assert idle("cj_serve_engine_steps_total") == engine.steps > 0
+    # the admissions' seconds, a part of the steps' (the rest decodes)
+    assert 0 < idle("cj_serve_prefill_seconds_total") == engine.prefill_s < idle("cj_serve_engine_step_seconds_total")
+    assert 0 < idle("cj_serve_prefill_compile_seconds_total") == engine.prefill_trace_s <= engine.prefill_s
 
 
 def test_request_wrapper_counts_unhandled_errors_and_unknown_paths() -> None:

@@ -604,6 +604,16 @@ def test_metrics_scrape(served, client):
         for e in ("/v1/completions", "/v1/chat/completions")
     )
     assert 0 < ttft < latency
+    # where the requests' time went (the RL profile's counters: rl/profile.py): the prefills are a
+    # part of the engine steps; the handlers tokenised and JSON-coded; the event loop's thread ran
+    assert (
+        0
+        < after.delta(before, "cj_serve_prefill_seconds_total")
+        < after.delta(before, "cj_serve_engine_step_seconds_total")
+    )
+    assert after.delta(before, "cj_serve_tokenize_seconds_total") > 0
+    assert after.delta(before, "cj_serve_http_seconds_total") > 0
+    assert after.delta(before, "cj_serve_http_thread_cpu_seconds_total") > 0
     assert {
         "cj_serve_requests": "counter",
         "cj_serve_request_seconds": "histogram",
@@ -618,6 +628,10 @@ def test_metrics_scrape(served, client):
         "cj_serve_weight_updates": "counter",
         "cj_serve_recent_generation_tokens_per_second": "gauge",
         "cj_serve_model_info": "gauge",  # an Info, which the text format writes as a gauge of 1
+        "cj_serve_prefill_seconds": "counter",
+        "cj_serve_tokenize_seconds": "counter",
+        "cj_serve_http_seconds": "counter",
+        "cj_serve_http_thread_cpu_seconds": "counter",
     }.items() <= after.types.items()
     assert after.labels["cj_serve_requests_total"] == {("endpoint", "status")}
     assert after.labels["cj_serve_request_seconds_bucket"] == {("endpoint", "le")}

@@ -247,5 +247,19 @@ class EnvClient:
 
         return list(await asyncio.gather(*(one(s) for s in self.servers)))
 
+    async def metrics(self) -> dict[str, str]:
+        """The /metrics exposition of every server that answers it, by URL (an RL run's profile reads
+        them at each step: rl/profile.py)."""
+
+        async def one(s: _Server) -> tuple[str, str] | None:
+            try:
+                resp = await s.http.get("/metrics")
+            except httpx.HTTPError:
+                return None
+            return (s.url, resp.text) if resp.status_code == 200 else None
+
+        got = await asyncio.gather(*(one(s) for s in self.servers))
+        return dict(x for x in got if x is not None)
+
     async def list_tasks(self) -> dict:
         return (await self.request_any("GET", "/tasks"))[1]

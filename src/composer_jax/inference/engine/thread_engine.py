@@ -82,6 +82,14 @@ class Engine:
         return self.driver.step_s
 
     @property
+    def prefill_s(self) -> float:
+        return self.driver.prefill_s
+
+    @property
+    def prefill_trace_s(self) -> float:
+        return self.driver.prefill_trace_s
+
+    @property
     def swap_s(self) -> float:
         return self.driver.swap_s
 

@@ -186,6 +186,7 @@ class OpenAIServer:
     # ------------------------------------------------------------------ following the store
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Any) -> AsyncIterator[None]:
+        self.metrics.watch_http_thread()  # the event loop's thread: its CPU seconds are scraped
         task = asyncio.create_task(self._follow()) if self.weights_from is not None else None
         try:
             yield
@@ -256,10 +257,13 @@ class OpenAIServer:
         raw = await request.body()
         if len(raw) > self.max_body_bytes:
             raise ApiError(413, f"the request body is {len(raw)} bytes; the limit is {self.max_body_bytes}")
+        t0 = time.perf_counter()
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        finally:
+            self.metrics.http_seconds.inc(time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ small endpoints
     async def health(self, request: HttpRequest) -> JSONResponse:
@@ -323,7 +327,11 @@ class OpenAIServer:
     ) -> Response:
         try:
             body = await self._body(request)
-            gen = parse(body, tok=self.tok, served=self.model_name, max_len=self.max_len, vocab=self.vocab)
+            t0 = time.perf_counter()
+            try:
+                gen = parse(body, tok=self.tok, served=self.model_name, max_len=self.max_len, vocab=self.vocab)
+            finally:
+                self.metrics.tokenize_seconds.inc(time.perf_counter() - t0)
         except ApiError as e:
             return _error(e)
         rid = f"{prefix}-{secrets.token_hex(12)}"
@@ -368,7 +376,9 @@ class OpenAIServer:
                 c, done = index[ev.request_id], ev.completion
                 if done is None:
                     continue
+                t0 = time.perf_counter()
                 choices[c] = api.completion_choice(gen, c, self.tok, done, f"call_{rid[-8:]}_{c}")
+                self.metrics.tokenize_seconds.inc(time.perf_counter() - t0)
         finally:
             pending = [r for c, r in enumerate(ids) if c not in choices]
             if pending:
@@ -378,7 +388,8 @@ class OpenAIServer:
         if gen.prompt_logprobs:
             await self._add_prompt_logprobs(gen, choices)
         completion_tokens = sum(len(ch["token_ids"]) for ch in choices.values())
-        return JSONResponse(
+        t0 = time.perf_counter()
+        answer = JSONResponse(  # (encoded here: the body is rendered by the constructor)
             {
                 "id": rid,
                 "object": obj,
@@ -389,6 +400,8 @@ class OpenAIServer:
                 **api.response_fields(gen),
             }
         )
+        self.metrics.http_seconds.inc(time.perf_counter() - t0)
+        return answer
 
     async def _add_prompt_logprobs(self, gen: Generation, choices: dict[int, dict]) -> None:
         """vLLM's `prompt_logprobs` on every choice: a forward pass of the served weights (read now;
@@ -411,8 +424,11 @@ class OpenAIServer:
         finished: set[int] = set()
 
         def chunk(body_choices: list[dict], **extra: Any) -> str:
+            t0 = time.perf_counter()
             body = {"id": rid, "object": obj, "created": created, "model": gen.model, "choices": body_choices, **extra}
-            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+            text = f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+            self.metrics.http_seconds.inc(time.perf_counter() - t0)
+            return text
 
         try:
             if gen.kind == "chat":
@@ -428,7 +444,10 @@ class OpenAIServer:
                 c = index[ev.request_id]
                 if ev.completion is not None:
                     finished.add(c)
-                for body_choice in choices[c].on_event(ev):
+                t0 = time.perf_counter()
+                parts = choices[c].on_event(ev)
+                self.metrics.tokenize_seconds.inc(time.perf_counter() - t0)
+                for body_choice in parts:
                     yield chunk([body_choice])
             else:
                 if gen.include_usage:

@@ -8,8 +8,16 @@ kinds of source, each chosen so that the decode loop does no metrics work of its
 * the time to first token, observed by the engine's driver once per request, after the step that
   prefilled it (`Driver.first_token`; no work per decode step);
 * the engine's state and the totals it keeps anyway (slots in use, waiting requests, generated and
-  prompt tokens, weight version and swaps, steps, failures), read when `/metrics` is scraped
-  (`_EngineCollector`), so nothing is kept up to date in the hot path.
+  prompt tokens, weight version and swaps, steps, their seconds and the admissions' (prefill)
+  seconds among them, failures), read when `/metrics` is scraped (`_EngineCollector`), so nothing
+  is kept up to date in the hot path;
+* where a request's time goes outside the engine, for the RL profile (rl/profile.py): the seconds
+  the handlers spend tokenising (parsing a request into token ids, building its answer's text,
+  log-prob pieces and tool calls: `cj_serve_tokenize_seconds`) and on the HTTP side proper
+  (JSON-decoding bodies, JSON-encoding answers - routed experts included: `cj_serve_http_seconds`),
+  and the CPU seconds of the thread running the HTTP server's event loop
+  (`cj_serve_http_thread_cpu_seconds`: all of the above plus the ASGI server's own parsing, which
+  no handler sees).
 
 Tokens per second is `rate(cj_serve_generation_tokens_total[1m])`; the gauge
 `cj_serve_recent_generation_tokens_per_second` is the same rate over the time since the previous
@@ -21,7 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, Info, generate_latest
@@ -62,10 +70,36 @@ class ServeMetrics:
             buckets=FIRST_TOKEN_BUCKETS,
             registry=r,
         )
+        self.tokenize_seconds = Counter(
+            "cj_serve_tokenize_seconds",
+            "Seconds the request handlers spent tokenising: parsing requests into token ids (prompts, chat "
+            "templates) and building answers from tokens (text, log-prob pieces, tool calls).",
+            registry=r,
+        )
+        self.http_seconds = Counter(
+            "cj_serve_http_seconds",
+            "Seconds the request handlers spent JSON-decoding request bodies and JSON-encoding answers "
+            "(stream chunks included).",
+            registry=r,
+        )
         Info("cj_serve_model", "The served model.", registry=r).info(
             {"model": model_name, "max_len": str(max_len), "slots": str(engine.sampler.slots)}
         )
-        r.register(_EngineCollector(engine))
+        self.http_thread: int | None = None  # the event loop's thread (`watch_http_thread`)
+        r.register(_EngineCollector(engine, self._http_thread_cpu))
+
+    def watch_http_thread(self) -> None:
+        """The calling thread (the HTTP server's event loop: call it from the app's lifespan) is the
+        one whose CPU seconds `cj_serve_http_thread_cpu_seconds` reads."""
+        self.http_thread = threading.get_ident()
+
+    def _http_thread_cpu(self) -> float | None:
+        if self.http_thread is None:
+            return None
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(self.http_thread))
+        except (OSError, AttributeError):  # the thread ended; or a platform without per-thread clocks
+            return None
 
     def endpoint(self, path: str) -> str:
         return path if path in self.endpoints else OTHER
@@ -120,8 +154,8 @@ class _EngineCollector(Collector):
     """The engine's state and totals, read at scrape time (the engine thread keeps running: each
     value is read once, without a lock, so a scrape is a near-consistent snapshot)."""
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self, engine: Engine, http_thread_cpu: Callable[[], float | None] = lambda: None):
+        self.engine, self.http_thread_cpu = engine, http_thread_cpu
         self._lock = threading.Lock()
         self._last = (time.perf_counter(), engine.tokens_generated)  # (when, tokens) of the rate's start
         self._rate = 0.0
@@ -155,7 +189,14 @@ class _EngineCollector(Collector):
             "prompt_tokens_reused": "Prompt tokens reused from the prefix cache (not prefilled).",
             "weight_updates": "Weight versions swapped in (admin loads and weight-store polls).",
             "engine_steps": "Engine steps run (admissions and decode steps).",
-            "engine_step_seconds": "Seconds spent inside engine steps.",
+            "engine_step_seconds": "Seconds spent inside engine steps (admissions and decode steps).",
+            "prefill_seconds": "Seconds of the engine steps spent admitting requests: prefill, the first token "
+            "(sampled inside the prefill program) and compilations; the rest of the steps' seconds decode "
+            "(forward and sampling in one compiled program, and the tokens' recording).",
+            "prefill_compile_seconds": "The part of the prefill seconds in admissions that compiled a new program "
+            "(or loaded it from the persistent compilation cache).",
+            "http_thread_cpu_seconds": "CPU seconds of the thread running the HTTP server's event loop (request "
+            "parsing, handlers, tokenising, JSON; not the engine).",
             "engine_failures": "Engine steps that failed (their requests got a 500; the engine kept serving).",
         }
         families: dict[str, Any] = {k: GaugeMetricFamily(f"cj_serve_{k}", h) for k, h in gauges.items()}
@@ -175,8 +216,13 @@ class _EngineCollector(Collector):
                 "weight_updates": e.swaps,
                 "engine_steps": e.steps,
                 "engine_step_seconds": e.step_s,
+                "prefill_seconds": e.prefill_s,
+                "prefill_compile_seconds": e.prefill_trace_s,
                 "engine_failures": e.failures,
             }
+            cpu = self.http_thread_cpu()
+            if cpu is not None:
+                values["http_thread_cpu_seconds"] = cpu
             for k, v in values.items():
                 families[k].add_metric([], v)
         return list(families.values())

@@ -40,6 +40,7 @@ from composer_jax.config import Config
 from composer_jax.env.api.client import EnvClient
 from composer_jax.rl.algo.rewards import RolloutStats, compose_reward, with_judged
 from composer_jax.rl.judges.panel import JudgePanel
+from composer_jax.rl.profile import counters_of
 from composer_jax.rl.rollout.agent import Rollout, RolloutFailed
 from composer_jax.rl.rollout.env_servers import LocalEnvServers, RayEnvServers, env_server_resources
 from composer_jax.rl.rollout.group_store import Group, GroupStore
@@ -127,6 +128,8 @@ class Rollouts(Protocol):
     ) -> dict[TaskRef, list[Rollout | RolloutFailed]]: ...
 
     async def health(self) -> list[dict]: ...
+
+    async def profile_counters(self) -> dict[str, dict[str, float]]: ...  # rl/profile.py
 
     async def aclose(self) -> None: ...
 
@@ -315,6 +318,16 @@ class RolloutSide:
     async def health(self) -> list[dict]:
         """Each sampler's health (decode steps, slot occupancy)."""
         return await self.samplers.health()
+
+    async def profile_counters(self) -> dict[str, dict[str, float]]:
+        """The cumulative counters of every sampler and environment server that answers, by service
+        (rl/profile.py): the samplers' from their backend, the environment servers' /metrics parsed."""
+        samplers, env = await asyncio.gather(self.samplers.profile_counters(), self.client.metrics())
+        out = {f"sampler {k}": v for k, v in samplers.items()}
+        for url, text in env.items():
+            with contextlib.suppress(ValueError):  # an exposition the parser refuses: left out
+                out[f"env {url}"] = counters_of(text)
+        return out
 
     async def aclose(self) -> None:
         """The queue cancelled, version loads awaited (or cancelled, where the backend says so), the

@@ -126,6 +126,12 @@ class SamplerBackend(ABC):
         """The samplers and their connections closed (idempotent); a later turn raises
         SamplerUnavailable."""
 
+    async def profile_counters(self) -> dict[str, dict[str, float]]:
+        """Each sampler's cumulative counters for the run's profile (rl/profile.py: engine step,
+        prefill, tokenising and HTTP seconds), by sampler; {} where the backend keeps none that the
+        profile reads (vLLM)."""
+        return {}
+
     async def rejoin(self, policy: Policy, version: int, health_timeout_s: float = 5.0) -> None:
         """Make `policy` (out of rotation) ready to rejoin it: it answers /health (within
         `health_timeout_s`) and serves `version`; SamplerUnavailable when it cannot. The in-process

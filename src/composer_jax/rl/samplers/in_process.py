@@ -77,6 +77,19 @@ class InProcessSamplers(SamplerBackend):
             for s in self.samplers
         ]
 
+    async def profile_counters(self) -> dict[str, dict[str, float]]:
+        """Each sampler's driver totals (engine step and prefill seconds, tokens), read directly; it
+        tokenises nothing and speaks no HTTP (the chat format's tokens are the rollout side's)."""
+        return {
+            f"in-process/{i}": {
+                "sampler_step_s": s.driver.step_s,
+                "sampler_prefill_s": s.driver.prefill_s,
+                "sampler_compile_s": s.driver.prefill_trace_s,
+                "sampler_tokens": float(s.driver.tokens_generated),
+            }
+            for i, s in enumerate(self.samplers)
+        }
+
     async def aclose(self) -> None:
         for p in self.token_policies:
             p.closed = True

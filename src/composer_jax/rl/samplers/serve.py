@@ -30,6 +30,7 @@ import httpx
 import numpy as np
 
 from composer_jax.formats.tokenizer import Tokenizer
+from composer_jax.rl.profile import counters_of
 from composer_jax.rl.samplers.base import ReplicaBackend, Sampled, TokenSampler
 from composer_jax.rl.samplers.policy import PolicyPool, SamplerUnavailable, TurnRequest
 
@@ -196,6 +197,15 @@ class RemoteTokenPolicy(TokenSampler):
         except (httpx.HTTPError, ValueError, RuntimeError) as e:
             raise SamplerUnavailable(f"sampler {self.base_url}: /health: {type(e).__name__}: {e}") from e
 
+    async def metrics(self) -> str:
+        """The replica's `/metrics` exposition; SamplerUnavailable when it does not answer."""
+        try:
+            resp = await self.http.get(f"{self.base_url}/metrics")
+            resp.raise_for_status()
+            return resp.text
+        except (httpx.HTTPError, RuntimeError) as e:
+            raise SamplerUnavailable(f"sampler {self.base_url}: /metrics: {type(e).__name__}: {e}") from e
+
     async def aclose(self) -> None:
         self.closed = True
         await self.http.aclose()
@@ -224,3 +234,16 @@ class ServeReplicas(ReplicaBackend):
         """Every replica in rotation serves `version`, all loading at once (each keeps decoding)."""
         alive = [p for p in self.replicas if p in pool.alive]
         await asyncio.gather(*(self.load_or_remove(pool, p, p.load_version(version, self.store_url)) for p in alive))
+
+    async def profile_counters(self) -> dict[str, dict[str, float]]:
+        """Each open replica's profile counters from its /metrics (rl/profile.py `counters_of`), by
+        URL; one that does not answer is left out."""
+
+        async def one(p: RemoteTokenPolicy) -> tuple[str, dict[str, float]] | None:
+            try:
+                return p.base_url, counters_of(await p.metrics())
+            except (SamplerUnavailable, ValueError):  # (ValueError: an exposition the parser refuses)
+                return None
+
+        got = await asyncio.gather(*(one(p) for p in self.replicas if not p.closed))
+        return dict(x for x in got if x is not None)
