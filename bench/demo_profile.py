@@ -4,7 +4,7 @@ Runs the RL stage exactly as `composer-jax demo` does (`demo.rl_stage_config`: c
 the asynchronous learner, one `composer-jax serve` replica and the local environment servers, cores
 pinned on 2+ cores, one device) from the demo's stage-3 (SFT) checkpoint, for `--steps` steps and a
 held-out evaluation of `--eval-seeds` seeds (x the config's 2 samples) at the start and the end;
-then prints the learner's profile (src/composer_jax/rl/profile.py): per step and per evaluation the
+then prints the learner's profile (src/composer_jax/runtime/profile.py): per step and per evaluation the
 wall time, the trainer's wait and update, the replica's prefill, decode, tokenising and HTTP
 seconds, the environment servers' tool-call and grading seconds, and each core's busy share; and
 writes the run's report (`composer-jax report`) with the same table under --out.

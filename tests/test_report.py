@@ -190,7 +190,7 @@ def test_a_mixture_stage_gets_its_sources_train_nll_table_and_panel(tmp_path):
 
 
 def test_where_the_time_goes_table(tmp_path):
-    """The RL stage's profile (rl/profile.py's keys) as one row per step and per evaluation, in run
+    """The RL stage's profile (runtime/profile.py's keys) as one row per step and per evaluation, in run
     order (the step-0 evaluation first, an evaluation after the step it follows), with the per-step
     means above; a stage without profile values has no such table."""
     prof = {"profile/sampler_prefill_s": 1.0, "profile/sampler_decode_s": 20.0, "profile/env_grade_s": 4.0}

@@ -161,7 +161,7 @@ def rl_stage_config(out_root: str, init_from: str, scale: float, echo=print, ext
 def rl_stage(out_root: str, init_from: str, scale: float, echo=print, extra: Sequence[str] = ()) -> dict:
     """The RL stage from the SFT checkpoint; its summary holds the per-step values and the
     held-out evaluations (rl/evaluate.py: pass@1, best-of-K, reward) before and after, and where
-    the time went (rl/profile.py)."""
+    the time went (runtime/profile.py)."""
     from composer_jax.rl.learner import run_rl
 
     name = RL_STAGE[0]
@@ -254,7 +254,7 @@ def rl_line(rl: dict) -> str:
 
 
 def time_lines(rl: dict) -> str:
-    """Where the RL stage's time went (rl/profile.py): the per-step means, and the evaluations' mean
+    """Where the RL stage's time went (runtime/profile.py): the per-step means, and the evaluations' mean
     wall time; '' for a summary without profile values."""
     lines = [time_line([rl["steps"][n] for n in sorted(rl["steps"])])]
     walls = [e["eval/profile/wall_s"] for e in rl["evals"] if "eval/profile/wall_s" in e]

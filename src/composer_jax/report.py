@@ -9,7 +9,7 @@ a separate record at the same step) and, for evaluations, a `report.json` writte
   slope with its standard error, first- and last-quarter means with theirs), the RL table per step (with the
   held-out pass@1 and its paired change from step 0: diff, standard error, z), the RL stage's "Where
   the time goes" table (one row per step and per evaluation, from the learner's `profile/...` and
-  `eval/profile/...` values: rl/profile.py) under the per-step means (`time_line`), and every
+  `eval/profile/...` values: runtime/profile.py) under the per-step means (`time_line`), and every
   evaluation's overall and per-category table;
 - `plots/pretraining.png`: train loss and held-out perplexity over steps, one row per stage, and
   for a stage trained on a mixture each source's train nll (`source_nll/NAME`, with a table);
@@ -306,7 +306,7 @@ def _rl_table(st: Stage) -> list[str]:
     return lines
 
 
-# "Where the time goes" (rl/profile.py): (key of a step's record, label); an evaluation's record has
+# "Where the time goes" (runtime/profile.py): (key of a step's record, label); an evaluation's record has
 # the profile keys under eval/ (the trainer's own keys are a step's only)
 TIME_COLUMNS = (
     ("profile/wall_s", "wall s"),

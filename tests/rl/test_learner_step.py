@@ -99,7 +99,7 @@ def test_one_learner_step_against_an_in_process_rollout_side(tmp_path, monkeypat
 
     asyncio.run(learner.profile.start())  # (the run's before_steps takes it)
     values = asyncio.run(learner.step(0))
-    # where the step's time went (rl/profile.py): the stand-in's counters, the cores, the update
+    # where the step's time went (runtime/profile.py): the stand-in's counters, the cores, the update
     assert values["profile/sampler_decode_s"] == 1.5 and values["profile/sampler_prefill_s"] == 0.5
     assert values["profile/wall_s"] >= values["time/step_s"] >= values["time/update_s"] > 0
     busy = [k for k in values if k.startswith("profile/core") and k.endswith("_busy")]

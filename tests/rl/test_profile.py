@@ -1,4 +1,4 @@
-"""rl/profile.py: the cores' busy shares from /proc/stat texts (hand-worked numbers), the services'
+"""runtime/profile.py: the cores' busy shares from /proc/stat texts (hand-worked numbers), the services'
 counters from /metrics texts (prometheus_client's parser reads them; replicas' restarts and missed
 scrapes), and `Profile.mark`'s intervals. The learner logging these keys is tests/rl/test_learner_step.py;
 the whole chain with a serve replica and an environment server is the slow test at the end."""
@@ -13,7 +13,7 @@ import pytest
 from support.bwrap import needs_bwrap
 from support.live_env import REPO
 
-from composer_jax.rl.profile import KEYS, Profile, busy_fractions, core_jiffies, counter_deltas, counters_of
+from composer_jax.runtime.profile import KEYS, Profile, busy_fractions, core_jiffies, counter_deltas, counters_of
 
 # user nice system idle iowait irq softirq steal guest guest_nice
 STAT_BEFORE = """cpu  999 0 999 9999 0 0 0 0 0 0

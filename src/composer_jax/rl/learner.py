@@ -48,7 +48,6 @@ from composer_jax.rl.algo.rewards import mean_components
 from composer_jax.rl.evaluate import SUCCESS, HeldOutEvaluation, held_out_tasks
 from composer_jax.rl.hosts import Hosts
 from composer_jax.rl.judges.panel import judge_keys
-from composer_jax.rl.profile import Profile
 from composer_jax.rl.restore import Start, restore_or_init
 from composer_jax.rl.rollout.group_store import Group, GroupStore
 from composer_jax.rl.rollout.ledger import GroupLedger, GroupsState, ResumePoint, resume_groups
@@ -57,6 +56,7 @@ from composer_jax.rl.rollout.side import Rollouts, RolloutSide, sample_group
 from composer_jax.rl.samplers.engines import engine_of
 from composer_jax.rl.samplers.in_process import in_process_samplers
 from composer_jax.rl.samplers.vllm_launch import with_vllm_settings
+from composer_jax.runtime.profile import Profile
 from composer_jax.sharding import MeshRules, ShardingRules, make_mesh
 from composer_jax.train.loop import run_checkpoint_config, run_tokenizer
 from composer_jax.train.observe import scalars
@@ -206,7 +206,7 @@ class Learner:
             outcome_dir=self.out_dir / "eval_outcomes",
         )
         self.rollouts: Rollouts | None = None
-        # where the time goes (rl/profile.py): the cores this process may use now, before
+        # where the time goes (runtime/profile.py): the cores this process may use now, before
         # rl.pin_cores pins the trainer to one of them (its children's cores are in this set)
         self.profile = Profile(os.sched_getaffinity(0), self._profile_counters)
         self.summary: dict[str, Any] = {"steps": {}}  # the learner's own keys beside the shell's

@@ -604,7 +604,7 @@ def test_metrics_scrape(served, client):
         for e in ("/v1/completions", "/v1/chat/completions")
     )
     assert 0 < ttft < latency
-    # where the requests' time went (the RL profile's counters: rl/profile.py): the prefills are a
+    # where the requests' time went (the RL profile's counters: runtime/profile.py): the prefills are a
     # part of the engine steps; the handlers tokenised and JSON-coded; the event loop's thread ran
     assert (
         0

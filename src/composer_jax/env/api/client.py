@@ -249,7 +249,7 @@ class EnvClient:
 
     async def metrics(self) -> dict[str, str]:
         """The /metrics exposition of every server that answers it, by URL (an RL run's profile reads
-        them at each step: rl/profile.py)."""
+        them at each step: runtime/profile.py)."""
 
         async def one(s: _Server) -> tuple[str, str] | None:
             try:

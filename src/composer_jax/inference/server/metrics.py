@@ -11,7 +11,7 @@ kinds of source, each chosen so that the decode loop does no metrics work of its
   prompt tokens, weight version and swaps, steps, their seconds and the admissions' (prefill)
   seconds among them, failures), read when `/metrics` is scraped (`_EngineCollector`), so nothing
   is kept up to date in the hot path;
-* where a request's time goes outside the engine, for the RL profile (rl/profile.py): the seconds
+* where a request's time goes outside the engine, for the RL profile (runtime/profile.py): the seconds
   the handlers spend tokenising (parsing a request into token ids, building its answer's text,
   log-prob pieces and tool calls: `cj_serve_tokenize_seconds`) and on the HTTP side proper
   (JSON-decoding bodies, JSON-encoding answers - routed experts included: `cj_serve_http_seconds`),

@@ -40,7 +40,6 @@ from composer_jax.config import Config
 from composer_jax.env.api.client import EnvClient
 from composer_jax.rl.algo.rewards import RolloutStats, compose_reward, with_judged
 from composer_jax.rl.judges.panel import JudgePanel
-from composer_jax.rl.profile import counters_of
 from composer_jax.rl.rollout.agent import Rollout, RolloutFailed
 from composer_jax.rl.rollout.env_servers import LocalEnvServers, RayEnvServers, env_server_resources
 from composer_jax.rl.rollout.group_store import Group, GroupStore
@@ -53,6 +52,7 @@ from composer_jax.rl.samplers.engines import SamplerStart, engine_of
 from composer_jax.rl.samplers.policy import Policy, PolicyPool
 from composer_jax.rl.samplers.serve_launch import sampler_resources
 from composer_jax.runtime.placement import Placement, RestartPolicy
+from composer_jax.runtime.profile import counters_of
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class Rollouts(Protocol):
 
     async def health(self) -> list[dict]: ...
 
-    async def profile_counters(self) -> dict[str, dict[str, float]]: ...  # rl/profile.py
+    async def profile_counters(self) -> dict[str, dict[str, float]]: ...  # runtime/profile.py
 
     async def aclose(self) -> None: ...
 
@@ -321,7 +321,7 @@ class RolloutSide:
 
     async def profile_counters(self) -> dict[str, dict[str, float]]:
         """The cumulative counters of every sampler and environment server that answers, by service
-        (rl/profile.py): the samplers' from their backend, the environment servers' /metrics parsed."""
+        (runtime/profile.py): the samplers' from their backend, the environment servers' /metrics parsed."""
         samplers, env = await asyncio.gather(self.samplers.profile_counters(), self.client.metrics())
         out = {f"sampler {k}": v for k, v in samplers.items()}
         for url, text in env.items():

@@ -127,7 +127,7 @@ class SamplerBackend(ABC):
         SamplerUnavailable."""
 
     async def profile_counters(self) -> dict[str, dict[str, float]]:
-        """Each sampler's cumulative counters for the run's profile (rl/profile.py: engine step,
+        """Each sampler's cumulative counters for the run's profile (runtime/profile.py: engine step,
         prefill, tokenising and HTTP seconds), by sampler; {} where the backend keeps none that the
         profile reads (vLLM)."""
         return {}

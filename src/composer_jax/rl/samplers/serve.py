@@ -30,9 +30,9 @@ import httpx
 import numpy as np
 
 from composer_jax.formats.tokenizer import Tokenizer
-from composer_jax.rl.profile import counters_of
 from composer_jax.rl.samplers.base import ReplicaBackend, Sampled, TokenSampler
 from composer_jax.rl.samplers.policy import PolicyPool, SamplerUnavailable, TurnRequest
+from composer_jax.runtime.profile import counters_of
 
 
 def api_root(base_url: str) -> str:
@@ -236,7 +236,7 @@ class ServeReplicas(ReplicaBackend):
         await asyncio.gather(*(self.load_or_remove(pool, p, p.load_version(version, self.store_url)) for p in alive))
 
     async def profile_counters(self) -> dict[str, dict[str, float]]:
-        """Each open replica's profile counters from its /metrics (rl/profile.py `counters_of`), by
+        """Each open replica's profile counters from its /metrics (runtime/profile.py `counters_of`), by
         URL; one that does not answer is left out."""
 
         async def one(p: RemoteTokenPolicy) -> tuple[str, dict[str, float]] | None:
