@@ -87,6 +87,9 @@ class QuantWeight:
         return dequantize(q).astype(self.dtype)
 
 
+STORED_FIELDS = ("data", "scales", "second")  # a QuantWeight's arrays (their last path part)
+
+
 def is_quant(x: Any) -> bool:
     return isinstance(x, QuantWeight)
 
