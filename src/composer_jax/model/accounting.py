@@ -30,9 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh
 
+from composer_jax import specs as array_specs
 from composer_jax.config import MESH_AXES, LoraConfig, ModelConfig
 from composer_jax.model.params import abstract_params, param_specs
-from composer_jax import specs as array_specs
 from composer_jax.sharding import ShardingRules
 from composer_jax.specs import ParamSpec, path_str
 
