@@ -193,6 +193,32 @@ def test_lora_trainable_parameters_and_optimizer_saving_by_hand(capsys):
     assert f"AdamW state {8 * n:,} B full fine-tuning vs {8 * trained:,} B with LoRA (22.3x less)" in out
 
 
+def test_lora_quantised_base_bytes(capsys):
+    """train.lora.base_format=mxfp8 on the tiny model: the LoRA report's frozen base is the stored
+    bytes of the real quantisation (`jax.eval_shape` of `quant_base.quantize_base`, whose codes +
+    scales tests/model/test_quant_base.py computes by hand), the memory estimate's parameters are
+    that + the adapters, and its activations are remat dots's (a quantised base runs remat none as
+    dots)."""
+    from composer_jax.model import quant_base
+
+    one = {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}
+    cfg = _cfg("tiny", ["train.lora.rank=8", "train.lora.base_format=mxfp8"])
+    stored = quant_base.stored_bytes(
+        jax.eval_shape(lambda b: quant_base.quantize_base(b, cfg.model, "mxfp8"), abstract_params(cfg.model))
+    )
+    r = build_report(cfg, one, 2, 64)
+    x, mem = r["lora"], r["memory_per_device"]
+    trained, n = 3 * 4928, 250_000 + 80_264
+    assert (x["base_bytes"], x["base_bytes_per_device"], x["base_float_bytes"]) == (stored, stored, 4 * n)
+    assert x["quantised_bytes"]["stored"] == stored - 4 * (n - x["quantised_bytes"]["float"] // 4)
+    assert mem["params"] == stored + 4 * trained
+    dots = build_report(_cfg("tiny", ["train.lora.rank=8", "model.remat=dots"]), one, 2, 64)
+    assert mem["activations"] == dots["memory_per_device"]["activations"]
+    assert 0.25 < x["quantised_bytes"]["stored"] / x["quantised_bytes"]["float"] < 0.3  # ~ (1 + 1/32) / 4
+    assert main([str(MODELS / "tiny.yaml"), "train.lora.rank=8", "train.lora.base_format=mxfp8", "mesh.fsdp=1"]) == 0
+    assert f"frozen base {stored:,} B stored (mxfp8; {4 * n:,} B in the parameter dtype" in capsys.readouterr().out
+
+
 def test_remat_orders_activation_memory():
     sizes = {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}
     act = {

@@ -366,8 +366,11 @@ def build_report(
     # unless MTP self-distillation needs the main model's whole logits
     self_distill = bool(m.num_mtp_layers) and cfg.train.mtp_loss == "self_distill"
     head_chunks = None if self_distill else _ce_chunks(batch // micro_batches, seq, rules, sizes)
+    # a quantised frozen base runs remat none as dots (model/transformer.py `_remat`)
+    lc = cfg.train.lora
+    quantised = lc.enabled and lc.base_format != "none" and m.remat == "none"
     mem = accounting.memory_per_device(
-        m,
+        dataclasses.replace(m, remat="dots") if quantised else m,
         rows,
         rules,
         sizes,
@@ -453,15 +456,19 @@ def lora_report(
     (full fine-tuning's estimate) to the LoRA run's: parameters = the frozen base + the adapters,
     gradients and AdamW's moments of the adapters only (float32 already: `fp32_master` changes
     nothing for them); the FSDP buffers keep the base layers' gathered weights and are left as
-    counted (their unreduced-gradient half is not formed for the base: an upper bound)."""
+    counted (their unreduced-gradient half is not formed for the base: an upper bound). With
+    `train.lora.base_format` the base's parameters are its stored bytes (codes + scales of the
+    layers' linear kernels, `accounting.frozen_base_bytes`); the gathered (FSDP) weights stay
+    counted in the parameter dtype (the layer dequantises them: an upper bound again)."""
     lc = cfg.train.lora
     ad = accounting.adapter_rows(cfg.model, lc, rules, sizes)
+    base = accounting.frozen_base_bytes(cfg.model, lc.base_format, rules, sizes)
     adapters_pd = sum(r.bytes_per_device for r in ad)
     full_pd = mem["optimizer"]
     lora_pd = 2 * adapters_pd
     total, trainable = sum(r.size for r in rows), sum(r.size for r in ad)
     full, with_lora = _optimizer_bytes(rows, fp32_master), 2 * sum(r.bytes for r in ad)
-    mem["params"] += adapters_pd
+    mem["params"] += base["bytes_per_device"] - sum(r.bytes_per_device for r in rows) + adapters_pd
     mem["grads"] = adapters_pd * (2 if micro_batches > 1 else 1)
     mem["optimizer"] = lora_pd
     mem["total"] = mem["params"] + mem["grads"] + mem["optimizer"] + mem["fsdp_buffers"] + mem["activations"]["total"]
@@ -476,6 +483,13 @@ def lora_report(
         "optimizer_bytes": {"full": full, "lora": with_lora},
         "optimizer_bytes_per_device": {"full": full_pd, "lora": lora_pd},
         "optimizer_saving": full / with_lora,
+        "base_format": lc.base_format,
+        # the frozen base as stored: every array (codes + scales of the quantised kernels, the rest
+        # as it is), whole and per device; the quantised kernels' stored vs parameter-dtype bytes
+        "base_bytes": base["bytes"],
+        "base_bytes_per_device": base["bytes_per_device"],
+        "base_float_bytes": sum(r.bytes for r in rows),
+        "quantised_bytes": {"stored": base["quantised_bytes"], "float": base["quantised_float_bytes"]},
     }
 
 
@@ -490,6 +504,21 @@ def _lora_lines(x: dict[str, Any]) -> list[str]:
         f"  AdamW state {opt['full']:,} B full fine-tuning vs {opt['lora']:,} B with LoRA "
         f"({x['optimizer_saving']:.1f}x less); per device {_gib(pd['full'])} vs {_gib(pd['lora'])}",
         f"  a checkpoint's parameters and a publish to the weight store: the adapters, {x['adapter_bytes']:,} B",
+        *_base_lines(x),
+    ]
+
+
+def _base_lines(x: dict[str, Any]) -> list[str]:
+    """The frozen base's stored bytes (train.lora.base_format)."""
+    if x["base_format"] == "none":
+        return [f"  frozen base {x['base_bytes']:,} B as loaded (train.lora.base_format none)"]
+    q = x["quantised_bytes"]
+    return [
+        f"  frozen base {x['base_bytes']:,} B stored ({x['base_format']}; {x['base_float_bytes']:,} B in the "
+        f"parameter dtype, {x['base_float_bytes'] / x['base_bytes']:.2f}x less); per device "
+        f"{_gib(x['base_bytes_per_device'])}",
+        f"    the layers' linear kernels: {q['stored']:,} B of codes + scales for {q['float']:,} B "
+        f"({q['stored'] / q['float']:.3f} of it); norms, router, embedding and head as they are",
     ]
 
 

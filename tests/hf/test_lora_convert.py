@@ -87,6 +87,50 @@ def test_convert_lora_run_to_a_peft_adapter(tmp_path) -> None:
         convert_main(["--from-run", str(full), "--to-hf", str(tmp_path / "z"), "--lora", "base"])
 
 
+# slow: 8 s of compiling (the seed's model, its quantisation and dequantisation, three round trips);
+# the default suite keeps the dequantised base's equality to what the trainer computes with in
+# tests/model/test_quant_base.py (`test_forward_equals_the_dequantised_base`)
+@pytest.mark.slow
+def test_a_quantised_runs_base_is_its_dequantised_base(tmp_path) -> None:
+    """A run with train.lora.base_format=mxfp8 trained over its base's codes: the base that
+    `convert --lora base` / `--lora merged` and serve replicas read (`load_lora_run`) is those codes
+    dequantised: each layer kernel is quant/formats.py's MXFP8 (E4M3, "ceil" scales) round trip of
+    the seed's weight along its input axis, every other leaf (norms, router, embedding, head) the
+    seed's bit for bit."""
+    from composer_jax.checkpoint.manager import read_run_config
+    from composer_jax.hf.lora_export import load_lora_run
+    from composer_jax.model.params import init_params
+    from composer_jax.quant.formats import fake_quantize
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(REPO)
+        cfg = lora_config(tmp_path / "run", ["train.lora.base_format=mxfp8"])
+    adapters = jax.tree.map(lambda x: np.zeros(x.shape, np.float32), lora.abstract_adapters(cfg.model, cfg.train.lora))
+    ckpt = tmp_path / "run" / "checkpoints"
+    with TrainCheckpointer(CheckpointConfig(directory=str(ckpt), save_every=1)) as ck:
+        ck.save(3, {"params": adapters, "step": np.int32(3)}, config=to_dict(cfg))
+    run = load_lora_run(ckpt, 3, read_run_config(ckpt, 3)[0])
+    seed = jax.device_get(init_params(cfg.model, jax.random.key(cfg.train.seed)))
+    got = jax.device_get(run.base)
+    assert str(jax.tree.structure(got)) == str(jax.tree.structure(seed))
+    for stack in ("dense_layers", "moe_layers"):
+        np.testing.assert_array_equal(got[stack]["attn"]["kv_a_norm"], seed[stack]["attn"]["kv_a_norm"])
+    for key in ("embed", "lm_head", "final_norm"):
+        np.testing.assert_array_equal(got[key], seed[key])
+    np.testing.assert_array_equal(got["moe_layers"]["moe"]["router"], seed["moe_layers"]["moe"]["router"])
+    for path, axis in (
+        (("moe_layers", "attn", "q_a"), 1),
+        (("moe_layers", "moe", "down"), 2),
+        (("dense_layers", "attn", "o"), 2),
+    ):
+        w, ours = seed, got
+        for k in path:
+            w, ours = w[k], ours[k]
+        want = np.asarray(fake_quantize(jnp.asarray(w), "mxfp8_e4m3", axis, rule="ceil"))
+        np.testing.assert_array_equal(ours, want)
+        assert not np.array_equal(ours, w)
+
+
 @pytest.mark.slow
 @pytest.mark.hf
 def test_transformers_and_peft_load_the_exports_and_logits_match(lora_run, tmp_path) -> None:

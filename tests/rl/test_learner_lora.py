@@ -22,6 +22,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from support.bwrap import needs_bwrap
 from support.live_env import REPO
 from support.lora_run import lora_config, save_lora_run
 from support.rl_groups import make_group
@@ -191,3 +192,30 @@ def test_lora_learner_step_checkpoint_resume_and_publish(tmp_path, monkeypatch) 
     assert _equal(resumed.state.params, state.params) and _equal(resumed.state.opt_state, state.opt_state)
     assert _equal(resumed.state.frozen, base0)
     resumed.close()
+
+
+# slow: 40-60 s (a 2-step run: the learner's step and the in-process sampler compile); the default
+# suite keeps the quantised base's forward (= the dequantised base's, exactly) in
+# tests/model/test_quant_base.py and the export's dequantised base in tests/hf/test_lora_convert.py
+@pytest.mark.slow
+@needs_bwrap
+def test_lora_run_over_a_quantised_base_samples_what_it_trains(tmp_path, monkeypatch) -> None:
+    """train.lora.base_format=mxfp8 with the in-process sampler: the trainer computes over the
+    base's codes, the sampler gets the merged model over the dequantised base (the same numbers),
+    so the mismatch KL between the sampler's and the trainer's log-probabilities stays ~0; the
+    checkpoint holds the adapters and their moments only."""
+    from composer_jax.rl.learner import run_rl
+
+    monkeypatch.chdir(REPO)
+    cfg = lora_config(tmp_path / "run", ["train.steps=2", "train.lora.base_format=mxfp8"])
+    summary = run_rl(cfg, echo=lambda _: None)
+    assert summary["final_step"] == 2 and not summary["lost_groups"]
+    kls = [v["mismatch_kl_k1"] for v in summary["steps"].values()]
+    print(f"[qlora] mismatch KL k1 per step: {kls}")
+    for n, v in summary["steps"].items():
+        assert v["version_lag_max"] == 0 and abs(v["mismatch_kl_k1"]) < 1e-4, (n, v)
+    saved = saved_leaves(Path(run_checkpoint_config(cfg).directory), 2)
+    assert not any(k.startswith("frozen") for k in saved)
+    adapters = lora.abstract_adapters(cfg.model, cfg.train.lora)
+    params = {k for k in saved if k.startswith("params/")}
+    assert len(params) == len(jax.tree.leaves(adapters))

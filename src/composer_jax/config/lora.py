@@ -17,6 +17,9 @@ from composer_jax.errors import ConfigError
 # routed experts' (gate/up/down of every expert, one adapter pair per expert)
 ATTENTION_TARGETS = {"mla": ("q", "q_a", "q_b", "kv_a", "kv_b", "o"), "gqa": ("q", "k", "v", "o")}
 GROUP_TARGETS = ("attention", "mlp", "experts")
+# the frozen base's storage (model/quant_base.py): none = as loaded (float); the block formats
+# of quant/formats.py otherwise, dequantised in the forward one layer at a time (QLoRA)
+BASE_FORMATS = ("none", "mxfp8", "mxfp4", "nvfp4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,12 +27,14 @@ class LoraConfig:
     """rank: 0 = off (full fine-tuning); alpha: the scale is alpha / rank (PEFT's `lora_alpha`);
     targets: what gets adapters (module docstring, `ATTENTION_TARGETS`, `GROUP_TARGETS`);
     dropout: only 0 (the RL objective scores the sampler's exact policy: a dropout would train
-    another one)."""
+    another one); base_format: how the frozen base is stored (`BASE_FORMATS`, model/quant_base.py:
+    the layers' linear kernels in a block format, dequantised in the forward)."""
 
     rank: int = 0
     alpha: float = 16.0
     targets: tuple[str, ...] = ("attention",)
     dropout: float = 0.0
+    base_format: str = "none"
 
     @property
     def enabled(self) -> bool:
@@ -50,6 +55,15 @@ def validate_lora(c: LoraConfig) -> None:
         raise ConfigError(
             f"train.lora.dropout={c.dropout} is not supported; accepted: 0 (the objective must score "
             f"the sampled policy itself)"
+        )
+    if c.base_format not in BASE_FORMATS:
+        raise ConfigError(
+            f"train.lora.base_format={c.base_format!r} is not accepted; accepted: {', '.join(BASE_FORMATS)}"
+        )
+    if c.base_format != "none" and not c.rank:
+        raise ConfigError(
+            f"train.lora.base_format={c.base_format!r} needs adapters (train.lora.rank > 0): a quantised "
+            f"base is frozen, and with rank 0 the whole model is trained; accepted with rank 0: none"
         )
     known = set(GROUP_TARGETS) | {t for names in ATTENTION_TARGETS.values() for t in names}
     bad = [t for t in c.targets if t not in known]

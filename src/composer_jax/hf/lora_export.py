@@ -20,7 +20,10 @@ Export the merged model for those (`composer-jax convert --from-run ... --to-hf`
 `load_lora_run` reads a `train.lora` run's checkpoint for `composer-jax convert --from-run`: the
 adapters from the checkpoint and the frozen base from where the run took it (the saved run
 config's `train.init_from`, else the fresh model of its `train.seed`, as `rl/restore.py` does on a
-resume), on one device.
+resume), on one device. A run with a quantised base (`train.lora.base_format`) trained over the
+base's block-format codes: its base here is that base dequantised (`model/quant_base.py`), the
+float weights the trainer's forward computed with, so a merged export, the `--lora base` export
+(PEFT's base) and a serve replica all reproduce the trainer's logits.
 """
 
 from __future__ import annotations
@@ -193,4 +196,10 @@ def load_lora_run(
             ) from None
     else:  # the fresh model of train.seed, as the run made it (threefry keys: any sharding, the same values)
         base = init_params(cfg.model, jax.random.key(cfg.train.seed), mesh, rules)
+    fmt = cfg.train.lora.base_format
+    if fmt != "none":  # what the trainer computed with: the quantised base, dequantised (module docstring)
+        from composer_jax.model.quant_base import dequantized_base, quantized_base
+
+        quantised = quantized_base(base, cfg.model, fmt, mesh, rules)
+        base = dequantized_base(quantised, mesh, cfg.model, rules)
     return LoraRun(cfg, base, adapters)

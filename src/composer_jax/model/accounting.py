@@ -26,9 +26,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh
 
+from composer_jax import specs as array_specs
 from composer_jax.config import MESH_AXES, LoraConfig, ModelConfig
 from composer_jax.model.params import abstract_params, param_specs
 from composer_jax.sharding import ShardingRules
@@ -123,6 +125,43 @@ def adapter_rows(
     from composer_jax.model.lora import abstract_adapters, adapter_specs
 
     return _rows(cfg, adapter_specs(cfg, lora), abstract_adapters(cfg, lora), rules, mesh_sizes)
+
+
+def frozen_base_bytes(
+    cfg: ModelConfig, fmt: str, rules: ShardingRules | None = None, mesh_sizes: Mapping[str, int] | None = None
+) -> dict[str, int]:
+    """A LoRA run's frozen base as stored under `train.lora.base_format` = `fmt` (model/quant_base.py:
+    the layers' linear kernels as codes + scales, the rest as it is): {"bytes", "bytes_per_device",
+    "quantised_bytes" (the quantised kernels' codes and scales), "quantised_float_bytes" (the same
+    kernels in the parameter dtype)}. Each stored array is split as its own logical axes say (a
+    dimension its mesh axes do not divide stays whole)."""
+    from composer_jax.model.quant_base import STORED_FIELDS, base_specs, quantised_axis
+
+    rules = rules or ShardingRules.create()
+    mesh = abstract_mesh(mesh_sizes) if mesh_sizes is not None else None
+    out = {"bytes": 0, "bytes_per_device": 0, "quantised_bytes": 0, "quantised_float_bytes": 0}
+
+    def nbytes(spec: Any) -> int:
+        return math.prod(spec.shape) * jnp.dtype(spec.dtype or cfg.param_dtype).itemsize
+
+    def stored(path: str, spec: Any) -> None:
+        shards = 1
+        if mesh is not None:
+            for part in rules.spec(spec.logical_axes, spec.shape, mesh):
+                for axis in () if part is None else (part,) if isinstance(part, str) else part:
+                    shards *= mesh.shape[axis]
+        out["bytes"] += nbytes(spec)
+        out["bytes_per_device"] += nbytes(spec) // shards
+        if path.rsplit("/", 1)[-1] in STORED_FIELDS:
+            out["quantised_bytes"] += nbytes(spec)
+
+    def original(path: str, spec: ParamSpec) -> None:
+        if fmt != "none" and quantised_axis(path, spec) is not None:
+            out["quantised_float_bytes"] += nbytes(spec)
+
+    array_specs.spec_map(stored, base_specs(cfg, fmt))
+    array_specs.spec_map(original, param_specs(cfg))
+    return out
 
 
 def _rows(

@@ -20,6 +20,7 @@ from composer_jax.model.lora import adapted_linear, merge_nodes
 from composer_jax.model.masks import LAYOUTS, AttentionContext, Layout, segment_positions
 from composer_jax.model.moe.decode import EXPERT_WEIGHTS, LayerView
 from composer_jax.model.moe.layer import moe_layer
+from composer_jax.model.quant_base import dequantized, is_quant
 from composer_jax.sharding import MeshRules, constrain
 
 
@@ -41,7 +42,15 @@ class ModelOutput:
     cache: KVCache | None = None  # the updated KV cache of `forward_cached`
 
 
-def _remat(fn, policy: str):
+def _remat(fn, policy: str, quantised: bool = False):
+    """`fn` under the model's remat policy. With a quantised frozen base in the stack (`quantised`),
+    "none" runs as "dots": without a checkpoint the backward would keep each layer's dequantised
+    weights as residuals, the whole float base (a policy saving all but the named weights does not
+    do: it saves the last unnamed step before them instead, and saving every matmul output keeps
+    the experts' A B' products, [experts, in, out] each). "dots" and "full" save no dequantised
+    weight (no matmul in a dequantisation)."""
+    if policy == "none" and quantised:
+        policy = "dots"
     if policy == "none":
         return fn
     if policy == "dots":
@@ -64,7 +73,10 @@ def decoder_layer(
     forward's `routing`), or None.
 
     cache: this layer's KV cache (`kv_cache.KVCache.layers[stack]` at one layer) or None; the new
-    tokens' keys are written into it and it comes back updated (None without a cache)."""
+    tokens' keys are written into it and it comes back updated (None without a cache).
+
+    A quantised frozen base's weights (`model/quant_base.py`) are dequantised here, one layer's."""
+    lp = dequantized(lp, cfg.compute_dtype, cfg.param_dtype)
     x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
     if cache is None:
         h = h + attention(lp["attn"], x, ctx, cfg, sharding)
@@ -114,7 +126,7 @@ def _run_stack(
         h, experts, counts, c = decoder_layer(lp, h, ctx, cfg, sharding, rp, c)
         return h, ((experts, counts) if moe else None, c)
 
-    body = _remat(body, cfg.remat)
+    body = _remat(body, cfg.remat, any(is_quant(x) for x in jax.tree.leaves(stack, is_leaf=is_quant)))
     xs = (stack, routing, cache, jnp.arange(n, dtype=jnp.int32))
     h, (ys, new_cache) = jax.lax.scan(body, h, xs, unroll=not cfg.scan_layers)
     return h, ys, new_cache
@@ -155,11 +167,12 @@ def compute_params(params: dict, cfg: ModelConfig) -> dict:
 
     def cast(path, x):
         name = str(getattr(path[-1], "key", "")) if path else ""
-        if name.startswith("router") or not hasattr(x, "dtype") or x.dtype != keep:
+        # (a quantised frozen weight is cast where the layer dequantises it: `quant_base.dequantized`)
+        if name.startswith("router") or is_quant(x) or not hasattr(x, "dtype") or x.dtype != keep:
             return x
         return x.astype(to)
 
-    return jax.tree_util.tree_map_with_path(cast, params)
+    return jax.tree_util.tree_map_with_path(cast, params, is_leaf=is_quant)
 
 
 def _embed(params: dict, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -385,7 +398,8 @@ def mtp_forward(
         logits = _logits(params, h_normed, cfg)
         return h, (logits, experts, counts) if moe else (logits, None, None)
 
-    body = _remat(body, cfg.remat)
+    quantised = any(is_quant(x) for x in jax.tree.leaves(params["mtp"], is_leaf=is_quant))
+    body = _remat(body, cfg.remat, quantised)
     _, (logits, experts, counts) = jax.lax.scan(
         body, h_main, (params["mtp"], routing, mtp_tokens), length=depth, unroll=not cfg.scan_layers
     )
@@ -410,6 +424,7 @@ def mtp_block(
     next_tokens: int32[batch, seq] (t_{i+k}); cache: the module's layer cache or None. Returns
     (h^k [batch, seq, embed], RMSNorm(h^k) with the module's norm (the shared head's input),
     experts, counts, cache)."""
+    mp = dequantized(mp, cfg.compute_dtype, cfg.param_dtype)  # a quantised frozen base's (`decoder_layer`)
     e = rms_norm(_embed(params, next_tokens, cfg), mp["enorm"], cfg.rms_norm_eps)
     hh = rms_norm(h_prev, mp["hnorm"], cfg.rms_norm_eps)
     x = linear(jnp.concatenate([e, hh], axis=-1), mp["eh_proj"])

@@ -16,7 +16,7 @@ from composer_jax.hf.init_from import describe_init, fresh_record, load_init_par
 from composer_jax.model.params import init_params as init_params_fn
 from composer_jax.rl.rollout.ledger import GroupsState
 from composer_jax.rl.rollout.queue import DoneIds
-from composer_jax.train.state import abstract_train_state, init_train_state
+from composer_jax.train.state import abstract_train_state, frozen_base, init_train_state
 
 
 @dataclasses.dataclass
@@ -65,9 +65,12 @@ def restore_or_init(
 
 def _lora_base(cfg: Config, mesh, rules, run_config: dict, init_params: Any) -> Any:
     """The frozen base of a resumed `train.lora` run, from where the run first took it: the given
-    parameters, `train.init_from`, or the fresh model of `train.seed` (deterministic)."""
+    parameters, `train.init_from`, or the fresh model of `train.seed` (deterministic), quantised
+    again as `train.lora.base_format` says (deterministic too: the same codes as the first start)."""
     if init_params is not None:
-        return init_params
-    if cfg.train.init_from:
-        return load_init_params(cfg, mesh, rules, run_config)[0]
-    return init_params_fn(cfg.model, jax.random.key(cfg.train.seed), mesh, rules)
+        params = init_params
+    elif cfg.train.init_from:
+        params = load_init_params(cfg, mesh, rules, run_config)[0]
+    else:
+        params = init_params_fn(cfg.model, jax.random.key(cfg.train.seed), mesh, rules)
+    return frozen_base(cfg, params, mesh, rules)

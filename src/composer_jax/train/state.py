@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 from composer_jax.config import Config
 from composer_jax.model.lora import abstract_adapters, adapter_shardings, init_adapters, merged
 from composer_jax.model.params import abstract_params, init_params, param_shardings
+from composer_jax.model.quant_base import base_shardings, dequantized_base, quantized_base
 from composer_jax.sharding import ShardingRules
 from composer_jax.train.optimizer import make_optimizer
 
@@ -24,7 +25,8 @@ class TrainState:
     """step: int32[]; params: the trained pytree (the model's parameters; with `train.lora` the
     adapters, `model.lora`); opt_state: optax state (moments shaped and sharded like params); rng:
     uint32[2] raw key data (raw so that checkpoints hold plain arrays); frozen: with `train.lora`,
-    the frozen base the adapters apply to (never checkpointed: `checkpointed`), else None.
+    the frozen base the adapters apply to (never checkpointed: `checkpointed`), else None; with
+    `train.lora.base_format` its linear kernels are `quant_base.QuantWeight`s.
 
     The same container also holds the state's shardings or ShapeDtypeStructs, leaf for leaf
     (`state_shardings`, `abstract_train_state`), hence the `Any` leaves."""
@@ -37,10 +39,11 @@ class TrainState:
 
     def model_params(self, cfg: Config) -> Any:
         """The plain parameter tree of the model being trained (the adapters merged into the base
-        with `train.lora`): what samplers, evaluations and exports compute with."""
+        with `train.lora`, a quantised base dequantised first: the numbers the step computes
+        with): what samplers, evaluations and exports compute with."""
         if self.frozen is None:
             return self.params
-        return merged(self.frozen, self.params, cfg.train.lora.scale)
+        return merged(dequantized_base(self.frozen), self.params, cfg.train.lora.scale)
 
     def checkpointed(self) -> TrainState:
         """What a checkpoint holds: the state without the frozen base (its identity is recorded
@@ -75,7 +78,8 @@ def state_shardings(cfg: Config, mesh: Mesh, rules: ShardingRules) -> TrainState
     opt_sh = jax.tree.map(
         lambda node: p_sh if like_params(node) else _replicated(mesh), opt_shapes, is_leaf=like_params
     )
-    frozen = param_shardings(cfg.model, mesh, rules) if cfg.train.lora.enabled else None
+    lora = cfg.train.lora
+    frozen = base_shardings(cfg.model, lora.base_format, mesh, rules) if lora.enabled else None
     return TrainState(step=_replicated(mesh), params=p_sh, opt_state=opt_sh, rng=_replicated(mesh), frozen=frozen)
 
 
@@ -90,7 +94,8 @@ def init_train_state(cfg: Config, mesh: Mesh, rules: ShardingRules, params: Any 
     tx = optimizer_for(cfg)
     frozen = None
     if cfg.train.lora.enabled:
-        frozen, params = params, init_adapters(cfg.model, cfg.train.lora, jax.random.fold_in(key, 2), mesh, rules)
+        frozen = frozen_base(cfg, params, mesh, rules)
+        params = init_adapters(cfg.model, cfg.train.lora, jax.random.fold_in(key, 2), mesh, rules)
 
     def make(params, frozen):
         return TrainState(
@@ -102,6 +107,12 @@ def init_train_state(cfg: Config, mesh: Mesh, rules: ShardingRules, params: Any 
         )
 
     return jax.jit(make, out_shardings=shardings)(params, frozen)
+
+
+def frozen_base(cfg: Config, params: Any, mesh: Mesh, rules: ShardingRules) -> Any:
+    """A LoRA run's frozen base from the float `params` it starts from (or resumes over): stored
+    as `train.lora.base_format` says (`model.quant_base`; quantised once, here), else as given."""
+    return quantized_base(params, cfg.model, cfg.train.lora.base_format, mesh, rules)
 
 
 def abstract_train_state(cfg: Config, mesh: Mesh, rules: ShardingRules) -> TrainState:
