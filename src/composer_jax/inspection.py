@@ -330,6 +330,52 @@ def _checked_shape(
     return batch
 
 
+def _base_report(
+    cfg: Config,
+    sizes: dict[str, int],
+    batch: int,
+    seq: int,
+    micro_batches: int,
+    fp32_master: bool,
+    rows: list[accounting.ParamRow],
+    comps: dict[str, Any],
+    flops: dict[str, Any],
+    mem: dict[str, Any],
+) -> dict[str, Any]:
+    """`build_report`'s figures of the model, its mesh and its step (no verdict, LoRA or RL)."""
+    m = cfg.model
+    main = {k: v for k, v in comps.items() if k != "mtp"}
+    return {
+        "model": m.name,
+        "mesh": sizes,
+        "devices": math.prod(sizes.values()),
+        "batch": batch,
+        "seq": seq,
+        "micro_batches": micro_batches,
+        "fp32_master": fp32_master,
+        "tokens_per_step": batch * seq,
+        "params": {
+            "total": sum(v["total"] for v in main.values()),
+            "active": sum(v["active"] for v in main.values()),
+            "mtp_total": comps.get("mtp", {}).get("total", 0),
+            "mtp_active": comps.get("mtp", {}).get("active", 0),
+            "components": comps,
+        },
+        "flops_per_token": {**flops, "formula": FLOPS_FORMULA},
+        "flops_per_step": flops["total"] * batch * seq,
+        "memory_per_device": mem,
+        "param_dtype": m.param_dtype,
+        "compute_dtype": m.compute_dtype,
+        "replicated_params": [
+            r.path for r in rows if r.shards == 1 and math.prod(sizes.values()) > 1 and r.size >= 1 << 20
+        ],
+        "unsplit_axes": [
+            {"path": r.path, "logical_axis": la, "mesh_axis": ma, "dim": dim} for r in rows for la, ma, dim in r.unsplit
+        ],
+        "expert_all_to_all": expert_all_to_all(cfg, sizes, mem["activations"]["tokens_per_device"], micro_batches),
+    }
+
+
 def build_report(
     cfg: Config,
     sizes: dict[str, int],
@@ -360,7 +406,6 @@ def build_report(
         raise UsageError(f"device {device!r} (--device or train.device) is not known; accepted: {', '.join(DEVICES)}")
     rows = accounting.param_rows(m, rules, sizes)
     comps = accounting.breakdown(rows)
-    main = {k: v for k, v in comps.items() if k != "mtp"}
     flops = accounting.flops_per_token(m, rows, seq)
     # the loss as train/pretrain.py computes it: the fused head + cross-entropy in sequence chunks,
     # unless MTP self-distillation needs the main model's whole logits
@@ -383,35 +428,7 @@ def build_report(
         tiled_moe=m.moe_impl == "tiled" or (m.moe_impl == "auto" and backend == "cpu"),
     )
     lora = lora_report(cfg, rows, rules, sizes, mem, micro_batches, fp32_master) if cfg.train.lora.enabled else None
-    report: dict[str, Any] = {
-        "model": m.name,
-        "mesh": sizes,
-        "devices": math.prod(sizes.values()),
-        "batch": batch,
-        "seq": seq,
-        "micro_batches": micro_batches,
-        "fp32_master": fp32_master,
-        "tokens_per_step": batch * seq,
-        "params": {
-            "total": sum(v["total"] for v in main.values()),
-            "active": sum(v["active"] for v in main.values()),
-            "mtp_total": comps.get("mtp", {}).get("total", 0),
-            "mtp_active": comps.get("mtp", {}).get("active", 0),
-            "components": comps,
-        },
-        "flops_per_token": {**flops, "formula": FLOPS_FORMULA},
-        "flops_per_step": flops["total"] * batch * seq,
-        "memory_per_device": mem,
-        "param_dtype": m.param_dtype,
-        "compute_dtype": m.compute_dtype,
-        "replicated_params": [
-            r.path for r in rows if r.shards == 1 and math.prod(sizes.values()) > 1 and r.size >= 1 << 20
-        ],
-        "unsplit_axes": [
-            {"path": r.path, "logical_axis": la, "mesh_axis": ma, "dim": dim} for r in rows for la, ma, dim in r.unsplit
-        ],
-        "expert_all_to_all": expert_all_to_all(cfg, sizes, mem["activations"]["tokens_per_device"], micro_batches),
-    }
+    report = _base_report(cfg, sizes, batch, seq, micro_batches, fp32_master, rows, comps, flops, mem)
     if lora is not None:
         report["lora"] = lora
     if device is not None or device_memory_gib is not None:

@@ -2,9 +2,9 @@
 
 Default suite: the checks that need no cluster (a resource no node has, a missing Ray, an address
 with no cluster, what an actor raised, configs that cannot be placed), and one RL step on a Ray
-cluster of three nodes on this machine (`ray.cluster_utils.Cluster`: the driver's head, a node
-labelled `env_server`, a node labelled `sampler`), the environment server placed on the one and
-the serve replica on the other, the step trained as with the local placement."""
+cluster of two nodes on this machine (`ray.cluster_utils.Cluster`: the head, labelled
+`env_server`, and a node labelled `sampler`), the environment server placed on the one and the
+serve replica on the other, the step trained as with the local placement."""
 
 from __future__ import annotations
 
@@ -126,10 +126,12 @@ def test_one_rl_step_with_the_env_server_on_one_node_and_the_replica_on_another(
     from composer_jax.rl.learner import run_rl
 
     monkeypatch.chdir(REPO)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    # two nodes (a third raylet costs seconds of the default suite): the head, labelled env_server,
+    # and a node labelled sampler
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"env_server": 1}})
     placements = _record_placements(monkeypatch)
     try:
-        env_node = cluster.add_node(num_cpus=1, resources={"env_server": 1})
+        env_node = cluster.head_node
         replica_node = cluster.add_node(num_cpus=1, resources={"sampler": 1})
         out = tmp_path / "run"
         cfg = load_config(

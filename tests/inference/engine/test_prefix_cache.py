@@ -207,6 +207,10 @@ def test_cancelled_requests_leave_a_reusable_prefix_and_bad_modes_are_refused(pa
         Sampler(params, BASE, SamplerSettings(slots=1, max_len=32, prefix_cache="on"))
 
 
+# slow (15 s of the default suite's compiling): tests/inference/engine/test_sampler.py's
+# test_sharded_sampler_gives_the_single_device_tokens keeps the sharded sampler's equality to one
+# device, and this module's single-device tests keep the prefix cache's reuse, by default
+@pytest.mark.slow
 def test_a_sharded_sampler_reuses_like_the_single_device_one(params):
     mesh = cj.make_mesh(cj.MeshConfig(data=2, fsdp=2, tensor=2))
     sharded = cj.init_params(BASE, jax.random.key(0), mesh)
