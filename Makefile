@@ -77,7 +77,7 @@ lint: venv
 	$(VENV)/bin/mypy src/composer_jax pallas_kernels bench tests tools
 
 test: venv system-deps harbor lint
-	$(PY) -m pytest -n 2 -m "not slow" --durations=30 tests
+	$(PY) -m pytest -n 2 --dist worksteal -m "not slow" --durations=30 tests
 
 test-all: venv system-deps harbor
 	COMPOSER_JAX_TEST_XLA_OPT=default $(PY) -m pytest -n 2 tests
