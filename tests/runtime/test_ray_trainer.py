@@ -13,7 +13,7 @@ import json
 import sys
 
 import pytest
-from support.multiprocess_launch import REPO
+from support.multiprocess_launch import REPO, stage_args
 
 from composer_jax.config import ConfigError, load_config
 from composer_jax.config.ray import TrainerRayConfig
@@ -79,24 +79,7 @@ def test_bad_trainer_placements_are_named_before_anything_starts(monkeypatch):
 
 
 def _stage_args(out, corpus) -> list[str]:
-    return [
-        "--config",
-        str(STAGE),
-        "train.steps=4",
-        "train.eval_every=2",
-        "train.log_every=1",
-        "train.eval_batches=1",
-        "train.seq_len=64",
-        "train.tensorboard=false",
-        f"train.out_dir={out}",
-        "checkpoint.save_every=2",
-        "mesh.data=2",
-        "mesh.fsdp=2",
-        "mesh.expert=1",
-        "data.shards=2",
-        "train.batch_size=4",
-        f"data.sources=[{{type: directory, path: {corpus}, eval_fraction: 0.5}}]",
-    ]
+    return ["--config", str(STAGE), *stage_args(out, corpus, eval_fraction=0.5)[2:]]
 
 
 def _losses(out) -> dict[int, float]:

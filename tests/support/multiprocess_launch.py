@@ -10,6 +10,31 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+FOUR_DEVICES = ("mesh.data=2", "mesh.fsdp=2", "mesh.expert=1", "data.shards=2", "train.batch_size=4")
+
+
+def stage_args(
+    out_dir: Path, data_dir: Path, layout: tuple[str, ...] = FOUR_DEVICES, eval_fraction: float = 0.2
+) -> list[str]:
+    """`composer-jax pretrain`'s arguments (after the subcommand) for the multi-process tests: the
+    tiny stage 1 for 4 steps of 64 tokens on `data_dir`, evaluated and checkpointed every 2 steps,
+    on the mesh `layout` gives."""
+    return [
+        "--config",
+        "configs/pretrain/tiny_stage1.yaml",
+        "train.steps=4",
+        "train.eval_every=2",
+        "train.log_every=1",
+        "train.eval_batches=1",
+        "train.seq_len=64",
+        "train.tensorboard=false",
+        f"train.out_dir={out_dir}",
+        "checkpoint.save_every=2",
+        *layout,
+        f"data.sources=[{{type: directory, path: {data_dir}, eval_fraction: {eval_fraction}}}]",
+    ]
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free now (for `jax.distributed`'s coordinator)."""
     with socket.socket() as s:

@@ -15,31 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.multiprocess_launch import REPO, free_port, run_processes
-
-FOUR_DEVICES = ("mesh.data=2", "mesh.fsdp=2", "mesh.expert=1", "data.shards=2", "train.batch_size=4")
+from support.multiprocess_launch import FOUR_DEVICES, REPO, free_port, run_processes, stage_args
 
 
 def _pretrain(out_dir: Path, data_dir: Path, extra: list[str], layout: tuple[str, ...] = FOUR_DEVICES) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "composer_jax.cli",
-        "pretrain",
-        "--config",
-        "configs/pretrain/tiny_stage1.yaml",
-        "train.steps=4",
-        "train.eval_every=2",
-        "train.log_every=1",
-        "train.eval_batches=1",
-        "train.seq_len=64",
-        "train.tensorboard=false",
-        f"train.out_dir={out_dir}",
-        "checkpoint.save_every=2",
-        *layout,
-        f"data.sources=[{{type: directory, path: {data_dir}, eval_fraction: 0.2}}]",
-        *extra,
-    ]
+    return [sys.executable, "-m", "composer_jax.cli", "pretrain", *stage_args(out_dir, data_dir, layout), *extra]
 
 
 def two_processes(

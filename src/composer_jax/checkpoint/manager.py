@@ -17,10 +17,11 @@ optimiser starts fresh.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -418,16 +419,24 @@ def _committed_step(manager: Any, root: Any, step: int | None) -> tuple[int, Any
     return step, step_dir
 
 
-def read_run_config(path_or_dir: str | os.PathLike, step: int | None = None) -> tuple[dict, int]:
-    """(the run config saved with a step, that step): the latest step of a checkpoint root, or
-    `step`, or the step whose directory is given. For loading a checkpoint's parameters without
-    knowing its config (the inference server), before `restore_params_only`."""
+@contextlib.contextmanager
+def _read_only(path_or_dir: str | os.PathLike, step: int | None) -> Iterator[tuple[Any, int, Any]]:
+    """A read-only manager of the checkpoint root `path_or_dir` names, the committed step asked for
+    (`_root_and_step`: the latest, `step`, or the step directory given) and that step's directory."""
     root, step = _root_and_step(path_or_dir, step)
     options = ocp.CheckpointManagerOptions(read_only=True, create=False)
     with ocp.CheckpointManager(
         root, options=options, item_handlers=_item_handlers(ocp.PyTreeCheckpointHandler())
     ) as manager:
         step, step_dir = _committed_step(manager, root, step)
+        yield manager, step, step_dir
+
+
+def read_run_config(path_or_dir: str | os.PathLike, step: int | None = None) -> tuple[dict, int]:
+    """(the run config saved with a step, that step): the latest step of a checkpoint root, or
+    `step`, or the step whose directory is given. For loading a checkpoint's parameters without
+    knowing its config (the inference server), before `restore_params_only`."""
+    with _read_only(path_or_dir, step) as (manager, step, step_dir):
         return _read_config(manager, step, step_dir), step
 
 
@@ -435,12 +444,7 @@ def saved_leaves(path_or_dir: str | os.PathLike, step: int | None = None) -> dic
     """leaf path ("params/moe_layers/attn/q_a", "opt_state/...") -> (shape, dtype) of the train
     state saved at a step (the latest of a checkpoint root, or `step`, or the step whose directory
     is given), read from its metadata alone: what a checkpoint holds, without reading an array."""
-    root, step = _root_and_step(path_or_dir, step)
-    options = ocp.CheckpointManagerOptions(read_only=True, create=False)
-    with ocp.CheckpointManager(
-        root, options=options, item_handlers=_item_handlers(ocp.PyTreeCheckpointHandler())
-    ) as manager:
-        step, step_dir = _committed_step(manager, root, step)
+    with _read_only(path_or_dir, step) as (manager, step, step_dir):
         return flat_saved(_read_tree_metadata(manager, step, step_dir))
 
 

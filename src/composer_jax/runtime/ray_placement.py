@@ -34,7 +34,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -112,13 +112,18 @@ def _reachable(address: str, key: str, where: str = "rl.ray.address", timeout_s:
         ) from None
 
 
+def total(resources: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """The sum of resource dicts (Ray's names: CPU, GPU, custom resources), key by key."""
+    out: dict[str, float] = {}
+    for res in resources:
+        for key, value in res.items():
+            out[key] = out.get(key, 0.0) + value
+    return out
+
+
 def demand(specs: Sequence[ServiceSpec]) -> dict[str, float]:
     """The sum of what `specs` ask for, as Ray counts it."""
-    total: dict[str, float] = {}
-    for spec in specs:
-        for key, value in spec.resources.as_ray().items():
-            total[key] = total.get(key, 0.0) + value
-    return total
+    return total(spec.resources.as_ray() for spec in specs)
 
 
 def check_resources(specs: Sequence[ServiceSpec], nodes: list[dict], error: type[Exception] = LaunchError) -> None:

@@ -44,7 +44,7 @@ from typing import Any
 from composer_jax.config.ray import TrainerRayConfig
 from composer_jax.runtime.local import BOOTSTRAP, describe_exit
 from composer_jax.runtime.placement import LaunchError
-from composer_jax.runtime.ray_placement import actor_error, connect, import_ray
+from composer_jax.runtime.ray_placement import actor_error, connect, import_ray, total
 
 log = logging.getLogger(__name__)
 
@@ -161,14 +161,6 @@ class TrainerHost:
                 self.proc.kill()
 
 
-def fleet_demand(resources: Sequence[Mapping[str, float]]) -> dict[str, float]:
-    total: dict[str, float] = {}
-    for res in resources:
-        for key, value in res.items():
-            total[key] = total.get(key, 0.0) + value
-    return total
-
-
 def run_trainer(
     c: TrainerRayConfig,
     argv: Sequence[str],
@@ -183,7 +175,7 @@ def run_trainer(
     local cluster is started with room for them)."""
     write = write or (lambda text: sys.stdout.write(text))  # the stdout of the moment (a test's capture)
     bundle = host_bundle(c)
-    want = fleet_demand([*([bundle] * c.hosts), *fleet])
+    want = total([*([bundle] * c.hosts), *fleet])
     started = connect(c, want, key="train.ray.address")
     ray = import_ray()
     from ray.util.placement_group import placement_group, remove_placement_group

@@ -384,13 +384,9 @@ def start_ray(stack: contextlib.AsyncExitStack, cfg: Config, echo: Callable[[str
     r = cfg.rl
     if r.placement != "ray":
         return
-    from composer_jax.runtime.ray_placement import connect, import_ray
+    from composer_jax.runtime.ray_placement import connect, import_ray, total
 
-    want: dict[str, float] = {}
-    for res in fleet_resources(cfg):
-        for key, value in res.items():
-            want[key] = want.get(key, 0.0) + value
-    if connect(r.ray, want):
+    if connect(r.ray, total(fleet_resources(cfg))):
         stack.callback(import_ray().shutdown)
     ray = import_ray()
     where = "a local Ray cluster" if not (r.ray.address or os.environ.get("RAY_ADDRESS")) else "the Ray cluster"
