@@ -79,7 +79,7 @@ def test_bad_trainer_placements_are_named_before_anything_starts(monkeypatch):
 
 
 def _stage_args(out, corpus) -> list[str]:
-    return ["--config", str(STAGE), *stage_args(out, corpus, eval_fraction=0.5)[2:]]
+    return ["--config", str(STAGE), *stage_args(out, corpus)[2:]]
 
 
 def _losses(out) -> dict[int, float]:

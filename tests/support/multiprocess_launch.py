@@ -13,12 +13,11 @@ REPO = Path(__file__).resolve().parents[2]
 FOUR_DEVICES = ("mesh.data=2", "mesh.fsdp=2", "mesh.expert=1", "data.shards=2", "train.batch_size=4")
 
 
-def stage_args(
-    out_dir: Path, data_dir: Path, layout: tuple[str, ...] = FOUR_DEVICES, eval_fraction: float = 0.2
-) -> list[str]:
+def stage_args(out_dir: Path, data_dir: Path, layout: tuple[str, ...] = FOUR_DEVICES) -> list[str]:
     """`composer-jax pretrain`'s arguments (after the subcommand) for the multi-process tests: the
     tiny stage 1 for 4 steps of 64 tokens on `data_dir`, evaluated and checkpointed every 2 steps,
-    on the mesh `layout` gives."""
+    on the mesh `layout` gives. Half the documents held out: the corpus is a copy of
+    src/composer_jax/train/ (11 files), whose hash split at 0.2 came out empty."""
     return [
         "--config",
         "configs/pretrain/tiny_stage1.yaml",
@@ -31,7 +30,7 @@ def stage_args(
         f"train.out_dir={out_dir}",
         "checkpoint.save_every=2",
         *layout,
-        f"data.sources=[{{type: directory, path: {data_dir}, eval_fraction: {eval_fraction}}}]",
+        f"data.sources=[{{type: directory, path: {data_dir}, eval_fraction: 0.5}}]",
     ]
 
 
