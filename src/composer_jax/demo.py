@@ -127,14 +127,23 @@ def bundled_overrides(path: str, echo=print) -> list[str]:
     return out
 
 
-def async_overrides(cores: int) -> list[str]:
+def async_overrides(cores: int, out_dir: str) -> list[str]:
     """The demo's scheduling on top of the RL config (whatever its family, lr or steps): the
     asynchronous learner (groups sampled up to one policy version ahead of the trainer, weights
-    taken in flight), the sampler a `composer-jax serve` replica in its own process following the
-    run's weight store, the environment servers local processes; with two cores or more the
-    trainer and the replica (with the environment servers) are pinned to a core each, as on
-    separate accelerators."""
-    return ["rl.max_staleness=1", "rl.local_samplers=1", f"rl.pin_cores={'true' if cores >= 2 else 'false'}"]
+    taken in flight), the samplers `composer-jax serve` replicas in processes of their own following
+    the run's weight store, the environment servers local processes. With two cores or more, two
+    replicas pinned to a core each, the trainer and the environment servers on both: the trainer
+    waits on rollouts most of a step, and a core of its own stood idle 75-97% of the time
+    (docs/results/demo_profile.md). The replicas share one compilation cache under `out_dir`, so
+    an admission program one compiled the other loads."""
+    both = cores >= 2
+    return [
+        "rl.max_staleness=1",
+        f"rl.local_samplers={2 if both else 1}",
+        f"rl.pin_cores={'true' if both else 'false'}",
+        "rl.pin_trainer=false",
+        f"rl.sampler.compile_cache={json.dumps(f'{out_dir}/compile_cache')}",
+    ]
 
 
 def rl_stage_config(out_root: str, init_from: str, scale: float, echo=print, extra: Sequence[str] = ()) -> cj.Config:
@@ -143,19 +152,17 @@ def rl_stage_config(out_root: str, init_from: str, scale: float, echo=print, ext
     `out_root`; `extra` overrides go last (bench/demo_profile.py: fewer steps or held-out seeds)."""
     name, path = RL_STAGE
     base = cj.load_config(stage_config(path), num_devices=None)
-    return cj.load_config(
-        stage_config(path),
-        [
-            *bundled_overrides(path, echo),
-            f"train.out_dir={json.dumps(f'{out_root}/{name}')}",
-            f"train.init_from={json.dumps(init_from)}",
-            f"train.steps={max(2, int(base.train.steps * scale))}",
-            # 0 (start and end only) stays 0
-            f"rl.eval_every={max(1, int(base.rl.eval_every * scale)) if base.rl.eval_every else 0}",
-            *async_overrides(len(os.sched_getaffinity(0))),
-            *extra,
-        ],
-    )
+    own = [
+        *bundled_overrides(path, echo),
+        f"train.out_dir={json.dumps(f'{out_root}/{name}')}",
+        f"train.init_from={json.dumps(init_from)}",
+        f"train.steps={max(2, int(base.train.steps * scale))}",
+        # 0 (start and end only) stays 0
+        f"rl.eval_every={max(1, int(base.rl.eval_every * scale)) if base.rl.eval_every else 0}",
+        *async_overrides(len(os.sched_getaffinity(0)), f"{out_root}/{name}"),
+    ]
+    given = {o.split("=", 1)[0] for o in extra}  # a key `extra` gives replaces the stage's own
+    return cj.load_config(stage_config(path), [*(o for o in own if o.split("=", 1)[0] not in given), *extra])
 
 
 def rl_stage(out_root: str, init_from: str, scale: float, echo=print, extra: Sequence[str] = ()) -> dict:

@@ -21,6 +21,7 @@ from composer_jax.config import (
     validate_sections,
     validate_train,
 )
+from composer_jax.config.rl import replica_cores
 
 TINY = str(Path(__file__).resolve().parents[2] / "configs/model/tiny.yaml")
 RL = ["rl.tasks=[t]", "rl.group_size=4", "train.batch_size=8", "train.seq_len=64", "agent.max_turn_tokens=16"]
@@ -79,6 +80,13 @@ def test_sections_validate_their_own_fields_at_load():
             r"this process may use 2: \[3, 5\]",
         ),
         (
+            ["rl.pin_cores=true", "rl.pin_trainer=false", "rl.local_samplers=3"],
+            1,
+            {5, 3},
+            r"rl.pin_cores with rl.local_samplers=3 needs 3 cores \(one per replica; rl.pin_trainer=false\); "
+            r"this process may use 2: \[3, 5\]",
+        ),
+        (
             ["rl.groups_per_step=2", "rl.queue_size=1"],
             1,
             {0},
@@ -95,6 +103,8 @@ def test_rl_run_checks_pass_and_read_the_job():
     check_rl_run(_rl("rl.groups_per_step=2", "rl.queue_size=2"), process_count=1, cores={0})
     # pinned: as many cores as the trainer and its replicas, read from the argument
     check_rl_run(_rl("rl.pin_cores=true", "rl.local_samplers=2"), process_count=1, cores={0, 1, 2})
+    # the trainer on every core: one core per replica is enough
+    check_rl_run(_rl("rl.pin_cores=true", "rl.pin_trainer=false", "rl.local_samplers=2"), process_count=1, cores={0, 1})
     # several processes sample through replicas
     check_rl_run(_rl("rl.local_samplers=1"), process_count=2, cores={0})
     check_rl_run(_rl("rl.sampler_urls=[http://h:1]", "rl.weight_store=file:///x"), process_count=4, cores=set())
@@ -126,3 +136,22 @@ def test_accepted_name_sets_are_written_once():
     built = dataclasses.replace(model.ModelConfig(), moe_ep_exchange="x")
     with pytest.raises(ConfigError, match=r"model.moe_ep_exchange='x' is not accepted; accepted: auto, padded, "):
         model.validate_model(built)
+
+
+@pytest.mark.parametrize(
+    "over, cores, expected",
+    [
+        ([], {0, 1}, None),  # nothing pinned
+        (["rl.pin_cores=true", "rl.local_samplers=1"], {7, 3}, [7]),  # the first (3) is the trainer's
+        (["rl.pin_cores=true", "rl.local_samplers=2"], {0, 1, 2}, [1, 2]),
+        (["rl.pin_cores=true", "rl.pin_trainer=false", "rl.local_samplers=2"], {7, 3}, [3, 7]),
+        (["rl.pin_cores=true", "rl.pin_trainer=false", "rl.local_samplers=1"], {0, 1}, [0]),
+    ],
+)
+def test_replica_cores_by_hand(over, cores, expected):
+    assert replica_cores(_rl(*over).rl, cores) == expected
+
+
+def test_pin_trainer_must_be_a_boolean():
+    with pytest.raises(ConfigError, match=r"rl.pin_trainer=2: expected a boolean \(true/false\)"):
+        _rl("rl.pin_trainer=2")

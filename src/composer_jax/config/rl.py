@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Literal
 
 from composer_jax.config.ray import RayConfig, validate_placement
@@ -299,6 +299,11 @@ class RLConfig:
     # pin the trainer's threads to the first core this process may use and local replica i to the
     # (i+1)-th (as on separate accelerators); needs 1 + local_samplers cores
     pin_cores: bool = False
+    # with pin_cores: whether the trainer gets a core of its own (true: the first core, replica i the
+    # (i+1)-th; needs 1 + local_samplers cores) or runs on every core while replica i takes the i-th
+    # (false; needs local_samplers cores): on few cores a trainer that waits on rollouts leaves its
+    # core idle most of a step, and a replica there uses it
+    pin_trainer: bool = True
     # with pin_cores, where the local environment servers (and the sandboxes they start) run:
     # "samplers", the replicas' cores; "all", every core this process may use, the trainer's too
     # (the scheduler puts them where a core is idle)
@@ -544,6 +549,8 @@ def validate_rl(r: RLConfig) -> None:
         raise ConfigError(f"rl.env_wait_s={r.env_wait_s!r}: expected seconds > 0")
     if not isinstance(r.pin_cores, bool):
         raise ConfigError(f"rl.pin_cores={r.pin_cores!r}: expected true or false")
+    if not isinstance(r.pin_trainer, bool):
+        raise ConfigError(f"rl.pin_trainer={r.pin_trainer!r}: expected true or false")
     if r.env_cores not in ENV_CORES:
         raise ConfigError(
             f"rl.env_cores={r.env_cores!r} is not accepted; accepted: " + " or ".join(repr(m) for m in ENV_CORES)
@@ -578,3 +585,14 @@ def _check_vllm_replicas(r: RLConfig) -> None:
             "rl.vllm.weight_update='nccl' needs rl.vllm.nccl_host: the address of this trainer the replicas "
             "join the NCCL group at"
         )
+
+
+def replica_cores(r: RLConfig, usable: Collection[int]) -> list[int] | None:
+    """The cores `rl.pin_cores` gives the rl.local_samplers replicas (replica i the i-th of the list;
+    the local environment servers share them with env_cores: samplers), of the cores this process
+    may use; None without pin_cores. With pin_trainer the first core is the trainer's and the
+    replicas take the next ones; without it they take the first ones and the trainer keeps them all."""
+    if not r.pin_cores:
+        return None
+    first = 1 if r.pin_trainer else 0
+    return sorted(usable)[first : first + r.local_samplers]

@@ -227,10 +227,12 @@ def check_rl_run(cfg: Config, *, process_count: int, cores: Collection[int]) -> 
                 "with rl.local_samplers=0 there is nothing to pin apart"
             )
         usable = sorted(cores)
-        if len(usable) < 1 + r.local_samplers:
+        need = int(r.pin_trainer) + r.local_samplers
+        if len(usable) < need:
+            whose = "one for the trainer, one per replica" if r.pin_trainer else "one per replica; rl.pin_trainer=false"
             raise ConfigError(
-                f"rl.pin_cores with rl.local_samplers={r.local_samplers} needs {1 + r.local_samplers} cores "
-                f"(one for the trainer, one per replica); this process may use {len(usable)}: {usable}"
+                f"rl.pin_cores with rl.local_samplers={r.local_samplers} needs {need} cores ({whose}); "
+                f"this process may use {len(usable)}: {usable}"
             )
     if r.queue_size and r.queue_size < r.groups_per_step:
         raise ConfigError(

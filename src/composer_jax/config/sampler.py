@@ -15,6 +15,10 @@ Example (YAML, the learner's section):
         prefix_cache: version  # none, version, keep
         warm_up: false         # compile every admission program before the first request
         poll_s: 0.2            # a replica following a weight store looks for a new version so often
+        admission_rows: null   # the most prompts one prefill program admits together (null: up to the slots)
+        compile_cache: ""      # a directory of JAX's persistent compilation cache the sampler's programs
+                               # are written to and read from ("" = none): replicas sharing one compile
+                               # each program once between them
 """
 
 from __future__ import annotations
@@ -50,6 +54,14 @@ class SamplerConfig:
     warm_up: bool = False
     # seconds between a replica's looks at the weight store it follows for a new version
     poll_s: float = 1.0
+    # the most prompts one admission (prefill) program holds; its rows are a power of two up to this
+    # (None: up to `slots`). Every (rows, prompt bucket) shape is a program compiled at its first use,
+    # seconds each on a CPU: a cap of 1 leaves one program per bucket
+    admission_rows: int | None = None
+    # JAX's persistent compilation cache for the sampler's programs (every program of 0.1 s of
+    # compiling or more): a directory, created if missing, or "" for none. Replicas given one directory
+    # load what another compiled first (an admission program costs seconds to compile on a CPU)
+    compile_cache: str = ""
 
 
 SERVE_SAMPLER = SamplerConfig()  # `composer-jax serve`'s defaults
@@ -78,6 +90,11 @@ def validate_sampler(s: SamplerConfig, prefix: str) -> None:
     p = s.poll_s
     if isinstance(p, bool) or not isinstance(p, int | float) or not math.isfinite(p) or not p > 0:
         raise ConfigError(f"{prefix}.poll_s={p!r}: expected seconds > 0")
+    a = s.admission_rows
+    if a is not None and (isinstance(a, bool) or not isinstance(a, int) or a < 1):
+        raise ConfigError(f"{prefix}.admission_rows={a!r}: expected an integer >= 1, or null for up to the slots")
+    if not isinstance(s.compile_cache, str):
+        raise ConfigError(f'{prefix}.compile_cache={s.compile_cache!r}: expected a directory path, or "" for none')
 
 
 # ------------------------------------------------------------------ the command-line surface
@@ -89,6 +106,8 @@ FLAGS = {
     "prefix_cache": "--prefix-cache",
     "warm_up": "--warm-up",
     "poll_s": "--poll-interval",
+    "admission_rows": "--admission-rows",
+    "compile_cache": "--compile-cache",
 }
 
 
@@ -133,6 +152,23 @@ def add_sampler_flags(p: argparse.ArgumentParser, defaults: SamplerConfig = SERV
         default=d.poll_s,
         help=f"--weights-from: seconds between weight-store polls (default {d.poll_s:g})",
     )
+    p.add_argument(
+        FLAGS["admission_rows"],
+        dest="admission_rows",
+        type=int_at_least(1, none=True),
+        default=d.admission_rows,
+        help="the most prompts one prefill program admits together (its rows a power of two up to this; each "
+        "rows x prompt-bucket shape is a program compiled at first use); none: up to --slots "
+        f"(default {'none' if d.admission_rows is None else d.admission_rows})",
+    )
+    p.add_argument(
+        FLAGS["compile_cache"],
+        dest="compile_cache",
+        default=d.compile_cache,
+        metavar="DIR",
+        help="JAX's persistent compilation cache for the sampler's programs (created if missing): replicas "
+        "given one directory compile each program once between them (default: none)",
+    )
 
 
 def sampler_from_args(args: argparse.Namespace) -> SamplerConfig:
@@ -152,4 +188,8 @@ def sampler_argv(s: SamplerConfig) -> list[str]:
         FLAGS["warm_up"] if s.warm_up else "--no-warm-up",
         FLAGS["poll_s"],
         repr(float(s.poll_s)),
+        FLAGS["admission_rows"],
+        "none" if s.admission_rows is None else str(s.admission_rows),
+        FLAGS["compile_cache"],
+        s.compile_cache,
     ]

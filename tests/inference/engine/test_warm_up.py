@@ -115,3 +115,95 @@ def test_an_admission_is_prefilled_in_parts_by_bucket(params):
         assert c.prompt == ref.prompt and c.tokens == ref.tokens
         np.testing.assert_allclose(c.logprobs, ref.logprobs, atol=1e-5, rtol=0)
         np.testing.assert_array_equal(c.routing, ref.routing)
+
+
+_ONE_PROCESS = """
+import json, sys
+import jax
+from jax import monitoring
+jax.config.update("jax_platforms", "cpu")
+events = []
+monitoring.register_event_listener(lambda name, **kw: events.append(name))
+import composer_jax as cj
+from composer_jax.config.sampler import SamplerConfig
+from composer_jax.inference.engine.batch_sampler import Request, Sampler
+from composer_jax.inference.engine.token_sampling import SamplingParams
+cfg = cj.ModelConfig(num_layers=2, num_mtp_layers=0, max_position_embeddings=64)
+params = cj.init_params(cfg, jax.random.key(0))
+s = Sampler.from_config(params, cfg, SamplerConfig(slots=2, compile_cache=sys.argv[1]), max_len=32)
+out = s.run([Request([3, 1, 4, 1, 5], SamplingParams(temperature=1.0, seed=7, max_tokens=4))])
+hits = sum(e == "/jax/compilation_cache/cache_hits" for e in events)
+print(json.dumps({"tokens": out[0].tokens, "hits": hits, "compilations": s.compilations}))
+"""
+
+
+def test_replicas_given_one_compile_cache_load_what_the_first_compiled(tmp_path):
+    """rl.sampler.compile_cache (serve --compile-cache): a second process with the same directory
+    loads the first one's admission and decode programs from it instead of compiling them, and
+    samples the same tokens."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = str(Path(__file__).resolve().parents[3] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cache = tmp_path / "compile cache"
+
+    def one() -> dict:
+        done = subprocess.run(
+            [sys.executable, "-c", _ONE_PROCESS, str(cache)], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first = one()
+    assert first["hits"] == 0 and first["compilations"] == 2  # (1, 16) admission, the decode step
+    assert any(cache.iterdir())  # written there
+    second = one()
+    assert second["hits"] >= 2 and second["compilations"] == 2  # loaded: a new executable for this process
+    assert second["tokens"] == first["tokens"] and len(first["tokens"]) == 4
+
+
+def _adm(n_prompt: int, reuse: int = 0) -> tuple[int, Request, int]:
+    return (0, Request(list(range(n_prompt)), SamplingParams()), reuse)
+
+
+def test_admission_parts_with_a_row_cap_by_hand():
+    from composer_jax.inference.engine.batch_sampler import admission_parts
+
+    # 5 prompts of bucket 16, 1 of bucket 64 (max_len 64)
+    admit = [_adm(10) for _ in range(5)] + [_adm(40)]
+    sizes = lambda cap: [len(p) for p in admission_parts(admit, cap, 64)]
+    # no cap below the 8 slots: the 16s (8 rows x 16 = 128 padded) and the 64 (1 x 64) apart cost
+    # 192 tokens, joined 8 x 64 = 512: apart
+    assert sizes(8) == [5, 1]
+    # cap 1: one row per program; parts never join across buckets (n x 64 > n1 x 16 + n2 x 64)
+    assert sizes(1) == [1, 1, 1, 1, 1, 1]
+    # cap 2: programs of 2 rows, the odd one a program of 1
+    assert sizes(2) == [2, 2, 1, 1]
+    # joining where it pads no more: 1 of bucket 16 + 3 of bucket 32 under cap 4: joined 4 x 32 = 128
+    # <= 1 x 16 + 4 x 32 = 144 apart; under cap 2 the 3 take 2 + 1 rows: 1 x 16 + 3 x 32 = 112 < 128, apart
+    mixed = [_adm(10)] + [_adm(20)] * 3
+    assert [len(p) for p in admission_parts(mixed, 4, 64)] == [4]
+    assert [len(p) for p in admission_parts(mixed, 2, 64)] == [1, 2, 1]
+
+
+def test_admission_rows_caps_the_programs_and_keeps_the_completions(params):
+    capped = Sampler(params, BASE, SamplerSettings(slots=4, max_len=48, admission_rows=1))
+    free = Sampler(params, BASE, SamplerSettings(slots=4, max_len=48))
+    assert capped.prefill_shapes() == [(1, b) for b in (16, 32, 48)]
+    assert Sampler(params, BASE, SamplerSettings(slots=4, max_len=48, admission_rows=2)).prefill_shapes() == [
+        (g, b) for g in (1, 2) for b in (16, 32, 48)
+    ]
+    reqs = [_req(1, 9, 5), _req(2, 5, 3), _req(3, 12, 4), _req(4, 30, 2)]
+    a, b = capped.run(reqs), free.run([Request(r.prompt, r.params) for r in reqs])
+    for x, y in zip(a, b):
+        assert x.tokens == y.tokens
+        np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5, rtol=0)
+    # capped: (1, 16) and (1, 32) and the decode step; free: (4, 16) for the three of bucket 16 and
+    # (1, 32) for the 30 (joined 4 x 32 = 128 > 4 x 16 + 1 x 32 = 96), and the decode step
+    assert capped.compilations == 3 and free.compilations == 3
+    with pytest.raises(cj.ConfigError, match="admission_rows=0 must be >= 1"):
+        SamplerSettings(slots=4, max_len=48, admission_rows=0)

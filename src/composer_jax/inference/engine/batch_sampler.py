@@ -56,6 +56,7 @@ from jax.sharding import Mesh
 
 from composer_jax.config import ConfigError, ModelConfig
 from composer_jax.config.sampler import SamplerConfig
+from composer_jax.inference.engine.counted_jit import use_compile_cache
 from composer_jax.inference.engine.decode_programs import DecodePrograms, mesh_scope
 from composer_jax.inference.engine.draft_verify import SpecStats
 from composer_jax.inference.engine.prefix_cache import PrefixCache, PrefixStats
@@ -91,8 +92,14 @@ def admission_parts(admit: list[Admission], slots: int, max_len: int) -> list[li
     one program pads every row to its longest row's bucket and its rows to a power of two, so a
     30-token continuation beside a 400-token first prompt would cost a 512-token row. Parts of
     equal buckets, smallest first; a part joins the next larger one where the joined program has
-    no more padded tokens (its power-of-two rows x bucket) than the two apart."""
-    rows = lambda n: min(slots, 1 << (n - 1).bit_length())
+    no more padded tokens (its power-of-two rows x bucket) than the two apart. `slots` is the most
+    rows one program holds (the sampler's slots, or its admission_rows): a longer part is cut into
+    programs of that many rows."""
+
+    def rows(n: int) -> int:  # the rows of the programs n prompts take: full ones, then a power of two
+        full, rest = divmod(n, slots)
+        return full * slots + (min(slots, 1 << (rest - 1).bit_length()) if rest else 0)
+
     by: dict[int, list[Admission]] = {}
     for item in admit:
         by.setdefault(bucket_of(len(item[1].prompt) - item[2], max_len), []).append(item)
@@ -105,7 +112,7 @@ def admission_parts(admit: list[Admission], slots: int, max_len: int) -> list[li
                 parts[-1] = (bucket, prev + part)
                 continue
         parts.append((bucket, part))
-    return [p for _, p in parts]
+    return [p[i : i + slots] for _, p in parts for i in range(0, len(p), slots)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +139,11 @@ class SamplerSettings:
     batching and streaming for fewer host round trips; the tokens are the same. prefix_cache:
     "version" (default) reuses a free slot's cached prefix computed with the current weights,
     "keep" one computed with any earlier weights too, "none" never (module docstring); speculative
-    samplers ignore it (no reuse)."""
+    samplers ignore it (no reuse). admission_rows: the most prompts one admission program
+    prefills together (its rows a power of two up to this, or up to the slots: None); each (rows,
+    bucket) shape is a program compiled at first use (seconds each on a CPU), and at the tiny
+    model's prefill lengths from 128 tokens a row costs the same alone as in a group of 8, so a
+    cap of 1 trades little compute for a seventh of the programs."""
 
     slots: int
     max_len: int
@@ -144,9 +155,12 @@ class SamplerSettings:
     decode_chunk: int = 1
     prefix_cache: str = "version"
     draft_experts: int | None = None
+    admission_rows: int | None = None
 
     def __post_init__(self) -> None:
         k = self.speculative_tokens
+        if self.admission_rows is not None and self.admission_rows < 1:
+            raise ConfigError(f"admission_rows={self.admission_rows} must be >= 1 (or None: up to the slots)")
         if self.decode_chunk < 1:
             raise ConfigError(f"decode_chunk={self.decode_chunk} must be >= 1 (decode steps per compiled call)")
         if k < 0:
@@ -307,8 +321,8 @@ class Sampler:
         time) by power-of-two buckets from MIN_BUCKET up to max_len (the last one max_len itself)."""
         rows, groups = 1, []
         while True:
-            groups.append(min(rows, self.slots))
-            if rows >= self.slots or self.settings.speculative_tokens or self.mesh is not None:
+            groups.append(min(rows, self.group_rows))
+            if rows >= self.group_rows or self.settings.speculative_tokens or self.mesh is not None:
                 break
             rows *= 2
         buckets = sorted({bucket_of(1 << e, self.max_len) for e in range(self.max_len.bit_length() + 1)})
@@ -321,11 +335,20 @@ class Sampler:
         """A sampler with `sampler`'s slots and prefix cache (config/sampler.py), warmed up when it
         says so and this sampler admits prompts in groups (a mesh or speculative sampler admits one
         at a time and compiles at first use). options: the other `SamplerSettings` fields."""
-        settings = SamplerSettings(sampler.slots, max_len, prefix_cache=sampler.prefix_cache, **options)
+        if sampler.compile_cache:
+            use_compile_cache(sampler.compile_cache)
+        settings = SamplerSettings(
+            sampler.slots, max_len, prefix_cache=sampler.prefix_cache, admission_rows=sampler.admission_rows, **options
+        )
         new = cls(params, cfg, settings, version=version)
         if sampler.warm_up and new.admits_groups:
             new.warm_up()
         return new
+
+    @property
+    def group_rows(self) -> int:
+        """The most rows one admission program prefills (settings.admission_rows, at most the slots)."""
+        return min(self.slots, self.settings.admission_rows or self.slots)
 
     @property
     def admits_groups(self) -> bool:
@@ -402,7 +425,7 @@ class Sampler:
             for i, request, reuse in admit:
                 done += self._admit(i, request, reuse)
         else:
-            for part in admission_parts(admit, self.slots, self.max_len):
+            for part in admission_parts(admit, self.group_rows, self.max_len):
                 done += self._admit_group(part)
         dt = time.perf_counter() - t0
         self.prefill_s += dt
@@ -415,7 +438,7 @@ class Sampler:
         (padding rows write nothing), each prompt's part past its reused prefix padded to the
         longest such part's bucket (a reused prefix is cut short where that bucket would run past
         the cache's end)."""
-        g = min(self.slots, 1 << (len(admit) - 1).bit_length())
+        g = min(self.group_rows, 1 << (len(admit) - 1).bit_length())
         bucket = max(bucket_of(len(r.prompt) - reuse, self.max_len) for _, r, reuse in admit)
         tokens = np.zeros((g, bucket), np.int32)
         slots = np.full(g, self.slots, np.int32)  # past the cache's rows: a padding row

@@ -12,6 +12,7 @@ samplers in several threads count apart.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -60,3 +61,18 @@ class CountedJit:
             calls.pop()
             if mark[0]:
                 self.compilations += 1
+
+
+def use_compile_cache(path: str) -> None:
+    """Make `path` (created if missing) JAX's persistent compilation cache for this process, every
+    program of 0.1 s of compiling or more written to it and read from it: processes given one
+    directory (replicas of one run) compile a program once between them. For the compilations
+    after it (a cache this process had opened before is closed)."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    path = os.path.abspath(path)
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+    if jax.config.jax_compilation_cache_dir != path:
+        jax.config.update("jax_compilation_cache_dir", path)
+        compilation_cache.reset_cache()  # the next compilation opens `path`

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from composer_jax.config import Config
+from composer_jax.config.rl import replica_cores
 from composer_jax.env.api.client import EnvClient
 from composer_jax.rl.algo.rewards import RolloutStats, compose_reward, with_judged
 from composer_jax.rl.judges.panel import JudgePanel
@@ -213,7 +214,7 @@ class RolloutSide:
         )
         side = cls(cfg, client, samplers, env_launcher=env_launcher, sampler_launcher=launcher, **kwargs)
         stack.push_async_callback(side.aclose)
-        if cfg.rl.pin_cores and engine.pins_trainer:  # (vLLM's launcher pins only its replicas)
+        if cfg.rl.pin_cores and cfg.rl.pin_trainer and engine.pins_trainer:  # (vLLM's launcher pins only its replicas)
             core = sorted(os.sched_getaffinity(0))[0]
             echo(f"[rl] trainer pinned to core {core} ({pin_threads({core})} threads)")
         return side
@@ -352,7 +353,7 @@ async def _env_servers(stack: contextlib.AsyncExitStack, cfg: Config, out_dir: P
         return list(r.env_urls), r.env_token or os.environ.get("COMPOSER_JAX_ENV_TOKEN", ""), None
     cores = None
     if r.pin_cores and r.env_cores == "samplers":  # they and their sandboxes share the replicas' cores
-        cores = sorted(os.sched_getaffinity(0))[1 : 1 + r.local_samplers]
+        cores = replica_cores(r, os.sched_getaffinity(0))
     restart = RestartPolicy.of(r.supervision)
     logs = out_dir / "env_servers"
     env_servers: LocalEnvServers | RayEnvServers

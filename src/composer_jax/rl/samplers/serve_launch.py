@@ -27,6 +27,7 @@ from pathlib import Path
 
 from composer_jax.config import Config
 from composer_jax.config.ray import RayConfig
+from composer_jax.config.rl import replica_cores
 from composer_jax.config.sampler import SERVE_SAMPLER, SamplerConfig, sampler_argv, validate_sampler
 from composer_jax.errors import ConfigError
 from composer_jax.formats.tokenizer import Tokenizer
@@ -223,13 +224,12 @@ def local_samplers(
             restart=restart,
             start_timeout_s=timeout,
         )
-    cores = sorted(os.sched_getaffinity(0))
     return LocalSamplers(
         checkpoint_dir,
         r.local_samplers,
         weights_from=store_url,
         sampler=r.sampler,
-        cores=cores[1 : 1 + r.local_samplers] if r.pin_cores else None,
+        cores=replica_cores(r, os.sched_getaffinity(0)),
         extra_args=extra,
         log_dir=out_dir / "samplers",
         restart=restart,

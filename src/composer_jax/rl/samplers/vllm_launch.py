@@ -61,6 +61,7 @@ from typing import Any
 from composer_jax.config import Config
 from composer_jax.config.model import ModelConfig
 from composer_jax.config.ray import RayConfig
+from composer_jax.config.rl import replica_cores
 from composer_jax.config.vllm import VLLMConfig, split_compilation_config
 from composer_jax.errors import ConfigError
 from composer_jax.hf.mla_pad import pad_mla, plan_padding
@@ -496,7 +497,7 @@ async def start_vllm(
             restart=RestartPolicy.of(r.supervision),
         )
     else:
-        cores = sorted(os.sched_getaffinity(0))[1 : 1 + r.local_samplers] if r.pin_cores else None
+        cores = replica_cores(r, os.sched_getaffinity(0))
         launcher = LocalVLLM(
             v,
             r.local_samplers,
