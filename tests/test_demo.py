@@ -53,3 +53,35 @@ def test_rl_summary_says_where_the_time_goes():
     line = rl_line({**rl, "evals": [ev2, ev2]})
     assert "where the time goes, mean of 2 step(s): wall 15 s; sampler decode 7.5 s; cores busy 0 50%" in line
     assert line.endswith("2 evaluation(s): wall 7 s each on average")
+
+
+def test_the_stages_run_where_the_demo_says():
+    """Stage 3 on one device (its mesh all 1s), stages 1 and 2 on the fake 8-device mesh; the RL
+    stage on two cores: two replicas pinned a core each, the trainer on both, one compile cache; on
+    one core a single unpinned replica; overrides a caller gives replace the stage's own."""
+    import json
+
+    import jax
+
+    from composer_jax.demo import STAGES, async_overrides, rl_stage_config, stage_devices
+
+    for name, path in STAGES:
+        cfg, devices = stage_devices(name, path, [])
+        mesh = cfg.mesh.shape(len(devices))
+        if name == "stage3_sft":
+            assert devices == jax.devices()[:1] and set(mesh.values()) == {1}
+        else:
+            assert len(devices) == 8 and mesh["fsdp"] == 2 and mesh["expert"] == 2
+    two = async_overrides(2, "/runs/x/rl")
+    assert two == [
+        "rl.max_staleness=1",
+        "rl.local_samplers=2",
+        "rl.pin_cores=true",
+        "rl.pin_trainer=false",
+        f"rl.sampler.compile_cache={json.dumps('/runs/x/rl/compile_cache')}",
+    ]
+    one = async_overrides(1, "/runs/x/rl")
+    assert "rl.local_samplers=1" in one and "rl.pin_cores=false" in one
+    out = "/tmp/demo-out"
+    cfg = rl_stage_config(out, f"{out}/stage3_sft/checkpoints", 1.0, lambda s: None, ["train.steps=3"])
+    assert cfg.train.steps == 3 and cfg.rl.max_staleness == 1

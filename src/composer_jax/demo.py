@@ -76,6 +76,12 @@ STAGES = (
     ("stage3_sft", "pretrain/tiny_stage3_sft.yaml"),
 )
 RL_STAGE = ("rl", "rl/tiny_disable_debug.yaml")
+# stages the demo runs on one device (its mesh all 1s) instead of the config's fake 8-device mesh:
+# stage 3's SFT steps take about half the time there on a 2-core CPU (the fake devices' collectives
+# and per-device dispatch), with the same losses to float rounding (docs/results/demo_profile.md);
+# stages 1 and 2 still show the sharded step (FSDP, experts, context parallelism)
+ONE_DEVICE = frozenset({"stage3_sft"})
+ONE_DEVICE_MESH = ["mesh.data=1", "mesh.fsdp=1", "mesh.expert=1", "mesh.context=1", "mesh.tensor=1"]
 # what the pipeline writes under its output folder (all that a new run clears: nothing else is removed)
 OUTPUTS = (*(name for name, _ in STAGES), RL_STAGE[0], "plots", "report.md", "machine.json")
 
@@ -186,6 +192,14 @@ def rl_stage(out_root: str, init_from: str, scale: float, echo=print, extra: Seq
     return summary
 
 
+def stage_devices(name: str, path: str, overrides: list[str]) -> tuple[cj.Config, list]:
+    """A pretraining stage's config (the bundled `path` with `overrides`) and the devices it runs on:
+    every fake CPU device, or the first alone for the ONE_DEVICE stages (their mesh all 1s)."""
+    devices = jax.devices()[:1] if name in ONE_DEVICE else jax.devices()
+    extra = ONE_DEVICE_MESH if name in ONE_DEVICE else []
+    return cj.load_config(stage_config(path), [*overrides, *extra], num_devices=len(devices)), devices
+
+
 def pipeline(out_root: str, scale: float, echo=print, rl: bool = True) -> list[dict]:
     """Run the three tiny stages and (rl=True) the RL stage in order; returns one summary per stage."""
     from composer_jax.train.loop import run_stage
@@ -201,16 +215,16 @@ def pipeline(out_root: str, scale: float, echo=print, rl: bool = True) -> list[d
         base = cj.load_config(stage_config(path), num_devices=None)
         overrides.append(f"train.steps={max(2, int(base.train.steps * scale))}")
         overrides.append(f"train.eval_every={max(1, int(base.train.eval_every * scale))}")
-        cfg = cj.load_config(stage_config(path), overrides)
+        cfg, devices = stage_devices(name, path, overrides)
         if previous is None:
-            mesh = dict(cfg.mesh.shape(jax.device_count()))
+            mesh = dict(cfg.mesh.shape(len(devices)))
             echo(format_report(build_report(cfg, mesh, cfg.train.batch_size, cfg.train.seq_len)))
         echo(
             f"\n=== {name}: {cfg.data.format} on {cfg.data.sources[0].label}..., seq {cfg.train.seq_len}, "
-            f"mesh {cfg.mesh.shape(jax.device_count())}, {cfg.train.steps} steps ==="
+            f"mesh {cfg.mesh.shape(len(devices))}, {cfg.train.steps} steps ==="
         )
         t0 = time.perf_counter()
-        summary = run_stage(cfg, echo=echo)
+        summary = run_stage(cfg, echo=echo, mesh=cj.make_mesh(cfg.mesh, devices))
         summary["name"] = name
         summary["time_s"] = time.perf_counter() - t0
         results.append(summary)

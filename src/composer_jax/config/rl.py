@@ -308,6 +308,10 @@ class RLConfig:
     # "samplers", the replicas' cores; "all", every core this process may use, the trainer's too
     # (the scheduler puts them where a core is idle)
     env_cores: str = "samplers"
+    # the local (or Ray-placed) environment servers' grade cache (`env-server --grade-cache N`): a
+    # rollout whose carried change equals one graded before on the same task (same files, modes and
+    # bytes) gets that grade's verdict without running the tests again; N verdicts kept, 0 = off
+    env_grade_cache: int = 0
     # the local children's restart policy and health probes, and how long rollouts wait for a
     # restarted replica to rejoin (config/supervision.py)
     supervision: SupervisionConfig = dataclasses.field(default_factory=SupervisionConfig)
@@ -549,6 +553,9 @@ def validate_rl(r: RLConfig) -> None:
         raise ConfigError(f"rl.env_wait_s={r.env_wait_s!r}: expected seconds > 0")
     if not isinstance(r.pin_cores, bool):
         raise ConfigError(f"rl.pin_cores={r.pin_cores!r}: expected true or false")
+    g = r.env_grade_cache
+    if isinstance(g, bool) or not isinstance(g, int) or g < 0:
+        raise ConfigError(f"rl.env_grade_cache={g!r}: expected an integer >= 0 (verdicts kept; 0 = off)")
     if not isinstance(r.pin_trainer, bool):
         raise ConfigError(f"rl.pin_trainer={r.pin_trainer!r}: expected true or false")
     if r.env_cores not in ENV_CORES:

@@ -15,6 +15,7 @@ Example (YAML, the learner's section):
         prefix_cache: version  # none, version, keep
         warm_up: false         # compile every admission program before the first request
         poll_s: 0.2            # a replica following a weight store looks for a new version so often
+        decode_chunk: 1        # decode steps per compiled call (the host records tokens between calls)
         admission_rows: null   # the most prompts one prefill program admits together (null: up to the slots)
         compile_cache: ""      # a directory of JAX's persistent compilation cache the sampler's programs
                                # are written to and read from ("" = none): replicas sharing one compile
@@ -54,6 +55,10 @@ class SamplerConfig:
     warm_up: bool = False
     # seconds between a replica's looks at the weight store it follows for a new version
     poll_s: float = 1.0
+    # decode steps per compiled call: one on-device loop of up to this many steps, ending early once
+    # every slot reached its max_tokens or a stop id (inference/engine/batch_sampler.py); requests join,
+    # leave and see new weights between calls. The same tokens; fewer host round trips
+    decode_chunk: int = 1
     # the most prompts one admission (prefill) program holds; its rows are a power of two up to this
     # (None: up to `slots`). Every (rows, prompt bucket) shape is a program compiled at its first use,
     # seconds each on a CPU: a cap of 1 leaves one program per bucket
@@ -90,6 +95,9 @@ def validate_sampler(s: SamplerConfig, prefix: str) -> None:
     p = s.poll_s
     if isinstance(p, bool) or not isinstance(p, int | float) or not math.isfinite(p) or not p > 0:
         raise ConfigError(f"{prefix}.poll_s={p!r}: expected seconds > 0")
+    c = s.decode_chunk
+    if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+        raise ConfigError(f"{prefix}.decode_chunk={c!r}: expected an integer >= 1 (decode steps per compiled call)")
     a = s.admission_rows
     if a is not None and (isinstance(a, bool) or not isinstance(a, int) or a < 1):
         raise ConfigError(f"{prefix}.admission_rows={a!r}: expected an integer >= 1, or null for up to the slots")
@@ -106,6 +114,7 @@ FLAGS = {
     "prefix_cache": "--prefix-cache",
     "warm_up": "--warm-up",
     "poll_s": "--poll-interval",
+    "decode_chunk": "--decode-chunk",
     "admission_rows": "--admission-rows",
     "compile_cache": "--compile-cache",
 }
@@ -153,6 +162,14 @@ def add_sampler_flags(p: argparse.ArgumentParser, defaults: SamplerConfig = SERV
         help=f"--weights-from: seconds between weight-store polls (default {d.poll_s:g})",
     )
     p.add_argument(
+        FLAGS["decode_chunk"],
+        dest="decode_chunk",
+        type=int_at_least(1),
+        default=d.decode_chunk,
+        help="decode steps per compiled call (one on-device loop; requests join and leave between calls; the same "
+        f"tokens, fewer host round trips) (default {d.decode_chunk})",
+    )
+    p.add_argument(
         FLAGS["admission_rows"],
         dest="admission_rows",
         type=int_at_least(1, none=True),
@@ -188,6 +205,8 @@ def sampler_argv(s: SamplerConfig) -> list[str]:
         FLAGS["warm_up"] if s.warm_up else "--no-warm-up",
         FLAGS["poll_s"],
         repr(float(s.poll_s)),
+        FLAGS["decode_chunk"],
+        str(s.decode_chunk),
         FLAGS["admission_rows"],
         "none" if s.admission_rows is None else str(s.admission_rows),
         FLAGS["compile_cache"],

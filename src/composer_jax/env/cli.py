@@ -21,6 +21,7 @@ from composer_jax.errors import UsageError
 from composer_jax.flags import int_at_least
 
 _positive_int = int_at_least(0, strict=True)
+_non_negative_int = int_at_least(0)
 
 
 def _port(text: str) -> int:
@@ -56,6 +57,14 @@ def server_parser() -> argparse.ArgumentParser:
     p.add_argument("--shell-timeout", type=float, default=120.0, help="upper bound on run_shell timeout_s")
     p.add_argument("--max-body-bytes", type=_positive_int, default=4 * 2**20, help="request size limit")
     p.add_argument("--work-dir", type=Path, help="where session workspaces live (default: a new temp dir)")
+    p.add_argument(
+        "--grade-cache",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="answer a grade of a change equal to one graded before (same task, same carried files, paths, modes "
+        "and bytes) with that grade's verdict, keeping the last N verdicts the tests gave; 0: off (default)",
+    )
     p.add_argument(
         "--unsafe-no-sandbox",
         action="store_true",
@@ -156,6 +165,7 @@ def _session_manager(args: argparse.Namespace, store, sandbox, env_cache, web_to
     """The sessions' owner, as the flags size it."""
     from composer_jax.env.sandbox.runner import Limits
     from composer_jax.env.server.session import SessionManager
+    from composer_jax.env.tasks.grader import GradeCache
 
     try:
         return SessionManager(
@@ -167,6 +177,7 @@ def _session_manager(args: argparse.Namespace, store, sandbox, env_cache, web_to
             limits=Limits(wall_seconds=args.shell_timeout),
             env_cache=env_cache,
             web_tools=web_tools,
+            grade_cache=GradeCache(args.grade_cache) if args.grade_cache else None,
         )
     except (RuntimeError, OSError) as exc:  # e.g. --work-dir held by another live server
         raise UsageError(str(exc)) from exc

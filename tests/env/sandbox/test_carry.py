@@ -188,3 +188,38 @@ def test_a_long_excluded_list_ends_with_a_count(tmp_path):
     facts, _, _ = carry(tmp_path, change)
     assert len(facts["excluded"]) == snapshot.MAX_EXCLUDED + 1
     assert facts["excluded"][-1] == {"path": "... and 5 more", "class": "truncated"}
+
+
+def _graded_files(dest: Path) -> dict[str, tuple[bytes, bool]]:
+    files = (p for p in sorted(dest.rglob("*")) if p.is_file())
+    return {str(p.relative_to(dest)): (p.read_bytes(), os.access(p, os.X_OK)) for p in files}
+
+
+def test_carried_sha256_names_the_graded_tree(tmp_path):
+    """carried_sha256 (the grade cache's key, tasks/grader.py GradeCache): equal for two carries that
+    make equal graded trees however the workspaces differ in what is not carried; different when a
+    carried file's bytes, mode, path or a deletion differ."""
+
+    def fix(w: Path) -> None:
+        (w / "pkg/calc.py").write_text("def add(a, b):\n    return a + b\n")
+
+    def fix_with_junk(w: Path) -> None:  # the same fix, plus what the carry does not take
+        fix(w)
+        tree(w, {"pkg/__pycache__/calc.cpython-311.pyc": b"\x00junk", ".git/HEAD": "ref\n"})
+
+    variants = {
+        "fix": fix,
+        "fix, one more byte": lambda w: (w / "pkg/calc.py").write_text("def add(a, b):\n    return a + b \n"),
+        "fix, executable": lambda w: (fix(w), (w / "pkg/calc.py").chmod(0o755)),
+        "fix elsewhere": lambda w: tree(w, {"pkg/calc2.py": "def add(a, b):\n    return a + b\n"}),
+        "fix and a deletion": lambda w: (fix(w), (w / "pkg/old.py").unlink()),
+        "nothing": lambda w: None,
+    }
+    hashes, trees = {}, {}
+    for i, (name, change) in enumerate(variants.items()):
+        facts, _, dest = carry(tmp_path / str(i), change)
+        hashes[name], trees[name] = facts["carried_sha256"], _graded_files(dest)
+    assert len(set(hashes.values())) == len(variants)  # every graded tree its own hash
+    facts, _, dest = carry(tmp_path / "junk", fix_with_junk)
+    assert facts["carried_sha256"] == hashes["fix"] and _graded_files(dest) == trees["fix"]
+    assert {e["class"] for e in facts["excluded"]} == {"cache", "vcs"}

@@ -46,7 +46,7 @@ def _parsed(argv: list[str]) -> SamplerConfig:
         LEARNER_SAMPLER,
         SamplerConfig(slots=3, max_queued=0, prefix_cache="keep", warm_up=True, poll_s=0.05),
         SamplerConfig(slots=1, max_queued=None, prefix_cache="none", warm_up=False, poll_s=7.25),
-        SamplerConfig(compile_cache="runs/x/compile cache", admission_rows=1),
+        SamplerConfig(compile_cache="runs/x/compile cache", admission_rows=1, decode_chunk=8),
     ],
 )
 def test_the_argv_a_replica_gets_parses_back_to_the_same_settings(s):

@@ -31,7 +31,9 @@ version; what it finds is `levers`.
 It writes the git-style diff of what was carried (`git apply` applies it) on stdout, capped at
 MAX_DIFF_BYTES (the grade is of the whole change, the diff is the record), and one JSON line of
 facts on stderr: `{"python", "version", "copied", "skipped", "entries_truncated", "missing",
-"carried", "excluded": [{"path", "class"}], "levers": [{"path", "line", "lever", "what", "code"}]}`
+"carried", "excluded": [{"path", "class"}], "levers": [{"path", "line", "lever", "what", "code"}],
+"carried_sha256"}` (`carried_sha256`: a hash of every deletion and write carried, path, mode and
+bytes: two carries of equal hashes made equal trees from ORIG)
 (`missing`: the MODULEs, the task's declared test dependencies, that this python3 cannot import).
 """
 
@@ -451,7 +453,7 @@ def _mode(root_fd: int, rel: str) -> int:
 
 def carry(src_fd: int, orig_fd: int, dest_fd: int, carrier: Carrier, max_bytes: int, write) -> dict:
     """Carry the change from ORIG to SRC onto DEST (a copy of ORIG); the diff of what was carried to
-    `write`. -> {"carried": n, "excluded": [{path, class}], "levers": [...]}."""
+    `write`. -> {"carried": n, "excluded": [{path, class}], "levers": [...], "carried_sha256": hex}."""
     seen: list = []
     old = carrier.orig
     new = list_tree(src_fd, seen=seen)
@@ -485,14 +487,25 @@ def carry(src_fd: int, orig_fd: int, dest_fd: int, carrier: Carrier, max_bytes: 
                     truncated = True
                     break
                 write(line)
+    # what was carried, whole (the diff may be cut at max_bytes and says no file mode): the graded
+    # tree is ORIG with these deletions and writes, so equal hashes are equal trees (a grade cache key)
+    tree = hashlib.sha256()
     for rel in deletes:
         _remove(dest_fd, rel)
+        tree.update(b"D%d:%s" % (len(os.fsencode(rel)), os.fsencode(rel)))
     for rel, data in writes:
-        _write(dest_fd, rel, data, _mode(src_fd, rel))
+        mode = _mode(src_fd, rel)
+        _write(dest_fd, rel, data, mode)
+        tree.update(b"W%d:%s%o:%d:" % (len(os.fsencode(rel)), os.fsencode(rel), mode, len(data)) + data)
     if len(excluded) > MAX_EXCLUDED:  # e.g. a __pycache__ in every folder the agent's runs touched
         more = len(excluded) - MAX_EXCLUDED
         excluded = excluded[:MAX_EXCLUDED] + [{"path": f"... and {more} more", "class": "truncated"}]
-    return {"carried": len(writes) + len(deletes), "excluded": excluded, "levers": lever_hits}
+    return {
+        "carried": len(writes) + len(deletes),
+        "excluded": excluded,
+        "levers": lever_hits,
+        "carried_sha256": tree.hexdigest(),
+    }
 
 
 def _load_levers(source: str):

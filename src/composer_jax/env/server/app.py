@@ -161,6 +161,11 @@ class GradeResponse(BaseModel):
         "[{path, class}] (symlink, bytecode, binary, large, vcs, cache, startup-hook, conftest, test-config, "
         "test-file, runner-shadow); no penalty",
     )
+    cached: bool = Field(
+        False,
+        description="the verdict of an earlier grade of an equal carried change of this task (env-server "
+        "--grade-cache); the tests did not run again",
+    )
 
 
 _ERRORS: dict[int | str, dict[str, Any]] = {

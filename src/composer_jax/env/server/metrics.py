@@ -65,6 +65,9 @@ class EnvMetrics:
             registry=r,
         )
         self.grades = Counter("cj_env_grades", "Gradings run.", registry=r)
+        self.grade_cache_hits = Counter(
+            "cj_env_grade_cache_hits", "Gradings answered from the grade cache (--grade-cache).", registry=r
+        )
         self.grade_seconds = Histogram(
             "cj_env_grade_seconds", "Grading duration in seconds.", buckets=LATENCY_BUCKETS, registry=r
         )

@@ -125,8 +125,10 @@ class SessionManager:
         metrics: EnvMetrics | None = None,
         env_cache: EnvCache | None = None,
         web_tools: WebTools | None = None,
+        grade_cache: grader.GradeCache | None = None,
     ):
         self.store, self.sandbox = store, sandbox
+        self.grade_cache = grade_cache  # None: every grade runs the tests (env-server --grade-cache)
         self.env_cache = env_cache  # built task environments; looked up, never built, per session
         self.web_tools = web_tools  # None: no session is offered web_search/read_page
         self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="composer-jax-env-"))
@@ -346,7 +348,13 @@ class SessionManager:
             # Nothing of the session may run while its workspace is copied.
             await session.lease.kill_processes()
             result = await grader.grade(
-                session.task, session.lease, session.workspace.root, session.root, self.limits, session.env
+                session.task,
+                session.lease,
+                session.workspace.root,
+                session.root,
+                self.limits,
+                session.env,
+                cache=self.grade_cache,
             )
         except RuntimeError:
             if session.closed:  # closed mid-grade: the lease refused to run, or the copy vanished
@@ -362,6 +370,8 @@ class SessionManager:
         session.grades += 1
         session.last_reward = result.reward
         self.metrics.grades.inc()
+        if result.cached:
+            self.metrics.grade_cache_hits.inc()
         self.metrics.grade_seconds.observe(result.duration_s)
         return result
 

@@ -21,7 +21,10 @@ The grade response says which `python3` the sandbox has (`interpreter`).
 from __future__ import annotations
 
 import asyncio
+import collections
+import copy
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -60,6 +63,7 @@ class GradeResult:
     tampering: list = dataclasses.field(default_factory=list)
     # What the grade did not carry from the workspace: [{path, class}] (no penalty; tampering.EXCLUDED).
     excluded: list = dataclasses.field(default_factory=list)
+    cached: bool = False  # the verdict of an earlier grade of an equal carried change (GradeCache)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -175,6 +179,7 @@ class Job:
     interpreter: dict = dataclasses.field(default_factory=dict)
     excluded: list = dataclasses.field(default_factory=list)  # what the carry left out (snapshot.py)
     levers: list = dataclasses.field(default_factory=list)  # what the lever scanner found (levers.py)
+    carried_sha256: str = ""  # every deletion and write carried (snapshot.py): the graded tree's identity
 
     @property
     def app(self) -> Path:
@@ -244,6 +249,7 @@ async def prepare_job(
         facts = _last_json_line(result.stderr)
         job.interpreter = {k: facts[k] for k in ("python", "version") if k in facts}
         job.excluded, job.levers = list(facts.get("excluded", [])), list(facts.get("levers", []))
+        job.carried_sha256 = str(facts.get("carried_sha256", ""))
         if result.timed_out:
             job.error = f"copying the workspace took over {SNAPSHOT_TIMEOUT_S:g}s; the tests did not run"
         elif result.exit_code != 0 or not facts:
@@ -293,12 +299,82 @@ def _failed(job: Job, start: float, environment: dict, error: str, tampering: li
     )
 
 
+def task_fingerprint(task: Task) -> list:
+    """The task's files as they are on disk now (path, size, mtime of everything under its folder:
+    the pristine workspace, the tests, task.toml): a task edited on disk is another task to the cache."""
+    out: list = []
+    for root, dirs, files in os.walk(task.root):
+        dirs.sort()
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            out.append((os.path.relpath(path, task.root), st.st_size, st.st_mtime_ns, st.st_mode))
+    return [str(task.root), out]
+
+
+class GradeCache:
+    """The verdicts of earlier grades by what was graded (`--grade-cache N` of `composer-jax
+    env-server`; off by default): a grade is a function of the task (its pristine workspace, tests and
+    verifier), its built environment and the tree the carry made, and that tree is the pristine one
+    with exactly the deletions and writes `carried_sha256` hashes (path, mode, bytes; snapshot.py).
+    So a second grade of an equal change in a session of the same task (in RL, the rollouts of one
+    group that made the same edit) is answered with the first one's verdict (reward, tests,
+    details), without running the tests again; what it did not carry (`excluded`) and its diff are
+    its own. Only a verdict the tests gave is kept: no copy error, no lever, no tampering, no
+    timeout. Least recently used entries go first beyond `capacity`."""
+
+    def __init__(self, capacity: int):
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"grade cache capacity {capacity!r}: expected an integer >= 1 (entries)")
+        self.capacity = capacity
+        self._entries: collections.OrderedDict[str, GradeResult] = collections.OrderedDict()
+        self.hits = self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @staticmethod
+    def key(task: Task, job: Job, environment: dict) -> str | None:
+        """The cache key of a grade of `job` (None: not cacheable, the carry gave no tree hash)."""
+        if not job.carried_sha256:
+            return None
+        what = [task.task_id, task_fingerprint(task), job.carried_sha256, environment]
+        return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
+
+    def get(self, key: str) -> GradeResult | None:
+        found = self._entries.get(key)
+        if found is None:
+            self.misses += 1
+            return None
+        self._entries.move_to_end(key)
+        self.hits += 1
+        return copy.deepcopy(found)
+
+    def put(self, key: str, result: GradeResult) -> None:
+        if result.error is not None or result.timed_out or result.tampering:
+            return
+        self._entries[key] = copy.deepcopy(result)
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+
 async def grade(
-    task: Task, lease: SandboxLease, workspace: Path, scratch_root: Path, limits: Limits, env: BuiltEnv | None = None
+    task: Task,
+    lease: SandboxLease,
+    workspace: Path,
+    scratch_root: Path,
+    limits: Limits,
+    env: BuiltEnv | None = None,
+    cache: GradeCache | None = None,
 ) -> GradeResult:
     """Run the task's verifier on the task's pristine workspace with the change in `workspace`
     carried onto it (see module docstring), with the task's built Python environment `env`
-    (pyenv.py) first on PATH when it has one.
+    (pyenv.py) first on PATH when it has one; with a `cache`, an equal carried change of the same
+    task graded before is answered with that grade's verdict (`GradeCache`).
 
     The carry, the lever scan and the diff run inside the sandbox as the session's uid; a change
     with a lever scores 0 without running the tests; reward files are read by descriptor off the
@@ -307,19 +383,26 @@ async def grade(
     job = await prepare_job(task, lease, workspace, scratch_root, limits, diff=True, env=env)
     environment = env.describe() if env is not None else {}
     env_mounts, env_vars = env_run_args(env)
+    key = None
     try:
         if job.error is not None:
             return _failed(job, start, environment, job.error)
         if job.levers:
             tampering = tampering_mod.lever_entries(job.levers)
             return _failed(job, start, environment, tampering_mod.tampering_error(tampering), tampering)
+        key = GradeCache.key(task, job, environment) if cache is not None else None
+        if cache is not None and key is not None and (known := cache.get(key)) is not None:
+            # the verdict is the earlier grade's; the record of what this change was is this one's
+            known.diff, known.excluded, known.interpreter = job.diff, job.excluded, job.interpreter
+            known.duration_s, known.cached = time.monotonic() - start, True
+            return known
         result, reward, details, error, tests, tampering = await _verify(task, lease, job, limits, env_mounts, env_vars)
     finally:
         await asyncio.to_thread(release_job, job.app)
     if tampering:
         error, reward, details = tampering_mod.tampering_error(tampering), 0.0, {}
     tail = result.stdout[-4000:] + ("\n--- stderr ---\n" + result.stderr[-4000:] if result.stderr else "")
-    return GradeResult(
+    graded = GradeResult(
         reward=reward if reward is not None else 0.0,
         tests=tests,
         diff=job.diff,
@@ -334,6 +417,9 @@ async def grade(
         tampering=tampering,
         excluded=job.excluded,
     )
+    if cache is not None and key is not None:
+        cache.put(key, graded)
+    return graded
 
 
 async def _verify(

@@ -338,7 +338,11 @@ class Sampler:
         if sampler.compile_cache:
             use_compile_cache(sampler.compile_cache)
         settings = SamplerSettings(
-            sampler.slots, max_len, prefix_cache=sampler.prefix_cache, admission_rows=sampler.admission_rows, **options
+            sampler.slots,
+            max_len,
+            prefix_cache=sampler.prefix_cache,
+            admission_rows=sampler.admission_rows,
+            **{"decode_chunk": sampler.decode_chunk, **options},
         )
         new = cls(params, cfg, settings, version=version)
         if sampler.warm_up and new.admits_groups:

@@ -357,10 +357,15 @@ async def _env_servers(stack: contextlib.AsyncExitStack, cfg: Config, out_dir: P
     restart = RestartPolicy.of(r.supervision)
     logs = out_dir / "env_servers"
     env_servers: LocalEnvServers | RayEnvServers
+    extra = ("--grade-cache", str(r.env_grade_cache)) if r.env_grade_cache else ()
     if r.placement == "ray":
-        env_servers = RayEnvServers(r.tasks_dir, r.env_servers, ray=r.ray, log_dir=logs, restart=restart)
+        env_servers = RayEnvServers(
+            r.tasks_dir, r.env_servers, ray=r.ray, log_dir=logs, restart=restart, extra_args=extra
+        )
     else:
-        env_servers = LocalEnvServers(r.tasks_dir, r.env_servers, cores=cores, log_dir=logs, restart=restart)
+        env_servers = LocalEnvServers(
+            r.tasks_dir, r.env_servers, cores=cores, log_dir=logs, restart=restart, extra_args=extra
+        )
     urls, token = stack.enter_context(env_servers)
     where = "Ray-placed" if r.placement == "ray" else "local"
     echo(f"[rl] started {len(urls)} {where} environment server(s) on {r.tasks_dir}: {', '.join(urls)}")
