@@ -76,6 +76,7 @@ def test_the_stages_run_where_the_demo_says():
     assert two == [
         "rl.max_staleness=1",
         "rl.local_samplers=2",
+        "rl.sampler.slots=32",
         "rl.pin_cores=true",
         "rl.pin_trainer=false",
         f"rl.sampler.compile_cache={json.dumps('/runs/x/rl/compile_cache')}",

@@ -140,12 +140,15 @@ def async_overrides(cores: int, out_dir: str) -> list[str]:
     the run's weight store, the environment servers local processes. With two cores or more, two
     replicas pinned to a core each, the trainer and the environment servers on both: the trainer
     waits on rollouts most of a step, and a core of its own stood idle 75-97% of the time
-    (docs/results/demo_profile.md). The replicas share one compilation cache under `out_dir`, so
-    an admission program one compiled the other loads."""
+    (docs/results/demo_profile.md), 32 slots each. The replicas share one compilation cache under
+    `out_dir`, so an admission program one compiled the other loads."""
     both = cores >= 2
     return [
         "rl.max_staleness=1",
         f"rl.local_samplers={2 if both else 1}",
+        # a step's 64 rollouts across the replicas: a decode step costs in proportion to the slots, busy
+        # or not (18.4 ms at 64, 7.9 at 32 on this project's CPU), and most of a step few are busy
+        *(["rl.sampler.slots=32"] if both else []),
         f"rl.pin_cores={'true' if both else 'false'}",
         "rl.pin_trainer=false",
         f"rl.sampler.compile_cache={json.dumps(f'{out_dir}/compile_cache')}",
