@@ -185,7 +185,7 @@ def rl_stage(out_root: str, init_from: str, scale: float, echo=print, extra: Seq
     echo(
         f"\n=== {name}: {', '.join(cfg.rl.tasks)}, {cfg.rl.groups_per_step} groups x {cfg.rl.group_size} rollouts "
         f"per step, {cfg.train.steps} steps, asynchronous (max staleness {cfg.rl.max_staleness}, "
-        f"{cfg.rl.local_samplers} sampler replica, {cfg.rl.env_servers} environment server(s)); held-out: "
+        f"{cfg.rl.local_samplers} sampler replica(s), {cfg.rl.env_servers} environment server(s)); held-out: "
         f"{cfg.rl.eval_seeds} seeds from {cfg.rl.eval_seed} x {cfg.rl.eval_samples} samples ==="
     )
     # one device: the sampler and the small RL step run faster unsharded on a CPU (the config's
