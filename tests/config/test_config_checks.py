@@ -155,3 +155,10 @@ def test_replica_cores_by_hand(over, cores, expected):
 def test_pin_trainer_must_be_a_boolean():
     with pytest.raises(ConfigError, match=r"rl.pin_trainer=2: expected a boolean \(true/false\)"):
         _rl("rl.pin_trainer=2")
+
+
+def test_env_grade_cache_is_a_count_of_verdicts():
+    assert _rl().rl.env_grade_cache == 0  # off unless asked
+    assert _rl("rl.env_grade_cache=64").rl.env_grade_cache == 64
+    with pytest.raises(ConfigError, match=r"rl.env_grade_cache=-1: expected an integer >= 0"):
+        _rl("rl.env_grade_cache=-1")
