@@ -390,7 +390,8 @@ async def grade(
         if job.levers:
             tampering = tampering_mod.lever_entries(job.levers)
             return _failed(job, start, environment, tampering_mod.tampering_error(tampering), tampering)
-        key = GradeCache.key(task, job, environment) if cache is not None else None
+        # (the key walks the task's folder: off the event loop)
+        key = await asyncio.to_thread(GradeCache.key, task, job, environment) if cache is not None else None
         if cache is not None and key is not None and (known := cache.get(key)) is not None:
             # the verdict is the earlier grade's; the record of what this change was is this one's
             known.diff, known.excluded, known.interpreter = job.diff, job.excluded, job.interpreter
