@@ -72,8 +72,8 @@ def decode_step(params, cfg, slots: int, max_len: int, repeats: int) -> float:
     """ms of one decode step of a `slots`-slot sampler, every slot active."""
     s = Sampler.from_config(params, cfg, SamplerConfig(slots=slots), max_len=max_len)
     ones = jnp.ones(slots, jnp.float32)
-    rest = (jnp.zeros(slots, jnp.int32), jnp.ones(slots, bool), ones, jnp.zeros(slots, jnp.int32), ones)
-    rest += (jnp.zeros(slots, jnp.uint32),)
+    zeros = jnp.zeros(slots, jnp.int32)
+    rest = (zeros, jnp.ones(slots, bool), ones, zeros, ones, jnp.zeros(slots, jnp.uint32))
     program = s.programs.decode.jitted.lower(s.params, s.cache, *rest).compile()
 
     def call():

@@ -147,7 +147,7 @@ def async_overrides(cores: int, out_dir: str) -> list[str]:
         "rl.max_staleness=1",
         f"rl.local_samplers={2 if both else 1}",
         # a step's 64 rollouts across the replicas: a decode step costs in proportion to the slots, busy
-        # or not (18.4 ms at 64, 7.9 at 32 on this project's CPU), and most of a step few are busy
+        # or not (16.7 ms at 64, 7.4 at 32 here: bench/sampler_programs.py), and most of a step few are busy
         *(["rl.sampler.slots=32"] if both else []),
         f"rl.pin_cores={'true' if both else 'false'}",
         "rl.pin_trainer=false",

@@ -73,6 +73,6 @@ def use_compile_cache(path: str) -> None:
     path = os.path.abspath(path)
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
-    if jax.config.jax_compilation_cache_dir != path:
+    if jax.config.values.get("jax_compilation_cache_dir") != path:
         jax.config.update("jax_compilation_cache_dir", path)
         compilation_cache.reset_cache()  # the next compilation opens `path`
