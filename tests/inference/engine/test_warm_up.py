@@ -128,9 +128,9 @@ import composer_jax as cj
 from composer_jax.config.sampler import SamplerConfig
 from composer_jax.inference.engine.batch_sampler import Request, Sampler
 from composer_jax.inference.engine.token_sampling import SamplingParams
-cfg = cj.ModelConfig(num_layers=2, num_mtp_layers=0, max_position_embeddings=64)
+cfg = cj.ModelConfig(num_layers=1, num_mtp_layers=0, max_position_embeddings=64, first_k_dense=1)
 params = cj.init_params(cfg, jax.random.key(0))
-s = Sampler.from_config(params, cfg, SamplerConfig(slots=2, compile_cache=sys.argv[1]), max_len=32)
+s = Sampler.from_config(params, cfg, SamplerConfig(slots=1, compile_cache=sys.argv[1]), max_len=16)
 out = s.run([Request([3, 1, 4, 1, 5], SamplingParams(temperature=1.0, seed=7, max_tokens=4))])
 hits = sum(e == "/jax/compilation_cache/cache_hits" for e in events)
 print(json.dumps({"tokens": out[0].tokens, "hits": hits, "compilations": s.compilations}))
